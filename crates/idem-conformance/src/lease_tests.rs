@@ -1,0 +1,297 @@
+//! Lease-mode behaviours.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Acquire, Call, Error, IdempotencyKey, Lease, LeaseEngine, Outcome, Policy, Record, SweepOptions};
+
+use crate::*;
+
+async fn run_receipt<S: Subject>(
+    engine: &LeaseEngine<S::Lease>,
+    call: &Call,
+    runs: &Runs,
+) -> Result<Outcome<Receipt>, TestError> {
+    let runs = runs.clone();
+    engine
+        .run(call, move |_lease| async move {
+            runs.hit();
+            Ok::<_, TestError>(Receipt::new(1))
+        })
+        .await
+}
+
+fn held(acquire: Acquire) -> Lease {
+    match acquire {
+        Acquire::Claimed(lease) => lease,
+        Acquire::Replay(r) => panic!("expected a claim, got a replay of {r:?}"),
+    }
+}
+
+fn record_of(r: &Receipt) -> Record {
+    Record::completed(serde_json::to_vec(r).unwrap())
+}
+
+fn assert_in_flight<T: std::fmt::Debug>(r: Result<T, Error>) {
+    match r {
+        Err(Error::InFlight { .. }) => {}
+        other => panic!("expected in-flight, got {other:?}"),
+    }
+}
+
+/// Claim, run, complete; a retry replays the recorded value and does not run.
+pub async fn lease_claim_complete_replay<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("POST /v1/payouts");
+    let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default());
+    let runs = Runs::default();
+    let first = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert!(!first.is_replayed());
+    let again = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert_eq!(again, Outcome::Replayed(first.into_inner()));
+    assert_eq!(runs.get(), 1);
+}
+
+/// The same key with a different request is an error, whether the first is running or done.
+pub async fn lease_mismatch<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("POST /v1/payouts");
+    let key = IdempotencyKey::generate();
+    let lease = held(engine.acquire(&call_for(&scope, &key, r#"{"a":1}"#, Policy::default())).await.unwrap());
+    let other = call_for(&scope, &key, r#"{"a":2}"#, Policy::default());
+    assert!(matches!(engine.acquire(&other).await, Err(Error::Mismatch)), "running: mismatch");
+    engine.complete(&lease, record_of(&Receipt::new(1))).await.unwrap();
+    assert!(matches!(engine.acquire(&other).await, Err(Error::Mismatch)), "done: mismatch");
+}
+
+/// A released claim leaves the key unused.
+pub async fn lease_release_leaves_key_unused<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine.release(&lease).await.unwrap();
+    let again = held(engine.acquire(&call).await.unwrap());
+    assert_ne!(again.token, lease.token, "a new claim gets a new token");
+    assert!(matches!(engine.release(&lease).await, Err(Error::Fenced)), "the old token is dead");
+    engine.release(&again).await.unwrap();
+}
+
+/// An error or a panic in the work releases the key, so a retry runs.
+pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(20_000));
+    let err = engine
+        .run(&call, |_lease| async { Err::<Receipt, _>(TestError::Work("vendor down".into())) })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TestError::Work(_)));
+    let panicked = {
+        let (engine, call) = (engine.clone(), call.clone());
+        tokio::spawn(async move {
+            engine
+                .run(&call, |_lease| async {
+                    if always() {
+                        panic!("work panicked");
+                    }
+                    Ok::<Receipt, TestError>(Receipt::new(1))
+                })
+                .await
+        })
+        .await
+    };
+    assert!(panicked.is_err_and(|e| e.is_panic()));
+    let runs = Runs::default();
+    let ok = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert!(!ok.is_replayed(), "the key was released after the panic");
+    assert_eq!(runs.get(), 1);
+}
+
+fn always() -> bool {
+    true
+}
+
+/// A live claim is reported in flight at once, or after a bounded wait.
+pub async fn lease_live_claim_is_in_flight<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let lease = held(engine.acquire(&call_for(&scope, &key, "{}", Policy::default())).await.unwrap());
+    assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", rejecting())).await);
+    assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", waiting(200))).await);
+    engine.release(&lease).await.unwrap();
+}
+
+/// A twin waits for a live claim to complete, then replays its outcome.
+pub async fn lease_twin_waits_then_replays<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(30_000));
+    let lease = held(engine.acquire(&call).await.unwrap());
+    let twin = {
+        let (engine, call) = (engine.clone(), call.clone());
+        tokio::spawn(async move { engine.acquire(&call).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!twin.is_finished(), "the twin waits on the live claim");
+    let record = record_of(&Receipt::new(3));
+    engine.complete(&lease, record.clone()).await.unwrap();
+    assert_eq!(twin.await.unwrap().unwrap(), Acquire::Replay(record));
+}
+
+/// After the lease expires, a new claimer takes the key over with a larger token, and its outcome stands.
+pub async fn lease_takeover_after_expiry<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000));
+    let a = held(engine.acquire(&call).await.unwrap());
+    clock.advance(Duration::from_millis(999));
+    assert_in_flight(engine.acquire(&call).await);
+    clock.advance(Duration::from_millis(2));
+    let b = held(engine.acquire(&call).await.unwrap());
+    assert!(b.token > a.token, "the takeover's token is larger");
+    let b_record = record_of(&Receipt::new(2));
+    engine.complete(&b, b_record.clone()).await.unwrap();
+    assert!(matches!(engine.complete(&a, record_of(&Receipt::new(1))).await, Err(Error::Fenced)));
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(b_record), "the new outcome stands");
+}
+
+/// A holder whose lease was taken over can neither complete, release nor extend.
+pub async fn lease_stale_holder_is_fenced<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting().with_lease_ms(1_000));
+    let a = held(engine.acquire(&call).await.unwrap());
+    clock.advance(Duration::from_millis(1_500));
+    let b = held(engine.acquire(&call).await.unwrap());
+    assert!(matches!(engine.complete(&a, record_of(&Receipt::new(1))).await, Err(Error::Fenced)));
+    assert!(matches!(engine.release(&a).await, Err(Error::Fenced)));
+    assert!(matches!(engine.extend(&a, 60_000).await, Err(Error::Fenced)));
+    assert_in_flight(engine.acquire(&call).await);
+    engine.release(&b).await.unwrap();
+}
+
+/// Extending a lease keeps the claim past its original expiry.
+pub async fn lease_extend_keeps_the_claim<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting().with_lease_ms(1_000));
+    let a = held(engine.acquire(&call).await.unwrap());
+    clock.advance(Duration::from_millis(800));
+    let a = engine.extend(&a, 1_000).await.unwrap();
+    clock.advance(Duration::from_millis(800));
+    assert_in_flight(engine.acquire(&call).await);
+    engine.complete(&a, record_of(&Receipt::new(1))).await.unwrap();
+}
+
+/// A final rejection is recorded and replayed only under a policy that asks for it.
+pub async fn lease_final_rejection_recorded_when_policy_says<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let decline = Decline::InsufficientFunds { short_by: 1 };
+    for (policy, recorded) in [(recording_rejections(), true), (Policy::default(), false)] {
+        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
+        let runs = Runs::default();
+        for _ in 0..2 {
+            let (runs, d) = (runs.clone(), decline.clone());
+            let out = engine
+                .run_with_rejections(&call, move |_| async move {
+                    runs.hit();
+                    Ok::<Result<Receipt, Decline>, TestError>(Err(d))
+                })
+                .await
+                .unwrap();
+            assert_eq!(out.into_inner(), Err(decline.clone()));
+        }
+        assert_eq!(runs.get(), if recorded { 1 } else { 2 });
+    }
+}
+
+/// Keys are independent across tenants and operations.
+pub async fn lease_tenant_and_operation_isolation<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let a = unique_scope("op-a");
+    let b = unique_scope("op-a");
+    let c = idem_core::Scope::new(a.tenant().clone(), idem_core::Operation::new("op-c").unwrap());
+    let key = IdempotencyKey::generate();
+    let runs = Runs::default();
+    let mut values = Vec::new();
+    for scope in [&a, &b, &c] {
+        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs).await.unwrap();
+        assert!(!out.is_replayed());
+        values.push(out.into_inner());
+    }
+    assert_eq!(runs.get(), 3);
+    for (scope, value) in [&a, &b, &c].into_iter().zip(&values) {
+        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs).await.unwrap();
+        assert_eq!(out, Outcome::Replayed(value.clone()), "each scope replays its own outcome");
+    }
+}
+
+/// A completed key past its TTL executes anew.
+pub async fn lease_expired_key_executes_anew<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(60));
+    let runs = Runs::default();
+    run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    clock.advance(Duration::from_secs(30));
+    assert!(run_receipt::<S>(&engine, &call, &runs).await.unwrap().is_replayed());
+    clock.advance(Duration::from_secs(31));
+    assert!(!run_receipt::<S>(&engine, &call, &runs).await.unwrap().is_replayed());
+    assert_eq!(runs.get(), 2);
+}
+
+/// The sweeper deletes expired lease-mode keys and spares live ones.
+pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
+    let s = s.isolated().await;
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared.clone());
+    let scope = unique_scope("op");
+    let runs = Runs::default();
+    for _ in 0..5 {
+        let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(10));
+        run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    }
+    let live = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(3600));
+    run_receipt::<S>(&engine, &live, &runs).await.unwrap();
+    clock.advance(Duration::from_secs(11));
+    let options = SweepOptions { batch_size: 2, pause: Duration::ZERO, max_batches: None };
+    let report = idem_core::sweep_expired(&s.sweeper(), &*shared, options).await.unwrap();
+    assert_eq!(report.deleted, 5);
+    assert!(run_receipt::<S>(&engine, &live, &runs).await.unwrap().is_replayed());
+}
+
+/// 64 concurrent tasks on one key in lease mode, across two pools: the work runs once and all see its outcome.
+pub async fn lease_concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
+    let other = s.another().await;
+    let engines = [Arc::new(lease_engine(&s)), Arc::new(lease_engine(&other))];
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(120_000));
+    let runs = Runs::default();
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let runs2 = runs.clone();
+                engine
+                    .run(&call, move |_lease| async move {
+                        runs2.hit();
+                        // Hold the claim long enough for every twin to find it running.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, TestError>(Receipt::new(1))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
+    }
+    assert_eq!(runs.get(), 1, "the effect ran once");
+    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
+    assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()));
+}

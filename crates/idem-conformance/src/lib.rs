@@ -1,0 +1,263 @@
+//! The conformance suite: the same behavioural tests, run against every store.
+//!
+//! A store crate implements [`Subject`] in its tests and expands
+//! [`tx_conformance!`] and/or [`lease_conformance!`] with an engine name, which
+//! generates one `#[tokio::test]` per behaviour, named
+//! `<engine>::<behaviour>` so failures say which engine broke what.
+//! A store that passes it is correct by definition.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use idem_core::{
+    BoxError, BoxFuture, Call, Classify, Consume, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine,
+    LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
+};
+use serde::{Deserialize, Serialize};
+
+pub mod lease_tests;
+pub mod tx_tests;
+
+/// A store under test.
+pub trait Subject: Clone + Send + Sync + 'static {
+    /// The transactional backend (use the memory or a SQL store).
+    type Backend: TxBackend;
+    /// The lease store.
+    type Lease: LeaseStore;
+    /// The sweeper.
+    type Sweeper: Sweep;
+
+    /// A handle on the transactional backend.
+    fn backend(&self) -> Self::Backend;
+    /// A handle on the lease store.
+    fn lease_store(&self) -> Self::Lease;
+    /// A handle on the sweeper.
+    fn sweeper(&self) -> Self::Sweeper;
+    /// Writes the business row `effect_id` inside `tx` (the caller's own write).
+    fn write_effect<'c>(
+        tx: &'c mut <Self::Backend as TxBackend>::Tx,
+        effect_id: String,
+    ) -> BoxFuture<'c, Result<(), BoxError>>;
+    /// Counts committed business rows named `effect_id`.
+    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>>;
+    /// Another handle on the same data through its own connection pool, so
+    /// concurrency tests cross pools as separate processes would.
+    fn another(&self) -> BoxFuture<'_, Self>;
+    /// A handle on a fresh, empty keys table (for tests that sweep a whole table).
+    fn isolated(&self) -> BoxFuture<'_, Self>;
+}
+
+/// A value with bytes that must survive storage exactly.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Receipt {
+    /// Random per execution: replays must show the same one.
+    pub id: String,
+    /// Unicode, quotes, escapes and whitespace.
+    pub note: String,
+    /// A large number.
+    pub amount: i64,
+}
+
+impl Receipt {
+    /// A new receipt with a random id.
+    pub fn new(amount: i64) -> Self {
+        Self {
+            id: uuid::Uuid::new_v4().to_string(),
+            note: "crédit “ünïcødé” \\ \" \t\n 🚀".into(),
+            amount,
+        }
+    }
+}
+
+/// A business rejection used by the tests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decline {
+    /// Final: recorded when the policy asks for it.
+    InsufficientFunds {
+        /// How much was missing.
+        short_by: i64,
+    },
+    /// Transient: never recorded.
+    VendorBusy,
+}
+
+impl Classify for Decline {
+    fn retryable(&self) -> Retryable {
+        match self {
+            Decline::InsufficientFunds { .. } => Retryable::Fatal,
+            Decline::VendorBusy => Retryable::Transient,
+        }
+    }
+}
+
+/// The test's own error type.
+#[derive(Debug)]
+pub enum TestError {
+    /// From idem.
+    Idem(Error),
+    /// From the work.
+    Work(String),
+}
+
+impl From<Error> for TestError {
+    fn from(e: Error) -> Self {
+        TestError::Idem(e)
+    }
+}
+
+impl From<BoxError> for TestError {
+    fn from(e: BoxError) -> Self {
+        TestError::Work(e.to_string())
+    }
+}
+
+/// A unique scope for one test, so tests never see each other's keys.
+pub fn unique_scope(operation: &str) -> Scope {
+    Scope::parse(&format!("tenant-{}", uuid::Uuid::new_v4()), operation).expect("valid scope")
+}
+
+/// A call on a fresh key with `body` fingerprinted as JSON.
+pub fn call_for(scope: &Scope, key: &IdempotencyKey, body: &str, policy: Policy) -> Call {
+    let fp = Fingerprint::of_json(scope.operation(), body.as_bytes()).expect("valid json");
+    Call::new(scope.clone(), key.clone(), fp).with_policy(policy)
+}
+
+/// A unique effect id.
+pub fn effect_id() -> String {
+    format!("effect-{}", uuid::Uuid::new_v4())
+}
+
+/// A manual clock starting at the current time.
+pub fn manual_clock() -> (ManualClock, SharedClock) {
+    let clock = ManualClock::starting_now();
+    let shared: SharedClock = Arc::new(clock.clone());
+    (clock, shared)
+}
+
+/// A policy whose twins wait up to `ms`.
+pub fn waiting(ms: u64) -> Policy {
+    Policy::default().with_in_flight(InFlight::Wait { max_ms: ms })
+}
+
+/// A policy whose twins are rejected at once.
+pub fn rejecting() -> Policy {
+    Policy::default().with_in_flight(InFlight::Reject)
+}
+
+/// A policy that records final rejections.
+pub fn recording_rejections() -> Policy {
+    Policy::default().with_consume(Consume::SuccessOrFinalRejection)
+}
+
+/// Counts how many times work ran.
+#[derive(Clone, Default, Debug)]
+pub struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    /// Notes one run.
+    pub fn hit(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+    /// Runs so far.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+pub(crate) fn tx_engine<S: Subject>(s: &S) -> TxEngine<S::Backend> {
+    TxEngine::new(s.backend())
+}
+
+pub(crate) fn lease_engine<S: Subject>(s: &S) -> LeaseEngine<S::Lease> {
+    LeaseEngine::new(s.lease_store())
+}
+
+/// Generates the transactional-mode conformance tests for a store, in a
+/// module named `$engine`. `$make` is an async expression producing the
+/// [`Subject`].
+#[macro_export]
+macro_rules! tx_conformance {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__tx_test!($make;
+                replay_is_verbatim,
+                raw_record_bytes_replay_exactly,
+                mismatch_is_an_error_and_runs_nothing,
+                rejection_leaves_key_unused,
+                error_leaves_key_unused,
+                panic_leaves_key_unused,
+                dropped_future_leaves_key_unused,
+                final_rejection_is_recorded_when_policy_says,
+                transient_rejection_is_never_recorded,
+                twin_waits_then_replays,
+                twin_claims_after_first_rolls_back,
+                twin_reported_in_flight,
+                tenant_isolation,
+                operation_isolation,
+                expired_key_executes_anew,
+                sweep_deletes_expired_in_batches,
+                concurrent_64_tasks_one_key_one_effect,
+                concurrent_64_tasks_distinct_keys,
+                oversized_record_rolls_back
+            );
+        }
+    };
+}
+
+/// Generates the lease-mode conformance tests for a store, in a module named
+/// `$engine`.
+#[macro_export]
+macro_rules! lease_conformance {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__lease_test!($make;
+                lease_claim_complete_replay,
+                lease_mismatch,
+                lease_release_leaves_key_unused,
+                lease_error_and_panic_release_the_key,
+                lease_live_claim_is_in_flight,
+                lease_twin_waits_then_replays,
+                lease_takeover_after_expiry,
+                lease_stale_holder_is_fenced,
+                lease_extend_keeps_the_claim,
+                lease_final_rejection_recorded_when_policy_says,
+                lease_tenant_and_operation_isolation,
+                lease_expired_key_executes_anew,
+                lease_sweep_deletes_expired,
+                lease_concurrent_64_tasks_one_key_one_effect
+            );
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __tx_test {
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let subject = $make.await;
+                $crate::tx_tests::$name(subject).await;
+            }
+        )*
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lease_test {
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let subject = $make.await;
+                $crate::lease_tests::$name(subject).await;
+            }
+        )*
+    };
+}

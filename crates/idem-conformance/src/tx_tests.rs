@@ -1,0 +1,496 @@
+//! Transactional-mode behaviours.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Begin, Call, Error, IdempotencyKey, Outcome, Policy, Record, RecordStatus, SweepOptions, TxEngine};
+
+use crate::*;
+
+async fn run_receipt<S: Subject>(
+    engine: &TxEngine<S::Backend>,
+    call: &Call,
+    eid: &str,
+    runs: &Runs,
+    amount: i64,
+) -> Result<Outcome<Receipt>, TestError> {
+    let eid = eid.to_owned();
+    let runs = runs.clone();
+    engine
+        .execute(call, move |tx| {
+            Box::pin(async move {
+                runs.hit();
+                S::write_effect(tx, eid).await?;
+                Ok(Receipt::new(amount))
+            })
+        })
+        .await
+}
+
+async fn run_decline<S: Subject>(
+    engine: &TxEngine<S::Backend>,
+    call: &Call,
+    eid: &str,
+    runs: &Runs,
+    decline: Option<Decline>,
+) -> Result<Outcome<Result<Receipt, Decline>>, TestError> {
+    let eid = eid.to_owned();
+    let runs = runs.clone();
+    engine
+        .execute_with_rejections(call, move |tx| {
+            Box::pin(async move {
+                runs.hit();
+                S::write_effect(tx, eid).await?;
+                Ok(match decline {
+                    Some(d) => Err(d),
+                    None => Ok(Receipt::new(1)),
+                })
+            })
+        })
+        .await
+}
+
+async fn effects<S: Subject>(s: &S, eid: &str) -> u64 {
+    s.count_effects(eid.to_owned()).await.expect("count effects")
+}
+
+fn claimed<Tx>(begin: Begin<Tx>) -> idem_core::Claimed<Tx> {
+    match begin {
+        Begin::Claimed(c) => c,
+        Begin::Replay(r) => panic!("expected a claim, got a replay of {r:?}"),
+    }
+}
+
+/// A retry replays the recorded value exactly and never runs the work again.
+pub async fn replay_is_verbatim<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, r#"{"amount":5}"#, Policy::default());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let first = run_receipt::<S>(&engine, &call, &eid, &runs, 5).await.unwrap();
+    assert!(!first.is_replayed(), "the first call executes");
+    for _ in 0..3 {
+        let again = run_receipt::<S>(&engine, &call, &eid, &runs, 999).await.unwrap();
+        assert!(again.is_replayed(), "a retry is a replay");
+        assert_eq!(again.value(), first.value(), "the replay is the first outcome");
+    }
+    // The same JSON with other key order and spacing is the same request.
+    let reordered = call_for(&scope, &key, "{ \"amount\" : 5 }", Policy::default());
+    assert!(run_receipt::<S>(&engine, &reordered, &eid, &runs, 7).await.unwrap().is_replayed());
+    assert_eq!(runs.get(), 1, "the work ran once");
+    assert_eq!(effects(&s, &eid).await, 1, "the effect exists once");
+}
+
+/// Arbitrary bytes (every byte value, a large payload) are stored and replayed exactly, with their status.
+pub async fn raw_record_bytes_replay_exactly<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("raw");
+    let mut payload: Vec<u8> = (0..=255u8).collect();
+    payload.extend(std::iter::repeat_n(0xA5u8, 300_000));
+    for status in [RecordStatus::Completed, RecordStatus::Rejected] {
+        let key = IdempotencyKey::generate();
+        let call = call_for(&scope, &key, "{}", Policy::default());
+        let c = claimed(engine.begin(&call).await.unwrap());
+        let record = Record { status, payload: payload.clone() };
+        engine.commit(c, record.clone()).await.unwrap();
+        match engine.begin(&call).await.unwrap() {
+            Begin::Replay(r) => assert_eq!(r, record, "replayed record is byte-identical"),
+            Begin::Claimed(_) => panic!("a recorded key must replay"),
+        }
+    }
+}
+
+/// The same key with a different request is an error, and nothing runs.
+pub async fn mismatch_is_an_error_and_runs_nothing<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let (eid, runs) = (effect_id(), Runs::default());
+    run_receipt::<S>(&engine, &call_for(&scope, &key, r#"{"amount":5}"#, Policy::default()), &eid, &runs, 5)
+        .await
+        .unwrap();
+    let other = call_for(&scope, &key, r#"{"amount":6}"#, Policy::default());
+    let err = run_receipt::<S>(&engine, &other, &eid, &runs, 6).await.unwrap_err();
+    assert!(matches!(err, TestError::Idem(Error::Mismatch)), "got {err:?}");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// A rejection rolls the work's writes back and leaves the key usable.
+pub async fn rejection_leaves_key_unused<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, r#"{"amount":5}"#, Policy::default());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let declined = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::InsufficientFunds { short_by: 3 }))
+        .await
+        .unwrap();
+    assert_eq!(declined, Outcome::Executed(Err(Decline::InsufficientFunds { short_by: 3 })));
+    assert_eq!(effects(&s, &eid).await, 0, "a rejection's writes roll back");
+    let ok = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
+    assert!(matches!(ok, Outcome::Executed(Ok(_))), "the same key runs again: {ok:?}");
+    let replay = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
+    assert_eq!(replay, ok.clone().map(|v| v).into_replayed());
+    assert_eq!(effects(&s, &eid).await, 1);
+    assert_eq!(runs.get(), 2);
+}
+
+trait IntoReplayed<T> {
+    fn into_replayed(self) -> Outcome<T>;
+}
+impl<T> IntoReplayed<T> for Outcome<T> {
+    fn into_replayed(self) -> Outcome<T> {
+        Outcome::Replayed(self.into_inner())
+    }
+}
+
+/// An error from the work rolls everything back and leaves the key usable.
+pub async fn error_leaves_key_unused<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", Policy::default());
+    let eid = effect_id();
+    let eid2 = eid.clone();
+    let err = engine
+        .execute(&call, move |tx| {
+            Box::pin(async move {
+                S::write_effect(tx, eid2).await?;
+                Err::<Receipt, _>(TestError::Work("fault after the write".into()))
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TestError::Work(_)));
+    assert_eq!(effects(&s, &eid).await, 0, "the fault's writes roll back");
+    let runs = Runs::default();
+    let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(!ok.is_replayed(), "the key was left unused");
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// A panic in the work rolls everything back and leaves the key usable.
+pub async fn panic_leaves_key_unused<S: Subject>(s: S) {
+    let engine = Arc::new(tx_engine(&s));
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(20_000));
+    let eid = effect_id();
+    let task = {
+        let (engine, call, eid) = (engine.clone(), call.clone(), eid.clone());
+        tokio::spawn(async move {
+            engine
+                .execute(&call, move |tx| {
+                    Box::pin(async move {
+                        S::write_effect(tx, eid).await?;
+                        if tx_is_open() {
+                            panic!("work panicked after its write");
+                        }
+                        Ok::<Receipt, TestError>(Receipt::new(1))
+                    })
+                })
+                .await
+        })
+    };
+    let joined = task.await;
+    assert!(joined.is_err_and(|e| e.is_panic()), "the work panicked");
+    assert_eq!(effects(&s, &eid).await, 0, "the panicking work's writes roll back");
+    let runs = Runs::default();
+    let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(!ok.is_replayed(), "the key was left unused");
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+fn tx_is_open() -> bool {
+    true
+}
+
+/// Dropping the call's future mid-work rolls everything back and leaves the key usable.
+pub async fn dropped_future_leaves_key_unused<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(20_000));
+    let eid = effect_id();
+    let eid2 = eid.clone();
+    let (wrote_tx, wrote_rx) = tokio::sync::oneshot::channel::<()>();
+    let fut = engine.execute(&call, move |tx| {
+        Box::pin(async move {
+            S::write_effect(tx, eid2).await?;
+            let _ = wrote_tx.send(());
+            std::future::pending::<()>().await;
+            Ok::<Receipt, TestError>(Receipt::new(1))
+        })
+    });
+    tokio::select! {
+        _ = fut => panic!("the work never finishes"),
+        _ = wrote_rx => {}
+    }
+    // `fut` is dropped here, mid-work, with its write made.
+    assert_eq!(effects(&s, &eid).await, 0, "uncommitted writes are invisible");
+    let runs = Runs::default();
+    let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(!ok.is_replayed(), "the key was left unused");
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// With a policy that records final rejections, a final rejection is replayed and its writes stay rolled back.
+pub async fn final_rejection_is_recorded_when_policy_says<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/payouts");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", recording_rejections());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let decline = Decline::InsufficientFunds { short_by: 7 };
+    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(decline.clone())).await.unwrap();
+    assert_eq!(first, Outcome::Executed(Err(decline.clone())));
+    let again = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
+    assert_eq!(again, Outcome::Replayed(Err(decline)), "the recorded rejection replays");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(effects(&s, &eid).await, 0, "the rejection's writes stay rolled back");
+}
+
+/// A transient rejection is never recorded, whatever the policy.
+pub async fn transient_rejection_is_never_recorded<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/payouts");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", recording_rejections());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::VendorBusy)).await.unwrap();
+    assert_eq!(first, Outcome::Executed(Err(Decline::VendorBusy)));
+    let again = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
+    assert!(matches!(again, Outcome::Executed(Ok(_))), "the key was left unused: {again:?}");
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// A twin that arrives while the first holds the key waits, then replays the first's outcome.
+pub async fn twin_waits_then_replays<S: Subject>(s: S) {
+    let engine = Arc::new(tx_engine(&s));
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(30_000));
+    let eid = effect_id();
+    let mut first = claimed(engine.begin(&call).await.unwrap());
+    S::write_effect(&mut first.tx, eid.clone()).await.unwrap();
+    let twin_runs = Runs::default();
+    let twin = {
+        let (engine, call, eid, runs) = (engine.clone(), call.clone(), eid.clone(), twin_runs.clone());
+        tokio::spawn(async move { run_receipt::<S>(&engine, &call, &eid, &runs, 9).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!twin.is_finished(), "the twin waits while the first holds the key");
+    let receipt = Receipt::new(5);
+    engine.commit(first, Record::completed(serde_json::to_vec(&receipt).unwrap())).await.unwrap();
+    let out = twin.await.unwrap().unwrap();
+    assert_eq!(out, Outcome::Replayed(receipt), "the twin replays the first outcome");
+    assert_eq!(twin_runs.get(), 0, "the twin's work never ran");
+    assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// A twin waiting on a claim that rolls back then claims the key and runs itself.
+pub async fn twin_claims_after_first_rolls_back<S: Subject>(s: S) {
+    let engine = Arc::new(tx_engine(&s));
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(30_000));
+    let (eid_first, eid_twin) = (effect_id(), effect_id());
+    let mut first = claimed(engine.begin(&call).await.unwrap());
+    S::write_effect(&mut first.tx, eid_first.clone()).await.unwrap();
+    let twin_runs = Runs::default();
+    let twin = {
+        let (engine, call, eid, runs) = (engine.clone(), call.clone(), eid_twin.clone(), twin_runs.clone());
+        tokio::spawn(async move { run_receipt::<S>(&engine, &call, &eid, &runs, 9).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    engine.abandon(first).await;
+    let out = twin.await.unwrap().unwrap();
+    assert!(!out.is_replayed(), "the twin executed after the rollback");
+    assert_eq!(twin_runs.get(), 1);
+    assert_eq!(effects(&s, &eid_first).await, 0);
+    assert_eq!(effects(&s, &eid_twin).await, 1);
+}
+
+/// A twin is reported in flight at once under a rejecting policy, or after its bounded wait.
+pub async fn twin_reported_in_flight<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let eid = effect_id();
+    let first = claimed(engine.begin(&call_for(&scope, &key, "{}", Policy::default())).await.unwrap());
+    let runs = Runs::default();
+    for policy in [rejecting(), waiting(250)] {
+        let err = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", policy), &eid, &runs, 1)
+            .await
+            .unwrap_err();
+        match err {
+            TestError::Idem(Error::InFlight { retry_after }) => assert!(retry_after > Duration::ZERO),
+            other => panic!("expected in-flight, got {other:?}"),
+        }
+    }
+    assert_eq!(runs.get(), 0);
+    engine.commit(first, Record::completed(serde_json::to_vec(&Receipt::new(1)).unwrap())).await.unwrap();
+    let out = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", rejecting()), &eid, &runs, 1).await.unwrap();
+    assert!(out.is_replayed(), "after the first commits, the twin replays");
+}
+
+/// The same key and request from two tenants are two independent keys; neither sees the other's outcome.
+pub async fn tenant_isolation<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let a = unique_scope("POST /v1/transfers");
+    let b = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
+    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1).await.unwrap();
+    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 2).await.unwrap();
+    assert!(!ra.is_replayed() && !rb.is_replayed(), "each tenant executes its own");
+    assert_ne!(ra.value(), rb.value());
+    let ra2 = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 3).await.unwrap();
+    let rb2 = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 4).await.unwrap();
+    assert_eq!(ra2.value(), ra.value(), "tenant A replays its own outcome");
+    assert_eq!(rb2.value(), rb.value(), "tenant B replays its own outcome, never A's");
+    assert_eq!(effects(&s, &eid_a).await, 1);
+    assert_eq!(effects(&s, &eid_b).await, 1);
+}
+
+/// The same key and tenant on two operations are two independent keys.
+pub async fn operation_isolation<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let a = unique_scope("POST /v1/transfers");
+    let b = idem_core::Scope::new(a.tenant().clone(), idem_core::Operation::new("POST /v1/top-ups").unwrap());
+    let key = IdempotencyKey::generate();
+    let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
+    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1).await.unwrap();
+    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 1).await.unwrap();
+    assert!(!ra.is_replayed() && !rb.is_replayed());
+    assert_ne!(ra.value(), rb.value());
+    assert_eq!(runs.get(), 2);
+}
+
+/// A key past its TTL is treated as absent and executes anew.
+pub async fn expired_key_executes_anew<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = tx_engine(&s).with_clock(shared);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", Policy::default().with_ttl_secs(60));
+    let (eid, runs) = (effect_id(), Runs::default());
+    let first = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    clock.advance(Duration::from_secs(59));
+    assert!(run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap().is_replayed(), "alive at 59 s");
+    clock.advance(Duration::from_secs(2));
+    let anew = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(!anew.is_replayed(), "expired at 61 s: executes anew");
+    assert_ne!(anew.value(), first.value());
+    // Even a different request may use an expired key.
+    clock.advance(Duration::from_secs(61));
+    let other = call_for(&scope, &key, r#"{"x":1}"#, Policy::default().with_ttl_secs(60));
+    assert!(!run_receipt::<S>(&engine, &other, &eid, &runs, 1).await.unwrap().is_replayed());
+    assert_eq!(effects(&s, &eid).await, 3);
+}
+
+/// The sweeper deletes exactly the expired keys, in batches of the asked size.
+pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
+    let s = s.isolated().await;
+    let (clock, shared) = manual_clock();
+    let engine = tx_engine(&s).with_clock(shared);
+    let scope = unique_scope("POST /v1/transfers");
+    let runs = Runs::default();
+    let eid = effect_id();
+    let short = Policy::default().with_ttl_secs(10);
+    let long = Policy::default().with_ttl_secs(3600);
+    let mut long_calls = Vec::new();
+    for i in 0..9 {
+        let policy = if i < 7 { short } else { long };
+        let call = call_for(&scope, &IdempotencyKey::generate(), "{}", policy);
+        run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+        if i >= 7 {
+            long_calls.push(call);
+        }
+    }
+    clock.advance(Duration::from_secs(11));
+    let options = SweepOptions { batch_size: 3, pause: Duration::ZERO, max_batches: None };
+    let report = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options).await.unwrap();
+    assert_eq!(report.deleted, 7, "exactly the expired keys are deleted");
+    assert_eq!(report.batches, 3, "in batches of 3: 3 + 3 + 1");
+    for call in &long_calls {
+        assert!(run_receipt::<S>(&engine, call, &eid, &runs, 1).await.unwrap().is_replayed(), "live keys survive");
+    }
+    let again = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options).await.unwrap();
+    assert_eq!(again.deleted, 0);
+}
+
+/// 64 concurrent tasks on one key, across two connection pools: the effect exists exactly once and all saw the same outcome.
+pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
+    let other = s.another().await;
+    let engines = [Arc::new(tx_engine(&s)), Arc::new(tx_engine(&other))];
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, r#"{"amount":100}"#, waiting(120_000));
+    let (eid, runs) = (effect_id(), Runs::default());
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (engine, call, eid, runs, barrier) =
+                (engines[i % 2].clone(), call.clone(), eid.clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                run_receipt::<S>(&engine, &call, &eid, &runs, 100).await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
+    }
+    let executed = outcomes.iter().filter(|o| !o.is_replayed()).count();
+    assert_eq!(executed, 1, "exactly one task executed");
+    assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()), "all 64 saw the same outcome");
+    assert_eq!(runs.get(), 1, "the work ran once");
+    assert_eq!(effects(&s, &eid).await, 1, "the effect exists exactly once");
+}
+
+/// 64 concurrent tasks on 64 distinct keys: 64 effects.
+pub async fn concurrent_64_tasks_distinct_keys<S: Subject>(s: S) {
+    let other = s.another().await;
+    let engines = [Arc::new(tx_engine(&s)), Arc::new(tx_engine(&other))];
+    let scope = unique_scope("POST /v1/transfers");
+    let runs = Runs::default();
+    let eids: Vec<String> = (0..64).map(|_| effect_id()).collect();
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (engine, scope, eid, runs, barrier) =
+                (engines[i % 2].clone(), scope.clone(), eids[i].clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let call = call_for(&scope, &IdempotencyKey::generate(), "{}", waiting(120_000));
+                run_receipt::<S>(&engine, &call, &eid, &runs, 1).await
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert!(!t.await.unwrap().unwrap().is_replayed());
+    }
+    assert_eq!(runs.get(), 64);
+    for eid in &eids {
+        assert_eq!(effects(&s, eid).await, 1);
+    }
+}
+
+/// An outcome over the policy's record limit is refused: the writes roll back and the key stays usable.
+pub async fn oversized_record_rolls_back<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let key = IdempotencyKey::generate();
+    let (eid, runs) = (effect_id(), Runs::default());
+    let tiny = call_for(&scope, &key, "{}", Policy::default().with_max_record_bytes(16));
+    let err = run_receipt::<S>(&engine, &tiny, &eid, &runs, 1).await.unwrap_err();
+    assert!(matches!(err, TestError::Idem(Error::RecordTooLarge { limit: 16, .. })), "got {err:?}");
+    assert_eq!(effects(&s, &eid).await, 0);
+    let ok = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", Policy::default()), &eid, &runs, 1).await.unwrap();
+    assert!(!ok.is_replayed());
+    assert_eq!(effects(&s, &eid).await, 1);
+}

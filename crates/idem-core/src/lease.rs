@@ -1,0 +1,263 @@
+//! Lease mode (check–claim–complete) for effects outside the database.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::Instrument;
+
+use crate::classify::Classify;
+use crate::clock::{SharedClock, system_clock};
+use crate::engine::{self, Attempts, Found, Retry};
+use crate::error::{Error, Result};
+use crate::metrics;
+use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Token};
+use crate::store::{LeaseClaim, LeaseStore};
+use crate::tx::status_label;
+
+/// Runs idempotent calls in lease mode on a [`LeaseStore`].
+///
+/// The claim commits at once as in-progress with a lease and a fencing token.
+/// The holder then does its work (a vendor call, an email) and completes or
+/// releases the claim with its token. If the holder crashes, another claimer
+/// takes the key over once the lease has expired, with a larger token; the
+/// old holder can then neither complete nor release.
+pub struct LeaseEngine<S> {
+    store: Arc<S>,
+    clock: SharedClock,
+}
+
+impl<S> Clone for LeaseEngine<S> {
+    fn clone(&self) -> Self {
+        Self { store: self.store.clone(), clock: self.clock.clone() }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for LeaseEngine<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseEngine").field("store", &self.store).finish_non_exhaustive()
+    }
+}
+
+/// The result of [`LeaseEngine::acquire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// This caller holds the key until the lease expires.
+    Claimed(Lease),
+    /// An earlier call recorded this outcome; the work must not run.
+    Replay(Record),
+}
+
+impl<S: LeaseStore> LeaseEngine<S> {
+    /// An engine on `store` with the system clock.
+    pub fn new(store: S) -> Self {
+        Self { store: Arc::new(store), clock: system_clock() }
+    }
+
+    /// Replaces the clock.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// Claims the call's key with a lease, or finds its recorded outcome.
+    /// A live lease of a twin is waited for as the policy says, then reported
+    /// as [`Error::InFlight`].
+    pub async fn acquire(&self, call: &Call) -> Result<Acquire> {
+        let span = tracing::debug_span!("idem.claim", operation = call.scope().operation().as_str(), mode = "lease");
+        self.acquire_inner(call).instrument(span).await
+    }
+
+    async fn acquire_inner(&self, call: &Call) -> Result<Acquire> {
+        call.policy().validate()?;
+        let op = call.scope().operation().as_str();
+        let mut attempts = Attempts::new(call);
+        loop {
+            let now_ms = self.clock.now_ms();
+            let lease_expires_at_ms = now_ms.saturating_add(call.policy().lease_ms_i64());
+            let req = ClaimRequest {
+                scope: call.scope(),
+                key: call.key(),
+                fingerprint: call.fingerprint(),
+                now_ms,
+                expires_at_ms: now_ms.saturating_add(call.policy().ttl_ms()),
+                fresh_token: Token::fresh(now_ms),
+                lease_expires_at_ms: Some(lease_expires_at_ms),
+            };
+            let retry = match self.store.try_claim(&req).await {
+                Ok(LeaseClaim::Acquired(token)) => {
+                    metrics::claim(op, "lease");
+                    metrics::claim_latency(op, attempts.started.elapsed());
+                    return Ok(Acquire::Claimed(Lease {
+                        scope: call.scope().clone(),
+                        key: call.key().clone(),
+                        token,
+                        lease_expires_at_ms,
+                    }));
+                }
+                Ok(LeaseClaim::Found(row)) => match engine::decide(call, row)? {
+                    Found::Replay(record) => {
+                        metrics::count(metrics::REPLAYS, op);
+                        metrics::claim_latency(op, attempts.started.elapsed());
+                        return Ok(Acquire::Replay(record));
+                    }
+                    Found::Wait => Retry::Busy,
+                },
+                Err(e) if engine::is_contention(&e) => Retry::Contention(e),
+                Err(e) => return Err(e),
+            };
+            attempts.next(retry).await?;
+        }
+    }
+
+    /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
+    /// the lease was taken over; the newer outcome is never overwritten.
+    pub async fn complete(&self, lease: &Lease, record: Record) -> Result<()> {
+        let op = lease.scope.operation().as_str();
+        match self.store.complete(lease, &record).await {
+            Ok(()) => {
+                metrics::record(op, status_label(record.status));
+                Ok(())
+            }
+            Err(Error::Fenced) => {
+                metrics::count(metrics::FENCED, op);
+                Err(Error::Fenced)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives the key back unused. Fails with [`Error::Fenced`] if the lease
+    /// was taken over.
+    pub async fn release(&self, lease: &Lease) -> Result<()> {
+        let op = lease.scope.operation().as_str();
+        match self.store.release(lease).await {
+            Ok(()) => {
+                metrics::count(metrics::RELEASES, op);
+                Ok(())
+            }
+            Err(Error::Fenced) => {
+                metrics::count(metrics::FENCED, op);
+                Err(Error::Fenced)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Extends a held lease by `lease_ms` from now (a heartbeat for long work).
+    pub async fn extend(&self, lease: &Lease, lease_ms: u64) -> Result<Lease> {
+        let until = self.clock.now_ms().saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
+        self.store.extend(lease, until).await?;
+        Ok(Lease { lease_expires_at_ms: until, ..lease.clone() })
+    }
+
+    /// Runs `work` once per key in lease mode: claims, runs, records its value
+    /// (as JSON) — or replays the recorded value without running `work`.
+    /// An `Err`, a panic or a dropped future releases the key unused.
+    pub async fn run<T, E, F, Fut>(&self, call: &Call, work: F) -> Result<Outcome<T>, E>
+    where
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let outcome = self
+            .run_with_rejections(call, |lease| async move { work(lease).await.map(Ok::<T, crate::Never>) })
+            .await?;
+        Ok(outcome.map(|r| match r {
+            Ok(v) => v,
+            Err(never) => match never {},
+        }))
+    }
+
+    /// Like [`run`](Self::run), but `work` may reject with `Ok(Err(_))`; a
+    /// final rejection is recorded only if the policy consumes keys on final
+    /// rejections, otherwise the key is released.
+    pub async fn run_with_rejections<T, R, E, F, Fut>(&self, call: &Call, work: F) -> Result<Outcome<Result<T, R>>, E>
+    where
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = Result<Result<T, R>, E>>,
+        T: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned + Classify,
+        E: From<Error>,
+    {
+        let lease = match self.acquire(call).await? {
+            Acquire::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
+            Acquire::Claimed(lease) => lease,
+        };
+        let mut guard = ReleaseOnDrop { store: Some(self.store.clone()), lease: lease.clone() };
+        let result = work(lease.clone()).await;
+        let limit = call.policy().max_record_bytes();
+        match result {
+            Ok(Ok(value)) => {
+                guard.disarm();
+                let payload = match engine::encode(&value, limit) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        // The effect happened but cannot be recorded: keep the
+                        // claim (it expires with its lease) rather than let a
+                        // retry run the effect again at once.
+                        return Err(e.into());
+                    }
+                };
+                self.complete(&lease, Record::completed(payload)).await?;
+                Ok(Outcome::Executed(Ok(value)))
+            }
+            Ok(Err(rejection)) => {
+                guard.disarm();
+                if engine::records_rejection(call, &rejection) {
+                    let payload = engine::encode(&rejection, limit)?;
+                    self.complete(&lease, Record::rejected(payload)).await?;
+                } else {
+                    self.release(&lease).await?;
+                }
+                Ok(Outcome::Executed(Err(rejection)))
+            }
+            Err(e) => {
+                guard.disarm();
+                self.release(&lease).await?;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Releases a lease if the work panicked or its future was dropped.
+struct ReleaseOnDrop<S: LeaseStore> {
+    store: Option<Arc<S>>,
+    lease: Lease,
+}
+
+impl<S: LeaseStore> ReleaseOnDrop<S> {
+    fn disarm(&mut self) {
+        self.store = None;
+    }
+}
+
+impl<S: LeaseStore> Drop for ReleaseOnDrop<S> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else { return };
+        let lease = self.lease.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = store.release(&lease).await {
+                    tracing::warn!(error = %e, "could not release an abandoned lease; it will expire");
+                } else {
+                    metrics::count(metrics::RELEASES, lease.scope.operation().as_str());
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! The core of **idem**: exactly-once effects for Rust services.
+//!
+//! ```text
+//! at-least-once delivery + idempotent handler = exactly-once effect
+//! ```
+//!
+//! This crate holds the vocabulary — [`IdempotencyKey`], [`Scope`],
+//! [`Fingerprint`], [`Policy`], [`Outcome`], [`Error`] — the store traits
+//! ([`TxBackend`], [`LeaseStore`], [`Sweep`]) and the two engines that hold
+//! every policy decision:
+//!
+//! - [`TxEngine`] (transactional mode): the key claim, the caller's own
+//!   database writes and the recorded outcome commit as one transaction. The
+//!   database's unique key is the lock.
+//! - [`LeaseEngine`] (lease mode, check–claim–complete): for effects outside
+//!   the database; the claim commits at once with a lease and a fencing token.
+//!
+//! It knows no SQL, HTTP or broker: stores live in `idem-postgres`,
+//! `idem-mysql`, `idem-sqlite` and `idem-memory`, and users normally depend on
+//! the `idem` facade.
+//!
+//! ```
+//! use idem_core::{Call, Fingerprint, IdempotencyKey, Policy, Scope};
+//! let scope = Scope::parse("tenant-42", "POST /v1/transfers")?;
+//! let key = IdempotencyKey::new("5f0c3f8e-8d43-4b39-9b53-5b1e4f1c1d2a")?;
+//! let fingerprint = Fingerprint::of_json(scope.operation(), br#"{"amount":100}"#)?;
+//! let call = Call::new(scope, key, fingerprint).with_policy(Policy::default());
+//! assert_eq!(call.policy().ttl_secs(), 86_400);
+//! # Ok::<(), idem_core::Error>(())
+//! ```
+
+mod classify;
+mod clock;
+mod engine;
+mod error;
+mod fingerprint;
+mod key;
+mod lease;
+pub mod metrics;
+mod policy;
+mod record;
+mod registry;
+mod scope;
+mod store;
+mod sweep;
+mod table;
+mod tx;
+
+pub use classify::{Classify, Never, Retryable, http_status_retryable};
+pub use clock::{Clock, ManualClock, SharedClock, SystemClock, system_clock};
+pub use error::{BoxError, Error, Result, StoreErrorKind};
+pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use key::{IdempotencyKey, MAX_KEY_LEN};
+pub use lease::{Acquire, LeaseEngine};
+pub use policy::{Consume, InFlight, Policy};
+pub use record::{
+    Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
+    STATUS_REJECTED, StoredRow, Token,
+};
+pub use registry::{KeyRegistry, RegistryGuard};
+pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
+pub use store::{BoxFuture, LeaseClaim, LeaseStore, Sweep, TxBackend, TxClaim};
+pub use sweep::{SweepOptions, SweepReport, sweep_expired};
+pub use table::TableName;
+pub use tx::{Begin, Claimed, Ticket, TxEngine};

@@ -1,0 +1,246 @@
+//! What stores keep under a key, and the handles of claims.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::policy::Policy;
+use crate::scope::Scope;
+
+/// The status code stored for a claim that is still running.
+pub const STATUS_IN_PROGRESS: i16 = 0;
+/// The status code stored for a recorded success.
+pub const STATUS_COMPLETED: i16 = 1;
+/// The status code stored for a recorded final rejection.
+pub const STATUS_REJECTED: i16 = 2;
+
+/// How a recorded call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordStatus {
+    /// The work succeeded and committed.
+    Completed,
+    /// The work was rejected with a final (non-retryable) error that the
+    /// policy chose to record.
+    Rejected,
+}
+
+impl RecordStatus {
+    /// The code stored in the `status` column.
+    pub fn code(self) -> i16 {
+        match self {
+            Self::Completed => STATUS_COMPLETED,
+            Self::Rejected => STATUS_REJECTED,
+        }
+    }
+}
+
+/// A recorded outcome: replayed byte for byte to every retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// How the call ended.
+    pub status: RecordStatus,
+    /// The encoded outcome (opaque to stores).
+    pub payload: Vec<u8>,
+}
+
+impl Record {
+    /// A recorded success.
+    pub fn completed(payload: Vec<u8>) -> Self {
+        Self { status: RecordStatus::Completed, payload }
+    }
+
+    /// A recorded final rejection.
+    pub fn rejected(payload: Vec<u8>) -> Self {
+        Self { status: RecordStatus::Rejected, payload }
+    }
+}
+
+/// A fencing token: each claim of a key gets a larger one than the claim it
+/// took over, and complete/release succeed only with the current token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Token(pub i64);
+
+impl Token {
+    /// A candidate token for a fresh claim at `now_ms`: the time in the high
+    /// bits and random low bits, so a key that was released or swept and
+    /// claimed again never hands out a token an old holder still has. On a
+    /// takeover, stores use the larger of this and the previous token plus one.
+    pub fn fresh(now_ms: i64) -> Self {
+        let random = (uuid::Uuid::now_v7().as_u128() & 0xF_FFFF) as i64;
+        Self(((now_ms.max(0) & ((1 << 42) - 1)) << 20) | random)
+    }
+}
+
+/// The state of a stored key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowState {
+    /// A lease-mode claim that has not finished.
+    InProgress {
+        /// The holder's fencing token.
+        token: Token,
+        /// When the lease runs out (ms since the epoch).
+        lease_expires_at_ms: i64,
+    },
+    /// A recorded outcome.
+    Done(Record),
+}
+
+/// A stored key as a store reads it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    /// The fingerprint of the request that claimed the key.
+    pub fingerprint: Fingerprint,
+    /// Whether it is running or done.
+    pub state: RowState,
+    /// When the key expires (ms since the epoch).
+    pub expires_at_ms: i64,
+}
+
+impl StoredRow {
+    /// Decodes a row from the columns every SQL store keeps.
+    pub fn from_columns(
+        fingerprint: &[u8],
+        status: i16,
+        token: i64,
+        payload: Option<Vec<u8>>,
+        lease_expires_at_ms: Option<i64>,
+        expires_at_ms: i64,
+    ) -> Result<Self> {
+        let fingerprint = Fingerprint::try_from_slice(fingerprint)?;
+        let state = match status {
+            STATUS_IN_PROGRESS => RowState::InProgress {
+                token: Token(token),
+                lease_expires_at_ms: lease_expires_at_ms.unwrap_or(i64::MAX),
+            },
+            STATUS_COMPLETED | STATUS_REJECTED => RowState::Done(Record {
+                status: if status == STATUS_COMPLETED {
+                    RecordStatus::Completed
+                } else {
+                    RecordStatus::Rejected
+                },
+                payload: payload.unwrap_or_default(),
+            }),
+            other => return Err(Error::Corrupt(format!("unknown status code {other}"))),
+        };
+        Ok(Self { fingerprint, state, expires_at_ms })
+    }
+}
+
+/// One idempotent call: which key, in which scope, for which request, under
+/// which policy.
+#[derive(Debug, Clone)]
+pub struct Call {
+    scope: Scope,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    policy: Policy,
+}
+
+impl Call {
+    /// A call with the default [`Policy`].
+    pub fn new(scope: Scope, key: IdempotencyKey, fingerprint: Fingerprint) -> Self {
+        Self { scope, key, fingerprint, policy: Policy::default() }
+    }
+
+    /// Sets the policy.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The request's fingerprint.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+}
+
+/// What a store is asked to claim.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The scope of the key.
+    pub scope: &'a Scope,
+    /// The key.
+    pub key: &'a IdempotencyKey,
+    /// The request's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// The current time (ms since the epoch), from the engine's clock.
+    pub now_ms: i64,
+    /// When a new claim expires (ms since the epoch).
+    pub expires_at_ms: i64,
+    /// The token a fresh claim gets; a takeover uses the larger of this and
+    /// the previous token plus one.
+    pub fresh_token: Token,
+    /// When a lease-mode claim's lease runs out; `None` in transactional mode.
+    pub lease_expires_at_ms: Option<i64>,
+}
+
+/// A held lease-mode claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The scope of the key.
+    pub scope: Scope,
+    /// The key.
+    pub key: IdempotencyKey,
+    /// The fencing token of this claim.
+    pub token: Token,
+    /// When the lease runs out (ms since the epoch).
+    pub lease_expires_at_ms: i64,
+}
+
+/// Whether the caller's work ran now or its recorded outcome was replayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// The work ran in this call.
+    Executed(T),
+    /// A previous call's recorded outcome was replayed; the work did not run.
+    Replayed(T),
+}
+
+impl<T> Outcome<T> {
+    /// The value, however it was obtained.
+    pub fn into_inner(self) -> T {
+        match self {
+            Self::Executed(t) | Self::Replayed(t) => t,
+        }
+    }
+
+    /// A reference to the value.
+    pub fn value(&self) -> &T {
+        match self {
+            Self::Executed(t) | Self::Replayed(t) => t,
+        }
+    }
+
+    /// Whether this was a replay.
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Self::Replayed(_))
+    }
+
+    /// Maps the value, keeping how it was obtained.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
+        match self {
+            Self::Executed(t) => Outcome::Executed(f(t)),
+            Self::Replayed(t) => Outcome::Replayed(f(t)),
+        }
+    }
+}
+
+pub(crate) fn in_flight(policy: &Policy) -> Error {
+    Error::InFlight { retry_after: Duration::from_millis(policy.retry_after_ms()) }
+}

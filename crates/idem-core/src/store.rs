@@ -1,0 +1,112 @@
+//! The traits stores implement. Engines in this crate hold all the policy;
+//! stores only read and write rows atomically.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::record::{ClaimRequest, Lease, Record, StoredRow, Token};
+use crate::registry::KeyRegistry;
+
+/// A boxed, sendable future (stores are used behind `dyn` as well as generically).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The answer of a transactional claim attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxClaim {
+    /// This transaction now holds the key; it is visible to nobody else until
+    /// commit.
+    Claimed,
+    /// The key is held by a committed row (a recorded outcome or a live lease).
+    Found(StoredRow),
+    /// A concurrent transaction holds the key and did not finish within the
+    /// attempt's wait.
+    Busy,
+}
+
+/// A store that can claim a key inside a database transaction, so the claim,
+/// the caller's writes and the recorded outcome commit together.
+///
+/// Contract for [`claim`](Self::claim): inside `tx`, if no row exists for the
+/// (scope, key), or the row is stale (its `expires_at_ms <= now_ms`, or it is
+/// an in-progress lease whose `lease_expires_at_ms <= now_ms`), write an
+/// in-progress row with `fresh_token` (on a takeover, the larger of it and the
+/// old token plus one) and answer `Claimed`. Otherwise answer `Found` with the
+/// committed row. A concurrent uncommitted claim of the same key may be
+/// waited for up to `wait`; if it is still undecided then, answer `Busy`.
+pub trait TxBackend: Send + Sync + 'static {
+    /// The open transaction handed to the caller's work.
+    type Tx: Send + 'static;
+
+    /// Opens a transaction.
+    fn begin(&self) -> BoxFuture<'_, Result<Self::Tx>>;
+
+    /// Claims the key inside `tx` (see the trait's contract).
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<TxClaim>>;
+
+    /// Records the outcome on the row claimed in `tx`.
+    fn record<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>>;
+
+    /// Commits `tx`.
+    fn commit(&self, tx: Self::Tx) -> BoxFuture<'_, Result<()>>;
+
+    /// Rolls `tx` back.
+    fn rollback(&self, tx: Self::Tx) -> BoxFuture<'_, Result<()>>;
+
+    /// An in-process registry that serialises claims of one key before they
+    /// reach the database, for engines whose database lock is not per key
+    /// (SQLite's single writer). `None` by default.
+    fn local_registry(&self) -> Option<&KeyRegistry> {
+        None
+    }
+}
+
+/// The answer of a lease-mode claim attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseClaim {
+    /// The claim committed as in-progress with this token.
+    Acquired(Token),
+    /// The key is held by a committed row (a recorded outcome or a live lease).
+    Found(StoredRow),
+}
+
+/// A store for lease mode (check–claim–complete), for effects outside the
+/// database: the claim commits at once as in-progress with a lease and a
+/// fencing token.
+///
+/// `try_claim` follows the same staleness rule as [`TxBackend::claim`] but
+/// commits before answering, and never waits on other claimers.
+/// `complete`, `release` and `extend` succeed only if the row is still
+/// in progress with `lease.token`; otherwise they fail with
+/// [`Error::Fenced`](crate::Error::Fenced) and change nothing.
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Claims the key with a lease.
+    fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>>;
+
+    /// Records the outcome of a held lease.
+    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>>;
+
+    /// Gives the key back unused.
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>>;
+
+    /// Moves a held lease's expiry to `lease_expires_at_ms`.
+    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>>;
+}
+
+/// A store whose expired rows can be deleted in bounded batches.
+pub trait Sweep: Send + Sync + 'static {
+    /// Deletes at most `limit` rows whose `expires_at_ms <= now_ms` and
+    /// answers how many it deleted.
+    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>>;
+}

@@ -1,0 +1,65 @@
+//! Retention: deleting expired keys in bounded batches.
+
+use std::time::Duration;
+
+use crate::clock::Clock;
+use crate::error::Result;
+use crate::store::Sweep;
+
+/// What a sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Rows deleted.
+    pub deleted: u64,
+    /// Batches run (each one short transaction).
+    pub batches: u64,
+}
+
+/// How a sweep runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepOptions {
+    /// Rows deleted per batch: small batches keep each transaction short, so
+    /// live traffic is never blocked for long.
+    pub batch_size: u32,
+    /// Pause between batches, to leave the database room for live traffic.
+    pub pause: Duration,
+    /// Stop after this many batches (`None`: until nothing expired is left).
+    pub max_batches: Option<u64>,
+}
+
+impl Default for SweepOptions {
+    fn default() -> Self {
+        Self { batch_size: 1_000, pause: Duration::from_millis(10), max_batches: None }
+    }
+}
+
+/// Deletes expired keys in batches until none is left (or `max_batches`).
+///
+/// ```
+/// # async fn demo(store: &impl idem_core::Sweep) -> idem_core::Result<()> {
+/// use idem_core::{sweep_expired, SweepOptions, SystemClock};
+/// let report = sweep_expired(store, &SystemClock, SweepOptions::default()).await?;
+/// println!("deleted {} expired keys in {} batches", report.deleted, report.batches);
+/// # Ok(()) }
+/// ```
+pub async fn sweep_expired<S: Sweep + ?Sized>(store: &S, clock: &dyn Clock, options: SweepOptions) -> Result<SweepReport> {
+    let batch_size = options.batch_size.max(1);
+    let mut report = SweepReport::default();
+    loop {
+        if options.max_batches.is_some_and(|max| report.batches >= max) {
+            break;
+        }
+        let deleted = store.sweep_expired(clock.now_ms(), batch_size).await?;
+        report.batches += 1;
+        report.deleted += deleted;
+        metrics::counter!(crate::metrics::SWEPT).increment(deleted);
+        if deleted < u64::from(batch_size) {
+            break;
+        }
+        if !options.pause.is_zero() {
+            tokio::time::sleep(options.pause).await;
+        }
+    }
+    tracing::info!(deleted = report.deleted, batches = report.batches, "swept expired idempotency keys");
+    Ok(report)
+}

@@ -1,0 +1,382 @@
+//! Transactional mode: the claim, the caller's writes and the recorded
+//! outcome commit as one database transaction.
+
+use std::fmt;
+use std::time::Instant as StdInstant;
+
+use serde::Serialize;
+use tracing::Instrument;
+use serde::de::DeserializeOwned;
+
+use crate::classify::Classify;
+use crate::clock::{SharedClock, system_clock};
+use crate::engine::{self, Attempts, Found, Retry};
+use crate::error::{Error, Result};
+use crate::metrics;
+use crate::record::{Call, ClaimRequest, Outcome, Record, RecordStatus, Token};
+use crate::registry::RegistryGuard;
+use crate::store::{BoxFuture, TxBackend, TxClaim};
+
+/// Runs idempotent calls in transactional mode on a [`TxBackend`].
+///
+/// The database's unique key is the lock: a concurrent twin blocks on the
+/// first claim until it commits (then replays its outcome) or rolls back
+/// (then claims the key itself). A fault, a rejection, a panic or a dropped
+/// future before commit rolls everything back and leaves the key unused.
+#[derive(Clone)]
+pub struct TxEngine<B> {
+    backend: B,
+    clock: SharedClock,
+}
+
+impl<B: fmt::Debug> fmt::Debug for TxEngine<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxEngine").field("backend", &self.backend).finish_non_exhaustive()
+    }
+}
+
+/// The result of [`TxEngine::begin`].
+#[derive(Debug)]
+pub enum Begin<Tx> {
+    /// This call holds the key inside an open transaction: do the work, then
+    /// [`commit`](TxEngine::commit) or drop.
+    Claimed(Claimed<Tx>),
+    /// An earlier call recorded this outcome; the work must not run.
+    Replay(Record),
+}
+
+/// A key claimed inside an open transaction. Dropping it rolls the
+/// transaction back and leaves the key unused.
+pub struct Claimed<Tx> {
+    /// The open transaction: the caller's writes go through it.
+    pub tx: Tx,
+    ticket: Ticket,
+}
+
+impl<Tx> fmt::Debug for Claimed<Tx> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Claimed").field("ticket", &self.ticket).finish_non_exhaustive()
+    }
+}
+
+/// Everything a claim needs to be finished, apart from its transaction.
+/// Lets a caller lend the transaction elsewhere (an HTTP handler) and join
+/// it back with [`Ticket::join`].
+pub struct Ticket {
+    call: Call,
+    now_ms: i64,
+    expires_at_ms: i64,
+    token: Token,
+    started: StdInstant,
+    _guard: Option<RegistryGuard>,
+}
+
+impl fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ticket").field("call", &self.call).finish_non_exhaustive()
+    }
+}
+
+impl Ticket {
+    /// The call this ticket belongs to.
+    pub fn call(&self) -> &Call {
+        &self.call
+    }
+
+    /// Joins a transaction back to its ticket.
+    pub fn join<Tx>(self, tx: Tx) -> Claimed<Tx> {
+        Claimed { tx, ticket: self }
+    }
+
+    fn request(&self) -> ClaimRequest<'_> {
+        ClaimRequest {
+            scope: self.call.scope(),
+            key: self.call.key(),
+            fingerprint: self.call.fingerprint(),
+            now_ms: self.now_ms,
+            expires_at_ms: self.expires_at_ms,
+            fresh_token: self.token,
+            lease_expires_at_ms: None,
+        }
+    }
+}
+
+impl<Tx> Claimed<Tx> {
+    /// The call this claim belongs to.
+    pub fn call(&self) -> &Call {
+        &self.ticket.call
+    }
+
+    /// Separates the transaction from the ticket.
+    pub fn split(self) -> (Tx, Ticket) {
+        (self.tx, self.ticket)
+    }
+}
+
+impl<B: TxBackend> TxEngine<B> {
+    /// An engine on `backend` with the system clock.
+    pub fn new(backend: B) -> Self {
+        Self { backend, clock: system_clock() }
+    }
+
+    /// Replaces the clock (tests use [`ManualClock`](crate::ManualClock)).
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// Claims the call's key in a new transaction, or finds its recorded
+    /// outcome. Fails with [`Error::Mismatch`] if the key was used with a
+    /// different request, and with [`Error::InFlight`] if a twin still holds
+    /// it when the policy's wait runs out.
+    pub async fn begin(&self, call: &Call) -> Result<Begin<B::Tx>> {
+        let span = tracing::debug_span!("idem.claim", operation = call.scope().operation().as_str(), mode = "transactional");
+        self.begin_inner(call).instrument(span).await
+    }
+
+    async fn begin_inner(&self, call: &Call) -> Result<Begin<B::Tx>> {
+        call.policy().validate()?;
+        let op = call.scope().operation().as_str();
+        let mut attempts = Attempts::new(call);
+        let guard = match self.backend.local_registry() {
+            Some(registry) => match registry.acquire(call.scope(), call.key(), attempts.deadline).await {
+                Some(guard) => Some(guard),
+                None => {
+                    metrics::count(metrics::IN_FLIGHT, op);
+                    return Err(crate::record::in_flight(call.policy()));
+                }
+            },
+            None => None,
+        };
+        loop {
+            let now_ms = self.clock.now_ms();
+            let ticket_parts = (now_ms, now_ms.saturating_add(call.policy().ttl_ms()), Token::fresh(now_ms));
+            let req = ClaimRequest {
+                scope: call.scope(),
+                key: call.key(),
+                fingerprint: call.fingerprint(),
+                now_ms,
+                expires_at_ms: ticket_parts.1,
+                fresh_token: ticket_parts.2,
+                lease_expires_at_ms: None,
+            };
+            let mut tx = match self.backend.begin().await {
+                Ok(tx) => tx,
+                Err(e) if engine::is_contention(&e) => {
+                    attempts.next(Retry::Contention(e)).await?;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let retry = match self.backend.claim(&mut tx, &req, attempts.remaining()).await {
+                Ok(TxClaim::Claimed) => {
+                    metrics::claim(op, "transactional");
+                    metrics::claim_latency(op, attempts.started.elapsed());
+                    let ticket = Ticket {
+                        call: call.clone(),
+                        now_ms,
+                        expires_at_ms: ticket_parts.1,
+                        token: ticket_parts.2,
+                        started: StdInstant::now(),
+                        _guard: guard,
+                    };
+                    return Ok(Begin::Claimed(Claimed { tx, ticket }));
+                }
+                Ok(TxClaim::Found(row)) => {
+                    self.rollback_quietly(tx).await;
+                    match engine::decide(call, row)? {
+                        Found::Replay(record) => {
+                            metrics::count(metrics::REPLAYS, op);
+                            metrics::claim_latency(op, attempts.started.elapsed());
+                            return Ok(Begin::Replay(record));
+                        }
+                        Found::Wait => Retry::Busy,
+                    }
+                }
+                Ok(TxClaim::Busy) => {
+                    self.rollback_quietly(tx).await;
+                    Retry::Busy
+                }
+                Err(e) if engine::is_contention(&e) => {
+                    self.rollback_quietly(tx).await;
+                    Retry::Contention(e)
+                }
+                Err(e) => {
+                    self.rollback_quietly(tx).await;
+                    return Err(e);
+                }
+            };
+            attempts.next(retry).await?;
+        }
+    }
+
+    /// Records `record` under the claimed key and commits the transaction:
+    /// the caller's writes, the claim and the outcome become durable together.
+    /// On any error the transaction is rolled back and the key stays unused.
+    pub async fn commit(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<()> {
+        let Claimed { mut tx, ticket } = claimed;
+        let op = ticket.call.scope().operation().as_str();
+        let limit = ticket.call.policy().max_record_bytes();
+        if record.payload.len() > limit {
+            self.rollback_quietly(tx).await;
+            metrics::count(metrics::RELEASES, op);
+            return Err(Error::RecordTooLarge { size: record.payload.len(), limit });
+        }
+        let req = ticket.request();
+        if let Err(e) = self.backend.record(&mut tx, &req, &record).await {
+            self.rollback_quietly(tx).await;
+            metrics::count(metrics::RELEASES, op);
+            return Err(e);
+        }
+        self.backend.commit(tx).await?;
+        metrics::record(op, status_label(record.status));
+        tracing::debug!(operation = op, elapsed_ms = ticket.started.elapsed().as_millis() as u64, "idempotent call committed");
+        Ok(())
+    }
+
+    /// Rolls the caller's writes back and records a final rejection under the
+    /// key in a new transaction. Answers whether it was recorded: `false`
+    /// if a twin claimed the key in between (the key then belongs to it).
+    pub async fn reject_final(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<bool> {
+        let Claimed { tx, ticket } = claimed;
+        self.rollback_quietly(tx).await;
+        let op = ticket.call.scope().operation().as_str();
+        let limit = ticket.call.policy().max_record_bytes();
+        if record.payload.len() > limit {
+            metrics::count(metrics::RELEASES, op);
+            return Err(Error::RecordTooLarge { size: record.payload.len(), limit });
+        }
+        let req = ticket.request();
+        let mut tx = self.backend.begin().await?;
+        match self.backend.claim(&mut tx, &req, std::time::Duration::ZERO).await {
+            Ok(TxClaim::Claimed) => {}
+            Ok(_) => {
+                self.rollback_quietly(tx).await;
+                metrics::count(metrics::RELEASES, op);
+                return Ok(false);
+            }
+            Err(e) => {
+                self.rollback_quietly(tx).await;
+                return Err(e);
+            }
+        }
+        if let Err(e) = self.backend.record(&mut tx, &req, &record).await {
+            self.rollback_quietly(tx).await;
+            return Err(e);
+        }
+        self.backend.commit(tx).await?;
+        metrics::record(op, status_label(record.status));
+        Ok(true)
+    }
+
+    /// Rolls the transaction back; the key stays unused.
+    pub async fn abandon(&self, claimed: Claimed<B::Tx>) {
+        let op = claimed.ticket.call.scope().operation().as_str().to_owned();
+        self.rollback_quietly(claimed.tx).await;
+        metrics::count(metrics::RELEASES, &op);
+    }
+
+    async fn rollback_quietly(&self, tx: B::Tx) {
+        if let Err(e) = self.backend.rollback(tx).await {
+            tracing::debug!(error = %e, "rollback failed; the connection will be discarded");
+        }
+    }
+
+    /// Runs `work` once per key: claims the key, runs `work` with the open
+    /// transaction, records its value (as JSON) and commits — or replays the
+    /// recorded value without running `work`.
+    ///
+    /// An `Err` from `work`, a panic or a dropped future rolls everything
+    /// back and leaves the key unused.
+    pub async fn execute<T, E, F>(&self, call: &Call, work: F) -> Result<Outcome<T>, E>
+    where
+        F: for<'c> FnOnce(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        match self.begin(call).await? {
+            Begin::Replay(record) => match engine::decode::<T, crate::Never>(&record)? {
+                Ok(value) => Ok(Outcome::Replayed(value)),
+                Err(never) => match never {},
+            },
+            Begin::Claimed(mut claimed) => match work(&mut claimed.tx).await {
+                Ok(value) => {
+                    let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            self.abandon(claimed).await;
+                            return Err(e.into());
+                        }
+                    };
+                    self.commit(claimed, Record::completed(payload)).await?;
+                    Ok(Outcome::Executed(value))
+                }
+                Err(e) => {
+                    self.abandon(claimed).await;
+                    Err(e)
+                }
+            },
+        }
+    }
+
+    /// Like [`execute`](Self::execute), but `work` may also reject the call
+    /// with `Ok(Err(rejection))`. A rejection always rolls back `work`'s
+    /// writes; it is recorded (and replayed to later retries) only if the
+    /// policy consumes keys on final rejections and the rejection
+    /// [classifies](Classify) as [`Fatal`](crate::Retryable::Fatal). Otherwise
+    /// the key stays unused and may be retried.
+    pub async fn execute_with_rejections<T, R, E, F>(&self, call: &Call, work: F) -> Result<Outcome<Result<T, R>>, E>
+    where
+        F: for<'c> FnOnce(&'c mut B::Tx) -> BoxFuture<'c, Result<Result<T, R>, E>>,
+        T: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned + Classify,
+        E: From<Error>,
+    {
+        match self.begin(call).await? {
+            Begin::Replay(record) => Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
+            Begin::Claimed(mut claimed) => match work(&mut claimed.tx).await {
+                Ok(Ok(value)) => {
+                    let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            self.abandon(claimed).await;
+                            return Err(e.into());
+                        }
+                    };
+                    self.commit(claimed, Record::completed(payload)).await?;
+                    Ok(Outcome::Executed(Ok(value)))
+                }
+                Ok(Err(rejection)) => {
+                    if engine::records_rejection(call, &rejection) {
+                        let payload = engine::encode(&rejection, call.policy().max_record_bytes())?;
+                        self.reject_final(claimed, Record::rejected(payload)).await?;
+                    } else {
+                        self.abandon(claimed).await;
+                    }
+                    Ok(Outcome::Executed(Err(rejection)))
+                }
+                Err(e) => {
+                    self.abandon(claimed).await;
+                    Err(e)
+                }
+            },
+        }
+    }
+}
+
+pub(crate) fn status_label(status: RecordStatus) -> &'static str {
+    match status {
+        RecordStatus::Completed => "completed",
+        RecordStatus::Rejected => "rejected",
+    }
+}

@@ -1,0 +1,1 @@
+//! MySQL and MariaDB store for idem.

@@ -1,0 +1,1 @@
+//! PostgreSQL (and Postgres-compatible engines such as CockroachDB and YugabyteDB) store for idem.

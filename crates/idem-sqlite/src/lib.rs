@@ -1,0 +1,1 @@
+//! SQLite (embedded; WAL and BEGIN IMMEDIATE) store for idem.

@@ -1,0 +1,3 @@
+//! idem: exactly-once effects for Rust services.
+
+pub use idem_core::*;
