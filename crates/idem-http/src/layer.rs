@@ -1,0 +1,245 @@
+//! Configuration: [`IdempotencyLayer`] and per-route [`RoutePolicy`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use http::request::Parts;
+use idem_core::{LeaseEngine, LeaseStore, Operation, Policy, Tenant, TxBackend, TxEngine};
+use tower_layer::Layer;
+
+use crate::problem::{DEFAULT_PROBLEM_BASE, Problem};
+use crate::service::Idempotency;
+
+/// Whether a mutating request on a route must carry a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyRequirement {
+    /// A missing key is a 400 `idempotency-key-missing` problem.
+    Required,
+    /// A request without a key runs without deduplication.
+    Optional,
+}
+
+/// How one route (one operation) behaves.
+///
+/// ```
+/// use idem_core::{InFlight, Policy};
+/// use idem_http::RoutePolicy;
+/// // Payout keys live 7 days; a twin is rejected at once with 409.
+/// let payouts = RoutePolicy::required()
+///     .with_policy(Policy::default().with_ttl_secs(7 * 86_400).with_in_flight(InFlight::Reject));
+/// assert_eq!(payouts.policy().ttl_secs(), 604_800);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutePolicy {
+    requirement: KeyRequirement,
+    policy: Policy,
+}
+
+impl RoutePolicy {
+    /// Keys required, default [`Policy`].
+    pub fn required() -> Self {
+        Self { requirement: KeyRequirement::Required, policy: Policy::default() }
+    }
+
+    /// Keys optional, default [`Policy`].
+    pub fn optional() -> Self {
+        Self { requirement: KeyRequirement::Optional, policy: Policy::default() }
+    }
+
+    /// Sets the core policy: TTL, in-flight behaviour, what consumes a key
+    /// (2xx always; final 4xx only with
+    /// [`Consume::SuccessOrFinalRejection`](idem_core::Consume); 5xx, 408,
+    /// 425 and 429 never), lease length and record limit.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Whether a key is required.
+    pub fn requirement(&self) -> KeyRequirement {
+        self.requirement
+    }
+
+    /// The core policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+}
+
+/// Finds the tenant of a request (for example from an authenticated
+/// principal an outer layer put in the extensions). An `Err` is sent as the
+/// response, and nothing is claimed.
+pub type TenantFn = Arc<dyn Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync>;
+
+/// Names the operation of a request: by default the method and axum's
+/// matched route template (`POST /v1/accounts/{id}`), never the raw path. A
+/// request with no operation (an unrouted one) passes through untouched.
+pub type OperationFn = Arc<dyn Fn(&Parts) -> Option<Operation> + Send + Sync>;
+
+/// The default [`OperationFn`]: method + axum `MatchedPath`.
+pub fn matched_route_operation(parts: &Parts) -> Option<Operation> {
+    let path = parts.extensions.get::<axum::extract::MatchedPath>()?;
+    Operation::new(format!("{} {}", parts.method, path.as_str())).ok()
+}
+
+/// The layer's configuration, as modes see it (not nameable outside the crate).
+#[derive(Clone)]
+#[allow(unreachable_pub)]
+pub struct Config {
+    pub(crate) default_route: RoutePolicy,
+    pub(crate) routes: HashMap<String, RoutePolicy>,
+    pub(crate) tenant: TenantFn,
+    pub(crate) operation: OperationFn,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) problem_base: String,
+}
+
+impl Config {
+    pub(crate) fn route(&self, operation: &Operation) -> RoutePolicy {
+        self.routes.get(operation.as_str()).copied().unwrap_or(self.default_route)
+    }
+}
+
+/// Transactional mode: the handler's writes, the key claim and the recorded
+/// response commit as one database transaction (handlers take [`Tx`](crate::Tx)).
+#[derive(Clone)]
+pub struct Transactional<B> {
+    pub(crate) engine: TxEngine<B>,
+}
+
+/// Lease mode: the claim commits at once with a lease; for handlers whose
+/// effects are outside the database.
+pub struct Leased<L> {
+    pub(crate) engine: LeaseEngine<L>,
+}
+
+impl<L> Clone for Leased<L> {
+    fn clone(&self) -> Self {
+        Self { engine: self.engine.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct Shared<M> {
+    pub(crate) mode: M,
+    pub(crate) config: Config,
+}
+
+/// A tower [`Layer`] giving the routes it wraps the IETF `Idempotency-Key`
+/// contract. Holds configuration only; [`Idempotency`] does the work.
+///
+/// Limits default to 1 MiB for request bodies (larger ones get 413 before
+/// anything is claimed) and 1 MiB for recorded responses.
+pub struct IdempotencyLayer<M> {
+    shared: Arc<Shared<M>>,
+}
+
+impl<M> Clone for IdempotencyLayer<M> {
+    fn clone(&self) -> Self {
+        Self { shared: self.shared.clone() }
+    }
+}
+
+impl<M> fmt::Debug for IdempotencyLayer<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.shared.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("default_route", &c.default_route)
+            .field("routes", &c.routes)
+            .field("max_request_bytes", &c.max_request_bytes)
+            .field("max_response_bytes", &c.max_response_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+fn config(tenant: TenantFn) -> Config {
+    Config {
+        default_route: RoutePolicy::required(),
+        routes: HashMap::new(),
+        tenant,
+        operation: Arc::new(matched_route_operation),
+        max_request_bytes: 1 << 20,
+        max_response_bytes: 1 << 20,
+        problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
+    }
+}
+
+impl<B: TxBackend + Clone> IdempotencyLayer<Transactional<B>> {
+    /// A layer in transactional mode on `engine`; `tenant` names each
+    /// request's tenant.
+    pub fn transactional(
+        engine: TxEngine<B>,
+        tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
+    ) -> Self {
+        Self { shared: Arc::new(Shared { mode: Transactional { engine }, config: config(Arc::new(tenant)) }) }
+    }
+}
+
+impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
+    /// A layer in lease mode on `engine`; `tenant` names each request's tenant.
+    pub fn lease(
+        engine: LeaseEngine<L>,
+        tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
+    ) -> Self {
+        Self { shared: Arc::new(Shared { mode: Leased { engine }, config: config(Arc::new(tenant)) }) }
+    }
+}
+
+impl<M: Clone> IdempotencyLayer<M> {
+    fn config_mut(&mut self) -> &mut Config {
+        &mut Arc::make_mut(&mut self.shared).config
+    }
+
+    /// The policy of routes with no policy of their own (default: keys
+    /// required, default [`Policy`]).
+    pub fn default_route(mut self, route: RoutePolicy) -> Self {
+        self.config_mut().default_route = route;
+        self
+    }
+
+    /// The policy of one operation, named as the operation function names it
+    /// (by default `"POST /v1/transfers"`: method, space, route template).
+    pub fn route(mut self, operation: impl Into<String>, route: RoutePolicy) -> Self {
+        self.config_mut().routes.insert(operation.into(), route);
+        self
+    }
+
+    /// Replaces how operations are named (for tower services outside axum).
+    pub fn operation(mut self, f: impl Fn(&Parts) -> Option<Operation> + Send + Sync + 'static) -> Self {
+        self.config_mut().operation = Arc::new(f);
+        self
+    }
+
+    /// The largest request body accepted (default 1 MiB).
+    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
+        self.config_mut().max_request_bytes = bytes;
+        self
+    }
+
+    /// The largest response recorded (default 1 MiB). In transactional mode a
+    /// larger response rolls the work back and answers 500
+    /// `idempotency-response-too-large`, so no effect exists without its
+    /// record. In lease mode the effect has already happened: the first caller
+    /// gets the full response, and retries replay a 500
+    /// `idempotency-response-too-large` problem naming the original status.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.config_mut().max_response_bytes = bytes;
+        self
+    }
+
+    /// The base of problem `type` URIs (default [`DEFAULT_PROBLEM_BASE`]).
+    pub fn problem_base(mut self, base: impl Into<String>) -> Self {
+        self.config_mut().problem_base = base.into();
+        self
+    }
+}
+
+impl<S, M> Layer<S> for IdempotencyLayer<M> {
+    type Service = Idempotency<S, M>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.shared.clone())
+    }
+}

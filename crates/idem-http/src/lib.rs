@@ -1,0 +1,72 @@
+//! The HTTP layer of **idem**: the IETF "Idempotency-Key HTTP Header Field"
+//! contract as a tower [`Layer`](tower_layer::Layer), for axum and any tower
+//! HTTP service.
+//!
+//! - A mutating request (POST, PATCH, PUT, DELETE) carries
+//!   `Idempotency-Key: "…"` (an RFC 9651 sf-string; a bare token is also
+//!   accepted). The first request with a key claims it, runs, and records its
+//!   response; a retry replays the recorded status, headers and
+//!   byte-identical body with `Idempotent-Replayed: true`.
+//! - Errors are RFC 9457 `application/problem+json`: `idempotency-key-missing`
+//!   (400), `idempotency-key-invalid` (400), `idempotency-key-reused` (422),
+//!   `idempotency-key-in-flight` (409 with `Retry-After`),
+//!   `request-body-too-large` (413, before anything is claimed).
+//! - Scope = (tenant from your extractor, method + route template).
+//! - Only a 2xx consumes a key by default; a final 4xx only if the route's
+//!   policy says so; 5xx never.
+//!
+//! Two modes: [`IdempotencyLayer::transactional`] lends the claim's open
+//! database transaction to the handler through the [`Tx`] extractor, so the
+//! handler's writes, the claim and the recorded response commit together;
+//! [`IdempotencyLayer::lease`] is for handlers whose effects are outside the
+//! database.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post, http::StatusCode};
+//! use idem_core::{Tenant, TxEngine};
+//! use idem_http::{IdempotencyLayer, Problem, Tx};
+//! use idem_memory::{MemoryStore, MemoryTx};
+//!
+//! async fn create(mut tx: Tx<MemoryStore>, body: String) -> (StatusCode, String) {
+//!     // Writes through `tx` commit with the key and the recorded response.
+//!     let tx: &mut MemoryTx = &mut tx;
+//!     tx.on_commit(|| println!("created once"));
+//!     (StatusCode::CREATED, body)
+//! }
+//!
+//! # async fn run() {
+//! let layer = IdempotencyLayer::transactional(TxEngine::new(MemoryStore::new()), |parts| {
+//!     // A real service takes the tenant from its authenticated principal.
+//!     let auth = parts.headers.get("authorization").and_then(|v| v.to_str().ok());
+//!     auth.and_then(|t| Tenant::new(t).ok()).ok_or_else(|| {
+//!         Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
+//!     })
+//! });
+//! let app: Router = Router::new().route("/v1/things", post(create)).layer(layer);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! ```
+
+mod body;
+mod future;
+mod key;
+mod layer;
+mod problem;
+mod recorded;
+mod service;
+mod tx;
+
+pub use future::ResponseFuture;
+pub use key::{IDEMPOTENCY_KEY, KeyHeader, parse_key_header};
+pub use layer::{
+    IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional,
+    matched_route_operation,
+};
+pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
+pub use recorded::RecordedResponse;
+pub use service::{Idempotency, Mode};
+pub use tx::{Tx, TxCell, TxRejection};
+
+/// The header that marks a replayed response.
+pub static IDEMPOTENT_REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");

@@ -1,0 +1,149 @@
+//! The stored form of a recorded HTTP response.
+//!
+//! Layout (all integers big-endian): the magic `IDH1`, the status (u16), the
+//! header count (u32), then per header its name and value each as a u32
+//! length and bytes, then the body as a u64 length and bytes. A binary layout
+//! keeps bodies byte-identical without any re-encoding.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+
+const MAGIC: &[u8; 4] = b"IDH1";
+
+/// Headers never recorded or replayed: hop-by-hop ones (RFC 9110 §7.6.1),
+/// framing that is recomputed, and the replay marker itself.
+pub(crate) fn is_unrecorded(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "proxy-connection"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "content-length"
+            | "idempotent-replayed"
+    )
+}
+
+/// A response as recorded under a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedResponse {
+    /// The status code.
+    pub status: StatusCode,
+    /// The end-to-end headers.
+    pub headers: HeaderMap,
+    /// The body, byte for byte.
+    pub body: Bytes,
+}
+
+impl RecordedResponse {
+    /// Encodes the response, dropping headers that must not be replayed.
+    pub fn encode(&self) -> Vec<u8> {
+        let kept: Vec<_> = self.headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+        let mut out = Vec::with_capacity(16 + self.body.len() + kept.len() * 32);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.status.as_u16().to_be_bytes());
+        out.extend_from_slice(&(kept.len() as u32).to_be_bytes());
+        for (name, value) in kept {
+            out.extend_from_slice(&(name.as_str().len() as u32).to_be_bytes());
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(&(value.as_bytes().len() as u32).to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(&(self.body.len() as u64).to_be_bytes());
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    /// Decodes a recorded response; fails on anything malformed.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = Reader { bytes, pos: 0 };
+        if r.take(4)? != MAGIC {
+            return Err("not a recorded HTTP response".into());
+        }
+        let status = u16::from_be_bytes(r.array()?);
+        let status = StatusCode::from_u16(status).map_err(|e| e.to_string())?;
+        let count = u32::from_be_bytes(r.array()?);
+        let mut headers = HeaderMap::new();
+        for _ in 0..count {
+            let len = u32::from_be_bytes(r.array()?) as usize;
+            let name = HeaderName::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
+            let len = u32::from_be_bytes(r.array()?) as usize;
+            let value = HeaderValue::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
+            headers.append(name, value);
+        }
+        let len = u64::from_be_bytes(r.array()?);
+        let len = usize::try_from(len).map_err(|e| e.to_string())?;
+        let body = Bytes::copy_from_slice(r.take(len)?);
+        if r.pos != bytes.len() {
+            return Err("trailing bytes after the recorded body".into());
+        }
+        Ok(Self { status, headers, body })
+    }
+
+    /// The response to send for a replay: the recorded status, headers and
+    /// body plus `Idempotent-Replayed: true`.
+    pub fn into_replay(self) -> http::Response<axum_core::body::Body> {
+        let mut response = http::Response::new(axum_core::body::Body::from(self.body));
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers;
+        response.headers_mut().insert(crate::IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
+        response.headers_mut().remove(header::CONTENT_LENGTH);
+        response
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or("truncated record")?;
+        let out = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_drops_hop_by_hop() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        headers.insert("connection", HeaderValue::from_static("close"));
+        headers.insert("content-length", HeaderValue::from_static("3"));
+        let r = RecordedResponse { status: StatusCode::CREATED, headers, body: Bytes::from_static(b"\x00\xffz") };
+        let back = RecordedResponse::decode(&r.encode()).unwrap();
+        assert_eq!(back.status, StatusCode::CREATED);
+        assert_eq!(back.body, r.body);
+        assert_eq!(back.headers.get_all("x-multi").iter().count(), 2);
+        assert!(back.headers.get("connection").is_none());
+        assert!(back.headers.get("content-length").is_none());
+    }
+
+    #[test]
+    fn rejects_garbage() {
+        assert!(RecordedResponse::decode(b"").is_err());
+        assert!(RecordedResponse::decode(b"IDH1\x00").is_err());
+        let mut ok = RecordedResponse { status: StatusCode::OK, headers: HeaderMap::new(), body: Bytes::new() }.encode();
+        ok.push(0);
+        assert!(RecordedResponse::decode(&ok).is_err());
+    }
+}

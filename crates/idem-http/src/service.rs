@@ -1,0 +1,527 @@
+//! [`Idempotency`]: the service that applies the contract.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum_core::body::Body;
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
+use idem_core::{
+    Acquire, Begin, BoxError, Call, Consume, Error, FingerprintBuilder, LeaseStore, Operation, Record, Retryable,
+    Scope, TxBackend, http_status_retryable,
+};
+use tower_service::Service;
+
+use crate::IDEMPOTENT_REPLAYED;
+use crate::body::{Collected, collect_response, read_request};
+use crate::future::ResponseFuture;
+use crate::key::{KeyHeader, parse_key_header};
+use crate::layer::{Config, KeyRequirement, Leased, Shared, Transactional};
+use crate::problem::{Problem, slugs};
+use crate::recorded::RecordedResponse;
+use crate::tx::{Taken, TxCell};
+
+/// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+pub struct Idempotency<S, M> {
+    inner: S,
+    shared: Arc<Shared<M>>,
+}
+
+impl<S: Clone, M> Clone for Idempotency<S, M> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone(), shared: self.shared.clone() }
+    }
+}
+
+impl<S: std::fmt::Debug, M> std::fmt::Debug for Idempotency<S, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency").field("inner", &self.inner).finish_non_exhaustive()
+    }
+}
+
+impl<S, M> Idempotency<S, M> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<M>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+/// How a mode handles requests (implemented by [`Transactional`] and [`Leased`]).
+pub trait Mode: Clone + Send + Sync + 'static {
+    #[doc(hidden)]
+    fn keyed<S, ResBody>(
+        &self,
+        cfg: &Config,
+        inner: S,
+        parts: Parts,
+        body: Bytes,
+        call: Call,
+    ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>;
+
+    #[doc(hidden)]
+    fn unkeyed<S, ResBody>(
+        &self,
+        cfg: &Config,
+        inner: S,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>;
+}
+
+impl<S, M, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, M>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    M: Mode,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The clone is not ready; keep the one that was polled (tower's rule).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(async move { handle(shared, inner, req).await })
+    }
+}
+
+fn is_safe(method: &Method) -> bool {
+    matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE)
+}
+
+fn is_json(parts: &Parts) -> bool {
+    parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || v.ends_with("+json"))
+}
+
+fn outcome(operation: &str, result: &'static str, started: Instant) {
+    metrics::counter!("idem_http_requests_total", "operation" => operation.to_owned(), "result" => result).increment(1);
+    metrics::histogram!("idem_http_request_duration_seconds", "operation" => operation.to_owned())
+        .record(started.elapsed().as_secs_f64());
+}
+
+async fn handle<S, M, ReqBody, ResBody>(
+    shared: Arc<Shared<M>>,
+    inner: S,
+    req: Request<ReqBody>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+    S::Future: Send,
+    M: Mode,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let cfg = &shared.config;
+    let started = Instant::now();
+    let (parts, body) = req.into_parts();
+    let Some(operation) = (cfg.operation)(&parts) else {
+        // Not a routed operation (an unknown route): nothing to protect.
+        return passthrough(inner, Request::from_parts(parts, Body::new(body))).await;
+    };
+    let op = operation.as_str().to_owned();
+    let route = cfg.route(&operation);
+    let key = if is_safe(&parts.method) {
+        None
+    } else {
+        match parse_key_header(&parts.headers) {
+            KeyHeader::Present(key) => Some(key),
+            KeyHeader::Missing if route.requirement() == KeyRequirement::Required => {
+                outcome(&op, "key_missing", started);
+                return Ok(Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
+                    .with_detail(format!("{op} requires an Idempotency-Key header"))
+                    .into_response(&cfg.problem_base));
+            }
+            KeyHeader::Missing => None,
+            KeyHeader::Invalid(why) => {
+                outcome(&op, "key_invalid", started);
+                return Ok(Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
+                    .with_detail(why)
+                    .into_response(&cfg.problem_base));
+            }
+        }
+    };
+    let bytes = match read_request(body, &parts.headers, cfg.max_request_bytes).await {
+        Ok(bytes) => bytes,
+        Err(problem) => {
+            outcome(&op, "body_rejected", started);
+            return Ok(problem.into_response(&cfg.problem_base));
+        }
+    };
+    let Some(key) = key else {
+        outcome(&op, "unkeyed", started);
+        return shared.mode.unkeyed(cfg, inner, Request::from_parts(parts, Body::from(bytes))).await;
+    };
+    let tenant = match (cfg.tenant)(&parts) {
+        Ok(tenant) => tenant,
+        Err(problem) => return Ok(problem.into_response(&cfg.problem_base)),
+    };
+    let fingerprint = fingerprint(&operation, &parts, &bytes);
+    let call = Call::new(Scope::new(tenant, operation), key, fingerprint).with_policy(*route.policy());
+    let span = tracing::info_span!("idem.http", operation = %op, key = %call.key());
+    let response = {
+        let _enter = span.enter();
+        tracing::debug!("idempotent request");
+        drop(_enter);
+        tracing::Instrument::instrument(shared.mode.keyed(cfg, inner, parts, bytes, call), span).await?
+    };
+    let result = if response.headers().contains_key(&IDEMPOTENT_REPLAYED) { "replayed" } else { "handled" };
+    outcome(&op, result, started);
+    Ok(response)
+}
+
+/// The fingerprint covers the operation, the concrete path and query (two
+/// resources under one route template are different requests) and the body,
+/// canonicalised per RFC 8785 when it is JSON.
+fn fingerprint(operation: &Operation, parts: &Parts, body: &Bytes) -> idem_core::Fingerprint {
+    let base = FingerprintBuilder::new(operation)
+        .field("path", parts.uri.path())
+        .field("query", parts.uri.query().unwrap_or(""));
+    if is_json(parts)
+        && let Ok(json) = base.clone().json(body)
+    {
+        return json.finish();
+    }
+    base.bytes(body).finish()
+}
+
+async fn passthrough<S, ResBody>(mut inner: S, req: Request<Body>) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let response = inner.call(req).await?;
+    Ok(response.map(Body::new))
+}
+
+/// The problem for an error from the engine.
+fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Body> {
+    let problem = match e {
+        Error::Mismatch => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, slugs::KEY_REUSED, "Idempotency-Key reused")
+            .with_detail(format!(
+                "the key {:?} was already used for a different request to {}",
+                call.key().as_str(),
+                call.scope().operation()
+            )),
+        Error::InFlight { retry_after } => {
+            let secs = retry_after.as_millis().div_ceil(1000).max(1) as u64;
+            Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
+                .with_detail("a request with this Idempotency-Key is still being processed; retry later")
+                .with_retry_after_secs(secs)
+        }
+        Error::RecordTooLarge { size, limit } => {
+            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, slugs::RESPONSE_TOO_LARGE, "Response too large to record")
+                .with_detail(format!(
+                    "the response of {size} bytes exceeds the record limit of {limit} bytes; nothing was applied"
+                ))
+        }
+        e if e.is_retryable() => {
+            tracing::warn!(error = %e, "idempotency store failed");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Idempotency store unavailable")
+                .with_detail("the request was not applied; retry with the same Idempotency-Key")
+                .with_retry_after_secs(1)
+        }
+        e => {
+            tracing::error!(error = %e, "idempotency store failed");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Idempotency store unavailable")
+                .with_detail("the request was not applied; retry with the same Idempotency-Key")
+        }
+    };
+    problem.into_response(&cfg.problem_base)
+}
+
+fn replay(cfg: &Config, record: &Record) -> Response<Body> {
+    match RecordedResponse::decode(&record.payload) {
+        Ok(recorded) => recorded.into_replay(),
+        Err(why) => {
+            tracing::error!(%why, "a recorded response is corrupt");
+            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "idempotency-record-corrupt", "Recorded response corrupt")
+                .with_detail("the recorded response of this key cannot be decoded")
+                .into_response(&cfg.problem_base)
+        }
+    }
+}
+
+/// What a response's status means for its key.
+enum Decision {
+    /// A success: record it; the key is consumed.
+    Record,
+    /// A final rejection under a policy that records them.
+    RecordRejection,
+    /// Anything else: the key stays unused.
+    Release,
+}
+
+fn decide(status: StatusCode, call: &Call) -> Decision {
+    if status.is_success() {
+        Decision::Record
+    } else if status.is_client_error()
+        && http_status_retryable(status.as_u16()) == Retryable::Fatal
+        && call.policy().consume() == Consume::SuccessOrFinalRejection
+    {
+        Decision::RecordRejection
+    } else {
+        Decision::Release
+    }
+}
+
+/// The first response: exactly what the handler said, never marked replayed.
+fn first(parts: http::response::Parts, body: Body) -> Response<Body> {
+    let mut response = Response::from_parts(parts, body);
+    response.headers_mut().remove(&IDEMPOTENT_REPLAYED);
+    response
+}
+
+impl<B: TxBackend + Clone> Mode for Transactional<B> {
+    async fn keyed<S, ResBody>(
+        &self,
+        cfg: &Config,
+        mut inner: S,
+        mut parts: Parts,
+        body: Bytes,
+        call: Call,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let claimed = match self.engine.begin(&call).await {
+            Err(e) => return Ok(error_response(cfg, &call, e)),
+            Ok(Begin::Replay(record)) => return Ok(replay(cfg, &record)),
+            Ok(Begin::Claimed(claimed)) => claimed,
+        };
+        let (tx, ticket) = claimed.split();
+        let cell = TxCell::holding(self.engine.backend().clone(), tx);
+        parts.extensions.insert(cell.clone());
+        // If the handler fails or this future is dropped, the cell and ticket
+        // drop with it: the transaction rolls back and the key stays unused.
+        let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
+        let (rparts, rbody) = response.into_parts();
+        let collected = collect_response(rbody, cfg.max_response_bytes).await;
+        let claimed = match cell.take() {
+            Taken::Tx(tx) => ticket.join(tx),
+            Taken::Unused | Taken::StillLent => {
+                tracing::error!("the handler kept the transaction past its response; nothing was committed");
+                return Ok(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    slugs::TRANSACTION_UNAVAILABLE,
+                    "Transaction unavailable",
+                )
+                .with_detail("the handler did not give its transaction back; nothing was applied")
+                .into_response(&cfg.problem_base));
+            }
+        };
+        let body = match collected {
+            Collected::Full(body) => body,
+            Collected::TooLarge(_) | Collected::Failed(_) => {
+                self.engine.abandon(claimed).await;
+                return Ok(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    slugs::RESPONSE_TOO_LARGE,
+                    "Response too large to record",
+                )
+                .with_detail(format!(
+                    "the response exceeded the record limit of {} bytes; nothing was applied",
+                    cfg.max_response_bytes
+                ))
+                .into_response(&cfg.problem_base));
+            }
+        };
+        let recorded = RecordedResponse { status: rparts.status, headers: rparts.headers.clone(), body: body.clone() };
+        match decide(rparts.status, &call) {
+            Decision::Record => {
+                if let Err(e) = self.engine.commit(claimed, Record::completed(recorded.encode())).await {
+                    return Ok(error_response(cfg, &call, e));
+                }
+            }
+            Decision::RecordRejection => {
+                if let Err(e) = self.engine.reject_final(claimed, Record::rejected(recorded.encode())).await {
+                    // The work is rolled back either way; only the record is missing,
+                    // so the key stays usable and the rejection still stands.
+                    tracing::warn!(error = %e, "could not record a final rejection");
+                }
+            }
+            Decision::Release => self.engine.abandon(claimed).await,
+        }
+        Ok(first(rparts, Body::from(body)))
+    }
+
+    async fn unkeyed<S, ResBody>(&self, cfg: &Config, mut inner: S, mut req: Request<Body>) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let backend = self.engine.backend().clone();
+        let cell = TxCell::lazy(backend.clone());
+        req.extensions_mut().insert(cell.clone());
+        let response = inner.call(req).await?;
+        match cell.take() {
+            Taken::Unused => {}
+            Taken::Tx(tx) if response.status().is_success() => {
+                if let Err(e) = backend.commit(tx).await {
+                    tracing::warn!(error = %e, "commit failed");
+                    return Ok(Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Commit failed")
+                        .with_detail("the request was not applied")
+                        .into_response(&cfg.problem_base));
+                }
+            }
+            Taken::Tx(tx) => {
+                let _ = backend.rollback(tx).await;
+            }
+            Taken::StillLent => {
+                tracing::error!("the handler kept the transaction past its response; nothing was committed");
+                return Ok(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    slugs::TRANSACTION_UNAVAILABLE,
+                    "Transaction unavailable",
+                )
+                .into_response(&cfg.problem_base));
+            }
+        }
+        Ok(response.map(Body::new))
+    }
+}
+
+/// Releases a lease if the handler panics or the request future is dropped.
+struct LeaseGuard<L: LeaseStore> {
+    engine: Option<idem_core::LeaseEngine<L>>,
+    lease: idem_core::Lease,
+}
+
+impl<L: LeaseStore> LeaseGuard<L> {
+    fn disarm(&mut self) {
+        self.engine = None;
+    }
+}
+
+impl<L: LeaseStore> Drop for LeaseGuard<L> {
+    fn drop(&mut self) {
+        let Some(engine) = self.engine.take() else { return };
+        let lease = self.lease.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = engine.release(&lease).await;
+            });
+        }
+    }
+}
+
+impl<L: LeaseStore> Mode for Leased<L> {
+    async fn keyed<S, ResBody>(
+        &self,
+        cfg: &Config,
+        mut inner: S,
+        parts: Parts,
+        body: Bytes,
+        call: Call,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let lease = match self.engine.acquire(&call).await {
+            Err(e) => return Ok(error_response(cfg, &call, e)),
+            Ok(Acquire::Replay(record)) => return Ok(replay(cfg, &record)),
+            Ok(Acquire::Claimed(lease)) => lease,
+        };
+        let mut guard = LeaseGuard { engine: Some(self.engine.clone()), lease: lease.clone() };
+        let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
+        let (rparts, rbody) = response.into_parts();
+        let collected = collect_response(rbody, cfg.max_response_bytes).await;
+        guard.disarm();
+        let (record, out_body) = match collected {
+            Collected::Full(body) => {
+                let recorded =
+                    RecordedResponse { status: rparts.status, headers: rparts.headers.clone(), body: body.clone() };
+                let record = match decide(rparts.status, &call) {
+                    Decision::Record => Some(Record::completed(recorded.encode())),
+                    Decision::RecordRejection => Some(Record::rejected(recorded.encode())),
+                    Decision::Release => None,
+                };
+                (record, Body::from(body))
+            }
+            Collected::TooLarge(body) => {
+                // The effect happened and cannot be undone: record a stand-in
+                // that says so, rather than let a retry run it again.
+                (Some(not_recorded(cfg, rparts.status)), body)
+            }
+            Collected::Failed(why) => {
+                tracing::warn!(%why, "response body failed after the handler ran");
+                (Some(not_recorded(cfg, rparts.status)), Body::empty())
+            }
+        };
+        let settled = match record {
+            Some(record) => self.engine.complete(&lease, record).await,
+            None => self.engine.release(&lease).await,
+        };
+        if let Err(e) = settled {
+            tracing::warn!(error = %e, "could not settle the lease; it will expire");
+        }
+        Ok(first(rparts, out_body))
+    }
+
+    async fn unkeyed<S, ResBody>(&self, _cfg: &Config, inner: S, req: Request<Body>) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        passthrough(inner, req).await
+    }
+}
+
+fn not_recorded(cfg: &Config, original: StatusCode) -> Record {
+    let problem =
+        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, slugs::RESPONSE_TOO_LARGE, "Response too large to record")
+            .with_detail(format!(
+                "the request was processed (status {}) but its response exceeded the record limit of {} bytes",
+                original.as_u16(),
+                cfg.max_response_bytes
+            ))
+            .into_response(&cfg.problem_base);
+    let (parts, _) = problem.into_parts();
+    let body = format!(
+        "{{\"type\":\"{}{}\",\"title\":\"Response too large to record\",\"status\":500,\"detail\":\"the request was processed (status {}) but its response exceeded the record limit of {} bytes\"}}",
+        cfg.problem_base,
+        slugs::RESPONSE_TOO_LARGE,
+        original.as_u16(),
+        cfg.max_response_bytes
+    );
+    let mut headers = parts.headers;
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::problem::PROBLEM_JSON));
+    Record::completed(RecordedResponse { status: parts.status, headers, body: Bytes::from(body) }.encode())
+}
