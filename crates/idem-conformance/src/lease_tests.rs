@@ -57,11 +57,22 @@ pub async fn lease_mismatch<S: Subject>(s: S) {
     let engine = lease_engine(&s);
     let scope = unique_scope("POST /v1/payouts");
     let key = IdempotencyKey::generate();
-    let lease = held(engine.acquire(&call_for(&scope, &key, r#"{"a":1}"#, Policy::default())).await.unwrap());
+    let lease = held(
+        engine
+            .acquire(&call_for(&scope, &key, r#"{"a":1}"#, Policy::default()))
+            .await
+            .unwrap(),
+    );
     let other = call_for(&scope, &key, r#"{"a":2}"#, Policy::default());
-    assert!(matches!(engine.acquire(&other).await, Err(Error::Mismatch)), "running: mismatch");
+    assert!(
+        matches!(engine.acquire(&other).await, Err(Error::Mismatch)),
+        "running: mismatch"
+    );
     engine.complete(&lease, record_of(&Receipt::new(1))).await.unwrap();
-    assert!(matches!(engine.acquire(&other).await, Err(Error::Mismatch)), "done: mismatch");
+    assert!(
+        matches!(engine.acquire(&other).await, Err(Error::Mismatch)),
+        "done: mismatch"
+    );
 }
 
 /// A released claim leaves the key unused.
@@ -72,7 +83,10 @@ pub async fn lease_release_leaves_key_unused<S: Subject>(s: S) {
     engine.release(&lease).await.unwrap();
     let again = held(engine.acquire(&call).await.unwrap());
     assert_ne!(again.token, lease.token, "a new claim gets a new token");
-    assert!(matches!(engine.release(&lease).await, Err(Error::Fenced)), "the old token is dead");
+    assert!(
+        matches!(engine.release(&lease).await, Err(Error::Fenced)),
+        "the old token is dead"
+    );
     engine.release(&again).await.unwrap();
 }
 
@@ -81,7 +95,9 @@ pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
     let engine = lease_engine(&s);
     let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(20_000));
     let err = engine
-        .run(&call, |_lease| async { Err::<Receipt, _>(TestError::Work("vendor down".into())) })
+        .run(&call, |_lease| async {
+            Err::<Receipt, _>(TestError::Work("vendor down".into()))
+        })
         .await
         .unwrap_err();
     assert!(matches!(err, TestError::Work(_)));
@@ -115,7 +131,12 @@ pub async fn lease_live_claim_is_in_flight<S: Subject>(s: S) {
     let engine = lease_engine(&s);
     let scope = unique_scope("op");
     let key = IdempotencyKey::generate();
-    let lease = held(engine.acquire(&call_for(&scope, &key, "{}", Policy::default())).await.unwrap());
+    let lease = held(
+        engine
+            .acquire(&call_for(&scope, &key, "{}", Policy::default()))
+            .await
+            .unwrap(),
+    );
     assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", rejecting())).await);
     assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", waiting(200))).await);
     engine.release(&lease).await.unwrap();
@@ -154,19 +175,34 @@ pub async fn lease_takeover_after_expiry<S: Subject>(s: S) {
     assert!(b.token > a.token, "the takeover's token is larger");
     let b_record = record_of(&Receipt::new(2));
     engine.complete(&b, b_record.clone()).await.unwrap();
-    assert!(matches!(engine.complete(&a, record_of(&Receipt::new(1))).await, Err(Error::Fenced)));
-    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(b_record), "the new outcome stands");
+    assert!(matches!(
+        engine.complete(&a, record_of(&Receipt::new(1))).await,
+        Err(Error::Fenced)
+    ));
+    assert_eq!(
+        engine.acquire(&call).await.unwrap(),
+        Acquire::Replay(b_record),
+        "the new outcome stands"
+    );
 }
 
 /// A holder whose lease was taken over can neither complete, release nor extend.
 pub async fn lease_stale_holder_is_fenced<S: Subject>(s: S) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting().with_lease_ms(1_000));
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(1_000),
+    );
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(1_500));
     let b = held(engine.acquire(&call).await.unwrap());
-    assert!(matches!(engine.complete(&a, record_of(&Receipt::new(1))).await, Err(Error::Fenced)));
+    assert!(matches!(
+        engine.complete(&a, record_of(&Receipt::new(1))).await,
+        Err(Error::Fenced)
+    ));
     assert!(matches!(engine.release(&a).await, Err(Error::Fenced)));
     assert!(matches!(engine.extend(&a, 60_000).await, Err(Error::Fenced)));
     assert_in_flight(engine.acquire(&call).await);
@@ -177,7 +213,12 @@ pub async fn lease_stale_holder_is_fenced<S: Subject>(s: S) {
 pub async fn lease_extend_keeps_the_claim<S: Subject>(s: S) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting().with_lease_ms(1_000));
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(1_000),
+    );
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(800));
     let a = engine.extend(&a, 1_000).await.unwrap();
@@ -218,14 +259,22 @@ pub async fn lease_tenant_and_operation_isolation<S: Subject>(s: S) {
     let runs = Runs::default();
     let mut values = Vec::new();
     for scope in [&a, &b, &c] {
-        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs).await.unwrap();
+        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs)
+            .await
+            .unwrap();
         assert!(!out.is_replayed());
         values.push(out.into_inner());
     }
     assert_eq!(runs.get(), 3);
     for (scope, value) in [&a, &b, &c].into_iter().zip(&values) {
-        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs).await.unwrap();
-        assert_eq!(out, Outcome::Replayed(value.clone()), "each scope replays its own outcome");
+        let out = run_receipt::<S>(&engine, &call_for(scope, &key, "{}", rejecting()), &runs)
+            .await
+            .unwrap();
+        assert_eq!(
+            out,
+            Outcome::Replayed(value.clone()),
+            "each scope replays its own outcome"
+        );
     }
 }
 
@@ -233,7 +282,12 @@ pub async fn lease_tenant_and_operation_isolation<S: Subject>(s: S) {
 pub async fn lease_expired_key_executes_anew<S: Subject>(s: S) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(60));
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default().with_ttl_secs(60),
+    );
     let runs = Runs::default();
     run_receipt::<S>(&engine, &call, &runs).await.unwrap();
     clock.advance(Duration::from_secs(30));
@@ -251,13 +305,27 @@ pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
     let scope = unique_scope("op");
     let runs = Runs::default();
     for _ in 0..5 {
-        let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(10));
+        let call = call_for(
+            &scope,
+            &IdempotencyKey::generate(),
+            "{}",
+            Policy::default().with_ttl_secs(10),
+        );
         run_receipt::<S>(&engine, &call, &runs).await.unwrap();
     }
-    let live = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default().with_ttl_secs(3600));
+    let live = call_for(
+        &scope,
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default().with_ttl_secs(3600),
+    );
     run_receipt::<S>(&engine, &live, &runs).await.unwrap();
     clock.advance(Duration::from_secs(11));
-    let options = SweepOptions { batch_size: 2, pause: Duration::ZERO, max_batches: None };
+    let options = SweepOptions {
+        batch_size: 2,
+        pause: Duration::ZERO,
+        max_batches: None,
+    };
     let report = idem_core::sweep_expired(&s.sweeper(), &*shared, options).await.unwrap();
     assert_eq!(report.deleted, 5);
     assert!(run_receipt::<S>(&engine, &live, &runs).await.unwrap().is_replayed());

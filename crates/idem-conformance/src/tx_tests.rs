@@ -77,7 +77,12 @@ pub async fn replay_is_verbatim<S: Subject>(s: S) {
     }
     // The same JSON with other key order and spacing is the same request.
     let reordered = call_for(&scope, &key, "{ \"amount\" : 5 }", Policy::default());
-    assert!(run_receipt::<S>(&engine, &reordered, &eid, &runs, 7).await.unwrap().is_replayed());
+    assert!(
+        run_receipt::<S>(&engine, &reordered, &eid, &runs, 7)
+            .await
+            .unwrap()
+            .is_replayed()
+    );
     assert_eq!(runs.get(), 1, "the work ran once");
     assert_eq!(effects(&s, &eid).await, 1, "the effect exists once");
 }
@@ -92,7 +97,10 @@ pub async fn raw_record_bytes_replay_exactly<S: Subject>(s: S) {
         let key = IdempotencyKey::generate();
         let call = call_for(&scope, &key, "{}", Policy::default());
         let c = claimed(engine.begin(&call).await.unwrap());
-        let record = Record { status, payload: payload.clone() };
+        let record = Record {
+            status,
+            payload: payload.clone(),
+        };
         engine.commit(c, record.clone()).await.unwrap();
         match engine.begin(&call).await.unwrap() {
             Begin::Replay(r) => assert_eq!(r, record, "replayed record is byte-identical"),
@@ -107,9 +115,15 @@ pub async fn mismatch_is_an_error_and_runs_nothing<S: Subject>(s: S) {
     let scope = unique_scope("POST /v1/transfers");
     let key = IdempotencyKey::generate();
     let (eid, runs) = (effect_id(), Runs::default());
-    run_receipt::<S>(&engine, &call_for(&scope, &key, r#"{"amount":5}"#, Policy::default()), &eid, &runs, 5)
-        .await
-        .unwrap();
+    run_receipt::<S>(
+        &engine,
+        &call_for(&scope, &key, r#"{"amount":5}"#, Policy::default()),
+        &eid,
+        &runs,
+        5,
+    )
+    .await
+    .unwrap();
     let other = call_for(&scope, &key, r#"{"amount":6}"#, Policy::default());
     let err = run_receipt::<S>(&engine, &other, &eid, &runs, 6).await.unwrap_err();
     assert!(matches!(err, TestError::Idem(Error::Mismatch)), "got {err:?}");
@@ -124,13 +138,25 @@ pub async fn rejection_leaves_key_unused<S: Subject>(s: S) {
     let key = IdempotencyKey::generate();
     let call = call_for(&scope, &key, r#"{"amount":5}"#, Policy::default());
     let (eid, runs) = (effect_id(), Runs::default());
-    let declined = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::InsufficientFunds { short_by: 3 }))
-        .await
-        .unwrap();
-    assert_eq!(declined, Outcome::Executed(Err(Decline::InsufficientFunds { short_by: 3 })));
+    let declined = run_decline::<S>(
+        &engine,
+        &call,
+        &eid,
+        &runs,
+        Some(Decline::InsufficientFunds { short_by: 3 }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        declined,
+        Outcome::Executed(Err(Decline::InsufficientFunds { short_by: 3 }))
+    );
     assert_eq!(effects(&s, &eid).await, 0, "a rejection's writes roll back");
     let ok = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
-    assert!(matches!(ok, Outcome::Executed(Ok(_))), "the same key runs again: {ok:?}");
+    assert!(
+        matches!(ok, Outcome::Executed(Ok(_))),
+        "the same key runs again: {ok:?}"
+    );
     let replay = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
     assert_eq!(replay, ok.clone().map(|v| v).into_replayed());
     assert_eq!(effects(&s, &eid).await, 1);
@@ -244,7 +270,9 @@ pub async fn final_rejection_is_recorded_when_policy_says<S: Subject>(s: S) {
     let call = call_for(&scope, &key, "{}", recording_rejections());
     let (eid, runs) = (effect_id(), Runs::default());
     let decline = Decline::InsufficientFunds { short_by: 7 };
-    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(decline.clone())).await.unwrap();
+    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(decline.clone()))
+        .await
+        .unwrap();
     assert_eq!(first, Outcome::Executed(Err(decline.clone())));
     let again = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
     assert_eq!(again, Outcome::Replayed(Err(decline)), "the recorded rejection replays");
@@ -259,10 +287,15 @@ pub async fn transient_rejection_is_never_recorded<S: Subject>(s: S) {
     let key = IdempotencyKey::generate();
     let call = call_for(&scope, &key, "{}", recording_rejections());
     let (eid, runs) = (effect_id(), Runs::default());
-    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::VendorBusy)).await.unwrap();
+    let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::VendorBusy))
+        .await
+        .unwrap();
     assert_eq!(first, Outcome::Executed(Err(Decline::VendorBusy)));
     let again = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
-    assert!(matches!(again, Outcome::Executed(Ok(_))), "the key was left unused: {again:?}");
+    assert!(
+        matches!(again, Outcome::Executed(Ok(_))),
+        "the key was left unused: {again:?}"
+    );
     assert_eq!(effects(&s, &eid).await, 1);
 }
 
@@ -283,7 +316,10 @@ pub async fn twin_waits_then_replays<S: Subject>(s: S) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!twin.is_finished(), "the twin waits while the first holds the key");
     let receipt = Receipt::new(5);
-    engine.commit(first, Record::completed(serde_json::to_vec(&receipt).unwrap())).await.unwrap();
+    engine
+        .commit(first, Record::completed(serde_json::to_vec(&receipt).unwrap()))
+        .await
+        .unwrap();
     let out = twin.await.unwrap().unwrap();
     assert_eq!(out, Outcome::Replayed(receipt), "the twin replays the first outcome");
     assert_eq!(twin_runs.get(), 0, "the twin's work never ran");
@@ -319,7 +355,12 @@ pub async fn twin_reported_in_flight<S: Subject>(s: S) {
     let scope = unique_scope("POST /v1/transfers");
     let key = IdempotencyKey::generate();
     let eid = effect_id();
-    let first = claimed(engine.begin(&call_for(&scope, &key, "{}", Policy::default())).await.unwrap());
+    let first = claimed(
+        engine
+            .begin(&call_for(&scope, &key, "{}", Policy::default()))
+            .await
+            .unwrap(),
+    );
     let runs = Runs::default();
     for policy in [rejecting(), waiting(250)] {
         let err = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", policy), &eid, &runs, 1)
@@ -331,8 +372,13 @@ pub async fn twin_reported_in_flight<S: Subject>(s: S) {
         }
     }
     assert_eq!(runs.get(), 0);
-    engine.commit(first, Record::completed(serde_json::to_vec(&Receipt::new(1)).unwrap())).await.unwrap();
-    let out = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", rejecting()), &eid, &runs, 1).await.unwrap();
+    engine
+        .commit(first, Record::completed(serde_json::to_vec(&Receipt::new(1)).unwrap()))
+        .await
+        .unwrap();
+    let out = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", rejecting()), &eid, &runs, 1)
+        .await
+        .unwrap();
     assert!(out.is_replayed(), "after the first commits, the twin replays");
 }
 
@@ -343,12 +389,20 @@ pub async fn tenant_isolation<S: Subject>(s: S) {
     let b = unique_scope("POST /v1/transfers");
     let key = IdempotencyKey::generate();
     let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
-    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1).await.unwrap();
-    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 2).await.unwrap();
+    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1)
+        .await
+        .unwrap();
+    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 2)
+        .await
+        .unwrap();
     assert!(!ra.is_replayed() && !rb.is_replayed(), "each tenant executes its own");
     assert_ne!(ra.value(), rb.value());
-    let ra2 = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 3).await.unwrap();
-    let rb2 = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 4).await.unwrap();
+    let ra2 = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 3)
+        .await
+        .unwrap();
+    let rb2 = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 4)
+        .await
+        .unwrap();
     assert_eq!(ra2.value(), ra.value(), "tenant A replays its own outcome");
     assert_eq!(rb2.value(), rb.value(), "tenant B replays its own outcome, never A's");
     assert_eq!(effects(&s, &eid_a).await, 1);
@@ -359,11 +413,18 @@ pub async fn tenant_isolation<S: Subject>(s: S) {
 pub async fn operation_isolation<S: Subject>(s: S) {
     let engine = tx_engine(&s);
     let a = unique_scope("POST /v1/transfers");
-    let b = idem_core::Scope::new(a.tenant().clone(), idem_core::Operation::new("POST /v1/top-ups").unwrap());
+    let b = idem_core::Scope::new(
+        a.tenant().clone(),
+        idem_core::Operation::new("POST /v1/top-ups").unwrap(),
+    );
     let key = IdempotencyKey::generate();
     let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
-    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1).await.unwrap();
-    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 1).await.unwrap();
+    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1)
+        .await
+        .unwrap();
+    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 1)
+        .await
+        .unwrap();
     assert!(!ra.is_replayed() && !rb.is_replayed());
     assert_ne!(ra.value(), rb.value());
     assert_eq!(runs.get(), 2);
@@ -379,7 +440,13 @@ pub async fn expired_key_executes_anew<S: Subject>(s: S) {
     let (eid, runs) = (effect_id(), Runs::default());
     let first = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
     clock.advance(Duration::from_secs(59));
-    assert!(run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap().is_replayed(), "alive at 59 s");
+    assert!(
+        run_receipt::<S>(&engine, &call, &eid, &runs, 1)
+            .await
+            .unwrap()
+            .is_replayed(),
+        "alive at 59 s"
+    );
     clock.advance(Duration::from_secs(2));
     let anew = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
     assert!(!anew.is_replayed(), "expired at 61 s: executes anew");
@@ -387,7 +454,12 @@ pub async fn expired_key_executes_anew<S: Subject>(s: S) {
     // Even a different request may use an expired key.
     clock.advance(Duration::from_secs(61));
     let other = call_for(&scope, &key, r#"{"x":1}"#, Policy::default().with_ttl_secs(60));
-    assert!(!run_receipt::<S>(&engine, &other, &eid, &runs, 1).await.unwrap().is_replayed());
+    assert!(
+        !run_receipt::<S>(&engine, &other, &eid, &runs, 1)
+            .await
+            .unwrap()
+            .is_replayed()
+    );
     assert_eq!(effects(&s, &eid).await, 3);
 }
 
@@ -411,14 +483,28 @@ pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
         }
     }
     clock.advance(Duration::from_secs(11));
-    let options = SweepOptions { batch_size: 3, pause: Duration::ZERO, max_batches: None };
-    let report = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options).await.unwrap();
+    let options = SweepOptions {
+        batch_size: 3,
+        pause: Duration::ZERO,
+        max_batches: None,
+    };
+    let report = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options)
+        .await
+        .unwrap();
     assert_eq!(report.deleted, 7, "exactly the expired keys are deleted");
     assert_eq!(report.batches, 3, "in batches of 3: 3 + 3 + 1");
     for call in &long_calls {
-        assert!(run_receipt::<S>(&engine, call, &eid, &runs, 1).await.unwrap().is_replayed(), "live keys survive");
+        assert!(
+            run_receipt::<S>(&engine, call, &eid, &runs, 1)
+                .await
+                .unwrap()
+                .is_replayed(),
+            "live keys survive"
+        );
     }
-    let again = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options).await.unwrap();
+    let again = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options)
+        .await
+        .unwrap();
     assert_eq!(again.deleted, 0);
 }
 
@@ -433,8 +519,13 @@ pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let tasks: Vec<_> = (0..64)
         .map(|i| {
-            let (engine, call, eid, runs, barrier) =
-                (engines[i % 2].clone(), call.clone(), eid.clone(), runs.clone(), barrier.clone());
+            let (engine, call, eid, runs, barrier) = (
+                engines[i % 2].clone(),
+                call.clone(),
+                eid.clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
             tokio::spawn(async move {
                 barrier.wait().await;
                 run_receipt::<S>(&engine, &call, &eid, &runs, 100).await
@@ -447,7 +538,10 @@ pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     }
     let executed = outcomes.iter().filter(|o| !o.is_replayed()).count();
     assert_eq!(executed, 1, "exactly one task executed");
-    assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()), "all 64 saw the same outcome");
+    assert!(
+        outcomes.iter().all(|o| o.value() == outcomes[0].value()),
+        "all 64 saw the same outcome"
+    );
     assert_eq!(runs.get(), 1, "the work ran once");
     assert_eq!(effects(&s, &eid).await, 1, "the effect exists exactly once");
 }
@@ -462,8 +556,13 @@ pub async fn concurrent_64_tasks_distinct_keys<S: Subject>(s: S) {
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let tasks: Vec<_> = (0..64)
         .map(|i| {
-            let (engine, scope, eid, runs, barrier) =
-                (engines[i % 2].clone(), scope.clone(), eids[i].clone(), runs.clone(), barrier.clone());
+            let (engine, scope, eid, runs, barrier) = (
+                engines[i % 2].clone(),
+                scope.clone(),
+                eids[i].clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
             tokio::spawn(async move {
                 barrier.wait().await;
                 let call = call_for(&scope, &IdempotencyKey::generate(), "{}", waiting(120_000));
@@ -488,9 +587,20 @@ pub async fn oversized_record_rolls_back<S: Subject>(s: S) {
     let (eid, runs) = (effect_id(), Runs::default());
     let tiny = call_for(&scope, &key, "{}", Policy::default().with_max_record_bytes(16));
     let err = run_receipt::<S>(&engine, &tiny, &eid, &runs, 1).await.unwrap_err();
-    assert!(matches!(err, TestError::Idem(Error::RecordTooLarge { limit: 16, .. })), "got {err:?}");
+    assert!(
+        matches!(err, TestError::Idem(Error::RecordTooLarge { limit: 16, .. })),
+        "got {err:?}"
+    );
     assert_eq!(effects(&s, &eid).await, 0);
-    let ok = run_receipt::<S>(&engine, &call_for(&scope, &key, "{}", Policy::default()), &eid, &runs, 1).await.unwrap();
+    let ok = run_receipt::<S>(
+        &engine,
+        &call_for(&scope, &key, "{}", Policy::default()),
+        &eid,
+        &runs,
+        1,
+    )
+    .await
+    .unwrap();
     assert!(!ok.is_replayed());
     assert_eq!(effects(&s, &eid).await, 1);
 }

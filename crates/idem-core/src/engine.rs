@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::classify::Classify;
 use crate::error::{Error, Result};
 use crate::metrics;
 use crate::record::{Call, Record, RecordStatus, RowState, StoredRow, in_flight};
-use crate::classify::Classify;
 
 /// How many times a claim is retried after deadlocks or serialisation
-/// failures before the error is returned.
+/// failures past the policy's deadline before the error is returned.
 pub(crate) const MAX_CONTENTION_RETRIES: u32 = 8;
 
 pub(crate) enum Found {
@@ -40,7 +40,9 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new() -> Self {
-        Self { next: Duration::from_millis(2) }
+        Self {
+            next: Duration::from_millis(2),
+        }
     }
 
     pub(crate) async fn sleep(&mut self, deadline: Option<Instant>) {
@@ -89,7 +91,13 @@ impl<'a> Attempts<'a> {
     pub(crate) async fn next(&mut self, why: Retry) -> Result<()> {
         match why {
             Retry::Contention(e) => {
-                self.contention += 1;
+                // Deadlocks among twins are expected when a first claimer rolls
+                // back (each blocked twin races to insert); they are retried
+                // freely until the policy's deadline and a bounded number of
+                // times after it.
+                if Instant::now() >= self.deadline {
+                    self.contention += 1;
+                }
                 if self.contention > MAX_CONTENTION_RETRIES {
                     return Err(e);
                 }
@@ -116,7 +124,10 @@ pub(crate) fn is_contention(e: &Error) -> bool {
 pub(crate) fn encode<T: serde::Serialize>(value: &T, limit: usize) -> Result<Vec<u8>> {
     let bytes = serde_json::to_vec(value).map_err(|e| Error::Encode(e.to_string()))?;
     if bytes.len() > limit {
-        return Err(Error::RecordTooLarge { size: bytes.len(), limit });
+        return Err(Error::RecordTooLarge {
+            size: bytes.len(),
+            limit,
+        });
     }
     Ok(bytes)
 }

@@ -90,7 +90,10 @@ pub enum Error {
 impl Error {
     /// Wraps a driver error with its portable kind.
     pub fn store(kind: StoreErrorKind, source: impl Into<BoxError>) -> Self {
-        Self::Store { kind, source: source.into() }
+        Self::Store {
+            kind,
+            source: source.into(),
+        }
     }
 
     /// The storage kind, if this is a storage error.

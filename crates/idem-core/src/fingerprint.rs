@@ -109,8 +109,8 @@ impl FingerprintBuilder {
 
     /// Adds a JSON document in its RFC 8785 canonical form.
     pub fn json(self, json: &[u8]) -> Result<Self> {
-        let value: serde_json::Value = serde_json::from_slice(json)
-            .map_err(|e| Error::InvalidRequest(format!("body is not valid JSON: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| Error::InvalidRequest(format!("body is not valid JSON: {e}")))?;
         self.value(&value)
     }
 

@@ -31,13 +31,18 @@ pub struct LeaseEngine<S> {
 
 impl<S> Clone for LeaseEngine<S> {
     fn clone(&self) -> Self {
-        Self { store: self.store.clone(), clock: self.clock.clone() }
+        Self {
+            store: self.store.clone(),
+            clock: self.clock.clone(),
+        }
     }
 }
 
 impl<S: fmt::Debug> fmt::Debug for LeaseEngine<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LeaseEngine").field("store", &self.store).finish_non_exhaustive()
+        f.debug_struct("LeaseEngine")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
     }
 }
 
@@ -53,7 +58,10 @@ pub enum Acquire {
 impl<S: LeaseStore> LeaseEngine<S> {
     /// An engine on `store` with the system clock.
     pub fn new(store: S) -> Self {
-        Self { store: Arc::new(store), clock: system_clock() }
+        Self {
+            store: Arc::new(store),
+            clock: system_clock(),
+        }
     }
 
     /// Replaces the clock.
@@ -76,7 +84,11 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// A live lease of a twin is waited for as the policy says, then reported
     /// as [`Error::InFlight`].
     pub async fn acquire(&self, call: &Call) -> Result<Acquire> {
-        let span = tracing::debug_span!("idem.claim", operation = call.scope().operation().as_str(), mode = "lease");
+        let span = tracing::debug_span!(
+            "idem.claim",
+            operation = call.scope().operation().as_str(),
+            mode = "lease"
+        );
         self.acquire_inner(call).instrument(span).await
     }
 
@@ -158,9 +170,15 @@ impl<S: LeaseStore> LeaseEngine<S> {
 
     /// Extends a held lease by `lease_ms` from now (a heartbeat for long work).
     pub async fn extend(&self, lease: &Lease, lease_ms: u64) -> Result<Lease> {
-        let until = self.clock.now_ms().saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
+        let until = self
+            .clock
+            .now_ms()
+            .saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
         self.store.extend(lease, until).await?;
-        Ok(Lease { lease_expires_at_ms: until, ..lease.clone() })
+        Ok(Lease {
+            lease_expires_at_ms: until,
+            ..lease.clone()
+        })
     }
 
     /// Runs `work` once per key in lease mode: claims, runs, records its value
@@ -174,7 +192,10 @@ impl<S: LeaseStore> LeaseEngine<S> {
         E: From<Error>,
     {
         let outcome = self
-            .run_with_rejections(call, |lease| async move { work(lease).await.map(Ok::<T, crate::Never>) })
+            .run_with_rejections(
+                call,
+                |lease| async move { work(lease).await.map(Ok::<T, crate::Never>) },
+            )
             .await?;
         Ok(outcome.map(|r| match r {
             Ok(v) => v,
@@ -197,7 +218,10 @@ impl<S: LeaseStore> LeaseEngine<S> {
             Acquire::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
             Acquire::Claimed(lease) => lease,
         };
-        let mut guard = ReleaseOnDrop { store: Some(self.store.clone()), lease: lease.clone() };
+        let mut guard = ReleaseOnDrop {
+            store: Some(self.store.clone()),
+            lease: lease.clone(),
+        };
         let result = work(lease.clone()).await;
         let limit = call.policy().max_record_bytes();
         match result {

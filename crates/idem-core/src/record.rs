@@ -47,12 +47,18 @@ pub struct Record {
 impl Record {
     /// A recorded success.
     pub fn completed(payload: Vec<u8>) -> Self {
-        Self { status: RecordStatus::Completed, payload }
+        Self {
+            status: RecordStatus::Completed,
+            payload,
+        }
     }
 
     /// A recorded final rejection.
     pub fn rejected(payload: Vec<u8>) -> Self {
-        Self { status: RecordStatus::Rejected, payload }
+        Self {
+            status: RecordStatus::Rejected,
+            payload,
+        }
     }
 }
 
@@ -123,7 +129,11 @@ impl StoredRow {
             }),
             other => return Err(Error::Corrupt(format!("unknown status code {other}"))),
         };
-        Ok(Self { fingerprint, state, expires_at_ms })
+        Ok(Self {
+            fingerprint,
+            state,
+            expires_at_ms,
+        })
     }
 }
 
@@ -140,7 +150,12 @@ pub struct Call {
 impl Call {
     /// A call with the default [`Policy`].
     pub fn new(scope: Scope, key: IdempotencyKey, fingerprint: Fingerprint) -> Self {
-        Self { scope, key, fingerprint, policy: Policy::default() }
+        Self {
+            scope,
+            key,
+            fingerprint,
+            policy: Policy::default(),
+        }
     }
 
     /// Sets the policy.
@@ -242,5 +257,7 @@ impl<T> Outcome<T> {
 }
 
 pub(crate) fn in_flight(policy: &Policy) -> Error {
-    Error::InFlight { retry_after: Duration::from_millis(policy.retry_after_ms()) }
+    Error::InFlight {
+        retry_after: Duration::from_millis(policy.retry_after_ms()),
+    }
 }

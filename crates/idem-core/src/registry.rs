@@ -70,7 +70,10 @@ impl KeyRegistry {
                 match slots.get(&slot) {
                     None => {
                         slots.insert(slot.clone(), Arc::new(Notify::new()));
-                        return Some(RegistryGuard { slots: self.slots.clone(), slot: Some(slot) });
+                        return Some(RegistryGuard {
+                            slots: self.slots.clone(),
+                            slot: Some(slot),
+                        });
                     }
                     Some(n) => n.clone(),
                 }

@@ -19,9 +19,7 @@ fn validate(what: &str, s: &str) -> Result<()> {
         )));
     }
     if s.chars().any(char::is_control) {
-        return Err(Error::InvalidScope(format!(
-            "{what} contains a control character"
-        )));
+        return Err(Error::InvalidScope(format!("{what} contains a control character")));
     }
     Ok(())
 }

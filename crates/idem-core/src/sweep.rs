@@ -29,7 +29,11 @@ pub struct SweepOptions {
 
 impl Default for SweepOptions {
     fn default() -> Self {
-        Self { batch_size: 1_000, pause: Duration::from_millis(10), max_batches: None }
+        Self {
+            batch_size: 1_000,
+            pause: Duration::from_millis(10),
+            max_batches: None,
+        }
     }
 }
 
@@ -42,7 +46,11 @@ impl Default for SweepOptions {
 /// println!("deleted {} expired keys in {} batches", report.deleted, report.batches);
 /// # Ok(()) }
 /// ```
-pub async fn sweep_expired<S: Sweep + ?Sized>(store: &S, clock: &dyn Clock, options: SweepOptions) -> Result<SweepReport> {
+pub async fn sweep_expired<S: Sweep + ?Sized>(
+    store: &S,
+    clock: &dyn Clock,
+    options: SweepOptions,
+) -> Result<SweepReport> {
     let batch_size = options.batch_size.max(1);
     let mut report = SweepReport::default();
     loop {
@@ -60,6 +68,10 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(store: &S, clock: &dyn Clock, opti
             tokio::time::sleep(options.pause).await;
         }
     }
-    tracing::info!(deleted = report.deleted, batches = report.batches, "swept expired idempotency keys");
+    tracing::info!(
+        deleted = report.deleted,
+        batches = report.batches,
+        "swept expired idempotency keys"
+    );
     Ok(report)
 }

@@ -24,9 +24,7 @@ impl TableName {
     pub fn new(name: impl Into<String>) -> Result<Self> {
         let name = name.into();
         let mut chars = name.chars();
-        let first_ok = chars
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+        let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
         let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !first_ok || !rest_ok || name.len() > 63 {
             return Err(Error::Config(format!(

@@ -19,8 +19,12 @@ where
     B::Error: Into<BoxError>,
 {
     let too_large = || {
-        Problem::new(StatusCode::PAYLOAD_TOO_LARGE, slugs::BODY_TOO_LARGE, "Request body too large")
-            .with_detail(format!("the request body exceeds the limit of {limit} bytes"))
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            slugs::BODY_TOO_LARGE,
+            "Request body too large",
+        )
+        .with_detail(format!("the request body exceeds the limit of {limit} bytes"))
     };
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -32,8 +36,12 @@ where
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(Problem::new(StatusCode::BAD_REQUEST, slugs::BODY_UNREADABLE, "Request body unreadable")
-            .with_detail(format!("the request body could not be read: {e}"))),
+        Err(e) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            slugs::BODY_UNREADABLE,
+            "Request body unreadable",
+        )
+        .with_detail(format!("the request body could not be read: {e}"))),
     }
 }
 
@@ -61,7 +69,10 @@ where
                 let Ok(data) = frame.into_data() else { continue };
                 if buf.len() + data.len() > limit {
                     buf.extend_from_slice(&data);
-                    return Collected::TooLarge(Body::new(Prefixed { prefix: Some(buf.freeze()), rest: body }));
+                    return Collected::TooLarge(Body::new(Prefixed {
+                        prefix: Some(buf.freeze()),
+                        rest: body,
+                    }));
                 }
                 buf.extend_from_slice(&data);
             }
@@ -88,6 +99,9 @@ where
         if let Some(prefix) = self.prefix.take() {
             return Poll::Ready(Some(Ok(Frame::data(prefix))));
         }
-        self.rest.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into)))
+        self.rest
+            .as_mut()
+            .poll_frame(cx)
+            .map(|f| f.map(|r| r.map_err(Into::into)))
     }
 }

@@ -32,7 +32,9 @@ pub enum KeyHeader {
 /// ```
 pub fn parse_key_header(headers: &HeaderMap) -> KeyHeader {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else { return KeyHeader::Missing };
+    let Some(value) = values.next() else {
+        return KeyHeader::Missing;
+    };
     if values.next().is_some() {
         return KeyHeader::Invalid("more than one Idempotency-Key header".into());
     }
@@ -72,18 +74,36 @@ mod tests {
 
     #[test]
     fn forms() {
-        assert_eq!(parse("\"abc\""), KeyHeader::Present(IdempotencyKey::new("abc").unwrap()));
-        assert_eq!(parse("\"a b\\\"c\""), KeyHeader::Present(IdempotencyKey::new("a b\"c").unwrap()));
-        assert_eq!(parse("\"abc\";p=1"), KeyHeader::Present(IdempotencyKey::new("abc").unwrap()));
+        assert_eq!(
+            parse("\"abc\""),
+            KeyHeader::Present(IdempotencyKey::new("abc").unwrap())
+        );
+        assert_eq!(
+            parse("\"a b\\\"c\""),
+            KeyHeader::Present(IdempotencyKey::new("a b\"c").unwrap())
+        );
+        assert_eq!(
+            parse("\"abc\";p=1"),
+            KeyHeader::Present(IdempotencyKey::new("abc").unwrap())
+        );
         assert_eq!(parse("abc"), KeyHeader::Present(IdempotencyKey::new("abc").unwrap()));
-        assert_eq!(parse("0192f0c1-7b4e-7cc3-9d2a-0a6b5f1e2d3c").clone(), KeyHeader::Present(IdempotencyKey::new("0192f0c1-7b4e-7cc3-9d2a-0a6b5f1e2d3c").unwrap()));
+        assert_eq!(
+            parse("0192f0c1-7b4e-7cc3-9d2a-0a6b5f1e2d3c").clone(),
+            KeyHeader::Present(IdempotencyKey::new("0192f0c1-7b4e-7cc3-9d2a-0a6b5f1e2d3c").unwrap())
+        );
         assert!(matches!(parse("\"\""), KeyHeader::Invalid(_)));
         assert!(matches!(parse("\"unterminated"), KeyHeader::Invalid(_)));
         assert!(matches!(parse("a b"), KeyHeader::Invalid(_)));
         assert!(matches!(parse("a,b"), KeyHeader::Invalid(_)));
-        assert!(matches!(parse(&format!("\"{}\"", "x".repeat(256))), KeyHeader::Invalid(_)));
+        assert!(matches!(
+            parse(&format!("\"{}\"", "x".repeat(256))),
+            KeyHeader::Invalid(_)
+        ));
         assert!(matches!(parse(&"x".repeat(256)), KeyHeader::Invalid(_)));
-        assert_eq!(parse(&"x".repeat(255)), KeyHeader::Present(IdempotencyKey::new("x".repeat(255)).unwrap()));
+        assert_eq!(
+            parse(&"x".repeat(255)),
+            KeyHeader::Present(IdempotencyKey::new("x".repeat(255)).unwrap())
+        );
     }
 
     #[test]

@@ -39,12 +39,18 @@ pub struct RoutePolicy {
 impl RoutePolicy {
     /// Keys required, default [`Policy`].
     pub fn required() -> Self {
-        Self { requirement: KeyRequirement::Required, policy: Policy::default() }
+        Self {
+            requirement: KeyRequirement::Required,
+            policy: Policy::default(),
+        }
     }
 
     /// Keys optional, default [`Policy`].
     pub fn optional() -> Self {
-        Self { requirement: KeyRequirement::Optional, policy: Policy::default() }
+        Self {
+            requirement: KeyRequirement::Optional,
+            policy: Policy::default(),
+        }
     }
 
     /// Sets the core policy: TTL, in-flight behaviour, what consumes a key
@@ -98,7 +104,10 @@ pub struct Config {
 
 impl Config {
     pub(crate) fn route(&self, operation: &Operation) -> RoutePolicy {
-        self.routes.get(operation.as_str()).copied().unwrap_or(self.default_route)
+        self.routes
+            .get(operation.as_str())
+            .copied()
+            .unwrap_or(self.default_route)
     }
 }
 
@@ -117,7 +126,9 @@ pub struct Leased<L> {
 
 impl<L> Clone for Leased<L> {
     fn clone(&self) -> Self {
-        Self { engine: self.engine.clone() }
+        Self {
+            engine: self.engine.clone(),
+        }
     }
 }
 
@@ -138,7 +149,9 @@ pub struct IdempotencyLayer<M> {
 
 impl<M> Clone for IdempotencyLayer<M> {
     fn clone(&self) -> Self {
-        Self { shared: self.shared.clone() }
+        Self {
+            shared: self.shared.clone(),
+        }
     }
 }
 
@@ -173,7 +186,12 @@ impl<B: TxBackend + Clone> IdempotencyLayer<Transactional<B>> {
         engine: TxEngine<B>,
         tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
     ) -> Self {
-        Self { shared: Arc::new(Shared { mode: Transactional { engine }, config: config(Arc::new(tenant)) }) }
+        Self {
+            shared: Arc::new(Shared {
+                mode: Transactional { engine },
+                config: config(Arc::new(tenant)),
+            }),
+        }
     }
 }
 
@@ -183,7 +201,12 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
         engine: LeaseEngine<L>,
         tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
     ) -> Self {
-        Self { shared: Arc::new(Shared { mode: Leased { engine }, config: config(Arc::new(tenant)) }) }
+        Self {
+            shared: Arc::new(Shared {
+                mode: Leased { engine },
+                config: config(Arc::new(tenant)),
+            }),
+        }
     }
 }
 

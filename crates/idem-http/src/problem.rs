@@ -34,7 +34,13 @@ impl Problem {
     /// A problem with a status, a stable slug (the last segment of its
     /// `type` URI) and a short human title.
     pub fn new(status: StatusCode, slug: impl Into<String>, title: impl Into<String>) -> Self {
-        Self { status, slug: slug.into(), title: title.into(), detail: String::new(), retry_after_secs: None }
+        Self {
+            status,
+            slug: slug.into(),
+            title: title.into(),
+            detail: String::new(),
+            retry_after_secs: None,
+        }
     }
 
     /// Adds the occurrence-specific explanation.
@@ -70,9 +76,13 @@ impl Problem {
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mut response = Response::new(Body::from(bytes));
         *response.status_mut() = self.status;
-        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(secs) = self.retry_after_secs {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
     }

@@ -91,7 +91,9 @@ impl RecordedResponse {
         let mut response = http::Response::new(axum_core::body::Body::from(self.body));
         *response.status_mut() = self.status;
         *response.headers_mut() = self.headers;
-        response.headers_mut().insert(crate::IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
+        response
+            .headers_mut()
+            .insert(crate::IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
         response.headers_mut().remove(header::CONTENT_LENGTH);
         response
     }
@@ -104,7 +106,11 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or("truncated record")?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or("truncated record")?;
         let out = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(out)
@@ -129,7 +135,11 @@ mod tests {
         headers.append("x-multi", HeaderValue::from_static("b"));
         headers.insert("connection", HeaderValue::from_static("close"));
         headers.insert("content-length", HeaderValue::from_static("3"));
-        let r = RecordedResponse { status: StatusCode::CREATED, headers, body: Bytes::from_static(b"\x00\xffz") };
+        let r = RecordedResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"\x00\xffz"),
+        };
         let back = RecordedResponse::decode(&r.encode()).unwrap();
         assert_eq!(back.status, StatusCode::CREATED);
         assert_eq!(back.body, r.body);
@@ -142,7 +152,12 @@ mod tests {
     fn rejects_garbage() {
         assert!(RecordedResponse::decode(b"").is_err());
         assert!(RecordedResponse::decode(b"IDH1\x00").is_err());
-        let mut ok = RecordedResponse { status: StatusCode::OK, headers: HeaderMap::new(), body: Bytes::new() }.encode();
+        let mut ok = RecordedResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+        }
+        .encode();
         ok.push(0);
         assert!(RecordedResponse::decode(&ok).is_err());
     }

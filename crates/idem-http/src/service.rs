@@ -30,13 +30,18 @@ pub struct Idempotency<S, M> {
 
 impl<S: Clone, M> Clone for Idempotency<S, M> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), shared: self.shared.clone() }
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
     }
 }
 
 impl<S: std::fmt::Debug, M> std::fmt::Debug for Idempotency<S, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Idempotency").field("inner", &self.inner).finish_non_exhaustive()
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
     }
 }
 
@@ -154,16 +159,20 @@ where
             KeyHeader::Present(key) => Some(key),
             KeyHeader::Missing if route.requirement() == KeyRequirement::Required => {
                 outcome(&op, "key_missing", started);
-                return Ok(Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
-                    .with_detail(format!("{op} requires an Idempotency-Key header"))
-                    .into_response(&cfg.problem_base));
+                return Ok(
+                    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
+                        .with_detail(format!("{op} requires an Idempotency-Key header"))
+                        .into_response(&cfg.problem_base),
+                );
             }
             KeyHeader::Missing => None,
             KeyHeader::Invalid(why) => {
                 outcome(&op, "key_invalid", started);
-                return Ok(Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
-                    .with_detail(why)
-                    .into_response(&cfg.problem_base));
+                return Ok(
+                    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
+                        .with_detail(why)
+                        .into_response(&cfg.problem_base),
+                );
             }
         }
     };
@@ -171,12 +180,21 @@ where
         Ok(bytes) => bytes,
         Err(problem) => {
             outcome(&op, "body_rejected", started);
-            return Ok(problem.into_response(&cfg.problem_base));
+            let mut response = problem.into_response(&cfg.problem_base);
+            // The rest of the body was never read, so this connection cannot
+            // carry another request: tell the client not to reuse it.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return Ok(response);
         }
     };
     let Some(key) = key else {
         outcome(&op, "unkeyed", started);
-        return shared.mode.unkeyed(cfg, inner, Request::from_parts(parts, Body::from(bytes))).await;
+        return shared
+            .mode
+            .unkeyed(cfg, inner, Request::from_parts(parts, Body::from(bytes)))
+            .await;
     };
     let tenant = match (cfg.tenant)(&parts) {
         Ok(tenant) => tenant,
@@ -191,7 +209,11 @@ where
         drop(_enter);
         tracing::Instrument::instrument(shared.mode.keyed(cfg, inner, parts, bytes, call), span).await?
     };
-    let result = if response.headers().contains_key(&IDEMPOTENT_REPLAYED) { "replayed" } else { "handled" };
+    let result = if response.headers().contains_key(&IDEMPOTENT_REPLAYED) {
+        "replayed"
+    } else {
+        "handled"
+    };
     outcome(&op, result, started);
     Ok(response)
 }
@@ -224,34 +246,48 @@ where
 /// The problem for an error from the engine.
 fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Body> {
     let problem = match e {
-        Error::Mismatch => Problem::new(StatusCode::UNPROCESSABLE_ENTITY, slugs::KEY_REUSED, "Idempotency-Key reused")
-            .with_detail(format!(
-                "the key {:?} was already used for a different request to {}",
-                call.key().as_str(),
-                call.scope().operation()
-            )),
+        Error::Mismatch => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            slugs::KEY_REUSED,
+            "Idempotency-Key reused",
+        )
+        .with_detail(format!(
+            "the key {:?} was already used for a different request to {}",
+            call.key().as_str(),
+            call.scope().operation()
+        )),
         Error::InFlight { retry_after } => {
             let secs = retry_after.as_millis().div_ceil(1000).max(1) as u64;
             Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
                 .with_detail("a request with this Idempotency-Key is still being processed; retry later")
                 .with_retry_after_secs(secs)
         }
-        Error::RecordTooLarge { size, limit } => {
-            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, slugs::RESPONSE_TOO_LARGE, "Response too large to record")
-                .with_detail(format!(
-                    "the response of {size} bytes exceeds the record limit of {limit} bytes; nothing was applied"
-                ))
-        }
+        Error::RecordTooLarge { size, limit } => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            slugs::RESPONSE_TOO_LARGE,
+            "Response too large to record",
+        )
+        .with_detail(format!(
+            "the response of {size} bytes exceeds the record limit of {limit} bytes; nothing was applied"
+        )),
         e if e.is_retryable() => {
             tracing::warn!(error = %e, "idempotency store failed");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Idempotency store unavailable")
-                .with_detail("the request was not applied; retry with the same Idempotency-Key")
-                .with_retry_after_secs(1)
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                slugs::STORE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            )
+            .with_detail("the request was not applied; retry with the same Idempotency-Key")
+            .with_retry_after_secs(1)
         }
         e => {
             tracing::error!(error = %e, "idempotency store failed");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Idempotency store unavailable")
-                .with_detail("the request was not applied; retry with the same Idempotency-Key")
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                slugs::STORE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            )
+            .with_detail("the request was not applied; retry with the same Idempotency-Key")
         }
     };
     problem.into_response(&cfg.problem_base)
@@ -262,9 +298,13 @@ fn replay(cfg: &Config, record: &Record) -> Response<Body> {
         Ok(recorded) => recorded.into_replay(),
         Err(why) => {
             tracing::error!(%why, "a recorded response is corrupt");
-            Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "idempotency-record-corrupt", "Recorded response corrupt")
-                .with_detail("the recorded response of this key cannot be decoded")
-                .into_response(&cfg.problem_base)
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency-record-corrupt",
+                "Recorded response corrupt",
+            )
+            .with_detail("the recorded response of this key cannot be decoded")
+            .into_response(&cfg.problem_base)
         }
     }
 }
@@ -356,7 +396,11 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
                 .into_response(&cfg.problem_base));
             }
         };
-        let recorded = RecordedResponse { status: rparts.status, headers: rparts.headers.clone(), body: body.clone() };
+        let recorded = RecordedResponse {
+            status: rparts.status,
+            headers: rparts.headers.clone(),
+            body: body.clone(),
+        };
         match decide(rparts.status, &call) {
             Decision::Record => {
                 if let Err(e) = self.engine.commit(claimed, Record::completed(recorded.encode())).await {
@@ -364,7 +408,11 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
                 }
             }
             Decision::RecordRejection => {
-                if let Err(e) = self.engine.reject_final(claimed, Record::rejected(recorded.encode())).await {
+                if let Err(e) = self
+                    .engine
+                    .reject_final(claimed, Record::rejected(recorded.encode()))
+                    .await
+                {
                     // The work is rolled back either way; only the record is missing,
                     // so the key stays usable and the rejection still stands.
                     tracing::warn!(error = %e, "could not record a final rejection");
@@ -375,7 +423,12 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         Ok(first(rparts, Body::from(body)))
     }
 
-    async fn unkeyed<S, ResBody>(&self, cfg: &Config, mut inner: S, mut req: Request<Body>) -> Result<Response<Body>, S::Error>
+    async fn unkeyed<S, ResBody>(
+        &self,
+        cfg: &Config,
+        mut inner: S,
+        mut req: Request<Body>,
+    ) -> Result<Response<Body>, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>> + Send,
         S::Future: Send,
@@ -391,9 +444,13 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
             Taken::Tx(tx) if response.status().is_success() => {
                 if let Err(e) = backend.commit(tx).await {
                     tracing::warn!(error = %e, "commit failed");
-                    return Ok(Problem::new(StatusCode::SERVICE_UNAVAILABLE, slugs::STORE_UNAVAILABLE, "Commit failed")
-                        .with_detail("the request was not applied")
-                        .into_response(&cfg.problem_base));
+                    return Ok(Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        slugs::STORE_UNAVAILABLE,
+                        "Commit failed",
+                    )
+                    .with_detail("the request was not applied")
+                    .into_response(&cfg.problem_base));
                 }
             }
             Taken::Tx(tx) => {
@@ -457,15 +514,21 @@ impl<L: LeaseStore> Mode for Leased<L> {
             Ok(Acquire::Replay(record)) => return Ok(replay(cfg, &record)),
             Ok(Acquire::Claimed(lease)) => lease,
         };
-        let mut guard = LeaseGuard { engine: Some(self.engine.clone()), lease: lease.clone() };
+        let mut guard = LeaseGuard {
+            engine: Some(self.engine.clone()),
+            lease: lease.clone(),
+        };
         let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
         let (rparts, rbody) = response.into_parts();
         let collected = collect_response(rbody, cfg.max_response_bytes).await;
         guard.disarm();
         let (record, out_body) = match collected {
             Collected::Full(body) => {
-                let recorded =
-                    RecordedResponse { status: rparts.status, headers: rparts.headers.clone(), body: body.clone() };
+                let recorded = RecordedResponse {
+                    status: rparts.status,
+                    headers: rparts.headers.clone(),
+                    body: body.clone(),
+                };
                 let record = match decide(rparts.status, &call) {
                     Decision::Record => Some(Record::completed(recorded.encode())),
                     Decision::RecordRejection => Some(Record::rejected(recorded.encode())),
@@ -505,14 +568,17 @@ impl<L: LeaseStore> Mode for Leased<L> {
 }
 
 fn not_recorded(cfg: &Config, original: StatusCode) -> Record {
-    let problem =
-        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, slugs::RESPONSE_TOO_LARGE, "Response too large to record")
-            .with_detail(format!(
-                "the request was processed (status {}) but its response exceeded the record limit of {} bytes",
-                original.as_u16(),
-                cfg.max_response_bytes
-            ))
-            .into_response(&cfg.problem_base);
+    let problem = Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        slugs::RESPONSE_TOO_LARGE,
+        "Response too large to record",
+    )
+    .with_detail(format!(
+        "the request was processed (status {}) but its response exceeded the record limit of {} bytes",
+        original.as_u16(),
+        cfg.max_response_bytes
+    ))
+    .into_response(&cfg.problem_base);
     let (parts, _) = problem.into_parts();
     let body = format!(
         "{{\"type\":\"{}{}\",\"title\":\"Response too large to record\",\"status\":500,\"detail\":\"the request was processed (status {}) but its response exceeded the record limit of {} bytes\"}}",
@@ -522,6 +588,16 @@ fn not_recorded(cfg: &Config, original: StatusCode) -> Record {
         cfg.max_response_bytes
     );
     let mut headers = parts.headers;
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(crate::problem::PROBLEM_JSON));
-    Record::completed(RecordedResponse { status: parts.status, headers, body: Bytes::from(body) }.encode())
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(crate::problem::PROBLEM_JSON),
+    );
+    Record::completed(
+        RecordedResponse {
+            status: parts.status,
+            headers,
+            body: Bytes::from(body),
+        }
+        .encode(),
+    )
 }

@@ -35,7 +35,9 @@ struct CellInner<B: TxBackend> {
 
 impl<B: TxBackend> Clone for TxCell<B> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone() }
+        Self {
+            inner: self.inner.clone(),
+        }
     }
 }
 
@@ -57,11 +59,21 @@ pub(crate) enum Taken<T> {
 
 impl<B: TxBackend + Clone> TxCell<B> {
     pub(crate) fn holding(backend: B, tx: B::Tx) -> Self {
-        Self { inner: Arc::new(CellInner { backend, slot: Mutex::new(Slot::Ready(tx)) }) }
+        Self {
+            inner: Arc::new(CellInner {
+                backend,
+                slot: Mutex::new(Slot::Ready(tx)),
+            }),
+        }
     }
 
     pub(crate) fn lazy(backend: B) -> Self {
-        Self { inner: Arc::new(CellInner { backend, slot: Mutex::new(Slot::Lazy) }) }
+        Self {
+            inner: Arc::new(CellInner {
+                backend,
+                slot: Mutex::new(Slot::Lazy),
+            }),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Slot<B::Tx>> {
@@ -132,9 +144,13 @@ pub struct TxRejection(&'static str);
 
 impl IntoResponse for TxRejection {
     fn into_response(self) -> Response {
-        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, slugs::TRANSACTION_UNAVAILABLE, "Transaction unavailable")
-            .with_detail(self.0)
-            .into_response(DEFAULT_PROBLEM_BASE)
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            slugs::TRANSACTION_UNAVAILABLE,
+            "Transaction unavailable",
+        )
+        .with_detail(self.0)
+        .into_response(DEFAULT_PROBLEM_BASE)
     }
 }
 

@@ -78,7 +78,10 @@ fn tx_app(store: MemoryStore, c: Counters, gate: Arc<tokio::sync::Notify>) -> Ro
     };
     Router::new()
         .route("/things", post(handler.clone()))
-        .route("/things/{id}", post(handler.clone()).get(|Path(id): Path<String>| async move { id }))
+        .route(
+            "/things/{id}",
+            post(handler.clone()).get(|Path(id): Path<String>| async move { id }),
+        )
         .route("/optional", post(handler.clone()))
         .route("/final", post(handler))
         .route("/slow", post(slow.clone()))
@@ -87,7 +90,11 @@ fn tx_app(store: MemoryStore, c: Counters, gate: Arc<tokio::sync::Notify>) -> Ro
 }
 
 fn req(method: &str, uri: &str, tenant: &str, key: Option<&str>, body: &str) -> Request<Body> {
-    let mut b = Request::builder().method(method).uri(uri).header("x-tenant", tenant).header("content-type", "application/json");
+    let mut b = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-tenant", tenant)
+        .header("content-type", "application/json");
     if let Some(k) = key {
         b = b.header("idempotency-key", k);
     }
@@ -116,7 +123,11 @@ impl Resp {
 async fn send(app: &Router, r: Request<Body>) -> Resp {
     let res = app.clone().oneshot(r).await.unwrap();
     let (parts, body) = res.into_parts();
-    Resp { status: parts.status, headers: parts.headers, body: body.collect().await.unwrap().to_bytes().to_vec() }
+    Resp {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes().to_vec(),
+    }
 }
 
 fn setup() -> (Router, Counters, Arc<tokio::sync::Notify>) {
@@ -139,9 +150,18 @@ async fn missing_key_is_400_and_runs_nothing() {
 #[tokio::test]
 async fn malformed_keys_are_400() {
     let (app, c, _) = setup();
-    for bad in ["\"\"", &format!("\"{}\"", "k".repeat(256)), "\"open", "two words", "\"caf\u{e9}\""] {
+    for bad in [
+        "\"\"",
+        &format!("\"{}\"", "k".repeat(256)),
+        "\"open",
+        "two words",
+        "\"caf\u{e9}\"",
+    ] {
         let mut r = Request::builder().method("POST").uri("/things").header("x-tenant", "t");
-        r = r.header("idempotency-key", http::HeaderValue::from_bytes(bad.as_bytes()).unwrap());
+        r = r.header(
+            "idempotency-key",
+            http::HeaderValue::from_bytes(bad.as_bytes()).unwrap(),
+        );
         let r = send(&app, r.body(Body::from("{}")).unwrap()).await;
         assert_eq!(r.status, 400, "{bad:?}");
         assert!(r.problem_type().ends_with("/idempotency-key-invalid"), "{bad:?}");
@@ -162,7 +182,11 @@ async fn malformed_keys_are_400() {
 #[tokio::test]
 async fn replay_is_byte_identical_and_marked() {
     let (app, c, _) = setup();
-    let first = send(&app, req("POST", "/things", "t", Some("\"k1\""), r#"{"a":1,"b":[1,2]}"#)).await;
+    let first = send(
+        &app,
+        req("POST", "/things", "t", Some("\"k1\""), r#"{"a":1,"b":[1,2]}"#),
+    )
+    .await;
     assert_eq!(first.status, 201);
     assert!(!first.replayed(), "a first response never says it was replayed");
     for body in [r#"{"a":1,"b":[1,2]}"#, "{ \"b\": [1, 2], \"a\": 1 }"] {
@@ -171,7 +195,10 @@ async fn replay_is_byte_identical_and_marked() {
         assert!(again.replayed());
         assert_eq!(again.body, first.body, "byte-identical body");
         assert_eq!(again.headers["x-run"], first.headers["x-run"]);
-        assert!(again.headers.get("connection").is_none(), "hop-by-hop headers are not replayed");
+        assert!(
+            again.headers.get("connection").is_none(),
+            "hop-by-hop headers are not replayed"
+        );
     }
     assert_eq!(c.runs.load(Ordering::SeqCst), 1);
     assert_eq!(c.committed.load(Ordering::SeqCst), 1);
@@ -201,7 +228,11 @@ async fn safe_methods_and_optional_routes() {
         assert!(!r.replayed());
     }
     assert_eq!(c.runs.load(Ordering::SeqCst), 2);
-    assert_eq!(c.committed.load(Ordering::SeqCst), 2, "unkeyed writes commit on success");
+    assert_eq!(
+        c.committed.load(Ordering::SeqCst),
+        2,
+        "unkeyed writes commit on success"
+    );
 }
 
 /// A twin of a running request gets 409 with Retry-After under a rejecting policy, and replays after a wait otherwise.
@@ -245,6 +276,10 @@ async fn oversized_body_is_413_and_claims_nothing() {
     let r = send(&app, req("POST", "/things", "t", Some("k"), &big)).await;
     assert_eq!(r.status, 413);
     assert!(r.problem_type().ends_with("/request-body-too-large"));
+    assert_eq!(
+        r.headers["connection"], "close",
+        "the unread body makes the connection unusable"
+    );
     assert_eq!(c.runs.load(Ordering::SeqCst), 0);
     let r = send(&app, req("POST", "/things", "t", Some("k"), "{}")).await;
     assert_eq!(r.status, 201, "the key was never claimed");
@@ -267,7 +302,13 @@ async fn tenants_are_isolated() {
 #[tokio::test]
 async fn which_statuses_consume_a_key() {
     let (app, c, _) = setup();
-    for (uri, status, consumed) in [("/things", 422, false), ("/things", 503, false), ("/final", 422, true), ("/final", 500, false), ("/final", 429, false)] {
+    for (uri, status, consumed) in [
+        ("/things", 422, false),
+        ("/things", 503, false),
+        ("/final", 422, true),
+        ("/final", 500, false),
+        ("/final", 429, false),
+    ] {
         let key = format!("{uri}-{status}");
         let body = format!("{{\"status\":{status}}}");
         let before = c.runs.load(Ordering::SeqCst);
@@ -275,9 +316,17 @@ async fn which_statuses_consume_a_key() {
         assert_eq!(first.status, status);
         let again = send(&app, req("POST", uri, "t", Some(&key), &body)).await;
         assert_eq!(again.replayed(), consumed, "{uri} {status}");
-        assert_eq!(c.runs.load(Ordering::SeqCst) - before, if consumed { 1 } else { 2 }, "{uri} {status}");
+        assert_eq!(
+            c.runs.load(Ordering::SeqCst) - before,
+            if consumed { 1 } else { 2 },
+            "{uri} {status}"
+        );
     }
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "no non-2xx response commits its writes");
+    assert_eq!(
+        c.committed.load(Ordering::SeqCst),
+        0,
+        "no non-2xx response commits its writes"
+    );
 }
 
 /// A response over the record limit rolls the work back (transactional) and leaves the key usable.
@@ -304,7 +353,10 @@ fn lease_app(store: MemoryStore, runs: Arc<AtomicUsize>) -> Router {
                     let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
                     let status = v.get("status").and_then(|s| s.as_u64()).unwrap_or(202) as u16;
                     let size = v.get("size").and_then(|s| s.as_u64()).unwrap_or(0) as usize;
-                    (StatusCode::from_u16(status).unwrap(), format!("sent {n} {}", "y".repeat(size)))
+                    (
+                        StatusCode::from_u16(status).unwrap(),
+                        format!("sent {n} {}", "y".repeat(size)),
+                    )
                 }
             }),
         )
@@ -319,7 +371,10 @@ async fn lease_mode_contract() {
     let app = lease_app(MemoryStore::new(), runs.clone());
     let first = send(&app, req("POST", "/send", "t", Some("m1"), r#"{"to":"a"}"#)).await;
     let again = send(&app, req("POST", "/send", "t", Some("m1"), r#"{"to":"a"}"#)).await;
-    assert_eq!((first.status, again.status), (StatusCode::ACCEPTED, StatusCode::ACCEPTED));
+    assert_eq!(
+        (first.status, again.status),
+        (StatusCode::ACCEPTED, StatusCode::ACCEPTED)
+    );
     assert!(!first.replayed() && again.replayed());
     assert_eq!(first.body, again.body);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -343,7 +398,12 @@ async fn lease_mode_contract() {
 #[tokio::test]
 async fn tenant_refusal_is_the_response() {
     let (app, c, _) = setup();
-    let r = Request::builder().method("POST").uri("/things").header("idempotency-key", "k").body(Body::from("{}")).unwrap();
+    let r = Request::builder()
+        .method("POST")
+        .uri("/things")
+        .header("idempotency-key", "k")
+        .body(Body::from("{}"))
+        .unwrap();
     let r = send(&app, r).await;
     assert_eq!(r.status, 401);
     assert_eq!(c.runs.load(Ordering::SeqCst), 0);

@@ -103,7 +103,10 @@ impl MemoryStore {
 
     /// The stored row of a key, if any.
     pub fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        self.lock().get(&(scope.clone(), key.clone())).map(Row::stored).transpose()
+        self.lock()
+            .get(&(scope.clone(), key.clone()))
+            .map(Row::stored)
+            .transpose()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Row>> {
@@ -121,7 +124,9 @@ pub struct MemoryTx {
 
 impl fmt::Debug for MemoryTx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryTx").field("effects", &self.effects.len()).finish_non_exhaustive()
+        f.debug_struct("MemoryTx")
+            .field("effects", &self.effects.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -139,7 +144,12 @@ impl TxBackend for MemoryStore {
         Box::pin(async { Ok(MemoryTx::default()) })
     }
 
-    fn claim<'a>(&'a self, tx: &'a mut MemoryTx, req: &'a ClaimRequest<'a>, _wait: Duration) -> BoxFuture<'a, Result<TxClaim>> {
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut MemoryTx,
+        req: &'a ClaimRequest<'a>,
+        _wait: Duration,
+    ) -> BoxFuture<'a, Result<TxClaim>> {
         Box::pin(async move {
             // The engine holds this key in the registry, so no other
             // transactional claim of it runs until this one ends.
@@ -157,7 +167,12 @@ impl TxBackend for MemoryStore {
         })
     }
 
-    fn record<'a>(&'a self, tx: &'a mut MemoryTx, _req: &'a ClaimRequest<'a>, record: &'a Record) -> BoxFuture<'a, Result<()>> {
+    fn record<'a>(
+        &'a self,
+        tx: &'a mut MemoryTx,
+        _req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let (_, row, _) = tx
                 .pending
@@ -177,7 +192,10 @@ impl TxBackend for MemoryStore {
                 // A lease-mode claim may have slipped in since the claim was
                 // read; never overwrite it.
                 if rows.get(&slot).map(|r| r.token) != seen_token {
-                    return Err(Error::store(StoreErrorKind::Serialization, "key was claimed concurrently"));
+                    return Err(Error::store(
+                        StoreErrorKind::Serialization,
+                        "key was claimed concurrently",
+                    ));
                 }
                 rows.insert(slot, row);
             }

@@ -11,7 +11,6 @@ struct Memory {
     store: MemoryStore,
 }
 
-
 impl Subject for Memory {
     type Backend = MemoryStore;
     type Lease = MemoryStore;

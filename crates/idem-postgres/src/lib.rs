@@ -1,1 +1,515 @@
-//! PostgreSQL (and Postgres-compatible engines such as CockroachDB and YugabyteDB) store for idem.
+//! The PostgreSQL store of **idem**: exactly-once effects whose key claim, business
+//! writes and recorded outcome commit in one PostgreSQL transaction.
+//!
+//! [`PgStore`] implements the three store traits of `idem-core`:
+//!
+//! - [`TxBackend`] (transactional mode, used by [`idem_core::TxEngine`]): the
+//!   claim is an `INSERT … ON CONFLICT` on the key's primary key inside the
+//!   caller's transaction. A concurrent twin blocks inside its own insert until
+//!   the first transaction commits (then replays its outcome) or rolls back
+//!   (then claims the key itself); that wait is bounded by the policy through
+//!   `lock_timeout`. This path needs no advisory lock, a feature that
+//!   Postgres-compatible distributed engines (CockroachDB, YugabyteDB) lack;
+//!   this crate's own tests run on PostgreSQL. [`ClaimStrategy::AdvisoryLock`]
+//!   additionally takes a transaction-scoped advisory lock on the key first.
+//! - [`LeaseStore`] (lease mode, used by [`idem_core::LeaseEngine`]): the same
+//!   upsert in autocommit, with a lease and a fencing token; complete, release
+//!   and extend succeed only with the current token.
+//! - [`Sweep`]: deletes expired keys in short, bounded batches that skip rows
+//!   a claim holds.
+//!
+//! Every time stored or compared comes from the engine's clock as a bound
+//! parameter, never from the database's `now()`, so tests drive expiry and
+//! leases with a manual clock.
+//!
+//! ```no_run
+//! use idem_core::{Call, Fingerprint, IdempotencyKey, Scope, TxEngine};
+//! use idem_postgres::{ClaimStrategy, PgStore};
+//! use sqlx::postgres::PgPoolOptions;
+//!
+//! async fn top_up() -> Result<(), idem_core::Error> {
+//!     let pool = PgPoolOptions::new()
+//!         .max_connections(16)
+//!         .connect("postgres://postgres@127.0.0.1:5432/test")
+//!         .await
+//!         .map_err(idem_postgres::map_error)?;
+//!     let store = PgStore::new(pool).with_claim_strategy(ClaimStrategy::InsertOnConflict);
+//!     store.migrate().await?;
+//!     let engine = TxEngine::new(store);
+//!
+//!     let scope = Scope::parse("tenant-42", "POST /v1/top-ups")?;
+//!     let body = br#"{"account_id":7,"amount":100}"#;
+//!     let fingerprint = Fingerprint::of_json(scope.operation(), body)?;
+//!     let call = Call::new(scope, IdempotencyKey::new("5f0c3f8e-8d43-4b39")?, fingerprint);
+//!
+//!     // The first call with this key inserts the top-up and records 100; a retry
+//!     // replays 100 without running the closure. Both commit or neither does.
+//!     let outcome = engine
+//!         .execute(&call, |tx| {
+//!             Box::pin(async move {
+//!                 sqlx::query("INSERT INTO top_ups (account_id, amount) VALUES ($1, $2)")
+//!                     .bind(7_i64)
+//!                     .bind(100_i64)
+//!                     .execute(&mut **tx)
+//!                     .await
+//!                     .map_err(idem_postgres::map_error)?;
+//!                 Ok::<i64, idem_core::Error>(100)
+//!             })
+//!         })
+//!         .await?;
+//!     println!("top-up of {} (replayed: {})", outcome.value(), outcome.is_replayed());
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Schema
+//!
+//! [`PgStore::migrate`] creates (and later upgrades) the keys table, by
+//! default `idem_keys`, and a `{table}_schema` table recording the applied
+//! versions:
+//!
+//! | column | type | meaning |
+//! | --- | --- | --- |
+//! | `tenant`, `operation`, `idem_key` | `TEXT` | the primary key: a key only means something in its scope |
+//! | `fingerprint` | `BYTEA` (32 bytes) | SHA-256 of the request that claimed the key |
+//! | `status` | `SMALLINT` | 0 in progress, 1 completed, 2 rejected |
+//! | `token` | `BIGINT` | the fencing token of the current claim |
+//! | `payload` | `BYTEA NULL` | the recorded outcome, replayed byte for byte |
+//! | `created_at_ms`, `expires_at_ms` | `BIGINT` | claim time and expiry (ms since the epoch; indexed for the sweeper) |
+//! | `lease_expires_at_ms` | `BIGINT NULL` | when a lease-mode claim may be taken over |
+//!
+//! ## Features
+//!
+//! This crate has no cargo features. It uses sqlx's `postgres` driver only
+//! (runtime queries, no compile-time macros) on the tokio runtime; TLS is
+//! whatever the caller enables on its own `sqlx` dependency.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
+    StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{AssertSqlSafe, Postgres, Row};
+
+mod error;
+mod migrate;
+mod sql;
+
+pub use error::map_error;
+
+use error::{LOCK_NOT_AVAILABLE, sqlstate};
+use sql::Statements;
+
+/// The transaction a [`PgStore`] hands to the caller's work in transactional
+/// mode: the caller's own queries run on it (`&mut **tx` is a
+/// `&mut PgConnection`).
+pub type PgTx = sqlx::Transaction<'static, Postgres>;
+
+/// How many times a claim is attempted when the conflicting row disappears
+/// between the insert and the read of it (a concurrent release or sweep).
+const VANISHED_ROW_ATTEMPTS: u32 = 3;
+
+/// How long a lease-mode claim may wait for a row lock. Lease claims commit
+/// at once, so the only waits are on other single-statement claims of the
+/// same key, or on a transactional claim of the key in an open transaction;
+/// past this bound the claim fails with a retryable
+/// [`StoreErrorKind::LockTimeout`] instead of hanging.
+const LEASE_CLAIM_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How a transactional claim excludes a concurrent twin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ClaimStrategy {
+    /// The key's primary key is the lock: the claim is an
+    /// `INSERT … ON CONFLICT DO UPDATE … WHERE <stale>`, and a twin blocks
+    /// inside its own insert until the first transaction ends. Works on
+    /// engines without advisory locks (CockroachDB, YugabyteDB).
+    #[default]
+    InsertOnConflict,
+    /// Takes `pg_advisory_xact_lock` on a hash of the table, tenant, operation
+    /// and key before the same insert, so twins queue on the advisory lock.
+    /// PostgreSQL only. Lease-mode claims, which commit at once, never take it.
+    AdvisoryLock,
+}
+
+/// The PostgreSQL store: a connection pool, a keys table and a claim strategy.
+///
+/// Cloning is cheap: clones share the pool and the prepared SQL text.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> idem_core::Result<()> {
+/// use idem_core::TableName;
+/// use idem_postgres::{ClaimStrategy, PgStore};
+/// let store = PgStore::new(pool)
+///     .with_table(TableName::new("payment_keys")?)
+///     .with_claim_strategy(ClaimStrategy::AdvisoryLock);
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    table: TableName,
+    strategy: ClaimStrategy,
+    sql: Arc<Statements>,
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.table)
+            .field("strategy", &self.strategy)
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// A store on `pool` with the default table (`idem_keys`) and the
+    /// [`InsertOnConflict`](ClaimStrategy::InsertOnConflict) strategy.
+    pub fn new(pool: PgPool) -> Self {
+        let table = TableName::default();
+        let strategy = ClaimStrategy::default();
+        let sql = Arc::new(Statements::new(&table, strategy));
+        Self {
+            pool,
+            table,
+            strategy,
+            sql,
+        }
+    }
+
+    /// Uses another keys table (one per service, or per kind of key).
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self.sql = Arc::new(Statements::new(&self.table, self.strategy));
+        self
+    }
+
+    /// Chooses how transactional claims exclude concurrent twins.
+    pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
+        self.strategy = strategy;
+        self.sql = Arc::new(Statements::new(&self.table, self.strategy));
+        self
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The keys table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The claim strategy.
+    pub fn claim_strategy(&self) -> ClaimStrategy {
+        self.strategy
+    }
+
+    /// Creates or upgrades the keys table to the newest schema version.
+    ///
+    /// The migrations are embedded and versioned; the applied versions are
+    /// recorded in `{table}_schema`. Safe to call from many processes at
+    /// once (they take turns on PostgreSQL's `pg_advisory_xact_lock`) and
+    /// cheap when the schema is current.
+    pub async fn migrate(&self) -> Result<()> {
+        migrate::run(&self.pool, &self.table).await
+    }
+
+    /// The stored row of a key, if any (expired rows not yet swept included).
+    pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.select_row.clone()))
+            .bind(scope.tenant().as_str())
+            .bind(scope.operation().as_str())
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_error)?;
+        row.as_ref().map(decode_row).transpose()
+    }
+
+    /// The claim upsert with its parameters bound.
+    fn claim_query(
+        &self,
+        sql: &Arc<str>,
+        req: &ClaimRequest<'_>,
+        lock_timeout: Duration,
+        advisory: bool,
+    ) -> sqlx::query::Query<'static, Postgres, <Postgres as sqlx::Database>::Arguments> {
+        let query = sqlx::query(AssertSqlSafe(sql.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(req.fresh_token.0)
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .bind(req.lease_expires_at_ms)
+            .bind(lock_timeout_setting(lock_timeout));
+        if advisory {
+            query.bind(self.advisory_key(req.scope, req.key))
+        } else {
+            query
+        }
+    }
+
+    /// The advisory lock key of a (scope, key) in this table.
+    fn advisory_key(&self, scope: &Scope, key: &IdempotencyKey) -> i64 {
+        sql::fnv1a(&[
+            b"idem-postgres claim",
+            self.table.as_str().as_bytes(),
+            scope.tenant().as_str().as_bytes(),
+            scope.operation().as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        ]) as i64
+    }
+}
+
+/// `lock_timeout` in milliseconds, as the text `set_config` takes: at least
+/// 1 ms (0 would mean "wait forever"), rounded up, and at most PostgreSQL's
+/// largest value.
+fn lock_timeout_setting(wait: Duration) -> String {
+    let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128);
+    ms.to_string()
+}
+
+/// Decodes the row columns every row-reading statement selects first.
+fn decode_row(row: &PgRow) -> Result<StoredRow> {
+    let fingerprint: &[u8] = row.try_get(0).map_err(map_error)?;
+    let status: i16 = row.try_get(1).map_err(map_error)?;
+    let token: i64 = row.try_get(2).map_err(map_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(3).map_err(map_error)?;
+    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(map_error)?;
+    let expires_at_ms: i64 = row.try_get(5).map_err(map_error)?;
+    StoredRow::from_columns(fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
+}
+
+fn vanished() -> Error {
+    Error::store(
+        StoreErrorKind::Serialization,
+        "the key's row was deleted repeatedly while it was being claimed",
+    )
+}
+
+impl TxBackend for PgStore {
+    type Tx = PgTx;
+
+    fn begin(&self) -> BoxFuture<'_, Result<PgTx>> {
+        Box::pin(async move { self.pool.begin().await.map_err(map_error) })
+    }
+
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut PgTx,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<TxClaim>> {
+        Box::pin(async move {
+            let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
+            for _ in 0..VANISHED_ROW_ATTEMPTS {
+                let inserted = self
+                    .claim_query(&self.sql.claim_tx, req, wait, advisory)
+                    .fetch_optional(&mut **tx)
+                    .await;
+                match inserted {
+                    Ok(Some(_)) => {
+                        tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
+                        return Ok(TxClaim::Claimed);
+                    }
+                    Ok(None) => {}
+                    // The twin that holds the key did not finish within `wait`.
+                    // The failed statement aborted this transaction; the engine
+                    // rolls it back and decides whether to try again.
+                    Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                        tracing::debug!(
+                            table = self.table.as_str(),
+                            wait_ms = wait.as_millis() as u64,
+                            "key busy"
+                        );
+                        return Ok(TxClaim::Busy);
+                    }
+                    Err(e) => return Err(map_error(e)),
+                }
+                // A live committed row holds the key. The insert locked it, so it
+                // cannot change before this transaction ends; read it with a fresh
+                // snapshot, which also sees a twin that committed while we waited.
+                let found = sqlx::query(AssertSqlSafe(self.sql.found_in_tx.clone()))
+                    .bind(req.scope.tenant().as_str())
+                    .bind(req.scope.operation().as_str())
+                    .bind(req.key.as_str())
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(map_error)?;
+                if let Some(row) = found {
+                    tracing::debug!(table = self.table.as_str(), "key found committed");
+                    return Ok(TxClaim::Found(decode_row(&row)?));
+                }
+                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
+            }
+            Err(vanished())
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        tx: &'a mut PgTx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
+                .bind(req.scope.tenant().as_str())
+                .bind(req.scope.operation().as_str())
+                .bind(req.key.as_str())
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .execute(&mut **tx)
+                .await
+                .map_err(map_error)?;
+            if done.rows_affected() != 1 {
+                return Err(Error::Config(
+                    "record called on a transaction that holds no claim of this key".into(),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn commit(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { tx.commit().await.map_err(map_error) })
+    }
+
+    fn rollback(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { tx.rollback().await.map_err(map_error) })
+    }
+}
+
+impl LeaseStore for PgStore {
+    fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>> {
+        Box::pin(async move {
+            for _ in 0..VANISHED_ROW_ATTEMPTS {
+                // Autocommit: the claim is durable when this statement returns.
+                let inserted = self
+                    .claim_query(&self.sql.claim_lease, req, LEASE_CLAIM_LOCK_TIMEOUT, false)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(map_error)?;
+                if let Some(row) = inserted {
+                    let token = Token(row.try_get(0).map_err(map_error)?);
+                    tracing::debug!(table = self.table.as_str(), token = token.0, "acquired lease");
+                    return Ok(LeaseClaim::Acquired(token));
+                }
+                let found = self.get(req.scope, req.key).await?;
+                if let Some(row) = found {
+                    return Ok(LeaseClaim::Found(row));
+                }
+                // Released or swept between the two statements: the key is free again.
+                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
+            }
+            Err(vanished())
+        })
+    }
+
+    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .execute(&self.pool)
+                .await
+                .map_err(map_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "complete")
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(map_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "release")
+        })
+    }
+
+    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.extend.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(lease_expires_at_ms)
+                .execute(&self.pool)
+                .await
+                .map_err(map_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "extend")
+        })
+    }
+}
+
+impl PgStore {
+    /// A lease statement changed its row only if the lease is still current.
+    fn fenced_unless_one(&self, rows: u64, lease: &Lease, action: &'static str) -> Result<()> {
+        if rows == 1 {
+            return Ok(());
+        }
+        tracing::debug!(
+            table = self.table.as_str(),
+            token = lease.token.0,
+            action,
+            "lease fenced"
+        );
+        Err(Error::Fenced)
+    }
+}
+
+impl Sweep for PgStore {
+    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.sweep.clone()))
+                .bind(now_ms)
+                .bind(i64::from(limit))
+                .execute(&self.pool)
+                .await
+                .map_err(map_error)?;
+            tracing::debug!(
+                table = self.table.as_str(),
+                deleted = done.rows_affected(),
+                limit,
+                "swept expired keys"
+            );
+            Ok(done.rows_affected())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeout_is_never_zero_and_rounds_up() {
+        assert_eq!(lock_timeout_setting(Duration::ZERO), "1");
+        assert_eq!(lock_timeout_setting(Duration::from_micros(1_500)), "2");
+        assert_eq!(lock_timeout_setting(Duration::from_secs(120)), "120000");
+        assert_eq!(
+            lock_timeout_setting(Duration::from_secs(u64::MAX)),
+            i32::MAX.to_string()
+        );
+    }
+}

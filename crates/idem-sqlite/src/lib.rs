@@ -1,1 +1,327 @@
-//! SQLite (embedded; WAL and BEGIN IMMEDIATE) store for idem.
+//! The SQLite store of **idem**: exactly-once effects on an embedded
+//! database file, in transactional and lease mode.
+//!
+//! SQLite is idem's embedded default. [`SqliteStore`] implements
+//! [`TxBackend`](idem_core::TxBackend) (the key claim, the caller's own
+//! writes and the recorded outcome commit as one transaction),
+//! [`LeaseStore`](idem_core::LeaseStore) (check–claim–complete with fencing
+//! tokens, for effects outside the database) and [`Sweep`](idem_core::Sweep)
+//! (bounded deletion of expired keys).
+//!
+//! ```
+//! use idem_core::{Call, Fingerprint, IdempotencyKey, Scope, TxEngine};
+//! use idem_sqlite::{SqliteStore, store_error};
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> idem_core::Result<()> {
+//! # let path = std::env::temp_dir().join(format!("idem-sqlite-doc-{}.db", std::process::id()));
+//! let store = SqliteStore::open(&path).await?; // creates the file if missing
+//! store.migrate().await?;
+//! let engine = TxEngine::new(store);
+//!
+//! let scope = Scope::parse("tenant-42", "POST /v1/top-ups")?;
+//! let key = IdempotencyKey::generate();
+//! let call = Call::new(scope.clone(), key, Fingerprint::of_json(scope.operation(), br#"{"amount":5}"#)?);
+//! let first = engine
+//!     .execute(&call, |tx| Box::pin(async move {
+//!         // The caller's own writes go through the same transaction as the claim.
+//!         sqlx::query("CREATE TABLE IF NOT EXISTS credits (amount INTEGER NOT NULL)")
+//!             .execute(&mut **tx).await.map_err(store_error)?;
+//!         sqlx::query("INSERT INTO credits (amount) VALUES (5)").execute(&mut **tx).await.map_err(store_error)?;
+//!         Ok::<_, idem_core::Error>(5)
+//!     }))
+//!     .await?;
+//! let again = engine.execute(&call, |_tx| Box::pin(async { Ok::<_, idem_core::Error>(0) })).await?;
+//! assert!(!first.is_replayed());
+//! assert_eq!(again.into_inner(), 5); // replayed: the second closure never ran
+//! # drop(engine);
+//! # for suffix in ["", "-wal", "-shm"] { let _ = std::fs::remove_file(format!("{}{suffix}", path.display())); }
+//! # Ok(()) }
+//! ```
+//!
+//! # How it works
+//!
+//! | Concern | What the store does |
+//! |---|---|
+//! | Journal | WAL, so readers never wait for the writer |
+//! | Durability | `synchronous = FULL` by default (see [`SqliteOptions::synchronous`]) |
+//! | Transactions | `BEGIN IMMEDIATE`: the write lock is taken at begin, never upgraded mid-transaction |
+//! | Busy database | waits up to the busy timeout (5 s by default), then [`StoreErrorKind::LockTimeout`], which the engines retry |
+//! | Claim | one `INSERT … ON CONFLICT … DO UPDATE … WHERE <stale> RETURNING token` |
+//! | Twins in one process | serialised per key by a [`KeyRegistry`] shared by every store on the same file |
+//! | Time | always the engine's injected clock, never SQLite's |
+//!
+//! SQLite has a single writer for the whole database. Without the registry,
+//! a twin of a running claim could only wait on that global write lock;
+//! with it, a twin waits for (or is rejected by) the claim of its own key, as
+//! on the other engines. Stores in different processes share no registry;
+//! there the write lock and the primary key alone keep the effect single,
+//! and a twin waits on the write lock up to the busy timeout.
+//!
+//! A transactional claim holds the database's write lock until it commits,
+//! so every other writer waits for the caller's work: keep that work short
+//! (database writes), and run slow effects such as vendor calls in lease
+//! mode, whose claim commits at once.
+//!
+//! # Files only
+//!
+//! The store works on database files. An in-memory database
+//! (`sqlite::memory:`) belongs to one connection, and sharing it across a
+//! pool's connections needs SQLite's shared cache, which has no WAL, reports
+//! table-level conflicts at once instead of waiting, and drops the database
+//! when the last connection closes. Tests use a file under
+//! [`std::env::temp_dir`].
+//!
+//! This crate has no Cargo features.
+
+mod backend;
+mod error;
+mod shared;
+mod sql;
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use idem_core::{IdempotencyKey, KeyRegistry, Result, Scope, StoreErrorKind, StoredRow, TableName};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, Row, SqlitePool};
+
+pub use sqlx::sqlite::SqliteSynchronous;
+
+pub use crate::error::store_error;
+use crate::sql::{MIGRATIONS, Statements, latest_version};
+
+/// The transaction type of [`SqliteStore`] in transactional mode. The
+/// caller's own writes go through it (`&mut **tx` is a connection).
+pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
+/// How [`SqliteStore::open_with`] configures its connections.
+#[derive(Debug, Clone)]
+pub struct SqliteOptions {
+    busy_timeout: Duration,
+    synchronous: SqliteSynchronous,
+    max_connections: u32,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            busy_timeout: Duration::from_secs(5),
+            synchronous: SqliteSynchronous::Full,
+            max_connections: 10,
+        }
+    }
+}
+
+impl SqliteOptions {
+    /// The defaults: a 5 s busy timeout, `synchronous = FULL`, 10 connections.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long a statement waits for another connection's lock before it
+    /// fails with [`StoreErrorKind::LockTimeout`].
+    pub fn busy_timeout_ms(mut self, busy_timeout_ms: u64) -> Self {
+        self.busy_timeout = Duration::from_millis(busy_timeout_ms);
+        self
+    }
+
+    /// The `synchronous` pragma. `FULL` (the default) makes every commit
+    /// durable across a power loss; `NORMAL` in WAL mode may lose the last
+    /// commits on power loss (never on a process crash) and is faster. Keep
+    /// `FULL` when the effects move money.
+    pub fn synchronous(mut self, synchronous: SqliteSynchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// The most connections the pool opens. Writers are serialised by
+    /// SQLite whatever this is; more connections let more readers run.
+    pub fn max_connections(mut self, max_connections: u32) -> Self {
+        self.max_connections = max_connections.max(1);
+        self
+    }
+}
+
+/// The SQLite store: transactional mode ([`TxBackend`](idem_core::TxBackend)),
+/// lease mode ([`LeaseStore`](idem_core::LeaseStore)) and sweeping
+/// ([`Sweep`](idem_core::Sweep)) on one keys table.
+///
+/// Clones are cheap and share the pool, the table and the key registry.
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    table: TableName,
+    sql: Arc<Statements>,
+    registry: KeyRegistry,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("file", &self.pool.connect_options().get_filename())
+            .field("table", &self.table)
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating it if missing) the database file at `path` with the
+    /// default [`SqliteOptions`]: WAL journal, a 5 s busy timeout,
+    /// `synchronous = FULL` and foreign keys on.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path, SqliteOptions::default()).await
+    }
+
+    /// Opens (creating it if missing) the database file at `path` with
+    /// `options`.
+    pub async fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self> {
+        let path = path.as_ref();
+        let connect = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(options.busy_timeout)
+            .synchronous(options.synchronous)
+            .foreign_keys(true);
+        // Switching a new database to WAL needs an exclusive lock, and
+        // SQLite reports a conflict over it at once instead of waiting in the
+        // busy handler; so when several openers race on a brand-new file, the
+        // losers retry here within the busy timeout. Once the file is in WAL
+        // (a persistent setting), opening never needs that lock again.
+        let deadline = Instant::now() + options.busy_timeout;
+        let mut pause = Duration::from_millis(2);
+        let pool = loop {
+            let attempt = SqlitePoolOptions::new()
+                .max_connections(options.max_connections)
+                .connect_with(connect.clone())
+                .await;
+            match attempt {
+                Ok(pool) => break pool,
+                Err(e) if error::kind_of(&e) == StoreErrorKind::LockTimeout && Instant::now() < deadline => {
+                    tracing::debug!(file = %path.display(), error = %e, "database locked while opening; retrying");
+                    tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => return Err(store_error(e)),
+            }
+        };
+        tracing::debug!(file = %path.display(), ?options, "opened sqlite store");
+        Ok(Self::new(pool))
+    }
+
+    /// A store on a pool the caller built. The pool's options are used as
+    /// they are: for the guarantees of [`open`](Self::open), set WAL, a busy
+    /// timeout and `synchronous = FULL` on it, and point it at a file (see
+    /// the crate docs on in-memory databases).
+    ///
+    /// The store joins the process-wide key registry of the pool's file, so
+    /// every store on that file in this process serialises claims of a key
+    /// together.
+    pub fn new(pool: SqlitePool) -> Self {
+        let registry = shared::registry_for(pool.connect_options().get_filename());
+        let table = TableName::default();
+        let sql = Arc::new(Statements::new(&table));
+        Self {
+            pool,
+            table,
+            sql,
+            registry,
+        }
+    }
+
+    /// Uses the keys table `table` (default `idem_keys`).
+    pub fn with_table(mut self, table: TableName) -> Self {
+        self.sql = Arc::new(Statements::new(&table));
+        self.table = table;
+        self
+    }
+
+    /// Serialises this store's claims through `registry` instead of the
+    /// process-wide registry of its file.
+    ///
+    /// Claims stay correct without a shared registry (the database's write
+    /// lock and primary key decide, as between processes), but a twin then
+    /// waits on SQLite's global write lock, bounded by the busy timeout,
+    /// instead of on its own key. Tests use this to act as a second process.
+    pub fn with_registry(mut self, registry: KeyRegistry) -> Self {
+        self.registry = registry;
+        self
+    }
+
+    /// The connection pool (for the caller's own queries).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The keys table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The registry that serialises this store's claims of one key.
+    pub fn registry(&self) -> &KeyRegistry {
+        &self.registry
+    }
+
+    /// Creates or upgrades the keys table to the newest schema version.
+    ///
+    /// Migrations are embedded and versioned in a `{table}_schema` table.
+    /// They run in one `BEGIN IMMEDIATE` transaction, so concurrent calls
+    /// (from this or other processes) apply each version once: later
+    /// callers wait for the write lock and then find nothing to do. Fails
+    /// with [`Error::Config`](idem_core::Error::Config) if the database was
+    /// migrated by a newer version of this crate.
+    pub async fn migrate(&self) -> Result<()> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        sqlx::query(AssertSqlSafe(self.sql.create_schema_table.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let current: i64 = sqlx::query(AssertSqlSafe(self.sql.schema_version.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(store_error)?;
+        let latest = latest_version();
+        if current > latest {
+            return Err(idem_core::Error::Config(format!(
+                "table {} is at schema version {current}, newer than the {latest} this idem-sqlite knows",
+                self.table
+            )));
+        }
+        for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
+            for statement in (migration.statements)(self.table.as_str()) {
+                sqlx::query(AssertSqlSafe(statement))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+            }
+            sqlx::query(AssertSqlSafe(self.sql.insert_schema_version.clone()))
+                .bind(migration.version)
+                .bind(migration.description)
+                .bind(wall_clock_ms())
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+            tracing::debug!(table = %self.table, version = migration.version, "applied idem schema migration");
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(())
+    }
+
+    /// The stored row of a key, if any (expired rows included until swept).
+    pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        self.select(&mut conn, scope, key).await
+    }
+}
+
+/// The wall-clock time, only for the informational `applied_at_ms` of a
+/// schema version; key times always come from the engine's clock.
+fn wall_clock_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}

@@ -1,3 +1,69 @@
-//! idem: exactly-once effects for Rust services.
+//! **idem**: exactly-once effects for Rust services.
+//!
+//! ```text
+//! at-least-once delivery + idempotent handler = exactly-once effect
+//! ```
+//!
+//! An idempotency key's claim, your business writes and the recorded outcome
+//! commit together; a retry with the same key replays the outcome and does
+//! not run again. See the repository's README for the HTTP contract and the
+//! reference service.
+//!
+//! ```
+//! # #[cfg(feature = "memory")] {
+//! use idem::{Call, Fingerprint, IdempotencyKey, Scope, TxEngine};
+//! use idem::memory::MemoryStore;
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let engine = TxEngine::new(MemoryStore::new());
+//! let scope = Scope::parse("tenant-1", "POST /v1/payouts")?;
+//! let fp = Fingerprint::of_json(scope.operation(), br#"{"amount":500}"#)?;
+//! let call = Call::new(scope, IdempotencyKey::generate(), fp);
+//! let paid = engine.execute(&call, |tx| Box::pin(async move {
+//!     tx.on_commit(|| println!("paid once"));
+//!     Ok::<_, idem::Error>("payout-1".to_string())
+//! })).await?;
+//! let again = engine.execute(&call, |_| Box::pin(async { Ok::<_, idem::Error>("never".to_string()) })).await?;
+//! assert_eq!(again.into_inner(), paid.into_inner());
+//! # Ok::<(), idem::Error>(()) }).unwrap();
+//! # }
+//! ```
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `memory` | [`memory::MemoryStore`] |
+//! | `postgres` | `postgres::PgStore` (PostgreSQL, CockroachDB, YugabyteDB) |
+//! | `mysql` | `mysql::MySqlStore` (MySQL, MariaDB) |
+//! | `sqlite` | `sqlite::SqliteStore` |
+//! | `http` | `http::IdempotencyLayer`, the tower/axum layer |
 
 pub use idem_core::*;
+
+/// The in-memory store.
+#[cfg(feature = "memory")]
+pub mod memory {
+    pub use idem_memory::*;
+}
+
+/// The PostgreSQL store.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use idem_postgres::*;
+}
+
+/// The MySQL/MariaDB store.
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use idem_mysql::*;
+}
+
+/// The SQLite store.
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use idem_sqlite::*;
+}
+
+/// The HTTP layer.
+#[cfg(feature = "http")]
+pub mod http {
+    pub use idem_http::*;
+}

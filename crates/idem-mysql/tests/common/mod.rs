@@ -1,0 +1,86 @@
+//! Connecting the tests to the local MariaDB (or MySQL) server.
+
+#![allow(dead_code, unreachable_pub)]
+
+use idem_core::TableName;
+use idem_mysql::MySqlStore;
+use sqlx::MySqlPool;
+use sqlx::mysql::MySqlPoolOptions;
+
+/// The variable that names the test server.
+pub const URL_VAR: &str = "IDEM_TEST_MYSQL_URL";
+/// The server used when the variable is unset.
+pub const DEFAULT_URL: &str = "mysql://root@127.0.0.1:3306/test";
+/// The keys table every conformance test shares; tests use unique scopes,
+/// so they never see each other's keys.
+pub const SHARED_TABLE: &str = "idem_conformance_keys";
+/// The caller's business rows. It has no unique constraint, so a double
+/// write would be counted rather than refused.
+pub const EFFECTS_TABLE: &str = "idem_conformance_effects";
+/// Isolated keys tables are named with this prefix and a random suffix.
+pub const ISOLATED_PREFIX: &str = "idem_iso_";
+
+/// The test server's URL.
+pub fn url() -> String {
+    std::env::var(URL_VAR).unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// A small pool of its own: sqlx pools belong to the runtime that created
+/// them, and every `#[tokio::test]` has its own runtime.
+pub async fn connect() -> MySqlPool {
+    let url = url();
+    match MySqlPoolOptions::new().max_connections(8).connect(&url).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            panic!("cannot reach the MySQL/MariaDB test server at {url} ({e}); start it, or point {URL_VAR} at one")
+        }
+    }
+}
+
+/// The store on the shared keys table, migrated, with the effects table in
+/// place.
+pub async fn shared_store(pool: MySqlPool) -> MySqlStore {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (
+            effect_id VARCHAR(255) NOT NULL,
+            KEY effect_id_idx (effect_id)
+        ) ENGINE=InnoDB"
+    )))
+    .execute(&pool)
+    .await
+    .expect("create the effects table");
+    let store = MySqlStore::new(pool).with_table(TableName::new(SHARED_TABLE).unwrap());
+    store.migrate().await.expect("migrate the shared keys table");
+    store
+}
+
+/// A store on a fresh, migrated keys table of its own.
+pub async fn isolated_store(pool: MySqlPool) -> MySqlStore {
+    drop_old_isolated_tables(&pool).await;
+    let name = format!("{ISOLATED_PREFIX}{}", uuid::Uuid::new_v4().simple());
+    let store = MySqlStore::new(pool).with_table(TableName::new(name).unwrap());
+    store.migrate().await.expect("migrate an isolated keys table");
+    store
+}
+
+/// Isolated tables are left behind by finished tests; the ones older than
+/// an hour cannot belong to a test that is still running, so they are
+/// dropped to keep the database tidy.
+async fn drop_old_isolated_tables(pool: &MySqlPool) {
+    let old: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(table_name AS CHAR) FROM information_schema.tables
+         WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_iso\\_%'
+         AND create_time < NOW() - INTERVAL 1 HOUR",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("list old isolated tables");
+    for table in old {
+        // The names come from the server's catalogue and match the prefix
+        // above, so quoting them with backticks is enough.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{table}`")))
+            .execute(pool)
+            .await
+            .expect("drop an old isolated table");
+    }
+}

@@ -1,0 +1,532 @@
+//! Behaviours specific to the MySQL/MariaDB store, beyond the conformance
+//! suite: the schema, migrations, lock waits, deadlocks and error mapping.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{connect, isolated_store, shared_store};
+use idem_conformance::{Receipt, Runs, call_for, unique_scope, waiting};
+use idem_core::{
+    Begin, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, StoreErrorKind,
+    TableName, Token, TxBackend, TxClaim, TxEngine,
+};
+use idem_mysql::{MySqlStore, MySqlTx};
+
+fn now_ms() -> i64 {
+    idem_core::Clock::now_ms(&idem_core::SystemClock)
+}
+
+/// A claim request for `call` at the current time, transactional or with a lease.
+fn request<'a>(call: &'a idem_core::Call, lease_expires_at_ms: Option<i64>) -> ClaimRequest<'a> {
+    let now = now_ms();
+    ClaimRequest {
+        scope: call.scope(),
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: now,
+        expires_at_ms: now + 60_000,
+        fresh_token: Token::fresh(now),
+        lease_expires_at_ms,
+    }
+}
+
+async fn claim(
+    store: &MySqlStore,
+    tx: &mut MySqlTx,
+    call: &idem_core::Call,
+    wait: Duration,
+) -> idem_core::Result<TxClaim> {
+    let req = request(call, None);
+    store.claim(tx, &req, wait).await
+}
+
+/// How many statements are inserting into the store's table right now
+/// (each test that counts uses a table of its own). While a claim holds the
+/// key, such an insert can only be a twin blocked on its row lock. The
+/// process list is read rather than `information_schema.innodb_trx`, whose
+/// contents InnoDB caches and refreshes only after 100 ms without readers.
+async fn blocked_inserts(store: &MySqlStore) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.processlist
+         WHERE info LIKE CONCAT('%INSERT INTO `', ?, '`%')",
+    )
+    .bind(store.table().as_str())
+    .fetch_one(store.pool())
+    .await
+    .expect("count blocked inserts")
+}
+
+/// Waits until `n` twins are blocked on the store's table.
+async fn until_blocked(store: &MySqlStore, n: i64) {
+    let started = Instant::now();
+    while blocked_inserts(store).await < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{n} twins never blocked on the key"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Leave the last statement time to enqueue its lock request.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// The server's deadlock counter.
+async fn deadlocks(store: &MySqlStore) -> u64 {
+    let (_, value): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
+        .fetch_one(store.pool())
+        .await
+        .expect("read the deadlock counter");
+    value.parse().expect("a number")
+}
+
+/// The keys table has the documented column types, binary key columns and the expiry index.
+#[tokio::test]
+async fn schema_matches_the_documented_layout() {
+    let store = isolated_store(connect().await).await;
+    let columns: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR), CAST(is_nullable AS CHAR)
+         FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = ?
+         ORDER BY ordinal_position",
+    )
+    .bind(store.table().as_str())
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    // MariaDB shows integer display widths (`bigint(20)`), MySQL 8 does not.
+    let got: Vec<(&str, &str, &str)> = columns
+        .iter()
+        .map(|(n, t, null)| {
+            (
+                n.as_str(),
+                t.split('(').next().filter(|b| b.ends_with("int")).unwrap_or(t.as_str()),
+                null.as_str(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("tenant", "varbinary(255)", "NO"),
+        ("operation", "varbinary(255)", "NO"),
+        ("idem_key", "varbinary(255)", "NO"),
+        ("fingerprint", "binary(32)", "NO"),
+        ("status", "smallint", "NO"),
+        ("token", "bigint", "NO"),
+        ("payload", "longblob", "YES"),
+        ("created_at_ms", "bigint", "NO"),
+        ("expires_at_ms", "bigint", "NO"),
+        ("lease_expires_at_ms", "bigint", "YES"),
+    ];
+    assert_eq!(got, expected);
+    let engine: String = sqlx::query_scalar(
+        "SELECT CAST(engine AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+    )
+    .bind(store.table().as_str())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(engine, "InnoDB");
+    let index_columns: Vec<(String, String)> = sqlx::query_as(
+        "SELECT CAST(index_name AS CHAR), CAST(column_name AS CHAR) FROM information_schema.statistics
+         WHERE table_schema = DATABASE() AND table_name = ? ORDER BY index_name, seq_in_index",
+    )
+    .bind(store.table().as_str())
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let primary: Vec<&str> = index_columns
+        .iter()
+        .filter(|(i, _)| i == "PRIMARY")
+        .map(|(_, c)| c.as_str())
+        .collect();
+    assert_eq!(primary, ["tenant", "operation", "idem_key"]);
+    assert!(
+        index_columns
+            .iter()
+            .any(|(i, c)| i != "PRIMARY" && c == "expires_at_ms"),
+        "{index_columns:?}"
+    );
+}
+
+/// Many processes migrating the same fresh table at once all succeed, and each migration is recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_apply_once() {
+    let table = TableName::new(format!("{}{}", common::ISOLATED_PREFIX, uuid::Uuid::new_v4().simple())).unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let table = table.clone();
+        tasks.push(tokio::spawn(async move {
+            let store = MySqlStore::new(connect().await).with_table(table);
+            store.migrate().await.map(|()| store)
+        }));
+    }
+    let mut stores = Vec::new();
+    for t in tasks {
+        stores.push(t.await.unwrap().expect("every concurrent migration succeeds"));
+    }
+    stores[0].migrate().await.expect("migrating again is a no-op");
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT version FROM `{table}_schema`")))
+        .fetch_all(stores[0].pool())
+        .await
+        .unwrap();
+    assert_eq!(versions, [1], "version 1 is recorded exactly once");
+}
+
+/// A table name whose version table would exceed MySQL's identifier limit is refused before touching the server.
+#[tokio::test]
+async fn overlong_table_name_is_a_config_error() {
+    let store = MySqlStore::new(connect().await).with_table(TableName::new("k".repeat(60)).unwrap());
+    assert!(matches!(store.migrate().await, Err(Error::Config(_))));
+}
+
+/// Keys, tenants and operations are compared byte for byte: keys differing only in case are distinct.
+#[tokio::test]
+async fn keys_are_case_sensitive() {
+    let store = shared_store(connect().await).await;
+    let engine = TxEngine::new(store);
+    let scope = unique_scope("POST /v1/transfers");
+    let runs = Runs::default();
+    let mut values = Vec::new();
+    for key in ["Key-ABC", "key-abc", "KEY-ABC", "Key-ABC "] {
+        let call = call_for(&scope, &IdempotencyKey::new(key).unwrap(), "{}", Policy::default());
+        let runs = runs.clone();
+        let out = engine
+            .execute(&call, move |_tx| {
+                Box::pin(async move {
+                    runs.hit();
+                    Ok::<_, Error>(Receipt::new(1))
+                })
+            })
+            .await
+            .unwrap();
+        assert!(!out.is_replayed(), "{key:?} is a key of its own");
+        values.push(out.into_inner());
+    }
+    assert_eq!(runs.get(), 4);
+    let upper_scope = idem_core::Scope::parse(&scope.tenant().as_str().to_uppercase(), "POST /v1/transfers").unwrap();
+    let call = call_for(
+        &upper_scope,
+        &IdempotencyKey::new("Key-ABC").unwrap(),
+        "{}",
+        Policy::default(),
+    );
+    let out = engine
+        .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(Receipt::new(2)) }))
+        .await
+        .unwrap();
+    assert!(!out.is_replayed(), "a tenant differing only in case is another tenant");
+}
+
+/// Extending a lease to the expiry it already has is not mistaken for a fenced lease.
+#[tokio::test]
+async fn extend_with_unchanged_expiry_is_not_fenced() {
+    let store = shared_store(connect().await).await;
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let until = now_ms() + 30_000;
+    let req = request(&call, Some(until));
+    let LeaseClaim::Acquired(token) = store.try_claim(&req).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let lease = Lease {
+        scope: call.scope().clone(),
+        key: call.key().clone(),
+        token,
+        lease_expires_at_ms: until,
+    };
+    store.extend(&lease, until).await.expect("same expiry: still held");
+    store.extend(&lease, until).await.expect("and again");
+    store.extend(&lease, until + 1_000).await.expect("a later expiry");
+    let stale = Lease {
+        token: Token(token.0 - 1),
+        ..lease.clone()
+    };
+    assert!(
+        matches!(store.extend(&stale, until).await, Err(Error::Fenced)),
+        "a wrong token is fenced"
+    );
+    store
+        .complete(&lease, &Record::completed(b"done".to_vec()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(store.extend(&lease, until).await, Err(Error::Fenced)),
+        "a completed key is fenced"
+    );
+}
+
+/// A twin's wait is bounded by the attempt's wait: under a second it does not block at all, otherwise it blocks whole seconds and answers busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twin_wait_is_bounded_and_answers_busy() {
+    let store = shared_store(connect().await).await;
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+
+    let mut twin = store.begin().await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        claim(&store, &mut twin, &call, Duration::from_millis(900))
+            .await
+            .unwrap(),
+        TxClaim::Busy
+    );
+    let no_wait = started.elapsed();
+    store.rollback(twin).await.unwrap();
+    assert!(
+        no_wait < Duration::from_millis(500),
+        "a sub-second wait does not block: {no_wait:?}"
+    );
+
+    let mut twin = store.begin().await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        claim(&store, &mut twin, &call, Duration::from_millis(1_700))
+            .await
+            .unwrap(),
+        TxClaim::Busy
+    );
+    let blocked = started.elapsed();
+    store.rollback(twin).await.unwrap();
+    assert!(
+        blocked >= Duration::from_millis(900),
+        "a 1.7 s wait blocks for one whole second: {blocked:?}"
+    );
+    assert!(
+        blocked < Duration::from_millis(1_700),
+        "and never past the wait: {blocked:?}"
+    );
+    store.rollback(first).await.unwrap();
+}
+
+/// A blocked twin wakes as soon as the first claim commits and finds its recorded outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn blocked_twin_wakes_on_commit() {
+    let store = isolated_store(connect().await).await;
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let twin = {
+        let (store, call) = (store.clone(), call.clone());
+        tokio::spawn(async move {
+            let mut tx = store.begin().await.unwrap();
+            let started = Instant::now();
+            let out = claim(&store, &mut tx, &call, Duration::from_secs(30)).await;
+            store.rollback(tx).await.unwrap();
+            (out, started.elapsed())
+        })
+    };
+    until_blocked(&store, 1).await;
+    let record = Record::completed(b"outcome".to_vec());
+    let req = request(&call, None);
+    store.record(&mut first, &req, &record).await.unwrap();
+    store.commit(first).await.unwrap();
+    let (out, elapsed) = twin.await.unwrap();
+    match out.unwrap() {
+        TxClaim::Found(row) => assert_eq!(row.state, idem_core::RowState::Done(record)),
+        other => panic!("expected the committed row, got {other:?}"),
+    }
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "the twin woke on commit, not on a timeout: {elapsed:?}"
+    );
+}
+
+/// When the first claimer rolls back under several blocked twins, their inserts deadlock (1213); the losers get `StoreErrorKind::Deadlock`, never an unknown error, and exactly one twin holds the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rollback_under_blocked_twins_maps_deadlocks() {
+    let store = isolated_store(connect().await).await;
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let before = deadlocks(&store).await;
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let answered = Arc::new(tokio::sync::Barrier::new(4));
+    let twins: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, call, answered) = (store.clone(), call.clone(), answered.clone());
+            tokio::spawn(async move {
+                let mut tx = store.begin().await.unwrap();
+                let out = claim(&store, &mut tx, &call, Duration::from_secs(4)).await;
+                // A winner holds its claim until every twin has answered, as
+                // a running call would.
+                answered.wait().await;
+                store.rollback(tx).await.unwrap();
+                out
+            })
+        })
+        .collect();
+    until_blocked(&store, 4).await;
+    store.rollback(first).await.unwrap();
+    let mut claimed = 0;
+    let mut deadlocked = 0;
+    let mut busy = 0;
+    for t in twins {
+        match t.await.unwrap() {
+            Ok(TxClaim::Claimed) => claimed += 1,
+            Err(e) if e.store_kind() == Some(StoreErrorKind::Deadlock) => {
+                assert!(e.is_retryable());
+                deadlocked += 1;
+            }
+            // A twin that queued behind the winner's insert rather than
+            // deadlocking waits for it and is answered busy or with the row.
+            Ok(TxClaim::Busy) => busy += 1,
+            other => panic!("unexpected claim answer: {other:?}"),
+        }
+    }
+    eprintln!("4 blocked twins after a rollback: {claimed} claimed, {deadlocked} deadlocked, {busy} busy");
+    assert_eq!(claimed, 1, "exactly one twin holds the key");
+    assert!(
+        deadlocked >= 1,
+        "the classic InnoDB duplicate-insert deadlock was reproduced"
+    );
+    assert!(
+        deadlocks(&store).await >= before + deadlocked,
+        "the server counted the deadlocks"
+    );
+}
+
+/// Through the engine, a rollback under many waiting twins ends with exactly one execution and every twin answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn engine_retries_deadlocked_twins() {
+    let store = isolated_store(connect().await).await;
+    let engine = Arc::new(TxEngine::new(store.clone()));
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(60_000));
+    let first = match engine.begin(&call).await.unwrap() {
+        Begin::Claimed(c) => c,
+        Begin::Replay(_) => panic!("a fresh key is claimed"),
+    };
+    let runs = Runs::default();
+    let before = deadlocks(&store).await;
+    let twins: Vec<_> = (0..6)
+        .map(|_| {
+            let (engine, call, runs) = (engine.clone(), call.clone(), runs.clone());
+            tokio::spawn(async move {
+                engine
+                    .execute(&call, move |_tx| {
+                        Box::pin(async move {
+                            runs.hit();
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Ok::<_, Error>(Receipt::new(1))
+                        })
+                    })
+                    .await
+            })
+        })
+        .collect();
+    until_blocked(&store, 6).await;
+    engine.abandon(first).await;
+    let mut outcomes = Vec::new();
+    for t in twins {
+        outcomes.push(t.await.unwrap().expect("every twin gets an outcome"));
+    }
+    assert_eq!(runs.get(), 1, "the work ran once");
+    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
+    assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()));
+    eprintln!(
+        "6 waiting twins after a rollback: {} deadlocks on the server meanwhile",
+        deadlocks(&store).await - before
+    );
+}
+
+/// A connection killed mid-transaction is reported as `Unavailable`, not as an unknown error.
+#[tokio::test]
+async fn killed_connection_is_unavailable() {
+    let store = shared_store(connect().await).await;
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let mut tx = store.begin().await.unwrap();
+    let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let err = claim(&store, &mut tx, &call, Duration::ZERO).await.unwrap_err();
+    assert_eq!(err.store_kind(), Some(StoreErrorKind::Unavailable), "{err:?}");
+    assert!(err.is_retryable());
+    drop(tx);
+}
+
+/// A sweep deletes only expired rows, oldest first, at most `limit` at a time.
+#[tokio::test]
+async fn sweep_is_bounded_and_spares_live_rows() {
+    use idem_core::Sweep;
+    let store = isolated_store(connect().await).await;
+    let scope = unique_scope("op");
+    let now = now_ms();
+    for (i, expires) in [now - 3, now - 2, now - 1, now, now + 60_000].into_iter().enumerate() {
+        let call = call_for(
+            &scope,
+            &IdempotencyKey::new(format!("k{i}")).unwrap(),
+            "{}",
+            Policy::default(),
+        );
+        let req = ClaimRequest {
+            expires_at_ms: expires,
+            now_ms: now - 10,
+            ..request(&call, Some(now + 1))
+        };
+        let mut tx = store.begin().await.unwrap();
+        assert_eq!(
+            store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+            TxClaim::Claimed
+        );
+        store.commit(tx).await.unwrap();
+    }
+    assert_eq!(store.sweep_expired(now, 2).await.unwrap(), 2);
+    let left = |k: &str| {
+        let store = store.clone();
+        let scope = scope.clone();
+        let k = k.to_owned();
+        async move {
+            store
+                .get(&scope, &IdempotencyKey::new(k).unwrap())
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    assert!(!left("k0").await && !left("k1").await, "the oldest go first");
+    assert!(left("k2").await);
+    assert_eq!(
+        store.sweep_expired(now, 10).await.unwrap(),
+        2,
+        "expires_at_ms <= now is expired"
+    );
+    assert!(left("k4").await, "the live row survives");
+    assert_eq!(store.sweep_expired(now, 10).await.unwrap(), 0);
+}

@@ -1,0 +1,76 @@
+//! Mapping PostgreSQL and driver errors to idem's portable kinds.
+
+use idem_core::{Error, StoreErrorKind};
+
+/// SQLSTATE `55P03` (lock_not_available): `lock_timeout` ran out.
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// Maps a driver error to an [`idem_core::Error::Store`] with the portable
+/// kind the engines act on.
+///
+/// | SQLSTATE or driver error | kind |
+/// | --- | --- |
+/// | `40P01` deadlock detected | [`Deadlock`](StoreErrorKind::Deadlock) |
+/// | `40001` serialization failure | [`Serialization`](StoreErrorKind::Serialization) |
+/// | `55P03` lock not available (`lock_timeout`) | [`LockTimeout`](StoreErrorKind::LockTimeout) |
+/// | class `08` (connection), `57P01`–`57P03` (shutdown, restart), `53300` (too many connections), I/O, TLS, pool timeouts and closed pools | [`Unavailable`](StoreErrorKind::Unavailable) |
+/// | anything else | [`Other`](StoreErrorKind::Other) |
+///
+/// Business code running inside an idem transaction can use it too, so that
+/// its own deadlocks and serialisation failures are retried like idem's.
+///
+/// ```
+/// use idem_core::StoreErrorKind;
+/// let err = idem_postgres::map_error(sqlx::Error::PoolTimedOut);
+/// assert_eq!(err.store_kind(), Some(StoreErrorKind::Unavailable));
+/// ```
+pub fn map_error(error: sqlx::Error) -> Error {
+    let kind = kind_of(&error);
+    Error::store(kind, error)
+}
+
+/// The SQLSTATE of a database error, if `error` is one.
+pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
+fn kind_of(error: &sqlx::Error) -> StoreErrorKind {
+    match error {
+        sqlx::Error::Database(_) => match sqlstate(error).as_deref() {
+            Some("40P01") => StoreErrorKind::Deadlock,
+            Some("40001") => StoreErrorKind::Serialization,
+            Some(LOCK_NOT_AVAILABLE) => StoreErrorKind::LockTimeout,
+            Some("57P01" | "57P02" | "57P03" | "53300") => StoreErrorKind::Unavailable,
+            Some(code) if code.starts_with("08") => StoreErrorKind::Unavailable,
+            _ => StoreErrorKind::Other,
+        },
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => StoreErrorKind::Unavailable,
+        _ => StoreErrorKind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_map_to_portable_kinds() {
+        let io = sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset"));
+        assert_eq!(map_error(io).store_kind(), Some(StoreErrorKind::Unavailable));
+        assert_eq!(
+            map_error(sqlx::Error::PoolClosed).store_kind(),
+            Some(StoreErrorKind::Unavailable)
+        );
+        assert_eq!(
+            map_error(sqlx::Error::RowNotFound).store_kind(),
+            Some(StoreErrorKind::Other)
+        );
+    }
+}

@@ -1,0 +1,138 @@
+//! Embedded, versioned schema migrations.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use idem_core::{Result, TableName};
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::error::map_error;
+use crate::sql::{derived_name, fnv1a};
+
+/// One schema version: statements run in order, in one transaction.
+struct Migration {
+    version: i32,
+    description: &'static str,
+    /// Statements with `{table}` and `{expires_index}` placeholders.
+    statements: &'static [&'static str],
+}
+
+/// Every migration, oldest first. Applied versions are never edited; a
+/// schema change is a new entry.
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "keys table and expiry index",
+    statements: &[
+        // The key columns use the "C" collation: byte order never changes
+        // with an operating system's locale data, so the primary key index
+        // that makes claims exclusive cannot be corrupted by a libc upgrade,
+        // and comparisons are plain byte comparisons. The fill factor leaves
+        // room on each page so that recording an outcome, which updates the
+        // row its claim inserted moments before, stays a heap-only update.
+        "CREATE TABLE IF NOT EXISTS {table} (
+            tenant TEXT COLLATE \"C\" NOT NULL,
+            operation TEXT COLLATE \"C\" NOT NULL,
+            idem_key TEXT COLLATE \"C\" NOT NULL,
+            fingerprint BYTEA NOT NULL CHECK (octet_length(fingerprint) = 32),
+            status SMALLINT NOT NULL CHECK (status IN (0, 1, 2)),
+            token BIGINT NOT NULL,
+            payload BYTEA NULL,
+            created_at_ms BIGINT NOT NULL,
+            expires_at_ms BIGINT NOT NULL,
+            lease_expires_at_ms BIGINT NULL,
+            PRIMARY KEY (tenant, operation, idem_key)
+        ) WITH (fillfactor = 80)",
+        // The sweeper finds expired rows through this index.
+        "CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at_ms)",
+    ],
+}];
+
+/// The newest schema version this crate knows.
+pub(crate) const LATEST_VERSION: i32 = 1;
+
+/// Applies every migration newer than the recorded version, in one
+/// transaction serialised by an advisory lock on the table's name.
+pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
+    let version_table = derived_name(table, "schema");
+    let expires_index = derived_name(table, "expires_at_ms_idx");
+    let mut tx = pool.begin().await.map_err(map_error)?;
+    // Two processes running `CREATE TABLE IF NOT EXISTS` at once can both see
+    // no table and one then fails on a duplicate catalog entry; the lock makes
+    // every migrator of this table take its turn.
+    let lock_key = fnv1a(&[b"idem-postgres migrate", table.as_str().as_bytes()]) as i64;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(lock_key)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_error)?;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {version_table} (
+            version INTEGER PRIMARY KEY,
+            description TEXT NOT NULL,
+            applied_at_ms BIGINT NOT NULL
+        )"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(map_error)?;
+    let current: i32 = sqlx::query(AssertSqlSafe(format!(
+        "SELECT COALESCE(MAX(version), 0) FROM {version_table}"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .and_then(|row| row.try_get(0))
+    .map_err(map_error)?;
+    if current > LATEST_VERSION {
+        tracing::warn!(
+            table = table.as_str(),
+            current,
+            known = LATEST_VERSION,
+            "schema is newer than this version of idem-postgres knows"
+        );
+    }
+    for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
+        for statement in migration.statements {
+            let sql = statement
+                .replace("{table}", table.as_str())
+                .replace("{expires_index}", &expires_index);
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(map_error)?;
+        }
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {version_table} (version, description, applied_at_ms) VALUES ($1, $2, $3)"
+        )))
+        .bind(migration.version)
+        .bind(migration.description)
+        .bind(unix_ms())
+        .execute(&mut *tx)
+        .await
+        .map_err(map_error)?;
+        tracing::debug!(
+            table = table.as_str(),
+            version = migration.version,
+            description = migration.description,
+            "applied idem schema migration"
+        );
+    }
+    tx.commit().await.map_err(map_error)?;
+    Ok(())
+}
+
+fn unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_increasing_and_end_at_latest() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
+        assert_eq!(MIGRATIONS.last().map(|m| m.version), Some(LATEST_VERSION));
+    }
+}

@@ -1,0 +1,205 @@
+//! The SQL text of every statement, built once per table and strategy.
+//!
+//! Table names are validated [`TableName`]s, so splicing them into SQL is
+//! safe. Every time is a bound parameter taken from the engine's clock; no
+//! statement reads the database's own clock.
+
+use std::sync::Arc;
+
+use idem_core::TableName;
+
+use crate::ClaimStrategy;
+
+/// PostgreSQL truncates identifiers to 63 bytes.
+const MAX_IDENTIFIER_LEN: usize = 63;
+
+/// The columns a stored row is decoded from, in the order
+/// [`StoredRow::from_columns`](idem_core::StoredRow::from_columns) takes them.
+const ROW_COLUMNS: &str = "fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms";
+
+/// The placeholder custom setting that keeps the caller's `lock_timeout`
+/// while a claim bounds its own wait.
+const SAVED_LOCK_TIMEOUT: &str = "idem.saved_lock_timeout";
+
+/// The statements of one store configuration.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    /// The transactional claim (with the advisory lock under that strategy).
+    pub(crate) claim_tx: Arc<str>,
+    /// The lease-mode claim: the same upsert without an advisory lock.
+    pub(crate) claim_lease: Arc<str>,
+    /// Reads the committed row after a claim found it, and restores the
+    /// caller's `lock_timeout` in the same statement.
+    pub(crate) found_in_tx: Arc<str>,
+    /// Reads a row.
+    pub(crate) select_row: Arc<str>,
+    /// Records an outcome on the row claimed in the same transaction.
+    pub(crate) record: Arc<str>,
+    /// Records an outcome on a held lease.
+    pub(crate) complete: Arc<str>,
+    /// Deletes a held lease's row.
+    pub(crate) release: Arc<str>,
+    /// Moves a held lease's expiry.
+    pub(crate) extend: Arc<str>,
+    /// Deletes a bounded batch of expired rows.
+    pub(crate) sweep: Arc<str>,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &TableName, strategy: ClaimStrategy) -> Self {
+        let t = table.as_str();
+        let key = "tenant = $1 AND operation = $2 AND idem_key = $3";
+        Self {
+            claim_tx: claim(t, strategy).into(),
+            claim_lease: claim(t, ClaimStrategy::InsertOnConflict).into(),
+            found_in_tx: format!(
+                "SELECT {ROW_COLUMNS}, \
+                 set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) AS restored \
+                 FROM {t} WHERE {key}"
+            )
+            .into(),
+            select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),
+            // Only columns outside every index change here, so PostgreSQL can
+            // make this a heap-only (HOT) update on the claim's own page.
+            record: format!(
+                "UPDATE {t} SET status = $4, payload = $5, lease_expires_at_ms = NULL \
+                 WHERE {key} AND status = 0"
+            )
+            .into(),
+            complete: format!(
+                "UPDATE {t} SET status = $5, payload = $6, lease_expires_at_ms = NULL \
+                 WHERE {key} AND token = $4 AND status = 0"
+            )
+            .into(),
+            release: format!("DELETE FROM {t} WHERE {key} AND token = $4 AND status = 0").into(),
+            extend: format!(
+                "UPDATE {t} SET lease_expires_at_ms = $5, expires_at_ms = GREATEST(expires_at_ms, $5) \
+                 WHERE {key} AND token = $4 AND status = 0"
+            )
+            .into(),
+            // SKIP LOCKED leaves rows that a claim is taking over right now to
+            // that claim, so the sweeper never waits on live traffic. The rows
+            // the subquery locked still qualify (PostgreSQL rechecks the filter
+            // on the newest row version when it locks it) and cannot change
+            // before the delete, so the outer statement needs no filter of its
+            // own; without one the planner looks the batch up by primary key.
+            sweep: format!(
+                "DELETE FROM {t} WHERE (tenant, operation, idem_key) IN (\
+                 SELECT tenant, operation, idem_key FROM {t} WHERE expires_at_ms <= $1 \
+                 LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )
+            .into(),
+        }
+    }
+}
+
+/// The claim upsert.
+///
+/// Parameters: `$1` tenant, `$2` operation, `$3` key, `$4` fingerprint,
+/// `$5` fresh token, `$6` now, `$7` expiry, `$8` lease expiry (NULL in
+/// transactional mode), `$9` the `lock_timeout` in milliseconds as text, and
+/// under the advisory strategy `$10` the advisory lock key.
+///
+/// The statement bounds its own lock wait, so no extra round trip is spent on
+/// `SET LOCAL`: the `saved` CTE keeps the caller's `lock_timeout`, `bounded`
+/// sets the claim's wait, and `RETURNING` restores the saved value once the
+/// row is claimed, so the caller's own writes later in the transaction keep
+/// their usual lock behaviour. Both CTEs call a volatile function, so
+/// PostgreSQL materialises them and evaluates them, in this order, before the
+/// insert looks for a conflicting row. A concurrent uncommitted claim of the
+/// same key makes the insert wait for that transaction; if it commits, the
+/// conflict arm locks the committed row and updates it only if it is stale
+/// (expired, or an in-progress lease whose lease ran out), so a live row
+/// returns nothing.
+fn claim(t: &str, strategy: ClaimStrategy) -> String {
+    let (lock_cte, source) = match strategy {
+        ClaimStrategy::InsertOnConflict => ("", "bounded"),
+        ClaimStrategy::AdvisoryLock => (
+            ", locked AS (SELECT pg_advisory_xact_lock($10) AS locked FROM bounded)",
+            "locked",
+        ),
+    };
+    format!(
+        "WITH saved AS (\
+             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
+         ), bounded AS (\
+             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
+         ){lock_cte} \
+         INSERT INTO {t} AS k (tenant, operation, idem_key, fingerprint, status, token, \
+                               created_at_ms, expires_at_ms, lease_expires_at_ms) \
+         SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
+         ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
+             fingerprint = EXCLUDED.fingerprint, \
+             status = 0, \
+             token = GREATEST(k.token + 1, EXCLUDED.token), \
+             payload = NULL, \
+             created_at_ms = EXCLUDED.created_at_ms, \
+             expires_at_ms = EXCLUDED.expires_at_ms, \
+             lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
+         WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
+         RETURNING k.token, set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) AS restored"
+    )
+}
+
+/// A name derived from the table's, such as `{table}_schema`. If it would
+/// exceed PostgreSQL's identifier limit (and be silently truncated, possibly
+/// onto another table's derived name), the table part is shortened and a
+/// hash of the full table name keeps it unique.
+pub(crate) fn derived_name(table: &TableName, suffix: &str) -> String {
+    let t = table.as_str();
+    let plain = format!("{t}_{suffix}");
+    if plain.len() <= MAX_IDENTIFIER_LEN {
+        return plain;
+    }
+    let hash = format!("{:016x}", fnv1a(&[t.as_bytes()]));
+    let keep = MAX_IDENTIFIER_LEN - suffix.len() - hash.len() - 2;
+    // Table names are ASCII, so any byte index is a character boundary.
+    format!("{}_{hash}_{suffix}", &t[..keep])
+}
+
+/// A 64-bit FNV-1a hash over length-prefixed parts: stable across processes,
+/// platforms and compiler versions (advisory lock keys must agree between
+/// every process that uses the table), and no two different sequences of
+/// parts are hashed from the same bytes.
+pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut hash = OFFSET;
+    for part in parts {
+        let len = (part.len() as u64).to_le_bytes();
+        for byte in len.iter().chain(part.iter()) {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(PRIME);
+        }
+    }
+    hash
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_names_fit_postgres_identifiers() {
+        let short = TableName::new("idem_keys").unwrap();
+        assert_eq!(derived_name(&short, "schema"), "idem_keys_schema");
+        let a = TableName::new(format!("{}a", "x".repeat(62))).unwrap();
+        let b = TableName::new(format!("{}b", "x".repeat(62))).unwrap();
+        let (na, nb) = (derived_name(&a, "schema"), derived_name(&b, "schema"));
+        assert!(na.len() <= MAX_IDENTIFIER_LEN && nb.len() <= MAX_IDENTIFIER_LEN);
+        assert_ne!(
+            na, nb,
+            "long names that share a prefix still get distinct derived names"
+        );
+        assert!(TableName::new(na).is_ok());
+    }
+
+    #[test]
+    fn fnv1a_is_stable_and_length_prefixed() {
+        // Known values pin the hash: every process, whatever it was built
+        // with, must compute the same advisory lock keys.
+        assert_eq!(fnv1a(&[]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(&[b"idem"]), 0xc433_1a86_8445_cdea);
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+}

@@ -1,0 +1,77 @@
+//! Connecting the tests to PostgreSQL.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use idem_core::TableName;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, ConnectOptions, Row};
+
+/// The variable naming the test database.
+pub(crate) const URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
+
+/// The local default.
+pub(crate) const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// The test database's URL.
+pub(crate) fn database_url() -> String {
+    std::env::var(URL_VAR).unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// Opens a small pool of its own; sqlx pools cannot be shared across the runtimes of `#[tokio::test]`s.
+pub(crate) async fn open_pool(url: &str) -> PgPool {
+    let options: PgConnectOptions = url
+        .parse()
+        .unwrap_or_else(|e| panic!("{URL_VAR}={url} is not a PostgreSQL URL: {e}"));
+    // One direct connection first, so an unreachable server fails at once with
+    // a clear message instead of after the pool's acquire timeout.
+    if let Err(e) = options.connect().await {
+        panic!("PostgreSQL is unreachable at {url} ({e}); start it or point {URL_VAR} at a reachable database");
+    }
+    PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot open a pool on {url} (set by {URL_VAR}): {e}"))
+}
+
+/// Milliseconds since the epoch.
+fn unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as i64
+}
+
+/// Isolated tables are named `idem_iso_<created ms>_<random>`, so old ones can be recognised and dropped.
+const ISOLATED_PREFIX: &str = "idem_iso_";
+
+/// Isolated tables older than this are left over from earlier runs.
+const ISOLATED_MAX_AGE_MS: i64 = 3_600_000;
+
+/// A fresh, unused keys table name (the caller migrates it). Tables that
+/// earlier runs left behind are dropped first, so the test database does not
+/// grow without bound.
+pub(crate) async fn isolated_table(pool: &PgPool) -> TableName {
+    let names: Vec<String> = sqlx::query("SELECT tablename FROM pg_tables WHERE tablename LIKE 'idem\\_iso\\_%'")
+        .fetch_all(pool)
+        .await
+        .expect("list isolated tables")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let cutoff = unix_ms() - ISOLATED_MAX_AGE_MS;
+    for name in names {
+        let created = name
+            .strip_prefix(ISOLATED_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|ms| ms.parse::<i64>().ok());
+        if created.is_some_and(|ms| ms < cutoff) && TableName::new(name.as_str()).is_ok() {
+            // Another test process may drop the same table at the same moment; that is fine.
+            let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
+                .execute(pool)
+                .await;
+        }
+    }
+    let name = format!("{ISOLATED_PREFIX}{}_{}", unix_ms(), uuid::Uuid::new_v4().simple());
+    TableName::new(name).expect("a valid table name")
+}

@@ -1,0 +1,125 @@
+//! The conformance suite against PostgreSQL, with both claim strategies and in lease mode.
+//!
+//! The database comes from `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`); the tests fail, never skip, when
+//! it is unreachable.
+
+mod common;
+
+use common::{database_url, isolated_table, open_pool};
+use idem_conformance::{Subject, lease_conformance, tx_conformance};
+use idem_core::{BoxError, BoxFuture, TableName};
+use idem_postgres::{ClaimStrategy, PgStore, PgTx};
+use sqlx::Row;
+use sqlx::postgres::PgPool;
+
+/// The keys table shared by every test; tests use unique tenants, so they never see each other's keys.
+const SHARED_TABLE: &str = "idem_conformance_keys";
+
+#[derive(Clone)]
+struct Postgres {
+    store: PgStore,
+    url: String,
+}
+
+impl Postgres {
+    async fn connect(strategy: ClaimStrategy) -> Self {
+        let url = database_url();
+        let pool = open_pool(&url).await;
+        create_effects_table(&pool).await;
+        let store = PgStore::new(pool)
+            .with_table(TableName::new(SHARED_TABLE).unwrap())
+            .with_claim_strategy(strategy);
+        store.migrate().await.expect("migrate the shared keys table");
+        Self { store, url }
+    }
+}
+
+/// Creates the business table once; concurrent test processes take turns on an advisory lock.
+async fn create_effects_table(pool: &PgPool) {
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idem_conformance_effects', 0))")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    // No unique constraint, so a double write would be counted, not refused.
+    sqlx::query("CREATE TABLE IF NOT EXISTS idem_conformance_effects (effect_id TEXT NOT NULL)")
+        .execute(&mut *tx)
+        .await
+        .expect("create the effects table");
+    sqlx::query("CREATE INDEX IF NOT EXISTS idem_conformance_effects_id_idx ON idem_conformance_effects (effect_id)")
+        .execute(&mut *tx)
+        .await
+        .expect("index the effects table");
+    tx.commit().await.expect("commit");
+}
+
+impl Subject for Postgres {
+    type Backend = PgStore;
+    type Lease = PgStore;
+    type Sweeper = PgStore;
+
+    fn backend(&self) -> PgStore {
+        self.store.clone()
+    }
+
+    fn lease_store(&self) -> PgStore {
+        self.store.clone()
+    }
+
+    fn sweeper(&self) -> PgStore {
+        self.store.clone()
+    }
+
+    fn write_effect<'c>(tx: &'c mut PgTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES ($1)")
+                .bind(effect_id)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
+        Box::pin(async move {
+            let count: i64 = sqlx::query("SELECT count(*) FROM idem_conformance_effects WHERE effect_id = $1")
+                .bind(effect_id)
+                .fetch_one(self.store.pool())
+                .await?
+                .try_get(0)?;
+            Ok(u64::try_from(count)?)
+        })
+    }
+
+    fn another(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move {
+            let pool = open_pool(&self.url).await;
+            let store = PgStore::new(pool)
+                .with_table(self.store.table().clone())
+                .with_claim_strategy(self.store.claim_strategy());
+            Self {
+                store,
+                url: self.url.clone(),
+            }
+        })
+    }
+
+    fn isolated(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move {
+            let table = isolated_table(self.store.pool()).await;
+            let store = PgStore::new(self.store.pool().clone())
+                .with_table(table)
+                .with_claim_strategy(self.store.claim_strategy());
+            store.migrate().await.expect("migrate an isolated keys table");
+            Self {
+                store,
+                url: self.url.clone(),
+            }
+        })
+    }
+}
+
+tx_conformance!(postgres_tx, Postgres::connect(ClaimStrategy::InsertOnConflict));
+tx_conformance!(postgres_tx_advisory, Postgres::connect(ClaimStrategy::AdvisoryLock));
+lease_conformance!(postgres_lease, Postgres::connect(ClaimStrategy::InsertOnConflict));

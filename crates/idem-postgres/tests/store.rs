@@ -1,0 +1,387 @@
+//! PostgreSQL-specific behaviour of the store that the portable conformance suite cannot see:
+//! where a twin waits, that `lock_timeout` bounds the wait and is restored, HOT updates,
+//! concurrent migrations, `SKIP LOCKED` sweeping and the error mapping.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{database_url, isolated_table, open_pool};
+use idem_core::{
+    ClaimRequest, Error, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Record, RowState, Scope, StoreErrorKind,
+    Sweep, Token, TxBackend, TxClaim,
+};
+use idem_postgres::{ClaimStrategy, PgStore, map_error};
+use sqlx::{AssertSqlSafe, Row};
+
+/// One key with its scope and fingerprint.
+struct Key {
+    scope: Scope,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+}
+
+impl Key {
+    fn new() -> Self {
+        let scope = Scope::parse(&format!("tenant-{}", uuid::Uuid::new_v4()), "POST /v1/store-tests").unwrap();
+        let fingerprint = Fingerprint::of_bytes(scope.operation(), b"request");
+        Self {
+            scope,
+            key: IdempotencyKey::generate(),
+            fingerprint,
+        }
+    }
+
+    /// A transactional claim at `now_ms` that expires 60 s later.
+    fn at(&self, now_ms: i64) -> ClaimRequest<'_> {
+        ClaimRequest {
+            scope: &self.scope,
+            key: &self.key,
+            fingerprint: &self.fingerprint,
+            now_ms,
+            expires_at_ms: now_ms + 60_000,
+            fresh_token: Token::fresh(now_ms),
+            lease_expires_at_ms: None,
+        }
+    }
+}
+
+/// A store on a fresh, migrated keys table.
+async fn store(strategy: ClaimStrategy) -> PgStore {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let store = PgStore::new(pool).with_table(table).with_claim_strategy(strategy);
+    store.migrate().await.expect("migrate");
+    store
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+async fn show_lock_timeout(tx: &mut idem_postgres::PgTx) -> String {
+    sqlx::query("SHOW lock_timeout")
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Claims `key` in a new transaction and commits a completed record under it.
+async fn commit_record(store: &PgStore, req: &ClaimRequest<'_>) {
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    store
+        .record(&mut tx, req, &Record::completed(b"done".to_vec()))
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+}
+
+/// Where and how long a twin waits while the first claim's transaction is open.
+async fn twin_wait_is_bounded(strategy: ClaimStrategy, expected_wait_event: &str) {
+    let store = store(strategy).await;
+    let key = std::sync::Arc::new(Key::new());
+    let now = now_ms();
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut first, &key.at(now), Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+
+    let mut twin = store.begin().await.unwrap();
+    let pid: i32 = sqlx::query("SELECT pg_backend_pid()")
+        .fetch_one(&mut *twin)
+        .await
+        .unwrap()
+        .get(0);
+    let started = Instant::now();
+    let waiting = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move {
+            let answer = store.claim(&mut twin, &key.at(now), Duration::from_millis(800)).await;
+            (answer, started.elapsed())
+        })
+    };
+    // The twin's backend is seen blocked on the lock the strategy is meant to use.
+    let mut seen = None;
+    while !waiting.is_finished() {
+        let row = sqlx::query("SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = $1")
+            .bind(pid)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        let (kind, event): (Option<String>, Option<String>) = (row.get(0), row.get(1));
+        if kind.as_deref() == Some("Lock") {
+            seen = event;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        seen.as_deref(),
+        Some(expected_wait_event),
+        "the twin blocks inside its claim statement"
+    );
+    let (answer, elapsed) = waiting.await.unwrap();
+    assert_eq!(
+        answer.unwrap(),
+        TxClaim::Busy,
+        "an undecided twin is busy when its wait runs out"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(750),
+        "lock_timeout bounds the wait at 800 ms, not less: {elapsed:?}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "lock_timeout bounds the wait at 800 ms: {elapsed:?}"
+    );
+
+    // A zero wait is still bounded (at 1 ms), never unbounded.
+    let mut impatient = store.begin().await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        store.claim(&mut impatient, &key.at(now), Duration::ZERO).await.unwrap(),
+        TxClaim::Busy
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "a zero wait answers at once: {:?}",
+        started.elapsed()
+    );
+    store.rollback(impatient).await.unwrap();
+    store.rollback(first).await.unwrap();
+}
+
+/// A twin under the insert-on-conflict strategy waits on the first claimer's transaction id, and only up to its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twin_waits_on_the_row_for_at_most_its_wait() {
+    twin_wait_is_bounded(ClaimStrategy::InsertOnConflict, "transactionid").await;
+}
+
+/// A twin under the advisory strategy waits on the key's advisory lock, and only up to its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twin_waits_on_the_advisory_lock_for_at_most_its_wait() {
+    twin_wait_is_bounded(ClaimStrategy::AdvisoryLock, "advisory").await;
+}
+
+/// After a claim, the caller's own `lock_timeout` is back in force for the rest of its transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_restores_the_callers_lock_timeout() {
+    for strategy in [ClaimStrategy::InsertOnConflict, ClaimStrategy::AdvisoryLock] {
+        let store = store(strategy).await;
+        let key = Key::new();
+        let req = key.at(now_ms());
+        let mut tx = store.begin().await.unwrap();
+        sqlx::query("SET LOCAL lock_timeout = '7s'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.claim(&mut tx, &req, Duration::from_millis(300)).await.unwrap(),
+            TxClaim::Claimed
+        );
+        assert_eq!(show_lock_timeout(&mut tx).await, "7s", "restored after a claim");
+        store
+            .record(&mut tx, &req, &Record::completed(b"{}".to_vec()))
+            .await
+            .unwrap();
+        store.commit(tx).await.unwrap();
+
+        let mut tx = store.begin().await.unwrap();
+        sqlx::query("SET LOCAL lock_timeout = '7s'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        assert!(matches!(
+            store.claim(&mut tx, &req, Duration::from_millis(300)).await.unwrap(),
+            TxClaim::Found(_)
+        ));
+        assert_eq!(
+            show_lock_timeout(&mut tx).await,
+            "7s",
+            "restored after finding a committed key"
+        );
+        store.rollback(tx).await.unwrap();
+    }
+}
+
+/// Recording an outcome updates only unindexed columns, so PostgreSQL makes it a heap-only (HOT) update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_is_a_heap_only_update() {
+    let store = store(ClaimStrategy::InsertOnConflict).await;
+    let key = Key::new();
+    let req = key.at(now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    store
+        .record(&mut tx, &req, &Record::completed(vec![7; 512]))
+        .await
+        .unwrap();
+    let row = sqlx::query(
+        "SELECT pg_stat_get_xact_tuples_updated($1::text::regclass), \
+                pg_stat_get_xact_tuples_hot_updated($1::text::regclass)",
+    )
+    .bind(store.table().as_str())
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let (updated, hot): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!((updated, hot), (1, 1), "the record is one update, and it is heap-only");
+    store.commit(tx).await.unwrap();
+}
+
+/// Many processes may migrate the same table at once: all succeed and the version is recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_are_serialised() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let store = PgStore::new(pool).with_table(table.clone());
+    let runs: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().expect("every concurrent migration succeeds");
+    }
+    store.migrate().await.expect("migrating a current schema is a no-op");
+    let versions: Vec<i32> = sqlx::query(AssertSqlSafe(format!(
+        "SELECT version FROM {table}_schema ORDER BY version"
+    )))
+    .fetch_all(store.pool())
+    .await
+    .unwrap()
+    .iter()
+    .map(|row| row.get(0))
+    .collect();
+    assert_eq!(versions, vec![1], "each version is applied and recorded exactly once");
+}
+
+/// A lease claim of a key held by an open transaction fails with a retryable lock timeout instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_claim_never_hangs_on_an_open_transaction() {
+    let store = store(ClaimStrategy::InsertOnConflict).await;
+    let key = Key::new();
+    let now = now_ms();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &key.at(now), Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let lease_req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 30_000),
+        ..key.at(now)
+    };
+    let started = Instant::now();
+    let err = store.try_claim(&lease_req).await.unwrap_err();
+    assert_eq!(err.store_kind(), Some(StoreErrorKind::LockTimeout), "got {err:?}");
+    assert!(err.is_retryable());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "bounded: {:?}",
+        started.elapsed()
+    );
+    store.rollback(tx).await.unwrap();
+    // With the transaction gone the lease claim succeeds and the row reads back as held.
+    let token = match store.try_claim(&lease_req).await.unwrap() {
+        LeaseClaim::Acquired(token) => token,
+        other => panic!("expected a lease, got {other:?}"),
+    };
+    let row = store.get(&key.scope, &key.key).await.unwrap().expect("the claimed row");
+    assert_eq!(
+        row.state,
+        RowState::InProgress {
+            token,
+            lease_expires_at_ms: now + 30_000
+        }
+    );
+}
+
+/// The sweeper skips an expired row that a claim is taking over, without waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_skips_rows_a_claim_holds() {
+    let store = store(ClaimStrategy::InsertOnConflict).await;
+    let (held, free) = (Key::new(), Key::new());
+    commit_record(&store, &held.at(1_000)).await;
+    commit_record(&store, &free.at(1_000)).await;
+    let later = 1_000 + 120_000;
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &held.at(later), Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let started = Instant::now();
+    assert_eq!(
+        store.sweep_expired(later, 10).await.unwrap(),
+        1,
+        "only the row nobody holds is deleted"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the sweeper did not wait: {:?}",
+        started.elapsed()
+    );
+    store.rollback(tx).await.unwrap();
+    assert_eq!(
+        store.sweep_expired(later, 10).await.unwrap(),
+        1,
+        "the released row is swept next time"
+    );
+    assert_eq!(store.get(&held.scope, &held.key).await.unwrap(), None);
+}
+
+/// Recording without a claim in the transaction is refused rather than silently doing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_without_a_claim_is_refused() {
+    let store = store(ClaimStrategy::InsertOnConflict).await;
+    let key = Key::new();
+    let mut tx = store.begin().await.unwrap();
+    let err = store
+        .record(&mut tx, &key.at(now_ms()), &Record::completed(vec![]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "got {err:?}");
+    store.rollback(tx).await.unwrap();
+}
+
+/// PostgreSQL's SQLSTATEs map to the portable kinds the engines act on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlstates_map_to_portable_kinds() {
+    let pool = open_pool(&database_url()).await;
+    let cases = [
+        ("40P01", StoreErrorKind::Deadlock),
+        ("40001", StoreErrorKind::Serialization),
+        ("55P03", StoreErrorKind::LockTimeout),
+        ("57P01", StoreErrorKind::Unavailable),
+        ("08006", StoreErrorKind::Unavailable),
+        ("23505", StoreErrorKind::Other),
+        ("22012", StoreErrorKind::Other),
+    ];
+    for (code, kind) in cases {
+        let sql = format!("DO $$ BEGIN RAISE EXCEPTION 'raised for a test' USING ERRCODE = '{code}'; END $$");
+        let err = sqlx::query(AssertSqlSafe(sql)).execute(&pool).await.unwrap_err();
+        assert_eq!(map_error(err).store_kind(), Some(kind), "SQLSTATE {code}");
+    }
+    let refused = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect("postgres://postgres@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        map_error(refused).store_kind(),
+        Some(StoreErrorKind::Unavailable),
+        "a refused connection"
+    );
+}

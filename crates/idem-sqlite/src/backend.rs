@@ -1,0 +1,249 @@
+//! The store traits of idem-core on SQLite.
+
+use std::time::Duration;
+
+use idem_core::{
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
+    StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
+};
+use sqlx::{AssertSqlSafe, Row, SqliteConnection};
+
+use crate::error::store_error;
+use crate::{SqliteStore, SqliteTx};
+
+/// Starts every write transaction: the write lock is taken at once, waiting
+/// up to the busy timeout, so a transaction never fails half-way because a
+/// read lock could not be upgraded.
+const BEGIN_IMMEDIATE: &str = "BEGIN IMMEDIATE";
+
+impl SqliteStore {
+    async fn begin_immediate(&self) -> Result<SqliteTx> {
+        self.pool.begin_with(BEGIN_IMMEDIATE).await.map_err(store_error)
+    }
+
+    /// Claims a free or stale key; answers the new token, or `None` if a
+    /// live row holds the key.
+    async fn upsert(&self, conn: &mut SqliteConnection, req: &ClaimRequest<'_>) -> Result<Option<i64>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(req.fresh_token.0)
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .bind(req.lease_expires_at_ms)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        row.map(|r| r.try_get::<i64, _>(0)).transpose().map_err(store_error)
+    }
+
+    pub(crate) async fn select(
+        &self,
+        conn: &mut SqliteConnection,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<StoredRow>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.select.clone()))
+            .bind(scope.tenant().as_str())
+            .bind(scope.operation().as_str())
+            .bind(key.as_str())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let fingerprint: Vec<u8> = row.try_get(0).map_err(store_error)?;
+        let status: i16 = row.try_get(1).map_err(store_error)?;
+        let token: i64 = row.try_get(2).map_err(store_error)?;
+        let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
+        let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
+        let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
+        StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms).map(Some)
+    }
+
+    /// Reads the row that made a claim attempt fail. The caller holds the
+    /// write lock, so the row cannot vanish between the claim and this read.
+    async fn found(&self, conn: &mut SqliteConnection, req: &ClaimRequest<'_>) -> Result<StoredRow> {
+        match self.select(conn, req.scope, req.key).await? {
+            Some(row) => Ok(row),
+            None => Err(Error::store(
+                StoreErrorKind::Other,
+                "the key's row vanished between the claim and its read inside one write transaction",
+            )),
+        }
+    }
+}
+
+/// Transactional mode. Each transaction begins with `BEGIN IMMEDIATE`, so
+/// it holds SQLite's write lock from its start: once a claim runs, no other
+/// claim of any key is uncommitted, and a found row is always committed.
+/// That is why [`claim`](TxBackend::claim) never answers
+/// [`TxClaim::Busy`]; waiting happens in [`begin`](TxBackend::begin) (for
+/// the write lock, up to the busy timeout) and, in this process, in the
+/// key registry (for the key).
+impl TxBackend for SqliteStore {
+    type Tx = SqliteTx;
+
+    fn begin(&self) -> BoxFuture<'_, Result<SqliteTx>> {
+        Box::pin(self.begin_immediate())
+    }
+
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut SqliteTx,
+        req: &'a ClaimRequest<'a>,
+        _wait: Duration,
+    ) -> BoxFuture<'a, Result<TxClaim>> {
+        Box::pin(async move {
+            match self.upsert(tx, req).await? {
+                Some(token) => {
+                    tracing::debug!(table = %self.table, token, "key claimed in transaction");
+                    Ok(TxClaim::Claimed)
+                }
+                None => {
+                    let row = self.found(tx, req).await?;
+                    tracing::debug!(table = %self.table, "key held by a committed row");
+                    Ok(TxClaim::Found(row))
+                }
+            }
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        tx: &'a mut SqliteTx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // The transaction holds the write lock since its claim, so the
+            // in-progress row is the one it claimed; matching on the token
+            // is unnecessary (and a takeover's token differs from the
+            // request's fresh one).
+            let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
+                .bind(req.scope.tenant().as_str())
+                .bind(req.scope.operation().as_str())
+                .bind(req.key.as_str())
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .execute(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            if done.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(Error::Config(
+                    "record called on a transaction that holds no claim".into(),
+                ))
+            }
+        })
+    }
+
+    fn commit(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { tx.commit().await.map_err(store_error) })
+    }
+
+    fn rollback(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+    }
+
+    fn local_registry(&self) -> Option<&KeyRegistry> {
+        Some(&self.registry)
+    }
+}
+
+/// Lease mode. A claim is its own short `BEGIN IMMEDIATE` transaction;
+/// complete, release and extend are single statements (each one atomic in
+/// SQLite's autocommit) that match the row's token and in-progress status.
+impl LeaseStore for SqliteStore {
+    fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>> {
+        Box::pin(async move {
+            let mut tx = self.begin_immediate().await?;
+            match self.upsert(&mut tx, req).await? {
+                Some(token) => {
+                    tx.commit().await.map_err(store_error)?;
+                    tracing::debug!(table = %self.table, token, "lease acquired");
+                    Ok(LeaseClaim::Acquired(Token(token)))
+                }
+                None => {
+                    let row = self.found(&mut tx, req).await?;
+                    tx.rollback().await.map_err(store_error)?;
+                    Ok(LeaseClaim::Found(row))
+                }
+            }
+        })
+    }
+
+    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            fenced_unless_one(done.rows_affected(), lease, "complete")
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            fenced_unless_one(done.rows_affected(), lease, "release")
+        })
+    }
+
+    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.extend.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease_expires_at_ms)
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            fenced_unless_one(done.rows_affected(), lease, "extend")
+        })
+    }
+}
+
+/// A lease operation that matched no row found the key taken over, finished
+/// or released: the holder's token is no longer current.
+fn fenced_unless_one(rows_affected: u64, lease: &Lease, action: &'static str) -> Result<()> {
+    if rows_affected == 1 {
+        Ok(())
+    } else {
+        tracing::debug!(action, token = lease.token.0, "lease fenced");
+        Err(Error::Fenced)
+    }
+}
+
+/// Sweeping: one short statement deletes at most `limit` expired rows.
+impl Sweep for SqliteStore {
+    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.sweep.clone()))
+                .bind(now_ms)
+                .bind(i64::from(limit))
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            tracing::debug!(table = %self.table, deleted = done.rows_affected(), "swept expired keys");
+            Ok(done.rows_affected())
+        })
+    }
+}

@@ -1,0 +1,120 @@
+//! The conformance suite against the SQLite store, one database file per test.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use idem_conformance::{Subject, lease_conformance, tx_conformance};
+use idem_core::{BoxError, BoxFuture, TableName};
+use idem_sqlite::{SqliteStore, SqliteTx};
+
+/// A temporary database file, removed (with its WAL and shared-memory
+/// files) when the last handle on it is dropped.
+struct TempDb {
+    path: PathBuf,
+}
+
+impl TempDb {
+    fn new() -> Self {
+        let name = format!("idem-sqlite-conformance-{}.db", uuid::Uuid::new_v4().simple());
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+}
+
+impl Drop for TempDb {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut file = self.path.clone().into_os_string();
+            file.push(suffix);
+            // The file may never have been created, or may still be held open
+            // by a closing pool; both are harmless on a temporary file.
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+/// The business table of the suite: no unique constraint, so a double write
+/// would be counted rather than refused.
+const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_conformance_effects (effect_id TEXT NOT NULL)";
+
+#[derive(Clone)]
+struct Sqlite {
+    store: SqliteStore,
+    db: Arc<TempDb>,
+}
+
+impl Sqlite {
+    async fn new() -> Self {
+        let db = Arc::new(TempDb::new());
+        let store = SqliteStore::open(&db.path).await.expect("open the test database");
+        store.migrate().await.expect("migrate the keys table");
+        sqlx::query(EFFECTS_TABLE)
+            .execute(store.pool())
+            .await
+            .expect("create the effects table");
+        Self { store, db }
+    }
+}
+
+impl Subject for Sqlite {
+    type Backend = SqliteStore;
+    type Lease = SqliteStore;
+    type Sweeper = SqliteStore;
+
+    fn backend(&self) -> SqliteStore {
+        self.store.clone()
+    }
+    fn lease_store(&self) -> SqliteStore {
+        self.store.clone()
+    }
+    fn sweeper(&self) -> SqliteStore {
+        self.store.clone()
+    }
+    fn write_effect<'c>(tx: &'c mut SqliteTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES (?1)")
+                .bind(effect_id)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        })
+    }
+    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
+        Box::pin(async move {
+            let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_conformance_effects WHERE effect_id = ?1")
+                .bind(effect_id)
+                .fetch_one(self.store.pool())
+                .await?;
+            Ok(u64::try_from(n)?)
+        })
+    }
+    fn another(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move {
+            // A second pool on the same file; it joins the file's
+            // process-wide key registry.
+            let store = SqliteStore::open(&self.db.path)
+                .await
+                .expect("open a second pool")
+                .with_table(self.store.table().clone());
+            Self {
+                store,
+                db: self.db.clone(),
+            }
+        })
+    }
+    fn isolated(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move {
+            let table = TableName::new(format!("keys_{}", uuid::Uuid::new_v4().simple())).expect("valid table name");
+            let store = self.store.clone().with_table(table);
+            store.migrate().await.expect("migrate the isolated keys table");
+            Self {
+                store,
+                db: self.db.clone(),
+            }
+        })
+    }
+}
+
+tx_conformance!(sqlite_tx, Sqlite::new());
+lease_conformance!(sqlite_lease, Sqlite::new());

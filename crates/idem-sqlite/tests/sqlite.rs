@@ -1,0 +1,447 @@
+//! SQLite-specific behaviour beyond the shared suite: registries per file,
+//! safety across pools that share no registry, busy and unavailable
+//! databases, connection settings and migrations.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_core::{
+    Call, Error, Fingerprint, IdempotencyKey, InFlight, KeyRegistry, LeaseClaim, LeaseStore, Policy, RowState, Scope,
+    StoreErrorKind, Sweep, TableName, Token, TxBackend, TxEngine,
+};
+use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+
+/// A temporary database file, removed with its WAL and shared-memory files.
+struct TempDb {
+    path: PathBuf,
+}
+
+impl TempDb {
+    fn new() -> Self {
+        let name = format!("idem-sqlite-test-{}.db", uuid::Uuid::new_v4().simple());
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+}
+
+impl Drop for TempDb {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut file = self.path.clone().into_os_string();
+            file.push(suffix);
+            // The file may be missing or still open in a closing pool; both
+            // are harmless for a temporary file.
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS effects (effect_id TEXT NOT NULL)";
+
+async fn migrated(path: &Path) -> SqliteStore {
+    let store = SqliteStore::open(path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    sqlx::query(EFFECTS_TABLE)
+        .execute(store.pool())
+        .await
+        .expect("effects table");
+    store
+}
+
+/// A pool built by hand, as an application with its own pool would.
+async fn separate_pool(path: &Path) -> sqlx::SqlitePool {
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(5))
+        .synchronous(SqliteSynchronous::Full);
+    SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("separate pool")
+}
+
+fn call(scope: &Scope, key: &IdempotencyKey, policy: Policy) -> Call {
+    Call::new(
+        scope.clone(),
+        key.clone(),
+        Fingerprint::of_bytes(scope.operation(), b"body"),
+    )
+    .with_policy(policy)
+}
+
+fn unique_scope() -> Scope {
+    Scope::parse(&format!("tenant-{}", uuid::Uuid::new_v4()), "POST /v1/transfers").expect("scope")
+}
+
+async fn count_effects(store: &SqliteStore, effect_id: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
+        .bind(effect_id)
+        .fetch_one(store.pool())
+        .await
+        .expect("count")
+}
+
+fn assert_kind(result: Result<impl std::fmt::Debug, Error>, kind: StoreErrorKind) {
+    match result {
+        Err(e) => assert_eq!(e.store_kind(), Some(kind), "unexpected error {e:?}"),
+        Ok(v) => panic!("expected a {kind:?} error, got {v:?}"),
+    }
+}
+
+/// Two stores on one file that share no key registry (the second on a separately built pool, as a second process would be, its tasks not even sharing a registry among themselves) still run the effect exactly once under 64 concurrent tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn separate_registries_64_tasks_one_effect() {
+    let db = TempDb::new();
+    let a = migrated(&db.path).await;
+    let b = SqliteStore::new(separate_pool(&db.path).await).with_registry(KeyRegistry::new());
+
+    // The registries really are separate: a key held in one is not held in the other.
+    let scope = unique_scope();
+    let key = IdempotencyKey::generate();
+    let held = a
+        .registry()
+        .acquire(&scope, &key, tokio::time::Instant::now())
+        .await
+        .expect("free key");
+    assert_eq!(a.registry().held(), 1);
+    assert_eq!(
+        b.registry().held(),
+        0,
+        "the second store does not see the first store's registry"
+    );
+    drop(held);
+
+    // Even tasks share the first store's registry; odd tasks each get a
+    // private registry on the second pool, so nothing but the database
+    // stands between them.
+    let engines: Vec<_> = (0..64)
+        .map(|i| {
+            let store = if i % 2 == 0 {
+                a.clone()
+            } else {
+                b.clone().with_registry(KeyRegistry::new())
+            };
+            Arc::new(TxEngine::new(store))
+        })
+        .collect();
+    let policy = Policy::default().with_in_flight(InFlight::Wait { max_ms: 120_000 });
+    let call = call(&scope, &key, policy);
+    let effect_id = format!("effect-{}", uuid::Uuid::new_v4());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (engine, call, effect_id, runs, barrier) = (
+                engines[i].clone(),
+                call.clone(),
+                effect_id.clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                engine
+                    .execute(&call, move |tx| {
+                        Box::pin(async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
+                                .bind(effect_id)
+                                .execute(&mut **tx)
+                                .await
+                                .map_err(store_error)?;
+                            // Hold the claim so twins of the other store meet it uncommitted.
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            Ok::<_, Error>(uuid::Uuid::new_v4().to_string())
+                        })
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("task").expect("every task gets an outcome"));
+    }
+    assert_eq!(
+        outcomes.iter().filter(|o| !o.is_replayed()).count(),
+        1,
+        "exactly one task executed"
+    );
+    assert!(
+        outcomes.iter().all(|o| o.value() == outcomes[0].value()),
+        "all 64 saw the same outcome"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
+    assert_eq!(count_effects(&a, &effect_id).await, 1, "the effect exists exactly once");
+}
+
+/// Every store on one file in a process shares one key registry, however the file is named or the pool built; another file has its own.
+#[tokio::test]
+async fn stores_on_one_file_share_a_registry() {
+    let db = TempDb::new();
+    let first = migrated(&db.path).await;
+    let dir = db.path.parent().expect("temp dir");
+    let detour = dir.join(".").join(db.path.file_name().expect("file name"));
+    let second = SqliteStore::open(&detour).await.expect("open by another name");
+    let third = SqliteStore::new(separate_pool(&db.path).await);
+    let other_db = TempDb::new();
+    let elsewhere = SqliteStore::open(&other_db.path).await.expect("open another file");
+
+    let guard = first
+        .registry()
+        .acquire(
+            &unique_scope(),
+            &IdempotencyKey::generate(),
+            tokio::time::Instant::now(),
+        )
+        .await
+        .expect("free key");
+    assert_eq!(
+        second.registry().held(),
+        1,
+        "a second open of the file shares the registry"
+    );
+    assert_eq!(
+        third.registry().held(),
+        1,
+        "a store on a caller-built pool shares the registry"
+    );
+    assert_eq!(elsewhere.registry().held(), 0, "another file has its own registry");
+    drop(guard);
+    assert_eq!(second.registry().held(), 0);
+}
+
+/// A twin in another store on the same file is serialised by the shared registry: it is rejected at once rather than waiting on the write lock.
+#[tokio::test]
+async fn shared_registry_rejects_twin_of_another_pool() {
+    let db = TempDb::new();
+    let a = migrated(&db.path).await;
+    let b = SqliteStore::open(&db.path).await.expect("second pool");
+    let (ea, eb) = (TxEngine::new(a), TxEngine::new(b));
+    let (scope, key) = (unique_scope(), IdempotencyKey::generate());
+    let first = match ea.begin(&call(&scope, &key, Policy::default())).await.expect("claim") {
+        idem_core::Begin::Claimed(c) => c,
+        idem_core::Begin::Replay(r) => panic!("unexpected replay {r:?}"),
+    };
+    let started = Instant::now();
+    let twin = eb
+        .begin(&call(&scope, &key, Policy::default().with_in_flight(InFlight::Reject)))
+        .await;
+    assert!(matches!(twin, Err(Error::InFlight { .. })), "got {twin:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "rejected without waiting on the write lock"
+    );
+    ea.abandon(first).await;
+}
+
+/// A database held busy by another writer fails with LockTimeout after the busy timeout, on every path, and works again once released.
+#[tokio::test]
+async fn busy_database_is_lock_timeout() {
+    let db = TempDb::new();
+    let holder = migrated(&db.path).await;
+    let busy = SqliteStore::open_with(&db.path, SqliteOptions::new().busy_timeout_ms(100))
+        .await
+        .expect("open");
+    let write_lock = TxBackend::begin(&holder).await.expect("hold the write lock");
+
+    let started = Instant::now();
+    assert_kind(TxBackend::begin(&busy).await, StoreErrorKind::LockTimeout);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(90),
+        "waited the busy timeout first: {waited:?}"
+    );
+
+    let scope = unique_scope();
+    let key = IdempotencyKey::generate();
+    let fingerprint = Fingerprint::of_bytes(scope.operation(), b"body");
+    let req = idem_core::ClaimRequest {
+        scope: &scope,
+        key: &key,
+        fingerprint: &fingerprint,
+        now_ms: 1_000,
+        expires_at_ms: 100_000,
+        fresh_token: Token(7),
+        lease_expires_at_ms: Some(2_000),
+    };
+    assert_kind(busy.try_claim(&req).await, StoreErrorKind::LockTimeout);
+    assert_kind(busy.sweep_expired(i64::MAX, 10).await, StoreErrorKind::LockTimeout);
+
+    // Through the engine, contention is retried a bounded number of times,
+    // then reported as a retryable error that consumed nothing.
+    let err = TxEngine::new(busy.clone())
+        .execute(&call(&scope, &key, Policy::default()), |_tx| {
+            Box::pin(async { Ok::<_, Error>(1) })
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.store_kind(), Some(StoreErrorKind::LockTimeout), "got {err:?}");
+    assert!(err.is_retryable());
+
+    TxBackend::rollback(&holder, write_lock)
+        .await
+        .expect("release the write lock");
+    assert_eq!(
+        busy.try_claim(&req).await.expect("claim"),
+        LeaseClaim::Acquired(Token(7))
+    );
+    let row = busy.get(&scope, &key).await.expect("get").expect("row");
+    assert_eq!(
+        row.state,
+        RowState::InProgress {
+            token: Token(7),
+            lease_expires_at_ms: 2_000
+        }
+    );
+}
+
+/// A file that cannot be opened is reported as unavailable storage.
+#[tokio::test]
+async fn unopenable_file_is_unavailable() {
+    let path = std::env::temp_dir()
+        .join(format!("idem-missing-dir-{}", uuid::Uuid::new_v4()))
+        .join("keys.db");
+    assert_kind(SqliteStore::open(&path).await, StoreErrorKind::Unavailable);
+}
+
+/// `open` configures WAL, `synchronous = FULL`, a 5 s busy timeout and foreign keys, and the busy timeout is configurable.
+#[tokio::test]
+async fn open_configures_the_connections() {
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.path).await.expect("open");
+    let pool = store.pool();
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(pool)
+        .await
+        .expect("journal");
+    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(pool)
+        .await
+        .expect("synchronous");
+    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(pool)
+        .await
+        .expect("busy timeout");
+    let fks: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
+        .fetch_one(pool)
+        .await
+        .expect("foreign keys");
+    assert_eq!(journal, "wal");
+    assert_eq!(synchronous, 2, "synchronous = FULL");
+    assert_eq!(busy, 5_000);
+    assert_eq!(fks, 1);
+
+    let tuned = SqliteStore::open_with(
+        &db.path,
+        SqliteOptions::new()
+            .busy_timeout_ms(250)
+            .synchronous(SqliteSynchronous::Normal),
+    )
+    .await
+    .expect("open with options");
+    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(tuned.pool())
+        .await
+        .expect("busy timeout");
+    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(tuned.pool())
+        .await
+        .expect("synchronous");
+    assert_eq!((busy, synchronous), (250, 1));
+}
+
+/// Concurrent `migrate` calls from two pools apply each schema version once, a repeat is a no-op, and a newer schema is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrate_is_versioned_and_safe_concurrently() {
+    let db = TempDb::new();
+    let table = TableName::new("payments_keys").expect("table");
+    let a = SqliteStore::open(&db.path)
+        .await
+        .expect("open")
+        .with_table(table.clone());
+    let b = SqliteStore::new(separate_pool(&db.path).await).with_table(table);
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task").expect("migrate");
+    }
+    a.migrate().await.expect("a repeat is a no-op");
+    let versions: Vec<i64> = sqlx::query_scalar("SELECT version FROM payments_keys_schema ORDER BY version")
+        .fetch_all(a.pool())
+        .await
+        .expect("versions");
+    assert_eq!(versions, vec![1], "each version applied exactly once");
+    let index: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'payments_keys' AND sql LIKE '%expires_at_ms%'",
+    )
+    .fetch_one(a.pool())
+    .await
+    .expect("index");
+    assert_eq!(index, 1, "the expiry index exists");
+
+    sqlx::query("INSERT INTO payments_keys_schema (version, description, applied_at_ms) VALUES (99, 'future', 0)")
+        .execute(a.pool())
+        .await
+        .expect("fake a newer schema");
+    assert!(
+        matches!(a.migrate().await, Err(Error::Config(_))),
+        "a newer schema is refused"
+    );
+}
+
+/// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code.
+#[tokio::test]
+async fn schema_refuses_malformed_rows() {
+    let db = TempDb::new();
+    let store = migrated(&db.path).await;
+    let insert =
+        "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
+        VALUES ('t', 'o', 'k', ?1, ?2, 1, 0, 10)";
+    let short = sqlx::query(insert)
+        .bind(vec![0u8; 31])
+        .bind(1i64)
+        .execute(store.pool())
+        .await;
+    assert!(short.is_err(), "a 31-byte fingerprint is refused");
+    let unknown = sqlx::query(insert)
+        .bind(vec![0u8; 32])
+        .bind(3i64)
+        .execute(store.pool())
+        .await;
+    assert!(unknown.is_err(), "status 3 is refused");
+    let mapped = store_error(unknown.unwrap_err());
+    assert_eq!(mapped.store_kind(), Some(StoreErrorKind::Other));
+}
+
+/// Many stores opening a brand-new file at once all succeed, although switching a new database to WAL needs an exclusive lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_first_opens_succeed() {
+    for _ in 0..20 {
+        let db = TempDb::new();
+        let path = Arc::new(db.path.clone());
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let path = path.clone();
+                tokio::spawn(async move {
+                    let store = SqliteStore::open(&*path).await.map_err(|e| format!("open: {e}"))?;
+                    store.migrate().await.map_err(|e| format!("migrate: {e}"))?;
+                    Ok::<_, String>(store)
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("task").expect("open and migrate");
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! The HTTP API: routes, request validation and problem responses.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header, request::Parts};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use idem_core::{Policy, SharedClock, Tenant, TxEngine};
+use idem_http::{DEFAULT_PROBLEM_BASE, IdempotencyLayer, Problem, RoutePolicy, Tx};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+
+use crate::db::{Account, DbError, LedgerDb, MAX_AMOUNT};
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState<D> {
+    /// The store: idempotency keys and the ledger's tables.
+    pub db: D,
+    /// The clock of key expiry and timestamps.
+    pub clock: SharedClock,
+    /// The Prometheus recorder, for `GET /metrics`.
+    pub metrics: Option<PrometheusHandle>,
+}
+
+/// Settings of the API.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// How long idempotency keys are kept.
+    pub key_ttl_secs: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { key_ttl_secs: 86_400 }
+    }
+}
+
+/// The authenticated caller: in demo mode every bearer token is its own tenant.
+#[derive(Debug, Clone)]
+pub struct Principal {
+    /// The tenant: a digest of the token, so tokens are never stored.
+    pub tenant: Tenant,
+}
+
+/// The largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Builds the ledger's router.
+pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
+    let policy = Policy::default().with_ttl_secs(options.key_ttl_secs);
+    let engine = TxEngine::new(state.db.clone()).with_clock(state.clock.clone());
+    let idempotency = IdempotencyLayer::transactional(engine, tenant_of)
+        .default_route(RoutePolicy::required().with_policy(policy))
+        .route("POST /v1/accounts", RoutePolicy::optional().with_policy(policy))
+        .max_request_bytes(MAX_BODY_BYTES);
+    let api = Router::new()
+        .route("/v1/accounts", post(create_account::<D>))
+        .route("/v1/accounts/{id}", get(get_account::<D>))
+        .route("/v1/top-ups", post(top_up::<D>))
+        .route("/v1/transfers", post(transfer::<D>))
+        .route("/v1/audit", get(audit::<D>))
+        .layer(idempotency)
+        .route_layer(middleware::from_fn(authenticate));
+    Router::new()
+        .route("/healthz", get(healthz::<D>))
+        .route("/metrics", get(metrics_text::<D>))
+        .merge(api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn problem(status: StatusCode, slug: &str, title: &str, detail: impl Into<String>) -> Response {
+    Problem::new(status, slug, title)
+        .with_detail(detail)
+        .into_response(DEFAULT_PROBLEM_BASE)
+}
+
+fn unauthorized() -> Problem {
+    Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
+        .with_detail("send Authorization: Bearer <token>")
+}
+
+fn tenant_of(parts: &Parts) -> Result<Tenant, Problem> {
+    parts
+        .extensions
+        .get::<Principal>()
+        .map(|p| p.tenant.clone())
+        .ok_or_else(unauthorized)
+}
+
+/// The tenant of a bearer token: `t_` and the first 40 hex digits of its SHA-256.
+pub fn tenant_for_token(token: &str) -> Tenant {
+    let digest = Sha256::digest(token.as_bytes());
+    Tenant::new(format!("t_{}", &hex::encode(digest)[..40])).expect("a hex digest is a valid tenant")
+}
+
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && t.len() <= 1024);
+    match token {
+        Some(token) => {
+            let tenant = tenant_for_token(token);
+            req.extensions_mut().insert(Principal { tenant });
+            next.run(req).await
+        }
+        None => {
+            let mut response = unauthorized().into_response(DEFAULT_PROBLEM_BASE);
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            response
+        }
+    }
+}
+
+/// A JSON body that must match `T` exactly (unknown fields are refused);
+/// anything else is a 400 problem.
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-request",
+                "Invalid request body",
+                format!("invalid JSON body: {e}"),
+            )
+        })
+    }
+}
+
+/// Errors of the API, each a problem response.
+#[derive(Debug)]
+pub enum ApiError {
+    /// 400: the request is malformed.
+    Invalid(String),
+    /// 400: an amount is out of range.
+    Amount(String),
+    /// From the database.
+    Db(DbError),
+}
+
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
+        ApiError::Db(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self {
+            ApiError::Invalid(detail) => problem(StatusCode::BAD_REQUEST, "invalid-request", "Invalid request", detail),
+            ApiError::Amount(detail) => problem(StatusCode::BAD_REQUEST, "invalid-amount", "Invalid amount", detail),
+            ApiError::Db(DbError::AccountNotFound(id)) => problem(
+                StatusCode::NOT_FOUND,
+                "account-not-found",
+                "Account not found",
+                format!("no account {id}"),
+            ),
+            ApiError::Db(e @ DbError::InsufficientFunds { .. }) => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "insufficient-funds",
+                "Insufficient funds",
+                e.to_string(),
+            ),
+            ApiError::Db(e @ DbError::BalanceLimit) => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "balance-limit",
+                "Balance limit",
+                e.to_string(),
+            ),
+            ApiError::Db(e) => {
+                tracing::warn!(error = %e, "database error");
+                let mut r = problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database-unavailable",
+                    "Database unavailable",
+                    "the request was not applied; retry it with the same Idempotency-Key",
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                r
+            }
+        }
+    }
+}
+
+fn amount(value: i64) -> Result<i64, ApiError> {
+    if value <= 0 {
+        return Err(ApiError::Amount(format!(
+            "amount must be a positive integer of minor units, got {value}"
+        )));
+    }
+    if value > MAX_AMOUNT {
+        return Err(ApiError::Amount(format!(
+            "amount must be at most {MAX_AMOUNT}, got {value}"
+        )));
+    }
+    Ok(value)
+}
+
+/// Account ids are canonical lower-case UUIDs.
+fn account_id(field: &str, id: &str) -> Result<(), ApiError> {
+    let ok = id.len() == 36
+        && id.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_digit() || ('a'..='f').contains(&c),
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::Invalid(format!("{field} is not an account id")))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewAccount {
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTopUp {
+    account_id: String,
+    amount: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTransfer {
+    from: String,
+    to: String,
+    amount: i64,
+}
+
+#[derive(serde::Serialize)]
+struct TopUpDone {
+    id: String,
+    account_id: String,
+    amount: i64,
+    balance: i64,
+}
+
+#[derive(serde::Serialize)]
+struct TransferDone {
+    id: String,
+    from: String,
+    to: String,
+    amount: i64,
+}
+
+async fn create_account<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    mut tx: Tx<D>,
+    JsonBody(req): JsonBody<NewAccount>,
+) -> Result<(StatusCode, Json<Account>), ApiError> {
+    let name = req.name.trim();
+    if name.is_empty() || name.chars().count() > 100 || name.chars().any(char::is_control) {
+        return Err(ApiError::Invalid(
+            "name must be 1 to 100 characters with no control characters".into(),
+        ));
+    }
+    let id = uuid::Uuid::now_v7().to_string();
+    D::insert_account(&mut tx, who.tenant.as_str(), &id, name, st.clock.now_ms()).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(Account {
+            id,
+            name: name.to_owned(),
+            balance: 0,
+        }),
+    ))
+}
+
+async fn get_account<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<Account>, ApiError> {
+    if account_id("id", &id).is_err() {
+        return Err(ApiError::Db(DbError::AccountNotFound(id)));
+    }
+    match st.db.account(who.tenant.as_str(), &id).await? {
+        Some(account) => Ok(Json(account)),
+        None => Err(ApiError::Db(DbError::AccountNotFound(id))),
+    }
+}
+
+async fn top_up<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    mut tx: Tx<D>,
+    JsonBody(req): JsonBody<NewTopUp>,
+) -> Result<(StatusCode, Json<TopUpDone>), ApiError> {
+    account_id("account_id", &req.account_id)?;
+    let amount = amount(req.amount)?;
+    let id = uuid::Uuid::now_v7().to_string();
+    let balance = D::top_up(
+        &mut tx,
+        who.tenant.as_str(),
+        &id,
+        "top_up",
+        &req.account_id,
+        amount,
+        st.clock.now_ms(),
+    )
+    .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TopUpDone {
+            id,
+            account_id: req.account_id,
+            amount,
+            balance,
+        }),
+    ))
+}
+
+async fn transfer<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    mut tx: Tx<D>,
+    JsonBody(req): JsonBody<NewTransfer>,
+) -> Result<(StatusCode, Json<TransferDone>), ApiError> {
+    account_id("from", &req.from)?;
+    account_id("to", &req.to)?;
+    if req.from == req.to {
+        return Err(ApiError::Invalid("from and to must be different accounts".into()));
+    }
+    let amount = amount(req.amount)?;
+    let id = uuid::Uuid::now_v7().to_string();
+    D::transfer(
+        &mut tx,
+        who.tenant.as_str(),
+        &id,
+        &req.from,
+        &req.to,
+        amount,
+        st.clock.now_ms(),
+    )
+    .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TransferDone {
+            id,
+            from: req.from,
+            to: req.to,
+            amount,
+        }),
+    ))
+}
+
+async fn audit<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+) -> Result<Json<crate::db::Audit>, ApiError> {
+    Ok(Json(st.db.audit(who.tenant.as_str()).await?))
+}
+
+async fn healthz<D: LedgerDb>(State(st): State<AppState<D>>) -> Response {
+    match st.db.ping().await {
+        Ok(()) => Json(serde_json::json!({"status": "ok"})).into_response(),
+        Err(e) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-unavailable",
+            "Database unavailable",
+            e.to_string(),
+        ),
+    }
+}
+
+async fn metrics_text<D: LedgerDb>(State(st): State<AppState<D>>) -> Response {
+    match &st.metrics {
+        Some(handle) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response(),
+        None => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            "metrics are not enabled",
+        ),
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "Not found",
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}

@@ -1,0 +1,609 @@
+//! The ledger's storage on each engine.
+//!
+//! Double-entry: every business transaction is one `ledger_journal` row and
+//! two `ledger_entries` rows whose deltas sum to zero (money comes from and
+//! goes to the pseudo-account `@world`). Account balances are kept on
+//! `ledger_accounts` for cheap checks, and the audit recomputes them from
+//! the entries.
+
+use idem_core::{BoxFuture, TxBackend};
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+/// The pseudo-account money comes from (top-ups) and goes to (payouts).
+pub const WORLD: &str = "@world";
+
+/// The largest amount of one operation, in minor units.
+pub const MAX_AMOUNT: i64 = 1_000_000_000_000;
+/// The largest balance an account may hold, in minor units.
+pub const MAX_BALANCE: i64 = 1_000_000_000_000_000;
+
+/// What a ledger operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// No such account for this tenant.
+    #[error("account {0} not found")]
+    AccountNotFound(String),
+    /// The source account holds less than asked.
+    #[error("insufficient funds: balance {balance}, requested {requested}")]
+    InsufficientFunds {
+        /// What the account holds.
+        balance: i64,
+        /// What was asked.
+        requested: i64,
+    },
+    /// The target balance would exceed [`MAX_BALANCE`].
+    #[error("the balance would exceed {MAX_BALANCE}")]
+    BalanceLimit,
+    /// The database failed.
+    #[error("database error: {0}")]
+    Sql(#[from] sqlx::Error),
+    /// The idempotency store failed.
+    #[error("{0}")]
+    Idem(#[from] idem_core::Error),
+}
+
+/// An account as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Account {
+    /// Its id (a UUIDv7).
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// Its balance in minor units.
+    pub balance: i64,
+}
+
+/// Conservation figures of one tenant, all computed from stored rows.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Audit {
+    /// Sum of the entries of the tenant's accounts.
+    pub balances_total: i64,
+    /// Sum of top-ups (API and webhook).
+    pub top_ups_total: i64,
+    /// Sum of payouts.
+    pub payouts_total: i64,
+    /// Whether every figure below agrees.
+    pub conserved: bool,
+    /// Accounts whose balance is negative.
+    pub negative_balances: i64,
+    /// Whether all entries (including `@world`) sum to zero.
+    pub entries_balanced: bool,
+    /// Accounts whose stored balance differs from the sum of their entries.
+    pub balance_mismatches: i64,
+    /// How many journal rows the tenant has.
+    pub journal_rows: i64,
+}
+
+/// SQL dialects, for the few places where they differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// PostgreSQL: `$n` placeholders.
+    Postgres,
+    /// MySQL/MariaDB.
+    MySql,
+    /// SQLite.
+    Sqlite,
+}
+
+impl Dialect {
+    /// Rewrites `?` placeholders for this dialect.
+    fn prepare(self, sql: &str) -> SqlStr {
+        let sql = match self {
+            Dialect::Postgres => {
+                let mut out = String::with_capacity(sql.len() + 8);
+                let mut n = 0;
+                for c in sql.chars() {
+                    if c == '?' {
+                        n += 1;
+                        out.push('$');
+                        out.push_str(&n.to_string());
+                    } else {
+                        out.push(c);
+                    }
+                }
+                out
+            }
+            Dialect::MySql | Dialect::Sqlite => sql.to_owned(),
+        };
+        // Every statement is a constant of this module with bind parameters;
+        // nothing user-supplied is spliced in.
+        AssertSqlSafe(sql).into_sql_str()
+    }
+
+    fn sum(self, expr: &str) -> String {
+        match self {
+            Dialect::Postgres => format!("CAST(COALESCE(SUM({expr}), 0) AS BIGINT)"),
+            Dialect::MySql => format!("CAST(COALESCE(SUM({expr}), 0) AS SIGNED)"),
+            Dialect::Sqlite => format!("COALESCE(SUM({expr}), 0)"),
+        }
+    }
+
+    fn snapshot(self) -> &'static str {
+        match self {
+            Dialect::Postgres => "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+            Dialect::MySql => "START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY",
+            Dialect::Sqlite => "BEGIN DEFERRED",
+        }
+    }
+
+    fn ddl(self) -> Vec<&'static str> {
+        let mut ddl = vec![
+            "CREATE TABLE IF NOT EXISTS ledger_accounts (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
+             name VARCHAR(400) NOT NULL, balance BIGINT NOT NULL, created_at_ms BIGINT NOT NULL, \
+             PRIMARY KEY (tenant, id))",
+            "CREATE TABLE IF NOT EXISTS ledger_journal (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
+             kind VARCHAR(20) NOT NULL, amount BIGINT NOT NULL, from_account VARCHAR(80) NULL, \
+             to_account VARCHAR(80) NULL, created_at_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id))",
+            "CREATE TABLE IF NOT EXISTS ledger_entries (tenant VARCHAR(80) NOT NULL, journal_id VARCHAR(80) NOT NULL, \
+             account_id VARCHAR(80) NOT NULL, delta BIGINT NOT NULL, PRIMARY KEY (tenant, journal_id, account_id))",
+        ];
+        ddl.push(match self {
+            Dialect::MySql => "CREATE INDEX ledger_entries_account ON ledger_entries (tenant, account_id)",
+            _ => "CREATE INDEX IF NOT EXISTS ledger_entries_account ON ledger_entries (tenant, account_id)",
+        });
+        ddl
+    }
+}
+
+/// The prepared statements of one dialect.
+pub struct Queries {
+    dialect: Dialect,
+    insert_account: SqlStr,
+    select_account: SqlStr,
+    account_exists: SqlStr,
+    credit: SqlStr,
+    debit: SqlStr,
+    balance: SqlStr,
+    insert_journal: SqlStr,
+    insert_entry: SqlStr,
+    audit_balances: SqlStr,
+    audit_world: SqlStr,
+    audit_kind: SqlStr,
+    audit_negative: SqlStr,
+    audit_mismatch: SqlStr,
+    audit_journal: SqlStr,
+}
+
+impl Queries {
+    /// Prepares every statement for `dialect`.
+    pub fn new(dialect: Dialect) -> Self {
+        let p = |s: &str| dialect.prepare(s);
+        Self {
+            dialect,
+            insert_account: p(
+                "INSERT INTO ledger_accounts (tenant, id, name, balance, created_at_ms) VALUES (?, ?, ?, 0, ?)",
+            ),
+            select_account: p("SELECT id, name, balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+            account_exists: p("SELECT balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+            credit: p("UPDATE ledger_accounts SET balance = balance + ? WHERE tenant = ? AND id = ? AND balance <= ?"),
+            debit: p("UPDATE ledger_accounts SET balance = balance - ? WHERE tenant = ? AND id = ? AND balance >= ?"),
+            balance: p("SELECT balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+            insert_journal: p(
+                "INSERT INTO ledger_journal (tenant, id, kind, amount, from_account, to_account, created_at_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?)",
+            ),
+            insert_entry: p(
+                "INSERT INTO ledger_entries (tenant, journal_id, account_id, delta) VALUES (?, ?, ?, ?), (?, ?, ?, ?)",
+            ),
+            audit_balances: p(&format!(
+                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id <> '{WORLD}'",
+                dialect.sum("delta")
+            )),
+            audit_world: p(&format!(
+                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id = '{WORLD}'",
+                dialect.sum("delta")
+            )),
+            audit_kind: p(&format!(
+                "SELECT {} FROM ledger_journal WHERE tenant = ? AND kind = ?",
+                dialect.sum("amount")
+            )),
+            audit_negative: p(
+                "SELECT COUNT(*) FROM (SELECT account_id FROM ledger_entries WHERE tenant = ? AND account_id <> '@world' \
+                 GROUP BY account_id HAVING SUM(delta) < 0) neg",
+            ),
+            audit_mismatch: p(
+                "SELECT COUNT(*) FROM ledger_accounts a WHERE a.tenant = ? AND (a.balance < 0 OR a.balance <> \
+                 (SELECT COALESCE(SUM(e.delta), 0) FROM ledger_entries e WHERE e.tenant = a.tenant AND e.account_id = a.id))",
+            ),
+            audit_journal: p("SELECT COUNT(*) FROM ledger_journal WHERE tenant = ?"),
+        }
+    }
+}
+
+/// What the ledger needs of a store: the idempotency backend plus the
+/// ledger's own statements. Implemented for the PostgreSQL, MySQL/MariaDB and
+/// SQLite stores.
+pub trait LedgerDb: TxBackend + Clone {
+    /// Creates the ledger's tables (the idempotency tables too).
+    fn migrate(&self) -> BoxFuture<'_, Result<(), DbError>>;
+    /// Whether the database answers.
+    fn ping(&self) -> BoxFuture<'_, Result<(), DbError>>;
+    /// Inserts an account.
+    fn insert_account<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        id: &'c str,
+        name: &'c str,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// Reads an account of `tenant`.
+    fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>>;
+    /// Credits `amount` from `@world` to an account (kind `top_up`, or
+    /// `webhook_top_up`); answers the new balance.
+    #[allow(clippy::too_many_arguments)]
+    fn top_up<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        journal_id: &'c str,
+        kind: &'static str,
+        account_id: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// Moves `amount` between two accounts of `tenant`.
+    #[allow(clippy::too_many_arguments)]
+    fn transfer<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        journal_id: &'c str,
+        from: &'c str,
+        to: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// The tenant's conservation figures, read from one consistent snapshot.
+    fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>>;
+}
+
+macro_rules! ledger_db {
+    ($store:ty, $db:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
+        impl LedgerDb for $store {
+            fn migrate(&self) -> BoxFuture<'_, Result<(), DbError>> {
+                Box::pin(async move {
+                    self.migrate().await?;
+                    let mut conn = self.pool().acquire().await?;
+                    // Serialise concurrent migrators: CREATE ... IF NOT EXISTS races on some engines.
+                    if let Some(lock) = $lock {
+                        sqlx::query(lock).execute(&mut *conn).await?;
+                    }
+                    let mut result = Ok(());
+                    for stmt in $dialect.ddl() {
+                        if let Err(e) = sqlx::query(stmt).execute(&mut *conn).await {
+                            // MySQL has no CREATE INDEX IF NOT EXISTS: a duplicate key name (1061) means done.
+                            let duplicate_index = e
+                                .as_database_error()
+                                .and_then(|d| d.code())
+                                .is_some_and(|c| c == "42000" || c == "1061");
+                            if !(duplicate_index && stmt.starts_with("CREATE INDEX ledger_")) {
+                                result = Err(e.into());
+                                break;
+                            }
+                        }
+                    }
+                    if let Some(unlock) = $unlock {
+                        sqlx::query(unlock).execute(&mut *conn).await?;
+                    }
+                    result
+                })
+            }
+
+            fn ping(&self) -> BoxFuture<'_, Result<(), DbError>> {
+                Box::pin(async move {
+                    sqlx::query("SELECT 1").execute(self.pool()).await?;
+                    Ok(())
+                })
+            }
+
+            fn insert_account<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                id: &'c str,
+                name: &'c str,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<(), DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    sqlx::query(q.insert_account.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .bind(name)
+                        .bind(now_ms)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>> {
+                Box::pin(async move {
+                    let row: Option<(String, String, i64)> = sqlx::query_as(queries().select_account.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .fetch_optional(self.pool())
+                        .await?;
+                    Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
+                })
+            }
+
+            fn top_up<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                journal_id: &'c str,
+                kind: &'static str,
+                account_id: &'c str,
+                amount: i64,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<i64, DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    credit(&mut **tx, q, tenant, account_id, amount).await?;
+                    journal(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        journal_id,
+                        kind,
+                        amount,
+                        None,
+                        Some(account_id),
+                        now_ms,
+                    )
+                    .await?;
+                    entries(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        journal_id,
+                        (WORLD, -amount),
+                        (account_id, amount),
+                    )
+                    .await?;
+                    let (balance,): (i64,) = sqlx::query_as(q.balance.clone())
+                        .bind(tenant)
+                        .bind(account_id)
+                        .fetch_one(&mut **tx)
+                        .await?;
+                    Ok(balance)
+                })
+            }
+
+            fn transfer<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                journal_id: &'c str,
+                from: &'c str,
+                to: &'c str,
+                amount: i64,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<(), DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    // Lock the two rows in a fixed order, so two opposite
+                    // transfers cannot deadlock each other.
+                    if from < to {
+                        debit(&mut **tx, q, tenant, from, amount).await?;
+                        credit(&mut **tx, q, tenant, to, amount).await?;
+                    } else {
+                        credit(&mut **tx, q, tenant, to, amount).await?;
+                        debit(&mut **tx, q, tenant, from, amount).await?;
+                    }
+                    journal(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        journal_id,
+                        "transfer",
+                        amount,
+                        Some(from),
+                        Some(to),
+                        now_ms,
+                    )
+                    .await?;
+                    entries(&mut **tx, q, tenant, journal_id, (from, -amount), (to, amount)).await?;
+                    Ok(())
+                })
+            }
+
+            fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    let mut tx = self.pool().begin_with(q.dialect.snapshot()).await?;
+                    let one = |sql: &SqlStr| sqlx::query_as::<_, (i64,)>(sql.clone()).bind(tenant);
+                    let (balances_total,) = one(&q.audit_balances).fetch_one(&mut *tx).await?;
+                    let (world_total,) = one(&q.audit_world).fetch_one(&mut *tx).await?;
+                    let mut top_ups_total = 0i64;
+                    for kind in ["top_up", "webhook_top_up"] {
+                        let (t,): (i64,) = one(&q.audit_kind).bind(kind).fetch_one(&mut *tx).await?;
+                        top_ups_total = top_ups_total.saturating_add(t);
+                    }
+                    let (payouts_total,) = one(&q.audit_kind).bind("payout").fetch_one(&mut *tx).await?;
+                    let (negative_balances,) = one(&q.audit_negative).fetch_one(&mut *tx).await?;
+                    let (balance_mismatches,) = one(&q.audit_mismatch).fetch_one(&mut *tx).await?;
+                    let (journal_rows,) = one(&q.audit_journal).fetch_one(&mut *tx).await?;
+                    tx.rollback().await?;
+                    Ok(Audit::new(
+                        balances_total,
+                        world_total,
+                        top_ups_total,
+                        payouts_total,
+                        negative_balances,
+                        balance_mismatches,
+                        journal_rows,
+                    ))
+                })
+            }
+        }
+
+        fn queries() -> &'static Queries {
+            static Q: std::sync::OnceLock<Queries> = std::sync::OnceLock::new();
+            Q.get_or_init(|| Queries::new($dialect))
+        }
+
+        async fn credit(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            id: &str,
+            amount: i64,
+        ) -> Result<(), DbError> {
+            let done = sqlx::query(q.credit.clone())
+                .bind(amount)
+                .bind(tenant)
+                .bind(id)
+                .bind(MAX_BALANCE - amount)
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() == 1 {
+                return Ok(());
+            }
+            let exists: Option<(i64,)> = sqlx::query_as(q.account_exists.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Err(match exists {
+                None => DbError::AccountNotFound(id.to_owned()),
+                Some(_) => DbError::BalanceLimit,
+            })
+        }
+
+        async fn debit(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            id: &str,
+            amount: i64,
+        ) -> Result<(), DbError> {
+            let done = sqlx::query(q.debit.clone())
+                .bind(amount)
+                .bind(tenant)
+                .bind(id)
+                .bind(amount)
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() == 1 {
+                return Ok(());
+            }
+            let exists: Option<(i64,)> = sqlx::query_as(q.account_exists.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Err(match exists {
+                None => DbError::AccountNotFound(id.to_owned()),
+                Some((balance,)) => DbError::InsufficientFunds {
+                    balance,
+                    requested: amount,
+                },
+            })
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        async fn journal(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            id: &str,
+            kind: &str,
+            amount: i64,
+            from: Option<&str>,
+            to: Option<&str>,
+            now_ms: i64,
+        ) -> Result<(), DbError> {
+            sqlx::query(q.insert_journal.clone())
+                .bind(tenant)
+                .bind(id)
+                .bind(kind)
+                .bind(amount)
+                .bind(from)
+                .bind(to)
+                .bind(now_ms)
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        }
+
+        async fn entries(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            journal_id: &str,
+            a: (&str, i64),
+            b: (&str, i64),
+        ) -> Result<(), DbError> {
+            sqlx::query(q.insert_entry.clone())
+                .bind(tenant)
+                .bind(journal_id)
+                .bind(a.0)
+                .bind(a.1)
+                .bind(tenant)
+                .bind(journal_id)
+                .bind(b.0)
+                .bind(b.1)
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        }
+    };
+}
+
+impl Audit {
+    fn new(
+        balances_total: i64,
+        world_total: i64,
+        top_ups_total: i64,
+        payouts_total: i64,
+        negative_balances: i64,
+        balance_mismatches: i64,
+        journal_rows: i64,
+    ) -> Self {
+        let entries_balanced = balances_total.checked_add(world_total) == Some(0);
+        let conserved = top_ups_total.checked_sub(payouts_total) == Some(balances_total)
+            && entries_balanced
+            && negative_balances == 0
+            && balance_mismatches == 0;
+        Self {
+            balances_total,
+            top_ups_total,
+            payouts_total,
+            conserved,
+            negative_balances,
+            entries_balanced,
+            balance_mismatches,
+            journal_rows,
+        }
+    }
+}
+
+mod postgres {
+    use super::*;
+    ledger_db!(
+        idem_postgres::PgStore,
+        sqlx::Postgres,
+        Dialect::Postgres,
+        Some("SELECT pg_advisory_lock(7262687201)"),
+        Some("SELECT pg_advisory_unlock(7262687201)")
+    );
+}
+
+mod mysql {
+    use super::*;
+    ledger_db!(
+        idem_mysql::MySqlStore,
+        sqlx::MySql,
+        Dialect::MySql,
+        Some("SELECT GET_LOCK('ledger_migrate', 60)"),
+        Some("SELECT RELEASE_LOCK('ledger_migrate')")
+    );
+}
+
+mod sqlite {
+    use super::*;
+    ledger_db!(
+        idem_sqlite::SqliteStore,
+        sqlx::Sqlite,
+        Dialect::Sqlite,
+        None::<&'static str>,
+        None::<&'static str>
+    );
+}

@@ -1,0 +1,187 @@
+//! `ledger`: idem's reference service, a small credits ledger whose every
+//! mutation is exactly-once.
+//!
+//! Accounts, top-ups and transfers are double-entry rows; every mutating
+//! route sits behind idem's transactional [`IdempotencyLayer`](idem_http::IdempotencyLayer),
+//! so a retried request replays its recorded response and never applies
+//! twice. `GET /v1/audit` proves conservation from the stored rows.
+//!
+//! The binary (`cargo run --release -p ledger`) is a thin wrapper over
+//! [`run`]; tests build the router with [`app`] and drive it in-process or
+//! over a socket with [`serve`].
+
+pub mod api;
+pub mod db;
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+pub use api::{AppState, Options, app, tenant_for_token};
+pub use db::{Audit, DbError, LedgerDb};
+use idem_core::{SharedClock, TableName};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+
+/// Where the ledger keeps its data.
+#[derive(Clone)]
+pub enum Store {
+    /// PostgreSQL.
+    Postgres(idem_postgres::PgStore),
+    /// MySQL or MariaDB.
+    MySql(idem_mysql::MySqlStore),
+    /// A SQLite file.
+    Sqlite(idem_sqlite::SqliteStore),
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.engine())
+    }
+}
+
+/// Startup failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The database URL names no supported engine.
+    #[error("unsupported database URL {0:?}: use postgres://, mysql:// (or mariadb://), sqlite:// or a file path")]
+    Url(String),
+    /// The database could not be reached or migrated.
+    #[error("database: {0}")]
+    Db(#[from] DbError),
+    /// The idempotency store failed.
+    #[error("idempotency store: {0}")]
+    Idem(#[from] idem_core::Error),
+    /// sqlx failed.
+    #[error("database: {0}")]
+    Sql(#[from] sqlx::Error),
+    /// The listener failed.
+    #[error("listener: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Store {
+    /// Connects to `url` (`postgres://…`, `mysql://…`, `mariadb://…`,
+    /// `sqlite://PATH` or a plain file path) with at most `max_connections`,
+    /// and migrates every table.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StartError> {
+        let store = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(url)
+                .await?;
+            Store::Postgres(idem_postgres::PgStore::new(pool))
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            let url = url.replacen("mariadb://", "mysql://", 1);
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(&url)
+                .await?;
+            Store::MySql(idem_mysql::MySqlStore::new(pool))
+        } else if let Some(path) = url
+            .strip_prefix("sqlite://")
+            .or(url.strip_prefix("sqlite:"))
+            .or_else(|| (!url.contains("://")).then_some(url))
+        {
+            Store::Sqlite(idem_sqlite::SqliteStore::open(path).await?)
+        } else {
+            return Err(StartError::Url(url.to_owned()));
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    async fn migrate(&self) -> Result<(), DbError> {
+        match self {
+            Store::Postgres(s) => LedgerDb::migrate(s).await,
+            Store::MySql(s) => LedgerDb::migrate(s).await,
+            Store::Sqlite(s) => LedgerDb::migrate(s).await,
+        }
+    }
+
+    /// The ledger's router on this store.
+    pub fn router(&self, clock: SharedClock, options: Options) -> axum::Router {
+        let metrics = metrics_handle();
+        match self.clone() {
+            Store::Postgres(db) => app(AppState { db, clock, metrics }, options),
+            Store::MySql(db) => app(AppState { db, clock, metrics }, options),
+            Store::Sqlite(db) => app(AppState { db, clock, metrics }, options),
+        }
+    }
+
+    /// The engine's name.
+    pub fn engine(&self) -> &'static str {
+        match self {
+            Store::Postgres(_) => "postgres",
+            Store::MySql(_) => "mysql",
+            Store::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// The table name of idempotency keys.
+    pub fn keys_table() -> TableName {
+        TableName::default()
+    }
+}
+
+/// The process-wide Prometheus recorder (installed on first call).
+pub fn metrics_handle() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok().map(|_| handle)
+        })
+        .clone()
+}
+
+/// Serves the ledger on `listener` until `shutdown` completes, then drains
+/// in-flight requests.
+pub async fn serve(
+    listener: TcpListener,
+    store: Store,
+    clock: SharedClock,
+    options: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let router = store.router(clock, options);
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await?;
+    Ok(())
+}
+
+/// What the binary runs: connect, migrate, listen, serve until SIGTERM or Ctrl-C.
+pub async fn run(listen: &str, database_url: &str, max_connections: u32, options: Options) -> Result<(), StartError> {
+    let store = Store::connect(database_url, max_connections).await?;
+    let listener = TcpListener::bind(listen).await?;
+    tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");
+    let clock: SharedClock = Arc::new(idem_core::SystemClock);
+    serve(listener, store, clock, options, shutdown_signal()).await?;
+    tracing::info!("ledger stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+}

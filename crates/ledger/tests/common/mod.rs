@@ -1,0 +1,276 @@
+//! Shared test harness: engines, transports and a small client.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use http_body_util::BodyExt;
+use idem_core::SharedClock;
+use ledger::{Options, Store};
+use tower::ServiceExt;
+
+/// Where the ledger keeps its data in a test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Sqlite,
+    Postgres,
+    Mysql,
+}
+
+/// How the test reaches the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// `Router::oneshot`, in-process.
+    InProcess,
+    /// A real TCP socket on 127.0.0.1.
+    Socket,
+}
+
+pub fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+pub fn mysql_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// A database location for one test: a fresh SQLite file, or the shared
+/// server database (tests isolate themselves by tenant).
+pub fn database_url(engine: Engine) -> String {
+    match engine {
+        Engine::Sqlite => {
+            let path = std::env::temp_dir().join(format!("ledger-test-{}.db", uuid::Uuid::now_v7()));
+            path.display().to_string()
+        }
+        Engine::Postgres => postgres_url(),
+        Engine::Mysql => mysql_url(),
+    }
+}
+
+pub async fn connect(url: &str) -> Store {
+    match Store::connect(url, 24).await {
+        Ok(store) => store,
+        Err(e) => panic!(
+            "cannot reach the test database at {url}: {e}\n\
+             (set IDEM_TEST_POSTGRES_URL / IDEM_TEST_MYSQL_URL, or start the local service)"
+        ),
+    }
+}
+
+/// A running ledger the test talks to.
+pub struct Ledger {
+    pub url: String,
+    pub store: Store,
+    pub clock: SharedClock,
+    transport: Transport,
+    router: axum::Router,
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+    client: reqwest::Client,
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: axum::http::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+    }
+    /// Asserts this is a problem of `status` whose type ends in `slug`.
+    pub fn assert_problem(&self, status: u16, slug: &str) {
+        assert_eq!(self.status, status, "body: {}", String::from_utf8_lossy(&self.body));
+        assert_eq!(self.headers["content-type"], "application/problem+json");
+        let v = self.json();
+        assert!(
+            v["type"].as_str().unwrap().ends_with(&format!("/{slug}")),
+            "type {} is not {slug}",
+            v["type"]
+        );
+        assert_eq!(v["status"], status);
+        assert!(v["title"].is_string() && v["detail"].is_string());
+    }
+}
+
+impl Ledger {
+    pub async fn start(engine: Engine, transport: Transport) -> Self {
+        Self::start_with(
+            &database_url(engine),
+            transport,
+            Arc::new(idem_core::SystemClock),
+            Options::default(),
+        )
+        .await
+    }
+
+    pub async fn start_with(url: &str, transport: Transport, clock: SharedClock, options: Options) -> Self {
+        let store = connect(url).await;
+        let router = store.router(clock.clone(), options);
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let mut ledger = Ledger {
+            url: url.to_owned(),
+            store,
+            clock,
+            transport,
+            router: router.clone(),
+            base: String::new(),
+            stop: None,
+            server: None,
+            client,
+        };
+        if transport == Transport::Socket {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            ledger.base = format!("http://{}", listener.local_addr().unwrap());
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let store = ledger.store.clone();
+            let clock = ledger.clock.clone();
+            ledger.server = Some(tokio::spawn(async move {
+                ledger::serve(listener, store, clock, options, async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+            }));
+            ledger.stop = Some(tx);
+        }
+        ledger
+    }
+
+    /// Stops a socket server gracefully (in-process: nothing to stop).
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.await.unwrap();
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        key: Option<&str>,
+        body: Option<&str>,
+    ) -> Resp {
+        match self.transport {
+            Transport::InProcess => {
+                let mut b = axum::http::Request::builder().method(method).uri(path);
+                if let Some(t) = token {
+                    b = b.header("authorization", format!("Bearer {t}"));
+                }
+                if let Some(k) = key {
+                    b = b.header("idempotency-key", k);
+                }
+                if body.is_some() {
+                    b = b.header("content-type", "application/json");
+                }
+                let req = b.body(Body::from(body.unwrap_or("").to_owned())).unwrap();
+                let res = self.router.clone().oneshot(req).await.unwrap();
+                let (parts, body) = res.into_parts();
+                Resp {
+                    status: parts.status.as_u16(),
+                    headers: parts.headers,
+                    body: body.collect().await.unwrap().to_bytes().to_vec(),
+                }
+            }
+            Transport::Socket => {
+                let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+                let mut b = self.client.request(method, format!("{}{path}", self.base));
+                if let Some(t) = token {
+                    b = b.header("authorization", format!("Bearer {t}"));
+                }
+                if let Some(k) = key {
+                    b = b.header("idempotency-key", k);
+                }
+                if let Some(body) = body {
+                    b = b.header("content-type", "application/json").body(body.to_owned());
+                }
+                let res = b.send().await.unwrap();
+                let status = res.status().as_u16();
+                let headers = res.headers().clone();
+                Resp {
+                    status,
+                    headers,
+                    body: res.bytes().await.unwrap().to_vec(),
+                }
+            }
+        }
+    }
+
+    pub async fn post(&self, path: &str, token: &str, key: Option<&str>, body: &str) -> Resp {
+        self.send("POST", path, Some(token), key, Some(body)).await
+    }
+
+    pub async fn get(&self, path: &str, token: &str) -> Resp {
+        self.send("GET", path, Some(token), None, None).await
+    }
+
+    /// Creates an account and answers its id.
+    pub async fn account(&self, token: &str, name: &str) -> String {
+        let r = self
+            .post("/v1/accounts", token, Some(&key()), &format!("{{\"name\":\"{name}\"}}"))
+            .await;
+        assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+        r.json()["id"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn top_up(&self, token: &str, account: &str, amount: i64) -> Resp {
+        self.post(
+            "/v1/top-ups",
+            token,
+            Some(&key()),
+            &format!("{{\"account_id\":\"{account}\",\"amount\":{amount}}}"),
+        )
+        .await
+    }
+
+    pub async fn balance(&self, token: &str, account: &str) -> i64 {
+        let r = self.get(&format!("/v1/accounts/{account}"), token).await;
+        assert_eq!(r.status, 200);
+        r.json()["balance"].as_i64().unwrap()
+    }
+
+    pub async fn audit(&self, token: &str) -> serde_json::Value {
+        let r = self.get("/v1/audit", token).await;
+        assert_eq!(r.status, 200);
+        r.json()
+    }
+}
+
+/// A fresh bearer token: a fresh tenant.
+pub fn token() -> String {
+    format!("tok-{}", uuid::Uuid::now_v7())
+}
+
+/// A fresh idempotency key, quoted as an sf-string.
+pub fn key() -> String {
+    format!("\"{}\"", uuid::Uuid::now_v7())
+}
+
+/// Expands one async test body `fn(Engine, Transport)` into a test per engine and transport.
+#[macro_export]
+macro_rules! matrix {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite { use super::*; $crate::matrix!(@engine Engine::Sqlite; $($name),*); }
+        mod postgres { use super::*; $crate::matrix!(@engine Engine::Postgres; $($name),*); }
+        mod mysql { use super::*; $crate::matrix!(@engine Engine::Mysql; $($name),*); }
+    };
+    (@engine $engine:expr; $($name:ident),*) => {
+        mod in_process { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name($engine, Transport::InProcess).await } )* }
+        mod socket { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name($engine, Transport::Socket).await } )* }
+    };
+}
