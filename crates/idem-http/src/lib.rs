@@ -49,6 +49,8 @@
 //! ```
 
 mod body;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod future;
 mod key;
 mod layer;

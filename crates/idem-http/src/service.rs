@@ -110,6 +110,32 @@ where
     }
 }
 
+#[cfg(feature = "fault-injection")]
+use crate::fault::{Point, hit};
+
+#[cfg(not(feature = "fault-injection"))]
+#[derive(Clone, Copy)]
+enum Point {
+    AfterClaim,
+    BeforeCommit,
+    AfterCommit,
+}
+
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+fn hit(_point: Point) {}
+
+#[cfg(feature = "fault-injection")]
+fn bypassed() -> bool {
+    crate::fault::bypassed()
+}
+
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+fn bypassed() -> bool {
+    false
+}
+
 fn is_safe(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE)
 }
@@ -189,6 +215,7 @@ where
             return Ok(response);
         }
     };
+    let key = if bypassed() { None } else { key };
     let Some(key) = key else {
         outcome(&op, "unkeyed", started);
         return shared
@@ -359,6 +386,7 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
             Ok(Begin::Replay(record)) => return Ok(replay(cfg, &record)),
             Ok(Begin::Claimed(claimed)) => claimed,
         };
+        hit(Point::AfterClaim);
         let (tx, ticket) = claimed.split();
         let cell = TxCell::holding(self.engine.backend().clone(), tx);
         parts.extensions.insert(cell.clone());
@@ -401,11 +429,13 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
             headers: rparts.headers.clone(),
             body: body.clone(),
         };
+        hit(Point::BeforeCommit);
         match decide(rparts.status, &call) {
             Decision::Record => {
                 if let Err(e) = self.engine.commit(claimed, Record::completed(recorded.encode())).await {
                     return Ok(error_response(cfg, &call, e));
                 }
+                hit(Point::AfterCommit);
             }
             Decision::RecordRejection => {
                 if let Err(e) = self
@@ -514,6 +544,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
             Ok(Acquire::Replay(record)) => return Ok(replay(cfg, &record)),
             Ok(Acquire::Claimed(lease)) => lease,
         };
+        hit(Point::AfterClaim);
         let mut guard = LeaseGuard {
             engine: Some(self.engine.clone()),
             lease: lease.clone(),
@@ -546,10 +577,14 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 (Some(not_recorded(cfg, rparts.status)), Body::empty())
             }
         };
+        hit(Point::BeforeCommit);
         let settled = match record {
             Some(record) => self.engine.complete(&lease, record).await,
             None => self.engine.release(&lease).await,
         };
+        if settled.is_ok() {
+            hit(Point::AfterCommit);
+        }
         if let Err(e) = settled {
             tracing::warn!(error = %e, "could not settle the lease; it will expire");
         }

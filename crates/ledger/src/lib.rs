@@ -12,6 +12,8 @@
 
 pub mod api;
 pub mod db;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -55,6 +57,9 @@ pub enum StartError {
     /// sqlx failed.
     #[error("database: {0}")]
     Sql(#[from] sqlx::Error),
+    /// A setting is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
     /// The listener failed.
     #[error("listener: {0}")]
     Io(#[from] std::io::Error),
@@ -154,6 +159,8 @@ pub async fn serve(
 
 /// What the binary runs: connect, migrate, listen, serve until SIGTERM or Ctrl-C.
 pub async fn run(listen: &str, database_url: &str, max_connections: u32, options: Options) -> Result<(), StartError> {
+    #[cfg(feature = "fault-injection")]
+    fault::install_from_env().map_err(StartError::Config)?;
     let store = Store::connect(database_url, max_connections).await?;
     let listener = TcpListener::bind(listen).await?;
     tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");

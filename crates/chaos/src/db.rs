@@ -1,0 +1,231 @@
+//! The run's fresh database: creating, reading back, killing sessions, dropping.
+
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::{Config, Error};
+
+/// The engine under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Engine {
+    /// A SQLite file.
+    Sqlite,
+    /// PostgreSQL.
+    Postgres,
+    /// MySQL/MariaDB.
+    Mysql,
+}
+
+impl Engine {
+    /// The engine's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Sqlite => "sqlite",
+            Engine::Postgres => "postgres",
+            Engine::Mysql => "mysql",
+        }
+    }
+}
+
+impl std::str::FromStr for Engine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sqlite" => Ok(Engine::Sqlite),
+            "postgres" | "postgresql" => Ok(Engine::Postgres),
+            "mysql" | "mariadb" => Ok(Engine::Mysql),
+            other => Err(format!("unknown engine {other:?} (sqlite, postgres or mysql)")),
+        }
+    }
+}
+
+#[derive(Clone)]
+enum Admin {
+    Postgres(sqlx::PgPool),
+    Mysql(sqlx::MySqlPool),
+    Sqlite(std::path::PathBuf),
+}
+
+/// A database made for one run.
+#[derive(Clone)]
+pub(crate) struct Database {
+    /// The URL the ledger uses.
+    pub(crate) url: String,
+    name: String,
+    admin: Admin,
+}
+
+fn with_database(server_url: &str, name: &str) -> String {
+    let (scheme, rest) = server_url.split_once("://").unwrap_or(("", server_url));
+    let authority = rest.split('/').next().unwrap_or(rest);
+    format!("{scheme}://{authority}/{name}")
+}
+
+/// Rows read back for the checks.
+pub(crate) struct Stored {
+    pub(crate) accounts: Vec<(String, i64)>,
+    pub(crate) entries: Vec<(String, i64)>,
+    pub(crate) journal: Vec<(String, i64)>,
+    pub(crate) in_progress: i64,
+}
+
+impl Database {
+    pub(crate) async fn create(config: &Config) -> Result<Self, Error> {
+        let name = format!("chaos_{}_{}", config.seed % 1_000_000_007, std::process::id());
+        Ok(match config.engine {
+            Engine::Postgres => {
+                let admin = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&config.postgres_url)
+                    .await?;
+                sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+                    .execute(&admin)
+                    .await?;
+                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&admin)
+                    .await?;
+                Database {
+                    url: with_database(&config.postgres_url, &name),
+                    name,
+                    admin: Admin::Postgres(admin),
+                }
+            }
+            Engine::Mysql => {
+                let admin = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&config.mysql_url)
+                    .await?;
+                sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+                    .execute(&admin)
+                    .await?;
+                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&admin)
+                    .await?;
+                Database {
+                    url: with_database(&config.mysql_url, &name),
+                    name,
+                    admin: Admin::Mysql(admin),
+                }
+            }
+            Engine::Sqlite => {
+                let path = std::env::temp_dir().join(format!("{name}.db"));
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+                }
+                Database {
+                    url: path.display().to_string(),
+                    name,
+                    admin: Admin::Sqlite(path),
+                }
+            }
+        })
+    }
+
+    /// Kills up to two of the service's database sessions; answers how many.
+    pub(crate) async fn kill_sessions(&self) -> Result<u64, Error> {
+        match &self.admin {
+            Admin::Postgres(admin) => {
+                let row = sqlx::query(
+                    "SELECT COUNT(*) FILTER (WHERE pg_terminate_backend(pid)) FROM \
+                     (SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid() \
+                      ORDER BY random() LIMIT 2) s",
+                )
+                .bind(&self.name)
+                .fetch_one(admin)
+                .await?;
+                Ok(row.get::<i64, _>(0) as u64)
+            }
+            Admin::Mysql(admin) => {
+                let ids: Vec<(i64,)> = sqlx::query_as(
+                    "SELECT ID FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID() \
+                     ORDER BY RAND() LIMIT 2",
+                )
+                .bind(&self.name)
+                .fetch_all(admin)
+                .await?;
+                let mut killed = 0;
+                for (id,) in ids {
+                    if sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                        .execute(admin)
+                        .await
+                        .is_ok()
+                    {
+                        killed += 1;
+                    }
+                }
+                Ok(killed)
+            }
+            Admin::Sqlite(_) => Ok(0),
+        }
+    }
+
+    /// Reads back the tenant's rows and the claims left in progress.
+    pub(crate) async fn stored(&self, tenant: &str) -> Result<Stored, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let accounts = sqlx::query_as(concat!(
+                    "SELECT id, balance FROM ledger_accounts WHERE tenant = ",
+                    $p
+                ))
+                .bind(tenant)
+                .fetch_all(&pool)
+                .await?;
+                let entries = sqlx::query_as(concat!(
+                    "SELECT account_id, delta FROM ledger_entries WHERE tenant = ",
+                    $p
+                ))
+                .bind(tenant)
+                .fetch_all(&pool)
+                .await?;
+                let journal = sqlx::query_as(concat!(
+                    "SELECT kind, amount FROM ledger_journal WHERE tenant = ",
+                    $p
+                ))
+                .bind(tenant)
+                .fetch_all(&pool)
+                .await?;
+                let (in_progress,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM idem_keys WHERE status = 0")
+                    .fetch_one(&pool)
+                    .await?;
+                pool.close().await;
+                Stored {
+                    accounts,
+                    entries,
+                    journal,
+                    in_progress,
+                }
+            }};
+        }
+        Ok(match &self.admin {
+            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "$1"),
+            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "?"),
+            Admin::Sqlite(path) => read!(
+                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
+                "?"
+            ),
+        })
+    }
+
+    pub(crate) async fn drop_database(&self) {
+        match &self.admin {
+            Admin::Postgres(admin) => {
+                let _ = sqlx::query(AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    self.name
+                )))
+                .execute(admin)
+                .await;
+            }
+            Admin::Mysql(admin) => {
+                let _ = sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {}", self.name)))
+                    .execute(admin)
+                    .await;
+            }
+            Admin::Sqlite(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+                }
+            }
+        }
+    }
+}

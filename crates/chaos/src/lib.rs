@@ -1,0 +1,385 @@
+//! `chaos`: the reliability harness of idem.
+//!
+//! It starts the `ledger` (built with the `fault-injection` feature) as a
+//! child process on a fresh database, drives a workload of top-ups and
+//! transfers through a fault proxy with retrying clients (one key per logical
+//! operation, reused on every retry), kills the service at random moments and
+//! at idem's named fault points, kills its database sessions, pauses it, and
+//! fires bursts of identical requests. Then, once the service is quiet, it
+//! checks the history: conservation, at-most-once application of every key,
+//! exactly-once application of every acknowledged success, byte-identical
+//! responses per key, no application of a reused key with another body, and
+//! no claim left in progress.
+//!
+//! Run: `cargo run --release -p chaos -- --engine postgres --ops 20000`.
+
+mod check;
+mod db;
+pub mod proxy;
+pub mod rng;
+pub mod service;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::proxy::{Proxy, ProxyOdds};
+use crate::rng::Rng;
+use crate::service::Service;
+
+pub use db::Engine;
+
+/// Harness failures (not violations: those go in the report).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The database could not be prepared or read.
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    /// The ledger could not be built, started or reached.
+    #[error("service: {0}")]
+    Service(String),
+    /// An HTTP client error outside the workload.
+    #[error("http: {0}")]
+    Http(#[from] reqwest::Error),
+    /// I/O.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Which faults are on (all by default).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Faults {
+    /// The fault proxy: dropped responses, cut requests, delays.
+    pub proxy: bool,
+    /// `kill -9` at random moments.
+    pub kills: bool,
+    /// `kill -9` at idem's named fault points.
+    pub fault_points: bool,
+    /// Killing the service's database sessions.
+    pub db_sessions: bool,
+    /// Bursts of identical concurrent requests.
+    pub bursts: bool,
+    /// SIGSTOP/SIGCONT pauses of the service.
+    pub pauses: bool,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            proxy: true,
+            kills: true,
+            fault_points: true,
+            db_sessions: true,
+            bursts: true,
+            pauses: true,
+        }
+    }
+}
+
+/// One run's settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The engine.
+    pub engine: Engine,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Logical operations.
+    pub ops: usize,
+    /// The seed of every random decision.
+    pub seed: u64,
+    /// Faults switched on.
+    pub faults: Faults,
+    /// Run the service with its idempotency claim switched off (the
+    /// checker must then report double applications).
+    pub break_idempotency: bool,
+    /// A ledger binary built with `fault-injection`; built with cargo if absent.
+    pub ledger_bin: Option<PathBuf>,
+    /// PostgreSQL server (a fresh database is created on it).
+    pub postgres_url: String,
+    /// MySQL/MariaDB server (a fresh database is created on it).
+    pub mysql_url: String,
+    /// Keep the database afterwards.
+    pub keep_db: bool,
+    /// Mean milliseconds between random kills.
+    pub kill_interval_ms: u64,
+}
+
+impl Config {
+    /// Defaults for `engine`: 8 clients, 2,000 operations, every fault on.
+    pub fn new(engine: Engine, seed: u64) -> Self {
+        Self {
+            engine,
+            clients: 8,
+            ops: 2_000,
+            seed,
+            faults: Faults::default(),
+            break_idempotency: false,
+            ledger_bin: None,
+            postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+            mysql_url: std::env::var("IDEM_TEST_MYSQL_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+            keep_db: false,
+            kill_interval_ms: 1_500,
+        }
+    }
+}
+
+/// Counts of one run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Counts {
+    /// Logical operations issued (excluding setup).
+    pub ops: u64,
+    /// Acknowledged as applied.
+    pub ok: u64,
+    /// Acknowledged as rejected (insufficient funds).
+    pub rejected: u64,
+    /// Never got a definite answer.
+    pub unknown: u64,
+    /// Requests sent again after a failed attempt.
+    pub retries: u64,
+    /// Responses marked `Idempotent-Replayed: true`.
+    pub replays_seen: u64,
+    /// 409 in-flight answers.
+    pub in_flight_seen: u64,
+    /// Bursts of identical concurrent requests.
+    pub bursts: u64,
+    /// Keys reused with another body (each must be refused).
+    pub mismatch_probes: u64,
+}
+
+/// Faults that really happened.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FaultCounts {
+    /// Responses sent by the service that the client never got.
+    pub responses_dropped: u64,
+    /// Requests cut mid-way.
+    pub connections_cut: u64,
+    /// Delayed requests.
+    pub delays: u64,
+    /// `kill -9` at random moments.
+    pub random_kills: u64,
+    /// `kill -9` at named fault points, by point.
+    pub fault_point_kills: BTreeMap<String, u64>,
+    /// Database sessions killed.
+    pub sessions_killed: u64,
+    /// Pauses of the service.
+    pub pauses: u64,
+    /// Service restarts.
+    pub restarts: u64,
+}
+
+impl FaultCounts {
+    /// Every kill of the service.
+    pub fn kills(&self) -> u64 {
+        self.random_kills + self.fault_point_kills.values().sum::<u64>()
+    }
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The seed (`--seed` replays the same schedule).
+    pub seed: u64,
+    /// The engine.
+    pub engine: String,
+    /// Clients.
+    pub clients: usize,
+    /// Faults switched on.
+    pub faults_enabled: Faults,
+    /// Whether the claim was switched off.
+    pub break_idempotency: bool,
+    /// Workload counts.
+    pub counts: Counts,
+    /// Faults that happened.
+    pub faults: FaultCounts,
+    /// The final audit of the service.
+    pub audit: serde_json::Value,
+    /// Seconds the run took.
+    pub duration_secs: f64,
+    /// Every property that failed; empty when all held.
+    pub violations: Vec<String>,
+}
+
+/// Finds or builds the ledger binary with the `fault-injection` feature.
+pub fn ledger_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
+    if let Some(p) = explicit {
+        return Ok(p.clone());
+    }
+    if let Ok(p) = std::env::var("CHAOS_LEDGER_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(&root).args([
+        "build",
+        "-p",
+        "ledger",
+        "--features",
+        "fault-injection",
+        "--message-format=json",
+    ]);
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
+    if !out.status.success() {
+        return Err(Error::Service("building the ledger with fault-injection failed".into()));
+    }
+    let mut built = None;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line)
+            && v["reason"] == "compiler-artifact"
+            && v["target"]["name"] == "ledger"
+            && let Some(exe) = v["executable"].as_str()
+        {
+            built = Some(PathBuf::from(exe));
+        }
+    }
+    let built = built.ok_or_else(|| Error::Service("cargo reported no ledger executable".into()))?;
+    // Keep a private copy: a plain `cargo build -p ledger` rewrites the
+    // shared path with the build that has no fault points.
+    let copy = built.with_file_name(format!(
+        "ledger-chaos-{}-{}",
+        std::process::id(),
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::copy(&built, &copy)?;
+    Ok(copy)
+}
+
+/// Runs the harness once.
+pub async fn run(config: Config) -> Result<Report, Error> {
+    let started = Instant::now();
+    let bin = ledger_binary(config.ledger_bin.as_ref())?;
+    let database = db::Database::create(&config).await?;
+    let port = free_port().await?;
+    let mut env = Vec::new();
+    if config.faults.fault_points {
+        env.push((
+            "LEDGER_FAULTS".to_owned(),
+            "after_claim=0.004,before_commit=0.004,after_commit=0.004".to_owned(),
+        ));
+    }
+    if config.break_idempotency {
+        env.push(("LEDGER_BREAK_IDEMPOTENCY".to_owned(), "1".to_owned()));
+    }
+    let log = std::env::temp_dir().join(format!("chaos-ledger-{}-{}.log", config.seed, std::process::id()));
+    let service = Service::start(&bin, port, &database.url, env, log).await?;
+    let mut rng = Rng::new(config.seed);
+    let upstream: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let odds = if config.faults.proxy {
+        ProxyOdds {
+            drop_response: 0.06,
+            cut_request: 0.03,
+            delay: 0.05,
+        }
+    } else {
+        ProxyOdds {
+            drop_response: 0.0,
+            cut_request: 0.0,
+            delay: 0.0,
+        }
+    };
+    let proxy = Proxy::start(upstream, odds, rng.fork(1)).await?;
+
+    let calm = Arc::new(AtomicBool::new(false));
+    let sessions_killed = Arc::new(AtomicU64::new(0));
+    let mut background = Vec::new();
+    if config.faults.kills {
+        let (service, calm, mut r, mean) = (service.clone(), calm.clone(), rng.fork(2), config.kill_interval_ms);
+        background.push(tokio::spawn(async move {
+            while !calm.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(r.range(mean / 2, mean * 3 / 2 + 1))).await;
+                if !calm.load(Ordering::SeqCst) && service.kill() {
+                    service.counts.random_kills.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    if config.faults.pauses {
+        let (service, calm, mut r) = (service.clone(), calm.clone(), rng.fork(3));
+        background.push(tokio::spawn(async move {
+            while !calm.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(r.range(2_000, 5_000))).await;
+                if !calm.load(Ordering::SeqCst) && service.pause(Duration::from_millis(r.range(200, 1_500))).await {
+                    service.counts.pauses.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    if config.faults.db_sessions && config.engine != Engine::Sqlite {
+        let (database, calm, mut r, killed) = (database.clone(), calm.clone(), rng.fork(4), sessions_killed.clone());
+        background.push(tokio::spawn(async move {
+            while !calm.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(r.range(700, 2_000))).await;
+                if !calm.load(Ordering::SeqCst) {
+                    match database.kill_sessions().await {
+                        Ok(n) => {
+                            killed.fetch_add(n, Ordering::SeqCst);
+                        }
+                        Err(e) => eprintln!("chaos: could not kill database sessions: {e}"),
+                    }
+                }
+            }
+        }));
+    }
+
+    let base = format!("http://{}", proxy.addr);
+    let direct = format!("http://127.0.0.1:{port}");
+    let token = format!("chaos-{}-{}", config.seed, uuid::Uuid::now_v7());
+    let outcome = workload::run(&config, &base, &token, rng.fork(5), &service).await;
+
+    // Quiesce: no more faults, the service up, every lease long expired.
+    calm.store(true, Ordering::SeqCst);
+    proxy.calm();
+    for task in background {
+        let _ = task.await;
+    }
+    service.wait_healthy(Duration::from_secs(120)).await?;
+    let outcome = outcome?;
+    let mut violations = outcome.violations.clone();
+    let audit = check::history(&config, &database, &direct, &token, &outcome, &mut violations).await?;
+
+    service.stop().await;
+    let pc = &proxy.counts;
+    let faults = FaultCounts {
+        responses_dropped: pc.responses_dropped.load(Ordering::SeqCst),
+        connections_cut: pc.connections_cut.load(Ordering::SeqCst),
+        delays: pc.delays.load(Ordering::SeqCst),
+        random_kills: service.counts.random_kills.load(Ordering::SeqCst),
+        fault_point_kills: service.counts.fault_point_kills.lock().await.clone(),
+        sessions_killed: sessions_killed.load(Ordering::SeqCst),
+        pauses: service.counts.pauses.load(Ordering::SeqCst),
+        restarts: service.counts.restarts.load(Ordering::SeqCst),
+    };
+    if !config.keep_db {
+        database.drop_database().await;
+    }
+    if config.ledger_bin.is_none() && std::env::var("CHAOS_LEDGER_BIN").is_err() {
+        let _ = std::fs::remove_file(&bin);
+    }
+    Ok(Report {
+        seed: config.seed,
+        engine: config.engine.name().to_owned(),
+        clients: config.clients,
+        faults_enabled: config.faults,
+        break_idempotency: config.break_idempotency,
+        counts: outcome.counts,
+        faults,
+        audit,
+        duration_secs: started.elapsed().as_secs_f64(),
+        violations,
+    })
+}
+
+async fn free_port() -> Result<u16, Error> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    Ok(l.local_addr()?.port())
+}

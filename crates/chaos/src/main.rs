@@ -1,0 +1,110 @@
+//! The `chaos` binary: `cargo run --release -p chaos -- --engine sqlite --ops 2000`.
+
+use std::path::PathBuf;
+
+use chaos::{Config, Engine, Faults};
+use clap::Parser;
+
+/// Attacks a running ledger with retries, lost responses, kills and database
+/// faults, then checks the history. Exits 1 if any property failed.
+#[derive(Debug, Parser)]
+#[command(name = "chaos", about)]
+struct Args {
+    /// sqlite, postgres or mysql.
+    #[arg(long, default_value = "sqlite")]
+    engine: Engine,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
+    clients: u64,
+    /// Logical operations.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    ops: u64,
+    /// The seed (random when absent; always printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Switch the service's idempotency claim off (the checker must then fail).
+    #[arg(long)]
+    break_idempotency: bool,
+    /// A ledger built with `--features fault-injection` (built with cargo if absent).
+    #[arg(long, env = "CHAOS_LEDGER_BIN")]
+    ledger_bin: Option<PathBuf>,
+    /// No fault proxy.
+    #[arg(long)]
+    no_proxy: bool,
+    /// No random kills.
+    #[arg(long)]
+    no_kills: bool,
+    /// No kills at named fault points.
+    #[arg(long)]
+    no_fault_points: bool,
+    /// No database session kills.
+    #[arg(long)]
+    no_db_kills: bool,
+    /// No bursts of identical requests.
+    #[arg(long)]
+    no_bursts: bool,
+    /// No SIGSTOP pauses.
+    #[arg(long)]
+    no_pauses: bool,
+    /// Mean milliseconds between random kills.
+    #[arg(long, default_value_t = 1_500, value_parser = clap::value_parser!(u64).range(100..))]
+    kill_interval_ms: u64,
+    /// Keep the run's database.
+    #[arg(long)]
+    keep_db: bool,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let seed = args.seed.unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64);
+    println!("chaos: engine {} seed {seed}", args.engine.name());
+    let mut config = Config::new(args.engine, seed);
+    config.clients = args.clients as usize;
+    config.ops = args.ops as usize;
+    config.break_idempotency = args.break_idempotency;
+    config.ledger_bin = args.ledger_bin;
+    config.keep_db = args.keep_db;
+    config.kill_interval_ms = args.kill_interval_ms;
+    config.faults = Faults {
+        proxy: !args.no_proxy,
+        kills: !args.no_kills,
+        fault_points: !args.no_fault_points,
+        db_sessions: !args.no_db_kills,
+        bursts: !args.no_bursts,
+        pauses: !args.no_pauses,
+    };
+    let report = match chaos::run(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let json = serde_json::to_string_pretty(&report).unwrap_or_default();
+    if let Some(path) = &args.report
+        && let Err(e) = std::fs::write(path, &json)
+    {
+        eprintln!("chaos: cannot write {}: {e}", path.display());
+    }
+    println!("{json}");
+    println!(
+        "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed: {} violation(s)",
+        report.counts.ops,
+        report.counts.ok,
+        report.counts.rejected,
+        report.counts.unknown,
+        report.faults.kills(),
+        report.faults.responses_dropped,
+        report.faults.sessions_killed,
+        report.violations.len()
+    );
+    if report.violations.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,62 @@
+//! Named fault points and the idempotency bypass, for reliability harnesses.
+//!
+//! Compiled only with the `fault-injection` feature; the default build has
+//! neither the points nor the switch. A harness installs a hook that decides,
+//! at each point, whether to stop the process there (and then kills it from
+//! outside), and can switch the claim off to prove its checker catches
+//! double applications.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Where in a request a fault can strike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Point {
+    /// The key is claimed; the handler has not run.
+    AfterClaim,
+    /// The handler has written and answered; nothing is committed yet.
+    BeforeCommit,
+    /// Everything is committed; the response has not been sent.
+    AfterCommit,
+}
+
+impl Point {
+    /// Every point.
+    pub const ALL: [Point; 3] = [Point::AfterClaim, Point::BeforeCommit, Point::AfterCommit];
+
+    /// The point's name (`after_claim`, `before_commit`, `after_commit`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Point::AfterClaim => "after_claim",
+            Point::BeforeCommit => "before_commit",
+            Point::AfterCommit => "after_commit",
+        }
+    }
+}
+
+type Hook = Box<dyn Fn(Point) + Send + Sync>;
+
+static HOOK: OnceLock<Hook> = OnceLock::new();
+static BYPASS: AtomicBool = AtomicBool::new(false);
+
+/// Installs the hook called at every fault point (once per process).
+pub fn set_hook(hook: impl Fn(Point) + Send + Sync + 'static) -> bool {
+    HOOK.set(Box::new(hook)).is_ok()
+}
+
+/// Switches the idempotency claim off (`true`): keyed requests then run as
+/// if they had no key. Only for proving that a checker detects double
+/// applications.
+pub fn set_bypass(on: bool) {
+    BYPASS.store(on, Ordering::SeqCst);
+}
+
+pub(crate) fn hit(point: Point) {
+    if let Some(hook) = HOOK.get() {
+        hook(point);
+    }
+}
+
+pub(crate) fn bypassed() -> bool {
+    BYPASS.load(Ordering::SeqCst)
+}

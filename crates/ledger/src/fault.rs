@@ -1,0 +1,77 @@
+//! Fault injection for the reliability harness (feature `fault-injection`).
+//!
+//! Environment:
+//! - `LEDGER_FAULTS=after_claim=0.01,before_commit=0.01,after_commit=0.01`:
+//!   the probability of stopping at each named point of idem's HTTP layer.
+//!   At a chosen point the process prints `IDEM_FAULT point=<name>` on
+//!   stderr and freezes, so the harness can `kill -9` it exactly there (it
+//!   aborts by itself after 30 s if nobody does).
+//! - `LEDGER_FAULT_SEED=<u64>`: seeds the choice.
+//! - `LEDGER_BREAK_IDEMPOTENCY=1`: switches the idempotency claim off, so the
+//!   harness can prove its checker sees double applications.
+
+use std::io::Write;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use idem_http::fault::{self, Point};
+
+/// A small deterministic generator (SplitMix64).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Reads the environment and installs the hook and the switch.
+pub fn install_from_env() -> Result<(), String> {
+    if std::env::var("LEDGER_BREAK_IDEMPOTENCY").is_ok_and(|v| v == "1") {
+        fault::set_bypass(true);
+        tracing::warn!("LEDGER_BREAK_IDEMPOTENCY=1: the idempotency claim is switched off");
+    }
+    let Ok(spec) = std::env::var("LEDGER_FAULTS") else {
+        return Ok(());
+    };
+    let mut odds = [0.0f64; 3];
+    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        let (name, p) = part
+            .split_once('=')
+            .ok_or_else(|| format!("bad LEDGER_FAULTS entry {part:?}"))?;
+        let p: f64 = p.trim().parse().map_err(|_| format!("bad probability in {part:?}"))?;
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("probability out of range in {part:?}"));
+        }
+        let i = Point::ALL
+            .iter()
+            .position(|pt| pt.name() == name.trim())
+            .ok_or_else(|| format!("unknown fault point {name:?}"))?;
+        odds[i] = p;
+    }
+    let seed = std::env::var("LEDGER_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let rng = Mutex::new(SplitMix(seed));
+    fault::set_hook(move |point| {
+        let i = Point::ALL.iter().position(|p| *p == point).unwrap_or(0);
+        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
+        if roll < odds[i] {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "IDEM_FAULT point={}", point.name());
+            let _ = err.flush();
+            drop(err);
+            // Freeze here; the harness kills the process with SIGKILL.
+            std::thread::sleep(Duration::from_secs(30));
+            std::process::abort();
+        }
+    });
+    tracing::warn!(faults = %spec, seed, "fault points armed");
+    Ok(())
+}
