@@ -207,6 +207,10 @@ pub(crate) async fn run(
     mut rng: Rng,
     service: &Arc<Service>,
 ) -> Result<Outcome, Error> {
+    // The plan has its own stream, drawn before anything runs, so one seed
+    // always gives one schedule however many retries the setup needs.
+    let mut plan_rng = rng.fork(1);
+    let mut rng = rng.fork(2);
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(20))
@@ -257,6 +261,7 @@ pub(crate) async fn run(
     }
 
     // The schedule is drawn from the seed before anything runs.
+    let rng = &mut plan_rng;
     let plans: Vec<(Plan, bool, bool, u64)> = (0..config.ops)
         .map(|i| {
             let i64i = i as i64;

@@ -106,7 +106,7 @@ pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
         tokio::spawn(async move {
             engine
                 .run(&call, |_lease| async {
-                    if always() {
+                    if panics() {
                         panic!("work panicked");
                     }
                     Ok::<Receipt, TestError>(Receipt::new(1))
@@ -122,7 +122,9 @@ pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
     assert_eq!(runs.get(), 1);
 }
 
-fn always() -> bool {
+/// Always true; a plain `panic!` would leave the work's `Ok` unreachable
+/// and its type uninferable.
+fn panics() -> bool {
     true
 }
 

@@ -158,18 +158,9 @@ pub async fn rejection_leaves_key_unused<S: Subject>(s: S) {
         "the same key runs again: {ok:?}"
     );
     let replay = run_decline::<S>(&engine, &call, &eid, &runs, None).await.unwrap();
-    assert_eq!(replay, ok.clone().map(|v| v).into_replayed());
+    assert_eq!(replay, Outcome::Replayed(ok.clone().into_inner()));
     assert_eq!(effects(&s, &eid).await, 1);
     assert_eq!(runs.get(), 2);
-}
-
-trait IntoReplayed<T> {
-    fn into_replayed(self) -> Outcome<T>;
-}
-impl<T> IntoReplayed<T> for Outcome<T> {
-    fn into_replayed(self) -> Outcome<T> {
-        Outcome::Replayed(self.into_inner())
-    }
 }
 
 /// An error from the work rolls everything back and leaves the key usable.
@@ -211,7 +202,7 @@ pub async fn panic_leaves_key_unused<S: Subject>(s: S) {
                 .execute(&call, move |tx| {
                     Box::pin(async move {
                         S::write_effect(tx, eid).await?;
-                        if tx_is_open() {
+                        if panics() {
                             panic!("work panicked after its write");
                         }
                         Ok::<Receipt, TestError>(Receipt::new(1))
@@ -229,7 +220,9 @@ pub async fn panic_leaves_key_unused<S: Subject>(s: S) {
     assert_eq!(effects(&s, &eid).await, 1);
 }
 
-fn tx_is_open() -> bool {
+/// Always true; a plain `panic!` would leave the work's `Ok` unreachable
+/// and its type uninferable.
+fn panics() -> bool {
     true
 }
 

@@ -21,10 +21,10 @@ pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 ///
 /// ```
 /// use idem_core::StoreErrorKind;
-/// let err = idem_postgres::map_error(sqlx::Error::PoolTimedOut);
+/// let err = idem_postgres::store_error(sqlx::Error::PoolTimedOut);
 /// assert_eq!(err.store_kind(), Some(StoreErrorKind::Unavailable));
 /// ```
-pub fn map_error(error: sqlx::Error) -> Error {
+pub fn store_error(error: sqlx::Error) -> Error {
     let kind = kind_of(&error);
     Error::store(kind, error)
 }
@@ -63,13 +63,13 @@ mod tests {
     #[test]
     fn driver_errors_map_to_portable_kinds() {
         let io = sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset"));
-        assert_eq!(map_error(io).store_kind(), Some(StoreErrorKind::Unavailable));
+        assert_eq!(store_error(io).store_kind(), Some(StoreErrorKind::Unavailable));
         assert_eq!(
-            map_error(sqlx::Error::PoolClosed).store_kind(),
+            store_error(sqlx::Error::PoolClosed).store_kind(),
             Some(StoreErrorKind::Unavailable)
         );
         assert_eq!(
-            map_error(sqlx::Error::RowNotFound).store_kind(),
+            store_error(sqlx::Error::RowNotFound).store_kind(),
             Some(StoreErrorKind::Other)
         );
     }

@@ -32,7 +32,7 @@
 //!         .max_connections(16)
 //!         .connect("postgres://postgres@127.0.0.1:5432/test")
 //!         .await
-//!         .map_err(idem_postgres::map_error)?;
+//!         .map_err(idem_postgres::store_error)?;
 //!     let store = PgStore::new(pool).with_claim_strategy(ClaimStrategy::InsertOnConflict);
 //!     store.migrate().await?;
 //!     let engine = TxEngine::new(store);
@@ -52,7 +52,7 @@
 //!                     .bind(100_i64)
 //!                     .execute(&mut **tx)
 //!                     .await
-//!                     .map_err(idem_postgres::map_error)?;
+//!                     .map_err(idem_postgres::store_error)?;
 //!                 Ok::<i64, idem_core::Error>(100)
 //!             })
 //!         })
@@ -99,7 +99,7 @@ mod error;
 mod migrate;
 mod sql;
 
-pub use error::map_error;
+pub use error::store_error;
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
 use sql::Statements;
@@ -230,7 +230,7 @@ impl PgStore {
             .bind(key.as_str())
             .fetch_optional(&self.pool)
             .await
-            .map_err(map_error)?;
+            .map_err(store_error)?;
         row.as_ref().map(decode_row).transpose()
     }
 
@@ -281,12 +281,12 @@ fn lock_timeout_setting(wait: Duration) -> String {
 
 /// Decodes the row columns every row-reading statement selects first.
 fn decode_row(row: &PgRow) -> Result<StoredRow> {
-    let fingerprint: &[u8] = row.try_get(0).map_err(map_error)?;
-    let status: i16 = row.try_get(1).map_err(map_error)?;
-    let token: i64 = row.try_get(2).map_err(map_error)?;
-    let payload: Option<Vec<u8>> = row.try_get(3).map_err(map_error)?;
-    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(map_error)?;
-    let expires_at_ms: i64 = row.try_get(5).map_err(map_error)?;
+    let fingerprint: &[u8] = row.try_get(0).map_err(store_error)?;
+    let status: i16 = row.try_get(1).map_err(store_error)?;
+    let token: i64 = row.try_get(2).map_err(store_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
+    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
+    let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
     StoredRow::from_columns(fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
 }
 
@@ -301,7 +301,7 @@ impl TxBackend for PgStore {
     type Tx = PgTx;
 
     fn begin(&self) -> BoxFuture<'_, Result<PgTx>> {
-        Box::pin(async move { self.pool.begin().await.map_err(map_error) })
+        Box::pin(async move { self.pool.begin().await.map_err(store_error) })
     }
 
     fn claim<'a>(
@@ -334,7 +334,7 @@ impl TxBackend for PgStore {
                         );
                         return Ok(TxClaim::Busy);
                     }
-                    Err(e) => return Err(map_error(e)),
+                    Err(e) => return Err(store_error(e)),
                 }
                 // A live committed row holds the key. The insert locked it, so it
                 // cannot change before this transaction ends; read it with a fresh
@@ -345,7 +345,7 @@ impl TxBackend for PgStore {
                     .bind(req.key.as_str())
                     .fetch_optional(&mut **tx)
                     .await
-                    .map_err(map_error)?;
+                    .map_err(store_error)?;
                 if let Some(row) = found {
                     tracing::debug!(table = self.table.as_str(), "key found committed");
                     return Ok(TxClaim::Found(decode_row(&row)?));
@@ -371,7 +371,7 @@ impl TxBackend for PgStore {
                 .bind(&record.payload[..])
                 .execute(&mut **tx)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
             if done.rows_affected() != 1 {
                 return Err(Error::Config(
                     "record called on a transaction that holds no claim of this key".into(),
@@ -382,11 +382,11 @@ impl TxBackend for PgStore {
     }
 
     fn commit(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.commit().await.map_err(map_error) })
+        Box::pin(async move { tx.commit().await.map_err(store_error) })
     }
 
     fn rollback(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.rollback().await.map_err(map_error) })
+        Box::pin(async move { tx.rollback().await.map_err(store_error) })
     }
 }
 
@@ -399,9 +399,9 @@ impl LeaseStore for PgStore {
                     .claim_query(&self.sql.claim_lease, req, LEASE_CLAIM_LOCK_TIMEOUT, false)
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(map_error)?;
+                    .map_err(store_error)?;
                 if let Some(row) = inserted {
-                    let token = Token(row.try_get(0).map_err(map_error)?);
+                    let token = Token(row.try_get(0).map_err(store_error)?);
                     tracing::debug!(table = self.table.as_str(), token = token.0, "acquired lease");
                     return Ok(LeaseClaim::Acquired(token));
                 }
@@ -427,7 +427,7 @@ impl LeaseStore for PgStore {
                 .bind(&record.payload[..])
                 .execute(&self.pool)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
             self.fenced_unless_one(done.rows_affected(), lease, "complete")
         })
     }
@@ -441,7 +441,7 @@ impl LeaseStore for PgStore {
                 .bind(lease.token.0)
                 .execute(&self.pool)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
             self.fenced_unless_one(done.rows_affected(), lease, "release")
         })
     }
@@ -456,7 +456,7 @@ impl LeaseStore for PgStore {
                 .bind(lease_expires_at_ms)
                 .execute(&self.pool)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
             self.fenced_unless_one(done.rows_affected(), lease, "extend")
         })
     }
@@ -486,7 +486,7 @@ impl Sweep for PgStore {
                 .bind(i64::from(limit))
                 .execute(&self.pool)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
             tracing::debug!(
                 table = self.table.as_str(),
                 deleted = done.rows_affected(),

@@ -6,7 +6,7 @@ use idem_core::{Result, TableName};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
 
-use crate::error::map_error;
+use crate::error::store_error;
 use crate::sql::{derived_name, fnv1a};
 
 /// One schema version: statements run in order, in one transaction.
@@ -55,7 +55,7 @@ pub(crate) const LATEST_VERSION: i32 = 1;
 pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
-    let mut tx = pool.begin().await.map_err(map_error)?;
+    let mut tx = pool.begin().await.map_err(store_error)?;
     // Two processes running `CREATE TABLE IF NOT EXISTS` at once can both see
     // no table and one then fails on a duplicate catalog entry; the lock makes
     // every migrator of this table take its turn.
@@ -64,7 +64,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
         .bind(lock_key)
         .execute(&mut *tx)
         .await
-        .map_err(map_error)?;
+        .map_err(store_error)?;
     sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {version_table} (
             version INTEGER PRIMARY KEY,
@@ -74,14 +74,14 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
     )))
     .execute(&mut *tx)
     .await
-    .map_err(map_error)?;
+    .map_err(store_error)?;
     let current: i32 = sqlx::query(AssertSqlSafe(format!(
         "SELECT COALESCE(MAX(version), 0) FROM {version_table}"
     )))
     .fetch_one(&mut *tx)
     .await
     .and_then(|row| row.try_get(0))
-    .map_err(map_error)?;
+    .map_err(store_error)?;
     if current > LATEST_VERSION {
         tracing::warn!(
             table = table.as_str(),
@@ -98,7 +98,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
             sqlx::query(AssertSqlSafe(sql))
                 .execute(&mut *tx)
                 .await
-                .map_err(map_error)?;
+                .map_err(store_error)?;
         }
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {version_table} (version, description, applied_at_ms) VALUES ($1, $2, $3)"
@@ -108,7 +108,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
         .bind(unix_ms())
         .execute(&mut *tx)
         .await
-        .map_err(map_error)?;
+        .map_err(store_error)?;
         tracing::debug!(
             table = table.as_str(),
             version = migration.version,
@@ -116,7 +116,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
             "applied idem schema migration"
         );
     }
-    tx.commit().await.map_err(map_error)?;
+    tx.commit().await.map_err(store_error)?;
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use idem_core::{
     ClaimRequest, Error, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Record, RowState, Scope, StoreErrorKind,
     Sweep, Token, TxBackend, TxClaim,
 };
-use idem_postgres::{ClaimStrategy, PgStore, map_error};
+use idem_postgres::{ClaimStrategy, PgStore, store_error};
 use sqlx::{AssertSqlSafe, Row};
 
 /// One key with its scope and fingerprint.
@@ -372,7 +372,7 @@ async fn sqlstates_map_to_portable_kinds() {
     for (code, kind) in cases {
         let sql = format!("DO $$ BEGIN RAISE EXCEPTION 'raised for a test' USING ERRCODE = '{code}'; END $$");
         let err = sqlx::query(AssertSqlSafe(sql)).execute(&pool).await.unwrap_err();
-        assert_eq!(map_error(err).store_kind(), Some(kind), "SQLSTATE {code}");
+        assert_eq!(store_error(err).store_kind(), Some(kind), "SQLSTATE {code}");
     }
     let refused = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_millis(500))
@@ -380,7 +380,7 @@ async fn sqlstates_map_to_portable_kinds() {
         .await
         .unwrap_err();
     assert_eq!(
-        map_error(refused).store_kind(),
+        store_error(refused).store_kind(),
         Some(StoreErrorKind::Unavailable),
         "a refused connection"
     );
