@@ -30,7 +30,7 @@
 //!
 //! | feature | what it adds |
 //! |---|---|
-//! | `memory` | [`memory::MemoryStore`] |
+//! | `memory` | `memory::MemoryStore` |
 //! | `postgres` | `postgres::PgStore` (PostgreSQL, CockroachDB, YugabyteDB) |
 //! | `mysql` | `mysql::MySqlStore` (MySQL, MariaDB) |
 //! | `sqlite` | `sqlite::SqliteStore` |
