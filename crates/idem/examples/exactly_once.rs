@@ -31,7 +31,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let body = br#"{"amount": 1500}"#;
 
     for attempt in 1..=3 {
-        let call = Call::new(scope.clone(), key.clone(), Fingerprint::of_json(scope.operation(), body)?);
+        let call = Call::new(
+            scope.clone(),
+            key.clone(),
+            Fingerprint::of_json(scope.operation(), body)?,
+        );
         let outcome = engine
             .execute(&call, |tx| {
                 Box::pin(async move {
@@ -42,7 +46,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         .execute(&mut **tx)
                         .await
                         .map_err(idem::sqlite::store_error)?;
-                    Ok::<_, Error>(Receipt { payment_id: id, amount: 1500 })
+                    Ok::<_, Error>(Receipt {
+                        payment_id: id,
+                        amount: 1500,
+                    })
                 })
             })
             .await?;
@@ -50,11 +57,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("attempt {attempt}: {how} {:?}", outcome.value());
     }
 
-    let other = Call::new(scope.clone(), key, Fingerprint::of_json(scope.operation(), br#"{"amount": 9999}"#)?);
-    let refused = engine.execute(&other, |_tx| Box::pin(async { Ok::<_, Error>(0) })).await;
+    let other = Call::new(
+        scope.clone(),
+        key,
+        Fingerprint::of_json(scope.operation(), br#"{"amount": 9999}"#)?,
+    );
+    let refused = engine
+        .execute(&other, |_tx| Box::pin(async { Ok::<_, Error>(0) }))
+        .await;
     println!("same key, different body: {}", refused.unwrap_err());
 
-    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM payments").fetch_one(store.pool()).await?;
+    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM payments")
+        .fetch_one(store.pool())
+        .await?;
     println!("payment rows: {rows}");
     assert_eq!(rows, 1, "the payment happened exactly once");
 
