@@ -17,6 +17,13 @@ pub const MAX_AMOUNT: i64 = 1_000_000_000_000;
 /// The largest balance an account may hold, in minor units.
 pub const MAX_BALANCE: i64 = 1_000_000_000_000_000;
 
+/// Which way a guarded balance update goes.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Credit,
+    Debit,
+}
+
 /// What a ledger operation can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -439,6 +446,8 @@ macro_rules! ledger_db {
             Q.get_or_init(|| Queries::new($dialect))
         }
 
+        /// Adds `amount` to an account's balance, refused if it would pass
+        /// the balance limit.
         async fn credit(
             conn: &mut <$db as sqlx::Database>::Connection,
             q: &Queries,
@@ -446,27 +455,10 @@ macro_rules! ledger_db {
             id: &str,
             amount: i64,
         ) -> Result<(), DbError> {
-            let done = sqlx::query(q.credit.clone())
-                .bind(amount)
-                .bind(tenant)
-                .bind(id)
-                .bind(MAX_BALANCE - amount)
-                .execute(&mut *conn)
-                .await?;
-            if done.rows_affected() == 1 {
-                return Ok(());
-            }
-            let exists: Option<(i64,)> = sqlx::query_as(q.account_exists.clone())
-                .bind(tenant)
-                .bind(id)
-                .fetch_optional(&mut *conn)
-                .await?;
-            Err(match exists {
-                None => DbError::AccountNotFound(id.to_owned()),
-                Some(_) => DbError::BalanceLimit,
-            })
+            adjust(conn, q, Change::Credit, tenant, id, amount).await
         }
 
+        /// Takes `amount` from an account's balance, refused if it holds less.
         async fn debit(
             conn: &mut <$db as sqlx::Database>::Connection,
             q: &Queries,
@@ -474,11 +466,28 @@ macro_rules! ledger_db {
             id: &str,
             amount: i64,
         ) -> Result<(), DbError> {
-            let done = sqlx::query(q.debit.clone())
+            adjust(conn, q, Change::Debit, tenant, id, amount).await
+        }
+
+        /// One guarded balance update: the guard is part of the UPDATE, so a
+        /// refused change writes nothing; the account is then read to say why.
+        async fn adjust(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            change: Change,
+            tenant: &str,
+            id: &str,
+            amount: i64,
+        ) -> Result<(), DbError> {
+            let (statement, guard) = match change {
+                Change::Credit => (q.credit.clone(), MAX_BALANCE - amount),
+                Change::Debit => (q.debit.clone(), amount),
+            };
+            let done = sqlx::query(statement)
                 .bind(amount)
                 .bind(tenant)
                 .bind(id)
-                .bind(amount)
+                .bind(guard)
                 .execute(&mut *conn)
                 .await?;
             if done.rows_affected() == 1 {
@@ -489,9 +498,10 @@ macro_rules! ledger_db {
                 .bind(id)
                 .fetch_optional(&mut *conn)
                 .await?;
-            Err(match exists {
-                None => DbError::AccountNotFound(id.to_owned()),
-                Some((balance,)) => DbError::InsufficientFunds {
+            Err(match (exists, change) {
+                (None, _) => DbError::AccountNotFound(id.to_owned()),
+                (Some(_), Change::Credit) => DbError::BalanceLimit,
+                (Some((balance,)), Change::Debit) => DbError::InsufficientFunds {
                     balance,
                     requested: amount,
                 },
