@@ -54,6 +54,15 @@ pub(crate) struct Database {
     admin: Admin,
 }
 
+/// Drops a run's database, even with sessions still connected (PostgreSQL).
+/// `name` is always `chaos_<digits>_<digits>`, made by `Database::create`.
+fn drop_statement(engine: Engine, name: &str) -> String {
+    match engine {
+        Engine::Postgres => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        Engine::Mysql | Engine::Sqlite => format!("DROP DATABASE IF EXISTS {name}"),
+    }
+}
+
 fn with_database(server_url: &str, name: &str) -> String {
     let (scheme, rest) = server_url.split_once("://").unwrap_or(("", server_url));
     let authority = rest.split('/').next().unwrap_or(rest);
@@ -77,7 +86,7 @@ impl Database {
                     .max_connections(2)
                     .connect(&config.postgres_url)
                     .await?;
-                sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+                sqlx::query(AssertSqlSafe(drop_statement(Engine::Postgres, &name)))
                     .execute(&admin)
                     .await?;
                 sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
@@ -94,7 +103,7 @@ impl Database {
                     .max_connections(2)
                     .connect(&config.mysql_url)
                     .await?;
-                sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+                sqlx::query(AssertSqlSafe(drop_statement(Engine::Mysql, &name)))
                     .execute(&admin)
                     .await?;
                 sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
@@ -209,15 +218,12 @@ impl Database {
     pub(crate) async fn drop_database(&self) {
         match &self.admin {
             Admin::Postgres(admin) => {
-                let _ = sqlx::query(AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.name
-                )))
-                .execute(admin)
-                .await;
+                let _ = sqlx::query(AssertSqlSafe(drop_statement(Engine::Postgres, &self.name)))
+                    .execute(admin)
+                    .await;
             }
             Admin::Mysql(admin) => {
-                let _ = sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {}", self.name)))
+                let _ = sqlx::query(AssertSqlSafe(drop_statement(Engine::Mysql, &self.name)))
                     .execute(admin)
                     .await;
             }
