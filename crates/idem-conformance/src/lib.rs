@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idem_core::{
-    BoxError, BoxFuture, Call, Classify, Consume, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine,
-    LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
+    BoxError, BoxFuture, Call, Classify, Consume, Contention, Error, Fingerprint, IdempotencyKey, InFlight,
+    LeaseEngine, LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
 };
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +107,18 @@ impl From<Error> for TestError {
 
 impl From<BoxError> for TestError {
     fn from(e: BoxError) -> Self {
-        TestError::Work(e.to_string())
+        // A store's own error (a deadlock in the work's statement) keeps its
+        // kind, so the engine can tell contention and run the work again.
+        match e.downcast::<Error>() {
+            Ok(e) => TestError::Idem(*e),
+            Err(e) => TestError::Work(e.to_string()),
+        }
+    }
+}
+
+impl Contention for TestError {
+    fn is_contention(&self) -> bool {
+        matches!(self, TestError::Idem(e) if e.is_contention())
     }
 }
 
@@ -200,7 +211,9 @@ macro_rules! tx_conformance {
                 sweep_deletes_expired_in_batches,
                 concurrent_64_tasks_one_key_one_effect,
                 concurrent_64_tasks_distinct_keys,
-                oversized_record_rolls_back
+                oversized_record_rolls_back,
+                work_contention_runs_again,
+                contention_retries_are_bounded
             );
         }
     };

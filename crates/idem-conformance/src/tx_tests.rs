@@ -18,6 +18,7 @@ async fn run_receipt<S: Subject>(
     let runs = runs.clone();
     engine
         .execute(call, move |tx| {
+            let (eid, runs) = (eid.clone(), runs.clone());
             Box::pin(async move {
                 runs.hit();
                 S::write_effect(tx, eid).await?;
@@ -38,6 +39,7 @@ async fn run_decline<S: Subject>(
     let runs = runs.clone();
     engine
         .execute_with_rejections(call, move |tx| {
+            let (eid, runs, decline) = (eid.clone(), runs.clone(), decline.clone());
             Box::pin(async move {
                 runs.hit();
                 S::write_effect(tx, eid).await?;
@@ -173,6 +175,7 @@ pub async fn error_leaves_key_unused<S: Subject>(s: S) {
     let eid2 = eid.clone();
     let err = engine
         .execute(&call, move |tx| {
+            let eid2 = eid2.clone();
             Box::pin(async move {
                 S::write_effect(tx, eid2).await?;
                 Err::<Receipt, _>(TestError::Work("fault after the write".into()))
@@ -200,6 +203,7 @@ pub async fn panic_leaves_key_unused<S: Subject>(s: S) {
         tokio::spawn(async move {
             engine
                 .execute(&call, move |tx| {
+                    let eid = eid.clone();
                     Box::pin(async move {
                         S::write_effect(tx, eid).await?;
                         if panics() {
@@ -235,10 +239,14 @@ pub async fn dropped_future_leaves_key_unused<S: Subject>(s: S) {
     let eid = effect_id();
     let eid2 = eid.clone();
     let (wrote_tx, wrote_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut wrote_tx = Some(wrote_tx);
     let fut = engine.execute(&call, move |tx| {
+        let (eid2, wrote_tx) = (eid2.clone(), wrote_tx.take());
         Box::pin(async move {
             S::write_effect(tx, eid2).await?;
-            let _ = wrote_tx.send(());
+            if let Some(wrote_tx) = wrote_tx {
+                let _ = wrote_tx.send(());
+            }
             std::future::pending::<()>().await;
             Ok::<Receipt, TestError>(Receipt::new(1))
         })
@@ -535,7 +543,8 @@ pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
         outcomes.iter().all(|o| o.value() == outcomes[0].value()),
         "all 64 saw the same outcome"
     );
-    assert_eq!(runs.get(), 1, "the work ran once");
+    // A run that lost a race at commit (SERIALIZABLE) runs again; only one run commits.
+    assert!(runs.get() >= 1, "the work ran");
     assert_eq!(effects(&s, &eid).await, 1, "the effect exists exactly once");
 }
 
@@ -564,9 +573,14 @@ pub async fn concurrent_64_tasks_distinct_keys<S: Subject>(s: S) {
         })
         .collect();
     for t in tasks {
-        assert!(!t.await.unwrap().unwrap().is_replayed());
+        let outcome = t.await.unwrap();
+        assert!(
+            outcome.as_ref().is_ok_and(|o| !o.is_replayed()),
+            "every distinct key executes, contention included: {outcome:?}"
+        );
     }
-    assert_eq!(runs.get(), 64);
+    // Under SERIALIZABLE a run may lose a race and run again; each committed once.
+    assert!(runs.get() >= 64);
     for eid in &eids {
         assert_eq!(effects(&s, eid).await, 1);
     }
@@ -596,4 +610,66 @@ pub async fn oversized_record_rolls_back<S: Subject>(s: S) {
     .unwrap();
     assert!(!ok.is_replayed());
     assert_eq!(effects(&s, &eid).await, 1);
+}
+
+/// Work whose statement lost a race (a deadlock or serialisation failure) is rolled back and run again; the effect exists once.
+pub async fn work_contention_runs_again<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let (eid2, runs2) = (eid.clone(), runs.clone());
+    let out = engine
+        .execute(&call, move |tx| {
+            let (eid, runs) = (eid2.clone(), runs2.clone());
+            Box::pin(async move {
+                runs.hit();
+                S::write_effect(tx, eid).await?;
+                if runs.get() == 1 {
+                    return Err(TestError::Idem(Error::store(
+                        idem_core::StoreErrorKind::Deadlock,
+                        "chosen as the deadlock victim",
+                    )));
+                }
+                Ok(Receipt::new(1))
+            })
+        })
+        .await
+        .expect("contention in the work is retried");
+    assert!(!out.is_replayed());
+    assert_eq!(runs.get(), 2, "the work ran again after contention");
+    assert_eq!(effects(&s, &eid).await, 1, "only the second run's effect committed");
+    let again = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(again.is_replayed());
+}
+
+/// Contention that never stops is retried a bounded number of times, then surfaces as a retryable error with nothing applied.
+pub async fn contention_retries_are_bounded<S: Subject>(s: S) {
+    let engine = tx_engine(&s);
+    let scope = unique_scope("POST /v1/transfers");
+    let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let (eid2, runs2) = (eid.clone(), runs.clone());
+    let err = engine
+        .execute(&call, move |tx| {
+            let (eid, runs) = (eid2.clone(), runs2.clone());
+            Box::pin(async move {
+                runs.hit();
+                S::write_effect(tx, eid).await?;
+                Err::<Receipt, _>(TestError::Idem(Error::store(
+                    idem_core::StoreErrorKind::Serialization,
+                    "could not serialize access",
+                )))
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TestError::Idem(e) if e.is_retryable() && e.is_contention()),
+        "got {err:?}"
+    );
+    assert_eq!(runs.get(), idem_core::ContentionRetries::MAX_RUNS as usize);
+    assert_eq!(effects(&s, &eid).await, 0, "nothing was applied");
+    let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
+    assert!(!ok.is_replayed(), "the key was left unused");
 }

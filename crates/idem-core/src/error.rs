@@ -104,6 +104,14 @@ impl Error {
         }
     }
 
+    /// Whether this is contention: a deadlock, a serialisation failure or a
+    /// lock wait that ran out. Nothing the failed transaction wrote has
+    /// committed, and running it again from the start may succeed;
+    /// [`TxEngine`](crate::TxEngine) does so a bounded number of times.
+    pub fn is_contention(&self) -> bool {
+        self.store_kind().is_some_and(StoreErrorKind::is_contention)
+    }
+
     /// Whether the same call may succeed if retried later (in-flight twins,
     /// contention and unavailable storage). A retryable error never consumed
     /// the key.

@@ -31,6 +31,7 @@
 
 mod classify;
 mod clock;
+mod contention;
 mod engine;
 mod error;
 mod fingerprint;
@@ -48,6 +49,7 @@ mod tx;
 
 pub use classify::{Classify, Never, Retryable, http_status_retryable};
 pub use clock::{Clock, ManualClock, SharedClock, SystemClock, system_clock};
+pub use contention::{Contention, ContentionRetries};
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};

@@ -19,6 +19,10 @@ pub const RECORDS: &str = "idem_records_total";
 pub const FENCED: &str = "idem_fenced_total";
 /// Histogram: seconds from the start of a call to its claim or replay decision (`operation`).
 pub const CLAIM_SECONDS: &str = "idem_claim_duration_seconds";
+/// Counter: transactions run again after contention (a deadlock, a
+/// serialisation failure or a lock wait that ran out) while nothing had
+/// committed (`operation`, `stage` = `claim` | `work` | `commit`).
+pub const TX_RETRIES: &str = "idem_tx_retries_total";
 /// Counter: expired keys deleted by the sweeper.
 pub const SWEPT: &str = "idem_swept_total";
 
@@ -36,4 +40,33 @@ pub(crate) fn record(operation: &str, status: &'static str) {
 
 pub(crate) fn claim_latency(operation: &str, elapsed: Duration) {
     metrics::histogram!(CLAIM_SECONDS, "operation" => operation.to_owned()).record(elapsed.as_secs_f64());
+}
+
+/// Where in a transactional call contention struck.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Stage {
+    /// Opening the transaction or claiming the key.
+    Claim,
+    /// The caller's work (its own statements, or an HTTP handler).
+    Work,
+    /// Recording the outcome and committing.
+    Commit,
+}
+
+impl Stage {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Claim => "claim",
+            Stage::Work => "work",
+            Stage::Commit => "commit",
+        }
+    }
+}
+
+/// Counts one run of a transactional call started again after contention
+/// at `stage` ([`TX_RETRIES`]).
+pub fn tx_retry(operation: &str, stage: Stage) {
+    metrics::counter!(TX_RETRIES, "operation" => operation.to_owned(), "stage" => stage.as_str()).increment(1);
 }

@@ -10,9 +10,10 @@ use tracing::Instrument;
 
 use crate::classify::Classify;
 use crate::clock::{SharedClock, system_clock};
+use crate::contention::{Contention, ContentionRetries};
 use crate::engine::{self, Attempts, Found, Retry};
 use crate::error::{Error, Result};
-use crate::metrics;
+use crate::metrics::{self, Stage};
 use crate::record::{Call, ClaimRequest, Outcome, Record, RecordStatus, Token};
 use crate::registry::RegistryGuard;
 use crate::store::{BoxFuture, TxBackend, TxClaim};
@@ -193,6 +194,7 @@ impl<B: TxBackend> TxEngine<B> {
             let mut tx = match self.backend.begin().await {
                 Ok(tx) => tx,
                 Err(e) if engine::is_contention(&e) => {
+                    metrics::tx_retry(op, Stage::Claim);
                     attempts.next(Retry::Contention(e)).await?;
                     continue;
                 }
@@ -229,6 +231,7 @@ impl<B: TxBackend> TxEngine<B> {
                 }
                 Err(e) if engine::is_contention(&e) => {
                     self.rollback_quietly(tx).await;
+                    metrics::tx_retry(op, Stage::Claim);
                     Retry::Contention(e)
                 }
                 Err(e) => {
@@ -328,34 +331,54 @@ impl<B: TxBackend> TxEngine<B> {
     ///
     /// An `Err` from `work`, a panic or a dropped future rolls everything
     /// back and leaves the key unused.
-    pub async fn execute<T, E, F>(&self, call: &Call, work: F) -> Result<Outcome<T>, E>
+    ///
+    /// Contention — a deadlock, a serialisation failure or a lock wait that
+    /// ran out, at the claim, in `work` (an `Err` whose
+    /// [`Contention::is_contention`] is true) or at commit — commits nothing,
+    /// so the engine rolls back and runs the whole call again in a new
+    /// transaction: `work` may run several times, but at most one run
+    /// commits. After [`ContentionRetries::MAX_RUNS`] runs the last error is
+    /// returned (retryable: [`Error::is_retryable`]).
+    pub async fn execute<T, E, F>(&self, call: &Call, mut work: F) -> Result<Outcome<T>, E>
     where
-        F: for<'c> FnOnce(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
         T: Serialize + DeserializeOwned,
-        E: From<Error>,
+        E: From<Error> + Contention,
     {
-        match self.begin(call).await? {
-            Begin::Replay(record) => match engine::decode::<T, crate::Never>(&record)? {
-                Ok(value) => Ok(Outcome::Replayed(value)),
-                Err(never) => match never {},
-            },
-            Begin::Claimed(mut claimed) => match work(&mut claimed.tx).await {
-                Ok(value) => {
-                    let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
-                        Ok(p) => p,
-                        Err(e) => {
-                            self.abandon(claimed).await;
-                            return Err(e.into());
-                        }
+        let op = call.scope().operation().as_str();
+        let mut retries = ContentionRetries::new();
+        loop {
+            let mut claimed = match self.begin(call).await? {
+                Begin::Replay(record) => {
+                    return match engine::decode::<T, crate::Never>(&record)? {
+                        Ok(value) => Ok(Outcome::Replayed(value)),
+                        Err(never) => match never {},
                     };
-                    self.commit(claimed, Record::completed(payload)).await?;
-                    Ok(Outcome::Executed(value))
                 }
+                Begin::Claimed(claimed) => claimed,
+            };
+            let value = match work(&mut claimed.tx).await {
+                Ok(value) => value,
                 Err(e) => {
                     self.abandon(claimed).await;
-                    Err(e)
+                    if e.is_contention() && retries.again(op, Stage::Work).await {
+                        continue;
+                    }
+                    return Err(e);
                 }
-            },
+            };
+            let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.abandon(claimed).await;
+                    return Err(e.into());
+                }
+            };
+            match self.commit(claimed, Record::completed(payload)).await {
+                Ok(()) => return Ok(Outcome::Executed(value)),
+                Err(e) if e.is_contention() && retries.again(op, Stage::Commit).await => continue,
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 
@@ -364,17 +387,27 @@ impl<B: TxBackend> TxEngine<B> {
     /// writes; it is recorded (and replayed to later retries) only if the
     /// policy consumes keys on final rejections and the rejection
     /// [classifies](Classify) as [`Fatal`](crate::Retryable::Fatal). Otherwise
-    /// the key stays unused and may be retried.
-    pub async fn execute_with_rejections<T, R, E, F>(&self, call: &Call, work: F) -> Result<Outcome<Result<T, R>>, E>
+    /// the key stays unused and may be retried. Contention is retried as in
+    /// [`execute`](Self::execute).
+    pub async fn execute_with_rejections<T, R, E, F>(
+        &self,
+        call: &Call,
+        mut work: F,
+    ) -> Result<Outcome<Result<T, R>>, E>
     where
-        F: for<'c> FnOnce(&'c mut B::Tx) -> BoxFuture<'c, Result<Result<T, R>, E>>,
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<Result<T, R>, E>>,
         T: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned + Classify,
-        E: From<Error>,
+        E: From<Error> + Contention,
     {
-        match self.begin(call).await? {
-            Begin::Replay(record) => Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
-            Begin::Claimed(mut claimed) => match work(&mut claimed.tx).await {
+        let op = call.scope().operation().as_str();
+        let mut retries = ContentionRetries::new();
+        loop {
+            let mut claimed = match self.begin(call).await? {
+                Begin::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
+                Begin::Claimed(claimed) => claimed,
+            };
+            let settled = match work(&mut claimed.tx).await {
                 Ok(Ok(value)) => {
                     let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
                         Ok(p) => p,
@@ -383,23 +416,40 @@ impl<B: TxBackend> TxEngine<B> {
                             return Err(e.into());
                         }
                     };
-                    self.commit(claimed, Record::completed(payload)).await?;
-                    Ok(Outcome::Executed(Ok(value)))
+                    self.commit(claimed, Record::completed(payload))
+                        .await
+                        .map(|()| Ok(value))
                 }
                 Ok(Err(rejection)) => {
                     if engine::records_rejection(call, &rejection) {
-                        let payload = engine::encode(&rejection, call.policy().max_record_bytes())?;
-                        self.reject_final(claimed, Record::rejected(payload)).await?;
+                        let payload = match engine::encode(&rejection, call.policy().max_record_bytes()) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                self.abandon(claimed).await;
+                                return Err(e.into());
+                            }
+                        };
+                        self.reject_final(claimed, Record::rejected(payload))
+                            .await
+                            .map(|_| Err(rejection))
                     } else {
                         self.abandon(claimed).await;
+                        Ok(Err(rejection))
                     }
-                    Ok(Outcome::Executed(Err(rejection)))
                 }
                 Err(e) => {
                     self.abandon(claimed).await;
-                    Err(e)
+                    if e.is_contention() && retries.again(op, Stage::Work).await {
+                        continue;
+                    }
+                    return Err(e);
                 }
-            },
+            };
+            match settled {
+                Ok(result) => return Ok(Outcome::Executed(result)),
+                Err(e) if e.is_contention() && retries.again(op, Stage::Commit).await => continue,
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 }

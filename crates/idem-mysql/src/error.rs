@@ -13,6 +13,11 @@ pub(crate) const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// server has already rolled the whole transaction back.
 pub(crate) const ER_LOCK_DEADLOCK: u16 = 1213;
 
+/// `ER_CHECKREAD` (MariaDB with `innodb_snapshot_isolation`): a row changed
+/// after this REPEATABLE READ transaction's snapshot; the transaction must
+/// start again.
+pub(crate) const ER_CHECKREAD: u16 = 1020;
+
 /// Server-side error numbers that mean the connection or the server went
 /// away: the call may succeed later on another connection.
 const UNAVAILABLE: &[u16] = &[
@@ -47,6 +52,7 @@ pub(crate) fn kind_of(e: &sqlx::Error) -> StoreErrorKind {
         sqlx::Error::Database(_) => match error_number(e) {
             Some(ER_LOCK_DEADLOCK) => StoreErrorKind::Deadlock,
             Some(ER_LOCK_WAIT_TIMEOUT) => StoreErrorKind::LockTimeout,
+            Some(ER_CHECKREAD) => StoreErrorKind::Serialization,
             Some(n) if UNAVAILABLE.contains(&n) => StoreErrorKind::Unavailable,
             _ => StoreErrorKind::Other,
         },
@@ -57,6 +63,22 @@ pub(crate) fn kind_of(e: &sqlx::Error) -> StoreErrorKind {
         | sqlx::Error::WorkerCrashed => StoreErrorKind::Unavailable,
         _ => StoreErrorKind::Other,
     }
+}
+
+/// Whether a driver error is contention: a deadlock (1213), a lock wait that
+/// ran out (1205) or a snapshot conflict (1020). Running the transaction
+/// again from the start may succeed.
+///
+/// Use it to implement [`idem_core::Contention`] for the error type of work
+/// run by [`TxEngine::execute`](idem_core::TxEngine::execute), so that the
+/// engine re-runs work whose own statements lost a race (or map the error
+/// with [`store_error`], whose result answers the same).
+///
+/// ```
+/// assert!(!idem_mysql::is_contention(&sqlx::Error::RowNotFound));
+/// ```
+pub fn is_contention(e: &sqlx::Error) -> bool {
+    kind_of(e).is_contention()
 }
 
 /// Wraps a driver error in idem's [`Error`] with its portable kind, so the

@@ -69,8 +69,8 @@ use idem_core::{
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
 
-pub use crate::error::store_error;
 use crate::error::{ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT, error_number};
+pub use crate::error::{is_contention, store_error};
 
 /// The transaction a transactional-mode claim lives in; the caller's own
 /// writes go through it (`&mut **tx` is a `MySqlConnection`).

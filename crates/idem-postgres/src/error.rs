@@ -29,6 +29,23 @@ pub fn store_error(error: sqlx::Error) -> Error {
     Error::store(kind, error)
 }
 
+/// Whether a driver error is contention: a deadlock (`40P01`), a
+/// serialisation failure (`40001`) or a lock wait that ran out (`55P03`).
+/// Nothing the failed transaction wrote commits, and running it again from
+/// the start may succeed.
+///
+/// Use it to implement [`idem_core::Contention`] for the error type of work
+/// run by [`TxEngine::execute`](idem_core::TxEngine::execute), so that the
+/// engine re-runs work whose own statements lost a race (or map the error
+/// with [`store_error`], whose result answers the same).
+///
+/// ```
+/// assert!(!idem_postgres::is_contention(&sqlx::Error::RowNotFound));
+/// ```
+pub fn is_contention(error: &sqlx::Error) -> bool {
+    kind_of(error).is_contention()
+}
+
 /// The SQLSTATE of a database error, if `error` is one.
 pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
     match error {

@@ -99,7 +99,7 @@ mod error;
 mod migrate;
 mod sql;
 
-pub use error::store_error;
+pub use error::{is_contention, store_error};
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
 use sql::Statements;
@@ -216,8 +216,9 @@ impl PgStore {
     ///
     /// The migrations are embedded and versioned; the applied versions are
     /// recorded in `{table}_schema`. Safe to call from many processes at
-    /// once (they take turns on PostgreSQL's `pg_advisory_xact_lock`) and
-    /// cheap when the schema is current.
+    /// once, at any default isolation level (they take turns on
+    /// PostgreSQL's `pg_advisory_xact_lock` in a READ COMMITTED
+    /// transaction), and cheap when the schema is current.
     pub async fn migrate(&self) -> Result<()> {
         migrate::run(&self.pool, &self.table).await
     }

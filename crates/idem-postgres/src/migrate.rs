@@ -50,12 +50,24 @@ const MIGRATIONS: &[Migration] = &[Migration {
 /// The newest schema version this crate knows.
 pub(crate) const LATEST_VERSION: i32 = 1;
 
-/// Applies every migration newer than the recorded version, in one
-/// transaction serialised by an advisory lock on the table's name.
+/// Applies every migration newer than the recorded version, in one READ
+/// COMMITTED transaction serialised by an advisory lock on the table's name,
+/// whatever the default isolation level of the database or session.
 pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
     let mut tx = pool.begin().await.map_err(store_error)?;
+    // At REPEATABLE READ or SERIALIZABLE (a database or session default many
+    // teams set), the statement that waits for the lock below would fix the
+    // transaction's snapshot before the wait: a migrator that got the lock
+    // after another one finished would not see the version that one
+    // recorded, apply it again and fail on a duplicate (23505) or a
+    // serialisation failure (40001). At READ COMMITTED every statement after
+    // the wait sees everything committed before it.
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
     // Two processes running `CREATE TABLE IF NOT EXISTS` at once can both see
     // no table and one then fails on a duplicate catalog entry; the lock makes
     // every migrator of this table take its turn.

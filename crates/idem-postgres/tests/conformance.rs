@@ -1,4 +1,5 @@
-//! The conformance suite against PostgreSQL, with both claim strategies and in lease mode.
+//! The conformance suite against PostgreSQL, with both claim strategies and in lease mode,
+//! and in transactional mode on connections that default to each isolation level.
 //!
 //! The database comes from `IDEM_TEST_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`); the tests fail, never skip, when
@@ -6,7 +7,7 @@
 
 mod common;
 
-use common::{database_url, isolated_table, open_pool};
+use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
 use idem_conformance::{Subject, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_postgres::{ClaimStrategy, PgStore, PgTx};
@@ -20,18 +21,27 @@ const SHARED_TABLE: &str = "idem_conformance_keys";
 struct Postgres {
     store: PgStore,
     url: String,
+    isolation: Isolation,
 }
 
 impl Postgres {
     async fn connect(strategy: ClaimStrategy) -> Self {
+        Self::connect_at(strategy, Isolation::ReadCommitted, SHARED_TABLE).await
+    }
+
+    /// A subject whose connections default to `isolation`, on a keys table
+    /// of its own, so that the modules of each level never share keys.
+    async fn connect_at(strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
         let url = database_url();
-        let pool = open_pool(&url).await;
-        create_effects_table(&pool).await;
+        create_effects_table(&open_pool(&url).await).await;
+        let pool = open_pool_at(&url, isolation).await;
         let store = PgStore::new(pool)
-            .with_table(TableName::new(SHARED_TABLE).unwrap())
+            .with_table(TableName::new(table).unwrap())
             .with_claim_strategy(strategy);
+        // Every test of a module migrates the same table at once, at the
+        // module's isolation level.
         store.migrate().await.expect("migrate the shared keys table");
-        Self { store, url }
+        Self { store, url, isolation }
     }
 }
 
@@ -76,7 +86,8 @@ impl Subject for Postgres {
             sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES ($1)")
                 .bind(effect_id)
                 .execute(&mut **tx)
-                .await?;
+                .await
+                .map_err(idem_postgres::store_error)?;
             Ok(())
         })
     }
@@ -94,13 +105,14 @@ impl Subject for Postgres {
 
     fn another(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move {
-            let pool = open_pool(&self.url).await;
+            let pool = open_pool_at(&self.url, self.isolation).await;
             let store = PgStore::new(pool)
                 .with_table(self.store.table().clone())
                 .with_claim_strategy(self.store.claim_strategy());
             Self {
                 store,
                 url: self.url.clone(),
+                isolation: self.isolation,
             }
         })
     }
@@ -115,6 +127,7 @@ impl Subject for Postgres {
             Self {
                 store,
                 url: self.url.clone(),
+                isolation: self.isolation,
             }
         })
     }
@@ -123,3 +136,27 @@ impl Subject for Postgres {
 tx_conformance!(postgres_tx, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(postgres_tx_advisory, Postgres::connect(ClaimStrategy::AdvisoryLock));
 lease_conformance!(postgres_lease, Postgres::connect(ClaimStrategy::InsertOnConflict));
+tx_conformance!(
+    postgres_tx_repeatable_read,
+    Postgres::connect_at(
+        ClaimStrategy::InsertOnConflict,
+        Isolation::RepeatableRead,
+        "idem_conformance_keys_rr"
+    )
+);
+tx_conformance!(
+    postgres_tx_serializable,
+    Postgres::connect_at(
+        ClaimStrategy::InsertOnConflict,
+        Isolation::Serializable,
+        "idem_conformance_keys_ser"
+    )
+);
+tx_conformance!(
+    postgres_tx_advisory_serializable,
+    Postgres::connect_at(
+        ClaimStrategy::AdvisoryLock,
+        Isolation::Serializable,
+        "idem_conformance_keys_ser_adv"
+    )
+);

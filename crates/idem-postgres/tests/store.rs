@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{database_url, isolated_table, open_pool};
+use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
 use idem_core::{
     ClaimRequest, Error, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Record, RowState, Scope, StoreErrorKind,
     Sweep, Token, TxBackend, TxClaim,
@@ -241,10 +241,9 @@ async fn record_is_a_heap_only_update() {
     store.commit(tx).await.unwrap();
 }
 
-/// Many processes may migrate the same table at once: all succeed and the version is recorded once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_migrations_are_serialised() {
-    let pool = open_pool(&database_url()).await;
+/// Many processes may migrate the same table at once, at any default isolation level: all succeed and the version is recorded once.
+async fn concurrent_migrations_at(isolation: Isolation) {
+    let pool = open_pool_at(&database_url(), isolation).await;
     let table = isolated_table(&pool).await;
     let store = PgStore::new(pool).with_table(table.clone());
     let runs: Vec<_> = (0..8)
@@ -254,7 +253,9 @@ async fn concurrent_migrations_are_serialised() {
         })
         .collect();
     for run in runs {
-        run.await.unwrap().expect("every concurrent migration succeeds");
+        run.await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("every concurrent migration succeeds at {isolation:?}: {e}"));
     }
     store.migrate().await.expect("migrating a current schema is a no-op");
     let versions: Vec<i32> = sqlx::query(AssertSqlSafe(format!(
@@ -267,6 +268,24 @@ async fn concurrent_migrations_are_serialised() {
     .map(|row| row.get(0))
     .collect();
     assert_eq!(versions, vec![1], "each version is applied and recorded exactly once");
+}
+
+/// Concurrent migrations at READ COMMITTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_are_serialised() {
+    concurrent_migrations_at(Isolation::ReadCommitted).await;
+}
+
+/// Concurrent migrations on connections that default to REPEATABLE READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_at_repeatable_read() {
+    concurrent_migrations_at(Isolation::RepeatableRead).await;
+}
+
+/// Concurrent migrations on connections that default to SERIALIZABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_at_serializable() {
+    concurrent_migrations_at(Isolation::Serializable).await;
 }
 
 /// A lease claim of a key held by an open transaction fails with a retryable lock timeout instead of hanging.

@@ -19,6 +19,37 @@ pub(crate) fn database_url() -> String {
 
 /// Opens a small pool of its own; sqlx pools cannot be shared across the runtimes of `#[tokio::test]`s.
 pub(crate) async fn open_pool(url: &str) -> PgPool {
+    open_pool_at(url, Isolation::ReadCommitted).await
+}
+
+/// A default transaction isolation level, set on every connection of a pool
+/// as a team would set it for its database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(dead_code)]
+pub(crate) enum Isolation {
+    /// PostgreSQL's default.
+    ReadCommitted,
+    /// Snapshot isolation.
+    RepeatableRead,
+    /// Serialisable snapshot isolation.
+    Serializable,
+}
+
+impl Isolation {
+    /// The SQL name of the level.
+    pub(crate) fn sql(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "READ COMMITTED",
+            Isolation::RepeatableRead => "REPEATABLE READ",
+            Isolation::Serializable => "SERIALIZABLE",
+        }
+    }
+}
+
+/// Opens a small pool whose connections default to `isolation`
+/// (`SET SESSION CHARACTERISTICS`, as `ALTER DATABASE … SET
+/// default_transaction_isolation` would).
+pub(crate) async fn open_pool_at(url: &str, isolation: Isolation) -> PgPool {
     let options: PgConnectOptions = url
         .parse()
         .unwrap_or_else(|e| panic!("{URL_VAR}={url} is not a PostgreSQL URL: {e}"));
@@ -27,8 +58,19 @@ pub(crate) async fn open_pool(url: &str) -> PgPool {
     if let Err(e) = options.connect().await {
         panic!("PostgreSQL is unreachable at {url} ({e}); start it or point {URL_VAR} at a reachable database");
     }
+    let set = format!(
+        "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {}",
+        isolation.sql()
+    );
     PgPoolOptions::new()
         .max_connections(8)
+        .after_connect(move |conn, _meta| {
+            let set = set.clone();
+            Box::pin(async move {
+                sqlx::Executor::execute(&mut *conn, AssertSqlSafe(set)).await?;
+                Ok(())
+            })
+        })
         .connect_with(options)
         .await
         .unwrap_or_else(|e| panic!("cannot open a pool on {url} (set by {URL_VAR}): {e}"))
