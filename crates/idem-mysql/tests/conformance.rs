@@ -1,4 +1,5 @@
-//! The conformance suite against MariaDB or MySQL.
+//! The conformance suite against MariaDB or MySQL, in transactional mode on
+//! connections that default to each isolation level, and in lease mode.
 //!
 //! The server comes from `IDEM_TEST_MYSQL_URL` (default
 //! `mysql://root@127.0.0.1:3306/test`); an unreachable server fails every
@@ -6,7 +7,7 @@
 
 mod common;
 
-use common::{EFFECTS_TABLE, connect, isolated_store, shared_store};
+use common::{EFFECTS_TABLE, Isolation, connect_at, isolated_store, shared_store_on};
 use idem_conformance::{Subject, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture};
 use idem_mysql::{MySqlStore, MySqlTx};
@@ -15,12 +16,16 @@ use idem_mysql::{MySqlStore, MySqlTx};
 #[derive(Clone)]
 struct MySqlSubject {
     store: MySqlStore,
+    isolation: Isolation,
 }
 
 impl MySqlSubject {
-    async fn shared() -> Self {
+    /// A subject whose connections default to `isolation`, on a keys table
+    /// of its own, so that the modules of each level never share keys.
+    async fn shared(isolation: Isolation, table: &str) -> Self {
         Self {
-            store: shared_store(connect().await).await,
+            store: shared_store_on(connect_at(isolation).await, table).await,
+            isolation,
         }
     }
 }
@@ -49,7 +54,8 @@ impl Subject for MySqlSubject {
             )))
             .bind(effect_id)
             .execute(&mut **tx)
-            .await?;
+            .await
+            .map_err(idem_mysql::store_error)?;
             Ok(())
         })
     }
@@ -69,7 +75,8 @@ impl Subject for MySqlSubject {
     fn another(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move {
             Self {
-                store: MySqlStore::new(connect().await).with_table(self.store.table().clone()),
+                store: MySqlStore::new(connect_at(self.isolation).await).with_table(self.store.table().clone()),
+                isolation: self.isolation,
             }
         })
     }
@@ -78,10 +85,25 @@ impl Subject for MySqlSubject {
         Box::pin(async move {
             Self {
                 store: isolated_store(self.store.pool().clone()).await,
+                isolation: self.isolation,
             }
         })
     }
 }
 
-tx_conformance!(mysql_tx, MySqlSubject::shared());
-lease_conformance!(mysql_lease, MySqlSubject::shared());
+tx_conformance!(
+    mysql_tx,
+    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
+);
+tx_conformance!(
+    mysql_tx_read_committed,
+    MySqlSubject::shared(Isolation::ReadCommitted, "idem_conformance_keys_rc")
+);
+tx_conformance!(
+    mysql_tx_serializable,
+    MySqlSubject::shared(Isolation::Serializable, "idem_conformance_keys_ser")
+);
+lease_conformance!(
+    mysql_lease,
+    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
+);

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{connect, isolated_store, shared_store};
+use common::{Isolation, connect, connect_at, isolated_store, shared_store};
 use idem_conformance::{Receipt, Runs, call_for, unique_scope, waiting};
 use idem_core::{
     Begin, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, StoreErrorKind,
@@ -148,21 +148,24 @@ async fn schema_matches_the_documented_layout() {
     );
 }
 
-/// Many processes migrating the same fresh table at once all succeed, and each migration is recorded once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_apply_once() {
+/// Many processes migrating the same fresh table at once, at any default isolation level, all succeed, and each migration is recorded once.
+async fn concurrent_migrations_at(isolation: Isolation) {
     let table = TableName::new(format!("{}{}", common::ISOLATED_PREFIX, uuid::Uuid::new_v4().simple())).unwrap();
     let mut tasks = Vec::new();
-    for _ in 0..6 {
+    for _ in 0..8 {
         let table = table.clone();
         tasks.push(tokio::spawn(async move {
-            let store = MySqlStore::new(connect().await).with_table(table);
+            let store = MySqlStore::new(connect_at(isolation).await).with_table(table);
             store.migrate().await.map(|()| store)
         }));
     }
     let mut stores = Vec::new();
     for t in tasks {
-        stores.push(t.await.unwrap().expect("every concurrent migration succeeds"));
+        stores.push(
+            t.await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("every concurrent migration succeeds at {isolation:?}: {e}")),
+        );
     }
     stores[0].migrate().await.expect("migrating again is a no-op");
     let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT version FROM `{table}_schema`")))
@@ -170,6 +173,24 @@ async fn concurrent_migrations_apply_once() {
         .await
         .unwrap();
     assert_eq!(versions, [1], "version 1 is recorded exactly once");
+}
+
+/// Concurrent migrations at REPEATABLE READ (InnoDB's default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_apply_once() {
+    concurrent_migrations_at(Isolation::RepeatableRead).await;
+}
+
+/// Concurrent migrations on connections that default to READ COMMITTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_at_read_committed() {
+    concurrent_migrations_at(Isolation::ReadCommitted).await;
+}
+
+/// Concurrent migrations on connections that default to SERIALIZABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_at_serializable() {
+    concurrent_migrations_at(Isolation::Serializable).await;
 }
 
 /// A table name whose version table would exceed MySQL's identifier limit is refused before touching the server.
@@ -192,6 +213,7 @@ async fn keys_are_case_sensitive() {
         let runs = runs.clone();
         let out = engine
             .execute(&call, move |_tx| {
+                let runs = runs.clone();
                 Box::pin(async move {
                     runs.hit();
                     Ok::<_, Error>(Receipt::new(1))
@@ -431,6 +453,7 @@ async fn engine_retries_deadlocked_twins() {
             tokio::spawn(async move {
                 engine
                     .execute(&call, move |_tx| {
+                        let runs = runs.clone();
                         Box::pin(async move {
                             runs.hit();
                             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -529,4 +552,103 @@ async fn sweep_is_bounded_and_spares_live_rows() {
     );
     assert!(left("k4").await, "the live row survives");
     assert_eq!(store.sweep_expired(now, 10).await.unwrap(), 0);
+}
+
+/// Work whose own statement is chosen as a real deadlock victim (1213) is rolled back and run again; its effect applies once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn work_deadlock_is_run_again() {
+    let pool = connect().await;
+    let store = isolated_store(pool.clone()).await;
+    let rows = format!("{}{}", common::ISOLATED_PREFIX, uuid::Uuid::new_v4().simple());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE `{rows}` (id INT PRIMARY KEY, n INT NOT NULL) ENGINE=InnoDB;
+         INSERT INTO `{rows}` VALUES (1, 0), (2, 0)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let engine = TxEngine::new(store);
+    let call = call_for(
+        &unique_scope("POST /v1/transfers"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let runs = Runs::default();
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut locked_tx = Some(locked_tx);
+    let mut locked_rx = Some(locked_rx);
+    let other = Arc::new(std::sync::Mutex::new(None));
+    let out = engine
+        .execute(&call, |tx| {
+            let (pool, runs, rows) = (pool.clone(), runs.clone(), rows.clone());
+            let first = locked_tx.take().zip(locked_rx.take());
+            let other = other.clone();
+            Box::pin(async move {
+                runs.hit();
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE `{rows}` SET n = n + 1 WHERE id = 1"
+                )))
+                .execute(&mut **tx)
+                .await
+                .map_err(idem_mysql::store_error)?;
+                if let Some((locked_tx, locked_rx)) = first {
+                    // Another transaction, heavier than this one (so InnoDB
+                    // picks this one as the victim), holds row 2 and then
+                    // waits for row 1.
+                    let theirs = rows.clone();
+                    let handle = tokio::spawn(async move {
+                        let rows = theirs;
+                        let mut conn = pool.begin().await.unwrap();
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "INSERT INTO `{rows}` VALUES (10, 0), (11, 0), (12, 0), (13, 0), (14, 0)"
+                        )))
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "UPDATE `{rows}` SET n = n + 10 WHERE id = 2"
+                        )))
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                        let _ = locked_tx.send(());
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "UPDATE `{rows}` SET n = n + 10 WHERE id = 1"
+                        )))
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                        conn.commit().await.unwrap();
+                    });
+                    *other.lock().unwrap() = Some(handle);
+                    locked_rx.await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE `{rows}` SET n = n + 1 WHERE id = 2"
+                )))
+                .execute(&mut **tx)
+                .await
+                .map_err(idem_mysql::store_error)?;
+                Ok::<_, Error>(7)
+            })
+        })
+        .await
+        .expect("the deadlock is retried");
+    let handle = other.lock().unwrap().take().expect("the other transaction ran");
+    handle.await.unwrap();
+    assert_eq!((out.is_replayed(), *out.value()), (false, 7));
+    assert_eq!(runs.get(), 2, "the first run was the deadlock victim and ran again");
+    let ns: Vec<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT n FROM `{rows}` WHERE id IN (1, 2) ORDER BY id"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(ns, [11, 11], "the work's increments applied once, beside the other's");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{rows}`")))
+        .execute(&pool)
+        .await
+        .unwrap();
 }

@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
@@ -403,4 +405,80 @@ async fn sqlstates_map_to_portable_kinds() {
         Some(StoreErrorKind::Unavailable),
         "a refused connection"
     );
+}
+
+/// Work whose own statement fails with a real serialisation failure (40001, REPEATABLE READ) is rolled back and run again; its effect applies once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn work_serialisation_failure_is_run_again() {
+    let pool = open_pool_at(&database_url(), Isolation::RepeatableRead).await;
+    let store = PgStore::new(pool.clone()).with_table(isolated_table(&pool).await);
+    store.migrate().await.expect("migrate");
+    let counters = isolated_table(&pool).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {counters} (id INT PRIMARY KEY, n INT NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(AssertSqlSafe(format!("INSERT INTO {counters} VALUES (1, 0)")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let engine = idem_core::TxEngine::new(store);
+    let k = Key::new();
+    let call = idem_core::Call::new(k.scope.clone(), k.key.clone(), k.fingerprint);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let out = engine
+        .execute(&call, |tx| {
+            let (pool, runs, counters) = (pool.clone(), runs.clone(), counters.clone());
+            Box::pin(async move {
+                if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The claim fixed this transaction's snapshot; another
+                    // transaction now changes the row the work will update.
+                    sqlx::query(AssertSqlSafe(format!("UPDATE {counters} SET n = n + 100 WHERE id = 1")))
+                        .execute(&pool)
+                        .await
+                        .map_err(store_error)?;
+                }
+                sqlx::query(AssertSqlSafe(format!("UPDATE {counters} SET n = n + 1 WHERE id = 1")))
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(store_error)?;
+                Ok::<_, Error>(7)
+            })
+        })
+        .await
+        .expect("the serialisation failure is retried");
+    assert_eq!((out.is_replayed(), *out.value()), (false, 7));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the first run failed with 40001 and ran again"
+    );
+    let n: i32 = sqlx::query(AssertSqlSafe(format!("SELECT n FROM {counters} WHERE id = 1")))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 101, "the work's increment applied once");
+    sqlx::query(AssertSqlSafe(format!("DROP TABLE {counters}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// The driver-error classifier marks serialisation failures and deadlocks as contention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlstates_classify_contention() {
+    let pool = open_pool(&database_url()).await;
+    for (code, contention) in [("40001", true), ("40P01", true), ("55P03", true), ("23505", false)] {
+        let e = sqlx::query(AssertSqlSafe(format!(
+            "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = '{code}'; END $$"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap_err();
+        assert_eq!(idem_postgres::is_contention(&e), contention, "{code}");
+        assert_eq!(store_error(e).is_contention(), contention, "{code}");
+    }
 }

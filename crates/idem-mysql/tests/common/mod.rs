@@ -28,8 +28,47 @@ pub fn url() -> String {
 /// A small pool of its own: sqlx pools belong to the runtime that created
 /// them, and every `#[tokio::test]` has its own runtime.
 pub async fn connect() -> MySqlPool {
+    connect_at(Isolation::RepeatableRead).await
+}
+
+/// A default transaction isolation level, set on every connection of a pool
+/// as a team would set it for its server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isolation {
+    /// Statement-level snapshots.
+    ReadCommitted,
+    /// InnoDB's default.
+    RepeatableRead,
+    /// Every plain read takes shared locks.
+    Serializable,
+}
+
+impl Isolation {
+    /// The SQL name of the level.
+    pub fn sql(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "READ COMMITTED",
+            Isolation::RepeatableRead => "REPEATABLE READ",
+            Isolation::Serializable => "SERIALIZABLE",
+        }
+    }
+}
+
+/// A small pool whose connections default to `isolation`
+/// (`SET SESSION TRANSACTION ISOLATION LEVEL …`).
+pub async fn connect_at(isolation: Isolation) -> MySqlPool {
     let url = url();
-    match MySqlPoolOptions::new().max_connections(8).connect(&url).await {
+    let set = format!("SET SESSION TRANSACTION ISOLATION LEVEL {}", isolation.sql());
+    let options = MySqlPoolOptions::new()
+        .max_connections(8)
+        .after_connect(move |conn, _meta| {
+            let set = set.clone();
+            Box::pin(async move {
+                sqlx::Executor::execute(&mut *conn, sqlx::AssertSqlSafe(set)).await?;
+                Ok(())
+            })
+        });
+    match options.connect(&url).await {
         Ok(pool) => pool,
         Err(e) => {
             panic!("cannot reach the MySQL/MariaDB test server at {url} ({e}); start it, or point {URL_VAR} at one")
@@ -40,6 +79,12 @@ pub async fn connect() -> MySqlPool {
 /// The store on the shared keys table, migrated, with the effects table in
 /// place.
 pub async fn shared_store(pool: MySqlPool) -> MySqlStore {
+    shared_store_on(pool, SHARED_TABLE).await
+}
+
+/// The store on the keys table `table` (shared by the tests of one module),
+/// migrated, with the effects table in place.
+pub async fn shared_store_on(pool: MySqlPool, table: &str) -> MySqlStore {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {EFFECTS_TABLE} (
             effect_id VARCHAR(255) NOT NULL,
@@ -49,7 +94,7 @@ pub async fn shared_store(pool: MySqlPool) -> MySqlStore {
     .execute(&pool)
     .await
     .expect("create the effects table");
-    let store = MySqlStore::new(pool).with_table(TableName::new(SHARED_TABLE).unwrap());
+    let store = MySqlStore::new(pool).with_table(TableName::new(table).unwrap());
     store.migrate().await.expect("migrate the shared keys table");
     store
 }
