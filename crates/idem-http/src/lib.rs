@@ -56,6 +56,7 @@ mod key;
 mod layer;
 mod problem;
 mod recorded;
+mod retry;
 mod service;
 mod tx;
 
@@ -67,6 +68,7 @@ pub use layer::{
 };
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
 pub use recorded::RecordedResponse;
+pub use retry::RetryTransaction;
 pub use service::{Idempotency, Mode};
 pub use tx::{Tx, TxCell, TxRejection};
 

@@ -102,9 +102,18 @@ pub mod slugs {
     pub const BODY_TOO_LARGE: &str = "request-body-too-large";
     /// 400: the request body could not be read.
     pub const BODY_UNREADABLE: &str = "request-body-unreadable";
-    /// 500: the response exceeded the record limit (transactional mode: the
-    /// work was rolled back; lease mode: replayed in place of the response).
+    /// 500: a response to be recorded exceeded the record limit
+    /// (transactional mode: the work was rolled back; lease mode: replayed in
+    /// place of the response). Responses that are not recorded are never
+    /// bounded by it.
     pub const RESPONSE_TOO_LARGE: &str = "idempotency-response-too-large";
+    /// 500 (transactional mode): the handler's response body failed while
+    /// it was read for recording; nothing was applied.
+    pub const RESPONSE_FAILED: &str = "idempotency-response-failed";
+    /// 503 (transactional mode): the request's transaction kept losing races
+    /// with concurrent ones (deadlocks, serialisation failures) after its
+    /// bounded re-runs; nothing was applied.
+    pub const TRANSACTION_CONFLICT: &str = "idempotency-transaction-conflict";
     /// 503: the idempotency store failed; nothing was recorded.
     pub const STORE_UNAVAILABLE: &str = "idempotency-store-unavailable";
     /// 500: the handler kept the transaction past its response.

@@ -7,9 +7,10 @@ use std::time::Instant;
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
+use idem_core::metrics::Stage;
 use idem_core::{
-    Acquire, Begin, BoxError, Call, Consume, Error, FingerprintBuilder, LeaseStore, Operation, Record, Retryable,
-    Scope, TxBackend, http_status_retryable,
+    Acquire, Begin, BoxError, Call, Consume, ContentionRetries, Error, FingerprintBuilder, LeaseStore, Operation,
+    Record, Retryable, Scope, TxBackend, http_status_retryable,
 };
 use tower_service::Service;
 
@@ -20,6 +21,7 @@ use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{Config, KeyRequirement, Leased, Shared, Transactional};
 use crate::problem::{Problem, slugs};
 use crate::recorded::RecordedResponse;
+use crate::retry::RetryTransaction;
 use crate::tx::{Taken, TxCell};
 
 /// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -371,7 +373,7 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         &self,
         cfg: &Config,
         mut inner: S,
-        mut parts: Parts,
+        parts: Parts,
         body: Bytes,
         call: Call,
     ) -> Result<Response<Body>, S::Error>
@@ -381,76 +383,31 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let claimed = match self.engine.begin(&call).await {
-            Err(e) => return Ok(error_response(cfg, &call, e)),
-            Ok(Begin::Replay(record)) => return Ok(replay(cfg, &record)),
-            Ok(Begin::Claimed(claimed)) => claimed,
-        };
-        hit(Point::AfterClaim);
-        let (tx, ticket) = claimed.split();
-        let cell = TxCell::holding(self.engine.backend().clone(), tx);
-        parts.extensions.insert(cell.clone());
-        // If the handler fails or this future is dropped, the cell and ticket
-        // drop with it: the transaction rolls back and the key stays unused.
-        let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
-        let (rparts, rbody) = response.into_parts();
-        let collected = collect_response(rbody, cfg.max_response_bytes).await;
-        let claimed = match cell.take() {
-            Taken::Tx(tx) => ticket.join(tx),
-            Taken::Unused | Taken::StillLent => {
-                tracing::error!("the handler kept the transaction past its response; nothing was committed");
-                return Ok(Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    slugs::TRANSACTION_UNAVAILABLE,
-                    "Transaction unavailable",
-                )
-                .with_detail("the handler did not give its transaction back; nothing was applied")
-                .into_response(&cfg.problem_base));
+        // The request is buffered, so a run that lost a race with concurrent
+        // transactions (nothing of it committed) can be run again from the
+        // claim on.
+        let op = call.scope().operation().as_str();
+        let mut retries = ContentionRetries::new();
+        loop {
+            if retries.runs() > 1 {
+                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             }
-        };
-        let body = match collected {
-            Collected::Full(body) => body,
-            Collected::TooLarge(_) | Collected::Failed(_) => {
-                self.engine.abandon(claimed).await;
-                return Ok(Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    slugs::RESPONSE_TOO_LARGE,
-                    "Response too large to record",
-                )
-                .with_detail(format!(
-                    "the response exceeded the record limit of {} bytes; nothing was applied",
-                    cfg.max_response_bytes
-                ))
-                .into_response(&cfg.problem_base));
+            let settled = self
+                .run_once(cfg, &mut inner, parts.clone(), body.clone(), &call)
+                .await?;
+            let stage = match settled {
+                Settled::Done(response) => return Ok(response),
+                Settled::Contention(stage) => stage,
+            };
+            if !retries.again(op, stage).await {
+                tracing::warn!(
+                    operation = op,
+                    runs = retries.runs(),
+                    "the transaction kept conflicting; nothing was applied"
+                );
+                return Ok(crate::retry::conflict().into_response(&cfg.problem_base));
             }
-        };
-        let recorded = RecordedResponse {
-            status: rparts.status,
-            headers: rparts.headers.clone(),
-            body: body.clone(),
-        };
-        hit(Point::BeforeCommit);
-        match decide(rparts.status, &call) {
-            Decision::Record => {
-                if let Err(e) = self.engine.commit(claimed, Record::completed(recorded.encode())).await {
-                    return Ok(error_response(cfg, &call, e));
-                }
-                hit(Point::AfterCommit);
-            }
-            Decision::RecordRejection => {
-                if let Err(e) = self
-                    .engine
-                    .reject_final(claimed, Record::rejected(recorded.encode()))
-                    .await
-                {
-                    // The work is rolled back either way; only the record is missing,
-                    // so the key stays usable and the rejection still stands.
-                    tracing::warn!(error = %e, "could not record a final rejection");
-                }
-            }
-            Decision::Release => self.engine.abandon(claimed).await,
         }
-        Ok(first(rparts, Body::from(body)))
     }
 
     async fn unkeyed<S, ResBody>(
@@ -497,6 +454,139 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
             }
         }
         Ok(response.map(Body::new))
+    }
+}
+
+/// How one run of a transactional request ended.
+enum Settled {
+    /// With this response (committed, recorded, rolled back or refused).
+    Done(Response<Body>),
+    /// Rolled back after contention at this stage: run it again.
+    Contention(Stage),
+}
+
+impl<B: TxBackend + Clone> Transactional<B> {
+    /// Claims the key, runs the handler in the claim's transaction and
+    /// settles the response by its status.
+    async fn run_once<S, ResBody>(
+        &self,
+        cfg: &Config,
+        inner: &mut S,
+        mut parts: Parts,
+        body: Bytes,
+        call: &Call,
+    ) -> Result<Settled, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S::Future: Send,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let done = |response| Ok(Settled::Done(response));
+        let claimed = match self.engine.begin(call).await {
+            Err(e) => return done(error_response(cfg, call, e)),
+            Ok(Begin::Replay(record)) => return done(replay(cfg, &record)),
+            Ok(Begin::Claimed(claimed)) => claimed,
+        };
+        hit(Point::AfterClaim);
+        let (tx, ticket) = claimed.split();
+        let cell = TxCell::holding(self.engine.backend().clone(), tx);
+        parts.extensions.insert(cell.clone());
+        // If the handler fails or this future is dropped, the cell and ticket
+        // drop with it: the transaction rolls back and the key stays unused.
+        let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
+        let (rparts, rbody) = response.into_parts();
+        let claimed = match cell.take() {
+            Taken::Tx(tx) => ticket.join(tx),
+            Taken::Unused | Taken::StillLent => {
+                tracing::error!("the handler kept the transaction past its response; nothing was committed");
+                return done(
+                    Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        slugs::TRANSACTION_UNAVAILABLE,
+                        "Transaction unavailable",
+                    )
+                    .with_detail("the handler did not give its transaction back; nothing was applied")
+                    .into_response(&cfg.problem_base),
+                );
+            }
+        };
+        if rparts.extensions.get::<RetryTransaction>().is_some() {
+            // The handler's own statement lost a race: whatever it says, its
+            // transaction is rolled back and may run again.
+            self.engine.abandon(claimed).await;
+            return Ok(Settled::Contention(Stage::Work));
+        }
+        let rejection = match decide(rparts.status, call) {
+            Decision::Record => false,
+            Decision::RecordRejection => true,
+            Decision::Release => {
+                // Nothing is recorded, so the record limit does not apply and
+                // the body streams on as the handler made it.
+                self.engine.abandon(claimed).await;
+                return done(first(rparts, Body::new(rbody)));
+            }
+        };
+        let body = match collect_response(rbody, cfg.max_response_bytes).await {
+            Collected::Full(body) => body,
+            Collected::TooLarge(_) => {
+                self.engine.abandon(claimed).await;
+                return done(
+                    Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        slugs::RESPONSE_TOO_LARGE,
+                        "Response too large to record",
+                    )
+                    .with_detail(format!(
+                        "the {} response exceeded the record limit of {} bytes; nothing was applied",
+                        rparts.status.as_u16(),
+                        cfg.max_response_bytes
+                    ))
+                    .into_response(&cfg.problem_base),
+                );
+            }
+            Collected::Failed(why) => {
+                tracing::warn!(%why, "the response body failed before it could be recorded");
+                self.engine.abandon(claimed).await;
+                return done(
+                    Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        slugs::RESPONSE_FAILED,
+                        "Response failed",
+                    )
+                    .with_detail(format!(
+                        "the {} response's body failed while it was read: {why}; nothing was applied",
+                        rparts.status.as_u16()
+                    ))
+                    .into_response(&cfg.problem_base),
+                );
+            }
+        };
+        let recorded = RecordedResponse {
+            status: rparts.status,
+            headers: rparts.headers.clone(),
+            body: body.clone(),
+        };
+        hit(Point::BeforeCommit);
+        if rejection {
+            if let Err(e) = self
+                .engine
+                .reject_final(claimed, Record::rejected(recorded.encode()))
+                .await
+            {
+                // The work is rolled back either way; only the record is missing,
+                // so the key stays usable and the rejection still stands.
+                tracing::warn!(error = %e, "could not record a final rejection");
+            }
+        } else {
+            match self.engine.commit(claimed, Record::completed(recorded.encode())).await {
+                Ok(()) => hit(Point::AfterCommit),
+                // A commit that lost a race (40001, 40P01, 1213) committed nothing.
+                Err(e) if e.is_contention() => return Ok(Settled::Contention(Stage::Commit)),
+                Err(e) => return done(error_response(cfg, call, e)),
+            }
+        }
+        done(first(rparts, Body::from(body)))
     }
 }
 

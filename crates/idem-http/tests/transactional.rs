@@ -1,0 +1,181 @@
+//! Transactional mode's own behaviours: handler re-runs on contention, and
+//! which responses the record limit applies to.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use idem_core::{ContentionRetries, Tenant, TxEngine};
+use idem_http::{IdempotencyLayer, Problem, RetryTransaction, Tx, slugs};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
+
+/// The record limit of the test app.
+const LIMIT: usize = 1024;
+
+#[derive(Clone, Default)]
+struct Counters {
+    runs: Arc<AtomicUsize>,
+    committed: Arc<AtomicUsize>,
+}
+
+fn tenant(parts: &http::request::Parts) -> Result<Tenant, Problem> {
+    Ok(Tenant::new(
+        parts
+            .headers
+            .get("x-tenant")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("t"),
+    )
+    .unwrap())
+}
+
+/// A transactional app whose one route writes (counted at commit) and then
+/// answers what `respond` makes of the run number.
+fn app(c: Counters, respond: fn(usize) -> Response) -> Router {
+    let layer = IdempotencyLayer::transactional(TxEngine::new(MemoryStore::new()), tenant).max_response_bytes(LIMIT);
+    let handler = move |mut tx: Tx<MemoryStore>| {
+        let c = c.clone();
+        async move {
+            let run = c.runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let committed = c.committed.clone();
+            tx.on_commit(move || {
+                committed.fetch_add(1, Ordering::SeqCst);
+            });
+            respond(run)
+        }
+    };
+    Router::new().route("/things", post(handler)).layer(layer)
+}
+
+fn request(key: &str) -> Request<Body> {
+    Request::post("/things")
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .unwrap()
+}
+
+async fn send(app: &Router, key: &str) -> (StatusCode, http::HeaderMap, Result<Bytes, String>) {
+    let response = app.clone().oneshot(request(key)).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.map(|b| b.to_bytes()).map_err(|e| e.to_string());
+    (parts.status, parts.headers, body)
+}
+
+fn problem_type(body: &Bytes) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).expect("a problem body");
+    v["type"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A handler whose statement lost a race asks for a re-run with `RetryTransaction`: it runs again in a new transaction, and only the second run's effect commits.
+#[tokio::test]
+async fn handler_asking_to_retry_runs_again_with_one_effect() {
+    let c = Counters::default();
+    let app = app(c.clone(), |run| {
+        if run == 1 {
+            RetryTransaction.into_response()
+        } else {
+            (StatusCode::CREATED, format!("run {run}")).into_response()
+        }
+    });
+    let (status, headers, body) = send(&app, "k1").await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(body.unwrap(), "run 2");
+    assert!(!headers.contains_key("idempotent-replayed"));
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the handler ran again");
+    assert_eq!(c.committed.load(Ordering::SeqCst), 1, "one effect committed");
+    let (status, headers, body) = send(&app, "k1").await;
+    assert_eq!((status, body.unwrap()), (StatusCode::CREATED, Bytes::from("run 2")));
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A handler that asks for a re-run every time runs a bounded number of times; the client gets a retryable 503, and nothing is applied or recorded.
+#[tokio::test]
+async fn retry_requests_are_bounded() {
+    let c = Counters::default();
+    let app = app(c.clone(), |_| {
+        // The marker as a response part, on a response that would otherwise succeed.
+        (StatusCode::CREATED, RetryTransaction, "lost a race").into_response()
+    });
+    let (status, headers, body) = send(&app, "k2").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers["retry-after"], "1");
+    assert!(problem_type(&body.unwrap()).ends_with(slugs::TRANSACTION_CONFLICT));
+    assert_eq!(c.runs.load(Ordering::SeqCst), ContentionRetries::MAX_RUNS as usize);
+    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "nothing committed");
+    let (status, ..) = send(&app, "k2").await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the key was left unused: it runs again"
+    );
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2 * ContentionRetries::MAX_RUNS as usize);
+}
+
+/// A 404 larger than the record limit is never recorded, so the limit does not apply: it passes through whole, not as a 500.
+#[tokio::test]
+async fn unrecorded_response_over_the_limit_passes_through() {
+    let c = Counters::default();
+    let app = app(c.clone(), |_| {
+        (StatusCode::NOT_FOUND, "n".repeat(3 * LIMIT)).into_response()
+    });
+    let (status, headers, body) = send(&app, "k3").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body.unwrap().len(), 3 * LIMIT, "the whole body");
+    assert!(!headers.contains_key("idempotent-replayed"));
+    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "a 404 rolls back");
+    let (status, ..) = send(&app, "k3").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the key stayed unused");
+}
+
+/// A response to be recorded over the limit is refused as too large, and nothing is applied.
+#[tokio::test]
+async fn recorded_response_over_the_limit_is_too_large() {
+    let c = Counters::default();
+    let app = app(c.clone(), |_| {
+        (StatusCode::CREATED, "n".repeat(3 * LIMIT)).into_response()
+    });
+    let (status, _, body) = send(&app, "k4").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(problem_type(&body.unwrap()).ends_with(slugs::RESPONSE_TOO_LARGE));
+    assert_eq!(c.committed.load(Ordering::SeqCst), 0);
+}
+
+/// A success whose body stream fails is reported as a failed response, not as too large, and nothing is applied.
+#[tokio::test]
+async fn failing_body_is_reported_as_failed() {
+    let c = Counters::default();
+    let app = app(c.clone(), |_| {
+        let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+            Ok(Bytes::from_static(b"{\"partial\":")),
+            Err(std::io::Error::other("the upstream stream broke")),
+        ];
+        (
+            StatusCode::CREATED,
+            Body::from_stream(futures_util::stream::iter(chunks)),
+        )
+            .into_response()
+    });
+    let (status, _, body) = send(&app, "k5").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let body = body.unwrap();
+    assert!(
+        problem_type(&body).ends_with(slugs::RESPONSE_FAILED),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert!(String::from_utf8_lossy(&body).contains("the upstream stream broke"));
+    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "nothing was applied");
+    let (status, ..) = send(&app, "k5").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the key stayed unused");
+}
