@@ -173,6 +173,7 @@ async fn one<D: BenchDb>(
             let id = uuid::Uuid::now_v7().to_string();
             let out = engine
                 .execute(&call(scope, key.clone()), move |tx| {
+                    let id = id.clone();
                     Box::pin(async move { D::insert(tx, id).await.map(|()| 1u8) })
                 })
                 .await

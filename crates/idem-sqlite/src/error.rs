@@ -50,3 +50,18 @@ pub fn store_error(e: sqlx::Error) -> Error {
     tracing::debug!(error = %e, ?kind, "sqlite store error");
     Error::store(kind, e)
 }
+
+/// Whether a sqlx error is contention: `SQLITE_BUSY` or `SQLITE_LOCKED`
+/// (with their extended codes). Running the transaction again from the
+/// start may succeed.
+///
+/// Use it to implement [`idem_core::Contention`] for the error type of work
+/// run by [`TxEngine::execute`](idem_core::TxEngine::execute) (or map the
+/// error with [`store_error`], whose result answers the same).
+///
+/// ```
+/// assert!(!idem_sqlite::is_contention(&sqlx::Error::RowNotFound));
+/// ```
+pub fn is_contention(e: &sqlx::Error) -> bool {
+    kind_of(e).is_contention()
+}

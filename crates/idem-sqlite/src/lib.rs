@@ -88,7 +88,7 @@ use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
 pub use sqlx::sqlite::SqliteSynchronous;
 
-pub use crate::error::store_error;
+pub use crate::error::{is_contention, store_error};
 use crate::sql::{MIGRATIONS, Statements, latest_version};
 
 /// The transaction type of [`SqliteStore`] in transactional mode. The

@@ -148,6 +148,7 @@ async fn separate_registries_64_tasks_one_effect() {
                 barrier.wait().await;
                 engine
                     .execute(&call, move |tx| {
+                        let (runs, effect_id) = (runs.clone(), effect_id.clone());
                         Box::pin(async move {
                             runs.fetch_add(1, Ordering::SeqCst);
                             sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")

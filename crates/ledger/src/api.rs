@@ -7,8 +7,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use idem_core::{Policy, SharedClock, Tenant, TxEngine};
-use idem_http::{DEFAULT_PROBLEM_BASE, IdempotencyLayer, Problem, RoutePolicy, Tx};
+use idem_core::{Contention, Policy, SharedClock, Tenant, TxEngine};
+use idem_http::{DEFAULT_PROBLEM_BASE, IdempotencyLayer, Problem, RetryTransaction, RoutePolicy, Tx};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -186,6 +186,22 @@ impl IntoResponse for ApiError {
                 "Balance limit",
                 e.to_string(),
             ),
+            ApiError::Db(e) if e.is_contention() => {
+                // The handler's transaction lost a race; nothing of it
+                // commits. The idempotency layer runs the request again in a
+                // new transaction, a bounded number of times.
+                tracing::debug!(error = %e, "contention; asking for the transaction to run again");
+                let mut r = problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database-conflict",
+                    "Database conflict",
+                    "the request conflicted with concurrent ones and was not applied; retry it with the same Idempotency-Key",
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                r.extensions_mut().insert(RetryTransaction);
+                r
+            }
             ApiError::Db(e) => {
                 tracing::warn!(error = %e, "database error");
                 let mut r = problem(
@@ -416,4 +432,22 @@ async fn method_not_allowed(req: Request) -> Response {
         "Method not allowed",
         format!("{} is not allowed on {}", req.method(), req.uri().path()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database error that is contention asks the idempotency layer to run the transaction again; other errors do not.
+    #[test]
+    fn contention_asks_for_a_rerun() {
+        let kind = idem_core::StoreErrorKind::Serialization;
+        let lost = ApiError::Db(DbError::Idem(idem_core::Error::store(kind, "40001"))).into_response();
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(lost.extensions().get::<RetryTransaction>().is_some());
+        let down = idem_core::StoreErrorKind::Unavailable;
+        let gone = ApiError::Db(DbError::Idem(idem_core::Error::store(down, "gone"))).into_response();
+        assert_eq!(gone.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(gone.extensions().get::<RetryTransaction>().is_none());
+    }
 }

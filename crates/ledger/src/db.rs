@@ -49,6 +49,20 @@ pub enum DbError {
     Idem(#[from] idem_core::Error),
 }
 
+impl idem_core::Contention for DbError {
+    /// A deadlock, a serialisation failure or a lock wait that ran out, on
+    /// whichever engine the ledger runs: the transaction may run again.
+    fn is_contention(&self) -> bool {
+        match self {
+            DbError::Sql(e) => {
+                idem_postgres::is_contention(e) || idem_mysql::is_contention(e) || idem_sqlite::is_contention(e)
+            }
+            DbError::Idem(e) => e.is_contention(),
+            _ => false,
+        }
+    }
+}
+
 /// An account as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Account {
