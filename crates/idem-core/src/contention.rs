@@ -78,7 +78,8 @@ impl Contention for std::convert::Infallible {
 
 /// The bounded, jittered re-runs of one transactional call after contention.
 ///
-/// A call may run at most [`MAX_RUNS`](Self::MAX_RUNS) times. Before each
+/// A call may run at most [`MAX_RUNS`](Self::MAX_RUNS) times, and no run
+/// starts [`MAX_ELAPSED`](Self::MAX_ELAPSED) after the first. Before each
 /// re-run it sleeps a jittered, doubling backoff (4 ms at first, at most
 /// 512 ms), so transactions that aborted each other do not collide again in
 /// step, and each re-run is counted in
@@ -90,6 +91,7 @@ impl Contention for std::convert::Infallible {
 #[derive(Debug, Clone)]
 pub struct ContentionRetries {
     runs: u32,
+    started: tokio::time::Instant,
 }
 
 impl Default for ContentionRetries {
@@ -105,10 +107,16 @@ impl ContentionRetries {
     pub const FIRST_BACKOFF: Duration = Duration::from_millis(4);
     /// The longest backoff.
     pub const MAX_BACKOFF: Duration = Duration::from_millis(512);
+    /// No run starts this long after the first one did: runs that each
+    /// waited out a lock wait timeout must not add up without bound.
+    pub const MAX_ELAPSED: Duration = Duration::from_secs(30);
 
     /// A fresh budget: the first run is under way.
     pub fn new() -> Self {
-        Self { runs: 1 }
+        Self {
+            runs: 1,
+            started: tokio::time::Instant::now(),
+        }
     }
 
     /// How many runs have started so far.
@@ -120,7 +128,7 @@ impl ContentionRetries {
     /// backoff and answers `true` if another run may start, or answers
     /// `false` at once when the budget is spent.
     pub async fn again(&mut self, operation: &str, stage: Stage) -> bool {
-        if self.runs >= Self::MAX_RUNS {
+        if self.runs >= Self::MAX_RUNS || self.started.elapsed() >= Self::MAX_ELAPSED {
             tracing::debug!(
                 operation,
                 stage = stage.as_str(),
@@ -216,5 +224,13 @@ mod tests {
         assert_eq!(more, 9, "nine re-runs after the first run");
         assert_eq!(r.runs(), ContentionRetries::MAX_RUNS);
         assert!(!r.again("op", Stage::Work).await, "a spent budget stays spent");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_run_starts_after_the_time_budget() {
+        let mut r = ContentionRetries::new();
+        tokio::time::advance(ContentionRetries::MAX_ELAPSED).await;
+        assert!(!r.again("op", Stage::Work).await);
+        assert_eq!(r.runs(), 1);
     }
 }

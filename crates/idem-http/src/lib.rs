@@ -10,7 +10,12 @@
 //! - Errors are RFC 9457 `application/problem+json`: `idempotency-key-missing`
 //!   (400), `idempotency-key-invalid` (400), `idempotency-key-reused` (422),
 //!   `idempotency-key-in-flight` (409 with `Retry-After`),
-//!   `request-body-too-large` (413, before anything is claimed).
+//!   `request-body-too-large` (413, before anything is claimed); in
+//!   transactional mode also `idempotency-response-too-large` (500, a
+//!   response to be recorded over the record limit),
+//!   `idempotency-response-failed` (500, its body stream failed) and
+//!   `idempotency-transaction-conflict` (503 with `Retry-After`, contention
+//!   outlasted the bounded re-runs; see [`RetryTransaction`]).
 //! - Scope = (tenant from your extractor, method + route template).
 //! - Only a 2xx consumes a key by default; a final 4xx only if the route's
 //!   policy says so; 5xx never.
