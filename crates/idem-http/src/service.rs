@@ -10,7 +10,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::
 use idem_core::metrics::Stage;
 use idem_core::{
     Acquire, Begin, BoxError, Call, Consume, ContentionRetries, Error, FingerprintBuilder, LeaseStore, Operation,
-    Record, Retryable, Scope, TxBackend, http_status_retryable,
+    Record, Retryable, Scope, Ticket, TxBackend, http_status_retryable,
 };
 use tower_service::Service;
 
@@ -496,6 +496,26 @@ impl<B: TxBackend + Clone> Transactional<B> {
         // drop with it: the transaction rolls back and the key stays unused.
         let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
         let (rparts, rbody) = response.into_parts();
+        let retry = rparts.extensions.get::<RetryTransaction>().is_some();
+        let rejection = match decide(rparts.status, call) {
+            _ if retry => {
+                // The handler's own statement lost a race: whatever it says,
+                // its transaction is rolled back and may run again.
+                self.roll_back(&cell, ticket).await;
+                return Ok(Settled::Contention(Stage::Work));
+            }
+            Decision::Record => false,
+            Decision::RecordRejection => true,
+            Decision::Release => {
+                // Nothing is recorded, so the record limit does not apply and
+                // the body streams on as the handler made it.
+                self.roll_back(&cell, ticket).await;
+                return done(first(rparts, Body::new(rbody)));
+            }
+        };
+        // Read the body before taking the transaction back: a body that
+        // streams from the transaction gives it back when it ends.
+        let collected = collect_response(rbody, cfg.max_response_bytes).await;
         let claimed = match cell.take() {
             Taken::Tx(tx) => ticket.join(tx),
             Taken::Unused | Taken::StillLent => {
@@ -511,23 +531,7 @@ impl<B: TxBackend + Clone> Transactional<B> {
                 );
             }
         };
-        if rparts.extensions.get::<RetryTransaction>().is_some() {
-            // The handler's own statement lost a race: whatever it says, its
-            // transaction is rolled back and may run again.
-            self.engine.abandon(claimed).await;
-            return Ok(Settled::Contention(Stage::Work));
-        }
-        let rejection = match decide(rparts.status, call) {
-            Decision::Record => false,
-            Decision::RecordRejection => true,
-            Decision::Release => {
-                // Nothing is recorded, so the record limit does not apply and
-                // the body streams on as the handler made it.
-                self.engine.abandon(claimed).await;
-                return done(first(rparts, Body::new(rbody)));
-            }
-        };
-        let body = match collect_response(rbody, cfg.max_response_bytes).await {
+        let body = match collected {
             Collected::Full(body) => body,
             Collected::TooLarge(_) => {
                 self.engine.abandon(claimed).await;
@@ -587,6 +591,16 @@ impl<B: TxBackend + Clone> Transactional<B> {
             }
         }
         done(first(rparts, Body::from(body)))
+    }
+
+    /// Rolls back a run whose response will not be recorded. If the
+    /// response's body still holds the transaction, it rolls back when the
+    /// body is dropped; nothing commits either way.
+    async fn roll_back(&self, cell: &TxCell<B>, ticket: Ticket) {
+        match cell.take() {
+            Taken::Tx(tx) => self.engine.abandon(ticket.join(tx)).await,
+            Taken::Unused | Taken::StillLent => drop(ticket),
+        }
     }
 }
 
