@@ -1,49 +1,14 @@
-//! Bounded reading of request and response bodies.
+//! Bounded reading of response bodies.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use axum_core::body::Body;
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, StatusCode, header};
 use http_body::Frame;
 use http_body_util::BodyExt;
 use idem_core::BoxError;
 
-use crate::problem::{Problem, slugs};
-
-/// Reads a request body of at most `limit` bytes; 413 beyond it.
-pub(crate) async fn read_request<B>(body: B, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem>
-where
-    B: http_body::Body<Data = Bytes> + Send,
-    B::Error: Into<BoxError>,
-{
-    let too_large = || {
-        Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            slugs::BODY_TOO_LARGE,
-            "Request body too large",
-        )
-        .with_detail(format!("the request body exceeds the limit of {limit} bytes"))
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
-    }
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            slugs::BODY_UNREADABLE,
-            "Request body unreadable",
-        )
-        .with_detail(format!("the request body could not be read: {e}"))),
-    }
-}
 
 /// A response body read up to a limit.
 pub(crate) enum Collected {

@@ -3,11 +3,16 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::Method;
 
 use http::request::Parts;
 use idem_core::{LeaseEngine, LeaseStore, Operation, Policy, Tenant, TxBackend, TxEngine};
 use tower_layer::Layer;
 
+use crate::drain::Drain;
 use crate::problem::{DEFAULT_PROBLEM_BASE, Problem};
 use crate::service::Idempotency;
 
@@ -78,15 +83,79 @@ impl RoutePolicy {
 /// response, and nothing is claimed.
 pub type TenantFn = Arc<dyn Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync>;
 
-/// Names the operation of a request: by default the method and axum's
-/// matched route template (`POST /v1/accounts/{id}`), never the raw path. A
-/// request with no operation (an unrouted one) passes through untouched.
+/// Names the operation of a request: by default
+/// [`matched_route_operation`]. The name scopes keys and is a metric label,
+/// so a custom function must draw it from a bounded set (never the raw path
+/// or a client-chosen string). A request for which it returns `None` passes
+/// through unprotected: that is the function's explicit choice.
 pub type OperationFn = Arc<dyn Fn(&Parts) -> Option<Operation> + Send + Sync>;
 
-/// The default [`OperationFn`]: method + axum `MatchedPath`.
+/// The operation name of a request with no matched route: `"<METHOD> (unrouted)"`.
+pub const UNROUTED: &str = "(unrouted)";
+
+/// The method as it appears in operation names and metric labels: one of
+/// the nine methods of RFC 9110 and RFC 5789 (`GET`, `HEAD`, `POST`, `PUT`,
+/// `DELETE`, `CONNECT`, `OPTIONS`, `TRACE`, `PATCH`), or `OTHER` for any
+/// extension method, so that clients cannot mint labels.
+pub fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::CONNECT => "CONNECT",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::PATCH => "PATCH",
+        _ => "OTHER",
+    }
+}
+
+/// The default [`OperationFn`]: [`method_label`] and axum's matched route
+/// template (`POST /v1/accounts/{id}`), never the raw path.
+///
+/// A request with no matched route (the layer was applied outside the
+/// router, or around a router mounted with `fallback_service`, or the path
+/// matched no route) is still protected: its operation is
+/// `"<METHOD> (unrouted)"`, and as every fingerprint covers the concrete path
+/// and query, one key sent to two paths is refused as reused (422). An
+/// extension method's name is covered by the fingerprint too.
+///
+/// ```
+/// use idem_http::matched_route_operation;
+/// let (parts, ()) = http::Request::post("/v1/x/1").body(()).unwrap().into_parts();
+/// assert_eq!(matched_route_operation(&parts).unwrap().as_str(), "POST (unrouted)");
+/// ```
 pub fn matched_route_operation(parts: &Parts) -> Option<Operation> {
-    let path = parts.extensions.get::<axum::extract::MatchedPath>()?;
-    Operation::new(format!("{} {}", parts.method, path.as_str())).ok()
+    let method = method_label(&parts.method);
+    let name = match parts.extensions.get::<axum::extract::MatchedPath>() {
+        Some(path) => format!("{method} {}", path.as_str()),
+        None => format!("{method} {UNROUTED}"),
+    };
+    Operation::new(name).ok()
+}
+
+/// The operation function of a new layer: [`matched_route_operation`], and
+/// one error in the log (per layer) the first time a request has no matched
+/// route, because that means the layer is wired outside the router.
+fn default_operation() -> OperationFn {
+    let logged = AtomicBool::new(false);
+    Arc::new(move |parts: &Parts| {
+        if parts.extensions.get::<axum::extract::MatchedPath>().is_none() && !logged.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                method = %parts.method,
+                path = parts.uri.path(),
+                "the idempotency layer received a request with no matched route: it is applied outside the \
+                 router (around the whole app, to a router mounted with `fallback_service`, or with \
+                 `Router::layer`, which also wraps the fallback). Such requests are still protected, scoped \
+                 as \"<METHOD> (unrouted)\" with the concrete path in the fingerprint, so route policies do \
+                 not apply to them. Apply the layer with `Router::route_layer` on each router, after its \
+                 routes; this is logged once per layer"
+            );
+        }
+        matched_route_operation(parts)
+    })
 }
 
 /// The layer's configuration, as modes see it (not nameable outside the crate).
@@ -100,6 +169,7 @@ pub struct Config {
     pub(crate) max_request_bytes: usize,
     pub(crate) max_response_bytes: usize,
     pub(crate) problem_base: String,
+    pub(crate) drain: Drain,
 }
 
 impl Config {
@@ -163,6 +233,8 @@ impl<M> fmt::Debug for IdempotencyLayer<M> {
             .field("routes", &c.routes)
             .field("max_request_bytes", &c.max_request_bytes)
             .field("max_response_bytes", &c.max_response_bytes)
+            .field("drain_max_bytes", &c.drain.max_bytes)
+            .field("drain_timeout", &c.drain.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -172,10 +244,11 @@ fn config(tenant: TenantFn) -> Config {
         default_route: RoutePolicy::required(),
         routes: HashMap::new(),
         tenant,
-        operation: Arc::new(matched_route_operation),
+        operation: default_operation(),
         max_request_bytes: 1 << 20,
         max_response_bytes: 1 << 20,
         problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
+        drain: Drain::default(),
     }
 }
 
@@ -249,6 +322,24 @@ impl<M: Clone> IdempotencyLayer<M> {
     /// `idempotency-response-too-large` problem naming the original status.
     pub fn max_response_bytes(mut self, bytes: usize) -> Self {
         self.config_mut().max_response_bytes = bytes;
+        self
+    }
+
+    /// How many bytes of a request body are read and discarded before an
+    /// early answer (413 for a body over [`max_request_bytes`](Self::max_request_bytes),
+    /// 400 for a missing or invalid key), so that clients that write their
+    /// whole body before reading get the answer instead of a reset
+    /// connection (default 8 MiB). A body declared larger than this is not
+    /// read at all: the answer is sent and the connection closed.
+    pub fn drain_max_bytes(mut self, bytes: u64) -> Self {
+        self.config_mut().drain.max_bytes = bytes;
+        self
+    }
+
+    /// How long a body is drained before an early answer, at most
+    /// (default 10 s); see [`drain_max_bytes`](Self::drain_max_bytes).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.config_mut().drain.timeout = timeout;
         self
     }
 

@@ -54,6 +54,7 @@
 //! ```
 
 mod body;
+mod drain;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod future;
@@ -66,10 +67,10 @@ mod service;
 mod tx;
 
 pub use future::ResponseFuture;
-pub use key::{IDEMPOTENCY_KEY, KeyHeader, parse_key_header};
+pub use key::{IDEMPOTENCY_KEY, KeyHeader, MAX_HEADER_BYTES, parse_key_header};
 pub use layer::{
-    IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional,
-    matched_route_operation,
+    IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional, UNROUTED,
+    matched_route_operation, method_label,
 };
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
 pub use recorded::RecordedResponse;

@@ -15,7 +15,7 @@ use idem_core::{
 use tower_service::Service;
 
 use crate::IDEMPOTENT_REPLAYED;
-use crate::body::{Collected, collect_response, read_request};
+use crate::body::{Collected, collect_response};
 use crate::future::ResponseFuture;
 use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{Config, KeyRequirement, Leased, Shared, Transactional};
@@ -187,6 +187,7 @@ where
             KeyHeader::Present(key) => Some(key),
             KeyHeader::Missing if route.requirement() == KeyRequirement::Required => {
                 outcome(&op, "key_missing", started);
+                cfg.drain.discard(body, 0).await;
                 return Ok(
                     Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
                         .with_detail(format!("{op} requires an Idempotency-Key header"))
@@ -196,6 +197,7 @@ where
             KeyHeader::Missing => None,
             KeyHeader::Invalid(why) => {
                 outcome(&op, "key_invalid", started);
+                cfg.drain.discard(body, 0).await;
                 return Ok(
                     Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
                         .with_detail(why)
@@ -204,13 +206,13 @@ where
             }
         }
     };
-    let bytes = match read_request(body, &parts.headers, cfg.max_request_bytes).await {
+    let bytes = match cfg.drain.read_request(body, &parts.headers, cfg.max_request_bytes).await {
         Ok(bytes) => bytes,
         Err(problem) => {
             outcome(&op, "body_rejected", started);
             let mut response = problem.into_response(&cfg.problem_base);
-            // The rest of the body was never read, so this connection cannot
-            // carry another request: tell the client not to reuse it.
+            // The rest of the body may not have been read, so this connection
+            // cannot carry another request: tell the client not to reuse it.
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -251,7 +253,12 @@ where
 /// resources under one route template are different requests) and the body,
 /// canonicalised per RFC 8785 when it is JSON.
 fn fingerprint(operation: &Operation, parts: &Parts, body: &Bytes) -> idem_core::Fingerprint {
-    let base = FingerprintBuilder::new(operation)
+    let mut base = FingerprintBuilder::new(operation);
+    if crate::layer::method_label(&parts.method) == "OTHER" {
+        // An extension method is named `OTHER` in the operation.
+        base = base.field("method", parts.method.as_str());
+    }
+    let base = base
         .field("path", parts.uri.path())
         .field("query", parts.uri.query().unwrap_or(""));
     if is_json(parts)
