@@ -9,7 +9,6 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 use idem_core::BoxError;
 
-
 /// A response body read up to a limit.
 pub(crate) enum Collected {
     /// The whole body.

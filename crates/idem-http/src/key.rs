@@ -84,9 +84,7 @@ fn parse_key_text(raw: &str) -> Result<String, &'static str> {
             None => Err("the header is not an sf-string"),
         };
     }
-    let end = raw
-        .find(|c: char| !is_token_char(c))
-        .unwrap_or(raw.len());
+    let end = raw.find(|c: char| !is_token_char(c)).unwrap_or(raw.len());
     let (token, params) = raw.split_at(end);
     match token.chars().next() {
         None => return Err("the header is neither an sf-string nor a token"),
@@ -163,7 +161,16 @@ mod tests {
 
     #[test]
     fn parameters_are_ignored() {
-        for v in ["\"abc\"", "\"abc\";p=1", "abc;p=1", "abc", " abc ", "abc;p", "\"abc\";a=1;b=?0", "abc;a=\"x\""] {
+        for v in [
+            "\"abc\"",
+            "\"abc\";p=1",
+            "abc;p=1",
+            "abc",
+            " abc ",
+            "abc;p",
+            "\"abc\";a=1;b=?0",
+            "abc;a=\"x\"",
+        ] {
             assert_eq!(parse(v), key("abc"), "{v}");
         }
         assert_eq!(parse("*x/y:z"), key("*x/y:z"));
@@ -173,13 +180,36 @@ mod tests {
     #[test]
     fn outside_the_grammar_is_refused() {
         for v in [
-            "{}", "?", "@x", "(x)", "tok=", "", " ", "?1", "-x", ".x", "12.5x", "a=b", "a;", "a;P=1", "a;p=",
-            "\"abc\" x", "\"abc\";", "a b", "a,b", "\"a\",\"b\"", "\"\"", "abc;p={}",
+            "{}",
+            "?",
+            "@x",
+            "(x)",
+            "tok=",
+            "",
+            " ",
+            "?1",
+            "-x",
+            ".x",
+            "12.5x",
+            "a=b",
+            "a;",
+            "a;P=1",
+            "a;p=",
+            "\"abc\" x",
+            "\"abc\";",
+            "a b",
+            "a,b",
+            "\"a\",\"b\"",
+            "\"\"",
+            "abc;p={}",
         ] {
             assert!(matches!(parse(v), KeyHeader::Invalid(_)), "{v:?} accepted");
         }
         let mut h = HeaderMap::new();
-        h.insert(IDEMPOTENCY_KEY, http::HeaderValue::from_bytes("\"caf\u{e9}\"".as_bytes()).unwrap());
+        h.insert(
+            IDEMPOTENCY_KEY,
+            http::HeaderValue::from_bytes("\"caf\u{e9}\"".as_bytes()).unwrap(),
+        );
         assert!(matches!(parse_key_header(&h), KeyHeader::Invalid(_)));
         let long = format!("abc;p=\"{}\"", "x".repeat(MAX_HEADER_BYTES));
         assert!(matches!(parse(&long), KeyHeader::Invalid(_)));
@@ -194,15 +224,21 @@ mod tests {
         }
 
         fn params() -> impl Strategy<Value = String> {
-            prop::collection::vec(("[a-z*][a-z0-9_.*-]{0,5}", prop::option::of("[0-9]{1,5}|\\?[01]|[a-z][a-z0-9]{0,5}")), 0..3)
-                .prop_map(|ps| {
-                    ps.into_iter()
-                        .map(|(k, v)| match v {
-                            Some(v) => format!(";{k}={v}"),
-                            None => format!(";{k}"),
-                        })
-                        .collect()
-                })
+            prop::collection::vec(
+                (
+                    "[a-z*][a-z0-9_.*-]{0,5}",
+                    prop::option::of("[0-9]{1,5}|\\?[01]|[a-z][a-z0-9]{0,5}"),
+                ),
+                0..3,
+            )
+            .prop_map(|ps| {
+                ps.into_iter()
+                    .map(|(k, v)| match v {
+                        Some(v) => format!(";{k}={v}"),
+                        None => format!(";{k}"),
+                    })
+                    .collect()
+            })
         }
 
         proptest! {

@@ -206,7 +206,11 @@ where
             }
         }
     };
-    let bytes = match cfg.drain.read_request(body, &parts.headers, cfg.max_request_bytes).await {
+    let bytes = match cfg
+        .drain
+        .read_request(body, &parts.headers, cfg.max_request_bytes)
+        .await
+    {
         Ok(bytes) => bytes,
         Err(problem) => {
             outcome(&op, "body_rejected", started);
