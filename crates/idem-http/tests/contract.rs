@@ -309,7 +309,7 @@ async fn which_statuses_consume_a_key() {
         ("/final", 500, false),
         ("/final", 429, false),
     ] {
-        let key = format!("{uri}-{status}");
+        let key = format!("\"{uri}-{status}\"");
         let body = format!("{{\"status\":{status}}}");
         let before = c.runs.load(Ordering::SeqCst);
         let first = send(&app, req("POST", uri, "t", Some(&key), &body)).await;
