@@ -4,7 +4,7 @@
 //!
 //! - A mutating request (POST, PATCH, PUT, DELETE) carries
 //!   `Idempotency-Key: "…"` (an RFC 9651 sf-string; a bare token is also
-//!   accepted). The first request with a key claims it, runs, and records its
+//!   accepted, and parameters are ignored; see [`parse_key_header`]). The first request with a key claims it, runs, and records its
 //!   response; a retry replays the recorded status, headers and
 //!   byte-identical body with `Idempotent-Replayed: true`.
 //! - Errors are RFC 9457 `application/problem+json`: `idempotency-key-missing`
@@ -16,7 +16,14 @@
 //!   `idempotency-response-failed` (500, its body stream failed) and
 //!   `idempotency-transaction-conflict` (503 with `Retry-After`, contention
 //!   outlasted the bounded re-runs; see [`RetryTransaction`]).
-//! - Scope = (tenant from your extractor, method + route template).
+//! - Scope = (tenant from your extractor, method + route template). Apply
+//!   the layer with `Router::route_layer` on each router, after its routes.
+//!   A request that reaches the layer with no matched route (the layer wraps
+//!   the whole app, or `Router::layer` also wraps the fallback) is still
+//!   protected, as `"<METHOD> (unrouted)"` with the concrete path in the
+//!   fingerprint, and the layer logs one error saying how to wire it.
+//! - Metric labels are bounded: operations are named from [`method_label`]
+//!   (nine standard methods or `OTHER`) and the route template.
 //! - Only a 2xx consumes a key by default; a final 4xx only if the route's
 //!   policy says so; 5xx never.
 //!
@@ -47,7 +54,7 @@
 //!         Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
 //!     })
 //! });
-//! let app: Router = Router::new().route("/v1/things", post(create)).layer(layer);
+//! let app: Router = Router::new().route("/v1/things", post(create)).route_layer(layer);
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await.unwrap();
 //! axum::serve(listener, app).await.unwrap();
 //! # }
