@@ -64,7 +64,7 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
         .route("/v1/top-ups", post(top_up::<D>))
         .route("/v1/transfers", post(transfer::<D>))
         .route("/v1/audit", get(audit::<D>))
-        .layer(idempotency)
+        .route_layer(idempotency)
         .route_layer(middleware::from_fn(authenticate));
     Router::new()
         .route("/healthz", get(healthz::<D>))
