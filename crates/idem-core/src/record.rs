@@ -1,5 +1,7 @@
 //! What stores keep under a key, and the handles of claims.
 
+use std::fmt;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -144,7 +146,33 @@ pub struct Call {
     scope: Scope,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
+    previous: Option<Previous>,
     policy: Policy,
+}
+
+type PreviousFn = dyn Fn() -> Option<Fingerprint> + Send + Sync;
+
+/// The request's fingerprint in the previous format, computed at most once
+/// and only when a stored fingerprint differs from the current one.
+#[derive(Clone)]
+struct Previous {
+    compute: Arc<PreviousFn>,
+    value: Arc<OnceLock<Option<Fingerprint>>>,
+}
+
+impl Previous {
+    fn get(&self) -> Option<Fingerprint> {
+        *self.value.get_or_init(|| (self.compute)())
+    }
+}
+
+impl fmt::Debug for Previous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.value.get() {
+            Some(v) => f.debug_tuple("Previous").field(v).finish(),
+            None => f.write_str("Previous(<not computed>)"),
+        }
+    }
 }
 
 impl Call {
@@ -154,8 +182,38 @@ impl Call {
             scope,
             key,
             fingerprint,
+            previous: None,
             policy: Policy::default(),
         }
+    }
+
+    /// Also accepts a stored fingerprint equal to `previous`, this request's
+    /// fingerprint in the previous format ([`FingerprintVersion::V1`](crate::FingerprintVersion::V1)),
+    /// so a retry whose first attempt was recorded before an upgrade is still
+    /// the same request.
+    pub fn with_previous_fingerprint(self, previous: Fingerprint) -> Self {
+        self.with_previous_fingerprint_from(move || Some(previous))
+    }
+
+    /// Like [`with_previous_fingerprint`](Self::with_previous_fingerprint),
+    /// but computes the previous fingerprint only if a stored fingerprint
+    /// differs from the current one, at most once per call. `None` means the
+    /// request has no fingerprint in the previous format.
+    pub fn with_previous_fingerprint_from(
+        mut self,
+        previous: impl Fn() -> Option<Fingerprint> + Send + Sync + 'static,
+    ) -> Self {
+        self.previous = Some(Previous {
+            compute: Arc::new(previous),
+            value: Arc::new(OnceLock::new()),
+        });
+        self
+    }
+
+    /// Whether a stored fingerprint is this request's: equal to its current
+    /// fingerprint or, if one was given, to its previous-format one.
+    pub fn accepts(&self, stored: &Fingerprint) -> bool {
+        *stored == self.fingerprint || self.previous.as_ref().and_then(Previous::get).is_some_and(|p| p == *stored)
     }
 
     /// Sets the policy.
