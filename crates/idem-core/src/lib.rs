@@ -51,6 +51,7 @@ pub use classify::{Classify, Never, Retryable, http_status_retryable};
 pub use clock::{Clock, ManualClock, SharedClock, SystemClock, system_clock};
 pub use contention::{Contention, ContentionRetries};
 pub use error::{BoxError, Error, Result, StoreErrorKind};
+pub use fingerprint::canonical;
 pub use fingerprint::canonical::{CanonicalError, canonical_json};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintVersion};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};
