@@ -250,7 +250,10 @@ mod tests {
     #[test]
     fn numbers_keep_every_digit() {
         let f = |s: &str| Fingerprint::of_json(&op("x"), s.as_bytes()).unwrap();
-        assert_ne!(f(r#"{"account_id":9007199254740993}"#), f(r#"{"account_id":9007199254740992}"#));
+        assert_ne!(
+            f(r#"{"account_id":9007199254740993}"#),
+            f(r#"{"account_id":9007199254740992}"#)
+        );
         assert_ne!(f(r#"{"amount":0.30000000000000001}"#), f(r#"{"amount":0.3}"#));
         assert_eq!(f("[1,1.0,1e0,-0]"), f("[10e-1, 1.00, 0.1e1, 0]"));
         assert_eq!(f(r#"{"a":"\u0041"}"#), f(r#"{"a":"A"}"#));

@@ -213,7 +213,12 @@ impl Call {
     /// Whether a stored fingerprint is this request's: equal to its current
     /// fingerprint or, if one was given, to its previous-format one.
     pub fn accepts(&self, stored: &Fingerprint) -> bool {
-        *stored == self.fingerprint || self.previous.as_ref().and_then(Previous::get).is_some_and(|p| p == *stored)
+        *stored == self.fingerprint
+            || self
+                .previous
+                .as_ref()
+                .and_then(Previous::get)
+                .is_some_and(|p| p == *stored)
     }
 
     /// Sets the policy.

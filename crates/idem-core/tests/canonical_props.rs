@@ -190,10 +190,7 @@ fn rendered(v: &V, seed: u64) -> String {
 
 /// A pair of values: the same value twice, or two independent ones.
 fn pair() -> impl Strategy<Value = (V, V)> {
-    prop_oneof![
-        value().prop_map(|v| (v.clone(), v)),
-        (value(), value()),
-    ]
+    prop_oneof![value().prop_map(|v| (v.clone(), v)), (value(), value()),]
 }
 
 proptest! {

@@ -10,8 +10,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::
 use idem_core::metrics::Stage;
 use idem_core::{
     Acquire, Begin, BoxError, Call, Consume, ContentionRetries, Error, Fingerprint, FingerprintBuilder,
-    FingerprintVersion, LeaseStore, Operation,
-    Record, Retryable, Scope, Ticket, TxBackend, http_status_retryable,
+    FingerprintVersion, LeaseStore, Operation, Record, Retryable, Scope, Ticket, TxBackend, http_status_retryable,
 };
 use tower_service::Service;
 

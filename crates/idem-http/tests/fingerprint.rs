@@ -21,9 +21,8 @@ fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
 }
 
 fn app(store: MemoryStore, runs: Arc<AtomicUsize>, strict: bool) -> Router {
-    let mut layer = IdempotencyLayer::lease(LeaseEngine::new(store), tenant).default_route(
-        RoutePolicy::required().with_policy(Policy::default().with_in_flight(InFlight::Reject)),
-    );
+    let mut layer = IdempotencyLayer::lease(LeaseEngine::new(store), tenant)
+        .default_route(RoutePolicy::required().with_policy(Policy::default().with_in_flight(InFlight::Reject)));
     if strict {
         layer = layer.strict_fingerprints();
     }
@@ -52,7 +51,10 @@ async fn post_json(app: &Router, key: &str, body: &str) -> (StatusCode, bool, St
     let res = app.clone().oneshot(req).await.unwrap();
     let replayed = res.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
     let status = res.status();
-    let bytes = http_body_util::BodyExt::collect(res.into_body()).await.unwrap().to_bytes();
+    let bytes = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
     (status, replayed, String::from_utf8_lossy(&bytes).into_owned())
 }
 
@@ -64,7 +66,11 @@ async fn integers_past_double_precision_are_different_requests() {
     let first = post_json(&app, "k1", r#"{"account_id":9007199254740993}"#).await;
     assert_eq!(first.0, StatusCode::CREATED);
     let second = post_json(&app, "k1", r#"{"account_id":9007199254740992}"#).await;
-    assert_eq!(second.0, StatusCode::UNPROCESSABLE_ENTITY, "replayed another request: {second:?}");
+    assert_eq!(
+        second.0,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "replayed another request: {second:?}"
+    );
     assert!(!second.1);
     let third = post_json(&app, "k2", r#"{"amount":0.3}"#).await;
     assert_eq!(third.0, StatusCode::CREATED);

@@ -188,7 +188,11 @@ impl Parser<'_> {
                             Some(b']') => {
                                 out.push(b']');
                             }
-                            _ => return Err(CanonicalError::Syntax { offset: self.pos.saturating_sub(1) }),
+                            _ => {
+                                return Err(CanonicalError::Syntax {
+                                    offset: self.pos.saturating_sub(1),
+                                });
+                            }
                         }
                     }
                     Frame::Object { members, name } => {
@@ -200,7 +204,11 @@ impl Parser<'_> {
                                 continue 'value;
                             }
                             Some(b'}') => {}
-                            _ => return Err(CanonicalError::Syntax { offset: self.pos.saturating_sub(1) }),
+                            _ => {
+                                return Err(CanonicalError::Syntax {
+                                    offset: self.pos.saturating_sub(1),
+                                });
+                            }
                         }
                     }
                 }
@@ -256,8 +264,9 @@ impl Parser<'_> {
                 }
                 self.pos += 1;
             }
-            let run = std::str::from_utf8(&self.input[start..self.pos])
-                .map_err(|e| CanonicalError::Syntax { offset: start + e.valid_up_to() })?;
+            let run = std::str::from_utf8(&self.input[start..self.pos]).map_err(|e| CanonicalError::Syntax {
+                offset: start + e.valid_up_to(),
+            })?;
             out.push_str(run);
             match self.peek() {
                 Some(b'"') => {
@@ -457,7 +466,10 @@ mod tests {
         assert_eq!(canon("1e999999999999999999"), "1e999999999999999999");
         assert_eq!(canon("10e999999999999999998"), "1e999999999999999999");
         assert_eq!(canon("1e-000000000000000000000000005"), "1e-5");
-        assert_eq!(canonical_json(b"1e1000000000000000000"), Err(CanonicalError::ExponentTooLarge));
+        assert_eq!(
+            canonical_json(b"1e1000000000000000000"),
+            Err(CanonicalError::ExponentTooLarge)
+        );
     }
 
     // Escapes are undone and strings re-emitted with one escaping.
@@ -473,17 +485,26 @@ mod tests {
     // Members sort by UTF-16 code units; whitespace goes.
     #[test]
     fn objects_sort_by_utf16_names() {
-        assert_eq!(canon(" { \"b\" : [ 1 , {} ] , \"a\" : null } "), r#"{"a":null,"b":[1,{}]}"#);
+        assert_eq!(
+            canon(" { \"b\" : [ 1 , {} ] , \"a\" : null } "),
+            r#"{"a":null,"b":[1,{}]}"#
+        );
         // U+1F600 (a surrogate pair, D83D DE00) sorts before U+E000 in UTF-16,
         // though after it in UTF-8.
-        assert_eq!(canon("{\"\u{e000}\":2,\"\u{1f600}\":1}"), "{\"\u{1f600}\":1,\"\u{e000}\":2}");
+        assert_eq!(
+            canon("{\"\u{e000}\":2,\"\u{1f600}\":1}"),
+            "{\"\u{1f600}\":1,\"\u{e000}\":2}"
+        );
     }
 
     // Two members named alike, even through escapes, have no canonical form.
     #[test]
     fn duplicate_names_are_refused() {
         assert_eq!(canonical_json(br#"{"a":1,"a":1}"#), Err(CanonicalError::DuplicateName));
-        assert_eq!(canonical_json(br#"{"a":1,"\u0061":2}"#), Err(CanonicalError::DuplicateName));
+        assert_eq!(
+            canonical_json(br#"{"a":1,"\u0061":2}"#),
+            Err(CanonicalError::DuplicateName)
+        );
         assert!(canonical_json(br#"[{"a":1},{"a":1}]"#).is_ok());
     }
 
@@ -502,8 +523,29 @@ mod tests {
     #[test]
     fn invalid_json_is_refused() {
         for bad in [
-            "", " ", "{", "[1,]", "{\"a\"}", "{\"a\":1,}", "01", "1.", ".5", "1e", "-", "+1", "tru", "nul",
-            "\"abc", "\"\\x\"", "\"\u{1}\"", "[1 2]", "{1:2}", "1 1", "[}", "{]", "NaN",
+            "",
+            " ",
+            "{",
+            "[1,]",
+            "{\"a\"}",
+            "{\"a\":1,}",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "-",
+            "+1",
+            "tru",
+            "nul",
+            "\"abc",
+            "\"\\x\"",
+            "\"\u{1}\"",
+            "[1 2]",
+            "{1:2}",
+            "1 1",
+            "[}",
+            "{]",
+            "NaN",
         ] {
             assert!(canonical_json(bad.as_bytes()).is_err(), "{bad:?} was accepted");
         }
