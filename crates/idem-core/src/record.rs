@@ -324,3 +324,38 @@ pub(crate) fn in_flight(policy: &Policy) -> Error {
         retry_after: Duration::from_millis(policy.retry_after_ms()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::fingerprint::{FingerprintBuilder, FingerprintVersion};
+
+    // A call accepts its own fingerprint and, once computed on demand, its previous-format one.
+    #[test]
+    fn accepts_current_and_previous_format() {
+        let scope = Scope::parse("t", "POST /x").unwrap();
+        let v2 = Fingerprint::of_json(scope.operation(), b"[1]").unwrap();
+        let v1 = FingerprintBuilder::with_version(scope.operation(), FingerprintVersion::V1)
+            .json(b"[1]")
+            .unwrap()
+            .finish();
+        let other = Fingerprint::of_json(scope.operation(), b"[2]").unwrap();
+        let computed = Arc::new(AtomicUsize::new(0));
+        let call = {
+            let computed = computed.clone();
+            Call::new(scope.clone(), IdempotencyKey::new("k").unwrap(), v2).with_previous_fingerprint_from(move || {
+                computed.fetch_add(1, Ordering::SeqCst);
+                Some(v1)
+            })
+        };
+        assert!(call.accepts(&v2));
+        assert_eq!(computed.load(Ordering::SeqCst), 0, "computed although not needed");
+        assert!(call.accepts(&v1));
+        assert!(!call.accepts(&other));
+        assert_eq!(computed.load(Ordering::SeqCst), 1, "computed more than once");
+        let strict = Call::new(scope, IdempotencyKey::new("k").unwrap(), v2);
+        assert!(strict.accepts(&v2) && !strict.accepts(&v1));
+    }
+}
