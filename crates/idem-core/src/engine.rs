@@ -22,7 +22,7 @@ pub(crate) enum Found {
 /// Decides what a committed row means for `call`.
 pub(crate) fn decide(call: &Call, row: StoredRow) -> Result<Found> {
     let op = call.scope().operation().as_str();
-    if row.fingerprint != *call.fingerprint() {
+    if !call.accepts(&row.fingerprint) {
         metrics::count(metrics::MISMATCHES, op);
         return Err(Error::Mismatch);
     }

@@ -1,5 +1,7 @@
 //! Request fingerprints: what makes two requests "the same".
 
+pub mod canonical;
+
 use std::fmt;
 
 use sha2::{Digest, Sha256};
@@ -7,12 +9,45 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 use crate::scope::Operation;
 
-/// A SHA-256 digest of the operation and the canonical request.
+/// The format of a fingerprint.
+///
+/// Stored fingerprints are 32 bytes. A [`V2`](Self::V2) fingerprint is the
+/// byte `0x02` followed by the first 31 bytes of a SHA-256 digest; a
+/// [`V1`](Self::V1) fingerprint is a whole SHA-256 digest. A store's column
+/// keeps either, so a new format needs no schema change, and an engine can
+/// accept a retry whose earlier attempt was fingerprinted in the previous
+/// format (see [`Call::with_previous_fingerprint`](crate::Call::with_previous_fingerprint)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum FingerprintVersion {
+    /// JSON canonicalised per RFC 8785, numbers through `f64`: digits past
+    /// double precision are lost. Kept to recognise stored fingerprints.
+    V1,
+    /// JSON canonicalised exactly by [`canonical::canonical_json`].
+    #[default]
+    V2,
+}
+
+impl FingerprintVersion {
+    /// The version byte that opens a fingerprint of this format, if it has one.
+    pub fn tag(self) -> Option<u8> {
+        match self {
+            Self::V1 => None,
+            Self::V2 => Some(0x02),
+        }
+    }
+}
+
+/// A digest of the operation and the canonical request: 32 bytes whose
+/// layout depends on its [`FingerprintVersion`].
 ///
 /// A key replayed with a different fingerprint is a
 /// [`Error::Mismatch`], never a replay of another request's outcome. JSON
-/// bodies are canonicalised per RFC 8785 first, so key order and whitespace do
-/// not change the fingerprint; other bodies are hashed as raw bytes.
+/// bodies are canonicalised exactly first (see [`canonical`]), so member
+/// order, whitespace and the spelling of numbers and strings do not change
+/// the fingerprint, while every digit of every number does; other bodies are
+/// hashed as raw bytes. The constructors make the current format,
+/// [`FingerprintVersion::V2`].
 ///
 /// ```
 /// use idem_core::{Fingerprint, Operation};
@@ -26,8 +61,9 @@ use crate::scope::Operation;
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    /// Fingerprint of a JSON request body, canonicalised per RFC 8785.
-    /// Fails with [`Error::InvalidRequest`] if `json` is not valid JSON.
+    /// Fingerprint of a JSON request body in its exact canonical form.
+    /// Fails with [`Error::InvalidRequest`] if `json` has no canonical form
+    /// (it is not JSON, repeats a member name, nests too deeply...).
     pub fn of_json(operation: &Operation, json: &[u8]) -> Result<Self> {
         FingerprintBuilder::new(operation).json(json).map(|b| b.finish())
     }
@@ -84,15 +120,32 @@ impl fmt::Display for Fingerprint {
 #[derive(Clone)]
 pub struct FingerprintBuilder {
     hasher: Sha256,
+    version: FingerprintVersion,
 }
 
 impl FingerprintBuilder {
-    /// Starts a fingerprint for `operation`.
+    /// Starts a fingerprint for `operation` in the current format.
     pub fn new(operation: &Operation) -> Self {
-        let mut b = Self { hasher: Sha256::new() };
-        b.hasher.update(b"idem-fingerprint-v1\0");
+        Self::with_version(operation, FingerprintVersion::default())
+    }
+
+    /// Starts a fingerprint for `operation` in the format `version`.
+    pub fn with_version(operation: &Operation, version: FingerprintVersion) -> Self {
+        let mut b = Self {
+            hasher: Sha256::new(),
+            version,
+        };
+        b.hasher.update(match version {
+            FingerprintVersion::V1 => b"idem-fingerprint-v1\0",
+            FingerprintVersion::V2 => b"idem-fingerprint-v2\0",
+        });
         b.part(b'o', operation.as_str().as_bytes());
         b
+    }
+
+    /// The format being built.
+    pub fn version(&self) -> FingerprintVersion {
+        self.version
     }
 
     fn part(&mut self, tag: u8, bytes: &[u8]) {
@@ -107,17 +160,37 @@ impl FingerprintBuilder {
         self
     }
 
-    /// Adds a JSON document in its RFC 8785 canonical form.
-    pub fn json(self, json: &[u8]) -> Result<Self> {
-        let value: serde_json::Value =
-            serde_json::from_slice(json).map_err(|e| Error::InvalidRequest(format!("body is not valid JSON: {e}")))?;
-        self.value(&value)
+    /// Adds a JSON document in its canonical form: exact (see [`canonical`])
+    /// in V2, RFC 8785 through `f64` in V1. Fails with
+    /// [`Error::InvalidRequest`] if the document has no canonical form.
+    pub fn json(mut self, json: &[u8]) -> Result<Self> {
+        match self.version {
+            FingerprintVersion::V1 => {
+                let value: serde_json::Value = serde_json::from_slice(json)
+                    .map_err(|e| Error::InvalidRequest(format!("body is not valid JSON: {e}")))?;
+                self.value(&value)
+            }
+            FingerprintVersion::V2 => {
+                let canonical = canonical::canonical_json(json)
+                    .map_err(|e| Error::InvalidRequest(format!("body has no canonical JSON form: {e}")))?;
+                self.part(b'j', &canonical);
+                Ok(self)
+            }
+        }
     }
 
-    /// Adds a serialisable value in its RFC 8785 canonical form.
+    /// Adds a serialisable value in its canonical JSON form.
     pub fn value<T: serde::Serialize>(mut self, value: &T) -> Result<Self> {
-        let canonical = serde_json_canonicalizer::to_vec(value)
-            .map_err(|e| Error::InvalidRequest(format!("value cannot be canonicalised: {e}")))?;
+        let canonical = match self.version {
+            FingerprintVersion::V1 => serde_json_canonicalizer::to_vec(value)
+                .map_err(|e| Error::InvalidRequest(format!("value cannot be canonicalised: {e}")))?,
+            FingerprintVersion::V2 => {
+                let json = serde_json::to_vec(value)
+                    .map_err(|e| Error::InvalidRequest(format!("value cannot be serialised: {e}")))?;
+                canonical::canonical_json(&json)
+                    .map_err(|e| Error::InvalidRequest(format!("value has no canonical JSON form: {e}")))?
+            }
+        };
         self.part(b'j', &canonical);
         Ok(self)
     }
@@ -133,7 +206,13 @@ impl FingerprintBuilder {
     pub fn finish(self) -> Fingerprint {
         let out = self.hasher.finalize();
         let mut bytes = [0u8; 32];
-        bytes.copy_from_slice(&out);
+        match self.version.tag() {
+            None => bytes.copy_from_slice(&out),
+            Some(tag) => {
+                bytes[0] = tag;
+                bytes[1..].copy_from_slice(&out[..31]);
+            }
+        }
         Fingerprint(bytes)
     }
 }
@@ -165,6 +244,48 @@ mod tests {
             Fingerprint::of_json(&op("x"), b"[1,2]").unwrap(),
             Fingerprint::of_json(&op("x"), b"[2,1]").unwrap()
         );
+    }
+
+    // Digits past double precision make a different request.
+    #[test]
+    fn numbers_keep_every_digit() {
+        let f = |s: &str| Fingerprint::of_json(&op("x"), s.as_bytes()).unwrap();
+        assert_ne!(
+            f(r#"{"account_id":9007199254740993}"#),
+            f(r#"{"account_id":9007199254740992}"#)
+        );
+        assert_ne!(f(r#"{"amount":0.30000000000000001}"#), f(r#"{"amount":0.3}"#));
+        assert_eq!(f("[1,1.0,1e0,-0]"), f("[10e-1, 1.00, 0.1e1, 0]"));
+        assert_eq!(f(r#"{"a":"\u0041"}"#), f(r#"{"a":"A"}"#));
+    }
+
+    // Current fingerprints open with their version byte; V1 ones are whole digests.
+    #[test]
+    fn versions_are_distinct_formats() {
+        let v2 = Fingerprint::of_json(&op("x"), b"[1]").unwrap();
+        assert_eq!(v2.as_bytes()[0], 0x02);
+        let v1 = FingerprintBuilder::with_version(&op("x"), FingerprintVersion::V1)
+            .json(b"[1]")
+            .unwrap()
+            .finish();
+        assert_ne!(v1, v2);
+        // V1 loses the 54th bit; V2 does not.
+        let v1_of = |s: &[u8]| {
+            FingerprintBuilder::with_version(&op("x"), FingerprintVersion::V1)
+                .json(s)
+                .unwrap()
+                .finish()
+        };
+        assert_eq!(v1_of(b"9007199254740993"), v1_of(b"9007199254740992"));
+    }
+
+    // Duplicate member names have no canonical form.
+    #[test]
+    fn duplicate_names_are_an_error() {
+        assert!(matches!(
+            Fingerprint::of_json(&op("x"), br#"{"a":1,"a":2}"#),
+            Err(Error::InvalidRequest(_))
+        ));
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! What stores keep under a key, and the handles of claims.
 
+use std::fmt;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -144,7 +146,33 @@ pub struct Call {
     scope: Scope,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
+    previous: Option<Previous>,
     policy: Policy,
+}
+
+type PreviousFn = dyn Fn() -> Option<Fingerprint> + Send + Sync;
+
+/// The request's fingerprint in the previous format, computed at most once
+/// and only when a stored fingerprint differs from the current one.
+#[derive(Clone)]
+struct Previous {
+    compute: Arc<PreviousFn>,
+    value: Arc<OnceLock<Option<Fingerprint>>>,
+}
+
+impl Previous {
+    fn get(&self) -> Option<Fingerprint> {
+        *self.value.get_or_init(|| (self.compute)())
+    }
+}
+
+impl fmt::Debug for Previous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.value.get() {
+            Some(v) => f.debug_tuple("Previous").field(v).finish(),
+            None => f.write_str("Previous(<not computed>)"),
+        }
+    }
 }
 
 impl Call {
@@ -154,8 +182,43 @@ impl Call {
             scope,
             key,
             fingerprint,
+            previous: None,
             policy: Policy::default(),
         }
+    }
+
+    /// Also accepts a stored fingerprint equal to `previous`, this request's
+    /// fingerprint in the previous format ([`FingerprintVersion::V1`](crate::FingerprintVersion::V1)),
+    /// so a retry whose first attempt was recorded before an upgrade is still
+    /// the same request.
+    pub fn with_previous_fingerprint(self, previous: Fingerprint) -> Self {
+        self.with_previous_fingerprint_from(move || Some(previous))
+    }
+
+    /// Like [`with_previous_fingerprint`](Self::with_previous_fingerprint),
+    /// but computes the previous fingerprint only if a stored fingerprint
+    /// differs from the current one, at most once per call. `None` means the
+    /// request has no fingerprint in the previous format.
+    pub fn with_previous_fingerprint_from(
+        mut self,
+        previous: impl Fn() -> Option<Fingerprint> + Send + Sync + 'static,
+    ) -> Self {
+        self.previous = Some(Previous {
+            compute: Arc::new(previous),
+            value: Arc::new(OnceLock::new()),
+        });
+        self
+    }
+
+    /// Whether a stored fingerprint is this request's: equal to its current
+    /// fingerprint or, if one was given, to its previous-format one.
+    pub fn accepts(&self, stored: &Fingerprint) -> bool {
+        *stored == self.fingerprint
+            || self
+                .previous
+                .as_ref()
+                .and_then(Previous::get)
+                .is_some_and(|p| p == *stored)
     }
 
     /// Sets the policy.
@@ -259,5 +322,40 @@ impl<T> Outcome<T> {
 pub(crate) fn in_flight(policy: &Policy) -> Error {
     Error::InFlight {
         retry_after: Duration::from_millis(policy.retry_after_ms()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::fingerprint::{FingerprintBuilder, FingerprintVersion};
+
+    // A call accepts its own fingerprint and, once computed on demand, its previous-format one.
+    #[test]
+    fn accepts_current_and_previous_format() {
+        let scope = Scope::parse("t", "POST /x").unwrap();
+        let v2 = Fingerprint::of_json(scope.operation(), b"[1]").unwrap();
+        let v1 = FingerprintBuilder::with_version(scope.operation(), FingerprintVersion::V1)
+            .json(b"[1]")
+            .unwrap()
+            .finish();
+        let other = Fingerprint::of_json(scope.operation(), b"[2]").unwrap();
+        let computed = Arc::new(AtomicUsize::new(0));
+        let call = {
+            let computed = computed.clone();
+            Call::new(scope.clone(), IdempotencyKey::new("k").unwrap(), v2).with_previous_fingerprint_from(move || {
+                computed.fetch_add(1, Ordering::SeqCst);
+                Some(v1)
+            })
+        };
+        assert!(call.accepts(&v2));
+        assert_eq!(computed.load(Ordering::SeqCst), 0, "computed although not needed");
+        assert!(call.accepts(&v1));
+        assert!(!call.accepts(&other));
+        assert_eq!(computed.load(Ordering::SeqCst), 1, "computed more than once");
+        let strict = Call::new(scope, IdempotencyKey::new("k").unwrap(), v2);
+        assert!(strict.accepts(&v2) && !strict.accepts(&v1));
     }
 }

@@ -170,6 +170,7 @@ pub struct Config {
     pub(crate) max_response_bytes: usize,
     pub(crate) problem_base: String,
     pub(crate) drain: Drain,
+    pub(crate) accept_previous_fingerprints: bool,
 }
 
 impl Config {
@@ -249,6 +250,7 @@ fn config(tenant: TenantFn) -> Config {
         max_response_bytes: 1 << 20,
         problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
         drain: Drain::default(),
+        accept_previous_fingerprints: true,
     }
 }
 
@@ -340,6 +342,21 @@ impl<M: Clone> IdempotencyLayer<M> {
     /// (default 10 s); see [`drain_max_bytes`](Self::drain_max_bytes).
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.config_mut().drain.timeout = timeout;
+        self
+    }
+
+    /// Accepts only fingerprints in the current format.
+    ///
+    /// By default a retry is also the same request when its fingerprint in
+    /// the previous format ([`FingerprintVersion::V1`](idem_core::FingerprintVersion::V1))
+    /// equals the stored one, so a retry across an upgrade is replayed rather
+    /// than refused with 422. The previous fingerprint is computed only when
+    /// the stored one differs. V1 rounds numbers through `f64`, so two bodies
+    /// that differ only past double precision match a V1 record; once no
+    /// record older than the upgrade is live (after the longest key TTL),
+    /// this switch closes that gap.
+    pub fn strict_fingerprints(mut self) -> Self {
+        self.config_mut().accept_previous_fingerprints = false;
         self
     }
 

@@ -9,8 +9,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use idem_core::metrics::Stage;
 use idem_core::{
-    Acquire, Begin, BoxError, Call, Consume, ContentionRetries, Error, FingerprintBuilder, LeaseStore, Operation,
-    Record, Retryable, Scope, Ticket, TxBackend, http_status_retryable,
+    Acquire, Begin, BoxError, Call, Consume, ContentionRetries, Error, Fingerprint, FingerprintBuilder,
+    FingerprintVersion, LeaseStore, Operation, Record, Retryable, Scope, Ticket, TxBackend, http_status_retryable,
 };
 use tower_service::Service;
 
@@ -235,8 +235,26 @@ where
         Ok(tenant) => tenant,
         Err(problem) => return Ok(problem.into_response(&cfg.problem_base)),
     };
-    let fingerprint = fingerprint(&operation, &parts, &bytes);
-    let call = Call::new(Scope::new(tenant, operation), key, fingerprint).with_policy(*route.policy());
+    let mut call = Call::new(
+        Scope::new(tenant, operation.clone()),
+        key,
+        fingerprint(FingerprintVersion::V2, &operation, &parts, &bytes),
+    )
+    .with_policy(*route.policy());
+    if cfg.accept_previous_fingerprints {
+        let (path, query, json, body) = (
+            parts.uri.path().to_owned(),
+            parts.uri.query().map(str::to_owned),
+            is_json(&parts),
+            bytes.clone(),
+        );
+        call = call.with_previous_fingerprint_from(move || {
+            let base = FingerprintBuilder::with_version(&operation, FingerprintVersion::V1)
+                .field("path", &path)
+                .field("query", query.as_deref().unwrap_or(""));
+            Some(body_fingerprint(base, json, &body))
+        });
+    }
     let span = tracing::info_span!("idem.http", operation = %op, key = %call.key());
     let response = {
         let _enter = span.enter();
@@ -255,9 +273,9 @@ where
 
 /// The fingerprint covers the operation, the concrete path and query (two
 /// resources under one route template are different requests) and the body,
-/// canonicalised per RFC 8785 when it is JSON.
-fn fingerprint(operation: &Operation, parts: &Parts, body: &Bytes) -> idem_core::Fingerprint {
-    let mut base = FingerprintBuilder::new(operation);
+/// in its canonical form when it is JSON that has one, else byte for byte.
+fn fingerprint(version: FingerprintVersion, operation: &Operation, parts: &Parts, body: &Bytes) -> Fingerprint {
+    let mut base = FingerprintBuilder::with_version(operation, version);
     if crate::layer::method_label(&parts.method) == "OTHER" {
         // An extension method is named `OTHER` in the operation.
         base = base.field("method", parts.method.as_str());
@@ -265,9 +283,11 @@ fn fingerprint(operation: &Operation, parts: &Parts, body: &Bytes) -> idem_core:
     let base = base
         .field("path", parts.uri.path())
         .field("query", parts.uri.query().unwrap_or(""));
-    if is_json(parts)
-        && let Ok(json) = base.clone().json(body)
-    {
+    body_fingerprint(base, is_json(parts), body)
+}
+
+fn body_fingerprint(base: FingerprintBuilder, json: bool, body: &Bytes) -> Fingerprint {
+    if json && let Ok(json) = base.clone().json(body) {
         return json.finish();
     }
     base.bytes(body).finish()

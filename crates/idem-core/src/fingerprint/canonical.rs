@@ -1,0 +1,554 @@
+//! An exact canonical form of JSON text, the input of version 2 fingerprints.
+//!
+//! Two JSON documents have the same canonical form if and only if they
+//! denote the same value under these rules:
+//!
+//! - Insignificant whitespace is dropped.
+//! - Object members are sorted by name, comparing names as sequences of
+//!   UTF-16 code units after unescaping (the order of RFC 8785). Two members
+//!   with the same unescaped name make the document not canonicalisable.
+//! - Strings are unescaped and re-emitted with one escaping: `\"`, `\\`,
+//!   `\b`, `\f`, `\n`, `\r`, `\t`, other control characters as `\u00xx`,
+//!   everything else as UTF-8. Lone surrogates are refused.
+//! - Numbers are exact decimals, never rounded through a binary float: the
+//!   sign, the significant digits without leading or trailing zeros and a
+//!   decimal exponent. So `1`, `1.0`, `1e0` and `10e-1` are one number, `-0`
+//!   is `0`, but `9007199254740993` differs from `9007199254740992` and
+//!   `0.30000000000000001` from `0.3`.
+//! - Array order is significant; `true`, `false` and `null` are themselves.
+//!
+//! The parser is iterative, nests at most [`MAX_DEPTH`] arrays and objects,
+//! keeps memory proportional to the input, and bounds an exponent to
+//! [`MAX_EXPONENT_DIGITS`] significant digits.
+
+use std::fmt;
+
+/// How deeply arrays and objects may nest.
+pub const MAX_DEPTH: usize = 128;
+
+/// How many significant digits a number's exponent may have.
+pub const MAX_EXPONENT_DIGITS: usize = 18;
+
+/// Why a document has no canonical form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CanonicalError {
+    /// The input is not JSON text; `offset` is the byte where it went wrong.
+    Syntax {
+        /// Byte offset of the error.
+        offset: usize,
+    },
+    /// An object has two members with the same (unescaped) name.
+    DuplicateName,
+    /// Arrays and objects nest deeper than [`MAX_DEPTH`].
+    TooDeep,
+    /// A number's exponent has more than [`MAX_EXPONENT_DIGITS`] significant digits.
+    ExponentTooLarge,
+    /// A string contains an unpaired UTF-16 surrogate escape.
+    LoneSurrogate,
+}
+
+impl fmt::Display for CanonicalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Syntax { offset } => write!(f, "not valid JSON at byte {offset}"),
+            Self::DuplicateName => f.write_str("an object has two members with the same name"),
+            Self::TooDeep => write!(f, "arrays and objects nest deeper than {MAX_DEPTH}"),
+            Self::ExponentTooLarge => write!(f, "a number's exponent has more than {MAX_EXPONENT_DIGITS} digits"),
+            Self::LoneSurrogate => f.write_str("a string contains an unpaired surrogate"),
+        }
+    }
+}
+
+impl std::error::Error for CanonicalError {}
+
+/// The canonical form of the JSON text `json` (see the module docs).
+///
+/// ```
+/// use idem_core::canonical_json;
+/// assert_eq!(canonical_json(br#"{ "b": 10e-1, "a": "\u0041" }"#)?, br#"{"a":"A","b":1}"#);
+/// # Ok::<(), idem_core::CanonicalError>(())
+/// ```
+pub fn canonical_json(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
+    Parser { input: json, pos: 0 }.document()
+}
+
+enum Frame {
+    Array(Vec<u8>),
+    Object {
+        members: Vec<(Vec<u16>, Vec<u8>)>,
+        name: Vec<u16>,
+    },
+}
+
+struct Parser<'a> {
+    input: &'a [u8],
+    pos: usize,
+}
+
+impl Parser<'_> {
+    fn err(&self) -> CanonicalError {
+        CanonicalError::Syntax { offset: self.pos }
+    }
+
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.input.get(self.pos) {
+            self.pos += 1;
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.input.get(self.pos).copied()
+    }
+
+    fn expect(&mut self, byte: u8) -> Result<(), CanonicalError> {
+        self.skip_ws();
+        if self.peek() == Some(byte) {
+            self.pos += 1;
+            Ok(())
+        } else {
+            Err(self.err())
+        }
+    }
+
+    fn document(mut self) -> Result<Vec<u8>, CanonicalError> {
+        let mut stack: Vec<Frame> = Vec::new();
+        'value: loop {
+            // Parse one value; containers push a frame and parse their first
+            // element on the next turn of the loop.
+            self.skip_ws();
+            let mut value = match self.peek() {
+                Some(b'[') => {
+                    self.pos += 1;
+                    if stack.len() >= MAX_DEPTH {
+                        return Err(CanonicalError::TooDeep);
+                    }
+                    self.skip_ws();
+                    if self.peek() == Some(b']') {
+                        self.pos += 1;
+                        b"[]".to_vec()
+                    } else {
+                        stack.push(Frame::Array(vec![b'[']));
+                        continue 'value;
+                    }
+                }
+                Some(b'{') => {
+                    self.pos += 1;
+                    if stack.len() >= MAX_DEPTH {
+                        return Err(CanonicalError::TooDeep);
+                    }
+                    self.skip_ws();
+                    if self.peek() == Some(b'}') {
+                        self.pos += 1;
+                        b"{}".to_vec()
+                    } else {
+                        let name = self.name()?;
+                        stack.push(Frame::Object {
+                            members: Vec::new(),
+                            name,
+                        });
+                        continue 'value;
+                    }
+                }
+                Some(b'"') => {
+                    let s = self.string()?;
+                    let mut out = Vec::with_capacity(s.len() + 2);
+                    write_string(&mut out, &s);
+                    out
+                }
+                Some(b'-' | b'0'..=b'9') => self.number()?,
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                _ => return Err(self.err()),
+            };
+            // Hand the finished value to its container, closing containers
+            // as long as their closing bracket follows.
+            loop {
+                let Some(top) = stack.last_mut() else {
+                    self.skip_ws();
+                    if self.pos != self.input.len() {
+                        return Err(self.err());
+                    }
+                    return Ok(value);
+                };
+                self.skip_ws();
+                let next = self.peek();
+                if next.is_some() {
+                    self.pos += 1;
+                }
+                match top {
+                    Frame::Array(out) => {
+                        out.extend_from_slice(&value);
+                        match next {
+                            Some(b',') => {
+                                out.push(b',');
+                                continue 'value;
+                            }
+                            Some(b']') => {
+                                out.push(b']');
+                            }
+                            _ => {
+                                return Err(CanonicalError::Syntax {
+                                    offset: self.pos.saturating_sub(1),
+                                });
+                            }
+                        }
+                    }
+                    Frame::Object { members, name } => {
+                        members.push((std::mem::take(name), value));
+                        match next {
+                            Some(b',') => {
+                                self.skip_ws();
+                                *name = self.name()?;
+                                continue 'value;
+                            }
+                            Some(b'}') => {}
+                            _ => {
+                                return Err(CanonicalError::Syntax {
+                                    offset: self.pos.saturating_sub(1),
+                                });
+                            }
+                        }
+                    }
+                }
+                value = match stack.pop() {
+                    Some(Frame::Array(out)) => out,
+                    Some(Frame::Object { members, .. }) => close_object(members)?,
+                    None => unreachable!("the stack had a top frame"),
+                };
+            }
+        }
+    }
+
+    /// A member name and its colon, as UTF-16 code units.
+    fn name(&mut self) -> Result<Vec<u16>, CanonicalError> {
+        self.skip_ws();
+        if self.peek() != Some(b'"') {
+            return Err(self.err());
+        }
+        let name = self.string()?;
+        self.expect(b':')?;
+        Ok(name.encode_utf16().collect())
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Result<Vec<u8>, CanonicalError> {
+        if self.input[self.pos..].starts_with(word) {
+            self.pos += word.len();
+            Ok(word.to_vec())
+        } else {
+            Err(self.err())
+        }
+    }
+
+    fn hex4(&mut self) -> Result<u16, CanonicalError> {
+        let digits = self.input.get(self.pos..self.pos + 4).ok_or_else(|| self.err())?;
+        let mut v: u16 = 0;
+        for &d in digits {
+            let n = (d as char).to_digit(16).ok_or_else(|| self.err())?;
+            v = v * 16 + n as u16;
+        }
+        self.pos += 4;
+        Ok(v)
+    }
+
+    /// An unescaped string; `self.pos` is at its opening quote.
+    fn string(&mut self) -> Result<String, CanonicalError> {
+        self.pos += 1;
+        let mut out = String::new();
+        loop {
+            let start = self.pos;
+            while let Some(b) = self.peek() {
+                if b == b'"' || b == b'\\' || b < 0x20 {
+                    break;
+                }
+                self.pos += 1;
+            }
+            let run = std::str::from_utf8(&self.input[start..self.pos]).map_err(|e| CanonicalError::Syntax {
+                offset: start + e.valid_up_to(),
+            })?;
+            out.push_str(run);
+            match self.peek() {
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok(out);
+                }
+                Some(b'\\') => {
+                    self.pos += 1;
+                    let escape = self.peek().ok_or_else(|| self.err())?;
+                    self.pos += 1;
+                    let c = match escape {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => self.unicode_escape()?,
+                        _ => return Err(CanonicalError::Syntax { offset: self.pos - 1 }),
+                    };
+                    out.push(c);
+                }
+                _ => return Err(self.err()),
+            }
+        }
+    }
+
+    /// The character of a `\u` escape (and its low surrogate, if any).
+    fn unicode_escape(&mut self) -> Result<char, CanonicalError> {
+        let high = self.hex4()?;
+        if (0xDC00..0xE000).contains(&high) {
+            return Err(CanonicalError::LoneSurrogate);
+        }
+        if !(0xD800..0xDC00).contains(&high) {
+            return char::from_u32(u32::from(high)).ok_or(CanonicalError::LoneSurrogate);
+        }
+        if !self.input[self.pos..].starts_with(b"\\u") {
+            return Err(CanonicalError::LoneSurrogate);
+        }
+        self.pos += 2;
+        let low = self.hex4()?;
+        if !(0xDC00..0xE000).contains(&low) {
+            return Err(CanonicalError::LoneSurrogate);
+        }
+        let c = 0x10000 + ((u32::from(high) - 0xD800) << 10) + (u32::from(low) - 0xDC00);
+        char::from_u32(c).ok_or(CanonicalError::LoneSurrogate)
+    }
+
+    fn digits(&mut self) -> &[u8] {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+        &self.input[start..self.pos]
+    }
+
+    /// A number as `[-]digits[eN]`: `digits` has no leading or trailing
+    /// zeros, and the value is `digits × 10^N`. Zero is `0`.
+    fn number(&mut self) -> Result<Vec<u8>, CanonicalError> {
+        let negative = self.peek() == Some(b'-');
+        if negative {
+            self.pos += 1;
+        }
+        let int_at = self.pos;
+        let int = self.digits();
+        if int.is_empty() || (int.len() > 1 && int[0] == b'0') {
+            return Err(CanonicalError::Syntax { offset: int_at });
+        }
+        let mut digits = int.to_vec();
+        let mut exponent: i128 = 0;
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            let frac = self.digits();
+            if frac.is_empty() {
+                return Err(self.err());
+            }
+            exponent -= frac.len() as i128;
+            digits.extend_from_slice(frac);
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            let negative_exp = match self.peek() {
+                Some(b'-') => {
+                    self.pos += 1;
+                    true
+                }
+                Some(b'+') => {
+                    self.pos += 1;
+                    false
+                }
+                _ => false,
+            };
+            let exp = self.digits();
+            if exp.is_empty() {
+                return Err(self.err());
+            }
+            let significant = &exp[exp.iter().take_while(|&&d| d == b'0').count()..];
+            if significant.len() > MAX_EXPONENT_DIGITS {
+                return Err(CanonicalError::ExponentTooLarge);
+            }
+            let value = significant.iter().fold(0i128, |v, &d| v * 10 + i128::from(d - b'0'));
+            exponent += if negative_exp { -value } else { value };
+        }
+        let leading = digits.iter().take_while(|&&d| d == b'0').count();
+        let trailing = digits[leading..].iter().rev().take_while(|&&d| d == b'0').count();
+        let significant = &digits[leading..digits.len() - trailing];
+        if significant.is_empty() {
+            return Ok(b"0".to_vec());
+        }
+        exponent += trailing as i128;
+        let mut out = Vec::with_capacity(significant.len() + 24);
+        if negative {
+            out.push(b'-');
+        }
+        out.extend_from_slice(significant);
+        if exponent != 0 {
+            out.push(b'e');
+            out.extend_from_slice(exponent.to_string().as_bytes());
+        }
+        Ok(out)
+    }
+}
+
+/// Sorts an object's members by name and refuses duplicate names.
+fn close_object(mut members: Vec<(Vec<u16>, Vec<u8>)>) -> Result<Vec<u8>, CanonicalError> {
+    members.sort_by(|a, b| a.0.cmp(&b.0));
+    if members.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(CanonicalError::DuplicateName);
+    }
+    let len = members.iter().map(|(n, v)| n.len() * 3 + v.len() + 4).sum::<usize>() + 2;
+    let mut out = Vec::with_capacity(len);
+    out.push(b'{');
+    for (i, (name, value)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // Names came from valid strings, so they decode without loss.
+        let name = String::from_utf16_lossy(name);
+        write_string(&mut out, &name);
+        out.push(b':');
+        out.extend_from_slice(value);
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
+fn write_string(out: &mut Vec<u8>, s: &str) {
+    out.push(b'"');
+    for c in s.chars() {
+        match c {
+            '"' => out.extend_from_slice(b"\\\""),
+            '\\' => out.extend_from_slice(b"\\\\"),
+            '\u{8}' => out.extend_from_slice(b"\\b"),
+            '\u{c}' => out.extend_from_slice(b"\\f"),
+            '\n' => out.extend_from_slice(b"\\n"),
+            '\r' => out.extend_from_slice(b"\\r"),
+            '\t' => out.extend_from_slice(b"\\t"),
+            c if (c as u32) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes()),
+            c => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+    }
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> String {
+        String::from_utf8(canonical_json(s.as_bytes()).unwrap()).unwrap()
+    }
+
+    // Numbers keep every digit and ignore only their spelling.
+    #[test]
+    fn numbers_are_exact() {
+        assert_eq!(canon("1"), canon("1.0"));
+        assert_eq!(canon("1"), canon("1e0"));
+        assert_eq!(canon("1"), canon("10e-1"));
+        assert_eq!(canon("1"), canon("0.1E+1"));
+        assert_eq!(canon("-0"), canon("0"));
+        assert_eq!(canon("-0.0e5"), "0");
+        assert_eq!(canon("1200"), "12e2");
+        assert_eq!(canon("-0.025"), "-25e-3");
+        assert_ne!(canon("9007199254740993"), canon("9007199254740992"));
+        assert_ne!(canon("0.30000000000000001"), canon("0.3"));
+        assert_ne!(canon("1"), canon("-1"));
+    }
+
+    // Exponents are normalised arithmetically, so a huge one costs nothing.
+    #[test]
+    fn huge_exponents_are_bounded() {
+        assert_eq!(canon("1e999999999999999999"), "1e999999999999999999");
+        assert_eq!(canon("10e999999999999999998"), "1e999999999999999999");
+        assert_eq!(canon("1e-000000000000000000000000005"), "1e-5");
+        assert_eq!(
+            canonical_json(b"1e1000000000000000000"),
+            Err(CanonicalError::ExponentTooLarge)
+        );
+    }
+
+    // Escapes are undone and strings re-emitted with one escaping.
+    #[test]
+    fn strings_are_unescaped() {
+        assert_eq!(canon(r#""\u0041""#), canon(r#""A""#));
+        assert_eq!(canon(r#""\/\u00e9\ud83d\ude00""#), "\"/\u{e9}\u{1f600}\"");
+        assert_eq!(canon(r#""\u001f\n\"""#), r#""\u001f\n\"""#);
+        assert_eq!(canonical_json(br#""\ud83d""#), Err(CanonicalError::LoneSurrogate));
+        assert_eq!(canonical_json(br#""\ude00x""#), Err(CanonicalError::LoneSurrogate));
+    }
+
+    // Members sort by UTF-16 code units; whitespace goes.
+    #[test]
+    fn objects_sort_by_utf16_names() {
+        assert_eq!(
+            canon(" { \"b\" : [ 1 , {} ] , \"a\" : null } "),
+            r#"{"a":null,"b":[1,{}]}"#
+        );
+        // U+1F600 (a surrogate pair, D83D DE00) sorts before U+E000 in UTF-16,
+        // though after it in UTF-8.
+        assert_eq!(
+            canon("{\"\u{e000}\":2,\"\u{1f600}\":1}"),
+            "{\"\u{1f600}\":1,\"\u{e000}\":2}"
+        );
+    }
+
+    // Two members named alike, even through escapes, have no canonical form.
+    #[test]
+    fn duplicate_names_are_refused() {
+        assert_eq!(canonical_json(br#"{"a":1,"a":1}"#), Err(CanonicalError::DuplicateName));
+        assert_eq!(
+            canonical_json(br#"{"a":1,"\u0061":2}"#),
+            Err(CanonicalError::DuplicateName)
+        );
+        assert!(canonical_json(br#"[{"a":1},{"a":1}]"#).is_ok());
+    }
+
+    // Nesting is bounded, without recursion.
+    #[test]
+    fn depth_is_limited() {
+        let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
+        assert!(canonical_json(ok.as_bytes()).is_ok());
+        let deep = format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1));
+        assert_eq!(canonical_json(deep.as_bytes()), Err(CanonicalError::TooDeep));
+        let huge = "[{\"a\":".repeat(100_000);
+        assert_eq!(canonical_json(huge.as_bytes()), Err(CanonicalError::TooDeep));
+    }
+
+    // Whatever is not JSON text is refused.
+    #[test]
+    fn invalid_json_is_refused() {
+        for bad in [
+            "",
+            " ",
+            "{",
+            "[1,]",
+            "{\"a\"}",
+            "{\"a\":1,}",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "-",
+            "+1",
+            "tru",
+            "nul",
+            "\"abc",
+            "\"\\x\"",
+            "\"\u{1}\"",
+            "[1 2]",
+            "{1:2}",
+            "1 1",
+            "[}",
+            "{]",
+            "NaN",
+        ] {
+            assert!(canonical_json(bad.as_bytes()).is_err(), "{bad:?} was accepted");
+        }
+        assert!(canonical_json(b"\"\xff\"").is_err());
+    }
+}
