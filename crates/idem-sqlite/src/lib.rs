@@ -74,6 +74,7 @@
 
 mod backend;
 mod error;
+mod keylock;
 mod shared;
 mod sql;
 

@@ -108,6 +108,7 @@ async fn separate_registries_64_tasks_one_effect() {
         .registry()
         .acquire(&scope, &key, tokio::time::Instant::now())
         .await
+        .expect("the key lock works")
         .expect("free key");
     assert_eq!(a.registry().held(), 1);
     assert_eq!(
@@ -202,6 +203,7 @@ async fn stores_on_one_file_share_a_registry() {
             tokio::time::Instant::now(),
         )
         .await
+        .expect("the key lock works")
         .expect("free key");
     assert_eq!(
         second.registry().held(),
