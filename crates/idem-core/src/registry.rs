@@ -111,7 +111,12 @@ impl KeyRegistry {
     /// this process, then, with a [`SharedKeyLock`], in other processes).
     /// Answers `Ok(None)` if the key is still held then; a `deadline` that
     /// has passed makes one attempt. Fails if the shared lock fails.
-    pub async fn acquire(&self, scope: &Scope, key: &IdempotencyKey, deadline: Instant) -> Result<Option<RegistryGuard>> {
+    pub async fn acquire(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        deadline: Instant,
+    ) -> Result<Option<RegistryGuard>> {
         let Some(mut guard) = self.acquire_local(scope, key, deadline).await else {
             return Ok(None);
         };

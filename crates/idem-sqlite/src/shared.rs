@@ -25,8 +25,21 @@ pub(crate) fn registry_for(file: &Path) -> KeyRegistry {
     let identity = identity_of(file);
     let mut map = REGISTRIES.lock().unwrap_or_else(PoisonError::into_inner);
     map.entry(identity)
-        .or_insert_with_key(|db| KeyRegistry::new().with_shared_lock(Arc::new(FileKeyLock::new(db))))
+        .or_insert_with_key(|db| {
+            if is_in_memory(file) {
+                // One process only; there is no file to lock beside it.
+                KeyRegistry::new()
+            } else {
+                KeyRegistry::new().with_shared_lock(Arc::new(FileKeyLock::new(db)))
+            }
+        })
         .clone()
+}
+
+/// Whether `file` names an in-memory database rather than a file.
+fn is_in_memory(file: &Path) -> bool {
+    let name = file.as_os_str();
+    name.is_empty() || name == ":memory:"
 }
 
 /// The name under which a database file is known in the map: its canonical

@@ -10,7 +10,9 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::{Acquire, Call, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine, Outcome, Policy, Scope, TxEngine};
+use idem_core::{
+    Acquire, Call, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine, Outcome, Policy, Scope, TxEngine,
+};
 use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
 
 /// Selects the child's role; its absence makes the binary the parent.
@@ -34,37 +36,41 @@ fn main() {
         runtime.block_on(child(&role));
         return;
     }
-    let tests: [(&str, fn(&Path) -> _); 5] = [
-        ("reject_twin_in_other_process_is_busy_then_replays", |p| {
-            Box::pin(reject_twin_in_other_process_is_busy_then_replays(p.to_path_buf()))
-                as std::pin::Pin<Box<dyn Future<Output = ()>>>
-        }),
-        ("wait_twin_in_other_process_keeps_to_its_bound", |p| {
-            Box::pin(wait_twin_in_other_process_keeps_to_its_bound(p.to_path_buf()))
-        }),
-        ("killed_holder_releases_the_key", |p| {
-            Box::pin(killed_holder_releases_the_key(p.to_path_buf()))
-        }),
-        ("many_tasks_in_two_processes_one_effect", |p| {
-            Box::pin(many_tasks_in_two_processes_one_effect(p.to_path_buf()))
-        }),
-        ("lease_twin_in_other_process_is_busy", |p| {
-            Box::pin(lease_twin_in_other_process_is_busy(p.to_path_buf()))
-        }),
-    ];
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let mut ran = 0;
-    for (name, test) in tests {
+    for name in TESTS {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
             continue;
         }
         let db = TempDb::new();
         let started = Instant::now();
-        runtime.block_on(test(&db.path));
+        runtime.block_on(run(name, db.path.clone()));
         ran += 1;
         println!("test {name} ... ok ({} ms)", started.elapsed().as_millis());
     }
     println!("test result: ok. {ran} passed");
+}
+
+/// The scenarios, run one after the other, each on a new file.
+const TESTS: [&str; 5] = [
+    "reject_twin_in_other_process_is_busy_then_replays",
+    "wait_twin_in_other_process_keeps_to_its_bound",
+    "killed_holder_releases_the_key",
+    "many_tasks_in_two_processes_one_effect",
+    "lease_twin_in_other_process_is_busy",
+];
+
+async fn run(name: &str, db: PathBuf) {
+    match name {
+        "reject_twin_in_other_process_is_busy_then_replays" => {
+            reject_twin_in_other_process_is_busy_then_replays(db).await
+        }
+        "wait_twin_in_other_process_keeps_to_its_bound" => wait_twin_in_other_process_keeps_to_its_bound(db).await,
+        "killed_holder_releases_the_key" => killed_holder_releases_the_key(db).await,
+        "many_tasks_in_two_processes_one_effect" => many_tasks_in_two_processes_one_effect(db).await,
+        "lease_twin_in_other_process_is_busy" => lease_twin_in_other_process_is_busy(db).await,
+        other => panic!("unknown test {other}"),
+    }
 }
 
 /// A temporary database file, removed with its WAL, shared-memory and key
@@ -121,7 +127,12 @@ async fn count_effects(store: &SqliteStore, effect_id: &str) -> i64 {
 
 /// Runs the transactional work of every test: one effect row, answered
 /// with `who`.
-async fn execute(engine: &TxEngine<SqliteStore>, call: &Call, effect: &str, who: &str) -> Result<Outcome<String>, Error> {
+async fn execute(
+    engine: &TxEngine<SqliteStore>,
+    call: &Call,
+    effect: &str,
+    who: &str,
+) -> Result<Outcome<String>, Error> {
     engine
         .execute(call, |tx| {
             let (effect, who) = (effect.to_owned(), who.to_owned());
@@ -138,7 +149,10 @@ async fn execute(engine: &TxEngine<SqliteStore>, call: &Call, effect: &str, who:
 }
 
 fn assert_in_flight<T: std::fmt::Debug>(result: Result<T, Error>) {
-    assert!(matches!(result, Err(Error::InFlight { .. })), "expected in flight, got {result:?}");
+    assert!(
+        matches!(result, Err(Error::InFlight { .. })),
+        "expected in flight, got {result:?}"
+    );
 }
 
 /// The other process, driven line by line.
@@ -239,7 +253,10 @@ async fn wait_twin_in_other_process_keeps_to_its_bound(db: PathBuf) {
         .expect("a Wait twin must answer after its bound");
     let waited = started.elapsed();
     assert_in_flight(answer);
-    assert!(waited >= Duration::from_millis(300), "answered before the bound: {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "answered before the bound: {waited:?}"
+    );
 
     peer.say("commit");
     assert_eq!(peer.line().await, "committed");
@@ -256,13 +273,22 @@ async fn killed_holder_releases_the_key(db: PathBuf) {
     let tenant = unique_tenant();
     let mut peer = Peer::spawn("hold-tx", &db, &tenant, "k-kill");
     assert_eq!(peer.line().await, "held");
-    assert_in_flight(execute(&engine, &call(&tenant, "k-kill", InFlight::Reject), "k-kill", "B").await);
+    let twin = call(&tenant, "k-kill", InFlight::Reject);
+    let answer = tokio::time::timeout(GENEROUS, execute(&engine, &twin, "k-kill", "B"))
+        .await
+        .expect("a Reject twin must answer at once");
+    assert_in_flight(answer);
 
     peer.child.kill().expect("SIGKILL the holder");
     peer.child.wait().expect("reap the holder");
     let answer = tokio::time::timeout(
         GENEROUS,
-        execute(&engine, &call(&tenant, "k-kill", InFlight::Wait { max_ms: 5_000 }), "k-kill", "B"),
+        execute(
+            &engine,
+            &call(&tenant, "k-kill", InFlight::Wait { max_ms: 5_000 }),
+            "k-kill",
+            "B",
+        ),
     )
     .await
     .expect("answer")
@@ -283,7 +309,11 @@ async fn many_tasks_in_two_processes_one_effect(db: PathBuf) {
     let executed = hammer(&engine, &tenant, "k-many", "B").await;
     let theirs: usize = peer.line().await.parse().expect("the other process's count");
     peer.wait_ok();
-    assert_eq!(executed + theirs, 1, "the work ran {executed} times here and {theirs} times there");
+    assert_eq!(
+        executed + theirs,
+        1,
+        "the work ran {executed} times here and {theirs} times there"
+    );
     assert_eq!(count_effects(&store, "k-many").await, 1);
 }
 
