@@ -177,3 +177,91 @@ impl KeyRegistry {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A lock "held by another process" while `held` is set; counts attempts
+    /// and the guards alive.
+    #[derive(Default)]
+    struct Other {
+        held: AtomicBool,
+        attempts: AtomicUsize,
+        alive: Arc<AtomicUsize>,
+    }
+
+    struct Alive(Arc<AtomicUsize>);
+
+    impl Drop for Alive {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    impl SharedKeyLock for Other {
+        fn try_lock(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<SharedKeyGuard>> {
+            self.attempts.fetch_add(1, Ordering::SeqCst);
+            if self.held.load(Ordering::SeqCst) {
+                return Ok(None);
+            }
+            self.alive.fetch_add(1, Ordering::SeqCst);
+            Ok(Some(Box::new(Alive(self.alive.clone()))))
+        }
+    }
+
+    fn slot() -> (Scope, IdempotencyKey) {
+        (Scope::parse("t", "POST /x").unwrap(), IdempotencyKey::new("k").unwrap())
+    }
+
+    #[tokio::test]
+    async fn shared_lock_is_held_with_the_guard_and_bounds_the_wait() {
+        let other = Arc::new(Other::default());
+        let registry = KeyRegistry::new().with_shared_lock(other.clone());
+        let (scope, key) = slot();
+
+        let guard = registry
+            .acquire(&scope, &key, Instant::now())
+            .await
+            .unwrap()
+            .expect("free");
+        assert_eq!(other.alive.load(Ordering::SeqCst), 1);
+        drop(guard);
+        assert_eq!(
+            other.alive.load(Ordering::SeqCst),
+            0,
+            "the shared lock goes with the guard"
+        );
+        assert_eq!(registry.held(), 0);
+
+        // Held elsewhere: a passed deadline makes one attempt, a later one polls until it.
+        other.held.store(true, Ordering::SeqCst);
+        let before = other.attempts.load(Ordering::SeqCst);
+        assert!(registry.acquire(&scope, &key, Instant::now()).await.unwrap().is_none());
+        assert_eq!(other.attempts.load(Ordering::SeqCst), before + 1);
+        let started = Instant::now();
+        let bound = Duration::from_millis(60);
+        assert!(registry.acquire(&scope, &key, started + bound).await.unwrap().is_none());
+        assert!(started.elapsed() >= bound);
+        assert_eq!(registry.held(), 0, "a failed wait leaves the key free in this process");
+
+        // Freed elsewhere while waiting: the waiter takes it.
+        let releaser = {
+            let other = other.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                other.held.store(false, Ordering::SeqCst);
+            })
+        };
+        let guard = registry
+            .acquire(&scope, &key, Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap()
+            .expect("freed");
+        releaser.await.unwrap();
+        assert_eq!(other.alive.load(Ordering::SeqCst), 1);
+        drop(guard);
+    }
+}
