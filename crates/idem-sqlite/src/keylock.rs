@@ -12,7 +12,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use file_guard::Lock;
 use idem_core::{Error, IdempotencyKey, Result, Scope, SharedKeyGuard, SharedKeyLock, StoreErrorKind};
@@ -26,7 +26,7 @@ const SLOTS: u64 = 1 << 40;
 /// every POSIX lock the process holds on it.
 pub(crate) struct FileKeyLock {
     path: PathBuf,
-    file: OnceLock<Arc<File>>,
+    file: Mutex<Option<Arc<File>>>,
 }
 
 impl FileKeyLock {
@@ -36,12 +36,15 @@ impl FileKeyLock {
         name.push("-idem.lock");
         Self {
             path: PathBuf::from(name),
-            file: OnceLock::new(),
+            file: Mutex::new(None),
         }
     }
 
     fn file(&self) -> Result<Arc<File>> {
-        if let Some(file) = self.file.get() {
+        // Opened under the lock: a second descriptor, even one closed at
+        // once, would drop every lock this process holds on the file.
+        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(file) = &*file {
             return Ok(file.clone());
         }
         let opened = OpenOptions::new()
@@ -56,8 +59,7 @@ impl FileKeyLock {
                     format!("cannot open the key lock file {}: {e}", self.path.display()),
                 )
             })?;
-        // A racing opener may have won; its descriptor is the one kept.
-        Ok(self.file.get_or_init(|| Arc::new(opened)).clone())
+        Ok(file.insert(Arc::new(opened)).clone())
     }
 }
 
