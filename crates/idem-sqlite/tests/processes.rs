@@ -142,6 +142,8 @@ async fn execute(
                     .execute(&mut **tx)
                     .await
                     .map_err(store_error)?;
+                // Long enough for the twins of both processes to pile up.
+                tokio::time::sleep(Duration::from_millis(20)).await;
                 Ok::<_, Error>(who)
             })
         })
