@@ -117,7 +117,7 @@ impl Database {
             }
             Engine::Sqlite => {
                 let path = std::env::temp_dir().join(format!("{name}.db"));
-                for suffix in ["", "-wal", "-shm"] {
+                for suffix in ["", "-wal", "-shm", "-idem.lock"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
                 Database {
@@ -228,7 +228,7 @@ impl Database {
                     .await;
             }
             Admin::Sqlite(path) => {
-                for suffix in ["", "-wal", "-shm"] {
+                for suffix in ["", "-wal", "-shm", "-idem.lock"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
             }

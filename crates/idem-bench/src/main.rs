@@ -342,7 +342,7 @@ async fn main() -> Result<(), BoxError> {
                 let path = std::env::temp_dir().join(format!("idem-bench-{}.db", std::process::id()));
                 let store = idem_sqlite::SqliteStore::open(&path).await?.with_table(table.clone());
                 bench_engine("sqlite", store, &args, &mut report).await?;
-                for suffix in ["", "-wal", "-shm"] {
+                for suffix in ["", "-wal", "-shm", "-idem.lock"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
             }

@@ -61,7 +61,7 @@ pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
     STATUS_REJECTED, StoredRow, Token,
 };
-pub use registry::{KeyRegistry, RegistryGuard};
+pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, LeaseClaim, LeaseStore, Sweep, TxBackend, TxClaim};
 pub use sweep::{SweepOptions, SweepReport, sweep_expired};

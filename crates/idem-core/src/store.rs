@@ -64,9 +64,13 @@ pub trait TxBackend: Send + Sync + 'static {
     /// Rolls `tx` back.
     fn rollback(&self, tx: Self::Tx) -> BoxFuture<'_, Result<()>>;
 
-    /// An in-process registry that serialises claims of one key before they
-    /// reach the database, for engines whose database lock is not per key
-    /// (SQLite's single writer). `None` by default.
+    /// A registry that serialises claims of one key before they reach the
+    /// database, for engines whose database lock is not per key (SQLite's
+    /// single writer): in this process, and with a
+    /// [`SharedKeyLock`](crate::SharedKeyLock) also across processes. The
+    /// key is held until the claim's transaction commits or rolls back, and
+    /// it is taken before [`begin`](Self::begin), so no database lock is held
+    /// while waiting for it. `None` by default.
     fn local_registry(&self) -> Option<&KeyRegistry> {
         None
     }

@@ -166,7 +166,7 @@ impl<B: TxBackend> TxEngine<B> {
         let op = call.scope().operation().as_str();
         let mut attempts = Attempts::new(call);
         let guard = match self.backend.local_registry() {
-            Some(registry) => match registry.acquire(call.scope(), call.key(), attempts.deadline).await {
+            Some(registry) => match registry.acquire(call.scope(), call.key(), attempts.deadline).await? {
                 Some(guard) => Some(guard),
                 None => {
                     metrics::count(metrics::IN_FLIGHT, op);

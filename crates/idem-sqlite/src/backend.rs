@@ -79,9 +79,10 @@ impl SqliteStore {
 /// it holds SQLite's write lock from its start: once a claim runs, no other
 /// claim of any key is uncommitted, and a found row is always committed.
 /// That is why [`claim`](TxBackend::claim) never answers
-/// [`TxClaim::Busy`]; waiting happens in [`begin`](TxBackend::begin) (for
-/// the write lock, up to the busy timeout) and, in this process, in the
-/// key registry (for the key).
+/// [`TxClaim::Busy`]; waiting for the key happens before the transaction
+/// begins, in the key registry (in this process, then against other
+/// processes through the side lock file), and waiting for the write lock in
+/// [`begin`](TxBackend::begin), up to the busy timeout.
 impl TxBackend for SqliteStore {
     type Tx = SqliteTx;
 

@@ -33,7 +33,7 @@
 //! assert!(!first.is_replayed());
 //! assert_eq!(again.into_inner(), 5); // replayed: the second closure never ran
 //! # drop(engine);
-//! # for suffix in ["", "-wal", "-shm"] { let _ = std::fs::remove_file(format!("{}{suffix}", path.display())); }
+//! # for suffix in ["", "-wal", "-shm", "-idem.lock"] { let _ = std::fs::remove_file(format!("{}{suffix}", path.display())); }
 //! # Ok(()) }
 //! ```
 //!
@@ -47,14 +47,35 @@
 //! | Busy database | waits up to the busy timeout (5 s by default), then [`StoreErrorKind::LockTimeout`], which the engines retry |
 //! | Claim | one `INSERT … ON CONFLICT … DO UPDATE … WHERE <stale> RETURNING token` |
 //! | Twins in one process | serialised per key by a [`KeyRegistry`] shared by every store on the same file |
+//! | Twins in other processes | serialised per key by a POSIX byte-range lock on the side file `<db>-idem.lock` |
 //! | Time | always the engine's injected clock, never SQLite's |
 //!
-//! SQLite has a single writer for the whole database. Without the registry,
-//! a twin of a running claim could only wait on that global write lock;
-//! with it, a twin waits for (or is rejected by) the claim of its own key, as
-//! on the other engines. Stores in different processes share no registry;
-//! there the write lock and the primary key alone keep the effect single,
-//! and a twin waits on the write lock up to the busy timeout.
+//! SQLite has a single writer for the whole database. Without a per-key
+//! lock, a twin of a running transactional claim could only wait on that
+//! global write lock, up to the busy timeout, and then fail with a lock
+//! timeout. Instead, before its transaction begins, a transactional claim
+//! takes its key: first in the process's registry, then, against other
+//! processes on the same file, one byte of the side file `<db>-idem.lock`
+//! (an `fcntl` lock at an offset derived from a hash of the scoped key,
+//! among 2^40 slots; two keys that share a slot only wait for each other).
+//! A twin with [`InFlight::Reject`](idem_core::InFlight::Reject) is then
+//! told at once that the key is in flight, and one with
+//! [`InFlight::Wait`](idem_core::InFlight::Wait) polls the lock with short
+//! pauses up to its bound, never holding the database's write lock while it
+//! waits. The key is held until the claim's transaction commits or rolls
+//! back. The operating system drops the locks of a process that exits, even
+//! by `SIGKILL`, so a crashed holder never strands a key.
+//!
+//! The side file must live next to the database on a local file system, and
+//! every process must reach the database by the same directory (not through
+//! differently named hard links): POSIX locks over NFS and similar network
+//! file systems are unreliable, as is SQLite's own locking there. The side
+//! file is created on the first claim and may be deleted only while no
+//! process has the database open.
+//!
+//! Lease mode needs no such lock: its claim commits at once, so a twin in
+//! any process finds the in-progress row and waits for, or is rejected by,
+//! the lease.
 //!
 //! A transactional claim holds the database's write lock until it commits,
 //! so every other writer waits for the caller's work: keep that work short
@@ -74,6 +95,7 @@
 
 mod backend;
 mod error;
+mod keylock;
 mod shared;
 mod sql;
 
@@ -218,7 +240,8 @@ impl SqliteStore {
     ///
     /// The store joins the process-wide key registry of the pool's file, so
     /// every store on that file in this process serialises claims of a key
-    /// together.
+    /// together, and holds each key against other processes with a lock on
+    /// the side file `<db>-idem.lock`.
     pub fn new(pool: SqlitePool) -> Self {
         let registry = shared::registry_for(pool.connect_options().get_filename());
         let table = TableName::default();
@@ -239,12 +262,14 @@ impl SqliteStore {
     }
 
     /// Serialises this store's claims through `registry` instead of the
-    /// process-wide registry of its file.
+    /// process-wide registry of its file (which also holds each key against
+    /// other processes through the side lock file).
     ///
-    /// Claims stay correct without a shared registry (the database's write
-    /// lock and primary key decide, as between processes), but a twin then
-    /// waits on SQLite's global write lock, bounded by the busy timeout,
-    /// instead of on its own key. Tests use this to act as a second process.
+    /// Claims stay correct without the file's registry (the database's
+    /// write lock and primary key decide), but a twin then waits on SQLite's
+    /// global write lock, bounded by the busy timeout, instead of on its own
+    /// key. Tests use this to act as a second process that takes no key
+    /// locks.
     pub fn with_registry(mut self, registry: KeyRegistry) -> Self {
         self.registry = registry;
         self

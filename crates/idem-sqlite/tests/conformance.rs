@@ -24,7 +24,7 @@ impl TempDb {
 
 impl Drop for TempDb {
     fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm"] {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
             let mut file = self.path.clone().into_os_string();
             file.push(suffix);
             // The file may never have been created, or may still be held open

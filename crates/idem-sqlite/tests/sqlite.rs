@@ -30,7 +30,7 @@ impl TempDb {
 
 impl Drop for TempDb {
     fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm"] {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
             let mut file = self.path.clone().into_os_string();
             file.push(suffix);
             // The file may be missing or still open in a closing pool; both
@@ -108,6 +108,7 @@ async fn separate_registries_64_tasks_one_effect() {
         .registry()
         .acquire(&scope, &key, tokio::time::Instant::now())
         .await
+        .expect("the key lock works")
         .expect("free key");
     assert_eq!(a.registry().held(), 1);
     assert_eq!(
@@ -202,6 +203,7 @@ async fn stores_on_one_file_share_a_registry() {
             tokio::time::Instant::now(),
         )
         .await
+        .expect("the key lock works")
         .expect("free key");
     assert_eq!(
         second.registry().held(),

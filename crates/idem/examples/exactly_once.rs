@@ -74,7 +74,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert_eq!(rows, 1, "the payment happened exactly once");
 
     store.pool().close().await;
-    for suffix in ["", "-wal", "-shm"] {
+    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
     Ok(())
