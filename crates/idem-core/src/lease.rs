@@ -12,6 +12,7 @@ use crate::classify::Classify;
 use crate::clock::{SharedClock, system_clock};
 use crate::engine::{self, Attempts, Found, Retry};
 use crate::error::{Error, Result};
+use crate::heartbeat::{Heartbeat, HeldLease};
 use crate::metrics;
 use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Token};
 use crate::store::{LeaseClaim, LeaseStore};
@@ -181,12 +182,33 @@ impl<S: LeaseStore> LeaseEngine<S> {
         })
     }
 
+    /// Starts extending `lease` with its fencing token every third of
+    /// `lease_ms`, until the returned [`Heartbeat`] is stopped or dropped.
+    /// When an extension is fenced (another caller took the key over) the
+    /// heartbeat stops, [`HeldLease::is_held`] turns false, the loss is logged
+    /// and counted in `idem_leases_lost_total`, and a later `complete` with the
+    /// lease fails with [`Error::Fenced`]: the new holder is never overwritten.
+    pub fn heartbeat(&self, lease: &Lease, lease_ms: u64) -> Heartbeat {
+        Heartbeat::start(self.store.clone(), self.clock.clone(), lease.clone(), lease_ms)
+    }
+
     /// Runs `work` once per key in lease mode: claims, runs, records its value
     /// (as JSON) — or replays the recorded value without running `work`.
-    /// An `Err`, a panic or a dropped future releases the key unused.
+    ///
+    /// While `work` runs, a [`Heartbeat`] keeps the lease alive, so a twin
+    /// waits or is told the call is in flight for as long as this holder
+    /// lives. `work` receives the [`HeldLease`], whose fencing token it can
+    /// pass downstream.
+    ///
+    /// An `Err` or a panic in `work` releases the key. Once `work` has
+    /// returned, the outcome is recorded (or the key released) in a task that
+    /// outlives this future, so dropping it then changes nothing. If this
+    /// future is dropped while `work` runs, the work may already have taken
+    /// effect: the key is not released, the heartbeat stops, and the claim
+    /// expires after one lease length.
     pub async fn run<T, E, F, Fut>(&self, call: &Call, work: F) -> Result<Outcome<T>, E>
     where
-        F: FnOnce(Lease) -> Fut,
+        F: FnOnce(HeldLease) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         T: Serialize + DeserializeOwned,
         E: From<Error>,
@@ -208,7 +230,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// rejections, otherwise the key is released.
     pub async fn run_with_rejections<T, R, E, F, Fut>(&self, call: &Call, work: F) -> Result<Outcome<Result<T, R>>, E>
     where
-        F: FnOnce(Lease) -> Fut,
+        F: FnOnce(HeldLease) -> Fut,
         Fut: Future<Output = Result<Result<T, R>, E>>,
         T: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned + Classify,
@@ -218,66 +240,92 @@ impl<S: LeaseStore> LeaseEngine<S> {
             Acquire::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
             Acquire::Claimed(lease) => lease,
         };
-        let mut guard = ReleaseOnDrop {
+        let beat = self.heartbeat(&lease, call.policy().lease_ms());
+        let mut guard = ReleaseOnPanic {
             store: Some(self.store.clone()),
             lease: lease.clone(),
         };
-        let result = work(lease.clone()).await;
+        let result = work(beat.held().clone()).await;
+        guard.disarm();
         let limit = call.policy().max_record_bytes();
-        match result {
-            Ok(Ok(value)) => {
-                guard.disarm();
-                let payload = match engine::encode(&value, limit) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        // The effect happened but cannot be recorded: keep the
-                        // claim (it expires with its lease) rather than let a
-                        // retry run the effect again at once.
-                        return Err(e.into());
-                    }
-                };
-                self.complete(&lease, Record::completed(payload)).await?;
-                Ok(Outcome::Executed(Ok(value)))
-            }
+        let (settle, result) = match result {
+            Ok(Ok(value)) => match engine::encode(&value, limit) {
+                Ok(payload) => (Settle::Complete(Record::completed(payload)), Ok(Ok(value))),
+                // The effect happened but cannot be recorded: keep the claim
+                // (it expires with its lease) rather than let a retry run the
+                // effect again at once.
+                Err(e) => return Err(e.into()),
+            },
             Ok(Err(rejection)) => {
-                guard.disarm();
                 if engine::records_rejection(call, &rejection) {
                     let payload = engine::encode(&rejection, limit)?;
-                    self.complete(&lease, Record::rejected(payload)).await?;
+                    (Settle::Complete(Record::rejected(payload)), Ok(Err(rejection)))
                 } else {
-                    self.release(&lease).await?;
+                    (Settle::Release, Ok(Err(rejection)))
                 }
-                Ok(Outcome::Executed(Err(rejection)))
             }
-            Err(e) => {
-                guard.disarm();
-                self.release(&lease).await?;
-                Err(e)
-            }
+            Err(e) => (Settle::Release, Err(e)),
+        };
+        self.settle_detached(lease, settle, beat).await?;
+        result.map(Outcome::Executed)
+    }
+
+    /// Completes or releases `lease` in a task of its own, keeping `beat`
+    /// alive until it is done, and waits for it. Dropping the returned
+    /// future does not stop the task.
+    pub(crate) async fn settle_detached(&self, lease: Lease, settle: Settle, beat: Heartbeat) -> Result<()> {
+        let engine = self.clone();
+        let task = tokio::spawn(async move {
+            let settled = match settle {
+                Settle::Complete(record) => engine.complete(&lease, record).await,
+                Settle::Release => engine.release(&lease).await,
+            };
+            beat.stop();
+            settled
+        });
+        match task.await {
+            Ok(settled) => settled,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(Error::store(crate::StoreErrorKind::Other, e)),
         }
     }
 }
 
-/// Releases a lease if the work panicked or its future was dropped.
-struct ReleaseOnDrop<S: LeaseStore> {
+/// How a lease is given back once the work is done.
+#[derive(Debug)]
+pub(crate) enum Settle {
+    /// Record this outcome; the key is consumed.
+    Complete(Record),
+    /// Give the key back unused.
+    Release,
+}
+
+/// Releases a lease if the work panicked. A future dropped while the work
+/// ran does not release it: the work may have taken effect, so the claim is
+/// left to expire.
+struct ReleaseOnPanic<S: LeaseStore> {
     store: Option<Arc<S>>,
     lease: Lease,
 }
 
-impl<S: LeaseStore> ReleaseOnDrop<S> {
+impl<S: LeaseStore> ReleaseOnPanic<S> {
     fn disarm(&mut self) {
         self.store = None;
     }
 }
 
-impl<S: LeaseStore> Drop for ReleaseOnDrop<S> {
+impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
     fn drop(&mut self) {
         let Some(store) = self.store.take() else { return };
+        if !std::thread::panicking() {
+            tracing::debug!("lease-mode work dropped before it finished; the claim expires with its lease");
+            return;
+        }
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
                 if let Err(e) = store.release(&lease).await {
-                    tracing::warn!(error = %e, "could not release an abandoned lease; it will expire");
+                    tracing::warn!(error = %e, "could not release a lease after a panic; it will expire");
                 } else {
                     metrics::count(metrics::RELEASES, lease.scope.operation().as_str());
                 }

@@ -17,6 +17,9 @@ pub const RELEASES: &str = "idem_releases_total";
 pub const RECORDS: &str = "idem_records_total";
 /// Counter: lease holders fenced off by a newer claim (`operation`).
 pub const FENCED: &str = "idem_fenced_total";
+/// Counter: leases lost while their holder was still working: an extension
+/// was fenced because another caller had taken the key over (`operation`).
+pub const LEASES_LOST: &str = "idem_leases_lost_total";
 /// Histogram: seconds from the start of a call to its claim or replay decision (`operation`).
 pub const CLAIM_SECONDS: &str = "idem_claim_duration_seconds";
 /// Counter: transactions run again after contention (a deadlock, a
@@ -28,6 +31,10 @@ pub const SWEPT: &str = "idem_swept_total";
 
 pub(crate) fn count(name: &'static str, operation: &str) {
     metrics::counter!(name, "operation" => operation.to_owned()).increment(1);
+}
+
+pub(crate) fn lease_lost(operation: &str) {
+    count(LEASES_LOST, operation);
 }
 
 pub(crate) fn claim(operation: &str, mode: &'static str) {
