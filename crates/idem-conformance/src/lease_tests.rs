@@ -365,3 +365,124 @@ pub async fn lease_concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
     assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()));
 }
+
+/// A holder slower than its lease keeps the key: the heartbeat extends the
+/// lease while the work runs, so twins are in flight until it completes, and
+/// then replay. The work runs once.
+pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(200),
+    );
+    let runs = Runs::default();
+    let holder = {
+        let (engine, call, runs) = (engine.clone(), call.clone(), runs.clone());
+        tokio::spawn(async move {
+            engine
+                .run(&call, move |lease| async move {
+                    runs.hit();
+                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    assert!(lease.is_held(), "the heartbeat kept the lease");
+                    Ok::<_, TestError>(Receipt::new(lease.token().0))
+                })
+                .await
+        })
+    };
+    for at in [50u64, 250, 250, 100] {
+        tokio::time::sleep(Duration::from_millis(at)).await;
+        let twin = run_receipt::<S>(&engine, &call, &runs).await;
+        assert!(
+            matches!(twin, Err(TestError::Idem(Error::InFlight { .. }))),
+            "a twin while the holder works is in flight, got {twin:?}"
+        );
+    }
+    let first = holder.await.unwrap().unwrap();
+    assert!(!first.is_replayed());
+    let again = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert_eq!(again, Outcome::Replayed(first.into_inner()));
+    assert_eq!(runs.get(), 1, "the work ran once");
+}
+
+/// A heartbeat whose lease was taken over stops, says the lease is no longer
+/// held, and the old holder's outcome is never recorded over the new one's.
+pub async fn lease_lost_heartbeat_is_reported<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(300),
+    );
+    let a = held(engine.acquire(&call).await.unwrap());
+    clock.advance(Duration::from_millis(500));
+    let b = held(engine.acquire(&call).await.unwrap());
+    let beat = engine.heartbeat(&a, 300);
+    assert!(beat.held().is_held());
+    assert_eq!(beat.held().token(), a.token);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!beat.held().is_held(), "the fenced extension marks the lease lost");
+    assert!(matches!(
+        engine.complete(&a, record_of(&Receipt::new(1))).await,
+        Err(Error::Fenced)
+    ));
+    let b_record = record_of(&Receipt::new(2));
+    engine.complete(&b, b_record.clone()).await.unwrap();
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(b_record));
+}
+
+/// A run dropped while its work runs may already have taken effect: the key
+/// is not released (a twin is in flight), and the claim expires with its
+/// lease because the heartbeat stopped.
+pub async fn lease_dropped_work_keeps_the_key_until_expiry<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(300),
+    );
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        engine.run(&call, |_lease| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok::<_, TestError>(Receipt::new(1))
+        }),
+    )
+    .await;
+    assert!(dropped.is_err(), "the run was dropped mid-work");
+    assert_in_flight(engine.acquire(&call).await);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine.release(&lease).await.unwrap();
+}
+
+/// Once the work returned, the outcome is recorded even if the caller's
+/// future is dropped while recording.
+pub async fn lease_outcome_recorded_after_a_drop<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(5_000));
+    let runs = Runs::default();
+    // Poll the run just far enough for the work to finish, then drop it.
+    let finished = Arc::new(tokio::sync::Notify::new());
+    {
+        let (runs, notify) = (runs.clone(), finished.clone());
+        let run = engine.run(&call, move |_lease| async move {
+            runs.hit();
+            notify.notify_one();
+            Ok::<_, TestError>(Receipt::new(7))
+        });
+        tokio::select! {
+            biased;
+            _ = finished.notified() => {}
+            _ = run => {}
+        }
+    }
+    let again = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert!(again.is_replayed(), "the outcome was recorded");
+    assert_eq!(again.into_inner().amount, 7);
+    assert_eq!(runs.get(), 1, "the work ran once");
+}

@@ -241,7 +241,11 @@ macro_rules! lease_conformance {
                 lease_tenant_and_operation_isolation,
                 lease_expired_key_executes_anew,
                 lease_sweep_deletes_expired,
-                lease_concurrent_64_tasks_one_key_one_effect
+                lease_concurrent_64_tasks_one_key_one_effect,
+                lease_heartbeat_keeps_a_slow_holder,
+                lease_lost_heartbeat_is_reported,
+                lease_dropped_work_keeps_the_key_until_expiry,
+                lease_outcome_recorded_after_a_drop
             );
         }
     };

@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::error::Error;
+use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::record::{Lease, Token};
 use crate::scope::Scope;
 use crate::store::LeaseStore;
-use crate::key::IdempotencyKey;
 
 /// A lease held by the current work: its key, scope and fencing token, and
 /// whether it is still held.

@@ -67,6 +67,7 @@ pub mod fault;
 mod future;
 mod key;
 mod layer;
+mod lease;
 mod problem;
 mod recorded;
 mod retry;
@@ -79,6 +80,7 @@ pub use layer::{
     IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional, UNROUTED,
     matched_route_operation, method_label,
 };
+pub use lease::{HeldLease, HeldLeaseRejection};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
 pub use recorded::RecordedResponse;
 pub use retry::RetryTransaction;

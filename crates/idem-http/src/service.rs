@@ -65,8 +65,9 @@ pub trait Mode: Clone + Send + Sync + 'static {
         call: Call,
     ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send,
+        S::Error: Send + 'static,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>;
 
@@ -78,8 +79,9 @@ pub trait Mode: Clone + Send + Sync + 'static {
         req: Request<Body>,
     ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send,
+        S::Error: Send + 'static,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>;
 }
@@ -88,7 +90,7 @@ impl<S, M, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, M>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
+    S::Error: Send + 'static,
     M: Mode,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
@@ -163,8 +165,9 @@ async fn handle<S, M, ReqBody, ResBody>(
     req: Request<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send,
+    S::Error: Send + 'static,
     M: Mode,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
@@ -635,21 +638,25 @@ impl<B: TxBackend + Clone> Transactional<B> {
     }
 }
 
-/// Releases a lease if the handler panics or the request future is dropped.
-struct LeaseGuard<L: LeaseStore> {
+/// Releases a lease if the handler panics. Nothing else releases it once the
+/// handler may have run.
+struct ReleaseOnPanic<L: LeaseStore> {
     engine: Option<idem_core::LeaseEngine<L>>,
     lease: idem_core::Lease,
 }
 
-impl<L: LeaseStore> LeaseGuard<L> {
+impl<L: LeaseStore> ReleaseOnPanic<L> {
     fn disarm(&mut self) {
         self.engine = None;
     }
 }
 
-impl<L: LeaseStore> Drop for LeaseGuard<L> {
+impl<L: LeaseStore> Drop for ReleaseOnPanic<L> {
     fn drop(&mut self) {
         let Some(engine) = self.engine.take() else { return };
+        if !std::thread::panicking() {
+            return;
+        }
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
@@ -657,6 +664,13 @@ impl<L: LeaseStore> Drop for LeaseGuard<L> {
             });
         }
     }
+}
+
+/// What the lease-mode task needs of the layer's configuration.
+#[derive(Clone)]
+struct Recording {
+    max_response_bytes: usize,
+    problem_base: String,
 }
 
 impl<L: LeaseStore> Mode for Leased<L> {
@@ -669,8 +683,9 @@ impl<L: LeaseStore> Mode for Leased<L> {
         call: Call,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send,
+        S::Error: Send + 'static,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
@@ -680,56 +695,68 @@ impl<L: LeaseStore> Mode for Leased<L> {
             Ok(Acquire::Claimed(lease)) => lease,
         };
         hit(Point::AfterClaim);
-        let mut guard = LeaseGuard {
-            engine: Some(self.engine.clone()),
-            lease: lease.clone(),
+        // From here on the handler may take effect, so everything up to the
+        // recorded outcome runs in a task of its own: a request future
+        // dropped now (the client went away, an outer timeout) neither
+        // releases the key nor stops the recording. The heartbeat keeps the
+        // lease alive until the outcome is settled.
+        let beat = self.engine.heartbeat(&lease, call.policy().lease_ms());
+        let mut req = Request::from_parts(parts, Body::from(body));
+        req.extensions_mut()
+            .insert(crate::lease::HeldLease(beat.held().clone()));
+        let engine = self.engine.clone();
+        let recording = Recording {
+            max_response_bytes: cfg.max_response_bytes,
+            problem_base: cfg.problem_base.clone(),
         };
-        let response = inner.call(Request::from_parts(parts, Body::from(body))).await?;
-        let (rparts, rbody) = response.into_parts();
-        let collected = collect_response(rbody, cfg.max_response_bytes).await;
-        guard.disarm();
-        let (record, out_body) = match collected {
-            Collected::Full(body) => {
-                let recorded = RecordedResponse {
-                    status: rparts.status,
-                    headers: rparts.headers.clone(),
-                    body: body.clone(),
-                };
-                let record = match decide(rparts.status, &call) {
-                    Decision::Record => Some(Record::completed(recorded.encode())),
-                    Decision::RecordRejection => Some(Record::rejected(recorded.encode())),
-                    Decision::Release => None,
-                };
-                (record, Body::from(body))
+        let task = tokio::spawn(async move {
+            let mut guard = ReleaseOnPanic {
+                engine: Some(engine.clone()),
+                lease: lease.clone(),
+            };
+            let response = inner.call(req).await;
+            guard.disarm();
+            let (settle, response) = match response {
+                Ok(response) => settle_response(&recording, &call, response).await,
+                Err(e) => (None, Err(e)),
+            };
+            hit(Point::BeforeCommit);
+            let settled = match settle {
+                Some(record) => engine.complete(&lease, record).await,
+                None => engine.release(&lease).await,
+            };
+            beat.stop();
+            match settled {
+                Ok(()) => hit(Point::AfterCommit),
+                Err(Error::Fenced) => tracing::warn!(
+                    "lease lost before the outcome was recorded: another request took the key over; nothing was overwritten"
+                ),
+                Err(e) => tracing::warn!(error = %e, "could not settle the lease; it will expire"),
             }
-            Collected::TooLarge(body) => {
-                // The effect happened and cannot be undone: record a stand-in
-                // that says so, rather than let a retry run it again.
-                (Some(not_recorded(cfg, rparts.status)), body)
+            response
+        });
+        match task.await {
+            Ok(response) => response,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => {
+                tracing::error!(error = %e, "the lease-mode task was cancelled");
+                Ok(Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    slugs::STORE_UNAVAILABLE,
+                    "Request interrupted",
+                )
+                .with_detail("the service is shutting down; retry with the same Idempotency-Key")
+                .with_retry_after_secs(1)
+                .into_response(&cfg.problem_base))
             }
-            Collected::Failed(why) => {
-                tracing::warn!(%why, "response body failed after the handler ran");
-                (Some(not_recorded(cfg, rparts.status)), Body::empty())
-            }
-        };
-        hit(Point::BeforeCommit);
-        let settled = match record {
-            Some(record) => self.engine.complete(&lease, record).await,
-            None => self.engine.release(&lease).await,
-        };
-        if settled.is_ok() {
-            hit(Point::AfterCommit);
         }
-        if let Err(e) = settled {
-            tracing::warn!(error = %e, "could not settle the lease; it will expire");
-        }
-        Ok(first(rparts, out_body))
     }
 
     async fn unkeyed<S, ResBody>(&self, _cfg: &Config, inner: S, req: Request<Body>) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
+        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send,
+        S::Error: Send + 'static,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
@@ -737,37 +764,102 @@ impl<L: LeaseStore> Mode for Leased<L> {
     }
 }
 
-fn not_recorded(cfg: &Config, original: StatusCode) -> Record {
-    let problem = Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        slugs::RESPONSE_TOO_LARGE,
-        "Response too large to record",
-    )
-    .with_detail(format!(
-        "the request was processed (status {}) but its response exceeded the record limit of {} bytes",
-        original.as_u16(),
-        cfg.max_response_bytes
-    ))
-    .into_response(&cfg.problem_base);
-    let (parts, _) = problem.into_parts();
-    let body = format!(
-        "{{\"type\":\"{}{}\",\"title\":\"Response too large to record\",\"status\":500,\"detail\":\"the request was processed (status {}) but its response exceeded the record limit of {} bytes\"}}",
-        cfg.problem_base,
-        slugs::RESPONSE_TOO_LARGE,
-        original.as_u16(),
-        cfg.max_response_bytes
-    );
-    let mut headers = parts.headers;
+/// Decides by status what a lease-mode response does to its key, and reads
+/// it if it is to be recorded. A response that is not to be recorded (5xx,
+/// and 4xx unless the policy records final rejections) is never read, bounded
+/// or recorded: it streams to the client and the key is released. A response
+/// to be recorded that is too large or whose body fails has already taken
+/// effect: a stand-in saying so is recorded, so a retry does not run it again.
+async fn settle_response<ResBody, E>(
+    recording: &Recording,
+    call: &Call,
+    response: Response<ResBody>,
+) -> (Option<Record>, Result<Response<Body>, E>)
+where
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (rparts, rbody) = response.into_parts();
+    let rejected = match decide(rparts.status, call) {
+        Decision::Release => return (None, Ok(first(rparts, Body::new(rbody)))),
+        Decision::Record => false,
+        Decision::RecordRejection => true,
+    };
+    match collect_response(rbody, recording.max_response_bytes).await {
+        Collected::Full(body) => {
+            let encoded = RecordedResponse {
+                status: rparts.status,
+                headers: rparts.headers.clone(),
+                body: body.clone(),
+            }
+            .encode();
+            let record = if rejected {
+                Record::rejected(encoded)
+            } else {
+                Record::completed(encoded)
+            };
+            (Some(record), Ok(first(rparts, Body::from(body))))
+        }
+        Collected::TooLarge(body) => (
+            Some(stand_in(recording, rparts.status, StandIn::TooLarge).0),
+            Ok(first(rparts, body)),
+        ),
+        Collected::Failed(why) => {
+            tracing::warn!(%why, "response body failed after the handler ran");
+            let (record, response) = stand_in(recording, rparts.status, StandIn::Failed(why.to_string()));
+            (Some(record), Ok(response))
+        }
+    }
+}
+
+/// Why a response that took effect could not be recorded as it was.
+enum StandIn {
+    TooLarge,
+    Failed(String),
+}
+
+/// The problem recorded (and, for a failed body, answered) in place of a
+/// response that took effect but could not be recorded.
+fn stand_in(recording: &Recording, original: StatusCode, why: StandIn) -> (Record, Response<Body>) {
+    let (slug, title, detail) = match why {
+        StandIn::TooLarge => (
+            slugs::RESPONSE_TOO_LARGE,
+            "Response too large to record",
+            format!(
+                "the request was processed (status {}) but its response exceeded the record limit of {} bytes",
+                original.as_u16(),
+                recording.max_response_bytes
+            ),
+        ),
+        StandIn::Failed(why) => (
+            slugs::RESPONSE_FAILED,
+            "Response failed",
+            format!(
+                "the request was processed (status {}) but its response body failed: {why}",
+                original.as_u16()
+            ),
+        ),
+    };
+    let body = serde_json::json!({
+        "type": format!("{}{}", recording.problem_base, slug),
+        "title": title,
+        "status": 500,
+        "detail": detail,
+    })
+    .to_string();
+    let mut headers = http::HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(crate::problem::PROBLEM_JSON),
     );
-    Record::completed(
-        RecordedResponse {
-            status: parts.status,
-            headers,
-            body: Bytes::from(body),
-        }
-        .encode(),
-    )
+    let recorded = RecordedResponse {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        headers,
+        body: Bytes::from(body),
+    };
+    let record = Record::completed(recorded.encode());
+    let mut response = Response::new(Body::from(recorded.body));
+    *response.status_mut() = recorded.status;
+    *response.headers_mut() = recorded.headers;
+    (record, response)
 }

@@ -1,0 +1,72 @@
+//! [`HeldLease`]: the extractor that hands a lease-mode handler its lease.
+
+use std::ops::Deref;
+
+use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum_core::response::{IntoResponse, Response};
+use http::StatusCode;
+use http::request::Parts;
+
+use crate::problem::{DEFAULT_PROBLEM_BASE, Problem};
+
+/// The lease a lease-mode [`IdempotencyLayer`](crate::IdempotencyLayer) holds
+/// for this request: its key, scope and fencing token.
+///
+/// While the handler runs, the layer extends the lease in the background, so
+/// a twin request waits or gets `409` however slow the handler is. Pass
+/// [`token`](idem_core::HeldLease::token) to whatever performs the effect (a
+/// vendor, a row you write) so that it can refuse a stale holder: one whose
+/// lease was taken over after a pause longer than the lease.
+///
+/// ```
+/// use idem_http::HeldLease;
+///
+/// async fn pay(lease: HeldLease) -> String {
+///     format!("fencing token {}", lease.token().0)
+/// }
+/// # let _ = pay;
+/// ```
+///
+/// Requests without a key (optional-key routes, safe methods) hold no lease:
+/// take `Option<HeldLease>` there.
+#[derive(Debug, Clone)]
+pub struct HeldLease(pub idem_core::HeldLease);
+
+impl Deref for HeldLease {
+    type Target = idem_core::HeldLease;
+    fn deref(&self) -> &idem_core::HeldLease {
+        &self.0
+    }
+}
+
+/// The rejection of [`HeldLease`] when the request holds no lease.
+#[derive(Debug)]
+pub struct HeldLeaseRejection;
+
+impl IntoResponse for HeldLeaseRejection {
+    fn into_response(self) -> Response {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "idempotency-lease-missing",
+            "No idempotency lease",
+        )
+        .with_detail("no lease-mode IdempotencyLayer holds a lease for this request")
+        .into_response(DEFAULT_PROBLEM_BASE)
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldLease {
+    type Rejection = HeldLeaseRejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<HeldLease>().cloned().ok_or(HeldLeaseRejection)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLease {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<HeldLease>().cloned())
+    }
+}

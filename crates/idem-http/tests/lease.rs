@@ -1,0 +1,332 @@
+//! Lease mode under slow handlers, cancelled requests and responses that
+//! must not be recorded.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use idem_core::{InFlight, LeaseEngine, Policy, Tenant};
+use idem_http::{HeldLease, IdempotencyLayer, Problem, RoutePolicy};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
+
+fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
+    Ok(Tenant::new("t").expect("valid tenant"))
+}
+
+fn layer(policy: Policy) -> IdempotencyLayer<idem_http::Leased<MemoryStore>> {
+    IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
+        .default_route(RoutePolicy::required().with_policy(policy))
+        .max_response_bytes(1024)
+}
+
+fn post_with_key(path: &str, key: &str) -> Request<Body> {
+    Request::builder()
+        .method("POST")
+        .uri(path)
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .expect("valid request")
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
+    let response = app.clone().oneshot(req).await.expect("infallible");
+    let status = response.status();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let body = response.into_body().collect().await.expect("body").to_bytes();
+    (status, replayed, body)
+}
+
+fn counter() -> Arc<AtomicUsize> {
+    Arc::new(AtomicUsize::new(0))
+}
+
+/// A handler three times slower than its lease: twins sent while it runs
+/// are told it is in flight, and after it finishes they replay. It runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_slower_than_its_lease_runs_once() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                        (StatusCode::CREATED, format!("paid {n}"))
+                    }
+                }),
+            )
+            .route_layer(layer(
+                Policy::default().with_lease_ms(200).with_in_flight(InFlight::Reject),
+            ))
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_with_key("/pay", "slow")).await }
+    });
+    for at in [50u64, 200, 200] {
+        tokio::time::sleep(Duration::from_millis(at)).await;
+        let (status, _, _) = send(&app, post_with_key("/pay", "slow")).await;
+        assert_eq!(
+            status,
+            StatusCode::CONFLICT,
+            "a twin while the handler runs is in flight"
+        );
+    }
+    let (status, replayed, body) = first.await.expect("first request");
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    let again = send(&app, post_with_key("/pay", "slow")).await;
+    assert_eq!(again, (StatusCode::CREATED, true, body));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
+/// A twin with a bounded wait waits for the slow holder and replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_twin_replays_the_slow_holder() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                        StatusCode::CREATED
+                    }
+                }),
+            )
+            .route_layer(layer(
+                Policy::default()
+                    .with_lease_ms(200)
+                    .with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+            ))
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_with_key("/pay", "wait")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let twin = send(&app, post_with_key("/pay", "wait")).await;
+    assert_eq!(first.await.expect("first").0, StatusCode::CREATED);
+    assert_eq!((twin.0, twin.1), (StatusCode::CREATED, true));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A body that yields one chunk, then waits before the rest.
+fn slow_body(first: &'static str, rest: &'static str, pause: Duration) -> Body {
+    let stream = futures_util::stream::unfold(0u8, move |step| async move {
+        match step {
+            0 => Some((Ok::<_, Infallible>(Bytes::from_static(first.as_bytes())), 1)),
+            1 => {
+                tokio::time::sleep(pause).await;
+                Some((Ok(Bytes::from_static(rest.as_bytes())), 2))
+            }
+            _ => None,
+        }
+    });
+    Body::from_stream(stream)
+}
+
+/// The handler returned, its body was still streaming, and the request was
+/// dropped (the client went away, an outer timeout): the outcome is still
+/// recorded, and the retry replays it instead of running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_dropped_after_the_handler_still_records() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        (
+                            StatusCode::CREATED,
+                            slow_body("paid ", "once", Duration::from_millis(300)),
+                        )
+                    }
+                }),
+            )
+            .route_layer(layer(
+                Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+            ))
+    };
+    let dropped = tokio::time::timeout(Duration::from_millis(100), send(&app, post_with_key("/pay", "gone"))).await;
+    assert!(dropped.is_err(), "the request was dropped mid-response");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler had run");
+    let retry = send(&app, post_with_key("/pay", "gone")).await;
+    assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from_static(b"paid once")));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run again");
+}
+
+/// A 5xx is never recorded, even when its body is larger than the record
+/// limit: the key stays usable and the retry runs the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_large_5xx_is_not_recorded() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst);
+                        if n == 0 {
+                            (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(10_000)).into_response()
+                        } else {
+                            (StatusCode::CREATED, "paid").into_response()
+                        }
+                    }
+                }),
+            )
+            .route_layer(layer(Policy::default()))
+    };
+    let (status, replayed, body) = send(&app, post_with_key("/pay", "503")).await;
+    assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
+    assert_eq!(body.len(), 10_000, "the 503 reaches the client whole");
+    let retry = send(&app, post_with_key("/pay", "503")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A 5xx whose body stream fails is not recorded either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_5xx_with_a_failing_body_is_not_recorded() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst);
+                        if n == 0 {
+                            let stream = futures_util::stream::iter([
+                                Ok(Bytes::from_static(b"partial")),
+                                Err(std::io::Error::other("upstream reset")),
+                            ]);
+                            Response::builder()
+                                .status(StatusCode::BAD_GATEWAY)
+                                .body(Body::from_stream(stream))
+                                .expect("response")
+                        } else {
+                            (StatusCode::CREATED, "paid").into_response()
+                        }
+                    }
+                }),
+            )
+            .route_layer(layer(Policy::default()))
+    };
+    let response = app
+        .clone()
+        .oneshot(post_with_key("/pay", "502"))
+        .await
+        .expect("infallible");
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+    assert!(response.into_body().collect().await.is_err(), "the body fails");
+    let retry = send(&app, post_with_key("/pay", "502")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A 2xx whose body stream fails has taken effect: the retry replays a
+/// problem that says the response failed (not that it was too large), and the
+/// handler does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_2xx_with_a_failing_body_is_reported_as_failed() {
+    let runs = counter();
+    let app = {
+        let runs = runs.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let runs = runs.clone();
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        let stream = futures_util::stream::iter([
+                            Ok(Bytes::from_static(b"partial")),
+                            Err(std::io::Error::other("serialiser failed")),
+                        ]);
+                        Response::builder()
+                            .status(StatusCode::CREATED)
+                            .body(Body::from_stream(stream))
+                            .expect("response")
+                    }
+                }),
+            )
+            .route_layer(layer(Policy::default()))
+    };
+    let (status, replayed, body) = send(&app, post_with_key("/pay", "failed")).await;
+    assert_eq!((status, replayed), (StatusCode::INTERNAL_SERVER_ERROR, false));
+    assert!(String::from_utf8_lossy(&body).contains("idempotency-response-failed"));
+    let (status, replayed, again) = send(&app, post_with_key("/pay", "failed")).await;
+    assert_eq!((status, replayed), (StatusCode::INTERNAL_SERVER_ERROR, true));
+    let text = String::from_utf8_lossy(&again);
+    assert!(
+        text.contains("idempotency-response-failed") && text.contains("status 201"),
+        "{text}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The handler gets its lease and fencing token through the extractor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_handler_gets_its_lease() {
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(|lease: HeldLease| async move {
+                assert!(lease.is_held());
+                (
+                    StatusCode::CREATED,
+                    format!("{} {}", lease.key().as_str(), lease.token().0),
+                )
+            }),
+        )
+        .route(
+            "/maybe",
+            post(|lease: Option<HeldLease>| async move { format!("{}", lease.is_some()) }),
+        )
+        .route_layer(
+            IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
+                .route("POST /maybe", RoutePolicy::optional()),
+        );
+    let (status, _, body) = send(&app, post_with_key("/pay", "lease-1")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let (key, token) = text.split_once(' ').expect("key and token");
+    assert_eq!(key, "lease-1");
+    assert!(token.parse::<i64>().expect("a token") > 0);
+    let (_, _, with_key) = send(&app, post_with_key("/maybe", "lease-2")).await;
+    assert_eq!(&with_key[..], b"true");
+    let unkeyed = Request::builder()
+        .method("POST")
+        .uri("/maybe")
+        .body(Body::empty())
+        .expect("request");
+    let (_, _, without) = send(&app, unkeyed).await;
+    assert_eq!(&without[..], b"false", "no key, no lease");
+}
