@@ -5,14 +5,15 @@ use std::task::{Context, Poll};
 
 use axum_core::body::Body;
 use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt;
 use idem_core::BoxError;
 
 /// A response body read up to a limit.
 pub(crate) enum Collected {
-    /// The whole body.
-    Full(Bytes),
+    /// The whole body, and its trailers if it had any.
+    Full(Bytes, HeaderMap),
     /// Over the limit: the body, still whole, to stream on.
     TooLarge(Body),
     /// The body failed mid-stream.
@@ -26,11 +27,20 @@ where
 {
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
+    let mut trailers = HeaderMap::new();
     loop {
         match body.frame().await {
-            None => return Collected::Full(buf.freeze()),
+            None => return Collected::Full(buf.freeze(), trailers),
             Some(Ok(frame)) => {
-                let Ok(data) = frame.into_data() else { continue };
+                let data = match frame.into_data() {
+                    Ok(data) => data,
+                    Err(frame) => {
+                        if let Ok(more) = frame.into_trailers() {
+                            trailers.extend(more);
+                        }
+                        continue;
+                    }
+                };
                 if buf.len() + data.len() > limit {
                     buf.extend_from_slice(&data);
                     return Collected::TooLarge(Body::new(Prefixed {
@@ -67,5 +77,38 @@ where
             .as_mut()
             .poll_frame(cx)
             .map(|f| f.map(|r| r.map_err(Into::into)))
+    }
+}
+
+/// A body read whole, with its trailers: sent as one data frame, then the
+/// trailers (if any).
+pub(crate) fn with_trailers(data: Bytes, trailers: HeaderMap) -> Body {
+    if trailers.is_empty() {
+        return Body::from(data);
+    }
+    Body::new(Whole {
+        data: Some(data),
+        trailers: Some(trailers),
+    })
+}
+
+struct Whole {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for Whole {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(data) = self.data.take().filter(|d| !d.is_empty()) {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.as_ref().is_none_or(Bytes::is_empty) && self.trailers.is_none()
     }
 }

@@ -2,13 +2,16 @@
 //!
 //! Layout (all integers big-endian): the magic `IDH1`, the status (u16), the
 //! header count (u32), then per header its name and value each as a u32
-//! length and bytes, then the body as a u64 length and bytes. A binary layout
-//! keeps bodies byte-identical without any re-encoding.
+//! length and bytes, then the body as a u64 length and bytes. A response with
+//! trailers is recorded as `IDH2`: the same, followed by the trailers in the
+//! headers' layout (count, then names and values). A binary layout keeps
+//! bodies byte-identical without any re-encoding.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 const MAGIC: &[u8; 4] = b"IDH1";
+const MAGIC_TRAILERS: &[u8; 4] = b"IDH2";
 
 /// Headers never recorded or replayed: hop-by-hop ones (RFC 9110 §7.6.1),
 /// framing that is recomputed, and the replay marker itself.
@@ -38,57 +41,57 @@ pub struct RecordedResponse {
     pub headers: HeaderMap,
     /// The body, byte for byte.
     pub body: Bytes,
+    /// The trailers sent after the body (usually none).
+    pub trailers: HeaderMap,
 }
 
 impl RecordedResponse {
     /// Encodes the response, dropping headers that must not be replayed.
     pub fn encode(&self) -> Vec<u8> {
         let kept: Vec<_> = self.headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
-        let mut out = Vec::with_capacity(16 + self.body.len() + kept.len() * 32);
-        out.extend_from_slice(MAGIC);
+        let trailers: Vec<_> = self.trailers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+        let mut out = Vec::with_capacity(16 + self.body.len() + (kept.len() + trailers.len()) * 32);
+        out.extend_from_slice(if trailers.is_empty() { MAGIC } else { MAGIC_TRAILERS });
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
-        out.extend_from_slice(&(kept.len() as u32).to_be_bytes());
-        for (name, value) in kept {
-            out.extend_from_slice(&(name.as_str().len() as u32).to_be_bytes());
-            out.extend_from_slice(name.as_str().as_bytes());
-            out.extend_from_slice(&(value.as_bytes().len() as u32).to_be_bytes());
-            out.extend_from_slice(value.as_bytes());
-        }
+        write_fields(&mut out, &kept);
         out.extend_from_slice(&(self.body.len() as u64).to_be_bytes());
         out.extend_from_slice(&self.body);
+        if !trailers.is_empty() {
+            write_fields(&mut out, &trailers);
+        }
         out
     }
 
     /// Decodes a recorded response; fails on anything malformed.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let mut r = Reader { bytes, pos: 0 };
-        if r.take(4)? != MAGIC {
-            return Err("not a recorded HTTP response".into());
-        }
+        let has_trailers = match r.take(4)? {
+            m if m == MAGIC => false,
+            m if m == MAGIC_TRAILERS => true,
+            _ => return Err("not a recorded HTTP response".into()),
+        };
         let status = u16::from_be_bytes(r.array()?);
         let status = StatusCode::from_u16(status).map_err(|e| e.to_string())?;
-        let count = u32::from_be_bytes(r.array()?);
-        let mut headers = HeaderMap::new();
-        for _ in 0..count {
-            let len = u32::from_be_bytes(r.array()?) as usize;
-            let name = HeaderName::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
-            let len = u32::from_be_bytes(r.array()?) as usize;
-            let value = HeaderValue::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
-            headers.append(name, value);
-        }
+        let headers = r.fields()?;
         let len = u64::from_be_bytes(r.array()?);
         let len = usize::try_from(len).map_err(|e| e.to_string())?;
         let body = Bytes::copy_from_slice(r.take(len)?);
+        let trailers = if has_trailers { r.fields()? } else { HeaderMap::new() };
         if r.pos != bytes.len() {
-            return Err("trailing bytes after the recorded body".into());
+            return Err("trailing bytes after the recorded response".into());
         }
-        Ok(Self { status, headers, body })
+        Ok(Self {
+            status,
+            headers,
+            body,
+            trailers,
+        })
     }
 
     /// The response to send for a replay: the recorded status, headers and
     /// body plus `Idempotent-Replayed: true`.
     pub fn into_replay(self) -> http::Response<axum_core::body::Body> {
-        let mut response = http::Response::new(axum_core::body::Body::from(self.body));
+        let mut response = http::Response::new(crate::body::with_trailers(self.body, self.trailers));
         *response.status_mut() = self.status;
         *response.headers_mut() = self.headers;
         response
@@ -96,6 +99,16 @@ impl RecordedResponse {
             .insert(crate::IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
         response.headers_mut().remove(header::CONTENT_LENGTH);
         response
+    }
+}
+
+fn write_fields(out: &mut Vec<u8>, fields: &[(&HeaderName, &HeaderValue)]) {
+    out.extend_from_slice(&(fields.len() as u32).to_be_bytes());
+    for (name, value) in fields {
+        out.extend_from_slice(&(name.as_str().len() as u32).to_be_bytes());
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(&(value.as_bytes().len() as u32).to_be_bytes());
+        out.extend_from_slice(value.as_bytes());
     }
 }
 
@@ -114,6 +127,19 @@ impl<'a> Reader<'a> {
         let out = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(out)
+    }
+
+    fn fields(&mut self) -> Result<HeaderMap, String> {
+        let count = u32::from_be_bytes(self.array()?);
+        let mut fields = HeaderMap::new();
+        for _ in 0..count {
+            let len = u32::from_be_bytes(self.array()?) as usize;
+            let name = HeaderName::from_bytes(self.take(len)?).map_err(|e| e.to_string())?;
+            let len = u32::from_be_bytes(self.array()?) as usize;
+            let value = HeaderValue::from_bytes(self.take(len)?).map_err(|e| e.to_string())?;
+            fields.append(name, value);
+        }
+        Ok(fields)
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
@@ -139,6 +165,7 @@ mod tests {
             status: StatusCode::CREATED,
             headers,
             body: Bytes::from_static(b"\x00\xffz"),
+            trailers: HeaderMap::new(),
         };
         let back = RecordedResponse::decode(&r.encode()).unwrap();
         assert_eq!(back.status, StatusCode::CREATED);
@@ -149,6 +176,28 @@ mod tests {
     }
 
     #[test]
+    fn trailers_round_trip_and_old_records_still_decode() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let r = RecordedResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"ok"),
+            trailers,
+        };
+        let encoded = r.encode();
+        assert_eq!(&encoded[..4], b"IDH2");
+        assert_eq!(RecordedResponse::decode(&encoded).unwrap(), r);
+        let plain = RecordedResponse {
+            trailers: HeaderMap::new(),
+            ..r
+        }
+        .encode();
+        assert_eq!(&plain[..4], b"IDH1", "without trailers the format is unchanged");
+        assert!(RecordedResponse::decode(&plain).unwrap().trailers.is_empty());
+    }
+
+    #[test]
     fn rejects_garbage() {
         assert!(RecordedResponse::decode(b"").is_err());
         assert!(RecordedResponse::decode(b"IDH1\x00").is_err());
@@ -156,6 +205,7 @@ mod tests {
             status: StatusCode::OK,
             headers: HeaderMap::new(),
             body: Bytes::new(),
+            trailers: HeaderMap::new(),
         }
         .encode();
         ok.push(0);

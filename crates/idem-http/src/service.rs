@@ -565,8 +565,8 @@ impl<B: TxBackend + Clone> Transactional<B> {
                 );
             }
         };
-        let body = match collected {
-            Collected::Full(body) => body,
+        let (body, trailers) = match collected {
+            Collected::Full(body, trailers) => (body, trailers),
             Collected::TooLarge(_) => {
                 self.engine.abandon(claimed).await;
                 return done(
@@ -604,6 +604,7 @@ impl<B: TxBackend + Clone> Transactional<B> {
             status: rparts.status,
             headers: rparts.headers.clone(),
             body: body.clone(),
+            trailers: trailers.clone(),
         };
         hit(Point::BeforeCommit);
         if rejection {
@@ -624,7 +625,7 @@ impl<B: TxBackend + Clone> Transactional<B> {
                 Err(e) => return done(error_response(cfg, call, e)),
             }
         }
-        done(first(rparts, Body::from(body)))
+        done(first(rparts, crate::body::with_trailers(body, trailers)))
     }
 
     /// Rolls back a run whose response will not be recorded. If the
@@ -786,11 +787,12 @@ where
         Decision::RecordRejection => true,
     };
     match collect_response(rbody, recording.max_response_bytes).await {
-        Collected::Full(body) => {
+        Collected::Full(body, trailers) => {
             let encoded = RecordedResponse {
                 status: rparts.status,
                 headers: rparts.headers.clone(),
                 body: body.clone(),
+                trailers: trailers.clone(),
             }
             .encode();
             let record = if rejected {
@@ -798,7 +800,10 @@ where
             } else {
                 Record::completed(encoded)
             };
-            (Some(record), Ok(first(rparts, Body::from(body))))
+            (
+                Some(record),
+                Ok(first(rparts, crate::body::with_trailers(body, trailers))),
+            )
         }
         Collected::TooLarge(body) => (
             Some(stand_in(recording, rparts.status, StandIn::TooLarge).0),
@@ -856,6 +861,7 @@ fn stand_in(recording: &Recording, original: StatusCode, why: StandIn) -> (Recor
         status: StatusCode::INTERNAL_SERVER_ERROR,
         headers,
         body: Bytes::from(body),
+        trailers: http::HeaderMap::new(),
     };
     let record = Record::completed(recorded.encode());
     let mut response = Response::new(Body::from(recorded.body));
