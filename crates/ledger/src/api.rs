@@ -100,14 +100,29 @@ pub fn tenant_for_token(token: &str) -> Tenant {
     Tenant::new(format!("t_{}", &hex::encode(digest)[..40])).expect("a hex digest is a valid tenant")
 }
 
+/// The token of an `Authorization: Bearer <token>` value. The scheme is
+/// case-insensitive (RFC 9110 §11.1); the token is a token68 (RFC 6750) of at
+/// most 1024 characters.
+pub fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let token = token.trim_start_matches(' ');
+    let body = token.trim_end_matches('=');
+    let token68 = !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'+' | b'/'));
+    (token68 && token.len() <= 1024).then_some(token)
+}
+
 async fn authenticate(mut req: Request, next: Next) -> Response {
     let token = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty() && t.len() <= 1024);
+        .and_then(bearer_token);
     match token {
         Some(token) => {
             let tenant = tenant_for_token(token);
@@ -124,25 +139,56 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
     }
 }
 
-/// A JSON body that must match `T` exactly (unknown fields are refused);
-/// anything else is a 400 problem.
+/// A JSON body that must match `T` exactly: a JSON object (never an array
+/// in field order) with no unknown fields, sent as `application/json` (or a
+/// `+json` type). A body of another media type is a 415 problem with
+/// `Accept-Post: application/json`; any other mismatch is a 400 problem.
+/// Either way nothing is written.
 pub struct JsonBody<T>(pub T);
+
+/// Whether the request says its body is JSON.
+fn is_json(req: &Request) -> bool {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || (v.starts_with("application/") && v.ends_with("+json")))
+}
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = Response;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        if !is_json(&req) {
+            let mut r = problem(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-media-type",
+                "Unsupported media type",
+                "the request body must be JSON, sent with Content-Type: application/json",
+            );
+            r.headers_mut()
+                .insert("accept-post", HeaderValue::from_static("application/json"));
+            return Err(r);
+        }
         let bytes = Bytes::from_request(req, state)
             .await
             .map_err(IntoResponse::into_response)?;
-        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+        let invalid = |detail: String| {
             problem(
                 StatusCode::BAD_REQUEST,
                 "invalid-request",
                 "Invalid request body",
-                format!("invalid JSON body: {e}"),
+                detail,
             )
-        })
+        };
+        // Serde accepts a struct written as an array of its fields; the
+        // contract is an object.
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(invalid("the request body must be a JSON object".into()));
+        }
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| invalid(format!("invalid JSON body: {e}")))
     }
 }
 

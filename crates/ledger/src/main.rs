@@ -22,7 +22,12 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // Colour only for a terminal: logs written to a file or a pipe stay
+    // plain text. NO_COLOR (https://no-color.org) turns colour off anywhere.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
+        .with_ansi(ansi)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn".into()),
         )

@@ -233,6 +233,87 @@ async fn bad_input_writes_nothing(engine: Engine, transport: Transport) {
     l.stop().await;
 }
 
+/// A JSON array in field order is not the object it mimics, and a body that
+/// is not sent as JSON is 415: both write nothing and leave the key usable.
+async fn wrong_types_and_media_write_nothing(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    assert_eq!(l.top_up(&t, &a, 10).await.status, 201);
+    let k = key();
+    let arrays = [
+        ("/v1/top-ups", format!("[\"{a}\", 500]")),
+        ("/v1/transfers", format!("[\"{a}\", \"{b}\", 5]")),
+        ("/v1/accounts", "[\"eve\"]".to_owned()),
+        ("/v1/top-ups", " \n [\"x\"]".to_owned()),
+        ("/v1/top-ups", "\"text\"".to_owned()),
+        ("/v1/top-ups", "5".to_owned()),
+        ("/v1/top-ups", "null".to_owned()),
+    ];
+    for (path, body) in &arrays {
+        l.post(path, &t, Some(&k), body)
+            .await
+            .assert_problem(400, "invalid-request");
+    }
+    let auth = ("authorization".to_owned(), format!("Bearer {t}"));
+    let idem = ("idempotency-key".to_owned(), k.clone());
+    let body = top_up_body(&a, 500);
+    for content_type in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("application/jsonx"),
+    ] {
+        let mut headers = vec![auth.clone(), idem.clone()];
+        if let Some(ct) = content_type {
+            headers.push(("content-type".to_owned(), ct.to_owned()));
+        }
+        let r = l.send_raw("POST", "/v1/top-ups", &headers, Some(&body)).await;
+        r.assert_problem(415, "unsupported-media-type");
+        assert_eq!(r.headers["accept-post"], "application/json", "{content_type:?}");
+    }
+    let audit = l.audit(&t).await;
+    assert_eq!(audit["journal_rows"], 1, "nothing was written");
+    assert_eq!(l.balance(&t, &a).await, 10);
+    let json_utf8 = ("content-type".to_owned(), "Application/JSON; charset=utf-8".to_owned());
+    let r = l
+        .send_raw("POST", "/v1/top-ups", &[auth, idem, json_utf8], Some(&body))
+        .await;
+    assert_eq!(
+        r.status, 201,
+        "the key stayed usable; media type parameters and case are fine"
+    );
+    assert_eq!(l.balance(&t, &a).await, 510);
+    l.stop().await;
+}
+
+/// The Bearer scheme is case-insensitive; a token must be a token68.
+async fn bearer_scheme_is_case_insensitive(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let headers = [("authorization".to_owned(), format!("{scheme} {t}"))];
+        let r = l.send_raw("GET", &format!("/v1/accounts/{a}"), &headers, None).await;
+        assert_eq!(r.status, 200, "{scheme}");
+    }
+    for bad in [
+        "Basic abc",
+        "Bearer",
+        "Bearer ",
+        "Bearer a b",
+        "Bearer a,b",
+        "Bearer =abc",
+        "Bearerabc",
+    ] {
+        let headers = [("authorization".to_owned(), bad.to_owned())];
+        l.send_raw("GET", &format!("/v1/accounts/{a}"), &headers, None)
+            .await
+            .assert_problem(401, "unauthorized");
+    }
+    l.stop().await;
+}
+
 /// Unknown routes and methods are problems too; health and metrics answer.
 async fn routes_and_operations(engine: Engine, transport: Transport) {
     let l = Ledger::start(engine, transport).await;
@@ -377,6 +458,8 @@ matrix!(
     key_errors,
     rejection_leaves_key_unused,
     bad_input_writes_nothing,
+    wrong_types_and_media_write_nothing,
+    bearer_scheme_is_case_insensitive,
     routes_and_operations,
     fifty_concurrent_identical_transfers,
     tenants_never_share_responses,

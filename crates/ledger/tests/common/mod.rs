@@ -166,17 +166,26 @@ impl Ledger {
         key: Option<&str>,
         body: Option<&str>,
     ) -> Resp {
+        let mut headers = Vec::new();
+        if let Some(t) = token {
+            headers.push(("authorization".to_owned(), format!("Bearer {t}")));
+        }
+        if let Some(k) = key {
+            headers.push(("idempotency-key".to_owned(), k.to_owned()));
+        }
+        if body.is_some() {
+            headers.push(("content-type".to_owned(), "application/json".to_owned()));
+        }
+        self.send_raw(method, path, &headers, body).await
+    }
+
+    /// Sends exactly these headers and body.
+    pub async fn send_raw(&self, method: &str, path: &str, headers: &[(String, String)], body: Option<&str>) -> Resp {
         match self.transport {
             Transport::InProcess => {
                 let mut b = axum::http::Request::builder().method(method).uri(path);
-                if let Some(t) = token {
-                    b = b.header("authorization", format!("Bearer {t}"));
-                }
-                if let Some(k) = key {
-                    b = b.header("idempotency-key", k);
-                }
-                if body.is_some() {
-                    b = b.header("content-type", "application/json");
+                for (name, value) in headers {
+                    b = b.header(name.as_str(), value.as_str());
                 }
                 let req = b.body(Body::from(body.unwrap_or("").to_owned())).unwrap();
                 let res = self.router.clone().oneshot(req).await.unwrap();
@@ -190,14 +199,11 @@ impl Ledger {
             Transport::Socket => {
                 let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
                 let mut b = self.client.request(method, format!("{}{path}", self.base));
-                if let Some(t) = token {
-                    b = b.header("authorization", format!("Bearer {t}"));
-                }
-                if let Some(k) = key {
-                    b = b.header("idempotency-key", k);
+                for (name, value) in headers {
+                    b = b.header(name.as_str(), value.as_str());
                 }
                 if let Some(body) = body {
-                    b = b.header("content-type", "application/json").body(body.to_owned());
+                    b = b.body(body.to_owned());
                 }
                 let res = b.send().await.unwrap();
                 let status = res.status().as_u16();
