@@ -1,0 +1,217 @@
+//! Two ledger processes on one database — PostgreSQL, MariaDB, and one
+//! SQLite file — with identical requests split across them: one effect, and
+//! every answer the first one's (replayed) or 409.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Engine, database_url, key, token};
+
+/// A ledger process, killed when dropped.
+struct Instance {
+    child: Child,
+    base: String,
+}
+
+impl Instance {
+    fn start(database_url: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ledger"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--max-connections",
+                "8",
+                "--database-url",
+                database_url,
+            ])
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the ledger starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("the ledger on {database_url} exited at start: {status}");
+                }
+                continue;
+            };
+            if let Some(addr) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .filter(|_| line.contains("ledger listening"))
+            {
+                return Self {
+                    child,
+                    base: format!("http://{addr}"),
+                };
+            }
+        }
+        let _ = child.kill();
+        panic!("the ledger on {database_url} did not start listening within 60 s");
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Answer {
+    status: u16,
+    replayed: bool,
+    body: String,
+}
+
+async fn post(client: &reqwest::Client, base: &str, token: &str, key: &str, path: &str, body: &str) -> Answer {
+    let r = client
+        .post(format!("{base}{path}"))
+        .header("authorization", format!("Bearer {token}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .expect("the ledger answers");
+    let status = r.status().as_u16();
+    let replayed = r.headers().contains_key("idempotent-replayed");
+    Answer {
+        status,
+        replayed,
+        body: r.text().await.expect("a body"),
+    }
+}
+
+/// Sends `n` identical requests, alternating between the instances, all at
+/// once; checks one first answer, every other one identical (replayed) or 409.
+async fn split(client: &reqwest::Client, instances: &[Instance; 2], token: &str, path: &str, body: &str, n: usize) {
+    let key = key();
+    let answers = futures_util::future::join_all((0..n).map(|i| {
+        let base = instances[i % 2].base.clone();
+        let (client, key) = (client.clone(), key.clone());
+        async move { post(&client, &base, token, &key, path, body).await }
+    }))
+    .await;
+    let first: Vec<&Answer> = answers.iter().filter(|a| a.status == 201 && !a.replayed).collect();
+    let replays = answers.iter().filter(|a| a.replayed).count();
+    let in_flight = answers.iter().filter(|a| a.status == 409).count();
+    eprintln!("{path}: {} ran, {replays} replayed, {in_flight} in flight", first.len());
+    assert_eq!(first.len(), 1, "exactly one request ran {path}");
+    for a in &answers {
+        match a.status {
+            201 => assert_eq!(a.body, first[0].body, "a replay is the first response"),
+            409 => assert!(a.body.contains("idempotency-key-in-flight")),
+            other => panic!("unexpected {other}: {}", a.body),
+        }
+    }
+}
+
+async fn two_instances_one_effect(engine: Engine) {
+    let url = database_url(engine);
+    let instances = [Instance::start(&url), Instance::start(&url)];
+    let client = reqwest::Client::new();
+    let t = token();
+    let mut accounts = Vec::new();
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        let r = post(
+            &client,
+            &instances[i].base,
+            &t,
+            &key(),
+            "/v1/accounts",
+            &format!("{{\"name\":\"{name}\"}}"),
+        )
+        .await;
+        assert_eq!(r.status, 201, "{}", r.body);
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+        accounts.push(v["id"].as_str().expect("id").to_owned());
+    }
+    let (a, b) = (&accounts[0], &accounts[1]);
+    split(
+        &client,
+        &instances,
+        &t,
+        "/v1/top-ups",
+        &format!("{{\"account_id\":\"{a}\",\"amount\":100}}"),
+        20,
+    )
+    .await;
+    split(
+        &client,
+        &instances,
+        &t,
+        "/v1/transfers",
+        &format!("{{\"from\":\"{a}\",\"to\":\"{b}\",\"amount\":30}}"),
+        20,
+    )
+    .await;
+    for (i, instance) in instances.iter().enumerate() {
+        let audit: serde_json::Value = client
+            .get(format!("{}/v1/audit", instance.base))
+            .header("authorization", format!("Bearer {t}"))
+            .send()
+            .await
+            .expect("audit")
+            .json()
+            .await
+            .expect("json");
+        assert_eq!(audit["top_ups_total"], 100, "instance {i}: one top-up applied");
+        assert_eq!(audit["balances_total"], 100, "instance {i}");
+        assert_eq!(audit["conserved"], true, "instance {i}");
+        let balance = |id: &str| {
+            let (client, base, t, id) = (client.clone(), instance.base.clone(), t.clone(), id.to_owned());
+            async move {
+                let v: serde_json::Value = client
+                    .get(format!("{base}/v1/accounts/{id}"))
+                    .header("authorization", format!("Bearer {t}"))
+                    .send()
+                    .await
+                    .expect("account")
+                    .json()
+                    .await
+                    .expect("json");
+                v["balance"].as_i64().expect("balance")
+            }
+        };
+        assert_eq!(
+            (balance(a).await, balance(b).await),
+            (70, 30),
+            "instance {i}: one transfer applied"
+        );
+    }
+    drop(instances);
+    if engine == Engine::Sqlite {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+            let _ = std::fs::remove_file(format!("{url}{suffix}"));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_instances_on_postgres() {
+    two_instances_one_effect(Engine::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_instances_on_mariadb() {
+    two_instances_one_effect(Engine::Mysql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_instances_on_one_sqlite_file() {
+    two_instances_one_effect(Engine::Sqlite).await;
+}
