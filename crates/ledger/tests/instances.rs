@@ -60,6 +60,7 @@ impl Instance {
             }
         }
         let _ = child.kill();
+        let _ = child.wait();
         panic!("the ledger on {database_url} did not start listening within 60 s");
     }
 }
