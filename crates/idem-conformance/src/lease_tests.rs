@@ -486,3 +486,37 @@ pub async fn lease_outcome_recorded_after_a_drop<S: Subject>(s: S) {
     assert_eq!(again.into_inner().amount, 7);
     assert_eq!(runs.get(), 1, "the work ran once");
 }
+
+/// Leases are decided on the store's clock. A second host whose wall clock
+/// runs 10 minutes ahead cannot take over a live lease when its engine is
+/// anchored to the store; deciding on its own clock, it would (the hazard the
+/// anchoring removes, shown here so the test can fail).
+pub async fn lease_skewed_host_cannot_take_over<S: Subject>(s: S)
+where
+    S::Lease: idem_core::TimeSource,
+{
+    let anchored = || async {
+        let clock = idem_core::AnchoredClock::start(Arc::new(s.lease_store()), idem_core::AnchorOptions::default())
+            .await
+            .expect("the store's clock can be read");
+        Arc::new(clock) as idem_core::SharedClock
+    };
+    let holder = lease_engine(&s).with_clock(anchored().await);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(60_000),
+    );
+    let lease = held(holder.acquire(&call).await.unwrap());
+    let ahead = idem_core::ManualClock::new(idem_core::Clock::now_ms(&idem_core::SystemClock) + 600_000);
+    let skewed_host = lease_engine(&s).with_clock(anchored().await);
+    assert_in_flight(skewed_host.acquire(&call).await);
+    let own_clock = lease_engine(&s).with_clock(Arc::new(ahead));
+    let stolen = held(own_clock.acquire(&call).await.unwrap());
+    assert!(
+        stolen.token > lease.token,
+        "on its own clock the skewed host took the live lease over"
+    );
+    own_clock.release(&stolen).await.unwrap();
+}

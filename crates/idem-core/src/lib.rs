@@ -49,7 +49,10 @@ mod table;
 mod tx;
 
 pub use classify::{Classify, Never, Retryable, http_status_retryable};
-pub use clock::{Clock, ManualClock, SharedClock, SystemClock, system_clock};
+pub use clock::{
+    AnchorOptions, AnchoredClock, CLOCK_OFFSET, CLOCK_UNCERTAINTY, Clock, ManualClock, SharedClock, SystemClock,
+    TimeSource, system_clock,
+};
 pub use contention::{Contention, ContentionRetries};
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::canonical;

@@ -287,3 +287,10 @@ impl Sweep for MemoryStore {
         })
     }
 }
+
+impl idem_core::TimeSource for MemoryStore {
+    /// The system clock: an in-memory store lives in one process.
+    fn source_now_ms(&self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(async { Ok(idem_core::Clock::now_ms(&idem_core::SystemClock)) })
+    }
+}

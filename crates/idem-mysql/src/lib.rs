@@ -55,6 +55,7 @@
 //! # Ok(()) }
 //! ```
 
+mod clock;
 mod error;
 mod migrate;
 

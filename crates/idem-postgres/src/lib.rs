@@ -95,6 +95,7 @@ use idem_core::{
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
+mod clock;
 mod error;
 mod migrate;
 mod sql;

@@ -94,6 +94,7 @@
 //! This crate has no Cargo features.
 
 mod backend;
+mod clock;
 mod error;
 mod keylock;
 mod shared;

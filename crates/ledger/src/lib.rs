@@ -131,6 +131,16 @@ impl Store {
     }
 }
 
+impl idem_core::TimeSource for Store {
+    fn source_now_ms(&self) -> idem_core::BoxFuture<'_, idem_core::Result<i64>> {
+        match self {
+            Store::Postgres(s) => s.source_now_ms(),
+            Store::MySql(s) => s.source_now_ms(),
+            Store::Sqlite(s) => s.source_now_ms(),
+        }
+    }
+}
+
 /// The process-wide Prometheus recorder (installed on first call).
 pub fn metrics_handle() -> Option<PrometheusHandle> {
     static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
@@ -164,7 +174,16 @@ pub async fn run(listen: &str, database_url: &str, max_connections: u32, options
     let store = Store::connect(database_url, max_connections).await?;
     let listener = TcpListener::bind(listen).await?;
     tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");
-    let clock: SharedClock = Arc::new(idem_core::SystemClock);
+    // Every instance on one database decides key expiry on the database's
+    // clock, so a host whose clock is off cannot expire keys early.
+    let clock = idem_core::AnchoredClock::start(Arc::new(store.clone()), idem_core::AnchorOptions::default())
+        .await
+        .map_err(|e| StartError::Config(format!("cannot read the database's clock: {e}")))?;
+    tracing::info!(
+        uncertainty_ms = clock.uncertainty().as_secs_f64() * 1000.0,
+        "clock anchored to the database"
+    );
+    let clock: SharedClock = Arc::new(clock);
     serve(listener, store, clock, options, shutdown_signal()).await?;
     tracing::info!("ledger stopped");
     Ok(())
