@@ -1,5 +1,8 @@
 //! The HTTP API: routes, request validation and problem responses.
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{HeaderValue, StatusCode, header, request::Parts};
@@ -28,15 +31,21 @@ pub struct AppState<D> {
 }
 
 /// Settings of the API.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// How long idempotency keys are kept.
     pub key_ttl_secs: u64,
+    /// The bearer tokens accepted. Empty: demo mode, where every token is
+    /// accepted as its own tenant.
+    pub tokens: Arc<HashSet<String>>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { key_ttl_secs: 86_400 }
+        Self {
+            key_ttl_secs: 86_400,
+            tokens: Arc::default(),
+        }
     }
 }
 
@@ -65,10 +74,11 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
         .route("/v1/transfers", post(transfer::<D>))
         .route("/v1/audit", get(audit::<D>))
         .route_layer(idempotency)
-        .route_layer(middleware::from_fn(authenticate));
+        .route_layer(middleware::from_fn_with_state(options.tokens.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz::<D>))
         .route("/metrics", get(metrics_text::<D>))
+        .route("/openapi.json", get(openapi_json))
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -117,12 +127,13 @@ pub fn bearer_token(value: &str) -> Option<&str> {
     (token68 && token.len() <= 1024).then_some(token)
 }
 
-async fn authenticate(mut req: Request, next: Next) -> Response {
+async fn authenticate(State(tokens): State<Arc<HashSet<String>>>, mut req: Request, next: Next) -> Response {
     let token = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(bearer_token);
+        .and_then(bearer_token)
+        .filter(|token| tokens.is_empty() || tokens.contains(*token));
     match token {
         Some(token) => {
             let tenant = tenant_for_token(token);
@@ -199,6 +210,8 @@ pub enum ApiError {
     Invalid(String),
     /// 400: an amount is out of range.
     Amount(String),
+    /// 422: a transfer from an account to itself.
+    SameAccount,
     /// From the database.
     Db(DbError),
 }
@@ -214,6 +227,12 @@ impl IntoResponse for ApiError {
         match self {
             ApiError::Invalid(detail) => problem(StatusCode::BAD_REQUEST, "invalid-request", "Invalid request", detail),
             ApiError::Amount(detail) => problem(StatusCode::BAD_REQUEST, "invalid-amount", "Invalid amount", detail),
+            ApiError::SameAccount => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "same-account",
+                "Same account",
+                "from and to must be different accounts",
+            ),
             ApiError::Db(DbError::AccountNotFound(id)) => problem(
                 StatusCode::NOT_FOUND,
                 "account-not-found",
@@ -278,6 +297,33 @@ fn amount(value: i64) -> Result<i64, ApiError> {
     Ok(value)
 }
 
+/// A JSON number with no fractional part: `5`, `5.0` and `5e0` are all 5,
+/// as in JSON Schema's `integer`. Numbers beyond `i64` saturate, so the
+/// range check names them; `1.5`, strings and the like are type errors.
+fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    struct Whole;
+    impl serde::de::Visitor<'_> for Whole {
+        type Value = i64;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a whole number")
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<i64, E> {
+            Ok(v)
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<i64, E> {
+            Ok(i64::try_from(v).unwrap_or(i64::MAX))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<i64, E> {
+            if !v.is_finite() || v.fract() != 0.0 {
+                return Err(E::custom(format!("{v} is not a whole number")));
+            }
+            // Saturating: out-of-range values fail the amount's range check.
+            Ok(v as i64)
+        }
+    }
+    d.deserialize_any(Whole)
+}
+
 /// Account ids are canonical lower-case UUIDs.
 fn account_id(field: &str, id: &str) -> Result<(), ApiError> {
     let ok = id.len() == 36
@@ -292,37 +338,55 @@ fn account_id(field: &str, id: &str) -> Result<(), ApiError> {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewAccount {
+pub(crate) struct NewAccount {
+    /// 1 to 100 characters, no control characters, no surrounding whitespace.
+    #[schema(
+        min_length = 1,
+        max_length = 100,
+        pattern = r"^[^\s\x00-\x1f\x7f-\x9f]([^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f])?$"
+    )]
     name: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewTopUp {
+pub(crate) struct NewTopUp {
+    /// The account to credit.
+    #[schema(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
     account_id: String,
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64)]
+    #[serde(deserialize_with = "whole_number")]
     amount: i64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewTransfer {
+pub(crate) struct NewTransfer {
+    /// The account debited.
+    #[schema(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
     from: String,
+    /// The account credited (another one).
+    #[schema(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
     to: String,
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64)]
+    #[serde(deserialize_with = "whole_number")]
     amount: i64,
 }
 
-#[derive(serde::Serialize)]
-struct TopUpDone {
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct TopUpDone {
     id: String,
     account_id: String,
     amount: i64,
     balance: i64,
 }
 
-#[derive(serde::Serialize)]
-struct TransferDone {
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct TransferDone {
     id: String,
     from: String,
     to: String,
@@ -406,7 +470,7 @@ async fn transfer<D: LedgerDb>(
     account_id("from", &req.from)?;
     account_id("to", &req.to)?;
     if req.from == req.to {
-        return Err(ApiError::Invalid("from and to must be different accounts".into()));
+        return Err(ApiError::SameAccount);
     }
     let amount = amount(req.amount)?;
     let id = uuid::Uuid::now_v7().to_string();
@@ -460,6 +524,11 @@ async fn metrics_text<D: LedgerDb>(State(st): State<AppState<D>>) -> Response {
             "metrics are not enabled",
         ),
     }
+}
+
+async fn openapi_json() -> Json<serde_json::Value> {
+    static DOCUMENT: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
+    Json(DOCUMENT.get_or_init(crate::openapi::document_json).clone())
 }
 
 async fn not_found(req: Request) -> Response {

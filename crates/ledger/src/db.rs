@@ -64,7 +64,7 @@ impl idem_core::Contention for DbError {
 }
 
 /// An account as the API shows it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct Account {
     /// Its id (a UUIDv7).
     pub id: String,
@@ -75,7 +75,7 @@ pub struct Account {
 }
 
 /// Conservation figures of one tenant, all computed from stored rows.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct Audit {
     /// Sum of the entries of the tenant's accounts.
     pub balances_total: i64,

@@ -14,6 +14,7 @@ pub mod api;
 pub mod db;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod openapi;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};

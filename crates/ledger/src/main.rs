@@ -15,6 +15,10 @@ struct Args {
     /// How long idempotency keys are kept, in seconds.
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=315_360_000))]
     key_ttl_secs: u64,
+    /// The bearer tokens accepted (repeat the flag, or a comma-separated
+    /// LEDGER_TOKENS). None: demo mode, every token is its own tenant.
+    #[arg(long = "token", env = "LEDGER_TOKENS", value_delimiter = ',')]
+    tokens: Vec<String>,
     /// Database connections at most.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
     max_connections: u32,
@@ -35,6 +39,7 @@ async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let options = ledger::Options {
         key_ttl_secs: args.key_ttl_secs,
+        tokens: std::sync::Arc::new(args.tokens.into_iter().filter(|t| !t.is_empty()).collect()),
     };
     match ledger::run(&args.listen, &args.database_url, args.max_connections, options).await {
         Ok(()) => std::process::ExitCode::SUCCESS,

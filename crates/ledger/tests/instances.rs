@@ -4,73 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-use common::{Engine, database_url, key, token};
-
-/// A ledger process, killed when dropped.
-struct Instance {
-    child: Child,
-    base: String,
-}
-
-impl Instance {
-    fn start(database_url: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ledger"))
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--max-connections",
-                "8",
-                "--database-url",
-                database_url,
-            ])
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("the ledger starts");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("the ledger on {database_url} exited at start: {status}");
-                }
-                continue;
-            };
-            if let Some(addr) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .filter(|_| line.contains("ledger listening"))
-            {
-                return Self {
-                    child,
-                    base: format!("http://{addr}"),
-                };
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("the ledger on {database_url} did not start listening within 60 s");
-    }
-}
-
-impl Drop for Instance {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{Engine, Instance, database_url, key, token};
 
 struct Answer {
     status: u16,

@@ -114,7 +114,7 @@ impl Ledger {
 
     pub async fn start_with(url: &str, transport: Transport, clock: SharedClock, options: Options) -> Self {
         let store = connect(url).await;
-        let router = store.router(clock.clone(), options);
+        let router = store.router(clock.clone(), options.clone());
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(60))
             .build()
@@ -279,4 +279,75 @@ macro_rules! matrix {
         mod in_process { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name($engine, Transport::InProcess).await } )* }
         mod socket { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name($engine, Transport::Socket).await } )* }
     };
+}
+
+/// A ledger process, killed when dropped.
+pub struct Instance {
+    child: std::process::Child,
+    pub base: String,
+}
+
+impl Instance {
+    pub fn start(database_url: &str) -> Self {
+        Self::start_with(database_url, &[])
+    }
+
+    /// Starts the ledger binary with extra arguments.
+    pub fn start_with(database_url: &str, args: &[&str]) -> Self {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        use std::time::Instant;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ledger"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--max-connections",
+                "8",
+                "--database-url",
+                database_url,
+            ])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the ledger starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("the ledger on {database_url} exited at start: {status}");
+                }
+                continue;
+            };
+            if let Some(addr) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .filter(|_| line.contains("ledger listening"))
+            {
+                return Self {
+                    child,
+                    base: format!("http://{addr}"),
+                };
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the ledger on {database_url} did not start listening within 60 s");
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,0 +1,251 @@
+//! The ledger's OpenAPI document, served at `GET /openapi.json`.
+//!
+//! Schemas are derived from the request and response types themselves
+//! (`utoipa::ToSchema`); the operations below list every route with every
+//! status it answers, and links between them for stateful testing.
+
+use utoipa::ToSchema;
+use utoipa::openapi::link::LinkBuilder;
+use utoipa::openapi::path::{HttpMethod, Operation, OperationBuilder, ParameterBuilder, ParameterIn, PathItem};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{
+    ComponentsBuilder, Content, InfoBuilder, ObjectBuilder, OpenApi, OpenApiBuilder, PathsBuilder, Ref, Required,
+    Response, ResponseBuilder, Type,
+};
+
+use crate::api::{NewAccount, NewTopUp, NewTransfer, TopUpDone, TransferDone};
+use crate::db::{Account, Audit};
+
+/// An RFC 9457 problem, the body of every error.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct Problem {
+    /// A URI naming the kind of problem.
+    r#type: String,
+    /// A short summary of the kind.
+    title: String,
+    /// The HTTP status.
+    status: u16,
+    /// What happened in this case.
+    detail: Option<String>,
+}
+
+fn json(schema: &str) -> Content {
+    Content::new(Some(Ref::from_schema_name(schema)))
+}
+
+fn problem(description: &str) -> Response {
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/problem+json", json("Problem"))
+        .build()
+}
+
+fn ok(description: &str, schema: &str) -> ResponseBuilder {
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/json", json(schema))
+}
+
+/// The `Idempotency-Key` header: an sf-string of 1 to 255 characters.
+fn idempotency_key(required: bool) -> utoipa::openapi::path::Parameter {
+    ParameterBuilder::new()
+        .name("Idempotency-Key")
+        .parameter_in(ParameterIn::Header)
+        .required(if required { Required::True } else { Required::False })
+        .description(Some(
+            "One key per logical operation: an RFC 9651 sf-string (or a bare token) of 1 to 255 \
+             characters; a retry with the same key and request replays the first response",
+        ))
+        .schema(Some(ObjectBuilder::new().schema_type(Type::String).pattern(Some(
+            r#"^("[ !#-\[\]-~]{1,255}"|[A-Za-z0-9*][!#-'*+.0-9A-Z^_`a-z|~:/-]{0,254})$"#,
+        ))))
+        .build()
+}
+
+/// A mutating operation behind the idempotency layer.
+fn mutation(id: &str, summary: &str, body: &str, key_required: bool, created: Response) -> OperationBuilder {
+    OperationBuilder::new()
+        .operation_id(Some(id))
+        .summary(Some(summary))
+        .parameter(idempotency_key(key_required))
+        .request_body(Some(
+            RequestBodyBuilder::new()
+                .content("application/json", json(body))
+                .required(Some(Required::True))
+                .build(),
+        ))
+        .response("201", created)
+        .response(
+            "400",
+            problem("Malformed request: bad JSON, wrong types, unknown fields, a bad key"),
+        )
+        .response("401", problem("No valid bearer token"))
+        .response(
+            "409",
+            problem("A request with this Idempotency-Key is still in flight; retry after Retry-After"),
+        )
+        .response("413", problem("Body over 64 KiB"))
+        .response("415", problem("The body is not sent as application/json"))
+        .response(
+            "422",
+            problem("The Idempotency-Key was used for a different request, or the request is refused"),
+        )
+        .response(
+            "503",
+            problem("The database is unavailable or conflicted; nothing was applied"),
+        )
+}
+
+fn read(id: &str, summary: &str, body: &str) -> OperationBuilder {
+    OperationBuilder::new()
+        .operation_id(Some(id))
+        .summary(Some(summary))
+        .response("200", ok("Found", body).build())
+        .response("401", problem("No valid bearer token"))
+        .response("503", problem("The database is unavailable"))
+}
+
+fn item(method: HttpMethod, operation: Operation) -> PathItem {
+    PathItem::new(method, operation)
+}
+
+/// The document.
+pub fn document() -> OpenApi {
+    let account_link = |op: &str, param: &str| {
+        LinkBuilder::new()
+            .operation_id(op)
+            .parameter(param, "$response.body#/id")
+            .build()
+    };
+    let account_id = ParameterBuilder::new()
+        .name("id")
+        .parameter_in(ParameterIn::Path)
+        .required(Required::True)
+        .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+        .build();
+    let paths = PathsBuilder::new()
+        .path(
+            "/v1/accounts",
+            item(
+                HttpMethod::Post,
+                mutation(
+                    "createAccount",
+                    "Opens an account (the key is optional)",
+                    "NewAccount",
+                    false,
+                    ok("Created", "Account")
+                        .link("GetAccount", account_link("getAccount", "id"))
+                        .build(),
+                )
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/accounts/{id}",
+            item(
+                HttpMethod::Get,
+                read("getAccount", "An account and its balance", "Account")
+                    .parameter(account_id)
+                    .response("404", problem("No such account for this tenant"))
+                    .build(),
+            ),
+        )
+        .path(
+            "/v1/top-ups",
+            item(
+                HttpMethod::Post,
+                mutation(
+                    "createTopUp",
+                    "Credits an account",
+                    "NewTopUp",
+                    true,
+                    ok("Created", "TopUpDone").build(),
+                )
+                .response("404", problem("No such account"))
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/transfers",
+            item(
+                HttpMethod::Post,
+                mutation(
+                    "createTransfer",
+                    "Moves an amount between two accounts",
+                    "NewTransfer",
+                    true,
+                    ok("Created", "TransferDone").build(),
+                )
+                .response("404", problem("No such account"))
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/audit",
+            item(
+                HttpMethod::Get,
+                read(
+                    "getAudit",
+                    "Conservation figures computed from the stored rows",
+                    "Audit",
+                )
+                .build(),
+            ),
+        )
+        .build();
+    let components = ComponentsBuilder::new()
+        .schema_from::<NewAccount>()
+        .schema_from::<NewTopUp>()
+        .schema_from::<NewTransfer>()
+        .schema_from::<Account>()
+        .schema_from::<TopUpDone>()
+        .schema_from::<TransferDone>()
+        .schema_from::<Audit>()
+        .schema_from::<Problem>()
+        .security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)))
+        .build();
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("idem ledger")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some(
+                    "A double-entry credits ledger whose every mutation is exactly-once under the \
+                     Idempotency-Key contract. Every error is application/problem+json.",
+                ))
+                .build(),
+        )
+        .paths(paths)
+        .components(Some(components))
+        .security(Some([SecurityRequirement::new("bearer", Vec::<String>::new())]))
+        .build()
+}
+
+/// The document as JSON. Link objects are written with the field names of
+/// the OpenAPI specification (`operationId`).
+pub fn document_json() -> serde_json::Value {
+    let mut value = serde_json::to_value(document()).expect("the document serialises");
+    fix_links(&mut value);
+    value
+}
+
+fn fix_links(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            if let Some(links) = map.get_mut("links").and_then(|l| l.as_object_mut()) {
+                for link in links.values_mut() {
+                    if let Some(link) = link.as_object_mut()
+                        && let Some(id) = link.remove("operation_id")
+                    {
+                        link.insert("operationId".into(), id);
+                    }
+                }
+            }
+            map.values_mut().for_each(fix_links);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(fix_links),
+        _ => {}
+    }
+}

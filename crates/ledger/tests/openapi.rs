@@ -1,0 +1,88 @@
+//! The OpenAPI document: served, complete, and honoured by the service under
+//! schema-driven fuzzing (schemathesis, all checks, stateful links).
+
+mod common;
+
+use common::{Engine, Instance, database_url};
+
+#[tokio::test]
+async fn the_document_lists_every_route() {
+    let url = database_url(Engine::Sqlite);
+    let ledger = Instance::start(&url);
+    let doc: serde_json::Value = reqwest::get(format!("{}/openapi.json", ledger.base))
+        .await
+        .expect("served")
+        .json()
+        .await
+        .expect("json");
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    let paths = doc["paths"].as_object().expect("paths");
+    for (path, method) in [
+        ("/v1/accounts", "post"),
+        ("/v1/accounts/{id}", "get"),
+        ("/v1/top-ups", "post"),
+        ("/v1/transfers", "post"),
+        ("/v1/audit", "get"),
+    ] {
+        let op = &paths[path][method];
+        assert!(op.is_object(), "{method} {path} is documented");
+        let responses = op["responses"].as_object().expect("responses");
+        assert!(responses.contains_key("401"), "{method} {path} documents 401");
+        for (status, response) in responses {
+            if !status.starts_with('2') {
+                assert!(
+                    response["content"]["application/problem+json"].is_object(),
+                    "{method} {path} {status} is a problem"
+                );
+            }
+        }
+    }
+    let link = &paths["/v1/accounts"]["post"]["responses"]["201"]["links"]["GetAccount"];
+    assert_eq!(
+        link["operationId"], "getAccount",
+        "links use the specification's field names"
+    );
+    for schema in ["NewAccount", "NewTopUp", "NewTransfer", "Account", "Audit", "Problem"] {
+        assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
+    }
+    drop(ledger);
+    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+        let _ = std::fs::remove_file(format!("{url}{suffix}"));
+    }
+}
+
+/// A short schemathesis run: every check, the stateful phase included. The
+/// long run is a documented command (README, "OpenAPI and fuzzing").
+#[test]
+fn schemathesis_finds_nothing() {
+    let url = database_url(Engine::Sqlite);
+    let ledger = Instance::start_with(&url, &["--token", "fuzz-token"]);
+    let output = std::process::Command::new("schemathesis")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["run", &format!("{}/openapi.json", ledger.base)])
+        .args(["-H", "Authorization: Bearer fuzz-token"])
+        .args([
+            "--checks",
+            "all",
+            "--max-examples",
+            "25",
+            "--workers",
+            "1",
+            "--seed",
+            "1",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("schemathesis is not installed ({e}): python3 -m pip install schemathesis==4.32.5"));
+    drop(ledger);
+    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+        let _ = std::fs::remove_file(format!("{url}{suffix}"));
+    }
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "schemathesis found failures:\n{report}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(report.contains("Stateful"), "the stateful phase ran:\n{report}");
+}
