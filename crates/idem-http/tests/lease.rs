@@ -50,29 +50,40 @@ fn counter() -> Arc<AtomicUsize> {
     Arc::new(AtomicUsize::new(0))
 }
 
+/// An app whose `POST /pay` counts its runs in `runs` and answers with
+/// `handler(run)`, where `run` counts from 0.
+fn pay_app<F, Fut, R>(runs: &Arc<AtomicUsize>, policy: Policy, handler: F) -> Router
+where
+    F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse + 'static,
+{
+    let runs = runs.clone();
+    Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let (runs, handler) = (runs.clone(), handler.clone());
+                async move { handler(runs.fetch_add(1, Ordering::SeqCst)).await }
+            }),
+        )
+        .route_layer(layer(policy))
+}
+
 /// A handler three times slower than its lease: twins sent while it runs
 /// are told it is in flight, and after it finishes they replay. It runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_slower_than_its_lease_runs_once() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                        tokio::time::sleep(Duration::from_millis(600)).await;
-                        (StatusCode::CREATED, format!("paid {n}"))
-                    }
-                }),
-            )
-            .route_layer(layer(
-                Policy::default().with_lease_ms(200).with_in_flight(InFlight::Reject),
-            ))
-    };
+    let app = pay_app(
+        &runs,
+        Policy::default().with_lease_ms(200).with_in_flight(InFlight::Reject),
+        |run| async move {
+            let n = run + 1;
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            (StatusCode::CREATED, format!("paid {n}"))
+        },
+    );
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_with_key("/pay", "slow")).await }
@@ -97,26 +108,16 @@ async fn a_handler_slower_than_its_lease_runs_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiting_twin_replays_the_slow_holder() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(600)).await;
-                        StatusCode::CREATED
-                    }
-                }),
-            )
-            .route_layer(layer(
-                Policy::default()
-                    .with_lease_ms(200)
-                    .with_in_flight(InFlight::Wait { max_ms: 5_000 }),
-            ))
-    };
+    let app = pay_app(
+        &runs,
+        Policy::default()
+            .with_lease_ms(200)
+            .with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+        |_run| async move {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            StatusCode::CREATED
+        },
+    );
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_with_key("/pay", "wait")).await }
@@ -149,26 +150,16 @@ fn slow_body(first: &'static str, rest: &'static str, pause: Duration) -> Body {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_dropped_after_the_handler_still_records() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        (
-                            StatusCode::CREATED,
-                            slow_body("paid ", "once", Duration::from_millis(300)),
-                        )
-                    }
-                }),
+    let app = pay_app(
+        &runs,
+        Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+        |_run| async move {
+            (
+                StatusCode::CREATED,
+                slow_body("paid ", "once", Duration::from_millis(300)),
             )
-            .route_layer(layer(
-                Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
-            ))
-    };
+        },
+    );
     let dropped = tokio::time::timeout(Duration::from_millis(100), send(&app, post_with_key("/pay", "gone"))).await;
     assert!(dropped.is_err(), "the request was dropped mid-response");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler had run");
@@ -182,25 +173,14 @@ async fn a_request_dropped_after_the_handler_still_records() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_large_5xx_is_not_recorded() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        let n = runs.fetch_add(1, Ordering::SeqCst);
-                        if n == 0 {
-                            (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(10_000)).into_response()
-                        } else {
-                            (StatusCode::CREATED, "paid").into_response()
-                        }
-                    }
-                }),
-            )
-            .route_layer(layer(Policy::default()))
-    };
+    let app = pay_app(&runs, Policy::default(), |run| async move {
+        let n = run;
+        if n == 0 {
+            (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(10_000)).into_response()
+        } else {
+            (StatusCode::CREATED, "paid").into_response()
+        }
+    });
     let (status, replayed, body) = send(&app, post_with_key("/pay", "503")).await;
     assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
     assert_eq!(body.len(), 10_000, "the 503 reaches the client whole");
@@ -213,32 +193,21 @@ async fn a_large_5xx_is_not_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_5xx_with_a_failing_body_is_not_recorded() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        let n = runs.fetch_add(1, Ordering::SeqCst);
-                        if n == 0 {
-                            let stream = futures_util::stream::iter([
-                                Ok(Bytes::from_static(b"partial")),
-                                Err(std::io::Error::other("upstream reset")),
-                            ]);
-                            Response::builder()
-                                .status(StatusCode::BAD_GATEWAY)
-                                .body(Body::from_stream(stream))
-                                .expect("response")
-                        } else {
-                            (StatusCode::CREATED, "paid").into_response()
-                        }
-                    }
-                }),
-            )
-            .route_layer(layer(Policy::default()))
-    };
+    let app = pay_app(&runs, Policy::default(), |run| async move {
+        let n = run;
+        if n == 0 {
+            let stream = futures_util::stream::iter([
+                Ok(Bytes::from_static(b"partial")),
+                Err(std::io::Error::other("upstream reset")),
+            ]);
+            Response::builder()
+                .status(StatusCode::BAD_GATEWAY)
+                .body(Body::from_stream(stream))
+                .expect("response")
+        } else {
+            (StatusCode::CREATED, "paid").into_response()
+        }
+    });
     let response = app
         .clone()
         .oneshot(post_with_key("/pay", "502"))
@@ -257,28 +226,16 @@ async fn a_5xx_with_a_failing_body_is_not_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_2xx_with_a_failing_body_is_reported_as_failed() {
     let runs = counter();
-    let app = {
-        let runs = runs.clone();
-        Router::new()
-            .route(
-                "/pay",
-                post(move || {
-                    let runs = runs.clone();
-                    async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        let stream = futures_util::stream::iter([
-                            Ok(Bytes::from_static(b"partial")),
-                            Err(std::io::Error::other("serialiser failed")),
-                        ]);
-                        Response::builder()
-                            .status(StatusCode::CREATED)
-                            .body(Body::from_stream(stream))
-                            .expect("response")
-                    }
-                }),
-            )
-            .route_layer(layer(Policy::default()))
-    };
+    let app = pay_app(&runs, Policy::default(), |_run| async move {
+        let stream = futures_util::stream::iter([
+            Ok(Bytes::from_static(b"partial")),
+            Err(std::io::Error::other("serialiser failed")),
+        ]);
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Body::from_stream(stream))
+            .expect("response")
+    });
     let (status, replayed, body) = send(&app, post_with_key("/pay", "failed")).await;
     assert_eq!((status, replayed), (StatusCode::INTERNAL_SERVER_ERROR, false));
     assert!(String::from_utf8_lossy(&body).contains("idempotency-response-failed"));
