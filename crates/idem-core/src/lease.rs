@@ -275,14 +275,14 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// future does not stop the task.
     pub(crate) async fn settle_detached(&self, lease: Lease, settle: Settle, beat: Heartbeat) -> Result<()> {
         let engine = self.clone();
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let settled = match settle {
                 Settle::Complete(record) => engine.complete(&lease, record).await,
                 Settle::Release => engine.release(&lease).await,
             };
             beat.stop();
             settled
-        });
+        }));
         match task.await {
             Ok(settled) => settled,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

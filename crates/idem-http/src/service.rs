@@ -710,7 +710,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
             max_response_bytes: cfg.max_response_bytes,
             problem_base: cfg.problem_base.clone(),
         };
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let mut guard = ReleaseOnPanic {
                 engine: Some(engine.clone()),
                 lease: lease.clone(),
@@ -735,7 +735,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 Err(e) => tracing::warn!(error = %e, "could not settle the lease; it will expire"),
             }
             response
-        });
+        }));
         match task.await {
             Ok(response) => response,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
