@@ -240,7 +240,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
             Acquire::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
             Acquire::Claimed(lease) => lease,
         };
-        let beat = self.heartbeat(&lease, call.policy().lease_ms());
+        let beat = self.heartbeat(&lease, call.policy().effective_lease_ms());
         let mut guard = ReleaseOnPanic {
             store: Some(self.store.clone()),
             lease: lease.clone(),

@@ -147,6 +147,11 @@ impl Policy {
 
     /// The lease actually granted: a claim never outlives its key, so the
     /// lease is at most the TTL.
+    /// The lease length in effect: `lease_ms`, capped at the TTL.
+    pub fn effective_lease_ms(&self) -> u64 {
+        u64::try_from(self.lease_ms_i64()).unwrap_or(0)
+    }
+
     pub(crate) fn lease_ms_i64(&self) -> i64 {
         i64::try_from(self.lease_ms).unwrap_or(i64::MAX).min(self.ttl_ms())
     }

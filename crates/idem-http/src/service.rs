@@ -701,7 +701,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // dropped now (the client went away, an outer timeout) neither
         // releases the key nor stops the recording. The heartbeat keeps the
         // lease alive until the outcome is settled.
-        let beat = self.engine.heartbeat(&lease, call.policy().lease_ms());
+        let beat = self.engine.heartbeat(&lease, call.policy().effective_lease_ms());
         let mut req = Request::from_parts(parts, Body::from(body));
         req.extensions_mut()
             .insert(crate::lease::HeldLease(beat.held().clone()));
