@@ -429,6 +429,32 @@ async fn replay_survives_restart(engine: Engine, transport: Transport) {
     l.stop().await;
 }
 
+/// With a list of accepted tokens, any other token is refused.
+async fn only_listed_tokens_are_accepted(engine: Engine, transport: Transport) {
+    let (listed, other) = (token(), token());
+    let options = Options {
+        tokens: Arc::new([listed.clone()].into_iter().collect()),
+        ..Options::default()
+    };
+    let l = Ledger::start_with(
+        &database_url(engine),
+        transport,
+        Arc::new(idem_core::SystemClock),
+        options,
+    )
+    .await;
+    assert_eq!(
+        l.post("/v1/accounts", &listed, None, r#"{"name":"a"}"#).await.status,
+        201
+    );
+    l.post("/v1/accounts", &other, None, r#"{"name":"a"}"#)
+        .await
+        .assert_problem(401, "unauthorized");
+    l.get("/v1/audit", &other).await.assert_problem(401, "unauthorized");
+    assert_eq!(l.audit(&listed).await["journal_rows"], 0);
+    l.stop().await;
+}
+
 /// A key past its TTL executes anew.
 async fn expired_key_executes_anew(engine: Engine, transport: Transport) {
     let clock = ManualClock::starting_now();
@@ -466,6 +492,7 @@ matrix!(
     bad_input_writes_nothing,
     wrong_types_and_media_write_nothing,
     bearer_scheme_is_case_insensitive,
+    only_listed_tokens_are_accepted,
     routes_and_operations,
     fifty_concurrent_identical_transfers,
     tenants_never_share_responses,
