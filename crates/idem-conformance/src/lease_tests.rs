@@ -520,3 +520,43 @@ where
     );
     own_clock.release(&stolen).await.unwrap();
 }
+
+/// A claim whose caller went away while the store committed it (a dropped
+/// request) is released, not left to wait for its lease to run out.
+pub async fn lease_abandoned_claim_is_released<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("op");
+    let calls: Vec<Call> = (0..20)
+        .map(|_| {
+            call_for(
+                &scope,
+                &IdempotencyKey::generate(),
+                "{}",
+                rejecting().with_lease_ms(60_000),
+            )
+        })
+        .collect();
+    let mut abandoned = 0;
+    for call in &calls {
+        // Polled once, then dropped: the claim is in flight in the store. A
+        // claim that did come back at once is the caller's to release.
+        let polled_once = tokio::select! {
+            biased;
+            acquired = engine.acquire(call) => Some(acquired),
+            () = std::future::ready(()) => None,
+        };
+        match polled_once {
+            Some(Ok(Acquire::Claimed(lease))) => engine.release(&lease).await.unwrap(),
+            Some(other) => panic!("a fresh key: {other:?}"),
+            None => abandoned += 1,
+        }
+    }
+    assert!(abandoned > 0, "some claims were abandoned mid-flight");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for call in &calls {
+        match engine.acquire(call).await {
+            Ok(Acquire::Claimed(lease)) => engine.release(&lease).await.unwrap(),
+            other => panic!("an abandoned claim still holds its key: {other:?}"),
+        }
+    }
+}

@@ -246,7 +246,8 @@ macro_rules! lease_conformance {
                 lease_lost_heartbeat_is_reported,
                 lease_dropped_work_keeps_the_key_until_expiry,
                 lease_outcome_recorded_after_a_drop,
-                lease_skewed_host_cannot_take_over
+                lease_skewed_host_cannot_take_over,
+                lease_abandoned_claim_is_released
             );
         }
     };

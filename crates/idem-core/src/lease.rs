@@ -100,16 +100,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         loop {
             let now_ms = self.clock.now_ms();
             let lease_expires_at_ms = now_ms.saturating_add(call.policy().lease_ms_i64());
-            let req = ClaimRequest {
-                scope: call.scope(),
-                key: call.key(),
-                fingerprint: call.fingerprint(),
-                now_ms,
-                expires_at_ms: now_ms.saturating_add(call.policy().ttl_ms()),
-                fresh_token: Token::fresh(now_ms),
-                lease_expires_at_ms: Some(lease_expires_at_ms),
-            };
-            let retry = match self.store.try_claim(&req).await {
+            let retry = match self.try_claim_detached(call, now_ms, lease_expires_at_ms).await {
                 Ok(LeaseClaim::Acquired(token)) => {
                     metrics::claim(op, "lease");
                     metrics::claim_latency(op, attempts.started.elapsed());
@@ -133,6 +124,46 @@ impl<S: LeaseStore> LeaseEngine<S> {
             };
             attempts.next(retry).await?;
         }
+    }
+
+    /// One claim attempt, in a task of its own. The store commits the claim
+    /// before it answers; if the caller goes away in between (a dropped
+    /// request), nobody would hold the claim and its key would wait for the
+    /// lease to run out. The task sees that and releases it.
+    async fn try_claim_detached(&self, call: &Call, now_ms: i64, lease_expires_at_ms: i64) -> Result<LeaseClaim> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let store = self.store.clone();
+        let call = call.clone();
+        tokio::spawn(
+            async move {
+                let req = ClaimRequest {
+                    scope: call.scope(),
+                    key: call.key(),
+                    fingerprint: call.fingerprint(),
+                    now_ms,
+                    expires_at_ms: now_ms.saturating_add(call.policy().ttl_ms()),
+                    fresh_token: Token::fresh(now_ms),
+                    lease_expires_at_ms: Some(lease_expires_at_ms),
+                };
+                let claimed = store.try_claim(&req).await;
+                if let Err(Ok(LeaseClaim::Acquired(token))) = answer.send(claimed) {
+                    let lease = Lease {
+                        scope: call.scope().clone(),
+                        key: call.key().clone(),
+                        token,
+                        lease_expires_at_ms,
+                    };
+                    match store.release(&lease).await {
+                        Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation().as_str()),
+                        Err(e) => tracing::warn!(error = %e, "could not release an abandoned claim; it will expire"),
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        answered
+            .await
+            .map_err(|e| Error::store(crate::StoreErrorKind::Other, e))?
     }
 
     /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
