@@ -67,3 +67,9 @@ pub mod sqlite {
 pub mod http {
     pub use idem_http::*;
 }
+
+/// Standard Webhooks verification.
+#[cfg(feature = "webhooks")]
+pub mod webhooks {
+    pub use idem_webhooks::*;
+}
