@@ -68,6 +68,12 @@ pub mod http {
     pub use idem_http::*;
 }
 
+/// The inbox for event consumers and webhooks.
+#[cfg(feature = "inbox")]
+pub mod inbox {
+    pub use idem_inbox::*;
+}
+
 /// Standard Webhooks verification.
 #[cfg(feature = "webhooks")]
 pub mod webhooks {
