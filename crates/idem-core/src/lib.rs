@@ -39,6 +39,7 @@ mod heartbeat;
 mod key;
 mod lease;
 pub mod metrics;
+mod outbox;
 mod policy;
 mod record;
 mod registry;
@@ -61,6 +62,9 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintVersion};
 pub use heartbeat::{Heartbeat, HeldLease};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};
 pub use lease::{Acquire, LeaseEngine};
+pub use outbox::{
+    MAX_OUTBOX_PAYLOAD, MAX_SUBJECT_LEN, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore,
+};
 pub use policy::{Consume, InFlight, Policy};
 pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,

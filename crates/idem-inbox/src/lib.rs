@@ -100,6 +100,11 @@ impl<B: TxBackend> Inbox<B> {
         self
     }
 
+    /// How long event ids are kept, in seconds.
+    pub fn ttl_secs(&self) -> u64 {
+        self.policy.ttl_secs()
+    }
+
     /// The call for one delivery: scope (tenant, handler), key = event id,
     /// fingerprint over the payload's bytes.
     pub fn call(&self, handler: &str, event_id: &str, payload: &[u8]) -> Result<Call, Error> {

@@ -58,6 +58,7 @@
 mod clock;
 mod error;
 mod migrate;
+pub mod outbox;
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -72,6 +73,7 @@ use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
 
 use crate::error::{ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT, error_number};
 pub use crate::error::{is_contention, store_error};
+pub use crate::outbox::MySqlOutbox;
 
 /// The transaction a transactional-mode claim lives in; the caller's own
 /// writes go through it (`&mut **tx` is a `MySqlConnection`).

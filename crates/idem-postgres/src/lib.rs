@@ -98,9 +98,11 @@ use sqlx::{AssertSqlSafe, Postgres, Row};
 mod clock;
 mod error;
 mod migrate;
+pub mod outbox;
 mod sql;
 
 pub use error::{is_contention, store_error};
+pub use outbox::PgOutbox;
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
 use sql::Statements;

@@ -97,6 +97,7 @@ mod backend;
 mod clock;
 mod error;
 mod keylock;
+pub mod outbox;
 mod shared;
 mod sql;
 
@@ -112,6 +113,7 @@ use sqlx::{AssertSqlSafe, Row, SqlitePool};
 pub use sqlx::sqlite::SqliteSynchronous;
 
 pub use crate::error::{is_contention, store_error};
+pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements, latest_version};
 
 /// The transaction type of [`SqliteStore`] in transactional mode. The

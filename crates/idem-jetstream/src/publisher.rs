@@ -1,0 +1,66 @@
+//! The outbox relay's JetStream publisher.
+
+use std::time::Duration;
+
+use async_nats::jetstream::context::Context;
+use async_nats::jetstream::message::PublishMessage as Publish;
+use idem_core::{BoxFuture, OutboxMessage};
+use idem_outbox::{PublishError, Publisher};
+
+/// Publishes outbox rows to JetStream with `Nats-Msg-Id` = event id and
+/// waits for each PubAck.
+///
+/// A batch is sent in order on one connection without waiting between
+/// messages; then every acknowledgement is awaited (bounded by
+/// [`with_ack_timeout`](Self::with_ack_timeout)). A message whose
+/// acknowledgement does not come is reported failed and stays unsent; if
+/// the server did store it, the next publish of the same id is dropped as a
+/// duplicate within the stream's window.
+#[derive(Debug, Clone)]
+pub struct JetStreamPublisher {
+    js: Context,
+    ack_timeout: Duration,
+}
+
+impl JetStreamPublisher {
+    /// A publisher on a JetStream context.
+    pub fn new(js: Context) -> Self {
+        Self {
+            js,
+            ack_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// How long one batch waits for its acknowledgements (default 5 s).
+    pub fn with_ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+}
+
+impl Publisher for JetStreamPublisher {
+    fn publish<'a>(&'a self, messages: &'a [OutboxMessage]) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        Box::pin(async move {
+            let mut pending = Vec::with_capacity(messages.len());
+            for m in messages {
+                let publish = Publish::build()
+                    .message_id(m.id.as_str())
+                    .payload(bytes::Bytes::copy_from_slice(&m.payload));
+                pending.push(self.js.send_publish(m.subject.clone(), publish).await);
+            }
+            let deadline = tokio::time::Instant::now() + self.ack_timeout;
+            let mut results = Vec::with_capacity(messages.len());
+            for sent in pending {
+                results.push(match sent {
+                    Err(e) => Err(PublishError(format!("publish: {e}"))),
+                    Ok(ack) => match tokio::time::timeout_at(deadline, ack.into_future()).await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err(e)) => Err(PublishError(format!("acknowledgement: {e}"))),
+                        Err(_) => Err(PublishError("no acknowledgement within the timeout".into())),
+                    },
+                });
+            }
+            results
+        })
+    }
+}

@@ -1,0 +1,707 @@
+//! The outbox, the relays and the inbox consumer on PostgreSQL, MariaDB and
+//! SQLite against the real NATS JetStream server (`IDEM_TEST_NATS_URL`,
+//! default `nats://127.0.0.1:4222`).
+//!
+//! Each test has its own tables, its own stream and subjects, and deletes
+//! its streams at the end.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use idem_core::{BoxFuture, IdempotencyKey, OutboxBatch, OutboxEvent, OutboxStore, TableName, TxBackend, TxEngine};
+use idem_inbox::Inbox;
+use idem_jetstream::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, JetStreamPublisher};
+use idem_outbox::{Publisher, Relay, RelayOptions};
+
+fn nats_url() -> String {
+    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn mysql_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 12..].to_owned()
+}
+
+/// A stream of its own for one test.
+struct Broker {
+    js: jetstream::Context,
+    stream: String,
+    subjects: String,
+    dead_stream: String,
+    dead_subject: String,
+}
+
+impl Broker {
+    async fn new(tag: &str, duplicate_window: Duration) -> Self {
+        let url = nats_url();
+        let client = async_nats::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach NATS at {url} (set IDEM_TEST_NATS_URL): {e}"));
+        let js = jetstream::new(client);
+        let b = Self {
+            js,
+            stream: format!("EVENTS_{tag}"),
+            subjects: format!("events_{tag}"),
+            dead_stream: format!("DEAD_{tag}"),
+            dead_subject: format!("dead_{tag}"),
+        };
+        b.js.create_stream(stream::Config {
+            name: b.stream.clone(),
+            subjects: vec![format!("{}.>", b.subjects)],
+            duplicate_window,
+            storage: stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+        b.js.create_stream(stream::Config {
+            name: b.dead_stream.clone(),
+            subjects: vec![format!("{}.>", b.dead_subject)],
+            storage: stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .expect("create the dead-letter stream");
+        b
+    }
+
+    fn subject(&self, kind: &str) -> String {
+        format!("{}.{kind}", self.subjects)
+    }
+
+    async fn consumer(&self, name: &str, ack_wait: Duration) -> jetstream::consumer::PullConsumer {
+        let stream = self.js.get_stream(&self.stream).await.expect("the stream");
+        stream
+            .get_or_create_consumer(
+                name,
+                pull::Config {
+                    durable_name: Some(name.into()),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait,
+                    max_deliver: -1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("create the consumer")
+    }
+
+    /// Every message of a stream: (event id, subject) per stored copy.
+    async fn stored(&self, stream: &str, id_header: &str) -> Vec<(String, String)> {
+        let mut s = self.js.get_stream(stream).await.expect("the stream");
+        let state = s.info().await.expect("stream info").state.clone();
+        let mut out = Vec::new();
+        if state.messages == 0 {
+            return out;
+        }
+        for seq in state.first_sequence..=state.last_sequence {
+            if let Ok(m) = s.get_raw_message(seq).await {
+                let id = m
+                    .headers
+                    .get(id_header)
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default();
+                out.push((id, m.subject.to_string()));
+            }
+        }
+        out
+    }
+
+    /// Whether a durable consumer has nothing pending or unacknowledged.
+    async fn settled(&self, name: &str) -> bool {
+        let mut c = self.consumer(name, Duration::from_secs(5)).await;
+        let info = c.info().await.expect("consumer info");
+        info.num_pending == 0 && info.num_ack_pending == 0
+    }
+
+    async fn published_ids(&self) -> Vec<String> {
+        self.stored(&self.stream, "Nats-Msg-Id")
+            .await
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    async fn cleanup(&self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+        let _ = self.js.delete_stream(&self.dead_stream).await;
+    }
+}
+
+/// Waits for `check` to hold, up to 30 s.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Relays running in the background until dropped.
+struct Relays {
+    stop: Vec<tokio::sync::oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Relays {
+    fn start<S: OutboxStore>(n: usize, store: &S, js: &jetstream::Context) -> Self {
+        let mut stop = Vec::new();
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let relay = Relay::new(
+                store.clone(),
+                JetStreamPublisher::new(js.clone()),
+                RelayOptions {
+                    name: format!("test{i}"),
+                    idle_wait: Duration::from_millis(10),
+                    batch_size: 20,
+                    ..Default::default()
+                },
+            );
+            stop.push(tx);
+            tasks.push(tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = rx.await;
+                    })
+                    .await
+            }));
+        }
+        Self { stop, tasks }
+    }
+
+    async fn stop(self) {
+        for s in self.stop {
+            let _ = s.send(());
+        }
+        for t in self.tasks {
+            t.await.expect("relay task");
+        }
+    }
+}
+
+/// A consumer running in the background.
+struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    fn start<B: TxBackend + Clone>(consumer: InboxConsumer<B>) -> Self {
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            consumer
+                .run(async move {
+                    let _ = rx.await;
+                })
+                .await
+        });
+        Self { stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.expect("consumer task");
+    }
+}
+
+/// Forces a closure to the handler's higher-ranked signature.
+fn handler<B, F>(f: F) -> F
+where
+    B: TxBackend,
+    F: for<'c> Fn(&'c mut B::Tx, Arc<Event>) -> BoxFuture<'c, Result<(), HandlerError>> + Send + Sync + 'static,
+{
+    f
+}
+
+macro_rules! events_suite {
+    (
+        $engine:ident, $store:ty, $outbox:ty, $pool:ty, $open:expr,
+        late_commit_first: $late_first:expr,
+        create: $create:literal, insert: $insert:literal, count: $count:literal, total: $total:literal
+    ) => {
+        mod $engine {
+            use super::*;
+
+            struct Subject {
+                tag: String,
+                pool: $pool,
+                store: $store,
+                outbox: $outbox,
+                effects: Arc<String>,
+                broker: Broker,
+            }
+
+            async fn subject(duplicate_window: Duration) -> Subject {
+                let tag = tag();
+                let (store, outbox, pool): ($store, $outbox, $pool) = $open(&tag).await;
+                store.migrate().await.expect("migrate the inbox table");
+                outbox.migrate().await.expect("migrate the outbox table");
+                let effects = format!("effects_{tag}");
+                sqlx::query(sqlx::AssertSqlSafe(format!($create, effects)))
+                    .execute(&pool)
+                    .await
+                    .expect("create the effects table");
+                let broker = Broker::new(&tag, duplicate_window).await;
+                Subject {
+                    tag,
+                    pool,
+                    store,
+                    outbox,
+                    effects: Arc::new(effects),
+                    broker,
+                }
+            }
+
+            impl Subject {
+                /// Enqueues one event per transaction; commits or rolls back.
+                async fn enqueue(&self, kind: &str, commit: bool) -> String {
+                    let event = OutboxEvent::new(self.broker.subject(kind), br#"{"v":1}"#.to_vec()).expect("an event");
+                    let mut tx = self.pool.begin().await.expect("begin");
+                    self.outbox.enqueue(&mut *tx, &event).await.expect("enqueue");
+                    if commit {
+                        tx.commit().await.expect("commit");
+                    } else {
+                        tx.rollback().await.expect("rollback");
+                    }
+                    event.id().to_owned()
+                }
+
+                fn inbox(&self) -> Inbox<$store> {
+                    Inbox::new(TxEngine::new(self.store.clone()))
+                }
+
+                /// A consumer whose handler records one effect row per application.
+                async fn consumer(&self, name: &str, options: ConsumerOptions) -> InboxConsumer<$store> {
+                    let effects = self.effects.clone();
+                    let handler_name = options.handler.clone();
+                    let consumer = self.broker.consumer(name, Duration::from_secs(5)).await;
+                    let work = handler::<$store, _>(move |tx, event| {
+                        let (effects, handler_name) = (effects.clone(), handler_name.clone());
+                        Box::pin(async move {
+                            sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
+                                .bind(handler_name)
+                                .bind(event.id.clone())
+                                .execute(&mut **tx)
+                                .await
+                                .map_err(HandlerError::retry)?;
+                            Ok(())
+                        })
+                    });
+                    InboxConsumer::start(self.broker.js.clone(), consumer, self.inbox(), options, work)
+                        .await
+                        .expect("start the consumer")
+                }
+
+                fn options(&self, handler: &str) -> ConsumerOptions {
+                    let mut o = ConsumerOptions::new(handler);
+                    o.dead_letter_subject = format!("{}.{handler}", self.broker.dead_subject);
+                    o
+                }
+
+                async fn effects(&self, handler: &str, id: &str) -> i64 {
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!($count, self.effects)))
+                        .bind(handler)
+                        .bind(id)
+                        .fetch_one(&self.pool)
+                        .await
+                        .expect("count effects")
+                }
+
+                async fn total_effects(&self, handler: &str) -> i64 {
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!($total, self.effects)))
+                        .bind(handler)
+                        .fetch_one(&self.pool)
+                        .await
+                        .expect("count effects")
+                }
+
+                async fn unsent(&self) -> u64 {
+                    self.outbox.lag().await.expect("lag").unsent
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn every_committed_event_is_published_once_and_no_rolled_back_one() {
+                let s = subject(Duration::from_secs(120)).await;
+                let mut committed = BTreeSet::new();
+                let mut rolled_back = BTreeSet::new();
+                for i in 0..60 {
+                    if i % 4 == 3 {
+                        rolled_back.insert(s.enqueue("created", false).await);
+                    } else {
+                        committed.insert(s.enqueue("created", true).await);
+                    }
+                }
+                let relays = Relays::start(4, &s.outbox, &s.broker.js);
+                eventually("every row is marked sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let ids = s.broker.published_ids().await;
+                let published: BTreeSet<String> = ids.iter().cloned().collect();
+                assert_eq!(ids.len(), published.len(), "no event stored twice");
+                assert_eq!(published, committed, "exactly the committed events");
+                assert!(published.is_disjoint(&rolled_back));
+                let lag = s.outbox.lag().await.unwrap();
+                assert_eq!(lag.oldest_unsent_age_ms, None);
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_transaction_opened_first_and_committed_last_is_still_published() {
+                let s = Arc::new(subject(Duration::from_secs(120)).await);
+                let relays = Relays::start(4, &s.outbox, &s.broker.js);
+                // Warm up: the relays have published rows after the one
+                // still to come, so a high-water mark would be past it.
+                let before = s.enqueue("warmup", true).await;
+                eventually("the warm-up event is published", || async {
+                    s.broker.published_ids().await.contains(&before)
+                })
+                .await;
+
+                let early = OutboxEvent::new(s.broker.subject("early"), b"{}".to_vec()).unwrap();
+                let mut first = s.pool.begin().await.expect("begin the first transaction");
+                s.outbox
+                    .enqueue(&mut *first, &early)
+                    .await
+                    .expect("enqueue in the first transaction");
+
+                let s2 = s.clone();
+                let later = tokio::spawn(async move {
+                    let mut ids = Vec::new();
+                    for _ in 0..5 {
+                        ids.push(s2.enqueue("later", true).await);
+                    }
+                    ids
+                });
+                if $late_first {
+                    // The later transactions commit while the first is
+                    // open, and their events are published before it commits.
+                    let later = later.await.unwrap();
+                    eventually("the later events are published", || async {
+                        let ids = s.broker.published_ids().await;
+                        later.iter().all(|id| ids.contains(id))
+                    })
+                    .await;
+                    assert!(!s.broker.published_ids().await.contains(&early.id().to_owned()));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    first.commit().await.expect("commit the first transaction last");
+                } else {
+                    // SQLite has one writer: the later transactions wait for
+                    // the first, which commits after the relays have run.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    first.commit().await.expect("commit the first transaction");
+                    later.await.unwrap();
+                }
+                eventually("the first transaction's event is published", || async {
+                    s.broker.published_ids().await.contains(&early.id().to_owned())
+                })
+                .await;
+                eventually("nothing is left unsent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let ids = s.broker.published_ids().await;
+                let unique: BTreeSet<_> = ids.iter().collect();
+                assert_eq!(ids.len(), unique.len(), "no event stored twice");
+                assert_eq!(ids.len(), 7);
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_relay_dying_between_publish_and_mark_sent_causes_no_duplicate_effect() {
+                let s = subject(Duration::from_secs(120)).await;
+                let mut ids = Vec::new();
+                for _ in 0..10 {
+                    ids.push(s.enqueue("created", true).await);
+                }
+                // A relay takes the rows, the broker confirms them, and the
+                // relay dies before marking them sent.
+                let batch = s.outbox.take(100).await.expect("take");
+                assert_eq!(batch.messages().len(), 10);
+                let publisher = JetStreamPublisher::new(s.broker.js.clone());
+                let results = publisher.publish(batch.messages()).await;
+                assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+                drop(batch);
+                assert_eq!(s.unsent().await, 10, "nothing was marked sent");
+                // SQLite holds taken rows by lease: let it run out.
+                tokio::time::sleep(Duration::from_millis(if $late_first { 0 } else { 1_200 })).await;
+
+                let consumer = Running::start(s.consumer("projection", s.options("projection")).await);
+                let relays = Relays::start(2, &s.outbox, &s.broker.js);
+                eventually("every row is marked sent", || async { s.unsent().await == 0 }).await;
+                eventually("every event is applied", || async {
+                    s.total_effects("projection").await == 10
+                })
+                .await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                relays.stop().await;
+                consumer.stop().await;
+                for id in &ids {
+                    assert_eq!(s.effects("projection", id).await, 1, "{id}");
+                }
+                assert_eq!(
+                    s.broker.published_ids().await.len(),
+                    10,
+                    "the broker dropped the second publish"
+                );
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_redelivered_event_is_a_no_op() {
+                // A one-second window: a copy published after it is stored
+                // again and delivered again.
+                let s = subject(Duration::from_secs(1)).await;
+                let id = s.enqueue("created", true).await;
+                let relays = Relays::start(1, &s.outbox, &s.broker.js);
+                eventually("sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let consumer = Running::start(s.consumer("projection", s.options("projection")).await);
+                eventually("applied", || async { s.effects("projection", &id).await == 1 }).await;
+                tokio::time::sleep(Duration::from_millis(1_200)).await;
+                for _ in 0..3 {
+                    let publish = async_nats::jetstream::message::PublishMessage::build()
+                        .message_id(id.as_str())
+                        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
+                    s.broker
+                        .js
+                        .send_publish(s.broker.subject("created"), publish)
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(1_100)).await;
+                }
+                assert_eq!(
+                    s.broker.published_ids().await.len(),
+                    4,
+                    "the stream holds four copies"
+                );
+                eventually("every copy is acknowledged", || s.broker.settled("projection")).await;
+                consumer.stop().await;
+                assert_eq!(
+                    s.effects("projection", &id).await,
+                    1,
+                    "four deliveries, one effect"
+                );
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn two_handlers_of_one_event_each_apply_it_once() {
+                let s = subject(Duration::from_secs(120)).await;
+                let mut ids = Vec::new();
+                for _ in 0..20 {
+                    ids.push(s.enqueue("created", true).await);
+                }
+                let relays = Relays::start(2, &s.outbox, &s.broker.js);
+                let a = Running::start(s.consumer("projection", s.options("projection")).await);
+                let b = Running::start(s.consumer("notifier", s.options("notifier")).await);
+                // A second instance of each handler on the same durable consumer.
+                let a2 = Running::start(s.consumer("projection", s.options("projection")).await);
+                eventually("both handlers applied every event", || async {
+                    s.total_effects("projection").await == 20 && s.total_effects("notifier").await == 20
+                })
+                .await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                for r in [a, b, a2] {
+                    r.stop().await;
+                }
+                relays.stop().await;
+                for id in &ids {
+                    assert_eq!(s.effects("projection", id).await, 1);
+                    assert_eq!(s.effects("notifier", id).await, 1);
+                }
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_failing_handler_ends_as_a_dead_letter_after_its_bound() {
+                let s = subject(Duration::from_secs(120)).await;
+                let id = s.enqueue("created", true).await;
+                let poison = s.enqueue("poison", true).await;
+                let relays = Relays::start(1, &s.outbox, &s.broker.js);
+                eventually("sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let mut options = s.options("flaky");
+                options.max_deliveries = 3;
+                options.retry_delays = vec![Duration::from_millis(50)];
+                let consumer = s.broker.consumer("flaky", Duration::from_secs(5)).await;
+                let deliveries = Arc::new(std::sync::Mutex::new(BTreeMap::<String, i64>::new()));
+                let seen = deliveries.clone();
+                let work = handler::<$store, _>(move |_tx, event| {
+                    *seen.lock().unwrap().entry(event.id.clone()).or_default() += 1;
+                    Box::pin(async move {
+                        if event.subject.ends_with(".poison") {
+                            Err(HandlerError::reject("malformed payload"))
+                        } else {
+                            Err(HandlerError::retry("the downstream is down"))
+                        }
+                    })
+                });
+                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
+                    .await
+                    .expect("start");
+                let running = Running::start(consumer);
+                eventually("both are dead letters", || async {
+                    s.broker
+                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .len()
+                        == 2
+                })
+                .await;
+                running.stop().await;
+                let dead: BTreeMap<String, String> = s
+                    .broker
+                    .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                    .await
+                    .into_iter()
+                    .collect();
+                assert!(dead.contains_key(&id) && dead.contains_key(&poison), "{dead:?}");
+                let seen = deliveries.lock().unwrap().clone();
+                assert_eq!(
+                    seen.get(&id),
+                    Some(&3),
+                    "a transient failure is retried up to the bound"
+                );
+                assert_eq!(seen.get(&poison), Some(&1), "a permanent failure is not retried");
+                assert!(s.broker.settled("flaky").await, "both were terminated");
+                s.broker.cleanup().await;
+                let _ = &s.tag;
+            }
+        }
+    };
+}
+
+async fn open_postgres(tag: &str) -> (idem_postgres::PgStore, idem_postgres::PgOutbox, sqlx::PgPool) {
+    let url = postgres_url();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
+    let store = idem_postgres::PgStore::new(pool.clone()).with_table(TableName::new(format!("inbox_{tag}")).unwrap());
+    let outbox = idem_postgres::PgOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap());
+    (store, outbox, pool)
+}
+
+async fn open_mysql(tag: &str) -> (idem_mysql::MySqlStore, idem_mysql::MySqlOutbox, sqlx::MySqlPool) {
+    let url = mysql_url();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(20)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
+    let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(TableName::new(format!("inbox_{tag}")).unwrap());
+    let outbox = idem_mysql::MySqlOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap());
+    (store, outbox, pool)
+}
+
+async fn open_sqlite(tag: &str) -> (idem_sqlite::SqliteStore, idem_sqlite::SqliteOutbox, sqlx::SqlitePool) {
+    let path = std::env::temp_dir().join(format!("idem-events-{tag}.db"));
+    let store = idem_sqlite::SqliteStore::open(&path)
+        .await
+        .expect("open the SQLite file")
+        .with_table(TableName::new(format!("inbox_{tag}")).unwrap());
+    let pool = store.pool().clone();
+    let outbox = idem_sqlite::SqliteOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap())
+        .with_lease(Duration::from_secs(1));
+    (store, outbox, pool)
+}
+
+events_suite!(
+    postgres, idem_postgres::PgStore, idem_postgres::PgOutbox, sqlx::PgPool, open_postgres,
+    late_commit_first: true,
+    create: "CREATE TABLE {} (handler TEXT NOT NULL, event_id TEXT NOT NULL)",
+    insert: "INSERT INTO {} (handler, event_id) VALUES ($1, $2)",
+    count: "SELECT COUNT(*) FROM {} WHERE handler = $1 AND event_id = $2",
+    total: "SELECT COUNT(*) FROM {} WHERE handler = $1"
+);
+
+events_suite!(
+    mysql, idem_mysql::MySqlStore, idem_mysql::MySqlOutbox, sqlx::MySqlPool, open_mysql,
+    late_commit_first: true,
+    create: "CREATE TABLE {} (handler VARCHAR(64) NOT NULL, event_id VARCHAR(64) NOT NULL)",
+    insert: "INSERT INTO {} (handler, event_id) VALUES (?, ?)",
+    count: "SELECT COUNT(*) FROM {} WHERE handler = ? AND event_id = ?",
+    total: "SELECT COUNT(*) FROM {} WHERE handler = ?"
+);
+
+events_suite!(
+    sqlite, idem_sqlite::SqliteStore, idem_sqlite::SqliteOutbox, sqlx::SqlitePool, open_sqlite,
+    late_commit_first: false,
+    create: "CREATE TABLE {} (handler TEXT NOT NULL, event_id TEXT NOT NULL)",
+    insert: "INSERT INTO {} (handler, event_id) VALUES (?1, ?2)",
+    count: "SELECT COUNT(*) FROM {} WHERE handler = ?1 AND event_id = ?2",
+    total: "SELECT COUNT(*) FROM {} WHERE handler = ?1"
+);
+
+/// The start-up check refuses settings under which a redelivery could
+/// reach the handler after the inbox forgot the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
+    let tag = tag();
+    let broker = Broker::new(&tag, Duration::from_secs(120)).await;
+    let (store, _outbox, _pool) = open_sqlite(&tag).await;
+    store.migrate().await.unwrap();
+    let short = Inbox::new(TxEngine::new(store.clone())).with_policy(idem_core::Policy::default().with_ttl_secs(60));
+    let consumer = broker.consumer("short", Duration::from_secs(30)).await;
+    let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+    let err = InboxConsumer::start(broker.js.clone(), consumer, short, ConsumerOptions::new("short"), work)
+        .await
+        .expect_err("refused");
+    let ConsumerError::Config(message) = err else {
+        panic!("{err:?}")
+    };
+    assert!(message.contains("keeps event ids for 60 s"), "{message}");
+
+    // A server-side delivery bound below the consumer's is refused too: the
+    // server would stop before the dead letter is kept.
+    let stream = broker.js.get_stream(&broker.stream).await.unwrap();
+    let bounded = stream
+        .get_or_create_consumer(
+            "bounded",
+            pull::Config {
+                durable_name: Some("bounded".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                max_deliver: 2,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+    let err = InboxConsumer::start(
+        broker.js.clone(),
+        bounded,
+        Inbox::new(TxEngine::new(store)),
+        ConsumerOptions::new("bounded"),
+        work,
+    )
+    .await
+    .expect_err("refused");
+    assert!(err.to_string().contains("max_deliver"), "{err}");
+    broker.cleanup().await;
+}
+
+#[test]
+fn event_ids_and_subjects_are_validated() {
+    assert!(OutboxEvent::with_id(IdempotencyKey::new("a b").unwrap(), "x.y", vec![]).is_ok());
+    assert!(OutboxEvent::new("x..y", vec![]).is_err());
+    assert!(OutboxEvent::new("x.>", vec![]).is_err());
+    assert!(OutboxEvent::new("x", vec![0; idem_core::MAX_OUTBOX_PAYLOAD + 1]).is_err());
+}

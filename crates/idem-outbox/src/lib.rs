@@ -1,0 +1,299 @@
+//! The transactional outbox relay.
+//!
+//! A service enqueues an event in the same database transaction as the
+//! business change it announces (`PgOutbox::enqueue`, `MySqlOutbox::enqueue`,
+//! `SqliteOutbox::enqueue`), so the event exists if and only if the change
+//! committed. A [`Relay`] takes unsent rows, hands them to a [`Publisher`]
+//! (NATS JetStream in `idem-jetstream`), waits for the broker to confirm each
+//! one, and only then marks it sent.
+//!
+//! - **At least once.** A relay that dies between the broker's confirmation
+//!   and marking the row sent publishes it again on the next pass: the
+//!   broker deduplicates by event id (`Nats-Msg-Id`) within its window, and
+//!   consumers deduplicate through their inbox.
+//! - **Several relays in parallel** never take the same row: the stores take
+//!   rows with `FOR UPDATE SKIP LOCKED` (PostgreSQL, MySQL/MariaDB) or by a
+//!   lease with a token (SQLite).
+//! - **No row is skipped.** No relay keeps a high-water mark: every pass
+//!   looks at every unsent row, so a row whose transaction began first and
+//!   committed last is published on the first pass after its commit.
+//! - **Backoff** on broker or database errors (exponential with jitter, from
+//!   [`backon`]); **retention** of sent rows (deleted in bounded batches
+//!   after [`RelayOptions::retention`]); **lag metrics**: the number of
+//!   unsent rows and the age of the oldest.
+//!
+//! ```no_run
+//! # async fn demo(outbox: idem_postgres::PgOutbox, publisher: impl idem_outbox::Publisher) {
+//! use idem_outbox::{Relay, RelayOptions};
+//! let relay = Relay::new(outbox, publisher, RelayOptions::default());
+//! relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! # }
+//! ```
+//!
+//! Metrics (label `outbox`, the relay's configured name):
+//! `idem_outbox_published_total`, `idem_outbox_publish_failures_total`,
+//! `idem_outbox_purged_total` (counters), `idem_outbox_unsent` and
+//! `idem_outbox_oldest_unsent_age_seconds` (gauges).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use idem_core::{BoxFuture, OutboxBatch, OutboxLag, OutboxMessage, OutboxStore};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub use idem_core::{OutboxEvent, OutboxMessage as Message};
+
+/// Why the broker did not confirm one message.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PublishError(pub String);
+
+/// Sends messages to a broker.
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes `messages` in order and answers, for each, whether the
+    /// broker confirmed it (stored it durably). A message is marked sent
+    /// only on `Ok`.
+    fn publish<'a>(&'a self, messages: &'a [OutboxMessage]) -> BoxFuture<'a, Vec<Result<(), PublishError>>>;
+}
+
+/// How a relay runs.
+#[derive(Debug, Clone)]
+pub struct RelayOptions {
+    /// The `outbox` label of its metrics (one per outbox; keep the set small).
+    pub name: String,
+    /// Rows taken per pass.
+    pub batch_size: usize,
+    /// How long an idle relay waits before it looks again (a
+    /// [`Relay::waker`] notification ends the wait early).
+    pub idle_wait: Duration,
+    /// The first and the longest pause after an error (exponential, with
+    /// jitter, reset by a pass without errors).
+    pub backoff_min: Duration,
+    /// See [`backoff_min`](Self::backoff_min).
+    pub backoff_max: Duration,
+    /// How long sent rows are kept; `None` keeps them.
+    pub retention: Option<Duration>,
+    /// Rows deleted per retention batch.
+    pub purge_batch: u32,
+    /// How often retention and the lag gauges run.
+    pub housekeeping_every: Duration,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        Self {
+            name: "default".into(),
+            batch_size: 100,
+            idle_wait: Duration::from_millis(50),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            retention: Some(Duration::from_secs(7 * 86_400)),
+            purge_batch: 1_000,
+            housekeeping_every: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// Rows taken.
+    pub taken: usize,
+    /// Rows the broker confirmed and that were marked sent.
+    pub published: usize,
+    /// Rows the broker did not confirm (taken again on a later pass).
+    pub failed: usize,
+}
+
+/// Why a pass failed as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The database failed (taking rows or marking them sent).
+    #[error("outbox store: {0}")]
+    Store(#[from] idem_core::Error),
+}
+
+/// Publishes an outbox's rows.
+pub struct Relay<S, P> {
+    store: S,
+    publisher: Arc<P>,
+    options: RelayOptions,
+    wake: Arc<Notify>,
+}
+
+impl<S: OutboxStore, P: Publisher> Relay<S, P> {
+    /// A relay of `store`'s rows through `publisher`.
+    pub fn new(store: S, publisher: P, options: RelayOptions) -> Self {
+        Self {
+            store,
+            publisher: Arc::new(publisher),
+            options,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// A handle that ends an idle wait: call `notify_one()` after committing
+    /// a transaction that enqueued events, to publish them without waiting
+    /// for the next poll.
+    pub fn waker(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// One pass: take a batch, publish it, mark what the broker confirmed.
+    pub async fn pass(&self) -> Result<PassReport, RelayError> {
+        let batch = self.store.take(self.options.batch_size.max(1)).await?;
+        let taken = batch.messages().len();
+        if taken == 0 {
+            batch.finish(Vec::new()).await?;
+            return Ok(PassReport::default());
+        }
+        let results = self.publisher.publish(batch.messages()).await;
+        let mut sent = Vec::with_capacity(taken);
+        let mut failed = 0;
+        for (i, message) in batch.messages().iter().enumerate() {
+            match results.get(i) {
+                Some(Ok(())) => sent.push(message.seq),
+                Some(Err(e)) => {
+                    failed += 1;
+                    tracing::debug!(event_id = %message.id, error = %e, "publish not confirmed");
+                }
+                None => failed += 1,
+            }
+        }
+        let published = sent.len();
+        batch.finish(sent).await?;
+        let label = [("outbox", self.options.name.clone())];
+        metrics::counter!("idem_outbox_published_total", &label).increment(published as u64);
+        if failed > 0 {
+            metrics::counter!("idem_outbox_publish_failures_total", &label).increment(failed as u64);
+        }
+        Ok(PassReport {
+            taken,
+            published,
+            failed,
+        })
+    }
+
+    /// Measures the lag and sets the gauges.
+    pub async fn lag(&self) -> Result<OutboxLag, RelayError> {
+        let lag = self.store.lag().await?;
+        let label = [("outbox", self.options.name.clone())];
+        metrics::gauge!("idem_outbox_unsent", &label).set(lag.unsent as f64);
+        metrics::gauge!("idem_outbox_oldest_unsent_age_seconds", &label)
+            .set(lag.oldest_unsent_age_ms.unwrap_or(0) as f64 / 1000.0);
+        Ok(lag)
+    }
+
+    /// Deletes sent rows past the retention, in bounded batches; answers how
+    /// many.
+    pub async fn purge(&self) -> Result<u64, RelayError> {
+        let Some(retention) = self.options.retention else {
+            return Ok(0);
+        };
+        let older_than = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+        let mut total = 0;
+        // At most a few batches per round, so retention never starves publishing.
+        for _ in 0..10 {
+            let n = self.store.purge_sent(older_than, self.options.purge_batch).await?;
+            total += n;
+            if n < u64::from(self.options.purge_batch) {
+                break;
+            }
+        }
+        if total > 0 {
+            metrics::counter!("idem_outbox_purged_total", "outbox" => self.options.name.clone()).increment(total);
+        }
+        Ok(total)
+    }
+
+    fn backoff(&self) -> impl Iterator<Item = Duration> + use<S, P> {
+        ExponentialBuilder::default()
+            .with_min_delay(self.options.backoff_min)
+            .with_max_delay(self.options.backoff_max)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    }
+
+    /// Runs passes until `shutdown` completes: publishes while there are
+    /// rows, waits [`RelayOptions::idle_wait`] (or a wake) when there are
+    /// none, backs off on errors, and keeps the lag gauges and retention
+    /// going. A pass in progress when `shutdown` completes is finished.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let mut backoff = self.backoff();
+        let mut next_housekeeping = Instant::now();
+        loop {
+            if Instant::now() >= next_housekeeping {
+                next_housekeeping = Instant::now() + self.options.housekeeping_every;
+                if let Err(e) = self.lag().await {
+                    tracing::warn!(error = %e, "outbox lag not measured");
+                }
+                if let Err(e) = self.purge().await {
+                    tracing::warn!(error = %e, "outbox retention failed");
+                }
+            }
+            let pause = match self.pass().await {
+                Ok(report) if report.failed > 0 => {
+                    let pause = backoff.next().unwrap_or(self.options.backoff_max);
+                    tracing::warn!(
+                        failed = report.failed,
+                        published = report.published,
+                        pause_ms = pause.as_millis() as u64,
+                        "the broker did not confirm every message; backing off"
+                    );
+                    Some(pause)
+                }
+                Ok(report) if report.taken == 0 => {
+                    backoff = self.backoff();
+                    None
+                }
+                Ok(_) => {
+                    backoff = self.backoff();
+                    // More rows may be waiting: go again at once.
+                    if futures_ready(&mut shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    let pause = backoff.next().unwrap_or(self.options.backoff_max);
+                    tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "outbox pass failed; backing off");
+                    Some(pause)
+                }
+            };
+            let wait = pause.unwrap_or(self.options.idle_wait);
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.wake.notified(), if pause.is_none() => {}
+            }
+        }
+    }
+}
+
+/// Whether `shutdown` has completed, without waiting for it.
+async fn futures_ready(shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>) -> bool {
+    tokio::select! {
+        biased;
+        _ = shutdown.as_mut() => true,
+        _ = std::future::ready(()) => false,
+    }
+}
+
+impl<S: std::fmt::Debug, P> std::fmt::Debug for Relay<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("store", &self.store)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
