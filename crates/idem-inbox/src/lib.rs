@@ -137,7 +137,26 @@ impl<B: TxBackend> Inbox<B> {
         T: Serialize + DeserializeOwned,
         E: From<Error> + Contention,
     {
-        let call = self.call(handler, event_id, payload)?;
+        self.process_with_policy(self.policy, handler, event_id, payload, work)
+            .await
+    }
+
+    /// [`process`](Self::process) under another policy (a TTL of its own,
+    /// for example).
+    pub async fn process_with_policy<T, E, F>(
+        &self,
+        policy: Policy,
+        handler: &str,
+        event_id: &str,
+        payload: &[u8],
+        work: F,
+    ) -> Result<Delivery<T>, E>
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Contention,
+    {
+        let call = self.call(handler, event_id, payload)?.with_policy(policy);
         Ok(match self.engine.execute(&call, work).await? {
             Outcome::Executed(v) => Delivery::Applied(v),
             Outcome::Replayed(v) => Delivery::Duplicate(v),

@@ -24,6 +24,9 @@
 
 use std::time::Duration;
 
+mod inbox;
+pub use inbox::{ReceiveError, Verified, WebhookInbox};
+
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use hmac::{KeyInit, Mac};

@@ -1,0 +1,194 @@
+//! Scheduled jobs with run ids.
+//!
+//! A periodic job's time is cut into **slots** of its period, aligned to the
+//! Unix epoch (a daily job's slots start at 00:00 UTC). The **run id** of a
+//! slot is derived from the job and the slot — `statements@1732406400000` —
+//! so every instance, every retry and every operator computes the same one.
+//! A run executes through the inbox's claim on (job, run id): its writes, the
+//! claim and the recorded outcome commit in one transaction. A retried
+//! attempt, or the same slot started by a second instance, finds the
+//! recorded run and does nothing ([`Delivery::Duplicate`]).
+//!
+//! An operator can run a job with an explicit run id too (a backfill, or a
+//! rerun of a slot that failed): [`Scheduler::run`]. Run ids are kept for
+//! [`Scheduler::ttl_secs`] (at least seven days, and at least ten periods);
+//! a run id older than that runs again.
+//!
+//! ```no_run
+//! # async fn demo(store: idem_sqlite::SqliteStore) -> Result<(), idem_core::Error> {
+//! use std::time::Duration;
+//! use idem_jobs::{Job, Scheduler};
+//!
+//! let job = Job::new("statements", Duration::from_secs(86_400))?;
+//! let scheduler = Scheduler::new(idem_core::TxEngine::new(store));
+//! let slot = job.slot_at(1_732_450_000_000);
+//! let run = scheduler
+//!     .run(&job, &job.run_id(slot), |tx| Box::pin(async move {
+//!         // ... the run's writes, in `tx` ...
+//!         Ok::<_, idem_core::Error>(())
+//!     }))
+//!     .await?;
+//! assert!(run.is_applied());
+//! # Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::time::Duration;
+
+use idem_core::{BoxFuture, Contention, Error, Operation, Policy, SharedClock, Tenant, TxBackend, TxEngine};
+pub use idem_inbox::Delivery;
+use idem_inbox::Inbox;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A periodic job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    name: Operation,
+    period_ms: i64,
+}
+
+/// A slot of a job: the start of one period, in ms since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Slot(pub i64);
+
+impl Job {
+    /// A job named `name` (a valid operation name) that runs once per
+    /// `period` (at least one second, at most a year).
+    pub fn new(name: &str, period: Duration) -> Result<Self, Error> {
+        let name = Operation::new(name)?;
+        if period < Duration::from_secs(1) || period > Duration::from_secs(366 * 86_400) {
+            return Err(Error::Config(format!(
+                "job {name}: the period must be between 1 s and 366 days, got {period:?}"
+            )));
+        }
+        Ok(Self {
+            name,
+            period_ms: i64::try_from(period.as_millis()).expect("bounded above"),
+        })
+    }
+
+    /// The job's name.
+    pub fn name(&self) -> &str {
+        self.name.as_str()
+    }
+
+    /// The period.
+    pub fn period(&self) -> Duration {
+        Duration::from_millis(self.period_ms as u64)
+    }
+
+    /// The slot that contains `now_ms`.
+    pub fn slot_at(&self, now_ms: i64) -> Slot {
+        Slot(now_ms.div_euclid(self.period_ms) * self.period_ms)
+    }
+
+    /// The slot after `slot`.
+    pub fn next(&self, slot: Slot) -> Slot {
+        Slot(slot.0.saturating_add(self.period_ms))
+    }
+
+    /// The run id of `slot`: `<job>@<slot start in ms>`.
+    pub fn run_id(&self, slot: Slot) -> String {
+        format!("{}@{}", self.name, slot.0)
+    }
+}
+
+/// Runs jobs through the claim of a transactional store (give it its own
+/// table, apart from request keys).
+#[derive(Debug)]
+pub struct Scheduler<B: TxBackend> {
+    inbox: Inbox<B>,
+    clock: SharedClock,
+}
+
+/// The shortest time run ids are kept.
+pub const MIN_TTL_SECS: u64 = 7 * 86_400;
+
+impl<B: TxBackend> Scheduler<B> {
+    /// A scheduler on `engine`, under the tenant `jobs`, on the engine's clock.
+    pub fn new(engine: TxEngine<B>) -> Self {
+        let clock = engine.clock().clone();
+        Self {
+            inbox: Inbox::new(engine).with_tenant(Tenant::new("jobs").expect("a valid tenant")),
+            clock,
+        }
+    }
+
+    /// How long run ids are kept for `job`: ten periods, at least
+    /// [`MIN_TTL_SECS`].
+    pub fn ttl_secs(job: &Job) -> u64 {
+        (job.period().as_secs().saturating_mul(10)).max(MIN_TTL_SECS)
+    }
+
+    /// Runs `job` under `run_id` once: the first call applies `work`'s
+    /// writes with the claim; any later call with the same run id (a retry,
+    /// another instance, an operator) answers the recorded outcome without
+    /// running `work`. Contention re-runs `work`, a bounded number of times.
+    pub async fn run<T, E, F>(&self, job: &Job, run_id: &str, work: F) -> Result<Delivery<T>, E>
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Contention,
+    {
+        let policy = Policy::default().with_ttl_secs(Self::ttl_secs(job));
+        self.inbox
+            .process_with_policy(policy, job.name(), run_id, b"", work)
+            .await
+    }
+
+    /// Runs the slot due now, then each following slot when it starts, until
+    /// `shutdown` completes. A slot missed while no instance ran is not
+    /// caught up: the next run is the current slot. Failures are logged and
+    /// the slot is tried again after `retry` (same run id), until the next
+    /// slot begins.
+    pub async fn run_every<T, E, F>(&self, job: &Job, retry: Duration, mut work: F, shutdown: impl Future<Output = ()>)
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Contention + std::fmt::Display,
+    {
+        tokio::pin!(shutdown);
+        loop {
+            let now = self.clock.now_ms();
+            let slot = job.slot_at(now);
+            let run_id = job.run_id(slot);
+            let wait_ms = match self.run(job, &run_id, &mut work).await {
+                Ok(d) => {
+                    if d.is_applied() {
+                        tracing::info!(job = job.name(), %run_id, "job run applied");
+                    }
+                    job.next(slot).0.saturating_sub(self.clock.now_ms())
+                }
+                Err(e) => {
+                    tracing::warn!(job = job.name(), %run_id, error = %e, "job run failed; retrying");
+                    let next = job.next(slot).0.saturating_sub(self.clock.now_ms());
+                    next.min(i64::try_from(retry.as_millis()).unwrap_or(i64::MAX))
+                }
+            };
+            let wait = Duration::from_millis(u64::try_from(wait_ms.max(1)).unwrap_or(1));
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_aligned_and_run_ids_stable() {
+        let day = Job::new("statements", Duration::from_secs(86_400)).unwrap();
+        let s = day.slot_at(1_732_450_000_000);
+        assert_eq!(s, Slot(1_732_406_400_000));
+        assert_eq!(day.slot_at(s.0), s);
+        assert_eq!(day.slot_at(s.0 - 1), Slot(s.0 - 86_400_000));
+        assert_eq!(day.run_id(s), "statements@1732406400000");
+        assert_eq!(day.next(s), Slot(1_732_492_800_000));
+        assert!(Job::new("x", Duration::from_millis(10)).is_err());
+        assert!(Job::new("", Duration::from_secs(60)).is_err());
+    }
+}

@@ -1,0 +1,203 @@
+//! Jobs on PostgreSQL, MariaDB and SQLite: one slot started by many tasks
+//! and by a second scheduler instance (its own pool) runs once; a failed
+//! attempt leaves the slot to its retry; an explicit run id runs once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Error, StoreErrorKind, TableName, TxEngine};
+use idem_jobs::{Job, Scheduler};
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn mysql_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 12..].to_owned()
+}
+
+macro_rules! jobs_suite {
+    ($engine:ident, $store:ty, $pool:ty, $open:expr, $create:literal, $insert:literal, $count:literal) => {
+        mod $engine {
+            use super::*;
+
+            struct Subject {
+                instances: Vec<Scheduler<$store>>,
+                pool: $pool,
+                effects: Arc<String>,
+            }
+
+            async fn subject() -> Subject {
+                let tag = tag();
+                let table = TableName::new(format!("jobs_{tag}")).unwrap();
+                let mut instances = Vec::new();
+                let mut first_pool = None;
+                // Two instances, each with its own pool, as two processes would have.
+                for _ in 0..2 {
+                    let (store, pool): ($store, $pool) = $open(&tag, table.clone()).await;
+                    store.migrate().await.expect("migrate");
+                    instances.push(Scheduler::new(TxEngine::new(store)));
+                    first_pool.get_or_insert(pool);
+                }
+                let pool = first_pool.unwrap();
+                let effects = format!("job_effects_{tag}");
+                sqlx::query(sqlx::AssertSqlSafe(format!($create, effects)))
+                    .execute(&pool)
+                    .await
+                    .expect("create the effects table");
+                Subject {
+                    instances,
+                    pool,
+                    effects: Arc::new(effects),
+                }
+            }
+
+            impl Subject {
+                async fn run(&self, instance: usize, job: &Job, run_id: &str, fail: bool) -> Result<bool, Error> {
+                    let effects = self.effects.clone();
+                    let run = run_id.to_owned();
+                    self.instances[instance]
+                        .run(job, run_id, move |tx| {
+                            let (effects, run) = (effects.clone(), run.clone());
+                            Box::pin(async move {
+                                sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
+                                    .bind(&run)
+                                    .execute(&mut **tx)
+                                    .await
+                                    .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
+                                if fail {
+                                    return Err(Error::store(StoreErrorKind::Unavailable, "the run failed midway"));
+                                }
+                                Ok::<_, Error>(())
+                            })
+                        })
+                        .await
+                        .map(|d| d.is_applied())
+                }
+
+                async fn effects(&self, run_id: &str) -> i64 {
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!($count, self.effects)))
+                        .bind(run_id)
+                        .fetch_one(&self.pool)
+                        .await
+                        .expect("count")
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn one_slot_started_by_many_tasks_and_two_instances_runs_once() {
+                let s = Arc::new(subject().await);
+                let job = Job::new("statements", Duration::from_secs(3_600)).unwrap();
+                let run_id = job.run_id(job.slot_at(1_732_450_000_000));
+                let tasks: Vec<_> = (0..16)
+                    .map(|i| {
+                        let (s, job, run_id) = (s.clone(), job.clone(), run_id.clone());
+                        tokio::spawn(async move {
+                            loop {
+                                match s.run(i % 2, &job, &run_id, false).await {
+                                    Err(Error::InFlight { retry_after }) => tokio::time::sleep(retry_after).await,
+                                    other => return other.expect("run"),
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                let mut applied = 0;
+                for t in tasks {
+                    applied += usize::from(t.await.unwrap());
+                }
+                assert_eq!(applied, 1, "one attempt ran the job");
+                assert_eq!(s.effects(&run_id).await, 1, "its writes committed once");
+                // The next slot is another run.
+                let next = job.run_id(job.next(job.slot_at(1_732_450_000_000)));
+                assert!(s.run(1, &job, &next, false).await.unwrap());
+                assert_eq!(s.effects(&next).await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_failed_attempt_leaves_the_slot_to_its_retry() {
+                let s = subject().await;
+                let job = Job::new("fees", Duration::from_secs(86_400)).unwrap();
+                let run_id = job.run_id(job.slot_at(1_732_450_000_000));
+                assert!(s.run(0, &job, &run_id, true).await.is_err());
+                assert_eq!(s.effects(&run_id).await, 0, "the failed attempt wrote nothing");
+                assert!(s.run(1, &job, &run_id, false).await.unwrap(), "the retry runs");
+                assert!(
+                    !s.run(0, &job, &run_id, false).await.unwrap(),
+                    "a third attempt is a no-op"
+                );
+                assert_eq!(s.effects(&run_id).await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn an_explicit_run_id_runs_once() {
+                let s = subject().await;
+                let job = Job::new("backfill", Duration::from_secs(86_400)).unwrap();
+                assert!(s.run(0, &job, "backfill-2026-11", false).await.unwrap());
+                assert!(!s.run(1, &job, "backfill-2026-11", false).await.unwrap());
+                assert_eq!(s.effects("backfill-2026-11").await, 1);
+            }
+        }
+    };
+}
+
+async fn open_postgres(_tag: &str, table: TableName) -> (idem_postgres::PgStore, sqlx::PgPool) {
+    let url = postgres_url();
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
+    (idem_postgres::PgStore::new(pool.clone()).with_table(table), pool)
+}
+
+async fn open_mysql(_tag: &str, table: TableName) -> (idem_mysql::MySqlStore, sqlx::MySqlPool) {
+    let url = mysql_url();
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
+    (idem_mysql::MySqlStore::new(pool.clone()).with_table(table), pool)
+}
+
+async fn open_sqlite(tag: &str, table: TableName) -> (idem_sqlite::SqliteStore, sqlx::SqlitePool) {
+    let path = std::env::temp_dir().join(format!("idem-jobs-{tag}.db"));
+    let store = idem_sqlite::SqliteStore::open(&path)
+        .await
+        .expect("open")
+        .with_table(table);
+    let pool = store.pool().clone();
+    (store, pool)
+}
+
+jobs_suite!(
+    postgres,
+    idem_postgres::PgStore,
+    sqlx::PgPool,
+    open_postgres,
+    "CREATE TABLE {} (run_id TEXT NOT NULL)",
+    "INSERT INTO {} (run_id) VALUES ($1)",
+    "SELECT COUNT(*) FROM {} WHERE run_id = $1"
+);
+
+jobs_suite!(
+    mysql,
+    idem_mysql::MySqlStore,
+    sqlx::MySqlPool,
+    open_mysql,
+    "CREATE TABLE {} (run_id VARCHAR(100) NOT NULL)",
+    "INSERT INTO {} (run_id) VALUES (?)",
+    "SELECT COUNT(*) FROM {} WHERE run_id = ?"
+);
+
+jobs_suite!(
+    sqlite,
+    idem_sqlite::SqliteStore,
+    sqlx::SqlitePool,
+    open_sqlite,
+    "CREATE TABLE {} (run_id TEXT NOT NULL)",
+    "INSERT INTO {} (run_id) VALUES (?1)",
+    "SELECT COUNT(*) FROM {} WHERE run_id = ?1"
+);
