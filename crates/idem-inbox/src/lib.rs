@@ -108,14 +108,42 @@ impl<B: TxBackend> Inbox<B> {
     /// The call for one delivery: scope (tenant, handler), key = event id,
     /// fingerprint over the payload's bytes.
     pub fn call(&self, handler: &str, event_id: &str, payload: &[u8]) -> Result<Call, Error> {
+        self.call_in(&self.tenant, handler, event_id, payload)
+    }
+
+    /// [`call`](Self::call) under another tenant.
+    pub fn call_in(&self, tenant: &Tenant, handler: &str, event_id: &str, payload: &[u8]) -> Result<Call, Error> {
         let operation = Operation::new(handler)?;
         let fingerprint = FingerprintBuilder::new(&operation).bytes(payload).finish();
         Ok(Call::new(
-            Scope::new(self.tenant.clone(), operation),
+            Scope::new(tenant.clone(), operation),
             IdempotencyKey::new(event_id)?,
             fingerprint,
         )
         .with_policy(self.policy))
+    }
+
+    /// [`process`](Self::process) with the key scoped to `tenant`: the
+    /// same event id from two tenants is two events, and neither ever sees
+    /// the other's recorded outcome.
+    pub async fn process_in<T, E, F>(
+        &self,
+        tenant: &Tenant,
+        handler: &str,
+        event_id: &str,
+        payload: &[u8],
+        work: F,
+    ) -> Result<Delivery<T>, E>
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Contention,
+    {
+        let call = self.call_in(tenant, handler, event_id, payload)?;
+        Ok(match self.engine.execute(&call, work).await? {
+            Outcome::Executed(v) => Delivery::Applied(v),
+            Outcome::Replayed(v) => Delivery::Duplicate(v),
+        })
     }
 
     /// Applies `payload` with `work` once per (handler, event id).

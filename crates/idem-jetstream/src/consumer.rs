@@ -149,6 +149,20 @@ impl ConsumerOptions {
     }
 }
 
+/// Gives a closure the handler's signature (closures do not infer
+/// higher-ranked lifetimes on their own):
+///
+/// ```ignore
+/// let h = idem_jetstream::handler::<MyStore, _>(|tx, event| Box::pin(async move { Ok(()) }));
+/// ```
+pub fn handler<B, F>(f: F) -> F
+where
+    B: TxBackend,
+    F: for<'c> Fn(&'c mut B::Tx, Arc<Event>) -> BoxFuture<'c, Result<(), HandlerError>> + Send + Sync + 'static,
+{
+    f
+}
+
 type Handler<B> =
     dyn for<'c> Fn(&'c mut <B as TxBackend>::Tx, Arc<Event>) -> BoxFuture<'c, Result<(), HandlerError>> + Send + Sync;
 

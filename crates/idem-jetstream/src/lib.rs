@@ -19,7 +19,7 @@
 mod consumer;
 mod publisher;
 
-pub use consumer::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, MSG_ID};
+pub use consumer::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, MSG_ID, handler};
 pub use publisher::JetStreamPublisher;
 
 pub use async_nats;

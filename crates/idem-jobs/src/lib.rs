@@ -138,12 +138,18 @@ impl<B: TxBackend> Scheduler<B> {
     }
 
     /// Runs the slot due now, then each following slot when it starts, until
-    /// `shutdown` completes. A slot missed while no instance ran is not
-    /// caught up: the next run is the current slot. Failures are logged and
-    /// the slot is tried again after `retry` (same run id), until the next
-    /// slot begins.
-    pub async fn run_every<T, E, F>(&self, job: &Job, retry: Duration, mut work: F, shutdown: impl Future<Output = ()>)
-    where
+    /// `shutdown` completes; `make` builds each run's work from its run id.
+    /// A slot missed while no instance ran is not caught up: the next run is
+    /// the current slot. A failed run is logged and tried again after
+    /// `retry` (same run id), until the next slot begins.
+    pub async fn run_every<T, E, M, F>(
+        &self,
+        job: &Job,
+        retry: Duration,
+        mut make: M,
+        shutdown: impl Future<Output = ()>,
+    ) where
+        M: FnMut(String) -> F,
         F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
         T: Serialize + DeserializeOwned,
         E: From<Error> + Contention + std::fmt::Display,
@@ -153,7 +159,7 @@ impl<B: TxBackend> Scheduler<B> {
             let now = self.clock.now_ms();
             let slot = job.slot_at(now);
             let run_id = job.run_id(slot);
-            let wait_ms = match self.run(job, &run_id, &mut work).await {
+            let wait_ms = match self.run(job, &run_id, make(run_id.clone())).await {
                 Ok(d) => {
                     if d.is_applied() {
                         tracing::info!(job = job.name(), %run_id, "job run applied");

@@ -98,6 +98,25 @@ impl<B: TxBackend> WebhookInbox<B> {
         self.inbox.process(&self.handler, event_id, body, work).await
     }
 
+    /// [`apply`](Self::apply) with the event id scoped to `tenant` (the
+    /// account or customer the webhook is for): one tenant's event id never
+    /// replays another tenant's outcome.
+    pub async fn apply_for<T, E, F>(
+        &self,
+        tenant: &idem_core::Tenant,
+        _verified: &Verified<'_>,
+        event_id: &str,
+        body: &[u8],
+        work: F,
+    ) -> Result<Delivery<T>, E>
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<idem_core::Error> + Contention,
+    {
+        self.inbox.process_in(tenant, &self.handler, event_id, body, work).await
+    }
+
     /// Verifies, then applies once per `webhook-id`.
     pub async fn receive<T, E, F>(
         &self,

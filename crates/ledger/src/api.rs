@@ -17,13 +17,19 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
-use crate::db::{Account, DbError, LedgerDb, MAX_AMOUNT};
+use crate::db::{Account, DbError, LedgerDb, MAX_AMOUNT, Statement, WEBHOOK_INBOX_TABLE};
+use crate::events::{Envelope, Namespace};
+use idem_webhooks::{Verifier, WebhookError, WebhookInbox};
 
 /// What every handler shares.
 #[derive(Clone)]
-pub struct AppState<D> {
+pub struct AppState<D: LedgerDb> {
     /// The store: idempotency keys and the ledger's tables.
     pub db: D,
+    /// The outbox every mutation enqueues its event in.
+    pub outbox: D::Outbox,
+    /// Where the events are published.
+    pub namespace: Namespace,
     /// The clock of key expiry and timestamps.
     pub clock: SharedClock,
     /// The Prometheus recorder, for `GET /metrics`.
@@ -38,13 +44,25 @@ pub struct Options {
     /// The bearer tokens accepted. Empty: demo mode, where every token is
     /// accepted as its own tenant.
     pub tokens: Arc<HashSet<String>>,
+    /// Verifies `POST /v1/webhooks/payments`. `None`: the route refuses
+    /// every webhook (503), so a deployment without a secret accepts none.
+    pub webhooks: Option<Verifier>,
+    /// The names of the event streams and subjects.
+    pub events_namespace: Namespace,
 }
+
+/// The demo's webhook secret (`whsec_` + base64 of
+/// `ledger-demo-webhook-secret`), used only in demo mode when no secret is
+/// configured.
+pub const DEMO_WEBHOOK_SECRET: &str = "whsec_bGVkZ2VyLWRlbW8td2ViaG9vay1zZWNyZXQ=";
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             key_ttl_secs: 86_400,
             tokens: Arc::default(),
+            webhooks: Some(Verifier::new([DEMO_WEBHOOK_SECRET]).expect("the demo secret is valid")),
+            events_namespace: Namespace::default(),
         }
     }
 }
@@ -72,14 +90,30 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
         .route("/v1/accounts/{id}", get(get_account::<D>))
         .route("/v1/top-ups", post(top_up::<D>))
         .route("/v1/transfers", post(transfer::<D>))
+        .route("/v1/accounts/{id}/statement", get(statement::<D>))
         .route("/v1/audit", get(audit::<D>))
         .route_layer(idempotency)
+        .route_layer(middleware::from_fn_with_state(options.tokens.clone(), authenticate));
+    // Webhooks carry no Idempotency-Key: they are deduplicated on the
+    // provider's event id, in their own table.
+    let webhooks = options.webhooks.clone().map(|verifier| {
+        let store = state
+            .db
+            .keyed(idem_core::TableName::new(WEBHOOK_INBOX_TABLE).expect("a valid table name"));
+        let inbox = idem_inbox::Inbox::new(TxEngine::new(store).with_clock(state.clock.clone()));
+        Arc::new(WebhookInbox::new(verifier, inbox, "payments-webhook"))
+    });
+    let hooks = Router::new()
+        .route("/v1/webhooks/payments", post(payment_webhook::<D>))
+        .layer(Extension(WebhookState(webhooks)))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .route_layer(middleware::from_fn_with_state(options.tokens.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz::<D>))
         .route("/metrics", get(metrics_text::<D>))
         .route("/openapi.json", get(openapi_json))
         .merge(api)
+        .merge(hooks)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -406,7 +440,20 @@ async fn create_account<D: LedgerDb>(
         ));
     }
     let id = uuid::Uuid::now_v7().to_string();
-    D::insert_account(&mut tx, who.tenant.as_str(), &id, name, st.clock.now_ms()).await?;
+    let now_ms = st.clock.now_ms();
+    D::insert_account(&mut tx, who.tenant.as_str(), &id, name, now_ms).await?;
+    let event = Envelope::new(
+        "account.created",
+        who.tenant.as_str(),
+        now_ms,
+        serde_json::json!({ "account_id": id, "name": name }),
+    );
+    D::enqueue(
+        &st.outbox,
+        &mut tx,
+        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
+    )
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(Account {
@@ -440,6 +487,7 @@ async fn top_up<D: LedgerDb>(
     account_id("account_id", &req.account_id)?;
     let amount = amount(req.amount)?;
     let id = uuid::Uuid::now_v7().to_string();
+    let now_ms = st.clock.now_ms();
     let balance = D::top_up(
         &mut tx,
         who.tenant.as_str(),
@@ -447,7 +495,19 @@ async fn top_up<D: LedgerDb>(
         "top_up",
         &req.account_id,
         amount,
-        st.clock.now_ms(),
+        now_ms,
+    )
+    .await?;
+    let event = Envelope::new(
+        "top_up.created",
+        who.tenant.as_str(),
+        now_ms,
+        serde_json::json!({ "journal_id": id, "account_id": req.account_id, "amount": amount }),
+    );
+    D::enqueue(
+        &st.outbox,
+        &mut tx,
+        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -474,14 +534,18 @@ async fn transfer<D: LedgerDb>(
     }
     let amount = amount(req.amount)?;
     let id = uuid::Uuid::now_v7().to_string();
-    D::transfer(
-        &mut tx,
+    let now_ms = st.clock.now_ms();
+    D::transfer(&mut tx, who.tenant.as_str(), &id, &req.from, &req.to, amount, now_ms).await?;
+    let event = Envelope::new(
+        "transfer.created",
         who.tenant.as_str(),
-        &id,
-        &req.from,
-        &req.to,
-        amount,
-        st.clock.now_ms(),
+        now_ms,
+        serde_json::json!({ "journal_id": id, "from": req.from, "to": req.to, "amount": amount }),
+    );
+    D::enqueue(
+        &st.outbox,
+        &mut tx,
+        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -493,6 +557,212 @@ async fn transfer<D: LedgerDb>(
             amount,
         }),
     ))
+}
+
+async fn statement<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<Statement>, ApiError> {
+    if account_id("id", &id).is_err() || st.db.account(who.tenant.as_str(), &id).await?.is_none() {
+        return Err(ApiError::Db(DbError::AccountNotFound(id)));
+    }
+    // An account the projection has not seen yet has an empty statement.
+    let statement = st.db.statement(who.tenant.as_str(), &id).await?.unwrap_or(Statement {
+        account_id: id,
+        credits: 0,
+        debits: 0,
+        balance: 0,
+        events: 0,
+    });
+    Ok(Json(statement))
+}
+
+/// The webhook inbox, if webhooks are configured.
+#[derive(Clone)]
+struct WebhookState<D: LedgerDb>(Option<Arc<WebhookInbox<D>>>);
+
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PaymentWebhook {
+    /// The provider's event id: the same on each of its retries. 1 to 255
+    /// printable ASCII characters.
+    #[schema(min_length = 1, max_length = 255, pattern = r"^[\x20-\x7e]+$")]
+    event_id: String,
+    /// The account to credit.
+    #[schema(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
+    account_id: String,
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64)]
+    #[serde(deserialize_with = "whole_number")]
+    amount: i64,
+}
+
+#[derive(Debug, serde::Serialize, Deserialize, utoipa::ToSchema)]
+pub(crate) struct WebhookDone {
+    /// The provider's event id.
+    event_id: String,
+    /// The journal entry of the top-up.
+    id: String,
+    account_id: String,
+    amount: i64,
+    /// The balance right after this top-up.
+    balance: i64,
+}
+
+fn webhook_refused(e: &WebhookError) -> Response {
+    match e {
+        WebhookError::Signature => problem(
+            StatusCode::UNAUTHORIZED,
+            "webhook-signature-invalid",
+            "Invalid webhook signature",
+            "no webhook-signature matches the body under the configured secrets",
+        ),
+        WebhookError::Stale { .. } | WebhookError::Timestamp => problem(
+            StatusCode::BAD_REQUEST,
+            "webhook-timestamp-invalid",
+            "Webhook timestamp out of tolerance",
+            e.to_string(),
+        ),
+        other => problem(
+            StatusCode::BAD_REQUEST,
+            "webhook-headers-invalid",
+            "Invalid webhook headers",
+            other.to_string(),
+        ),
+    }
+}
+
+/// `POST /v1/webhooks/payments`: a provider-initiated top-up, verified per
+/// Standard Webhooks and applied once per (tenant, provider event id), in
+/// one transaction with its ledger rows and its event. A redelivery answers
+/// the recorded result with `Idempotent-Replayed: true`.
+async fn payment_webhook<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    Extension(WebhookState(webhooks)): Extension<WebhookState<D>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Some(webhooks) = webhooks else {
+        return problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "webhooks-not-configured",
+            "Webhooks not configured",
+            "this ledger has no webhook secret (--webhook-secret or LEDGER_WEBHOOK_SECRET); no webhook is accepted",
+        );
+    };
+    let now_secs = st.clock.now_ms().div_euclid(1000);
+    // The signature is checked before the body is even parsed.
+    let verified = match webhooks.verify(&headers, &body, now_secs) {
+        Ok(v) => v,
+        Err(e) => return webhook_refused(&e),
+    };
+    let content_type_ok = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case("application/json")
+        });
+    if !content_type_ok {
+        let mut r = problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+            "the webhook body must be JSON, sent with Content-Type: application/json",
+        );
+        r.headers_mut()
+            .insert("accept-post", HeaderValue::from_static("application/json"));
+        return r;
+    }
+    let invalid = |detail: String| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-request",
+            "Invalid webhook body",
+            detail,
+        )
+    };
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return invalid("the webhook body must be a JSON object".into());
+    }
+    let req: PaymentWebhook = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return invalid(format!("invalid JSON body: {e}")),
+    };
+    if let Err(e) = idem_core::IdempotencyKey::new(req.event_id.as_str()) {
+        return invalid(format!("event_id: {e}"));
+    }
+    if let Err(e) = account_id("account_id", &req.account_id).and_then(|()| amount(req.amount).map(|_| ())) {
+        return e.into_response();
+    }
+    let tenant = who.tenant.clone();
+    let (event_id, account, amount) = (req.event_id.clone(), req.account_id.clone(), req.amount);
+    let (outbox, clock, ns) = (st.outbox.clone(), st.clock.clone(), st.namespace.clone());
+    let applied = webhooks
+        .apply_for(&tenant, &verified, &req.event_id, &body, |tx| {
+            let (tenant, event_id, account, outbox, clock, ns) = (
+                tenant.clone(),
+                event_id.clone(),
+                account.clone(),
+                outbox.clone(),
+                clock.clone(),
+                ns.clone(),
+            );
+            Box::pin(async move {
+                let id = uuid::Uuid::now_v7().to_string();
+                let now_ms = clock.now_ms();
+                let balance = D::top_up(tx, tenant.as_str(), &id, "webhook_top_up", &account, amount, now_ms).await?;
+                let event = Envelope::new(
+                    "webhook_top_up.created",
+                    tenant.as_str(),
+                    now_ms,
+                    serde_json::json!({ "journal_id": id, "event_id": event_id, "account_id": account, "amount": amount }),
+                );
+                D::enqueue(&outbox, tx, &event.to_outbox_in(&ns)?).await?;
+                Ok::<_, DbError>(WebhookDone {
+                    event_id,
+                    id,
+                    account_id: account,
+                    amount,
+                    balance,
+                })
+            })
+        })
+        .await;
+    match applied {
+        Ok(delivery) => {
+            let replayed = !delivery.is_applied();
+            let mut r = (StatusCode::OK, Json(delivery.into_inner())).into_response();
+            if replayed {
+                r.headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            }
+            r
+        }
+        Err(DbError::Idem(idem_core::Error::Mismatch)) => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "webhook-event-reused",
+            "Webhook event id reused",
+            "this event id was applied before with a different body",
+        ),
+        Err(DbError::Idem(idem_core::Error::InFlight { .. })) => {
+            let mut r = problem(
+                StatusCode::CONFLICT,
+                "webhook-in-flight",
+                "Webhook in flight",
+                "a delivery of this event is being applied; retry later",
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        Err(e) => ApiError::Db(e).into_response(),
+    }
 }
 
 async fn audit<D: LedgerDb>(

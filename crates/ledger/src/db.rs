@@ -6,8 +6,43 @@
 //! `ledger_accounts` for cheap checks, and the audit recomputes them from
 //! the entries.
 
-use idem_core::{BoxFuture, TxBackend};
+use idem_core::{BoxFuture, OutboxEvent, OutboxStore, TableName, TxBackend};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+/// The outbox of the ledger's events.
+pub const OUTBOX_TABLE: &str = "ledger_outbox";
+/// The inbox of provider webhooks (apart from request keys).
+pub const WEBHOOK_INBOX_TABLE: &str = "ledger_webhook_inbox";
+/// The inbox of the statement projection.
+pub const PROJECTION_INBOX_TABLE: &str = "ledger_projection_inbox";
+/// The run ids of scheduled jobs.
+pub const JOB_RUNS_TABLE: &str = "ledger_job_runs";
+
+/// One account's change in the statement projection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatementChange {
+    /// The account.
+    pub account_id: String,
+    /// Added to its credits.
+    pub credit: i64,
+    /// Added to its debits.
+    pub debit: i64,
+}
+
+/// An account's statement, as the projection holds it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Statement {
+    /// The account.
+    pub account_id: String,
+    /// The sum of money in.
+    pub credits: i64,
+    /// The sum of money out.
+    pub debits: i64,
+    /// credits − debits.
+    pub balance: i64,
+    /// Events applied to this account.
+    pub events: i64,
+}
 
 /// The pseudo-account money comes from (top-ups) and goes to (payouts).
 pub const WORLD: &str = "@world";
@@ -147,8 +182,23 @@ impl Dialect {
         }
     }
 
-    fn ddl(self) -> Vec<&'static str> {
-        let mut ddl = vec![
+    fn upsert_statement(self) -> &'static str {
+        match self {
+            Dialect::MySql => {
+                "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
+                 ON DUPLICATE KEY UPDATE credits = credits + VALUES(credits), debits = debits + VALUES(debits), \
+                 events = events + 1"
+            }
+            _ => {
+                "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
+                 ON CONFLICT (tenant, account_id) DO UPDATE SET credits = ledger_statements.credits + excluded.credits, \
+                 debits = ledger_statements.debits + excluded.debits, events = ledger_statements.events + 1"
+            }
+        }
+    }
+
+    fn ddl(self) -> Vec<String> {
+        let mut ddl: Vec<String> = [
             "CREATE TABLE IF NOT EXISTS ledger_accounts (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
              name VARCHAR(400) NOT NULL, balance BIGINT NOT NULL, created_at_ms BIGINT NOT NULL, \
              PRIMARY KEY (tenant, id))",
@@ -157,11 +207,31 @@ impl Dialect {
              to_account VARCHAR(80) NULL, created_at_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id))",
             "CREATE TABLE IF NOT EXISTS ledger_entries (tenant VARCHAR(80) NOT NULL, journal_id VARCHAR(80) NOT NULL, \
              account_id VARCHAR(80) NOT NULL, delta BIGINT NOT NULL, PRIMARY KEY (tenant, journal_id, account_id))",
-        ];
-        ddl.push(match self {
-            Dialect::MySql => "CREATE INDEX ledger_entries_account ON ledger_entries (tenant, account_id)",
-            _ => "CREATE INDEX IF NOT EXISTS ledger_entries_account ON ledger_entries (tenant, account_id)",
-        });
+
+            // The statement projection, fed by the ledger's own events.
+            "CREATE TABLE IF NOT EXISTS ledger_statements (tenant VARCHAR(80) NOT NULL, account_id VARCHAR(80) NOT NULL, \
+             credits BIGINT NOT NULL, debits BIGINT NOT NULL, events BIGINT NOT NULL, PRIMARY KEY (tenant, account_id))",
+            // One row per application of an event to the projection (no
+            // unique key on purpose: the harness counts them).
+            "CREATE TABLE IF NOT EXISTS ledger_projection_log (tenant VARCHAR(80) NOT NULL, event_id VARCHAR(80) NOT NULL, \
+             occurred_at_ms BIGINT NOT NULL, applied_at_ms BIGINT NOT NULL)",
+            // The balance snapshots job: one row per account per run.
+            "CREATE TABLE IF NOT EXISTS ledger_balance_snapshots (run_id VARCHAR(100) NOT NULL, tenant VARCHAR(80) NOT NULL, \
+             account_id VARCHAR(80) NOT NULL, balance BIGINT NOT NULL, taken_at_ms BIGINT NOT NULL)",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        for index in [
+            "ledger_entries_account ON ledger_entries (tenant, account_id)",
+            "ledger_projection_log_event ON ledger_projection_log (event_id)",
+            "ledger_balance_snapshots_run ON ledger_balance_snapshots (run_id)",
+        ] {
+            ddl.push(match self {
+                Dialect::MySql => format!("CREATE INDEX {index}"),
+                _ => format!("CREATE INDEX IF NOT EXISTS {index}"),
+            });
+        }
         ddl
     }
 }
@@ -183,6 +253,10 @@ pub struct Queries {
     audit_negative: SqlStr,
     audit_mismatch: SqlStr,
     audit_journal: SqlStr,
+    upsert_statement: SqlStr,
+    insert_projection_log: SqlStr,
+    select_statement: SqlStr,
+    snapshot_balances: SqlStr,
 }
 
 impl Queries {
@@ -227,6 +301,17 @@ impl Queries {
                  (SELECT COALESCE(SUM(e.delta), 0) FROM ledger_entries e WHERE e.tenant = a.tenant AND e.account_id = a.id))",
             ),
             audit_journal: p("SELECT COUNT(*) FROM ledger_journal WHERE tenant = ?"),
+            upsert_statement: p(dialect.upsert_statement()),
+            insert_projection_log: p(
+                "INSERT INTO ledger_projection_log (tenant, event_id, occurred_at_ms, applied_at_ms) VALUES (?, ?, ?, ?)",
+            ),
+            select_statement: p(
+                "SELECT credits, debits, events FROM ledger_statements WHERE tenant = ? AND account_id = ?",
+            ),
+            snapshot_balances: p(
+                "INSERT INTO ledger_balance_snapshots (run_id, tenant, account_id, balance, taken_at_ms) \
+                 SELECT ?, tenant, id, balance, ? FROM ledger_accounts",
+            ),
         }
     }
 }
@@ -274,10 +359,40 @@ pub trait LedgerDb: TxBackend + Clone {
     ) -> BoxFuture<'c, Result<(), DbError>>;
     /// The tenant's conservation figures, read from one consistent snapshot.
     fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>>;
+    /// The outbox of this engine.
+    type Outbox: OutboxStore + std::fmt::Debug;
+    /// The ledger's outbox (table [`OUTBOX_TABLE`]).
+    fn outbox(&self) -> Self::Outbox;
+    /// Enqueues an event in the open transaction.
+    fn enqueue<'c>(
+        outbox: &'c Self::Outbox,
+        tx: &'c mut Self::Tx,
+        event: &'c OutboxEvent,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// The same database with idempotency keys in `table`.
+    fn keyed(&self, table: TableName) -> Self;
+    /// Applies one event to the statement projection and logs the application.
+    fn apply_statement<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        event_id: &'c str,
+        changes: &'c [StatementChange],
+        occurred_at_ms: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// An account's statement, if the projection has seen it.
+    fn statement<'a>(
+        &'a self,
+        tenant: &'a str,
+        account_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Statement>, DbError>>;
+    /// Writes one balance snapshot row per account under `run_id`; answers how many.
+    fn snapshot_balances<'c>(tx: &'c mut Self::Tx, run_id: &'c str, now_ms: i64)
+    -> BoxFuture<'c, Result<u64, DbError>>;
 }
 
 macro_rules! ledger_db {
-    ($store:ty, $db:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
+    ($store:ty, $db:ty, $outbox:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
         impl LedgerDb for $store {
             fn migrate(&self) -> BoxFuture<'_, Result<(), DbError>> {
                 Box::pin(async move {
@@ -287,9 +402,9 @@ macro_rules! ledger_db {
                     if let Some(lock) = $lock {
                         sqlx::query(lock).execute(&mut *conn).await?;
                     }
-                    let mut result = Ok(());
+                    let mut result: Result<(), DbError> = Ok(());
                     for stmt in $dialect.ddl() {
-                        if let Err(e) = sqlx::query(stmt).execute(&mut *conn).await {
+                        if let Err(e) = sqlx::query(AssertSqlSafe(stmt.clone())).execute(&mut *conn).await {
                             // MySQL has no CREATE INDEX IF NOT EXISTS: a duplicate key name (1061) means done.
                             let duplicate_index = e
                                 .as_database_error()
@@ -304,7 +419,103 @@ macro_rules! ledger_db {
                     if let Some(unlock) = $unlock {
                         sqlx::query(unlock).execute(&mut *conn).await?;
                     }
-                    result
+                    result?;
+                    for table in [WEBHOOK_INBOX_TABLE, PROJECTION_INBOX_TABLE, JOB_RUNS_TABLE] {
+                        self.keyed(TableName::new(table)?).migrate().await?;
+                    }
+                    self.outbox().migrate().await?;
+                    Ok(())
+                })
+            }
+
+            type Outbox = $outbox;
+
+            fn outbox(&self) -> $outbox {
+                <$outbox>::with_table(
+                    self.pool().clone(),
+                    TableName::new(OUTBOX_TABLE).expect("a valid table name"),
+                )
+            }
+
+            fn enqueue<'c>(
+                outbox: &'c $outbox,
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                event: &'c OutboxEvent,
+            ) -> BoxFuture<'c, Result<(), DbError>> {
+                Box::pin(async move { Ok(outbox.enqueue(&mut **tx, event).await?) })
+            }
+
+            fn keyed(&self, table: TableName) -> Self {
+                self.clone().with_table(table)
+            }
+
+            fn apply_statement<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                event_id: &'c str,
+                changes: &'c [StatementChange],
+                occurred_at_ms: i64,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<(), DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    // A fixed order of rows, so two projections of opposite
+                    // transfers cannot deadlock each other.
+                    let mut changes: Vec<&StatementChange> = changes.iter().collect();
+                    changes.sort_by(|a, b| a.account_id.cmp(&b.account_id));
+                    for c in changes {
+                        sqlx::query(q.upsert_statement.clone())
+                            .bind(tenant)
+                            .bind(&c.account_id)
+                            .bind(c.credit)
+                            .bind(c.debit)
+                            .execute(&mut **tx)
+                            .await?;
+                    }
+                    sqlx::query(q.insert_projection_log.clone())
+                        .bind(tenant)
+                        .bind(event_id)
+                        .bind(occurred_at_ms)
+                        .bind(now_ms)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn statement<'a>(
+                &'a self,
+                tenant: &'a str,
+                account_id: &'a str,
+            ) -> BoxFuture<'a, Result<Option<Statement>, DbError>> {
+                Box::pin(async move {
+                    let row: Option<(i64, i64, i64)> = sqlx::query_as(queries().select_statement.clone())
+                        .bind(tenant)
+                        .bind(account_id)
+                        .fetch_optional(self.pool())
+                        .await?;
+                    Ok(row.map(|(credits, debits, events)| Statement {
+                        account_id: account_id.to_owned(),
+                        credits,
+                        debits,
+                        balance: credits - debits,
+                        events,
+                    }))
+                })
+            }
+
+            fn snapshot_balances<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                run_id: &'c str,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<u64, DbError>> {
+                Box::pin(async move {
+                    let done = sqlx::query(queries().snapshot_balances.clone())
+                        .bind(run_id)
+                        .bind(now_ms)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(done.rows_affected())
                 })
             }
 
@@ -604,6 +815,7 @@ mod postgres {
     ledger_db!(
         idem_postgres::PgStore,
         sqlx::Postgres,
+        idem_postgres::PgOutbox,
         Dialect::Postgres,
         Some("SELECT pg_advisory_lock(7262687201)"),
         Some("SELECT pg_advisory_unlock(7262687201)")
@@ -615,6 +827,7 @@ mod mysql {
     ledger_db!(
         idem_mysql::MySqlStore,
         sqlx::MySql,
+        idem_mysql::MySqlOutbox,
         Dialect::MySql,
         Some("SELECT GET_LOCK('ledger_migrate', 60)"),
         Some("SELECT RELEASE_LOCK('ledger_migrate')")
@@ -626,6 +839,7 @@ mod sqlite {
     ledger_db!(
         idem_sqlite::SqliteStore,
         sqlx::Sqlite,
+        idem_sqlite::SqliteOutbox,
         Dialect::Sqlite,
         None::<&'static str>,
         None::<&'static str>

@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod db;
+pub mod events;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod openapi;
@@ -111,9 +112,36 @@ impl Store {
     pub fn router(&self, clock: SharedClock, options: Options) -> axum::Router {
         let metrics = metrics_handle();
         match self.clone() {
-            Store::Postgres(db) => app(AppState { db, clock, metrics }, options),
-            Store::MySql(db) => app(AppState { db, clock, metrics }, options),
-            Store::Sqlite(db) => app(AppState { db, clock, metrics }, options),
+            Store::Postgres(db) => app(
+                AppState {
+                    outbox: db.outbox(),
+                    namespace: options.events_namespace.clone(),
+                    db,
+                    clock,
+                    metrics,
+                },
+                options,
+            ),
+            Store::MySql(db) => app(
+                AppState {
+                    outbox: db.outbox(),
+                    namespace: options.events_namespace.clone(),
+                    db,
+                    clock,
+                    metrics,
+                },
+                options,
+            ),
+            Store::Sqlite(db) => app(
+                AppState {
+                    outbox: db.outbox(),
+                    namespace: options.events_namespace.clone(),
+                    db,
+                    clock,
+                    metrics,
+                },
+                options,
+            ),
         }
     }
 
@@ -168,15 +196,20 @@ pub async fn serve(
     Ok(())
 }
 
-/// What the binary runs: connect, migrate, listen, serve until SIGTERM or Ctrl-C.
-pub async fn run(listen: &str, database_url: &str, max_connections: u32, options: Options) -> Result<(), StartError> {
-    #[cfg(feature = "fault-injection")]
-    fault::install_from_env().map_err(StartError::Config)?;
-    let store = Store::connect(database_url, max_connections).await?;
-    let listener = TcpListener::bind(listen).await?;
-    tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");
-    // Every instance on one database decides key expiry on the database's
-    // clock, so a host whose clock is off cannot expire keys early.
+/// Runs `$body` with `$db` bound to the concrete store.
+macro_rules! with_db {
+    ($store:expr, $db:ident => $body:expr) => {
+        match $store {
+            Store::Postgres($db) => $body,
+            Store::MySql($db) => $body,
+            Store::Sqlite($db) => $body,
+        }
+    };
+}
+
+/// The clock of every instance on one database: the database's, so a host
+/// whose clock is off cannot expire keys early.
+async fn anchored_clock(store: &Store) -> Result<SharedClock, StartError> {
     let clock = idem_core::AnchoredClock::start(Arc::new(store.clone()), idem_core::AnchorOptions::default())
         .await
         .map_err(|e| StartError::Config(format!("cannot read the database's clock: {e}")))?;
@@ -184,8 +217,150 @@ pub async fn run(listen: &str, database_url: &str, max_connections: u32, options
         uncertainty_ms = clock.uncertainty().as_secs_f64() * 1000.0,
         "clock anchored to the database"
     );
-    let clock: SharedClock = Arc::new(clock);
+    Ok(Arc::new(clock))
+}
+
+/// The balance snapshots job: one row per account, once per run id.
+pub fn snapshot_job(every: Duration) -> Result<idem_jobs::Job, StartError> {
+    Ok(idem_jobs::Job::new("balance-snapshots", every)?)
+}
+
+/// Runs the balance snapshots job once under `run_id`: `Some(rows)` if this
+/// call applied it, `None` if the run id was applied before.
+pub async fn snapshot<D: LedgerDb>(
+    db: &D,
+    clock: SharedClock,
+    job: &idem_jobs::Job,
+    run_id: &str,
+) -> Result<Option<u64>, DbError> {
+    let scheduler = snapshot_scheduler(db, clock.clone())?;
+    let run = run_id.to_owned();
+    let delivery = scheduler
+        .run(job, run_id, |tx| {
+            let (run, clock) = (run.clone(), clock.clone());
+            Box::pin(async move { D::snapshot_balances(tx, &run, clock.now_ms()).await })
+        })
+        .await?;
+    Ok(match delivery {
+        idem_jobs::Delivery::Applied(rows) => Some(rows),
+        idem_jobs::Delivery::Duplicate(_) => None,
+    })
+}
+
+fn snapshot_scheduler<D: LedgerDb>(db: &D, clock: SharedClock) -> Result<idem_jobs::Scheduler<D>, DbError> {
+    let store = db.keyed(TableName::new(db::JOB_RUNS_TABLE)?);
+    Ok(idem_jobs::Scheduler::new(
+        idem_core::TxEngine::new(store).with_clock(clock),
+    ))
+}
+
+/// Gives a closure the job work's higher-ranked signature.
+fn snapshot_work<D: LedgerDb, F>(f: F) -> F
+where
+    F: for<'c> FnMut(&'c mut D::Tx) -> idem_core::BoxFuture<'c, Result<u64, DbError>>,
+{
+    f
+}
+
+/// The balance snapshots job on its schedule, until `shutdown`.
+async fn run_snapshots<D: LedgerDb>(
+    db: D,
+    clock: SharedClock,
+    job: idem_jobs::Job,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let scheduler = match snapshot_scheduler(&db, clock.clone()) {
+        Ok(s) => s,
+        Err(e) => return tracing::error!(error = %e, "the snapshot job did not start"),
+    };
+    let make = |run_id: String| {
+        let clock = clock.clone();
+        snapshot_work::<D, _>(move |tx| {
+            let (run_id, clock) = (run_id.clone(), clock.clone());
+            Box::pin(async move { D::snapshot_balances(tx, &run_id, clock.now_ms()).await })
+        })
+    };
+    scheduler.run_every(&job, Duration::from_secs(30), make, shutdown).await;
+}
+
+/// `ledger job snapshots`: runs the job once, under `run_id` or the current
+/// slot's id; answers the run id and the rows written (`None`: already run).
+pub async fn run_snapshot_job(
+    database_url: &str,
+    run_id: Option<String>,
+    every: Duration,
+) -> Result<(String, Option<u64>), StartError> {
+    let store = Store::connect(database_url, 2).await?;
+    let clock = anchored_clock(&store).await?;
+    let job = snapshot_job(every)?;
+    let run_id = run_id.unwrap_or_else(|| job.run_id(job.slot_at(clock.now_ms())));
+    let outcome = with_db!(&store, db => snapshot(db, clock.clone(), &job, &run_id).await?);
+    Ok((run_id, outcome))
+}
+
+/// `ledger relay` / `ledger project`: the events without the HTTP server,
+/// until SIGTERM or Ctrl-C.
+pub async fn run_events(
+    database_url: &str,
+    max_connections: u32,
+    config: events::EventsConfig,
+) -> Result<(), StartError> {
+    let store = Store::connect(database_url, max_connections).await?;
+    let clock = anchored_clock(&store).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = {
+        let store = store.clone();
+        tokio::spawn(async move { with_db!(store, db => events::run(db, clock, config, stopped).await) })
+    };
+    shutdown_signal().await;
+    let _ = stop.send(true);
+    task.await
+        .map_err(|e| StartError::Config(format!("events task: {e}")))??;
+    Ok(())
+}
+
+/// What the binary runs: connect, migrate, listen, serve until SIGTERM or
+/// Ctrl-C; with `events`, relays and the projection in the same process;
+/// with `snapshot_every`, the balance snapshots job on its schedule.
+pub async fn run(
+    listen: &str,
+    database_url: &str,
+    max_connections: u32,
+    options: Options,
+    events: Option<events::EventsConfig>,
+    snapshot_every: Option<Duration>,
+) -> Result<(), StartError> {
+    #[cfg(feature = "fault-injection")]
+    fault::install_from_env().map_err(StartError::Config)?;
+    let store = Store::connect(database_url, max_connections).await?;
+    let listener = TcpListener::bind(listen).await?;
+    tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");
+    let clock = anchored_clock(&store).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut background = tokio::task::JoinSet::new();
+    if let Some(config) = events {
+        let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
+        background.spawn(async move {
+            if let Err(e) = with_db!(store, db => events::run(db, clock, config, stopped).await) {
+                tracing::error!(error = %e, "events stopped");
+            }
+        });
+    } else {
+        tracing::info!("no --nats-url: events stay in the outbox until a relay runs");
+    }
+    if let Some(every) = snapshot_every {
+        let job = snapshot_job(every)?;
+        let (store, clock, mut stopped) = (store.clone(), clock.clone(), stopped.clone());
+        background.spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            };
+            with_db!(store, db => run_snapshots(db, clock, job, shutdown).await)
+        });
+    }
     serve(listener, store, clock, options, shutdown_signal()).await?;
+    let _ = stop.send(true);
+    while background.join_next().await.is_some() {}
     tracing::info!("ledger stopped");
     Ok(())
 }

@@ -1,6 +1,9 @@
-//! The `ledger` binary: parses flags and runs [`ledger::run`].
+//! The `ledger` binary: parses flags and runs the service, its relays, its
+//! projection, or a job.
 
-use clap::Parser;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
 
 /// idem's reference service: a credits ledger with exactly-once mutations.
 #[derive(Debug, Parser)]
@@ -10,7 +13,7 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
     /// Database: postgres://…, mysql://… (MariaDB too), or a SQLite file path.
-    #[arg(long, env = "DATABASE_URL", default_value = "./ledger.db")]
+    #[arg(long, env = "DATABASE_URL", default_value = "./ledger.db", global = true)]
     database_url: String,
     /// How long idempotency keys are kept, in seconds.
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=315_360_000))]
@@ -19,9 +22,54 @@ struct Args {
     /// LEDGER_TOKENS). None: demo mode, every token is its own tenant.
     #[arg(long = "token", env = "LEDGER_TOKENS", value_delimiter = ',')]
     tokens: Vec<String>,
+    /// The webhook signing secrets (Standard Webhooks, `whsec_…`; several,
+    /// comma-separated, while a provider rotates). Unset in demo mode: the
+    /// documented demo secret. Unset with --token: webhooks are refused.
+    #[arg(long = "webhook-secret", env = "LEDGER_WEBHOOK_SECRET", value_delimiter = ',')]
+    webhook_secrets: Vec<String>,
     /// Database connections at most.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000), global = true)]
     max_connections: u32,
+    /// NATS server for the ledger's events (relays and projection run in
+    /// this process). Unset: events wait in the outbox.
+    #[arg(long, env = "NATS_URL", global = true)]
+    nats_url: Option<String>,
+    /// Relays in this process (with --nats-url).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64), global = true)]
+    relays: u16,
+    /// Projection consumers in this process (with --nats-url).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64), global = true)]
+    projectors: u16,
+    /// The names of the event streams, subjects and consumers (several
+    /// ledgers can share one NATS server).
+    #[arg(long, env = "LEDGER_EVENTS_NAMESPACE", default_value = ledger::events::DEFAULT_NAMESPACE, global = true)]
+    events_namespace: String,
+    /// The balance snapshots job's period in seconds (0: off).
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
+    snapshot_every_secs: u64,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Publishes the outbox to NATS (--nats-url) without serving HTTP.
+    Relay,
+    /// Runs the statement projection (--nats-url) without serving HTTP.
+    Project,
+    /// Runs a job once and exits.
+    Job {
+        /// The job: `snapshots` (one balance row per account).
+        #[arg(value_parser = ["snapshots"])]
+        name: String,
+        /// The run id (default: the id of the current slot; a second run
+        /// with the same id does nothing).
+        #[arg(long)]
+        run_id: Option<String>,
+        /// The slot's period in seconds, for the default run id.
+        #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=31_622_400))]
+        every_secs: u64,
+    },
 }
 
 #[tokio::main]
@@ -37,15 +85,100 @@ async fn main() -> std::process::ExitCode {
         )
         .init();
     let args = Args::parse();
-    let options = ledger::Options {
-        key_ttl_secs: args.key_ttl_secs,
-        tokens: std::sync::Arc::new(args.tokens.into_iter().filter(|t| !t.is_empty()).collect()),
+    let namespace = match ledger::events::Namespace::new(&args.events_namespace) {
+        Ok(ns) => ns,
+        Err(e) => {
+            eprintln!("ledger: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
     };
-    match ledger::run(&args.listen, &args.database_url, args.max_connections, options).await {
+    let events = args.nats_url.clone().map(|nats_url| ledger::events::EventsConfig {
+        nats_url,
+        relays: usize::from(args.relays),
+        projectors: usize::from(args.projectors),
+        namespace: namespace.clone(),
+    });
+    let result = match args.command {
+        None => serve(&args, events, namespace).await,
+        Some(Command::Relay) => match events {
+            Some(e) => {
+                ledger::run_events(
+                    &args.database_url,
+                    args.max_connections,
+                    ledger::events::EventsConfig { projectors: 0, ..e },
+                )
+                .await
+            }
+            None => Err(ledger::StartError::Config(
+                "relay needs --nats-url (or NATS_URL)".into(),
+            )),
+        },
+        Some(Command::Project) => match events {
+            Some(e) => {
+                ledger::run_events(
+                    &args.database_url,
+                    args.max_connections,
+                    ledger::events::EventsConfig { relays: 0, ..e },
+                )
+                .await
+            }
+            None => Err(ledger::StartError::Config(
+                "project needs --nats-url (or NATS_URL)".into(),
+            )),
+        },
+        Some(Command::Job {
+            name: _,
+            ref run_id,
+            every_secs,
+        }) => ledger::run_snapshot_job(&args.database_url, run_id.clone(), Duration::from_secs(every_secs))
+            .await
+            .map(|(run_id, outcome)| match outcome {
+                Some(rows) => println!("run {run_id}: applied, {rows} snapshot rows"),
+                None => println!("run {run_id}: already applied; nothing done"),
+            }),
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ledger: {e}");
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+async fn serve(
+    args: &Args,
+    events: Option<ledger::events::EventsConfig>,
+    events_namespace: ledger::events::Namespace,
+) -> Result<(), ledger::StartError> {
+    let tokens: std::collections::HashSet<String> = args.tokens.iter().filter(|t| !t.is_empty()).cloned().collect();
+    let secrets: Vec<&String> = args.webhook_secrets.iter().filter(|s| !s.is_empty()).collect();
+    let webhooks = if !secrets.is_empty() {
+        Some(
+            idem_webhooks::Verifier::new(secrets)
+                .map_err(|e| ledger::StartError::Config(format!("--webhook-secret: {e}")))?,
+        )
+    } else if tokens.is_empty() {
+        tracing::warn!("demo mode: webhooks are verified with the documented demo secret");
+        ledger::Options::default().webhooks
+    } else {
+        tracing::warn!("no webhook secret configured: POST /v1/webhooks/payments refuses every webhook");
+        None
+    };
+    let options = ledger::Options {
+        key_ttl_secs: args.key_ttl_secs,
+        tokens: std::sync::Arc::new(tokens),
+        webhooks,
+        events_namespace,
+    };
+    let snapshot_every = (args.snapshot_every_secs > 0).then(|| Duration::from_secs(args.snapshot_every_secs));
+    ledger::run(
+        &args.listen,
+        &args.database_url,
+        args.max_connections,
+        options,
+        events,
+        snapshot_every,
+    )
+    .await
 }

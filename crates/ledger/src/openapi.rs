@@ -14,8 +14,8 @@ use utoipa::openapi::{
     Response, ResponseBuilder, Type,
 };
 
-use crate::api::{NewAccount, NewTopUp, NewTransfer, TopUpDone, TransferDone};
-use crate::db::{Account, Audit};
+use crate::api::{NewAccount, NewTopUp, NewTransfer, PaymentWebhook, TopUpDone, TransferDone, WebhookDone};
+use crate::db::{Account, Audit, Statement};
 
 /// An RFC 9457 problem, the body of every error.
 #[derive(ToSchema)]
@@ -107,6 +107,19 @@ fn read(id: &str, summary: &str, body: &str) -> OperationBuilder {
         .response("503", problem("The database is unavailable"))
 }
 
+/// A Standard Webhooks header.
+fn webhook_header(name: &str, description: &str, pattern: &str) -> utoipa::openapi::path::Parameter {
+    ParameterBuilder::new()
+        .name(name)
+        .parameter_in(ParameterIn::Header)
+        .required(Required::True)
+        .description(Some(description))
+        .schema(Some(
+            ObjectBuilder::new().schema_type(Type::String).pattern(Some(pattern)),
+        ))
+        .build()
+}
+
 fn item(method: HttpMethod, operation: Operation) -> PathItem {
     PathItem::new(method, operation)
 }
@@ -147,8 +160,80 @@ pub fn document() -> OpenApi {
             item(
                 HttpMethod::Get,
                 read("getAccount", "An account and its balance", "Account")
-                    .parameter(account_id)
+                    .parameter(account_id.clone())
                     .response("404", problem("No such account for this tenant"))
+                    .build(),
+            ),
+        )
+        .path(
+            "/v1/accounts/{id}/statement",
+            item(
+                HttpMethod::Get,
+                read(
+                    "getStatement",
+                    "The account's statement, from the projection of the ledger's events",
+                    "Statement",
+                )
+                .parameter(account_id)
+                .response("404", problem("No such account for this tenant"))
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/webhooks/payments",
+            item(
+                HttpMethod::Post,
+                OperationBuilder::new()
+                    .operation_id(Some("receivePaymentWebhook"))
+                    .summary(Some(
+                        "A provider-initiated top-up, signed per Standard Webhooks and applied once per event_id",
+                    ))
+                    .parameter(webhook_header(
+                        "webhook-id",
+                        "The message id (the same on every retry)",
+                        r"^[ -~]{1,255}$",
+                    ))
+                    .parameter(webhook_header(
+                        "webhook-timestamp",
+                        "Seconds since the Unix epoch, within 5 minutes of now",
+                        r"^[0-9]{1,12}$",
+                    ))
+                    .parameter(webhook_header(
+                        "webhook-signature",
+                        "Space-separated `v1,<base64 HMAC-SHA256>` signatures",
+                        r"^v1,[A-Za-z0-9+/=]+( v1,[A-Za-z0-9+/=]+)*$",
+                    ))
+                    .request_body(Some(
+                        RequestBodyBuilder::new()
+                            .content("application/json", json("PaymentWebhook"))
+                            .required(Some(Required::True))
+                            .build(),
+                    ))
+                    .response(
+                        "200",
+                        ok(
+                            "Applied now, or before (then with Idempotent-Replayed: true)",
+                            "WebhookDone",
+                        )
+                        .build(),
+                    )
+                    .response(
+                        "400",
+                        problem("Malformed headers or body, or a timestamp out of tolerance"),
+                    )
+                    .response("401", problem("No valid bearer token, or no signature matches"))
+                    .response("404", problem("No such account"))
+                    .response("409", problem("A delivery of this event is being applied"))
+                    .response("413", problem("Body over 64 KiB"))
+                    .response("415", problem("The body is not sent as application/json"))
+                    .response(
+                        "422",
+                        problem("The event id was applied with another body, or the balance limit"),
+                    )
+                    .response(
+                        "503",
+                        problem("Webhooks are not configured, or the database is unavailable"),
+                    )
                     .build(),
             ),
         )
@@ -203,6 +288,9 @@ pub fn document() -> OpenApi {
         .schema_from::<TopUpDone>()
         .schema_from::<TransferDone>()
         .schema_from::<Audit>()
+        .schema_from::<Statement>()
+        .schema_from::<PaymentWebhook>()
+        .schema_from::<WebhookDone>()
         .schema_from::<Problem>()
         .security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)))
         .build();

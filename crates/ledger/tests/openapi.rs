@@ -56,7 +56,15 @@ async fn the_document_lists_every_route() {
 #[test]
 fn schemathesis_finds_nothing() {
     let url = database_url(Engine::Sqlite);
-    let ledger = Instance::start_with(&url, &["--token", "fuzz-token"]);
+    let ledger = Instance::start_with(
+        &url,
+        &[
+            "--token",
+            "fuzz-token",
+            "--webhook-secret",
+            ledger::api::DEMO_WEBHOOK_SECRET,
+        ],
+    );
     let output = std::process::Command::new("schemathesis")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["run", &format!("{}/openapi.json", ledger.base)])

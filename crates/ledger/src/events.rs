@@ -1,0 +1,372 @@
+//! The ledger's events, the relays that publish them to NATS JetStream, and
+//! the statement projection that consumes them.
+//!
+//! Every mutation enqueues one event in its own transaction (outbox table
+//! `ledger_outbox`), so an event exists if and only if its change committed.
+//! Relays publish them to the stream `LEDGER_EVENTS` (subjects
+//! `ledger.events.<type>`, `Nats-Msg-Id` = event id; another namespace,
+//! `--events-namespace`, renames all of these). The projection
+//! `ledger-statements` consumes them through an inbox (table
+//! `ledger_projection_inbox`) and keeps a per-account statement
+//! (`ledger_statements`) that `GET /v1/accounts/{id}/statement` serves.
+//!
+//! # Event schema (version 1)
+//!
+//! Every event is a JSON object:
+//!
+//! ```json
+//! {"id": "0193…", "type": "top_up.created", "version": 1, "tenant": "t_…",
+//!  "occurred_at_ms": 1732450000000, "data": {…}}
+//! ```
+//!
+//! | `type` | `data` |
+//! |---|---|
+//! | `account.created` | `{"account_id", "name"}` |
+//! | `top_up.created` | `{"journal_id", "account_id", "amount"}` |
+//! | `transfer.created` | `{"journal_id", "from", "to", "amount"}` |
+//! | `webhook_top_up.created` | `{"journal_id", "event_id", "account_id", "amount"}` (`event_id`: the provider's) |
+//!
+//! A consumer must refuse a `version` it does not know (the projection keeps
+//! such an event as a dead letter). A new field is added without a new
+//! version; a change of meaning is a new version.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use idem_core::{OutboxEvent, SharedClock, StoreErrorKind, TableName, TxEngine};
+use idem_inbox::Inbox;
+use idem_jetstream::async_nats;
+use idem_jetstream::{ConsumerOptions, Event, HandlerError, InboxConsumer, JetStreamPublisher};
+use idem_outbox::{Relay, RelayOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::StartError;
+use crate::db::{LedgerDb, PROJECTION_INBOX_TABLE, StatementChange};
+
+/// The version of the event schema this ledger writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+/// The default namespace: stream `LEDGER_EVENTS`, subjects
+/// `ledger.events.<type>`, consumer `ledger-statements`, dead letters on
+/// `ledger.dead.>` (stream `LEDGER_DEAD`).
+pub const DEFAULT_NAMESPACE: &str = "ledger";
+/// The projection's inbox handler name.
+pub const PROJECTION: &str = "ledger-statements";
+
+/// The names of one ledger deployment's streams, subjects and consumers,
+/// so several deployments can share one NATS server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace(String);
+
+impl Namespace {
+    /// A namespace of 1 to 32 lower-case ASCII letters, digits or `_`.
+    pub fn new(name: &str) -> Result<Self, StartError> {
+        let ok = !name.is_empty()
+            && name.len() <= 32
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if ok {
+            Ok(Self(name.to_owned()))
+        } else {
+            Err(StartError::Config(format!(
+                "events namespace {name:?} must be 1 to 32 of [a-z0-9_]"
+            )))
+        }
+    }
+
+    /// The events stream.
+    pub fn stream(&self) -> String {
+        format!("{}_EVENTS", self.0.to_ascii_uppercase())
+    }
+
+    /// The dead-letter stream.
+    pub fn dead_stream(&self) -> String {
+        format!("{}_DEAD", self.0.to_ascii_uppercase())
+    }
+
+    /// The subject prefix of events (`<ns>.events`).
+    pub fn subjects(&self) -> String {
+        format!("{}.events", self.0)
+    }
+
+    /// The projection's durable consumer.
+    pub fn consumer(&self) -> String {
+        format!("{}-statements", self.0)
+    }
+
+    /// The projection's dead-letter subject.
+    pub fn dead_subject(&self) -> String {
+        format!("{}.dead.statements", self.0)
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self(DEFAULT_NAMESPACE.into())
+    }
+}
+
+/// An event as published.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Envelope {
+    /// The event id (also `Nats-Msg-Id` and the consumers' inbox key).
+    pub id: String,
+    /// What happened.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The schema version.
+    pub version: u32,
+    /// The tenant it happened to.
+    pub tenant: String,
+    /// When, in ms since the epoch.
+    pub occurred_at_ms: i64,
+    /// The type's fields.
+    pub data: serde_json::Value,
+}
+
+#[derive(Debug, Deserialize)]
+struct AccountData {
+    account_id: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct CreditData {
+    account_id: String,
+    amount: i64,
+}
+
+#[derive(Debug, Deserialize)]
+struct TransferData {
+    from: String,
+    to: String,
+    amount: i64,
+}
+
+impl Envelope {
+    /// A new event of `kind` with `data`, ready to enqueue.
+    pub fn new(kind: &str, tenant: &str, occurred_at_ms: i64, data: serde_json::Value) -> Self {
+        Self {
+            id: uuid::Uuid::now_v7().to_string(),
+            kind: kind.to_owned(),
+            version: SCHEMA_VERSION,
+            tenant: tenant.to_owned(),
+            occurred_at_ms,
+            data,
+        }
+    }
+
+    /// The outbox row of this event, published under `ns`.
+    pub fn to_outbox_in(&self, ns: &Namespace) -> Result<OutboxEvent, idem_core::Error> {
+        let payload = serde_json::to_vec(self).map_err(|e| idem_core::Error::Encode(e.to_string()))?;
+        OutboxEvent::with_id(
+            idem_core::IdempotencyKey::new(self.id.as_str())?,
+            format!("{}.{}", ns.subjects(), self.kind),
+            payload,
+        )
+    }
+
+    /// The outbox row of this event, in the default namespace.
+    pub fn to_outbox(&self) -> Result<OutboxEvent, idem_core::Error> {
+        let payload = serde_json::to_vec(self).map_err(|e| idem_core::Error::Encode(e.to_string()))?;
+        OutboxEvent::with_id(
+            idem_core::IdempotencyKey::new(self.id.as_str())?,
+            format!("{DEFAULT_NAMESPACE}.events.{}", self.kind),
+            payload,
+        )
+    }
+
+    /// What the event changes in the statement projection.
+    pub fn statement_changes(&self) -> Result<Vec<StatementChange>, String> {
+        if self.version != SCHEMA_VERSION {
+            return Err(format!("unknown event version {}", self.version));
+        }
+        let data = self.data.clone();
+        let bad = |e: serde_json::Error| format!("malformed {} event: {e}", self.kind);
+        let change = |account_id: String, credit: i64, debit: i64| StatementChange {
+            account_id,
+            credit,
+            debit,
+        };
+        Ok(match self.kind.as_str() {
+            "account.created" => {
+                let d: AccountData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, 0, 0)]
+            }
+            "top_up.created" | "webhook_top_up.created" => {
+                let d: CreditData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, d.amount, 0)]
+            }
+            "transfer.created" => {
+                let d: TransferData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.from, 0, d.amount), change(d.to, d.amount, 0)]
+            }
+            other => return Err(format!("unknown event type {other:?}")),
+        })
+    }
+}
+
+/// Where and how the events run.
+#[derive(Debug, Clone)]
+pub struct EventsConfig {
+    /// The NATS server.
+    pub nats_url: String,
+    /// Relays in this process.
+    pub relays: usize,
+    /// Projection consumers in this process.
+    pub projectors: usize,
+    /// The names of streams, subjects and consumers.
+    pub namespace: Namespace,
+}
+
+/// Connects to NATS and makes sure the streams exist.
+pub async fn connect(url: &str, ns: &Namespace) -> Result<jetstream::Context, StartError> {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|e| StartError::Config(format!("cannot connect to NATS at {url}: {e}")))?;
+    let js = jetstream::new(client);
+    for (name, subjects) in [
+        (ns.stream(), format!("{}.>", ns.subjects())),
+        (ns.dead_stream(), ns.dead_subject()),
+    ] {
+        // Retried: a NATS server that is starting answers "no responders"
+        // for a moment.
+        let mut attempt = 0;
+        loop {
+            let created = js
+                .get_or_create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![subjects.clone()],
+                    duplicate_window: Duration::from_secs(120),
+                    storage: stream::StorageType::File,
+                    max_age: Duration::from_secs(7 * 86_400),
+                    ..Default::default()
+                })
+                .await;
+            match created {
+                Ok(_) => break,
+                Err(e) if attempt < 50 => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, "stream not ready; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(StartError::Config(format!("cannot create the stream {name}: {e}"))),
+            }
+        }
+    }
+    Ok(js)
+}
+
+/// A relay of the ledger's outbox.
+pub fn relay<D: LedgerDb>(db: &D, js: &jetstream::Context) -> Relay<D::Outbox, JetStreamPublisher> {
+    Relay::new(
+        db.outbox(),
+        JetStreamPublisher::new(js.clone()),
+        RelayOptions {
+            name: "ledger".into(),
+            idle_wait: Duration::from_millis(20),
+            ..Default::default()
+        },
+    )
+}
+
+/// The statement projection's consumer.
+pub async fn projector<D: LedgerDb>(
+    db: &D,
+    clock: SharedClock,
+    js: &jetstream::Context,
+    ns: &Namespace,
+) -> Result<InboxConsumer<D>, StartError> {
+    let stream = js
+        .get_stream(ns.stream())
+        .await
+        .map_err(|e| StartError::Config(format!("the stream {}: {e}", ns.stream())))?;
+    let consumer = stream
+        .get_or_create_consumer(
+            &ns.consumer(),
+            pull::Config {
+                durable_name: Some(ns.consumer()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_deliver: -1,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| StartError::Config(format!("the consumer {}: {e}", ns.consumer())))?;
+    let store = db.keyed(TableName::new(PROJECTION_INBOX_TABLE)?);
+    let inbox = Inbox::new(TxEngine::new(store).with_clock(clock.clone()));
+    let mut options = ConsumerOptions::new(PROJECTION);
+    options.dead_letter_subject = ns.dead_subject();
+    let handler = idem_jetstream::handler::<D, _>(move |tx, event: Arc<Event>| {
+        let clock = clock.clone();
+        Box::pin(async move {
+            let envelope: Envelope = serde_json::from_slice(&event.payload)
+                .map_err(|e| HandlerError::reject(format!("not an event: {e}")))?;
+            if envelope.id != event.id {
+                return Err(HandlerError::reject("the payload's id differs from Nats-Msg-Id"));
+            }
+            let changes = envelope.statement_changes().map_err(HandlerError::reject)?;
+            D::apply_statement(
+                tx,
+                &envelope.tenant,
+                &envelope.id,
+                &changes,
+                envelope.occurred_at_ms,
+                clock.now_ms(),
+            )
+            .await
+            .map_err(|e| {
+                if idem_core::Contention::is_contention(&e) {
+                    HandlerError::Idem(idem_core::Error::store(StoreErrorKind::Deadlock, e.to_string()))
+                } else {
+                    HandlerError::retry(e)
+                }
+            })
+        })
+    });
+    InboxConsumer::start(js.clone(), consumer, inbox, options, handler)
+        .await
+        .map_err(|e| StartError::Config(e.to_string()))
+}
+
+/// Runs `config.relays` relays and `config.projectors` projection consumers
+/// until `shutdown` flips.
+pub async fn run<D: LedgerDb>(
+    db: D,
+    clock: SharedClock,
+    config: EventsConfig,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), StartError> {
+    let js = connect(&config.nats_url, &config.namespace).await?;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..config.relays {
+        let relay = relay(&db, &js);
+        let mut stop = shutdown.clone();
+        tasks.spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        });
+    }
+    for _ in 0..config.projectors {
+        let consumer = projector(&db, clock.clone(), &js, &config.namespace).await?;
+        let mut stop = shutdown.clone();
+        tasks.spawn(async move {
+            consumer
+                .run(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        });
+    }
+    tracing::info!(relays = config.relays, projectors = config.projectors, nats = %config.nats_url, "events running");
+    let _ = shutdown.wait_for(|s| *s).await;
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
