@@ -63,7 +63,7 @@ pub use heartbeat::{Heartbeat, HeldLease};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};
 pub use lease::{Acquire, LeaseEngine};
 pub use outbox::{
-    MAX_OUTBOX_PAYLOAD, MAX_SUBJECT_LEN, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore,
+    MAX_OUTBOX_PAYLOAD, MAX_SUBJECT_LEN, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, RetryBackoff,
 };
 pub use policy::{Consume, InFlight, Policy};
 pub use record::{

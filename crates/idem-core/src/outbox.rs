@@ -106,6 +106,28 @@ pub struct OutboxMessage {
     pub payload: Vec<u8>,
     /// When it was enqueued, on the database's clock (ms since the epoch).
     pub created_at_ms: i64,
+    /// Publishes attempted before that the broker did not confirm.
+    pub attempts: i32,
+}
+
+/// When a row the broker did not confirm is tried again: after
+/// `min(max_ms, min_ms × 2^attempts)`, so a row that keeps failing (a
+/// subject no stream captures) never holds up the rows behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryBackoff {
+    /// The first pause, in ms.
+    pub min_ms: i64,
+    /// The longest pause, in ms.
+    pub max_ms: i64,
+}
+
+impl Default for RetryBackoff {
+    fn default() -> Self {
+        Self {
+            min_ms: 100,
+            max_ms: 60_000,
+        }
+    }
 }
 
 /// How far the relays are behind.
@@ -123,7 +145,7 @@ pub trait OutboxStore: Clone + Send + Sync + 'static {
     type Batch: OutboxBatch;
 
     /// Takes up to `limit` committed unsent rows, oldest first, that no
-    /// other relay holds. The batch holds them until it is finished or
+    /// other relay holds and whose retry time has come. The batch holds them until it is finished or
     /// dropped (or, on stores that lease rows, until the lease runs out).
     fn take(&self, limit: usize) -> BoxFuture<'_, Result<Self::Batch>>;
 
@@ -140,7 +162,8 @@ pub trait OutboxBatch: Send + 'static {
     /// The rows, oldest first.
     fn messages(&self) -> &[OutboxMessage];
 
-    /// Marks the rows whose `seq` is in `sent` as sent and lets go of the
-    /// rest (another pass takes them again).
-    fn finish(self, sent: Vec<i64>) -> BoxFuture<'static, Result<()>>;
+    /// Marks the rows whose `seq` is in `sent` as sent; the rest of the
+    /// batch counts one more failed attempt each and is taken again after
+    /// its `backoff`.
+    fn finish(self, sent: Vec<i64>, backoff: RetryBackoff) -> BoxFuture<'static, Result<()>>;
 }

@@ -152,7 +152,7 @@ impl ConsumerOptions {
 /// Gives a closure the handler's signature (closures do not infer
 /// higher-ranked lifetimes on their own):
 ///
-/// ```ignore
+/// ```text
 /// let h = idem_jetstream::handler::<MyStore, _>(|tx, event| Box::pin(async move { Ok(()) }));
 /// ```
 pub fn handler<B, F>(f: F) -> F

@@ -170,6 +170,8 @@ impl Relays {
                     name: format!("test{i}"),
                     idle_wait: Duration::from_millis(10),
                     batch_size: 20,
+                    backoff_min: Duration::from_millis(200),
+                    backoff_max: Duration::from_secs(2),
                     ..Default::default()
                 },
             );
@@ -457,6 +459,35 @@ macro_rules! events_suite {
                     10,
                     "the broker dropped the second publish"
                 );
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_row_no_stream_captures_does_not_hold_up_the_rest() {
+                let s = subject(Duration::from_secs(120)).await;
+                // Oldest first: a batch's worth of rows on a subject without a stream.
+                for _ in 0..25 {
+                    let lost = OutboxEvent::new(format!("nowhere_{}.x", s.tag), b"{}".to_vec()).unwrap();
+                    let mut tx = s.pool.begin().await.unwrap();
+                    s.outbox.enqueue(&mut *tx, &lost).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+                let mut ids = BTreeSet::new();
+                for _ in 0..30 {
+                    ids.insert(s.enqueue("created", true).await);
+                }
+                let relays = Relays::start(2, &s.outbox, &s.broker.js);
+                eventually("every routable row is published", || async {
+                    s.broker
+                        .published_ids()
+                        .await
+                        .into_iter()
+                        .collect::<BTreeSet<_>>()
+                        == ids
+                })
+                .await;
+                relays.stop().await;
+                assert_eq!(s.unsent().await, 25, "the unroutable rows wait for their retry");
                 s.broker.cleanup().await;
             }
 

@@ -11,7 +11,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use idem_core::{BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, TableName};
+use idem_core::{
+    BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, RetryBackoff, TableName,
+};
 use sqlx::mysql::{MySqlConnection, MySqlPool};
 use sqlx::{AssertSqlSafe, MySql, Transaction};
 
@@ -23,13 +25,14 @@ pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
 /// The database's clock in milliseconds, read when the statement runs.
 const NOW_MS: &str = "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)";
 
-/// seq, event id, subject, payload, created_at_ms.
-type RawRow = (i64, Vec<u8>, Vec<u8>, Vec<u8>, i64);
+/// seq, event id, subject, payload, created_at_ms, attempts.
+type RawRow = (i64, Vec<u8>, Vec<u8>, Vec<u8>, i64, i32);
 
 struct Sql {
     insert: String,
     take: String,
     mark_sent: String,
+    mark_failed: String,
     lag: String,
     purge: String,
 }
@@ -77,10 +80,14 @@ impl MySqlOutbox {
         let sql = Sql {
             insert: format!("INSERT INTO {t} (event_id, subject, payload, created_at_ms) VALUES (?, ?, ?, {NOW_MS})"),
             take: format!(
-                "SELECT seq, event_id, subject, payload, created_at_ms FROM {t} \
-                 WHERE sent_at_ms IS NULL ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+                "SELECT seq, event_id, subject, payload, created_at_ms, attempts FROM {t} \
+                 WHERE sent_at_ms IS NULL AND next_attempt_at_ms <= {NOW_MS} ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
             ),
             mark_sent: format!("UPDATE {t} SET sent_at_ms = {NOW_MS} WHERE seq IN "),
+            mark_failed: format!(
+                "UPDATE {t} SET next_attempt_at_ms = {NOW_MS} + LEAST(?, ? << LEAST(attempts, 20)), \
+                 attempts = attempts + 1 WHERE seq IN "
+            ),
             lag: format!(
                 "SELECT CAST(COUNT(*) AS SIGNED), CAST({NOW_MS} - MIN(created_at_ms) AS SIGNED) FROM {t} WHERE sent_at_ms IS NULL"
             ),
@@ -135,6 +142,8 @@ impl MySqlOutbox {
                 payload LONGBLOB NOT NULL,
                 created_at_ms BIGINT NOT NULL,
                 sent_at_ms BIGINT NULL,
+                attempts INT NOT NULL DEFAULT 0,
+                next_attempt_at_ms BIGINT NOT NULL DEFAULT 0,
                 KEY {t}_state (sent_at_ms, seq)
             ) ENGINE=InnoDB"
         );
@@ -184,18 +193,36 @@ impl OutboxBatch for MySqlOutboxBatch {
         &self.messages
     }
 
-    fn finish(mut self, sent: Vec<i64>) -> BoxFuture<'static, Result<()>> {
+    fn finish(mut self, sent: Vec<i64>, backoff: RetryBackoff) -> BoxFuture<'static, Result<()>> {
         Box::pin(async move {
             let Some(mut tx) = self.tx.take() else { return Ok(()) };
-            if sent.is_empty() {
+            if self.messages.is_empty() {
                 return tx.rollback().await.map_err(store_error);
             }
-            let list = vec!["?"; sent.len()].join(", ");
-            let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_sent)));
-            for seq in &sent {
-                query = query.bind(*seq);
+            let failed: Vec<i64> = self
+                .messages
+                .iter()
+                .map(|m| m.seq)
+                .filter(|s| !sent.contains(s))
+                .collect();
+            if !sent.is_empty() {
+                let list = vec!["?"; sent.len()].join(", ");
+                let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_sent)));
+                for seq in &sent {
+                    query = query.bind(*seq);
+                }
+                query.execute(&mut *tx).await.map_err(store_error)?;
             }
-            query.execute(&mut *tx).await.map_err(store_error)?;
+            if !failed.is_empty() {
+                let list = vec!["?"; failed.len()].join(", ");
+                let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_failed)))
+                    .bind(backoff.max_ms.max(1))
+                    .bind(backoff.min_ms.max(1));
+                for seq in &failed {
+                    query = query.bind(*seq);
+                }
+                query.execute(&mut *tx).await.map_err(store_error)?;
+            }
             tx.commit().await.map_err(store_error)
         })
     }
@@ -222,7 +249,7 @@ impl OutboxStore for MySqlOutbox {
                 .map_err(store_error)?;
             let messages = rows
                 .into_iter()
-                .map(|(seq, id, subject, payload, created_at_ms)| OutboxMessage {
+                .map(|(seq, id, subject, payload, created_at_ms, attempts)| OutboxMessage {
                     seq,
                     // Written from validated ASCII; binary columns compare
                     // byte for byte.
@@ -230,6 +257,7 @@ impl OutboxStore for MySqlOutbox {
                     subject: String::from_utf8_lossy(&subject).into_owned(),
                     payload,
                     created_at_ms,
+                    attempts,
                 })
                 .collect();
             Ok(MySqlOutboxBatch {

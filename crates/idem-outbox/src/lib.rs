@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use idem_core::{BoxFuture, OutboxBatch, OutboxLag, OutboxMessage, OutboxStore};
+use idem_core::{BoxFuture, OutboxBatch, OutboxLag, OutboxMessage, OutboxStore, RetryBackoff};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -70,7 +70,9 @@ pub struct RelayOptions {
     /// [`Relay::waker`] notification ends the wait early).
     pub idle_wait: Duration,
     /// The first and the longest pause after an error (exponential, with
-    /// jitter, reset by a pass without errors).
+    /// jitter, reset by a pass without errors); also the bounds of each
+    /// unconfirmed row's own retry schedule, so a row that keeps failing
+    /// never holds up the rows behind it.
     pub backoff_min: Duration,
     /// See [`backoff_min`](Self::backoff_min).
     pub backoff_max: Duration,
@@ -152,7 +154,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         let batch = self.store.take(self.options.batch_size.max(1)).await?;
         let taken = batch.messages().len();
         if taken == 0 {
-            batch.finish(Vec::new()).await?;
+            batch.finish(Vec::new(), self.retry_backoff()).await?;
             return Ok(PassReport::default());
         }
         let results = self.publisher.publish(batch.messages()).await;
@@ -169,7 +171,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             }
         }
         let published = sent.len();
-        batch.finish(sent).await?;
+        batch.finish(sent, self.retry_backoff()).await?;
         let label = [("outbox", self.options.name.clone())];
         metrics::counter!("idem_outbox_published_total", &label).increment(published as u64);
         if failed > 0 {
@@ -212,6 +214,14 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             metrics::counter!("idem_outbox_purged_total", "outbox" => self.options.name.clone()).increment(total);
         }
         Ok(total)
+    }
+
+    /// When a row the broker did not confirm is tried again.
+    fn retry_backoff(&self) -> RetryBackoff {
+        RetryBackoff {
+            min_ms: i64::try_from(self.options.backoff_min.as_millis()).unwrap_or(i64::MAX),
+            max_ms: i64::try_from(self.options.backoff_max.as_millis()).unwrap_or(i64::MAX),
+        }
     }
 
     fn backoff(&self) -> impl Iterator<Item = Duration> + use<S, P> {

@@ -10,7 +10,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use idem_core::{BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, TableName};
+use idem_core::{
+    BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, RetryBackoff, TableName,
+};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
@@ -23,13 +25,14 @@ pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
 /// The database's clock in milliseconds, read when the statement runs.
 const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint";
 
-/// seq, event id, subject, payload, created_at_ms.
-type RawRow = (i64, String, String, Vec<u8>, i64);
+/// seq, event id, subject, payload, created_at_ms, attempts.
+type RawRow = (i64, String, String, Vec<u8>, i64, i32);
 
 struct Sql {
     insert: String,
     take: String,
     mark_sent: String,
+    mark_failed: String,
     lag: String,
     purge: String,
 }
@@ -79,10 +82,14 @@ impl PgOutbox {
                 "INSERT INTO {t} (event_id, subject, payload, created_at_ms) VALUES ($1, $2, $3, {NOW_MS})"
             ),
             take: format!(
-                "SELECT seq, event_id, subject, payload, created_at_ms FROM {t} \
-                 WHERE sent_at_ms IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"
+                "SELECT seq, event_id, subject, payload, created_at_ms, attempts FROM {t} \
+                 WHERE sent_at_ms IS NULL AND next_attempt_at_ms <= {NOW_MS} ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"
             ),
             mark_sent: format!("UPDATE {t} SET sent_at_ms = {NOW_MS} WHERE seq = ANY($1)"),
+            mark_failed: format!(
+                "UPDATE {t} SET attempts = attempts + 1, \
+                 next_attempt_at_ms = {NOW_MS} + LEAST($2, $1 << LEAST(attempts, 20)) WHERE seq = ANY($3)"
+            ),
             lag: format!("SELECT COUNT(*), {NOW_MS} - MIN(created_at_ms) FROM {t} WHERE sent_at_ms IS NULL"),
             purge: format!(
                 "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} \
@@ -131,7 +138,9 @@ impl PgOutbox {
                     subject TEXT COLLATE \"C\" NOT NULL,
                     payload BYTEA NOT NULL,
                     created_at_ms BIGINT NOT NULL,
-                    sent_at_ms BIGINT NULL
+                    sent_at_ms BIGINT NULL,
+                    attempts INTEGER NOT NULL DEFAULT 0,
+                    next_attempt_at_ms BIGINT NOT NULL DEFAULT 0
                 )"
             ),
             // Relays read unsent rows in order; the index holds only them.
@@ -181,17 +190,34 @@ impl OutboxBatch for PgOutboxBatch {
         &self.messages
     }
 
-    fn finish(mut self, sent: Vec<i64>) -> BoxFuture<'static, Result<()>> {
+    fn finish(mut self, sent: Vec<i64>, backoff: RetryBackoff) -> BoxFuture<'static, Result<()>> {
         Box::pin(async move {
             let Some(mut tx) = self.tx.take() else { return Ok(()) };
-            if sent.is_empty() {
+            if self.messages.is_empty() {
                 return tx.rollback().await.map_err(store_error);
             }
-            sqlx::query(AssertSqlSafe(self.sql.mark_sent.as_str()))
-                .bind(&sent)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
+            let failed: Vec<i64> = self
+                .messages
+                .iter()
+                .map(|m| m.seq)
+                .filter(|s| !sent.contains(s))
+                .collect();
+            if !sent.is_empty() {
+                sqlx::query(AssertSqlSafe(self.sql.mark_sent.as_str()))
+                    .bind(&sent)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+            }
+            if !failed.is_empty() {
+                sqlx::query(AssertSqlSafe(self.sql.mark_failed.as_str()))
+                    .bind(backoff.min_ms.max(1))
+                    .bind(backoff.max_ms.max(1))
+                    .bind(&failed)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+            }
             tx.commit().await.map_err(store_error)
         })
     }
@@ -218,12 +244,13 @@ impl OutboxStore for PgOutbox {
                 .map_err(store_error)?;
             let messages = rows
                 .into_iter()
-                .map(|(seq, id, subject, payload, created_at_ms)| OutboxMessage {
+                .map(|(seq, id, subject, payload, created_at_ms, attempts)| OutboxMessage {
                     seq,
                     id,
                     subject,
                     payload,
                     created_at_ms,
+                    attempts,
                 })
                 .collect();
             Ok(PgOutboxBatch {

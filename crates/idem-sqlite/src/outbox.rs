@@ -5,7 +5,7 @@
 //! publishes (every business write would wait for the broker). Instead a
 //! relay leases rows: one short statement marks up to `limit` unsent,
 //! unleased rows with its token and a lease deadline; finishing marks the
-//! published ones sent and lets go of the rest, by token. A relay that dies
+//! published ones sent and schedules the rest for a retry, by token. A relay that dies
 //! holding rows loses them when the lease runs out, and another relay takes
 //! them again (the broker's deduplication window and the consumers' inbox
 //! absorb the second publish). Every pass looks at every unsent row: no
@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem_core::{BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, TableName};
+use idem_core::{
+    BoxFuture, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, Result, RetryBackoff, TableName,
+};
 use sqlx::AssertSqlSafe;
 use sqlx::sqlite::{SqliteConnection, SqlitePool};
 
@@ -31,14 +33,14 @@ pub const DEFAULT_RELAY_LEASE: Duration = Duration::from_secs(30);
 /// The database's clock in milliseconds.
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
-/// seq, event id, subject, payload, created_at_ms.
-type RawRow = (i64, String, String, Vec<u8>, i64);
+/// seq, event id, subject, payload, created_at_ms, attempts.
+type RawRow = (i64, String, String, Vec<u8>, i64, i32);
 
 struct Sql {
     insert: String,
     take: String,
     mark_sent: String,
-    let_go: String,
+    mark_failed: String,
     lag: String,
     purge: String,
 }
@@ -88,16 +90,18 @@ impl SqliteOutbox {
             insert: format!("INSERT INTO {t} (event_id, subject, payload, created_at_ms) VALUES (?, ?, ?, {NOW_MS})"),
             take: format!(
                 "UPDATE {t} SET relay_token = ?1, lease_until_ms = {NOW_MS} + ?2 WHERE seq IN \
-                 (SELECT seq FROM {t} WHERE sent_at_ms IS NULL \
+                 (SELECT seq FROM {t} WHERE sent_at_ms IS NULL AND next_attempt_at_ms <= {NOW_MS} \
                   AND (lease_until_ms IS NULL OR lease_until_ms <= {NOW_MS}) ORDER BY seq LIMIT ?3) \
-                 RETURNING seq, event_id, subject, payload, created_at_ms"
+                 RETURNING seq, event_id, subject, payload, created_at_ms, attempts"
             ),
             mark_sent: format!(
                 "UPDATE {t} SET sent_at_ms = {NOW_MS}, relay_token = NULL, lease_until_ms = NULL \
                  WHERE relay_token = ? AND sent_at_ms IS NULL AND seq IN "
             ),
-            let_go: format!(
-                "UPDATE {t} SET relay_token = NULL, lease_until_ms = NULL WHERE relay_token = ? AND sent_at_ms IS NULL"
+            mark_failed: format!(
+                "UPDATE {t} SET relay_token = NULL, lease_until_ms = NULL, attempts = attempts + 1, \
+                 next_attempt_at_ms = {NOW_MS} + MIN(?2, ?3 << MIN(attempts, 20)) \
+                 WHERE relay_token = ?1 AND sent_at_ms IS NULL"
             ),
             lag: format!("SELECT COUNT(*), {NOW_MS} - MIN(created_at_ms) FROM {t} WHERE sent_at_ms IS NULL"),
             purge: format!(
@@ -145,7 +149,9 @@ impl SqliteOutbox {
                     created_at_ms INTEGER NOT NULL,
                     sent_at_ms INTEGER NULL,
                     relay_token INTEGER NULL,
-                    lease_until_ms INTEGER NULL
+                    lease_until_ms INTEGER NULL,
+                    attempts INTEGER NOT NULL DEFAULT 0,
+                    next_attempt_at_ms INTEGER NOT NULL DEFAULT 0
                 )"
             ),
             format!("CREATE INDEX IF NOT EXISTS {t}_unsent_idx ON {t} (seq) WHERE sent_at_ms IS NULL"),
@@ -207,7 +213,7 @@ impl OutboxBatch for SqliteOutboxBatch {
         &self.messages
     }
 
-    fn finish(self, sent: Vec<i64>) -> BoxFuture<'static, Result<()>> {
+    fn finish(self, sent: Vec<i64>, backoff: RetryBackoff) -> BoxFuture<'static, Result<()>> {
         Box::pin(async move {
             if self.messages.is_empty() {
                 return Ok(());
@@ -221,8 +227,11 @@ impl OutboxBatch for SqliteOutboxBatch {
                 }
                 query.execute(&mut *tx).await.map_err(store_error)?;
             }
-            sqlx::query(AssertSqlSafe(self.sql.let_go.as_str()))
+            // What is left of the batch was not confirmed.
+            sqlx::query(AssertSqlSafe(self.sql.mark_failed.as_str()))
                 .bind(self.token)
+                .bind(backoff.max_ms.max(1))
+                .bind(backoff.min_ms.max(1))
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;
@@ -249,12 +258,13 @@ impl OutboxStore for SqliteOutbox {
             rows.sort_unstable_by_key(|r| r.0);
             let messages = rows
                 .into_iter()
-                .map(|(seq, id, subject, payload, created_at_ms)| OutboxMessage {
+                .map(|(seq, id, subject, payload, created_at_ms, attempts)| OutboxMessage {
                     seq,
                     id,
                     subject,
                     payload,
                     created_at_ms,
+                    attempts,
                 })
                 .collect();
             Ok(SqliteOutboxBatch {

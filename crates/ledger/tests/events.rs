@@ -1,0 +1,244 @@
+//! The ledger's events end to end on every engine, against the real NATS
+//! JetStream server (`IDEM_TEST_NATS_URL`, default `nats://127.0.0.1:4222`):
+//! every committed mutation publishes one event, a refused one none, and the
+//! statement projection converges on the ledger's balances. The balance
+//! snapshots job runs once per run id from the CLI.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+
+fn nats_url() -> String {
+    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl Client {
+    async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .header("idempotency-key", format!("\"{}\"", uuid::Uuid::now_v7()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    async fn get(&self, path: &str) -> serde_json::Value {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        r.json().await.unwrap()
+    }
+
+    async fn webhook(&self, event_id: &str, account: &str, amount: i64) -> u16 {
+        let body = format!(r#"{{"event_id":"{event_id}","account_id":"{account}","amount":{amount}}}"#);
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let sig = idem_webhooks::sign(ledger::api::DEMO_WEBHOOK_SECRET, event_id, ts, body.as_bytes()).unwrap();
+        self.http
+            .post(format!("{}/v1/webhooks/payments", self.base))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/json")
+            .header("webhook-id", event_id)
+            .header("webhook-timestamp", ts.to_string())
+            .header("webhook-signature", sig)
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    }
+}
+
+/// Event types of every message in a stream.
+async fn stream_types(js: &async_nats::jetstream::Context, stream: &str) -> Vec<String> {
+    let mut s = js.get_stream(stream).await.expect("the stream");
+    let state = s.info().await.unwrap().state.clone();
+    let mut out = Vec::new();
+    if state.messages == 0 {
+        return out;
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        if let Ok(m) = s.get_raw_message(seq).await {
+            let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+            assert_eq!(v["version"], 1);
+            assert_eq!(
+                m.headers.get("Nats-Msg-Id").map(|h| h.as_str().to_owned()),
+                v["id"].as_str().map(str::to_owned),
+                "Nats-Msg-Id is the event id"
+            );
+            out.push(v["type"].as_str().unwrap().to_owned());
+        }
+    }
+    out
+}
+
+async fn events_reach_the_projection(engine: Engine) {
+    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let url = database_url(engine);
+    let ledger = Instance::start_with(
+        &url,
+        &[
+            "--nats-url",
+            &nats_url(),
+            "--events-namespace",
+            &ns,
+            "--relays",
+            "2",
+            "--projectors",
+            "2",
+        ],
+    );
+    let c = Client {
+        http: reqwest::Client::new(),
+        base: ledger.base.clone(),
+        token: token(),
+    };
+    let mut accounts = Vec::new();
+    for name in ["a", "b", "c"] {
+        let (status, v) = c.post("/v1/accounts", serde_json::json!({ "name": name })).await;
+        assert_eq!(status, 201);
+        accounts.push(v["id"].as_str().unwrap().to_owned());
+    }
+    let mut committed = 3;
+    for (i, a) in accounts.iter().enumerate() {
+        let (status, _) = c
+            .post(
+                "/v1/top-ups",
+                serde_json::json!({ "account_id": a, "amount": 100 * (i as i64 + 1) }),
+            )
+            .await;
+        assert_eq!(status, 201);
+        committed += 1;
+    }
+    for k in 0..10 {
+        let (from, to) = (&accounts[k % 3], &accounts[(k + 1) % 3]);
+        let (status, _) = c
+            .post(
+                "/v1/transfers",
+                serde_json::json!({ "from": from, "to": to, "amount": 7 }),
+            )
+            .await;
+        assert_eq!(status, 201);
+        committed += 1;
+    }
+    // Refused: insufficient funds. No event.
+    let (status, _) = c
+        .post(
+            "/v1/transfers",
+            serde_json::json!({ "from": accounts[0], "to": accounts[1], "amount": 1_000_000 }),
+        )
+        .await;
+    assert_eq!(status, 422);
+    assert_eq!(c.webhook(&format!("evt_{ns}"), &accounts[2], 55).await, 200);
+    assert_eq!(
+        c.webhook(&format!("evt_{ns}"), &accounts[2], 55).await,
+        200,
+        "a redelivery"
+    );
+    committed += 1;
+
+    // The projection converges on the ledger's balances.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut done = true;
+        for a in &accounts {
+            let balance = c.get(&format!("/v1/accounts/{a}")).await["balance"].as_i64().unwrap();
+            let statement = c.get(&format!("/v1/accounts/{a}/statement")).await;
+            done &= statement["balance"].as_i64() == Some(balance);
+        }
+        if done {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the projection did not converge");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let statement = c.get(&format!("/v1/accounts/{}/statement", accounts[2])).await;
+    assert_eq!(
+        statement["credits"].as_i64().unwrap() - statement["debits"].as_i64().unwrap(),
+        statement["balance"].as_i64().unwrap()
+    );
+
+    // Every committed mutation published exactly one event, the refused one none.
+    let client = async_nats::connect(nats_url()).await.expect("NATS");
+    let js = async_nats::jetstream::new(client);
+    let stream = format!("{}_EVENTS", ns.to_ascii_uppercase());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let types = loop {
+        let types = stream_types(&js, &stream).await;
+        if types.len() >= committed || std::time::Instant::now() > deadline {
+            break types;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut counts = BTreeMap::new();
+    for t in &types {
+        *counts.entry(t.as_str()).or_insert(0) += 1;
+    }
+    assert_eq!(types.len(), committed, "{counts:?}");
+    assert_eq!(counts.get("account.created"), Some(&3));
+    assert_eq!(counts.get("top_up.created"), Some(&3));
+    assert_eq!(counts.get("transfer.created"), Some(&10));
+    assert_eq!(counts.get("webhook_top_up.created"), Some(&1));
+    drop(ledger);
+    let _ = js.delete_stream(&stream).await;
+    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+}
+
+/// `ledger job snapshots --run-id X` twice: the second run does nothing.
+async fn the_snapshot_job_runs_once_per_run_id(engine: Engine) {
+    let url = database_url(engine);
+    // Make sure the schema exists.
+    drop(Instance::start(&url));
+    let run_id = format!("test-{}", uuid::Uuid::now_v7());
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
+            .args(["--database-url", &url, "job", "snapshots", "--run-id", &run_id])
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("the job runs")
+    };
+    let first = run();
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let first = String::from_utf8_lossy(&first.stdout).into_owned();
+    assert!(first.contains(&format!("run {run_id}: applied")), "{first}");
+    let second = run();
+    assert!(second.status.success());
+    let second = String::from_utf8_lossy(&second.stdout).into_owned();
+    assert!(second.contains("already applied; nothing done"), "{second}");
+}
+
+macro_rules! per_engine {
+    ($($engine:ident => $variant:expr),*) => {
+        $(mod $engine {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn events_reach_the_projection() { super::events_reach_the_projection($variant).await }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn the_snapshot_job_runs_once_per_run_id() { super::the_snapshot_job_runs_once_per_run_id($variant).await }
+        })*
+    };
+}
+
+per_engine!(sqlite => Engine::Sqlite, postgres => Engine::Postgres, mysql => Engine::Mysql);
