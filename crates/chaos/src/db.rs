@@ -215,6 +215,50 @@ impl Database {
         })
     }
 
+    /// Reads back the events: the outbox, the projection's applications,
+    /// and each account's balance beside its statement.
+    pub(crate) async fn events(&self) -> Result<crate::events::EventState, Error> {
+        macro_rules! read {
+            ($pool:expr, $id:literal) => {{
+                let pool = $pool;
+                let outbox: Vec<(String,)> = sqlx::query_as(concat!("SELECT ", $id, " FROM ledger_outbox"))
+                    .fetch_all(&pool)
+                    .await?;
+                let (unsent,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM ledger_outbox WHERE sent_at_ms IS NULL")
+                    .fetch_one(&pool)
+                    .await?;
+                let applied: Vec<(String, i64)> =
+                    sqlx::query_as("SELECT event_id, COUNT(*) FROM ledger_projection_log GROUP BY event_id")
+                        .fetch_all(&pool)
+                        .await?;
+                let balances: Vec<(String, String, i64, Option<i64>)> = sqlx::query_as(
+                    "SELECT a.tenant, a.id, a.balance, s.credits - s.debits FROM ledger_accounts a \
+                     LEFT JOIN ledger_statements s ON s.tenant = a.tenant AND s.account_id = a.id",
+                )
+                .fetch_all(&pool)
+                .await?;
+                pool.close().await;
+                crate::events::EventState {
+                    outbox: outbox.into_iter().map(|(id,)| id).collect(),
+                    unsent,
+                    applied: applied.into_iter().map(|(id, n)| (id, n as u64)).collect(),
+                    balances: balances
+                        .into_iter()
+                        .map(|(tenant, id, balance, statement)| (format!("{tenant}/{id}"), (balance, statement)))
+                        .collect(),
+                }
+            }};
+        }
+        Ok(match &self.admin {
+            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "event_id"),
+            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "CAST(event_id AS CHAR)"),
+            Admin::Sqlite(path) => read!(
+                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
+                "event_id"
+            ),
+        })
+    }
+
     pub(crate) async fn drop_database(&self) {
         match &self.admin {
             Admin::Postgres(admin) => {

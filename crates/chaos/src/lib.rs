@@ -15,6 +15,7 @@
 
 mod check;
 mod db;
+pub mod events;
 pub mod proxy;
 pub mod rng;
 pub mod service;
@@ -107,6 +108,12 @@ pub struct Config {
     pub keep_db: bool,
     /// Mean milliseconds between random kills.
     pub kill_interval_ms: u64,
+    /// Publish the ledger's events through relay processes to a NATS
+    /// server of the harness's own, project them with projection
+    /// processes, kill both and restart the broker, and check the events.
+    pub events: bool,
+    /// The `nats-server` binary.
+    pub nats_server: String,
 }
 
 impl Config {
@@ -126,6 +133,8 @@ impl Config {
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
             keep_db: false,
             kill_interval_ms: 1_500,
+            events: true,
+            nats_server: std::env::var("CHAOS_NATS_SERVER").unwrap_or_else(|_| "nats-server".into()),
         }
     }
 }
@@ -202,6 +211,10 @@ pub struct Report {
     pub audit: serde_json::Value,
     /// Seconds the run took.
     pub duration_secs: f64,
+    /// Event faults that happened (with events on).
+    pub event_faults: events::EventFaults,
+    /// What the event checks saw (with events on).
+    pub events: events::EventCounts,
     /// Every property that failed; empty when all held.
     pub violations: Vec<String>,
 }
@@ -292,6 +305,24 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let calm = Arc::new(AtomicBool::new(false));
     let sessions_killed = Arc::new(AtomicU64::new(0));
     let mut background = Vec::new();
+    let event_faults = Arc::new(tokio::sync::Mutex::new(events::EventFaults::default()));
+    let mut event_side = None;
+    if config.events {
+        let dir = std::env::temp_dir().join(format!("chaos-nats-{}-{}", config.seed, std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let nats = events::Nats::start(&config.nats_server, free_port().await?, &dir).await?;
+        let log = std::env::temp_dir().join(format!("chaos-events-{}-{}", config.seed, std::process::id()));
+        let workers = Arc::new(events::Workers::start(&bin, &database.url, &nats.url(), &log).await?);
+        let (w, n, c, r, f) = (
+            workers.clone(),
+            nats.clone(),
+            calm.clone(),
+            rng.fork(6),
+            event_faults.clone(),
+        );
+        background.push(tokio::spawn(events::attack(w, n, c, r, f)));
+        event_side = Some((nats, workers));
+    }
     if config.faults.kills {
         let (service, calm, mut r, mean) = (service.clone(), calm.clone(), rng.fork(2), config.kill_interval_ms);
         background.push(tokio::spawn(async move {
@@ -346,6 +377,14 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let outcome = outcome?;
     let mut violations = outcome.violations.clone();
     let audit = check::history(&config, &database, &direct, &token, &outcome, &mut violations).await?;
+    let mut event_counts = events::EventCounts::default();
+    if let Some((nats, workers)) = &event_side {
+        // Every in-flight message of a killed projector is delivered again
+        // after the consumer's ack wait (5 s here): allow many of those.
+        event_counts = events::check(&database, &nats.url(), Duration::from_secs(180), &mut violations).await?;
+        workers.stop().await;
+        nats.stop().await;
+    }
 
     service.stop().await;
     let pc = &proxy.counts;
@@ -375,6 +414,8 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         faults,
         audit,
         duration_secs: started.elapsed().as_secs_f64(),
+        event_faults: event_faults.lock().await.clone(),
+        events: event_counts,
         violations,
     })
 }

@@ -55,6 +55,9 @@ struct Args {
     /// Keep the run's database.
     #[arg(long)]
     keep_db: bool,
+    /// No events (relays, projection, broker restarts).
+    #[arg(long)]
+    no_events: bool,
 }
 
 #[tokio::main]
@@ -69,6 +72,7 @@ async fn main() -> std::process::ExitCode {
     config.ledger_bin = args.ledger_bin;
     config.keep_db = args.keep_db;
     config.kill_interval_ms = args.kill_interval_ms;
+    config.events = !args.no_events;
     config.faults = Faults {
         proxy: !args.no_proxy,
         kills: !args.no_kills,

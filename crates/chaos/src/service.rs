@@ -33,6 +33,8 @@ pub struct Service {
     pub port: u16,
     database_url: String,
     env: Vec<(String, String)>,
+    /// Arguments of a worker (`relay`, `project`); `None`: the HTTP service.
+    worker: Option<Vec<String>>,
     pid: AtomicU32,
     stopping: AtomicBool,
     ready: Notify,
@@ -67,6 +69,7 @@ impl Service {
             port,
             database_url: database_url.to_owned(),
             env,
+            worker: None,
             pid: AtomicU32::new(0),
             stopping: AtomicBool::new(false),
             ready: Notify::new(),
@@ -80,28 +83,63 @@ impl Service {
         Ok(service)
     }
 
+    /// Starts a ledger worker (`ledger <args>`: a relay or a projection)
+    /// and keeps it running until [`Service::stop`]; answers once it runs.
+    pub async fn start_worker(
+        bin: &Path,
+        database_url: &str,
+        args: Vec<String>,
+        log: PathBuf,
+    ) -> Result<Arc<Self>, Error> {
+        let service = Arc::new(Service {
+            bin: bin.to_owned(),
+            port: 0,
+            database_url: database_url.to_owned(),
+            env: Vec::new(),
+            worker: Some(args),
+            pid: AtomicU32::new(0),
+            stopping: AtomicBool::new(false),
+            ready: Notify::new(),
+            up: AtomicBool::new(false),
+            spawn_failures: AtomicU64::new(0),
+            counts: ServiceCounts::default(),
+            log,
+        });
+        tokio::spawn(service.clone().supervise());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while service.pid.load(Ordering::SeqCst) == 0 {
+            if service.broken() || tokio::time::Instant::now() > deadline {
+                return Err(Error::Service(format!(
+                    "the worker {} did not start",
+                    service.bin.display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(service)
+    }
+
     async fn supervise(self: Arc<Self>) {
         let mut generation = 0u64;
         while !self.stopping.load(Ordering::SeqCst) {
             let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log);
             let mut cmd = Command::new(&self.bin);
-            cmd.args([
-                "--listen",
-                &format!("127.0.0.1:{}", self.port),
-                "--database-url",
-                &self.database_url,
-            ])
-            .args(["--max-connections", "16"])
-            .env("RUST_LOG", "warn")
-            .envs(self.env.iter().cloned())
-            .env("LEDGER_FAULT_SEED", generation.to_string())
-            .stdin(Stdio::null())
-            .stdout(match log.as_ref().ok().and_then(|f| f.try_clone().ok()) {
-                Some(f) => Stdio::from(f),
-                None => Stdio::null(),
-            })
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
+            match &self.worker {
+                None => cmd.args(["--listen", &format!("127.0.0.1:{}", self.port)]),
+                Some(args) => cmd.args(args),
+            };
+            cmd.args(["--database-url", &self.database_url])
+                .args(["--max-connections", "16"])
+                .env("RUST_LOG", "warn")
+                .envs(self.env.iter().cloned())
+                .env("LEDGER_FAULT_SEED", generation.to_string())
+                .stdin(Stdio::null())
+                .stdout(match log.as_ref().ok().and_then(|f| f.try_clone().ok()) {
+                    Some(f) => Stdio::from(f),
+                    None => Stdio::null(),
+                })
+                .stderr(Stdio::piped())
+                .kill_on_drop(true);
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(e) => {

@@ -1,7 +1,9 @@
 //! Short chaos runs on every engine (every fault on) must find no violation
 //! while the faults really happen; with the claim switched off, the checker
 //! must find double applications. Seeds come from `CHAOS_SEED` or are random,
-//! and are printed so a failure can be replayed with `--seed`.
+//! and are printed so a failure can be replayed with `--seed`. The events
+//! run too: relays and projectors killed, the broker restarted, every
+//! committed event published and applied exactly once.
 
 use chaos::{Config, Engine, Report};
 
@@ -55,6 +57,16 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         );
     }
     assert_eq!(report.audit["conserved"], true);
+    let (ef, ev) = (&report.event_faults, &report.events);
+    assert!(ef.broker_restarts > 0, "seed {seed}: the broker was never restarted");
+    assert!(
+        ef.relay_kills > 0 && ef.projector_kills > 0,
+        "seed {seed}: no relay or projector killed: {ef:?}"
+    );
+    assert!(
+        ev.committed > 2_000 && ev.published == ev.committed && ev.applied == ev.committed,
+        "seed {seed}: {ev:?}"
+    );
 }
 
 /// SQLite: 2,000 operations under every fault, no violation.
@@ -86,6 +98,7 @@ async fn checker_catches_broken_idempotency() {
     let mut config = Config::new(Engine::Sqlite, seed);
     config.ops = 400;
     config.break_idempotency = true;
+    config.events = false;
     let report = chaos::run(config).await.unwrap();
     let doubles = report
         .violations

@@ -217,6 +217,10 @@ pub struct EventsConfig {
     pub projectors: usize,
     /// The names of streams, subjects and consumers.
     pub namespace: Namespace,
+    /// How long the server waits for the projection's acknowledgement
+    /// before it delivers a message again (a killed projector's messages
+    /// come back after this).
+    pub ack_wait: Duration,
 }
 
 /// Connects to NATS and makes sure the streams exist.
@@ -279,6 +283,7 @@ pub async fn projector<D: LedgerDb>(
     clock: SharedClock,
     js: &jetstream::Context,
     ns: &Namespace,
+    ack_wait: Duration,
 ) -> Result<InboxConsumer<D>, StartError> {
     let stream = js
         .get_stream(ns.stream())
@@ -290,7 +295,7 @@ pub async fn projector<D: LedgerDb>(
             pull::Config {
                 durable_name: Some(ns.consumer()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
+                ack_wait,
                 max_deliver: -1,
                 ..Default::default()
             },
@@ -355,7 +360,7 @@ pub async fn run<D: LedgerDb>(
         });
     }
     for _ in 0..config.projectors {
-        let consumer = projector(&db, clock.clone(), &js, &config.namespace).await?;
+        let consumer = projector(&db, clock.clone(), &js, &config.namespace, config.ack_wait).await?;
         let mut stop = shutdown.clone();
         tasks.spawn(async move {
             consumer

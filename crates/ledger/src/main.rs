@@ -40,6 +40,10 @@ struct Args {
     /// Projection consumers in this process (with --nats-url).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64), global = true)]
     projectors: u16,
+    /// Seconds the NATS server waits for the projection's acknowledgement
+    /// before delivering a message again.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3_600), global = true)]
+    projection_ack_wait_secs: u64,
     /// The names of the event streams, subjects and consumers (several
     /// ledgers can share one NATS server).
     #[arg(long, env = "LEDGER_EVENTS_NAMESPACE", default_value = ledger::events::DEFAULT_NAMESPACE, global = true)]
@@ -97,6 +101,7 @@ async fn main() -> std::process::ExitCode {
         relays: usize::from(args.relays),
         projectors: usize::from(args.projectors),
         namespace: namespace.clone(),
+        ack_wait: Duration::from_secs(args.projection_ack_wait_secs),
     });
     let result = match args.command {
         None => serve(&args, events, namespace).await,
