@@ -79,3 +79,21 @@ pub mod inbox {
 pub mod webhooks {
     pub use idem_webhooks::*;
 }
+
+/// The transactional outbox relay.
+#[cfg(feature = "outbox")]
+pub mod outbox {
+    pub use idem_outbox::*;
+}
+
+/// NATS JetStream: the relay's publisher and the inbox consumer.
+#[cfg(feature = "jetstream")]
+pub mod jetstream {
+    pub use idem_jetstream::*;
+}
+
+/// Scheduled jobs with run ids.
+#[cfg(feature = "jobs")]
+pub mod jobs {
+    pub use idem_jobs::*;
+}

@@ -642,7 +642,7 @@ async fn payment_webhook<D: LedgerDb>(
     Extension(who): Extension<Principal>,
     Extension(WebhookState(webhooks)): Extension<WebhookState<D>>,
     headers: axum::http::HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
     let Some(webhooks) = webhooks else {
         return problem(
@@ -651,6 +651,21 @@ async fn payment_webhook<D: LedgerDb>(
             "Webhooks not configured",
             "this ledger has no webhook secret (--webhook-secret or LEDGER_WEBHOOK_SECRET); no webhook is accepted",
         );
+    };
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            return problem(
+                e.status(),
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    "request-body-too-large"
+                } else {
+                    "invalid-request"
+                },
+                "Unreadable webhook body",
+                e.body_text(),
+            );
+        }
     };
     let now_secs = st.clock.now_ms().div_euclid(1000);
     // The signature is checked before the body is even parsed.

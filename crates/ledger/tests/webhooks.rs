@@ -108,6 +108,17 @@ async fn refused_webhooks_write_nothing(engine: Engine, transport: Transport) {
     l.send_raw("POST", "/v1/webhooks/payments", &plain[1..], Some(&b))
         .await
         .assert_problem(401, "unauthorized");
+    // Over the body limit: a problem, before anything is verified or written.
+    let huge = format!(
+        r#"{{"event_id":"evt_9","account_id":"{a}","amount":5,"pad":"{}"}}"#,
+        "x".repeat(70_000)
+    );
+    let r = signed(&l, &t, &huge).await;
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        r.headers.get("content-type").map(|v| v.to_str().unwrap()),
+        Some("application/problem+json")
+    );
     let audit = l.audit(&t).await;
     assert_eq!(audit["journal_rows"], 0, "nothing was written");
     assert_eq!(l.balance(&t, &a).await, 0);
