@@ -124,6 +124,12 @@ impl Broker {
         info.num_pending == 0 && info.num_ack_pending == 0
     }
 
+    /// Deliveries a durable consumer made, redeliveries included.
+    async fn deliveries(&self, name: &str) -> u64 {
+        let mut c = self.consumer(name, Duration::from_secs(5)).await;
+        c.info().await.expect("consumer info").delivered.consumer_sequence
+    }
+
     async fn published_ids(&self) -> Vec<String> {
         self.stored(&self.stream, "Nats-Msg-Id")
             .await
@@ -488,6 +494,48 @@ macro_rules! events_suite {
                 .await;
                 relays.stop().await;
                 assert_eq!(s.unsent().await, 25, "the unroutable rows wait for their retry");
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_handler_slower_than_ack_wait_keeps_its_message_with_progress_acks() {
+                let s = subject(Duration::from_secs(120)).await;
+                let id = s.enqueue("created", true).await;
+                let relays = Relays::start(1, &s.outbox, &s.broker.js);
+                eventually("sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                // The server redelivers after 1 s without news; the handler takes 3 s.
+                let consumer = s.broker.consumer("slow", Duration::from_secs(1)).await;
+                let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let seen = runs.clone();
+                let effects = s.effects.clone();
+                let work = handler::<$store, _>(move |tx, event| {
+                    seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let effects = effects.clone();
+                    Box::pin(async move {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
+                            .bind("slow")
+                            .bind(event.id.clone())
+                            .execute(&mut **tx)
+                            .await
+                            .map_err(HandlerError::retry)?;
+                        Ok(())
+                    })
+                });
+                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), s.options("slow"), work)
+                    .await
+                    .expect("start");
+                let running = Running::start(consumer);
+                eventually("applied", || async { s.effects("slow", &id).await == 1 }).await;
+                eventually("acknowledged", || s.broker.settled("slow")).await;
+                running.stop().await;
+                assert_eq!(
+                    s.broker.deliveries("slow").await,
+                    1,
+                    "progress acks kept the message from being delivered again"
+                );
+                assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
                 s.broker.cleanup().await;
             }
 
