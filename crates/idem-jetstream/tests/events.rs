@@ -366,6 +366,17 @@ macro_rules! events_suite {
                 assert!(published.is_disjoint(&rolled_back));
                 let lag = s.outbox.lag().await.unwrap();
                 assert_eq!(lag.oldest_unsent_age_ms, None);
+                // Retention: sent rows go in bounded batches; unsent ones never.
+                s.enqueue("late", true).await;
+                assert_eq!(
+                    s.outbox.purge_sent(60_000, 100).await.unwrap(),
+                    0,
+                    "nothing is an hour old"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                assert_eq!(s.outbox.purge_sent(0, 30).await.unwrap(), 30, "a bounded batch");
+                assert_eq!(s.outbox.purge_sent(0, 100).await.unwrap(), 15);
+                assert_eq!(s.unsent().await, 1, "the unsent row is kept");
                 s.broker.cleanup().await;
             }
 
