@@ -13,8 +13,9 @@ use crate::key::IdempotencyKey;
 use crate::store::BoxFuture;
 
 /// The largest payload an outbox event may carry: NATS's default
-/// `max_payload` (1 MiB).
-pub const MAX_OUTBOX_PAYLOAD: usize = 1024 * 1024;
+/// `max_payload` (1 MiB) less 8 KiB for the headers the relay and a
+/// dead-letter copy add.
+pub const MAX_OUTBOX_PAYLOAD: usize = 1024 * 1024 - 8 * 1024;
 
 /// The longest subject accepted, in bytes.
 pub const MAX_SUBJECT_LEN: usize = 255;
@@ -45,6 +46,14 @@ impl OutboxEvent {
     /// An event with the caller's id. The id is the broker's deduplication
     /// id (`Nats-Msg-Id`) and the consumers' inbox key: one id, one event.
     pub fn with_id(id: IdempotencyKey, subject: impl Into<String>, payload: Vec<u8>) -> Result<Self> {
+        // Header values lose surrounding spaces in transit: " a" and "a"
+        // would be one inbox key on the consumer's side.
+        if id.as_str().trim() != id.as_str() {
+            return Err(Error::InvalidKey(format!(
+                "event id {:?} has leading or trailing spaces",
+                id.as_str()
+            )));
+        }
         let subject = subject.into();
         validate_subject(&subject)?;
         if payload.len() > MAX_OUTBOX_PAYLOAD {

@@ -114,7 +114,8 @@ pub struct ConsumerOptions {
     /// Where dead letters are published (a stream must capture it; the
     /// message is terminated only after the server stored its copy).
     pub dead_letter_subject: String,
-    /// Messages fetched per pull request.
+    /// Messages fetched per pull request (at most `concurrency`, and at
+    /// most the consumer's `max_batch`).
     pub batch: usize,
 }
 
@@ -177,6 +178,8 @@ struct Inner<B: TxBackend> {
     js: Context,
     options: ConsumerOptions,
     progress_every: Duration,
+    pull_batch: usize,
+    pull_expires: Duration,
     handler: Box<Handler<B>>,
 }
 
@@ -216,7 +219,10 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
     /// stop delivering before the consumer could keep a dead letter:
     ///
     /// - the consumer must acknowledge explicitly;
-    /// - its `max_deliver` must be unlimited or at least `max_deliveries`;
+    /// - its `max_deliver` must be unlimited (-1): this consumer bounds
+    ///   deliveries itself, and a message whose dead letter could not be
+    ///   stored must come back rather than be dropped;
+    /// - the dead-letter subject must be one a message can be published to;
     /// - the inbox's key TTL must cover the redelivery horizon,
     ///   `max_deliveries × (ack_wait + the longest retry delay)`, plus the
     ///   stream's duplicate window (a relay may publish a copy up to that
@@ -254,12 +260,25 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                 info.name, config.ack_policy
             )));
         }
-        if config.max_deliver > 0 && config.max_deliver < options.max_deliveries {
+        if config.max_deliver != -1 {
             return Err(ConsumerError::Config(format!(
-                "consumer {:?} stops after {} deliveries, before this consumer keeps a dead letter (after {}): \
-                 set its max_deliver to -1 or at least {}",
-                info.name, config.max_deliver, options.max_deliveries, options.max_deliveries
+                "consumer {:?} stops after {} deliveries: set its max_deliver to -1, so that a message \
+                 whose dead letter could not be stored is delivered again instead of dropped (this consumer \
+                 bounds deliveries itself, {} by default)",
+                info.name, config.max_deliver, options.max_deliveries
             )));
+        }
+        idem_core::OutboxEvent::new(options.dead_letter_subject.as_str(), Vec::new()).map_err(|e| {
+            ConsumerError::Config(format!("dead-letter subject {:?}: {e}", options.dead_letter_subject))
+        })?;
+        // The server refuses pull requests over the consumer's own limits.
+        let mut pull_batch = options.batch.min(options.concurrency);
+        if config.max_batch > 0 {
+            pull_batch = pull_batch.min(usize::try_from(config.max_batch).unwrap_or(1));
+        }
+        let mut pull_expires = Duration::from_secs(30);
+        if !config.max_expires.is_zero() {
+            pull_expires = pull_expires.min(config.max_expires);
         }
         let mut stream = js
             .get_stream(&info.stream_name)
@@ -308,6 +327,8 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                 js,
                 options,
                 progress_every,
+                pull_batch,
+                pull_expires,
                 handler: Box::new(handler),
             }),
             consumer,
@@ -326,15 +347,18 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
             let messages = self
                 .consumer
                 .stream()
-                .max_messages_per_batch(self.inner.options.batch)
-                .heartbeat(Duration::from_secs(5))
-                .expires(Duration::from_secs(30))
+                // No more than can be handled at once: a message waiting in
+                // the client's buffer gets no progress acks, and the server
+                // would deliver it again after its ack wait.
+                .max_messages_per_batch(self.inner.pull_batch)
+                .heartbeat((self.inner.pull_expires / 6).max(Duration::from_millis(500)))
+                .expires(self.inner.pull_expires)
                 .messages()
                 .await;
             let mut messages = match messages {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(error = %e, pause_ms = pause.as_millis() as u64, "cannot pull; retrying");
+                    tracing::warn!(handler = %self.inner.options.handler, error = %e, pause_ms = pause.as_millis() as u64, "cannot pull; retrying");
                     tokio::select! {
                         _ = &mut shutdown => break 'outer,
                         _ = tokio::time::sleep(pause) => {}
@@ -363,7 +387,7 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                         });
                     }
                     Some(Err(e)) => {
-                        tracing::debug!(error = %e, "pull stream error");
+                        tracing::warn!(handler = %self.inner.options.handler, error = %e, "pull stream error");
                         if matches!(
                             e.kind(),
                             async_nats::jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat
@@ -508,6 +532,21 @@ impl<B: TxBackend + Clone> Inner<B> {
         match stored {
             Ok(()) => {
                 tracing::error!(handler = %self.options.handler, delivered, error = %error, "message kept as a dead letter");
+                // Close the event in the inbox, so that if the termination
+                // below is lost and the message comes back, the handler does
+                // not run after its dead letter was kept (best effort: with
+                // the database down, the termination alone stands).
+                if let Some(id) = &original_id {
+                    let closed = self
+                        .inbox
+                        .process(&self.options.handler, id, &message.payload, |_tx: &mut B::Tx| {
+                            Box::pin(async { Ok::<(), HandlerError>(()) })
+                        })
+                        .await;
+                    if let Err(e) = closed {
+                        tracing::debug!(error = %e, "dead letter not closed in the inbox");
+                    }
+                }
                 if let Err(e) = message.double_ack_with(AckKind::Term).await {
                     tracing::warn!(error = %e, "termination not confirmed; the message may be delivered again");
                 }

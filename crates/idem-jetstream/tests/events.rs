@@ -670,6 +670,18 @@ macro_rules! events_suite {
                 );
                 assert_eq!(seen.get(&poison), Some(&1), "a permanent failure is not retried");
                 assert!(s.broker.settled("flaky").await, "both were terminated");
+                // Each dead letter is closed in the inbox: if its termination
+                // were lost, a redelivery would not run the handler.
+                for dead_id in [&id, &poison] {
+                    let again = s
+                        .inbox()
+                        .process("flaky", dead_id, br#"{"v":1}"#, |_tx| {
+                            Box::pin(async { Ok::<(), idem_core::Error>(()) })
+                        })
+                        .await
+                        .unwrap();
+                    assert!(!again.is_applied(), "{dead_id} is closed");
+                }
                 s.broker.cleanup().await;
                 let _ = &s.tag;
             }
@@ -791,6 +803,8 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
 #[test]
 fn event_ids_and_subjects_are_validated() {
     assert!(OutboxEvent::with_id(IdempotencyKey::new("a b").unwrap(), "x.y", vec![]).is_ok());
+    assert!(OutboxEvent::with_id(IdempotencyKey::new(" a").unwrap(), "x.y", vec![]).is_err());
+    assert!(OutboxEvent::with_id(IdempotencyKey::new("a ").unwrap(), "x.y", vec![]).is_err());
     assert!(OutboxEvent::new("x..y", vec![]).is_err());
     assert!(OutboxEvent::new("x.>", vec![]).is_err());
     assert!(OutboxEvent::new("x", vec![0; idem_core::MAX_OUTBOX_PAYLOAD + 1]).is_err());

@@ -283,12 +283,21 @@ impl OutboxStore for MySqlOutbox {
 
     fn purge_sent(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
+            // READ COMMITTED: at REPEATABLE READ the delete would lock the
+            // gap where new rows are inserted, and enqueuers would wait.
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                .execute(&mut *conn)
+                .await
+                .map_err(store_error)?;
+            let mut tx = Transaction::begin(conn, None).await.map_err(store_error)?;
             let done = sqlx::query(AssertSqlSafe(self.sql.purge.as_str()))
                 .bind(older_than_ms.max(0))
                 .bind(u64::from(limit))
-                .execute(&self.pool)
+                .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;
+            tx.commit().await.map_err(store_error)?;
             Ok(done.rows_affected())
         })
     }

@@ -23,10 +23,11 @@
 //!   unsent rows and the age of the oldest.
 //!
 //! ```no_run
-//! # async fn demo(outbox: idem_postgres::PgOutbox, publisher: impl idem_outbox::Publisher) {
+//! # async fn demo(outbox: impl idem_core::OutboxStore, publisher: impl idem_outbox::Publisher) {
 //! use idem_outbox::{Relay, RelayOptions};
+//! // `outbox`: a PgOutbox, MySqlOutbox or SqliteOutbox; `publisher`: a JetStreamPublisher.
 //! let relay = Relay::new(outbox, publisher, RelayOptions::default());
-//! relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! relay.run(std::future::pending::<()>()).await;   // until a shutdown future completes
 //! # }
 //! ```
 //!
@@ -82,6 +83,9 @@ pub struct RelayOptions {
     pub purge_batch: u32,
     /// How often retention and the lag gauges run.
     pub housekeeping_every: Duration,
+    /// The longest one batch may take to publish; what is unconfirmed then
+    /// counts as failed. Keep it shorter than a SQLite outbox's relay lease.
+    pub publish_timeout: Duration,
 }
 
 impl Default for RelayOptions {
@@ -95,6 +99,7 @@ impl Default for RelayOptions {
             retention: Some(Duration::from_secs(7 * 86_400)),
             purge_batch: 1_000,
             housekeeping_every: Duration::from_secs(5),
+            publish_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -157,7 +162,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             batch.finish(Vec::new(), self.retry_backoff()).await?;
             return Ok(PassReport::default());
         }
-        let results = self.publisher.publish(batch.messages()).await;
+        // Nothing confirmed within the timeout counts as failed.
+        let results = tokio::time::timeout(self.options.publish_timeout, self.publisher.publish(batch.messages()))
+            .await
+            .unwrap_or_default();
         let mut sent = Vec::with_capacity(taken);
         let mut failed = 0;
         for (i, message) in batch.messages().iter().enumerate() {
@@ -252,7 +260,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
             }
             let pause = match self.pass().await {
-                Ok(report) if report.failed > 0 => {
+                // Each unconfirmed row has its own retry time; the relay
+                // itself pauses only when nothing at all got through.
+                Ok(report) if report.failed > 0 && report.published == 0 => {
                     let pause = backoff.next().unwrap_or(self.options.backoff_max);
                     tracing::warn!(
                         failed = report.failed,

@@ -339,14 +339,37 @@ pub async fn projector<D: LedgerDb>(
 }
 
 /// Runs `config.relays` relays and `config.projectors` projection consumers
-/// until `shutdown` flips.
+/// until `shutdown` flips. While NATS cannot be reached at start, it keeps
+/// trying (and says so), so events are published once the broker is back.
 pub async fn run<D: LedgerDb>(
     db: D,
     clock: SharedClock,
     config: EventsConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), StartError> {
-    let js = connect(&config.nats_url, &config.namespace).await?;
+    let mut pause = Duration::from_millis(500);
+    let (js, consumers) = loop {
+        let attempt = async {
+            let js = connect(&config.nats_url, &config.namespace).await?;
+            let mut consumers = Vec::new();
+            for _ in 0..config.projectors {
+                consumers.push(projector(&db, clock.clone(), &js, &config.namespace, config.ack_wait).await?);
+            }
+            Ok::<_, StartError>((js, consumers))
+        };
+        match attempt.await {
+            Ok(ready) => break ready,
+            Err(e @ StartError::Config(_)) if !matches!(shutdown.has_changed(), Ok(true)) => {
+                tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "events not started; retrying");
+                tokio::select! {
+                    _ = shutdown.wait_for(|s| *s) => return Ok(()),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(Duration::from_secs(10));
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..config.relays {
         let relay = relay(&db, &js);
@@ -359,8 +382,7 @@ pub async fn run<D: LedgerDb>(
                 .await
         });
     }
-    for _ in 0..config.projectors {
-        let consumer = projector(&db, clock.clone(), &js, &config.namespace, config.ack_wait).await?;
+    for consumer in consumers {
         let mut stop = shutdown.clone();
         tasks.spawn(async move {
             consumer

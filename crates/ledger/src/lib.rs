@@ -308,11 +308,18 @@ pub async fn run_events(
     let store = Store::connect(database_url, max_connections).await?;
     let clock = anchored_clock(&store).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let task = {
+    let mut task = {
         let store = store.clone();
         tokio::spawn(async move { with_db!(store, db => events::run(db, clock, config, stopped).await) })
     };
-    shutdown_signal().await;
+    // A task that ends on its own (a configuration it cannot retry) ends
+    // the process with its error.
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        done = &mut task => {
+            return done.map_err(|e| StartError::Config(format!("events task: {e}")))?;
+        }
+    }
     let _ = stop.send(true);
     task.await
         .map_err(|e| StartError::Config(format!("events task: {e}")))??;
