@@ -1,13 +1,24 @@
-//! `idem`: the gateway that gives any HTTP API the Idempotency-Key contract.
+//! `idem`: the gateway that gives any HTTP API the Idempotency-Key
+//! contract, and the operator's commands.
+//!
+//! Exit codes: 0 done, 1 a failure while running, 2 a bad argument or
+//! configuration (a bad store URL, a missing table), 3 the store could not
+//! be reached.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use idem_core::{Sweep, TableName, TimeSource};
+use idem_gateway::AnyLease;
 
 /// idem's command line.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about)]
 struct Args {
+    /// Print results as JSON (for scripts).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -31,6 +42,220 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Creates or upgrades the keys table (idempotent; safe from several
+    /// processes at once).
+    Migrate {
+        /// The store URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+    },
+    /// Deletes expired keys in bounded batches (a progress bar on a terminal).
+    Sweep {
+        /// The store URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// Keys deleted per batch.
+        #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        batch: u32,
+        /// Pause between batches, in ms (room for live traffic).
+        #[arg(long, default_value_t = 10)]
+        pause_ms: u64,
+        /// Stop after this many batches.
+        #[arg(long)]
+        max_batches: Option<u64>,
+    },
+    /// Keys by state.
+    Stats {
+        /// The store URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+    },
+    /// The transactional outbox.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum OutboxCommand {
+    /// Unsent events and the age of the oldest.
+    Status {
+        /// The service's database URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// The outbox table.
+        #[arg(long, default_value = "idem_outbox")]
+        table: String,
+    },
+}
+
+/// A failure with its exit code.
+struct Failure(u8, String);
+
+impl From<idem_core::Error> for Failure {
+    fn from(e: idem_core::Error) -> Self {
+        let code = match &e {
+            idem_core::Error::Config(_) => 2,
+            e if e.store_kind() == Some(idem_core::StoreErrorKind::Unavailable) => 3,
+            _ => 1,
+        };
+        Failure(code, e.to_string())
+    }
+}
+
+impl From<idem_gateway::GatewayError> for Failure {
+    fn from(e: idem_gateway::GatewayError) -> Self {
+        match e {
+            idem_gateway::GatewayError::Store(e) => e.into(),
+            idem_gateway::GatewayError::Config(e) => Failure(2, e.to_string()),
+            other => Failure(1, other.to_string()),
+        }
+    }
+}
+
+async fn connect(url: &str) -> Result<AnyLease, Failure> {
+    AnyLease::connect(url).await.map_err(|e| {
+        let unreachable = e.store_kind() == Some(idem_core::StoreErrorKind::Unavailable);
+        let code = if unreachable {
+            3
+        } else if matches!(e, idem_core::Error::Config(_)) {
+            2
+        } else {
+            1
+        };
+        Failure(code, format!("store {url}: {e}"))
+    })
+}
+
+fn print(json: bool, value: serde_json::Value, text: String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{text}");
+    }
+}
+
+async fn run(args: Args) -> Result<(), Failure> {
+    let json = args.json;
+    match args.command {
+        Command::Gateway {
+            upstream,
+            listen,
+            store,
+            config,
+        } => {
+            let mut cfg = match &config {
+                Some(path) => idem_gateway::Config::from_file(path).map_err(|e| Failure(2, e.to_string()))?,
+                None => idem_gateway::Config::default(),
+            };
+            if upstream.is_some() {
+                cfg.upstream = upstream;
+            }
+            if store.is_some() {
+                cfg.store = store;
+            }
+            cfg.upstream().map_err(|e| Failure(2, e.to_string()))?;
+            let listener = tokio::net::TcpListener::bind(&listen)
+                .await
+                .map_err(|e| Failure(2, format!("cannot listen on {listen}: {e}")))?;
+            idem_gateway::serve(&cfg, listener, shutdown()).await?;
+        }
+        Command::Migrate { store } => {
+            let s = connect(&store).await?;
+            print(
+                json,
+                serde_json::json!({ "store": s.kind(), "migrated": true }),
+                format!("{}: the keys table is current", s.kind()),
+            );
+        }
+        Command::Sweep {
+            store,
+            batch,
+            pause_ms,
+            max_batches,
+        } => {
+            let s = connect(&store).await?;
+            let now = s.source_now_ms().await?;
+            let expired = s.stats(now).await?.expired;
+            let bar = (!json && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+                let bar = indicatif::ProgressBar::new(expired);
+                bar.set_style(
+                    indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} expired keys deleted ({per_sec})")
+                        .expect("a valid template"),
+                );
+                bar
+            });
+            let (mut deleted, mut batches) = (0u64, 0u64);
+            loop {
+                if max_batches.is_some_and(|m| batches >= m) {
+                    break;
+                }
+                let n = s.sweep_expired(now, batch).await?;
+                batches += 1;
+                deleted += n;
+                if let Some(bar) = &bar {
+                    bar.inc(n);
+                }
+                if n < u64::from(batch) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+            }
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            print(
+                json,
+                serde_json::json!({ "store": s.kind(), "deleted": deleted, "batches": batches }),
+                format!("{}: {deleted} expired keys deleted in {batches} batches", s.kind()),
+            );
+        }
+        Command::Stats { store } => {
+            let s = connect(&store).await?;
+            let now = s.source_now_ms().await?;
+            let st = s.stats(now).await?;
+            print(
+                json,
+                serde_json::json!({
+                    "store": s.kind(),
+                    "in_progress": st.in_progress,
+                    "completed": st.completed,
+                    "rejected": st.rejected,
+                    "expired": st.expired,
+                }),
+                format!(
+                    "{}: {} in progress, {} completed, {} rejected, {} expired (to sweep)",
+                    s.kind(),
+                    st.in_progress,
+                    st.completed,
+                    st.rejected,
+                    st.expired
+                ),
+            );
+        }
+        Command::Outbox {
+            command: OutboxCommand::Status { store, table },
+        } => {
+            let table = TableName::new(table)?;
+            let s = connect(&store).await?;
+            let lag = s.outbox_lag(table.clone()).await.map_err(|e| match e {
+                idem_core::Error::Config(m) => Failure(2, m),
+                other => Failure(1, format!("outbox {table}: {other} (is the table there?)")),
+            })?;
+            let age = lag.oldest_unsent_age_ms.map(|ms| ms as f64 / 1000.0);
+            print(
+                json,
+                serde_json::json!({ "store": s.kind(), "table": table.as_str(), "unsent": lag.unsent, "oldest_unsent_age_seconds": age }),
+                format!(
+                    "{table}: {} unsent{}",
+                    lag.unsent,
+                    age.map(|a| format!(", the oldest {a:.1} s old")).unwrap_or_default()
+                ),
+            );
+        }
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -41,36 +266,14 @@ async fn main() -> std::process::ExitCode {
         .with_ansi(ansi)
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,idem_gateway=info".into()),
         )
         .init();
-    let Command::Gateway {
-        upstream,
-        listen,
-        store,
-        config,
-    } = Args::parse().command;
-    let result = async {
-        let mut cfg = match &config {
-            Some(path) => idem_gateway::Config::from_file(path)?,
-            None => idem_gateway::Config::default(),
-        };
-        if upstream.is_some() {
-            cfg.upstream = upstream;
-        }
-        if store.is_some() {
-            cfg.store = store;
-        }
-        cfg.upstream()?;
-        let listener = tokio::net::TcpListener::bind(&listen).await?;
-        idem_gateway::serve(&cfg, listener, shutdown()).await
-    }
-    .await;
-    match result {
+    match run(Args::parse()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("idem gateway: {e}");
-            std::process::ExitCode::from(2)
+        Err(Failure(code, message)) => {
+            eprintln!("idem: {message}");
+            std::process::ExitCode::from(code)
         }
     }
 }

@@ -75,3 +75,16 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
     );
     Ok(report)
 }
+
+/// How many keys a store holds, by state (for operators).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyStats {
+    /// Lease-mode claims still running (or abandoned, until their lease runs out).
+    pub in_progress: u64,
+    /// Recorded successes.
+    pub completed: u64,
+    /// Recorded final rejections.
+    pub rejected: u64,
+    /// Keys past their expiry, waiting for the sweeper.
+    pub expired: u64,
+}

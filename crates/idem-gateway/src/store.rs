@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use idem_core::{BoxFuture, ClaimRequest, Error, Lease, LeaseClaim, LeaseStore, Record, Result, TimeSource};
+use idem_core::{
+    BoxFuture, ClaimRequest, Error, KeyStats, Lease, LeaseClaim, LeaseStore, OutboxLag, OutboxStore, Record, Result,
+    Sweep, TableName, TimeSource,
+};
 
 /// One of the lease stores, chosen by URL.
 #[derive(Clone, Debug)]
@@ -69,6 +72,45 @@ impl AnyLease {
             )));
         };
         Ok(store)
+    }
+}
+
+impl AnyLease {
+    /// The store's kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AnyLease::Sqlite(_) => "sqlite",
+            AnyLease::Postgres(_) => "postgres",
+            AnyLease::MySql(_) => "mysql",
+            AnyLease::Redis(_) => "redis",
+        }
+    }
+
+    /// Keys by state at `now_ms`.
+    pub async fn stats(&self, now_ms: i64) -> Result<KeyStats> {
+        each!(self, s => s.stats(now_ms).await)
+    }
+
+    /// The outbox lag in `table` (SQL stores; Redis keeps no outbox).
+    pub async fn outbox_lag(&self, table: TableName) -> Result<OutboxLag> {
+        match self {
+            AnyLease::Sqlite(s) => {
+                idem_sqlite::SqliteOutbox::with_table(s.pool().clone(), table)
+                    .lag()
+                    .await
+            }
+            AnyLease::Postgres(s) => idem_postgres::PgOutbox::with_table(s.pool().clone(), table).lag().await,
+            AnyLease::MySql(s) => idem_mysql::MySqlOutbox::with_table(s.pool().clone(), table).lag().await,
+            AnyLease::Redis(_) => Err(Error::Config(
+                "Redis keeps no outbox: use the service's SQL database".into(),
+            )),
+        }
+    }
+}
+
+impl Sweep for AnyLease {
+    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        each!(self, s => s.sweep_expired(now_ms, limit))
     }
 }
 

@@ -628,6 +628,32 @@ async fn rollback_quietly(tx: MySqlTx) {
     }
 }
 
+impl MySqlStore {
+    /// How many keys the table holds, by state, at `now_ms`.
+    pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
+        let t = self.table.as_str();
+        let (in_progress, completed, rejected, expired): (i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
+                    CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
+                    CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
+                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ? THEN 1 ELSE 0 END), 0) AS SIGNED) FROM {t}"
+        )))
+        .bind(now_ms)
+        .bind(now_ms)
+        .bind(now_ms)
+        .bind(now_ms)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(idem_core::KeyStats {
+            in_progress: in_progress as u64,
+            completed: completed as u64,
+            rejected: rejected as u64,
+            expired: expired as u64,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -404,6 +404,57 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Sweep for RedisStore<C> 
     }
 }
 
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
+    /// How many keys the store indexes, by state, at `now_ms` (reads every
+    /// live row's status, 500 at a time).
+    pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
+        let mut conn = self.conn.clone();
+        let expired: u64 = redis::cmd("ZCOUNT")
+            .arg(self.expiry_key())
+            .arg("-inf")
+            .arg(now_ms)
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        let mut stats = idem_core::KeyStats {
+            expired,
+            ..Default::default()
+        };
+        let mut offset = 0u64;
+        loop {
+            let tags: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+                .arg(self.expiry_key())
+                .arg(format!("({now_ms}"))
+                .arg("+inf")
+                .arg("LIMIT")
+                .arg(offset)
+                .arg(500)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            for tag in &tags {
+                let status: Option<String> = redis::cmd("HGET")
+                    .arg(self.row_key(tag))
+                    .arg("st")
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(store_error)?;
+                match status.as_deref() {
+                    Some("0") => stats.in_progress += 1,
+                    Some("1") => stats.completed += 1,
+                    Some("2") => stats.rejected += 1,
+                    _ => {}
+                }
+            }
+            if tags.len() < 500 {
+                break;
+            }
+            offset += 500;
+        }
+        Ok(stats)
+    }
+}
+
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> TimeSource for RedisStore<C> {
     /// `TIME`: the server's clock (on a cluster, the node the command reaches).
     fn source_now_ms(&self) -> BoxFuture<'_, Result<i64>> {

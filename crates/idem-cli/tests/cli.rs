@@ -1,0 +1,188 @@
+//! The `idem` operator commands against each store they support: migrate,
+//! stats, sweep (bounded batches), outbox status, `--json`, and the exit
+//! codes for a bad URL (2) and an unreachable store (3). PostgreSQL and
+//! MariaDB get a database of their own; Redis its database 15.
+
+use std::process::Command;
+use std::sync::Arc;
+
+use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, OutboxEvent, Policy, Scope};
+use idem_gateway::AnyLease;
+
+fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .expect("idem runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// Five keys that expired an hour ago and two live ones, all completed.
+async fn seed(url: &str) {
+    let store = AnyLease::connect(url).await.expect("connect");
+    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
+    for (ttl_secs, count, ago_ms) in [(60u64, 5, 3_600_000i64), (86_400, 2, 0)] {
+        let clock = ManualClock::new(now - ago_ms);
+        let engine = LeaseEngine::new(store.clone()).with_clock(Arc::new(clock));
+        for _ in 0..count {
+            let scope = Scope::parse("cli-test", "POST /x").unwrap();
+            let call = Call::new(
+                scope.clone(),
+                IdempotencyKey::generate(),
+                Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
+            )
+            .with_policy(Policy::default().with_ttl_secs(ttl_secs));
+            engine
+                .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
+                .await
+                .unwrap();
+        }
+    }
+}
+
+async fn operator_commands(url: &str, outbox: bool) {
+    let (code, json, out) = idem(&["migrate", "--store", url, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["migrated"], true);
+    seed(url).await;
+    let (code, json, out) = idem(&["stats", "--store", url, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        (json["expired"].as_u64(), json["completed"].as_u64()),
+        (Some(5), Some(2)),
+        "{json}"
+    );
+    let (code, json, out) = idem(&["sweep", "--store", url, "--batch", "2", "--pause-ms", "0", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        (json["deleted"].as_u64(), json["batches"].as_u64()),
+        (Some(5), Some(3)),
+        "{json}"
+    );
+    let (_, json, _) = idem(&["stats", "--store", url, "--json"]);
+    assert_eq!(
+        (json["expired"].as_u64(), json["completed"].as_u64()),
+        (Some(0), Some(2)),
+        "{json}"
+    );
+    let (code, text, _) = idem(&["stats", "--store", url]);
+    assert_eq!(code, 0);
+    assert_eq!(text, serde_json::Value::Null, "plain text without --json");
+
+    let (code, json, out) = idem(&["outbox", "status", "--store", url, "--json"]);
+    if outbox {
+        assert_eq!(code, 1, "no outbox table yet: {out}");
+        let store = AnyLease::connect(url).await.unwrap();
+        let event = OutboxEvent::new("cli.test", b"{}".to_vec()).unwrap();
+        match &store {
+            AnyLease::Sqlite(s) => {
+                let o = idem_sqlite::SqliteOutbox::new(s.pool().clone());
+                o.migrate().await.unwrap();
+                let mut tx = s.pool().begin().await.unwrap();
+                o.enqueue(&mut tx, &event).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+            AnyLease::Postgres(s) => {
+                let o = idem_postgres::PgOutbox::new(s.pool().clone());
+                o.migrate().await.unwrap();
+                let mut tx = s.pool().begin().await.unwrap();
+                o.enqueue(&mut tx, &event).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+            AnyLease::MySql(s) => {
+                let o = idem_mysql::MySqlOutbox::new(s.pool().clone());
+                o.migrate().await.unwrap();
+                let mut tx = s.pool().begin().await.unwrap();
+                o.enqueue(&mut tx, &event).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+            AnyLease::Redis(_) => unreachable!(),
+        }
+        let (code, json, out) = idem(&["outbox", "status", "--store", url, "--json"]);
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(json["unsent"], 1, "{json}");
+    } else {
+        assert_eq!(code, 2, "Redis keeps no outbox: {out}");
+        assert!(json.is_null());
+    }
+}
+
+fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 10..].to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite() {
+    let path = std::env::temp_dir().join(format!("idem-cli-{}.db", tag()));
+    operator_commands(&path.display().to_string(), true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres() {
+    let admin_url =
+        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let admin = sqlx::PgPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
+    let db = format!("idem_cli_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    operator_commands(&format!("{base}/{db}"), true).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql() {
+    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let admin = sqlx::MySqlPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
+    let db = format!("idem_cli_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    operator_commands(&format!("{base}/{db}"), true).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis() {
+    let base = std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let url = format!("{}/15", base.trim_end_matches('/'));
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach Redis at {url}: {e}"));
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
+    operator_commands(&url, false).await;
+}
+
+#[test]
+fn a_bad_url_is_2_and_an_unreachable_store_is_3() {
+    let (code, _, out) = idem(&["stats", "--store", "ftp://example.com/x"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("unsupported store URL"), "{out}");
+    let (code, _, out) = idem(&["stats", "--store", "postgres://postgres@127.0.0.1:1/x"]);
+    assert_eq!(code, 3, "{out}");
+    let (code, _, out) = idem(&["outbox", "status", "--store", "/tmp/x.db", "--table", "bad name"]);
+    assert_eq!(code, 2, "{out}");
+}
