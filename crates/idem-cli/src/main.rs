@@ -70,11 +70,103 @@ enum Command {
         #[arg(long, env = "IDEM_STORE")]
         store: String,
     },
+    /// Stored keys: list, show, purge.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
     /// The transactional outbox.
     Outbox {
         #[command(subcommand)]
         command: OutboxCommand,
     },
+}
+
+/// Which keys a command selects.
+#[derive(Debug, clap::Args)]
+struct Selection {
+    /// The store URL.
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
+    /// Only this tenant.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this operation (`POST /v1/payments`).
+    #[arg(long)]
+    operation: Option<String>,
+    /// Only keys starting with this.
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// Only keys in this state.
+    #[arg(long, value_parser = ["in_progress", "completed", "rejected", "expired"])]
+    state: Option<String>,
+    /// Only keys claimed at least this many seconds ago.
+    #[arg(long)]
+    older_than_secs: Option<u64>,
+    /// At most this many keys.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    limit: u32,
+}
+
+impl Selection {
+    fn filter(&self) -> idem_core::KeyFilter {
+        idem_core::KeyFilter {
+            tenant: self.tenant.clone(),
+            operation: self.operation.clone(),
+            key_prefix: self.key_prefix.clone(),
+            state: self.state.as_deref().map(|s| match s {
+                "in_progress" => idem_core::KeyState::InProgress,
+                "completed" => idem_core::KeyState::Completed,
+                "rejected" => idem_core::KeyState::Rejected,
+                _ => idem_core::KeyState::Expired,
+            }),
+            older_than_ms: self
+                .older_than_secs
+                .map(|s| i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX)),
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// Keys matching the filters, oldest first.
+    List(Selection),
+    /// One key, with its recorded outcome.
+    Show {
+        /// The store URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The operation.
+        #[arg(long)]
+        operation: String,
+        /// The key.
+        #[arg(long)]
+        key: String,
+    },
+    /// Deletes the keys matching the filters (at least one filter; a key
+    /// still in progress only with --force: its holder may be working).
+    Purge {
+        #[command(flatten)]
+        selection: Selection,
+        /// Also delete keys in progress.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn key_json(k: &idem_core::KeyInfo) -> serde_json::Value {
+    serde_json::json!({
+        "tenant": k.tenant,
+        "operation": k.operation,
+        "key": k.key,
+        "state": k.state.name(),
+        "created_at_ms": k.created_at_ms,
+        "expires_at_ms": k.expires_at_ms,
+        "payload_bytes": k.payload.len(),
+    })
 }
 
 #[derive(Debug, Subcommand)]
@@ -232,6 +324,113 @@ async fn run(args: Args) -> Result<(), Failure> {
                     st.rejected,
                     st.expired
                 ),
+            );
+        }
+        Command::Keys {
+            command: KeysCommand::List(sel),
+        } => {
+            let s = connect(&sel.store).await?;
+            let now = s.source_now_ms().await?;
+            let keys = s.list_keys(&sel.filter(), now, sel.limit).await?;
+            if json {
+                println!("{}", serde_json::Value::Array(keys.iter().map(key_json).collect()));
+            } else {
+                for k in &keys {
+                    println!(
+                        "{}\t{}\t{}\t{}\t{} bytes",
+                        k.tenant,
+                        k.operation,
+                        k.key,
+                        k.state.name(),
+                        k.payload.len()
+                    );
+                }
+                eprintln!("{} key(s)", keys.len());
+            }
+        }
+        Command::Keys {
+            command:
+                KeysCommand::Show {
+                    store,
+                    tenant,
+                    operation,
+                    key,
+                },
+        } => {
+            let s = connect(&store).await?;
+            let now = s.source_now_ms().await?;
+            let filter = idem_core::KeyFilter {
+                tenant: Some(tenant.clone()),
+                operation: Some(operation.clone()),
+                key_prefix: Some(key.clone()),
+                ..Default::default()
+            };
+            let found = s
+                .list_keys(&filter, now, 1_000)
+                .await?
+                .into_iter()
+                .find(|k| k.key == key);
+            let Some(k) = found else {
+                return Err(Failure(
+                    1,
+                    format!("no key {key:?} for tenant {tenant:?} and operation {operation:?}"),
+                ));
+            };
+            let mut v = key_json(&k);
+            match idem_http::RecordedResponse::decode(&k.payload) {
+                Ok(r) if !k.payload.is_empty() => {
+                    v["response"] = serde_json::json!({
+                        "status": r.status.as_u16(),
+                        "body": String::from_utf8_lossy(&r.body).chars().take(4096).collect::<String>(),
+                    });
+                }
+                _ => {
+                    v["payload"] = String::from_utf8_lossy(&k.payload)
+                        .chars()
+                        .take(4096)
+                        .collect::<String>()
+                        .into()
+                }
+            }
+            if json {
+                println!("{v}");
+            } else {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            }
+        }
+        Command::Keys {
+            command: KeysCommand::Purge { selection: sel, force },
+        } => {
+            let filter = sel.filter();
+            if filter == idem_core::KeyFilter::default() {
+                return Err(Failure(
+                    2,
+                    "purge needs at least one filter (--tenant, --operation, --key-prefix, --state, --older-than-secs)"
+                        .into(),
+                ));
+            }
+            if !force
+                && filter.state != Some(idem_core::KeyState::Expired)
+                && filter.state != Some(idem_core::KeyState::Completed)
+                && filter.state != Some(idem_core::KeyState::Rejected)
+            {
+                return Err(Failure(2, "keys in progress may have a holder at work: pass --state (completed, rejected or expired), or --force".into()));
+            }
+            let s = connect(&sel.store).await?;
+            let now = s.source_now_ms().await?;
+            let mut deleted = 0u64;
+            while deleted < u64::from(sel.limit) {
+                let batch = (u64::from(sel.limit) - deleted).min(500) as u32;
+                let n = s.purge_keys(&filter, now, batch).await?;
+                deleted += n;
+                if n < u64::from(batch) {
+                    break;
+                }
+            }
+            print(
+                json,
+                serde_json::json!({ "store": s.kind(), "deleted": deleted }),
+                format!("{}: {deleted} key(s) deleted", s.kind()),
             );
         }
         Command::Outbox {

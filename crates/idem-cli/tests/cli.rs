@@ -75,6 +75,90 @@ async fn operator_commands(url: &str, outbox: bool) {
     assert_eq!(code, 0);
     assert_eq!(text, serde_json::Value::Null, "plain text without --json");
 
+    // keys list / show / purge.
+    let (code, json, out) = idem(&["keys", "list", "--store", url, "--state", "completed", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let listed = json.as_array().expect("an array").clone();
+    assert_eq!(listed.len(), 2, "{json}");
+    assert!(
+        listed
+            .iter()
+            .all(|k| k["state"] == "completed" && k["tenant"] == "cli-test" && k["operation"] == "POST /x")
+    );
+    let (_, json, _) = idem(&["keys", "list", "--store", url, "--tenant", "nobody", "--json"]);
+    assert_eq!(json, serde_json::json!([]));
+    let key = listed[0]["key"].as_str().unwrap().to_owned();
+    let (_, json, _) = idem(&[
+        "keys",
+        "list",
+        "--store",
+        url,
+        "--key-prefix",
+        &key[..key.len() - 1],
+        "--json",
+    ]);
+    assert_eq!(json.as_array().map(Vec::len), Some(1), "{json}");
+    let (code, json, out) = idem(&[
+        "keys",
+        "show",
+        "--store",
+        url,
+        "--tenant",
+        "cli-test",
+        "--operation",
+        "POST /x",
+        "--key",
+        &key,
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["key"], key.as_str());
+    assert_eq!(json["state"], "completed");
+    let (code, _, _) = idem(&[
+        "keys",
+        "show",
+        "--store",
+        url,
+        "--tenant",
+        "cli-test",
+        "--operation",
+        "POST /x",
+        "--key",
+        "absent",
+    ]);
+    assert_eq!(code, 1);
+    let (code, _, out) = idem(&["keys", "purge", "--store", url, "--tenant", "cli-test"]);
+    assert_eq!(code, 2, "keys in progress need --force: {out}");
+    let (code, _, out) = idem(&["keys", "purge", "--store", url]);
+    assert_eq!(code, 2, "a filter is required: {out}");
+    let (code, json, out) = idem(&[
+        "keys",
+        "purge",
+        "--store",
+        url,
+        "--state",
+        "completed",
+        "--limit",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["deleted"], 1, "bounded by --limit");
+    let (_, json, _) = idem(&[
+        "keys",
+        "purge",
+        "--store",
+        url,
+        "--tenant",
+        "cli-test",
+        "--state",
+        "completed",
+        "--json",
+    ]);
+    assert_eq!(json["deleted"], 1);
+    let (_, json, _) = idem(&["stats", "--store", url, "--json"]);
+    assert_eq!(json["completed"].as_u64(), Some(0), "{json}");
+
     let (code, json, out) = idem(&["outbox", "status", "--store", url, "--json"]);
     if outbox {
         assert_eq!(code, 1, "no outbox table yet: {out}");

@@ -88,3 +88,75 @@ pub struct KeyStats {
     /// Keys past their expiry, waiting for the sweeper.
     pub expired: u64,
 }
+
+/// Which stored keys an operator command selects.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyFilter {
+    /// Only this tenant.
+    pub tenant: Option<String>,
+    /// Only this operation.
+    pub operation: Option<String>,
+    /// Only keys that start with this.
+    pub key_prefix: Option<String>,
+    /// Only keys in this state.
+    pub state: Option<KeyState>,
+    /// Only keys created at least this long ago, in ms.
+    pub older_than_ms: Option<i64>,
+}
+
+/// A stored key's state, for selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    /// A lease-mode claim still running (not expired).
+    InProgress,
+    /// A recorded success (not expired).
+    Completed,
+    /// A recorded final rejection (not expired).
+    Rejected,
+    /// Past its expiry, whatever it holds.
+    Expired,
+}
+
+impl KeyState {
+    /// The state of a row with `status` expiring at `expires_at_ms`, at `now_ms`.
+    pub fn of(status: i16, expires_at_ms: i64, now_ms: i64) -> Self {
+        if expires_at_ms <= now_ms {
+            KeyState::Expired
+        } else {
+            match status {
+                crate::record::STATUS_IN_PROGRESS => KeyState::InProgress,
+                crate::record::STATUS_REJECTED => KeyState::Rejected,
+                _ => KeyState::Completed,
+            }
+        }
+    }
+
+    /// Its name in the CLI and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyState::InProgress => "in_progress",
+            KeyState::Completed => "completed",
+            KeyState::Rejected => "rejected",
+            KeyState::Expired => "expired",
+        }
+    }
+}
+
+/// One stored key, as an operator sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    /// The tenant.
+    pub tenant: String,
+    /// The operation.
+    pub operation: String,
+    /// The key.
+    pub key: String,
+    /// Its state at the time of reading.
+    pub state: KeyState,
+    /// When it was claimed (ms since the epoch).
+    pub created_at_ms: i64,
+    /// When it expires.
+    pub expires_at_ms: i64,
+    /// The recorded outcome's bytes (empty while in progress).
+    pub payload: Vec<u8>,
+}

@@ -91,6 +91,21 @@ impl AnyLease {
         each!(self, s => s.stats(now_ms).await)
     }
 
+    /// Keys matching `filter`, oldest first, at most `limit`.
+    pub async fn list_keys(
+        &self,
+        filter: &idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<idem_core::KeyInfo>> {
+        each!(self, s => s.list_keys(filter, now_ms, limit).await)
+    }
+
+    /// Deletes at most `limit` keys matching `filter`.
+    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
+        each!(self, s => s.purge_keys(filter, now_ms, limit).await)
+    }
+
     /// The outbox lag in `table` (SQL stores; Redis keeps no outbox).
     pub async fn outbox_lag(&self, table: TableName) -> Result<OutboxLag> {
         match self {

@@ -654,6 +654,102 @@ impl MySqlStore {
     }
 }
 
+/// The WHERE clause of a [`KeyFilter`] and its binds, in order after the
+/// time (bound once per use: `?` placeholders are positional).
+fn key_filter_sql(filter: &idem_core::KeyFilter, now_ms: i64) -> (String, Vec<KeyBind>) {
+    let mut conds = Vec::new();
+    let mut binds = Vec::new();
+    let next = |b: KeyBind, binds: &mut Vec<KeyBind>| {
+        binds.push(b);
+        "?".to_owned()
+    };
+    if let Some(t) = &filter.tenant {
+        conds.push(format!("tenant = {}", next(KeyBind::Text(t.clone()), &mut binds)));
+    }
+    if let Some(o) = &filter.operation {
+        conds.push(format!("operation = {}", next(KeyBind::Text(o.clone()), &mut binds)));
+    }
+    if let Some(p) = &filter.key_prefix {
+        let len = next(KeyBind::Int(p.len() as i64), &mut binds);
+        let value = next(KeyBind::Text(p.clone()), &mut binds);
+        conds.push(format!("LEFT(idem_key, {len}) = {value}"));
+    }
+    if let Some(age) = filter.older_than_ms {
+        conds.push(format!(
+            "created_at_ms <= {now_ms} - {}",
+            next(KeyBind::Int(age), &mut binds)
+        ));
+    }
+    match filter.state {
+        Some(idem_core::KeyState::InProgress) => conds.push(format!("status = 0 AND expires_at_ms > {now_ms}")),
+        Some(idem_core::KeyState::Completed) => conds.push(format!("status = 1 AND expires_at_ms > {now_ms}")),
+        Some(idem_core::KeyState::Rejected) => conds.push(format!("status = 2 AND expires_at_ms > {now_ms}")),
+        Some(idem_core::KeyState::Expired) => conds.push(format!("expires_at_ms <= {now_ms}")),
+        None => conds.push("1 = 1".into()),
+    }
+    (conds.join(" AND "), binds)
+}
+
+enum KeyBind {
+    Text(String),
+    Int(i64),
+}
+
+impl MySqlStore {
+    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
+    pub async fn list_keys(
+        &self,
+        filter: &idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<idem_core::KeyInfo>> {
+        let (conds, binds) = key_filter_sql(filter, now_ms);
+        let sql = format!(
+            "SELECT tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload FROM `{}` \
+             WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
+            self.table.as_str()
+        );
+        let mut q =
+            sqlx::query_as::<_, (Vec<u8>, Vec<u8>, Vec<u8>, i16, i64, i64, Option<Vec<u8>>)>(AssertSqlSafe(sql));
+        for b in binds {
+            q = match b {
+                KeyBind::Text(t) => q.bind(t),
+                KeyBind::Int(i) => q.bind(i),
+            };
+        }
+        let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(tenant, operation, key, status, created_at_ms, expires_at_ms, payload)| idem_core::KeyInfo {
+                    tenant: String::from_utf8_lossy(&tenant).into_owned(),
+                    operation: String::from_utf8_lossy(&operation).into_owned(),
+                    key: String::from_utf8_lossy(&key).into_owned(),
+                    state: idem_core::KeyState::of(status, expires_at_ms, now_ms),
+                    created_at_ms,
+                    expires_at_ms,
+                    payload: payload.unwrap_or_default(),
+                },
+            )
+            .collect())
+    }
+
+    /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
+    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
+        let (conds, binds) = key_filter_sql(filter, now_ms);
+        let t = self.table.as_str();
+        let sql = format!("DELETE FROM `{t}` WHERE {conds} ORDER BY created_at_ms LIMIT {limit}");
+        let mut q = sqlx::query(AssertSqlSafe(sql));
+        for b in binds {
+            q = match b {
+                KeyBind::Text(t) => q.bind(t),
+                KeyBind::Int(i) => q.bind(i),
+            };
+        }
+        Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -88,7 +88,8 @@ if r[3] then
   if gt(n, token) then token = n end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', '0', 'tok', token, 'lease', ARGV[5], 'exp', ARGV[3])
+redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', '0', 'tok', token, 'lease', ARGV[5], 'exp', ARGV[3],
+  'tn', ARGV[7], 'op', ARGV[8], 'k', ARGV[9], 'cr', ARGV[2])
 local ttl = tonumber(ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('SET', KEYS[2], token, 'PX', ttl + 604800000)
@@ -294,6 +295,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                 .arg(req.fresh_token.0.to_string())
                 .arg(lease)
                 .arg(ttl_ms)
+                .arg(req.scope.tenant().as_str())
+                .arg(req.scope.operation().as_str())
+                .arg(req.key.as_str())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(store_error)?;
@@ -452,6 +456,110 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
             offset += 500;
         }
         Ok(stats)
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
+    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`
+    /// (reads the expiry index and each row).
+    pub async fn list_keys(
+        &self,
+        filter: &idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<idem_core::KeyInfo>> {
+        Ok(self
+            .matching(filter, now_ms, limit)
+            .await?
+            .into_iter()
+            .map(|(_, info)| info)
+            .collect())
+    }
+
+    /// Deletes at most `limit` keys matching `filter`; answers how many.
+    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
+        let mut conn = self.conn.clone();
+        let mut deleted = 0;
+        for (tag, _) in self.matching(filter, now_ms, limit).await? {
+            let n: i64 = redis::cmd("DEL")
+                .arg(self.row_key(&tag))
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            let _: i64 = redis::cmd("ZREM")
+                .arg(self.expiry_key())
+                .arg(&tag)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            deleted += n as u64;
+        }
+        Ok(deleted)
+    }
+
+    async fn matching(
+        &self,
+        filter: &idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<(String, idem_core::KeyInfo)>> {
+        let mut conn = self.conn.clone();
+        let tags: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.expiry_key())
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        let mut out = Vec::new();
+        for tag in tags {
+            let r: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+                .arg(self.row_key(&tag))
+                .arg(&["tn", "op", "k", "st", "cr", "exp", "pl"])
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            let text = |i: usize| {
+                r.get(i)
+                    .cloned()
+                    .flatten()
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+            };
+            let (Some(tenant), Some(operation), Some(key), Some(status), Some(created), Some(expires)) =
+                (text(0), text(1), text(2), text(3), text(4), text(5))
+            else {
+                continue;
+            };
+            let (Ok(status), Ok(created_at_ms), Ok(expires_at_ms)) =
+                (status.parse::<i16>(), created.parse::<i64>(), expires.parse::<i64>())
+            else {
+                continue;
+            };
+            let state = idem_core::KeyState::of(status, expires_at_ms, now_ms);
+            let keep = filter.tenant.as_deref().is_none_or(|t| t == tenant)
+                && filter.operation.as_deref().is_none_or(|o| o == operation)
+                && filter.key_prefix.as_deref().is_none_or(|p| key.starts_with(p))
+                && filter.state.is_none_or(|s| s == state)
+                && filter.older_than_ms.is_none_or(|age| created_at_ms <= now_ms - age);
+            if keep {
+                let payload = r.get(6).cloned().flatten().unwrap_or_default();
+                out.push((
+                    tag,
+                    idem_core::KeyInfo {
+                        tenant,
+                        operation,
+                        key,
+                        state,
+                        created_at_ms,
+                        expires_at_ms,
+                        payload,
+                    },
+                ));
+            }
+        }
+        out.sort_by_key(|(_, i)| i.created_at_ms);
+        out.truncate(limit as usize);
+        Ok(out)
     }
 }
 

@@ -376,3 +376,98 @@ impl SqliteStore {
         })
     }
 }
+
+/// The WHERE clause of a [`KeyFilter`] and its binds, in order after the
+/// time (bound once per use: `?` placeholders are positional).
+fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
+    let mut conds = Vec::new();
+    let mut binds = Vec::new();
+    let mut n = 1;
+    let mut next = |b: KeyBind, binds: &mut Vec<KeyBind>| {
+        n += 1;
+        binds.push(b);
+        format!("?{n}")
+    };
+    if let Some(t) = &filter.tenant {
+        conds.push(format!("tenant = {}", next(KeyBind::Text(t.clone()), &mut binds)));
+    }
+    if let Some(o) = &filter.operation {
+        conds.push(format!("operation = {}", next(KeyBind::Text(o.clone()), &mut binds)));
+    }
+    if let Some(p) = &filter.key_prefix {
+        let len = next(KeyBind::Int(p.len() as i64), &mut binds);
+        let value = next(KeyBind::Text(p.clone()), &mut binds);
+        conds.push(format!("substr(idem_key, 1, {len}) = {value}"));
+    }
+    if let Some(age) = filter.older_than_ms {
+        conds.push(format!("created_at_ms <= ?1 - {}", next(KeyBind::Int(age), &mut binds)));
+    }
+    match filter.state {
+        Some(idem_core::KeyState::InProgress) => conds.push("status = 0 AND expires_at_ms > ?1".into()),
+        Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > ?1".into()),
+        Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > ?1".into()),
+        Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= ?1".into()),
+        None => conds.push("?1 = ?1".into()),
+    }
+    (conds.join(" AND "), binds)
+}
+
+enum KeyBind {
+    Text(String),
+    Int(i64),
+}
+
+impl SqliteStore {
+    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
+    pub async fn list_keys(
+        &self,
+        filter: &idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<idem_core::KeyInfo>> {
+        let (conds, binds) = key_filter_sql(filter);
+        let sql = format!(
+            "SELECT tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload FROM {} \
+             WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
+            self.table.as_str()
+        );
+        let mut q = sqlx::query_as::<_, (String, String, String, i64, i64, i64, Option<Vec<u8>>)>(AssertSqlSafe(sql))
+            .bind(now_ms);
+        for b in binds {
+            q = match b {
+                KeyBind::Text(t) => q.bind(t),
+                KeyBind::Int(i) => q.bind(i),
+            };
+        }
+        let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(tenant, operation, key, status, created_at_ms, expires_at_ms, payload)| idem_core::KeyInfo {
+                    tenant,
+                    operation,
+                    key,
+                    state: idem_core::KeyState::of(i16::try_from(status).unwrap_or(-1), expires_at_ms, now_ms),
+                    created_at_ms,
+                    expires_at_ms,
+                    payload: payload.unwrap_or_default(),
+                },
+            )
+            .collect())
+    }
+
+    /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
+    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
+        let (conds, binds) = key_filter_sql(filter);
+        let t = self.table.as_str();
+        let sql = format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE {conds} LIMIT {limit})");
+        let mut q = sqlx::query(AssertSqlSafe(sql)).bind(now_ms);
+        for b in binds {
+            q = match b {
+                KeyBind::Text(t) => q.bind(t),
+                KeyBind::Int(i) => q.bind(i),
+            };
+        }
+        Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
+    }
+}
