@@ -48,6 +48,12 @@ enum Command {
         /// The store URL.
         #[arg(long, env = "IDEM_STORE")]
         store: String,
+        /// Say which versions would be applied, and apply nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the SQL of the versions to apply.
+        #[arg(long)]
+        show_sql: bool,
     },
     /// Deletes expired keys in bounded batches (a progress bar on a terminal).
     Sweep {
@@ -220,11 +226,20 @@ async fn connect(url: &str) -> Result<AnyLease, Failure> {
     })
 }
 
+/// Writes a line to standard output; a closed pipe (`idem … | head`) is
+/// not an error worth a panic.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 fn print(json: bool, value: serde_json::Value, text: String) {
     if json {
-        println!("{value}");
+        say!("{value}");
     } else {
-        println!("{text}");
+        say!("{text}");
     }
 }
 
@@ -253,13 +268,46 @@ async fn run(args: Args) -> Result<(), Failure> {
                 .map_err(|e| Failure(2, format!("cannot listen on {listen}: {e}")))?;
             idem_gateway::serve(&cfg, listener, shutdown()).await?;
         }
-        Command::Migrate { store } => {
-            let s = connect(&store).await?;
-            print(
-                json,
-                serde_json::json!({ "store": s.kind(), "migrated": true }),
-                format!("{}: the keys table is current", s.kind()),
-            );
+        Command::Migrate {
+            store,
+            dry_run,
+            show_sql,
+        } => {
+            let s = AnyLease::open(&store).await.map_err(|e| {
+                let code = match &e {
+                    idem_core::Error::Config(_) => 2,
+                    e if e.store_kind() == Some(idem_core::StoreErrorKind::Unavailable) => 3,
+                    _ => 1,
+                };
+                Failure(code, format!("store {store}: {e}"))
+            })?;
+            let pending = s.pending_migrations().await?;
+            if show_sql && !json {
+                for m in &pending {
+                    say!("-- version {}: {}", m.version, m.description);
+                    for statement in &m.statements {
+                        say!("{};", statement.trim());
+                    }
+                }
+            }
+            if !dry_run {
+                s.migrate().await?;
+            }
+            let versions: Vec<i64> = pending.iter().map(|m| m.version).collect();
+            let mut v = serde_json::json!({ "store": s.kind(), "pending": versions, "applied": !dry_run });
+            if show_sql {
+                v["sql"] = pending
+                    .iter()
+                    .flat_map(|m| m.statements.clone())
+                    .collect::<Vec<_>>()
+                    .into();
+            }
+            let text = match (pending.is_empty(), dry_run) {
+                (true, _) => format!("{}: the keys table is current", s.kind()),
+                (false, true) => format!("{}: would apply version(s) {versions:?} (nothing applied)", s.kind()),
+                (false, false) => format!("{}: applied version(s) {versions:?}", s.kind()),
+            };
+            print(json, v, text);
         }
         Command::Sweep {
             store,
@@ -333,10 +381,10 @@ async fn run(args: Args) -> Result<(), Failure> {
             let now = s.source_now_ms().await?;
             let keys = s.list_keys(&sel.filter(), now, sel.limit).await?;
             if json {
-                println!("{}", serde_json::Value::Array(keys.iter().map(key_json).collect()));
+                say!("{}", serde_json::Value::Array(keys.iter().map(key_json).collect()));
             } else {
                 for k in &keys {
-                    println!(
+                    say!(
                         "{}\t{}\t{}\t{}\t{} bytes",
                         k.tenant,
                         k.operation,
@@ -393,9 +441,9 @@ async fn run(args: Args) -> Result<(), Failure> {
                 }
             }
             if json {
-                println!("{v}");
+                say!("{v}");
             } else {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+                say!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             }
         }
         Command::Keys {

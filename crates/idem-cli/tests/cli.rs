@@ -47,9 +47,27 @@ async fn seed(url: &str) {
 }
 
 async fn operator_commands(url: &str, outbox: bool) {
+    let (code, json, out) = idem(&["migrate", "--store", url, "--dry-run", "--show-sql", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["applied"], false);
+    if outbox {
+        // A SQL store: version 1 is pending, and nothing was created.
+        assert_eq!(json["pending"], serde_json::json!([1]), "{json}");
+        assert!(json["sql"][0].as_str().unwrap().contains("CREATE TABLE"), "{json}");
+        let (code, json, out) = idem(&["migrate", "--store", url, "--dry-run", "--json"]);
+        assert_eq!(
+            (code, &json["pending"]),
+            (0, &serde_json::json!([1])),
+            "still pending: {out}"
+        );
+    } else {
+        assert_eq!(json["pending"], serde_json::json!([]), "Redis has no schema");
+    }
     let (code, json, out) = idem(&["migrate", "--store", url, "--json"]);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(json["migrated"], true);
+    assert_eq!(json["applied"], true);
+    let (_, json, _) = idem(&["migrate", "--store", url, "--dry-run", "--json"]);
+    assert_eq!(json["pending"], serde_json::json!([]), "current after the migration");
     seed(url).await;
     let (code, json, out) = idem(&["stats", "--store", url, "--json"]);
     assert_eq!(code, 0, "{out}");

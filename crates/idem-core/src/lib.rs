@@ -73,6 +73,6 @@ pub use record::{
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, LeaseClaim, LeaseStore, Sweep, TxBackend, TxClaim};
-pub use sweep::{KeyFilter, KeyInfo, KeyState, KeyStats, SweepOptions, SweepReport, sweep_expired};
+pub use sweep::{KeyFilter, KeyInfo, KeyState, KeyStats, PendingMigration, SweepOptions, SweepReport, sweep_expired};
 pub use table::TableName;
 pub use tx::{Begin, Claimed, Ticket, TxEngine};

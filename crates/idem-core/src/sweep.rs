@@ -160,3 +160,14 @@ pub struct KeyInfo {
     /// The recorded outcome's bytes (empty while in progress).
     pub payload: Vec<u8>,
 }
+
+/// A schema version a store's table has not had yet (for `migrate --dry-run`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingMigration {
+    /// The version number.
+    pub version: i64,
+    /// What it does.
+    pub description: String,
+    /// The statements it runs.
+    pub statements: Vec<String>,
+}

@@ -35,6 +35,33 @@ impl AnyLease {
     /// Connects to `url` (`postgres://`, `mysql://` or `mariadb://`,
     /// `redis://`, `sqlite://PATH` or a plain path) and migrates it.
     pub async fn connect(url: &str) -> Result<Self> {
+        let store = Self::open(url).await?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Creates or upgrades the keys table (Redis has none).
+    pub async fn migrate(&self) -> Result<()> {
+        match self {
+            AnyLease::Sqlite(s) => s.migrate().await,
+            AnyLease::Postgres(s) => s.migrate().await,
+            AnyLease::MySql(s) => s.migrate().await,
+            AnyLease::Redis(_) => Ok(()),
+        }
+    }
+
+    /// The schema versions the keys table has not had yet (Redis: none).
+    pub async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
+        match self {
+            AnyLease::Sqlite(s) => s.pending_migrations().await,
+            AnyLease::Postgres(s) => s.pending_migrations().await,
+            AnyLease::MySql(s) => s.pending_migrations().await,
+            AnyLease::Redis(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// Connects to `url` without migrating anything.
+    pub async fn open(url: &str) -> Result<Self> {
         let store = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(32)
@@ -42,9 +69,7 @@ impl AnyLease {
                 .connect(url)
                 .await
                 .map_err(idem_postgres::store_error)?;
-            let store = idem_postgres::PgStore::new(pool);
-            store.migrate().await?;
-            AnyLease::Postgres(store)
+            AnyLease::Postgres(idem_postgres::PgStore::new(pool))
         } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
             let url = url.replacen("mariadb://", "mysql://", 1);
             let pool = sqlx::mysql::MySqlPoolOptions::new()
@@ -53,9 +78,7 @@ impl AnyLease {
                 .connect(&url)
                 .await
                 .map_err(idem_mysql::store_error)?;
-            let store = idem_mysql::MySqlStore::new(pool);
-            store.migrate().await?;
-            AnyLease::MySql(store)
+            AnyLease::MySql(idem_mysql::MySqlStore::new(pool))
         } else if url.starts_with("redis://") || url.starts_with("rediss://") {
             AnyLease::Redis(idem_redis::RedisStore::connect(url).await?)
         } else if let Some(path) = url
@@ -63,9 +86,7 @@ impl AnyLease {
             .or(url.strip_prefix("sqlite:"))
             .or_else(|| (!url.contains("://")).then_some(url))
         {
-            let store = idem_sqlite::SqliteStore::open(path).await?;
-            store.migrate().await?;
-            AnyLease::Sqlite(store)
+            AnyLease::Sqlite(idem_sqlite::SqliteStore::open(path).await?)
         } else {
             return Err(Error::Config(format!(
                 "unsupported store URL {url:?}: use a SQLite path, postgres://, mysql:// or redis://"

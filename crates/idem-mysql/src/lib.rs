@@ -274,6 +274,12 @@ impl MySqlStore {
         &self.pool
     }
 
+    /// The schema versions the table has not had yet, with their SQL,
+    /// without applying anything.
+    pub async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
+        migrate::pending(&self.pool, &self.table).await
+    }
+
     /// Creates or upgrades the keys table and its `{table}_schema` version
     /// table, applying every embedded migration not applied yet.
     ///

@@ -161,3 +161,34 @@ async fn apply(conn: &mut PoolConnection<MySql>, table: &TableName, schema: &str
     }
     Ok(())
 }
+
+/// The migrations `table` has not had yet, without applying them.
+pub(crate) async fn pending(pool: &MySqlPool, table: &TableName) -> Result<Vec<idem_core::PendingMigration>> {
+    let schema = schema_table(table)?;
+    let exists: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+    )
+    .bind(&schema)
+    .fetch_one(pool)
+    .await
+    .map_err(store_error)?;
+    let current: i64 = if exists > 0 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM `{schema}`"
+        )))
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?
+    } else {
+        0
+    };
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| m.version > current)
+        .map(|m| idem_core::PendingMigration {
+            version: m.version,
+            description: m.description.to_owned(),
+            statements: (m.statements)(table.as_str()),
+        })
+        .collect())
+}

@@ -226,6 +226,12 @@ impl PgStore {
         migrate::run(&self.pool, &self.table).await
     }
 
+    /// The schema versions the table has not had yet, with their SQL,
+    /// without applying anything.
+    pub async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
+        migrate::pending(&self.pool, &self.table).await
+    }
+
     /// The stored row of a key, if any (expired rows not yet swept included).
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
         let row = sqlx::query(AssertSqlSafe(self.sql.select_row.clone()))

@@ -138,6 +138,43 @@ fn unix_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
+/// The migrations `table` has not had yet, without applying them.
+pub(crate) async fn pending(pool: &PgPool, table: &TableName) -> Result<Vec<idem_core::PendingMigration>> {
+    let version_table = derived_name(table, "schema");
+    let expires_index = derived_name(table, "expires_at_ms_idx");
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&version_table)
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
+    let current: i32 = if exists {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COALESCE(MAX(version), 0) FROM {version_table}"
+        )))
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?
+    } else {
+        0
+    };
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| m.version > current)
+        .map(|m| idem_core::PendingMigration {
+            version: i64::from(m.version),
+            description: m.description.to_owned(),
+            statements: m
+                .statements
+                .iter()
+                .map(|s| {
+                    s.replace("{table}", table.as_str())
+                        .replace("{expires_index}", &expires_index)
+                })
+                .collect(),
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

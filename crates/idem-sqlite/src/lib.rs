@@ -293,6 +293,34 @@ impl SqliteStore {
         &self.registry
     }
 
+    /// The schema versions the table has not had yet, with their SQL,
+    /// without applying anything.
+    pub async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
+        let schema = format!("{}_schema", self.table);
+        let exists: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?")
+            .bind(&schema)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let current: i64 = if exists > 0 {
+            sqlx::query_scalar(AssertSqlSafe(self.sql.schema_version.clone()))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(store_error)?
+        } else {
+            0
+        };
+        Ok(MIGRATIONS
+            .iter()
+            .filter(|m| m.version > current)
+            .map(|m| idem_core::PendingMigration {
+                version: m.version,
+                description: m.description.to_owned(),
+                statements: (m.statements)(self.table.as_str()),
+            })
+            .collect())
+    }
+
     /// Creates or upgrades the keys table to the newest schema version.
     ///
     /// Migrations are embedded and versioned in a `{table}_schema` table.
