@@ -1,0 +1,290 @@
+//! A Stripe-like fake payout vendor, for demos and tests of outbound calls.
+//!
+//! - `POST /v1/payouts` `{"amount": n, "reference": "…"}` with an
+//!   `Idempotency-Key` header: a new key pays (201, `{"id", "amount",
+//!   "reference"}`) and records the answer; the same key with the same body
+//!   answers the recorded response (with `Idempotent-Replayed: true`) and
+//!   pays nothing; the same key with another body is 422
+//!   `idempotency_key_reused`; no key is 400.
+//! - `GET /v1/ledger`: what it paid — `{"payouts": n, "total": sum, "keys": [...]}`.
+//! - `PUT /_faults` sets the faults (JSON, every field optional):
+//!   `apply_then_drop` (probability: pay, record, then drop the connection
+//!   without answering), `error_500` (answer 500 before paying),
+//!   `rate_limit_429` (answer 429 with `Retry-After: retry_after_secs`,
+//!   before paying), `slow_ms` (answer this much later), `refuse_ms` (stop
+//!   accepting connections for this long). `GET /_faults` reads them,
+//!   `GET /_stats` counts what happened.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::Mutex;
+
+/// Switchable faults.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Probability of paying, recording, then dropping the connection.
+    pub apply_then_drop: f64,
+    /// Probability of a 500 before paying.
+    pub error_500: f64,
+    /// Probability of a 429 before paying.
+    pub rate_limit_429: f64,
+    /// The `Retry-After` of a 429, in seconds.
+    pub retry_after_secs: u64,
+    /// Every answer this much later, in ms.
+    pub slow_ms: u64,
+    /// Refuse connections for this long from now, in ms (write-only).
+    pub refuse_ms: u64,
+}
+
+/// What happened, for tests.
+#[derive(Debug, Default, Serialize)]
+pub struct Stats {
+    /// Payouts made.
+    pub paid: u64,
+    /// Answers replayed for a known key.
+    pub replayed: u64,
+    /// Keys reused with another body.
+    pub mismatched: u64,
+    /// Connections dropped after paying.
+    pub dropped: u64,
+    /// 500s.
+    pub errors_500: u64,
+    /// 429s.
+    pub rate_limited: u64,
+}
+
+#[derive(Clone)]
+struct Recorded {
+    fingerprint: [u8; 32],
+    status: StatusCode,
+    body: serde_json::Value,
+}
+
+/// The vendor's state.
+#[derive(Default)]
+pub struct Vendor {
+    faults: Mutex<Faults>,
+    /// The ledger, by key.
+    keys: Mutex<HashMap<String, Recorded>>,
+    total: AtomicU64,
+    paid: AtomicU64,
+    replayed: AtomicU64,
+    mismatched: AtomicU64,
+    dropped: AtomicU64,
+    errors_500: AtomicU64,
+    rate_limited: AtomicU64,
+    seq: AtomicU64,
+    /// Until when connections are refused (ms since the epoch).
+    pub refuse_until_ms: AtomicU64,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A pseudo-random number in [0, 1), from a counter (no RNG dependency).
+fn chance(seq: u64) -> f64 {
+    let h = Sha256::digest(seq.to_le_bytes());
+    u64::from_le_bytes(h[..8].try_into().expect("8 bytes")) as f64 / u64::MAX as f64
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewPayout {
+    amount: i64,
+    #[serde(default)]
+    reference: Option<String>,
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response {
+    (
+        status,
+        Json(serde_json::json!({ "error": { "type": code, "message": message } })),
+    )
+        .into_response()
+}
+
+async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    let faults = v.faults.lock().await.clone();
+    if faults.slow_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.slow_ms)).await;
+    }
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|k| k.to_str().ok())
+        .map(str::to_owned)
+    else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "an Idempotency-Key header is required",
+        );
+    };
+    let Ok(req) = serde_json::from_slice::<NewPayout>(&body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "body: {\"amount\": positive integer, \"reference\"?}",
+        );
+    };
+    if req.amount <= 0 {
+        return error(StatusCode::BAD_REQUEST, "invalid_request", "amount must be positive");
+    }
+    let fingerprint: [u8; 32] = Sha256::digest(&body).into();
+    let mut keys = v.keys.lock().await;
+    if let Some(r) = keys.get(&key) {
+        if r.fingerprint != fingerprint {
+            v.mismatched.fetch_add(1, Ordering::SeqCst);
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                "this key was used with another request",
+            );
+        }
+        v.replayed.fetch_add(1, Ordering::SeqCst);
+        let mut res = (r.status, Json(r.body.clone())).into_response();
+        res.headers_mut()
+            .insert("idempotent-replayed", "true".parse().expect("a header value"));
+        return res;
+    }
+    let seq = v.seq.fetch_add(1, Ordering::SeqCst);
+    if chance(seq * 3) < faults.error_500 {
+        v.errors_500.fetch_add(1, Ordering::SeqCst);
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "api_error",
+            "an injected failure; nothing was paid",
+        );
+    }
+    if chance(seq * 3 + 1) < faults.rate_limit_429 {
+        v.rate_limited.fetch_add(1, Ordering::SeqCst);
+        let mut res = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit",
+            "slow down; nothing was paid",
+        );
+        res.headers_mut().insert(
+            header::RETRY_AFTER,
+            faults.retry_after_secs.to_string().parse().expect("digits"),
+        );
+        return res;
+    }
+    let body = serde_json::json!({
+        "id": format!("po_{}", uuid::Uuid::now_v7().simple()),
+        "amount": req.amount,
+        "reference": req.reference,
+    });
+    keys.insert(
+        key,
+        Recorded {
+            fingerprint,
+            status: StatusCode::CREATED,
+            body: body.clone(),
+        },
+    );
+    v.paid.fetch_add(1, Ordering::SeqCst);
+    v.total.fetch_add(req.amount as u64, Ordering::SeqCst);
+    drop(keys);
+    if chance(seq * 3 + 2) < faults.apply_then_drop {
+        v.dropped.fetch_add(1, Ordering::SeqCst);
+        // Paid and recorded; the connection goes away without an answer.
+        panic!("fake vendor: the response is dropped on purpose");
+    }
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+async fn ledger(State(v): State<Arc<Vendor>>) -> Json<serde_json::Value> {
+    let keys = v.keys.lock().await;
+    let mut list: Vec<&String> = keys.keys().collect();
+    list.sort();
+    Json(serde_json::json!({
+        "payouts": v.paid.load(Ordering::SeqCst),
+        "total": v.total.load(Ordering::SeqCst),
+        "keys": list,
+    }))
+}
+
+async fn get_faults(State(v): State<Arc<Vendor>>) -> Json<Faults> {
+    Json(v.faults.lock().await.clone())
+}
+
+async fn set_faults(State(v): State<Arc<Vendor>>, Json(f): Json<Faults>) -> Response {
+    let bad = |p: f64| !(0.0..=1.0).contains(&p);
+    if bad(f.apply_then_drop) || bad(f.error_500) || bad(f.rate_limit_429) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "probabilities are between 0 and 1",
+        );
+    }
+    if f.refuse_ms > 0 {
+        v.refuse_until_ms.store(now_ms() + f.refuse_ms, Ordering::SeqCst);
+    }
+    *v.faults.lock().await = Faults { refuse_ms: 0, ..f };
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
+    Json(Stats {
+        paid: v.paid.load(Ordering::SeqCst),
+        replayed: v.replayed.load(Ordering::SeqCst),
+        mismatched: v.mismatched.load(Ordering::SeqCst),
+        dropped: v.dropped.load(Ordering::SeqCst),
+        errors_500: v.errors_500.load(Ordering::SeqCst),
+        rate_limited: v.rate_limited.load(Ordering::SeqCst),
+    })
+}
+
+/// The vendor's routes.
+pub fn router(vendor: Arc<Vendor>) -> Router {
+    Router::new()
+        .route("/v1/payouts", post(payout))
+        .route("/v1/ledger", get(ledger))
+        .route("/_faults", get(get_faults).put(set_faults))
+        .route("/_stats", get(stats))
+        .with_state(vendor)
+}
+
+/// Serves on `addr` until `shutdown`. While a `refuse_ms` fault is on, the
+/// listener is closed (connections are refused) and opened again after.
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    vendor: Arc<Vendor>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    tokio::pin!(shutdown);
+    loop {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let v = vendor.clone();
+        let refused = async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if v.refuse_until_ms.load(Ordering::SeqCst) > now_ms() {
+                    return;
+                }
+            }
+        };
+        let app = router(vendor.clone());
+        tokio::select! {
+            r = axum::serve(listener, app) => return r,
+            _ = &mut shutdown => return Ok(()),
+            _ = refused => {}
+        }
+        // Refusing: the listener is dropped until the fault ends.
+        let until = vendor.refuse_until_ms.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(until.saturating_sub(now_ms()))).await;
+    }
+}

@@ -1,0 +1,42 @@
+//! `fake-vendor`: a Stripe-like payout API with switchable faults.
+
+use std::sync::Arc;
+
+use clap::Parser;
+
+/// A fake payout vendor: deduplicates by Idempotency-Key, keeps a ledger,
+/// and fails on request (PUT /_faults).
+#[derive(Debug, Parser)]
+#[command(name = "fake-vendor", about)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9100")]
+    listen: std::net::SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
+    let args = Args::parse();
+    // The `apply_then_drop` fault ends its connection's task on purpose:
+    // say so once, quietly.
+    std::panic::set_hook(Box::new(|info| {
+        let message = info.payload().downcast_ref::<&str>().copied().unwrap_or("");
+        if !message.starts_with("fake vendor:") {
+            eprintln!("fake-vendor: {info}");
+        }
+    }));
+    println!("fake vendor on http://{}", args.listen);
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    match fake_vendor::serve(args.listen, Arc::new(fake_vendor::Vendor::default()), shutdown).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fake-vendor: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! The fake vendor's contract: deduplication by key, its ledger, and each
+//! fault doing what it says.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+async fn start() -> (String, Arc<fake_vendor::Vendor>) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let vendor = Arc::new(fake_vendor::Vendor::default());
+    tokio::spawn(fake_vendor::serve(addr, vendor.clone(), std::future::pending()));
+    let base = format!("http://{addr}");
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (base, vendor)
+}
+
+async fn pay(base: &str, key: Option<&str>, body: &str) -> reqwest::Result<reqwest::Response> {
+    let mut r = reqwest::Client::new()
+        .post(format!("{base}/v1/payouts"))
+        .timeout(Duration::from_secs(5))
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    r.send().await
+}
+
+async fn faults(base: &str, f: serde_json::Value) {
+    let r = reqwest::Client::new()
+        .put(format!("{base}/_faults"))
+        .json(&f)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+}
+
+async fn ledger(base: &str) -> serde_json::Value {
+    reqwest::get(format!("{base}/v1/ledger"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_pays_once() {
+    let (base, _) = start().await;
+    let first = pay(&base, Some("k1"), r#"{"amount":100}"#).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first: serde_json::Value = first.json().await.unwrap();
+    let again = pay(&base, Some("k1"), r#"{"amount":100}"#).await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.json::<serde_json::Value>().await.unwrap(), first);
+    assert_eq!(pay(&base, Some("k1"), r#"{"amount":101}"#).await.unwrap().status(), 422);
+    assert_eq!(pay(&base, None, r#"{"amount":1}"#).await.unwrap().status(), 400);
+    assert_eq!(pay(&base, Some("k2"), r#"{"amount":-1}"#).await.unwrap().status(), 400);
+    let l = ledger(&base).await;
+    assert_eq!((l["payouts"].as_u64(), l["total"].as_u64()), (Some(1), Some(100)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_do_what_they_say() {
+    let (base, vendor) = start().await;
+    // 500 and 429 (with Retry-After) before paying.
+    faults(&base, serde_json::json!({ "error_500": 1.0 })).await;
+    assert_eq!(pay(&base, Some("a"), r#"{"amount":1}"#).await.unwrap().status(), 500);
+    faults(
+        &base,
+        serde_json::json!({ "rate_limit_429": 1.0, "retry_after_secs": 7 }),
+    )
+    .await;
+    let r = pay(&base, Some("a"), r#"{"amount":1}"#).await.unwrap();
+    assert_eq!(
+        (r.status().as_u16(), r.headers()["retry-after"].to_str().unwrap()),
+        (429, "7")
+    );
+    assert_eq!(ledger(&base).await["payouts"], 0, "nothing paid");
+    // Paid, then the connection dropped: the retry with the key gets the record.
+    faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
+    assert!(pay(&base, Some("b"), r#"{"amount":5}"#).await.is_err(), "no answer");
+    faults(&base, serde_json::json!({})).await;
+    let r = pay(&base, Some("b"), r#"{"amount":5}"#).await.unwrap();
+    assert_eq!(r.headers()["idempotent-replayed"], "true");
+    assert_eq!(ledger(&base).await["payouts"], 1);
+    // Slow answers.
+    faults(&base, serde_json::json!({ "slow_ms": 300 })).await;
+    let t = Instant::now();
+    pay(&base, Some("c"), r#"{"amount":1}"#).await.unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    // Refused connections, then accepted again.
+    faults(&base, serde_json::json!({ "refuse_ms": 600 })).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let refused = pay(&base, Some("d"), r#"{"amount":1}"#).await;
+    assert!(refused.as_ref().is_err_and(|e| e.is_connect()), "{refused:?}");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(pay(&base, Some("d"), r#"{"amount":1}"#).await.unwrap().status(), 201);
+    assert!(vendor.refuse_until_ms.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    let bad = reqwest::Client::new()
+        .put(format!("{base}/_faults"))
+        .json(&serde_json::json!({ "error_500": 2.0 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+}
