@@ -212,18 +212,14 @@ impl From<idem_gateway::GatewayError> for Failure {
     }
 }
 
+/// A store that could not be opened, with the store's URL in the message.
+fn store_failure(url: &str, e: idem_core::Error) -> Failure {
+    let Failure(code, message) = e.into();
+    Failure(code, format!("store {url}: {message}"))
+}
+
 async fn connect(url: &str) -> Result<AnyLease, Failure> {
-    AnyLease::connect(url).await.map_err(|e| {
-        let unreachable = e.store_kind() == Some(idem_core::StoreErrorKind::Unavailable);
-        let code = if unreachable {
-            3
-        } else if matches!(e, idem_core::Error::Config(_)) {
-            2
-        } else {
-            1
-        };
-        Failure(code, format!("store {url}: {e}"))
-    })
+    AnyLease::connect(url).await.map_err(|e| store_failure(url, e))
 }
 
 /// Writes a line to standard output; a closed pipe (`idem … | head`) is
@@ -273,14 +269,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             dry_run,
             show_sql,
         } => {
-            let s = AnyLease::open(&store).await.map_err(|e| {
-                let code = match &e {
-                    idem_core::Error::Config(_) => 2,
-                    e if e.store_kind() == Some(idem_core::StoreErrorKind::Unavailable) => 3,
-                    _ => 1,
-                };
-                Failure(code, format!("store {store}: {e}"))
-            })?;
+            let s = AnyLease::open(&store).await.map_err(|e| store_failure(&store, e))?;
+
             let pending = s.pending_migrations().await?;
             if show_sql && !json {
                 for m in &pending {

@@ -146,18 +146,7 @@ pub fn router(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Ro
                 async move { metrics.map(|m| m.render()).unwrap_or_default() }
             }),
         )
-        .fallback_service(tower_layer(layer, proxy)))
-}
-
-fn tower_layer(
-    layer: IdempotencyLayer<idem_http::Leased<AnyLease>>,
-    proxy: proxy::Proxy,
-) -> idem_http::Idempotency<proxy::Proxy, idem_http::Leased<AnyLease>> {
-    tower_layer_apply(layer, proxy)
-}
-
-fn tower_layer_apply<L: tower_layer::Layer<proxy::Proxy>>(layer: L, proxy: proxy::Proxy) -> L::Service {
-    layer.layer(proxy)
+        .fallback_service(tower_layer::Layer::layer(&layer, proxy)))
 }
 
 /// The process-wide Prometheus recorder (installed on first call).

@@ -45,7 +45,7 @@ use idem_core::{BoxFuture, OutboxBatch, OutboxLag, OutboxMessage, OutboxStore, R
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-pub use idem_core::{OutboxEvent, OutboxMessage as Message};
+pub use idem_core::OutboxEvent;
 
 /// Why the broker did not confirm one message.
 #[derive(Debug, thiserror::Error)]
