@@ -1,5 +1,6 @@
 //! Lease-mode behaviours.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -537,18 +538,22 @@ pub async fn lease_abandoned_claim_is_released<S: Subject>(s: S) {
         })
         .collect();
     let mut abandoned = 0;
-    for call in &calls {
-        // Polled once, then dropped: the claim is in flight in the store. A
-        // claim that did come back at once is the caller's to release.
-        let polled_once = tokio::select! {
-            biased;
-            acquired = engine.acquire(call) => Some(acquired),
-            () = std::future::ready(()) => None,
-        };
-        match polled_once {
-            Some(Ok(Acquire::Claimed(lease))) => engine.release(&lease).await.unwrap(),
-            Some(other) => panic!("a fresh key: {other:?}"),
-            None => abandoned += 1,
+    for (i, call) in calls.iter().enumerate() {
+        // Polled once, then dropped: the claim is in flight in the store.
+        // Every other call is dropped only after the store had time to
+        // answer, so the answer waits, delivered and never read. A claim
+        // that did come back at once is the caller's to release.
+        let mut acquiring = std::pin::pin!(engine.acquire(call));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match acquiring.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Ok(Acquire::Claimed(lease))) => engine.release(&lease).await.unwrap(),
+            std::task::Poll::Ready(other) => panic!("a fresh key: {other:?}"),
+            std::task::Poll::Pending => {
+                abandoned += 1;
+                if i % 2 == 1 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
         }
     }
     assert!(abandoned > 0, "some claims were abandoned mid-flight");

@@ -129,13 +129,16 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// One claim attempt, in a task of its own. The store commits the claim
     /// before it answers; if the caller goes away in between (a dropped
     /// request), nobody would hold the claim and its key would wait for the
-    /// lease to run out. The task sees that and releases it.
+    /// lease to run out. Whichever side sees the caller gone releases it: the
+    /// task, when its answer can no longer be delivered, or the caller's
+    /// [`Answer`] guard, when the answer arrived but was never taken.
     async fn try_claim_detached(&self, call: &Call, now_ms: i64, lease_expires_at_ms: i64) -> Result<LeaseClaim> {
         let (answer, answered) = tokio::sync::oneshot::channel();
         let store = self.store.clone();
-        let call = call.clone();
+        let detached = call.clone();
         tokio::spawn(
             async move {
+                let call = detached;
                 let req = ClaimRequest {
                     scope: call.scope(),
                     key: call.key(),
@@ -147,23 +150,33 @@ impl<S: LeaseStore> LeaseEngine<S> {
                 };
                 let claimed = store.try_claim(&req).await;
                 if let Err(Ok(LeaseClaim::Acquired(token))) = answer.send(claimed) {
-                    let lease = Lease {
-                        scope: call.scope().clone(),
-                        key: call.key().clone(),
-                        token,
-                        lease_expires_at_ms,
-                    };
-                    match store.release(&lease).await {
-                        Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation().as_str()),
-                        Err(e) => tracing::warn!(error = %e, "could not release an abandoned claim; it will expire"),
-                    }
+                    release_abandoned(
+                        &*store,
+                        Lease {
+                            scope: call.scope().clone(),
+                            key: call.key().clone(),
+                            token,
+                            lease_expires_at_ms,
+                        },
+                    )
+                    .await;
                 }
             }
             .in_current_span(),
         );
-        answered
-            .await
-            .map_err(|e| Error::store(crate::StoreErrorKind::Other, e))?
+        let mut guard = Answer {
+            answered: Some(answered),
+            store: self.store.clone(),
+            call: call.clone(),
+            lease_expires_at_ms,
+        };
+        let received = std::future::poll_fn(|cx| {
+            let answered = guard.answered.as_mut().expect("polled only until it answers");
+            std::pin::Pin::new(answered).poll(cx)
+        })
+        .await;
+        guard.answered = None;
+        received.map_err(|e| Error::store(crate::StoreErrorKind::Other, e))?
     }
 
     /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
@@ -362,5 +375,46 @@ impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
                 }
             });
         }
+    }
+}
+
+/// The caller's end of a detached claim. Dropped before it was read, it
+/// closes the channel and releases a claim that had already been delivered.
+struct Answer<S: LeaseStore> {
+    answered: Option<tokio::sync::oneshot::Receiver<Result<LeaseClaim>>>,
+    store: Arc<S>,
+    call: Call,
+    lease_expires_at_ms: i64,
+}
+
+impl<S: LeaseStore> Drop for Answer<S> {
+    fn drop(&mut self) {
+        let Some(mut answered) = self.answered.take() else {
+            return;
+        };
+        answered.close();
+        let Ok(Ok(LeaseClaim::Acquired(token))) = answered.try_recv() else {
+            return;
+        };
+        let lease = Lease {
+            scope: self.call.scope().clone(),
+            key: self.call.key().clone(),
+            token,
+            lease_expires_at_ms: self.lease_expires_at_ms,
+        };
+        let store = self.store.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { release_abandoned(&*store, lease).await });
+            }
+            Err(_) => tracing::warn!("a claim abandoned outside a runtime cannot be released; it will expire"),
+        }
+    }
+}
+
+async fn release_abandoned<S: LeaseStore>(store: &S, lease: Lease) {
+    match store.release(&lease).await {
+        Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation().as_str()),
+        Err(e) => tracing::warn!(error = %e, "could not release an abandoned claim; it will expire"),
     }
 }
