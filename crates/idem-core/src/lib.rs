@@ -32,6 +32,7 @@
 mod classify;
 mod clock;
 mod contention;
+mod deadletter;
 mod engine;
 mod error;
 mod fingerprint;
@@ -55,6 +56,11 @@ pub use clock::{
     TimeSource, system_clock,
 };
 pub use contention::{Contention, ContentionRetries};
+pub use deadletter::{
+    DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, MAX_DEAD_LETTER_BODY, MAX_DEAD_LETTER_HEADER,
+    MAX_DEAD_LETTER_HEADERS, MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, MAX_DEAD_LETTER_URL, NewDeadLetter,
+    OutboundRequest, RedriveHold, RedriveOutcome, clip_text,
+};
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::canonical;
 pub use fingerprint::canonical::{CanonicalError, canonical_json};
