@@ -17,6 +17,10 @@
 //! # Ok(()) }
 //! ```
 
+mod deadletter;
+
+pub use deadletter::MemoryDeadLetters;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -1,0 +1,360 @@
+//! Dead letters of outbound calls, in memory.
+//!
+//! ```
+//! use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+//! use idem_memory::MemoryDeadLetters;
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> idem_core::Result<()> {
+//! let letters = MemoryDeadLetters::new();
+//! let id = letters
+//!     .record(&NewDeadLetter {
+//!         scope: Scope::parse("acme", "payout")?,
+//!         key: IdempotencyKey::new("p-1")?,
+//!         request: OutboundRequest::new("POST", "https://vendor.example/v1/payouts", vec![], b"{}".to_vec())?,
+//!         attempts: 5,
+//!         last_error: "503 Service Unavailable".into(),
+//!     })
+//!     .await?;
+//! let hold = letters.begin_redrive(id, 30_000).await?.expect("a dead letter can be taken");
+//! assert!(letters.begin_redrive(id, 30_000).await?.is_none()); // held
+//! # let _ = hold; Ok(()) }
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use idem_core::{
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey,
+    MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, NewDeadLetter, RedriveHold, RedriveOutcome, Result, Scope, SharedClock,
+    clip_text, system_clock,
+};
+
+#[derive(Default)]
+struct Letters {
+    last_id: i64,
+    rows: BTreeMap<i64, DeadLetter>,
+    by_key: HashMap<(Scope, IdempotencyKey), i64>,
+}
+
+/// Dead letters kept in memory, on a clock that tests can set. Clones share
+/// the same letters.
+#[derive(Clone)]
+pub struct MemoryDeadLetters {
+    letters: Arc<Mutex<Letters>>,
+    clock: SharedClock,
+}
+
+impl Default for MemoryDeadLetters {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for MemoryDeadLetters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryDeadLetters")
+            .field("letters", &self.len())
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl MemoryDeadLetters {
+    /// No dead letters, on the system clock.
+    pub fn new() -> Self {
+        Self {
+            letters: Arc::default(),
+            clock: system_clock(),
+        }
+    }
+
+    /// Reads time from `clock` (a [`ManualClock`](idem_core::ManualClock) in
+    /// tests) for timestamps, holds and purges.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// How many dead letters are kept, in every state.
+    pub fn len(&self) -> usize {
+        self.lock().rows.len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Letters> {
+        self.letters.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+}
+
+/// A response body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character
+/// boundary when it is text.
+fn clip_body(body: &[u8]) -> Vec<u8> {
+    match std::str::from_utf8(body) {
+        Ok(text) => clip_text(text).as_bytes().to_vec(),
+        Err(_) => body[..body.len().min(MAX_DEAD_LETTER_TEXT)].to_vec(),
+    }
+}
+
+fn check_page(filter: &DeadLetterFilter) -> Result<()> {
+    if filter.limit == 0 || filter.limit > MAX_DEAD_LETTER_PAGE {
+        return Err(Error::InvalidRequest(format!(
+            "a dead-letter page holds 1 to {MAX_DEAD_LETTER_PAGE} letters, not {}",
+            filter.limit
+        )));
+    }
+    Ok(())
+}
+
+fn check_hold(hold_ms: i64) -> Result<()> {
+    if hold_ms <= 0 {
+        return Err(Error::InvalidRequest(format!(
+            "a redrive hold must be positive, not {hold_ms} ms"
+        )));
+    }
+    Ok(())
+}
+
+impl DeadLetterStore for MemoryDeadLetters {
+    fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
+        let letter = letter.clone();
+        Box::pin(async move {
+            let now = self.now_ms();
+            let mut guard = self.lock();
+            let letters = &mut *guard;
+            let slot = (letter.scope.clone(), letter.key.clone());
+            if let Some(&id) = letters.by_key.get(&slot) {
+                let row = letters
+                    .rows
+                    .get_mut(&id)
+                    .ok_or_else(|| Error::Config(format!("dead letter {id} is indexed but missing")))?;
+                // A resolved letter keeps its answer: the call has been made.
+                if row.state != DeadLetterState::Resolved {
+                    row.attempts = row.attempts.saturating_add(letter.attempts);
+                    row.last_error = clip_text(&letter.last_error).to_owned();
+                    row.state = DeadLetterState::Dead;
+                    row.redrive_until_ms = None;
+                    row.updated_at_ms = now;
+                }
+                return Ok(id);
+            }
+            letters.last_id += 1;
+            let id = letters.last_id;
+            letters.rows.insert(
+                id,
+                DeadLetter {
+                    id,
+                    scope: letter.scope,
+                    key: letter.key,
+                    request: letter.request,
+                    attempts: letter.attempts,
+                    last_error: clip_text(&letter.last_error).to_owned(),
+                    state: DeadLetterState::Dead,
+                    redrives: 0,
+                    created_at_ms: now,
+                    updated_at_ms: now,
+                    redrive_until_ms: None,
+                    response_status: None,
+                    response_body: None,
+                },
+            );
+            letters.by_key.insert(slot, id);
+            Ok(id)
+        })
+    }
+
+    fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
+        let filter = filter.clone();
+        Box::pin(async move {
+            check_page(&filter)?;
+            let letters = self.lock();
+            let from = filter.after_id.map_or(i64::MIN, |a| a.saturating_add(1));
+            Ok(letters
+                .rows
+                .range(from..)
+                .map(|(_, row)| row)
+                .filter(|row| {
+                    filter
+                        .tenant
+                        .as_deref()
+                        .is_none_or(|t| row.scope.tenant().as_str() == t)
+                })
+                .filter(|row| {
+                    filter
+                        .operation
+                        .as_deref()
+                        .is_none_or(|o| row.scope.operation().as_str() == o)
+                })
+                .filter(|row| filter.state.is_none_or(|s| row.state == s))
+                .take(filter.limit as usize)
+                .cloned()
+                .collect())
+        })
+    }
+
+    fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
+        Box::pin(async move { Ok(self.lock().rows.get(&id).cloned()) })
+    }
+
+    fn find(&self, scope: &Scope, key: &IdempotencyKey) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
+        let slot = (scope.clone(), key.clone());
+        Box::pin(async move {
+            let letters = self.lock();
+            Ok(letters.by_key.get(&slot).and_then(|id| letters.rows.get(id)).cloned())
+        })
+    }
+
+    fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
+        Box::pin(async move {
+            check_hold(hold_ms)?;
+            let now = self.now_ms();
+            let mut letters = self.lock();
+            let Some(row) = letters.rows.get_mut(&id) else {
+                return Ok(None);
+            };
+            let free = match row.state {
+                DeadLetterState::Dead => true,
+                DeadLetterState::Redriving => row.redrive_until_ms.is_none_or(|until| until <= now),
+                DeadLetterState::Resolved => false,
+            };
+            if !free {
+                return Ok(None);
+            }
+            let token = row
+                .redrives
+                .checked_add(1)
+                .ok_or_else(|| Error::InvalidRequest(format!("dead letter {id} was redriven too many times")))?;
+            row.redrives = token;
+            row.state = DeadLetterState::Redriving;
+            row.redrive_until_ms = Some(now.saturating_add(hold_ms));
+            row.updated_at_ms = now;
+            Ok(Some(RedriveHold {
+                dead_letter: row.clone(),
+                token,
+            }))
+        })
+    }
+
+    fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
+        let outcome = outcome.clone();
+        Box::pin(async move {
+            let now = self.now_ms();
+            let mut letters = self.lock();
+            let Some(row) = letters.rows.get_mut(&id) else {
+                return Ok(false);
+            };
+            if row.state != DeadLetterState::Redriving || row.redrives != token {
+                return Ok(false);
+            }
+            match outcome {
+                RedriveOutcome::Resolved { status, body } => {
+                    row.state = DeadLetterState::Resolved;
+                    row.response_status = Some(status);
+                    row.response_body = Some(clip_body(&body));
+                }
+                RedriveOutcome::Failed { attempts, error } => {
+                    row.state = DeadLetterState::Dead;
+                    row.attempts = row.attempts.saturating_add(attempts);
+                    row.last_error = clip_text(&error).to_owned();
+                }
+            }
+            row.redrive_until_ms = None;
+            row.updated_at_ms = now;
+            Ok(true)
+        })
+    }
+
+    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let cutoff = self.now_ms().saturating_sub(older_than_ms.max(0));
+            let mut guard = self.lock();
+            let letters = &mut *guard;
+            let doomed: Vec<i64> = letters
+                .rows
+                .values()
+                .filter(|row| row.state == DeadLetterState::Resolved && row.updated_at_ms < cutoff)
+                .map(|row| row.id)
+                .take(limit as usize)
+                .collect();
+            for id in &doomed {
+                if let Some(row) = letters.rows.remove(id) {
+                    letters.by_key.remove(&(row.scope, row.key));
+                }
+            }
+            Ok(doomed.len() as u64)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use idem_core::{ManualClock, OutboundRequest};
+
+    use super::*;
+
+    fn letter(key: &str) -> NewDeadLetter {
+        NewDeadLetter {
+            scope: Scope::parse("t", "payout").unwrap(),
+            key: IdempotencyKey::new(key).unwrap(),
+            request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], vec![1, 2]).unwrap(),
+            attempts: 3,
+            last_error: "timeout".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_hold_runs_out_on_the_clock_it_was_given() {
+        // Proves the store decides holds and purges by its injected clock.
+        let clock = ManualClock::new(1_000);
+        let letters = MemoryDeadLetters::new().with_clock(std::sync::Arc::new(clock.clone()));
+        let id = letters.record(&letter("a")).await.unwrap();
+        let first = letters.begin_redrive(id, 500).await.unwrap().unwrap();
+        assert_eq!(first.dead_letter.redrive_until_ms, Some(1_500));
+        assert!(letters.begin_redrive(id, 500).await.unwrap().is_none());
+        clock.advance(Duration::from_millis(500));
+        let second = letters.begin_redrive(id, 500).await.unwrap().unwrap();
+        assert!(second.token > first.token);
+        let resolved = RedriveOutcome::Resolved {
+            status: 200,
+            body: b"ok".to_vec(),
+        };
+        assert!(!letters.finish_redrive(id, first.token, &resolved).await.unwrap());
+        assert!(letters.finish_redrive(id, second.token, &resolved).await.unwrap());
+        assert_eq!(letters.purge_resolved(0, 10).await.unwrap(), 0, "not older than now");
+        clock.advance(Duration::from_millis(10));
+        assert_eq!(letters.purge_resolved(5, 10).await.unwrap(), 1);
+        assert!(letters.is_empty());
+        assert!(
+            letters
+                .find(&letter("a").scope, &letter("a").key)
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn binary_bodies_are_cut_by_bytes_and_text_on_a_character_boundary() {
+        // Proves response bodies are bounded without splitting a character.
+        let binary = vec![0xFF; MAX_DEAD_LETTER_TEXT + 10];
+        assert_eq!(clip_body(&binary).len(), MAX_DEAD_LETTER_TEXT);
+        let text = "é".repeat(MAX_DEAD_LETTER_TEXT);
+        let clipped = clip_body(text.as_bytes());
+        assert!(std::str::from_utf8(&clipped).is_ok());
+        assert!(clipped.len() <= MAX_DEAD_LETTER_TEXT);
+    }
+}
