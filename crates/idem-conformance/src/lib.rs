@@ -5,16 +5,20 @@
 //! generates one `#[tokio::test]` per behaviour, named
 //! `<engine>::<behaviour>` so failures say which engine broke what.
 //! A store that passes it is correct by definition.
+//!
+//! Dead-letter stores implement [`DeadLetterSubject`] and expand
+//! [`deadletter_conformance!`] the same way.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idem_core::{
-    BoxError, BoxFuture, Call, Classify, Consume, Contention, Error, Fingerprint, IdempotencyKey, InFlight,
-    LeaseEngine, LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
+    BoxError, BoxFuture, Call, Classify, Consume, Contention, DeadLetterStore, Error, Fingerprint, IdempotencyKey,
+    InFlight, LeaseEngine, LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
 };
 use serde::{Deserialize, Serialize};
 
+pub mod deadletter_tests;
 pub mod lease_tests;
 pub mod tx_tests;
 
@@ -45,6 +49,24 @@ pub trait Subject: Clone + Send + Sync + 'static {
     fn another(&self) -> BoxFuture<'_, Self>;
     /// A handle on a fresh, empty keys table (for tests that sweep a whole table).
     fn isolated(&self) -> BoxFuture<'_, Self>;
+}
+
+/// A dead-letter store under test.
+pub trait DeadLetterSubject: Clone + Send + Sync + 'static {
+    /// The store.
+    type Store: DeadLetterStore;
+
+    /// A handle on the store.
+    fn store(&self) -> Self::Store;
+    /// Another handle on the same letters through its own connection pool,
+    /// so concurrency tests cross pools as separate processes would.
+    fn another(&self) -> BoxFuture<'_, Self::Store>;
+    /// A subject on a fresh, empty table (for tests that list or purge a
+    /// whole table).
+    fn isolated(&self) -> BoxFuture<'_, Self>;
+    /// Lets at least `ms` pass on the store's clock: advances a manual
+    /// clock, or sleeps when the store reads its database's clock.
+    fn elapse(&self, ms: u64) -> BoxFuture<'_, ()>;
 }
 
 /// A value with bytes that must survive storage exactly.
@@ -250,6 +272,47 @@ macro_rules! lease_conformance {
                 lease_abandoned_claim_is_released
             );
         }
+    };
+}
+
+/// Generates the dead-letter conformance tests for a store, in a module
+/// named `$engine`. `$make` is an async expression producing the
+/// [`DeadLetterSubject`].
+#[macro_export]
+macro_rules! deadletter_conformance {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__deadletter_test!($make;
+                dead_letter_round_trips_every_field,
+                recording_twice_updates_one_row,
+                recording_a_held_letter_puts_it_back,
+                keys_are_scoped_and_exact,
+                list_filters_and_pages_in_id_order,
+                begin_redrive_takes_a_letter_once,
+                held_letter_is_not_taken_again,
+                expired_hold_is_taken_again_and_fences_the_old_token,
+                resolved_letter_is_final,
+                failed_redrive_is_dead_again,
+                purge_resolved_deletes_only_old_resolved,
+                missing_letters_and_bad_holds
+            );
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __deadletter_test {
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let subject = $make.await;
+                $crate::deadletter_tests::$name(subject).await;
+            }
+        )*
     };
 }
 

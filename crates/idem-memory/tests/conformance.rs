@@ -1,10 +1,11 @@
-//! The conformance suite against the in-memory store.
+//! The conformance suites against the in-memory stores.
 
-use idem_conformance::{Subject, lease_conformance, tx_conformance};
-use idem_core::{BoxError, BoxFuture};
-use idem_memory::{MemoryStore, MemoryTx};
+use idem_conformance::{DeadLetterSubject, Subject, deadletter_conformance, lease_conformance, tx_conformance};
+use idem_core::{BoxError, BoxFuture, ManualClock};
+use idem_memory::{MemoryDeadLetters, MemoryStore, MemoryTx};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 #[derive(Clone, Default)]
 struct Memory {
@@ -48,3 +49,37 @@ static EFFECTS: std::sync::LazyLock<Arc<Mutex<HashMap<String, u64>>>> = std::syn
 
 tx_conformance!(memory_tx, async { Memory::default() });
 lease_conformance!(memory_lease, async { Memory::default() });
+
+/// Dead letters on a manual clock that the tests move.
+#[derive(Clone)]
+struct MemoryLetters {
+    letters: MemoryDeadLetters,
+    clock: ManualClock,
+}
+
+impl MemoryLetters {
+    fn new() -> Self {
+        let clock = ManualClock::starting_now();
+        let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
+        Self { letters, clock }
+    }
+}
+
+impl DeadLetterSubject for MemoryLetters {
+    type Store = MemoryDeadLetters;
+
+    fn store(&self) -> MemoryDeadLetters {
+        self.letters.clone()
+    }
+    fn another(&self) -> BoxFuture<'_, MemoryDeadLetters> {
+        Box::pin(async move { self.letters.clone() })
+    }
+    fn isolated(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move { MemoryLetters::new() })
+    }
+    fn elapse(&self, ms: u64) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.clock.advance(Duration::from_millis(ms)) })
+    }
+}
+
+deadletter_conformance!(memory_deadletters, async { MemoryLetters::new() });

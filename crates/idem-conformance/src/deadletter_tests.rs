@@ -1,0 +1,580 @@
+//! Dead-letter store behaviours.
+
+use std::sync::Arc;
+
+use idem_core::{
+    DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, IdempotencyKey, MAX_DEAD_LETTER_PAGE,
+    MAX_DEAD_LETTER_TEXT, MAX_KEY_LEN, NewDeadLetter, OutboundRequest, RedriveHold, RedriveOutcome, Scope, clip_text,
+};
+use tokio::sync::Barrier;
+
+use crate::DeadLetterSubject;
+
+/// A long hold: nothing in a test outlives it.
+const LONG_HOLD_MS: i64 = 600_000;
+
+/// A scope of its own for one test, with a tenant no other test uses.
+fn scope_of(tenant: &str, operation: &str) -> Scope {
+    Scope::parse(tenant, operation).expect("valid scope")
+}
+
+/// A fresh tenant name (non-ASCII, so tenants are stored byte for byte).
+fn fresh_tenant() -> String {
+    format!("tenant-ü-{}", uuid::Uuid::new_v4().simple())
+}
+
+fn request(body: &[u8]) -> OutboundRequest {
+    OutboundRequest::new(
+        "POST",
+        "https://vendor.example/v1/payouts?currency=eur&x=%C3%A9",
+        vec![
+            ("content-type".into(), "application/json".into()),
+            ("x-trace".into(), "b".into()),
+            ("x-trace".into(), "a".into()),
+            ("x-note".into(), "naïve \"quoted\" \\ tab\there ✓".into()),
+        ],
+        body.to_vec(),
+    )
+    .expect("a valid request")
+}
+
+fn letter(scope: &Scope, key: &str, attempts: u32, error: &str) -> NewDeadLetter {
+    NewDeadLetter {
+        scope: scope.clone(),
+        key: IdempotencyKey::new(key).expect("valid key"),
+        request: request(b"{\"amount\":100}"),
+        attempts,
+        last_error: error.into(),
+    }
+}
+
+fn resolved(status: u16, body: &[u8]) -> RedriveOutcome {
+    RedriveOutcome::Resolved {
+        status,
+        body: body.to_vec(),
+    }
+}
+
+fn failed(attempts: u32, error: &str) -> RedriveOutcome {
+    RedriveOutcome::Failed {
+        attempts,
+        error: error.into(),
+    }
+}
+
+async fn fetch<D: DeadLetterStore>(store: &D, id: i64) -> DeadLetter {
+    store
+        .get(id)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("dead letter {id} is missing"))
+}
+
+async fn take<D: DeadLetterStore>(store: &D, id: i64, hold_ms: i64) -> RedriveHold {
+    store
+        .begin_redrive(id, hold_ms)
+        .await
+        .expect("begin_redrive")
+        .unwrap_or_else(|| panic!("dead letter {id} could not be taken"))
+}
+
+fn of_tenant(tenant: &str) -> DeadLetterFilter {
+    DeadLetterFilter {
+        tenant: Some(tenant.to_owned()),
+        limit: MAX_DEAD_LETTER_PAGE,
+        ..DeadLetterFilter::default()
+    }
+}
+
+/// Every field survives recording exactly: binary body, ordered headers, a key of the largest length, clipped non-ASCII error.
+pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "POST /v1/payouts — ünïcødé");
+    let key = "k".repeat(MAX_KEY_LEN - 36) + &uuid::Uuid::new_v4().to_string();
+    assert_eq!(key.len(), MAX_KEY_LEN);
+    let body: Vec<u8> = vec![0xFF, 0x00, 0xC3, 0x28, b'{', 0x80, 0xFE, b'\n', 0x00];
+    let long_error = format!("x{}", "é".repeat(MAX_DEAD_LETTER_TEXT));
+    let new = NewDeadLetter {
+        scope: scope.clone(),
+        key: IdempotencyKey::new(key.as_str()).unwrap(),
+        request: request(&body),
+        attempts: 7,
+        last_error: long_error.clone(),
+    };
+    let id = store.record(&new).await.expect("record");
+    let got = fetch(&store, id).await;
+    assert_eq!(got.id, id);
+    assert_eq!(got.scope, scope);
+    assert_eq!(got.key.as_str(), key);
+    assert_eq!(
+        got.request, new.request,
+        "method, URL, headers in order and body, exactly"
+    );
+    assert_eq!(got.request.body(), &body[..]);
+    assert_eq!(got.request.headers()[1], ("x-trace".to_owned(), "b".to_owned()));
+    assert_eq!(got.request.headers()[2], ("x-trace".to_owned(), "a".to_owned()));
+    assert_eq!(got.attempts, 7);
+    let clipped = clip_text(&long_error);
+    assert!(
+        clipped.len() < long_error.len(),
+        "the error was long enough to be clipped"
+    );
+    assert_eq!(
+        got.last_error, clipped,
+        "clipped to MAX_DEAD_LETTER_TEXT on a character boundary"
+    );
+    assert!(got.last_error.len() <= MAX_DEAD_LETTER_TEXT);
+    assert_eq!(got.state, DeadLetterState::Dead);
+    assert_eq!(got.redrives, 0);
+    assert!(got.created_at_ms > 0);
+    assert!(got.updated_at_ms >= got.created_at_ms);
+    assert_eq!(got.redrive_until_ms, None);
+    assert_eq!(got.response_status, None);
+    assert_eq!(got.response_body, None);
+    let found = store
+        .find(&scope, &new.key)
+        .await
+        .expect("find")
+        .expect("found by scope and key");
+    assert_eq!(found, got);
+    let listed = store.list(&of_tenant(scope.tenant().as_str())).await.expect("list");
+    assert_eq!(listed, vec![got]);
+}
+
+/// Recording the same (tenant, operation, key) again updates the one row: attempts added, last error replaced.
+pub async fn recording_twice_updates_one_row<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let first = store.record(&letter(&scope, "k-1", 3, "timeout")).await.unwrap();
+    let before = fetch(&store, first).await;
+    let again = letter(&scope, "k-1", 2, "503 from the vendor");
+    let second = store.record(&again).await.unwrap();
+    assert_eq!(first, second, "one row per (tenant, operation, key)");
+    let after = fetch(&store, first).await;
+    assert_eq!(after.attempts, 5);
+    assert_eq!(after.last_error, "503 from the vendor");
+    assert_eq!(after.state, DeadLetterState::Dead);
+    assert_eq!(after.created_at_ms, before.created_at_ms);
+    assert!(after.updated_at_ms >= before.updated_at_ms);
+    let listed = store.list(&of_tenant(scope.tenant().as_str())).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id, first);
+}
+
+/// A letter being redriven that is recorded again is dead again, and its redrive can no longer finish it.
+pub async fn recording_a_held_letter_puts_it_back<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 1, "first")).await.unwrap();
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    assert_eq!(store.record(&letter(&scope, "k", 2, "second")).await.unwrap(), id);
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Dead);
+    assert_eq!(got.redrive_until_ms, None);
+    assert_eq!(got.attempts, 3);
+    assert!(
+        !store
+            .finish_redrive(id, hold.token, &resolved(200, b"ok"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(fetch(&store, id).await, got, "a lost hold changes nothing");
+    let next = take(&store, id, LONG_HOLD_MS).await;
+    assert!(next.token > hold.token);
+}
+
+/// The same key in two tenants or two operations, or differing only in case or a trailing space, is two rows.
+pub async fn keys_are_scoped_and_exact<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let tenant_a = fresh_tenant();
+    let tenant_b = fresh_tenant();
+    let a = scope_of(&tenant_a, "payout");
+    let b = scope_of(&tenant_b, "payout");
+    let a_refund = scope_of(&tenant_a, "refund");
+    let ids = [
+        store.record(&letter(&a, "key", 1, "a")).await.unwrap(),
+        store.record(&letter(&b, "key", 1, "b")).await.unwrap(),
+        store.record(&letter(&a_refund, "key", 1, "a-refund")).await.unwrap(),
+        store.record(&letter(&a, "KEY", 1, "upper")).await.unwrap(),
+        store.record(&letter(&a, "key ", 1, "trailing space")).await.unwrap(),
+    ];
+    let mut distinct = ids.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ids.len(), "five distinct rows: {ids:?}");
+    for (scope, key, error) in [
+        (&a, "key", "a"),
+        (&b, "key", "b"),
+        (&a_refund, "key", "a-refund"),
+        (&a, "KEY", "upper"),
+        (&a, "key ", "trailing space"),
+    ] {
+        let found = store
+            .find(scope, &IdempotencyKey::new(key).unwrap())
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{scope:?} {key:?} not found"));
+        assert_eq!(found.last_error, error);
+        assert_eq!(&found.scope, scope);
+        assert_eq!(found.key.as_str(), key);
+    }
+    let missing = store
+        .find(
+            &scope_of(&fresh_tenant(), "payout"),
+            &IdempotencyKey::new("key").unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(missing.is_none());
+    assert_eq!(store.list(&of_tenant(&tenant_a)).await.unwrap().len(), 4);
+    assert_eq!(store.list(&of_tenant(&tenant_b)).await.unwrap().len(), 1);
+}
+
+/// Listing filters by tenant, operation and state, pages by id in order, and refuses a limit of 0 or over the page size.
+pub async fn list_filters_and_pages_in_id_order<S: DeadLetterSubject>(s: S) {
+    let store = s.isolated().await.store();
+    let t1 = fresh_tenant();
+    let t2 = fresh_tenant();
+    let mut ids = Vec::new();
+    for (tenant, operation) in [
+        (&t1, "payout"),
+        (&t2, "payout"),
+        (&t1, "refund"),
+        (&t1, "payout"),
+        (&t2, "refund"),
+        (&t1, "payout"),
+    ] {
+        let scope = scope_of(tenant, operation);
+        let key = format!("k-{}", ids.len());
+        ids.push(store.record(&letter(&scope, &key, 1, "e")).await.unwrap());
+    }
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids grow: {ids:?}");
+    // One resolved, one being redriven.
+    let hold = take(&store, ids[3], LONG_HOLD_MS).await;
+    assert!(
+        store
+            .finish_redrive(ids[3], hold.token, &resolved(200, b""))
+            .await
+            .unwrap()
+    );
+    take(&store, ids[5], LONG_HOLD_MS).await;
+
+    let list = |filter: DeadLetterFilter| {
+        let store = store.clone();
+        async move {
+            store
+                .list(&filter)
+                .await
+                .expect("list")
+                .into_iter()
+                .map(|d| d.id)
+                .collect::<Vec<_>>()
+        }
+    };
+    let all = DeadLetterFilter {
+        limit: MAX_DEAD_LETTER_PAGE,
+        ..DeadLetterFilter::default()
+    };
+    assert_eq!(list(all.clone()).await, ids);
+    assert_eq!(
+        list(DeadLetterFilter {
+            tenant: Some(t1.clone()),
+            ..all.clone()
+        })
+        .await,
+        vec![ids[0], ids[2], ids[3], ids[5]]
+    );
+    assert_eq!(
+        list(DeadLetterFilter {
+            operation: Some("refund".into()),
+            ..all.clone()
+        })
+        .await,
+        vec![ids[2], ids[4]]
+    );
+    assert_eq!(
+        list(DeadLetterFilter {
+            tenant: Some(t1.clone()),
+            operation: Some("payout".into()),
+            ..all.clone()
+        })
+        .await,
+        vec![ids[0], ids[3], ids[5]]
+    );
+    for (state, want) in [
+        (DeadLetterState::Dead, vec![ids[0], ids[1], ids[2], ids[4]]),
+        (DeadLetterState::Resolved, vec![ids[3]]),
+        (DeadLetterState::Redriving, vec![ids[5]]),
+    ] {
+        let got = list(DeadLetterFilter {
+            state: Some(state),
+            ..all.clone()
+        })
+        .await;
+        assert_eq!(got, want, "{state:?}");
+    }
+    assert_eq!(
+        list(DeadLetterFilter {
+            tenant: Some(t2.clone()),
+            state: Some(DeadLetterState::Dead),
+            operation: Some("refund".into()),
+            ..all.clone()
+        })
+        .await,
+        vec![ids[4]]
+    );
+    // Pages of two, each after the last id of the one before.
+    let mut pages = Vec::new();
+    let mut after_id = None;
+    loop {
+        let page = list(DeadLetterFilter {
+            after_id,
+            limit: 2,
+            ..DeadLetterFilter::default()
+        })
+        .await;
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 2);
+        after_id = page.last().copied();
+        pages.push(page);
+    }
+    assert_eq!(pages.len(), 3);
+    assert_eq!(pages.concat(), ids);
+    assert_eq!(
+        list(DeadLetterFilter {
+            after_id: Some(ids[4]),
+            ..all.clone()
+        })
+        .await,
+        vec![ids[5]]
+    );
+    for limit in [0, MAX_DEAD_LETTER_PAGE + 1, u32::MAX] {
+        let bad = DeadLetterFilter {
+            limit,
+            ..DeadLetterFilter::default()
+        };
+        assert!(store.list(&bad).await.is_err(), "limit {limit} is refused");
+    }
+    let unknown = DeadLetterFilter {
+        tenant: Some(fresh_tenant()),
+        ..all
+    };
+    assert!(list(unknown).await.is_empty());
+}
+
+/// Sixteen concurrent redrives of one dead letter: exactly one holds it.
+pub async fn begin_redrive_takes_a_letter_once<S: DeadLetterSubject>(s: S) {
+    const TASKS: usize = 16;
+    let store = s.store();
+    let other = s.another().await;
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "contended", 1, "e")).await.unwrap();
+    let barrier = Arc::new(Barrier::new(TASKS));
+    let mut tasks = Vec::new();
+    for i in 0..TASKS {
+        let barrier = barrier.clone();
+        let store = if i % 2 == 0 { store.clone() } else { other.clone() };
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.begin_redrive(id, LONG_HOLD_MS).await.expect("begin_redrive")
+        }));
+    }
+    let mut holds = Vec::new();
+    for task in tasks {
+        if let Some(hold) = task.await.expect("task") {
+            holds.push(hold);
+        }
+    }
+    assert_eq!(holds.len(), 1, "exactly one redrive holds the letter");
+    assert_eq!(holds[0].token, 1);
+    let got = fetch(&store, id).await;
+    assert_eq!(got.redrives, 1, "the losers changed nothing");
+    assert_eq!(got.state, DeadLetterState::Redriving);
+}
+
+/// A held letter is not taken again until the hold runs out; the hold shows in the row.
+pub async fn held_letter_is_not_taken_again<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 4, "e")).await.unwrap();
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    assert_eq!(hold.token, 1);
+    assert_eq!(hold.dead_letter.id, id);
+    assert_eq!(hold.dead_letter.state, DeadLetterState::Redriving);
+    assert_eq!(hold.dead_letter.redrives, 1);
+    assert_eq!(hold.dead_letter.attempts, 4);
+    assert_eq!(hold.dead_letter.request, request(b"{\"amount\":100}"));
+    let until = hold.dead_letter.redrive_until_ms.expect("a hold has an end");
+    assert!(until >= hold.dead_letter.updated_at_ms + LONG_HOLD_MS - 1000);
+    assert!(store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none());
+    assert_eq!(
+        fetch(&store, id).await,
+        hold.dead_letter,
+        "the row is as the hold took it"
+    );
+}
+
+/// After its hold runs out a letter is taken again with a larger token; the old token can no longer finish it.
+pub async fn expired_hold_is_taken_again_and_fences_the_old_token<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 1, "e")).await.unwrap();
+    let old = take(&store, id, 50).await;
+    s.elapse(120).await;
+    let new = take(&store, id, LONG_HOLD_MS).await;
+    assert!(new.token > old.token, "{} > {}", new.token, old.token);
+    let before = fetch(&store, id).await;
+    assert!(
+        !store
+            .finish_redrive(id, old.token, &resolved(200, b"late"))
+            .await
+            .unwrap()
+    );
+    assert!(!store.finish_redrive(id, old.token, &failed(3, "late")).await.unwrap());
+    assert_eq!(fetch(&store, id).await, before, "the stale redrive changed nothing");
+    assert!(store.finish_redrive(id, new.token, &failed(1, "again")).await.unwrap());
+    assert_eq!(fetch(&store, id).await.attempts, 2);
+}
+
+/// A resolved redrive keeps status and clipped body; the letter is final: not taken, not revived by recording.
+pub async fn resolved_letter_is_final<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 2, "e")).await.unwrap();
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    let mut body = vec![0xFFu8, 0x00, 0xFE];
+    body.resize(MAX_DEAD_LETTER_TEXT + 100, 0xAB);
+    assert!(
+        store
+            .finish_redrive(id, hold.token, &resolved(201, &body))
+            .await
+            .unwrap()
+    );
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Resolved);
+    assert_eq!(got.response_status, Some(201));
+    assert_eq!(got.response_body.as_deref(), Some(&body[..MAX_DEAD_LETTER_TEXT]));
+    assert_eq!(got.redrive_until_ms, None);
+    assert_eq!(got.attempts, 2);
+    assert!(store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none());
+    assert!(
+        !store.finish_redrive(id, hold.token, &failed(1, "twice")).await.unwrap(),
+        "a redrive finishes once"
+    );
+    assert_eq!(
+        store.record(&letter(&scope, "k", 9, "recorded again")).await.unwrap(),
+        id
+    );
+    assert_eq!(
+        fetch(&store, id).await,
+        got,
+        "recording does not revive a resolved letter"
+    );
+    // A text answer is clipped on a character boundary.
+    let id2 = store.record(&letter(&scope, "k2", 1, "e")).await.unwrap();
+    let hold = take(&store, id2, LONG_HOLD_MS).await;
+    let text = "ü".repeat(MAX_DEAD_LETTER_TEXT);
+    assert!(
+        store
+            .finish_redrive(id2, hold.token, &resolved(200, text.as_bytes()))
+            .await
+            .unwrap()
+    );
+    let kept = fetch(&store, id2).await.response_body.expect("a body");
+    assert_eq!(kept, clip_text(&text).as_bytes());
+}
+
+/// A failed redrive makes the letter dead again, attempts added and the error replaced (clipped), ready to be taken again.
+pub async fn failed_redrive_is_dead_again<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 5, "first")).await.unwrap();
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    let error = format!("502 {}", "ø".repeat(MAX_DEAD_LETTER_TEXT));
+    assert!(store.finish_redrive(id, hold.token, &failed(3, &error)).await.unwrap());
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Dead);
+    assert_eq!(got.attempts, 8);
+    assert_eq!(got.last_error, clip_text(&error));
+    assert_eq!(got.redrive_until_ms, None);
+    assert_eq!(got.response_status, None);
+    assert_eq!(got.redrives, 1);
+    assert!(
+        !store.finish_redrive(id, hold.token, &failed(3, &error)).await.unwrap(),
+        "a redrive finishes once"
+    );
+    assert_eq!(fetch(&store, id).await.attempts, 8);
+    let next = take(&store, id, LONG_HOLD_MS).await;
+    assert_eq!(next.token, 2);
+}
+
+/// Purging deletes only resolved letters older than the cutoff, at most `limit` at a time.
+pub async fn purge_resolved_deletes_only_old_resolved<S: DeadLetterSubject>(s: S) {
+    let s = s.isolated().await;
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let mut resolved_ids = Vec::new();
+    for i in 0..3 {
+        let id = store.record(&letter(&scope, &format!("r-{i}"), 1, "e")).await.unwrap();
+        let hold = take(&store, id, LONG_HOLD_MS).await;
+        assert!(
+            store
+                .finish_redrive(id, hold.token, &resolved(200, b"ok"))
+                .await
+                .unwrap()
+        );
+        resolved_ids.push(id);
+    }
+    let dead = store.record(&letter(&scope, "dead", 1, "e")).await.unwrap();
+    let held = store.record(&letter(&scope, "held", 1, "e")).await.unwrap();
+    take(&store, held, LONG_HOLD_MS).await;
+    assert_eq!(
+        store.purge_resolved(3_600_000, 100).await.unwrap(),
+        0,
+        "none is an hour old"
+    );
+    s.elapse(30).await;
+    assert_eq!(store.purge_resolved(10, 2).await.unwrap(), 2, "bounded by the limit");
+    assert_eq!(store.purge_resolved(10, 2).await.unwrap(), 1);
+    assert_eq!(store.purge_resolved(10, 2).await.unwrap(), 0);
+    for id in &resolved_ids {
+        assert!(store.get(*id).await.unwrap().is_none(), "{id} purged");
+    }
+    assert_eq!(fetch(&store, dead).await.state, DeadLetterState::Dead);
+    assert_eq!(fetch(&store, held).await.state, DeadLetterState::Redriving);
+    // A purged key is free: recording it again makes a new letter.
+    let again = store.record(&letter(&scope, "r-0", 1, "new")).await.unwrap();
+    assert!(!resolved_ids.contains(&again));
+    assert_eq!(fetch(&store, again).await.attempts, 1);
+}
+
+/// Unknown ids answer nothing; a hold that is not positive is refused.
+pub async fn missing_letters_and_bad_holds<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    for id in [i64::MAX, -1, 0] {
+        assert!(store.get(id).await.unwrap().is_none(), "get {id}");
+        assert!(
+            store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none(),
+            "begin {id}"
+        );
+        assert!(
+            !store.finish_redrive(id, 1, &resolved(200, b"")).await.unwrap(),
+            "finish {id}"
+        );
+    }
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 1, "e")).await.unwrap();
+    assert!(store.begin_redrive(id, 0).await.is_err());
+    assert!(store.begin_redrive(id, -5).await.is_err());
+    assert_eq!(
+        fetch(&store, id).await.state,
+        DeadLetterState::Dead,
+        "a refused hold takes nothing"
+    );
+    assert!(
+        !store.finish_redrive(id, 0, &resolved(200, b"")).await.unwrap(),
+        "not held"
+    );
+}
