@@ -232,7 +232,8 @@ pub async fn keys_are_scoped_and_exact<S: DeadLetterSubject>(s: S) {
 
 /// Listing filters by tenant, operation and state, pages by id in order, and refuses a limit of 0 or over the page size.
 pub async fn list_filters_and_pages_in_id_order<S: DeadLetterSubject>(s: S) {
-    let store = s.isolated().await.store();
+    let s = s.isolated().await;
+    let store = s.store();
     let t1 = fresh_tenant();
     let t2 = fresh_tenant();
     let mut ids = Vec::new();

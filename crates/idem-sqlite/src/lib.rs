@@ -95,6 +95,7 @@
 
 mod backend;
 mod clock;
+pub mod deadletter;
 mod error;
 mod keylock;
 pub mod outbox;
@@ -112,6 +113,7 @@ use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
 pub use sqlx::sqlite::SqliteSynchronous;
 
+pub use crate::deadletter::SqliteDeadLetters;
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements, latest_version};

@@ -1,0 +1,158 @@
+//! The dead-letter conformance suite against SQLite, one database file per
+//! test, and recording inside the caller's transaction.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_conformance::{DeadLetterSubject, deadletter_conformance};
+use idem_core::{BoxFuture, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName};
+use idem_sqlite::{SqliteDeadLetters, SqliteStore, store_error};
+
+/// A temporary database file, removed (with its WAL and shared-memory
+/// files) when the last handle on it is dropped.
+struct TempDb {
+    path: PathBuf,
+}
+
+impl TempDb {
+    fn new() -> Self {
+        let name = format!("idem-sqlite-deadletters-{}.db", uuid::Uuid::new_v4().simple());
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+}
+
+impl Drop for TempDb {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+            let mut file = self.path.clone().into_os_string();
+            file.push(suffix);
+            // The file may never have been created, or may still be held open
+            // by a closing pool; both are harmless on a temporary file.
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+#[derive(Clone)]
+struct SqliteLetters {
+    letters: SqliteDeadLetters,
+    db: Arc<TempDb>,
+}
+
+impl SqliteLetters {
+    async fn new() -> Self {
+        let db = Arc::new(TempDb::new());
+        let store = SqliteStore::open(&db.path).await.expect("open the test database");
+        let letters = SqliteDeadLetters::new(store.pool().clone());
+        letters.migrate().await.expect("migrate the dead-letter table");
+        Self { letters, db }
+    }
+}
+
+impl DeadLetterSubject for SqliteLetters {
+    type Store = SqliteDeadLetters;
+
+    fn store(&self) -> SqliteDeadLetters {
+        self.letters.clone()
+    }
+
+    fn another(&self) -> BoxFuture<'_, SqliteDeadLetters> {
+        Box::pin(async move {
+            let store = SqliteStore::open(&self.db.path)
+                .await
+                .expect("open the test database again");
+            SqliteDeadLetters::with_table(store.pool().clone(), self.letters.table().clone())
+        })
+    }
+
+    fn isolated(&self) -> BoxFuture<'_, Self> {
+        Box::pin(SqliteLetters::new())
+    }
+
+    fn elapse(&self, ms: u64) -> BoxFuture<'_, ()> {
+        // The store reads SQLite's clock, which only real time moves.
+        Box::pin(tokio::time::sleep(Duration::from_millis(ms)))
+    }
+}
+
+deadletter_conformance!(sqlite_deadletters, SqliteLetters::new());
+
+fn letter(key: &str) -> NewDeadLetter {
+    NewDeadLetter {
+        scope: Scope::parse("tenant", "payout").unwrap(),
+        key: IdempotencyKey::new(key).unwrap(),
+        request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
+        attempts: 2,
+        last_error: "timeout".into(),
+    }
+}
+
+/// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.
+#[tokio::test]
+async fn record_in_commits_and_rolls_back_with_the_transaction() {
+    let s = SqliteLetters::new().await;
+    let pool = s.letters.pool().clone();
+    sqlx::query("CREATE TABLE payouts (name TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let mut tx = pool.begin().await.map_err(store_error).unwrap();
+    sqlx::query("INSERT INTO payouts (name) VALUES ('kept')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let kept = s.letters.record_in(&mut tx, &letter("kept")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO payouts (name) VALUES ('dropped')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let dropped = s.letters.record_in(&mut tx, &letter("dropped")).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM payouts")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(names, vec!["kept".to_owned()]);
+    let found = s
+        .letters
+        .get(kept)
+        .await
+        .unwrap()
+        .expect("committed with the transaction");
+    assert_eq!(found.key.as_str(), "kept");
+    assert!(s.letters.get(dropped).await.unwrap().is_none(), "rolled back");
+    assert!(
+        s.letters
+            .find(&letter("dropped").scope, &letter("dropped").key)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// Migrating twice is harmless, and the pending list names the table's DDL until it exists.
+#[tokio::test]
+async fn migrate_is_idempotent_and_listed_until_applied() {
+    let s = SqliteLetters::new().await;
+    let fresh = SqliteDeadLetters::with_table(
+        s.letters.pool().clone(),
+        TableName::new("idem_dead_letters_other").unwrap(),
+    );
+    let pending = fresh.pending_migrations().await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert!(pending[0].statements[0].contains("CREATE TABLE IF NOT EXISTS idem_dead_letters_other"));
+    fresh.migrate().await.unwrap();
+    fresh.migrate().await.unwrap();
+    assert!(fresh.pending_migrations().await.unwrap().is_empty());
+    let id = fresh.record(&letter("k")).await.unwrap();
+    fresh.migrate().await.unwrap();
+    assert!(fresh.get(id).await.unwrap().is_some(), "migrating again keeps the rows");
+}
