@@ -93,7 +93,7 @@ pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
     let key = "k".repeat(MAX_KEY_LEN - 36) + &uuid::Uuid::new_v4().to_string();
     assert_eq!(key.len(), MAX_KEY_LEN);
     let body: Vec<u8> = vec![0xFF, 0x00, 0xC3, 0x28, b'{', 0x80, 0xFE, b'\n', 0x00];
-    let long_error = format!("x{}", "é".repeat(MAX_DEAD_LETTER_TEXT));
+    let long_error = format!("NUL \0 then {}", "é".repeat(MAX_DEAD_LETTER_TEXT));
     let new = NewDeadLetter {
         scope: scope.clone(),
         key: IdempotencyKey::new(key.as_str()).unwrap(),

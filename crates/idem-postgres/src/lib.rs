@@ -96,11 +96,13 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
 mod clock;
+pub mod deadletter;
 mod error;
 mod migrate;
 pub mod outbox;
 mod sql;
 
+pub use deadletter::PgDeadLetters;
 pub use error::{is_contention, store_error};
 pub use outbox::PgOutbox;
 

@@ -1,0 +1,177 @@
+//! The dead-letter conformance suite against PostgreSQL, and recording
+//! inside the caller's transaction.
+//!
+//! The database comes from `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`); the tests fail, never skip, when
+//! it is unreachable.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
+use idem_conformance::{DeadLetterSubject, deadletter_conformance};
+use idem_core::{BoxFuture, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName};
+use idem_postgres::{PgDeadLetters, store_error};
+
+/// The dead-letter table most tests share; they use unique tenants, so they
+/// never see each other's letters.
+const SHARED_TABLE: &str = "idem_conformance_dead_letters";
+
+#[derive(Clone)]
+struct PgLetters {
+    letters: PgDeadLetters,
+    url: String,
+    isolation: Isolation,
+}
+
+impl PgLetters {
+    async fn connect(isolation: Isolation, table: &str) -> Self {
+        let url = database_url();
+        let pool = open_pool_at(&url, isolation).await;
+        let letters = PgDeadLetters::with_table(pool, TableName::new(table).unwrap());
+        // Every test of a module migrates the same table at once.
+        letters.migrate().await.expect("migrate the shared dead-letter table");
+        Self {
+            letters,
+            url,
+            isolation,
+        }
+    }
+}
+
+impl DeadLetterSubject for PgLetters {
+    type Store = PgDeadLetters;
+
+    fn store(&self) -> PgDeadLetters {
+        self.letters.clone()
+    }
+
+    fn another(&self) -> BoxFuture<'_, PgDeadLetters> {
+        Box::pin(async move {
+            let pool = open_pool_at(&self.url, self.isolation).await;
+            PgDeadLetters::with_table(pool, self.letters.table().clone())
+        })
+    }
+
+    fn isolated(&self) -> BoxFuture<'_, Self> {
+        Box::pin(async move {
+            let table = isolated_table(self.letters.pool()).await;
+            let letters = PgDeadLetters::with_table(self.letters.pool().clone(), table);
+            letters.migrate().await.expect("migrate an isolated dead-letter table");
+            Self {
+                letters,
+                url: self.url.clone(),
+                isolation: self.isolation,
+            }
+        })
+    }
+
+    fn elapse(&self, ms: u64) -> BoxFuture<'_, ()> {
+        // The store reads PostgreSQL's clock, which only real time moves.
+        Box::pin(tokio::time::sleep(Duration::from_millis(ms)))
+    }
+}
+
+deadletter_conformance!(
+    postgres_deadletters,
+    PgLetters::connect(Isolation::ReadCommitted, SHARED_TABLE)
+);
+// Redrives taken concurrently answer `None`, not a serialisation failure,
+// on connections whose default level is SERIALIZABLE.
+deadletter_conformance!(
+    postgres_deadletters_serializable,
+    PgLetters::connect(Isolation::Serializable, SHARED_TABLE)
+);
+
+fn letter(tenant: &str, key: &str) -> NewDeadLetter {
+    NewDeadLetter {
+        scope: Scope::parse(tenant, "payout").unwrap(),
+        key: IdempotencyKey::new(key).unwrap(),
+        request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
+        attempts: 2,
+        last_error: "timeout".into(),
+    }
+}
+
+/// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.
+#[tokio::test]
+async fn record_in_commits_and_rolls_back_with_the_transaction() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let letters = PgDeadLetters::with_table(pool.clone(), table.clone());
+    letters.migrate().await.unwrap();
+    let payouts = format!("{table}_payouts");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {payouts} (name TEXT NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let tenant = format!("tenant-{}", uuid::Uuid::new_v4());
+
+    let mut tx = pool.begin().await.map_err(store_error).unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {payouts} (name) VALUES ('kept')"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let kept = letters.record_in(&mut tx, &letter(&tenant, "kept")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {payouts} (name) VALUES ('dropped')"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let dropped = letters.record_in(&mut tx, &letter(&tenant, "dropped")).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    let names: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT name FROM {payouts}")))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {payouts}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(names, vec!["kept".to_owned()]);
+    let found = letters
+        .get(kept)
+        .await
+        .unwrap()
+        .expect("committed with the transaction");
+    assert_eq!(found.key.as_str(), "kept");
+    assert!(letters.get(dropped).await.unwrap().is_none(), "rolled back");
+    let gone = letter(&tenant, "dropped");
+    assert!(letters.find(&gone.scope, &gone.key).await.unwrap().is_none());
+}
+
+/// Migrating twice, and from several pools at once, is harmless; the pending list names the DDL until the table exists.
+#[tokio::test]
+async fn migrate_is_idempotent_and_listed_until_applied() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let letters = PgDeadLetters::with_table(pool.clone(), table.clone());
+    let pending = letters.pending_migrations().await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert!(pending[0].statements[0].contains(&format!("CREATE TABLE IF NOT EXISTS {table}")));
+    let mut racers = Vec::new();
+    for _ in 0..4 {
+        let letters = PgDeadLetters::with_table(open_pool(&database_url()).await, table.clone());
+        racers.push(tokio::spawn(async move { letters.migrate().await }));
+    }
+    for racer in racers {
+        racer.await.unwrap().expect("concurrent migrations all succeed");
+    }
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let id = letters.record(&letter("t", "k")).await.unwrap();
+    letters.migrate().await.unwrap();
+    assert!(
+        letters.get(id).await.unwrap().is_some(),
+        "migrating again keeps the rows"
+    );
+}
