@@ -1,0 +1,598 @@
+//! The retrying client.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use bytes::{Bytes, BytesMut};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::time::Instant;
+
+use crate::error::LastFailure;
+use crate::response::{Decision, decide};
+use crate::{Error, Key, MemoryPending, Operation, PendingStore, Response, Result};
+
+/// The request header that carries the key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Why an attempt got no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransportError {
+    /// What failed.
+    pub kind: TransportKind,
+    /// The underlying error, in words.
+    pub message: String,
+}
+
+/// The kinds of [`TransportError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// No connection (refused, unreachable, DNS): the request was not sent.
+    Connect,
+    /// The attempt's timeout passed: the request may have arrived.
+    Timeout,
+    /// The connection failed while sending or before the answer's head
+    /// arrived (reset, closed): the request may have arrived.
+    Request,
+    /// The answer's body was cut off, or is over the response limit while
+    /// its status asks for a retry.
+    Body,
+}
+
+impl fmt::Display for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            TransportKind::Connect => "connect",
+            TransportKind::Timeout => "timeout",
+            TransportKind::Request => "request",
+            TransportKind::Body => "body",
+        };
+        write!(f, "{kind}: {}", self.message)
+    }
+}
+
+impl std::error::Error for TransportError {}
+
+/// One attempt's report to the observer ([`ClientBuilder::on_attempt`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct AttemptEvent<'a> {
+    /// The operation's key.
+    pub key: &'a Key,
+    /// 1 for the first request of this send or resume.
+    pub attempt: u32,
+    /// What it got.
+    pub outcome: AttemptOutcome<'a>,
+    /// What the client does next.
+    pub next: Next,
+}
+
+/// What an attempt got.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AttemptOutcome<'a> {
+    /// An answer (final or to be retried).
+    Answered(&'a Response),
+    /// No answer.
+    Failed(&'a TransportError),
+}
+
+/// What the client does after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Next {
+    /// The answer is final.
+    Done,
+    /// It sends again with the same key after this wait (the server's
+    /// `Retry-After` when it gave one, else the jittered backoff).
+    RetryIn(Duration),
+    /// The deadline or the attempt limit is reached; the operation stays
+    /// pending.
+    GiveUp,
+}
+
+type Observer = Arc<dyn Fn(&AttemptEvent<'_>) + Send + Sync>;
+
+/// Configures a [`Client`].
+#[must_use]
+pub struct ClientBuilder {
+    http: Option<reqwest::Client>,
+    store: Option<Arc<dyn PendingStore>>,
+    default_headers: HeaderMap,
+    error: Option<Error>,
+    attempt_timeout: Duration,
+    deadline: Duration,
+    min_delay: Duration,
+    max_delay: Duration,
+    max_attempts: Option<u32>,
+    max_retry_after: Duration,
+    max_response_bytes: usize,
+    jitter_seed: Option<u64>,
+    observer: Option<Observer>,
+}
+
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientBuilder")
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("deadline", &self.deadline)
+            .field("min_delay", &self.min_delay)
+            .field("max_delay", &self.max_delay)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_retry_after", &self.max_retry_after)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for ClientBuilder {
+    fn default() -> Self {
+        Self {
+            http: None,
+            store: None,
+            default_headers: HeaderMap::new(),
+            error: None,
+            attempt_timeout: Duration::from_secs(30),
+            deadline: Duration::from_secs(120),
+            min_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(10),
+            max_attempts: None,
+            max_retry_after: Duration::from_secs(60),
+            max_response_bytes: 16 * 1024 * 1024,
+            jitter_seed: None,
+            observer: None,
+        }
+    }
+}
+
+impl ClientBuilder {
+    /// Sends through this reqwest client (e.g. one built with a TLS
+    /// feature, a proxy or a pool of your choice). Redirects should be off:
+    /// the client treats a 3xx as a final answer. Default: plain HTTP,
+    /// redirects off, a 10 s connect timeout.
+    pub fn http(mut self, http: reqwest::Client) -> Self {
+        self.http = Some(http);
+        self
+    }
+
+    /// Keeps pending operations in `store` (default: a [`MemoryPending`]).
+    pub fn store(mut self, store: impl PendingStore) -> Self {
+        self.store = Some(Arc::new(store));
+        self
+    }
+
+    /// Keeps pending operations in a store shared with other owners.
+    pub fn shared_store(mut self, store: Arc<dyn PendingStore>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Sends this header with every attempt of every operation, resumed
+    /// ones included, unless the operation sets the same header. Default
+    /// headers are never stored: put credentials here. A header named
+    /// `Authorization` or `Proxy-Authorization` is marked sensitive.
+    pub fn default_header(mut self, name: &str, value: &str) -> Self {
+        match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+            (Ok(name), Ok(mut value)) => {
+                if name == reqwest::header::AUTHORIZATION || name == reqwest::header::PROXY_AUTHORIZATION {
+                    value.set_sensitive(true);
+                }
+                if name.as_str() == IDEMPOTENCY_KEY {
+                    self.error.get_or_insert(Error::InvalidOperation(
+                        "the Idempotency-Key header is written by the client; do not set it".into(),
+                    ));
+                } else {
+                    self.default_headers.append(name, value);
+                }
+            }
+            (Err(e), _) => {
+                self.error
+                    .get_or_insert(Error::InvalidOperation(format!("header name {name:?}: {e}")));
+            }
+            (_, Err(e)) => {
+                self.error
+                    .get_or_insert(Error::InvalidOperation(format!("value of header {name:?}: {e}")));
+            }
+        }
+        self
+    }
+
+    /// `Authorization: Bearer <token>` as a default header.
+    pub fn bearer(self, token: &str) -> Self {
+        self.default_header("authorization", &format!("Bearer {token}"))
+    }
+
+    /// How long one attempt may take, connection to the end of the body
+    /// (default 30 s; never past the deadline).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// How long one send (or the resend of one operation in
+    /// [`Client::resume`]) may keep trying: no attempt starts after it
+    /// (default 120 s).
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// The backoff between attempts when the server gave no `Retry-After`:
+    /// exponential from `min` to `max`, doubling, each wait plus a random
+    /// jitter of up to itself (defaults 200 ms and 10 s).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.min_delay = min;
+        self.max_delay = max.max(min);
+        self
+    }
+
+    /// Seeds the jitter, so one seed gives one schedule per key (default:
+    /// random).
+    pub fn jitter_seed(mut self, seed: u64) -> Self {
+        self.jitter_seed = Some(seed);
+        self
+    }
+
+    /// Gives up after this many attempts, even before the deadline (default:
+    /// only the deadline bounds them).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = Some(attempts.max(1));
+        self
+    }
+
+    /// The longest `Retry-After` honoured as given; longer ones are cut to
+    /// it (default 60 s).
+    pub fn max_retry_after(mut self, max: Duration) -> Self {
+        self.max_retry_after = max;
+        self
+    }
+
+    /// The largest response body read (default 16 MiB).
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.max_response_bytes = max;
+        self
+    }
+
+    /// Calls `observer` after every attempt, with what it got and what the
+    /// client does next: for metrics, logs, or a harness that counts
+    /// retries and replays.
+    pub fn on_attempt(mut self, observer: impl Fn(&AttemptEvent<'_>) + Send + Sync + 'static) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Builds the client.
+    pub fn build(self) -> Result<Client> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let http = match self.http {
+            Some(http) => http,
+            None => reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .connect_timeout(Duration::from_secs(10))
+                .build()
+                .map_err(|e| Error::Http(e.to_string()))?,
+        };
+        let backoff = ExponentialBuilder::new()
+            .with_min_delay(self.min_delay)
+            .with_max_delay(self.max_delay)
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times();
+        Ok(Client {
+            inner: Arc::new(Inner {
+                http,
+                store: self.store.unwrap_or_else(|| Arc::new(MemoryPending::new())),
+                default_headers: self.default_headers,
+                attempt_timeout: self.attempt_timeout,
+                deadline: self.deadline,
+                backoff,
+                max_delay: self.max_delay,
+                max_attempts: self.max_attempts,
+                max_retry_after: self.max_retry_after,
+                max_response_bytes: self.max_response_bytes,
+                jitter_seed: self.jitter_seed,
+                observer: self.observer,
+            }),
+        })
+    }
+}
+
+/// A client for idem-protected HTTP APIs: sends each [`Operation`] until
+/// it gets a final answer, always with the operation's key, and keeps it in
+/// a [`PendingStore`] until then. Cheap to clone.
+///
+/// - **Retried** with the same key: connection failures, timeouts, resets,
+///   bodies cut off, 5xx, 408, 429 and the 409 whose problem type is
+///   `…/idempotency-key-in-flight` — after the server's `Retry-After` when
+///   it gives one, else on an exponential backoff with jitter; never past
+///   the deadline.
+/// - **Final**: every other answer. 2xx and 3xx are `Ok`; other 4xx are
+///   [`Error::Rejected`], with the problem document parsed.
+/// - **Pending**: saved before the first byte is sent, removed on a final
+///   answer, kept when the client gives up ([`Error::GaveUp`]: the outcome
+///   is unknown) so a later send or [`resume`](Self::resume) carries the
+///   same key and the server applies the operation at most once.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    http: reqwest::Client,
+    store: Arc<dyn PendingStore>,
+    default_headers: HeaderMap,
+    attempt_timeout: Duration,
+    deadline: Duration,
+    backoff: ExponentialBuilder,
+    max_delay: Duration,
+    max_attempts: Option<u32>,
+    max_retry_after: Duration,
+    max_response_bytes: usize,
+    jitter_seed: Option<u64>,
+    observer: Option<Observer>,
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client")
+            .field("deadline", &self.inner.deadline)
+            .field("attempt_timeout", &self.inner.attempt_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One operation [`Client::resume`] sent again, and how it ended.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Resumed {
+    /// The operation, with its original key.
+    pub operation: Operation,
+    /// Its answer, as [`Client::send`] would give it.
+    pub result: Result<Response>,
+}
+
+/// What one attempt got.
+enum Got {
+    Answer(Response),
+    TooLarge(reqwest::StatusCode, HeaderMap),
+    Failed(TransportError),
+}
+
+impl Client {
+    /// A builder with the defaults.
+    pub fn builder() -> ClientBuilder {
+        ClientBuilder::default()
+    }
+
+    /// The pending store.
+    pub fn store(&self) -> &dyn PendingStore {
+        self.inner.store.as_ref()
+    }
+
+    /// Saves `op` in the pending store, then sends it until a final answer,
+    /// the deadline or the attempt limit (see [`Client`]). Nothing is sent
+    /// if the save fails. Sending an operation that is still pending (after
+    /// [`Error::GaveUp`]) sends it again with its key.
+    pub async fn send(&self, op: &Operation) -> Result<Response> {
+        self.inner.store.save(op).await?;
+        self.drive(op).await
+    }
+
+    /// Sends every pending operation again, oldest first, each with its
+    /// original key, and removes each one that gets a final answer. An
+    /// operation that was applied before the restart gets its recorded
+    /// answer replayed ([`Response::replayed`]).
+    pub async fn resume(&self) -> Result<Vec<Resumed>> {
+        let ops = self.inner.store.list().await?;
+        let mut out = Vec::with_capacity(ops.len());
+        for operation in ops {
+            tracing::debug!(key = %operation.key(), url = %operation.url(), "resuming a pending operation");
+            let result = self.drive(&operation).await;
+            out.push(Resumed { operation, result });
+        }
+        Ok(out)
+    }
+
+    /// Sends a saved operation until a final answer; removes it then.
+    async fn drive(&self, op: &Operation) -> Result<Response> {
+        let result = self.attempts(op).await;
+        let is_final = match &result {
+            Ok(_) => true,
+            Err(e) => matches!(e, Error::Rejected(_) | Error::ResponseTooLarge { .. } | Error::Http(_)),
+        };
+        if is_final && let Err(e) = self.inner.store.remove(op.key()).await {
+            // The answer is final and the caller gets it; the copy left in
+            // the store is sent again on resume and answered by a replay.
+            tracing::warn!(key = %op.key(), error = %e, "could not remove a finished operation from the pending store");
+        }
+        result
+    }
+
+    async fn attempts(&self, op: &Operation) -> Result<Response> {
+        let inner = &self.inner;
+        let deadline = Instant::now() + inner.deadline;
+        let mut builder = inner.backoff;
+        if let Some(seed) = inner.jitter_seed {
+            builder = builder.with_jitter_seed(seed ^ fnv1a(op.key().as_str().as_bytes()));
+        }
+        let mut backoff = builder.build();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let got = self.attempt(op, attempt, inner.attempt_timeout.min(remaining)).await?;
+            let (after, last) = match got {
+                Got::Answer(response) => match decide(response.status(), response.headers(), response.problem()) {
+                    Decision::Retry { after } => (after, LastFailure::Response(Box::new(response))),
+                    Decision::Final => {
+                        self.observe(op, attempt, AttemptOutcome::Answered(&response), Next::Done);
+                        return if response.status().is_client_error() || response.status().is_server_error() {
+                            Err(Error::Rejected(Box::new(response)))
+                        } else {
+                            Ok(response)
+                        };
+                    }
+                },
+                Got::TooLarge(status, headers) => match decide(status, &headers, None) {
+                    Decision::Retry { after } => (
+                        after,
+                        LastFailure::Transport(TransportError {
+                            kind: TransportKind::Body,
+                            message: format!(
+                                "the {status} answer's body is over the limit of {} bytes",
+                                inner.max_response_bytes
+                            ),
+                        }),
+                    ),
+                    Decision::Final => {
+                        let e = TransportError {
+                            kind: TransportKind::Body,
+                            message: format!(
+                                "the final {status} answer's body is over the limit of {} bytes",
+                                inner.max_response_bytes
+                            ),
+                        };
+                        self.observe(op, attempt, AttemptOutcome::Failed(&e), Next::Done);
+                        return Err(Error::ResponseTooLarge {
+                            key: op.key().clone(),
+                            status: status.as_u16(),
+                            max_bytes: inner.max_response_bytes,
+                        });
+                    }
+                },
+                Got::Failed(e) => (None, LastFailure::Transport(e)),
+            };
+            let wait = match after {
+                Some(after) => after.min(inner.max_retry_after),
+                None => backoff.next().unwrap_or(inner.max_delay),
+            };
+            let out_of_attempts = inner.max_attempts.is_some_and(|max| attempt >= max);
+            let next = if out_of_attempts || Instant::now() + wait >= deadline {
+                Next::GiveUp
+            } else {
+                Next::RetryIn(wait)
+            };
+            let outcome = match &last {
+                LastFailure::Response(r) => AttemptOutcome::Answered(r),
+                LastFailure::Transport(e) => AttemptOutcome::Failed(e),
+            };
+            self.observe(op, attempt, outcome, next);
+            if next == Next::GiveUp {
+                tracing::warn!(key = %op.key(), attempts = attempt, last = %last, "no final answer; the operation stays pending");
+                return Err(Error::GaveUp {
+                    key: op.key().clone(),
+                    attempts: attempt,
+                    last,
+                });
+            }
+            tracing::debug!(key = %op.key(), attempt, last = %last, wait_ms = wait.as_millis() as u64, "retrying with the same key");
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    fn observe(&self, op: &Operation, attempt: u32, outcome: AttemptOutcome<'_>, next: Next) {
+        if let Some(observer) = &self.inner.observer {
+            observer(&AttemptEvent {
+                key: op.key(),
+                attempt,
+                outcome,
+                next,
+            });
+        }
+    }
+
+    /// One request. `Err` only for a request the HTTP client refuses to
+    /// build; every network failure is a `Got::Failed`.
+    async fn attempt(&self, op: &Operation, attempt: u32, timeout: Duration) -> Result<Got> {
+        let inner = &self.inner;
+        let mut headers = inner.default_headers.clone();
+        for name in op.headers().keys() {
+            headers.remove(name);
+        }
+        for (name, value) in op.headers() {
+            headers.append(name.clone(), value.clone());
+        }
+        headers.insert(HeaderName::from_static(IDEMPOTENCY_KEY), op.key().header_value());
+        let request = inner
+            .http
+            .request(op.method().clone(), op.url().clone())
+            .headers(headers)
+            .body(op.body().clone())
+            .timeout(timeout);
+        let exchange = async {
+            let mut res = match request.send().await {
+                Ok(res) => res,
+                Err(e) if e.is_builder() => return Err(Error::Http(e.to_string())),
+                Err(e) => return Ok(Got::Failed(transport(&e, TransportKind::Request))),
+            };
+            let status = res.status();
+            let headers = std::mem::take(res.headers_mut());
+            let max = inner.max_response_bytes;
+            if res.content_length().is_some_and(|n| n > max as u64) {
+                return Ok(Got::TooLarge(status, headers));
+            }
+            let mut body = BytesMut::new();
+            loop {
+                match res.chunk().await {
+                    Ok(Some(chunk)) => {
+                        if body.len() + chunk.len() > max {
+                            return Ok(Got::TooLarge(status, headers));
+                        }
+                        body.extend_from_slice(&chunk);
+                    }
+                    Ok(None) => break,
+                    Err(e) => return Ok(Got::Failed(transport(&e, TransportKind::Body))),
+                }
+            }
+            let body: Bytes = body.freeze();
+            Ok(Got::Answer(Response::new(
+                status,
+                headers,
+                body,
+                op.key().clone(),
+                attempt,
+            )))
+        };
+        // reqwest's timeout covers the body too; this one also bounds a
+        // client passed in without it.
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(got) => got,
+            Err(_) => Ok(Got::Failed(TransportError {
+                kind: TransportKind::Timeout,
+                message: format!("no complete answer within {} ms", timeout.as_millis()),
+            })),
+        }
+    }
+}
+
+/// Classifies a reqwest error; `stage` is what was going on.
+fn transport(e: &reqwest::Error, stage: TransportKind) -> TransportError {
+    let kind = if e.is_timeout() {
+        TransportKind::Timeout
+    } else if e.is_connect() {
+        TransportKind::Connect
+    } else {
+        stage
+    };
+    // The chain names the cause ("connection refused", "connection reset").
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    TransportError { kind, message }
+}
+
+/// FNV-1a, to mix a key into the jitter seed.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
