@@ -56,6 +56,7 @@
 //! ```
 
 mod clock;
+pub mod deadletter;
 mod error;
 mod migrate;
 pub mod outbox;
@@ -71,6 +72,7 @@ use idem_core::{
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
 
+pub use crate::deadletter::MySqlDeadLetters;
 use crate::error::{ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT, error_number};
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::MySqlOutbox;
