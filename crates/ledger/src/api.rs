@@ -74,6 +74,9 @@ pub struct Principal {
     pub tenant: Tenant,
 }
 
+/// The shortest time a payout's idempotency key is kept (7 days).
+pub const PAYOUT_KEY_TTL_SECS: u64 = 7 * 24 * 3600;
+
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
@@ -84,12 +87,19 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
     let idempotency = IdempotencyLayer::transactional(engine, tenant_of)
         .default_route(RoutePolicy::required().with_policy(policy))
         .route("POST /v1/accounts", RoutePolicy::optional().with_policy(policy))
+        // Money leaving: keys kept for at least 7 days.
+        .route(
+            "POST /v1/payouts",
+            RoutePolicy::required().with_policy(policy.with_ttl_secs(options.key_ttl_secs.max(PAYOUT_KEY_TTL_SECS))),
+        )
         .max_request_bytes(MAX_BODY_BYTES);
     let api = Router::new()
         .route("/v1/accounts", post(create_account::<D>))
         .route("/v1/accounts/{id}", get(get_account::<D>))
         .route("/v1/top-ups", post(top_up::<D>))
         .route("/v1/transfers", post(transfer::<D>))
+        .route("/v1/payouts", post(request_payout::<D>))
+        .route("/v1/payouts/{id}", get(get_payout::<D>))
         .route("/v1/accounts/{id}/statement", get(statement::<D>))
         .route("/v1/audit", get(audit::<D>))
         .route_layer(idempotency)
@@ -557,6 +567,90 @@ async fn transfer<D: LedgerDb>(
             amount,
         }),
     ))
+}
+
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewPayout {
+    /// The account debited.
+    #[schema(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
+    account_id: String,
+    /// Minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64)]
+    #[serde(deserialize_with = "whole_number")]
+    amount: i64,
+}
+
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct PayoutRequested {
+    /// The payout id: the key the vendor sees.
+    id: String,
+    account_id: String,
+    amount: i64,
+    /// The account's balance right after the debit.
+    balance: i64,
+    /// `requested`: the payout worker pays it at the vendor.
+    status: crate::db::PayoutState,
+}
+
+/// Debits the account now and leaves the vendor call to the payout worker:
+/// the payout row and its `payout.requested` event commit with the debit.
+async fn request_payout<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    mut tx: Tx<D>,
+    JsonBody(req): JsonBody<NewPayout>,
+) -> Result<(StatusCode, Json<PayoutRequested>), ApiError> {
+    account_id("account_id", &req.account_id)?;
+    let amount = amount(req.amount)?;
+    let id = uuid::Uuid::now_v7().to_string();
+    let now_ms = st.clock.now_ms();
+    let balance = D::request_payout(&mut tx, who.tenant.as_str(), &id, &req.account_id, amount, now_ms).await?;
+    let event = Envelope::new(
+        "payout.requested",
+        who.tenant.as_str(),
+        now_ms,
+        serde_json::json!({ "payout_id": id, "account_id": req.account_id, "amount": amount }),
+    );
+    D::enqueue(
+        &st.outbox,
+        &mut tx,
+        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
+    )
+    .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(PayoutRequested {
+            id,
+            account_id: req.account_id,
+            amount,
+            balance,
+            status: crate::db::PayoutState::Requested,
+        }),
+    ))
+}
+
+async fn get_payout<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<crate::db::Payout>, Response> {
+    let missing = || {
+        problem(
+            StatusCode::NOT_FOUND,
+            "payout-not-found",
+            "Payout not found",
+            format!("no payout {id}"),
+        )
+    };
+    if account_id("id", &id).is_err() {
+        return Err(missing());
+    }
+    match st.db.payout(who.tenant.as_str(), &id).await {
+        Ok(Some(payout)) => Ok(Json(payout)),
+        Ok(None) => Err(missing()),
+        Err(e) => Err(ApiError::Db(e).into_response()),
+    }
 }
 
 async fn statement<D: LedgerDb>(

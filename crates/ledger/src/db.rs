@@ -17,6 +17,10 @@ pub const WEBHOOK_INBOX_TABLE: &str = "ledger_webhook_inbox";
 pub const PROJECTION_INBOX_TABLE: &str = "ledger_projection_inbox";
 /// The run ids of scheduled jobs.
 pub const JOB_RUNS_TABLE: &str = "ledger_job_runs";
+/// The leases of payouts being paid at the vendor.
+pub const PAYOUT_LEASES_TABLE: &str = "ledger_payout_leases";
+/// The dead letters of vendor calls.
+pub const DEAD_LETTERS_TABLE: &str = "ledger_dead_letters";
 
 /// One account's change in the statement projection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +83,9 @@ pub enum DbError {
     /// The database failed.
     #[error("database error: {0}")]
     Sql(#[from] sqlx::Error),
+    /// A stored value the ledger cannot read.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
     /// The idempotency store failed.
     #[error("{0}")]
     Idem(#[from] idem_core::Error),
@@ -128,6 +135,92 @@ pub struct Audit {
     pub balance_mismatches: i64,
     /// How many journal rows the tenant has.
     pub journal_rows: i64,
+}
+
+/// Where a payout stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PayoutState {
+    /// Debited; the vendor has not confirmed it yet.
+    Requested,
+    /// The vendor paid it.
+    Paid,
+    /// The vendor call used up its retries or was refused; kept as a dead
+    /// letter until it is redriven. The debit stands.
+    DeadLettered,
+}
+
+impl PayoutState {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Requested => "requested",
+            Self::Paid => "paid",
+            Self::DeadLettered => "dead_lettered",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, DbError> {
+        match s {
+            "requested" => Ok(Self::Requested),
+            "paid" => Ok(Self::Paid),
+            "dead_lettered" => Ok(Self::DeadLettered),
+            other => Err(DbError::Corrupt(format!("unknown payout state {other:?}"))),
+        }
+    }
+}
+
+/// A payout as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Payout {
+    /// Its id (a UUIDv7), also the idempotency key the vendor sees.
+    pub id: String,
+    /// The account debited.
+    pub account_id: String,
+    /// Minor units.
+    pub amount: i64,
+    /// Where it stands.
+    pub status: PayoutState,
+    /// The vendor's id of the payment, once paid.
+    pub vendor_payout_id: Option<String>,
+    /// Vendor calls tried.
+    pub attempts: i64,
+    /// Why the last vendor call failed.
+    pub last_error: Option<String>,
+    /// When it was requested (ms since the epoch).
+    pub created_at_ms: i64,
+    /// When it last changed.
+    pub updated_at_ms: i64,
+}
+
+/// A payout for the worker: whose, which, how much.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutTask {
+    /// The tenant.
+    pub tenant: String,
+    /// The payout id.
+    pub id: String,
+    /// The account debited.
+    pub account_id: String,
+    /// Minor units.
+    pub amount: i64,
+}
+
+/// A payout's move from one state to another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutChange<'a> {
+    /// The state it must be in (otherwise nothing changes).
+    pub from: PayoutState,
+    /// The state it moves to.
+    pub to: PayoutState,
+    /// The vendor's id, when paid.
+    pub vendor_payout_id: Option<&'a str>,
+    /// Vendor calls to add.
+    pub attempts: i64,
+    /// The last error (replaces the stored one; `None` clears it).
+    pub last_error: Option<&'a str>,
+    /// Now, ms since the epoch.
+    pub now_ms: i64,
 }
 
 /// SQL dialects, for the few places where they differ.
@@ -218,6 +311,12 @@ impl Dialect {
             // The balance snapshots job: one row per account per run.
             "CREATE TABLE IF NOT EXISTS ledger_balance_snapshots (run_id VARCHAR(100) NOT NULL, tenant VARCHAR(80) NOT NULL, \
              account_id VARCHAR(80) NOT NULL, balance BIGINT NOT NULL, taken_at_ms BIGINT NOT NULL)",
+            // Payouts: debited at once (a `payout` journal row), then paid at
+            // the vendor by the payout worker with the payout id as its key.
+            "CREATE TABLE IF NOT EXISTS ledger_payouts (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
+             account_id VARCHAR(80) NOT NULL, amount BIGINT NOT NULL, state VARCHAR(20) NOT NULL, \
+             vendor_payout_id VARCHAR(200) NULL, attempts BIGINT NOT NULL, last_error TEXT NULL, \
+             created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id))",
         ]
         .into_iter()
         .map(String::from)
@@ -226,6 +325,7 @@ impl Dialect {
             "ledger_entries_account ON ledger_entries (tenant, account_id)",
             "ledger_projection_log_event ON ledger_projection_log (event_id)",
             "ledger_balance_snapshots_run ON ledger_balance_snapshots (run_id)",
+            "ledger_payouts_state ON ledger_payouts (state, created_at_ms)",
         ] {
             ddl.push(match self {
                 Dialect::MySql => format!("CREATE INDEX {index}"),
@@ -257,6 +357,10 @@ pub struct Queries {
     insert_projection_log: SqlStr,
     select_statement: SqlStr,
     snapshot_balances: SqlStr,
+    insert_payout: SqlStr,
+    select_payout: SqlStr,
+    payouts_in: SqlStr,
+    change_payout: SqlStr,
 }
 
 impl Queries {
@@ -311,6 +415,21 @@ impl Queries {
             snapshot_balances: p(
                 "INSERT INTO ledger_balance_snapshots (run_id, tenant, account_id, balance, taken_at_ms) \
                  SELECT ?, tenant, id, balance, ? FROM ledger_accounts",
+            ),
+            insert_payout: p(
+                "INSERT INTO ledger_payouts (tenant, id, account_id, amount, state, attempts, created_at_ms, updated_at_ms) \
+                 VALUES (?, ?, ?, ?, 'requested', 0, ?, ?)",
+            ),
+            select_payout: p(
+                "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms \
+                 FROM ledger_payouts WHERE tenant = ? AND id = ?",
+            ),
+            payouts_in: p(
+                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
+            ),
+            change_payout: p(
+                "UPDATE ledger_payouts SET state = ?, vendor_payout_id = COALESCE(?, vendor_payout_id), \
+                 attempts = attempts + ?, last_error = ?, updated_at_ms = ? WHERE tenant = ? AND id = ? AND state = ?",
             ),
         }
     }
@@ -389,6 +508,28 @@ pub trait LedgerDb: TxBackend + Clone {
     /// Writes one balance snapshot row per account under `run_id`; answers how many.
     fn snapshot_balances<'c>(tx: &'c mut Self::Tx, run_id: &'c str, now_ms: i64)
     -> BoxFuture<'c, Result<u64, DbError>>;
+    /// Debits `amount` from an account to `@world` (kind `payout`) and
+    /// records the payout as requested; answers the new balance.
+    fn request_payout<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        id: &'c str,
+        account_id: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// A payout of `tenant`.
+    fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>>;
+    /// Up to `limit` payouts in `state`, oldest first, of every tenant.
+    fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>>;
+    /// Moves a payout from `change.from` to `change.to`; false (nothing
+    /// written) when it was not in `change.from`.
+    fn change_payout<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        id: &'c str,
+        change: &'c PayoutChange<'c>,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
 }
 
 macro_rules! ledger_db {
@@ -420,7 +561,12 @@ macro_rules! ledger_db {
                         sqlx::query(unlock).execute(&mut *conn).await?;
                     }
                     result?;
-                    for table in [WEBHOOK_INBOX_TABLE, PROJECTION_INBOX_TABLE, JOB_RUNS_TABLE] {
+                    for table in [
+                        WEBHOOK_INBOX_TABLE,
+                        PROJECTION_INBOX_TABLE,
+                        JOB_RUNS_TABLE,
+                        PAYOUT_LEASES_TABLE,
+                    ] {
                         self.keyed(TableName::new(table)?).migrate().await?;
                     }
                     self.outbox().migrate().await?;
@@ -516,6 +662,136 @@ macro_rules! ledger_db {
                         .execute(&mut **tx)
                         .await?;
                     Ok(done.rows_affected())
+                })
+            }
+
+            fn request_payout<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                id: &'c str,
+                account_id: &'c str,
+                amount: i64,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<i64, DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    debit(&mut **tx, q, tenant, account_id, amount).await?;
+                    journal(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        id,
+                        "payout",
+                        amount,
+                        Some(account_id),
+                        None,
+                        now_ms,
+                    )
+                    .await?;
+                    entries(&mut **tx, q, tenant, id, (account_id, -amount), (WORLD, amount)).await?;
+                    sqlx::query(q.insert_payout.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .bind(account_id)
+                        .bind(amount)
+                        .bind(now_ms)
+                        .bind(now_ms)
+                        .execute(&mut **tx)
+                        .await?;
+                    let (balance,): (i64,) = sqlx::query_as(q.balance.clone())
+                        .bind(tenant)
+                        .bind(account_id)
+                        .fetch_one(&mut **tx)
+                        .await?;
+                    Ok(balance)
+                })
+            }
+
+            fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
+                Box::pin(async move {
+                    type Row = (
+                        String,
+                        String,
+                        i64,
+                        String,
+                        Option<String>,
+                        i64,
+                        Option<String>,
+                        i64,
+                        i64,
+                    );
+                    let row: Option<Row> = sqlx::query_as(queries().select_payout.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .fetch_optional(self.pool())
+                        .await?;
+                    row.map(
+                        |(
+                            id,
+                            account_id,
+                            amount,
+                            state,
+                            vendor_payout_id,
+                            attempts,
+                            last_error,
+                            created_at_ms,
+                            updated_at_ms,
+                        )| {
+                            Ok(Payout {
+                                id,
+                                account_id,
+                                amount,
+                                status: PayoutState::parse(&state)?,
+                                vendor_payout_id,
+                                attempts,
+                                last_error,
+                                created_at_ms,
+                                updated_at_ms,
+                            })
+                        },
+                    )
+                    .transpose()
+                })
+            }
+
+            fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
+                Box::pin(async move {
+                    let rows: Vec<(String, String, String, i64)> = sqlx::query_as(queries().payouts_in.clone())
+                        .bind(state.as_str())
+                        .bind(i64::from(limit))
+                        .fetch_all(self.pool())
+                        .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(tenant, id, account_id, amount)| PayoutTask {
+                            tenant,
+                            id,
+                            account_id,
+                            amount,
+                        })
+                        .collect())
+                })
+            }
+
+            fn change_payout<'c>(
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tenant: &'c str,
+                id: &'c str,
+                change: &'c PayoutChange<'c>,
+            ) -> BoxFuture<'c, Result<bool, DbError>> {
+                Box::pin(async move {
+                    let done = sqlx::query(queries().change_payout.clone())
+                        .bind(change.to.as_str())
+                        .bind(change.vendor_payout_id)
+                        .bind(change.attempts)
+                        .bind(change.last_error)
+                        .bind(change.now_ms)
+                        .bind(tenant)
+                        .bind(id)
+                        .bind(change.from.as_str())
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(done.rows_affected() == 1)
                 })
             }
 

@@ -25,6 +25,9 @@
 //! | `top_up.created` | `{"journal_id", "account_id", "amount"}` |
 //! | `transfer.created` | `{"journal_id", "from", "to", "amount"}` |
 //! | `webhook_top_up.created` | `{"journal_id", "event_id", "account_id", "amount"}` (`event_id`: the provider's) |
+//! | `payout.requested` | `{"payout_id", "account_id", "amount"}` (debited now) |
+//! | `payout.paid` | `{"payout_id", "account_id", "amount", "vendor_payout_id"}` |
+//! | `payout.dead_lettered` | `{"payout_id", "account_id", "amount", "error"}` (the debit stands until a redrive pays it) |
 //!
 //! A consumer must refuse a `version` it does not know (the projection keeps
 //! such an event as a dead letter). A new field is added without a new
@@ -137,6 +140,12 @@ struct CreditData {
 }
 
 #[derive(Debug, Deserialize)]
+struct PayoutData {
+    #[allow(dead_code)]
+    payout_id: String,
+}
+
+#[derive(Debug, Deserialize)]
 struct TransferData {
     from: String,
     to: String,
@@ -200,6 +209,16 @@ impl Envelope {
             "transfer.created" => {
                 let d: TransferData = serde_json::from_value(data).map_err(bad)?;
                 vec![change(d.from, 0, d.amount), change(d.to, d.amount, 0)]
+            }
+            // The debit happens when the payout is requested; what the
+            // vendor does later moves no money on the statement.
+            "payout.requested" => {
+                let d: CreditData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, 0, d.amount)]
+            }
+            "payout.paid" | "payout.dead_lettered" => {
+                let _: PayoutData = serde_json::from_value(data).map_err(bad)?;
+                vec![]
             }
             other => return Err(format!("unknown event type {other:?}")),
         })

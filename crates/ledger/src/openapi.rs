@@ -14,8 +14,10 @@ use utoipa::openapi::{
     Response, ResponseBuilder, Type,
 };
 
-use crate::api::{NewAccount, NewTopUp, NewTransfer, PaymentWebhook, TopUpDone, TransferDone, WebhookDone};
-use crate::db::{Account, Audit, Statement};
+use crate::api::{
+    NewAccount, NewPayout, NewTopUp, NewTransfer, PaymentWebhook, PayoutRequested, TopUpDone, TransferDone, WebhookDone,
+};
+use crate::db::{Account, Audit, Payout, PayoutState, Statement};
 
 /// An RFC 9457 problem, the body of every error.
 #[derive(ToSchema)]
@@ -268,6 +270,46 @@ pub fn document() -> OpenApi {
             ),
         )
         .path(
+            "/v1/payouts",
+            item(
+                HttpMethod::Post,
+                mutation(
+                    "createPayout",
+                    "Debits an account now and pays the amount out at the vendor (the key is required)",
+                    "NewPayout",
+                    true,
+                    ok("Created: debited, to be paid by the payout worker", "PayoutRequested")
+                        .link(
+                            "GetPayout",
+                            LinkBuilder::new()
+                                .operation_id("getPayout")
+                                .parameter("id", "$response.body#/id")
+                                .build(),
+                        )
+                        .build(),
+                )
+                .response("404", problem("No such account"))
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/payouts/{id}",
+            item(
+                HttpMethod::Get,
+                read("getPayout", "A payout: requested, paid, or dead-lettered", "Payout")
+                    .parameter(
+                        ParameterBuilder::new()
+                            .name("id")
+                            .parameter_in(ParameterIn::Path)
+                            .required(Required::True)
+                            .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                            .build(),
+                    )
+                    .response("404", problem("No such payout for this tenant"))
+                    .build(),
+            ),
+        )
+        .path(
             "/v1/audit",
             item(
                 HttpMethod::Get,
@@ -287,6 +329,10 @@ pub fn document() -> OpenApi {
         .schema_from::<Account>()
         .schema_from::<TopUpDone>()
         .schema_from::<TransferDone>()
+        .schema_from::<NewPayout>()
+        .schema_from::<PayoutRequested>()
+        .schema_from::<Payout>()
+        .schema_from::<PayoutState>()
         .schema_from::<Audit>()
         .schema_from::<Statement>()
         .schema_from::<PaymentWebhook>()
