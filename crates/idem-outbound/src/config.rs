@@ -1,0 +1,233 @@
+//! The client's configuration and its checks.
+
+use std::time::Duration;
+
+use reqwest::header::HeaderName;
+
+use crate::error::OutboundError;
+
+/// The largest response body a client may be configured to keep (64 MiB).
+pub const MAX_RESPONSE_BODY_LIMIT: usize = 64 * 1024 * 1024;
+/// The most retries a schedule may hold.
+pub const MAX_RETRIES: usize = 64;
+
+/// How each delay of the retry schedule is spread, so that callers that
+/// failed together do not all come back at the same instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Jitter {
+    /// Every delay exactly as configured.
+    None,
+    /// "Full jitter": a delay `d` becomes a uniform draw in `[0, d]`. Spreads
+    /// a herd best, halves the mean wait.
+    Full,
+    /// A delay `d` becomes a uniform draw in `[d - p%, d + p%]` (`percent` at
+    /// most 100). Keeps the schedule recognisable.
+    Proportional {
+        /// The spread either side, in percent of the delay.
+        percent: u8,
+    },
+}
+
+impl Jitter {
+    /// `delay` spread by this jitter.
+    pub fn apply(self, delay: Duration) -> Duration {
+        let nanos = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
+        let spread = match self {
+            Jitter::None => return delay,
+            Jitter::Full => fastrand::u64(0..=nanos),
+            Jitter::Proportional { percent } => {
+                let width = nanos / 100 * u64::from(percent.min(100));
+                let low = nanos - width;
+                fastrand::u64(low..=nanos.saturating_add(width))
+            }
+        };
+        Duration::from_nanos(spread)
+    }
+}
+
+/// The per-host circuit breaker's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive failed attempts on one host that open its breaker
+    /// (default 5; at least 1).
+    pub failure_threshold: u32,
+    /// How long an open breaker rejects attempts before it lets one probe
+    /// through (default 30 s).
+    pub open_for: Duration,
+    /// The most hosts whose breaker state is kept (default 1024). When a new
+    /// host arrives past it, healthy entries (closed, no failures) are
+    /// dropped first, then the least recently used.
+    pub max_hosts: usize,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            failure_threshold: 5,
+            open_for: Duration::from_secs(30),
+            max_hosts: 1024,
+        }
+    }
+}
+
+/// How an [`OutboundClient`](crate::OutboundClient) sends, retries and
+/// guards a logical call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboundConfig {
+    /// The `client` label of this client's metrics (default `"outbound"`).
+    pub name: String,
+    /// The header carrying the idempotency key (default `Idempotency-Key`).
+    /// A header of this name in the request is replaced by the key.
+    pub key_header: HeaderName,
+    /// The wait before each retry; after the last one the call gives up
+    /// (default 500 ms, 2 s, 5 s, 30 s: five attempts at most). Empty: no
+    /// retries.
+    pub retry_delays: Vec<Duration>,
+    /// How each delay is spread (default ±20 %).
+    pub jitter: Jitter,
+    /// The whole logical call, waits included, ends by then (default 60 s).
+    pub deadline: Duration,
+    /// One attempt (connect, send, headers and body) ends by then (default
+    /// 10 s), and never past the deadline.
+    pub attempt_timeout: Duration,
+    /// The most bytes of a response body kept (default 1 MiB); the rest is
+    /// not read and the response says it was truncated.
+    pub max_response_body: usize,
+    /// The per-host circuit breaker.
+    pub breaker: BreakerConfig,
+    /// The most distinct hosts that get their own `host` metric label
+    /// (default 64); later hosts share the label `other`.
+    pub max_host_labels: usize,
+}
+
+impl Default for OutboundConfig {
+    fn default() -> Self {
+        Self {
+            name: "outbound".into(),
+            key_header: HeaderName::from_static("idempotency-key"),
+            retry_delays: vec![
+                Duration::from_millis(500),
+                Duration::from_secs(2),
+                Duration::from_secs(5),
+                Duration::from_secs(30),
+            ],
+            jitter: Jitter::Proportional { percent: 20 },
+            deadline: Duration::from_secs(60),
+            attempt_timeout: Duration::from_secs(10),
+            max_response_body: 1024 * 1024,
+            breaker: BreakerConfig::default(),
+            max_host_labels: 64,
+        }
+    }
+}
+
+impl OutboundConfig {
+    /// Sets the key header by name; refused unless it is a valid header
+    /// name.
+    ///
+    /// ```
+    /// let config = idem_outbound::OutboundConfig::default().with_key_header("X-Request-Key")?;
+    /// assert_eq!(config.key_header.as_str(), "x-request-key");
+    /// assert!(idem_outbound::OutboundConfig::default().with_key_header("bad header").is_err());
+    /// # Ok::<(), idem_outbound::OutboundError>(())
+    /// ```
+    pub fn with_key_header(mut self, name: &str) -> Result<Self, OutboundError> {
+        self.key_header = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| OutboundError::InvalidConfig(format!("{name:?} is not a valid header name")))?;
+        Ok(self)
+    }
+
+    /// Checks the settings; the client refuses a configuration that fails.
+    pub fn validate(&self) -> Result<(), OutboundError> {
+        let bad = |why: String| Err(OutboundError::InvalidConfig(why));
+        if self.name.is_empty() || self.name.len() > 64 {
+            return bad("the name must have 1 to 64 bytes".into());
+        }
+        if self.retry_delays.len() > MAX_RETRIES {
+            return bad(format!("at most {MAX_RETRIES} retry delays"));
+        }
+        if let Jitter::Proportional { percent } = self.jitter
+            && percent > 100
+        {
+            return bad(format!("a jitter of {percent}% is over 100%"));
+        }
+        if self.deadline.is_zero() || self.attempt_timeout.is_zero() {
+            return bad("the deadline and the attempt timeout must be positive".into());
+        }
+        if self.max_response_body == 0 || self.max_response_body > MAX_RESPONSE_BODY_LIMIT {
+            return bad(format!(
+                "max_response_body must be between 1 and {MAX_RESPONSE_BODY_LIMIT} bytes"
+            ));
+        }
+        if self.breaker.failure_threshold == 0 || self.breaker.open_for.is_zero() || self.breaker.max_hosts == 0 {
+            return bad("the breaker needs a threshold, an open period and room for one host at least".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_product_schedule_and_validate() {
+        let c = OutboundConfig::default();
+        assert_eq!(
+            c.retry_delays,
+            [500, 2000, 5000, 30_000].map(Duration::from_millis).to_vec()
+        );
+        assert_eq!(c.key_header.as_str(), "idempotency-key");
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let bad = [
+            OutboundConfig {
+                deadline: Duration::ZERO,
+                ..OutboundConfig::default()
+            },
+            OutboundConfig {
+                max_response_body: 0,
+                ..OutboundConfig::default()
+            },
+            OutboundConfig {
+                jitter: Jitter::Proportional { percent: 101 },
+                ..OutboundConfig::default()
+            },
+            OutboundConfig {
+                retry_delays: vec![Duration::ZERO; MAX_RETRIES + 1],
+                ..OutboundConfig::default()
+            },
+            OutboundConfig {
+                breaker: BreakerConfig {
+                    failure_threshold: 0,
+                    ..BreakerConfig::default()
+                },
+                ..OutboundConfig::default()
+            },
+        ];
+        for c in bad {
+            assert!(matches!(c.validate(), Err(OutboundError::InvalidConfig(_))), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn jitter_stays_in_its_band() {
+        let d = Duration::from_millis(1000);
+        assert_eq!(Jitter::None.apply(d), d);
+        for _ in 0..1000 {
+            let full = Jitter::Full.apply(d);
+            assert!(full <= d);
+            let p = Jitter::Proportional { percent: 20 }.apply(d);
+            assert!(
+                p >= Duration::from_millis(800) && p <= Duration::from_millis(1200),
+                "{p:?}"
+            );
+        }
+        // Spread, not constant.
+        let draws: std::collections::HashSet<_> = (0..50).map(|_| Jitter::Full.apply(d)).collect();
+        assert!(draws.len() > 1);
+    }
+}

@@ -1,0 +1,132 @@
+//! How an outbound call fails.
+
+use idem_core::{IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+
+/// The result of this crate's operations.
+pub type Result<T, E = OutboundError> = std::result::Result<T, E>;
+
+/// Why a logical call (or a redrive) did not succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboundError {
+    /// The vendor answered with a final status (a 3xx, or a 4xx other than
+    /// 408, 425 and 429): sending it again would get the same answer, so it
+    /// was not retried.
+    #[error("rejected with HTTP {status} after {attempts} attempt(s): {}", snippet(.body))]
+    Rejected {
+        /// The status.
+        status: u16,
+        /// The body, at most the configured `max_response_body` bytes.
+        body: Vec<u8>,
+        /// Attempts made (the last one answered).
+        attempts: u32,
+    },
+    /// The retries or the deadline were used up without a final answer; the
+    /// caller keeps the call as a dead letter (see
+    /// [`dead_letter`](Self::dead_letter)).
+    #[error("gave up after {attempts} attempt(s): {last_error}")]
+    Exhausted {
+        /// Attempts made, including those the circuit breaker refused.
+        attempts: u32,
+        /// What the last one got, and why no further one was made.
+        last_error: String,
+    },
+    /// The request cannot be sent as given (nothing was sent).
+    #[error("invalid outbound request: {0}")]
+    Invalid(String),
+    /// The client's configuration is refused.
+    #[error("invalid outbound configuration: {0}")]
+    InvalidConfig(String),
+    /// The dead-letter store failed (redrives).
+    #[error("dead-letter store: {0}")]
+    Store(#[from] idem_core::Error),
+}
+
+impl OutboundError {
+    /// The attempts the call made (0 when nothing was tried).
+    pub fn attempts(&self) -> u32 {
+        match self {
+            Self::Rejected { attempts, .. } | Self::Exhausted { attempts, .. } => *attempts,
+            Self::Invalid(_) | Self::InvalidConfig(_) | Self::Store(_) => 0,
+        }
+    }
+
+    /// The dead letter to keep for an [`Exhausted`](Self::Exhausted) call,
+    /// to be redriven later with the same key; `None` for any other error
+    /// (a rejection will not change by sending it again).
+    pub fn dead_letter(&self, scope: &Scope, key: &IdempotencyKey, request: &OutboundRequest) -> Option<NewDeadLetter> {
+        match self {
+            Self::Exhausted { attempts, last_error } => Some(NewDeadLetter {
+                scope: scope.clone(),
+                key: key.clone(),
+                request: request.clone(),
+                attempts: *attempts,
+                last_error: idem_core::clip_text(last_error).to_owned(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The start of a body as text, for messages.
+pub(crate) fn snippet(body: &[u8]) -> String {
+    const MAX: usize = 256;
+    let text = String::from_utf8_lossy(&body[..body.len().min(MAX)]);
+    let text: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+    if body.len() > MAX {
+        format!("{}…", text.trim_end())
+    } else if text.trim().is_empty() {
+        "(empty body)".into()
+    } else {
+        text.trim_end().to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_say_what_happened() {
+        let e = OutboundError::Rejected {
+            status: 422,
+            body: br#"{"error":"reused"}"#.to_vec(),
+            attempts: 1,
+        };
+        assert_eq!(
+            e.to_string(),
+            r#"rejected with HTTP 422 after 1 attempt(s): {"error":"reused"}"#
+        );
+        assert_eq!(e.attempts(), 1);
+        let e = OutboundError::Exhausted {
+            attempts: 5,
+            last_error: "HTTP 503".into(),
+        };
+        assert_eq!(e.to_string(), "gave up after 5 attempt(s): HTTP 503");
+        assert_eq!(e.attempts(), 5);
+        assert_eq!(OutboundError::Invalid("x".into()).attempts(), 0);
+        assert_eq!(snippet(&[b'a'; 300]).chars().count(), 257);
+        assert_eq!(snippet(b""), "(empty body)");
+        assert_eq!(snippet(b"a\nb"), "a b");
+    }
+
+    #[test]
+    fn only_exhausted_calls_become_dead_letters() {
+        let scope = Scope::parse("acme", "payout").unwrap();
+        let key = IdempotencyKey::new("k").unwrap();
+        let request = OutboundRequest::new("POST", "http://v/", vec![], vec![]).unwrap();
+        let exhausted = OutboundError::Exhausted {
+            attempts: 5,
+            last_error: "x".repeat(10_000),
+        };
+        let letter = exhausted.dead_letter(&scope, &key, &request).unwrap();
+        assert_eq!(letter.attempts, 5);
+        assert_eq!(letter.last_error.len(), idem_core::MAX_DEAD_LETTER_TEXT);
+        let rejected = OutboundError::Rejected {
+            status: 400,
+            body: vec![],
+            attempts: 1,
+        };
+        assert!(rejected.dead_letter(&scope, &key, &request).is_none());
+    }
+}

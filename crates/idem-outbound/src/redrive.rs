@@ -1,0 +1,279 @@
+//! Redrive: dead letters sent again with their own key, capped and paced.
+
+use std::time::Duration;
+
+use idem_core::{DeadLetterFilter, DeadLetterStore, MAX_DEAD_LETTER_PAGE, RedriveOutcome};
+use tokio::time::{Interval, MissedTickBehavior};
+
+use crate::client::OutboundClient;
+use crate::error::{OutboundError, Result};
+
+/// The most sends per second a redrive may be configured for.
+pub const MAX_REDRIVES_PER_SECOND: u32 = 1000;
+
+/// Caps of one [`Redriver::redrive`] run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedriveOptions {
+    /// The most dead letters considered (listed), skipped ones included
+    /// (default 100).
+    pub max: u32,
+    /// The most sends started per second (default 10; 1 to
+    /// [`MAX_REDRIVES_PER_SECOND`]). Each send is one logical call, which
+    /// may itself retry by the client's schedule.
+    pub per_second: u32,
+}
+
+impl Default for RedriveOptions {
+    fn default() -> Self {
+        Self {
+            max: 100,
+            per_second: 10,
+        }
+    }
+}
+
+/// How the redrive of one dead letter ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedriveResult {
+    /// The vendor answered with success; the dead letter is resolved and
+    /// keeps the answer.
+    Resolved {
+        /// The status.
+        status: u16,
+        /// Attempts this redrive made.
+        attempts: u32,
+    },
+    /// It failed again (rejected, or retries used up); the dead letter is
+    /// dead again with the attempts added and this error.
+    Failed {
+        /// Attempts this redrive made.
+        attempts: u32,
+        /// Why.
+        error: String,
+    },
+    /// Not sent: it is resolved, gone, or another redrive holds it.
+    Skipped,
+    /// Sent, but another redrive took it over (this one's hold ran out)
+    /// before the outcome could be stored; the other redrive's stands.
+    HoldLost,
+    /// The store failed for this dead letter.
+    StoreError(String),
+}
+
+/// One dead letter's redrive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedriveItem {
+    /// The dead letter's id.
+    pub id: i64,
+    /// How it ended.
+    pub result: RedriveResult,
+}
+
+/// What a [`Redriver::redrive`] run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedriveReport {
+    /// Dead letters now resolved.
+    pub resolved: u32,
+    /// Dead letters that failed again.
+    pub failed: u32,
+    /// Dead letters not sent (resolved, gone, or held by another redrive).
+    pub skipped: u32,
+    /// Store failures and holds lost.
+    pub errors: u32,
+    /// Each dead letter considered, in id order.
+    pub items: Vec<RedriveItem>,
+}
+
+impl RedriveReport {
+    fn add(&mut self, id: i64, result: RedriveResult) {
+        match result {
+            RedriveResult::Resolved { .. } => self.resolved += 1,
+            RedriveResult::Failed { .. } => self.failed += 1,
+            RedriveResult::Skipped => self.skipped += 1,
+            RedriveResult::HoldLost | RedriveResult::StoreError(_) => self.errors += 1,
+        }
+        self.items.push(RedriveItem { id, result });
+    }
+}
+
+/// Starts at most `per_second` sends per second: consecutive sends are at
+/// least `1 s / per_second` apart, however long each takes.
+#[derive(Debug)]
+pub(crate) struct Pacer {
+    interval: Interval,
+}
+
+impl Pacer {
+    pub(crate) fn new(per_second: u32) -> Result<Self> {
+        if !(1..=MAX_REDRIVES_PER_SECOND).contains(&per_second) {
+            return Err(OutboundError::InvalidConfig(format!(
+                "per_second must be between 1 and {MAX_REDRIVES_PER_SECOND}"
+            )));
+        }
+        let mut interval = tokio::time::interval(Duration::from_secs(1) / per_second);
+        // After a slow send, the next one starts at once and the spacing
+        // starts over from it: never a burst to catch up.
+        interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Ok(Self { interval })
+    }
+
+    /// Waits for the next send's turn.
+    pub(crate) async fn ready(&mut self) {
+        self.interval.tick().await;
+    }
+}
+
+/// Sends dead letters again through an [`OutboundClient`], with the key
+/// each was first sent with, and records the outcome in the store.
+#[derive(Debug, Clone)]
+pub struct Redriver<S> {
+    client: OutboundClient,
+    store: S,
+    hold: Duration,
+}
+
+impl<S: DeadLetterStore> Redriver<S> {
+    /// A redriver; each dead letter is held for the client's deadline plus
+    /// 30 s while it is sent, so no other redrive takes it meanwhile.
+    pub fn new(client: OutboundClient, store: S) -> Self {
+        let hold = client.config().deadline + Duration::from_secs(30);
+        Self { client, store, hold }
+    }
+
+    /// Holds each dead letter this long while it is sent (keep it above the
+    /// client's deadline).
+    pub fn with_hold(mut self, hold: Duration) -> Self {
+        self.hold = hold;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Redrives the dead letters `filter` lists, oldest first: at most
+    /// `options.max` considered, sends paced at `options.per_second`, one at
+    /// a time. Fails only when listing fails (nothing after it is tried);
+    /// a store failure on one dead letter is in the report.
+    pub async fn redrive(&self, filter: &DeadLetterFilter, options: RedriveOptions) -> Result<RedriveReport> {
+        let mut pacer = Pacer::new(options.per_second)?;
+        let mut report = RedriveReport::default();
+        let mut page = filter.clone();
+        let page_size = filter.limit.clamp(1, MAX_DEAD_LETTER_PAGE);
+        let mut considered = 0u32;
+        while considered < options.max {
+            page.limit = page_size.min(options.max - considered);
+            let letters = self.store.list(&page).await?;
+            let Some(last) = letters.last() else { break };
+            page.after_id = Some(last.id);
+            let full = letters.len() as u32 == page.limit;
+            for letter in letters {
+                considered += 1;
+                let result = match self.redrive_paced(letter.id, Some(&mut pacer)).await {
+                    Ok(result) => result,
+                    Err(e) => RedriveResult::StoreError(e.to_string()),
+                };
+                report.add(letter.id, result);
+            }
+            if !full {
+                break;
+            }
+        }
+        tracing::info!(
+            resolved = report.resolved,
+            failed = report.failed,
+            skipped = report.skipped,
+            errors = report.errors,
+            "redrive finished"
+        );
+        Ok(report)
+    }
+
+    /// Redrives one dead letter now.
+    pub async fn redrive_one(&self, id: i64) -> Result<RedriveResult> {
+        self.redrive_paced(id, None).await
+    }
+
+    async fn redrive_paced(&self, id: i64, pacer: Option<&mut Pacer>) -> Result<RedriveResult> {
+        let labels = self.client.labels();
+        let hold_ms = i64::try_from(self.hold.as_millis()).unwrap_or(i64::MAX);
+        let Some(hold) = self.store.begin_redrive(id, hold_ms).await? else {
+            labels.redrive("skipped");
+            return Ok(RedriveResult::Skipped);
+        };
+        if let Some(pacer) = pacer {
+            pacer.ready().await;
+        }
+        let letter = &hold.dead_letter;
+        let span = tracing::info_span!("redrive", id, key = %letter.key, scope = %letter.scope);
+        let sent = tracing::Instrument::instrument(self.client.send(&letter.key, &letter.request), span).await;
+        let (result, outcome) = match sent {
+            Ok(response) => (
+                RedriveResult::Resolved {
+                    status: response.status,
+                    attempts: response.attempts,
+                },
+                RedriveOutcome::Resolved {
+                    status: response.status,
+                    body: response.body,
+                },
+            ),
+            Err(e) => {
+                let attempts = e.attempts();
+                let error = match e {
+                    OutboundError::Exhausted { last_error, .. } => last_error,
+                    other => other.to_string(),
+                };
+                (
+                    RedriveResult::Failed {
+                        attempts,
+                        error: error.clone(),
+                    },
+                    RedriveOutcome::Failed { attempts, error },
+                )
+            }
+        };
+        if !self.store.finish_redrive(id, hold.token, &outcome).await? {
+            labels.redrive("error");
+            tracing::warn!(id, "the redrive's hold was lost before its outcome was stored");
+            return Ok(RedriveResult::HoldLost);
+        }
+        labels.redrive(match result {
+            RedriveResult::Resolved { .. } => "resolved",
+            _ => "failed",
+        });
+        Ok(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    /// No window of one second holds more than `per_second` sends.
+    #[tokio::test(start_paused = true)]
+    async fn the_pacer_keeps_to_its_rate() {
+        let mut pacer = Pacer::new(5).unwrap();
+        let start = Instant::now();
+        let mut at = Vec::new();
+        for i in 0..20 {
+            pacer.ready().await;
+            at.push(Instant::now() - start);
+            // A slow send now and then must not let a burst through after.
+            if i % 7 == 3 {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+            }
+        }
+        assert_eq!(at[0], Duration::ZERO);
+        for pair in at.windows(2) {
+            assert!(pair[1] - pair[0] >= Duration::from_millis(200), "{at:?}");
+        }
+        for w in at.windows(6) {
+            assert!(w[5] - w[0] >= Duration::from_secs(1), "{at:?}");
+        }
+        assert!(Pacer::new(0).is_err());
+        assert!(Pacer::new(MAX_REDRIVES_PER_SECOND + 1).is_err());
+    }
+}
