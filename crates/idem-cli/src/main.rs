@@ -1,9 +1,11 @@
 //! `idem`: the gateway that gives any HTTP API the Idempotency-Key
 //! contract, and the operator's commands.
 //!
-//! Exit codes: 0 done, 1 a failure while running, 2 a bad argument or
-//! configuration (a bad store URL, a missing table), 3 the store could not
-//! be reached.
+//! Exit codes: 0 done, 1 a failure while running (for `dlq redrive`: a dead
+//! letter that failed again), 2 a bad argument or configuration (a bad store
+//! URL, a missing table), 3 the store could not be reached.
+
+mod dlq;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -85,6 +87,102 @@ enum Command {
     Outbox {
         #[command(subcommand)]
         command: OutboxCommand,
+    },
+    /// Dead letters of outbound calls: list, show, redrive.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+}
+
+/// The dead-letter table and which of its rows a command selects.
+#[derive(Debug, clap::Args)]
+struct DlqSelection {
+    /// The service's database URL (SQLite path, postgres:// or mysql://).
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
+    /// The dead-letter table.
+    #[arg(long, default_value = "idem_dead_letters")]
+    table: String,
+    /// Only this tenant.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this operation.
+    #[arg(long)]
+    operation: Option<String>,
+    /// Only ids greater than this (the last id of the previous page).
+    #[arg(long)]
+    after_id: Option<i64>,
+}
+
+impl DlqSelection {
+    fn filter(&self, state: Option<&str>, limit: u32) -> Result<idem_core::DeadLetterFilter, Failure> {
+        Ok(idem_core::DeadLetterFilter {
+            tenant: self.tenant.clone(),
+            operation: self.operation.clone(),
+            state: state
+                .map(idem_core::DeadLetterState::parse)
+                .transpose()
+                .map_err(|e| Failure(2, e.to_string()))?,
+            after_id: self.after_id,
+            limit,
+        })
+    }
+
+    async fn open(&self) -> Result<dlq::AnyDeadLetters, Failure> {
+        let table = TableName::new(self.table.clone())?;
+        dlq::AnyDeadLetters::open(&self.store, table)
+            .await
+            .map_err(|e| store_failure(&self.store, e))
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum DlqCommand {
+    /// Dead letters matching the filters, oldest first.
+    List {
+        #[command(flatten)]
+        selection: DlqSelection,
+        /// Only in this state.
+        #[arg(long, value_parser = ["dead", "redriving", "resolved"])]
+        state: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+        limit: u32,
+    },
+    /// One dead letter, with its request and the answer that resolved it.
+    Show {
+        /// The service's database URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// The dead-letter table.
+        #[arg(long, default_value = "idem_dead_letters")]
+        table: String,
+        /// The dead letter's id.
+        #[arg(long)]
+        id: i64,
+    },
+    /// Sends dead letters again with their own idempotency key (a vendor
+    /// that applied one answers with its recorded result), one at a time,
+    /// capped and paced; each is resolved or dead again.
+    Redrive {
+        #[command(flatten)]
+        selection: DlqSelection,
+        /// Only this dead letter.
+        #[arg(long, conflicts_with_all = ["tenant", "operation", "after_id", "state"])]
+        id: Option<i64>,
+        /// Which state to take them from (`redriving`: holds that ran out).
+        #[arg(long, default_value = "dead", value_parser = ["dead", "redriving"])]
+        state: String,
+        /// At most this many dead letters considered.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        max: u32,
+        /// At most this many sends started per second.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+        per_second: u32,
+        /// Each send's deadline, retries included, in seconds.
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3_600))]
+        deadline_secs: u64,
     },
 }
 
@@ -199,6 +297,26 @@ impl From<idem_core::Error> for Failure {
             _ => 1,
         };
         Failure(code, e.to_string())
+    }
+}
+
+impl From<idem_outbound::OutboundError> for Failure {
+    fn from(e: idem_outbound::OutboundError) -> Self {
+        match e {
+            idem_outbound::OutboundError::Store(e) => e.into(),
+            idem_outbound::OutboundError::InvalidConfig(m) => Failure(2, m),
+            other => Failure(1, other.to_string()),
+        }
+    }
+}
+
+/// A dead-letter store error, with a hint when the table is missing.
+fn dlq_failure(table: &str, e: idem_core::Error) -> Failure {
+    let Failure(code, message) = e.into();
+    if code == 1 {
+        Failure(1, format!("dead letters {table}: {message} (is the table there?)"))
+    } else {
+        Failure(code, message)
     }
 }
 
@@ -490,6 +608,122 @@ async fn run(args: Args) -> Result<(), Failure> {
                     age.map(|a| format!(", the oldest {a:.1} s old")).unwrap_or_default()
                 ),
             );
+        }
+        Command::Dlq { command } => return dlq(command, json).await,
+    }
+    Ok(())
+}
+
+async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
+    use idem_core::DeadLetterStore;
+    match command {
+        DlqCommand::List {
+            selection,
+            state,
+            limit,
+        } => {
+            let filter = selection.filter(state.as_deref(), limit)?;
+            let store = selection.open().await?;
+            let letters = store
+                .list(&filter)
+                .await
+                .map_err(|e| dlq_failure(&selection.table, e))?;
+            if json {
+                say!(
+                    "{}",
+                    serde_json::Value::Array(letters.iter().map(dlq::summary_json).collect())
+                );
+            } else {
+                for l in &letters {
+                    say!("{}", dlq::summary_line(l));
+                }
+                eprintln!("{} dead letter(s)", letters.len());
+            }
+        }
+        DlqCommand::Show { store, table, id } => {
+            let selection = DlqSelection {
+                store,
+                table,
+                tenant: None,
+                operation: None,
+                after_id: None,
+            };
+            let s = selection.open().await?;
+            let letter = s.get(id).await.map_err(|e| dlq_failure(&selection.table, e))?;
+            let Some(letter) = letter else {
+                return Err(Failure(1, format!("no dead letter {id} in {}", selection.table)));
+            };
+            let v = dlq::detail_json(&letter);
+            if json {
+                say!("{v}");
+            } else {
+                say!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            }
+        }
+        DlqCommand::Redrive {
+            selection,
+            id,
+            state,
+            max,
+            per_second,
+            deadline_secs,
+        } => {
+            let filter = selection.filter(Some(&state), 100)?;
+            let store = selection.open().await?;
+            let client = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+                name: "idem-cli".into(),
+                deadline: Duration::from_secs(deadline_secs),
+                ..idem_outbound::OutboundConfig::default()
+            })?;
+            let redriver = idem_outbound::Redriver::new(client, store.clone());
+            let report = match id {
+                Some(id) => {
+                    let result = redriver.redrive_one(id).await.map_err(|e| match e {
+                        idem_outbound::OutboundError::Store(e) => dlq_failure(&selection.table, e),
+                        other => other.into(),
+                    })?;
+                    let mut report = idem_outbound::RedriveReport::default();
+                    match &result {
+                        idem_outbound::RedriveResult::Resolved { .. } => report.resolved += 1,
+                        idem_outbound::RedriveResult::Failed { .. } => report.failed += 1,
+                        idem_outbound::RedriveResult::Skipped => report.skipped += 1,
+                        _ => report.errors += 1,
+                    }
+                    report.items.push(idem_outbound::RedriveItem { id, result });
+                    report
+                }
+                None => redriver
+                    .redrive(&filter, idem_outbound::RedriveOptions { max, per_second })
+                    .await
+                    .map_err(|e| match e {
+                        idem_outbound::OutboundError::Store(e) => dlq_failure(&selection.table, e),
+                        other => other.into(),
+                    })?,
+            };
+            if json {
+                say!("{}", dlq::report_json(store.kind(), &report));
+            } else {
+                for item in &report.items {
+                    say!("{}", dlq::result_line(item.id, &item.result));
+                }
+                say!(
+                    "{}: {} resolved, {} failed, {} skipped, {} error(s)",
+                    store.kind(),
+                    report.resolved,
+                    report.failed,
+                    report.skipped,
+                    report.errors
+                );
+            }
+            if report.failed > 0 || report.errors > 0 {
+                return Err(Failure(
+                    1,
+                    format!(
+                        "{} dead letter(s) failed again, {} error(s)",
+                        report.failed, report.errors
+                    ),
+                ));
+            }
         }
     }
     Ok(())

@@ -1,0 +1,312 @@
+//! `idem dlq list | show | redrive` on each SQL store, against the fake
+//! vendor: a redrive replays what the vendor already applied (one payment),
+//! pays what it had not, fails what it refuses; caps, filters, `--json` and
+//! exit codes. PostgreSQL and MariaDB get a database of their own.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+use idem_gateway::AnyLease;
+
+fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .expect("idem runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// The fake vendor on its own runtime and thread, so the test's runtime
+/// can block on the `idem` process meanwhile.
+fn start_vendor() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fake_vendor::serve(
+                addr,
+                Arc::new(fake_vendor::Vendor::default()),
+                std::future::pending(),
+            ))
+            .unwrap();
+    });
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return format!("http://{addr}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the fake vendor did not start on {addr}");
+}
+
+async fn pay(base: &str, key: &str, body: &str) -> u16 {
+    reqwest::Client::new()
+        .post(format!("{base}/v1/payouts"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+async fn payouts(base: &str) -> u64 {
+    let l: serde_json::Value = reqwest::get(format!("{base}/v1/ledger"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    l["payouts"].as_u64().unwrap()
+}
+
+fn letter(base: &str, key: &str, body: &str) -> NewDeadLetter {
+    NewDeadLetter {
+        scope: Scope::parse("dlq-test", "payout").unwrap(),
+        key: IdempotencyKey::new(key).unwrap(),
+        request: OutboundRequest::new(
+            "POST",
+            format!("{base}/v1/payouts"),
+            vec![("content-type".into(), "application/json".into())],
+            body.as_bytes().to_vec(),
+        )
+        .unwrap(),
+        attempts: 5,
+        last_error: "HTTP 503: down".into(),
+    }
+}
+
+async fn dead_letter_commands(url: &str) {
+    let base = start_vendor();
+    // No table yet: a failure that says so.
+    let (code, _, out) = idem(&["dlq", "list", "--store", url]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("is the table there?"), "{out}");
+
+    let store = AnyLease::connect(url).await.unwrap();
+    let ids = match &store {
+        AnyLease::Sqlite(s) => record_all(idem_sqlite::SqliteDeadLetters::new(s.pool().clone()), &base).await,
+        AnyLease::Postgres(s) => record_all(idem_postgres::PgDeadLetters::new(s.pool().clone()), &base).await,
+        AnyLease::MySql(s) => record_all(idem_mysql::MySqlDeadLetters::new(s.pool().clone()), &base).await,
+        AnyLease::Redis(_) => unreachable!(),
+    };
+    let [applied, fresh, mismatched] = ids;
+    // The vendor had applied two of them before their answers were lost.
+    assert_eq!(pay(&base, "applied", r#"{"amount":10}"#).await, 201);
+    assert_eq!(pay(&base, "mismatched", r#"{"amount":30}"#).await, 201);
+
+    let (code, json, out) = idem(&["dlq", "list", "--store", url, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let listed = json.as_array().expect("an array").clone();
+    let listed_ids: Vec<_> = listed.iter().map(|l| l["id"].as_i64().unwrap()).collect();
+    assert_eq!(listed_ids, [applied, fresh, mismatched]);
+    assert!(
+        listed.iter().all(|l| l["state"] == "dead" && l["attempts"] == 5),
+        "{json}"
+    );
+    let (_, json, _) = idem(&[
+        "dlq",
+        "list",
+        "--store",
+        url,
+        "--limit",
+        "1",
+        "--after-id",
+        &applied.to_string(),
+        "--json",
+    ]);
+    assert_eq!(json.as_array().unwrap().len(), 1);
+    assert_eq!(json[0]["id"], fresh);
+    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--tenant", "nobody", "--json"]);
+    assert_eq!(json, serde_json::json!([]));
+    let (code, text, out) = idem(&["dlq", "list", "--store", url]);
+    assert_eq!((code, text), (0, serde_json::Value::Null), "plain text: {out}");
+    assert!(out.contains("3 dead letter(s)"), "{out}");
+
+    let (code, json, out) = idem(&["dlq", "show", "--store", url, "--id", &applied.to_string(), "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["key"], "applied");
+    assert_eq!(json["body"], r#"{"amount":10}"#);
+    assert_eq!(
+        json["headers"],
+        serde_json::json!([["content-type", "application/json"]])
+    );
+    let (code, _, out) = idem(&["dlq", "show", "--store", url, "--id", "999999"]);
+    assert_eq!(code, 1, "{out}");
+
+    // Capped at two: the applied one is replayed (not paid again), the fresh
+    // one paid; the third is left alone.
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        url,
+        "--max",
+        "2",
+        "--per-second",
+        "50",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        (json["resolved"].as_u64(), json["failed"].as_u64()),
+        (Some(2), Some(0)),
+        "{json}"
+    );
+    assert_eq!(json["items"][0]["id"], applied);
+    assert_eq!(json["items"][0]["status"], 201);
+    assert_eq!(payouts(&base).await, 3);
+    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--state", "dead", "--json"]);
+    assert_eq!(json.as_array().unwrap().len(), 1, "{json}");
+    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &applied.to_string(), "--json"]);
+    assert_eq!(
+        (json["state"].as_str(), json["response_status"].as_u64()),
+        (Some("resolved"), Some(201))
+    );
+    let kept: serde_json::Value = serde_json::from_str(json["response_body"].as_str().unwrap()).unwrap();
+    assert_eq!(kept["amount"], 10);
+
+    // The vendor refuses the third (its key went with another body): it
+    // fails again, exit 1, and stays dead.
+    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--json"]);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(
+        (json["failed"].as_u64(), json["resolved"].as_u64()),
+        (Some(1), Some(0)),
+        "{json}"
+    );
+    assert!(
+        json["items"][0]["error"].as_str().unwrap().contains("HTTP 422"),
+        "{json}"
+    );
+    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &mismatched.to_string(), "--json"]);
+    assert_eq!(
+        (json["state"].as_str(), json["attempts"].as_u64()),
+        (Some("dead"), Some(6)),
+        "{json}"
+    );
+    assert_eq!(payouts(&base).await, 3);
+
+    // One by id: a resolved one is skipped.
+    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &fresh.to_string(), "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "skipped");
+    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--tenant", "x"]);
+    assert_eq!(code, 2, "--id takes no filters: {out}");
+}
+
+/// Creates the table and records three dead letters; answers their ids.
+async fn record_all<S: DeadLetterStore + Migrate>(store: S, base: &str) -> [i64; 3] {
+    store.migrate_table().await;
+    let mut ids = [0; 3];
+    for (i, (key, body)) in [
+        ("applied", r#"{"amount":10}"#),
+        ("fresh", r#"{"amount":20}"#),
+        ("mismatched", r#"{"amount":31}"#),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        ids[i] = store.record(&letter(base, key, body)).await.unwrap();
+    }
+    ids
+}
+
+trait Migrate {
+    async fn migrate_table(&self);
+}
+
+impl Migrate for idem_sqlite::SqliteDeadLetters {
+    async fn migrate_table(&self) {
+        self.migrate().await.unwrap();
+    }
+}
+
+impl Migrate for idem_postgres::PgDeadLetters {
+    async fn migrate_table(&self) {
+        self.migrate().await.unwrap();
+    }
+}
+
+impl Migrate for idem_mysql::MySqlDeadLetters {
+    async fn migrate_table(&self) {
+        self.migrate().await.unwrap();
+    }
+}
+
+fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 10..].to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite() {
+    let path = std::env::temp_dir().join(format!("idem-cli-dlq-{}.db", tag()));
+    dead_letter_commands(&path.display().to_string()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres() {
+    let admin_url =
+        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let admin = sqlx::PgPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
+    let db = format!("idem_cli_dlq_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    dead_letter_commands(&format!("{base}/{db}")).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql() {
+    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let admin = sqlx::MySqlPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
+    let db = format!("idem_cli_dlq_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    dead_letter_commands(&format!("{base}/{db}")).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[test]
+fn redis_keeps_no_dead_letters() {
+    let (code, _, out) = idem(&["dlq", "list", "--store", "redis://127.0.0.1:6379/15"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("Redis keeps no dead letters"), "{out}");
+    let (code, _, out) = idem(&["dlq", "list", "--store", "/tmp/x.db", "--table", "bad name"]);
+    assert_eq!(code, 2, "{out}");
+}
