@@ -244,7 +244,8 @@ impl ClientBuilder {
     }
 
     /// The longest `Retry-After` honoured as given; longer ones are cut to
-    /// it (default 60 s).
+    /// it (default 60 s). Shorter ones than the backoff's minimum wait the
+    /// minimum.
     pub fn max_retry_after(mut self, max: Duration) -> Self {
         self.max_retry_after = max;
         self
@@ -269,6 +270,7 @@ impl ClientBuilder {
         if let Some(e) = self.error {
             return Err(e);
         }
+        let plain_http_only = self.http.is_none();
         let http = match self.http {
             Some(http) => http,
             None => reqwest::Client::builder()
@@ -285,12 +287,14 @@ impl ClientBuilder {
             .without_max_times();
         Ok(Client {
             inner: Arc::new(Inner {
+                plain_http_only,
                 http,
                 store: self.store.unwrap_or_else(|| Arc::new(MemoryPending::new())),
                 default_headers: self.default_headers,
                 attempt_timeout: self.attempt_timeout,
                 deadline: self.deadline,
                 backoff,
+                min_delay: self.min_delay,
                 max_delay: self.max_delay,
                 max_attempts: self.max_attempts,
                 max_retry_after: self.max_retry_after,
@@ -323,12 +327,15 @@ pub struct Client {
 }
 
 struct Inner {
+    /// The default reqwest client has no TLS backend.
+    plain_http_only: bool,
     http: reqwest::Client,
     store: Arc<dyn PendingStore>,
     default_headers: HeaderMap,
     attempt_timeout: Duration,
     deadline: Duration,
     backoff: ExponentialBuilder,
+    min_delay: Duration,
     max_delay: Duration,
     max_attempts: Option<u32>,
     max_retry_after: Duration,
@@ -379,8 +386,23 @@ impl Client {
     /// if the save fails. Sending an operation that is still pending (after
     /// [`Error::GaveUp`]) sends it again with its key.
     pub async fn send(&self, op: &Operation) -> Result<Response> {
+        self.check_scheme(op)?;
         self.inner.store.save(op).await?;
         self.drive(op).await
+    }
+
+    /// Refuses an https operation when the HTTP client cannot speak TLS
+    /// (the default one), instead of retrying a connection that cannot be
+    /// made. The operation is left as it is in the store.
+    fn check_scheme(&self, op: &Operation) -> Result<()> {
+        if self.inner.plain_http_only && op.url().scheme() == "https" {
+            return Err(Error::InvalidOperation(format!(
+                "{} is https, and the default HTTP client has no TLS backend; \
+                 pass a reqwest::Client built with a TLS feature to ClientBuilder::http",
+                op.url()
+            )));
+        }
+        Ok(())
     }
 
     /// Sends every pending operation again, oldest first, each with its
@@ -400,6 +422,7 @@ impl Client {
 
     /// Sends a saved operation until a final answer; removes it then.
     async fn drive(&self, op: &Operation) -> Result<Response> {
+        self.check_scheme(op)?;
         let result = self.attempts(op).await;
         let is_final = match &result {
             Ok(_) => true,
@@ -468,7 +491,8 @@ impl Client {
                 Got::Failed(e) => (None, LastFailure::Transport(e)),
             };
             let wait = match after {
-                Some(after) => after.min(inner.max_retry_after),
+                // `Retry-After: 0` must not turn into a busy loop.
+                Some(after) => after.min(inner.max_retry_after).max(inner.min_delay),
                 None => backoff.next().unwrap_or(inner.max_delay),
             };
             let out_of_attempts = inner.max_attempts.is_some_and(|max| attempt >= max);

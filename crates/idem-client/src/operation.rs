@@ -112,9 +112,11 @@ impl Operation {
         &self.body
     }
 
-    /// The headers as HTTP/1 field lines, `name: value\n` each, byte for
-    /// byte (a header value never holds a line feed).
-    pub(crate) fn header_lines(&self) -> Vec<u8> {
+    /// The operation's headers as HTTP/1 field lines, `name: value\n`
+    /// each, byte for byte (a header value never holds a line feed): the
+    /// form a [`PendingStore`](crate::PendingStore) keeps them in, read back
+    /// by [`from_stored`](Self::from_stored).
+    pub fn header_lines(&self) -> Vec<u8> {
         let mut out = Vec::new();
         for (name, value) in &self.headers {
             out.extend_from_slice(name.as_str().as_bytes());
@@ -125,8 +127,11 @@ impl Operation {
         out
     }
 
-    /// Rebuilds an operation from the parts a store kept.
-    pub(crate) fn from_stored(key: &str, method: &str, url: &str, header_lines: &[u8], body: Vec<u8>) -> Result<Self> {
+    /// Rebuilds an operation from the parts a store kept: its key, method,
+    /// URL, [`header_lines`](Self::header_lines) and body, validated as
+    /// [`OperationBuilder::build`] does. Anything invalid is
+    /// [`Error::Corrupt`].
+    pub fn from_stored(key: &str, method: &str, url: &str, header_lines: &[u8], body: Vec<u8>) -> Result<Self> {
         let corrupt = |what: String| Error::Corrupt(format!("operation {key:?}: {what}"));
         let key = Key::new(key).map_err(|e| corrupt(e.to_string()))?;
         let method = Method::from_bytes(method.as_bytes()).map_err(|e| corrupt(format!("method: {e}")))?;
