@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use idem_core::{BoxFuture, OutboxMessage};
 use idem_outbox::{PublishError, Publisher};
@@ -52,11 +53,16 @@ impl Publisher for JetStreamPublisher {
             let mut results = Vec::with_capacity(messages.len());
             for sent in pending {
                 results.push(match sent {
-                    Err(e) => Err(PublishError(format!("publish: {e}"))),
+                    Err(e) => Err(PublishError::unavailable(format!("publish: {e}"))),
                     Ok(ack) => match tokio::time::timeout_at(deadline, ack.into_future()).await {
                         Ok(Ok(_)) => Ok(()),
-                        Ok(Err(e)) => Err(PublishError(format!("acknowledgement: {e}"))),
-                        Err(_) => Err(PublishError("no acknowledgement within the timeout".into())),
+                        // No stream captures the subject: this row's problem,
+                        // not the broker's.
+                        Ok(Err(e)) if e.kind() == PublishErrorKind::StreamNotFound => {
+                            Err(PublishError::refused(format!("acknowledgement: {e}")))
+                        }
+                        Ok(Err(e)) => Err(PublishError::unavailable(format!("acknowledgement: {e}"))),
+                        Err(_) => Err(PublishError::unavailable("no acknowledgement within the timeout")),
                     },
                 });
             }

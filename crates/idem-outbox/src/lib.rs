@@ -48,9 +48,41 @@ use tokio::time::Instant;
 pub use idem_core::OutboxEvent;
 
 /// Why the broker did not confirm one message.
+///
+/// A message the broker *refused* (no stream captures its subject) is tried
+/// again on its row's own schedule and never pauses the relay, so a backlog
+/// of unroutable rows cannot hold up the rows behind it. A broker that is
+/// *unavailable* (not connected, no answer in time) pauses the relay when
+/// nothing of a batch got through.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct PublishError(pub String);
+#[error("{message}")]
+pub struct PublishError {
+    message: String,
+    refused: bool,
+}
+
+impl PublishError {
+    /// The broker answered and refused this message.
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            refused: true,
+        }
+    }
+
+    /// The broker could not be reached or did not answer in time.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            refused: false,
+        }
+    }
+
+    /// Whether the broker refused the message (rather than being unavailable).
+    pub fn is_refused(&self) -> bool {
+        self.refused
+    }
+}
 
 /// Sends messages to a broker.
 pub trait Publisher: Send + Sync + 'static {
@@ -113,6 +145,8 @@ pub struct PassReport {
     pub published: usize,
     /// Rows the broker did not confirm (taken again on a later pass).
     pub failed: usize,
+    /// Of those, rows not confirmed because the broker was unavailable.
+    pub unavailable: usize,
 }
 
 /// Why a pass failed as a whole.
@@ -167,15 +201,19 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             .await
             .unwrap_or_default();
         let mut sent = Vec::with_capacity(taken);
-        let mut failed = 0;
+        let (mut failed, mut unavailable) = (0, 0);
         for (i, message) in batch.messages().iter().enumerate() {
             match results.get(i) {
                 Some(Ok(())) => sent.push(message.seq),
                 Some(Err(e)) => {
                     failed += 1;
+                    unavailable += usize::from(!e.is_refused());
                     tracing::debug!(event_id = %message.id, error = %e, "publish not confirmed");
                 }
-                None => failed += 1,
+                None => {
+                    failed += 1;
+                    unavailable += 1;
+                }
             }
         }
         let published = sent.len();
@@ -189,6 +227,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             taken,
             published,
             failed,
+            unavailable,
         })
     }
 
@@ -261,8 +300,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             }
             let pause = match self.pass().await {
                 // Each unconfirmed row has its own retry time; the relay
-                // itself pauses only when nothing at all got through.
-                Ok(report) if report.failed > 0 && report.published == 0 => {
+                // itself pauses only when nothing at all got through and the
+                // broker was unavailable (refused rows wait on their own).
+                Ok(report) if report.unavailable > 0 && report.published == 0 => {
                     let pause = backoff.next().unwrap_or(self.options.backoff_max);
                     tracing::warn!(
                         failed = report.failed,
