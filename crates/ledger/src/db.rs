@@ -6,7 +6,7 @@
 //! `ledger_accounts` for cheap checks, and the audit recomputes them from
 //! the entries.
 
-use idem_core::{BoxFuture, OutboxEvent, OutboxStore, TableName, TxBackend};
+use idem_core::{BoxFuture, DeadLetterStore, NewDeadLetter, OutboxEvent, OutboxStore, TableName, TxBackend};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 /// The outbox of the ledger's events.
@@ -19,8 +19,6 @@ pub const PROJECTION_INBOX_TABLE: &str = "ledger_projection_inbox";
 pub const JOB_RUNS_TABLE: &str = "ledger_job_runs";
 /// The leases of payouts being paid at the vendor.
 pub const PAYOUT_LEASES_TABLE: &str = "ledger_payout_leases";
-/// The dead letters of vendor calls.
-pub const DEAD_LETTERS_TABLE: &str = "ledger_dead_letters";
 
 /// One account's change in the statement projection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -522,6 +520,17 @@ pub trait LedgerDb: TxBackend + Clone {
     fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>>;
     /// Up to `limit` payouts in `state`, oldest first, of every tenant.
     fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>>;
+    /// The dead-letter store of this engine.
+    type DeadLetters: DeadLetterStore + std::fmt::Debug;
+    /// The dead letters of vendor calls (the default table,
+    /// `idem_dead_letters`, so `idem dlq` finds them).
+    fn dead_letters(&self) -> Self::DeadLetters;
+    /// Records a dead letter in the open transaction.
+    fn record_dead_letter<'c>(
+        letters: &'c Self::DeadLetters,
+        tx: &'c mut Self::Tx,
+        letter: &'c NewDeadLetter,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
     /// Moves a payout from `change.from` to `change.to`; false (nothing
     /// written) when it was not in `change.from`.
     fn change_payout<'c>(
@@ -533,7 +542,7 @@ pub trait LedgerDb: TxBackend + Clone {
 }
 
 macro_rules! ledger_db {
-    ($store:ty, $db:ty, $outbox:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
+    ($store:ty, $db:ty, $outbox:ty, $letters:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
         impl LedgerDb for $store {
             fn migrate(&self) -> BoxFuture<'_, Result<(), DbError>> {
                 Box::pin(async move {
@@ -570,6 +579,7 @@ macro_rules! ledger_db {
                         self.keyed(TableName::new(table)?).migrate().await?;
                     }
                     self.outbox().migrate().await?;
+                    self.dead_letters().migrate().await?;
                     Ok(())
                 })
             }
@@ -589,6 +599,20 @@ macro_rules! ledger_db {
                 event: &'c OutboxEvent,
             ) -> BoxFuture<'c, Result<(), DbError>> {
                 Box::pin(async move { Ok(outbox.enqueue(&mut **tx, event).await?) })
+            }
+
+            type DeadLetters = $letters;
+
+            fn dead_letters(&self) -> $letters {
+                <$letters>::new(self.pool().clone())
+            }
+
+            fn record_dead_letter<'c>(
+                letters: &'c $letters,
+                tx: &'c mut sqlx::Transaction<'static, $db>,
+                letter: &'c NewDeadLetter,
+            ) -> BoxFuture<'c, Result<i64, DbError>> {
+                Box::pin(async move { Ok(letters.record_in(&mut **tx, letter).await?) })
             }
 
             fn keyed(&self, table: TableName) -> Self {
@@ -1092,6 +1116,7 @@ mod postgres {
         idem_postgres::PgStore,
         sqlx::Postgres,
         idem_postgres::PgOutbox,
+        idem_postgres::PgDeadLetters,
         Dialect::Postgres,
         Some("SELECT pg_advisory_lock(7262687201)"),
         Some("SELECT pg_advisory_unlock(7262687201)")
@@ -1104,6 +1129,7 @@ mod mysql {
         idem_mysql::MySqlStore,
         sqlx::MySql,
         idem_mysql::MySqlOutbox,
+        idem_mysql::MySqlDeadLetters,
         Dialect::MySql,
         Some("SELECT GET_LOCK('ledger_migrate', 60)"),
         Some("SELECT RELEASE_LOCK('ledger_migrate')")
@@ -1116,6 +1142,7 @@ mod sqlite {
         idem_sqlite::SqliteStore,
         sqlx::Sqlite,
         idem_sqlite::SqliteOutbox,
+        idem_sqlite::SqliteDeadLetters,
         Dialect::Sqlite,
         None::<&'static str>,
         None::<&'static str>

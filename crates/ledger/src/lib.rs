@@ -10,12 +10,24 @@
 //! [`run`]; tests build the router with [`app`] and drive it in-process or
 //! over a socket with [`serve`].
 
+/// Runs `$body` with `$db` bound to the concrete store.
+macro_rules! with_db {
+    ($store:expr, $db:ident => $body:expr) => {
+        match $store {
+            $crate::Store::Postgres($db) => $body,
+            $crate::Store::MySql($db) => $body,
+            $crate::Store::Sqlite($db) => $body,
+        }
+    };
+}
+
 pub mod api;
 pub mod db;
 pub mod events;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod openapi;
+pub mod payouts;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -158,6 +170,76 @@ impl Store {
     pub fn keys_table() -> TableName {
         TableName::default()
     }
+
+    /// The dead letters of vendor calls.
+    pub fn dead_letters(&self) -> DeadLetters {
+        match self {
+            Store::Postgres(s) => DeadLetters::Postgres(s.dead_letters()),
+            Store::MySql(s) => DeadLetters::MySql(s.dead_letters()),
+            Store::Sqlite(s) => DeadLetters::Sqlite(s.dead_letters()),
+        }
+    }
+}
+
+/// The dead letters of vendor calls on the ledger's engine.
+#[derive(Debug, Clone)]
+pub enum DeadLetters {
+    /// PostgreSQL.
+    Postgres(idem_postgres::PgDeadLetters),
+    /// MySQL or MariaDB.
+    MySql(idem_mysql::MySqlDeadLetters),
+    /// SQLite.
+    Sqlite(idem_sqlite::SqliteDeadLetters),
+}
+
+macro_rules! each_letters {
+    ($self:expr, $s:ident => $body:expr) => {
+        match $self {
+            DeadLetters::Postgres($s) => $body,
+            DeadLetters::MySql($s) => $body,
+            DeadLetters::Sqlite($s) => $body,
+        }
+    };
+}
+
+impl idem_core::DeadLetterStore for DeadLetters {
+    fn record(&self, letter: &idem_core::NewDeadLetter) -> idem_core::BoxFuture<'_, idem_core::Result<i64>> {
+        each_letters!(self, s => s.record(letter))
+    }
+    fn list(
+        &self,
+        filter: &idem_core::DeadLetterFilter,
+    ) -> idem_core::BoxFuture<'_, idem_core::Result<Vec<idem_core::DeadLetter>>> {
+        each_letters!(self, s => s.list(filter))
+    }
+    fn get(&self, id: i64) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::DeadLetter>>> {
+        each_letters!(self, s => s.get(id))
+    }
+    fn find(
+        &self,
+        scope: &idem_core::Scope,
+        key: &idem_core::IdempotencyKey,
+    ) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::DeadLetter>>> {
+        each_letters!(self, s => s.find(scope, key))
+    }
+    fn begin_redrive(
+        &self,
+        id: i64,
+        hold_ms: i64,
+    ) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::RedriveHold>>> {
+        each_letters!(self, s => s.begin_redrive(id, hold_ms))
+    }
+    fn finish_redrive(
+        &self,
+        id: i64,
+        token: u32,
+        outcome: &idem_core::RedriveOutcome,
+    ) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
+        each_letters!(self, s => s.finish_redrive(id, token, outcome))
+    }
+    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> idem_core::BoxFuture<'_, idem_core::Result<u64>> {
+        each_letters!(self, s => s.purge_resolved(older_than_ms, limit))
+    }
 }
 
 impl idem_core::TimeSource for Store {
@@ -194,17 +276,6 @@ pub async fn serve(
     let router = store.router(clock, options);
     axum::serve(listener, router).with_graceful_shutdown(shutdown).await?;
     Ok(())
-}
-
-/// Runs `$body` with `$db` bound to the concrete store.
-macro_rules! with_db {
-    ($store:expr, $db:ident => $body:expr) => {
-        match $store {
-            Store::Postgres($db) => $body,
-            Store::MySql($db) => $body,
-            Store::Sqlite($db) => $body,
-        }
-    };
 }
 
 /// The clock of every instance on one database: the database's, so a host
@@ -298,6 +369,30 @@ pub async fn run_snapshot_job(
     Ok((run_id, outcome))
 }
 
+/// `ledger payouts`: the payout worker without the HTTP server, until
+/// SIGTERM or Ctrl-C.
+pub async fn run_payouts(
+    database_url: &str,
+    max_connections: u32,
+    config: payouts::PayoutConfig,
+    outbound: idem_outbound::OutboundConfig,
+) -> Result<(), StartError> {
+    let store = Store::connect(database_url, max_connections).await?;
+    let clock = anchored_clock(&store).await?;
+    let client =
+        idem_outbound::OutboundClient::new(outbound).map_err(|e| StartError::Config(format!("payouts: {e}")))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = {
+        let store = store.clone();
+        tokio::spawn(async move { payouts::run(&store, clock, client, config, stopped).await })
+    };
+    shutdown_signal().await;
+    let _ = stop.send(true);
+    task.await
+        .map_err(|e| StartError::Config(format!("payout worker: {e}")))?;
+    Ok(())
+}
+
 /// `ledger relay` / `ledger project`: the events without the HTTP server,
 /// until SIGTERM or Ctrl-C.
 pub async fn run_events(
@@ -336,6 +431,7 @@ pub async fn run(
     options: Options,
     events: Option<events::EventsConfig>,
     snapshot_every: Option<Duration>,
+    payouts: Option<(payouts::PayoutConfig, idem_outbound::OutboundConfig)>,
 ) -> Result<(), StartError> {
     #[cfg(feature = "fault-injection")]
     fault::install_from_env().map_err(StartError::Config)?;
@@ -364,6 +460,14 @@ pub async fn run(
             };
             with_db!(store, db => run_snapshots(db, clock, job, shutdown).await)
         });
+    }
+    if let Some((config, outbound)) = payouts {
+        let client =
+            idem_outbound::OutboundClient::new(outbound).map_err(|e| StartError::Config(format!("payouts: {e}")))?;
+        let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
+        background.spawn(async move { payouts::run(&store, clock, client, config, stopped).await });
+    } else {
+        tracing::info!("no --vendor-url: payouts stay requested until a payout worker runs");
     }
     serve(listener, store, clock, options, shutdown_signal()).await?;
     let _ = stop.send(true);

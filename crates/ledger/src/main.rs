@@ -48,6 +48,25 @@ struct Args {
     /// ledgers can share one NATS server).
     #[arg(long, env = "LEDGER_EVENTS_NAMESPACE", default_value = ledger::events::DEFAULT_NAMESPACE, global = true)]
     events_namespace: String,
+    /// The payout vendor's base URL (payouts are sent to
+    /// `{url}/v1/payouts`); the payout worker runs in this process. Unset:
+    /// payouts stay requested until a payout worker runs.
+    #[arg(long, env = "LEDGER_VENDOR_URL", global = true)]
+    vendor_url: Option<String>,
+    /// Vendor calls in flight at once in this process.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=256), global = true)]
+    payout_concurrency: u16,
+    /// The lease of a payout being paid, in seconds (kept alive by a
+    /// heartbeat; a worker that stops for longer is taken over).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3_600), global = true)]
+    payout_lease_secs: u64,
+    /// The waits before each retry of a vendor call, in ms; after the last
+    /// one the payout is dead-lettered.
+    #[arg(long, value_delimiter = ',', default_value = "500,2000,5000,30000", global = true)]
+    payout_retry_delays_ms: Vec<u64>,
+    /// The longest a vendor call may take, retries included, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3_600), global = true)]
+    payout_deadline_secs: u64,
     /// The balance snapshots job's period in seconds (0: off).
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
     snapshot_every_secs: u64,
@@ -61,6 +80,9 @@ enum Command {
     Relay,
     /// Runs the statement projection (--nats-url) without serving HTTP.
     Project,
+    /// Pays requested payouts at the vendor (--vendor-url) without serving
+    /// HTTP.
+    Payouts,
     /// Runs a job once and exits.
     Job {
         /// The job: `snapshots` (one balance row per account).
@@ -131,6 +153,15 @@ async fn main() -> std::process::ExitCode {
                 "project needs --nats-url (or NATS_URL)".into(),
             )),
         },
+        Some(Command::Payouts) => match payouts(&args, &namespace) {
+            Ok(Some((config, outbound))) => {
+                ledger::run_payouts(&args.database_url, args.max_connections, config, outbound).await
+            }
+            Ok(None) => Err(ledger::StartError::Config(
+                "payouts needs --vendor-url (or LEDGER_VENDOR_URL)".into(),
+            )),
+            Err(e) => Err(e),
+        },
         Some(Command::Job {
             name: _,
             ref run_id,
@@ -177,6 +208,7 @@ async fn serve(
         events_namespace,
     };
     let snapshot_every = (args.snapshot_every_secs > 0).then(|| Duration::from_secs(args.snapshot_every_secs));
+    let payouts = payouts(args, &options.events_namespace)?;
     ledger::run(
         &args.listen,
         &args.database_url,
@@ -184,6 +216,42 @@ async fn serve(
         options,
         events,
         snapshot_every,
+        payouts,
     )
     .await
+}
+
+/// The payout worker's settings, if a vendor is configured.
+fn payouts(
+    args: &Args,
+    namespace: &ledger::events::Namespace,
+) -> Result<Option<(ledger::payouts::PayoutConfig, idem_outbound::OutboundConfig)>, ledger::StartError> {
+    let Some(url) = args.vendor_url.as_deref().filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    let bad = |why: String| ledger::StartError::Config(why);
+    let lower = url.to_ascii_lowercase();
+    if !(lower.starts_with("http://") || lower.starts_with("https://")) || url.contains(char::is_whitespace) {
+        return Err(bad(format!("--vendor-url {url:?} must be an absolute http(s) URL")));
+    }
+    if args.payout_retry_delays_ms.len() > 20 || args.payout_retry_delays_ms.iter().any(|&ms| ms > 3_600_000) {
+        return Err(bad(
+            "--payout-retry-delays-ms: at most 20 delays of at most an hour each".into(),
+        ));
+    }
+    let mut config = ledger::payouts::PayoutConfig::new(url, namespace.clone());
+    config.concurrency = usize::from(args.payout_concurrency);
+    config.lease = Duration::from_secs(args.payout_lease_secs);
+    let outbound = idem_outbound::OutboundConfig {
+        name: "payouts".into(),
+        retry_delays: args
+            .payout_retry_delays_ms
+            .iter()
+            .map(|&ms| Duration::from_millis(ms))
+            .collect(),
+        deadline: Duration::from_secs(args.payout_deadline_secs),
+        ..Default::default()
+    };
+    outbound.validate().map_err(|e| bad(format!("payouts: {e}")))?;
+    Ok(Some((config, outbound)))
 }

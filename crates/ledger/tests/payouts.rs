@@ -1,0 +1,572 @@
+//! Payouts on every engine: `POST /v1/payouts` debits at once (422 and the
+//! key unused when funds are short), and the payout worker pays each payout
+//! at the fake vendor exactly once — through 500s, dropped answers and
+//! several workers at once — or dead-letters it, and a redrive with the
+//! original key settles it without a second payment.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use fake_vendor::{Faults, Vendor};
+use idem_core::{DeadLetterFilter, DeadLetterState, DeadLetterStore};
+use ledger::payouts::{PassReport, PayoutConfig};
+
+fn payout_body(account: &str, amount: i64) -> String {
+    format!(r#"{{"account_id":"{account}","amount":{amount}}}"#)
+}
+
+async fn payout(l: &Ledger, t: &str, account: &str, amount: i64) -> Resp {
+    l.post("/v1/payouts", t, Some(&key()), &payout_body(account, amount))
+        .await
+}
+
+async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let k = key();
+    let first = l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 300)).await;
+    assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
+    let v = first.json();
+    assert_eq!(v["balance"], 700);
+    assert_eq!(v["status"], "requested");
+    let id = v["id"].as_str().unwrap().to_owned();
+    // A retry replays; nothing is debited twice.
+    let again = l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 300)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(l.balance(&t, &a).await, 700);
+    let got = l.get(&format!("/v1/payouts/{id}"), &t).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.json()["status"], "requested");
+    assert_eq!(got.json()["amount"], 300);
+    assert_eq!(got.json()["account_id"], a.as_str());
+    // Another tenant sees nothing.
+    l.get(&format!("/v1/payouts/{id}"), &token())
+        .await
+        .assert_problem(404, "payout-not-found");
+    l.get("/v1/payouts/not-an-id", &t)
+        .await
+        .assert_problem(404, "payout-not-found");
+    let audit = l.audit(&t).await;
+    assert_eq!(audit["payouts_total"], 300);
+    assert_eq!(audit["balances_total"], 700);
+    assert_eq!(audit["conserved"], true);
+    l.stop().await;
+}
+
+async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 100).await.status, 201);
+    let k = key();
+    l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 101))
+        .await
+        .assert_problem(422, "insufficient-funds");
+    for bad in [
+        payout_body(&a, 0),
+        payout_body(&a, -5),
+        payout_body(&a, 1_000_000_000_001),
+        r#"{"account_id":"x","amount":5}"#.to_owned(),
+        format!(r#"{{"account_id":"{a}","amount":5,"extra":1}}"#),
+        format!(r#"{{"account_id":"{a}","amount":5.5}}"#),
+        format!(r#"{{"account_id":"{a}"}}"#),
+    ] {
+        let r = l.post("/v1/payouts", &t, Some(&key()), &bad).await;
+        assert_eq!(r.status, 400, "{bad}: {}", String::from_utf8_lossy(&r.body));
+    }
+    l.post("/v1/payouts", &t, None, &payout_body(&a, 5))
+        .await
+        .assert_problem(400, "idempotency-key-missing");
+    l.post(
+        "/v1/payouts",
+        &t,
+        Some(&key()),
+        &payout_body("0193a2b4-0000-7000-8000-000000000000", 5),
+    )
+    .await
+    .assert_problem(404, "account-not-found");
+    let audit = l.audit(&t).await;
+    assert_eq!(audit["payouts_total"], 0);
+    assert_eq!(l.balance(&t, &a).await, 100);
+    // The refused key was left unused: topped up, the same key pays out.
+    assert_eq!(l.top_up(&t, &a, 1).await.status, 201);
+    let r = l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 101)).await;
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    assert!(!r.replayed());
+    assert_eq!(l.balance(&t, &a).await, 0);
+    l.stop().await;
+}
+
+matrix!(a_payout_debits_at_once, refused_payouts_write_nothing);
+
+/// A fake vendor on a loopback port.
+struct FakeVendor {
+    url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl FakeVendor {
+    async fn start() -> Self {
+        let vendor = Arc::new(Vendor::default());
+        let probe = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = probe.local_addr().unwrap();
+        drop(probe);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            fake_vendor::serve(addr, vendor, async move {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("the fake vendor serves");
+        });
+        let url = format!("http://{addr}");
+        let client = reqwest::Client::new();
+        for _ in 0..100 {
+            if client.get(format!("{url}/_stats")).send().await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Self { url, stop: Some(stop) }
+    }
+
+    async fn faults(&self, faults: &Faults) {
+        let r = reqwest::Client::new()
+            .put(format!("{}/_faults", self.url))
+            .json(faults)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "the vendor takes the faults");
+    }
+
+    async fn ledger(&self) -> serde_json::Value {
+        reqwest::get(format!("{}/v1/ledger", self.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for FakeVendor {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Quick retries for tests: 20, 40, 80 ms, then a dead letter.
+fn fast_client() -> idem_outbound::OutboundClient {
+    let config = idem_outbound::OutboundConfig {
+        retry_delays: vec![
+            Duration::from_millis(20),
+            Duration::from_millis(40),
+            Duration::from_millis(80),
+        ],
+        deadline: Duration::from_secs(20),
+        attempt_timeout: Duration::from_secs(5),
+        ..Default::default()
+    };
+    idem_outbound::OutboundClient::new(config).expect("a valid configuration")
+}
+
+fn config(vendor: &FakeVendor) -> PayoutConfig {
+    PayoutConfig::new(&vendor.url, ledger::events::Namespace::default())
+}
+
+async fn pass(l: &Ledger, vendor: &FakeVendor) -> PassReport {
+    ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config(vendor))
+        .await
+        .expect("a payout pass")
+}
+
+async fn status(l: &Ledger, t: &str, id: &str) -> serde_json::Value {
+    let r = l.get(&format!("/v1/payouts/{id}"), t).await;
+    assert_eq!(r.status, 200);
+    r.json()
+}
+
+/// A database of the test's own: a worker pays every requested payout in
+/// its database, so workers of tests running at once must not share one.
+async fn own_database(engine: Engine) -> String {
+    use sqlx::Connection as _;
+    let name = format!("ledger_payouts_{}", uuid::Uuid::now_v7().simple());
+    match engine {
+        Engine::Sqlite => database_url(engine),
+        Engine::Postgres => {
+            let admin = postgres_url();
+            let mut conn = sqlx::PgConnection::connect(&admin)
+                .await
+                .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin}: {e}"));
+            let old: Vec<(String,)> =
+                sqlx::query_as("SELECT datname::text FROM pg_database WHERE datname LIKE 'ledger_payouts_%'")
+                    .fetch_all(&mut conn)
+                    .await
+                    .unwrap();
+            for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
+                let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                    .execute(&mut conn)
+                    .await;
+            }
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            with_database(&admin, &name)
+        }
+        Engine::Mysql => {
+            let admin = mysql_url();
+            let mut conn = sqlx::MySqlConnection::connect(&admin)
+                .await
+                .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin}: {e}"));
+            let old: Vec<(String,)> = sqlx::query_as(
+                "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata WHERE schema_name LIKE 'ledger_payouts_%'",
+            )
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+            for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
+                let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                    .execute(&mut conn)
+                    .await;
+            }
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            with_database(&admin, &name)
+        }
+    }
+}
+
+/// Whether a test database was made more than an hour ago (its name ends in
+/// a UUIDv7, which starts with the time in ms).
+fn stale(name: &str) -> bool {
+    let Some(id) = name.strip_prefix("ledger_payouts_") else {
+        return false;
+    };
+    let Some(ms) = id.get(..12).and_then(|h| u64::from_str_radix(h, 16).ok()) else {
+        return false;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    now.saturating_sub(ms) > 3_600_000
+}
+
+/// `url` with its database replaced by `name`.
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let (server, _) = base.rsplit_once('/').expect("a database URL has a path");
+    match query {
+        Some(q) => format!("{server}/{name}?{q}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
+async fn start(engine: Engine) -> Ledger {
+    Ledger::start_with(
+        &own_database(engine).await,
+        Transport::InProcess,
+        Arc::new(idem_core::SystemClock),
+        ledger::Options::default(),
+    )
+    .await
+}
+
+async fn stats(vendor: &FakeVendor) -> serde_json::Value {
+    reqwest::get(format!("{}/_stats", vendor.url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn the_worker_pays_once_through_faults(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 10_000).await.status, 201);
+
+    // Every new payment's answer is lost after the vendor applied it: the
+    // retry, with the same key, gets the vendor's recorded answer.
+    vendor
+        .faults(&Faults {
+            apply_then_drop: 1.0,
+            ..Default::default()
+        })
+        .await;
+    let dropped = payout(&l, &t, &a, 100).await.json()["id"].as_str().unwrap().to_owned();
+    let report = pass(&l, &vendor).await;
+    assert_eq!(report.paid, 1, "{report:?}");
+    let settled = status(&l, &t, &dropped).await;
+    assert_eq!(settled["status"], "paid");
+    assert_eq!(settled["attempts"], 2);
+    assert_eq!(stats(&vendor).await["dropped"], 1);
+
+    // The vendor fails every call: dead-lettered after four attempts, the
+    // debit stands and conservation holds.
+    vendor
+        .faults(&Faults {
+            error_500: 1.0,
+            ..Default::default()
+        })
+        .await;
+    let p = payout(&l, &t, &a, 250).await.json()["id"].as_str().unwrap().to_owned();
+    let report = pass(&l, &vendor).await;
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let dead = status(&l, &t, &p).await;
+    assert_eq!(dead["status"], "dead_lettered");
+    assert!(dead["last_error"].as_str().unwrap().contains("500"), "{dead}");
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    assert_eq!(l.balance(&t, &a).await, 10_000 - 100 - 250);
+    let letters = l.store.dead_letters();
+    let tenant = ledger::tenant_for_token(&t).as_str().to_owned();
+    let listed = letters
+        .list(&DeadLetterFilter {
+            tenant: Some(tenant.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].key.as_str(), p);
+    assert_eq!(listed[0].attempts, 4);
+    assert_eq!(listed[0].scope.operation().as_str(), ledger::payouts::PAYOUT_OPERATION);
+    // A pass while it is dead changes nothing.
+    assert_eq!(pass(&l, &vendor).await, PassReport::default());
+
+    // Redriven with the original key once the vendor answers again.
+    vendor.faults(&Faults::default()).await;
+    let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone());
+    let redriven = redriver.redrive_one(listed[0].id).await.unwrap();
+    assert!(
+        matches!(redriven, idem_outbound::RedriveResult::Resolved { .. }),
+        "{redriven:?}"
+    );
+    assert_eq!(
+        letters.get(listed[0].id).await.unwrap().unwrap().state,
+        DeadLetterState::Resolved
+    );
+    let report = pass(&l, &vendor).await;
+    assert_eq!(report.reconciled, 1, "{report:?}");
+    let settled = status(&l, &t, &p).await;
+    assert_eq!(settled["status"], "paid");
+    assert!(settled["vendor_payout_id"].as_str().unwrap().starts_with("po_"));
+    let paid = vendor.ledger().await;
+    assert_eq!(paid["payouts"], 2, "{paid}");
+    assert_eq!(paid["total"], 350);
+    assert_eq!(pass(&l, &vendor).await, PassReport::default());
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+/// The vendor applied the payout, but every answer was lost and the payout
+/// was dead-lettered: the redrive, with the same key, gets the vendor's
+/// recorded answer and the vendor pays nothing more.
+async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    vendor
+        .faults(&Faults {
+            apply_then_drop: 1.0,
+            ..Default::default()
+        })
+        .await;
+    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    let slow_retries = || {
+        idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+            retry_delays: vec![Duration::from_millis(700); 3],
+            deadline: Duration::from_secs(30),
+            attempt_timeout: Duration::from_secs(5),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let worker = {
+        let (store, clock, config) = (l.store.clone(), l.clock.clone(), config(&vendor));
+        let client = slow_retries();
+        tokio::spawn(async move { ledger::payouts::pass(&store, clock, client, config).await })
+    };
+    // Once the first answer is lost, the vendor refuses connections for
+    // longer than the retries last.
+    let dropped_by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while stats(&vendor).await["dropped"] != 1 {
+        assert!(tokio::time::Instant::now() < dropped_by, "the vendor dropped an answer");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    vendor
+        .faults(&Faults {
+            refuse_ms: 4_000,
+            ..Default::default()
+        })
+        .await;
+    let report = worker.await.unwrap().unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_eq!(status(&l, &t, &p).await["status"], "dead_lettered");
+    // The vendor is back after its refusal.
+    let back = tokio::time::Instant::now() + Duration::from_secs(30);
+    while reqwest::get(format!("{}/_stats", vendor.url)).await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < back,
+            "the vendor accepts connections again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
+    // The vendor is back: the redrive replays its answer.
+    let letters = l.store.dead_letters();
+    let redriver = idem_outbound::Redriver::new(slow_retries(), letters.clone());
+    let report = redriver
+        .redrive(
+            &DeadLetterFilter {
+                tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
+                ..Default::default()
+            },
+            idem_outbound::RedriveOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.resolved, 1, "{report:?}");
+    assert_eq!(pass(&l, &vendor).await.reconciled, 1);
+    assert_eq!(status(&l, &t, &p).await["status"], "paid");
+    let paid = vendor.ledger().await;
+    assert_eq!(paid["payouts"], 1, "paid once: {paid}");
+    assert_eq!(stats(&vendor).await["replayed"], 1);
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+async fn many_workers_pay_each_payout_once(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    vendor
+        .faults(&Faults {
+            apply_then_drop: 0.2,
+            error_500: 0.2,
+            ..Default::default()
+        })
+        .await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000_000).await.status, 201);
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let r = payout(&l, &t, &a, 100 + i).await;
+        assert_eq!(r.status, 201);
+        ids.push(r.json()["id"].as_str().unwrap().to_owned());
+    }
+    // Four workers on the same payouts at once, two passes each.
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, clock, url) = (l.store.clone(), l.clock.clone(), vendor.url.clone());
+            tokio::spawn(async move {
+                let mut total = PassReport::default();
+                for _ in 0..2 {
+                    let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
+                    let r = ledger::payouts::pass(&store, clock.clone(), fast_client(), config)
+                        .await
+                        .unwrap();
+                    total.paid += r.paid;
+                    total.dead_lettered += r.dead_lettered;
+                }
+                total
+            })
+        })
+        .collect();
+    let mut settled = 0;
+    for w in workers {
+        let r = w.await.unwrap();
+        settled += r.paid + r.dead_lettered;
+    }
+    assert_eq!(settled, 40, "each payout settled by exactly one worker");
+    let mut paid = 0;
+    for id in &ids {
+        match status(&l, &t, id).await["status"].as_str().unwrap() {
+            "paid" => paid += 1,
+            "dead_lettered" => {}
+            other => panic!("payout {id} still {other}"),
+        }
+    }
+    let at_vendor = vendor.ledger().await;
+    let keys: std::collections::HashSet<String> = serde_json::from_value(at_vendor["keys"].clone()).unwrap();
+    assert_eq!(
+        at_vendor["payouts"].as_u64().unwrap() as usize,
+        keys.len(),
+        "no key paid twice"
+    );
+    for id in &ids {
+        let state = status(&l, &t, id).await["status"].as_str().unwrap().to_owned();
+        if state == "paid" {
+            assert!(keys.contains(id), "a paid payout the vendor never paid: {id}");
+        }
+    }
+    assert!(keys.iter().all(|k| ids.contains(k)));
+    assert!(paid > 0);
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+mod worker {
+    use super::*;
+    mod sqlite {
+        use super::*;
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_worker_pays_once_through_faults() {
+            super::super::the_worker_pays_once_through_faults(Engine::Sqlite).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn many_workers_pay_each_payout_once() {
+            super::super::many_workers_pay_each_payout_once(Engine::Sqlite).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
+            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Sqlite).await
+        }
+    }
+    mod postgres {
+        use super::*;
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_worker_pays_once_through_faults() {
+            super::super::the_worker_pays_once_through_faults(Engine::Postgres).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn many_workers_pay_each_payout_once() {
+            super::super::many_workers_pay_each_payout_once(Engine::Postgres).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
+            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Postgres).await
+        }
+    }
+    mod mysql {
+        use super::*;
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_worker_pays_once_through_faults() {
+            super::super::the_worker_pays_once_through_faults(Engine::Mysql).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn many_workers_pay_each_payout_once() {
+            super::super::many_workers_pay_each_payout_once(Engine::Mysql).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
+            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Mysql).await
+        }
+    }
+}
