@@ -4,7 +4,7 @@
 //! with SIGKILL mid-call that resumes from its pending file with the same
 //! key, so the top-up is applied exactly once.
 //!
-//! The ledger is built with `cargo build -p ledger` (or taken from
+//! The ledger is built with `cargo build -p ledger --features fault-injection` (or taken from
 //! `IDEM_CLIENT_LEDGER_BIN`). Between client and ledger, a proxy in the test
 //! records each request's `Idempotency-Key` and can hold or drop answers.
 
@@ -30,7 +30,17 @@ fn ledger_binary() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let out = Command::new(cargo)
             .current_dir(&root)
-            .args(["build", "-p", "ledger", "--bin", "ledger", "--message-format=json"])
+            // The chaos harness's build (`--features fault-injection`, off
+            // unless its environment turns faults on): one ledger build for
+            // both suites.
+            .args([
+                "build",
+                "-p",
+                "ledger",
+                "--features",
+                "fault-injection",
+                "--message-format=json",
+            ])
             .stderr(Stdio::inherit())
             .output()
             .expect("cargo runs");
