@@ -19,6 +19,9 @@ pub const PROJECTION_INBOX_TABLE: &str = "ledger_projection_inbox";
 pub const JOB_RUNS_TABLE: &str = "ledger_job_runs";
 /// The leases of payouts being paid at the vendor.
 pub const PAYOUT_LEASES_TABLE: &str = "ledger_payout_leases";
+/// The dead letters of vendor calls (the stores' default table, so
+/// `idem dlq` finds them).
+pub const DEAD_LETTERS_TABLE: &str = "idem_dead_letters";
 
 /// One account's change in the statement projection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -358,6 +361,7 @@ pub struct Queries {
     insert_payout: SqlStr,
     select_payout: SqlStr,
     payouts_in: SqlStr,
+    payouts_redriven: SqlStr,
     change_payout: SqlStr,
 }
 
@@ -425,6 +429,19 @@ impl Queries {
             payouts_in: p(
                 "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
             ),
+            // Dead-lettered payouts whose dead letter a redrive resolved,
+            // however many older ones are still dead. The keys compare as
+            // bytes, as the dead letters store them.
+            payouts_redriven: p(&format!(
+                "SELECT p.tenant, p.id, p.account_id, p.amount FROM ledger_payouts p \
+                 WHERE p.state = 'dead_lettered' AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
+                 WHERE d.tenant = p.tenant{bytes} AND d.operation = ? AND d.idem_key = p.id{bytes} \
+                 AND d.state = 'resolved') ORDER BY p.created_at_ms LIMIT ?",
+                bytes = match dialect {
+                    Dialect::Postgres => " COLLATE \"C\"",
+                    Dialect::MySql | Dialect::Sqlite => "",
+                }
+            )),
             change_payout: p(
                 "UPDATE ledger_payouts SET state = ?, vendor_payout_id = COALESCE(?, vendor_payout_id), \
                  attempts = attempts + ?, last_error = ?, updated_at_ms = ? WHERE tenant = ? AND id = ? AND state = ?",
@@ -520,6 +537,13 @@ pub trait LedgerDb: TxBackend + Clone {
     fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>>;
     /// Up to `limit` payouts in `state`, oldest first, of every tenant.
     fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>>;
+    /// Up to `limit` dead-lettered payouts whose dead letter (of
+    /// `operation`) is resolved, oldest first, of every tenant.
+    fn payouts_redriven<'a>(
+        &'a self,
+        operation: &'a str,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<PayoutTask>, DbError>>;
     /// The dead-letter store of this engine.
     type DeadLetters: DeadLetterStore + std::fmt::Debug;
     /// The dead letters of vendor calls (the default table,
@@ -604,7 +628,10 @@ macro_rules! ledger_db {
             type DeadLetters = $letters;
 
             fn dead_letters(&self) -> $letters {
-                <$letters>::new(self.pool().clone())
+                <$letters>::with_table(
+                    self.pool().clone(),
+                    TableName::new(DEAD_LETTERS_TABLE).expect("a valid table name"),
+                )
             }
 
             fn record_dead_letter<'c>(
@@ -782,6 +809,29 @@ macro_rules! ledger_db {
                 Box::pin(async move {
                     let rows: Vec<(String, String, String, i64)> = sqlx::query_as(queries().payouts_in.clone())
                         .bind(state.as_str())
+                        .bind(i64::from(limit))
+                        .fetch_all(self.pool())
+                        .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(tenant, id, account_id, amount)| PayoutTask {
+                            tenant,
+                            id,
+                            account_id,
+                            amount,
+                        })
+                        .collect())
+                })
+            }
+
+            fn payouts_redriven<'a>(
+                &'a self,
+                operation: &'a str,
+                limit: u32,
+            ) -> BoxFuture<'a, Result<Vec<PayoutTask>, DbError>> {
+                Box::pin(async move {
+                    let rows: Vec<(String, String, String, i64)> = sqlx::query_as(queries().payouts_redriven.clone())
+                        .bind(operation)
                         .bind(i64::from(limit))
                         .fetch_all(self.pool())
                         .await?;

@@ -18,9 +18,9 @@
 //!    update is conditional on the payout still being `requested`, so a slow
 //!    worker's late answer changes nothing.
 //!
-//! A dead letter redriven later (`idem dlq redrive`, or
-//! `POST /v1/payouts/{id}/redrive`) is sent with the same key; once it is
-//! resolved the worker marks its payout paid. The debit stands throughout,
+//! A dead letter redriven later (`idem dlq redrive`) is sent with the same
+//! key; once it is resolved the worker marks its payout paid, however many
+//! older dead-lettered payouts are still waiting. The debit stands throughout,
 //! so conservation holds with payouts requested, paid and dead-lettered.
 
 use std::sync::Arc;
@@ -263,10 +263,10 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         Ok(settled.unwrap_or(Settled::Skipped))
     }
 
-    /// Marks paid every dead-lettered payout whose dead letter a redrive
-    /// resolved; answers how many.
+    /// Marks paid the dead-lettered payouts whose dead letter a redrive
+    /// resolved (up to a batch, oldest first); answers how many.
     pub async fn reconcile(&self) -> Result<u64, DbError> {
-        let dead = self.db.payouts_in(PayoutState::DeadLettered, 100).await?;
+        let dead = self.db.payouts_redriven(PAYOUT_OPERATION, 100).await?;
         let letters = self.db.dead_letters();
         let mut reconciled = 0;
         for task in dead {

@@ -522,6 +522,69 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
     l.stop().await;
 }
 
+/// A redriven payout is reconciled however many older dead-lettered payouts
+/// are still dead: the first hundred never being redriven does not hide the
+/// hundred-and-first.
+async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    vendor
+        .faults(&Faults {
+            error_500: 1.0,
+            ..Default::default()
+        })
+        .await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000_000).await.status, 201);
+    for _ in 0..100 {
+        assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
+    }
+    // Requested strictly later than the hundred before it.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let last = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let once = || {
+        idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+            retry_delays: vec![],
+            deadline: Duration::from_secs(20),
+            attempt_timeout: Duration::from_secs(5),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let mut dead = 0;
+    for _ in 0..3 {
+        let r = ledger::payouts::pass(&l.store, l.clock.clone(), once(), config(&vendor))
+            .await
+            .unwrap();
+        dead += r.dead_lettered;
+    }
+    assert_eq!(dead, 101);
+    assert_eq!(status(&l, &t, &last).await["status"], "dead_lettered");
+    // Only the newest one is redriven.
+    vendor.faults(&Faults::default()).await;
+    let letters = l.store.dead_letters();
+    let scope =
+        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let letter = letters
+        .find(&scope, &idem_core::IdempotencyKey::new(&last).unwrap())
+        .await
+        .unwrap()
+        .expect("its dead letter");
+    let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone());
+    let redriven = redriver.redrive_one(letter.id).await.unwrap();
+    assert!(
+        matches!(redriven, idem_outbound::RedriveResult::Resolved { .. }),
+        "{redriven:?}"
+    );
+    let report = pass(&l, &vendor).await;
+    assert_eq!(report.reconciled, 1, "{report:?}");
+    assert_eq!(status(&l, &t, &last).await["status"], "paid");
+    assert_eq!(vendor.ledger().await["payouts"], 1);
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
 mod worker {
     use super::*;
     mod sqlite {
@@ -538,6 +601,10 @@ mod worker {
         async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
             super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Sqlite).await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
+            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Sqlite).await
+        }
     }
     mod postgres {
         use super::*;
@@ -553,6 +620,10 @@ mod worker {
         async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
             super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Postgres).await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
+            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Postgres).await
+        }
     }
     mod mysql {
         use super::*;
@@ -567,6 +638,10 @@ mod worker {
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
             super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Mysql).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
+            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Mysql).await
         }
     }
 }
