@@ -378,9 +378,12 @@ pub fn vendor_request(vendor_url: &str, task: &PayoutTask) -> Result<OutboundReq
     )?)
 }
 
-/// The vendor's id in its answer (`{"id": …}`), if it has one.
+/// The vendor's id in its answer (`{"id": …}`), if it has one that every
+/// engine can store: 1 to 200 bytes without control characters (PostgreSQL
+/// refuses a NUL, and a payout whose result cannot be stored would stay
+/// requested and be sent again on every pass).
 fn vendor_payout_id(body: &[u8]) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
     let id = value.get("id")?.as_str()?;
-    (id.len() <= 200).then(|| id.to_owned())
+    (!id.is_empty() && id.len() <= 200 && !id.chars().any(char::is_control)).then(|| id.to_owned())
 }

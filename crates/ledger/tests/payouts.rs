@@ -585,6 +585,44 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     l.stop().await;
 }
 
+/// A vendor that pays every call and answers `answer` (status 201).
+async fn vendor_answering(answer: &'static str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/v1/payouts",
+        axum::routing::post(move || async move {
+            (
+                axum::http::StatusCode::CREATED,
+                [("content-type", "application/json")],
+                answer,
+            )
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// A vendor id the database cannot store (a NUL) does not keep a paid
+/// payout requested, called again on every pass: it is paid, without the id.
+async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine) {
+    let url = vendor_answering(r#"{"id":"po_\u0000x"}"#).await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
+    let report = ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config)
+        .await
+        .unwrap();
+    assert_eq!(report.paid, 1, "{report:?}");
+    let paid = status(&l, &t, &p).await;
+    assert_eq!(paid["status"], "paid");
+    assert!(paid["vendor_payout_id"].is_null(), "{paid}");
+    l.stop().await;
+}
+
 mod worker {
     use super::*;
     mod sqlite {
@@ -605,6 +643,10 @@ mod worker {
         async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
             super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Sqlite).await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
+            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Sqlite).await
+        }
     }
     mod postgres {
         use super::*;
@@ -624,6 +666,10 @@ mod worker {
         async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
             super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Postgres).await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
+            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Postgres).await
+        }
     }
     mod mysql {
         use super::*;
@@ -642,6 +688,10 @@ mod worker {
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
             super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Mysql).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
+            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Mysql).await
         }
     }
 }
