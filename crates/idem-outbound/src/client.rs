@@ -79,7 +79,8 @@ pub(crate) enum Failure {
     Status {
         status: u16,
         body: Vec<u8>,
-        /// What `Retry-After` asked for (429 and 503 only).
+        /// What `Retry-After` asked for (429, 503, and 409: see
+        /// [`Failure::transient`]).
         retry_after: Option<Duration>,
     },
     /// No complete answer within the attempt's time.
@@ -99,6 +100,14 @@ pub(crate) enum Failure {
 impl Failure {
     fn transient(&self) -> bool {
         match self {
+            // A 409 with `Retry-After` is the Idempotency-Key draft's "a
+            // request with this key is still being processed": the same key
+            // is sent again, after the wait, never dead-lettered for it.
+            Failure::Status {
+                status: 409,
+                retry_after: Some(_),
+                ..
+            } => true,
             Failure::Status { status, .. } => http_status_retryable(*status) == Transience::Transient,
             Failure::Invalid(_) => false,
             Failure::Timeout(_) | Failure::Network(_) | Failure::CircuitOpen { .. } => true,
@@ -120,6 +129,11 @@ impl Failure {
             Failure::Status { status: 408, .. } => ("http_408", false),
             Failure::Status { status: 425, .. } => ("http_425", false),
             Failure::Status { status: 429, .. } => ("http_429", false),
+            Failure::Status {
+                status: 409,
+                retry_after: Some(_),
+                ..
+            } => ("in_flight", true),
             Failure::Status { status: 500.., .. } => ("http_5xx", false),
             Failure::Status { .. } => ("rejected", true),
             Failure::Timeout(_) => ("timeout", false),
@@ -241,7 +255,10 @@ where
     match result {
         Ok(response) => Ok(OutboundResponse { attempts, ..response }),
         Err(Failure::Invalid(why)) => Err(OutboundError::Invalid(why)),
-        Err(Failure::Status { status, body, .. }) if http_status_retryable(status) == Transience::Fatal => {
+        Err(failure @ Failure::Status { .. }) if !failure.transient() => {
+            let Failure::Status { status, body, .. } = failure else {
+                unreachable!("matched as a status")
+            };
             Err(OutboundError::Rejected { status, body, attempts })
         }
         Err(failure) => Err(OutboundError::Exhausted {
@@ -457,7 +474,7 @@ impl OutboundClient {
             });
         }
         let retry_after = match status {
-            429 | 503 => headers
+            409 | 429 | 503 => headers
                 .get(header::RETRY_AFTER)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| parse_retry_after(v, SystemTime::now())),
@@ -597,6 +614,26 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    /// A 409 with Retry-After (another attempt with this key is in flight at
+    /// the vendor) is waited out and sent again with the same key.
+    #[tokio::test(start_paused = true)]
+    async fn an_in_flight_conflict_is_retried_after_its_wait() {
+        let (result, seen) = run(&config(&[100, 100], 60_000), vec![Err(status(409, Some(2))), Ok(ok())]).await;
+        assert_eq!(result.unwrap().attempts, 2);
+        assert_eq!(seen.len(), 2);
+        assert!(seen[1].0 >= Duration::from_secs(2), "{seen:?}");
+        // Still in flight when the retries run out: given up, not rejected.
+        let (result, _) = run(
+            &config(&[100], 60_000),
+            vec![Err(status(409, Some(1))), Err(status(409, Some(1)))],
+        )
+        .await;
+        assert!(
+            matches!(result, Err(OutboundError::Exhausted { attempts: 2, .. })),
+            "{result:?}"
+        );
     }
 
     /// A Retry-After longer than the scheduled delay is waited in full; a

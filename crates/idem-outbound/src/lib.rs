@@ -38,9 +38,10 @@
 //! |---|---|---|
 //! | 2xx | no: [`OutboundResponse`] | success |
 //! | 3xx (not followed) | no: [`OutboundError::Rejected`] | success |
-//! | 4xx but 408, 425, 429 | no: [`OutboundError::Rejected`] | success |
+//! | other 4xx | no: [`OutboundError::Rejected`] | success |
 //! | 408, 425, 5xx | yes | failure |
 //! | 429 | yes, honouring `Retry-After` | failure |
+//! | 409 with `Retry-After` (the key is in flight at the vendor) | yes, after the wait | success |
 //! | connect refused or failed, reset, body cut off, attempt timeout | yes | failure |
 //! | refused by an open breaker (not sent) | yes, not before the open period ends | — |
 //!
