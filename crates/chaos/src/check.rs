@@ -112,7 +112,7 @@ pub(crate) async fn history(
         }
     }
     for probe in &outcome.probes {
-        for kind in ["top_up", "transfer"] {
+        for kind in ["top_up", "transfer", "payout"] {
             if journal.contains_key(&(kind, *probe)) {
                 violations.push(format!("a key reused with another body was applied ({kind} {probe})"));
             }

@@ -215,6 +215,37 @@ impl Database {
         })
     }
 
+    /// Reads back the tenant's payouts: per id, the amount and the state.
+    pub(crate) async fn payouts(
+        &self,
+        tenant: &str,
+    ) -> Result<std::collections::BTreeMap<String, (i64, String)>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows: Vec<(String, i64, String)> = sqlx::query_as(concat!(
+                    "SELECT id, amount, state FROM ledger_payouts WHERE tenant = ",
+                    $p
+                ))
+                .bind(tenant)
+                .fetch_all(&pool)
+                .await?;
+                pool.close().await;
+                rows.into_iter()
+                    .map(|(id, amount, state)| (id, (amount, state)))
+                    .collect()
+            }};
+        }
+        Ok(match &self.admin {
+            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "$1"),
+            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "?"),
+            Admin::Sqlite(path) => read!(
+                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
+                "?"
+            ),
+        })
+    }
+
     /// Reads back the events: the outbox, the projection's applications,
     /// and each account's balance beside its statement.
     pub(crate) async fn events(&self) -> Result<crate::events::EventState, Error> {

@@ -11,11 +11,18 @@
 //! responses per key, no application of a reused key with another body, and
 //! no claim left in progress.
 //!
+//! With payouts (the default), the workload also requests payouts, paid by
+//! two `ledger payouts` processes at a fake vendor of the harness's own that
+//! drops answers, fails and refuses connections; the workers are killed and
+//! paused past their lease; at the end every dead letter is redriven and each
+//! committed payout must be paid exactly once at the vendor.
+//!
 //! Run: `cargo run --release -p chaos -- --engine postgres --ops 20000`.
 
 mod check;
 mod db;
 pub mod events;
+pub mod payouts;
 pub mod proxy;
 pub mod rng;
 pub mod service;
@@ -114,6 +121,10 @@ pub struct Config {
     pub events: bool,
     /// The `nats-server` binary.
     pub nats_server: String,
+    /// Request payouts in the workload, pay them with payout worker
+    /// processes at a fake vendor under faults, kill and pause the workers,
+    /// and check the payouts.
+    pub payouts: bool,
 }
 
 impl Config {
@@ -135,6 +146,7 @@ impl Config {
             kill_interval_ms: 1_500,
             events: true,
             nats_server: std::env::var("CHAOS_NATS_SERVER").unwrap_or_else(|_| "nats-server".into()),
+            payouts: true,
         }
     }
 }
@@ -215,6 +227,12 @@ pub struct Report {
     pub event_faults: events::EventFaults,
     /// What the event checks saw (with events on).
     pub events: events::EventCounts,
+    /// Whether payouts ran.
+    pub payouts_enabled: bool,
+    /// Payout faults that happened (with payouts on).
+    pub payout_faults: payouts::PayoutFaults,
+    /// What the payout checks saw (with payouts on).
+    pub payouts: payouts::PayoutCounts,
     /// Every property that failed; empty when all held.
     pub violations: Vec<String>,
 }
@@ -303,6 +321,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let proxy = Proxy::start(upstream, odds, rng.fork(1)).await?;
 
     let calm = Arc::new(AtomicBool::new(false));
+    let payout_faults = Arc::new(tokio::sync::Mutex::new(payouts::PayoutFaults::default()));
     let sessions_killed = Arc::new(AtomicU64::new(0));
     let mut background = Vec::new();
     let event_faults = Arc::new(tokio::sync::Mutex::new(events::EventFaults::default()));
@@ -322,6 +341,25 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         );
         background.push(tokio::spawn(events::attack(w, n, c, r, f)));
         event_side = Some((nats, workers));
+    }
+    // Payouts: the ledger server runs no payout worker; two `ledger payouts`
+    // processes do, so their kills and pauses are their own.
+    let mut payout_side = None;
+    if config.payouts {
+        let vendor = payouts::Vendor::start(free_port().await?).await?;
+        let log = std::env::temp_dir().join(format!("chaos-payouts-{}-{}", config.seed, std::process::id()));
+        let workers = payouts::start_workers(&bin, &database.url, &vendor.url, &log).await?;
+        let (w, v, c, r, f) = (
+            workers.clone(),
+            vendor.clone(),
+            calm.clone(),
+            rng.fork(7),
+            payout_faults.clone(),
+        );
+        background.push(tokio::spawn(payouts::attack_workers(w, v, c, r, f)));
+        let (v, c, r, f) = (vendor.clone(), calm.clone(), rng.fork(8), payout_faults.clone());
+        background.push(tokio::spawn(payouts::attack_vendor(v, c, r, f)));
+        payout_side = Some((vendor, workers));
     }
     if config.faults.kills {
         let (service, calm, mut r, mean) = (service.clone(), calm.clone(), rng.fork(2), config.kill_interval_ms);
@@ -376,6 +414,19 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     service.wait_healthy(Duration::from_secs(120)).await?;
     let outcome = outcome?;
     let mut violations = outcome.violations.clone();
+    let mut payout_counts = payouts::PayoutCounts::default();
+    if let Some((vendor, _)) = &payout_side {
+        payout_counts = payouts::settle_and_check(
+            &database,
+            vendor,
+            &token,
+            &outcome,
+            Duration::from_secs(180),
+            &payout_faults,
+            &mut violations,
+        )
+        .await?;
+    }
     let audit = check::history(&config, &database, &direct, &token, &outcome, &mut violations).await?;
     let mut event_counts = events::EventCounts::default();
     if let Some((nats, workers)) = &event_side {
@@ -386,6 +437,14 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         nats.stop().await;
     }
 
+    if let Some((vendor, workers)) = &payout_side {
+        let mut f = payout_faults.lock().await;
+        for w in workers {
+            w.stop().await;
+            f.worker_restarts += w.counts.restarts.load(Ordering::SeqCst);
+        }
+        vendor.stop();
+    }
     service.stop().await;
     let pc = &proxy.counts;
     let faults = FaultCounts {
@@ -416,6 +475,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         duration_secs: started.elapsed().as_secs_f64(),
         event_faults: event_faults.lock().await.clone(),
         events: event_counts,
+        payouts_enabled: config.payouts,
+        payout_faults: payout_faults.lock().await.clone(),
+        payouts: payout_counts,
         violations,
     })
 }

@@ -58,6 +58,9 @@ struct Args {
     /// No events (relays, projection, broker restarts).
     #[arg(long)]
     no_events: bool,
+    /// No payouts (payout workers, the fake vendor and its faults).
+    #[arg(long)]
+    no_payouts: bool,
 }
 
 #[tokio::main]
@@ -73,6 +76,7 @@ async fn main() -> std::process::ExitCode {
     config.keep_db = args.keep_db;
     config.kill_interval_ms = args.kill_interval_ms;
     config.events = !args.no_events;
+    config.payouts = !args.no_payouts;
     config.faults = Faults {
         proxy: !args.no_proxy,
         kills: !args.no_kills,
@@ -96,7 +100,8 @@ async fn main() -> std::process::ExitCode {
     }
     println!("{json}");
     println!(
-        "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed: {} violation(s)",
+        "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed, \
+         {} payouts committed ({} paid, {} dead-lettered then redriven), {} payout worker kills: {} violation(s)",
         report.counts.ops,
         report.counts.ok,
         report.counts.rejected,
@@ -104,6 +109,10 @@ async fn main() -> std::process::ExitCode {
         report.faults.kills(),
         report.faults.responses_dropped,
         report.faults.sessions_killed,
+        report.payouts.committed,
+        report.payouts.paid,
+        report.payouts.redriven,
+        report.payout_faults.worker_kills,
         report.violations.len()
     );
     if report.violations.is_empty() {

@@ -198,6 +198,7 @@ async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
 enum Plan {
     TopUp { account: usize, amount: i64 },
     Transfer { from: usize, to: usize, amount: i64 },
+    Payout { account: usize, amount: i64 },
 }
 
 pub(crate) async fn run(
@@ -265,7 +266,15 @@ pub(crate) async fn run(
     let plans: Vec<(Plan, bool, bool, u64)> = (0..config.ops)
         .map(|i| {
             let i64i = i as i64;
-            let plan = if rng.chance(0.25) {
+            let plan = if config.payouts && rng.chance(0.07) {
+                // A payout: debited at once, paid at the vendor by the
+                // payout workers; some are declined for insufficient funds.
+                let amount = if rng.chance(0.12) { TOO_MUCH + i64i } else { 1 + i64i };
+                Plan::Payout {
+                    account: rng.range(0, ACCOUNTS as u64) as usize,
+                    amount,
+                }
+            } else if rng.chance(0.25) {
                 Plan::TopUp {
                     account: rng.range(0, ACCOUNTS as u64) as usize,
                     amount: TOP_UP + i64i,
@@ -322,6 +331,12 @@ pub(crate) async fn run(
                             "{{\"from\":\"{}\",\"to\":\"{}\",\"amount\":{amount}}}",
                             accounts[*from], accounts[*to]
                         ),
+                    ),
+                    Plan::Payout { account, amount } => (
+                        "payout",
+                        *amount,
+                        "/v1/payouts",
+                        format!("{{\"account_id\":\"{}\",\"amount\":{amount}}}", accounts[*account]),
                     ),
                 };
                 let key = uuid::Uuid::now_v7().to_string();

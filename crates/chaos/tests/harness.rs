@@ -3,7 +3,10 @@
 //! must find double applications. Seeds come from `CHAOS_SEED` or are random,
 //! and are printed so a failure can be replayed with `--seed`. The events
 //! run too: relays and projectors killed, the broker restarted, every
-//! committed event published and applied exactly once.
+//! committed event published and applied exactly once. So do payouts: two
+//! payout workers killed and paused past their lease, a vendor dropping
+//! answers after paying, failing and refusing connections, every dead letter
+//! redriven at the end, each committed payout paid exactly once.
 
 use chaos::{Config, Engine, Report};
 
@@ -67,6 +70,32 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         ev.committed > 1_000 && ev.published == ev.committed && ev.applied == ev.committed,
         "seed {seed}: {ev:?}"
     );
+    let (pf, p) = (&report.payout_faults, &report.payouts);
+    assert!(report.payouts_enabled);
+    assert!(
+        p.acknowledged > 0 && p.rejected > 0,
+        "seed {seed}: no payout acknowledged or declined: {p:?}"
+    );
+    assert!(
+        p.committed >= p.acknowledged && p.paid == p.committed,
+        "seed {seed}: payouts not all paid: {p:?}"
+    );
+    assert!(
+        p.vendor_keys == p.committed && p.vendor_payouts == p.committed,
+        "seed {seed}: the vendor's payouts differ from the committed ones: {p:?}"
+    );
+    assert!(
+        p.dead_lettered > 0 && p.redriven == p.dead_lettered,
+        "seed {seed}: no dead letter, or not all redriven: {p:?}"
+    );
+    assert!(
+        pf.worker_kills > 0 && pf.worker_pauses_past_lease > 0,
+        "seed {seed}: no payout worker killed or paused past its lease: {pf:?}"
+    );
+    assert!(
+        pf.vendor_dropped_after_paying > 0 && p.vendor_replays > 0,
+        "seed {seed}: no vendor answer dropped after paying, or no replay: {pf:?} {p:?}"
+    );
 }
 
 /// SQLite: 2,000 operations under every fault, no violation.
@@ -99,6 +128,7 @@ async fn checker_catches_broken_idempotency() {
     config.ops = 400;
     config.break_idempotency = true;
     config.events = false;
+    config.payouts = false;
     let report = chaos::run(config).await.unwrap();
     let doubles = report
         .violations
