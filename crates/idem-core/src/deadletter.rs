@@ -138,6 +138,26 @@ pub fn clip_text(text: &str) -> &str {
     &text[..end]
 }
 
+/// A response body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character
+/// boundary when it is text.
+pub fn clip_body(body: &[u8]) -> &[u8] {
+    match std::str::from_utf8(body) {
+        Ok(text) => clip_text(text).as_bytes(),
+        Err(_) => &body[..body.len().min(MAX_DEAD_LETTER_TEXT)],
+    }
+}
+
+/// A redrive's hold, checked: positive, and bounded so that adding it to a
+/// clock cannot overflow.
+pub fn redrive_hold_ms(hold_ms: i64) -> Result<i64> {
+    if hold_ms <= 0 {
+        return Err(Error::InvalidRequest(format!(
+            "a redrive hold must be positive, not {hold_ms} ms"
+        )));
+    }
+    Ok(hold_ms.min(i64::MAX / 4))
+}
+
 /// A logical call to keep as a dead letter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewDeadLetter {
@@ -249,6 +269,20 @@ impl Default for DeadLetterFilter {
 /// The most dead letters one listing answers.
 pub const MAX_DEAD_LETTER_PAGE: u32 = 1000;
 
+impl DeadLetterFilter {
+    /// Refuses a page of no letters or of more than
+    /// [`MAX_DEAD_LETTER_PAGE`].
+    pub fn check(&self) -> Result<()> {
+        if self.limit == 0 || self.limit > MAX_DEAD_LETTER_PAGE {
+            return Err(Error::InvalidRequest(format!(
+                "a dead-letter page holds 1 to {MAX_DEAD_LETTER_PAGE} letters, not {}",
+                self.limit
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// How a redrive ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RedriveOutcome {
@@ -354,6 +388,25 @@ mod tests {
     }
 
     #[test]
+    fn holds_and_pages_are_checked() {
+        assert!(redrive_hold_ms(0).is_err());
+        assert!(redrive_hold_ms(-5).is_err());
+        assert_eq!(redrive_hold_ms(i64::MAX).unwrap(), i64::MAX / 4);
+        for (limit, ok) in [
+            (0, false),
+            (1, true),
+            (MAX_DEAD_LETTER_PAGE, true),
+            (MAX_DEAD_LETTER_PAGE + 1, false),
+        ] {
+            let filter = DeadLetterFilter {
+                limit,
+                ..DeadLetterFilter::default()
+            };
+            assert_eq!(filter.check().is_ok(), ok, "{limit}");
+        }
+    }
+
+    #[test]
     fn states_round_trip() {
         for s in [
             DeadLetterState::Dead,
@@ -363,5 +416,16 @@ mod tests {
             assert_eq!(DeadLetterState::parse(s.as_str()).unwrap(), s);
         }
         assert!(DeadLetterState::parse("gone").is_err());
+    }
+
+    #[test]
+    fn binary_bodies_are_cut_by_bytes_and_text_on_a_character_boundary() {
+        // Proves response bodies are bounded without splitting a character.
+        let binary = vec![0xFF; MAX_DEAD_LETTER_TEXT + 10];
+        assert_eq!(clip_body(&binary).len(), MAX_DEAD_LETTER_TEXT);
+        let text = "é".repeat(MAX_DEAD_LETTER_TEXT);
+        let clipped = clip_body(text.as_bytes());
+        assert!(std::str::from_utf8(clipped).is_ok());
+        assert!(clipped.len() <= MAX_DEAD_LETTER_TEXT);
     }
 }

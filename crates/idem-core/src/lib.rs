@@ -59,7 +59,7 @@ pub use contention::{Contention, ContentionRetries};
 pub use deadletter::{
     DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, MAX_DEAD_LETTER_BODY, MAX_DEAD_LETTER_HEADER,
     MAX_DEAD_LETTER_HEADERS, MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, MAX_DEAD_LETTER_URL, NewDeadLetter,
-    OutboundRequest, RedriveHold, RedriveOutcome, clip_text,
+    OutboundRequest, RedriveHold, RedriveOutcome, clip_body, clip_text, redrive_hold_ms,
 };
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::canonical;

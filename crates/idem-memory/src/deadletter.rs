@@ -24,9 +24,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey,
-    MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, NewDeadLetter, RedriveHold, RedriveOutcome, Result, Scope, SharedClock,
-    clip_text, system_clock,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
+    RedriveHold, RedriveOutcome, Result, Scope, SharedClock, clip_text, system_clock,
 };
 
 #[derive(Default)]
@@ -99,34 +98,6 @@ impl MemoryDeadLetters {
     }
 }
 
-/// A response body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character
-/// boundary when it is text.
-fn clip_body(body: &[u8]) -> Vec<u8> {
-    match std::str::from_utf8(body) {
-        Ok(text) => clip_text(text).as_bytes().to_vec(),
-        Err(_) => body[..body.len().min(MAX_DEAD_LETTER_TEXT)].to_vec(),
-    }
-}
-
-fn check_page(filter: &DeadLetterFilter) -> Result<()> {
-    if filter.limit == 0 || filter.limit > MAX_DEAD_LETTER_PAGE {
-        return Err(Error::InvalidRequest(format!(
-            "a dead-letter page holds 1 to {MAX_DEAD_LETTER_PAGE} letters, not {}",
-            filter.limit
-        )));
-    }
-    Ok(())
-}
-
-fn check_hold(hold_ms: i64) -> Result<()> {
-    if hold_ms <= 0 {
-        return Err(Error::InvalidRequest(format!(
-            "a redrive hold must be positive, not {hold_ms} ms"
-        )));
-    }
-    Ok(())
-}
-
 impl DeadLetterStore for MemoryDeadLetters {
     fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
         let letter = letter.clone();
@@ -178,7 +149,7 @@ impl DeadLetterStore for MemoryDeadLetters {
     fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
         let filter = filter.clone();
         Box::pin(async move {
-            check_page(&filter)?;
+            filter.check()?;
             let letters = self.lock();
             let from = filter.after_id.map_or(i64::MIN, |a| a.saturating_add(1));
             Ok(letters
@@ -218,7 +189,7 @@ impl DeadLetterStore for MemoryDeadLetters {
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            check_hold(hold_ms)?;
+            idem_core::redrive_hold_ms(hold_ms)?;
             let now = self.now_ms();
             let mut letters = self.lock();
             let Some(row) = letters.rows.get_mut(&id) else {
@@ -262,7 +233,7 @@ impl DeadLetterStore for MemoryDeadLetters {
                 RedriveOutcome::Resolved { status, body } => {
                     row.state = DeadLetterState::Resolved;
                     row.response_status = Some(status);
-                    row.response_body = Some(clip_body(&body));
+                    row.response_body = Some(idem_core::clip_body(&body).to_vec());
                 }
                 RedriveOutcome::Failed { attempts, error } => {
                     row.state = DeadLetterState::Dead;
@@ -345,16 +316,5 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
-    }
-
-    #[test]
-    fn binary_bodies_are_cut_by_bytes_and_text_on_a_character_boundary() {
-        // Proves response bodies are bounded without splitting a character.
-        let binary = vec![0xFF; MAX_DEAD_LETTER_TEXT + 10];
-        assert_eq!(clip_body(&binary).len(), MAX_DEAD_LETTER_TEXT);
-        let text = "é".repeat(MAX_DEAD_LETTER_TEXT);
-        let clipped = clip_body(text.as_bytes());
-        assert!(std::str::from_utf8(&clipped).is_ok());
-        assert!(clipped.len() <= MAX_DEAD_LETTER_TEXT);
     }
 }

@@ -14,9 +14,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey,
-    MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, NewDeadLetter, OutboundRequest, PendingMigration, RedriveHold,
-    RedriveOutcome, Result, Scope, StoreErrorKind, TableName, clip_text,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
+    OutboundRequest, PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, StoreErrorKind, TableName,
+    clip_text,
 };
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, MySql, Row, Transaction};
@@ -295,7 +295,7 @@ impl DeadLetterStore for MySqlDeadLetters {
     fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
         let filter = filter.clone();
         Box::pin(async move {
-            check_page(&filter)?;
+            filter.check()?;
             let mut sql = format!("SELECT {COLUMNS} FROM {} WHERE id > ?", self.table);
             for (set, clause) in [
                 (filter.tenant.is_some(), " AND tenant = ?"),
@@ -353,7 +353,7 @@ impl DeadLetterStore for MySqlDeadLetters {
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            let hold_ms = check_hold(hold_ms)?;
+            let hold_ms = idem_core::redrive_hold_ms(hold_ms)?;
             let mut tx = self.read_committed().await?;
             let taken = sqlx::query(AssertSqlSafe(self.sql.begin.as_str()))
                 .bind(hold_ms)
@@ -387,7 +387,7 @@ impl DeadLetterStore for MySqlDeadLetters {
             let query = match &outcome {
                 RedriveOutcome::Resolved { status, body } => sqlx::query(AssertSqlSafe(self.sql.resolve.as_str()))
                     .bind(i32::from(*status))
-                    .bind(clip_body(body)),
+                    .bind(idem_core::clip_body(body)),
                 RedriveOutcome::Failed { attempts, error } => sqlx::query(AssertSqlSafe(self.sql.fail.as_str()))
                     .bind(i64::from(*attempts))
                     .bind(clip_text(error)),
@@ -464,33 +464,4 @@ fn decode(row: &MySqlRow) -> Result<DeadLetter> {
             .transpose()?,
         response_body: row.try_get("response_body").map_err(store_error)?,
     })
-}
-
-/// A response body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character
-/// boundary when it is text.
-fn clip_body(body: &[u8]) -> &[u8] {
-    match std::str::from_utf8(body) {
-        Ok(text) => clip_text(text).as_bytes(),
-        Err(_) => &body[..body.len().min(MAX_DEAD_LETTER_TEXT)],
-    }
-}
-
-fn check_page(filter: &DeadLetterFilter) -> Result<()> {
-    if filter.limit == 0 || filter.limit > MAX_DEAD_LETTER_PAGE {
-        return Err(Error::InvalidRequest(format!(
-            "a dead-letter page holds 1 to {MAX_DEAD_LETTER_PAGE} letters, not {}",
-            filter.limit
-        )));
-    }
-    Ok(())
-}
-
-/// A positive hold, bounded so that adding it to the clock cannot overflow.
-fn check_hold(hold_ms: i64) -> Result<i64> {
-    if hold_ms <= 0 {
-        return Err(Error::InvalidRequest(format!(
-            "a redrive hold must be positive, not {hold_ms} ms"
-        )));
-    }
-    Ok(hold_ms.min(i64::MAX / 4))
 }

@@ -10,9 +10,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey,
-    MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, NewDeadLetter, OutboundRequest, PendingMigration, RedriveHold,
-    RedriveOutcome, Result, Scope, StoreErrorKind, TableName, clip_text,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
+    OutboundRequest, PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, StoreErrorKind, TableName,
+    clip_text,
 };
 use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -238,7 +238,7 @@ impl DeadLetterStore for SqliteDeadLetters {
     fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
         let filter = filter.clone();
         Box::pin(async move {
-            check_page(&filter)?;
+            filter.check()?;
             let mut sql = format!("SELECT {COLUMNS} FROM {} WHERE id > ?", self.table);
             for (set, clause) in [
                 (filter.tenant.is_some(), " AND tenant = ?"),
@@ -296,7 +296,7 @@ impl DeadLetterStore for SqliteDeadLetters {
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            let hold_ms = check_hold(hold_ms)?;
+            let hold_ms = idem_core::redrive_hold_ms(hold_ms)?;
             let row = sqlx::query(AssertSqlSafe(self.sql.begin.as_str()))
                 .bind(id)
                 .bind(hold_ms)
@@ -320,7 +320,7 @@ impl DeadLetterStore for SqliteDeadLetters {
                     .bind(id)
                     .bind(i64::from(token))
                     .bind(i64::from(*status))
-                    .bind(clip_body(body)),
+                    .bind(idem_core::clip_body(body)),
                 RedriveOutcome::Failed { attempts, error } => sqlx::query(AssertSqlSafe(self.sql.fail.as_str()))
                     .bind(id)
                     .bind(i64::from(token))
@@ -386,33 +386,4 @@ fn decode(row: &SqliteRow) -> Result<DeadLetter> {
             .transpose()?,
         response_body: row.try_get("response_body").map_err(store_error)?,
     })
-}
-
-/// A response body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character
-/// boundary when it is text.
-fn clip_body(body: &[u8]) -> &[u8] {
-    match std::str::from_utf8(body) {
-        Ok(text) => clip_text(text).as_bytes(),
-        Err(_) => &body[..body.len().min(MAX_DEAD_LETTER_TEXT)],
-    }
-}
-
-fn check_page(filter: &DeadLetterFilter) -> Result<()> {
-    if filter.limit == 0 || filter.limit > MAX_DEAD_LETTER_PAGE {
-        return Err(Error::InvalidRequest(format!(
-            "a dead-letter page holds 1 to {MAX_DEAD_LETTER_PAGE} letters, not {}",
-            filter.limit
-        )));
-    }
-    Ok(())
-}
-
-/// A positive hold, bounded so that adding it to the clock cannot overflow.
-fn check_hold(hold_ms: i64) -> Result<i64> {
-    if hold_ms <= 0 {
-        return Err(Error::InvalidRequest(format!(
-            "a redrive hold must be positive, not {hold_ms} ms"
-        )));
-    }
-    Ok(hold_ms.min(i64::MAX / 4))
 }
