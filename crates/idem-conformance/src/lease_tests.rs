@@ -543,9 +543,11 @@ pub async fn lease_abandoned_claim_is_released<S: Subject>(s: S) {
         // Every other call is dropped only after the store had time to
         // answer, so the answer waits, delivered and never read. A claim
         // that did come back at once is the caller's to release.
-        let mut acquiring = std::pin::pin!(engine.acquire(call));
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match acquiring.as_mut().poll(&mut cx) {
+        let mut acquiring = Box::pin(engine.acquire(call));
+        let polled = acquiring
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        match polled {
             std::task::Poll::Ready(Ok(Acquire::Claimed(lease))) => engine.release(&lease).await.unwrap(),
             std::task::Poll::Ready(other) => panic!("a fresh key: {other:?}"),
             std::task::Poll::Pending => {
@@ -553,6 +555,7 @@ pub async fn lease_abandoned_claim_is_released<S: Subject>(s: S) {
                 if i % 2 == 1 {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
+                drop(acquiring);
             }
         }
     }
