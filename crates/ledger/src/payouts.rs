@@ -104,28 +104,66 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         })
     }
 
-    /// Pays and reconciles until `shutdown` turns true.
+    /// Pays and reconciles until `shutdown` turns true. Up to
+    /// `concurrency` payouts are paid at once, and a slot is refilled as soon
+    /// as its payout settles: a slow vendor call holds only its own slot.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let this = Arc::new(self);
-        tracing::info!(vendor = %this.config.vendor_url, "payout worker running");
+        let slots = this.config.concurrency.max(1);
+        tracing::info!(vendor = %this.config.vendor_url, slots, "payout worker running");
+        let mut running: tokio::task::JoinSet<Result<Settled, DbError>> = tokio::task::JoinSet::new();
+        // The payouts being paid here, by task: never two tasks for one.
+        let mut paying: std::collections::HashMap<tokio::task::Id, String> = std::collections::HashMap::new();
+        let mut next_look = tokio::time::Instant::now();
         loop {
             if *shutdown.borrow() {
-                return;
+                break;
             }
-            let pass = this.clone().pass();
+            if tokio::time::Instant::now() >= next_look {
+                next_look = tokio::time::Instant::now() + this.config.poll;
+                if running.len() < slots {
+                    match this.db.payouts_in(PayoutState::Requested, 100).await {
+                        Ok(due) => {
+                            for task in due {
+                                if running.len() >= slots {
+                                    break;
+                                }
+                                if !paying.values().any(|id| *id == task.id) {
+                                    let (this, id) = (this.clone(), task.id.clone());
+                                    let handle = running.spawn(async move { this.pay(task).await });
+                                    paying.insert(handle.id(), id);
+                                }
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "requested payouts not read; trying again"),
+                    }
+                }
+                if let Err(e) = this.reconcile().await {
+                    tracing::warn!(error = %e, "redriven payouts not reconciled; trying again");
+                }
+            }
             tokio::select! {
-                report = pass => match report {
-                    Ok(r) if r != PassReport::default() => tracing::debug!(?r, "payout pass"),
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "payout pass failed; trying again"),
+                Some(done) = running.join_next_with_id(), if !running.is_empty() => match done {
+                    Ok((task, settled)) => {
+                        let id = paying.remove(&task).unwrap_or_default();
+                        match settled {
+                            Ok(s) => tracing::debug!(payout = %id, settled = ?s, "payout settled"),
+                            Err(e) => tracing::warn!(payout = %id, error = %e, "a payout was not settled; it is tried again"),
+                        }
+                    }
+                    Err(e) => {
+                        // Its lease expires on its own; the payout is tried again then.
+                        let id = paying.remove(&e.id()).unwrap_or_default();
+                        tracing::error!(payout = %id, error = %e, "a payout task failed");
+                    }
                 },
-                _ = shutdown.wait_for(|s| *s) => return,
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(this.config.poll) => {}
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep_until(next_look) => {}
+                _ = shutdown.wait_for(|s| *s) => break,
             }
         }
+        // Calls in flight finish (each is bounded by its deadline), so no
+        // vendor answer is thrown away at shutdown.
+        while running.join_next().await.is_some() {}
     }
 
     /// One pass: pays up to a batch of requested payouts (at most

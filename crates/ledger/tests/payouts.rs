@@ -623,75 +623,119 @@ async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine)
     l.stop().await;
 }
 
-mod worker {
-    use super::*;
-    mod sqlite {
-        use super::*;
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn the_worker_pays_once_through_faults() {
-            super::super::the_worker_pays_once_through_faults(Engine::Sqlite).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn many_workers_pay_each_payout_once() {
-            super::super::many_workers_pay_each_payout_once(Engine::Sqlite).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
-            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Sqlite).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
-            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Sqlite).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
-            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Sqlite).await
-        }
-    }
-    mod postgres {
-        use super::*;
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn the_worker_pays_once_through_faults() {
-            super::super::the_worker_pays_once_through_faults(Engine::Postgres).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn many_workers_pay_each_payout_once() {
-            super::super::many_workers_pay_each_payout_once(Engine::Postgres).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
-            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Postgres).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
-            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Postgres).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
-            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Postgres).await
-        }
-    }
-    mod mysql {
-        use super::*;
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn the_worker_pays_once_through_faults() {
-            super::super::the_worker_pays_once_through_faults(Engine::Mysql).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn many_workers_pay_each_payout_once() {
-            super::super::many_workers_pay_each_payout_once(Engine::Mysql).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice() {
-            super::super::a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(Engine::Mysql).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled() {
-            super::super::a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(Engine::Mysql).await
-        }
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested() {
-            super::super::a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(Engine::Mysql).await
-        }
-    }
+/// A vendor that holds every call for an amount of 999 until told to
+/// answer, and answers the others at once; it says when a held call came in.
+async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>) {
+    let (arrived, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (a, r) = (arrived.clone(), release.clone());
+    let app = axum::Router::new().route(
+        "/v1/payouts",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let (arrived, release) = (a.clone(), r.clone());
+            async move {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                if v["amount"] == 999 {
+                    arrived.notify_one();
+                    release.notified().await;
+                }
+                (
+                    axum::http::StatusCode::CREATED,
+                    [("content-type", "application/json")],
+                    format!(r#"{{"id":"po_{}"}}"#, v["reference"].as_str().unwrap_or("x")),
+                )
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, arrived, release)
 }
+
+/// The running worker refills a slot as soon as its payout settles: payouts
+/// requested while a slow vendor call is in flight are paid meanwhile.
+async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
+    let (url, arrived, release) = vendor_holding_999().await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 100_000).await.status, 201);
+    let slow = payout(&l, &t, &a, 999).await.json()["id"].as_str().unwrap().to_owned();
+    let mut config = PayoutConfig::new(&url, ledger::events::Namespace::default());
+    config.concurrency = 2;
+    config.poll = Duration::from_millis(20);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let worker = {
+        let (store, clock) = (l.store.clone(), l.clock.clone());
+        // The held call never times out while the test holds it.
+        let patient = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+            attempt_timeout: Duration::from_secs(300),
+            deadline: Duration::from_secs(300),
+            ..Default::default()
+        })
+        .unwrap();
+        tokio::spawn(async move { ledger::payouts::run(&store, clock, patient, config, stopped).await })
+    };
+    arrived.notified().await;
+    let mut later = Vec::new();
+    for amount in [1, 2, 3] {
+        later.push(
+            payout(&l, &t, &a, amount).await.json()["id"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    let by = tokio::time::Instant::now() + Duration::from_secs(30);
+    for id in &later {
+        while status(&l, &t, id).await["status"] != "paid" {
+            assert!(
+                tokio::time::Instant::now() < by,
+                "a payout requested during a slow call waited for it"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(
+        status(&l, &t, &slow).await["status"],
+        "requested",
+        "still at the vendor"
+    );
+    release.notify_one();
+    let by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while status(&l, &t, &slow).await["status"] != "paid" {
+        assert!(
+            tokio::time::Instant::now() < by,
+            "the slow payout is paid once answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(true);
+    worker.await.unwrap();
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+/// Expands each worker test into one per engine.
+macro_rules! worker_tests {
+    ($($name:ident),* $(,)?) => {
+        mod worker {
+            use super::*;
+            mod sqlite { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name(Engine::Sqlite).await } )* }
+            mod postgres { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name(Engine::Postgres).await } )* }
+            mod mysql { use super::*; $( #[tokio::test(flavor = "multi_thread", worker_threads = 4)] async fn $name() { super::super::$name(Engine::Mysql).await } )* }
+        }
+    };
+}
+
+worker_tests!(
+    the_worker_pays_once_through_faults,
+    many_workers_pay_each_payout_once,
+    a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice,
+    a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled,
+    a_vendor_id_with_a_nul_does_not_keep_a_payout_requested,
+    a_slow_vendor_call_holds_only_its_own_slot
+);
