@@ -45,6 +45,16 @@ impl AnyDeadLetters {
         })
     }
 
+    /// The schema versions the dead-letter table has not had yet.
+    pub(crate) async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
+        each!(self, s => s.pending_migrations().await)
+    }
+
+    /// Creates or upgrades the dead-letter table.
+    pub(crate) async fn migrate(&self) -> Result<()> {
+        each!(self, s => s.migrate().await)
+    }
+
     /// The store's kind.
     pub(crate) fn kind(&self) -> &'static str {
         match self {

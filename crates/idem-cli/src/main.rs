@@ -56,6 +56,13 @@ enum Command {
         /// Print the SQL of the versions to apply.
         #[arg(long)]
         show_sql: bool,
+        /// Also create or upgrade the dead-letter table of outbound calls
+        /// (SQL stores).
+        #[arg(long)]
+        dead_letters: bool,
+        /// The dead-letter table, with --dead-letters.
+        #[arg(long, default_value = "idem_dead_letters")]
+        dead_letter_table: String,
     },
     /// Deletes expired keys in bounded batches (a progress bar on a terminal).
     Sweep {
@@ -386,10 +393,24 @@ async fn run(args: Args) -> Result<(), Failure> {
             store,
             dry_run,
             show_sql,
+            dead_letters,
+            dead_letter_table,
         } => {
             let s = AnyLease::open(&store).await.map_err(|e| store_failure(&store, e))?;
-
-            let pending = s.pending_migrations().await?;
+            let letters = if dead_letters {
+                let table =
+                    TableName::new(&dead_letter_table).map_err(|e| Failure(2, format!("--dead-letter-table: {e}")))?;
+                Some(dlq::AnyDeadLetters::open(&store, table).await.map_err(|e| match e {
+                    idem_core::Error::Config(why) => Failure(2, why),
+                    e => store_failure(&store, e),
+                })?)
+            } else {
+                None
+            };
+            let mut pending = s.pending_migrations().await?;
+            if let Some(letters) = &letters {
+                pending.extend(letters.pending_migrations().await?);
+            }
             if show_sql && !json {
                 for m in &pending {
                     say!("-- version {}: {}", m.version, m.description);
@@ -400,6 +421,9 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             if !dry_run {
                 s.migrate().await?;
+                if let Some(letters) = &letters {
+                    letters.migrate().await?;
+                }
             }
             let versions: Vec<i64> = pending.iter().map(|m| m.version).collect();
             let mut v = serde_json::json!({ "store": s.kind(), "pending": versions, "applied": !dry_run });
@@ -411,6 +435,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                     .into();
             }
             let text = match (pending.is_empty(), dry_run) {
+                (true, _) if letters.is_some() => format!("{}: the keys and dead-letter tables are current", s.kind()),
                 (true, _) => format!("{}: the keys table is current", s.kind()),
                 (false, true) => format!("{}: would apply version(s) {versions:?} (nothing applied)", s.kind()),
                 (false, false) => format!("{}: applied version(s) {versions:?}", s.kind()),

@@ -100,6 +100,21 @@ async fn dead_letter_commands(url: &str) {
     let (code, _, out) = idem(&["dlq", "list", "--store", url]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("is the table there?"), "{out}");
+    // `idem migrate --dead-letters` creates it; a dry run first applies nothing.
+    let (code, v, out) = idem(&["migrate", "--store", url, "--dead-letters", "--dry-run", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(v["applied"], false);
+    assert!(v["pending"].as_array().is_some_and(|p| !p.is_empty()), "{out}");
+    let (code, _, out) = idem(&["dlq", "list", "--store", url]);
+    assert_eq!(code, 1, "a dry run created nothing: {out}");
+    let (code, _, out) = idem(&["migrate", "--store", url, "--dead-letters"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, v, out) = idem(&["migrate", "--store", url, "--dead-letters", "--dry-run", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(v["pending"], serde_json::json!([]), "{out}");
+    let (code, v, out) = idem(&["dlq", "list", "--store", url, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(v, serde_json::json!([]), "{out}");
 
     let store = AnyLease::connect(url).await.unwrap();
     let ids = match &store {
@@ -309,4 +324,7 @@ fn redis_keeps_no_dead_letters() {
     assert!(out.contains("Redis keeps no dead letters"), "{out}");
     let (code, _, out) = idem(&["dlq", "list", "--store", "/tmp/x.db", "--table", "bad name"]);
     assert_eq!(code, 2, "{out}");
+    let (code, _, out) = idem(&["migrate", "--store", "redis://127.0.0.1:6379/15", "--dead-letters"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("Redis keeps no dead letters"), "{out}");
 }
