@@ -223,6 +223,10 @@ pub struct Report {
     pub audit: serde_json::Value,
     /// Seconds the run took.
     pub duration_secs: f64,
+    /// Seconds of each phase: setup, workload, quiesce (faults stopped, the
+    /// service healthy), payouts (settled, redriven, checked), history,
+    /// events_and_stop (event checks, workers stopped), teardown.
+    pub phase_secs: BTreeMap<String, f64>,
     /// Event faults that happened (with events on).
     pub event_faults: events::EventFaults,
     /// What the event checks saw (with events on).
@@ -403,7 +407,15 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let base = format!("http://{}", proxy.addr);
     let direct = format!("http://127.0.0.1:{port}");
     let token = format!("chaos-{}-{}", config.seed, uuid::Uuid::now_v7());
+    let mut phases = BTreeMap::new();
+    let mut lap = Instant::now();
+    let mut phase = |name: &str| {
+        phases.insert(name.to_owned(), lap.elapsed().as_secs_f64());
+        lap = Instant::now();
+    };
+    phase("setup");
     let outcome = workload::run(&config, &base, &token, rng.fork(5), &service).await;
+    phase("workload");
 
     // Quiesce: no more faults, the service up, every lease long expired.
     calm.store(true, Ordering::SeqCst);
@@ -412,6 +424,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         let _ = task.await;
     }
     service.wait_healthy(Duration::from_secs(120)).await?;
+    phase("quiesce");
     let outcome = outcome?;
     let mut violations = outcome.violations.clone();
     let mut payout_counts = payouts::PayoutCounts::default();
@@ -427,7 +440,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         )
         .await?;
     }
+    phase("payouts");
     let audit = check::history(&config, &database, &direct, &token, &outcome, &mut violations).await?;
+    phase("history");
     let mut event_counts = events::EventCounts::default();
     if let Some((nats, workers)) = &event_side {
         // Every in-flight message of a killed projector is delivered again
@@ -445,6 +460,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         }
         vendor.stop();
     }
+    phase("events_and_stop");
     service.stop().await;
     let pc = &proxy.counts;
     let faults = FaultCounts {
@@ -460,6 +476,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if !config.keep_db {
         database.drop_database().await;
     }
+    phase("teardown");
     if config.ledger_bin.is_none() && std::env::var("CHAOS_LEDGER_BIN").is_err() {
         let _ = std::fs::remove_file(&bin);
     }
@@ -473,6 +490,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         faults,
         audit,
         duration_secs: started.elapsed().as_secs_f64(),
+        phase_secs: phases,
         event_faults: event_faults.lock().await.clone(),
         events: event_counts,
         payouts_enabled: config.payouts,
