@@ -463,6 +463,14 @@ pub(crate) async fn settle_and_check(
             break;
         }
     }
+    // Closed here, not left to the pool's idle timeout: no session of the
+    // harness outlives the run's database.
+    drop((redriver, letters));
+    match &store {
+        ledger::Store::Postgres(s) => s.pool().close().await,
+        ledger::Store::MySql(s) => s.pool().close().await,
+        ledger::Store::Sqlite(s) => s.pool().close().await,
+    }
     let at_vendor: VendorLedger = vendor.get_json("/v1/ledger").await?;
     let stats: serde_json::Value = vendor.get_json("/_stats").await?;
     if stats["mismatched"].as_u64().unwrap_or(0) != 0 {
