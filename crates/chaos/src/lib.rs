@@ -223,7 +223,8 @@ pub struct Report {
     pub audit: serde_json::Value,
     /// Seconds the run took.
     pub duration_secs: f64,
-    /// Seconds of each phase: setup, workload, quiesce (faults stopped, the
+    /// Seconds of each phase: setup (the ledger built if need be, the
+    /// database and the processes started), workload, quiesce (faults stopped, the
     /// service healthy), payouts (settled, redriven, checked), history,
     /// events_and_stop (event checks, workers stopped), teardown.
     pub phase_secs: BTreeMap<String, f64>,
@@ -408,7 +409,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let direct = format!("http://127.0.0.1:{port}");
     let token = format!("chaos-{}-{}", config.seed, uuid::Uuid::now_v7());
     let mut phases = BTreeMap::new();
-    let mut lap = Instant::now();
+    let mut lap = started;
     let mut phase = |name: &str| {
         phases.insert(name.to_owned(), lap.elapsed().as_secs_f64());
         lap = Instant::now();
