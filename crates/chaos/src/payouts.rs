@@ -466,10 +466,15 @@ pub(crate) async fn settle_and_check(
     // Closed here, not left to the pool's idle timeout: no session of the
     // harness outlives the run's database.
     drop((redriver, letters));
-    match &store {
-        ledger::Store::Postgres(s) => s.pool().close().await,
-        ledger::Store::MySql(s) => s.pool().close().await,
-        ledger::Store::Sqlite(s) => s.pool().close().await,
+    let closed = async {
+        match &store {
+            ledger::Store::Postgres(s) => s.pool().close().await,
+            ledger::Store::MySql(s) => s.pool().close().await,
+            ledger::Store::Sqlite(s) => s.pool().close().await,
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(10), closed).await.is_err() {
+        eprintln!("chaos: the payout checks' connections did not close within 10 s");
     }
     let at_vendor: VendorLedger = vendor.get_json("/v1/ledger").await?;
     let stats: serde_json::Value = vendor.get_json("/_stats").await?;
