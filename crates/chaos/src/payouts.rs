@@ -47,7 +47,8 @@ pub struct PayoutFaults {
     pub vendor_429s: u64,
     /// Windows in which the vendor answered late (`slow_ms`).
     pub vendor_slow_windows: u64,
-    /// Windows in which the vendor refused connections (`refuse_ms`).
+    /// Outages: windows in which the vendor refused new connections
+    /// (`refuse_ms`) and answered 500 on kept-alive ones.
     pub vendor_refuse_windows: u64,
 }
 
@@ -297,9 +298,10 @@ const BASE_FAULTS: fake_vendor::Faults = fake_vendor::Faults {
 
 /// Changes the vendor's faults every 1–3 s until `calm`: answers dropped
 /// after paying (10 %), 500s (10 %), 429s with `Retry-After: 1` (5 %),
-/// often a window of slow answers, and 3–6 s in then every 60–120 s a
-/// window of refused connections longer than the workers' retries (their
-/// calls are dead-lettered, and their circuit breaker opens for a while).
+/// often a window of slow answers, and 3–6 s in then every 60–120 s an
+/// outage longer than the workers' retries: new connections refused for
+/// 1.5–3 s, and every request answered 500 until 1–3 s later (their calls
+/// are dead-lettered, and their circuit breaker opens for a while).
 pub(crate) async fn attack_vendor(
     vendor: Arc<Vendor>,
     calm: Arc<AtomicBool>,
@@ -323,7 +325,10 @@ pub(crate) async fn attack_vendor(
         }
         let refuse = tokio::time::Instant::now() >= next_refusal;
         if refuse {
+            // New connections are refused; the workers' kept-alive ones
+            // get 500s, until well past their retries.
             f.refuse_ms = rng.range(1_500, 3_000);
+            f.error_500 = 1.0;
             next_refusal = tokio::time::Instant::now() + Duration::from_millis(rng.range(60_000, 120_000));
         }
         match vendor.set(&f).await {
@@ -333,6 +338,9 @@ pub(crate) async fn attack_vendor(
                 c.vendor_refuse_windows += u64::from(refuse);
             }
             Err(e) => eprintln!("chaos: {e}"),
+        }
+        if refuse {
+            tokio::time::sleep(Duration::from_millis(f.refuse_ms)).await;
         }
     }
 }
