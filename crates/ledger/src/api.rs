@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
 use crate::db::{Account, DbError, LedgerDb, MAX_AMOUNT, Statement, WEBHOOK_INBOX_TABLE};
-use crate::events::{Envelope, Namespace};
+use crate::events::Namespace;
 use idem_webhooks::{Verifier, WebhookError, WebhookInbox};
 
 /// What every handler shares.
@@ -452,16 +452,14 @@ async fn create_account<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     D::insert_account(&mut tx, who.tenant.as_str(), &id, name, now_ms).await?;
-    let event = Envelope::new(
+    crate::events::enqueue::<D>(
+        &st.outbox,
+        &mut tx,
+        &st.namespace,
         "account.created",
         who.tenant.as_str(),
         now_ms,
         serde_json::json!({ "account_id": id, "name": name }),
-    );
-    D::enqueue(
-        &st.outbox,
-        &mut tx,
-        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -508,16 +506,14 @@ async fn top_up<D: LedgerDb>(
         now_ms,
     )
     .await?;
-    let event = Envelope::new(
+    crate::events::enqueue::<D>(
+        &st.outbox,
+        &mut tx,
+        &st.namespace,
         "top_up.created",
         who.tenant.as_str(),
         now_ms,
         serde_json::json!({ "journal_id": id, "account_id": req.account_id, "amount": amount }),
-    );
-    D::enqueue(
-        &st.outbox,
-        &mut tx,
-        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -546,16 +542,14 @@ async fn transfer<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     D::transfer(&mut tx, who.tenant.as_str(), &id, &req.from, &req.to, amount, now_ms).await?;
-    let event = Envelope::new(
+    crate::events::enqueue::<D>(
+        &st.outbox,
+        &mut tx,
+        &st.namespace,
         "transfer.created",
         who.tenant.as_str(),
         now_ms,
         serde_json::json!({ "journal_id": id, "from": req.from, "to": req.to, "amount": amount }),
-    );
-    D::enqueue(
-        &st.outbox,
-        &mut tx,
-        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -606,16 +600,14 @@ async fn request_payout<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let balance = D::request_payout(&mut tx, who.tenant.as_str(), &id, &req.account_id, amount, now_ms).await?;
-    let event = Envelope::new(
+    crate::events::enqueue::<D>(
+        &st.outbox,
+        &mut tx,
+        &st.namespace,
         "payout.requested",
         who.tenant.as_str(),
         now_ms,
         serde_json::json!({ "payout_id": id, "account_id": req.account_id, "amount": amount }),
-    );
-    D::enqueue(
-        &st.outbox,
-        &mut tx,
-        &event.to_outbox_in(&st.namespace).map_err(DbError::from)?,
     )
     .await?;
     Ok((
@@ -826,13 +818,16 @@ async fn payment_webhook<D: LedgerDb>(
                 let id = uuid::Uuid::now_v7().to_string();
                 let now_ms = clock.now_ms();
                 let balance = D::top_up(tx, tenant.as_str(), &id, "webhook_top_up", &account, amount, now_ms).await?;
-                let event = Envelope::new(
+                crate::events::enqueue::<D>(
+                    &outbox,
+                    tx,
+                    &ns,
                     "webhook_top_up.created",
                     tenant.as_str(),
                     now_ms,
                     serde_json::json!({ "journal_id": id, "event_id": event_id, "account_id": account, "amount": amount }),
-                );
-                D::enqueue(&outbox, tx, &event.to_outbox_in(&ns)?).await?;
+                )
+                .await?;
                 Ok::<_, DbError>(WebhookDone {
                     event_id,
                     id,

@@ -283,6 +283,21 @@ pub async fn connect(url: &str, ns: &Namespace) -> Result<jetstream::Context, St
     Ok(js)
 }
 
+/// Enqueues a version-1 event of `kind` in the open transaction: it is
+/// published if and only if the transaction commits.
+pub async fn enqueue<D: LedgerDb>(
+    outbox: &D::Outbox,
+    tx: &mut D::Tx,
+    namespace: &Namespace,
+    kind: &str,
+    tenant: &str,
+    now_ms: i64,
+    data: serde_json::Value,
+) -> Result<(), crate::db::DbError> {
+    let event = Envelope::new(kind, tenant, now_ms, data).to_outbox_in(namespace)?;
+    D::enqueue(outbox, tx, &event).await
+}
+
 /// A relay of the ledger's outbox.
 pub fn relay<D: LedgerDb>(db: &D, js: &jetstream::Context) -> Relay<D::Outbox, JetStreamPublisher> {
     Relay::new(

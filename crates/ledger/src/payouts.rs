@@ -34,7 +34,7 @@ use idem_outbound::OutboundClient;
 use tokio::sync::watch;
 
 use crate::db::{DbError, LedgerDb, PayoutChange, PayoutState, PayoutTask};
-use crate::events::{Envelope, Namespace};
+use crate::events::Namespace;
 
 /// The operation of payout leases and dead letters.
 pub const PAYOUT_OPERATION: &str = "payout";
@@ -359,9 +359,16 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         if let (Some(data), serde_json::Value::Object(extra)) = (data.as_object_mut(), extra) {
             data.extend(extra);
         }
-        let event = Envelope::new(kind, &task.tenant, now_ms, data);
-        let outbox = self.db.outbox();
-        D::enqueue(&outbox, tx, &event.to_outbox_in(&self.config.namespace)?).await
+        crate::events::enqueue::<D>(
+            &self.db.outbox(),
+            tx,
+            &self.config.namespace,
+            kind,
+            &task.tenant,
+            now_ms,
+            data,
+        )
+        .await
     }
 }
 
