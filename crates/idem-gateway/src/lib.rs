@@ -119,7 +119,11 @@ pub fn router(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Ro
         .default_route(defaults)
         .operation(move |parts: &Parts| operation_of(&routes, parts))
         .max_request_bytes(config.max_request_bytes)
-        .max_response_bytes(config.max_response_bytes);
+        .max_response_bytes(config.max_response_bytes)
+        // The upstream's answer reaches the first caller as it comes, and is
+        // recorded up to max_response_bytes on the way; a caller that stops
+        // reading for as long as the upstream may take is left behind.
+        .stream_responses(config.upstream_timeout());
     for (name, policy) in layer_routes {
         layer = layer.route(name, policy);
     }

@@ -19,15 +19,21 @@ fn redis_url() -> String {
     std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Upstream {
     calls: Arc<AtomicUsize>,
     flaky: Arc<AtomicUsize>,
+    /// `/v1/stream` sends its last chunk once this has a permit.
+    gate: Arc<tokio::sync::Semaphore>,
 }
 
 /// A tiny API that is not idempotent at all.
 async fn start_upstream() -> (String, Upstream) {
-    let state = Upstream::default();
+    let state = Upstream {
+        calls: Arc::default(),
+        flaky: Arc::default(),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
     let s = state.clone();
     let app = Router::new()
         .route(
@@ -58,6 +64,32 @@ async fn start_upstream() -> (String, Upstream) {
                         } else {
                             (StatusCode::CREATED, format!("attempt {n}"))
                         }
+                    }
+                }
+            }),
+        )
+        .route(
+            "/v1/stream",
+            post({
+                let s = state.clone();
+                move || {
+                    let s = s.clone();
+                    async move {
+                        s.calls.fetch_add(1, Ordering::SeqCst);
+                        let chunks = futures_util::stream::unfold(0u8, move |step| {
+                            let gate = s.gate.clone();
+                            async move {
+                                match step {
+                                    0 => Some((Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"first ")), 1)),
+                                    1 => {
+                                        gate.acquire().await.ok()?.forget();
+                                        Some((Ok(axum::body::Bytes::from_static(b"last")), 2))
+                                    }
+                                    _ => None,
+                                }
+                            }
+                        });
+                        (StatusCode::CREATED, axum::body::Body::from_stream(chunks))
                     }
                 }
             }),
@@ -276,5 +308,48 @@ async fn an_upstream_slower_than_the_lease_is_called_once() {
         let (status, _, body) = task.await.unwrap();
         assert_eq!((status, body.as_str()), (201, "slow and done"));
     }
+    assert_eq!(state.calls.load(Ordering::SeqCst), 1);
+}
+
+/// The upstream's answer streams through the gateway: the first caller reads
+/// the status and the first chunk while the upstream has not finished, and
+/// the whole answer is recorded on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
+    let (upstream, state) = start_upstream().await;
+    let store = sqlite_store();
+    let g = start_gateway(&upstream, &store, "").await;
+    let (t, k) = (fresh(), fresh());
+    let mut first = tokio::time::timeout(
+        Duration::from_secs(10),
+        reqwest::Client::new()
+            .post(format!("{}/v1/stream", g.base))
+            .bearer_auth(&t)
+            .header("idempotency-key", format!("\"{k}\""))
+            .header("content-type", "application/json")
+            .body("{}")
+            .send(),
+    )
+    .await
+    .expect("the head arrives while the upstream is still answering")
+    .unwrap();
+    assert_eq!(first.status(), 201);
+    let chunk = tokio::time::timeout(Duration::from_secs(10), first.chunk())
+        .await
+        .expect("the first chunk arrives while the upstream is still answering")
+        .unwrap();
+    assert_eq!(chunk.as_deref(), Some(&b"first "[..]));
+    state.gate.add_permits(1);
+    let mut rest = Vec::new();
+    while let Some(c) = first.chunk().await.unwrap() {
+        rest.extend_from_slice(&c);
+    }
+    assert_eq!(rest, b"last");
+    let (status, headers, body) = send(&g.base, "/v1/stream", &t, Some(&k), "{}").await;
+    assert_eq!((status, body.as_str()), (201, "first last"));
+    assert_eq!(
+        headers.get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
     assert_eq!(state.calls.load(Ordering::SeqCst), 1);
 }

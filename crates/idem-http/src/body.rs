@@ -112,3 +112,106 @@ impl http_body::Body for Whole {
         self.data.as_ref().is_none_or(Bytes::is_empty) && self.trailers.is_none()
     }
 }
+
+/// What the recording task forwards to the first caller of a streamed
+/// response.
+pub(crate) enum Chunk {
+    /// The next frame.
+    Frame(Frame<Bytes>),
+    /// The body is whole and its outcome settled.
+    End,
+    /// The body failed.
+    Failed(String),
+}
+
+/// The first caller's side of a streamed response: frames as the recording
+/// task forwards them. It ends only on [`Chunk::End`]; a failure, or a
+/// sender gone without it (the caller was left behind), cuts the response
+/// off with an error, so a partial body is never taken for a whole one.
+pub(crate) struct Streamed {
+    pub(crate) chunks: tokio::sync::mpsc::Receiver<Chunk>,
+    pub(crate) ended: bool,
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        let chunk = std::task::ready!(self.chunks.poll_recv(cx));
+        Poll::Ready(match chunk {
+            Some(Chunk::Frame(frame)) => Some(Ok(frame)),
+            Some(Chunk::End) => {
+                self.ended = true;
+                None
+            }
+            Some(Chunk::Failed(why)) => {
+                self.ended = true;
+                Some(Err(why.into()))
+            }
+            None => {
+                self.ended = true;
+                Some(Err("the response was cut off before its end".into()))
+            }
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+}
+
+/// A response being streamed and recorded: what was kept of it so far.
+pub(crate) struct Tee {
+    limit: usize,
+    kept: BytesMut,
+    trailers: HeaderMap,
+    over: bool,
+}
+
+/// How a streamed response ended, for its record.
+pub(crate) enum Teed {
+    /// Whole, within the limit.
+    Full(Bytes, HeaderMap),
+    /// Longer than the limit (it reached the first caller whole).
+    TooLarge,
+    /// The body failed midway.
+    Failed(String),
+}
+
+impl Tee {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            kept: BytesMut::new(),
+            trailers: HeaderMap::new(),
+            over: false,
+        }
+    }
+
+    /// Keeps what the record needs of `frame`.
+    pub(crate) fn keep(&mut self, frame: &Frame<Bytes>) {
+        if let Some(data) = frame.data_ref() {
+            if !self.over && self.kept.len() + data.len() > self.limit {
+                self.over = true;
+                self.kept = BytesMut::new();
+            }
+            if !self.over {
+                self.kept.extend_from_slice(data);
+            }
+        } else if let Some(trailers) = frame.trailers_ref() {
+            self.trailers.extend(trailers.clone());
+        }
+    }
+
+    pub(crate) fn finish(self) -> Teed {
+        if self.over {
+            Teed::TooLarge
+        } else {
+            Teed::Full(self.kept.freeze(), self.trailers)
+        }
+    }
+}

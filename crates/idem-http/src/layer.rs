@@ -193,14 +193,25 @@ pub struct Transactional<B> {
 /// effects are outside the database.
 pub struct Leased<L> {
     pub(crate) engine: LeaseEngine<L>,
+    pub(crate) streaming: Option<Streaming>,
 }
 
 impl<L> Clone for Leased<L> {
     fn clone(&self) -> Self {
         Self {
             engine: self.engine.clone(),
+            streaming: self.streaming,
         }
     }
+}
+
+/// How lease mode streams a response it records (see
+/// [`IdempotencyLayer::stream_responses`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Streaming {
+    /// How long the first caller may take to accept one frame before it is
+    /// left behind (its response cut off) and the recording goes on alone.
+    pub(crate) stall: std::time::Duration,
 }
 
 #[derive(Clone)]
@@ -278,10 +289,39 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
-                mode: Leased { engine },
+                mode: Leased {
+                    engine,
+                    streaming: None,
+                },
                 config: config(Arc::new(tenant)),
             }),
         }
+    }
+
+    /// Streams each response that is to be recorded to its first caller as
+    /// the handler produces it, while recording it (default: off; the
+    /// response is read whole, up to
+    /// [`max_response_bytes`](Self::max_response_bytes), recorded, then sent).
+    ///
+    /// With streaming on:
+    /// - the status, headers and each body frame reach the first caller as
+    ///   they come; only the end of the body waits for the outcome to be
+    ///   recorded, so a caller that has read the whole response can replay it
+    ///   at once;
+    /// - at most `max_response_bytes` are kept for the record; a longer
+    ///   response still streams whole to the first caller, and retries replay
+    ///   the 500 `idempotency-response-too-large` problem;
+    /// - a body that fails midway cuts the first caller's response off (the
+    ///   status is already sent), and retries replay the 500
+    ///   `idempotency-response-failed` problem: the handler took effect;
+    /// - a first caller that goes away, or accepts no frame for `stall`, is
+    ///   left behind: the body is still read to its end and recorded.
+    ///
+    /// Responses that are not recorded (5xx, 4xx unless the policy records
+    /// rejections) stream as they always do.
+    pub fn stream_responses(mut self, stall: std::time::Duration) -> Self {
+        Arc::make_mut(&mut self.shared).mode.streaming = Some(Streaming { stall });
+        self
     }
 }
 

@@ -710,6 +710,10 @@ impl<L: LeaseStore> Mode for Leased<L> {
             max_response_bytes: cfg.max_response_bytes,
             problem_base: cfg.problem_base.clone(),
         };
+        let streaming = self.streaming;
+        // The task hands the response over as soon as it can be sent (after
+        // the record, or at once when it streams) and goes on to its end.
+        let (answer, answered) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let mut guard = ReleaseOnPanic {
                 engine: Some(engine.clone()),
@@ -717,9 +721,25 @@ impl<L: LeaseStore> Mode for Leased<L> {
             };
             let response = inner.call(req).await;
             guard.disarm();
-            let (settle, response) = match response {
-                Ok(response) => settle_response(&recording, &call, response).await,
-                Err(e) => (None, Err(e)),
+            // Held until the outcome is settled: the streamed body ends then.
+            let mut stream_end = None;
+            let settle = match response {
+                Ok(response) => match streaming {
+                    Some(streaming) if !matches!(decide(response.status(), &call), Decision::Release) => {
+                        let (record, tx) = stream_and_record(&recording, &call, streaming, response, answer).await;
+                        stream_end = tx;
+                        Some(record)
+                    }
+                    _ => {
+                        let (settle, response) = settle_response(&recording, &call, response).await;
+                        let _ = answer.send(response);
+                        settle
+                    }
+                },
+                Err(e) => {
+                    let _ = answer.send(Err(e));
+                    None
+                }
             };
             hit(Point::BeforeCommit);
             let settled = match settle {
@@ -734,22 +754,26 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 ),
                 Err(e) => tracing::warn!(error = %e, "could not settle the lease; it will expire"),
             }
-            response
-        }));
-        match task.await {
-            Ok(response) => response,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(e) => {
-                tracing::error!(error = %e, "the lease-mode task was cancelled");
-                Ok(Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    slugs::STORE_UNAVAILABLE,
-                    "Request interrupted",
-                )
-                .with_detail("the service is shutting down; retry with the same Idempotency-Key")
-                .with_retry_after_secs(1)
-                .into_response(&cfg.problem_base))
+            if let (Some(tx), Some(streaming)) = (stream_end, streaming) {
+                let _ = tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::End)).await;
             }
+        }));
+        match answered.await {
+            Ok(response) => response,
+            Err(_) => match task.await {
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                _ => {
+                    tracing::error!("the lease-mode task was cancelled");
+                    Ok(Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        slugs::STORE_UNAVAILABLE,
+                        "Request interrupted",
+                    )
+                    .with_detail("the service is shutting down; retry with the same Idempotency-Key")
+                    .with_retry_after_secs(1)
+                    .into_response(&cfg.problem_base))
+                }
+            },
         }
     }
 
@@ -763,6 +787,92 @@ impl<L: LeaseStore> Mode for Leased<L> {
     {
         passthrough(inner, req).await
     }
+}
+
+/// How many frames of a streamed response wait for a slow first caller.
+const STREAM_FRAMES: usize = 16;
+
+/// Streams a response that is to be recorded to its first caller (through
+/// `answer`) while keeping it for the record; reads the body to its end even
+/// when the caller has gone. Returns the record and the sender whose drop
+/// ends the caller's body (`None` once the caller is gone or cut off).
+async fn stream_and_record<ResBody, E>(
+    recording: &Recording,
+    call: &Call,
+    streaming: crate::layer::Streaming,
+    response: Response<ResBody>,
+    answer: tokio::sync::oneshot::Sender<Result<Response<Body>, E>>,
+) -> (Record, Option<tokio::sync::mpsc::Sender<crate::body::Chunk>>)
+where
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    use http_body_util::BodyExt;
+
+    let (rparts, rbody) = response.into_parts();
+    let status = rparts.status;
+    let headers = rparts.headers.clone();
+    let rejected = matches!(decide(status, call), Decision::RecordRejection);
+    let (tx, chunks) = tokio::sync::mpsc::channel(STREAM_FRAMES);
+    let streamed = crate::body::Streamed { chunks, ended: false };
+    let mut caller = answer
+        .send(Ok(first(rparts, Body::new(streamed))))
+        .is_ok()
+        .then_some(tx);
+    let mut tee = crate::body::Tee::new(recording.max_response_bytes);
+    let mut body = std::pin::pin!(rbody);
+    let teed = loop {
+        // The body's error type need not be Send: it is turned into words
+        // before anything else is awaited.
+        let next = body.frame().await.map(|r| r.map_err(|e| e.into().to_string()));
+        match next {
+            None => break tee.finish(),
+            Some(Ok(frame)) => {
+                tee.keep(&frame);
+                if let Some(tx) = &caller {
+                    match tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::Frame(frame))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => caller = None,
+                        Err(_) => {
+                            tracing::warn!(
+                                stall_ms = streaming.stall.as_millis() as u64,
+                                "the first caller accepted no frame in time; its response is cut off and the recording goes on"
+                            );
+                            caller = None;
+                        }
+                    }
+                }
+            }
+            Some(Err(why)) => break crate::body::Teed::Failed(why),
+        }
+    };
+    let record = match teed {
+        crate::body::Teed::Full(body, trailers) => {
+            let encoded = RecordedResponse {
+                status,
+                headers,
+                body,
+                trailers,
+            }
+            .encode();
+            if rejected {
+                Record::rejected(encoded)
+            } else {
+                Record::completed(encoded)
+            }
+        }
+        crate::body::Teed::TooLarge => stand_in(recording, status, StandIn::TooLarge).0,
+        crate::body::Teed::Failed(why) => {
+            tracing::warn!(%why, "response body failed after the handler ran");
+            // Dropping the sender cuts the caller off with an error even
+            // when this does not fit in time.
+            if let Some(tx) = caller.take() {
+                let _ = tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::Failed(why.clone()))).await;
+            }
+            stand_in(recording, status, StandIn::Failed(why)).0
+        }
+    };
+    (record, caller)
 }
 
 /// Decides by status what a lease-mode response does to its key, and reads
