@@ -2,8 +2,8 @@
 //!
 //! It starts the `ledger` (built with the `fault-injection` feature) as a
 //! child process on a fresh database, drives a workload of top-ups and
-//! transfers through a fault proxy with retrying clients (one key per logical
-//! operation, reused on every retry), kills the service at random moments and
+//! transfers through a fault proxy with retrying clients (`idem-client`: one
+//! key per logical operation, reused on every retry), kills the service at random moments and
 //! at idem's named fault points, kills its database sessions, pauses it, and
 //! fires bursts of identical requests. Then, once the service is quiet, it
 //! checks the history: conservation, at-most-once application of every key,

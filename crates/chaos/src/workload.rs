@@ -58,53 +58,70 @@ struct Tally {
     probes: AtomicU64,
 }
 
+/// The workload's client: idem-client, which keeps one key for every retry
+/// of an operation, with an observer that counts what the attempts got.
 struct Client {
-    http: reqwest::Client,
+    idem: idem_client::Client,
     base: String,
-    token: String,
-    tally: Tally,
+    tally: Arc<Tally>,
     violations: Mutex<Vec<String>>,
 }
 
+/// A definite answer.
 struct Seen {
     status: u16,
     body: Vec<u8>,
     replayed: bool,
-    retry_after: Option<u64>,
 }
 
 impl Client {
-    async fn send_once(&self, path: &str, key: &str, body: &str) -> Option<Seen> {
-        let res = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .header("authorization", format!("Bearer {}", self.token))
-            .header("idempotency-key", format!("\"{key}\""))
-            .header("content-type", "application/json")
-            .body(body.to_owned())
-            .send()
-            .await
-            .ok()?;
-        let status = res.status().as_u16();
-        let replayed = res.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
-        let retry_after = res
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok()?.parse().ok());
-        let body = res.bytes().await.ok()?.to_vec();
-        if replayed {
-            self.tally.replays.fetch_add(1, Ordering::Relaxed);
-        }
-        Some(Seen {
-            status,
-            body,
-            replayed,
-            retry_after,
+    fn new(base: &str, token: &str, seed: u64) -> Result<Self, Error> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(Duration::from_secs(20))
+            .build()?;
+        let tally = Arc::new(Tally::default());
+        let observed = tally.clone();
+        let idem = idem_client::Client::builder()
+            .http(http)
+            .bearer(token)
+            .deadline(OP_DEADLINE)
+            .attempt_timeout(Duration::from_secs(20))
+            .backoff(Duration::from_millis(20), Duration::from_millis(800))
+            // The ledger's in-flight 409 asks for a second; the harness
+            // polls no slower than that.
+            .max_retry_after(Duration::from_secs(1))
+            .jitter_seed(seed)
+            .on_attempt(move |event| {
+                if let idem_client::AttemptOutcome::Answered(r) = &event.outcome {
+                    if r.replayed() {
+                        observed.replays.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if r.status().as_u16() == 409 {
+                        observed.in_flight.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                if matches!(event.next, idem_client::Next::RetryIn(_)) {
+                    observed.retries.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .build()
+            .map_err(|e| Error::Service(format!("the workload's client: {e}")))?;
+        Ok(Self {
+            idem,
+            base: base.to_owned(),
+            tally,
+            violations: Mutex::new(Vec::new()),
         })
     }
 
-    /// Sends until a definite answer: 201 (applied), 422 (declined, or the
-    /// key refused for another body), anything else retried with the same key.
+    /// Sends until a definite answer with one key: 201 (applied), 422
+    /// (declined, or the key refused for another body); idem-client retries
+    /// everything else it may (network errors, 5xx, 408, 429, the in-flight
+    /// 409) with the same key. `burst` > 1 sends that many copies at once,
+    /// each retrying on its own. Returns the definite answer (`None` when
+    /// the outcome stayed unknown) and every 201 body received.
     async fn until_definite(
         &self,
         label: &str,
@@ -112,64 +129,43 @@ impl Client {
         key: &str,
         body: &str,
         burst: usize,
-        rng: &mut Rng,
-    ) -> (Option<Seen>, Vec<Vec<u8>>) {
-        let deadline = tokio::time::Instant::now() + OP_DEADLINE;
+    ) -> Result<(Option<Seen>, Vec<Vec<u8>>), Error> {
+        let op = idem_client::Operation::post(&format!("{}{path}", self.base))
+            .key(idem_client::Key::new(key).map_err(|e| Error::Service(e.to_string()))?)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .build()
+            .map_err(|e| Error::Service(format!("{label}: {e}")))?;
+        let sends: Vec<_> = (0..burst.max(1)).map(|_| self.idem.send(&op)).collect();
+        let mut definite = None;
         let mut bodies = Vec::new();
-        let mut attempt = 0u32;
-        loop {
-            let sends = if attempt == 0 && burst > 1 { burst } else { 1 };
-            let answers = futures_join(self, path, key, body, sends).await;
-            let mut definite = None;
-            let mut wait = None;
-            for seen in answers.into_iter().flatten() {
-                match seen.status {
-                    201 => {
-                        bodies.push(seen.body.clone());
-                        definite = Some(seen);
-                    }
-                    422 => definite = Some(seen),
-                    409 => {
-                        self.tally.in_flight.fetch_add(1, Ordering::Relaxed);
-                        wait = seen.retry_after.map(|s| Duration::from_millis((s * 1000).min(1_000)));
-                    }
-                    500..=599 => {}
-                    other => {
-                        self.violations.lock().await.push(format!(
-                            "{label}: unexpected status {other}: {}",
-                            String::from_utf8_lossy(&seen.body)
-                        ));
-                        return (None, bodies);
-                    }
+        for result in join_all(sends).await {
+            let response = match result {
+                Ok(response) => response,
+                Err(idem_client::Error::Rejected(response)) => *response,
+                Err(e) if e.is_outcome_unknown() => continue,
+                Err(e) => return Err(Error::Service(format!("{label}: the client failed: {e}"))),
+            };
+            let seen = Seen {
+                status: response.status().as_u16(),
+                body: response.body().to_vec(),
+                replayed: response.replayed(),
+            };
+            match seen.status {
+                201 => bodies.push(seen.body.clone()),
+                422 => {}
+                other => {
+                    self.violations.lock().await.push(format!(
+                        "{label}: unexpected status {other}: {}",
+                        String::from_utf8_lossy(&seen.body)
+                    ));
+                    return Ok((None, bodies));
                 }
             }
-            if definite.is_some() {
-                return (definite, bodies);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return (None, bodies);
-            }
-            attempt += 1;
-            self.tally.retries.fetch_add(1, Ordering::Relaxed);
-            let backoff = Duration::from_millis((20u64 << attempt.min(5)).min(800) + rng.range(0, 50));
-            tokio::time::sleep(wait.unwrap_or(backoff)).await;
+            definite = Some(seen);
         }
+        Ok((definite, bodies))
     }
-}
-
-async fn futures_join(client: &Client, path: &str, key: &str, body: &str, n: usize) -> Vec<Option<Seen>> {
-    if n == 1 {
-        return vec![client.send_once(path, key, body).await];
-    }
-    let mut set = Vec::with_capacity(n);
-    for _ in 0..n {
-        set.push(client.send_once(path, key, body));
-    }
-    let mut out = Vec::with_capacity(n);
-    // Send them all at once: a burst of identical requests with one key.
-    let joined = join_all(set).await;
-    out.extend(joined);
-    out
 }
 
 async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
@@ -211,18 +207,7 @@ pub(crate) async fn run(
     // The plan has its own stream, drawn before anything runs, so one seed
     // always gives one schedule however many retries the setup needs.
     let mut plan_rng = rng.fork(1);
-    let mut rng = rng.fork(2);
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .timeout(Duration::from_secs(20))
-        .build()?;
-    let client = Arc::new(Client {
-        http,
-        base: base.to_owned(),
-        token: token.to_owned(),
-        tally: Tally::default(),
-        violations: Mutex::new(Vec::new()),
-    });
+    let client = Arc::new(Client::new(base, token, rng.fork(2).next_u64())?);
     service.wait_healthy(Duration::from_secs(60)).await?;
 
     // Setup, through the same faults: accounts and their first top-ups.
@@ -237,9 +222,8 @@ pub(crate) async fn run(
                 &key,
                 &format!("{{\"name\":\"acct-{a}\"}}"),
                 1,
-                &mut rng,
             )
-            .await;
+            .await?;
         let seen = seen.ok_or_else(|| Error::Service("could not create an account".into()))?;
         let v: serde_json::Value = serde_json::from_slice(&seen.body).map_err(|e| Error::Service(e.to_string()))?;
         accounts.push(v["id"].as_str().unwrap_or_default().to_owned());
@@ -247,8 +231,8 @@ pub(crate) async fn run(
         let body = format!("{{\"account_id\":\"{}\",\"amount\":{amount}}}", accounts[a]);
         let key = uuid::Uuid::now_v7().to_string();
         let (seen, bodies) = client
-            .until_definite("initial top-up", "/v1/top-ups", &key, &body, 1, &mut rng)
-            .await;
+            .until_definite("initial top-up", "/v1/top-ups", &key, &body, 1)
+            .await?;
         let answer = match seen.map(|s| s.status) {
             Some(201) => Answer::Applied,
             _ => Answer::Unknown,
@@ -263,7 +247,7 @@ pub(crate) async fn run(
 
     // The schedule is drawn from the seed before anything runs.
     let rng = &mut plan_rng;
-    let plans: Vec<(Plan, bool, bool, u64)> = (0..config.ops)
+    let plans: Vec<(Plan, bool, bool)> = (0..config.ops)
         .map(|i| {
             let i64i = i as i64;
             let plan = if config.payouts && rng.chance(0.07) {
@@ -287,7 +271,7 @@ pub(crate) async fn run(
             };
             let burst = config.faults.bursts && rng.chance(0.03);
             let probe = rng.chance(0.02);
-            (plan, burst, probe, rng.next_u64())
+            (plan, burst, probe)
         })
         .collect();
     let plans = Arc::new(plans);
@@ -309,13 +293,12 @@ pub(crate) async fn run(
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
-                let Some((plan, burst, probe, seed)) = plans.get(i) else {
+                let Some((plan, burst, probe)) = plans.get(i) else {
                     break;
                 };
                 if service.broken() {
                     break;
                 }
-                let mut r = Rng::new(*seed);
                 let (kind, amount, path, body) = match plan {
                     Plan::TopUp { account, amount } => (
                         "top_up",
@@ -345,8 +328,8 @@ pub(crate) async fn run(
                 }
                 let label = format!("op {i} ({kind} {amount})");
                 let (seen, bodies) = client
-                    .until_definite(&label, path, &key, &body, if *burst { 5 } else { 1 }, &mut r)
-                    .await;
+                    .until_definite(&label, path, &key, &body, if *burst { 5 } else { 1 })
+                    .await?;
                 let answer = match seen.as_ref().map(|s| (s.status, s.body.as_slice())) {
                     Some((201, _)) => Answer::Applied,
                     Some((422, b)) if String::from_utf8_lossy(b).contains("insufficient-funds") => Answer::Rejected,
@@ -366,8 +349,8 @@ pub(crate) async fn run(
                     client.tally.probes.fetch_add(1, Ordering::Relaxed);
                     probes.lock().await.push(probe_amount);
                     let (seen, _) = client
-                        .until_definite(&format!("probe of {label}"), path, &key, &other, 1, &mut r)
-                        .await;
+                        .until_definite(&format!("probe of {label}"), path, &key, &other, 1)
+                        .await?;
                     match seen {
                         Some(s)
                             if s.status == 422
@@ -388,11 +371,12 @@ pub(crate) async fn run(
                     bodies,
                 });
             }
+            Ok::<(), Error>(())
         }));
     }
     for t in tasks {
         t.await
-            .map_err(|e| Error::Service(format!("a client task failed: {e}")))?;
+            .map_err(|e| Error::Service(format!("a client task failed: {e}")))??;
     }
     if service.broken() {
         return Err(Error::Service(
