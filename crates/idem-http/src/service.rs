@@ -721,8 +721,11 @@ impl<L: LeaseStore> Mode for Leased<L> {
             };
             let response = inner.call(req).await;
             guard.disarm();
-            // Held until the outcome is settled: the streamed body ends then.
+            // A whole response is handed over once its outcome is settled, a
+            // streamed one at once; its body ends once the outcome is settled.
+            // Either way a caller that has read the whole response can replay it.
             let mut stream_end = None;
+            let mut deliver = None;
             let settle = match response {
                 Ok(response) => match streaming {
                     Some(streaming) if !matches!(decide(response.status(), &call), Decision::Release) => {
@@ -732,12 +735,12 @@ impl<L: LeaseStore> Mode for Leased<L> {
                     }
                     _ => {
                         let (settle, response) = settle_response(&recording, &call, response).await;
-                        let _ = answer.send(response);
+                        deliver = Some((answer, response));
                         settle
                     }
                 },
                 Err(e) => {
-                    let _ = answer.send(Err(e));
+                    deliver = Some((answer, Err(e)));
                     None
                 }
             };
@@ -753,6 +756,9 @@ impl<L: LeaseStore> Mode for Leased<L> {
                     "lease lost before the outcome was recorded: another request took the key over; nothing was overwritten"
                 ),
                 Err(e) => tracing::warn!(error = %e, "could not settle the lease; it will expire"),
+            }
+            if let Some((answer, response)) = deliver {
+                let _ = answer.send(response);
             }
             if let (Some(tx), Some(streaming)) = (stream_end, streaming) {
                 let _ = tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::End)).await;
