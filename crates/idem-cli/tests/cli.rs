@@ -44,6 +44,11 @@ async fn seed(url: &str) {
                 .unwrap();
         }
     }
+    // Redis indexes claims off their path; the commands below run in another
+    // process, which sees only what is indexed.
+    if let AnyLease::Redis(redis) = &store {
+        redis.flush_index().await;
+    }
 }
 
 async fn operator_commands(url: &str, outbox: bool) {

@@ -184,6 +184,14 @@ pub async fn serve(
         store = config.store_kind(),
         "idem gateway listening"
     );
+    // An answer streams to its caller in several writes (the end of the body
+    // waits for the record): with Nagle's algorithm the last write would wait
+    // for the caller's delayed ACK, some 40 ms, on every fresh request.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a caller's connection");
+        }
+    });
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
     Ok(())
 }

@@ -19,6 +19,18 @@
 //! - **Sweep**: Redis expires rows itself (their TTL is the key's expiry);
 //!   [`Sweep`] also deletes, in bounded batches, rows whose expiry passed on
 //!   the engine's clock, through a sorted set `<prefix>:expiry`.
+//! - **The expiry index** is written off the claim's path: a claim queues
+//!   its entry and answers; one writer per store adds what is queued in one
+//!   `ZADD` (on Redis Cluster the index lives in its own slot, so no script
+//!   could write it with the row). The queue is bounded (a full queue makes
+//!   claims wait for room). The sweep, [`stats`](RedisStore::stats),
+//!   [`list_keys`](RedisStore::list_keys) and
+//!   [`purge_keys`](RedisStore::purge_keys) of a store first wait for its own
+//!   queue ([`flush_index`](RedisStore::flush_index)); another process sees
+//!   a claim in the index about one Redis round trip after it was made. A
+//!   process that stops between a claim and its index write leaves the row
+//!   unindexed: the sweeper and the operator commands do not see it, and
+//!   Redis deletes it at its expiry by its TTL.
 //!
 //! Tokens are compared as decimal strings inside the scripts: they exceed
 //! 2^53, which Lua's numbers cannot hold exactly.
@@ -34,6 +46,8 @@
 //! failover, a key claimed or completed in the last moments before it may
 //! run again. Use `WAIT` semantics or a database store where that is not
 //! acceptable.
+
+mod index;
 
 use std::fmt;
 use std::sync::Arc;
@@ -143,6 +157,7 @@ pub struct RedisStore<C = ConnectionManager> {
     conn: C,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
+    index: Arc<index::IndexQueue>,
 }
 
 impl<C> fmt::Debug for RedisStore<C> {
@@ -163,11 +178,21 @@ pub fn store_error(e: redis::RedisError) -> Error {
     Error::store(kind, e)
 }
 
+/// Commands go out as they come, several in flight on one connection: with
+/// Nagle's algorithm a command written while an earlier one is unanswered
+/// would wait for the server's ACK.
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
+}
+
 impl RedisStore<ConnectionManager> {
     /// Connects to one Redis server (`redis://host:port/db`), reconnecting
     /// as needed.
     pub async fn connect(url: &str) -> Result<Self> {
-        let client = redis::Client::open(url).map_err(|e| Error::Config(format!("Redis URL {url:?}: {e}")))?;
+        let info = redis::IntoConnectionInfo::into_connection_info(url)
+            .map_err(|e| Error::Config(format!("Redis URL {url:?}: {e}")))?
+            .set_tcp_settings(tcp_settings());
+        let client = redis::Client::open(info).map_err(|e| Error::Config(format!("Redis URL {url:?}: {e}")))?;
         let conn = ConnectionManager::new(client).await.map_err(store_error)?;
         Ok(Self::new(conn))
     }
@@ -176,7 +201,9 @@ impl RedisStore<ConnectionManager> {
 impl RedisStore<ClusterConnection> {
     /// Connects to a Redis Cluster through any of its nodes.
     pub async fn connect_cluster(nodes: &[&str]) -> Result<Self> {
-        let client = redis::cluster::ClusterClient::new(nodes.to_vec())
+        let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+            .tcp_settings(tcp_settings())
+            .build()
             .map_err(|e| Error::Config(format!("Redis Cluster nodes {nodes:?}: {e}")))?;
         let conn = client.get_async_connection().await.map_err(store_error)?;
         Ok(Self::new(conn))
@@ -196,6 +223,7 @@ impl<C> RedisStore<C> {
                 extend: Script::new(EXTEND),
                 sweep_one: Script::new(SWEEP_ONE),
             }),
+            index: Arc::default(),
         }
     }
 
@@ -213,6 +241,8 @@ impl<C> RedisStore<C> {
             )));
         }
         self.prefix = prefix.into();
+        // The index of another prefix is written by a queue of its own.
+        self.index = Arc::default();
         Ok(self)
     }
 
@@ -308,16 +338,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                         .map(|v| int(v, "token"))
                         .transpose()?
                         .ok_or_else(|| corrupt("token"))?;
-                    // The sweeper's index; Redis also expires the row by its TTL.
-                    let indexed: redis::RedisResult<i64> = redis::cmd("ZADD")
-                        .arg(self.expiry_key())
-                        .arg(req.expires_at_ms)
-                        .arg(&tag)
-                        .query_async(&mut conn)
+                    // The sweeper's index, written off this path; Redis also
+                    // expires the row by its TTL.
+                    self.index
+                        .add(&self.conn, &self.expiry_key(), tag, req.expires_at_ms)
                         .await;
-                    if let Err(e) = indexed {
-                        tracing::debug!(error = %e, "expiry index not updated; Redis expires the row by its TTL");
-                    }
                     Ok(LeaseClaim::Acquired(Token(token)))
                 }
                 Some("found") if reply.len() == 7 => {
@@ -370,6 +395,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Sweep for RedisStore<C> {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
+            self.index.flush().await;
             let mut conn = self.conn.clone();
             let tags: Vec<String> = redis::cmd("ZRANGEBYSCORE")
                 .arg(self.expiry_key())
@@ -409,9 +435,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Sweep for RedisStore<C> 
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
+    /// Waits until every claim made so far through this store (or a clone of
+    /// it) is in the expiry index. The sweep and the operator methods of this
+    /// store do this first; call it before another process reads the index.
+    pub async fn flush_index(&self) {
+        self.index.flush().await;
+    }
+
     /// How many keys the store indexes, by state, at `now_ms` (reads every
     /// live row's status, 500 at a time).
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
+        self.index.flush().await;
         let mut conn = self.conn.clone();
         let expired: u64 = redis::cmd("ZCOUNT")
             .arg(self.expiry_key())
@@ -503,6 +537,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
         now_ms: i64,
         limit: u32,
     ) -> Result<Vec<(String, idem_core::KeyInfo)>> {
+        self.index.flush().await;
         let mut conn = self.conn.clone();
         let tags: Vec<String> = redis::cmd("ZRANGE")
             .arg(self.expiry_key())

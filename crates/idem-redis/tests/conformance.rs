@@ -115,3 +115,49 @@ async fn tokens_past_two_to_the_53_stay_exact() {
     let second = store.try_claim(&claim(5_000, 7)).await.unwrap();
     assert_eq!(second, LeaseClaim::Acquired(Token(big + 1)));
 }
+
+/// Claims are indexed off their path: once `flush_index` returns, every
+/// claim made through the store (more than its queue holds, from many tasks
+/// at once) is in the expiry index, for this store and for another
+/// connection on the same prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_reach_the_expiry_index_once_flushed() {
+    use idem_core::{ClaimRequest, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Scope, Token};
+    let store = Redis::connect().await.store;
+    let scope = Scope::parse("t", "op").unwrap();
+    let fingerprint = Fingerprint::of_json(scope.operation(), b"{}").unwrap();
+    let now_ms = 1_000_000;
+    let claims: u64 = 5_000;
+    let tasks: Vec<_> = (0..claims)
+        .map(|_| {
+            let (store, scope) = (store.clone(), scope.clone());
+            tokio::spawn(async move {
+                let key = IdempotencyKey::generate();
+                let req = ClaimRequest {
+                    scope: &scope,
+                    key: &key,
+                    fingerprint: &fingerprint,
+                    now_ms,
+                    expires_at_ms: now_ms + 60_000,
+                    fresh_token: Token::fresh(now_ms),
+                    lease_expires_at_ms: Some(now_ms + 30_000),
+                };
+                let claimed = store.try_claim(&req).await.unwrap();
+                assert!(matches!(claimed, LeaseClaim::Acquired(_)), "{claimed:?}");
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    store.flush_index().await;
+    let other = RedisStore::connect(&redis_url())
+        .await
+        .unwrap()
+        .with_prefix(store.prefix())
+        .unwrap();
+    let seen = other.stats(now_ms).await.unwrap();
+    assert_eq!(seen.in_progress, claims, "{seen:?}");
+    let own = store.stats(now_ms).await.unwrap();
+    assert_eq!(own.in_progress, claims, "{own:?}");
+}
