@@ -305,9 +305,13 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     ///
     /// With streaming on:
     /// - the status, headers and each body frame reach the first caller as
-    ///   they come; only the end of the body waits for the outcome to be
-    ///   recorded, so a caller that has read the whole response can replay it
-    ///   at once;
+    ///   they come; only the end of the body (with the last frame, when the
+    ///   body tells it is the last) waits for the outcome to be recorded, so
+    ///   a caller that has read the whole response can replay it at once.
+    ///   Serve with `TCP_NODELAY` on (axum: `ListenerExt::tap_io` with
+    ///   `set_nodelay(true)`, as `idem gateway` does):
+    ///   with Nagle's algorithm, a short final write can wait for the
+    ///   caller's delayed ACK (about 40 ms on Linux);
     /// - at most `max_response_bytes` are kept for the record; a longer
     ///   response still streams whole to the first caller, and retries replay
     ///   the 500 `idempotency-response-too-large` problem;

@@ -760,8 +760,8 @@ impl<L: LeaseStore> Mode for Leased<L> {
             if let Some((answer, response)) = deliver {
                 let _ = answer.send(response);
             }
-            if let (Some(tx), Some(streaming)) = (stream_end, streaming) {
-                let _ = tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::End)).await;
+            if let (Some(end), Some(streaming)) = (stream_end, streaming) {
+                end.finish(streaming.stall).await;
             }
         }));
         match answered.await {
@@ -808,7 +808,7 @@ async fn stream_and_record<ResBody, E>(
     streaming: crate::layer::Streaming,
     response: Response<ResBody>,
     answer: tokio::sync::oneshot::Sender<Result<Response<Body>, E>>,
-) -> (Record, Option<tokio::sync::mpsc::Sender<crate::body::Chunk>>)
+) -> (Record, Option<StreamEnd>)
 where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -827,6 +827,7 @@ where
         .then_some(tx);
     let mut tee = crate::body::Tee::new(recording.max_response_bytes);
     let mut body = std::pin::pin!(rbody);
+    let mut last = None;
     let teed = loop {
         // The body's error type need not be Send: it is turned into words
         // before anything else is awaited.
@@ -835,6 +836,13 @@ where
             None => break tee.finish(),
             Some(Ok(frame)) => {
                 tee.keep(&frame);
+                if body.is_end_stream() {
+                    // The last frame goes out with the end, after the
+                    // record, in one write (a lone end-of-body write would
+                    // wait for a delayed ACK on connections with Nagle on).
+                    last = Some(frame);
+                    continue;
+                }
                 if let Some(tx) = &caller {
                     match tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::Frame(frame))).await {
                         Ok(Ok(())) => {}
@@ -878,7 +886,30 @@ where
             stand_in(recording, status, StandIn::Failed(why)).0
         }
     };
-    (record, caller)
+    (record, caller.map(|tx| StreamEnd { tx, last }))
+}
+
+/// What a streamed response still sends once its outcome is settled.
+struct StreamEnd {
+    tx: tokio::sync::mpsc::Sender<crate::body::Chunk>,
+    /// The body's last frame, when its end was known as it arrived.
+    last: Option<http_body::Frame<Bytes>>,
+}
+
+impl StreamEnd {
+    /// Sends the last frame, if held, and the end of the body.
+    async fn finish(self, stall: std::time::Duration) {
+        let chunks = self
+            .last
+            .map(crate::body::Chunk::Frame)
+            .into_iter()
+            .chain([crate::body::Chunk::End]);
+        for chunk in chunks {
+            if !matches!(tokio::time::timeout(stall, self.tx.send(chunk)).await, Ok(Ok(()))) {
+                return;
+            }
+        }
+    }
 }
 
 /// Decides by status what a lease-mode response does to its key, and reads
