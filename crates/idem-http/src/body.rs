@@ -118,6 +118,8 @@ impl http_body::Body for Whole {
 pub(crate) enum Chunk {
     /// The next frame.
     Frame(Frame<Bytes>),
+    /// The last frame: the body is whole and its outcome settled.
+    Last(Frame<Bytes>),
     /// The body is whole and its outcome settled.
     End,
     /// The body failed.
@@ -129,8 +131,21 @@ pub(crate) enum Chunk {
 /// sender gone without it (the caller was left behind), cuts the response
 /// off with an error, so a partial body is never taken for a whole one.
 pub(crate) struct Streamed {
-    pub(crate) chunks: tokio::sync::mpsc::Receiver<Chunk>,
-    pub(crate) ended: bool,
+    chunks: tokio::sync::mpsc::Receiver<Chunk>,
+    ended: bool,
+    /// The handler body's exact length, when it declared one: the caller
+    /// then gets a `Content-Length`, and a cut-off shows as a short body.
+    exact: Option<u64>,
+}
+
+impl Streamed {
+    pub(crate) fn new(chunks: tokio::sync::mpsc::Receiver<Chunk>, exact: Option<u64>) -> Self {
+        Self {
+            chunks,
+            ended: false,
+            exact,
+        }
+    }
 }
 
 impl http_body::Body for Streamed {
@@ -144,6 +159,10 @@ impl http_body::Body for Streamed {
         let chunk = std::task::ready!(self.chunks.poll_recv(cx));
         Poll::Ready(match chunk {
             Some(Chunk::Frame(frame)) => Some(Ok(frame)),
+            Some(Chunk::Last(frame)) => {
+                self.ended = true;
+                Some(Ok(frame))
+            }
             Some(Chunk::End) => {
                 self.ended = true;
                 None
@@ -161,6 +180,10 @@ impl http_body::Body for Streamed {
 
     fn is_end_stream(&self) -> bool {
         self.ended
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.exact.map(http_body::SizeHint::with_exact).unwrap_or_default()
     }
 }
 

@@ -205,6 +205,9 @@ impl<L> Clone for Leased<L> {
     }
 }
 
+/// The shortest stall [`IdempotencyLayer::stream_responses`] accepts.
+const MIN_STALL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// How lease mode streams a response it records (see
 /// [`IdempotencyLayer::stream_responses`]).
 #[derive(Debug, Clone, Copy)]
@@ -318,12 +321,20 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     /// - a body that fails midway cuts the first caller's response off (the
     ///   status is already sent), and retries replay the 500
     ///   `idempotency-response-failed` problem: the handler took effect;
-    /// - a first caller that goes away, or accepts no frame for `stall`, is
-    ///   left behind: the body is still read to its end and recorded.
+    /// - the body is read at its own pace while the frames the first caller
+    ///   has not taken yet fit in `max_response_bytes`, so a response that
+    ///   fits the record is read (and recorded) whole however slow the
+    ///   caller; past that, at the caller's pace. A caller that goes away, or
+    ///   takes nothing for `stall` (at least 100 ms), is left behind, its
+    ///   response cut off with an error; the body is still read to its end
+    ///   and recorded;
+    /// - HTTP/1.0 callers, and 204 and 304 answers, get the whole response as
+    ///   without streaming.
     ///
     /// Responses that are not recorded (5xx, 4xx unless the policy records
     /// rejections) stream as they always do.
     pub fn stream_responses(mut self, stall: std::time::Duration) -> Self {
+        let stall = stall.max(MIN_STALL);
         Arc::make_mut(&mut self.shared).mode.streaming = Some(Streaming { stall });
         self
     }

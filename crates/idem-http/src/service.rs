@@ -15,7 +15,7 @@ use idem_core::{
 use tower_service::Service;
 
 use crate::IDEMPOTENT_REPLAYED;
-use crate::body::{Collected, collect_response};
+use crate::body::{Chunk, Collected, collect_response};
 use crate::future::ResponseFuture;
 use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{Config, KeyRequirement, Leased, Shared, Transactional};
@@ -702,6 +702,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // releases the key nor stops the recording. The heartbeat keeps the
         // lease alive until the outcome is settled.
         let beat = self.engine.heartbeat(&lease, call.policy().effective_lease_ms());
+        let version = parts.version;
         let mut req = Request::from_parts(parts, Body::from(body));
         req.extensions_mut()
             .insert(crate::lease::HeldLease(beat.held().clone()));
@@ -710,7 +711,10 @@ impl<L: LeaseStore> Mode for Leased<L> {
             max_response_bytes: cfg.max_response_bytes,
             problem_base: cfg.problem_base.clone(),
         };
-        let streaming = self.streaming;
+        // An HTTP/1.0 caller of a body of unknown length would get it
+        // close-delimited, where a cut-off looks like the end: it gets the
+        // whole response instead.
+        let streaming = self.streaming.filter(|_| version >= http::Version::HTTP_11);
         // The task hands the response over as soon as it can be sent (after
         // the record, or at once when it streams) and goes on to its end.
         let (answer, answered) = tokio::sync::oneshot::channel();
@@ -728,7 +732,11 @@ impl<L: LeaseStore> Mode for Leased<L> {
             let mut deliver = None;
             let settle = match response {
                 Ok(response) => match streaming {
-                    Some(streaming) if !matches!(decide(response.status(), &call), Decision::Release) => {
+                    // 204 and 304 have no body to stream.
+                    Some(streaming)
+                        if !matches!(decide(response.status(), &call), Decision::Release)
+                            && !matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED) =>
+                    {
                         let (record, tx) = stream_and_record(&recording, &call, streaming, response, answer).await;
                         stream_end = tx;
                         Some(record)
@@ -761,7 +769,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 let _ = answer.send(response);
             }
             if let (Some(end), Some(streaming)) = (stream_end, streaming) {
-                end.finish(streaming.stall).await;
+                end.finish(streaming.stall, Chunk::End).await;
             }
         }));
         match answered.await {
@@ -795,13 +803,39 @@ impl<L: LeaseStore> Mode for Leased<L> {
     }
 }
 
-/// How many frames of a streamed response wait for a slow first caller.
+/// How many frames the channel to the first caller holds; the frames behind
+/// them wait in the recording task's queue, bounded in bytes.
 const STREAM_FRAMES: usize = 16;
 
+/// The frames a streamed response has read and not yet handed to its first
+/// caller.
+struct Behind {
+    tx: tokio::sync::mpsc::Sender<Chunk>,
+    frames: std::collections::VecDeque<http_body::Frame<Bytes>>,
+    bytes: usize,
+}
+
+impl Behind {
+    fn push(&mut self, frame: http_body::Frame<Bytes>) {
+        self.bytes += frame.data_ref().map_or(0, Bytes::len);
+        self.frames.push_back(frame);
+    }
+
+    fn pop(&mut self) -> Option<http_body::Frame<Bytes>> {
+        let frame = self.frames.pop_front()?;
+        self.bytes -= frame.data_ref().map_or(0, Bytes::len);
+        Some(frame)
+    }
+}
+
 /// Streams a response that is to be recorded to its first caller (through
-/// `answer`) while keeping it for the record; reads the body to its end even
-/// when the caller has gone. Returns the record and the sender whose drop
-/// ends the caller's body (`None` once the caller is gone or cut off).
+/// `answer`) while keeping it for the record. The body is read at its own
+/// pace while the frames the caller has not taken yet fit in
+/// `max_response_bytes` (so a body that fits the record is read whole
+/// however slow the caller), then at the caller's; a caller that takes
+/// nothing for `stall` is cut off (its body ends in an error).
+/// Returns the record and what is still to be sent to the caller once the
+/// outcome is settled (its last frames and the end).
 async fn stream_and_record<ResBody, E>(
     recording: &Recording,
     call: &Call,
@@ -820,44 +854,64 @@ where
     let headers = rparts.headers.clone();
     let rejected = matches!(decide(status, call), Decision::RecordRejection);
     let (tx, chunks) = tokio::sync::mpsc::channel(STREAM_FRAMES);
-    let streamed = crate::body::Streamed { chunks, ended: false };
+    let streamed = crate::body::Streamed::new(chunks, rbody.size_hint().exact());
     let mut caller = answer
         .send(Ok(first(rparts, Body::new(streamed))))
         .is_ok()
-        .then_some(tx);
+        .then(|| Behind {
+            tx,
+            frames: std::collections::VecDeque::new(),
+            bytes: 0,
+        });
     let mut tee = crate::body::Tee::new(recording.max_response_bytes);
     let mut body = std::pin::pin!(rbody);
-    let mut last = None;
+    let mut progress = tokio::time::Instant::now();
+    let queue_limit = recording.max_response_bytes.max(1);
     let teed = loop {
-        // The body's error type need not be Send: it is turned into words
-        // before anything else is awaited.
-        let next = body.frame().await.map(|r| r.map_err(|e| e.into().to_string()));
-        match next {
-            None => break tee.finish(),
-            Some(Ok(frame)) => {
-                tee.keep(&frame);
-                if body.is_end_stream() {
-                    // The last frame goes out with the end, after the
-                    // record, in one write (a lone end-of-body write would
-                    // wait for a delayed ACK on connections with Nagle on).
-                    last = Some(frame);
-                    continue;
-                }
-                if let Some(tx) = &caller {
-                    match tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::Frame(frame))).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_)) => caller = None,
-                        Err(_) => {
-                            tracing::warn!(
-                                stall_ms = streaming.stall.as_millis() as u64,
-                                "the first caller accepted no frame in time; its response is cut off and the recording goes on"
-                            );
-                            caller = None;
+        let waiting = caller.as_ref().is_some_and(|c| !c.frames.is_empty());
+        // A full queue waits for the caller (who is cut off after `stall`).
+        let full = caller.as_ref().is_some_and(|c| c.bytes >= queue_limit);
+        let sender = caller.as_ref().filter(|_| waiting).map(|c| c.tx.clone());
+        tokio::select! {
+            biased;
+            // The body's error type need not be Send: it is turned into
+            // words before anything else is awaited.
+            next = body.frame(), if !full => match next.map(|r| r.map_err(|e| e.into().to_string())) {
+                None => break tee.finish(),
+                Some(Ok(frame)) => {
+                    tee.keep(&frame);
+                    // Trailers and a frame the body says is its last go out
+                    // with the end, after the record.
+                    let last = frame.is_trailers() || body.is_end_stream();
+                    if let Some(c) = &mut caller {
+                        if c.frames.is_empty() {
+                            progress = tokio::time::Instant::now();
                         }
+                        c.push(frame);
+                    }
+                    if last {
+                        break tee.finish();
                     }
                 }
-            }
-            Some(Err(why)) => break crate::body::Teed::Failed(why),
+                Some(Err(why)) => break crate::body::Teed::Failed(why),
+            },
+            permit = async { sender.expect("waiting").reserve_owned().await }, if waiting => {
+                let c = caller.as_mut().expect("waiting");
+                match permit {
+                    Ok(permit) => {
+                        permit.send(Chunk::Frame(c.pop().expect("waiting")));
+                        progress = tokio::time::Instant::now();
+                    }
+                    Err(_) => caller = None,
+                }
+            },
+            () = tokio::time::sleep_until(progress + streaming.stall), if waiting => {
+                tracing::warn!(
+                    stall_ms = streaming.stall.as_millis() as u64,
+                    "the first caller took nothing in time; its response is cut off and the recording goes on"
+                );
+                caller = None;
+            },
         }
     };
     let record = match teed {
@@ -878,34 +932,42 @@ where
         crate::body::Teed::TooLarge => stand_in(recording, status, StandIn::TooLarge).0,
         crate::body::Teed::Failed(why) => {
             tracing::warn!(%why, "response body failed after the handler ran");
-            // Dropping the sender cuts the caller off with an error even
-            // when this does not fit in time.
-            if let Some(tx) = caller.take() {
-                let _ = tokio::time::timeout(streaming.stall, tx.send(crate::body::Chunk::Failed(why.clone()))).await;
+            // The frames read before the failure, then the error; dropping
+            // the sender cuts the caller off with an error even when this
+            // does not fit in time.
+            if let Some(c) = caller.take() {
+                StreamEnd { behind: c }
+                    .finish(streaming.stall, Chunk::Failed(why.clone()))
+                    .await;
             }
             stand_in(recording, status, StandIn::Failed(why)).0
         }
     };
-    (record, caller.map(|tx| StreamEnd { tx, last }))
+    (record, caller.map(|behind| StreamEnd { behind }))
 }
 
 /// What a streamed response still sends once its outcome is settled.
 struct StreamEnd {
-    tx: tokio::sync::mpsc::Sender<crate::body::Chunk>,
-    /// The body's last frame, when its end was known as it arrived.
-    last: Option<http_body::Frame<Bytes>>,
+    behind: Behind,
 }
 
 impl StreamEnd {
-    /// Sends the last frame, if held, and the end of the body.
-    async fn finish(self, stall: std::time::Duration) {
-        let chunks = self
-            .last
-            .map(crate::body::Chunk::Frame)
-            .into_iter()
-            .chain([crate::body::Chunk::End]);
-        for chunk in chunks {
-            if !matches!(tokio::time::timeout(stall, self.tx.send(chunk)).await, Ok(Ok(()))) {
+    /// Sends the frames still queued, the last of them marked as the end
+    /// (so the connection writes it with the end of the body), or `end`.
+    async fn finish(mut self, stall: std::time::Duration, end: Chunk) {
+        let mut end = Some(end);
+        while let Some(chunk) = match self.behind.pop() {
+            Some(frame) if self.behind.frames.is_empty() && matches!(end, Some(Chunk::End)) => {
+                end = None;
+                Some(Chunk::Last(frame))
+            }
+            Some(frame) => Some(Chunk::Frame(frame)),
+            None => end.take(),
+        } {
+            if !matches!(
+                tokio::time::timeout(stall, self.behind.tx.send(chunk)).await,
+                Ok(Ok(()))
+            ) {
                 return;
             }
         }

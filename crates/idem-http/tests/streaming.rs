@@ -225,6 +225,8 @@ async fn a_stalled_first_caller_is_left_behind_and_the_record_completes() {
     let stalled = app.clone().oneshot(post_with_key("slow")).await.expect("infallible");
     let retry = send(&app, post_with_key("slow")).await;
     assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from(expected)));
+    // The caller reads nothing for longer than the stall.
+    tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(
         stalled.into_body().collect().await.is_err(),
         "the stalled caller's response was cut off"
@@ -256,4 +258,34 @@ async fn a_streamed_5xx_is_not_recorded() {
     let replay = send(&app, post_with_key("503")).await;
     assert_eq!(replay, (StatusCode::CREATED, true, Bytes::from_static(b"paid")));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A first caller that reads nothing does not hold up the recording of a
+/// response that fits the record: the body is read at its own pace, and a
+/// twin replays it long before the caller would be cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_caller_does_not_hold_up_the_record() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(
+        &runs,
+        1 << 20,
+        Duration::from_secs(30),
+        Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+        || {
+            let chunks = (0..500u32).map(|i| Ok::<_, std::io::Error>(Bytes::from(format!("{i:05}"))));
+            (
+                StatusCode::CREATED,
+                Body::from_stream(futures_util::stream::iter(chunks)),
+            )
+                .into_response()
+        },
+    );
+    let expected: String = (0..500u32).map(|i| format!("{i:05}")).collect();
+    let stalled = app.clone().oneshot(post_with_key("stalled")).await.expect("infallible");
+    let twin = send(&app, post_with_key("stalled")).await;
+    assert_eq!(twin, (StatusCode::CREATED, true, Bytes::from(expected.clone())));
+    // The stalled caller still gets the whole response when it reads.
+    let body = stalled.into_body().collect().await.expect("whole").to_bytes();
+    assert_eq!(body, Bytes::from(expected));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
