@@ -85,6 +85,27 @@ async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
     (status, replayed, body)
 }
 
+/// `POST /pay` answering `n` small numbered chunks at once, with a 1 MiB
+/// record limit, `stall` and a twin waiting up to `wait_ms`; and the whole
+/// body it answers.
+fn numbered_app(runs: &Arc<AtomicUsize>, n: u32, stall: Duration, wait_ms: u64) -> (Router, String) {
+    let app = app(
+        runs,
+        1 << 20,
+        stall,
+        Policy::default().with_in_flight(InFlight::Wait { max_ms: wait_ms }),
+        move || {
+            let chunks = (0..n).map(|i| Ok::<_, std::io::Error>(Bytes::from(format!("{i:05}"))));
+            (
+                StatusCode::CREATED,
+                Body::from_stream(futures_util::stream::iter(chunks)),
+            )
+                .into_response()
+        },
+    );
+    (app, (0..n).map(|i| format!("{i:05}")).collect())
+}
+
 /// A retry of `key` replays the 500 problem `slug` recorded in place of a
 /// 201 that took effect.
 async fn replays_stand_in(app: &Router, key: &str, slug: &str) {
@@ -207,21 +228,7 @@ async fn a_streamed_body_that_fails_cuts_the_first_caller_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_first_caller_is_left_behind_and_the_record_completes() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(
-        &runs,
-        1 << 20,
-        Duration::from_millis(200),
-        Policy::default().with_in_flight(InFlight::Wait { max_ms: 10_000 }),
-        || {
-            let chunks = (0..200u32).map(|i| Ok::<_, std::io::Error>(Bytes::from(format!("{i:04}"))));
-            (
-                StatusCode::CREATED,
-                Body::from_stream(futures_util::stream::iter(chunks)),
-            )
-                .into_response()
-        },
-    );
-    let expected: String = (0..200u32).map(|i| format!("{i:04}")).collect();
+    let (app, expected) = numbered_app(&runs, 200, Duration::from_millis(200), 10_000);
     let stalled = app.clone().oneshot(post_with_key("slow")).await.expect("infallible");
     let retry = send(&app, post_with_key("slow")).await;
     assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from(expected)));
@@ -266,21 +273,7 @@ async fn a_streamed_5xx_is_not_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_caller_does_not_hold_up_the_record() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(
-        &runs,
-        1 << 20,
-        Duration::from_secs(30),
-        Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
-        || {
-            let chunks = (0..500u32).map(|i| Ok::<_, std::io::Error>(Bytes::from(format!("{i:05}"))));
-            (
-                StatusCode::CREATED,
-                Body::from_stream(futures_util::stream::iter(chunks)),
-            )
-                .into_response()
-        },
-    );
-    let expected: String = (0..500u32).map(|i| format!("{i:05}")).collect();
+    let (app, expected) = numbered_app(&runs, 500, Duration::from_secs(30), 5_000);
     let stalled = app.clone().oneshot(post_with_key("stalled")).await.expect("infallible");
     let twin = send(&app, post_with_key("stalled")).await;
     assert_eq!(twin, (StatusCode::CREATED, true, Bytes::from(expected.clone())));
