@@ -481,6 +481,18 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if config.ledger_bin.is_none() && std::env::var("CHAOS_LEDGER_BIN").is_err() {
         let _ = std::fs::remove_file(&bin);
     }
+    let logs = process_logs(config.seed);
+    // A run told to break idempotency is meant to find violations.
+    if violations.is_empty() || config.break_idempotency {
+        for log in &logs {
+            let _ = std::fs::remove_file(log);
+        }
+    } else {
+        eprintln!("chaos: the processes' logs are kept for the violations:");
+        for log in &logs {
+            eprintln!("  {}", log.display());
+        }
+    }
     Ok(Report {
         seed: config.seed,
         engine: config.engine.name().to_owned(),
@@ -499,6 +511,27 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         payouts: payout_counts,
         violations,
     })
+}
+
+/// The log files of this run's child processes (ledger, relays, projectors,
+/// payout workers), all named `chaos-<what>-<seed>-<pid>…`.
+fn process_logs(seed: u64) -> Vec<PathBuf> {
+    let tag = format!("-{seed}-{}.", std::process::id());
+    let ours = |name: &str| {
+        ["chaos-ledger", "chaos-events", "chaos-payouts"]
+            .iter()
+            .any(|what| name.strip_prefix(what).is_some_and(|rest| rest.starts_with(&tag)))
+    };
+    let Ok(dir) = std::fs::read_dir(std::env::temp_dir()) else {
+        return Vec::new();
+    };
+    let mut logs: Vec<PathBuf> = dir
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(ours))
+        .map(|e| e.path())
+        .collect();
+    logs.sort();
+    logs
 }
 
 async fn free_port() -> Result<u16, Error> {
