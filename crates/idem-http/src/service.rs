@@ -600,25 +600,22 @@ impl<B: TxBackend + Clone> Transactional<B> {
                 );
             }
         };
-        let recorded = RecordedResponse {
-            status: rparts.status,
-            headers: rparts.headers.clone(),
-            body: body.clone(),
-            trailers: trailers.clone(),
-        };
+        let record = whole_record(
+            rparts.status,
+            rparts.headers.clone(),
+            body.clone(),
+            trailers.clone(),
+            rejection,
+        );
         hit(Point::BeforeCommit);
         if rejection {
-            if let Err(e) = self
-                .engine
-                .reject_final(claimed, Record::rejected(recorded.encode()))
-                .await
-            {
+            if let Err(e) = self.engine.reject_final(claimed, record).await {
                 // The work is rolled back either way; only the record is missing,
                 // so the key stays usable and the rejection still stands.
                 tracing::warn!(error = %e, "could not record a final rejection");
             }
         } else {
-            match self.engine.commit(claimed, Record::completed(recorded.encode())).await {
+            match self.engine.commit(claimed, record).await {
                 Ok(()) => hit(Point::AfterCommit),
                 // A commit that lost a race (40001, 40P01, 1213) committed nothing.
                 Err(e) if e.is_contention() => return Ok(Settled::Contention(Stage::Commit)),
@@ -842,7 +839,7 @@ async fn stream_and_record<ResBody, E>(
     streaming: crate::layer::Streaming,
     response: Response<ResBody>,
     answer: tokio::sync::oneshot::Sender<Result<Response<Body>, E>>,
-) -> (Record, Option<StreamEnd>)
+) -> (Record, Option<Behind>)
 where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -915,20 +912,7 @@ where
         }
     };
     let record = match teed {
-        crate::body::Teed::Full(body, trailers) => {
-            let encoded = RecordedResponse {
-                status,
-                headers,
-                body,
-                trailers,
-            }
-            .encode();
-            if rejected {
-                Record::rejected(encoded)
-            } else {
-                Record::completed(encoded)
-            }
-        }
+        crate::body::Teed::Full(body, trailers) => whole_record(status, headers, body, trailers, rejected),
         crate::body::Teed::TooLarge => stand_in(recording, status, StandIn::TooLarge).0,
         crate::body::Teed::Failed(why) => {
             tracing::warn!(%why, "response body failed after the handler ran");
@@ -936,38 +920,29 @@ where
             // the sender cuts the caller off with an error even when this
             // does not fit in time.
             if let Some(c) = caller.take() {
-                StreamEnd { behind: c }
-                    .finish(streaming.stall, Chunk::Failed(why.clone()))
-                    .await;
+                c.finish(streaming.stall, Chunk::Failed(why.clone())).await;
             }
             stand_in(recording, status, StandIn::Failed(why)).0
         }
     };
-    (record, caller.map(|behind| StreamEnd { behind }))
+    (record, caller)
 }
 
-/// What a streamed response still sends once its outcome is settled.
-struct StreamEnd {
-    behind: Behind,
-}
-
-impl StreamEnd {
+impl Behind {
     /// Sends the frames still queued, the last of them marked as the end
-    /// (so the connection writes it with the end of the body), or `end`.
+    /// (so the connection writes it with the end of the body), then `end`
+    /// unless it was `Chunk::End` and went with the last frame.
     async fn finish(mut self, stall: std::time::Duration, end: Chunk) {
         let mut end = Some(end);
-        while let Some(chunk) = match self.behind.pop() {
-            Some(frame) if self.behind.frames.is_empty() && matches!(end, Some(Chunk::End)) => {
+        while let Some(chunk) = match self.pop() {
+            Some(frame) if self.frames.is_empty() && matches!(end, Some(Chunk::End)) => {
                 end = None;
                 Some(Chunk::Last(frame))
             }
             Some(frame) => Some(Chunk::Frame(frame)),
             None => end.take(),
         } {
-            if !matches!(
-                tokio::time::timeout(stall, self.behind.tx.send(chunk)).await,
-                Ok(Ok(()))
-            ) {
+            if !matches!(tokio::time::timeout(stall, self.tx.send(chunk)).await, Ok(Ok(()))) {
                 return;
             }
         }
@@ -997,18 +972,13 @@ where
     };
     match collect_response(rbody, recording.max_response_bytes).await {
         Collected::Full(body, trailers) => {
-            let encoded = RecordedResponse {
-                status: rparts.status,
-                headers: rparts.headers.clone(),
-                body: body.clone(),
-                trailers: trailers.clone(),
-            }
-            .encode();
-            let record = if rejected {
-                Record::rejected(encoded)
-            } else {
-                Record::completed(encoded)
-            };
+            let record = whole_record(
+                rparts.status,
+                rparts.headers.clone(),
+                body.clone(),
+                trailers.clone(),
+                rejected,
+            );
             (
                 Some(record),
                 Ok(first(rparts, crate::body::with_trailers(body, trailers))),
@@ -1023,6 +993,28 @@ where
             let (record, response) = stand_in(recording, rparts.status, StandIn::Failed(why.to_string()));
             (Some(record), Ok(response))
         }
+    }
+}
+
+/// The record of a response read whole: completed, or a recorded rejection.
+fn whole_record(
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: Bytes,
+    trailers: http::HeaderMap,
+    rejected: bool,
+) -> Record {
+    let encoded = RecordedResponse {
+        status,
+        headers,
+        body,
+        trailers,
+    }
+    .encode();
+    if rejected {
+        Record::rejected(encoded)
+    } else {
+        Record::completed(encoded)
     }
 }
 
