@@ -64,6 +64,57 @@ pub trait TxBackend: Send + Sync + 'static {
     /// Rolls `tx` back.
     fn rollback(&self, tx: Self::Tx) -> BoxFuture<'_, Result<()>>;
 
+    /// Opens a transaction and claims the key in it (see
+    /// [`claim`](Self::claim)). Whatever the answer, the transaction is
+    /// returned open: the engine keeps it on `Claimed` and rolls it back
+    /// otherwise. On an error the store has already ended the transaction.
+    ///
+    /// The default runs [`begin`](Self::begin) then [`claim`](Self::claim);
+    /// a store whose driver can send several statements at once overrides it
+    /// to open the transaction and claim in one round trip.
+    fn begin_claim<'a>(
+        &'a self,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<(Self::Tx, TxClaim)>> {
+        Box::pin(async move {
+            let mut tx = self.begin().await?;
+            match self.claim(&mut tx, req, wait).await {
+                Ok(answer) => Ok((tx, answer)),
+                Err(e) => {
+                    if let Err(rollback) = self.rollback(tx).await {
+                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Records the outcome on the row claimed in `tx` and commits `tx`: the
+    /// caller's writes, the claim and the outcome become durable together, or
+    /// (on any error) nothing does and the transaction is ended.
+    ///
+    /// The default runs [`record`](Self::record) then [`commit`](Self::commit);
+    /// a store whose driver can send several statements at once overrides it
+    /// to record and commit in one round trip.
+    fn record_commit<'a>(
+        &'a self,
+        mut tx: Self::Tx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if let Err(e) = self.record(&mut tx, req, record).await {
+                if let Err(rollback) = self.rollback(tx).await {
+                    tracing::debug!(error = %rollback, "rollback after a failed record failed");
+                }
+                return Err(e);
+            }
+            self.commit(tx).await
+        })
+    }
+
     /// A registry that serialises claims of one key before they reach the
     /// database, for engines whose database lock is not per key (SQLite's
     /// single writer): in this process, and with a

@@ -191,17 +191,8 @@ impl<B: TxBackend> TxEngine<B> {
                 fresh_token: ticket_parts.2,
                 lease_expires_at_ms: None,
             };
-            let mut tx = match self.backend.begin().await {
-                Ok(tx) => tx,
-                Err(e) if engine::is_contention(&e) => {
-                    metrics::tx_retry(op, Stage::Claim);
-                    attempts.next(Retry::Contention(e)).await?;
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            let retry = match self.backend.claim(&mut tx, &req, attempts.remaining()).await {
-                Ok(TxClaim::Claimed) => {
+            let retry = match self.backend.begin_claim(&req, attempts.remaining()).await {
+                Ok((tx, TxClaim::Claimed)) => {
                     metrics::claim(op, "transactional");
                     metrics::claim_latency(op, attempts.started.elapsed());
                     let ticket = Ticket {
@@ -214,7 +205,7 @@ impl<B: TxBackend> TxEngine<B> {
                     };
                     return Ok(Begin::Claimed(Claimed { tx, ticket }));
                 }
-                Ok(TxClaim::Found(row)) => {
+                Ok((tx, TxClaim::Found(row))) => {
                     self.rollback_quietly(tx).await;
                     match engine::decide(call, row)? {
                         Found::Replay(record) => {
@@ -225,19 +216,15 @@ impl<B: TxBackend> TxEngine<B> {
                         Found::Wait => Retry::Busy,
                     }
                 }
-                Ok(TxClaim::Busy) => {
+                Ok((tx, TxClaim::Busy)) => {
                     self.rollback_quietly(tx).await;
                     Retry::Busy
                 }
                 Err(e) if engine::is_contention(&e) => {
-                    self.rollback_quietly(tx).await;
                     metrics::tx_retry(op, Stage::Claim);
                     Retry::Contention(e)
                 }
-                Err(e) => {
-                    self.rollback_quietly(tx).await;
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             };
             attempts.next(retry).await?;
         }
@@ -247,7 +234,7 @@ impl<B: TxBackend> TxEngine<B> {
     /// the caller's writes, the claim and the outcome become durable together.
     /// On any error the transaction is rolled back and the key stays unused.
     pub async fn commit(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<()> {
-        let Claimed { mut tx, ticket } = claimed;
+        let Claimed { tx, ticket } = claimed;
         let op = ticket.call.scope().operation().as_str();
         let limit = ticket.call.policy().max_record_bytes();
         if record.payload.len() > limit {
@@ -259,12 +246,10 @@ impl<B: TxBackend> TxEngine<B> {
             });
         }
         let req = ticket.request();
-        if let Err(e) = self.backend.record(&mut tx, &req, &record).await {
-            self.rollback_quietly(tx).await;
+        if let Err(e) = self.backend.record_commit(tx, &req, &record).await {
             metrics::count(metrics::RELEASES, op);
             return Err(e);
         }
-        self.backend.commit(tx).await?;
         metrics::record(op, status_label(record.status));
         tracing::debug!(
             operation = op,
@@ -290,24 +275,14 @@ impl<B: TxBackend> TxEngine<B> {
             });
         }
         let req = ticket.request();
-        let mut tx = self.backend.begin().await?;
-        match self.backend.claim(&mut tx, &req, std::time::Duration::ZERO).await {
-            Ok(TxClaim::Claimed) => {}
-            Ok(_) => {
+        match self.backend.begin_claim(&req, std::time::Duration::ZERO).await? {
+            (tx, TxClaim::Claimed) => self.backend.record_commit(tx, &req, &record).await?,
+            (tx, _) => {
                 self.rollback_quietly(tx).await;
                 metrics::count(metrics::RELEASES, op);
                 return Ok(false);
             }
-            Err(e) => {
-                self.rollback_quietly(tx).await;
-                return Err(e);
-            }
         }
-        if let Err(e) = self.backend.record(&mut tx, &req, &record).await {
-            self.rollback_quietly(tx).await;
-            return Err(e);
-        }
-        self.backend.commit(tx).await?;
         metrics::record(op, status_label(record.status));
         Ok(true)
     }
