@@ -95,24 +95,23 @@ use idem_core::{
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
+use sql::CLAIM_COLUMNS;
+
 mod clock;
 pub mod deadletter;
 mod error;
 mod migrate;
 pub mod outbox;
 mod sql;
+mod tx;
 
 pub use deadletter::PgDeadLetters;
 pub use error::{is_contention, store_error};
 pub use outbox::PgOutbox;
+pub use tx::PgTx;
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
 use sql::Statements;
-
-/// The transaction a [`PgStore`] hands to the caller's work in transactional
-/// mode: the caller's own queries run on it (`&mut **tx` is a
-/// `&mut PgConnection`).
-pub type PgTx = sqlx::Transaction<'static, Postgres>;
 
 /// How many times a claim is attempted when the conflicting row disappears
 /// between the insert and the read of it (a concurrent release or sweep).
@@ -243,7 +242,7 @@ impl PgStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(store_error)?;
-        row.as_ref().map(decode_row).transpose()
+        row.as_ref().map(|row| decode_row(row, 0)).transpose()
     }
 
     /// The claim upsert with its parameters bound.
@@ -291,15 +290,39 @@ fn lock_timeout_setting(wait: Duration) -> String {
     ms.to_string()
 }
 
-/// Decodes the row columns every row-reading statement selects first.
-fn decode_row(row: &PgRow) -> Result<StoredRow> {
-    let fingerprint: &[u8] = row.try_get(0).map_err(store_error)?;
-    let status: i16 = row.try_get(1).map_err(store_error)?;
-    let token: i64 = row.try_get(2).map_err(store_error)?;
-    let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
-    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
-    let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
-    StoredRow::from_columns(fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
+/// Decodes the row columns every row-reading statement selects, starting at
+/// column `first`.
+fn decode_row(row: &PgRow, first: usize) -> Result<StoredRow> {
+    // Rows of a text query arrive in the text format, which decodes to owned
+    // bytes only.
+    let fingerprint: Vec<u8> = row.try_get(first).map_err(store_error)?;
+    let status: i16 = row.try_get(first + 1).map_err(store_error)?;
+    let token: i64 = row.try_get(first + 2).map_err(store_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(first + 3).map_err(store_error)?;
+    let lease_expires_at_ms: Option<i64> = row.try_get(first + 4).map_err(store_error)?;
+    let expires_at_ms: i64 = row.try_get(first + 5).map_err(store_error)?;
+    StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
+}
+
+/// Reads the transactional claim's answer (see [`sql::CLAIM_COLUMNS`]):
+/// `Claimed`, `Found` with the live row it saw, or `None` when a live row
+/// was committed after its snapshot and must be read again.
+fn decide_claim(row: &PgRow) -> Result<Option<TxClaim>> {
+    if row.len() != CLAIM_COLUMNS {
+        return Err(Error::store(
+            StoreErrorKind::Other,
+            format!("the claim answered {} columns, not {CLAIM_COLUMNS}", row.len()),
+        ));
+    }
+    let token: Option<i64> = row.try_get(0).map_err(store_error)?;
+    if token.is_some() {
+        return Ok(Some(TxClaim::Claimed));
+    }
+    let live: bool = row.try_get(1).map_err(store_error)?;
+    if live {
+        return Ok(Some(TxClaim::Found(decode_row(row, 2)?)));
+    }
+    Ok(None)
 }
 
 fn vanished() -> Error {
@@ -309,11 +332,45 @@ fn vanished() -> Error {
     )
 }
 
+impl PgStore {
+    /// After a claim that neither claimed the key nor saw a live row: reads
+    /// the row committed since in a new snapshot, or, if it vanished (a
+    /// release or a sweep), claims again, in `tx`.
+    async fn reread(&self, tx: &mut PgTx, req: &ClaimRequest<'_>) -> Result<Option<TxClaim>> {
+        let found = sqlx::query(AssertSqlSafe(self.sql.select_row.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        match found {
+            Some(row) => {
+                tracing::debug!(table = self.table.as_str(), "key found committed");
+                Ok(Some(TxClaim::Found(decode_row(&row, 0)?)))
+            }
+            None => {
+                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
+                Ok(None)
+            }
+        }
+    }
+
+    fn busy(&self, wait: Duration) -> TxClaim {
+        tracing::debug!(
+            table = self.table.as_str(),
+            wait_ms = wait.as_millis() as u64,
+            "key busy"
+        );
+        TxClaim::Busy
+    }
+}
+
 impl TxBackend for PgStore {
     type Tx = PgTx;
 
     fn begin(&self) -> BoxFuture<'_, Result<PgTx>> {
-        Box::pin(async move { self.pool.begin().await.map_err(store_error) })
+        Box::pin(PgTx::begin(&self.pool))
     }
 
     fn claim<'a>(
@@ -325,46 +382,76 @@ impl TxBackend for PgStore {
         Box::pin(async move {
             let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
             for _ in 0..VANISHED_ROW_ATTEMPTS {
-                let inserted = self
+                let answered = self
                     .claim_query(&self.sql.claim_tx, req, wait, advisory)
-                    .fetch_optional(&mut **tx)
+                    .fetch_one(&mut **tx)
                     .await;
-                match inserted {
-                    Ok(Some(_)) => {
-                        tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
-                        return Ok(TxClaim::Claimed);
-                    }
-                    Ok(None) => {}
+                let row = match answered {
+                    Ok(row) => row,
                     // The twin that holds the key did not finish within `wait`.
                     // The failed statement aborted this transaction; the engine
                     // rolls it back and decides whether to try again.
-                    Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                        tracing::debug!(
-                            table = self.table.as_str(),
-                            wait_ms = wait.as_millis() as u64,
-                            "key busy"
-                        );
-                        return Ok(TxClaim::Busy);
-                    }
+                    Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
                     Err(e) => return Err(store_error(e)),
+                };
+                if let Some(answer) = decide_claim(&row)? {
+                    return Ok(answer);
                 }
-                // A live committed row holds the key. The insert locked it, so it
-                // cannot change before this transaction ends; read it with a fresh
-                // snapshot, which also sees a twin that committed while we waited.
-                let found = sqlx::query(AssertSqlSafe(self.sql.found_in_tx.clone()))
-                    .bind(req.scope.tenant().as_str())
-                    .bind(req.scope.operation().as_str())
-                    .bind(req.key.as_str())
-                    .fetch_optional(&mut **tx)
-                    .await
-                    .map_err(store_error)?;
-                if let Some(row) = found {
-                    tracing::debug!(table = self.table.as_str(), "key found committed");
-                    return Ok(TxClaim::Found(decode_row(&row)?));
+                if let Some(answer) = self.reread(tx, req).await? {
+                    return Ok(answer);
                 }
-                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
             }
             Err(vanished())
+        })
+    }
+
+    /// `BEGIN` and the claim in one round trip (see [`PgTx`]); a claim that
+    /// must read a row committed after its snapshot takes one more.
+    fn begin_claim<'a>(&'a self, req: &'a ClaimRequest<'a>, wait: Duration) -> BoxFuture<'a, Result<(PgTx, TxClaim)>> {
+        Box::pin(async move {
+            let conn = self.pool.acquire().await.map_err(store_error)?;
+            let advisory =
+                (self.strategy == ClaimStrategy::AdvisoryLock).then(|| self.advisory_key(req.scope, req.key));
+            let execute = tx::execute_claim(&self.sql.claim_tx_name, req, &lock_timeout_setting(wait), advisory);
+            let prepared = tx::Prepared {
+                claim: &self.sql.prepare_claim_tx,
+                record: &self.sql.prepare_record_tx,
+            };
+            let (mut tx, row) = match tx::begin_claim(conn, prepared, execute).await {
+                Ok(claimed) => claimed,
+                Err((tx, e)) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                    return Ok((tx, self.busy(wait)));
+                }
+                Err((tx, e)) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                    }
+                    return Err(store_error(e));
+                }
+            };
+            let answer = match decide_claim(&row) {
+                Ok(Some(answer)) => Ok(answer),
+                Ok(None) => match self.reread(&mut tx, req).await {
+                    Ok(Some(answer)) => Ok(answer),
+                    Ok(None) => self.claim(&mut tx, req, wait).await,
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(answer) => {
+                    if answer == TxClaim::Claimed {
+                        tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
+                    }
+                    Ok((tx, answer))
+                }
+                Err(e) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                    }
+                    Err(e)
+                }
+            }
         })
     }
 
@@ -393,12 +480,41 @@ impl TxBackend for PgStore {
         })
     }
 
+    /// The record and `COMMIT` in one round trip (see [`PgTx`]).
+    fn record_commit<'a>(
+        &'a self,
+        tx: PgTx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if !tx.has_prepared_record() {
+                // A transaction opened with `begin` and claimed with `claim`:
+                // its connection may not have the prepared record.
+                let mut tx = tx;
+                if let Err(e) = self.record(&mut tx, req, record).await {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed record failed");
+                    }
+                    return Err(e);
+                }
+                return tx.commit().await;
+            }
+            tx::record_commit(
+                tx,
+                &self.sql.prepare_record_tx,
+                tx::execute_record(&self.sql.record_tx_name, req, record),
+            )
+            .await
+        })
+    }
+
     fn commit(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.commit().await.map_err(store_error) })
+        Box::pin(tx.commit())
     }
 
     fn rollback(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+        Box::pin(tx.rollback())
     }
 }
 

@@ -24,13 +24,23 @@ const SAVED_LOCK_TIMEOUT: &str = "idem.saved_lock_timeout";
 /// The statements of one store configuration.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    /// The transactional claim (with the advisory lock under that strategy).
+    /// The transactional claim (with the advisory lock under that strategy),
+    /// which also answers the key's visible row.
     pub(crate) claim_tx: Arc<str>,
-    /// The lease-mode claim: the same upsert without an advisory lock.
+    /// The name [`claim_tx`](Self::claim_tx) is prepared under on a
+    /// connection (with `PREPARE`), unique to its text.
+    pub(crate) claim_tx_name: Arc<str>,
+    /// `PREPARE {claim_tx_name} (…) AS {claim_tx}`.
+    pub(crate) prepare_claim_tx: Arc<str>,
+    /// The name the record-and-check statement is prepared under.
+    pub(crate) record_tx_name: Arc<str>,
+    /// `PREPARE {record_tx_name} (…) AS …`: records the outcome on the row
+    /// claimed in the same transaction and divides by the number of rows it
+    /// updated, so it fails unless that is exactly one. Parameters: `$1`
+    /// status, `$2` payload, `$3` tenant, `$4` operation, `$5` key.
+    pub(crate) prepare_record_tx: Arc<str>,
+    /// The lease-mode claim: an upsert without an advisory lock.
     pub(crate) claim_lease: Arc<str>,
-    /// Reads the committed row after a claim found it, and restores the
-    /// caller's `lock_timeout` in the same statement.
-    pub(crate) found_in_tx: Arc<str>,
     /// Reads a row.
     pub(crate) select_row: Arc<str>,
     /// Records an outcome on the row claimed in the same transaction.
@@ -49,15 +59,26 @@ impl Statements {
     pub(crate) fn new(table: &TableName, strategy: ClaimStrategy) -> Self {
         let t = table.as_str();
         let key = "tenant = $1 AND operation = $2 AND idem_key = $3";
+        let claim_tx = tx_claim(t, strategy);
+        let claim_tx_name = format!("idem_claim_{:016x}", fnv1a(&[claim_tx.as_bytes()]));
+        let types = match strategy {
+            ClaimStrategy::InsertOnConflict => CLAIM_PARAM_TYPES.to_owned(),
+            ClaimStrategy::AdvisoryLock => format!("{CLAIM_PARAM_TYPES}, bigint"),
+        };
+        let record_tx = format!(
+            "WITH done AS (UPDATE {t} SET status = $1, payload = $2, lease_expires_at_ms = NULL \
+             WHERE tenant = $3 AND operation = $4 AND idem_key = $5 AND status = 0 RETURNING 1) \
+             SELECT 1 / count(*)::int FROM done"
+        );
+        let record_tx_name = format!("idem_record_{:016x}", fnv1a(&[record_tx.as_bytes()]));
         Self {
-            claim_tx: claim(t, strategy).into(),
-            claim_lease: claim(t, ClaimStrategy::InsertOnConflict).into(),
-            found_in_tx: format!(
-                "SELECT {ROW_COLUMNS}, \
-                 set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) AS restored \
-                 FROM {t} WHERE {key}"
-            )
-            .into(),
+            prepare_record_tx: format!("PREPARE {record_tx_name} (smallint, bytea, text, text, text) AS {record_tx}")
+                .into(),
+            record_tx_name: record_tx_name.into(),
+            prepare_claim_tx: format!("PREPARE {claim_tx_name} ({types}) AS {claim_tx}").into(),
+            claim_tx: claim_tx.into(),
+            claim_tx_name: claim_tx_name.into(),
+            claim_lease: lease_claim(t).into(),
             select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),
             // Only columns outside every index change here, so PostgreSQL can
             // make this a heap-only (HOT) update on the claim's own page.
@@ -93,41 +114,96 @@ impl Statements {
     }
 }
 
-/// The claim upsert.
+/// The parameter types of the transactional claim, in order (the advisory
+/// strategy adds a tenth, the lock key).
+const CLAIM_PARAM_TYPES: &str = "text, text, text, bytea, bigint, bigint, bigint, bigint, text";
+
+/// The columns the transactional claim answers, in this order: the claimed
+/// token (NULL unless this statement claimed the key), whether the row it
+/// saw is live, then the row it saw (all NULL if it saw none) in
+/// [`ROW_COLUMNS`] order.
+pub(crate) const CLAIM_COLUMNS: usize = 8;
+
+/// The transactional claim: one statement that claims the key or answers
+/// the committed row that holds it.
 ///
 /// Parameters: `$1` tenant, `$2` operation, `$3` key, `$4` fingerprint,
 /// `$5` fresh token, `$6` now, `$7` expiry, `$8` lease expiry (NULL in
 /// transactional mode), `$9` the `lock_timeout` in milliseconds as text, and
 /// under the advisory strategy `$10` the advisory lock key.
 ///
-/// The statement bounds its own lock wait, so no extra round trip is spent on
-/// `SET LOCAL`: the `saved` CTE keeps the caller's `lock_timeout`, `bounded`
-/// sets the claim's wait, and `RETURNING` restores the saved value once the
-/// row is claimed, so the caller's own writes later in the transaction keep
-/// their usual lock behaviour. Both CTEs call a volatile function, so
-/// PostgreSQL materialises them and evaluates them, in this order, before the
-/// insert looks for a conflicting row. A concurrent uncommitted claim of the
-/// same key makes the insert wait for that transaction; if it commits, the
-/// conflict arm locks the committed row and updates it only if it is stale
-/// (expired, or an in-progress lease whose lease ran out), so a live row
-/// returns nothing.
-fn claim(t: &str, strategy: ClaimStrategy) -> String {
+/// - `existing` reads the key's row in the statement's snapshot. A live row
+///   (unexpired, and completed or a lease still running) holds the key: the
+///   insert is skipped, so a replay writes nothing, locks nothing and takes no
+///   advisory lock, and the row is answered.
+/// - Otherwise the insert claims the key. A concurrent uncommitted claim of
+///   the same key makes it wait for that transaction; if that one commits, the
+///   conflict arm locks the committed row and takes it over only if it is
+///   stale (expired, or an in-progress lease whose lease ran out). A live row
+///   committed after the snapshot answers neither a token nor a live row: the
+///   caller reads it again in a new snapshot.
+/// - The statement bounds its own lock wait, so no round trip is spent on
+///   `SET LOCAL`: `saved` keeps the caller's `lock_timeout`, `bounded` sets
+///   the claim's, and `restored`, which runs after the insert finished, puts
+///   the caller's back, so the caller's own writes later in the transaction
+///   keep their usual lock behaviour. The CTEs that call volatile functions
+///   are materialised and evaluated at most once, `saved` before `bounded`.
+fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
     let (lock_cte, source) = match strategy {
-        ClaimStrategy::InsertOnConflict => ("", "bounded"),
+        ClaimStrategy::InsertOnConflict => (String::new(), "bounded"),
         ClaimStrategy::AdvisoryLock => (
-            ", locked AS (SELECT pg_advisory_xact_lock($10) AS locked FROM bounded)",
+            ", locked AS MATERIALIZED (SELECT pg_advisory_xact_lock($10) AS locked FROM bounded)".to_owned(),
             "locked",
         ),
     };
+    format!(
+        "WITH saved AS MATERIALIZED (\
+             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
+         ), bounded AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
+         ){lock_cte}, existing AS MATERIALIZED (\
+             SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+             AND current_setting('transaction_isolation') <> 'serializable'\
+         ), claimed AS (\
+             INSERT INTO {t} AS k (tenant, operation, idem_key, fingerprint, status, token, \
+                                   created_at_ms, expires_at_ms, lease_expires_at_ms) \
+             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
+             WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
+             ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
+                 fingerprint = EXCLUDED.fingerprint, \
+                 status = 0, \
+                 token = GREATEST(k.token + 1, EXCLUDED.token), \
+                 payload = NULL, \
+                 created_at_ms = EXCLUDED.created_at_ms, \
+                 expires_at_ms = EXCLUDED.expires_at_ms, \
+                 lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
+             WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
+             RETURNING k.token\
+         ), restored AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', saved.saved, true) AS restored \
+             FROM saved, (SELECT count(*) FROM claimed) AS done\
+         ) \
+         SELECT c.token, COALESCE({live}, false), \
+                e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms \
+         FROM restored LEFT JOIN claimed c ON true LEFT JOIN existing e ON true",
+        live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
+    )
+}
+
+/// The lease-mode claim upsert, committed on its own.
+///
+/// Parameters as [`tx_claim`]'s first nine. Answers the token if it claimed
+/// the key, nothing otherwise.
+fn lease_claim(t: &str) -> String {
     format!(
         "WITH saved AS (\
              SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
          ), bounded AS (\
              SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
-         ){lock_cte} \
+         ) \
          INSERT INTO {t} AS k (tenant, operation, idem_key, fingerprint, status, token, \
                                created_at_ms, expires_at_ms, lease_expires_at_ms) \
-         SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
+         SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded \
          ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
              fingerprint = EXCLUDED.fingerprint, \
              status = 0, \
@@ -137,7 +213,7 @@ fn claim(t: &str, strategy: ClaimStrategy) -> String {
              expires_at_ms = EXCLUDED.expires_at_ms, \
              lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
          WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
-         RETURNING k.token, set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) AS restored"
+         RETURNING k.token"
     )
 }
 

@@ -619,7 +619,7 @@ macro_rules! ledger_db {
 
             fn enqueue<'c>(
                 outbox: &'c $outbox,
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 event: &'c OutboxEvent,
             ) -> BoxFuture<'c, Result<(), DbError>> {
                 Box::pin(async move { Ok(outbox.enqueue(&mut **tx, event).await?) })
@@ -636,7 +636,7 @@ macro_rules! ledger_db {
 
             fn record_dead_letter<'c>(
                 letters: &'c $letters,
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 letter: &'c NewDeadLetter,
             ) -> BoxFuture<'c, Result<i64, DbError>> {
                 Box::pin(async move { Ok(letters.record_in(&mut **tx, letter).await?) })
@@ -647,7 +647,7 @@ macro_rules! ledger_db {
             }
 
             fn apply_statement<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 event_id: &'c str,
                 changes: &'c [StatementChange],
@@ -702,7 +702,7 @@ macro_rules! ledger_db {
             }
 
             fn snapshot_balances<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 run_id: &'c str,
                 now_ms: i64,
             ) -> BoxFuture<'c, Result<u64, DbError>> {
@@ -717,7 +717,7 @@ macro_rules! ledger_db {
             }
 
             fn request_payout<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 id: &'c str,
                 account_id: &'c str,
@@ -848,7 +848,7 @@ macro_rules! ledger_db {
             }
 
             fn change_payout<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 id: &'c str,
                 change: &'c PayoutChange<'c>,
@@ -877,7 +877,7 @@ macro_rules! ledger_db {
             }
 
             fn insert_account<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 id: &'c str,
                 name: &'c str,
@@ -908,7 +908,7 @@ macro_rules! ledger_db {
             }
 
             fn top_up<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 journal_id: &'c str,
                 kind: &'static str,
@@ -950,7 +950,7 @@ macro_rules! ledger_db {
             }
 
             fn transfer<'c>(
-                tx: &'c mut sqlx::Transaction<'static, $db>,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
                 tenant: &'c str,
                 journal_id: &'c str,
                 from: &'c str,

@@ -1,0 +1,391 @@
+//! The transaction a [`PgStore`](crate::PgStore) hands out, and the
+//! statements that open it with a claim and close it with a record, each in
+//! one round trip.
+//!
+//! sqlx sends one statement per round trip and opens its own transactions
+//! with a `BEGIN` round trip of their own. A transactional claim would then
+//! cost `BEGIN`, the claim, the record and `COMMIT`: two round trips more than
+//! the caller's own transaction. PostgreSQL's simple-query protocol runs
+//! several statements sent as one text, so this module sends
+//! `BEGIN; EXECUTE claim(…)` and `<record>; COMMIT` instead. The text protocol
+//! takes no bound parameters, so values are written as literals that mean
+//! the same under every server setting (see [`Literals`]), and the claim is a
+//! statement prepared once per connection with SQL `PREPARE`, so it is
+//! planned once and not on every request.
+
+use std::ops::{Deref, DerefMut};
+
+use futures_util::TryStreamExt;
+use idem_core::{ClaimRequest, Error, Record, Result};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, PgRow};
+use sqlx::{AssertSqlSafe, Either, Executor, Postgres};
+
+use crate::error::{sqlstate, store_error};
+
+/// SQLSTATE `invalid_sql_statement_name`: the connection has not prepared
+/// the claim yet (a new connection, or one whose prepared statements were
+/// deallocated).
+const NOT_PREPARED: &str = "26000";
+
+/// SQLSTATE `duplicate_prepared_statement`.
+const ALREADY_PREPARED: &str = "42P05";
+
+/// SQLSTATE `division_by_zero`: the record statement's guard when it did not
+/// update exactly one row.
+const NO_CLAIM: &str = "22012";
+
+/// The open transaction of a [`PgStore`](crate::PgStore): a pooled
+/// connection inside `BEGIN`. The caller's queries run on it (`&mut **tx` is
+/// a `&mut PgConnection`), so they commit or roll back with the claim.
+///
+/// Dropping an open transaction rolls it back: on a tokio runtime a task
+/// sends `ROLLBACK` and then returns the connection to the pool (or closes it
+/// if that fails); without a runtime the connection is closed, which makes
+/// the server roll back. A connection is never returned to the pool inside a
+/// transaction.
+pub struct PgTx {
+    conn: Option<PoolConnection<Postgres>>,
+    /// Whether the server may be inside a transaction on this connection.
+    open: bool,
+    /// Whether this transaction began with the prepared claim, so the
+    /// connection has the prepared record too.
+    prepared: bool,
+}
+
+impl std::fmt::Debug for PgTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgTx").field("open", &self.open).finish_non_exhaustive()
+    }
+}
+
+impl Deref for PgTx {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.conn.as_ref().expect("a PgTx holds its connection until it ends")
+    }
+}
+
+impl DerefMut for PgTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn.as_mut().expect("a PgTx holds its connection until it ends")
+    }
+}
+
+impl Drop for PgTx {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else { return };
+        if !self.open {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(e) = conn.execute("ROLLBACK").await {
+                        tracing::debug!(error = %e, "rollback of a dropped transaction failed; closing its connection");
+                        conn.close_on_drop();
+                    }
+                });
+            }
+            // Closing the connection ends its session, and with it the
+            // transaction.
+            Err(_) => drop(conn.detach()),
+        }
+    }
+}
+
+impl PgTx {
+    /// Opens a transaction on a connection of `pool`.
+    pub(crate) async fn begin(pool: &sqlx::PgPool) -> Result<Self> {
+        let conn = pool.acquire().await.map_err(store_error)?;
+        let mut tx = Self {
+            conn: Some(conn),
+            open: true,
+            prepared: false,
+        };
+        if let Err(e) = tx.execute("BEGIN").await {
+            tx.close();
+            return Err(store_error(e));
+        }
+        Ok(tx)
+    }
+
+    /// Commits the transaction.
+    pub(crate) async fn commit(mut self) -> Result<()> {
+        let done = self.execute("COMMIT").await;
+        // A failed COMMIT ends the transaction too; only a broken connection
+        // leaves it unknown, and that one is closed below.
+        self.end(done.is_ok());
+        done.map(drop).map_err(store_error)
+    }
+
+    /// Rolls the transaction back.
+    pub(crate) async fn rollback(mut self) -> Result<()> {
+        let done = self.execute("ROLLBACK").await;
+        self.end(done.is_ok());
+        done.map(drop).map_err(store_error)
+    }
+
+    /// Whether the record-and-commit round trip can run on this transaction
+    /// (its connection has the prepared record).
+    pub(crate) fn has_prepared_record(&self) -> bool {
+        self.prepared
+    }
+
+    /// Marks the transaction ended; the connection goes back to the pool if
+    /// the server is known to be outside a transaction, and is closed
+    /// otherwise.
+    fn end(&mut self, clean: bool) {
+        self.open = false;
+        if !clean {
+            self.close();
+        }
+    }
+
+    /// Closes the connection instead of returning it to the pool.
+    fn close(&mut self) {
+        self.open = false;
+        if let Some(conn) = self.conn.as_mut() {
+            conn.close_on_drop();
+        }
+    }
+
+    /// Runs `script` (several statements, no parameters) and collects the
+    /// rows, and how many statements completed before an error.
+    async fn script(&mut self, script: String) -> (Vec<PgRow>, usize, Option<sqlx::Error>) {
+        let mut rows = Vec::new();
+        let mut completed = 0;
+        let mut results = sqlx::raw_sql(AssertSqlSafe(script)).fetch_many(&mut **self);
+        loop {
+            match results.try_next().await {
+                Ok(Some(Either::Left(_))) => completed += 1,
+                Ok(Some(Either::Right(row))) => rows.push(row),
+                Ok(None) => return (rows, completed, None),
+                Err(e) => return (rows, completed, Some(e)),
+            }
+        }
+    }
+}
+
+/// The statements a connection prepares once (with SQL `PREPARE`) for the
+/// one-round-trip paths.
+pub(crate) struct Prepared<'a> {
+    /// `PREPARE` of the claim.
+    pub(crate) claim: &'a str,
+    /// `PREPARE` of the record.
+    pub(crate) record: &'a str,
+}
+
+/// Opens a transaction on `conn` and runs the prepared claim in it, in one
+/// round trip, preparing the statements first on a connection that lacks
+/// them.
+///
+/// Answers the open transaction and the claim's row, or the transaction
+/// (aborted by the error, still to be rolled back) and the error.
+pub(crate) async fn begin_claim(
+    conn: PoolConnection<Postgres>,
+    prepared: Prepared<'_>,
+    execute: String,
+) -> std::result::Result<(PgTx, PgRow), (PgTx, sqlx::Error)> {
+    let mut tx = PgTx {
+        conn: Some(conn),
+        open: true,
+        prepared: false,
+    };
+    let (mut rows, _, mut error) = tx.script(format!("BEGIN; {execute}")).await;
+    if error
+        .as_ref()
+        .is_some_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
+    {
+        // The record is prepared before the claim, so a connection that has
+        // the claim has both.
+        (rows, _, error) = tx
+            .script(format!(
+                "ROLLBACK; {}; {}; BEGIN; {execute}",
+                prepared.record, prepared.claim
+            ))
+            .await;
+        if error
+            .as_ref()
+            .is_some_and(|e| sqlstate(e).as_deref() == Some(ALREADY_PREPARED))
+        {
+            // Only the claim had been deallocated. The failed PREPARE ended
+            // the implicit transaction it ran in.
+            (rows, _, error) = tx.script(format!("{}; BEGIN; {execute}", prepared.claim)).await;
+        }
+    }
+    if let Some(e) = error {
+        return Err((tx, e));
+    }
+    tx.prepared = true;
+    match rows.pop() {
+        Some(row) => Ok((tx, row)),
+        None => Err((tx, sqlx::Error::RowNotFound)),
+    }
+}
+
+/// Records the outcome and commits, in one round trip: `execute` is the
+/// prepared record, which fails unless it updated the claimed row, and a
+/// failure skips the `COMMIT`.
+pub(crate) async fn record_commit(mut tx: PgTx, prepare: &str, execute: String) -> Result<()> {
+    let (_, completed, error) = tx.script(format!("{execute}; COMMIT")).await;
+    let Some(e) = error else {
+        tx.end(true);
+        return Ok(());
+    };
+    if completed >= 1 {
+        // The record statement went through and the COMMIT failed, which ends
+        // the transaction (a serialisation failure, a deferred constraint).
+        tx.end(true);
+        return Err(store_error(e));
+    }
+    let code = sqlstate(&e);
+    let Ok(()) = rollback_in_place(&mut tx).await else {
+        return Err(store_error(e));
+    };
+    match code.as_deref() {
+        Some(NO_CLAIM) => Err(Error::Config(
+            "record called on a transaction that holds no claim of this key".into(),
+        )),
+        Some(NOT_PREPARED) => {
+            // Something deallocated the record on this connection: prepare it
+            // again for the next call; this one has rolled back.
+            if let Err(prepare_error) = tx.execute(AssertSqlSafe(prepare.to_owned())).await {
+                tracing::debug!(error = %prepare_error, "preparing the record again failed");
+                tx.close();
+            }
+            Err(Error::store(
+                idem_core::StoreErrorKind::Unavailable,
+                "the connection had lost its prepared record statement; the call rolled back and may be retried",
+            ))
+        }
+        _ => Err(store_error(e)),
+    }
+}
+
+/// Rolls back and keeps the connection (for a statement after the rollback).
+async fn rollback_in_place(tx: &mut PgTx) -> std::result::Result<(), ()> {
+    match tx.execute("ROLLBACK").await {
+        Ok(_) => {
+            tx.open = false;
+            Ok(())
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "rollback after a failed record failed");
+            tx.close();
+            Err(())
+        }
+    }
+}
+
+/// Writers of SQL literals whose meaning no server setting changes.
+///
+/// - Text is an escape string `E'…'` (its backslashes and quotes doubled):
+///   escape strings are read the same whatever `standard_conforming_strings`
+///   says. Tenants, operations and keys contain no NUL (they exclude control
+///   characters).
+/// - Bytes are `decode('<hex>', 'hex')`: hexadecimal digits only.
+/// - Integers are decimal; an absent one is `NULL`.
+mod literal {
+    use std::fmt::Write as _;
+
+    pub(crate) fn text(sql: &mut String, value: &str) {
+        sql.reserve(value.len() + 3);
+        sql.push_str("E'");
+        for c in value.chars() {
+            match c {
+                '\'' => sql.push_str("''"),
+                '\\' => sql.push_str("\\\\"),
+                c => sql.push(c),
+            }
+        }
+        sql.push('\'');
+    }
+
+    pub(crate) fn bytes(sql: &mut String, value: &[u8]) {
+        sql.reserve(value.len() * 2 + 20);
+        sql.push_str("decode('");
+        for b in value {
+            let _ = write!(sql, "{b:02x}");
+        }
+        sql.push_str("', 'hex')");
+    }
+
+    pub(crate) fn int(sql: &mut String, value: Option<i64>) {
+        match value {
+            Some(v) => {
+                let _ = write!(sql, "{v}");
+            }
+            None => sql.push_str("NULL"),
+        }
+    }
+}
+
+/// `EXECUTE <name>(…)` of the transactional claim with `req`'s values.
+pub(crate) fn execute_claim(name: &str, req: &ClaimRequest<'_>, lock_timeout: &str, advisory: Option<i64>) -> String {
+    let mut sql = format!("EXECUTE {name}(");
+    literal::text(&mut sql, req.scope.tenant().as_str());
+    sql.push_str(", ");
+    literal::text(&mut sql, req.scope.operation().as_str());
+    sql.push_str(", ");
+    literal::text(&mut sql, req.key.as_str());
+    sql.push_str(", ");
+    literal::bytes(&mut sql, &req.fingerprint.as_bytes()[..]);
+    for value in [
+        Some(req.fresh_token.0),
+        Some(req.now_ms),
+        Some(req.expires_at_ms),
+        req.lease_expires_at_ms,
+    ] {
+        sql.push_str(", ");
+        literal::int(&mut sql, value);
+    }
+    sql.push_str(", ");
+    literal::text(&mut sql, lock_timeout);
+    if let Some(key) = advisory {
+        sql.push_str(", ");
+        literal::int(&mut sql, Some(key));
+    }
+    sql.push(')');
+    sql
+}
+
+/// `EXECUTE <name>(…)` of the prepared record with `req`'s and `record`'s
+/// values.
+pub(crate) fn execute_record(name: &str, req: &ClaimRequest<'_>, record: &Record) -> String {
+    let mut sql = format!("EXECUTE {name}(");
+    literal::int(&mut sql, Some(i64::from(record.status.code())));
+    sql.push_str(", ");
+    literal::bytes(&mut sql, &record.payload);
+    for text in [
+        req.scope.tenant().as_str(),
+        req.scope.operation().as_str(),
+        req.key.as_str(),
+    ] {
+        sql.push_str(", ");
+        literal::text(&mut sql, text);
+    }
+    sql.push(')');
+    sql
+}
+
+#[cfg(test)]
+mod tests {
+    use super::literal;
+
+    #[test]
+    fn text_literals_double_quotes_and_backslashes() {
+        let mut s = String::new();
+        literal::text(&mut s, "a'b\\c é");
+        assert_eq!(s, "E'a''b\\\\c é'");
+    }
+
+    #[test]
+    fn bytes_and_integers() {
+        let mut s = String::new();
+        literal::bytes(&mut s, &[0, 255, 16]);
+        literal::int(&mut s, Some(i64::MIN));
+        literal::int(&mut s, None);
+        assert_eq!(s, "decode('00ff10', 'hex')-9223372036854775808NULL");
+    }
+}

@@ -1,0 +1,413 @@
+//! The one-round-trip paths of the transactional mode: `BEGIN` with the
+//! claim, and the record with `COMMIT`, sent as text with their values
+//! written as literals, on connections of the store's own transaction type.
+//! A connection must never go back to the pool inside a transaction, values
+//! must mean the same under every string setting, and a record that finds no
+//! claim must commit nothing.
+
+// The shared helpers; this file opens pools with session settings of its own.
+#[allow(dead_code)]
+mod common;
+
+use std::time::Duration;
+
+use common::{database_url, isolated_table};
+use idem_core::{
+    Begin, Call, ClaimRequest, Error, Fingerprint, IdempotencyKey, Outcome, Record, Scope, Token, TxBackend, TxEngine,
+};
+use idem_postgres::{ClaimStrategy, PgStore};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+/// A pool of `size` connections whose sessions start with `settings`, under
+/// an application name of their own.
+async fn pool_with(size: u32, settings: &[(&str, &str)]) -> PgPool {
+    let url = database_url();
+    let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    let options = options
+        .options(settings.iter().copied())
+        .application_name(&format!("idem-rt-{}", uuid::Uuid::new_v4().simple()));
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL is unreachable at {url}: {e}"))
+}
+
+async fn store_on(pool: PgPool, strategy: ClaimStrategy) -> PgStore {
+    let table = isolated_table(&pool).await;
+    let store = PgStore::new(pool).with_table(table).with_claim_strategy(strategy);
+    store.migrate().await.expect("migrate");
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {}_effects (id TEXT PRIMARY KEY)",
+        store.table().as_str()
+    )))
+    .execute(store.pool())
+    .await
+    .expect("effects table");
+    store
+}
+
+fn call(tenant: &str, operation: &str, key: &str) -> Call {
+    let scope = Scope::parse(tenant, operation).expect("scope");
+    let fingerprint = Fingerprint::of_bytes(scope.operation(), b"request");
+    Call::new(scope, IdempotencyKey::new(key).expect("key"), fingerprint)
+}
+
+fn fresh_call() -> Call {
+    call(
+        &format!("tenant-{}", uuid::Uuid::new_v4()),
+        "POST /v1/round-trips",
+        &uuid::Uuid::new_v4().to_string(),
+    )
+}
+
+/// Runs a call that inserts one effect row named after its key.
+async fn run(engine: &TxEngine<PgStore>, call: &Call) -> Outcome<String> {
+    let effects = format!("{}_effects", engine.backend().table().as_str());
+    let id = call.key().as_str().to_owned();
+    engine
+        .execute(call, move |tx| {
+            let (effects, id) = (effects.clone(), id.clone());
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(format!("INSERT INTO {effects} (id) VALUES ($1)")))
+                    .bind(&id)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(idem_postgres::store_error)?;
+                Ok::<_, Error>(id)
+            })
+        })
+        .await
+        .expect("the call runs")
+}
+
+async fn effects(store: &PgStore, id: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}_effects WHERE id = $1",
+        store.table().as_str()
+    )))
+    .bind(id)
+    .fetch_one(store.pool())
+    .await
+    .expect("count effects")
+}
+
+/// Whether every connection of the pool is back and outside a transaction,
+/// as another session sees them.
+async fn connection_is_clean(pool: &PgPool) -> bool {
+    let size = pool.options().get_max_connections() as usize;
+    // Waiting for every connection means any rollback of a dropped
+    // transaction has run.
+    let mut held = Vec::new();
+    for _ in 0..size.min(pool.size() as usize) {
+        held.push(pool.acquire().await.expect("the connection comes back"));
+    }
+    drop(held);
+    let app = pool.connect_options().get_application_name().expect("named").to_owned();
+    let mut observer = PgConnection::connect(&database_url())
+        .await
+        .expect("an observer session");
+    for _ in 0..100 {
+        let states: Vec<String> =
+            sqlx::query_scalar("SELECT coalesce(state, '') FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&app)
+                .fetch_all(&mut observer)
+                .await
+                .expect("read the pool's sessions");
+        if states.iter().any(|s| s.starts_with("idle in transaction")) {
+            return false;
+        }
+        if states.iter().all(|s| s == "idle") {
+            return true;
+        }
+        // A connection is still answering the pool's release check.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_calls_and_replays_leave_the_only_connection_clean() {
+    for strategy in [ClaimStrategy::InsertOnConflict, ClaimStrategy::AdvisoryLock] {
+        let store = store_on(pool_with(1, &[]).await, strategy).await;
+        let engine = TxEngine::new(store.clone());
+        let call = fresh_call();
+        assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+        assert!(connection_is_clean(store.pool()).await, "after a fresh call");
+        assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
+        assert!(connection_is_clean(store.pool()).await, "after a replay");
+        assert_eq!(effects(&store, call.key().as_str()).await, 1);
+        let prepared: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_claim\\_%'")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        assert_eq!(prepared, 1, "the claim is prepared once on the connection");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_claim_leaves_its_connection_clean() {
+    let store = store_on(pool_with(2, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    let Begin::Claimed(holder) = engine.begin(&call).await.unwrap() else {
+        panic!("the first claim claims")
+    };
+    let scope = call.scope().clone();
+    let req = ClaimRequest {
+        scope: &scope,
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: 1,
+        expires_at_ms: i64::MAX,
+        fresh_token: Token::fresh(1),
+        lease_expires_at_ms: None,
+    };
+    let (tx, answer) = store.begin_claim(&req, Duration::from_millis(50)).await.unwrap();
+    assert_eq!(answer, idem_core::TxClaim::Busy);
+    store.rollback(tx).await.unwrap();
+    engine.abandon(holder).await;
+    assert!(connection_is_clean(store.pool()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_claim_rolls_back_and_returns_a_clean_connection() {
+    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {}_effects (id) VALUES ($1)",
+        store.table().as_str()
+    )))
+    .bind(call.key().as_str())
+    .execute(&mut *claimed.tx)
+    .await
+    .unwrap();
+    drop(claimed);
+    // The pool's only connection comes back once the rollback ran.
+    assert!(connection_is_clean(store.pool()).await);
+    assert_eq!(
+        effects(&store, call.key().as_str()).await,
+        0,
+        "the write was rolled back"
+    );
+    assert!(
+        store.get(call.scope(), call.key()).await.unwrap().is_none(),
+        "the key is unused"
+    );
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    assert_eq!(effects(&store, call.key().as_str()).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_finds_no_claim_commits_nothing() {
+    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    // The connection has the prepared statements once a call ran on it.
+    assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
+    let call = fresh_call();
+    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    // The caller's work writes, and deletes the claim under the engine's feet.
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {}_effects (id) VALUES ($1)",
+        store.table().as_str()
+    )))
+    .bind(call.key().as_str())
+    .execute(&mut *claimed.tx)
+    .await
+    .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM {} WHERE idem_key = $1",
+        store.table().as_str()
+    )))
+    .bind(call.key().as_str())
+    .execute(&mut *claimed.tx)
+    .await
+    .unwrap();
+    let err = engine
+        .commit(claimed, Record::completed(b"{}".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "got {err:?}");
+    assert_eq!(effects(&store, call.key().as_str()).await, 0, "nothing committed");
+    assert!(connection_is_clean(store.pool()).await);
+    // Without the one-round-trip path (a transaction from `begin`), the same.
+    let mut tx = store.begin().await.unwrap();
+    let scope = call.scope().clone();
+    let req = ClaimRequest {
+        scope: &scope,
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: 1,
+        expires_at_ms: i64::MAX,
+        fresh_token: Token::fresh(1),
+        lease_expires_at_ms: None,
+    };
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {}_effects (id) VALUES ($1)",
+        store.table().as_str()
+    )))
+    .bind(call.key().as_str())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"{}".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "got {err:?}");
+    assert_eq!(effects(&store, call.key().as_str()).await, 0, "nothing committed");
+    assert!(connection_is_clean(store.pool()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_mean_the_same_under_every_string_setting() {
+    let every_byte: Vec<u8> = (0..=255).collect();
+    for conforming in ["on", "off"] {
+        let pool = pool_with(1, &[("standard_conforming_strings", conforming)]).await;
+        let store = store_on(pool, ClaimStrategy::AdvisoryLock).await;
+        let engine = TxEngine::new(store.clone());
+        let tenant = format!("t'e\\s ☃ \"{}\"; --", uuid::Uuid::new_v4());
+        let operation = "POST /v1/x'y\\z é";
+        let key = format!("k'\\'\\\\ ;{}", uuid::Uuid::new_v4());
+        let call = call(&tenant, operation, &key);
+        let Begin::Claimed(claimed) = engine.begin(&call).await.unwrap() else {
+            panic!("a fresh key is claimed ({conforming})")
+        };
+        engine
+            .commit(claimed, Record::completed(every_byte.clone()))
+            .await
+            .unwrap();
+        let Begin::Replay(record) = engine.begin(&call).await.unwrap() else {
+            panic!("the key replays ({conforming})")
+        };
+        assert_eq!(
+            record.payload, every_byte,
+            "every byte value round-trips ({conforming})"
+        );
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT tenant, operation, idem_key FROM {}",
+            store.table().as_str()
+        )))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        let stored: (String, String, String) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(stored, (tenant, operation.to_owned(), key), "({conforming})");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_lost_its_prepared_claim_prepares_it_again() {
+    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
+    // Deallocate the claim (and only it: sqlx keeps statements of its own).
+    let mut conn = store.pool().acquire().await.unwrap();
+    let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\\_claim\\_%'")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(AssertSqlSafe(format!("DEALLOCATE {name}")))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    drop(conn);
+    let call = fresh_call();
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
+    assert_eq!(effects(&store, call.key().as_str()).await, 1);
+    assert!(connection_is_clean(store.pool()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
+    let store = store_on(
+        pool_with(1, &[("lock_timeout", "7s")]).await,
+        ClaimStrategy::InsertOnConflict,
+    )
+    .await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    let inside: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *claimed.tx)
+        .await
+        .unwrap();
+    assert_eq!(inside, "7s", "the caller's writes keep the session's lock_timeout");
+    engine.commit(claimed, Record::completed(b"{}".to_vec())).await.unwrap();
+    assert!(matches!(engine.begin(&call).await.unwrap(), Begin::Replay(_)));
+    let after: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(after, "7s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_lost_its_prepared_record_rolls_back_and_recovers() {
+    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
+    let call = fresh_call();
+    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    let name: String =
+        sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\\_record\\_%'")
+            .fetch_one(&mut *claimed.tx)
+            .await
+            .unwrap();
+    sqlx::query(AssertSqlSafe(format!("DEALLOCATE {name}")))
+        .execute(&mut *claimed.tx)
+        .await
+        .unwrap();
+    let err = engine
+        .commit(claimed, Record::completed(b"{}".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(err.is_retryable(), "a retryable failure: {err:?}");
+    assert!(
+        store.get(call.scope(), call.key()).await.unwrap().is_none(),
+        "nothing committed"
+    );
+    assert!(connection_is_clean(store.pool()).await);
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
+    assert_eq!(effects(&store, call.key().as_str()).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_takes_no_row_lock() {
+    let store = store_on(pool_with(2, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    // Another session holds the key's row lock.
+    let mut holder = store.begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE idem_key = $1 FOR UPDATE",
+        store.table().as_str()
+    )))
+    .bind(call.key().as_str())
+    .fetch_one(&mut *holder)
+    .await
+    .unwrap();
+    // A claim that had to lock the row would find it busy at once under a
+    // policy that does not wait; the replay reads the completed row instead.
+    let impatient = call
+        .clone()
+        .with_policy(idem_core::Policy::default().with_in_flight(idem_core::InFlight::Reject));
+    assert!(matches!(run(&engine, &impatient).await, Outcome::Replayed(_)));
+    store.rollback(holder).await.unwrap();
+}
