@@ -18,6 +18,41 @@
 //! - [`Sweep`]: deletes expired keys in short, bounded batches that skip rows
 //!   a claim holds.
 //!
+//! ## Round trips
+//!
+//! A fresh transactional call costs what the caller's own transaction costs
+//! and no round trip more: `BEGIN` travels with the claim, and the record with
+//! `COMMIT`, each pair as one text query on the store's own transaction type
+//! [`PgTx`] (sqlx's `Transaction` would spend a round trip on `BEGIN` alone).
+//!
+//! | step | statements | round trips |
+//! | --- | --- | --- |
+//! | open and claim | `BEGIN; EXECUTE idem_claim_…(…)` | 1 |
+//! | the caller's work | the caller's | the caller's |
+//! | record and commit | `EXECUTE idem_record_…(…); COMMIT` | 1 |
+//! | replay | `BEGIN; EXECUTE idem_claim_…(…)`, then `ROLLBACK` | 2 |
+//!
+//! - The claim and the record are prepared once per connection with SQL
+//!   `PREPARE` (a connection that lost them, say after `DEALLOCATE ALL`,
+//!   prepares them again), so neither is planned per request. Text queries
+//!   take no bound parameters: values are written as literals whose meaning
+//!   no server setting changes (escape strings `E'…'`, `decode('…', 'hex')`
+//!   for bytes, decimal integers).
+//! - The claim reads the key's row first: a live row (a recorded outcome, or
+//!   a lease still running) is answered without inserting, so a replay writes
+//!   nothing, locks nothing and takes no advisory lock. Under SERIALIZABLE
+//!   that read is skipped (its predicate lock would make the first claimer's
+//!   commit fail more often), and a replay goes through the upsert as
+//!   before.
+//! - The record fails unless it updated exactly the claimed row, and then the
+//!   `COMMIT` sent with it does not run: the caller's writes never commit
+//!   without their outcome.
+//! - Dropping an open [`PgTx`] rolls it back before its connection returns to
+//!   the pool.
+//!
+//! Both need a session of their own per connection, as sqlx's own prepared
+//! statements do: behind PgBouncer use session pooling.
+//!
 //! Every time stored or compared comes from the engine's clock as a bound
 //! parameter, never from the database's `now()`, so tests drive expiry and
 //! leases with a manual clock.
