@@ -1,0 +1,12 @@
+-- idem's statements with BEGIN and the claim in one round trip, and the record and COMMIT in one (on pgb_keys_noexp).
+\set a random(1, 9000000000000000)
+\set b random(1, 9000000000000000)
+\startpipeline
+BEGIN;
+INSERT INTO pgb_keys_noexp AS k (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms, lease_expires_at_ms) VALUES ('t', 'POST /bench', :client_id || '-' || :a || '-' || :b, '\xabababababababababababababababababababababababababababababababab', 0, 1, 1, 9000000000000000, NULL) ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET status = 0 WHERE k.expires_at_ms <= 1 RETURNING k.token;
+\endpipeline
+INSERT INTO pgb_effects (id, payload) VALUES (:client_id || '-' || :a || '-' || :b, 'payload');
+\startpipeline
+UPDATE pgb_keys_noexp SET status = 1, payload = '\x7b226f6b223a747275657d', lease_expires_at_ms = NULL WHERE tenant = 't' AND operation = 'POST /bench' AND idem_key = :client_id || '-' || :a || '-' || :b AND status = 0;
+COMMIT;
+\endpipeline

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Statement-level comparison of the PostgreSQL options for idem's transactional
+# path, with pgbench (prepared statements; pipelines where a script pairs
+# statements in one round trip). Each option runs against the bare
+# transaction in the same run, interleaved, ROUNDS times; prints tps and the
+# ratio to bare. Prints figures only.
+#
+#   bash crates/idem-bench/pgbench/run.sh [seconds=15] [clients=16] [rounds=2]
+#
+# The database comes from IDEM_TEST_POSTGRES_URL (default
+# postgres://postgres@127.0.0.1:5432/test).
+set -euo pipefail
+cd "$(dirname "$0")"
+seconds=${1:-15}
+clients=${2:-16}
+rounds=${3:-2}
+url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
+psql -q "$url" -f setup.sql
+options=(separate paired paired-noexp onewrite threecommit)
+tps() {
+    pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$1.sql" "$url" 2>/dev/null |
+        awk '/^tps/ {print int($3)}'
+}
+printf '%-14s %8s %8s %7s\n' option tps bare ratio
+for round in $(seq "$rounds"); do
+    for option in "${options[@]}"; do
+        bare=$(tps bare)
+        t=$(tps "$option")
+        printf '%-14s %8s %8s %7.3f\n' "$option" "$t" "$bare" "$(echo "$t / $bare" | bc -l)"
+    done
+done
+psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_effects"

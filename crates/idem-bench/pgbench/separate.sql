@@ -1,0 +1,8 @@
+-- idem's statements each in a round trip of its own: BEGIN, the claim upsert, the caller's insert, the record update, COMMIT.
+\set a random(1, 9000000000000000)
+\set b random(1, 9000000000000000)
+BEGIN;
+INSERT INTO pgb_keys AS k (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms, lease_expires_at_ms) VALUES ('t', 'POST /bench', :client_id || '-' || :a || '-' || :b, '\xabababababababababababababababababababababababababababababababab', 0, 1, 1, 9000000000000000, NULL) ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET status = 0 WHERE k.expires_at_ms <= 1 RETURNING k.token;
+INSERT INTO pgb_effects (id, payload) VALUES (:client_id || '-' || :a || '-' || :b, 'payload');
+UPDATE pgb_keys SET status = 1, payload = '\x7b226f6b223a747275657d', lease_expires_at_ms = NULL WHERE tenant = 't' AND operation = 'POST /bench' AND idem_key = :client_id || '-' || :a || '-' || :b AND status = 0;
+COMMIT;
