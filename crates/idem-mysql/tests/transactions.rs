@@ -1,0 +1,254 @@
+//! The transactional path's transactions and values: a claim answered
+//! Found or Busy leaves no transaction open on its pooled connection, a
+//! dropped claim commits nothing, a record without its claim commits
+//! nothing, and names and payloads are stored byte for byte whatever the
+//! session's `sql_mode`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{EFFECTS_TABLE, URL_VAR, isolated_store, shared_store, url};
+use idem_conformance::{call_for, rejecting, unique_scope};
+use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, Token, TxBackend, TxClaim, TxEngine};
+use idem_mysql::MySqlStore;
+use sqlx::MySqlPool;
+use sqlx::mysql::MySqlPoolOptions;
+
+fn now_ms() -> i64 {
+    idem_core::Clock::now_ms(&idem_core::SystemClock)
+}
+
+fn request(call: &idem_core::Call) -> ClaimRequest<'_> {
+    let now = now_ms();
+    ClaimRequest {
+        scope: call.scope(),
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: now,
+        expires_at_ms: now + 60_000,
+        fresh_token: Token::fresh(now),
+        lease_expires_at_ms: None,
+    }
+}
+
+/// A pool of `max` connections whose sessions run `setup` first.
+async fn pool(max: u32, setup: &'static str) -> MySqlPool {
+    let url = url();
+    MySqlPoolOptions::new()
+        .max_connections(max)
+        .after_connect(move |conn, _meta| {
+            Box::pin(async move {
+                sqlx::Executor::execute(&mut *conn, setup).await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach the MySQL/MariaDB test server at {url} ({e}); set {URL_VAR}"))
+}
+
+/// Whether the pool's next connection is inside a transaction, and its autocommit setting.
+async fn session_state(pool: &MySqlPool) -> (i64, i64) {
+    sqlx::query_as("SELECT CAST(@@in_transaction AS SIGNED), CAST(@@autocommit AS SIGNED)")
+        .fetch_one(pool)
+        .await
+        .expect("read the session's transaction state")
+}
+
+async fn effects(pool: &MySqlPool, id: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
+    )))
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
+    )))
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+}
+
+/// A claim answered Found, and one answered Busy, leave the single pooled connection out of any transaction.
+#[tokio::test]
+async fn found_and_busy_leave_no_open_transaction() {
+    let pool = pool(1, "DO 0").await;
+    let store = shared_store(pool.clone()).await;
+    let engine = TxEngine::new(store.clone());
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let first = engine
+        .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(7u32) }))
+        .await
+        .unwrap();
+    assert!(!first.is_replayed());
+
+    let replay = engine
+        .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(8u32) }))
+        .await
+        .unwrap();
+    assert!(replay.is_replayed());
+    assert_eq!(*replay.value(), 7);
+    assert_eq!(session_state(&pool).await, (0, 1), "after a Found claim");
+
+    // A twin on another pool holds a fresh key; this pool's claim is Busy.
+    let holder_store = MySqlStore::new(common::connect().await).with_table(store.table().clone());
+    let busy_call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let busy_req = request(&busy_call);
+    let (held, claim) = holder_store.begin_claim(&busy_req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    let (tx, claim) = store.begin_claim(&busy_req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Busy);
+    store.rollback(tx).await.unwrap();
+    assert_eq!(session_state(&pool).await, (0, 1), "after a Busy claim");
+    let err = engine
+        .execute(&busy_call, |_tx| Box::pin(async { Ok::<_, Error>(1u32) }))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InFlight { .. }), "{err:?}");
+    assert_eq!(session_state(&pool).await, (0, 1), "after the engine's Busy answer");
+    holder_store.rollback(held).await.unwrap();
+}
+
+/// A claimed transaction that is dropped commits nothing and leaves the key unused.
+#[tokio::test]
+async fn dropped_claimed_transaction_rolls_back() {
+    let pool = pool(1, "DO 0").await;
+    let store = shared_store(pool.clone()).await;
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let req = request(&call);
+    let effect = uuid::Uuid::new_v4().to_string();
+    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    write_effect(&mut tx, &effect).await;
+    drop(tx);
+
+    // The single connection comes back only after its rollback.
+    assert_eq!(session_state(&pool).await, (0, 1));
+    assert_eq!(effects(&pool, &effect).await, 0, "the dropped transaction's write");
+    assert!(
+        store.get(call.scope(), call.key()).await.unwrap().is_none(),
+        "the key is unused"
+    );
+    let again = TxEngine::new(store.clone())
+        .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(1u32) }))
+        .await
+        .unwrap();
+    assert!(!again.is_replayed(), "the key is claimed afresh");
+}
+
+/// A record in a transaction that holds no claim of its key fails, and the caller's write in it never commits.
+#[tokio::test]
+async fn record_without_claim_commits_nothing() {
+    let pool = pool(1, "DO 0").await;
+    let store = shared_store(pool.clone()).await;
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let req = request(&call);
+    let effect = uuid::Uuid::new_v4().to_string();
+
+    let mut tx = store.begin().await.unwrap();
+    write_effect(&mut tx, &effect).await;
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert_eq!(session_state(&pool).await, (0, 1));
+    assert_eq!(effects(&pool, &effect).await, 0);
+    assert!(store.get(call.scope(), call.key()).await.unwrap().is_none());
+
+    // A claim deleted by the caller's own work is no claim either.
+    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    write_effect(&mut tx, &effect).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM `{}` WHERE idem_key = ?",
+        store.table()
+    )))
+    .bind(call.key().as_str())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert_eq!(session_state(&pool).await, (0, 1));
+    assert_eq!(effects(&pool, &effect).await, 0);
+    assert!(store.get(call.scope(), call.key()).await.unwrap().is_none());
+}
+
+/// Tenants, operations and keys with quotes, backslashes and non-ASCII text are stored and matched exactly, whether or not backslashes escape.
+#[tokio::test]
+async fn awkward_names_round_trip_under_every_sql_mode() {
+    for mode in [
+        "SET SESSION sql_mode = 'STRICT_TRANS_TABLES'",
+        "SET SESSION sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'",
+    ] {
+        let pool = pool(2, mode).await;
+        let store = isolated_store(pool).await;
+        let engine = TxEngine::new(store.clone());
+        let tenant = format!("t'\\\"%_\\' ünï {}", uuid::Uuid::new_v4().simple());
+        let scope = Scope::parse(&tenant, "POST /v1/x'\\\\y\" — ✓").unwrap();
+        let keys = ["a\\'b", "a'b", "a\\\\'b", "a\"b`c%_\\", "0x41", "X'41'"];
+        for (i, key) in keys.iter().enumerate() {
+            let call = call_for(&scope, &IdempotencyKey::new(*key).unwrap(), "{}", rejecting());
+            let note = format!("{key} ✓ {i}");
+            let first = engine
+                .execute(&call, |_tx| {
+                    let note = note.clone();
+                    Box::pin(async move { Ok::<_, Error>(note) })
+                })
+                .await
+                .unwrap();
+            assert!(!first.is_replayed(), "{mode}: {key:?} is a key of its own");
+            let again = engine
+                .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(String::new()) }))
+                .await
+                .unwrap();
+            assert!(again.is_replayed(), "{mode}: {key:?} replays");
+            assert_eq!(*again.value(), note, "{mode}: {key:?}");
+        }
+        let listed = store
+            .list_keys(
+                &idem_core::KeyFilter {
+                    tenant: Some(tenant.clone()),
+                    ..Default::default()
+                },
+                now_ms(),
+                100,
+            )
+            .await
+            .unwrap();
+        let mut got: Vec<(&str, &str)> = listed.iter().map(|k| (k.operation.as_str(), k.key.as_str())).collect();
+        got.sort();
+        let mut expected: Vec<(&str, &str)> = keys.iter().map(|k| (scope.operation().as_str(), *k)).collect();
+        expected.sort();
+        assert_eq!(got, expected, "{mode}: stored byte for byte");
+    }
+}
+
+/// Recorded payloads holding every byte value come back exactly, empty, small and large.
+#[tokio::test]
+async fn payloads_of_every_byte_round_trip() {
+    let store = shared_store(common::connect().await).await;
+    let every: Vec<u8> = (0..=255u8).collect();
+    for len in [0, 256, 100 * 1024] {
+        let payload: Vec<u8> = every.iter().copied().cycle().take(len).collect();
+        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let req = request(&call);
+        let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+        assert_eq!(claim, TxClaim::Claimed);
+        let record = Record::completed(payload);
+        store.record_commit(tx, &req, &record).await.unwrap();
+        let row = store.get(call.scope(), call.key()).await.unwrap().expect("recorded");
+        assert_eq!(row.state, RowState::Done(record), "{len} bytes");
+    }
+}
