@@ -49,6 +49,11 @@ pub struct Options {
     pub webhooks: Option<Verifier>,
     /// The names of the event streams and subjects.
     pub events_namespace: Namespace,
+    /// Whether mutating routes refuse a request without an `Idempotency-Key`
+    /// (400). `false` serves such a request in a plain transaction that
+    /// commits on success, with no claim and no record: the same routes
+    /// without idempotency, for measuring what the layer costs.
+    pub require_keys: bool,
 }
 
 /// The demo's webhook secret (`whsec_` + base64 of
@@ -63,6 +68,7 @@ impl Default for Options {
             tokens: Arc::default(),
             webhooks: Some(Verifier::new([DEMO_WEBHOOK_SECRET]).expect("the demo secret is valid")),
             events_namespace: Namespace::default(),
+            require_keys: true,
         }
     }
 }
@@ -84,13 +90,18 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
     let policy = Policy::default().with_ttl_secs(options.key_ttl_secs);
     let engine = TxEngine::new(state.db.clone()).with_clock(state.clock.clone());
+    let required = if options.require_keys {
+        RoutePolicy::required()
+    } else {
+        RoutePolicy::optional()
+    };
     let idempotency = IdempotencyLayer::transactional(engine, tenant_of)
-        .default_route(RoutePolicy::required().with_policy(policy))
+        .default_route(required.with_policy(policy))
         .route("POST /v1/accounts", RoutePolicy::optional().with_policy(policy))
         // Money leaving: keys kept for at least 7 days.
         .route(
             "POST /v1/payouts",
-            RoutePolicy::required().with_policy(policy.with_ttl_secs(options.key_ttl_secs.max(PAYOUT_KEY_TTL_SECS))),
+            required.with_policy(policy.with_ttl_secs(options.key_ttl_secs.max(PAYOUT_KEY_TTL_SECS))),
         )
         .max_request_bytes(MAX_BODY_BYTES);
     let api = Router::new()

@@ -206,6 +206,7 @@ async fn serve(
         tokens: std::sync::Arc::new(tokens),
         webhooks,
         events_namespace,
+        require_keys: true,
     };
     let snapshot_every = (args.snapshot_every_secs > 0).then(|| Duration::from_secs(args.snapshot_every_secs));
     let payouts = payouts(args, &options.events_namespace)?;

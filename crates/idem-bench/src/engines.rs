@@ -1,0 +1,165 @@
+//! What the suite needs of each engine's store, and the store of each engine.
+
+use idem_core::{BoxError, BoxFuture, LeaseStore, TableName};
+use ledger::db::{DbError, LedgerDb};
+use sqlx::{AssertSqlSafe, Executor};
+
+/// The table of the suite's idempotency keys (emptied before each engine runs).
+pub const KEYS_TABLE: &str = "idem_bench_keys";
+
+/// The tenants whose ledger rows the suite owns and deletes before it runs.
+pub fn bench_tenants() -> [String; 2] {
+    [
+        crate::transfer::TENANT.to_owned(),
+        ledger::tenant_for_token(crate::http::TOKEN).as_str().to_owned(),
+    ]
+}
+
+/// A store the suite can measure: the ledger's statements, both idem modes,
+/// and the micro-benchmark's single insert.
+pub trait BenchDb: LedgerDb + LeaseStore + Clone {
+    /// Migrates the ledger's and the suite's tables and empties what the
+    /// suite wrote before.
+    fn prepare(&self) -> BoxFuture<'_, Result<(), BoxError>>;
+    /// The micro-benchmark's business write: one insert.
+    fn insert<'c>(tx: &'c mut Self::Tx, id: String) -> BoxFuture<'c, Result<(), DbError>>;
+    /// The server's version.
+    fn server_version(&self) -> BoxFuture<'_, Result<String, BoxError>>;
+    /// The ledger service's view of this store.
+    fn ledger_store(&self) -> ledger::Store;
+}
+
+macro_rules! bench_db {
+    ($store:ty, $variant:ident, $create:literal, $insert:literal, $version:literal) => {
+        impl BenchDb for $store {
+            fn prepare(&self) -> BoxFuture<'_, Result<(), BoxError>> {
+                Box::pin(async move {
+                    LedgerDb::migrate(self).await?;
+                    self.pool().execute($create).await?;
+                    self.pool().execute("DELETE FROM bench_effects").await?;
+                    self.pool()
+                        .execute(AssertSqlSafe(format!("DELETE FROM {KEYS_TABLE}")))
+                        .await?;
+                    let tenants = bench_tenants().map(|t| format!("'{t}'")).join(", ");
+                    for table in ["ledger_entries", "ledger_journal", "ledger_accounts"] {
+                        self.pool()
+                            .execute(AssertSqlSafe(format!(
+                                "DELETE FROM {table} WHERE tenant IN ({tenants})"
+                            )))
+                            .await?;
+                    }
+                    Ok(())
+                })
+            }
+
+            fn insert<'c>(
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+                id: String,
+            ) -> BoxFuture<'c, Result<(), DbError>> {
+                Box::pin(async move {
+                    sqlx::query($insert)
+                        .bind(id)
+                        .bind("payload")
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn server_version(&self) -> BoxFuture<'_, Result<String, BoxError>> {
+                Box::pin(async move {
+                    let (version,): (String,) = sqlx::query_as($version).fetch_one(self.pool()).await?;
+                    Ok(version)
+                })
+            }
+
+            fn ledger_store(&self) -> ledger::Store {
+                ledger::Store::$variant(self.clone())
+            }
+        }
+    };
+}
+
+bench_db!(
+    idem_postgres::PgStore,
+    Postgres,
+    "CREATE TABLE IF NOT EXISTS bench_effects (id VARCHAR(64) PRIMARY KEY, payload VARCHAR(200) NOT NULL)",
+    "INSERT INTO bench_effects (id, payload) VALUES ($1, $2)",
+    "SHOW server_version"
+);
+bench_db!(
+    idem_mysql::MySqlStore,
+    MySql,
+    "CREATE TABLE IF NOT EXISTS bench_effects (id VARCHAR(64) PRIMARY KEY, payload VARCHAR(200) NOT NULL) ENGINE=InnoDB",
+    "INSERT INTO bench_effects (id, payload) VALUES (?, ?)",
+    "SELECT VERSION()"
+);
+bench_db!(
+    idem_sqlite::SqliteStore,
+    Sqlite,
+    "CREATE TABLE IF NOT EXISTS bench_effects (id TEXT PRIMARY KEY, payload TEXT NOT NULL)",
+    "INSERT INTO bench_effects (id, payload) VALUES (?, ?)",
+    "SELECT sqlite_version()"
+);
+
+/// The suite's keys table.
+pub fn keys_table() -> TableName {
+    TableName::new(KEYS_TABLE).expect("a valid table name")
+}
+
+/// Connects to PostgreSQL with a pool of `connections`.
+pub async fn postgres(url: &str, connections: u32) -> Result<idem_postgres::PgStore, BoxError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .connect(url)
+        .await
+        .map_err(|e| format!("postgres at {url}: {e}"))?;
+    Ok(idem_postgres::PgStore::new(pool).with_table(keys_table()))
+}
+
+/// Connects to MySQL/MariaDB with a pool of `connections`.
+pub async fn mysql(url: &str, connections: u32) -> Result<idem_mysql::MySqlStore, BoxError> {
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(connections)
+        .connect(url)
+        .await
+        .map_err(|e| format!("mysql at {url}: {e}"))?;
+    Ok(idem_mysql::MySqlStore::new(pool).with_table(keys_table()))
+}
+
+/// A SQLite file that is deleted (with its WAL and lock files) on drop.
+#[derive(Debug)]
+pub struct SqliteFile {
+    path: std::path::PathBuf,
+}
+
+impl SqliteFile {
+    /// A new file name in the temporary directory.
+    pub fn new() -> Self {
+        let name = format!("idem-bench-{}-{}.db", std::process::id(), uuid::Uuid::now_v7());
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+
+    /// Opens the store on it.
+    pub async fn open(&self) -> Result<idem_sqlite::SqliteStore, BoxError> {
+        Ok(idem_sqlite::SqliteStore::open(&self.path)
+            .await?
+            .with_table(keys_table()))
+    }
+}
+
+impl Default for SqliteFile {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for SqliteFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.path.display()));
+        }
+    }
+}

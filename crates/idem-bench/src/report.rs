@@ -1,0 +1,345 @@
+//! The results file and the README's tables rendered from it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::machine::{Commit, Machine};
+use crate::measure::Comparison;
+
+/// Where the generated tables start in the README.
+pub const BEGIN: &str = "<!-- bench:begin -->";
+/// Where they end.
+pub const END: &str = "<!-- bench:end -->";
+
+/// Everything one run of the suite measured, and where.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Results {
+    /// When the run started (UTC, RFC 3339).
+    pub date: String,
+    /// The machine.
+    pub machine: Machine,
+    /// The commit.
+    pub git: Commit,
+    /// Each engine's server version.
+    pub servers: BTreeMap<String, String>,
+    /// The suite's arguments.
+    pub args: serde_json::Value,
+    /// Every comparison, in the order measured.
+    pub comparisons: Vec<Comparison>,
+    /// The scale benchmark's own results, when it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<serde_json::Value>,
+}
+
+fn engine_name(results: &Results, engine: &str) -> String {
+    match engine {
+        "postgres" => "PostgreSQL".into(),
+        "mysql" if results.servers.get("mysql").is_some_and(|v| v.contains("MariaDB")) => "MariaDB".into(),
+        "mysql" => "MySQL".into(),
+        "sqlite" => "SQLite".into(),
+        other => other.into(),
+    }
+}
+
+/// `12345.6` as `12 346`.
+fn thousands(value: f64) -> String {
+    let digits = format!("{:.0}", value.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn summary(results: &Results) -> String {
+    let arg = |name: &str| {
+        results
+            .args
+            .get(name)
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    let servers: Vec<String> = results
+        .servers
+        .iter()
+        .map(|(engine, version)| format!("{} {version}", engine_name(results, engine)))
+        .collect();
+    let commit: String = results.git.commit.chars().take(10).collect();
+    format!(
+        "Measured {date} on {nproc} × {cpu}, {mem:.1} GiB, Linux {kernel}, load average {load} at the start; commit `{commit}`{dirty}; \
+         {seconds} s per path, {repeat} repetition(s), baseline and idem interleaved; {servers}.\n",
+        date = results.date,
+        nproc = results.machine.nproc,
+        cpu = results.machine.cpu_model,
+        mem = results.machine.memory_kb as f64 / 1024.0 / 1024.0,
+        kernel = results.machine.kernel,
+        load = results.machine.load_average,
+        dirty = if results.git.dirty {
+            " (with uncommitted changes)"
+        } else {
+            ""
+        },
+        seconds = arg("seconds"),
+        repeat = arg("repeat"),
+        servers = servers.join(", "),
+    )
+}
+
+fn comparisons_table(results: &Results) -> String {
+    let mut out = String::from(
+        "| engine | workload | workers | ratio | baseline ops/s | idem ops/s | ratio: median (min–max) | target | met |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for c in &results.comparisons {
+        let rate = |path: &str| {
+            c.paths
+                .iter()
+                .find(|p| p.path == path)
+                .map_or(0.0, |p| p.median_ops_per_sec)
+        };
+        for r in &c.ratios {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} ({}) | {} ({}) | {:.2} ({:.2}–{:.2}) | {} | {} |",
+                engine_name(results, &c.engine),
+                c.workload,
+                c.workers,
+                r.name,
+                thousands(rate(&r.denominator)),
+                r.denominator,
+                thousands(rate(&r.numerator)),
+                r.numerator,
+                r.median,
+                r.min,
+                r.max,
+                r.target.map_or("—".into(), |t| format!("≥ {t}")),
+                match r.met {
+                    Some(true) => "yes",
+                    Some(false) => "**no**",
+                    None => "—",
+                },
+            );
+        }
+    }
+    out
+}
+
+/// Every leaf of `value` with its path (`a.b[2].c`).
+fn leaves(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                leaves(&path, v, out);
+            }
+        }
+        serde_json::Value::Array(items) => {
+            for (i, v) in items.iter().enumerate() {
+                leaves(&format!("{prefix}[{i}]"), v, out);
+            }
+        }
+        serde_json::Value::Number(n) => out.push((
+            prefix.to_owned(),
+            n.as_f64()
+                .filter(|f| f.fract() != 0.0)
+                .map_or(n.to_string(), |f| format!("{f:.3}")),
+        )),
+        other => out.push((prefix.to_owned(), other.to_string().trim_matches('"').to_owned())),
+    }
+}
+
+fn scale_section(results: &Results) -> String {
+    let Some(scale) = &results.scale else {
+        return "Scale: not measured in this run (the suite runs it with `--scale`).\n".into();
+    };
+    let Some(engines) = scale.get("results").and_then(|r| r.as_array()) else {
+        let mut rows = Vec::new();
+        leaves("", scale, &mut rows);
+        let mut out = String::from("Scale (the `scale` benchmark's figures):\n\n| figure | value |\n|---|---|\n");
+        for (k, v) in rows {
+            let _ = writeln!(out, "| `{k}` | {v} |");
+        }
+        return out;
+    };
+    let num = |v: &serde_json::Value, path: &[&str]| {
+        path.iter()
+            .try_fold(v, |v, k| v.get(*k))
+            .and_then(serde_json::Value::as_f64)
+    };
+    let ms = |v: Option<f64>| v.map_or("—".into(), |v| format!("{v:.2} ms"));
+    let ratio = |v: Option<f64>| v.map_or("—".into(), |v| format!("{v:.2}"));
+    let met = |v: Option<&serde_json::Value>| match v.and_then(serde_json::Value::as_bool) {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "—",
+    };
+    let mut out = String::from(
+        "Scale (`scale`: fresh claims with few and many stored keys; live claims without and during a sweep):\n\n\
+         | engine | figure | without | with | ratio | target | met |\n|---|---|---|---|---|---|---|\n",
+    );
+    let mut bytes = String::from(
+        "\n| engine | bytes per key | table bytes | index bytes | sweep rows/s |\n|---|---|---|---|---|\n",
+    );
+    for e in engines {
+        let name = engine_name(results, e.get("engine").and_then(|v| v.as_str()).unwrap_or("?"));
+        let keys = |k: &str| num(e, &[k]).map_or("?".into(), thousands);
+        let sweep = e.get("sweep").cloned().unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "| {name} | claim p99, {} → {} keys | {} | {} | {} | ≤ {} | {} |",
+            keys("keys_small"),
+            keys("keys_large"),
+            ms(num(e, &["small", "p99_ms"])),
+            ms(num(e, &["large", "p99_ms"])),
+            ratio(num(e, &["p99_ratio"])),
+            ratio(num(e, &["p99_target"])),
+            met(e.get("p99_met")),
+        );
+        let _ = writeln!(
+            out,
+            "| {name} | live p99, sweeping {} expired rows | {} | {} | {} | ≤ {} | {} |",
+            num(&sweep, &["rows"]).map_or("?".into(), thousands),
+            ms(num(&sweep, &["live_without", "p99_ms"])),
+            ms(num(&sweep, &["live_during", "p99_ms"])),
+            ratio(num(&sweep, &["p99_ratio"])),
+            ratio(num(&sweep, &["p99_target"])),
+            met(sweep.get("p99_met")),
+        );
+        let count = |path: &[&str]| num(e, path).map_or("—".into(), thousands);
+        let _ = writeln!(
+            bytes,
+            "| {name} | {} | {} | {} | {} |",
+            count(&["bytes", "bytes_per_key"]),
+            count(&["bytes", "table_bytes"]),
+            count(&["bytes", "index_bytes"]),
+            num(&sweep, &["rows_per_sec"]).map_or("—".into(), thousands),
+        );
+    }
+    out + &bytes
+}
+
+/// The README's generated part: the run's summary, the comparisons, scale.
+pub fn render(results: &Results) -> String {
+    format!(
+        "{}\n{}\n{}",
+        summary(results),
+        comparisons_table(results),
+        scale_section(results)
+    )
+}
+
+/// `readme` with everything between [`BEGIN`] and [`END`] replaced by
+/// `generated`; the markers and the rest are kept as they are.
+pub fn replace_generated(readme: &str, generated: &str) -> Result<String, String> {
+    let start = readme
+        .find(BEGIN)
+        .ok_or_else(|| format!("no {BEGIN} marker in the README"))?
+        + BEGIN.len();
+    let end = readme[start..]
+        .find(END)
+        .ok_or_else(|| format!("no {END} marker after {BEGIN} in the README"))?
+        + start;
+    let mut generated = generated.to_owned();
+    if !generated.ends_with('\n') {
+        generated.push('\n');
+    }
+    Ok(format!("{}\n{generated}{}", &readme[..start], &readme[end..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Results {
+        serde_json::from_value(serde_json::json!({
+            "date": "2026-11-25T15:30:58Z",
+            "machine": {"nproc": 2, "cpu_model": "Test CPU", "memory_kb": 4194304, "kernel": "6.1.0"},
+            "git": {"commit": "0123456789abcdef", "dirty": false},
+            "servers": {"postgres": "17.2", "mysql": "11.4.2-MariaDB"},
+            "args": {"seconds": 2, "repeat": 3},
+            "comparisons": [{
+                "engine": "postgres", "workload": "micro", "workers": 16,
+                "paths": [
+                    {"path": "bare", "runs": [], "median_ops_per_sec": 5400.0},
+                    {"path": "fresh", "runs": [], "median_ops_per_sec": 4000.0},
+                    {"path": "replay", "runs": [], "median_ops_per_sec": 13000.0}
+                ],
+                "ratios": [
+                    {"name": "idem/bare", "numerator": "fresh", "denominator": "bare",
+                     "values": [0.7, 0.74, 0.76], "median": 0.74, "min": 0.7, "max": 0.76,
+                     "target": 0.85, "met": false},
+                    {"name": "replay/fresh", "numerator": "replay", "denominator": "fresh",
+                     "values": [3.25], "median": 3.25, "min": 3.25, "max": 3.25,
+                     "target": 3.0, "met": true}
+                ]
+            }]
+        }))
+        .expect("a valid sample")
+    }
+
+    /// The generated part replaces only what lies between the markers; a
+    /// missed target is shown as missed, a met one as met.
+    #[test]
+    fn renders_between_the_markers_only() {
+        let readme = format!("# Title\n\n## Benchmarks\n\n{BEGIN}\nold table\n{END}\n\nAfter.\n");
+        let out = replace_generated(&readme, &render(&sample())).unwrap();
+        let (before, rest) = out.split_once(BEGIN).unwrap();
+        let (generated, after) = rest.split_once(END).unwrap();
+        assert_eq!(before, "# Title\n\n## Benchmarks\n\n");
+        assert_eq!(after, "\n\nAfter.\n");
+        assert!(!generated.contains("old table"));
+        assert!(generated.contains(
+            "| PostgreSQL | micro | 16 | idem/bare | 5 400 (bare) | 4 000 (fresh) | 0.74 (0.70–0.76) | ≥ 0.85 | **no** |"
+        ));
+        assert!(generated.contains(
+            "| PostgreSQL | micro | 16 | replay/fresh | 4 000 (fresh) | 13 000 (replay) | 3.25 (3.25–3.25) | ≥ 3 | yes |"
+        ));
+        assert!(generated.contains("commit `0123456789`"));
+        assert!(generated.contains("MariaDB 11.4.2-MariaDB"));
+        assert!(generated.contains("Scale: not measured in this run"));
+        // Rendering again from the output changes nothing.
+        assert_eq!(replace_generated(&out, &render(&sample())).unwrap(), out);
+    }
+
+    /// A README without the markers is refused, not rewritten.
+    #[test]
+    fn refuses_a_readme_without_markers() {
+        assert!(replace_generated("# Title\n", "table").is_err());
+        assert!(replace_generated(&format!("{END}\n{BEGIN}\n"), "table").is_err());
+    }
+
+    /// The scale benchmark's figures become rows per engine, a missed
+    /// target shown as missed; a shape it does not know is listed leaf by leaf.
+    #[test]
+    fn lists_scale_figures() {
+        let mut results = sample();
+        results.scale = Some(serde_json::json!({"results": [{
+            "engine": "postgres", "keys_small": 10000, "keys_large": 10000000,
+            "small": {"p99_ms": 10.0}, "large": {"p99_ms": 12.5},
+            "p99_ratio": 1.25, "p99_target": 1.1, "p99_met": false,
+            "sweep": {"rows": 1000000, "rows_per_sec": 25000.0,
+                      "live_without": {"p99_ms": 10.0}, "live_during": {"p99_ms": 11.0},
+                      "p99_ratio": 1.1, "p99_target": 1.2, "p99_met": true},
+            "bytes": {"bytes_per_key": 280.4, "table_bytes": 1900000000, "index_bytes": 900000000}
+        }]}));
+        let out = render(&results);
+        assert!(out.contains(
+            "| PostgreSQL | claim p99, 10 000 → 10 000 000 keys | 10.00 ms | 12.50 ms | 1.25 | ≤ 1.10 | **no** |"
+        ));
+        assert!(out.contains(
+            "| PostgreSQL | live p99, sweeping 1 000 000 expired rows | 10.00 ms | 11.00 ms | 1.10 | ≤ 1.20 | yes |"
+        ));
+        assert!(out.contains("| PostgreSQL | 280 | 1 900 000 000 | 900 000 000 | 25 000 |"));
+        results.scale = Some(serde_json::json!({"postgres": {"claim_p99_ms": {"10M": 1.5}}}));
+        assert!(render(&results).contains("| `postgres.claim_p99_ms.10M` | 1.500 |"));
+    }
+}

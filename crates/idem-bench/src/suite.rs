@@ -1,0 +1,298 @@
+//! The whole suite: every workload on every engine, the results file, the
+//! README's tables.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::Parser;
+use idem_core::BoxError;
+use serde::Serialize;
+
+use crate::engines::{self, BenchDb};
+use crate::http::HttpPaths;
+use crate::machine::{Commit, Machine, now_rfc3339};
+use crate::measure::{Comparison, Paths, RatioSpec, Setting, compare, print_header};
+use crate::micro::Insert;
+use crate::report::{Results, render, replace_generated};
+use crate::transfer::{TENANT, Transfer, fund_accounts};
+use crate::txpaths::TxPaths;
+
+/// The suite's command line.
+#[derive(Debug, Clone, Parser, Serialize)]
+#[command(about = "idem's performance suite: each workload against its baseline, per engine")]
+pub struct Args {
+    /// Seconds each path runs in each repetition (after a 0.5 s warm-up).
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Repetitions of each comparison (baseline and idem interleaved).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Engines to measure.
+    #[arg(long, value_delimiter = ',', default_value = "postgres,mysql,sqlite")]
+    pub engines: Vec<String>,
+    /// Workloads to run: micro, transfer, http.
+    #[arg(long, value_delimiter = ',', default_value = "micro,transfer,http")]
+    pub workloads: Vec<String>,
+    /// Worker counts of the micro and transfer workloads.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub workers: Vec<usize>,
+    /// Concurrent clients of the HTTP workload.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub clients: Vec<usize>,
+    /// Funded accounts the transfers pick random pairs from.
+    #[arg(long, default_value_t = 1000)]
+    pub accounts: usize,
+    /// Database connections of the HTTP server.
+    #[arg(long, default_value_t = 32)]
+    pub http_connections: u32,
+    /// Also run the scale benchmark (`scale`, next to this binary).
+    #[arg(long)]
+    pub scale: bool,
+    /// Where to write the results.
+    #[arg(long, default_value = "target/bench/results.json")]
+    pub out: PathBuf,
+    /// Regenerates this README's tables from the results.
+    #[arg(long)]
+    pub readme: Option<PathBuf>,
+    /// Runs nothing: renders the README's tables (`--readme`) from this results file.
+    #[arg(long, requires = "readme")]
+    pub from_json: Option<PathBuf>,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "IDEM_TEST_POSTGRES_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    #[serde(skip)]
+    pub postgres_url: String,
+    /// MySQL/MariaDB URL.
+    #[arg(
+        long,
+        env = "IDEM_TEST_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    #[serde(skip)]
+    pub mysql_url: String,
+}
+
+/// The micro-benchmark's and the transfer's idem/bare targets (at 16 workers).
+fn idem_over_bare_target(engine: &str, workload: &str, workers: usize) -> Option<f64> {
+    match (engine, workload, workers) {
+        ("postgres", "micro", 16) => Some(0.85),
+        ("postgres", "transfer", 16) => Some(0.90),
+        ("mysql", "micro", 16) => Some(0.75),
+        ("mysql", "transfer", 16) => Some(0.85),
+        _ => None,
+    }
+}
+
+const REPLAY_TARGET: Option<f64> = Some(3.0);
+const THREE_COMMIT_TARGET: Option<f64> = Some(2.0);
+
+/// The paths of `workload`, in the order each repetition runs them.
+fn paths_of(workload: &str) -> &'static [&'static str] {
+    match workload {
+        "micro" => &["bare", "fresh", "replay", "three-commit"],
+        "transfer" => &["bare", "fresh", "three-commit"],
+        _ => &["without", "with", "replay"],
+    }
+}
+
+/// The ratios of `workload` on `engine` at `workers`, with their targets.
+fn ratios_of(engine: &str, workload: &str, workers: usize) -> Vec<RatioSpec> {
+    let ratio = |name, numerator, denominator, target| RatioSpec {
+        name,
+        numerator,
+        denominator,
+        target,
+    };
+    let paths = paths_of(workload);
+    if workload == "http" {
+        return vec![
+            ratio("with layer/without", "with", "without", None),
+            ratio("replay/fresh", "replay", "with", REPLAY_TARGET),
+        ];
+    }
+    let mut ratios = vec![ratio(
+        "idem/bare",
+        "fresh",
+        "bare",
+        idem_over_bare_target(engine, workload, workers),
+    )];
+    if paths.contains(&"replay") {
+        ratios.push(ratio("replay/fresh", "replay", "fresh", REPLAY_TARGET));
+    }
+    ratios.push(ratio(
+        "transactional/three-commit",
+        "fresh",
+        "three-commit",
+        THREE_COMMIT_TARGET,
+    ));
+    ratios
+}
+
+/// Runs the paths of `workload` on `bench` at each of its concurrencies.
+async fn at_each<P: Paths>(
+    bench: &Arc<P>,
+    args: &Args,
+    engine: &str,
+    workload: &str,
+    out: &mut Vec<Comparison>,
+) -> Result<(), BoxError> {
+    let counts = if workload == "http" {
+        &args.clients
+    } else {
+        &args.workers
+    };
+    for &workers in counts {
+        let setting = Setting {
+            engine,
+            workload,
+            workers,
+            seconds: args.seconds,
+            repeat: args.repeat,
+        };
+        let ratios = ratios_of(engine, workload, workers);
+        out.push(compare(bench, setting, paths_of(workload), &ratios).await?);
+    }
+    Ok(())
+}
+
+/// Every selected workload on one engine.
+async fn run_engine<D: BenchDb>(engine: &str, db: D, args: &Args, out: &mut Vec<Comparison>) -> Result<(), BoxError> {
+    db.prepare().await?;
+    let wants = |w: &str| args.workloads.iter().any(|x| x == w);
+    if wants("micro") {
+        let bench = Arc::new(TxPaths::new(&db, "POST /bench/insert", Insert::<D>::new())?);
+        at_each(&bench, args, engine, "micro", out).await?;
+    }
+    if wants("transfer") {
+        let accounts = fund_accounts(&db, TENANT, args.accounts).await?;
+        let bench = Arc::new(TxPaths::new(&db, "POST /bench/transfer", Transfer::new(accounts))?);
+        at_each(&bench, args, engine, "transfer", out).await?;
+    }
+    Ok(())
+}
+
+/// The HTTP workload on one engine (its own pool, sized like a service's).
+async fn run_http<D: BenchDb>(engine: &str, db: D, args: &Args, out: &mut Vec<Comparison>) -> Result<(), BoxError> {
+    let tenant = ledger::tenant_for_token(crate::http::TOKEN);
+    let accounts = fund_accounts(&db, tenant.as_str(), args.accounts).await?;
+    let bench = Arc::new(HttpPaths::start(db.ledger_store(), accounts).await?);
+    at_each(&bench, args, engine, "http", out).await
+}
+
+/// Measures the engine whose store `connect` opens (with a pool of the
+/// given size), and answers its server version.
+async fn measure_store<D, F, Fut>(
+    engine: &str,
+    args: &Args,
+    out: &mut Vec<Comparison>,
+    connect: F,
+) -> Result<String, BoxError>
+where
+    D: BenchDb,
+    F: Fn(u32) -> Fut,
+    Fut: Future<Output = Result<D, BoxError>>,
+{
+    let db = connect(args.workers.iter().copied().max().unwrap_or(1) as u32 + 4).await?;
+    run_engine(engine, db.clone(), args, out).await?;
+    if args.workloads.iter().any(|w| w == "http") {
+        run_http(engine, connect(args.http_connections).await?, args, out).await?;
+    }
+    db.server_version().await
+}
+
+/// Connects to `engine`, measures it, and answers its server version.
+async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) -> Result<String, BoxError> {
+    match engine {
+        "postgres" => measure_store(engine, args, out, |n| engines::postgres(&args.postgres_url, n)).await,
+        "mysql" => measure_store(engine, args, out, |n| engines::mysql(&args.mysql_url, n)).await,
+        "sqlite" => {
+            let file = engines::SqliteFile::new();
+            measure_store(engine, args, out, |_| file.open()).await
+        }
+        other => Err(format!("unknown engine {other:?} (postgres, mysql, sqlite)").into()),
+    }
+}
+
+/// The scale benchmark binary, next to this one.
+fn scale_binary() -> Result<PathBuf, BoxError> {
+    let exe = std::env::current_exe()?.with_file_name("scale");
+    if !exe.exists() {
+        return Err(format!(
+            "--scale: the scale benchmark is not built ({} is missing); build it with \
+             `cargo build --release -p idem-bench --bin scale`",
+            exe.display()
+        )
+        .into());
+    }
+    Ok(exe)
+}
+
+/// Runs the scale benchmark `exe` with its results in `dir/scale.json`, and
+/// answers them.
+async fn run_scale(exe: &Path, dir: &Path) -> Result<serde_json::Value, BoxError> {
+    let out = dir.join("scale.json");
+    println!("\n== scale: {} --out {} ==", exe.display(), out.display());
+    let status = tokio::process::Command::new(exe)
+        .arg("--out")
+        .arg(&out)
+        .status()
+        .await?;
+    if !status.success() {
+        return Err(format!("--scale: {} failed ({status})", exe.display()).into());
+    }
+    Ok(serde_json::from_slice(&std::fs::read(&out)?)?)
+}
+
+fn write_readme(path: &Path, results: &Results) -> Result<(), BoxError> {
+    let readme = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let updated = replace_generated(&readme, &render(results)).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::write(path, updated)?;
+    println!("tables regenerated in {}", path.display());
+    Ok(())
+}
+
+/// Runs what `args` asks: the suite (then its results file and, with
+/// `--readme`, the README's tables), or with `--from-json` only the tables.
+pub async fn run(args: Args) -> Result<(), BoxError> {
+    if let (Some(json), Some(readme)) = (&args.from_json, &args.readme) {
+        let results: Results =
+            serde_json::from_slice(&std::fs::read(json).map_err(|e| format!("{}: {e}", json.display()))?)?;
+        return write_readme(readme, &results);
+    }
+    let scale_exe = if args.scale { Some(scale_binary()?) } else { None };
+    let date = now_rfc3339();
+    let machine = Machine::this();
+    let mut comparisons = Vec::new();
+    let mut servers = BTreeMap::new();
+    print_header();
+    for engine in &args.engines {
+        let version = measure_engine(engine, &args, &mut comparisons).await?;
+        servers.insert(engine.clone(), version);
+    }
+    let dir = args.out.parent().unwrap_or(Path::new(".")).to_path_buf();
+    std::fs::create_dir_all(&dir)?;
+    let scale = match &scale_exe {
+        Some(exe) => Some(run_scale(exe, &dir).await?),
+        None => None,
+    };
+    let results = Results {
+        date,
+        machine,
+        git: Commit::current(),
+        servers,
+        args: serde_json::to_value(&args)?,
+        comparisons,
+        scale,
+    };
+    std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;
+    println!("\nresults written to {}", args.out.display());
+    if let Some(readme) = &args.readme {
+        write_readme(readme, &results)?;
+    }
+    Ok(())
+}
