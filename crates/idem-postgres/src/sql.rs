@@ -124,6 +124,16 @@ const CLAIM_PARAM_TYPES: &str = "text, text, text, bytea, bigint, bigint, bigint
 /// [`ROW_COLUMNS`] order.
 pub(crate) const CLAIM_COLUMNS: usize = 8;
 
+/// The conflict arm of both claims: a conflicting row is taken over only if
+/// it is stale (expired, or an in-progress lease whose lease ran out), with a
+/// token larger than its old one; the claimed token is returned.
+const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
+     fingerprint = EXCLUDED.fingerprint, status = 0, token = GREATEST(k.token + 1, EXCLUDED.token), \
+     payload = NULL, created_at_ms = EXCLUDED.created_at_ms, expires_at_ms = EXCLUDED.expires_at_ms, \
+     lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
+     WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
+     RETURNING k.token";
+
 /// The transactional claim: one statement that claims the key or answers
 /// the committed row that holds it.
 ///
@@ -169,16 +179,7 @@ fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
                                    created_at_ms, expires_at_ms, lease_expires_at_ms) \
              SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
              WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
-             ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
-                 fingerprint = EXCLUDED.fingerprint, \
-                 status = 0, \
-                 token = GREATEST(k.token + 1, EXCLUDED.token), \
-                 payload = NULL, \
-                 created_at_ms = EXCLUDED.created_at_ms, \
-                 expires_at_ms = EXCLUDED.expires_at_ms, \
-                 lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
-             WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
-             RETURNING k.token\
+             {TAKEOVER}\
          ), restored AS MATERIALIZED (\
              SELECT set_config('lock_timeout', saved.saved, true) AS restored \
              FROM saved, (SELECT count(*) FROM claimed) AS done\
@@ -204,16 +205,7 @@ fn lease_claim(t: &str) -> String {
          INSERT INTO {t} AS k (tenant, operation, idem_key, fingerprint, status, token, \
                                created_at_ms, expires_at_ms, lease_expires_at_ms) \
          SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded \
-         ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
-             fingerprint = EXCLUDED.fingerprint, \
-             status = 0, \
-             token = GREATEST(k.token + 1, EXCLUDED.token), \
-             payload = NULL, \
-             created_at_ms = EXCLUDED.created_at_ms, \
-             expires_at_ms = EXCLUDED.expires_at_ms, \
-             lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
-         WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
-         RETURNING k.token"
+         {TAKEOVER}"
     )
 }
 

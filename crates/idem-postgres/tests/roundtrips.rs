@@ -83,6 +83,31 @@ async fn run(engine: &TxEngine<PgStore>, call: &Call) -> Outcome<String> {
         .expect("the call runs")
 }
 
+/// A transactional claim request of `call` in `scope` that never expires.
+fn request<'a>(scope: &'a Scope, call: &'a Call) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope,
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: 1,
+        expires_at_ms: i64::MAX,
+        fresh_token: Token::fresh(1),
+        lease_expires_at_ms: None,
+    }
+}
+
+/// Writes the effect row `id` in `tx`.
+async fn write_effect(store: &PgStore, tx: &mut idem_postgres::PgTx, id: &str) {
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {}_effects (id) VALUES ($1)",
+        store.table().as_str()
+    )))
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+}
+
 async fn effects(store: &PgStore, id: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {}_effects WHERE id = $1",
@@ -157,15 +182,7 @@ async fn a_busy_claim_leaves_its_connection_clean() {
         panic!("the first claim claims")
     };
     let scope = call.scope().clone();
-    let req = ClaimRequest {
-        scope: &scope,
-        key: call.key(),
-        fingerprint: call.fingerprint(),
-        now_ms: 1,
-        expires_at_ms: i64::MAX,
-        fresh_token: Token::fresh(1),
-        lease_expires_at_ms: None,
-    };
+    let req = request(&scope, &call);
     let (tx, answer) = store.begin_claim(&req, Duration::from_millis(50)).await.unwrap();
     assert_eq!(answer, idem_core::TxClaim::Busy);
     store.rollback(tx).await.unwrap();
@@ -181,14 +198,7 @@ async fn a_dropped_claim_rolls_back_and_returns_a_clean_connection() {
     let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
         panic!("a fresh key is claimed")
     };
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {}_effects (id) VALUES ($1)",
-        store.table().as_str()
-    )))
-    .bind(call.key().as_str())
-    .execute(&mut *claimed.tx)
-    .await
-    .unwrap();
+    write_effect(&store, &mut claimed.tx, call.key().as_str()).await;
     drop(claimed);
     // The pool's only connection comes back once the rollback ran.
     assert!(connection_is_clean(store.pool()).await);
@@ -216,14 +226,7 @@ async fn a_record_that_finds_no_claim_commits_nothing() {
         panic!("a fresh key is claimed")
     };
     // The caller's work writes, and deletes the claim under the engine's feet.
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {}_effects (id) VALUES ($1)",
-        store.table().as_str()
-    )))
-    .bind(call.key().as_str())
-    .execute(&mut *claimed.tx)
-    .await
-    .unwrap();
+    write_effect(&store, &mut claimed.tx, call.key().as_str()).await;
     sqlx::query(AssertSqlSafe(format!(
         "DELETE FROM {} WHERE idem_key = $1",
         store.table().as_str()
@@ -242,23 +245,8 @@ async fn a_record_that_finds_no_claim_commits_nothing() {
     // Without the one-round-trip path (a transaction from `begin`), the same.
     let mut tx = store.begin().await.unwrap();
     let scope = call.scope().clone();
-    let req = ClaimRequest {
-        scope: &scope,
-        key: call.key(),
-        fingerprint: call.fingerprint(),
-        now_ms: 1,
-        expires_at_ms: i64::MAX,
-        fresh_token: Token::fresh(1),
-        lease_expires_at_ms: None,
-    };
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {}_effects (id) VALUES ($1)",
-        store.table().as_str()
-    )))
-    .bind(call.key().as_str())
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    let req = request(&scope, &call);
+    write_effect(&store, &mut tx, call.key().as_str()).await;
     let err = store
         .record_commit(tx, &req, &Record::completed(b"{}".to_vec()))
         .await
