@@ -7,6 +7,10 @@ use sqlx::{AssertSqlSafe, Executor};
 /// The table of the suite's idempotency keys (emptied before each engine runs).
 pub const KEYS_TABLE: &str = "idem_bench_keys";
 
+/// The events namespace of the ledger the suite serves over HTTP: its outbox
+/// rows (subjects `idem_bench.…`) are the suite's to delete.
+pub const EVENTS_NAMESPACE: &str = "idem_bench";
+
 /// The tenants whose ledger rows the suite owns and deletes before it runs.
 pub fn bench_tenants() -> [String; 2] {
     [
@@ -21,6 +25,10 @@ pub trait BenchDb: LedgerDb + LeaseStore + Clone {
     /// Migrates the ledger's and the suite's tables and empties what the
     /// suite wrote before.
     fn prepare(&self) -> BoxFuture<'_, Result<(), BoxError>>;
+    /// Deletes every row the suite wrote: its keys, effects, ledger rows and
+    /// the events its ledger enqueued (which no relay of the suite ever
+    /// sends, and which would otherwise wait in the shared outbox).
+    fn clean_up(&self) -> BoxFuture<'_, Result<(), BoxError>>;
     /// The micro-benchmark's business write: one insert.
     fn insert<'c>(tx: &'c mut Self::Tx, id: String) -> BoxFuture<'c, Result<(), DbError>>;
     /// The server's version.
@@ -36,7 +44,19 @@ macro_rules! bench_db {
                 Box::pin(async move {
                     LedgerDb::migrate(self).await?;
                     self.pool().execute($create).await?;
+                    self.clean_up().await
+                })
+            }
+
+            fn clean_up(&self) -> BoxFuture<'_, Result<(), BoxError>> {
+                Box::pin(async move {
                     self.pool().execute("DELETE FROM bench_effects").await?;
+                    self.pool()
+                        .execute(AssertSqlSafe(format!(
+                            "DELETE FROM {} WHERE subject LIKE '{EVENTS_NAMESPACE}.%'",
+                            ledger::db::OUTBOX_TABLE
+                        )))
+                        .await?;
                     self.pool()
                         .execute(AssertSqlSafe(format!("DELETE FROM {KEYS_TABLE}")))
                         .await?;

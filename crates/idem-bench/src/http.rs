@@ -42,6 +42,7 @@ impl HttpPaths {
         let url = format!("http://{}/v1/transfers", listener.local_addr()?);
         let options = ledger::Options {
             require_keys: false,
+            events_namespace: ledger::events::Namespace::new(crate::engines::EVENTS_NAMESPACE)?,
             ..ledger::Options::default()
         };
         let (stop, stopped) = oneshot::channel();

@@ -202,6 +202,7 @@ where
     if args.workloads.iter().any(|w| w == "http") {
         run_http(engine, connect(args.http_connections).await?, args, out).await?;
     }
+    db.clean_up().await?;
     db.server_version().await
 }
 
