@@ -59,7 +59,7 @@ impl RoutePolicy {
     }
 
     /// Sets the core policy: TTL, in-flight behaviour, what consumes a key
-    /// (2xx always; final 4xx only with
+    /// (2xx and 3xx always; final 4xx only with
     /// [`Consume::SuccessOrFinalRejection`](idem_core::Consume); 5xx, 408,
     /// 425 and 429 never), lease length and record limit.
     pub fn with_policy(mut self, policy: Policy) -> Self {

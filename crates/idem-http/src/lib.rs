@@ -24,8 +24,9 @@
 //!   fingerprint, and the layer logs one error saying how to wire it.
 //! - Metric labels are bounded: operations are named from [`method_label`]
 //!   (nine standard methods or `OTHER`) and the route template.
-//! - Only a 2xx consumes a key by default; a final 4xx only if the route's
-//!   policy says so; 5xx never.
+//! - A 2xx or 3xx answer consumes a key (in transactional mode its writes
+//!   commit: a `303 See Other` after a create is a success); a final 4xx
+//!   only if the route's policy says so; 408, 425, 429 and 5xx never.
 //!
 //! Two modes: [`IdempotencyLayer::transactional`] lends the claim's open
 //! database transaction to the handler through the [`Tx`] extractor, so the

@@ -374,7 +374,7 @@ fn replay(cfg: &Config, record: &Record) -> Response<Body> {
 
 /// What a response's status means for its key.
 enum Decision {
-    /// A success: record it; the key is consumed.
+    /// A success or a redirection: record it; the key is consumed.
     Record,
     /// A final rejection under a policy that records them.
     RecordRejection,
@@ -382,8 +382,15 @@ enum Decision {
     Release,
 }
 
+/// Whether an answer applies the request: every 2xx, and every 3xx (a
+/// `303 See Other` is the usual answer of a create, a `201`'s equal). Such an
+/// answer consumes the key, and in transactional mode its writes commit.
+fn applies(status: StatusCode) -> bool {
+    status.is_success() || status.is_redirection()
+}
+
 fn decide(status: StatusCode, call: &Call) -> Decision {
-    if status.is_success() {
+    if applies(status) {
         Decision::Record
     } else if status.is_client_error()
         && http_status_retryable(status.as_u16()) == Retryable::Fatal
@@ -462,7 +469,7 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         let response = inner.call(req).await?;
         match cell.take() {
             Taken::Unused => {}
-            Taken::Tx(tx) if response.status().is_success() => {
+            Taken::Tx(tx) if applies(response.status()) => {
                 if let Err(e) = backend.commit(tx).await {
                     tracing::warn!(error = %e, "commit failed");
                     return Ok(Problem::new(

@@ -325,7 +325,7 @@ async fn which_statuses_consume_a_key() {
     assert_eq!(
         c.committed.load(Ordering::SeqCst),
         0,
-        "no non-2xx response commits its writes"
+        "no 4xx or 5xx response commits its writes"
     );
 }
 
