@@ -106,6 +106,14 @@ impl Drain {
                     }
                     buf.extend_from_slice(&data);
                 }
+                Some(Err(e)) if timed_out(&*e) => {
+                    return Err(Problem::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        slugs::BODY_TIMEOUT,
+                        "Request body timed out",
+                    )
+                    .with_detail(format!("the request body stopped arriving: {e}; nothing was applied")));
+                }
                 Some(Err(e)) => {
                     return Err(Problem::new(
                         StatusCode::BAD_REQUEST,
@@ -117,6 +125,21 @@ impl Drain {
             }
         }
     }
+}
+
+/// Whether a body error is, or was caused by, an I/O error of kind
+/// `TimedOut`: a read timeout of the server's, which the client may retry.
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 #[cfg(test)]
@@ -135,5 +158,27 @@ mod tests {
         h.insert(header::CONTENT_LENGTH, "4".parse().unwrap());
         let e = d.read_request(Body::from("abcd"), &h, 3).await.unwrap_err();
         assert_eq!(e.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    /// A body that fails with a timed-out read is a 408; any other failure a 400.
+    #[tokio::test]
+    async fn a_timed_out_body_is_408() {
+        let d = Drain::default();
+        let h = HeaderMap::new();
+        let failing = |kind| {
+            let chunks: Vec<Result<Bytes, std::io::Error>> =
+                vec![Ok(Bytes::from_static(b"ab")), Err(std::io::Error::new(kind, "stalled"))];
+            Body::from_stream(futures_util::stream::iter(chunks))
+        };
+        let e = d
+            .read_request(failing(std::io::ErrorKind::TimedOut), &h, 10)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status(), StatusCode::REQUEST_TIMEOUT);
+        let e = d
+            .read_request(failing(std::io::ErrorKind::Other), &h, 10)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
     }
 }

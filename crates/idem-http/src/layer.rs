@@ -171,6 +171,7 @@ pub struct Config {
     pub(crate) problem_base: String,
     pub(crate) drain: Drain,
     pub(crate) accept_previous_fingerprints: bool,
+    pub(crate) private_headers: Arc<[http::HeaderName]>,
 }
 
 impl Config {
@@ -265,6 +266,7 @@ fn config(tenant: TenantFn) -> Config {
         problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
         drain: Drain::default(),
         accept_previous_fingerprints: true,
+        private_headers: Arc::from([]),
     }
 }
 
@@ -412,6 +414,27 @@ impl<M: Clone> IdempotencyLayer<M> {
     /// this switch closes that gap.
     pub fn strict_fingerprints(mut self) -> Self {
         self.config_mut().accept_previous_fingerprints = false;
+        self
+    }
+
+    /// Marks response headers as private to the caller who got the first
+    /// answer (added to those marked before; default: none). A private
+    /// header reaches the first caller as the handler set it, and is never
+    /// recorded (it is not stored either), so no replay carries it.
+    ///
+    /// Mark `Set-Cookie` private when a replay may reach another session of
+    /// the tenant than the one that made the first request (the tenant is
+    /// an account, not a session), or a header carrying a secret minted for
+    /// one caller. `idem gateway` always marks `Set-Cookie`.
+    pub fn private_headers(mut self, names: impl IntoIterator<Item = http::HeaderName>) -> Self {
+        let config = self.config_mut();
+        let mut all: Vec<_> = config.private_headers.to_vec();
+        for name in names {
+            if !all.contains(&name) {
+                all.push(name);
+            }
+        }
+        config.private_headers = Arc::from(all);
         self
     }
 

@@ -66,6 +66,7 @@ mod drain;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod future;
+mod headers;
 mod key;
 mod layer;
 mod lease;
@@ -76,6 +77,7 @@ mod service;
 mod tx;
 
 pub use future::ResponseFuture;
+pub use headers::{HOP_BY_HOP, is_hop_by_hop, strip_hop_by_hop};
 pub use key::{IDEMPOTENCY_KEY, KeyHeader, MAX_HEADER_BYTES, parse_key_header};
 pub use layer::{
     IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional, UNROUTED,

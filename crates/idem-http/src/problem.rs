@@ -102,6 +102,10 @@ pub mod slugs {
     pub const BODY_TOO_LARGE: &str = "request-body-too-large";
     /// 400: the request body could not be read.
     pub const BODY_UNREADABLE: &str = "request-body-unreadable";
+    /// 408: the request body stopped arriving: reading it failed with an
+    /// [`std::io::ErrorKind::TimedOut`] error (as a read timeout of the
+    /// server's reports it); nothing was claimed.
+    pub const BODY_TIMEOUT: &str = "request-body-timeout";
     /// 500: a response to be recorded exceeded the record limit
     /// (transactional mode: the work was rolled back; lease mode: replayed in
     /// place of the response). Responses that are not recorded are never

@@ -13,23 +13,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 const MAGIC: &[u8; 4] = b"IDH1";
 const MAGIC_TRAILERS: &[u8; 4] = b"IDH2";
 
-/// Headers never recorded or replayed: hop-by-hop ones (RFC 9110 §7.6.1),
-/// framing that is recomputed, and the replay marker itself.
-pub(crate) fn is_unrecorded(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "content-length"
-            | "idempotent-replayed"
-    )
+/// Headers never recorded or replayed besides the hop-by-hop ones: framing
+/// that is recomputed, and the replay marker itself.
+fn is_unrecorded(name: &HeaderName) -> bool {
+    matches!(name.as_str(), "content-length" | "idempotent-replayed")
 }
 
 /// A response as recorded under a key.
@@ -46,10 +33,16 @@ pub struct RecordedResponse {
 }
 
 impl RecordedResponse {
-    /// Encodes the response, dropping headers that must not be replayed.
+    /// Encodes the response, dropping headers that must not be replayed: the
+    /// hop-by-hop ones (see [`strip_hop_by_hop`](crate::strip_hop_by_hop)),
+    /// `Content-Length` (recomputed) and `Idempotent-Replayed`.
     pub fn encode(&self) -> Vec<u8> {
-        let kept: Vec<_> = self.headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
-        let trailers: Vec<_> = self.trailers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+        let mut headers = self.headers.clone();
+        crate::headers::strip_hop_by_hop(&mut headers);
+        let mut trailers = self.trailers.clone();
+        crate::headers::strip_hop_by_hop(&mut trailers);
+        let kept: Vec<_> = headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+        let trailers: Vec<_> = trailers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
         let mut out = Vec::with_capacity(16 + self.body.len() + (kept.len() + trailers.len()) * 32);
         out.extend_from_slice(if trailers.is_empty() { MAGIC } else { MAGIC_TRAILERS });
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
@@ -159,7 +152,9 @@ mod tests {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.append("x-multi", HeaderValue::from_static("a"));
         headers.append("x-multi", HeaderValue::from_static("b"));
-        headers.insert("connection", HeaderValue::from_static("close"));
+        headers.insert("connection", HeaderValue::from_static("close, x-hop"));
+        headers.insert("x-hop", HeaderValue::from_static("1"));
+        headers.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
         headers.insert("content-length", HeaderValue::from_static("3"));
         let r = RecordedResponse {
             status: StatusCode::CREATED,
@@ -172,6 +167,8 @@ mod tests {
         assert_eq!(back.body, r.body);
         assert_eq!(back.headers.get_all("x-multi").iter().count(), 2);
         assert!(back.headers.get("connection").is_none());
+        assert!(back.headers.get("x-hop").is_none(), "named in Connection");
+        assert!(back.headers.get("proxy-authenticate").is_none());
         assert!(back.headers.get("content-length").is_none());
     }
 

@@ -613,6 +613,7 @@ impl<B: TxBackend + Clone> Transactional<B> {
             body.clone(),
             trailers.clone(),
             rejection,
+            &cfg.private_headers,
         );
         hit(Point::BeforeCommit);
         if rejection {
@@ -676,6 +677,7 @@ impl<L: LeaseStore> Drop for ReleaseOnPanic<L> {
 struct Recording {
     max_response_bytes: usize,
     problem_base: String,
+    private_headers: Arc<[http::HeaderName]>,
 }
 
 impl<L: LeaseStore> Mode for Leased<L> {
@@ -714,6 +716,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
         let recording = Recording {
             max_response_bytes: cfg.max_response_bytes,
             problem_base: cfg.problem_base.clone(),
+            private_headers: cfg.private_headers.clone(),
         };
         // An HTTP/1.0 caller of a body of unknown length would get it
         // close-delimited, where a cut-off looks like the end: it gets the
@@ -919,7 +922,9 @@ where
         }
     };
     let record = match teed {
-        crate::body::Teed::Full(body, trailers) => whole_record(status, headers, body, trailers, rejected),
+        crate::body::Teed::Full(body, trailers) => {
+            whole_record(status, headers, body, trailers, rejected, &recording.private_headers)
+        }
         crate::body::Teed::TooLarge => stand_in(recording, status, StandIn::TooLarge).0,
         crate::body::Teed::Failed(why) => {
             tracing::warn!(%why, "response body failed after the handler ran");
@@ -985,6 +990,7 @@ where
                 body.clone(),
                 trailers.clone(),
                 rejected,
+                &recording.private_headers,
             );
             (
                 Some(record),
@@ -1004,13 +1010,19 @@ where
 }
 
 /// The record of a response read whole: completed, or a recorded rejection.
+/// Private headers are left out: the first caller got them, no replay will.
 fn whole_record(
     status: StatusCode,
-    headers: http::HeaderMap,
+    mut headers: http::HeaderMap,
     body: Bytes,
-    trailers: http::HeaderMap,
+    mut trailers: http::HeaderMap,
     rejected: bool,
+    private: &[http::HeaderName],
 ) -> Record {
+    for name in private {
+        headers.remove(name);
+        trailers.remove(name);
+    }
     let encoded = RecordedResponse {
         status,
         headers,
