@@ -10,6 +10,7 @@ use tracing::Instrument;
 
 use crate::classify::Classify;
 use crate::clock::{SharedClock, system_clock};
+use crate::detached::Detached;
 use crate::engine::{self, Attempts, Found, Retry};
 use crate::error::{Error, Result};
 use crate::heartbeat::{Heartbeat, HeldLease};
@@ -25,9 +26,16 @@ use crate::tx::status_label;
 /// releases the claim with its token. If the holder crashes, another claimer
 /// takes the key over once the lease has expired, with a larger token; the
 /// old holder can then neither complete nor release.
+///
+/// The engine spawns the tasks that must outlive a dropped caller (a claim
+/// whose answer nobody took is released, an outcome is recorded) through its
+/// [`Detached`], which its clones share: a server waits for
+/// [`detached().idle()`](Detached::idle) before it stops, so that no
+/// outcome is lost to a shutdown.
 pub struct LeaseEngine<S> {
     store: Arc<S>,
     clock: SharedClock,
+    detached: Detached,
 }
 
 impl<S> Clone for LeaseEngine<S> {
@@ -35,6 +43,7 @@ impl<S> Clone for LeaseEngine<S> {
         Self {
             store: self.store.clone(),
             clock: self.clock.clone(),
+            detached: self.detached.clone(),
         }
     }
 }
@@ -62,6 +71,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         Self {
             store: Arc::new(store),
             clock: system_clock(),
+            detached: Detached::new(),
         }
     }
 
@@ -79,6 +89,12 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// The clock.
     pub fn clock(&self) -> &SharedClock {
         &self.clock
+    }
+
+    /// The tasks this engine (and code acting for it, such as the HTTP
+    /// layer's recording) runs apart from their callers.
+    pub fn detached(&self) -> &Detached {
+        &self.detached
     }
 
     /// Claims the call's key with a lease, or finds its recorded outcome.
@@ -136,7 +152,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         let (answer, answered) = tokio::sync::oneshot::channel();
         let store = self.store.clone();
         let detached = call.clone();
-        tokio::spawn(
+        self.detached.spawn(
             async move {
                 let call = detached;
                 let req = ClaimRequest {
@@ -166,6 +182,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         );
         let mut guard = Answer {
             answered: Some(answered),
+            detached: self.detached.clone(),
             store: self.store.clone(),
             call: call.clone(),
             lease_expires_at_ms,
@@ -287,6 +304,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         let beat = self.heartbeat(&lease, call.policy().effective_lease_ms());
         let mut guard = ReleaseOnPanic {
             store: Some(self.store.clone()),
+            detached: self.detached.clone(),
             lease: lease.clone(),
         };
         let result = work(beat.held().clone()).await;
@@ -319,7 +337,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// future does not stop the task.
     pub(crate) async fn settle_detached(&self, lease: Lease, settle: Settle, beat: Heartbeat) -> Result<()> {
         let engine = self.clone();
-        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+        let task = self.detached.spawn(tracing::Instrument::in_current_span(async move {
             let settled = match settle {
                 Settle::Complete(record) => engine.complete(&lease, record).await,
                 Settle::Release => engine.release(&lease).await,
@@ -349,6 +367,7 @@ pub(crate) enum Settle {
 /// left to expire.
 struct ReleaseOnPanic<S: LeaseStore> {
     store: Option<Arc<S>>,
+    detached: Detached,
     lease: Lease,
 }
 
@@ -367,7 +386,7 @@ impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
         }
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
+            self.detached.spawn_on(&handle, async move {
                 if let Err(e) = store.release(&lease).await {
                     tracing::warn!(error = %e, "could not release a lease after a panic; it will expire");
                 } else {
@@ -382,6 +401,7 @@ impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
 /// closes the channel and releases a claim that had already been delivered.
 struct Answer<S: LeaseStore> {
     answered: Option<tokio::sync::oneshot::Receiver<Result<LeaseClaim>>>,
+    detached: Detached,
     store: Arc<S>,
     call: Call,
     lease_expires_at_ms: i64,
@@ -405,7 +425,8 @@ impl<S: LeaseStore> Drop for Answer<S> {
         let store = self.store.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move { release_abandoned(&*store, lease).await });
+                self.detached
+                    .spawn_on(&runtime, async move { release_abandoned(&*store, lease).await });
             }
             Err(_) => tracing::warn!("a claim abandoned outside a runtime cannot be released; it will expire"),
         }

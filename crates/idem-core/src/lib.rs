@@ -33,6 +33,7 @@ mod classify;
 mod clock;
 mod contention;
 mod deadletter;
+mod detached;
 mod engine;
 mod error;
 mod fingerprint;
@@ -61,6 +62,7 @@ pub use deadletter::{
     MAX_DEAD_LETTER_HEADERS, MAX_DEAD_LETTER_PAGE, MAX_DEAD_LETTER_TEXT, MAX_DEAD_LETTER_URL, NewDeadLetter,
     OutboundRequest, RedriveHold, RedriveOutcome, clip_body, clip_text, redrive_hold_ms,
 };
+pub use detached::Detached;
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::canonical;
 pub use fingerprint::canonical::{CanonicalError, canonical_json};

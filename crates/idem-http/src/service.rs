@@ -665,7 +665,8 @@ impl<L: LeaseStore> Drop for ReleaseOnPanic<L> {
         }
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
+            let detached = engine.detached().clone();
+            detached.spawn_on(&handle, async move {
                 let _ = engine.release(&lease).await;
             });
         }
@@ -725,7 +726,9 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // The task hands the response over as soon as it can be sent (after
         // the record, or at once when it streams) and goes on to its end.
         let (answer, answered) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+        // Counted in the engine's detached work: a graceful shutdown waits
+        // for it, so a caller gone before the answer still gets it recorded.
+        let task = self.engine.detached().spawn(tracing::Instrument::in_current_span(async move {
             let mut guard = ReleaseOnPanic {
                 engine: Some(engine.clone()),
                 lease: lease.clone(),
