@@ -43,6 +43,15 @@ enum Command {
         /// A TOML file with routes and policies (see the README).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Who the caller is (keys are scoped by it; overrides the file's
+        /// [tenant]): credentials separated by commas (authorization,
+        /// header:NAME, cookie:NAME), trusted-header:NAME, or anonymous.
+        #[arg(long, env = "IDEM_TENANT")]
+        tenant: Option<String>,
+        /// Serve /_idem/healthz and /_idem/metrics on this address instead
+        /// of the proxy's (overrides the file's admin_listen).
+        #[arg(long)]
+        admin_listen: Option<String>,
     },
     /// Creates or upgrades the keys table (idempotent; safe from several
     /// processes at once).
@@ -372,6 +381,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             listen,
             store,
             config,
+            tenant,
+            admin_listen,
         } => {
             let mut cfg = match &config {
                 Some(path) => idem_gateway::Config::from_file(path).map_err(|e| Failure(2, e.to_string()))?,
@@ -383,7 +394,13 @@ async fn run(args: Args) -> Result<(), Failure> {
             if store.is_some() {
                 cfg.store = store;
             }
-            cfg.upstream().map_err(|e| Failure(2, e.to_string()))?;
+            if let Some(spec) = tenant {
+                cfg.tenant = Some(idem_gateway::TenantConfig::from_flag(&spec).map_err(|e| Failure(2, e.to_string()))?);
+            }
+            if admin_listen.is_some() {
+                cfg.admin_listen = admin_listen;
+            }
+            cfg.validate().map_err(|e| Failure(2, e.to_string()))?;
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await
                 .map_err(|e| Failure(2, format!("cannot listen on {listen}: {e}")))?;

@@ -3,7 +3,18 @@
 //! ```toml
 //! upstream = "http://127.0.0.1:9000"
 //! store = "postgres://gateway@db/gateway"   # default: ./idem-gateway.db (SQLite)
-//! tenant_header = "x-tenant-id"             # default: a digest of Authorization
+//! upstream_timeout_secs = 60
+//! header_read_timeout_secs = 10  # a request head not whole by then: the connection is closed
+//! body_read_timeout_secs = 30    # the longest wait for a request body's next bytes (then 408)
+//! body_total_timeout_secs = 120  # all waits for one body's bytes together (then 408)
+//! private_headers = ["x-session-token"]  # never recorded or replayed (Set-Cookie never is)
+//! trusted_proxies = ["10.0.0.0/8"]       # peers whose tenant and X-Forwarded-* headers count
+//! forwarded_headers = "none"     # or "x-forwarded", "forwarded", "both": added to upstream requests
+//! admin_listen = "127.0.0.1:9901"  # /_idem/healthz and /_idem/metrics there, not on the proxy
+//!
+//! [tenant]                  # who the caller is: keys are scoped by it (required)
+//! source = "credentials"    # or "identity", "header", "anonymous"
+//! credentials = ["authorization", "header:x-api-key", "cookie:session"]
 //!
 //! [defaults]
 //! key = "required"          # or "optional": no key, no deduplication
@@ -24,6 +35,10 @@ use std::time::Duration;
 use idem_core::{Consume, InFlight, Policy};
 use idem_http::RoutePolicy;
 use serde::Deserialize;
+
+use crate::path::Template;
+use crate::tenant::TenantConfig;
+use crate::trust::Trusted;
 
 /// A configuration error.
 #[derive(Debug, thiserror::Error)]
@@ -149,8 +164,8 @@ pub struct RouteConfig {
 }
 
 impl RouteConfig {
-    /// The method and the template's segments, validated.
-    pub fn parsed(&self) -> Result<(String, Vec<String>), ConfigError> {
+    /// The method and the path template, validated.
+    pub(crate) fn parsed(&self) -> Result<(String, Template), ConfigError> {
         let method = self.method.to_ascii_uppercase();
         if !matches!(method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE") {
             return Err(ConfigError(format!(
@@ -158,17 +173,14 @@ impl RouteConfig {
                 self.method, self.path
             )));
         }
-        let ok = self.path.starts_with('/')
-            && self.path.len() <= 200
-            && self.path.chars().all(|c| c.is_ascii_graphic())
-            && !self.path.contains(['?', '#']);
-        if !ok {
-            return Err(ConfigError(format!(
-                "route path {:?} must start with / and hold no spaces, query or fragment",
-                self.path
-            )));
-        }
-        Ok((method, self.path.split('/').map(str::to_owned).collect()))
+        let template = Template::parse(&self.path)
+            .map_err(|why| ConfigError(format!("route {} {}: the path {why}", self.method, self.path)))?;
+        Ok((method, template))
+    }
+
+    /// The route's name in messages and operation names: `POST /v1/payouts/{id}`.
+    pub fn name(&self) -> String {
+        format!("{} {}", self.method.to_ascii_uppercase(), self.path)
     }
 
     /// The route's policy over `defaults`.
@@ -184,6 +196,21 @@ impl RouteConfig {
     }
 }
 
+/// Which forwarding headers the gateway adds to upstream requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardedHeaders {
+    /// None: the client's own such headers pass as they came.
+    #[default]
+    None,
+    /// `X-Forwarded-For`, `X-Forwarded-Proto` and `X-Forwarded-Host`.
+    XForwarded,
+    /// `Forwarded` (RFC 7239).
+    Forwarded,
+    /// Both.
+    Both,
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -193,7 +220,12 @@ pub struct Config {
     /// The store: a SQLite path (default `./idem-gateway.db`),
     /// `postgres://…`, `mysql://…` or `redis://…`.
     pub store: Option<String>,
-    /// The header naming the tenant; unset: a digest of `Authorization`.
+    /// Who the caller is: keys are scoped by it. Required (see
+    /// [`TenantConfig`]); `idem gateway --tenant` sets it from the command line.
+    pub tenant: Option<TenantConfig>,
+    /// Replaced by `[tenant]`; present only to be refused with a message
+    /// that says so.
+    #[doc(hidden)]
     pub tenant_header: Option<String>,
     /// The largest request body accepted (413 above), bytes.
     #[serde(default = "default_request_bytes")]
@@ -205,6 +237,35 @@ pub struct Config {
     /// How long the upstream may take, seconds.
     #[serde(default = "default_upstream_timeout")]
     pub upstream_timeout_secs: u64,
+    /// How long a caller may take to send a request's head (request line
+    /// and headers), seconds; an idle kept-alive connection is closed after
+    /// as long. A head not whole by then closes the connection.
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout_secs: u64,
+    /// The longest the gateway waits for the next bytes of a request body,
+    /// seconds; then it answers 408 (`request-body-timeout`) and closes the
+    /// connection.
+    #[serde(default = "default_body_read_timeout")]
+    pub body_read_timeout_secs: u64,
+    /// All the waits for one request body's bytes together, seconds: a body
+    /// trickled in just under `body_read_timeout_secs` per byte is cut
+    /// off (408) once its waits add up to this.
+    #[serde(default = "default_body_total_timeout")]
+    pub body_total_timeout_secs: u64,
+    /// Response headers that reach the first caller and are never recorded
+    /// or replayed; `Set-Cookie` always is one.
+    #[serde(default)]
+    pub private_headers: Vec<String>,
+    /// Peers (addresses or CIDR blocks: `10.0.0.0/8`, `::1`) whose tenant
+    /// header (`tenant.source = "header"`) and forwarding headers count.
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
+    /// Which forwarding headers are added to upstream requests.
+    #[serde(default)]
+    pub forwarded_headers: ForwardedHeaders,
+    /// Where `/_idem/healthz` and `/_idem/metrics` are served instead of the
+    /// proxy's listener (`127.0.0.1:9901`); the proxy then forwards every path.
+    pub admin_listen: Option<String>,
     /// Policies of routes with none of their own.
     #[serde(default)]
     pub defaults: Defaults,
@@ -225,20 +286,45 @@ fn default_upstream_timeout() -> u64 {
     60
 }
 
+fn default_header_read_timeout() -> u64 {
+    10
+}
+
+fn default_body_read_timeout() -> u64 {
+    30
+}
+
+fn default_body_total_timeout() -> u64 {
+    120
+}
+
 impl Default for Config {
     fn default() -> Self {
         Self {
             upstream: None,
             store: None,
+            tenant: None,
             tenant_header: None,
             max_request_bytes: default_request_bytes(),
             max_response_bytes: default_response_bytes(),
             upstream_timeout_secs: default_upstream_timeout(),
+            header_read_timeout_secs: default_header_read_timeout(),
+            body_read_timeout_secs: default_body_read_timeout(),
+            body_total_timeout_secs: default_body_total_timeout(),
+            private_headers: Vec::new(),
+            trusted_proxies: Vec::new(),
+            forwarded_headers: ForwardedHeaders::None,
+            admin_listen: None,
             defaults: Defaults::default(),
             routes: Vec::new(),
         }
     }
 }
+
+/// Whether the gateway can call `https://` upstreams: only once TLS is built
+/// in (the `tls` feature); until then such an upstream is refused at start
+/// rather than answered with a 502 on every request.
+const TLS: bool = cfg!(feature = "tls");
 
 impl Config {
     /// Reads a TOML file.
@@ -247,7 +333,8 @@ impl Config {
         Self::from_toml(&text).map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
     }
 
-    /// Parses TOML, refusing unknown settings.
+    /// Parses TOML, refusing unknown settings and settings that are wrong
+    /// on their own; [`validate`](Self::validate) checks the whole.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let config: Config = toml::from_str(text).map_err(|e| ConfigError(e.to_string()))?;
         config.defaults.policy()?;
@@ -255,15 +342,84 @@ impl Config {
             r.parsed()?;
             r.route_policy(&config.defaults)?;
         }
-        if let Some(h) = &config.tenant_header
-            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
-        {
-            return Err(ConfigError(format!("tenant_header {h:?} is not a header name")));
-        }
         Ok(config)
     }
 
-    /// The upstream URL, validated.
+    /// Checks the whole configuration, as the gateway does at start: every
+    /// setting on its own, and those that only make sense together (a
+    /// tenant source, key lifetimes longer than leases and upstream calls,
+    /// trusted proxies for a tenant header). The message names the setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tenant_header.is_some() {
+            return Err(ConfigError(
+                "tenant_header is replaced by [tenant]: source = \"header\", header = \"…\", and \
+                 trusted_proxies naming the proxies that set it"
+                    .into(),
+            ));
+        }
+        self.upstream()?;
+        let tenant = self.tenant.as_ref().ok_or_else(|| {
+            ConfigError(
+                "no tenant source: keys are scoped by the caller, so say who the caller is with [tenant] \
+                 (source = \"credentials\", \"identity\", \"header\" or \"anonymous\") or --tenant \
+                 (for example --tenant authorization); see the README"
+                    .into(),
+            )
+        })?;
+        tenant.validate(!self.trusted_proxies.is_empty())?;
+        self.trusted()?;
+        self.private_header_names()?;
+        for (name, secs) in [
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("body_read_timeout_secs", self.body_read_timeout_secs),
+            ("body_total_timeout_secs", self.body_total_timeout_secs),
+            ("upstream_timeout_secs", self.upstream_timeout_secs),
+        ] {
+            if secs == 0 || secs > 3600 {
+                return Err(ConfigError(format!("{name} must be between 1 and 3600, not {secs}")));
+            }
+        }
+        if let Some(addr) = &self.admin_listen {
+            addr.parse::<std::net::SocketAddr>().map_err(|e| {
+                ConfigError(format!(
+                    "admin_listen {addr:?}: {e} (write host:port, as 127.0.0.1:9901)"
+                ))
+            })?;
+        }
+        self.check_lifetimes("[defaults]", &self.defaults.policy()?)?;
+        for route in &self.routes {
+            self.check_lifetimes(&format!("route {}", route.name()), &route.route_policy(&self.defaults)?)?;
+        }
+        Ok(())
+    }
+
+    /// A key must outlive its claim: a TTL no longer than the lease or the
+    /// upstream's time would let the key expire while its upstream call
+    /// runs, and a twin would call the upstream again.
+    fn check_lifetimes(&self, what: &str, route: &RoutePolicy) -> Result<(), ConfigError> {
+        let policy = route.policy();
+        let ttl_ms = policy.ttl_secs().saturating_mul(1000);
+        if ttl_ms <= policy.lease_ms() {
+            return Err(ConfigError(format!(
+                "{what}: ttl_secs ({}) must be longer than lease_ms ({} ms): the key would expire while its \
+                 claim is held",
+                policy.ttl_secs(),
+                policy.lease_ms()
+            )));
+        }
+        if policy.ttl_secs() <= self.upstream_timeout_secs {
+            return Err(ConfigError(format!(
+                "{what}: ttl_secs ({}) must be longer than upstream_timeout_secs ({}): the key could expire \
+                 while its upstream call runs",
+                policy.ttl_secs(),
+                self.upstream_timeout_secs
+            )));
+        }
+        Ok(())
+    }
+
+    /// The upstream URL, validated: `http://`, or `https://` when TLS is
+    /// built in.
     pub fn upstream(&self) -> Result<reqwest::Url, ConfigError> {
         let raw = self
             .upstream
@@ -275,7 +431,37 @@ impl Config {
                 "upstream {raw:?} must be an http:// or https:// URL"
             )));
         }
+        if url.scheme() == "https" && !TLS {
+            return Err(ConfigError(format!(
+                "upstream {raw:?}: this build has no TLS, so an https:// upstream cannot be called; use \
+                 http:// (a TLS-terminating proxy next to the upstream) or a build with TLS"
+            )));
+        }
+        if url.query().is_some() || url.fragment().is_some() || !url.username().is_empty() {
+            return Err(ConfigError(format!(
+                "upstream {raw:?} must be scheme, host, port and an optional base path: no query, fragment or \
+                 user"
+            )));
+        }
         Ok(url)
+    }
+
+    /// The trusted proxies, parsed.
+    pub(crate) fn trusted(&self) -> Result<Trusted, ConfigError> {
+        Trusted::parse(&self.trusted_proxies).map_err(|why| ConfigError(format!("trusted_proxies: {why}")))
+    }
+
+    /// The private headers: `Set-Cookie` and those configured.
+    pub(crate) fn private_header_names(&self) -> Result<Vec<axum::http::HeaderName>, ConfigError> {
+        let mut names = vec![axum::http::header::SET_COOKIE];
+        for h in &self.private_headers {
+            let name = axum::http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|_| ConfigError(format!("private_headers: {h:?} is not a header name")))?;
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        Ok(names)
     }
 
     /// The store URL (default: a SQLite file in the working directory).
@@ -301,32 +487,45 @@ impl Config {
     pub fn upstream_timeout(&self) -> Duration {
         Duration::from_secs(self.upstream_timeout_secs.max(1))
     }
+
+    /// How long a graceful shutdown may take: the upstream's time, and a
+    /// margin to record the last outcomes.
+    pub fn shutdown_grace(&self) -> Duration {
+        self.upstream_timeout() + Duration::from_secs(10)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const TENANT: &str = "[tenant]\nsource = \"anonymous\"\n";
+
+    fn valid(extra: &str) -> Result<Config, ConfigError> {
+        let c = Config::from_toml(&format!("upstream = \"http://127.0.0.1:9000\"\n{extra}"))?;
+        c.validate()?;
+        Ok(c)
+    }
+
     #[test]
     fn a_file_is_validated() {
-        let c = Config::from_toml(
-            r#"
-            upstream = "http://127.0.0.1:9000"
+        let c = valid(&format!(
+            r#"{TENANT}
             [defaults]
             key = "optional"
             [[routes]]
             method = "post"
-            path = "/v1/payouts/{id}"
+            path = "/v1/payouts/{{id}}"
             ttl_secs = 604800
-            "#,
-        )
+            "#
+        ))
         .unwrap();
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.upstream().unwrap().as_str(), "http://127.0.0.1:9000/");
         assert!(Config::from_toml("unknown = 1").is_err());
         assert!(Config::from_toml("[[routes]]\nmethod = \"GET\"\npath = \"/x\"").is_err());
         assert!(Config::from_toml("[[routes]]\nmethod = \"POST\"\npath = \"x y\"").is_err());
-        assert!(Config::from_toml("tenant_header = \"bad header\"").is_err());
+        assert!(Config::from_toml("[[routes]]\nmethod = \"POST\"\npath = \"/a/../b\"").is_err());
         let none = Config::default();
         assert!(none.upstream().is_err());
         let ftp = Config {
@@ -334,5 +533,67 @@ mod tests {
             ..Config::default()
         };
         assert!(ftp.upstream().is_err());
+    }
+
+    /// Without a tenant source the gateway refuses to start, naming the setting.
+    #[test]
+    fn a_tenant_source_is_required() {
+        let e = valid("").unwrap_err().to_string();
+        assert!(e.contains("[tenant]") && e.contains("--tenant"), "{e}");
+        let e = valid("tenant_header = \"x-tenant\"").unwrap_err().to_string();
+        assert!(e.contains("replaced by [tenant]"), "{e}");
+    }
+
+    /// An https:// upstream is refused while no TLS is built in.
+    #[test]
+    fn https_needs_tls() {
+        let c = Config {
+            upstream: Some("https://127.0.0.1:9443".into()),
+            ..Config::default()
+        };
+        let e = c.upstream().map(|_| ()).map_err(|e| e.to_string());
+        if TLS {
+            assert!(e.is_ok());
+        } else {
+            let e = e.unwrap_err();
+            assert!(e.contains("no TLS") && e.contains("https://127.0.0.1:9443"), "{e}");
+        }
+    }
+
+    /// A key TTL no longer than the lease or the upstream timeout is refused at start, naming the route.
+    #[test]
+    fn a_ttl_shorter_than_the_call_is_refused() {
+        let e = valid(&format!("{TENANT}[defaults]\nttl_secs = 45\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[defaults]") && e.contains("upstream_timeout_secs (60)"),
+            "{e}"
+        );
+        let e = valid(&format!("{TENANT}[defaults]\nttl_secs = 100\nlease_ms = 100000\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lease_ms (100000 ms)"), "{e}");
+        let e = valid(&format!(
+            "{TENANT}[[routes]]\nmethod = \"POST\"\npath = \"/v1/quick\"\nttl_secs = 5\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("route POST /v1/quick"), "{e}");
+        assert!(valid(&format!("upstream_timeout_secs = 4\n{TENANT}[[routes]]\nmethod = \"POST\"\npath = \"/v1/quick\"\nttl_secs = 5\nlease_ms = 1000\n")).is_ok());
+    }
+
+    /// Settings wrong on their own name themselves.
+    #[test]
+    fn bad_settings_are_named() {
+        for (extra, named) in [
+            ("private_headers = [\"bad header\"]", "private_headers"),
+            ("trusted_proxies = [\"10.0.0.0/33\"]", "trusted_proxies"),
+            ("header_read_timeout_secs = 0", "header_read_timeout_secs"),
+            ("admin_listen = \"nowhere\"", "admin_listen"),
+        ] {
+            let e = valid(&format!("{extra}\n{TENANT}")).unwrap_err().to_string();
+            assert!(e.contains(named), "{extra}: {e}");
+        }
     }
 }

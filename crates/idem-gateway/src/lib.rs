@@ -11,40 +11,60 @@
 //! usable. The lease is extended while the upstream works, so an upstream
 //! slower than the lease is still called once.
 //!
+//! - **The door**: every request target is made canonical or refused (400 `path-not-canonical`) before anything
+//!   else, so routing, route policy, scope, fingerprint and forwarding see
+//!   one spelling of it.
 //! - **Operations** come from the configured routes (`POST /v1/payments/{id}`);
 //!   a request no route matches is still protected, as `"<METHOD> (unrouted)"`.
-//!   Every fingerprint covers the method, the concrete path, the query and
+//!   Every fingerprint covers the method, the canonical path, the query and
 //!   the body (JSON compared exactly, spelling aside).
-//! - **Tenants** come from a configured header, or else from a digest of
-//!   `Authorization` (so two callers never share keys), or else are
-//!   `anonymous`.
+//! - **Tenants** come from an explicit source ([`TenantConfig`]): a digest
+//!   of credentials, the principal the upstream names (an identity request,
+//!   so a refreshed token keeps its keys), a header set by a trusted proxy,
+//!   or one `anonymous` key space. Without one the gateway does not start.
 //! - **Stores**: a SQLite file (default), PostgreSQL, MySQL/MariaDB or Redis
 //!   (`redis://`), the last three when several gateway instances share keys.
-//! - Hop-by-hop headers (RFC 9110 §7.6.1, and those named in `Connection`)
-//!   are never forwarded, either way.
+//! - Hop-by-hop headers (RFC 9110 §7.6.1, `Proxy-Authenticate` among them,
+//!   and those named in `Connection`) are never forwarded, either way.
+//!   `Set-Cookie` and the configured private headers reach the first caller
+//!   and are never recorded or replayed.
+//! - **Connections** have read timeouts: a request head must be whole within
+//!   `header_read_timeout_secs`, and a body that stops arriving is answered
+//!   408. A stop (SIGTERM) finishes open requests and waits for the
+//!   recordings of callers that went away, bounded by the upstream timeout.
 //! - `GET /healthz` (the store answers) and `GET /metrics` (Prometheus) are
-//!   served by the gateway itself, at `/_idem/healthz` and `/_idem/metrics`,
-//!   so they never shadow an upstream route.
+//!   served by the gateway itself, at `/_idem/healthz` and `/_idem/metrics`
+//!   (so they never shadow an upstream route), or on a listener of their own
+//!   (`admin_listen`).
 
+#[cfg(feature = "tls")]
+compile_error!("the `tls` feature of idem-gateway is reserved for TLS to https:// upstreams, which is not built yet");
+
+mod body;
 mod config;
+mod door;
+mod path;
 mod proxy;
+mod serve;
 mod store;
+mod tenant;
+mod trust;
 
 use std::future::Future;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::http::request::Parts;
-use idem_core::{LeaseEngine, Operation, SharedClock, Tenant, TimeSource};
-use idem_http::{IdempotencyLayer, Problem, UNROUTED, method_label};
-use sha2::{Digest, Sha256};
+use idem_core::{Detached, LeaseEngine, SharedClock, TimeSource};
+use idem_http::IdempotencyLayer;
 use tokio::net::TcpListener;
 
-pub use config::{Config, ConfigError, Defaults, InFlightMode, KeyMode, RouteConfig};
+pub use config::{Config, ConfigError, Defaults, ForwardedHeaders, InFlightMode, KeyMode, RouteConfig};
 pub use store::AnyLease;
+pub use tenant::{IdentityConfig, TenantConfig, TenantSource};
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GatewayError {
     /// The configuration is invalid.
     #[error(transparent)]
@@ -57,84 +77,184 @@ pub enum GatewayError {
     Io(#[from] std::io::Error),
 }
 
-/// The operation of a request: the first configured route whose method and
-/// path template match, else `"<METHOD> (unrouted)"`.
-fn operation_of(routes: &[(String, Vec<String>)], parts: &Parts) -> Option<Operation> {
-    let method = method_label(&parts.method);
-    let segments: Vec<&str> = parts.uri.path().split('/').collect();
-    for (route_method, template) in routes {
-        if route_method != method || template.len() != segments.len() {
-            continue;
-        }
-        let matches = template
-            .iter()
-            .zip(&segments)
-            .all(|(t, s)| (t.starts_with('{') && t.ends_with('}') && !s.is_empty()) || t == s);
-        if matches {
-            return Operation::new(format!("{method} {}", template.join("/"))).ok();
-        }
-    }
-    Operation::new(format!("{method} {UNROUTED}")).ok()
+/// The gateway on one store: the door and protected proxy, and its own
+/// endpoints.
+pub struct Gateway {
+    door: door::Door,
+    admin: Router,
+    detached: Detached,
+    config: Config,
 }
 
-/// The tenant of a request: the configured header's value, else a digest of
-/// `Authorization`, else `anonymous`.
-fn tenant_of(header: Option<&str>, parts: &Parts) -> Result<Tenant, Problem> {
-    if let Some(name) = header {
-        let value = parts.headers.get(name).and_then(|v| v.to_str().ok());
-        return match value.map(Tenant::new) {
-            Some(Ok(t)) => Ok(t),
-            _ => Err(
-                Problem::new(axum::http::StatusCode::BAD_REQUEST, "tenant-missing", "Tenant missing")
-                    .with_detail(format!("send the tenant in the {name} header")),
-            ),
+impl Gateway {
+    /// Builds the gateway of a configuration (validated here) on `store`.
+    pub fn new(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Self, GatewayError> {
+        config.validate()?;
+        let client = proxy::Proxy::client(config.upstream_timeout())?;
+        let defaults = config.defaults.policy()?;
+        let mut routes = path::Routes::default();
+        let mut layer_routes = Vec::new();
+        for route in &config.routes {
+            let (method, template) = route.parsed()?;
+            let name = routes.push(method, template);
+            layer_routes.push((name, route.route_policy(&config.defaults)?));
+        }
+        let tenant = config
+            .tenant
+            .as_ref()
+            .ok_or_else(|| ConfigError("no tenant source".into()))?;
+        let tenants = Arc::new(tenant::Tenants::new(tenant, client.clone(), &config.upstream()?)?);
+        let engine = LeaseEngine::new(store.clone()).with_clock(clock);
+        let detached = engine.detached().clone();
+        let mut layer = IdempotencyLayer::lease(engine, door::tenant_of)
+            .default_route(defaults)
+            .operation(move |parts| routes.operation(&parts.method, parts.uri.path()))
+            .max_request_bytes(config.max_request_bytes)
+            .max_response_bytes(config.max_response_bytes)
+            .private_headers(config.private_header_names()?)
+            // The upstream's answer reaches the first caller as it comes, and is
+            // recorded up to max_response_bytes on the way; a caller that stops
+            // reading for as long as the upstream may take is left behind.
+            .stream_responses(config.upstream_timeout());
+        for (name, policy) in layer_routes {
+            layer = layer.route(name, policy);
+        }
+        let proxy = proxy::Proxy::new(config, client)?;
+        let admin = admin_router(store);
+        let door = door::Door {
+            protected: tower_layer::Layer::layer(&layer, proxy),
+            admin: Some(admin.clone()),
+            tenants,
+            trusted: config.trusted()?,
+            drain_bytes: config.max_request_bytes,
         };
+        Ok(Self {
+            door,
+            admin,
+            detached,
+            config: config.clone(),
+        })
     }
-    Ok(match parts.headers.get(axum::http::header::AUTHORIZATION) {
-        Some(auth) => {
-            let digest = Sha256::digest(auth.as_bytes());
-            Tenant::new(format!("auth_{}", &hex::encode(digest)[..40])).expect("a hex digest is a valid tenant")
+
+    /// The work still running apart from its callers (recordings of
+    /// callers that went away); [`serve`] waits for it before returning.
+    pub fn detached(&self) -> &Detached {
+        &self.detached
+    }
+
+    /// The proxy listener's handler; the gateway's own endpoints are
+    /// answered there too unless they have a listener of their own.
+    fn proxy_handler(&self, separate_admin: bool) -> serve::Handler {
+        let mut door = self.door.clone();
+        if separate_admin {
+            door.admin = None;
         }
-        None => Tenant::new("anonymous").expect("a valid tenant"),
-    })
+        Arc::new(move |req| Box::pin(door.clone().handle(req)))
+    }
+
+    fn admin_handler(&self) -> serve::Handler {
+        let admin = self.admin.clone();
+        Arc::new(move |req| {
+            let admin = admin.clone();
+            Box::pin(async move {
+                let Ok(response) = tower::ServiceExt::oneshot(admin, req).await;
+                response
+            })
+        })
+    }
+
+    /// Serves the proxy on `listeners.proxy` (and the gateway's own
+    /// endpoints on `listeners.admin`, when given) until `shutdown`
+    /// completes. Then the listeners close, open requests finish, and the
+    /// recordings of callers that went away complete, all within
+    /// [`Config::shutdown_grace`].
+    pub async fn serve(
+        self,
+        listeners: Listeners,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), GatewayError> {
+        let grace = self.config.shutdown_grace();
+        let body = body::BodyTimeouts {
+            idle: std::time::Duration::from_secs(self.config.body_read_timeout_secs),
+            total: std::time::Duration::from_secs(self.config.body_total_timeout_secs),
+        };
+        let header_read_timeout = std::time::Duration::from_secs(self.config.header_read_timeout_secs);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut servers = Vec::new();
+        servers.push(tokio::spawn(serve::serve(
+            serve::Listener {
+                listener: listeners.proxy,
+                handler: self.proxy_handler(listeners.admin.is_some()),
+                header_read_timeout,
+                body,
+            },
+            stopped.clone(),
+            grace,
+        )));
+        if let Some(admin) = listeners.admin {
+            servers.push(tokio::spawn(serve::serve(
+                serve::Listener {
+                    listener: admin,
+                    handler: self.admin_handler(),
+                    header_read_timeout,
+                    body,
+                },
+                stopped.clone(),
+                grace,
+            )));
+        }
+        shutdown.await;
+        let deadline = tokio::time::Instant::now() + grace;
+        tracing::info!(
+            grace_secs = grace.as_secs(),
+            "idem gateway stopping: finishing open requests and recordings"
+        );
+        let _ = stop.send(true);
+        for server in servers {
+            let _ = server.await;
+        }
+        // A caller that went away left its request's recording running on
+        // its own: the upstream may have acted, so its outcome is recorded
+        // before the process ends, or the caller's retry would act again.
+        let running = self.detached.running();
+        if running > 0 {
+            tracing::info!(running, "waiting for the recordings of callers that went away");
+        }
+        if tokio::time::timeout_at(deadline, self.detached.idle()).await.is_err() {
+            tracing::warn!(
+                running = self.detached.running(),
+                "recordings still running after the grace period are abandoned; their keys stay in progress \
+                 until their leases expire"
+            );
+        }
+        Ok(())
+    }
 }
 
-/// The gateway's router on `store`: the protected proxy, `/_idem/healthz`
-/// and `/_idem/metrics`.
-pub fn router(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Router, GatewayError> {
-    let upstream = config.upstream()?;
-    let defaults = config.defaults.policy()?;
-    let mut routes = Vec::new();
-    let mut layer_routes = Vec::new();
-    for route in &config.routes {
-        let (method, template) = route.parsed()?;
-        let name = format!("{method} {}", template.join("/"));
-        layer_routes.push((name, route.route_policy(&config.defaults)?));
-        routes.push((method, template));
+/// The listeners of [`Gateway::serve`].
+#[derive(Debug)]
+pub struct Listeners {
+    /// The proxy's.
+    pub proxy: TcpListener,
+    /// The gateway's own endpoints' (`/_idem/healthz`, `/_idem/metrics`);
+    /// without it they are served on the proxy's listener.
+    pub admin: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(proxy: TcpListener) -> Self {
+        Self { proxy, admin: None }
     }
-    let routes = Arc::new(routes);
-    let tenant_header = config.tenant_header.clone();
-    let engine = LeaseEngine::new(store.clone()).with_clock(clock);
-    let mut layer = IdempotencyLayer::lease(engine, move |parts: &Parts| tenant_of(tenant_header.as_deref(), parts))
-        .default_route(defaults)
-        .operation(move |parts: &Parts| operation_of(&routes, parts))
-        .max_request_bytes(config.max_request_bytes)
-        .max_response_bytes(config.max_response_bytes)
-        // The upstream's answer reaches the first caller as it comes, and is
-        // recorded up to max_response_bytes on the way; a caller that stops
-        // reading for as long as the upstream may take is left behind.
-        .stream_responses(config.upstream_timeout());
-    for (name, policy) in layer_routes {
-        layer = layer.route(name, policy);
-    }
-    let proxy = proxy::Proxy::new(upstream, config.upstream_timeout())?;
+}
+
+/// `/_idem/healthz` (the store answers) and `/_idem/metrics` (Prometheus).
+fn admin_router(store: AnyLease) -> Router {
     let metrics = metrics_handle();
-    let health_store = store.clone();
-    Ok(Router::new()
+    Router::new()
         .route(
             "/_idem/healthz",
             axum::routing::get(move || {
-                let store = health_store.clone();
+                let store = store.clone();
                 async move {
                     match store.source_now_ms().await {
                         Ok(_) => (axum::http::StatusCode::OK, "ok"),
@@ -150,7 +270,6 @@ pub fn router(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Ro
                 async move { metrics.map(|m| m.render()).unwrap_or_default() }
             }),
         )
-        .fallback_service(tower_layer::Layer::layer(&layer, proxy)))
 }
 
 /// The process-wide Prometheus recorder (installed on first call).
@@ -166,82 +285,35 @@ pub fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle>
         .clone()
 }
 
-/// Connects the configured store, migrates it, and serves on `listener`
-/// until `shutdown` completes; in-flight requests are drained.
+/// Validates the configuration, connects the configured store, migrates
+/// it, and serves until `shutdown` completes (see [`Gateway::serve`]). The
+/// admin listener is bound from `admin_listen` when `listeners` brings none.
 pub async fn serve(
     config: &Config,
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
+    config.validate()?;
+    let mut listeners = listeners.into();
+    if listeners.admin.is_none()
+        && let Some(addr) = &config.admin_listen
+    {
+        let admin = TcpListener::bind(addr)
+            .await
+            .map_err(|e| ConfigError(format!("admin_listen {addr}: cannot listen: {e}")))?;
+        listeners.admin = Some(admin);
+    }
     let store = AnyLease::connect(config.store_url()).await?;
     let clock = idem_core::AnchoredClock::start(Arc::new(store.clone()), idem_core::AnchorOptions::default())
         .await
         .map_err(|e| ConfigError(format!("cannot read the store's clock: {e}")))?;
-    let app = router(config, store, Arc::new(clock))?;
+    let gateway = Gateway::new(config, store, Arc::new(clock))?;
     tracing::info!(
-        addr = %listener.local_addr()?,
+        addr = %listeners.proxy.local_addr()?,
+        admin = ?listeners.admin.as_ref().and_then(|l| l.local_addr().ok()),
         upstream = %config.upstream()?,
         store = config.store_kind(),
         "idem gateway listening"
     );
-    // An answer streams to its caller in several writes (the end of the body
-    // waits for the record): with Nagle's algorithm the last write would wait
-    // for the caller's delayed ACK, some 40 ms, on every fresh request.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a caller's connection");
-        }
-    });
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parts(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
-        let mut b = axum::http::Request::builder().method(method).uri(uri);
-        for (k, v) in headers {
-            b = b.header(*k, *v);
-        }
-        b.body(()).unwrap().into_parts().0
-    }
-
-    #[test]
-    fn operations_come_from_route_templates() {
-        let routes = vec![
-            ("POST".to_owned(), vec!["".to_owned(), "v1".into(), "payments".into()]),
-            (
-                "POST".to_owned(),
-                vec![
-                    "".to_owned(),
-                    "v1".into(),
-                    "payments".into(),
-                    "{id}".into(),
-                    "refund".into(),
-                ],
-            ),
-        ];
-        let op = |m, u| operation_of(&routes, &parts(m, u, &[])).unwrap().as_str().to_owned();
-        assert_eq!(op("POST", "/v1/payments"), "POST /v1/payments");
-        assert_eq!(
-            op("POST", "/v1/payments/p_1/refund?x=1"),
-            "POST /v1/payments/{id}/refund"
-        );
-        assert_eq!(op("POST", "/v1/payments//refund"), "POST (unrouted)");
-        assert_eq!(op("PUT", "/v1/payments"), "PUT (unrouted)");
-    }
-
-    #[test]
-    fn tenants_come_from_the_header_or_a_digest_of_authorization() {
-        let t = tenant_of(Some("x-tenant"), &parts("POST", "/", &[("x-tenant", "acme")])).unwrap();
-        assert_eq!(t.as_str(), "acme");
-        assert!(tenant_of(Some("x-tenant"), &parts("POST", "/", &[])).is_err());
-        let a = tenant_of(None, &parts("POST", "/", &[("authorization", "Bearer a")])).unwrap();
-        let b = tenant_of(None, &parts("POST", "/", &[("authorization", "Bearer b")])).unwrap();
-        assert_ne!(a, b);
-        assert!(a.as_str().starts_with("auth_"));
-        assert_eq!(tenant_of(None, &parts("POST", "/", &[])).unwrap().as_str(), "anonymous");
-    }
+    gateway.serve(listeners, shutdown).await
 }

@@ -1,45 +1,92 @@
-//! Forwarding to the upstream: the request as it came (hop-by-hop headers
-//! aside), the answer streamed back.
+//! Forwarding to the upstream: the request at its canonical target
+//! (hop-by-hop headers aside, forwarding headers added if configured), the
+//! answer streamed back with its end-to-end headers.
 
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, Request, Response, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use futures_util::TryStreamExt;
-use idem_http::{DEFAULT_PROBLEM_BASE, Problem};
+use idem_http::{DEFAULT_PROBLEM_BASE, Problem, strip_hop_by_hop};
 
-use crate::ConfigError;
+use crate::body::is_slow_body;
+use crate::config::ForwardedHeaders;
+use crate::trust::{Peer, Trusted};
+use crate::{Config, ConfigError};
 
-/// The hop-by-hop headers of RFC 9110 §7.6.1 (and the obsolete ones proxies
-/// still meet); they belong to one connection and are never forwarded.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-];
+const X_FORWARDED_FOR: &str = "x-forwarded-for";
+const X_FORWARDED_PROTO: &str = "x-forwarded-proto";
+const X_FORWARDED_HOST: &str = "x-forwarded-host";
 
-/// Removes hop-by-hop headers, and every header `Connection` names.
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
+/// Which forwarding headers to add, and whose to believe.
+#[derive(Clone)]
+struct Forwarding {
+    mode: ForwardedHeaders,
+    trusted: Trusted,
+}
+
+impl Forwarding {
+    /// Adds the forwarding headers of one hop from `peer`. Those a trusted
+    /// proxy sent are kept and extended; anyone else's are replaced, so an
+    /// upstream never takes a caller's word for its own address.
+    fn apply(&self, headers: &mut HeaderMap, peer: Option<&Peer>, host: Option<HeaderValue>) {
+        if self.mode == ForwardedHeaders::None {
+            return;
+        }
+        let trusted = self.trusted.trusts(peer);
+        if !trusted {
+            for name in ["forwarded", X_FORWARDED_FOR, X_FORWARDED_PROTO, X_FORWARDED_HOST] {
+                headers.remove(name);
+            }
+        }
+        let ip = peer.map(|p| p.0.ip().to_canonical());
+        if matches!(self.mode, ForwardedHeaders::XForwarded | ForwardedHeaders::Both) {
+            let mut chain: Vec<String> = headers
+                .get_all(X_FORWARDED_FOR)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .collect();
+            chain.push(ip.map_or_else(|| "unknown".to_owned(), |ip| ip.to_string()));
+            if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
+                headers.insert(X_FORWARDED_FOR, v);
+            }
+            if !headers.contains_key(X_FORWARDED_PROTO) {
+                headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            }
+            if !headers.contains_key(X_FORWARDED_HOST)
+                && let Some(host) = &host
+            {
+                headers.insert(X_FORWARDED_HOST, host.clone());
+            }
+        }
+        if matches!(self.mode, ForwardedHeaders::Forwarded | ForwardedHeaders::Both) {
+            let node = match ip {
+                Some(IpAddr::V6(ip)) => format!("\"[{ip}]\""),
+                Some(IpAddr::V4(ip)) => ip.to_string(),
+                None => "unknown".into(),
+            };
+            let mut element = format!("for={node};proto=http");
+            if let Some(host) = host.as_ref().and_then(|h| h.to_str().ok()) {
+                // A host is a token, or else a quoted string (a port's colon).
+                let escaped = host.replace('\\', "\\\\").replace('"', "\\\"");
+                element.push_str(&format!(";host=\"{escaped}\""));
+            }
+            let mut elements: Vec<String> = headers
+                .get_all("forwarded")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .collect();
+            elements.push(element);
+            if let Ok(v) = HeaderValue::from_str(&elements.join(", ")) {
+                headers.insert("forwarded", v);
+            }
+        }
     }
 }
 
@@ -48,31 +95,51 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
 pub(crate) struct Proxy {
     client: reqwest::Client,
     upstream: Arc<reqwest::Url>,
+    forwarding: Arc<Forwarding>,
 }
 
 impl Proxy {
-    pub(crate) fn new(upstream: reqwest::Url, timeout: Duration) -> Result<Self, ConfigError> {
-        let client = reqwest::Client::builder()
+    pub(crate) fn new(config: &Config, client: reqwest::Client) -> Result<Self, ConfigError> {
+        Ok(Self {
+            client,
+            upstream: Arc::new(config.upstream()?),
+            forwarding: Arc::new(Forwarding {
+                mode: config.forwarded_headers,
+                trusted: config.trusted()?,
+            }),
+        })
+    }
+
+    /// The HTTP client of upstream calls.
+    pub(crate) fn client(timeout: Duration) -> Result<reqwest::Client, ConfigError> {
+        reqwest::Client::builder()
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .pool_max_idle_per_host(64)
             .build()
-            .map_err(|e| ConfigError(format!("HTTP client: {e}")))?;
-        Ok(Self {
-            client,
-            upstream: Arc::new(upstream),
-        })
+            .map_err(|e| ConfigError(format!("HTTP client: {e}")))
     }
 
     async fn forward(self, req: Request<Body>) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
+        // The door made the target canonical; it is forwarded as it is, so
+        // the upstream gets the path that was routed and fingerprinted.
         let mut url = (*self.upstream).clone();
         let base = url.path().trim_end_matches('/').to_owned();
-        url.set_path(&format!("{base}{}", parts.uri.path()));
+        let path = format!("{base}{}", parts.uri.path());
+        url.set_path(&path);
         url.set_query(parts.uri.query());
+        if url.path() != path || url.query() != parts.uri.query() {
+            tracing::error!(target = %parts.uri, "a canonical target would be forwarded otherwise; refused");
+            return Problem::new(StatusCode::BAD_REQUEST, "path-not-canonical", "Path not canonical")
+                .with_detail("the request target cannot be forwarded as it was sent")
+                .into_response(DEFAULT_PROBLEM_BASE);
+        }
         strip_hop_by_hop(&mut parts.headers);
         // reqwest sets Host for the upstream.
-        parts.headers.remove(header::HOST);
+        let host = parts.headers.remove(header::HOST);
+        self.forwarding
+            .apply(&mut parts.headers, parts.extensions.get::<Peer>(), host);
         let sent = self
             .client
             .request(parts.method, url)
@@ -84,11 +151,25 @@ impl Proxy {
             Ok(answer) => {
                 let status = answer.status();
                 let mut headers = answer.headers().clone();
+                // Content-Length stays: the body is streamed unchanged, and a
+                // HEAD answer has no other way to say its length.
                 strip_hop_by_hop(&mut headers);
-                headers.remove(header::CONTENT_LENGTH);
                 let mut response = Response::new(Body::from_stream(answer.bytes_stream().map_err(axum::Error::new)));
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;
+                response
+            }
+            Err(e) if is_slow_body(&e) => {
+                let mut response = Problem::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    idem_http::slugs::BODY_TIMEOUT,
+                    "Request body timed out",
+                )
+                .with_detail("the request body stopped arriving; the upstream got part of it and was cut off")
+                .into_response(DEFAULT_PROBLEM_BASE);
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 response
             }
             Err(e) if e.is_timeout() => {
@@ -130,18 +211,49 @@ impl tower_service::Service<Request<Body>> for Proxy {
 mod tests {
     use super::*;
 
-    #[test]
-    fn hop_by_hop_headers_are_removed() {
+    fn peer(ip: &str) -> Peer {
+        Peer(std::net::SocketAddr::new(ip.parse().unwrap(), 5555))
+    }
+
+    fn forwarding(mode: ForwardedHeaders, trusted: &[&str]) -> Forwarding {
+        Forwarding {
+            mode,
+            trusted: Trusted::parse(&trusted.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap(),
+        }
+    }
+
+    fn spoofed() -> HeaderMap {
         let mut h = HeaderMap::new();
-        h.insert("connection", "keep-alive, x-secret-hop".parse().unwrap());
-        h.insert("x-secret-hop", "1".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert("transfer-encoding", "chunked".parse().unwrap());
-        h.insert("idempotency-key", "\"k\"".parse().unwrap());
-        h.insert("content-type", "application/json".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
-        left.sort_unstable();
-        assert_eq!(left, vec!["content-type", "idempotency-key"]);
+        h.insert(X_FORWARDED_FOR, "6.6.6.6".parse().unwrap());
+        h.insert(X_FORWARDED_PROTO, "https".parse().unwrap());
+        h.insert("forwarded", "for=6.6.6.6".parse().unwrap());
+        h
+    }
+
+    /// An untrusted peer's forwarding headers are replaced; a trusted proxy's are extended.
+    #[test]
+    fn forwarding_headers_believe_only_trusted_proxies() {
+        let f = forwarding(ForwardedHeaders::Both, &["10.0.0.0/8"]);
+        let host = Some(HeaderValue::from_static("api.example:8000"));
+        let mut h = spoofed();
+        f.apply(&mut h, Some(&peer("192.0.2.1")), host.clone());
+        assert_eq!(h[X_FORWARDED_FOR], "192.0.2.1");
+        assert_eq!(h[X_FORWARDED_PROTO], "http");
+        assert_eq!(h[X_FORWARDED_HOST], "api.example:8000");
+        assert_eq!(h["forwarded"], "for=192.0.2.1;proto=http;host=\"api.example:8000\"");
+        let mut h = spoofed();
+        f.apply(&mut h, Some(&peer("10.0.0.5")), host.clone());
+        assert_eq!(h[X_FORWARDED_FOR], "6.6.6.6, 10.0.0.5");
+        assert_eq!(h[X_FORWARDED_PROTO], "https");
+        assert_eq!(
+            h["forwarded"],
+            "for=6.6.6.6, for=10.0.0.5;proto=http;host=\"api.example:8000\""
+        );
+        let mut h = HeaderMap::new();
+        f.apply(&mut h, Some(&peer("::1")), None);
+        assert_eq!(h["forwarded"], "for=\"[::1]\";proto=http");
+        let mut h = spoofed();
+        forwarding(ForwardedHeaders::None, &[]).apply(&mut h, Some(&peer("192.0.2.1")), host);
+        assert_eq!(h, spoofed(), "off: the headers pass as they came");
     }
 }

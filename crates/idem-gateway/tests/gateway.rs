@@ -1,189 +1,15 @@
 //! The gateway over real sockets, in front of a non-idempotent upstream
-//! that counts its calls: the contract, 5xx never recorded, hop-by-hop
-//! headers, twins through two gateway instances sharing PostgreSQL and
-//! sharing Redis, and an upstream slower than the lease.
+//! that counts its calls: the contract, which answers are recorded (3xx
+//! too, 5xx never), which headers cross it, twins through two gateway
+//! instances sharing PostgreSQL and sharing Redis, and an upstream slower
+//! than the lease.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod support;
+
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use axum::Router;
-use axum::http::{HeaderMap, StatusCode};
-use axum::routing::post;
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-#[derive(Clone)]
-struct Upstream {
-    calls: Arc<AtomicUsize>,
-    flaky: Arc<AtomicUsize>,
-    /// `/v1/stream` sends its last chunk once this has a permit.
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-/// A tiny API that is not idempotent at all.
-async fn start_upstream() -> (String, Upstream) {
-    let state = Upstream {
-        calls: Arc::default(),
-        flaky: Arc::default(),
-        gate: Arc::new(tokio::sync::Semaphore::new(0)),
-    };
-    let s = state.clone();
-    let app = Router::new()
-        .route(
-            "/v1/payments",
-            post(move |headers: HeaderMap, body: String| {
-                let s = s.clone();
-                async move {
-                    let n = s.calls.fetch_add(1, Ordering::SeqCst) + 1;
-                    let hop = headers.contains_key("keep-alive") || headers.contains_key("x-hop");
-                    (
-                        StatusCode::CREATED,
-                        [("x-upstream-call", n.to_string())],
-                        format!(r#"{{"call":{n},"hop_seen":{hop},"body":{body:?}}}"#),
-                    )
-                }
-            }),
-        )
-        .route(
-            "/v1/flaky",
-            post({
-                let s = state.clone();
-                move || {
-                    let s = s.clone();
-                    async move {
-                        let n = s.flaky.fetch_add(1, Ordering::SeqCst) + 1;
-                        if n == 1 {
-                            (StatusCode::SERVICE_UNAVAILABLE, "try again".to_owned())
-                        } else {
-                            (StatusCode::CREATED, format!("attempt {n}"))
-                        }
-                    }
-                }
-            }),
-        )
-        .route(
-            "/v1/stream",
-            post({
-                let s = state.clone();
-                move || {
-                    let s = s.clone();
-                    async move {
-                        s.calls.fetch_add(1, Ordering::SeqCst);
-                        let chunks = futures_util::stream::unfold(0u8, move |step| {
-                            let gate = s.gate.clone();
-                            async move {
-                                match step {
-                                    0 => Some((Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"first ")), 1)),
-                                    1 => {
-                                        gate.acquire().await.ok()?.forget();
-                                        Some((Ok(axum::body::Bytes::from_static(b"last")), 2))
-                                    }
-                                    _ => None,
-                                }
-                            }
-                        });
-                        (StatusCode::CREATED, axum::body::Body::from_stream(chunks))
-                    }
-                }
-            }),
-        )
-        .route(
-            "/v1/slow",
-            post({
-                let s = state.clone();
-                move || {
-                    let s = s.clone();
-                    async move {
-                        s.calls.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(Duration::from_millis(2_500)).await;
-                        (StatusCode::CREATED, "slow and done")
-                    }
-                }
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), state)
-}
-
-struct Gateway {
-    base: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
-
-async fn start_gateway(upstream: &str, store: &str, extra: &str) -> Gateway {
-    let toml = format!("upstream = {upstream:?}\nstore = {store:?}\n{extra}");
-    let config = idem_gateway::Config::from_toml(&toml).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let store = store.to_owned();
-    let named = store.clone();
-    tokio::spawn(async move {
-        idem_gateway::serve(&config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .unwrap_or_else(|e| panic!("the gateway on {named} failed: {e}"));
-    });
-    // Wait until it answers.
-    let client = reqwest::Client::new();
-    for _ in 0..200 {
-        if client
-            .get(format!("{base}/_idem/healthz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return Gateway { base, stop: Some(stop) };
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway on {store} did not become healthy");
-}
-
-fn sqlite_store() -> String {
-    std::env::temp_dir()
-        .join(format!("idem-gateway-{}.db", uuid::Uuid::now_v7()))
-        .display()
-        .to_string()
-}
-
-async fn send(base: &str, path: &str, token: &str, key: Option<&str>, body: &str) -> (u16, HeaderMap, String) {
-    let mut r = reqwest::Client::new()
-        .post(format!("{base}{path}"))
-        .bearer_auth(token)
-        .header("content-type", "application/json")
-        .header("x-hop", "1")
-        .header("connection", "x-hop")
-        .body(body.to_owned());
-    if let Some(k) = key {
-        r = r.header("idempotency-key", format!("\"{k}\""));
-    }
-    let r = r.send().await.unwrap();
-    let (status, headers) = (r.status().as_u16(), r.headers().clone());
-    (status, headers, r.text().await.unwrap())
-}
-
-fn fresh() -> String {
-    uuid::Uuid::now_v7().to_string()
-}
+use support::{BEARER, fresh, postgres_url, redis_url, send, send_with, sqlite_store, start_gateway, start_upstream};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_contract_in_front_of_any_api() {
@@ -191,7 +17,7 @@ async fn the_contract_in_front_of_any_api() {
     let g = start_gateway(
         &upstream,
         &sqlite_store(),
-        "[[routes]]\nmethod = \"POST\"\npath = \"/v1/payments\"",
+        &format!("{BEARER}[[routes]]\nmethod = \"POST\"\npath = \"/v1/payments\""),
     )
     .await;
     let (t, k) = (fresh(), fresh());
@@ -199,11 +25,12 @@ async fn the_contract_in_front_of_any_api() {
     let (status, headers, body) = send(&g.base, "/v1/payments", &t, None, r#"{"amount":5}"#).await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(headers["content-type"], "application/problem+json");
-    assert_eq!(state.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(state.calls(), 0);
     // The first call reaches the upstream, without the hop-by-hop headers.
     let (status, headers, first) = send(&g.base, "/v1/payments", &t, Some(&k), r#"{"amount":5}"#).await;
     assert_eq!(status, 201, "{first}");
     assert!(first.contains(r#""hop_seen":false"#), "{first}");
+    assert!(!headers.contains_key("x-hop"));
     assert!(!headers.contains_key("idempotent-replayed"));
     // Retries replay it, byte for byte, with the upstream's headers.
     for _ in 0..3 {
@@ -213,7 +40,7 @@ async fn the_contract_in_front_of_any_api() {
         assert_eq!(headers["idempotent-replayed"], "true");
         assert_eq!(headers["x-upstream-call"], "1");
     }
-    assert_eq!(state.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(state.calls(), 1);
     // The same key with another body, or on another path: 422.
     let (status, _, _) = send(&g.base, "/v1/payments", &t, Some(&k), r#"{"amount":6}"#).await;
     assert_eq!(status, 422);
@@ -223,13 +50,13 @@ async fn the_contract_in_front_of_any_api() {
     let (status, headers, _) = send(&g.base, "/v1/payments", &fresh(), Some(&k), r#"{"amount":5}"#).await;
     assert_eq!(status, 201);
     assert!(!headers.contains_key("idempotent-replayed"));
-    assert_eq!(state.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(state.calls(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_5xx_is_never_recorded() {
     let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), "").await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
     let (t, k) = (fresh(), fresh());
     let (status, _, _) = send(&g.base, "/v1/flaky", &t, Some(&k), "{}").await;
     assert_eq!(status, 503);
@@ -248,7 +75,7 @@ async fn a_5xx_is_never_recorded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unreachable_upstream_is_a_502_problem() {
-    let g = start_gateway("http://127.0.0.1:9", &sqlite_store(), "").await;
+    let g = start_gateway("http://127.0.0.1:9", &sqlite_store(), BEARER).await;
     let (status, headers, _) = send(&g.base, "/v1/payments", &fresh(), Some(&fresh()), "{}").await;
     assert_eq!(status, 502);
     assert_eq!(headers["content-type"], "application/problem+json");
@@ -258,8 +85,8 @@ async fn an_unreachable_upstream_is_a_502_problem() {
 /// upstream sees one call, every caller gets its answer.
 async fn twins_through_two_instances(store: &str) {
     let (upstream, state) = start_upstream().await;
-    let a = start_gateway(&upstream, store, "").await;
-    let b = start_gateway(&upstream, store, "").await;
+    let a = start_gateway(&upstream, store, BEARER).await;
+    let b = start_gateway(&upstream, store, BEARER).await;
     let (t, k) = (fresh(), fresh());
     let tasks: Vec<_> = (0..16)
         .map(|i| {
@@ -275,7 +102,7 @@ async fn twins_through_two_instances(store: &str) {
         bodies.push(body);
     }
     assert!(bodies.iter().all(|b| b == &bodies[0]), "one answer for every twin");
-    assert_eq!(state.calls.load(Ordering::SeqCst), 1, "the upstream saw one call");
+    assert_eq!(state.calls(), 1, "the upstream saw one call");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -294,7 +121,12 @@ async fn twins_through_two_instances_sharing_redis() {
 async fn an_upstream_slower_than_the_lease_is_called_once() {
     let (upstream, state) = start_upstream().await;
     let store = sqlite_store();
-    let g = start_gateway(&upstream, &store, "[defaults]\nlease_ms = 1000\nwait_ms = 10000").await;
+    let g = start_gateway(
+        &upstream,
+        &store,
+        &format!("{BEARER}[defaults]\nlease_ms = 1000\nwait_ms = 10000"),
+    )
+    .await;
     let (t, k) = (fresh(), fresh());
     let mut tasks = Vec::new();
     for delay in [0u64, 1_200, 2_000] {
@@ -308,7 +140,7 @@ async fn an_upstream_slower_than_the_lease_is_called_once() {
         let (status, _, body) = task.await.unwrap();
         assert_eq!((status, body.as_str()), (201, "slow and done"));
     }
-    assert_eq!(state.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(state.calls(), 1);
 }
 
 /// The upstream's answer streams through the gateway: the first caller reads
@@ -318,7 +150,7 @@ async fn an_upstream_slower_than_the_lease_is_called_once() {
 async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
     let (upstream, state) = start_upstream().await;
     let store = sqlite_store();
-    let g = start_gateway(&upstream, &store, "").await;
+    let g = start_gateway(&upstream, &store, BEARER).await;
     let (t, k) = (fresh(), fresh());
     let mut first = tokio::time::timeout(
         Duration::from_secs(10),
@@ -351,5 +183,78 @@ async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
         headers.get("idempotent-replayed").map(|v| v.as_bytes()),
         Some(&b"true"[..])
     );
-    assert_eq!(state.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(state.calls(), 1);
+}
+
+/// A `303 See Other` after a create consumes the key: the retry replays it, Location included, and the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_303_is_recorded_and_replayed() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (t, k) = (fresh(), fresh());
+    let (status, first, _) = send(&g.base, "/v1/orders?status=303", &t, Some(&k), "{}").await;
+    assert_eq!(status, 303);
+    assert_eq!(first["location"], "/v1/orders/1");
+    let (status, again, _) = send(&g.base, "/v1/orders?status=303", &t, Some(&k), "{}").await;
+    assert_eq!(status, 303);
+    assert_eq!(
+        again.get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the retry is a replay"
+    );
+    assert_eq!(again["location"], "/v1/orders/1");
+    assert_eq!(state.calls(), 1, "one order created");
+}
+
+/// `Set-Cookie` reaches the first caller and is never replayed, even to the same caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn set_cookie_reaches_the_first_caller_only() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (t, k) = (fresh(), fresh());
+    let (status, first, _) = send(&g.base, "/v1/login", &t, Some(&k), "{}").await;
+    assert_eq!(status, 201);
+    assert_eq!(first["set-cookie"], "session=someone-1; HttpOnly");
+    let (status, again, _) = send(&g.base, "/v1/login", &t, Some(&k), "{}").await;
+    assert_eq!(status, 201);
+    assert_eq!(
+        again.get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert!(
+        !again.contains_key("set-cookie"),
+        "a replay carries no cookie: {again:?}"
+    );
+    assert_eq!(state.calls(), 1);
+}
+
+/// `Proxy-Authenticate` is the upstream's challenge to the gateway: neither a first answer nor a replay passes it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn proxy_authenticate_never_crosses() {
+    let (upstream, _) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (t, k) = (fresh(), fresh());
+    for attempt in ["first", "replay"] {
+        let (status, headers, _) = send(&g.base, "/v1/orders", &t, Some(&k), "{}").await;
+        assert_eq!(status, 201);
+        assert!(headers.contains_key("location"), "{attempt}: end-to-end headers pass");
+        assert!(!headers.contains_key("proxy-authenticate"), "{attempt}: {headers:?}");
+    }
+}
+
+/// A HEAD answer keeps the upstream's `Content-Length`, as the GET does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn head_keeps_its_content_length() {
+    let (upstream, _) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    for method in ["HEAD", "GET"] {
+        let (status, headers, body) = send_with(&g.base, method, "/v1/doc", &[], None, "").await;
+        assert_eq!(status, 200, "{method}");
+        assert_eq!(
+            headers.get("content-length").map(|v| v.as_bytes()),
+            Some(&b"11"[..]),
+            "{method}: {headers:?}"
+        );
+        assert_eq!(body, if method == "GET" { "hello world" } else { "" });
+    }
 }

@@ -246,7 +246,18 @@ async fn main() {
     ] {
         let port = free_port();
         let config = tmp.join(format!("{port}.toml"));
-        std::fs::write(&config, format!("[defaults]\nttl_secs = {}\n", args.ttl_secs)).unwrap();
+        // Keys live longer than an upstream call may take, as the gateway requires.
+        std::fs::write(
+            &config,
+            format!(
+                "upstream_timeout_secs = {}\n[tenant]\nsource = \"credentials\"\ncredentials = [\"authorization\"]\n\
+                 [defaults]\nttl_secs = {}\nlease_ms = {}\n",
+                (args.ttl_secs / 2).max(1),
+                args.ttl_secs.max(2),
+                (args.ttl_secs * 500).clamp(1, 30_000)
+            ),
+        )
+        .unwrap();
         let child = Command::new(&idem_bin)
             .args([
                 "gateway",

@@ -1,0 +1,210 @@
+//! `idem gateway` as a process: configurations that can never work are
+//! refused at start with exit 2, and SIGTERM waits for the recording of a
+//! caller that went away, so its retry after a restart replays.
+
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+
+/// A gateway process, killed if a test leaves it running.
+struct Gateway(Child);
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Gateway {
+    /// Waits up to `limit` for the process to exit.
+    fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.0.try_wait().expect("the process can be waited for") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    fn stderr(&mut self) -> String {
+        use std::io::Read;
+        let mut out = String::new();
+        if let Some(mut e) = self.0.stderr.take() {
+            let _ = e.read_to_string(&mut out);
+        }
+        out
+    }
+}
+
+fn gateway(args: &[&str]) -> Gateway {
+    Gateway(
+        Command::new(env!("CARGO_BIN_EXE_idem"))
+            .arg("gateway")
+            .args(args)
+            .env("RUST_LOG", "warn,idem_gateway=info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("idem runs"),
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn temp(name: &str) -> String {
+    std::env::temp_dir()
+        .join(format!("idem-gw-process-{}-{name}", uuid::Uuid::now_v7()))
+        .display()
+        .to_string()
+}
+
+/// Configurations that can never work are refused at start with exit 2 and a message naming what is wrong.
+#[test]
+fn impossible_configurations_exit_2() {
+    let store = temp("refused.db");
+    let listen = format!("127.0.0.1:{}", free_port());
+    for (args, said) in [
+        (
+            // Until TLS is built in, an https:// upstream could only ever 502.
+            vec!["--upstream", "https://127.0.0.1:9443", "--tenant", "anonymous"],
+            "no TLS",
+        ),
+        (vec!["--upstream", "http://127.0.0.1:9"], "[tenant]"),
+        (
+            vec!["--upstream", "http://127.0.0.1:9", "--tenant", "bearer"],
+            "--tenant",
+        ),
+        (
+            vec![
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--tenant",
+                "trusted-header:x-tenant-id",
+            ],
+            "trusted_proxies",
+        ),
+    ] {
+        let mut g = gateway(&[&args[..], &["--listen", &listen, "--store", &store]].concat());
+        let Some(status) = g.wait_exit(Duration::from_secs(20)) else {
+            panic!("idem gateway {args:?} started instead of refusing");
+        };
+        let stderr = g.stderr();
+        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+    }
+}
+
+/// The upstream: `POST /v1/slow` takes 3 s and counts its calls and the calls that finished.
+async fn slow_upstream() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let (calls, finished) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, f) = (calls.clone(), finished.clone());
+    let app = Router::new().route(
+        "/v1/slow",
+        post(move || {
+            let (c, f) = (c.clone(), f.clone());
+            async move {
+                let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                f.fetch_add(1, Ordering::SeqCst);
+                (StatusCode::CREATED, format!("order {n}"))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), calls, finished)
+}
+
+async fn healthy(base: &str) {
+    for _ in 0..400 {
+        if reqwest::get(format!("{base}/_idem/healthz"))
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the gateway at {base} did not become healthy");
+}
+
+fn order(base: &str, key: &str) -> reqwest::RequestBuilder {
+    reqwest::Client::new()
+        .post(format!("{base}/v1/slow"))
+        .bearer_auth("demo")
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body("{}")
+}
+
+/// The caller disconnects while the upstream works, and the gateway gets SIGTERM: it exits only after the upstream's answer is recorded, and after a restart the retry replays it; the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_waits_for_the_recording_of_a_caller_gone() {
+    let (upstream, calls, finished) = slow_upstream().await;
+    let store = temp("drain.db");
+    let config = temp("drain.toml");
+    // A short lease: a claim left in progress by a lost recording would be
+    // taken over by the retry, and the upstream called again.
+    std::fs::write(&config, "[defaults]\nlease_ms = 1000\n").unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let args = [
+        "--upstream",
+        &upstream,
+        "--tenant",
+        "authorization",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--store",
+        &store,
+        "--config",
+        &config,
+    ];
+    let mut g = gateway(&args);
+    healthy(&base).await;
+    let key = uuid::Uuid::now_v7().to_string();
+    let gone = tokio::time::timeout(Duration::from_millis(500), order(&base, &key).send()).await;
+    assert!(gone.is_err(), "the caller went away before the answer");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the upstream is working");
+    let pid = g.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || {
+        let status = g.wait_exit(Duration::from_secs(60));
+        (status, g)
+    })
+    .await
+    .unwrap();
+    let (status, mut g) = status;
+    let status = status.expect("the gateway exits within its grace period");
+    assert!(status.success(), "{status}: {}", g.stderr());
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        1,
+        "the upstream finished before the gateway exited"
+    );
+    let _again = gateway(&args);
+    healthy(&base).await;
+    let retry = order(&base, &key).send().await.unwrap();
+    assert_eq!(retry.status(), 201);
+    assert_eq!(
+        retry.headers().get("idempotent-replayed").map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the retry replays the recorded answer"
+    );
+    assert_eq!(retry.text().await.unwrap(), "order 1");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the upstream ran once");
+}

@@ -1,0 +1,148 @@
+//! The gateway's connections and exposure: read timeouts against callers
+//! that send half a request, the admin endpoints on a listener of their
+//! own, and forwarding headers that believe only trusted proxies.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{BEARER, fresh, json, raw, send_with, sqlite_store, start_gateway, start_upstream, wait_healthy};
+
+const TIMEOUTS: &str = "header_read_timeout_secs = 1\nbody_read_timeout_secs = 1\n";
+
+/// A caller that sends half a request head and waits has its connection closed after the header read timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_half_sent_head_is_closed() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), &format!("{TIMEOUTS}{BEARER}")).await;
+    let started = Instant::now();
+    let answer = raw(g.addr, b"POST /v1/payments HTTP/1.1\r\nHost: gateway\r\nContent-Ty").await;
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(8),
+        "the connection stayed open {waited:?}: {answer:?}"
+    );
+    assert!(!answer.contains("201"), "{answer}");
+    assert_eq!(state.calls(), 0);
+}
+
+/// A keyed request whose body stops halfway is answered 408 and its connection closed; nothing is claimed or forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_half_sent_keyed_body_is_408() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), &format!("{TIMEOUTS}{BEARER}")).await;
+    let key = fresh();
+    let request = format!(
+        "POST /v1/payments HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer t\r\nIdempotency-Key: \"{key}\"\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"amount\":"
+    );
+    let started = Instant::now();
+    let answer = raw(g.addr, request.as_bytes()).await;
+    assert!(started.elapsed() < Duration::from_secs(8), "{answer:?}");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(answer.contains("request-body-timeout"), "{answer}");
+    assert_eq!(state.calls(), 0);
+    // The key was never claimed: a whole retry runs.
+    let (status, _, body) = send_with(
+        &g.base,
+        "POST",
+        "/v1/payments",
+        &[("authorization", "Bearer t")],
+        Some(&key),
+        r#"{"amount":5}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+}
+
+/// An unkeyed request streamed to the upstream whose body stops halfway is answered 408 too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_half_sent_forwarded_body_is_408() {
+    let (upstream, _) = start_upstream().await;
+    let g = start_gateway(
+        &upstream,
+        &sqlite_store(),
+        &format!("{TIMEOUTS}{BEARER}[defaults]\nkey = \"optional\"\n"),
+    )
+    .await;
+    let request = "POST /v1/upload HTTP/1.1\r\nHost: gateway\r\nContent-Length: 100\r\n\r\nhalf";
+    let started = Instant::now();
+    let answer = raw(g.addr, request.as_bytes()).await;
+    assert!(started.elapsed() < Duration::from_secs(8), "{answer:?}");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+}
+
+/// With an admin listener, the gateway's endpoints are served there and the proxy's listener forwards every path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_endpoints_can_have_a_listener_of_their_own() {
+    let (upstream, state) = start_upstream().await;
+    let config = idem_gateway::Config::from_toml(&format!(
+        "upstream = {upstream:?}\nstore = {:?}\n{BEARER}",
+        sqlite_store()
+    ))
+    .unwrap();
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (proxy_base, admin_base) = (
+        format!("http://{}", proxy.local_addr().unwrap()),
+        format!("http://{}", admin.local_addr().unwrap()),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        idem_gateway::serve(
+            &config,
+            idem_gateway::Listeners {
+                proxy,
+                admin: Some(admin),
+            },
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await
+    });
+    wait_healthy(&admin_base).await;
+    let metrics = reqwest::get(format!("{admin_base}/_idem/metrics")).await.unwrap();
+    assert_eq!(metrics.status(), 200);
+    let (status, _, body) = send_with(&proxy_base, "GET", "/_idem/healthz", &[], None, "").await;
+    assert_eq!(status, 201, "forwarded to the upstream: {body}");
+    assert_eq!(json(&body)["target"], "/_idem/healthz");
+    assert_eq!(state.calls(), 1);
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
+}
+
+/// Forwarding headers: a caller's own are replaced unless it is a trusted proxy, whose are extended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forwarding_headers_believe_only_trusted_proxies() {
+    let (upstream, _) = start_upstream().await;
+    for (trusted, xff) in [("10.0.0.0/8", "127.0.0.1"), ("127.0.0.1", "6.6.6.6, 127.0.0.1")] {
+        let g = start_gateway(
+            &upstream,
+            &sqlite_store(),
+            &format!("forwarded_headers = \"both\"\ntrusted_proxies = [\"{trusted}\"]\n{BEARER}"),
+        )
+        .await;
+        let spoofed = [
+            ("authorization", "Bearer t"),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("forwarded", "for=6.6.6.6"),
+        ];
+        let (status, _, body) = send_with(&g.base, "POST", "/v1/orders", &spoofed, Some(&fresh()), "{}").await;
+        assert_eq!(status, 201, "{body}");
+        let seen = json(&body);
+        assert_eq!(seen["x_forwarded_for"], xff, "trusted {trusted}");
+        assert_eq!(seen["x_forwarded_proto"], "http");
+        assert_eq!(seen["x_forwarded_host"], g.addr.to_string());
+        let forwarded = seen["forwarded"].as_str().unwrap();
+        assert!(
+            forwarded.ends_with(&format!("for=127.0.0.1;proto=http;host=\"{}\"", g.addr)),
+            "{forwarded}"
+        );
+        assert_eq!(
+            forwarded.starts_with("for=6.6.6.6"),
+            trusted == "127.0.0.1",
+            "{forwarded}"
+        );
+    }
+}
