@@ -57,6 +57,9 @@ fn gateway(args: &[&str]) -> Gateway {
     )
 }
 
+/// The tenant source of the tests' gateways.
+const TENANT: &[&str] = &["--tenant", "authorization"];
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -165,8 +168,6 @@ async fn sigterm_waits_for_the_recording_of_a_caller_gone() {
     let args = [
         "--upstream",
         &upstream,
-        "--tenant",
-        "authorization",
         "--listen",
         &format!("127.0.0.1:{port}"),
         "--store",
@@ -174,6 +175,7 @@ async fn sigterm_waits_for_the_recording_of_a_caller_gone() {
         "--config",
         &config,
     ];
+    let args = [&args[..], TENANT].concat();
     let mut g = gateway(&args);
     healthy(&base).await;
     let key = uuid::Uuid::now_v7().to_string();

@@ -1,0 +1,47 @@
+//! Configurations that can never work are refused when the gateway starts,
+//! with a message naming the setting, before anything is served.
+
+mod support;
+
+use support::{BEARER, sqlite_store};
+
+/// Starts a gateway on `toml` and returns why it refused to start.
+async fn refusal(toml: &str) -> String {
+    let config = idem_gateway::Config::from_toml(toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let served = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        idem_gateway::serve(&config, listener, std::future::ready(())),
+    )
+    .await
+    .expect("the gateway answers at once");
+    served.expect_err("the gateway started").to_string()
+}
+
+/// A key TTL no longer than the upstream timeout or the lease is refused, naming the route (or the defaults).
+#[tokio::test]
+async fn a_key_that_could_expire_mid_call_is_refused() {
+    let store = sqlite_store();
+    let base = format!("upstream = \"http://127.0.0.1:9\"\nstore = {store:?}\nupstream_timeout_secs = 60\n{BEARER}");
+    let e = refusal(&format!(
+        "{base}[[routes]]\nmethod = \"POST\"\npath = \"/v1/payouts/{{id}}\"\nttl_secs = 45\n"
+    ))
+    .await;
+    assert!(
+        e.contains("route POST /v1/payouts/{id}") && e.contains("upstream_timeout_secs"),
+        "{e}"
+    );
+    let e = refusal(&format!("{base}[defaults]\nttl_secs = 90\nlease_ms = 120000\n")).await;
+    assert!(e.contains("[defaults]") && e.contains("lease_ms"), "{e}");
+}
+
+/// An https:// upstream is refused while no TLS is built in, rather than answered 502 on every request.
+#[tokio::test]
+async fn an_https_upstream_is_refused_without_tls() {
+    let e = refusal(&format!(
+        "upstream = \"https://127.0.0.1:9443\"\nstore = {:?}\n{BEARER}",
+        sqlite_store()
+    ))
+    .await;
+    assert!(e.contains("no TLS") && e.contains("https://127.0.0.1:9443"), "{e}");
+}
