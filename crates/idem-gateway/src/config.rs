@@ -419,28 +419,30 @@ impl Config {
     }
 
     /// The upstream URL, validated: `http://`, or `https://` when TLS is
-    /// built in.
+    /// built in, with no user, password, query or fragment. Messages show
+    /// the URL without its user and password.
     pub fn upstream(&self) -> Result<reqwest::Url, ConfigError> {
         let raw = self
             .upstream
             .as_deref()
             .ok_or_else(|| ConfigError("no upstream: pass --upstream URL".into()))?;
-        let url = reqwest::Url::parse(raw).map_err(|e| ConfigError(format!("upstream {raw:?}: {e}")))?;
+        let shown = redact(raw);
+        let url = reqwest::Url::parse(raw).map_err(|e| ConfigError(format!("upstream {shown:?}: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
             return Err(ConfigError(format!(
-                "upstream {raw:?} must be an http:// or https:// URL"
+                "upstream {shown:?} must be an http:// or https:// URL"
             )));
         }
         if url.scheme() == "https" && !TLS {
             return Err(ConfigError(format!(
-                "upstream {raw:?}: this build has no TLS, so an https:// upstream cannot be called; use \
+                "upstream {shown:?}: this build has no TLS, so an https:// upstream cannot be called; use \
                  http:// (a TLS-terminating proxy next to the upstream) or a build with TLS"
             )));
         }
-        if url.query().is_some() || url.fragment().is_some() || !url.username().is_empty() {
+        if url.query().is_some() || url.fragment().is_some() || !url.username().is_empty() || url.password().is_some() {
             return Err(ConfigError(format!(
-                "upstream {raw:?} must be scheme, host, port and an optional base path: no query, fragment or \
-                 user"
+                "upstream {shown:?} must be scheme, host, port and an optional base path: no query, fragment, \
+                 user or password"
             )));
         }
         Ok(url)
@@ -495,6 +497,19 @@ impl Config {
     }
 }
 
+/// `raw` with any user and password between `://` and the host replaced
+/// by `***`, for messages.
+fn redact(raw: &str) -> String {
+    let Some(start) = raw.find("://").map(|i| i + 3) else {
+        return raw.to_owned();
+    };
+    let authority_end = raw[start..].find(['/', '?', '#']).map_or(raw.len(), |i| start + i);
+    match raw[start..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &raw[..start], &raw[start + at..]),
+        None => raw.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -533,6 +548,21 @@ mod tests {
             ..Config::default()
         };
         assert!(ftp.upstream().is_err());
+        for bad in [
+            "http://u:secret@up",
+            "http://:secret@up",
+            "http://up/?x=1",
+            "http://up/#f",
+        ] {
+            let c = Config {
+                upstream: Some(bad.into()),
+                ..Config::default()
+            };
+            let e = c.upstream().unwrap_err().to_string();
+            assert!(!e.contains("secret"), "{e}");
+        }
+        assert_eq!(redact("http://u:p@h:1/x@y"), "http://***@h:1/x@y");
+        assert_eq!(redact("http://h/x"), "http://h/x");
     }
 
     /// Without a tenant source the gateway refuses to start, naming the setting.

@@ -545,12 +545,18 @@ impl Identity {
                             headers.append(name, v);
                         }
                     }
-                    Credential::Cookie(name) => cookies.push(format!("{name}={}", String::from_utf8_lossy(v))),
+                    Credential::Cookie(name) => {
+                        let mut pair = Vec::with_capacity(name.len() + 1 + v.len());
+                        pair.extend_from_slice(name.as_bytes());
+                        pair.push(b'=');
+                        pair.extend_from_slice(v);
+                        cookies.push(pair);
+                    }
                 }
             }
         }
         if !cookies.is_empty()
-            && let Ok(v) = HeaderValue::from_str(&cookies.join("; "))
+            && let Ok(v) = HeaderValue::from_bytes(&cookies.join(&b"; "[..]))
         {
             headers.insert(header::COOKIE, v);
         }

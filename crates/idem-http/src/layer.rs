@@ -303,6 +303,27 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
         }
     }
 
+    /// The work this layer runs apart from its callers: once a handler may
+    /// have acted, its outcome is recorded in a task of its own, so that a
+    /// caller who goes away does not leave the key in progress. A server
+    /// that stops when its last connection closes would drop such a task
+    /// half-way, and the caller's retry would run the handler again: after
+    /// the graceful shutdown, wait for [`Detached::idle`](idem_core::Detached::idle)
+    /// (bounded) before the runtime stops.
+    ///
+    /// ```no_run
+    /// # async fn run(layer: idem_http::IdempotencyLayer<idem_http::Leased<idem_memory::MemoryStore>>,
+    /// #              app: axum::Router, listener: tokio::net::TcpListener,
+    /// #              stop: impl std::future::Future<Output = ()> + Send + 'static) {
+    /// let detached = layer.detached().clone();
+    /// axum::serve(listener, app).with_graceful_shutdown(stop).await.unwrap();
+    /// let _ = tokio::time::timeout(std::time::Duration::from_secs(60), detached.idle()).await;
+    /// # }
+    /// ```
+    pub fn detached(&self) -> &idem_core::Detached {
+        self.shared.mode.engine.detached()
+    }
+
     /// Streams each response that is to be recorded to its first caller as
     /// the handler produces it, while recording it (default: off; the
     /// response is read whole, up to
