@@ -10,7 +10,9 @@
 //! - Errors are RFC 9457 `application/problem+json`: `idempotency-key-missing`
 //!   (400), `idempotency-key-invalid` (400), `idempotency-key-reused` (422),
 //!   `idempotency-key-in-flight` (409 with `Retry-After`),
-//!   `request-body-too-large` (413, before anything is claimed); in
+//!   `request-body-too-large` (413, before anything is claimed),
+//!   `request-body-timeout` (408: the body's read failed with a `TimedOut`
+//!   I/O error, as a server's read timeout reports it; nothing claimed); in
 //!   transactional mode also `idempotency-response-too-large` (500, a
 //!   response to be recorded over the record limit),
 //!   `idempotency-response-failed` (500, its body stream failed) and
@@ -22,6 +24,10 @@
 //!   the whole app, or `Router::layer` also wraps the fallback) is still
 //!   protected, as `"<METHOD> (unrouted)"` with the concrete path in the
 //!   fingerprint, and the layer logs one error saying how to wire it.
+//! - A replay carries the recorded headers minus hop-by-hop ones
+//!   ([`HOP_BY_HOP`], and those `Connection` names) and minus the private
+//!   ones ([`IdempotencyLayer::private_headers`]), which reach the first
+//!   caller only and are never stored.
 //! - Metric labels are bounded: operations are named from [`method_label`]
 //!   (nine standard methods or `OTHER`) and the route template.
 //! - A 2xx or 3xx answer consumes a key (in transactional mode its writes
