@@ -107,3 +107,30 @@ async fn one_key_on_two_spellings_calls_the_upstream_once() {
     );
     assert_eq!(json(&first)["target"], "/v1/payments");
 }
+
+/// Sixteen concurrent requests with one key on four spellings of one path reach the upstream once: every answer is the first one, or refused as reused or in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_spellings_reach_the_upstream_once() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), &routes()).await;
+    let key = fresh();
+    let spellings = ["/v1/payments", "/v1/p%61yments", "/V1/payments", "/v1/payments/"];
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let (addr, key) = (g.addr, key.clone());
+            tokio::spawn(async move { post(addr, spellings[i % 4], Some(&key)).await })
+        })
+        .collect();
+    let mut created = Vec::new();
+    for task in tasks {
+        let (status, body) = task.await.unwrap();
+        match status {
+            201 => created.push(body),
+            409 | 422 => {}
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(created.iter().all(|b| b == &created[0]), "one answer for every success");
+    assert_eq!(state.calls(), 1, "{:?}", state.paths());
+}

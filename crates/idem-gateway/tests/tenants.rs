@@ -130,6 +130,30 @@ async fn a_refreshed_token_reaches_the_upstream_once() {
     }
 }
 
+/// Sixteen concurrent attempts of one operation, each with a token of its own for one principal, reach the upstream once and all get its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_attempts_with_refreshed_tokens_reach_the_upstream_once() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), &identity("header = \"x-user-id\"")).await;
+    let key = fresh();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let (base, key) = (g.base.clone(), key.clone());
+            tokio::spawn(
+                async move { send(&base, "/v1/payments", &format!("carol.token-{i}"), Some(&key), "{}").await },
+            )
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let (status, _, body) = task.await.unwrap();
+        assert_eq!(status, 201, "{body}");
+        bodies.push(body);
+    }
+    assert!(bodies.iter().all(|b| b == &bodies[0]), "one answer for every attempt");
+    assert_eq!(state.calls(), 1, "the upstream was called once");
+}
+
 /// Credentials the upstream rejects are answered with its 401 (and challenge) as a problem; nothing is claimed or forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rejected_credentials_are_a_401() {
