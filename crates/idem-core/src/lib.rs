@@ -44,6 +44,7 @@ pub mod metrics;
 mod outbox;
 mod policy;
 mod record;
+mod redact;
 mod registry;
 mod scope;
 mod store;
@@ -78,9 +79,10 @@ pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
     STATUS_REJECTED, StoredRow, Token,
 };
+pub use redact::redact_credentials;
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
-pub use store::{BoxFuture, LeaseClaim, LeaseStore, Sweep, TxBackend, TxClaim};
+pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};
 pub use sweep::{KeyFilter, KeyInfo, KeyState, KeyStats, PendingMigration, SweepOptions, SweepReport, sweep_expired};
 pub use table::TableName;
 pub use tx::{Begin, Claimed, Ticket, TxEngine};

@@ -28,6 +28,9 @@ pub const CLAIM_SECONDS: &str = "idem_claim_duration_seconds";
 pub const TX_RETRIES: &str = "idem_tx_retries_total";
 /// Counter: expired keys deleted by the sweeper.
 pub const SWEPT: &str = "idem_swept_total";
+/// Counter: index entries the sweeper removed whose row the store had
+/// already expired by itself (Redis); no key was deleted for them.
+pub const SWEPT_GHOSTS: &str = "idem_sweep_ghosts_total";
 
 pub(crate) fn count(name: &'static str, operation: &str) {
     metrics::counter!(name, "operation" => operation.to_owned()).increment(1);

@@ -6,8 +6,11 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use crate::error::Result;
+use crate::key::IdempotencyKey;
 use crate::record::{ClaimRequest, Lease, Record, StoredRow, Token};
 use crate::registry::KeyRegistry;
+use crate::scope::Scope;
+use crate::sweep::{KeyFilter, KeyInfo, KeyStats};
 
 /// A boxed, sendable future (stores are used behind `dyn` as well as generically).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -164,4 +167,69 @@ pub trait Sweep: Send + Sync + 'static {
     /// Deletes at most `limit` rows whose `expires_at_ms <= now_ms` and
     /// answers how many it deleted.
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>>;
+
+    /// Runs one batch of at most `limit` and says what it did
+    /// ([`sweep_expired`](crate::sweep_expired) runs these).
+    ///
+    /// The default runs [`sweep_expired`](Self::sweep_expired): every row
+    /// the batch took up was deleted. A store whose sweep walks an index
+    /// kept apart from its rows (Redis, whose rows also expire on their own)
+    /// overrides it, so that index entries whose row is already gone count
+    /// as work done rather than as the end of the sweep.
+    fn sweep_batch(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<SweepBatch>> {
+        Box::pin(async move {
+            let deleted = self.sweep_expired(now_ms, limit).await?;
+            Ok(SweepBatch {
+                deleted,
+                ghosts: 0,
+                examined: deleted,
+            })
+        })
+    }
+}
+
+/// What one batch of a sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepBatch {
+    /// Expired rows deleted.
+    pub deleted: u64,
+    /// Index entries removed whose row the store had already deleted by
+    /// itself (Redis expires rows by their TTL): no row was deleted for
+    /// them, and they are not keys.
+    pub ghosts: u64,
+    /// Rows and index entries the batch took up, at most its limit: a batch
+    /// that took up fewer than its limit found nothing more to do.
+    pub examined: u64,
+}
+
+/// The operator's view of a keys table (the `idem` CLI's `stats` and `keys`
+/// commands): counts, listings and purges, at a time the caller reads from
+/// the store's clock.
+///
+/// Every method reads or deletes rows of one keys table (or, on Redis, one
+/// key prefix) and nothing else.
+pub trait KeyAdmin: Send + Sync + 'static {
+    /// How many keys the table holds, by state, at `now_ms`.
+    fn stats(&self, now_ms: i64) -> BoxFuture<'_, Result<KeyStats>>;
+
+    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
+    fn list_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<Vec<KeyInfo>>>;
+
+    /// The key `key` of `scope`, looked up by its exact value (expired or
+    /// not, until it is swept); `None` if the store holds no such key.
+    fn find_key<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>>>;
+
+    /// Deletes at most `limit` keys that match `filter` at `now_ms`, and
+    /// answers how many it deleted.
+    ///
+    /// A key is deleted only if it still matches `filter` when it is
+    /// deleted: a key claimed again since it was selected (an expired key
+    /// taken over, now in progress) is left alone, so a purge never deletes
+    /// a live claim it was not asked to delete.
+    fn purge_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<u64>>;
 }

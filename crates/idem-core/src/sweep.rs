@@ -11,6 +11,9 @@ use crate::store::Sweep;
 pub struct SweepReport {
     /// Rows deleted.
     pub deleted: u64,
+    /// Index entries removed whose row the store had already deleted by
+    /// itself (see [`SweepBatch::ghosts`]); not counted in `deleted`.
+    pub ghosts: u64,
     /// Batches run (each one short transaction).
     pub batches: u64,
 }
@@ -39,6 +42,11 @@ impl Default for SweepOptions {
 
 /// Deletes expired keys in batches until none is left (or `max_batches`).
 ///
+/// The sweep goes on while its batches find work of any kind — rows to
+/// delete, or index entries left behind by rows the store expired by itself
+/// ([`SweepBatch::ghosts`]) — and stops after the first batch that took up
+/// fewer than `batch_size`.
+///
 /// ```
 /// # async fn demo(store: &impl idem_core::Sweep) -> idem_core::Result<()> {
 /// use idem_core::{sweep_expired, SweepOptions, SystemClock};
@@ -57,11 +65,13 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
         if options.max_batches.is_some_and(|max| report.batches >= max) {
             break;
         }
-        let deleted = store.sweep_expired(clock.now_ms(), batch_size).await?;
+        let batch = store.sweep_batch(clock.now_ms(), batch_size).await?;
         report.batches += 1;
-        report.deleted += deleted;
-        metrics::counter!(crate::metrics::SWEPT).increment(deleted);
-        if deleted < u64::from(batch_size) {
+        report.deleted += batch.deleted;
+        report.ghosts += batch.ghosts;
+        metrics::counter!(crate::metrics::SWEPT).increment(batch.deleted);
+        metrics::counter!(crate::metrics::SWEPT_GHOSTS).increment(batch.ghosts);
+        if batch.examined < u64::from(batch_size) {
             break;
         }
         if !options.pause.is_zero() {
@@ -70,6 +80,7 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
     }
     tracing::info!(
         deleted = report.deleted,
+        ghosts = report.ghosts,
         batches = report.batches,
         "swept expired idempotency keys"
     );
@@ -102,6 +113,21 @@ pub struct KeyFilter {
     pub state: Option<KeyState>,
     /// Only keys created at least this long ago, in ms.
     pub older_than_ms: Option<i64>,
+}
+
+impl KeyFilter {
+    /// Whether `key` passes every filter set, at `now_ms` (for stores that
+    /// select in their own process rather than in SQL; the SQL stores turn
+    /// the same rules into a `WHERE` clause).
+    pub fn matches(&self, key: &KeyInfo, now_ms: i64) -> bool {
+        self.tenant.as_deref().is_none_or(|t| t == key.tenant)
+            && self.operation.as_deref().is_none_or(|o| o == key.operation)
+            && self.key_prefix.as_deref().is_none_or(|p| key.key.starts_with(p))
+            && self.state.is_none_or(|s| s == key.state)
+            && self
+                .older_than_ms
+                .is_none_or(|age| key.created_at_ms <= now_ms.saturating_sub(age))
+    }
 }
 
 /// A stored key's state, for selection.
@@ -170,4 +196,63 @@ pub struct PendingMigration {
     pub description: String,
     /// The statements it runs.
     pub statements: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::store::{BoxFuture, SweepBatch};
+
+    /// An index of `ghosts` entries whose rows are gone, then `rows` expired rows.
+    struct Index {
+        left: Mutex<(u64, u64)>,
+    }
+
+    impl Sweep for Index {
+        fn sweep_expired(&self, _now_ms: i64, _limit: u32) -> BoxFuture<'_, Result<u64>> {
+            unreachable!("the sweep runs batches")
+        }
+
+        fn sweep_batch(&self, _now_ms: i64, limit: u32) -> BoxFuture<'_, Result<SweepBatch>> {
+            Box::pin(async move {
+                let mut left = self.left.lock().unwrap();
+                let ghosts = left.0.min(u64::from(limit));
+                left.0 -= ghosts;
+                let deleted = left.1.min(u64::from(limit) - ghosts);
+                left.1 -= deleted;
+                Ok(SweepBatch {
+                    deleted,
+                    ghosts,
+                    examined: deleted + ghosts,
+                })
+            })
+        }
+    }
+
+    /// A sweep goes on through batches that delete no row but clear index
+    /// entries whose rows were already gone, and stops after the first
+    /// batch that took up less than its size.
+    #[tokio::test]
+    async fn batches_of_ghosts_keep_the_sweep_going() {
+        let index = Index {
+            left: Mutex::new((25, 7)),
+        };
+        let options = SweepOptions {
+            batch_size: 10,
+            pause: Duration::ZERO,
+            max_batches: None,
+        };
+        let report = sweep_expired(&index, &crate::SystemClock, options).await.unwrap();
+        assert_eq!(
+            report,
+            SweepReport {
+                deleted: 7,
+                ghosts: 25,
+                batches: 4
+            }
+        );
+        assert_eq!(*index.left.lock().unwrap(), (0, 0));
+    }
 }

@@ -1,0 +1,222 @@
+//! Credentials out of text before it is printed or logged.
+//!
+//! Store URLs carry passwords (`postgres://app:secret@db/app`,
+//! `redis://:secret@cache`, `…?password=secret`), and so do the errors and
+//! log lines that name them. Every place that prints or logs a URL, or an
+//! error that may contain one, passes it through [`redact_credentials`]
+//! first. The function works on text, not on parsed URLs, so a URL that does
+//! not parse (the usual reason it is being printed) is redacted too.
+
+/// Replaces what stands in for it.
+const MASK: &str = "***";
+
+/// Parameter names (lowercased) whose values are secrets: any name that
+/// contains one of these (`password`, `sslpassword`, `auth_token`,
+/// `api_key`, `client_secret`…).
+const SECRET_NAMES: &[&str] = &["pass", "pwd", "secret", "token", "key", "auth", "credential", "sig"];
+
+/// `text` with every credential it holds replaced by `***`:
+///
+/// - the password of each `scheme://user:password@host…` (the user name
+///   stays, so the message still says who connected);
+/// - the value of each `name=value` pair (in a query string or free text)
+///   whose name says it is a secret (see the list above).
+///
+/// The end of a URL's credentials is its last `@` before the next space,
+/// quote or URL, so a password holding `@`, `/` or `:` unescaped is
+/// masked whole. When in doubt it masks more than less.
+///
+/// ```
+/// use idem_core::redact_credentials;
+/// assert_eq!(
+///     redact_credentials("store postgres://app:s3cret@db:5432/app: connection refused"),
+///     "store postgres://app:***@db:5432/app: connection refused"
+/// );
+/// assert_eq!(redact_credentials("redis://:s3cret@cache:6379/0"), "redis://:***@cache:6379/0");
+/// assert_eq!(
+///     redact_credentials("postgres://db/app?user=app&password=s3cret"),
+///     "postgres://db/app?user=app&password=***"
+/// );
+/// ```
+pub fn redact_credentials(text: &str) -> String {
+    redact_pairs(&redact_userinfo(text))
+}
+
+fn is_scheme_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'+' | b'.' | b'-')
+}
+
+fn ends_token(b: u8) -> bool {
+    b.is_ascii_whitespace() || matches!(b, b'"' | b'\'' | b'`' | b'<' | b'>')
+}
+
+/// Masks the password of every `scheme://user:password@` in `text`.
+fn redact_userinfo(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut search = 0;
+    while let Some(found) = text[search..].find("://") {
+        let start = search + found + 3;
+        // The URL's text runs to the next space or quote, or to the start
+        // of the next URL (a comma-separated list of cluster nodes).
+        let mut end = start;
+        while end < bytes.len() && !ends_token(bytes[end]) {
+            if bytes[end..].starts_with(b"://") {
+                let mut scheme = end;
+                while scheme > start && is_scheme_char(bytes[scheme - 1]) {
+                    scheme -= 1;
+                }
+                end = scheme;
+                break;
+            }
+            end += 1;
+        }
+        if let Some(at) = text[start..end].rfind('@') {
+            let userinfo = &text[start..start + at];
+            if let Some(colon) = userinfo.find(':') {
+                out.push_str(&text[copied..start + colon + 1]);
+                out.push_str(MASK);
+                copied = start + at;
+            }
+        }
+        search = end.max(start);
+    }
+    out.push_str(&text[copied..]);
+    out
+}
+
+/// Masks the value of every `name=value` whose name says secret.
+fn redact_pairs(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'=' {
+            i += 1;
+            continue;
+        }
+        let mut name_start = i;
+        while name_start > 0
+            && (bytes[name_start - 1].is_ascii_alphanumeric() || matches!(bytes[name_start - 1], b'_' | b'-' | b'.'))
+        {
+            name_start -= 1;
+        }
+        let name = text[name_start..i].to_ascii_lowercase();
+        let value_start = i + 1;
+        let mut value_end = value_start;
+        while value_end < bytes.len()
+            && !ends_token(bytes[value_end])
+            && !matches!(bytes[value_end], b'&' | b';' | b',')
+        {
+            value_end += 1;
+        }
+        // A value masked already stays as it is (redacting twice changes nothing).
+        let masked = text[value_start..value_end].starts_with(MASK);
+        if !name.is_empty() && value_end > value_start && !masked && SECRET_NAMES.iter().any(|s| name.contains(s)) {
+            out.push_str(&text[copied..value_start]);
+            out.push_str(MASK);
+            copied = value_end;
+        }
+        i = value_end.max(i + 1);
+    }
+    out.push_str(&text[copied..]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_credentials as r;
+
+    /// Every form of URL credentials is masked, and the rest of the text
+    /// (user names, hosts, paths, other parameters) survives.
+    #[test]
+    fn url_credentials_are_masked() {
+        let cases = [
+            ("postgres://app:pw@db:5432/app", "postgres://app:***@db:5432/app"),
+            (
+                "postgresql://app:pw@db/app?sslmode=require",
+                "postgresql://app:***@db/app?sslmode=require",
+            ),
+            (
+                "mysql://root:pw@127.0.0.1:3306/test",
+                "mysql://root:***@127.0.0.1:3306/test",
+            ),
+            ("mariadb://root:pw@db/test", "mariadb://root:***@db/test"),
+            ("redis://:pw@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+            ("rediss://default:pw@cache:6380", "rediss://default:***@cache:6380"),
+            (
+                "postgres://db/app?user=app&password=pw",
+                "postgres://db/app?user=app&password=***",
+            ),
+            (
+                "mysql://db/app?ssl-mode=REQUIRED&sslpassword=pw",
+                "mysql://db/app?ssl-mode=REQUIRED&sslpassword=***",
+            ),
+            (
+                "postgres://postgres@127.0.0.1:5432/test",
+                "postgres://postgres@127.0.0.1:5432/test",
+            ),
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+            ("./idem-gateway.db", "./idem-gateway.db"),
+        ];
+        for (url, want) in cases {
+            assert_eq!(r(url), want, "{url}");
+        }
+    }
+
+    /// URLs that do not parse are masked too: passwords holding `@`, `/`,
+    /// `:` or `?`, broken hosts, a password-only user part.
+    #[test]
+    fn broken_urls_are_masked() {
+        for url in [
+            "postgres://app:p@ss@db/app",
+            "postgres://app:pa/ss@db/app",
+            "postgres://app:pa:ss@db/app",
+            "postgres://app:pa?ss@@bad host:port/db",
+            "redis://:pw@[::1",
+            "rediss://:pw@héllo:6379",
+        ] {
+            let out = r(url);
+            assert!(
+                !out.contains("pw")
+                    && !out.contains("p@ss")
+                    && !out.contains("pa/ss")
+                    && !out.contains("pa:ss")
+                    && !out.contains("pa?ss"),
+                "{url} -> {out}"
+            );
+            assert!(out.contains("***"), "{url} -> {out}");
+        }
+    }
+
+    /// URLs inside messages, quoted (`{:?}`), and several in a row (the
+    /// seed nodes of a cluster) are each masked.
+    #[test]
+    fn urls_inside_text_are_masked() {
+        assert_eq!(
+            r(r#"Redis URL "redis://:pw@h:1": invalid"#),
+            r#"Redis URL "redis://:***@h:1": invalid"#
+        );
+        assert_eq!(
+            r("redis://:a@h1:7000,redis://:b@h2:7001,redis://u:c@h3:7002"),
+            "redis://:***@h1:7000,redis://:***@h2:7001,redis://u:***@h3:7002"
+        );
+        assert_eq!(
+            r("store error: password=pw host=db"),
+            "store error: password=*** host=db"
+        );
+        assert_eq!(r("a=b c=d"), "a=b c=d");
+        assert_eq!(r("token=abc&x=1 API_KEY=k"), "token=***&x=1 API_KEY=***");
+        assert_eq!(r(""), "");
+        // A value runs to the next space: what follows it unspaced is
+        // masked with it (a password may end in any character).
+        let once = r("store postgres://h/db?password=pw: refused");
+        assert_eq!(once, "store postgres://h/db?password=*** refused");
+        let once = r("store postgres://h/db?password=***: refused");
+        assert_eq!(once, "store postgres://h/db?password=***: refused");
+        assert_eq!(r(&once), once, "redacting twice changes nothing");
+        assert_eq!(r("://@:"), "://@:");
+    }
+}
