@@ -568,3 +568,30 @@ pub async fn lease_abandoned_claim_is_released<S: Subject>(s: S) {
         }
     }
 }
+
+/// A heartbeat that extends a lease past the key's TTL keeps the key alive
+/// with it, as a slow upstream needs: on the real clock (a store that expires
+/// rows by a server-side TTL, like Redis, must move that too), no twin takes
+/// the key over after the TTL has passed, the sweeper spares it, and the
+/// holder records its outcome.
+pub async fn lease_extend_outlives_the_key_ttl<S: Subject>(s: S) {
+    let s = s.isolated().await;
+    let engine = lease_engine(&s);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_ttl_secs(1).with_lease_ms(1_000),
+    );
+    let lease = held(engine.acquire(&call).await.unwrap());
+    let lease = engine.extend(&lease, 4_000).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_in_flight(engine.acquire(&call).await);
+    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
+    let swept = s.sweeper().sweep_expired(now, 100).await.unwrap();
+    assert_eq!(swept, 0, "the sweeper spares a claim whose lease outlives its TTL");
+    assert_in_flight(engine.acquire(&call).await);
+    let record = record_of(&Receipt::new(7));
+    engine.complete(&lease, record.clone()).await.unwrap();
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
+}

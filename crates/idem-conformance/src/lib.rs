@@ -7,7 +7,9 @@
 //! A store that passes it is correct by definition.
 //!
 //! Dead-letter stores implement [`DeadLetterSubject`] and expand
-//! [`deadletter_conformance!`] the same way.
+//! [`deadletter_conformance!`] the same way. A store whose lease store is
+//! also an operator's view of its keys ([`KeyAdmin`](idem_core::KeyAdmin))
+//! expands [`admin_conformance!`] with its lease [`Subject`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +20,7 @@ use idem_core::{
 };
 use serde::{Deserialize, Serialize};
 
+pub mod admin_tests;
 pub mod deadletter_tests;
 pub mod lease_tests;
 pub mod tx_tests;
@@ -259,6 +262,7 @@ macro_rules! lease_conformance {
                 lease_takeover_after_expiry,
                 lease_stale_holder_is_fenced,
                 lease_extend_keeps_the_claim,
+                lease_extend_outlives_the_key_ttl,
                 lease_final_rejection_recorded_when_policy_says,
                 lease_tenant_and_operation_isolation,
                 lease_expired_key_executes_anew,
@@ -272,6 +276,39 @@ macro_rules! lease_conformance {
                 lease_abandoned_claim_is_released
             );
         }
+    };
+}
+
+/// Generates the operator conformance tests ([`KeyAdmin`](idem_core::KeyAdmin):
+/// counts, listings, exact lookups, purges) for a store whose lease store
+/// is also its operator's view, in a module named `$engine`.
+#[macro_export]
+macro_rules! admin_conformance {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__admin_test!($make;
+                purge_spares_keys_claimed_during_the_purge,
+                find_key_is_exact,
+                stats_count_keys_by_state,
+                list_and_purge_follow_every_filter
+            );
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __admin_test {
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let subject = $make.await;
+                $crate::admin_tests::$name(subject).await;
+            }
+        )*
     };
 }
 

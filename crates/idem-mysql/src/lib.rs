@@ -678,6 +678,19 @@ impl MySqlStore {
             expired: expired as u64,
         })
     }
+
+    /// Whether `table` exists in the connection's database, so the
+    /// operator's commands can name a missing table as such.
+    pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind(table.as_str())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_error)?;
+        Ok(n > 0)
+    }
 }
 
 /// The WHERE clause of a [`KeyFilter`] and its binds, in order after the
@@ -721,6 +734,27 @@ enum KeyBind {
     Int(i64),
 }
 
+/// The columns an operator sees, in the order of [`KeyRow`].
+const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
+
+/// A row of [`KEY_COLUMNS`] (binary key columns).
+type KeyRow = (Vec<u8>, Vec<u8>, Vec<u8>, i16, i64, i64, Option<Vec<u8>>);
+
+fn key_info(
+    (tenant, operation, key, status, created_at_ms, expires_at_ms, payload): KeyRow,
+    now_ms: i64,
+) -> idem_core::KeyInfo {
+    idem_core::KeyInfo {
+        tenant: String::from_utf8_lossy(&tenant).into_owned(),
+        operation: String::from_utf8_lossy(&operation).into_owned(),
+        key: String::from_utf8_lossy(&key).into_owned(),
+        state: idem_core::KeyState::of(status, expires_at_ms, now_ms),
+        created_at_ms,
+        expires_at_ms,
+        payload: payload.unwrap_or_default(),
+    }
+}
+
 impl MySqlStore {
     /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
     pub async fn list_keys(
@@ -731,12 +765,10 @@ impl MySqlStore {
     ) -> Result<Vec<idem_core::KeyInfo>> {
         let (conds, binds) = key_filter_sql(filter, now_ms);
         let sql = format!(
-            "SELECT tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload FROM `{}` \
-             WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
+            "SELECT {KEY_COLUMNS} FROM `{}` WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
             self.table.as_str()
         );
-        let mut q =
-            sqlx::query_as::<_, (Vec<u8>, Vec<u8>, Vec<u8>, i16, i64, i64, Option<Vec<u8>>)>(AssertSqlSafe(sql));
+        let mut q = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql));
         for b in binds {
             q = match b {
                 KeyBind::Text(t) => q.bind(t),
@@ -744,23 +776,37 @@ impl MySqlStore {
             };
         }
         let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(tenant, operation, key, status, created_at_ms, expires_at_ms, payload)| idem_core::KeyInfo {
-                    tenant: String::from_utf8_lossy(&tenant).into_owned(),
-                    operation: String::from_utf8_lossy(&operation).into_owned(),
-                    key: String::from_utf8_lossy(&key).into_owned(),
-                    state: idem_core::KeyState::of(status, expires_at_ms, now_ms),
-                    created_at_ms,
-                    expires_at_ms,
-                    payload: payload.unwrap_or_default(),
-                },
-            )
-            .collect())
+        Ok(rows.into_iter().map(|row| key_info(row, now_ms)).collect())
+    }
+
+    /// The key `key` of `scope`, by its exact value (byte for byte), as it
+    /// is at `now_ms`.
+    pub async fn find_key(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        now_ms: i64,
+    ) -> Result<Option<idem_core::KeyInfo>> {
+        let sql = format!(
+            "SELECT {KEY_COLUMNS} FROM `{}` WHERE tenant = ? AND operation = ? AND idem_key = ?",
+            self.table.as_str()
+        );
+        let row = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql))
+            .bind(scope.tenant().as_str().as_bytes())
+            .bind(scope.operation().as_str().as_bytes())
+            .bind(key.as_str().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(row.map(|row| key_info(row, now_ms)))
     }
 
     /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
+    ///
+    /// One `DELETE … WHERE <filter>`: InnoDB evaluates the filter on each
+    /// row's newest committed version under the row's lock (a locking read),
+    /// waiting for a claim that holds the row, so a row claimed again since
+    /// no longer matches and stays.
     pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
         let (conds, binds) = key_filter_sql(filter, now_ms);
         let t = self.table.as_str();
@@ -773,6 +819,41 @@ impl MySqlStore {
             };
         }
         Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
+    }
+}
+
+/// The operator's commands go through the inherent methods above (the same
+/// names: inherent methods are found first, so these never call themselves).
+impl idem_core::KeyAdmin for MySqlStore {
+    fn stats(&self, now_ms: i64) -> idem_core::BoxFuture<'_, Result<idem_core::KeyStats>> {
+        Box::pin(MySqlStore::stats(self, now_ms))
+    }
+
+    fn list_keys<'a>(
+        &'a self,
+        filter: &'a idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> idem_core::BoxFuture<'a, Result<Vec<idem_core::KeyInfo>>> {
+        Box::pin(MySqlStore::list_keys(self, filter, now_ms, limit))
+    }
+
+    fn find_key<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::KeyInfo>>> {
+        Box::pin(MySqlStore::find_key(self, scope, key, now_ms))
+    }
+
+    fn purge_keys<'a>(
+        &'a self,
+        filter: &'a idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> idem_core::BoxFuture<'a, Result<u64>> {
+        Box::pin(MySqlStore::purge_keys(self, filter, now_ms, limit))
     }
 }
 

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{EFFECTS_TABLE, Isolation, connect_at, isolated_store, shared_store_on};
-use idem_conformance::{Subject, lease_conformance, tx_conformance};
+use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture};
 use idem_mysql::{MySqlStore, MySqlTx};
 
@@ -105,5 +105,9 @@ tx_conformance!(
 );
 lease_conformance!(
     mysql_lease,
+    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
+);
+admin_conformance!(
+    mysql_admin,
     MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
 );

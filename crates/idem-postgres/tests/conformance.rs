@@ -8,7 +8,7 @@
 mod common;
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
-use idem_conformance::{Subject, lease_conformance, tx_conformance};
+use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_postgres::{ClaimStrategy, PgStore, PgTx};
 use sqlx::Row;
@@ -136,6 +136,7 @@ impl Subject for Postgres {
 tx_conformance!(postgres_tx, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(postgres_tx_advisory, Postgres::connect(ClaimStrategy::AdvisoryLock));
 lease_conformance!(postgres_lease, Postgres::connect(ClaimStrategy::InsertOnConflict));
+admin_conformance!(postgres_admin, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(
     postgres_tx_repeatable_read,
     Postgres::connect_at(

@@ -482,3 +482,61 @@ async fn sqlstates_classify_contention() {
         assert_eq!(store_error(e).is_contention(), contention, "{code}");
     }
 }
+
+/// A purge of expired keys meets a row that a transactional claim is taking
+/// over at that moment (locked, not yet committed): the purge neither waits
+/// for the claim nor deletes the claimed row once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_never_deletes_a_row_claimed_under_it() {
+    use idem_core::{KeyFilter, KeyState};
+    let store = store(ClaimStrategy::InsertOnConflict).await;
+    let k = Key::new();
+    let t0 = now_ms();
+    // A completed key that expired a minute ago.
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store
+            .claim(&mut tx, &k.at(t0 - 120_000), Duration::from_secs(1))
+            .await
+            .unwrap(),
+        TxClaim::Claimed
+    );
+    store
+        .record(&mut tx, &k.at(t0 - 120_000), &Record::completed(b"old".to_vec()))
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    // A transactional claim takes the expired row over and holds it.
+    let mut claim = store.begin().await.unwrap();
+    assert_eq!(
+        store
+            .claim(&mut claim, &k.at(t0), Duration::from_secs(1))
+            .await
+            .unwrap(),
+        TxClaim::Claimed
+    );
+    let filter = KeyFilter {
+        tenant: Some(k.scope.tenant().as_str().to_owned()),
+        state: Some(KeyState::Expired),
+        ..KeyFilter::default()
+    };
+    let purge = {
+        let (store, filter) = (store.clone(), filter.clone());
+        tokio::spawn(async move { store.purge_keys(&filter, t0, 100).await })
+    };
+    // Give the purge time to reach the locked row before the claim commits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store
+        .record(&mut claim, &k.at(t0), &Record::completed(b"new".to_vec()))
+        .await
+        .unwrap();
+    store.commit(claim).await.unwrap();
+    let purged = purge.await.unwrap().unwrap();
+    assert_eq!(purged, 0, "the purge deleted the row claimed under it");
+    let row = store
+        .get(&k.scope, &k.key)
+        .await
+        .unwrap()
+        .expect("the claimed row is there");
+    assert_eq!(row.state, RowState::Done(Record::completed(b"new".to_vec())));
+}

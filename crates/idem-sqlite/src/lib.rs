@@ -128,6 +128,7 @@ pub struct SqliteOptions {
     busy_timeout: Duration,
     synchronous: SqliteSynchronous,
     max_connections: u32,
+    create_if_missing: bool,
 }
 
 impl Default for SqliteOptions {
@@ -136,6 +137,7 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             synchronous: SqliteSynchronous::Full,
             max_connections: 10,
+            create_if_missing: true,
         }
     }
 }
@@ -166,6 +168,14 @@ impl SqliteOptions {
     /// SQLite whatever this is; more connections let more readers run.
     pub fn max_connections(mut self, max_connections: u32) -> Self {
         self.max_connections = max_connections.max(1);
+        self
+    }
+
+    /// Whether opening a path where no database file is creates one (the
+    /// default). Tools that only read or delete rows open with `false`, so
+    /// that a mistyped path fails instead of becoming a new, empty database.
+    pub fn create_if_missing(mut self, create_if_missing: bool) -> Self {
+        self.create_if_missing = create_if_missing;
         self
     }
 }
@@ -201,13 +211,13 @@ impl SqliteStore {
         Self::open_with(path, SqliteOptions::default()).await
     }
 
-    /// Opens (creating it if missing) the database file at `path` with
-    /// `options`.
+    /// Opens the database file at `path` with `options` (creating it if
+    /// missing, unless [`SqliteOptions::create_if_missing`] says not to).
     pub async fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self> {
         let path = path.as_ref();
         let connect = SqliteConnectOptions::new()
             .filename(path)
-            .create_if_missing(true)
+            .create_if_missing(options.create_if_missing)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(options.busy_timeout)
             .synchronous(options.synchronous)
@@ -392,7 +402,7 @@ impl SqliteStore {
             "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ?1 THEN 1 ELSE 0 END), 0) AS INTEGER) FROM {t}"
+                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ?1 THEN 1 ELSE 0 END), 0) AS INTEGER) FROM \"{t}\""
         )))
         .bind(now_ms)
         .fetch_one(&self.pool)
@@ -404,6 +414,17 @@ impl SqliteStore {
             rejected: rejected as u64,
             expired: expired as u64,
         })
+    }
+
+    /// Whether `table` exists in the database (the operator's commands look
+    /// before they read, so that a missing table is named as such).
+    pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?1")
+            .bind(table.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(n > 0)
     }
 }
 
@@ -447,6 +468,27 @@ enum KeyBind {
     Int(i64),
 }
 
+/// The columns an operator sees, in the order of [`KeyRow`].
+const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
+
+/// A row of [`KEY_COLUMNS`].
+type KeyRow = (String, String, String, i64, i64, i64, Option<Vec<u8>>);
+
+fn key_info(
+    (tenant, operation, key, status, created_at_ms, expires_at_ms, payload): KeyRow,
+    now_ms: i64,
+) -> idem_core::KeyInfo {
+    idem_core::KeyInfo {
+        tenant,
+        operation,
+        key,
+        state: idem_core::KeyState::of(i16::try_from(status).unwrap_or(-1), expires_at_ms, now_ms),
+        created_at_ms,
+        expires_at_ms,
+        payload: payload.unwrap_or_default(),
+    }
+}
+
 impl SqliteStore {
     /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
     pub async fn list_keys(
@@ -457,12 +499,10 @@ impl SqliteStore {
     ) -> Result<Vec<idem_core::KeyInfo>> {
         let (conds, binds) = key_filter_sql(filter);
         let sql = format!(
-            "SELECT tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload FROM {} \
-             WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
+            r#"SELECT {KEY_COLUMNS} FROM "{}" WHERE {conds} ORDER BY created_at_ms LIMIT {limit}"#,
             self.table.as_str()
         );
-        let mut q = sqlx::query_as::<_, (String, String, String, i64, i64, i64, Option<Vec<u8>>)>(AssertSqlSafe(sql))
-            .bind(now_ms);
+        let mut q = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql)).bind(now_ms);
         for b in binds {
             q = match b {
                 KeyBind::Text(t) => q.bind(t),
@@ -470,27 +510,43 @@ impl SqliteStore {
             };
         }
         let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(tenant, operation, key, status, created_at_ms, expires_at_ms, payload)| idem_core::KeyInfo {
-                    tenant,
-                    operation,
-                    key,
-                    state: idem_core::KeyState::of(i16::try_from(status).unwrap_or(-1), expires_at_ms, now_ms),
-                    created_at_ms,
-                    expires_at_ms,
-                    payload: payload.unwrap_or_default(),
-                },
-            )
-            .collect())
+        Ok(rows.into_iter().map(|row| key_info(row, now_ms)).collect())
+    }
+
+    /// The key `key` of `scope`, by its exact value, as it is at `now_ms`.
+    pub async fn find_key(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        now_ms: i64,
+    ) -> Result<Option<idem_core::KeyInfo>> {
+        let sql = format!(
+            r#"SELECT {KEY_COLUMNS} FROM "{}" WHERE tenant = ?1 AND operation = ?2 AND idem_key = ?3"#,
+            self.table.as_str()
+        );
+        let row = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql))
+            .bind(scope.tenant().as_str())
+            .bind(scope.operation().as_str())
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(row.map(|row| key_info(row, now_ms)))
     }
 
     /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
+    ///
+    /// One statement, and the filter is checked again on each row it
+    /// deletes: SQLite runs the statement under its single writer's lock,
+    /// so no claim can change a row between its selection and its deletion,
+    /// and the repeated filter says so in the text rather than in a
+    /// property of the engine.
     pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
         let (conds, binds) = key_filter_sql(filter);
         let t = self.table.as_str();
-        let sql = format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE {conds} LIMIT {limit})");
+        let sql = format!(
+            r#"DELETE FROM "{t}" WHERE rowid IN (SELECT rowid FROM "{t}" WHERE {conds} LIMIT {limit}) AND {conds}"#
+        );
         let mut q = sqlx::query(AssertSqlSafe(sql)).bind(now_ms);
         for b in binds {
             q = match b {
@@ -499,5 +555,39 @@ impl SqliteStore {
             };
         }
         Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
+    }
+}
+/// The operator's commands go through the inherent methods above (the same
+/// names: inherent methods are found first, so these never call themselves).
+impl idem_core::KeyAdmin for SqliteStore {
+    fn stats(&self, now_ms: i64) -> idem_core::BoxFuture<'_, Result<idem_core::KeyStats>> {
+        Box::pin(SqliteStore::stats(self, now_ms))
+    }
+
+    fn list_keys<'a>(
+        &'a self,
+        filter: &'a idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> idem_core::BoxFuture<'a, Result<Vec<idem_core::KeyInfo>>> {
+        Box::pin(SqliteStore::list_keys(self, filter, now_ms, limit))
+    }
+
+    fn find_key<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::KeyInfo>>> {
+        Box::pin(SqliteStore::find_key(self, scope, key, now_ms))
+    }
+
+    fn purge_keys<'a>(
+        &'a self,
+        filter: &'a idem_core::KeyFilter,
+        now_ms: i64,
+        limit: u32,
+    ) -> idem_core::BoxFuture<'a, Result<u64>> {
+        Box::pin(SqliteStore::purge_keys(self, filter, now_ms, limit))
     }
 }

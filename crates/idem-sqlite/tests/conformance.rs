@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use idem_conformance::{Subject, lease_conformance, tx_conformance};
+use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_sqlite::{SqliteStore, SqliteTx};
 
@@ -118,3 +118,4 @@ impl Subject for Sqlite {
 
 tx_conformance!(sqlite_tx, Sqlite::new());
 lease_conformance!(sqlite_lease, Sqlite::new());
+admin_conformance!(sqlite_admin, Sqlite::new());
