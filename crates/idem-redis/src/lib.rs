@@ -15,25 +15,44 @@
 //!   one) and sets the row's time to live. Atomic like `SET NX PX`, and it
 //!   takes over a stale row in the same step.
 //! - **Complete, release, extend**: compare-and-set scripts on the token; a
-//!   stale holder changes nothing and gets [`Error::Fenced`].
+//!   stale holder changes nothing and gets [`Error::Fenced`]. An extension
+//!   whose lease would outlive the key raises the key's expiry with it — in
+//!   the row, in its Redis TTL and in its index entry — as the SQL stores
+//!   raise `expires_at_ms`: a holder whose work outlives the key's TTL keeps
+//!   its claim while its heartbeat runs.
 //! - **Sweep**: Redis expires rows itself (their TTL is the key's expiry);
-//!   [`Sweep`] also deletes, in bounded batches, rows whose expiry passed on
-//!   the engine's clock, through a sorted set `<prefix>:expiry`.
+//!   [`Sweep`] walks the sorted set `<prefix>:expiry` in bounded batches
+//!   and settles each entry due: an expired row is deleted, an entry whose
+//!   row Redis already expired (a *ghost*) is removed and counted apart
+//!   ([`SweepBatch::ghosts`]), an entry of a row whose lease raised its
+//!   expiry moves up. The index is thus bounded by the live rows once a
+//!   sweep has run (the `idem` gateway runs one in the background).
 //! - **The expiry index** is written off the claim's path: a claim queues
 //!   its entry and answers; one writer per store adds what is queued in one
 //!   `ZADD` (on Redis Cluster the index lives in its own slot, so no script
 //!   could write it with the row). The queue is bounded (a full queue makes
-//!   claims wait for room). The sweep, [`stats`](RedisStore::stats),
-//!   [`list_keys`](RedisStore::list_keys) and
-//!   [`purge_keys`](RedisStore::purge_keys) of a store first wait for its own
-//!   queue ([`flush_index`](RedisStore::flush_index)); another process sees
-//!   a claim in the index about one Redis round trip after it was made. A
-//!   process that stops between a claim and its index write leaves the row
-//!   unindexed: the sweeper and the operator commands do not see it, and
-//!   Redis deletes it at its expiry by its TTL.
+//!   claims wait for room). The sweep and the operator's view
+//!   ([`KeyAdmin`](idem_core::KeyAdmin): stats, listings, purges) of a store
+//!   first wait for its own queue ([`flush_index`](RedisStore::flush_index));
+//!   another process sees a claim in the index about one Redis round trip
+//!   after it was made. A process that stops between a claim and its index
+//!   write leaves the row unindexed: the sweeper and the operator commands
+//!   do not see it, and Redis deletes it at its expiry by its TTL. The
+//!   operator's view reads each indexed row (many at once on one
+//!   connection); an entry whose row is gone is no key. A purge deletes a
+//!   row only through a script that checks the filter again on the row as
+//!   it is then, so a key claimed again meanwhile is never deleted.
 //!
 //! Tokens are compared as decimal strings inside the scripts: they exceed
 //! 2^53, which Lua's numbers cannot hold exactly.
+//!
+//! # Connecting
+//!
+//! [`RedisStore::connect`] (one server), [`RedisStore::connect_cluster`]
+//! (seed nodes), or [`RedisStore::connect_any`], which takes what a user
+//! types: one URL (a cluster node is recognised by `INFO`), or several
+//! separated by commas (a cluster), and gives a store on a
+//! [`RedisConnection`].
 //!
 //! # Durability
 //!
@@ -41,105 +60,43 @@
 //! `appendonly yes` and `appendfsync everysec` (or `always`) and
 //! `maxmemory-policy noeviction`: an evicted or lost row lets a second holder
 //! claim a key whose first holder is still working, or whose outcome was
-//! recorded. A failover to a replica that had not received the latest writes
-//! loses them the same way (Redis replication is asynchronous): after a
-//! failover, a key claimed or completed in the last moments before it may
-//! run again. Use `WAIT` semantics or a database store where that is not
-//! acceptable.
+//! recorded. [`RedisStore::check_deployment`] reads those settings on every
+//! master, refuses an eviction policy and warns about missing persistence;
+//! the `idem` gateway and the `idem` commands that write run it at start. A
+//! failover to a replica that had not received the latest writes loses them
+//! the same way (Redis replication is asynchronous): after a failover, a key
+//! claimed or completed in the last moments before it may run again. Use
+//! `WAIT` semantics or a database store where that is not acceptable.
 
+mod admin;
+mod connection;
+mod deployment;
 mod index;
+mod scripts;
 
 use std::fmt;
 use std::sync::Arc;
 
+use futures_util::{StreamExt, TryStreamExt};
 use idem_core::{
     BoxFuture, ClaimRequest, Error, Lease, LeaseClaim, LeaseStore, Record, RecordStatus, Result, StoreErrorKind,
-    StoredRow, Sweep, TimeSource, Token,
+    StoredRow, Sweep, SweepBatch, TimeSource, Token,
 };
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
+
+pub use crate::connection::RedisConnection;
 use sha2::{Digest, Sha256};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem";
 
-const CLAIM: &str = r#"
-local function gt(a, b)
-  if #a ~= #b then return #a > #b end
-  return a > b
-end
-local function plus_one(s)
-  local d = {}
-  for i = 1, #s do d[i] = string.byte(s, i) - 48 end
-  local i = #d
-  while i >= 1 do
-    if d[i] < 9 then d[i] = d[i] + 1; break end
-    d[i] = 0
-    i = i - 1
-  end
-  local out = {}
-  if i == 0 then out[1] = '1' end
-  for j = 1, #d do out[#out + 1] = string.char(d[j] + 48) end
-  return table.concat(out)
-end
-local now = tonumber(ARGV[2])
-local r = redis.call('HMGET', KEYS[1], 'fp', 'st', 'tok', 'lease', 'exp', 'pl')
-if r[1] then
-  local stale = tonumber(r[5]) <= now or (r[2] == '0' and tonumber(r[4]) <= now)
-  if not stale then
-    return {'found', r[1], r[2], r[3], r[4] or '', r[5], r[6] or ''}
-  end
-end
-local token = ARGV[4]
-local last = redis.call('GET', KEYS[2])
-if last then
-  local n = plus_one(last)
-  if gt(n, token) then token = n end
-end
-if r[3] then
-  local n = plus_one(r[3])
-  if gt(n, token) then token = n end
-end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', '0', 'tok', token, 'lease', ARGV[5], 'exp', ARGV[3],
-  'tn', ARGV[7], 'op', ARGV[8], 'k', ARGV[9], 'cr', ARGV[2])
-local ttl = tonumber(ARGV[6])
-redis.call('PEXPIRE', KEYS[1], ttl)
-redis.call('SET', KEYS[2], token, 'PX', ttl + 604800000)
-return {'acquired', token}
-"#;
-
-const COMPLETE: &str = r#"
-local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3])
-redis.call('HDEL', KEYS[1], 'lease')
-return 1
-"#;
-
-const RELEASE: &str = r#"
-local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-"#;
-
-const EXTEND: &str = r#"
-local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'lease', ARGV[2])
-return 1
-"#;
-
-const SWEEP_ONE: &str = r#"
-local exp = redis.call('HGET', KEYS[1], 'exp')
-if exp and tonumber(exp) <= tonumber(ARGV[1]) then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"#;
+/// Row scripts and reads in flight at once when a sweep or an operator
+/// command walks many rows: each row is its own key (and, on a cluster, its
+/// own slot), so they cannot share one pipeline or script, but they can
+/// share the connection.
+const CONCURRENCY: usize = 64;
 
 struct Scripts {
     claim: Script,
@@ -147,6 +104,8 @@ struct Scripts {
     release: Script,
     extend: Script,
     sweep_one: Script,
+    settle_index: Script,
+    purge_one: Script,
 }
 
 /// The lease store on Redis or Redis Cluster (`C` is the connection:
@@ -187,12 +146,19 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 
 impl RedisStore<ConnectionManager> {
     /// Connects to one Redis server (`redis://host:port/db`), reconnecting
-    /// as needed.
+    /// as needed once connected. A server that cannot be reached at all
+    /// fails at once, rather than after the reconnection attempts.
     pub async fn connect(url: &str) -> Result<Self> {
+        let bad =
+            |e: redis::RedisError| Error::Config(idem_core::redact_credentials(&format!("Redis URL {url:?}: {e}")));
         let info = redis::IntoConnectionInfo::into_connection_info(url)
-            .map_err(|e| Error::Config(format!("Redis URL {url:?}: {e}")))?
+            .map_err(bad)?
             .set_tcp_settings(tcp_settings());
-        let client = redis::Client::open(info).map_err(|e| Error::Config(format!("Redis URL {url:?}: {e}")))?;
+        let client = redis::Client::open(info).map_err(bad)?;
+        // One plain connection first: the manager below retries a refused
+        // connection for seconds, which helps a running service through a
+        // restart of Redis but only delays a start against a wrong address.
+        drop(client.get_multiplexed_async_connection().await.map_err(store_error)?);
         let conn = ConnectionManager::new(client).await.map_err(store_error)?;
         Ok(Self::new(conn))
     }
@@ -204,7 +170,11 @@ impl RedisStore<ClusterConnection> {
         let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .tcp_settings(tcp_settings())
             .build()
-            .map_err(|e| Error::Config(format!("Redis Cluster nodes {nodes:?}: {e}")))?;
+            .map_err(|e| {
+                Error::Config(idem_core::redact_credentials(&format!(
+                    "Redis Cluster nodes {nodes:?}: {e}"
+                )))
+            })?;
         let conn = client.get_async_connection().await.map_err(store_error)?;
         Ok(Self::new(conn))
     }
@@ -217,11 +187,13 @@ impl<C> RedisStore<C> {
             conn,
             prefix: DEFAULT_PREFIX.into(),
             scripts: Arc::new(Scripts {
-                claim: Script::new(CLAIM),
-                complete: Script::new(COMPLETE),
-                release: Script::new(RELEASE),
-                extend: Script::new(EXTEND),
-                sweep_one: Script::new(SWEEP_ONE),
+                claim: Script::new(scripts::CLAIM),
+                complete: Script::new(scripts::COMPLETE),
+                release: Script::new(scripts::RELEASE),
+                extend: Script::new(scripts::EXTEND),
+                sweep_one: Script::new(scripts::SWEEP_ONE),
+                settle_index: Script::new(scripts::SETTLE_INDEX),
+                purge_one: Script::new(scripts::PURGE_ONE),
             }),
             index: Arc::default(),
         }
@@ -282,7 +254,10 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
 }
 
 fn text(v: &Value) -> Option<String> {
-    bytes(v).and_then(|b| String::from_utf8(b).ok())
+    match v {
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        other => bytes(other).and_then(|b| String::from_utf8(b).ok()),
+    }
 }
 
 fn corrupt(what: &str) -> Error {
@@ -294,16 +269,25 @@ fn int(v: &Value, what: &str) -> Result<i64> {
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
-    async fn fenced(&self, script: &Script, lease: &Lease, extra: &[&[u8]]) -> Result<()> {
+    /// Runs a compare-and-set `script` on the lease's row (and its counter)
+    /// with the lease's token and `extra` arguments; answers the script's
+    /// code (1 or more: done), or [`Error::Fenced`] (0).
+    async fn fenced(&self, script: &Script, lease: &Lease, extra: &[&[u8]]) -> Result<i64> {
         let tag = Self::tag(&lease.scope, &lease.key);
         let mut invocation = script.key(self.row_key(&tag));
+        invocation.key(self.counter_key(&tag));
         invocation.arg(lease.token.0.to_string());
         for a in extra {
             invocation.arg(*a);
         }
         let mut conn = self.conn.clone();
         let done: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
-        if done == 1 { Ok(()) } else { Err(Error::Fenced) }
+        if done >= 1 { Ok(done) } else { Err(Error::Fenced) }
+    }
+
+    /// The expiry index's key.
+    fn index_key(&self) -> String {
+        self.expiry_key()
     }
 }
 
@@ -377,224 +361,128 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
             .to_string();
             self.fenced(&self.scripts.complete, lease, &[status.as_bytes(), &record.payload])
                 .await
+                .map(drop)
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move { self.fenced(&self.scripts.release, lease, &[]).await })
+        Box::pin(async move { self.fenced(&self.scripts.release, lease, &[]).await.map(drop) })
     }
 
+    /// Moves the lease, and the key's expiry with it when the lease would
+    /// outlive the key (the row's expiry, its TTL in Redis and its expiry
+    /// index entry), as the SQL stores raise `expires_at_ms`.
     fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let until = lease_expires_at_ms.to_string();
-            self.fenced(&self.scripts.extend, lease, &[until.as_bytes()]).await
+            let done = self.fenced(&self.scripts.extend, lease, &[until.as_bytes()]).await?;
+            if done == 2 {
+                let tag = Self::tag(&lease.scope, &lease.key);
+                self.index
+                    .add(&self.conn, &self.expiry_key(), tag, lease_expires_at_ms)
+                    .await;
+            }
+            Ok(())
         })
     }
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Sweep for RedisStore<C> {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move { Ok(self.sweep_batch(now_ms, limit).await?.deleted) })
+    }
+
+    /// Takes up to `limit` index entries due at `now_ms` and settles each
+    /// by its row: an expired row is deleted, an entry whose row Redis
+    /// already expired by its TTL (or that was released) is a ghost and is
+    /// removed, an entry whose row lives on (its lease extended it) moves
+    /// up to the row's expiry. Every entry taken up leaves the range due at
+    /// `now_ms`, so a sweep that runs batches until one takes up fewer than
+    /// `limit` ends, and leaves an index bounded by the live rows.
+    fn sweep_batch(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<SweepBatch>> {
         Box::pin(async move {
             self.index.flush().await;
             let mut conn = self.conn.clone();
-            let tags: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-                .arg(self.expiry_key())
+            let due: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
+                .arg(self.index_key())
                 .arg("-inf")
                 .arg(now_ms)
+                .arg("WITHSCORES")
                 .arg("LIMIT")
                 .arg(0)
                 .arg(limit)
                 .query_async(&mut conn)
                 .await
                 .map_err(store_error)?;
-            let mut deleted = 0;
-            for tag in &tags {
-                let n: i64 = self
-                    .scripts
-                    .sweep_one
-                    .key(self.row_key(tag))
-                    .arg(now_ms)
-                    .invoke_async(&mut conn)
-                    .await
-                    .map_err(store_error)?;
-                deleted += n as u64;
+            let looks: Vec<_> = due
+                .iter()
+                .map(|(tag, _)| {
+                    let mut conn = self.conn.clone();
+                    let mut invocation = self.scripts.sweep_one.key(self.row_key(tag));
+                    invocation.arg(now_ms);
+                    async move {
+                        invocation
+                            .invoke_async::<(i64, String)>(&mut conn)
+                            .await
+                            .map_err(store_error)
+                    }
+                })
+                .collect();
+            let looked: Vec<(i64, String)> = futures_util::stream::iter(looks)
+                .buffered(CONCURRENCY)
+                .try_collect()
+                .await?;
+            let mut batch = SweepBatch {
+                examined: due.len() as u64,
+                ..SweepBatch::default()
+            };
+            let mut settle = Vec::with_capacity(due.len());
+            for ((tag, score), (found, expires)) in due.iter().zip(&looked) {
+                match found {
+                    0 => {
+                        batch.ghosts += 1;
+                        settle.push(("r", tag.as_str(), score.to_string()));
+                    }
+                    1 => {
+                        batch.deleted += 1;
+                        settle.push(("r", tag.as_str(), score.to_string()));
+                    }
+                    _ => settle.push(("m", tag.as_str(), expires.clone())),
+                }
             }
-            if !tags.is_empty() {
-                // Only the entries looked at; a row claimed again since has
-                // a later row of its own (and Redis expires it by its TTL).
-                let _: i64 = redis::cmd("ZREM")
-                    .arg(self.expiry_key())
-                    .arg(&tags)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(store_error)?;
-            }
-            Ok(deleted)
+            self.settle_index(&settle).await?;
+            tracing::debug!(
+                prefix = %self.prefix,
+                deleted = batch.deleted,
+                ghosts = batch.ghosts,
+                examined = batch.examined,
+                "swept expired keys"
+            );
+            Ok(batch)
         })
     }
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
+    /// Runs the index-settling script over `(op, tag, score)` triples, a
+    /// thousand at a time so that no one script holds Redis for long.
+    async fn settle_index(&self, triples: &[(&str, &str, String)]) -> Result<()> {
+        let mut conn = self.conn.clone();
+        for chunk in triples.chunks(1_000) {
+            let mut invocation = self.scripts.settle_index.key(self.index_key());
+            for (op, tag, score) in chunk {
+                invocation.arg(*op).arg(*tag).arg(score.as_str());
+            }
+            let _: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
+        }
+        Ok(())
+    }
+
     /// Waits until every claim made so far through this store (or a clone of
     /// it) is in the expiry index. The sweep and the operator methods of this
     /// store do this first; call it before another process reads the index.
     pub async fn flush_index(&self) {
         self.index.flush().await;
-    }
-
-    /// How many keys the store indexes, by state, at `now_ms` (reads every
-    /// live row's status, 500 at a time).
-    pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
-        self.index.flush().await;
-        let mut conn = self.conn.clone();
-        let expired: u64 = redis::cmd("ZCOUNT")
-            .arg(self.expiry_key())
-            .arg("-inf")
-            .arg(now_ms)
-            .query_async(&mut conn)
-            .await
-            .map_err(store_error)?;
-        let mut stats = idem_core::KeyStats {
-            expired,
-            ..Default::default()
-        };
-        let mut offset = 0u64;
-        loop {
-            let tags: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-                .arg(self.expiry_key())
-                .arg(format!("({now_ms}"))
-                .arg("+inf")
-                .arg("LIMIT")
-                .arg(offset)
-                .arg(500)
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            for tag in &tags {
-                let status: Option<String> = redis::cmd("HGET")
-                    .arg(self.row_key(tag))
-                    .arg("st")
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(store_error)?;
-                match status.as_deref() {
-                    Some("0") => stats.in_progress += 1,
-                    Some("1") => stats.completed += 1,
-                    Some("2") => stats.rejected += 1,
-                    _ => {}
-                }
-            }
-            if tags.len() < 500 {
-                break;
-            }
-            offset += 500;
-        }
-        Ok(stats)
-    }
-}
-
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
-    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`
-    /// (reads the expiry index and each row).
-    pub async fn list_keys(
-        &self,
-        filter: &idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<idem_core::KeyInfo>> {
-        Ok(self
-            .matching(filter, now_ms, limit)
-            .await?
-            .into_iter()
-            .map(|(_, info)| info)
-            .collect())
-    }
-
-    /// Deletes at most `limit` keys matching `filter`; answers how many.
-    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
-        let mut conn = self.conn.clone();
-        let mut deleted = 0;
-        for (tag, _) in self.matching(filter, now_ms, limit).await? {
-            let n: i64 = redis::cmd("DEL")
-                .arg(self.row_key(&tag))
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            let _: i64 = redis::cmd("ZREM")
-                .arg(self.expiry_key())
-                .arg(&tag)
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            deleted += n as u64;
-        }
-        Ok(deleted)
-    }
-
-    async fn matching(
-        &self,
-        filter: &idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<(String, idem_core::KeyInfo)>> {
-        self.index.flush().await;
-        let mut conn = self.conn.clone();
-        let tags: Vec<String> = redis::cmd("ZRANGE")
-            .arg(self.expiry_key())
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut conn)
-            .await
-            .map_err(store_error)?;
-        let mut out = Vec::new();
-        for tag in tags {
-            let r: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
-                .arg(self.row_key(&tag))
-                .arg(&["tn", "op", "k", "st", "cr", "exp", "pl"])
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            let text = |i: usize| {
-                r.get(i)
-                    .cloned()
-                    .flatten()
-                    .map(|b| String::from_utf8_lossy(&b).into_owned())
-            };
-            let (Some(tenant), Some(operation), Some(key), Some(status), Some(created), Some(expires)) =
-                (text(0), text(1), text(2), text(3), text(4), text(5))
-            else {
-                continue;
-            };
-            let (Ok(status), Ok(created_at_ms), Ok(expires_at_ms)) =
-                (status.parse::<i16>(), created.parse::<i64>(), expires.parse::<i64>())
-            else {
-                continue;
-            };
-            let state = idem_core::KeyState::of(status, expires_at_ms, now_ms);
-            let keep = filter.tenant.as_deref().is_none_or(|t| t == tenant)
-                && filter.operation.as_deref().is_none_or(|o| o == operation)
-                && filter.key_prefix.as_deref().is_none_or(|p| key.starts_with(p))
-                && filter.state.is_none_or(|s| s == state)
-                && filter.older_than_ms.is_none_or(|age| created_at_ms <= now_ms - age);
-            if keep {
-                let payload = r.get(6).cloned().flatten().unwrap_or_default();
-                out.push((
-                    tag,
-                    idem_core::KeyInfo {
-                        tenant,
-                        operation,
-                        key,
-                        state,
-                        created_at_ms,
-                        expires_at_ms,
-                        payload,
-                    },
-                ));
-            }
-        }
-        out.sort_by_key(|(_, i)| i.created_at_ms);
-        out.truncate(limit as usize);
-        Ok(out)
     }
 }
 

@@ -1,0 +1,211 @@
+//! The operator's view ([`KeyAdmin`]): the expiry index lists the keys a
+//! store holds; each row is read for what it is now. An index entry whose
+//! row is gone (Redis expired it by its TTL) is no key: it is skipped here,
+//! and removed by the next sweep.
+
+use futures_util::{StreamExt, TryStreamExt};
+use idem_core::{BoxFuture, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyState, KeyStats, Result, Scope};
+use redis::aio::ConnectionLike;
+
+use crate::{CONCURRENCY, RedisStore, store_error};
+
+/// Index entries read per page.
+const PAGE: isize = 1_000;
+
+/// The row fields an operator sees, in this order.
+const FIELDS: [&str; 7] = ["tn", "op", "k", "st", "cr", "exp", "pl"];
+
+type Fields = Vec<Option<Vec<u8>>>;
+
+/// A row's fields as a key, at `now_ms`; `None` if the row is gone or is
+/// not a key row.
+fn key_info(fields: &Fields, now_ms: i64) -> Option<KeyInfo> {
+    let text = |i: usize| {
+        fields
+            .get(i)
+            .cloned()
+            .flatten()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    };
+    let (tenant, operation, key) = (text(0)?, text(1)?, text(2)?);
+    let status: i16 = text(3)?.parse().ok()?;
+    let created_at_ms: i64 = text(4)?.parse().ok()?;
+    let expires_at_ms: i64 = text(5)?.parse().ok()?;
+    Some(KeyInfo {
+        tenant,
+        operation,
+        key,
+        state: KeyState::of(status, expires_at_ms, now_ms),
+        created_at_ms,
+        expires_at_ms,
+        payload: fields.get(6).cloned().flatten().unwrap_or_default(),
+    })
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
+    /// Walks the whole index a page at a time, reading `fields` of each
+    /// page's rows (several in flight), and hands each page's (tag, fields)
+    /// to `each`. Entries added or removed meanwhile may be seen or missed:
+    /// an operator's view, not a snapshot.
+    async fn walk(&self, fields: &[&str], mut each: impl FnMut(Vec<(String, Fields)>)) -> Result<()> {
+        self.index.flush().await;
+        let mut conn = self.conn.clone();
+        let mut start: isize = 0;
+        loop {
+            let tags: Vec<String> = redis::cmd("ZRANGE")
+                .arg(self.expiry_key())
+                .arg(start)
+                .arg(start + PAGE - 1)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            let n = tags.len() as isize;
+            let reads: Vec<_> = tags
+                .iter()
+                .map(|tag| {
+                    let mut conn = self.conn.clone();
+                    let mut cmd = redis::cmd("HMGET");
+                    cmd.arg(self.row_key(tag)).arg(fields);
+                    async move { cmd.query_async::<Fields>(&mut conn).await.map_err(store_error) }
+                })
+                .collect();
+            let rows: Vec<Fields> = futures_util::stream::iter(reads)
+                .buffered(CONCURRENCY)
+                .try_collect()
+                .await?;
+            each(tags.into_iter().zip(rows).collect());
+            if n < PAGE {
+                return Ok(());
+            }
+            start += PAGE;
+        }
+    }
+
+    /// The keys matching `filter` with their tags, oldest first, at most `limit`.
+    async fn matching(&self, filter: &KeyFilter, now_ms: i64, limit: u32) -> Result<Vec<(String, KeyInfo)>> {
+        let mut out = Vec::new();
+        self.walk(&FIELDS, |page| {
+            for (tag, fields) in page {
+                if let Some(info) = key_info(&fields, now_ms)
+                    && filter.matches(&info, now_ms)
+                {
+                    out.push((tag, info));
+                }
+            }
+        })
+        .await?;
+        out.sort_by_key(|(_, i)| i.created_at_ms);
+        out.truncate(limit as usize);
+        Ok(out)
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<C> {
+    /// Reads each indexed row's status and expiry; an entry whose row is
+    /// gone counts for nothing.
+    fn stats(&self, now_ms: i64) -> BoxFuture<'_, Result<KeyStats>> {
+        Box::pin(async move {
+            let mut stats = KeyStats::default();
+            self.walk(&["st", "exp"], |page| {
+                for (_, fields) in page {
+                    let text = |i: usize| fields.get(i).cloned().flatten().and_then(|b| String::from_utf8(b).ok());
+                    let (Some(status), Some(expires)) = (text(0), text(1)) else {
+                        continue;
+                    };
+                    let (Ok(status), Ok(expires)) = (status.parse::<i16>(), expires.parse::<i64>()) else {
+                        continue;
+                    };
+                    match KeyState::of(status, expires, now_ms) {
+                        KeyState::InProgress => stats.in_progress += 1,
+                        KeyState::Completed => stats.completed += 1,
+                        KeyState::Rejected => stats.rejected += 1,
+                        KeyState::Expired => stats.expired += 1,
+                    }
+                }
+            })
+            .await?;
+            Ok(stats)
+        })
+    }
+
+    fn list_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<Vec<KeyInfo>>> {
+        Box::pin(async move {
+            Ok(self
+                .matching(filter, now_ms, limit)
+                .await?
+                .into_iter()
+                .map(|(_, info)| info)
+                .collect())
+        })
+    }
+
+    /// Reads the key's own row (indexed or not).
+    fn find_key<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let fields: Fields = redis::cmd("HMGET")
+                .arg(self.row_key(&Self::tag(scope, key)))
+                .arg(&FIELDS)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            Ok(key_info(&fields, now_ms))
+        })
+    }
+
+    /// Selects through the index, then deletes each row with a script that
+    /// checks the filter again on the row as it is at that moment: a key
+    /// claimed again since it was read (an expired key taken over) no longer
+    /// matches, and stays.
+    fn purge_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<u64>> {
+        Box::pin(async move {
+            let candidates = self.matching(filter, now_ms, limit).await?;
+            let flag = |v: &Option<String>| if v.is_some() { "1" } else { "0" };
+            let state = filter.state.map(KeyState::name).unwrap_or("");
+            let cutoff = filter.older_than_ms.map(|age| now_ms.saturating_sub(age));
+            let deletes: Vec<_> = candidates
+                .iter()
+                .map(|(tag, _)| {
+                    let mut conn = self.conn.clone();
+                    let mut invocation = self.scripts.purge_one.key(self.row_key(tag));
+                    invocation
+                        .arg(now_ms)
+                        .arg(flag(&filter.tenant))
+                        .arg(filter.tenant.as_deref().unwrap_or(""))
+                        .arg(flag(&filter.operation))
+                        .arg(filter.operation.as_deref().unwrap_or(""))
+                        .arg(flag(&filter.key_prefix))
+                        .arg(filter.key_prefix.as_deref().unwrap_or(""))
+                        .arg(state)
+                        .arg(if cutoff.is_some() { "1" } else { "0" })
+                        .arg(cutoff.unwrap_or(0));
+                    async move {
+                        invocation
+                            .invoke_async::<Option<String>>(&mut conn)
+                            .await
+                            .map_err(store_error)
+                    }
+                })
+                .collect();
+            let deleted: Vec<Option<String>> = futures_util::stream::iter(deletes)
+                .buffered(CONCURRENCY)
+                .try_collect()
+                .await?;
+            // Only the entries of deleted rows, and only while they still
+            // point at the deleted row's expiry or earlier: a claim made
+            // since has indexed its own, later expiry.
+            let settle: Vec<(&str, &str, String)> = candidates
+                .iter()
+                .zip(&deleted)
+                .filter_map(|((tag, _), expires)| Some(("r", tag.as_str(), expires.clone()?)))
+                .collect();
+            self.settle_index(&settle).await?;
+            Ok(settle.len() as u64)
+        })
+    }
+}

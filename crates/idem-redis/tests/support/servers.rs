@@ -1,0 +1,194 @@
+//! Redis servers a test starts for itself on free loopback ports: a single
+//! server with the settings a test needs (an eviction policy, commands
+//! disabled), or a 3-master Redis Cluster. Both are stopped and their files
+//! removed when dropped, also when the test panics. They need
+//! `redis-server` and `redis-cli` on the machine and fail loudly without.
+//!
+//! Test crates include this file with
+//! `#[path = "../../idem-redis/tests/support/servers.rs"] mod servers;`.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free loopback port whose cluster-bus port (+10000) is free as well.
+pub(crate) fn free_port() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn scratch_dir(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "idem-{what}-{}-{}",
+        std::process::id(),
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn spawn(port: u16, dir: &std::path::Path, args: &[&str]) -> Child {
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(args)
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start redis-server (install redis-server): {e}"))
+}
+
+fn wait_listening(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server on {port} did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One redis-server of the test's own.
+pub(crate) struct RedisServer {
+    child: Child,
+    /// Its port on 127.0.0.1.
+    pub(crate) port: u16,
+    dir: PathBuf,
+}
+
+impl RedisServer {
+    /// Starts a server with `args` added to its command line (for example
+    /// `["--maxmemory-policy", "allkeys-lru"]`), and waits until it listens.
+    pub(crate) fn start(args: &[&str]) -> Self {
+        let port = free_port();
+        let dir = scratch_dir("redis");
+        let child = spawn(port, &dir, args);
+        wait_listening(port);
+        Self { child, port, dir }
+    }
+
+    /// Its URL.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A 3-master Redis Cluster of the test's own.
+pub(crate) struct RedisCluster {
+    nodes: Vec<Child>,
+    /// The masters' ports on 127.0.0.1.
+    pub(crate) ports: Vec<u16>,
+    dir: PathBuf,
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            let _ = n.kill();
+            let _ = n.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl RedisCluster {
+    /// Starts three masters with AOF and `noeviction`, joins them into a
+    /// cluster covering every slot, and waits for `cluster_state:ok`.
+    pub(crate) fn start() -> Self {
+        let dir = scratch_dir("redis-cluster");
+        let mut cluster = Self {
+            nodes: Vec::new(),
+            ports: Vec::new(),
+            dir: dir.clone(),
+        };
+        for i in 0..3 {
+            let port = free_port();
+            let node_dir = dir.join(format!("n{i}"));
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let child = spawn(
+                port,
+                &node_dir,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--appendonly",
+                    "yes",
+                    "--maxmemory-policy",
+                    "noeviction",
+                    "--save",
+                    "",
+                ],
+            );
+            cluster.nodes.push(child);
+            cluster.ports.push(port);
+        }
+        for port in &cluster.ports {
+            wait_listening(*port);
+        }
+        let addrs: Vec<String> = cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = cluster.ports.iter().all(|p| {
+                Command::new("redis-cli")
+                    .args(["-p", &p.to_string(), "cluster", "info"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
+            });
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        cluster
+    }
+
+    /// The masters' URLs.
+    pub(crate) fn urls(&self) -> Vec<String> {
+        self.ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect()
+    }
+
+    /// How many keys each master holds.
+    pub(crate) fn keys_per_master(&self) -> Vec<usize> {
+        self.ports
+            .iter()
+            .map(|p| {
+                let out = Command::new("redis-cli")
+                    .args(["-p", &p.to_string(), "dbsize"])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
+            })
+            .collect()
+    }
+}
