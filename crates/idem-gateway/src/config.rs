@@ -272,6 +272,13 @@ pub struct Config {
     /// Routes.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// How a Redis store is used (`[redis]`: `prefix`, `skip_deployment_checks`).
+    #[serde(default)]
+    pub redis: crate::store::RedisSettings,
+    /// The background sweeper (`[sweeper]`: `interval_secs`, `batch`,
+    /// `pause_ms`, `max_batches`).
+    #[serde(default)]
+    pub sweeper: crate::sweeper::SweeperConfig,
 }
 
 fn default_request_bytes() -> usize {
@@ -317,6 +324,8 @@ impl Default for Config {
             admin_listen: None,
             defaults: Defaults::default(),
             routes: Vec::new(),
+            redis: crate::store::RedisSettings::default(),
+            sweeper: crate::sweeper::SweeperConfig::default(),
         }
     }
 }
@@ -338,6 +347,7 @@ impl Config {
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let config: Config = toml::from_str(text).map_err(|e| ConfigError(e.to_string()))?;
         config.defaults.policy()?;
+        config.sweeper.validate()?;
         for r in &config.routes {
             r.parsed()?;
             r.route_policy(&config.defaults)?;

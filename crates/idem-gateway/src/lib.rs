@@ -23,7 +23,12 @@
 //!   so a refreshed token keeps its keys), a header set by a trusted proxy,
 //!   or one `anonymous` key space. Without one the gateway does not start.
 //! - **Stores**: a SQLite file (default), PostgreSQL, MySQL/MariaDB or Redis
-//!   (`redis://`), the last three when several gateway instances share keys.
+//!   (`redis://`, or a Redis Cluster: its seed URLs separated by commas),
+//!   the last three when several gateway instances share keys. The store is
+//!   migrated at start (the only `idem` process besides `idem migrate`
+//!   that changes a schema); a Redis deployment is checked at start
+//!   (eviction policy refused, missing persistence warned about); expired
+//!   keys are swept in the background ([`Sweeper`], `[sweeper]`).
 //! - Hop-by-hop headers (RFC 9110 §7.6.1, `Proxy-Authenticate` among them,
 //!   and those named in `Connection`) are never forwarded, either way.
 //!   `Set-Cookie` and the configured private headers reach the first caller
@@ -47,6 +52,7 @@ mod path;
 mod proxy;
 mod serve;
 mod store;
+mod sweeper;
 mod tenant;
 mod trust;
 
@@ -59,7 +65,8 @@ use idem_http::IdempotencyLayer;
 use tokio::net::TcpListener;
 
 pub use config::{Config, ConfigError, Defaults, ForwardedHeaders, InFlightMode, KeyMode, RouteConfig};
-pub use store::AnyLease;
+pub use store::{AnyLease, RedisSettings};
+pub use sweeper::{SWEEP_LAST_SUCCESS, SWEEP_RUNS, SWEEP_SECONDS, Sweeper, SweeperConfig};
 pub use tenant::{IdentityConfig, TenantConfig, TenantSource};
 
 /// Why the gateway could not start.
@@ -303,10 +310,11 @@ pub async fn serve(
             .map_err(|e| ConfigError(format!("admin_listen {addr}: cannot listen: {e}")))?;
         listeners.admin = Some(admin);
     }
-    let store = AnyLease::connect(config.store_url()).await?;
+    let store = AnyLease::connect_with(config.store_url(), &config.redis).await?;
     let clock = idem_core::AnchoredClock::start(Arc::new(store.clone()), idem_core::AnchorOptions::default())
         .await
         .map_err(|e| ConfigError(format!("cannot read the store's clock: {e}")))?;
+    let _sweeper = Sweeper::start(store.clone(), Arc::new(clock.clone()), &config.sweeper)?;
     let gateway = Gateway::new(config, store, Arc::new(clock))?;
     tracing::info!(
         addr = %listeners.proxy.local_addr()?,

@@ -1,11 +1,58 @@
-//! The lease store the gateway runs on, chosen by URL.
+//! The lease store the gateway (and the `idem` command) runs on, chosen by
+//! URL.
+//!
+//! | URL | store |
+//! |---|---|
+//! | a path, `sqlite://PATH`, `sqlite:PATH` | SQLite file (one host) |
+//! | `postgres://…`, `postgresql://…` | PostgreSQL |
+//! | `mysql://…`, `mariadb://…` | MySQL or MariaDB |
+//! | `redis://…` | one Redis server, or a Redis Cluster (a node that says `cluster_enabled:1` is taken for a seed) |
+//! | `redis://a:7000,redis://b:7001,…` | a Redis Cluster through its seed nodes |
+//!
+//! Opening never creates a schema: [`AnyLease::open`] connects to what is
+//! there (a SQLite path where no file is fails, "no such database file"),
+//! [`AnyLease::create`] also creates a missing SQLite file (for `idem
+//! migrate`), and [`AnyLease::connect_with`] creates, checks a Redis
+//! deployment and migrates: what the gateway does at start. URLs that can
+//! never work are refused before anything is opened ([`Error::Config`]):
+//! an empty URL, SQLite without a file, or an in-memory SQLite database
+//! (private to each pooled connection). Error messages carry URLs with
+//! their credentials masked ([`idem_core::redact_credentials`]).
 
+use std::path::Path;
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, KeyStats, Lease, LeaseClaim, LeaseStore, OutboxLag, OutboxStore, Record, Result,
-    Sweep, TableName, TimeSource,
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyStats, Lease, LeaseClaim,
+    LeaseStore, OutboxLag, OutboxStore, Record, Result, Scope, StoreErrorKind, Sweep, SweepBatch, TableName,
+    TimeSource,
 };
+use idem_redis::RedisConnection;
+use serde::Deserialize;
+
+/// How a Redis store is used (the `[redis]` table of the gateway's
+/// configuration; the `idem` command's `--redis-prefix` and
+/// `--skip-redis-checks`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisSettings {
+    /// The key prefix (default `idem`): several gateways, or services, can
+    /// share one Redis with prefixes of their own.
+    pub prefix: String,
+    /// Skips the deployment check at start (eviction policy, persistence;
+    /// see [`idem_redis::RedisStore::check_deployment`]), for a deployment
+    /// that knows better than the check.
+    pub skip_deployment_checks: bool,
+}
+
+impl Default for RedisSettings {
+    fn default() -> Self {
+        Self {
+            prefix: idem_redis::DEFAULT_PREFIX.to_owned(),
+            skip_deployment_checks: false,
+        }
+    }
+}
 
 /// One of the lease stores, chosen by URL.
 #[derive(Clone, Debug)]
@@ -16,8 +63,8 @@ pub enum AnyLease {
     Postgres(idem_postgres::PgStore),
     /// MySQL or MariaDB.
     MySql(idem_mysql::MySqlStore),
-    /// Redis.
-    Redis(idem_redis::RedisStore),
+    /// Redis: one server or a cluster.
+    Redis(idem_redis::RedisStore<RedisConnection>),
 }
 
 macro_rules! each {
@@ -31,13 +78,188 @@ macro_rules! each {
     };
 }
 
+/// What a store URL names, once it is known to be usable.
+enum Target<'a> {
+    Sqlite(&'a str),
+    Postgres,
+    MySql,
+    Redis,
+}
+
+/// Refuses what can never work, naming the setting; answers what `url`
+/// names otherwise.
+fn target(url: &str) -> Result<Target<'_>> {
+    let shown = || idem_core::redact_credentials(url);
+    if url.trim().is_empty() {
+        return Err(Error::Config(
+            "--store (store) is empty: give a SQLite path, postgres://, mysql:// or redis://".into(),
+        ));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok(Target::Postgres);
+    }
+    if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        return Ok(Target::MySql);
+    }
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        return Ok(Target::Redis);
+    }
+    let path = url
+        .strip_prefix("sqlite://")
+        .or(url.strip_prefix("sqlite:"))
+        .or_else(|| (!url.contains("://")).then_some(url));
+    let Some(path) = path else {
+        return Err(Error::Config(format!(
+            "--store (store): unsupported store URL {:?}: use a SQLite path, postgres://, mysql:// or redis://",
+            shown()
+        )));
+    };
+    let bare = path.split('?').next().unwrap_or_default();
+    if bare.trim().is_empty() {
+        return Err(Error::Config(format!(
+            "--store (store) {:?} names no SQLite file: each pooled connection would get a private, temporary \
+             database; give a file path",
+            shown()
+        )));
+    }
+    let memory = bare == ":memory:"
+        || bare.starts_with("file::memory:")
+        || path.contains("mode=memory")
+        || bare.starts_with(":memory:");
+    if memory {
+        return Err(Error::Config(format!(
+            "--store (store) {:?} is an in-memory SQLite database: it belongs to one connection, and every \
+             pooled connection would get its own, empty one; give a file path",
+            shown()
+        )));
+    }
+    Ok(Target::Sqlite(path))
+}
+
+/// A store URL its driver cannot read (credentials masked).
+fn unparsable(url: &str, e: sqlx::Error) -> Error {
+    Error::Config(idem_core::redact_credentials(&format!("--store (store) {url:?}: {e}")))
+}
+
 impl AnyLease {
     /// Connects to `url` (`postgres://`, `mysql://` or `mariadb://`,
-    /// `redis://`, `sqlite://PATH` or a plain path) and migrates it.
+    /// `redis://`, `sqlite://PATH` or a plain path, creating a missing
+    /// SQLite file), checks a Redis deployment, and migrates: what the
+    /// gateway does at start, with the default [`RedisSettings`].
     pub async fn connect(url: &str) -> Result<Self> {
-        let store = Self::open(url).await?;
+        Self::connect_with(url, &RedisSettings::default()).await
+    }
+
+    /// [`connect`](Self::connect) with `redis` settings.
+    pub async fn connect_with(url: &str, redis: &RedisSettings) -> Result<Self> {
+        let store = Self::create_with(url, redis).await?;
+        store.check_deployment(redis).await?;
         store.migrate().await?;
         Ok(store)
+    }
+
+    /// Connects to `url` without creating or migrating anything: a SQLite
+    /// path where no file is fails with "no such database file" (an
+    /// unavailable store), and tables are used as they are.
+    pub async fn open(url: &str) -> Result<Self> {
+        Self::open_with(url, &RedisSettings::default()).await
+    }
+
+    /// [`open`](Self::open) with `redis` settings.
+    pub async fn open_with(url: &str, redis: &RedisSettings) -> Result<Self> {
+        if let Target::Sqlite(path) = target(url)?
+            && !Path::new(path).exists()
+        {
+            return Err(Error::store(
+                StoreErrorKind::Unavailable,
+                format!("no such database file: {path}"),
+            ));
+        }
+        Self::connect_to(url, redis, false).await
+    }
+
+    /// Like [`open`](Self::open), but where a SQLite path names no file yet,
+    /// a private, empty in-memory database stands in for it and nothing is
+    /// created: for `idem migrate --dry-run`, which only reads what a
+    /// migration would apply.
+    pub async fn open_for_dry_run(url: &str, redis: &RedisSettings) -> Result<Self> {
+        if let Target::Sqlite(path) = target(url)?
+            && !Path::new(path).exists()
+        {
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect("sqlite::memory:")
+                .await
+                .map_err(idem_sqlite::store_error)?;
+            return Ok(AnyLease::Sqlite(idem_sqlite::SqliteStore::new(pool)));
+        }
+        Self::open_with(url, redis).await
+    }
+
+    /// Like [`open`](Self::open), but creates a missing SQLite file (empty:
+    /// [`migrate`](Self::migrate) creates the table).
+    pub async fn create(url: &str) -> Result<Self> {
+        Self::create_with(url, &RedisSettings::default()).await
+    }
+
+    /// [`create`](Self::create) with `redis` settings.
+    pub async fn create_with(url: &str, redis: &RedisSettings) -> Result<Self> {
+        Self::connect_to(url, redis, true).await
+    }
+
+    async fn connect_to(url: &str, redis: &RedisSettings, create_sqlite: bool) -> Result<Self> {
+        Ok(match target(url)? {
+            // One plain connection first, so that a server that cannot be
+            // reached fails at once instead of after the pool's acquire
+            // timeout (the pool retries refused connections until then).
+            Target::Postgres => {
+                let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| unparsable(url, e))?;
+                sqlx::ConnectOptions::connect(&options)
+                    .await
+                    .map_err(idem_postgres::store_error)?;
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(32)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                    .map_err(idem_postgres::store_error)?;
+                AnyLease::Postgres(idem_postgres::PgStore::new(pool))
+            }
+            Target::MySql => {
+                let url = url.replacen("mariadb://", "mysql://", 1);
+                let options: sqlx::mysql::MySqlConnectOptions = url.parse().map_err(|e| unparsable(&url, e))?;
+                sqlx::ConnectOptions::connect(&options)
+                    .await
+                    .map_err(idem_mysql::store_error)?;
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(32)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_with(options)
+                    .await
+                    .map_err(idem_mysql::store_error)?;
+                AnyLease::MySql(idem_mysql::MySqlStore::new(pool))
+            }
+            Target::Redis => AnyLease::Redis(
+                idem_redis::RedisStore::connect_any(url)
+                    .await?
+                    .with_prefix(&redis.prefix)?,
+            ),
+            Target::Sqlite(path) => {
+                let options = idem_sqlite::SqliteOptions::new().create_if_missing(create_sqlite);
+                AnyLease::Sqlite(idem_sqlite::SqliteStore::open_with(path, options).await?)
+            }
+        })
+    }
+
+    /// Checks a Redis deployment before claims are written (see
+    /// [`idem_redis::RedisStore::check_deployment`]): an eviction policy is
+    /// an [`Error::Config`], missing persistence a logged warning. Nothing
+    /// to check on the SQL stores, nor when `redis` says to skip it.
+    pub async fn check_deployment(&self, redis: &RedisSettings) -> Result<()> {
+        match self {
+            AnyLease::Redis(s) if !redis.skip_deployment_checks => s.check_deployment().await.map(drop),
+            _ => Ok(()),
+        }
     }
 
     /// Creates or upgrades the keys table (Redis has none).
@@ -60,39 +282,40 @@ impl AnyLease {
         }
     }
 
-    /// Connects to `url` without migrating anything.
-    pub async fn open(url: &str) -> Result<Self> {
-        let store = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(32)
-                .acquire_timeout(Duration::from_secs(10))
-                .connect(url)
-                .await
-                .map_err(idem_postgres::store_error)?;
-            AnyLease::Postgres(idem_postgres::PgStore::new(pool))
-        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            let url = url.replacen("mariadb://", "mysql://", 1);
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(32)
-                .acquire_timeout(Duration::from_secs(10))
-                .connect(&url)
-                .await
-                .map_err(idem_mysql::store_error)?;
-            AnyLease::MySql(idem_mysql::MySqlStore::new(pool))
-        } else if url.starts_with("redis://") || url.starts_with("rediss://") {
-            AnyLease::Redis(idem_redis::RedisStore::connect(url).await?)
-        } else if let Some(path) = url
-            .strip_prefix("sqlite://")
-            .or(url.strip_prefix("sqlite:"))
-            .or_else(|| (!url.contains("://")).then_some(url))
-        {
-            AnyLease::Sqlite(idem_sqlite::SqliteStore::open(path).await?)
-        } else {
-            return Err(Error::Config(format!(
-                "unsupported store URL {url:?}: use a SQLite path, postgres://, mysql:// or redis://"
-            )));
-        };
-        Ok(store)
+    /// The same store on another keys table (the inbox, webhook-inbox and
+    /// job tables share the keys table's schema). Redis keeps its keys
+    /// under a prefix, not in tables: an [`Error::Config`].
+    pub fn with_table(self, table: TableName) -> Result<Self> {
+        Ok(match self {
+            AnyLease::Sqlite(s) => AnyLease::Sqlite(s.with_table(table)),
+            AnyLease::Postgres(s) => AnyLease::Postgres(s.with_table(table)),
+            AnyLease::MySql(s) => AnyLease::MySql(s.with_table(table)),
+            AnyLease::Redis(_) => {
+                return Err(Error::Config(
+                    "Redis keeps keys under a prefix, not in tables: use --redis-prefix".into(),
+                ));
+            }
+        })
+    }
+
+    /// The keys table (Redis: none).
+    pub fn table(&self) -> Option<&TableName> {
+        match self {
+            AnyLease::Sqlite(s) => Some(s.table()),
+            AnyLease::Postgres(s) => Some(s.table()),
+            AnyLease::MySql(s) => Some(s.table()),
+            AnyLease::Redis(_) => None,
+        }
+    }
+
+    /// Whether `table` exists in the store's database (Redis: never).
+    pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
+        match self {
+            AnyLease::Sqlite(s) => s.table_exists(table).await,
+            AnyLease::Postgres(s) => s.table_exists(table).await,
+            AnyLease::MySql(s) => s.table_exists(table).await,
+            AnyLease::Redis(_) => Ok(false),
+        }
     }
 }
 
@@ -105,26 +328,6 @@ impl AnyLease {
             AnyLease::MySql(_) => "mysql",
             AnyLease::Redis(_) => "redis",
         }
-    }
-
-    /// Keys by state at `now_ms`.
-    pub async fn stats(&self, now_ms: i64) -> Result<KeyStats> {
-        each!(self, s => s.stats(now_ms).await)
-    }
-
-    /// Keys matching `filter`, oldest first, at most `limit`.
-    pub async fn list_keys(
-        &self,
-        filter: &idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<idem_core::KeyInfo>> {
-        each!(self, s => s.list_keys(filter, now_ms, limit).await)
-    }
-
-    /// Deletes at most `limit` keys matching `filter`.
-    pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
-        each!(self, s => s.purge_keys(filter, now_ms, limit).await)
     }
 
     /// The outbox lag in `table` (SQL stores; Redis keeps no outbox).
@@ -144,9 +347,36 @@ impl AnyLease {
     }
 }
 
+impl KeyAdmin for AnyLease {
+    fn stats(&self, now_ms: i64) -> BoxFuture<'_, Result<KeyStats>> {
+        each!(self, s => KeyAdmin::stats(s, now_ms))
+    }
+
+    fn list_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<Vec<KeyInfo>>> {
+        each!(self, s => KeyAdmin::list_keys(s, filter, now_ms, limit))
+    }
+
+    fn find_key<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>>> {
+        each!(self, s => KeyAdmin::find_key(s, scope, key, now_ms))
+    }
+
+    fn purge_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<u64>> {
+        each!(self, s => KeyAdmin::purge_keys(s, filter, now_ms, limit))
+    }
+}
+
 impl Sweep for AnyLease {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         each!(self, s => s.sweep_expired(now_ms, limit))
+    }
+
+    fn sweep_batch(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<SweepBatch>> {
+        each!(self, s => s.sweep_batch(now_ms, limit))
     }
 }
 
@@ -171,5 +401,44 @@ impl LeaseStore for AnyLease {
 impl TimeSource for AnyLease {
     fn source_now_ms(&self) -> BoxFuture<'_, Result<i64>> {
         each!(self, s => s.source_now_ms())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// URLs that can never work are refused before anything is opened,
+    /// naming the setting, with the URL's credentials masked; usable ones
+    /// pass.
+    #[test]
+    fn unusable_urls_are_refused() {
+        for url in [
+            "",
+            "   ",
+            "sqlite://",
+            "sqlite:",
+            "sqlite::memory:",
+            ":memory:",
+            "sqlite://:memory:",
+            "file::memory:?cache=shared",
+            "sqlite://x.db?mode=memory",
+            "ftp://u:pw@example.com/x",
+        ] {
+            let e = target(url).err().unwrap_or_else(|| panic!("{url:?} was accepted"));
+            let text = e.to_string();
+            assert!(matches!(e, Error::Config(_)), "{url:?}: {text}");
+            assert!(text.contains("--store"), "{url:?}: {text}");
+            assert!(!text.contains("pw@"), "{url:?}: {text}");
+        }
+        for url in [
+            "./idem-gateway.db",
+            "sqlite://./x.db",
+            "sqlite:x.db",
+            "postgres://h/db",
+            "redis://h",
+        ] {
+            assert!(target(url).is_ok(), "{url:?}");
+        }
     }
 }
