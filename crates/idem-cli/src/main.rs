@@ -1,9 +1,17 @@
 //! `idem`: the gateway that gives any HTTP API the Idempotency-Key
 //! contract, and the operator's commands.
 //!
-//! Exit codes: 0 done, 1 a failure while running (for `dlq redrive`: a dead
-//! letter that failed again), 2 a bad argument or configuration (a bad store
-//! URL, a missing table), 3 the store could not be reached.
+//! Exit codes: 0 done, 1 a failure while running (an absent key; for `dlq
+//! redrive`: a dead letter that failed again), 2 a bad argument or
+//! configuration (a bad store URL, an empty filter, a Redis that may evict
+//! keys), 3 the store is not there as asked: unreachable, no such database
+//! file, or its table does not exist (only `idem migrate` creates one).
+//!
+//! With `--json`, a run prints one JSON document on stdout: its result, or
+//! its failure, `{"error": "…", "exit_code": N}` (a run that printed its
+//! result and still fails, like `dlq redrive` with a letter that failed
+//! again, tells the failure on stderr). Store URLs, and anything else
+//! printed, have their credentials masked.
 
 mod dlq;
 
@@ -11,18 +19,39 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idem_core::{Sweep, TableName, TimeSource};
+use idem_core::{KeyAdmin, Sweep, TableName, TimeSource};
 use idem_gateway::AnyLease;
 
 /// idem's command line.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about)]
 struct Args {
-    /// Print results as JSON (for scripts).
+    /// Print results as JSON (for scripts); failures too, as
+    /// {"error": "…", "exit_code": N} on stdout.
     #[arg(long, global = true)]
     json: bool,
+    /// On Redis: the key prefix (default idem, the gateway's).
+    #[arg(long, global = true, env = "IDEM_REDIS_PREFIX")]
+    redis_prefix: Option<String>,
+    /// On Redis: skip the deployment check that the gateway and the
+    /// commands that write run first (eviction policy refused, persistence
+    /// warned about).
+    #[arg(long, global = true, env = "IDEM_SKIP_REDIS_CHECKS")]
+    skip_redis_checks: bool,
     #[command(subcommand)]
     command: Command,
+}
+
+impl Args {
+    /// The Redis settings the flags give.
+    fn redis(&self) -> idem_gateway::RedisSettings {
+        let mut redis = idem_gateway::RedisSettings::default();
+        if let Some(prefix) = &self.redis_prefix {
+            redis.prefix.clone_from(prefix);
+        }
+        redis.skip_deployment_checks = self.skip_redis_checks;
+        redis
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -54,11 +83,15 @@ enum Command {
         admin_listen: Option<String>,
     },
     /// Creates or upgrades the keys table (idempotent; safe from several
-    /// processes at once).
+    /// processes at once). The only command that creates a database file or
+    /// a table.
     Migrate {
         /// The store URL.
         #[arg(long, env = "IDEM_STORE")]
         store: String,
+        /// The keys table (an inbox or job table shares its schema).
+        #[arg(long)]
+        table: Option<String>,
         /// Say which versions would be applied, and apply nothing.
         #[arg(long)]
         dry_run: bool,
@@ -78,6 +111,9 @@ enum Command {
         /// The store URL.
         #[arg(long, env = "IDEM_STORE")]
         store: String,
+        /// The keys table (an inbox or job table shares its schema).
+        #[arg(long)]
+        table: Option<String>,
         /// Keys deleted per batch.
         #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         batch: u32,
@@ -93,6 +129,9 @@ enum Command {
         /// The store URL.
         #[arg(long, env = "IDEM_STORE")]
         store: String,
+        /// The keys table (an inbox or job table shares its schema).
+        #[arg(long)]
+        table: Option<String>,
     },
     /// Stored keys: list, show, purge.
     Keys {
@@ -208,6 +247,9 @@ struct Selection {
     /// The store URL.
     #[arg(long, env = "IDEM_STORE")]
     store: String,
+    /// The keys table (an inbox or job table shares its schema).
+    #[arg(long)]
+    table: Option<String>,
     /// Only this tenant.
     #[arg(long)]
     tenant: Option<String>,
@@ -229,8 +271,22 @@ struct Selection {
 }
 
 impl Selection {
-    fn filter(&self) -> idem_core::KeyFilter {
-        idem_core::KeyFilter {
+    /// The filter the flags give; an empty value is refused: it would
+    /// select nothing meaningful (an empty prefix matches every key).
+    fn filter(&self) -> Result<idem_core::KeyFilter, Failure> {
+        for (flag, value) in [
+            ("--tenant", &self.tenant),
+            ("--operation", &self.operation),
+            ("--key-prefix", &self.key_prefix),
+        ] {
+            if value.as_deref().is_some_and(str::is_empty) {
+                return Err(Failure(
+                    2,
+                    format!("{flag} is empty: give a value, or leave the filter out"),
+                ));
+            }
+        }
+        Ok(idem_core::KeyFilter {
             tenant: self.tenant.clone(),
             operation: self.operation.clone(),
             key_prefix: self.key_prefix.clone(),
@@ -243,7 +299,7 @@ impl Selection {
             older_than_ms: self
                 .older_than_secs
                 .map(|s| i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX)),
-        }
+        })
     }
 }
 
@@ -251,11 +307,14 @@ impl Selection {
 enum KeysCommand {
     /// Keys matching the filters, oldest first.
     List(Selection),
-    /// One key, with its recorded outcome.
+    /// One key, by its exact value, with its recorded outcome.
     Show {
         /// The store URL.
         #[arg(long, env = "IDEM_STORE")]
         store: String,
+        /// The keys table (an inbox or job table shares its schema).
+        #[arg(long)]
+        table: Option<String>,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -346,21 +405,80 @@ impl From<idem_gateway::GatewayError> for Failure {
     }
 }
 
-/// A store that could not be opened, with the store's URL in the message.
+/// A store that could not be opened, with the store's URL (credentials
+/// masked) in the message.
 fn store_failure(url: &str, e: idem_core::Error) -> Failure {
     let Failure(code, message) = e.into();
-    Failure(code, format!("store {url}: {message}"))
+    Failure(code, format!("store {}: {message}", idem_core::redact_credentials(url)))
 }
 
-async fn connect(url: &str) -> Result<AnyLease, Failure> {
-    AnyLease::connect(url).await.map_err(|e| store_failure(url, e))
+/// Opens the store at `url` as it is (no file, table or schema created), on
+/// `table` if given.
+async fn open(url: &str, table: Option<&str>, redis: &idem_gateway::RedisSettings) -> Result<AnyLease, Failure> {
+    let s = AnyLease::open_with(url, redis)
+        .await
+        .map_err(|e| store_failure(url, e))?;
+    match table {
+        Some(t) => {
+            let t = TableName::new(t).map_err(|e| Failure(2, format!("--table: {e}")))?;
+            Ok(s.with_table(t)?)
+        }
+        None => Ok(s),
+    }
 }
+
+/// Fails with exit 3 unless the keys table is there and current: the
+/// commands other than `migrate` never create or change a schema.
+async fn require_schema(s: &AnyLease) -> Result<(), Failure> {
+    let Some(table) = s.table() else { return Ok(()) };
+    let migrate = if table.as_str() == idem_core::TableName::default().as_str() {
+        "`idem migrate`".to_owned()
+    } else {
+        format!("`idem migrate --table {table}`")
+    };
+    if !s.table_exists(table).await? {
+        return Err(Failure(3, format!("table {table} does not exist; run {migrate}")));
+    }
+    let pending: Vec<i64> = s.pending_migrations().await?.iter().map(|m| m.version).collect();
+    if !pending.is_empty() {
+        return Err(Failure(
+            3,
+            format!("table {table} lacks schema version(s) {pending:?}; run {migrate}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens the keys of `url` for a command that reads them.
+async fn open_keys(url: &str, table: Option<&str>, redis: &idem_gateway::RedisSettings) -> Result<AnyLease, Failure> {
+    let s = open(url, table, redis).await?;
+    require_schema(&s).await?;
+    Ok(s)
+}
+
+/// Opens the keys of `url` for a command that deletes some: a Redis
+/// deployment is checked first.
+async fn open_keys_to_write(
+    url: &str,
+    table: Option<&str>,
+    redis: &idem_gateway::RedisSettings,
+) -> Result<AnyLease, Failure> {
+    let s = open_keys(url, table, redis).await?;
+    s.check_deployment(redis).await.map_err(|e| store_failure(url, e))?;
+    Ok(s)
+}
+
+/// Whether anything went to standard output: with `--json` that is the
+/// run's one JSON document, and a failure after it (`dlq redrive` with a
+/// letter that failed again) is told on stderr instead of in a second one.
+static STDOUT_USED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Writes a line to standard output; a closed pipe (`idem … | head`) is
 /// not an error worth a panic.
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
+        STDOUT_USED.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = writeln!(std::io::stdout().lock(), $($arg)*);
     }};
 }
@@ -375,6 +493,7 @@ fn print(json: bool, value: serde_json::Value, text: String) {
 
 async fn run(args: Args) -> Result<(), Failure> {
     let json = args.json;
+    let redis = args.redis();
     match args.command {
         Command::Gateway {
             upstream,
@@ -400,6 +519,12 @@ async fn run(args: Args) -> Result<(), Failure> {
             if admin_listen.is_some() {
                 cfg.admin_listen = admin_listen;
             }
+            if let Some(prefix) = args.redis_prefix {
+                cfg.redis.prefix = prefix;
+            }
+            if args.skip_redis_checks {
+                cfg.redis.skip_deployment_checks = true;
+            }
             cfg.validate().map_err(|e| Failure(2, e.to_string()))?;
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await
@@ -408,19 +533,38 @@ async fn run(args: Args) -> Result<(), Failure> {
         }
         Command::Migrate {
             store,
+            table,
             dry_run,
             show_sql,
             dead_letters,
             dead_letter_table,
         } => {
-            let s = AnyLease::open(&store).await.map_err(|e| store_failure(&store, e))?;
+            // A dry run creates nothing: where no SQLite file is yet, an
+            // empty in-memory database stands in for it.
+            let s = if dry_run {
+                AnyLease::open_for_dry_run(&store, &redis).await
+            } else {
+                AnyLease::create_with(&store, &redis).await
+            }
+            .map_err(|e| store_failure(&store, e))?;
+            let s = match &table {
+                Some(t) => s.with_table(TableName::new(t).map_err(|e| Failure(2, format!("--table: {e}")))?)?,
+                None => s,
+            };
+            s.check_deployment(&redis).await.map_err(|e| store_failure(&store, e))?;
             let letters = if dead_letters {
                 let table =
                     TableName::new(&dead_letter_table).map_err(|e| Failure(2, format!("--dead-letter-table: {e}")))?;
-                Some(dlq::AnyDeadLetters::open(&store, table).await.map_err(|e| match e {
-                    idem_core::Error::Config(why) => Failure(2, why),
-                    e => store_failure(&store, e),
-                })?)
+                Some(match &s {
+                    // The same file (or stand-in) as the keys table.
+                    AnyLease::Sqlite(sqlite) => dlq::AnyDeadLetters::Sqlite(
+                        idem_sqlite::SqliteDeadLetters::with_table(sqlite.pool().clone(), table),
+                    ),
+                    _ => dlq::AnyDeadLetters::open(&store, table).await.map_err(|e| match e {
+                        idem_core::Error::Config(why) => Failure(2, why),
+                        e => store_failure(&store, e),
+                    })?,
+                })
             } else {
                 None
             };
@@ -451,9 +595,13 @@ async fn run(args: Args) -> Result<(), Failure> {
                     .collect::<Vec<_>>()
                     .into();
             }
+            let what = s
+                .table()
+                .map_or_else(|| "the keys table".to_owned(), |t| format!("table {t}"));
             let text = match (pending.is_empty(), dry_run) {
-                (true, _) if letters.is_some() => format!("{}: the keys and dead-letter tables are current", s.kind()),
-                (true, _) => format!("{}: the keys table is current", s.kind()),
+                (true, _) if letters.is_some() => format!("{}: {what} and the dead-letter table are current", s.kind()),
+                (true, _) if s.table().is_none() => format!("{}: no schema to migrate", s.kind()),
+                (true, _) => format!("{}: {what} is current", s.kind()),
                 (false, true) => format!("{}: would apply version(s) {versions:?} (nothing applied)", s.kind()),
                 (false, false) => format!("{}: applied version(s) {versions:?}", s.kind()),
             };
@@ -461,33 +609,39 @@ async fn run(args: Args) -> Result<(), Failure> {
         }
         Command::Sweep {
             store,
+            table,
             batch,
             pause_ms,
             max_batches,
         } => {
-            let s = connect(&store).await?;
+            let s = open_keys_to_write(&store, table.as_deref(), &redis).await?;
             let now = s.source_now_ms().await?;
-            let expired = s.stats(now).await?.expired;
-            let bar = (!json && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+            let bar = if !json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                let expired = s.stats(now).await?.expired;
                 let bar = indicatif::ProgressBar::new(expired);
                 bar.set_style(
                     indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} expired keys deleted ({per_sec})")
                         .expect("a valid template"),
                 );
-                bar
-            });
-            let (mut deleted, mut batches) = (0u64, 0u64);
+                Some(bar)
+            } else {
+                None
+            };
+            let mut report = idem_core::SweepReport::default();
             loop {
-                if max_batches.is_some_and(|m| batches >= m) {
+                if max_batches.is_some_and(|m| report.batches >= m) {
                     break;
                 }
-                let n = s.sweep_expired(now, batch).await?;
-                batches += 1;
-                deleted += n;
+                let done = s.sweep_batch(now, batch).await?;
+                report.batches += 1;
+                report.deleted += done.deleted;
+                report.ghosts += done.ghosts;
                 if let Some(bar) = &bar {
-                    bar.inc(n);
+                    bar.inc(done.deleted);
                 }
-                if n < u64::from(batch) {
+                // Entries whose rows were already gone are work done too:
+                // only a batch that found less than it could take is the last.
+                if done.examined < u64::from(batch) {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(pause_ms)).await;
@@ -495,25 +649,39 @@ async fn run(args: Args) -> Result<(), Failure> {
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
-            print(
-                json,
-                serde_json::json!({ "store": s.kind(), "deleted": deleted, "batches": batches }),
-                format!("{}: {deleted} expired keys deleted in {batches} batches", s.kind()),
-            );
+            let (deleted, ghosts, batches) = (report.deleted, report.ghosts, report.batches);
+            let mut v =
+                serde_json::json!({ "store": s.kind(), "deleted": deleted, "ghosts": ghosts, "batches": batches });
+            if let Some(t) = s.table() {
+                v["table"] = t.as_str().into();
+            }
+            let text = if matches!(s, AnyLease::Redis(_)) {
+                format!(
+                    "{}: {deleted} expired keys deleted, {ghosts} index entries of keys Redis had expired removed, in {batches} batches",
+                    s.kind()
+                )
+            } else {
+                format!("{}: {deleted} expired keys deleted in {batches} batches", s.kind())
+            };
+            print(json, v, text);
         }
-        Command::Stats { store } => {
-            let s = connect(&store).await?;
+        Command::Stats { store, table } => {
+            let s = open_keys(&store, table.as_deref(), &redis).await?;
             let now = s.source_now_ms().await?;
             let st = s.stats(now).await?;
+            let mut v = serde_json::json!({
+                "store": s.kind(),
+                "in_progress": st.in_progress,
+                "completed": st.completed,
+                "rejected": st.rejected,
+                "expired": st.expired,
+            });
+            if let Some(t) = s.table() {
+                v["table"] = t.as_str().into();
+            }
             print(
                 json,
-                serde_json::json!({
-                    "store": s.kind(),
-                    "in_progress": st.in_progress,
-                    "completed": st.completed,
-                    "rejected": st.rejected,
-                    "expired": st.expired,
-                }),
+                v,
                 format!(
                     "{}: {} in progress, {} completed, {} rejected, {} expired (to sweep)",
                     s.kind(),
@@ -527,9 +695,10 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::Keys {
             command: KeysCommand::List(sel),
         } => {
-            let s = connect(&sel.store).await?;
+            let filter = sel.filter()?;
+            let s = open_keys(&sel.store, sel.table.as_deref(), &redis).await?;
             let now = s.source_now_ms().await?;
-            let keys = s.list_keys(&sel.filter(), now, sel.limit).await?;
+            let keys = s.list_keys(&filter, now, sel.limit).await?;
             if json {
                 say!("{}", serde_json::Value::Array(keys.iter().map(key_json).collect()));
             } else {
@@ -550,28 +719,24 @@ async fn run(args: Args) -> Result<(), Failure> {
             command:
                 KeysCommand::Show {
                     store,
+                    table,
                     tenant,
                     operation,
                     key,
                 },
         } => {
-            let s = connect(&store).await?;
+            let scope = idem_core::Scope::parse(&tenant, &operation)
+                .map_err(|e| Failure(2, format!("--tenant/--operation: {e}")))?;
+            let key = idem_core::IdempotencyKey::new(key.as_str()).map_err(|e| Failure(2, format!("--key: {e}")))?;
+            let s = open_keys(&store, table.as_deref(), &redis).await?;
             let now = s.source_now_ms().await?;
-            let filter = idem_core::KeyFilter {
-                tenant: Some(tenant.clone()),
-                operation: Some(operation.clone()),
-                key_prefix: Some(key.clone()),
-                ..Default::default()
-            };
-            let found = s
-                .list_keys(&filter, now, 1_000)
-                .await?
-                .into_iter()
-                .find(|k| k.key == key);
-            let Some(k) = found else {
+            let Some(k) = s.find_key(&scope, &key, now).await? else {
                 return Err(Failure(
                     1,
-                    format!("no key {key:?} for tenant {tenant:?} and operation {operation:?}"),
+                    format!(
+                        "no key {:?} for tenant {tenant:?} and operation {operation:?}",
+                        key.as_str()
+                    ),
                 ));
             };
             let mut v = key_json(&k);
@@ -599,7 +764,7 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::Keys {
             command: KeysCommand::Purge { selection: sel, force },
         } => {
-            let filter = sel.filter();
+            let filter = sel.filter()?;
             if filter == idem_core::KeyFilter::default() {
                 return Err(Failure(
                     2,
@@ -614,14 +779,17 @@ async fn run(args: Args) -> Result<(), Failure> {
             {
                 return Err(Failure(2, "keys in progress may have a holder at work: pass --state (completed, rejected or expired), or --force".into()));
             }
-            let s = connect(&sel.store).await?;
+            let s = open_keys_to_write(&sel.store, sel.table.as_deref(), &redis).await?;
             let now = s.source_now_ms().await?;
             let mut deleted = 0u64;
+            // Batches of 500 until one deletes nothing: a batch may delete
+            // fewer than it selected (a key claimed again meanwhile stays),
+            // and the next one looks again.
             while deleted < u64::from(sel.limit) {
                 let batch = (u64::from(sel.limit) - deleted).min(500) as u32;
                 let n = s.purge_keys(&filter, now, batch).await?;
                 deleted += n;
-                if n < u64::from(batch) {
+                if n == 0 {
                     break;
                 }
             }
@@ -635,10 +803,22 @@ async fn run(args: Args) -> Result<(), Failure> {
             command: OutboxCommand::Status { store, table },
         } => {
             let table = TableName::new(table)?;
-            let s = connect(&store).await?;
+            let s = open(&store, None, &redis).await?;
+            if matches!(s, AnyLease::Redis(_)) {
+                return Err(Failure(
+                    2,
+                    "Redis keeps no outbox: use the service's SQL database".into(),
+                ));
+            }
+            if !s.table_exists(&table).await? {
+                return Err(Failure(
+                    3,
+                    format!("table {table} does not exist (the service's outbox table?)"),
+                ));
+            }
             let lag = s.outbox_lag(table.clone()).await.map_err(|e| match e {
                 idem_core::Error::Config(m) => Failure(2, m),
-                other => Failure(1, format!("outbox {table}: {other} (is the table there?)")),
+                other => Failure(1, format!("outbox {table}: {other}")),
             })?;
             let age = lag.oldest_unsent_age_ms.map(|ms| ms as f64 / 1000.0);
             print(
@@ -782,10 +962,30 @@ async fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,idem_gateway=info".into()),
         )
         .init();
-    match run(Args::parse()).await {
+    let raw: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // Whether the caller asked for JSON, also when the arguments do not
+    // parse (their error is then printed as JSON too).
+    let json = raw.iter().skip(1).take_while(|a| *a != "--").any(|a| a == "--json");
+    let outcome = match Args::try_parse_from(&raw) {
+        Ok(args) => run(args).await,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if !json || matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                e.exit();
+            }
+            Err(Failure(2, e.render().to_string().trim().to_owned()))
+        }
+    };
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(Failure(code, message)) => {
-            eprintln!("idem: {message}");
+            // Whatever the failure, no credential reaches the output.
+            let message = idem_core::redact_credentials(&message);
+            if json && !STDOUT_USED.load(std::sync::atomic::Ordering::Relaxed) {
+                say!("{}", serde_json::json!({ "error": message, "exit_code": code }));
+            } else {
+                eprintln!("idem: {message}");
+            }
             std::process::ExitCode::from(code)
         }
     }

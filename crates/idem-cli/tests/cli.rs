@@ -1,7 +1,10 @@
 //! The `idem` operator commands against each store they support: migrate,
 //! stats, sweep (bounded batches), outbox status, `--json`, and the exit
 //! codes for a bad URL (2) and an unreachable store (3). PostgreSQL and
-//! MariaDB get a database of their own; Redis its database 15.
+//! MariaDB get a database of their own; Redis a server of its own.
+
+#[path = "../../idem-redis/tests/support/servers.rs"]
+mod servers;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -184,7 +187,8 @@ async fn operator_commands(url: &str, outbox: bool) {
 
     let (code, json, out) = idem(&["outbox", "status", "--store", url, "--json"]);
     if outbox {
-        assert_eq!(code, 1, "no outbox table yet: {out}");
+        assert_eq!(code, 3, "no outbox table yet: {out}");
+        assert_eq!(json["exit_code"], 3, "{out}");
         let store = AnyLease::connect(url).await.unwrap();
         let event = OutboxEvent::new("cli.test", b"{}".to_vec()).unwrap();
         match &store {
@@ -216,7 +220,7 @@ async fn operator_commands(url: &str, outbox: bool) {
         assert_eq!(json["unsent"], 1, "{json}");
     } else {
         assert_eq!(code, 2, "Redis keeps no outbox: {out}");
-        assert!(json.is_null());
+        assert_eq!(json["exit_code"], 2, "a JSON error: {out}");
     }
 }
 
@@ -272,15 +276,8 @@ async fn on_mysql() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_redis() {
-    let base = std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    let url = format!("{}/15", base.trim_end_matches('/'));
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach Redis at {url}: {e}"));
-    let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
-    operator_commands(&url, false).await;
+    let server = servers::RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
+    operator_commands(&server.url(), false).await;
 }
 
 #[test]

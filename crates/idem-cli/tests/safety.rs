@@ -1,0 +1,503 @@
+//! The `idem` binary refuses what cannot work and changes nothing it was not
+//! asked to: read-only commands never create a database or a table, store
+//! URLs that can never work are refused at start, empty filters are
+//! refused, credentials never reach the output, `keys show` finds its key
+//! exactly, `--json` runs print JSON errors, and `sweep`/`stats` work on the
+//! other tables that share the keys table's schema (an inbox).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, Policy, Scope, TableName};
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn all(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {}", self.all()))
+    }
+}
+
+fn idem(args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("IDEM_STORE")
+        .output()
+        .expect("idem runs");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 12..].to_owned()
+}
+
+fn temp_db() -> PathBuf {
+    std::env::temp_dir().join(format!("idem-cli-safety-{}.db", tag()))
+}
+
+fn remove_db(path: &Path) {
+    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}
+
+fn postgres_admin_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn mysql_admin_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// Every command that only reads (or deletes rows) on a mistyped SQLite path
+/// fails with exit 3 naming the missing file, and creates no file.
+#[test]
+fn read_only_commands_never_create_a_sqlite_file() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["stats", "--store", &p],
+        vec!["sweep", "--store", &p],
+        vec!["keys", "list", "--store", &p],
+        vec![
+            "keys",
+            "show",
+            "--store",
+            &p,
+            "--tenant",
+            "t",
+            "--operation",
+            "op",
+            "--key",
+            "k",
+        ],
+        vec!["keys", "purge", "--store", &p, "--state", "expired"],
+        vec!["outbox", "status", "--store", &p],
+    ];
+    for args in commands {
+        let run = idem(&args);
+        assert_eq!(run.code, 3, "{args:?}: {}", run.all());
+        assert!(run.stderr.contains("no such database file"), "{args:?}: {}", run.all());
+        assert!(!path.exists(), "{args:?} created {p}");
+    }
+    // `migrate --dry-run` says what it would create, and creates nothing either.
+    let run = idem(&["migrate", "--store", &p, "--dry-run", "--json"]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    assert_eq!(run.json()["pending"], serde_json::json!([1]));
+    assert!(!path.exists(), "migrate --dry-run created {p}");
+    // Only `migrate` creates it.
+    let run = idem(&["migrate", "--store", &p]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    assert!(path.exists());
+    let run = idem(&["stats", "--store", &p, "--json"]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    remove_db(&path);
+}
+
+/// On PostgreSQL and MariaDB, a database without the keys table makes the
+/// read-only commands fail with exit 3 and the hint to migrate, and they
+/// create no table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_never_create_a_table() {
+    let pg_admin = sqlx::PgPool::connect(&postgres_admin_url())
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}", postgres_admin_url()));
+    let my_admin = sqlx::MySqlPool::connect(&mysql_admin_url())
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {}: {e}", mysql_admin_url()));
+    let db = format!("idem_cli_ro_{}", tag());
+    for (admin, url) in [(Some(&pg_admin), postgres_admin_url()), (None, mysql_admin_url())] {
+        match admin {
+            Some(pg) => sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+                .execute(pg)
+                .await
+                .map(|_| ())
+                .unwrap(),
+            None => sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+                .execute(&my_admin)
+                .await
+                .map(|_| ())
+                .unwrap(),
+        }
+        let (base, _) = url.rsplit_once('/').unwrap();
+        let url = format!("{base}/{db}");
+        for args in [
+            vec!["stats", "--store", url.as_str()],
+            vec!["sweep", "--store", url.as_str()],
+            vec!["keys", "list", "--store", url.as_str()],
+            vec!["keys", "purge", "--store", url.as_str(), "--state", "expired"],
+        ] {
+            let run = idem(&args);
+            assert_eq!(run.code, 3, "{args:?}: {}", run.all());
+            assert!(
+                run.stderr
+                    .contains("table idem_keys does not exist; run `idem migrate`"),
+                "{args:?}: {}",
+                run.all()
+            );
+        }
+        let run = idem(&["outbox", "status", "--store", &url]);
+        assert_eq!(run.code, 3, "{}", run.all());
+        assert!(run.stderr.contains("table idem_outbox does not exist"), "{}", run.all());
+        let tables: i64 = if admin.is_some() {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            let n = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+            n
+        } else {
+            sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ?")
+                .bind(&db)
+                .fetch_one(&my_admin)
+                .await
+                .unwrap()
+        };
+        assert_eq!(tables, 0, "a read-only command created a table in {url}");
+        match admin {
+            Some(pg) => sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
+                .execute(pg)
+                .await
+                .map(|_| ())
+                .unwrap(),
+            None => sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
+                .execute(&my_admin)
+                .await
+                .map(|_| ())
+                .unwrap(),
+        }
+    }
+}
+
+/// `keys show` finds its key by its exact value, even when a thousand older
+/// keys of the same tenant and operation start with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_finds_the_exact_key_behind_a_thousand_longer_ones() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{p}")).await.unwrap();
+    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..=1000i64 {
+        // The thousand longer keys are the older ones; "order-1" itself is the newest.
+        let key = if i == 1000 {
+            "order-1".to_owned()
+        } else {
+            format!("order-1{i:04}")
+        };
+        sqlx::query(
+            "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, payload, \
+             created_at_ms, expires_at_ms) VALUES ('acme', 'POST /v1/orders', ?, ?, 1, 1, NULL, ?, ?)",
+        )
+        .bind(&key)
+        .bind(vec![7u8; 32])
+        .bind(now - 10_000 + i)
+        .bind(now + 3_600_000)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    pool.close().await;
+    let run = idem(&[
+        "keys",
+        "show",
+        "--store",
+        &p,
+        "--tenant",
+        "acme",
+        "--operation",
+        "POST /v1/orders",
+        "--key",
+        "order-1",
+        "--json",
+    ]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    assert_eq!(run.json()["key"], "order-1");
+    remove_db(&path);
+}
+
+/// No store password reaches the output of a failed command, as text or as
+/// JSON, whatever the URL's form: user and password, password only, a
+/// password in the query, or a URL that does not even parse.
+#[test]
+fn store_passwords_never_reach_the_output() {
+    let secret = "s3cr3tPW";
+    let urls = [
+        format!("postgres://app:{secret}@127.0.0.1:1/db"),
+        format!("postgresql://app:{secret}@127.0.0.1:1/db?sslmode=disable"),
+        format!("mysql://root:{secret}@127.0.0.1:1/db"),
+        format!("mariadb://root:{secret}@127.0.0.1:1/db"),
+        format!("redis://:{secret}@127.0.0.1:1"),
+        format!("redis://default:{secret}@127.0.0.1:1/0"),
+        format!("rediss://app:{secret}@127.0.0.1:1"),
+        format!("postgres://127.0.0.1:1/db?user=app&password={secret}"),
+        format!("postgres://app:{secret}@@bad host:port/db"),
+        format!("redis://:{secret}@[::1"),
+        format!("ftp://app:{secret}@example.com/x"),
+    ];
+    // Each case in a thread of its own: an unreachable store takes a moment.
+    let runs: Vec<_> = urls
+        .iter()
+        .flat_map(|url| [(url.clone(), false), (url.clone(), true)])
+        .map(|(url, json)| {
+            std::thread::spawn(move || {
+                let mut args = vec!["stats", "--store", url.as_str()];
+                if json {
+                    args.push("--json");
+                }
+                (url.clone(), idem(&args))
+            })
+        })
+        .collect();
+    for run in runs {
+        let (url, run) = run.join().unwrap();
+        assert_ne!(run.code, 0, "{url}: {}", run.all());
+        assert!(!run.all().contains(secret), "{url} leaked its password: {}", run.all());
+        assert!(
+            run.all().contains("***") || !url.contains('@'),
+            "{url}: the URL is shown redacted: {}",
+            run.all()
+        );
+    }
+}
+
+/// Store URLs that can never work are refused with exit 2 before anything
+/// runs: an empty `--store`, and SQLite without a file (every pooled
+/// connection would get a private database of its own).
+#[test]
+fn unusable_store_urls_are_refused() {
+    for url in [
+        "",
+        "  ",
+        "sqlite://",
+        "sqlite:",
+        "sqlite::memory:",
+        ":memory:",
+        "sqlite://:memory:",
+        "file::memory:?cache=shared",
+    ] {
+        for args in [vec!["migrate", "--store", url], vec!["stats", "--store", url]] {
+            let run = idem(&args);
+            assert_eq!(run.code, 2, "{args:?}: {}", run.all());
+            assert!(
+                run.stderr.contains("--store"),
+                "{args:?} names the setting: {}",
+                run.all()
+            );
+        }
+    }
+}
+
+/// The gateway refuses an unusable store at start, with exit 2, instead of
+/// serving with it.
+#[test]
+fn the_gateway_refuses_an_unusable_store() {
+    for url in ["", "sqlite::memory:", "sqlite://"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args([
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--listen",
+                "127.0.0.1:0",
+                "--store",
+                url,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let status = status.unwrap_or_else(|| panic!("the gateway kept running with --store {url:?}"));
+        assert_eq!(status.code(), Some(2), "--store {url:?}");
+    }
+}
+
+/// An empty filter value selects nothing meaningful (an empty prefix would
+/// match every key): it is refused with exit 2 and nothing is deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_filter_values_are_refused() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    seed_sqlite(&p, None, 3, 0).await;
+    for flag in ["--key-prefix", "--tenant", "--operation"] {
+        for command in ["purge", "list"] {
+            let mut args = vec!["keys", command, "--store", &p, flag, ""];
+            if command == "purge" {
+                args.push("--force");
+            }
+            let run = idem(&args);
+            assert_eq!(run.code, 2, "{args:?}: {}", run.all());
+            assert!(run.stderr.contains(flag), "{args:?} names the flag: {}", run.all());
+        }
+    }
+    let run = idem(&["stats", "--store", &p, "--json"]);
+    assert_eq!(run.json()["completed"], 3, "nothing was deleted: {}", run.all());
+    remove_db(&path);
+}
+
+/// With `--json`, every failure prints one JSON object with the error and
+/// the exit code on stdout, whatever failed: a bad argument, a bad URL, an
+/// unreachable store, an absent key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_runs_print_json_errors() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let cases: Vec<(Vec<&str>, i32)> = vec![
+        (vec!["stats", "--store", "ftp://example.com/x", "--json"], 2),
+        (
+            vec!["stats", "--store", "postgres://postgres@127.0.0.1:1/x", "--json"],
+            3,
+        ),
+        (vec!["keys", "purge", "--store", &p, "--json"], 2),
+        (vec!["keys", "list", "--store", &p, "--limit", "zero", "--json"], 2),
+        (vec!["--json", "stats"], 2),
+        (
+            vec![
+                "keys",
+                "show",
+                "--store",
+                &p,
+                "--tenant",
+                "t",
+                "--operation",
+                "op",
+                "--key",
+                "absent",
+                "--json",
+            ],
+            1,
+        ),
+    ];
+    for (args, code) in cases {
+        let run = idem(&args);
+        assert_eq!(run.code, code, "{args:?}: {}", run.all());
+        let v = run.json();
+        assert_eq!(v["exit_code"], code, "{args:?}: {v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{args:?}: {v}");
+    }
+    remove_db(&path);
+}
+
+/// Completed lease-mode keys in `table` of the SQLite file at `path`:
+/// `expired` of them expired an hour ago, `live` still live.
+async fn seed_sqlite(path: &str, table: Option<&str>, live: usize, expired: usize) {
+    let mut store = idem_sqlite::SqliteStore::open(path).await.unwrap();
+    if let Some(t) = table {
+        store = store.with_table(TableName::new(t).unwrap());
+    }
+    store.migrate().await.unwrap();
+    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
+    for (ttl_secs, count, ago_ms) in [(60u64, expired, 3_600_000i64), (86_400, live, 0)] {
+        let engine = LeaseEngine::new(store.clone()).with_clock(Arc::new(ManualClock::new(now - ago_ms)));
+        for _ in 0..count {
+            let scope = Scope::parse("cli-test", "POST /x").unwrap();
+            let call = Call::new(
+                scope.clone(),
+                IdempotencyKey::generate(),
+                Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
+            )
+            .with_policy(Policy::default().with_ttl_secs(ttl_secs));
+            engine
+                .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
+                .await
+                .unwrap();
+        }
+    }
+    store.pool().close().await;
+}
+
+/// `stats` and `sweep` take `--table`: an inbox's table shares the keys
+/// table's schema and is counted and swept like it, and the keys table is
+/// left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_and_sweep_work_on_an_inbox_table() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    seed_sqlite(&p, None, 1, 2).await;
+    seed_sqlite(&p, Some("payments_inbox"), 2, 5).await;
+    let run = idem(&["stats", "--store", &p, "--table", "payments_inbox", "--json"]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    let v = run.json();
+    assert_eq!(
+        (v["completed"].as_u64(), v["expired"].as_u64()),
+        (Some(2), Some(5)),
+        "{v}"
+    );
+    let run = idem(&[
+        "sweep",
+        "--store",
+        &p,
+        "--table",
+        "payments_inbox",
+        "--batch",
+        "2",
+        "--pause-ms",
+        "0",
+        "--json",
+    ]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    let v = run.json();
+    assert_eq!(
+        (v["deleted"].as_u64(), v["batches"].as_u64()),
+        (Some(5), Some(3)),
+        "{v}"
+    );
+    let v = idem(&["stats", "--store", &p, "--table", "payments_inbox", "--json"]).json();
+    assert_eq!(
+        (v["completed"].as_u64(), v["expired"].as_u64()),
+        (Some(2), Some(0)),
+        "{v}"
+    );
+    let v = idem(&["stats", "--store", &p, "--json"]).json();
+    assert_eq!(
+        (v["completed"].as_u64(), v["expired"].as_u64()),
+        (Some(1), Some(2)),
+        "the keys table is untouched: {v}"
+    );
+    let run = idem(&["stats", "--store", &p, "--table", "no_such_inbox"]);
+    assert_eq!(run.code, 3, "{}", run.all());
+    assert!(
+        run.stderr.contains("table no_such_inbox does not exist"),
+        "{}",
+        run.all()
+    );
+    let run = idem(&["stats", "--store", &p, "--table", "bad name"]);
+    assert_eq!(run.code, 2, "{}", run.all());
+    remove_db(&path);
+}
