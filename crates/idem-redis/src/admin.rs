@@ -17,6 +17,15 @@ const FIELDS: [&str; 7] = ["tn", "op", "k", "st", "cr", "exp", "pl"];
 
 type Fields = Vec<Option<Vec<u8>>>;
 
+/// Which matching keys a selection keeps.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// The oldest, by creation time (a listing).
+    Oldest,
+    /// The first found (a purge).
+    Any,
+}
+
 /// A row's fields as a key, at `now_ms`; `None` if the row is gone or is
 /// not a key row.
 fn key_info(fields: &Fields, now_ms: i64) -> Option<KeyInfo> {
@@ -43,11 +52,12 @@ fn key_info(fields: &Fields, now_ms: i64) -> Option<KeyInfo> {
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
-    /// Walks the whole index a page at a time, reading `fields` of each
-    /// page's rows (several in flight), and hands each page's (tag, fields)
-    /// to `each`. Entries added or removed meanwhile may be seen or missed:
-    /// an operator's view, not a snapshot.
-    async fn walk(&self, fields: &[&str], mut each: impl FnMut(Vec<(String, Fields)>)) -> Result<()> {
+    /// Walks the index a page at a time, reading `fields` of each page's
+    /// rows (several in flight), and hands each page's (tag, fields) to
+    /// `each`, until the index ends or `each` answers false. Entries added
+    /// or removed meanwhile may be seen or missed: an operator's view, not a
+    /// snapshot.
+    async fn walk(&self, fields: &[&str], mut each: impl FnMut(Vec<(String, Fields)>) -> bool) -> Result<()> {
         self.index.flush().await;
         let mut conn = self.conn.clone();
         let mut start: isize = 0;
@@ -73,16 +83,23 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
                 .buffered(CONCURRENCY)
                 .try_collect()
                 .await?;
-            each(tags.into_iter().zip(rows).collect());
-            if n < PAGE {
+            if !each(tags.into_iter().zip(rows).collect()) || n < PAGE {
                 return Ok(());
             }
             start += PAGE;
         }
     }
 
-    /// The keys matching `filter` with their tags, oldest first, at most `limit`.
-    async fn matching(&self, filter: &KeyFilter, now_ms: i64, limit: u32) -> Result<Vec<(String, KeyInfo)>> {
+    /// The keys matching `filter` with their tags. `Order::Oldest`: the
+    /// oldest `limit` of them (the whole index is read); `Order::Any`: the
+    /// first `limit` found (the walk stops there).
+    async fn matching(
+        &self,
+        filter: &KeyFilter,
+        now_ms: i64,
+        limit: u32,
+        order: Order,
+    ) -> Result<Vec<(String, KeyInfo)>> {
         let mut out = Vec::new();
         self.walk(&FIELDS, |page| {
             for (tag, fields) in page {
@@ -92,9 +109,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
                     out.push((tag, info));
                 }
             }
+            order == Order::Oldest || out.len() < limit as usize
         })
         .await?;
-        out.sort_by_key(|(_, i)| i.created_at_ms);
+        if order == Order::Oldest {
+            out.sort_by_key(|(_, i)| i.created_at_ms);
+        }
         out.truncate(limit as usize);
         Ok(out)
     }
@@ -122,6 +142,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
                         KeyState::Expired => stats.expired += 1,
                     }
                 }
+                true
             })
             .await?;
             Ok(stats)
@@ -131,7 +152,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
     fn list_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<Vec<KeyInfo>>> {
         Box::pin(async move {
             Ok(self
-                .matching(filter, now_ms, limit)
+                .matching(filter, now_ms, limit, Order::Oldest)
                 .await?
                 .into_iter()
                 .map(|(_, info)| info)
@@ -164,7 +185,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
     /// matches, and stays.
     fn purge_keys<'a>(&'a self, filter: &'a KeyFilter, now_ms: i64, limit: u32) -> BoxFuture<'a, Result<u64>> {
         Box::pin(async move {
-            let candidates = self.matching(filter, now_ms, limit).await?;
+            // Any `limit` matching keys will do, so the walk stops once it
+            // has them: a purge in batches reads about what it deletes.
+            let candidates = self.matching(filter, now_ms, limit, Order::Any).await?;
             let flag = |v: &Option<String>| if v.is_some() { "1" } else { "0" };
             let state = filter.state.map(KeyState::name).unwrap_or("");
             let cutoff = filter.older_than_ms.map(|age| now_ms.saturating_sub(age));
