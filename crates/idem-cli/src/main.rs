@@ -36,7 +36,13 @@ struct Args {
     /// On Redis: skip the deployment check that the gateway and the
     /// commands that write run first (eviction policy refused, persistence
     /// warned about).
-    #[arg(long, global = true, env = "IDEM_SKIP_REDIS_CHECKS")]
+    #[arg(
+        long,
+        global = true,
+        env = "IDEM_SKIP_REDIS_CHECKS",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     skip_redis_checks: bool,
     #[command(subcommand)]
     command: Command,

@@ -136,6 +136,16 @@ fn target(url: &str) -> Result<Target<'_>> {
     Ok(Target::Sqlite(path))
 }
 
+/// A first connection that failed, for whatever reason (refused, unknown
+/// host, credentials refused, no such database): the store is not there
+/// as asked.
+fn unreachable(e: Error) -> Error {
+    match e {
+        Error::Store { source, .. } => Error::store(StoreErrorKind::Unavailable, source),
+        other => other,
+    }
+}
+
 /// A store URL its driver cannot read (credentials masked).
 fn unparsable(url: &str, e: sqlx::Error) -> Error {
     Error::Config(idem_core::redact_credentials(&format!("--store (store) {url:?}: {e}")))
@@ -216,7 +226,7 @@ impl AnyLease {
                 let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| unparsable(url, e))?;
                 sqlx::ConnectOptions::connect(&options)
                     .await
-                    .map_err(idem_postgres::store_error)?;
+                    .map_err(|e| unreachable(idem_postgres::store_error(e)))?;
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(32)
                     .acquire_timeout(Duration::from_secs(10))
@@ -230,7 +240,7 @@ impl AnyLease {
                 let options: sqlx::mysql::MySqlConnectOptions = url.parse().map_err(|e| unparsable(&url, e))?;
                 sqlx::ConnectOptions::connect(&options)
                     .await
-                    .map_err(idem_mysql::store_error)?;
+                    .map_err(|e| unreachable(idem_mysql::store_error(e)))?;
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(32)
                     .acquire_timeout(Duration::from_secs(10))
