@@ -167,6 +167,8 @@ fn gateway_exit(store: &str, extra: &[&str]) -> (Option<i32>, String) {
         ])
         .args(extra)
         .env_remove("IDEM_SKIP_REDIS_CHECKS")
+        // Who the caller is, for gateways that ask (the store is the point here).
+        .env("IDEM_TENANT", "anonymous")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -330,6 +332,8 @@ async fn start_gateway(upstream: &str, store: &str) -> (Gateway, String) {
     let listen = format!("127.0.0.1:{port}");
     let child = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["gateway", "--upstream", upstream, "--listen", &listen, "--store", store])
+        // Tenants from a digest of Authorization, for gateways that ask.
+        .env("IDEM_TENANT", "authorization")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()

@@ -324,6 +324,8 @@ fn the_gateway_refuses_an_unusable_store() {
                 "--store",
                 url,
             ])
+            // Who the caller is, for gateways that ask (the store is the point here).
+            .env("IDEM_TENANT", "anonymous")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -341,7 +343,10 @@ fn the_gateway_refuses_an_unusable_store() {
             std::thread::sleep(Duration::from_millis(50));
         };
         let status = status.unwrap_or_else(|| panic!("the gateway kept running with --store {url:?}"));
-        assert_eq!(status.code(), Some(2), "--store {url:?}");
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(2), "--store {url:?}: {err}");
+        assert!(err.contains("--store"), "the refusal names the setting: {err}");
     }
 }
 

@@ -45,11 +45,12 @@ impl Drop for Gateway {
     }
 }
 
-/// A gateway whose keys live one second and whose sweeper runs every second.
+/// A gateway whose keys live two seconds (longer than its lease and its
+/// upstream timeout) and whose sweeper runs every second.
 async fn start_gateway(upstream: &str, store: &str) -> Gateway {
     let toml = format!(
         "upstream = {upstream:?}\nstore = {store:?}\nupstream_timeout_secs = 1\n\
-         [defaults]\nttl_secs = 1\nlease_ms = 1000\n\
+         [defaults]\nttl_secs = 2\nlease_ms = 1000\n\
          [sweeper]\ninterval_secs = 1\nbatch = 50\npause_ms = 0\n"
     );
     let config = idem_gateway::Config::from_toml(&toml).unwrap();
