@@ -85,9 +85,9 @@ use idem_core::{
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
+use sha2::{Digest, Sha256};
 
 pub use crate::connection::RedisConnection;
-use sha2::{Digest, Sha256};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem";
@@ -137,6 +137,14 @@ pub fn store_error(e: redis::RedisError) -> Error {
     Error::store(kind, e)
 }
 
+/// How long a command's answer may take. Claims of many callers share one
+/// connection, and on a busy host the last of thousands in flight can wait
+/// past the driver's default of half a second although Redis answered each
+/// at once; a claim that times out may have been taken (its caller is then
+/// told in flight until its lease ends), so the bound is generous: a Redis
+/// that takes longer is in trouble, not busy.
+const RESPONSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Commands go out as they come, several in flight on one connection: with
 /// Nagle's algorithm a command written while an earlier one is unanswered
 /// would wait for the server's ACK.
@@ -159,7 +167,10 @@ impl RedisStore<ConnectionManager> {
         // connection for seconds, which helps a running service through a
         // restart of Redis but only delays a start against a wrong address.
         drop(client.get_multiplexed_async_connection().await.map_err(store_error)?);
-        let conn = ConnectionManager::new(client).await.map_err(store_error)?;
+        let config = redis::aio::ConnectionManagerConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(store_error)?;
         Ok(Self::new(conn))
     }
 }
@@ -169,6 +180,7 @@ impl RedisStore<ClusterConnection> {
     pub async fn connect_cluster(nodes: &[&str]) -> Result<Self> {
         let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .tcp_settings(tcp_settings())
+            .response_timeout(RESPONSE_TIMEOUT)
             .build()
             .map_err(|e| {
                 Error::Config(idem_core::redact_credentials(&format!(
@@ -283,11 +295,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
         let mut conn = self.conn.clone();
         let done: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
         if done >= 1 { Ok(done) } else { Err(Error::Fenced) }
-    }
-
-    /// The expiry index's key.
-    fn index_key(&self) -> String {
-        self.expiry_key()
     }
 }
 
@@ -404,7 +411,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Sweep for RedisStore<C> 
             self.index.flush().await;
             let mut conn = self.conn.clone();
             let due: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
-                .arg(self.index_key())
+                .arg(self.expiry_key())
                 .arg("-inf")
                 .arg(now_ms)
                 .arg("WITHSCORES")
@@ -469,7 +476,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
     async fn settle_index(&self, triples: &[(&str, &str, String)]) -> Result<()> {
         let mut conn = self.conn.clone();
         for chunk in triples.chunks(1_000) {
-            let mut invocation = self.scripts.settle_index.key(self.index_key());
+            let mut invocation = self.scripts.settle_index.key(self.expiry_key());
             for (op, tag, score) in chunk {
                 invocation.arg(*op).arg(*tag).arg(score.as_str());
             }
