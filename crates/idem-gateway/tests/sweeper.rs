@@ -50,6 +50,7 @@ impl Drop for Gateway {
 async fn start_gateway(upstream: &str, store: &str) -> Gateway {
     let toml = format!(
         "upstream = {upstream:?}\nstore = {store:?}\nupstream_timeout_secs = 1\n\
+         [tenant]\nsource = \"anonymous\"\n\
          [defaults]\nttl_secs = 2\nlease_ms = 1000\n\
          [sweeper]\ninterval_secs = 1\nbatch = 50\npause_ms = 0\n"
     );
