@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use idem_core::{
     DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, IdempotencyKey, MAX_DEAD_LETTER_PAGE,
-    MAX_DEAD_LETTER_TEXT, MAX_KEY_LEN, NewDeadLetter, OutboundRequest, RedriveHold, RedriveOutcome, Scope, clip_text,
+    MAX_DEAD_LETTER_RESPONSE, MAX_DEAD_LETTER_TEXT, MAX_KEY_LEN, NewDeadLetter, OutboundRequest, RedriveHold,
+    RedriveOutcome, Scope, Settlement, Verdict, VerdictSource, clip_response, clip_text,
 };
 use tokio::sync::Barrier;
 
@@ -39,19 +40,20 @@ fn request(body: &[u8]) -> OutboundRequest {
 }
 
 fn letter(scope: &Scope, key: &str, attempts: u32, error: &str) -> NewDeadLetter {
-    NewDeadLetter {
-        scope: scope.clone(),
-        key: IdempotencyKey::new(key).expect("valid key"),
-        request: request(b"{\"amount\":100}"),
+    NewDeadLetter::new(
+        scope.clone(),
+        IdempotencyKey::new(key).expect("valid key"),
+        request(b"{\"amount\":100}"),
         attempts,
-        last_error: error.into(),
-    }
+        error,
+    )
 }
 
 fn resolved(status: u16, body: &[u8]) -> RedriveOutcome {
     RedriveOutcome::Resolved {
         status,
         body: body.to_vec(),
+        reconciled: false,
     }
 }
 
@@ -59,6 +61,18 @@ fn failed(attempts: u32, error: &str) -> RedriveOutcome {
     RedriveOutcome::Failed {
         attempts,
         error: error.into(),
+        first_reached_at_ms: None,
+        not_applied_at_ms: None,
+    }
+}
+
+fn settlement(verdict: Verdict, body: &[u8]) -> Settlement {
+    Settlement {
+        verdict,
+        by: VerdictSource::Operator,
+        status: (verdict == Verdict::Applied).then_some(201),
+        body: body.to_vec(),
+        note: "checked at the vendor".into(),
     }
 }
 
@@ -94,13 +108,14 @@ pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
     assert_eq!(key.len(), MAX_KEY_LEN);
     let body: Vec<u8> = vec![0xFF, 0x00, 0xC3, 0x28, b'{', 0x80, 0xFE, b'\n', 0x00];
     let long_error = format!("NUL \0 then {}", "é".repeat(MAX_DEAD_LETTER_TEXT));
-    let new = NewDeadLetter {
-        scope: scope.clone(),
-        key: IdempotencyKey::new(key.as_str()).unwrap(),
-        request: request(&body),
-        attempts: 7,
-        last_error: long_error.clone(),
-    };
+    let new = NewDeadLetter::new(
+        scope.clone(),
+        IdempotencyKey::new(key.as_str()).unwrap(),
+        request(&body),
+        7,
+        long_error.clone(),
+    )
+    .reached_at(Some(1_700_000_000_123));
     let id = store.record(&new).await.expect("record");
     let got = fetch(&store, id).await;
     assert_eq!(got.id, id);
@@ -131,6 +146,8 @@ pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
     assert_eq!(got.redrive_until_ms, None);
     assert_eq!(got.response_status, None);
     assert_eq!(got.response_body, None);
+    assert_eq!(got.first_reached_at_ms, Some(1_700_000_000_123));
+    assert_eq!(got.reconciliation, None);
     let found = store
         .find(&scope, &new.key)
         .await
@@ -161,26 +178,229 @@ pub async fn recording_twice_updates_one_row<S: DeadLetterSubject>(s: S) {
     assert_eq!(listed[0].id, first);
 }
 
-/// A letter being redriven that is recorded again is dead again, and its redrive can no longer finish it.
-pub async fn recording_a_held_letter_puts_it_back<S: DeadLetterSubject>(s: S) {
+/// A letter being redriven that is recorded again keeps its state and its hold: the redrive still finishes it, and no second redrive takes it meanwhile.
+pub async fn recording_a_held_letter_keeps_its_hold<S: DeadLetterSubject>(s: S) {
     let store = s.store();
     let scope = scope_of(&fresh_tenant(), "payout");
     let id = store.record(&letter(&scope, "k", 1, "first")).await.unwrap();
     let hold = take(&store, id, LONG_HOLD_MS).await;
     assert_eq!(store.record(&letter(&scope, "k", 2, "second")).await.unwrap(), id);
     let got = fetch(&store, id).await;
-    assert_eq!(got.state, DeadLetterState::Dead);
-    assert_eq!(got.redrive_until_ms, None);
+    assert_eq!(got.state, DeadLetterState::Redriving, "still held");
+    assert_eq!(got.redrive_until_ms, hold.dead_letter.redrive_until_ms);
     assert_eq!(got.attempts, 3);
+    assert_eq!(got.last_error, "second");
     assert!(
-        !store
+        store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none(),
+        "no second redrive while the first holds it"
+    );
+    assert!(
+        store
             .finish_redrive(id, hold.token, &resolved(200, b"ok"))
+            .await
+            .unwrap(),
+        "the redrive that holds it finishes it"
+    );
+    assert_eq!(fetch(&store, id).await.state, DeadLetterState::Resolved);
+}
+
+/// An unknown outcome is held (recorded unknown, or ended unknown by a redrive), kept unknown when recorded again as dead, and settled only by a verdict: applied resolves it with the vendor's answer, not applied makes it dead with no send counted as reached.
+pub async fn unknown_outcomes_are_held_until_settled<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let held = letter(&scope, "held", 3, "no way to ask the vendor")
+        .reached_at(Some(1_000))
+        .outcome_unknown();
+    let id = store.record(&held).await.unwrap();
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Unknown);
+    let r = got.reconciliation.clone().expect("why it is held");
+    assert_eq!((r.verdict, r.by), (Verdict::Unknown, VerdictSource::Sender));
+    assert_eq!(r.note, "no way to ask the vendor");
+    store.record(&letter(&scope, "held", 1, "dead again")).await.unwrap();
+    assert_eq!(
+        fetch(&store, id).await.state,
+        DeadLetterState::Unknown,
+        "recording it as dead does not release it"
+    );
+    let listed = store
+        .list(&DeadLetterFilter {
+            tenant: Some(scope.tenant().as_str().to_owned()),
+            state: Some(DeadLetterState::Unknown),
+            ..DeadLetterFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.iter().map(|l| l.id).collect::<Vec<_>>(), vec![id]);
+    assert!(
+        !store.cancel(id).await.unwrap(),
+        "an unknown outcome may have been paid: never cancelled"
+    );
+    // An operator checked the vendor: it was applied.
+    assert!(
+        store
+            .settle(id, &settlement(Verdict::Applied, b"{\"id\":\"po_1\"}"))
             .await
             .unwrap()
     );
-    assert_eq!(fetch(&store, id).await, got, "a lost hold changes nothing");
-    let next = take(&store, id, LONG_HOLD_MS).await;
-    assert!(next.token > hold.token);
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Resolved);
+    assert_eq!(got.response_status, Some(201));
+    assert_eq!(got.response_body.as_deref(), Some(&b"{\"id\":\"po_1\"}"[..]));
+    let r = got.reconciliation.expect("the verdict");
+    assert_eq!((r.verdict, r.by), (Verdict::Applied, VerdictSource::Operator));
+    assert_eq!(r.note, "checked at the vendor");
+    assert!(
+        !store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap(),
+        "a resolved letter is final"
+    );
+
+    // Another one, held by a redrive that could not tell, then found not applied.
+    let id = store
+        .record(&letter(&scope, "redriven", 1, "e").reached_at(Some(2_000)))
+        .await
+        .unwrap();
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    assert!(
+        !store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap(),
+        "not while a redrive holds it"
+    );
+    let unknown = RedriveOutcome::Unknown {
+        attempts: 0,
+        reason: "past the vendor's key horizon; no way to ask it".into(),
+        first_reached_at_ms: Some(2_000),
+    };
+    assert!(store.finish_redrive(id, hold.token, &unknown).await.unwrap());
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Unknown);
+    assert_eq!(got.last_error, "past the vendor's key horizon; no way to ask it");
+    assert!(store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap());
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Dead);
+    assert_eq!(
+        got.first_reached_at_ms, None,
+        "nothing reached the vendor since it said so"
+    );
+    assert_eq!(got.reconciliation.map(|r| r.verdict), Some(Verdict::NotApplied));
+}
+
+/// The earliest send that may have reached the vendor is kept across records; a redrive's account replaces it, and a redrive that found the call not applied says so.
+pub async fn first_reach_is_kept_and_a_redrive_replaces_it<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store
+        .record(&letter(&scope, "k", 1, "e").reached_at(Some(5_000)))
+        .await
+        .unwrap();
+    store
+        .record(&letter(&scope, "k", 1, "e").reached_at(Some(9_000)))
+        .await
+        .unwrap();
+    store.record(&letter(&scope, "k", 1, "e")).await.unwrap();
+    assert_eq!(fetch(&store, id).await.first_reached_at_ms, Some(5_000));
+    store
+        .record(&letter(&scope, "k", 1, "e").reached_at(Some(4_000)))
+        .await
+        .unwrap();
+    assert_eq!(fetch(&store, id).await.first_reached_at_ms, Some(4_000));
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    let asked = RedriveOutcome::Failed {
+        attempts: 2,
+        error: "connection refused".into(),
+        first_reached_at_ms: None,
+        not_applied_at_ms: Some(7_000),
+    };
+    assert!(store.finish_redrive(id, hold.token, &asked).await.unwrap());
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Dead);
+    assert_eq!(got.first_reached_at_ms, None);
+    let r = got.reconciliation.expect("the vendor's verdict");
+    assert_eq!(
+        (r.verdict, r.by, r.at_ms),
+        (Verdict::NotApplied, VerdictSource::Vendor, 7_000)
+    );
+    // Found applied when asked: resolved without a send, and it says so.
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    let found = RedriveOutcome::Resolved {
+        status: 200,
+        body: b"{\"id\":\"po_9\"}".to_vec(),
+        reconciled: true,
+    };
+    assert!(store.finish_redrive(id, hold.token, &found).await.unwrap());
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Resolved);
+    assert_eq!(
+        got.reconciliation.map(|r| (r.verdict, r.by)),
+        Some((Verdict::Applied, VerdictSource::Vendor))
+    );
+}
+
+/// Only a dead letter known not to have been applied is cancelled, once; a cancelled letter is final and purged like a resolved one.
+pub async fn only_a_letter_known_not_applied_is_cancelled<S: DeadLetterSubject>(s: S) {
+    let s = s.isolated().await;
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 1, "e")).await.unwrap();
+    assert!(!store.cancel(id).await.unwrap(), "no verdict yet");
+    assert!(!store.cancel(i64::MAX).await.unwrap(), "missing");
+    assert!(store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap());
+    // A send after the verdict may have reached the vendor: not cancelled.
+    store
+        .record(&letter(&scope, "k", 1, "timeout").reached_at(Some(1)))
+        .await
+        .unwrap();
+    assert!(!store.cancel(id).await.unwrap());
+    assert!(store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap());
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    assert!(!store.cancel(id).await.unwrap(), "not while a redrive holds it");
+    assert!(
+        store
+            .finish_redrive(id, hold.token, &failed(1, "refused"))
+            .await
+            .unwrap()
+    );
+    assert!(store.cancel(id).await.unwrap());
+    assert!(!store.cancel(id).await.unwrap(), "once");
+    let got = fetch(&store, id).await;
+    assert_eq!(got.state, DeadLetterState::Cancelled);
+    assert!(
+        store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none(),
+        "never sent again"
+    );
+    store.record(&letter(&scope, "k", 5, "again")).await.unwrap();
+    assert_eq!(fetch(&store, id).await, got, "recording does not revive it");
+    s.elapse(30).await;
+    assert_eq!(store.purge_resolved(10, 10).await.unwrap(), 1);
+    assert!(store.get(id).await.unwrap().is_none());
+}
+
+/// A redrive may point a held letter at another URL (what is stored is what was sent); only its holder may, and only with a valid URL.
+pub async fn a_held_letter_can_be_pointed_elsewhere<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let id = store.record(&letter(&scope, "k", 1, "e")).await.unwrap();
+    assert!(
+        !store.retarget(id, 1, "http://fixed.example/v1/payouts").await.unwrap(),
+        "not held"
+    );
+    let hold = take(&store, id, LONG_HOLD_MS).await;
+    assert!(store.retarget(id, hold.token, "ftp://nope").await.is_err());
+    assert!(
+        !store
+            .retarget(id, hold.token + 1, "http://fixed.example/v1/payouts")
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .retarget(id, hold.token, "http://fixed.example:8443/v1/payouts?x=1")
+            .await
+            .unwrap()
+    );
+    let got = fetch(&store, id).await;
+    assert_eq!(got.request.url(), "http://fixed.example:8443/v1/payouts?x=1");
+    assert_eq!(got.request.body(), request(b"{\"amount\":100}").body());
+    assert_eq!(got.state, DeadLetterState::Redriving);
 }
 
 /// The same key in two tenants or two operations, or differing only in case or a trailing space, is two rows.
@@ -439,14 +659,14 @@ pub async fn expired_hold_is_taken_again_and_fences_the_old_token<S: DeadLetterS
     assert_eq!(fetch(&store, id).await.attempts, 2);
 }
 
-/// A resolved redrive keeps status and clipped body; the letter is final: not taken, not revived by recording.
+/// A resolved redrive keeps status and body up to the response bound (a vendor's answer of several KiB whole); the letter is final: not taken, not revived by recording.
 pub async fn resolved_letter_is_final<S: DeadLetterSubject>(s: S) {
     let store = s.store();
     let scope = scope_of(&fresh_tenant(), "payout");
     let id = store.record(&letter(&scope, "k", 2, "e")).await.unwrap();
     let hold = take(&store, id, LONG_HOLD_MS).await;
     let mut body = vec![0xFFu8, 0x00, 0xFE];
-    body.resize(MAX_DEAD_LETTER_TEXT + 100, 0xAB);
+    body.resize(MAX_DEAD_LETTER_RESPONSE + 100, 0xAB);
     assert!(
         store
             .finish_redrive(id, hold.token, &resolved(201, &body))
@@ -456,7 +676,7 @@ pub async fn resolved_letter_is_final<S: DeadLetterSubject>(s: S) {
     let got = fetch(&store, id).await;
     assert_eq!(got.state, DeadLetterState::Resolved);
     assert_eq!(got.response_status, Some(201));
-    assert_eq!(got.response_body.as_deref(), Some(&body[..MAX_DEAD_LETTER_TEXT]));
+    assert_eq!(got.response_body.as_deref(), Some(&body[..MAX_DEAD_LETTER_RESPONSE]));
     assert_eq!(got.redrive_until_ms, None);
     assert_eq!(got.attempts, 2);
     assert!(store.begin_redrive(id, LONG_HOLD_MS).await.unwrap().is_none());
@@ -476,7 +696,10 @@ pub async fn resolved_letter_is_final<S: DeadLetterSubject>(s: S) {
     // A text answer is clipped on a character boundary.
     let id2 = store.record(&letter(&scope, "k2", 1, "e")).await.unwrap();
     let hold = take(&store, id2, LONG_HOLD_MS).await;
-    let text = "ü".repeat(MAX_DEAD_LETTER_TEXT);
+    let text = format!(
+        "{{\"id\":\"po_1\",\"pad\":\"{}\"}}",
+        "ü".repeat(MAX_DEAD_LETTER_RESPONSE)
+    );
     assert!(
         store
             .finish_redrive(id2, hold.token, &resolved(200, text.as_bytes()))
@@ -484,7 +707,22 @@ pub async fn resolved_letter_is_final<S: DeadLetterSubject>(s: S) {
             .unwrap()
     );
     let kept = fetch(&store, id2).await.response_body.expect("a body");
-    assert_eq!(kept, clip_text(&text).as_bytes());
+    assert_eq!(kept, clip_response(text.as_bytes()));
+    assert!(std::str::from_utf8(&kept).is_ok(), "cut on a character boundary");
+    // An answer of 8 KiB, twice the old bound, is kept whole.
+    let id3 = store.record(&letter(&scope, "k3", 1, "e")).await.unwrap();
+    let hold = take(&store, id3, LONG_HOLD_MS).await;
+    let answer = format!("{{\"id\":\"po_8k\",\"metadata\":\"{}\"}}", "m".repeat(8 * 1024));
+    assert!(
+        store
+            .finish_redrive(id3, hold.token, &resolved(201, answer.as_bytes()))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        fetch(&store, id3).await.response_body.as_deref(),
+        Some(answer.as_bytes())
+    );
 }
 
 /// A failed redrive makes the letter dead again, attempts added and the error replaced (clipped), ready to be taken again.

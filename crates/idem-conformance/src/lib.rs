@@ -324,7 +324,11 @@ macro_rules! deadletter_conformance {
             $crate::__deadletter_test!($make;
                 dead_letter_round_trips_every_field,
                 recording_twice_updates_one_row,
-                recording_a_held_letter_puts_it_back,
+                recording_a_held_letter_keeps_its_hold,
+                unknown_outcomes_are_held_until_settled,
+                first_reach_is_kept_and_a_redrive_replaces_it,
+                only_a_letter_known_not_applied_is_cancelled,
+                a_held_letter_can_be_pointed_elsewhere,
                 keys_are_scoped_and_exact,
                 list_filters_and_pages_in_id_order,
                 begin_redrive_takes_a_letter_once,

@@ -6,13 +6,13 @@
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> idem_core::Result<()> {
 //! let letters = MemoryDeadLetters::new();
 //! let id = letters
-//!     .record(&NewDeadLetter {
-//!         scope: Scope::parse("acme", "payout")?,
-//!         key: IdempotencyKey::new("p-1")?,
-//!         request: OutboundRequest::new("POST", "https://vendor.example/v1/payouts", vec![], b"{}".to_vec())?,
-//!         attempts: 5,
-//!         last_error: "503 Service Unavailable".into(),
-//!     })
+//!     .record(&NewDeadLetter::new(
+//!         Scope::parse("acme", "payout")?,
+//!         IdempotencyKey::new("p-1")?,
+//!         OutboundRequest::new("POST", "https://vendor.example/v1/payouts", vec![], b"{}".to_vec())?,
+//!         5,
+//!         "503 Service Unavailable",
+//!     ))
 //!     .await?;
 //! let hold = letters.begin_redrive(id, 30_000).await?.expect("a dead letter can be taken");
 //! assert!(letters.begin_redrive(id, 30_000).await?.is_none()); // held
@@ -24,8 +24,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
-    RedriveHold, RedriveOutcome, Result, Scope, SharedClock, clip_text, system_clock,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter, RedriveHold,
+    RedriveOutcome, Result, Scope, Settlement, SharedClock, system_clock,
 };
 
 #[derive(Default)]
@@ -98,6 +98,16 @@ impl MemoryDeadLetters {
     }
 }
 
+impl MemoryDeadLetters {
+    /// Applies `change` to letter `id` on the store's clock; `None` when it
+    /// is missing.
+    fn with_letter<T>(&self, id: i64, change: impl FnOnce(&mut DeadLetter, i64) -> T) -> Option<T> {
+        let now = self.now_ms();
+        let mut letters = self.lock();
+        letters.rows.get_mut(&id).map(|row| change(row, now))
+    }
+}
+
 impl DeadLetterStore for MemoryDeadLetters {
     fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
         let letter = letter.clone();
@@ -111,36 +121,14 @@ impl DeadLetterStore for MemoryDeadLetters {
                     .rows
                     .get_mut(&id)
                     .ok_or_else(|| Error::Config(format!("dead letter {id} is indexed but missing")))?;
-                // A resolved letter keeps its answer: the call has been made.
-                if row.state != DeadLetterState::Resolved {
-                    row.attempts = row.attempts.saturating_add(letter.attempts);
-                    row.last_error = clip_text(&letter.last_error).to_owned();
-                    row.state = DeadLetterState::Dead;
-                    row.redrive_until_ms = None;
-                    row.updated_at_ms = now;
-                }
+                row.on_record(&letter, now);
                 return Ok(id);
             }
             letters.last_id += 1;
             let id = letters.last_id;
-            letters.rows.insert(
-                id,
-                DeadLetter {
-                    id,
-                    scope: letter.scope,
-                    key: letter.key,
-                    request: letter.request,
-                    attempts: letter.attempts,
-                    last_error: clip_text(&letter.last_error).to_owned(),
-                    state: DeadLetterState::Dead,
-                    redrives: 0,
-                    created_at_ms: now,
-                    updated_at_ms: now,
-                    redrive_until_ms: None,
-                    response_status: None,
-                    response_body: None,
-                },
-            );
+            let mut row = DeadLetter::created(&letter, now);
+            row.id = id;
+            letters.rows.insert(id, row);
             letters.by_key.insert(slot, id);
             Ok(id)
         })
@@ -190,61 +178,38 @@ impl DeadLetterStore for MemoryDeadLetters {
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
             idem_core::redrive_hold_ms(hold_ms)?;
-            let now = self.now_ms();
-            let mut letters = self.lock();
-            let Some(row) = letters.rows.get_mut(&id) else {
-                return Ok(None);
-            };
-            let free = match row.state {
-                DeadLetterState::Dead => true,
-                DeadLetterState::Redriving => row.redrive_until_ms.is_none_or(|until| until <= now),
-                DeadLetterState::Resolved => false,
-            };
-            if !free {
-                return Ok(None);
-            }
-            let token = row
-                .redrives
-                .checked_add(1)
-                .ok_or_else(|| Error::InvalidRequest(format!("dead letter {id} was redriven too many times")))?;
-            row.redrives = token;
-            row.state = DeadLetterState::Redriving;
-            row.redrive_until_ms = Some(now.saturating_add(hold_ms));
-            row.updated_at_ms = now;
-            Ok(Some(RedriveHold {
-                dead_letter: row.clone(),
-                token,
-            }))
+            let taken = self.with_letter(id, |row, now| {
+                Ok::<_, Error>(row.take(now, hold_ms)?.map(|token| RedriveHold {
+                    dead_letter: row.clone(),
+                    token,
+                }))
+            });
+            Ok(taken.transpose()?.flatten())
+        })
+    }
+
+    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
+        let url = url.to_owned();
+        Box::pin(async move {
+            Ok(self
+                .with_letter(id, |row, now| row.retarget(token, &url, now))
+                .transpose()?
+                .unwrap_or(false))
         })
     }
 
     fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
         let outcome = outcome.clone();
-        Box::pin(async move {
-            let now = self.now_ms();
-            let mut letters = self.lock();
-            let Some(row) = letters.rows.get_mut(&id) else {
-                return Ok(false);
-            };
-            if row.state != DeadLetterState::Redriving || row.redrives != token {
-                return Ok(false);
-            }
-            match outcome {
-                RedriveOutcome::Resolved { status, body } => {
-                    row.state = DeadLetterState::Resolved;
-                    row.response_status = Some(status);
-                    row.response_body = Some(idem_core::clip_body(&body).to_vec());
-                }
-                RedriveOutcome::Failed { attempts, error } => {
-                    row.state = DeadLetterState::Dead;
-                    row.attempts = row.attempts.saturating_add(attempts);
-                    row.last_error = clip_text(&error).to_owned();
-                }
-            }
-            row.redrive_until_ms = None;
-            row.updated_at_ms = now;
-            Ok(true)
-        })
+        Box::pin(async move { Ok(self.with_letter(id, |row, now| row.finish(token, &outcome, now)) == Some(true)) })
+    }
+
+    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
+        let settlement = settlement.clone();
+        Box::pin(async move { Ok(self.with_letter(id, |row, now| row.settle(&settlement, now)) == Some(true)) })
+    }
+
+    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move { Ok(self.with_letter(id, |row, now| row.cancel(now)) == Some(true)) })
     }
 
     fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
@@ -255,7 +220,7 @@ impl DeadLetterStore for MemoryDeadLetters {
             let doomed: Vec<i64> = letters
                 .rows
                 .values()
-                .filter(|row| row.state == DeadLetterState::Resolved && row.updated_at_ms < cutoff)
+                .filter(|row| row.state.is_final() && row.updated_at_ms < cutoff)
                 .map(|row| row.id)
                 .take(limit as usize)
                 .collect();
@@ -278,13 +243,13 @@ mod tests {
     use super::*;
 
     fn letter(key: &str) -> NewDeadLetter {
-        NewDeadLetter {
-            scope: Scope::parse("t", "payout").unwrap(),
-            key: IdempotencyKey::new(key).unwrap(),
-            request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], vec![1, 2]).unwrap(),
-            attempts: 3,
-            last_error: "timeout".into(),
-        }
+        NewDeadLetter::new(
+            Scope::parse("t", "payout").unwrap(),
+            IdempotencyKey::new(key).unwrap(),
+            OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], vec![1, 2]).unwrap(),
+            3,
+            "timeout",
+        )
     }
 
     #[tokio::test]
@@ -302,6 +267,7 @@ mod tests {
         let resolved = RedriveOutcome::Resolved {
             status: 200,
             body: b"ok".to_vec(),
+            reconciled: false,
         };
         assert!(!letters.finish_redrive(id, first.token, &resolved).await.unwrap());
         assert!(letters.finish_redrive(id, second.token, &resolved).await.unwrap());

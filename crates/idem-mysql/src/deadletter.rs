@@ -1,50 +1,48 @@
 //! Dead letters of outbound calls on MySQL and MariaDB.
 //!
-//! One row per (tenant, operation, key): recording the same call again is
-//! an `INSERT … ON DUPLICATE KEY UPDATE` on that unique key, whose binary
-//! columns compare byte for byte. A redrive takes a row with one
-//! conditional `UPDATE` by primary key in a READ COMMITTED transaction (no
-//! gap locks: a redrive of a missing id never holds up new letters), checks
-//! that it changed the row, and reads it back under that row's lock; a
-//! concurrent redrive waits for the lock, re-reads the row and no longer
-//! matches. A redrive finishes the row only with the token that `UPDATE`
-//! handed out. Timestamps and holds are on the database's clock.
+//! One row per (tenant, operation, key), whose binary columns compare byte
+//! for byte. Every write reads the row with the database's clock by
+//! `SELECT … FOR UPDATE` in a READ COMMITTED transaction (no gap locks: a
+//! redrive of a missing id never holds up new letters; a concurrent redrive
+//! waits for the row's lock, re-reads it and no longer finds it free),
+//! applies one of the core's transitions ([`DeadLetter`]'s methods: the
+//! same decisions on every engine), and writes the row back. A first record
+//! is a plain `INSERT`; a duplicate key (another writer of the same call got
+//! there first) turns it into an update of that row. Timestamps and holds
+//! are on the database's clock.
 
 use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
-    OutboundRequest, PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, StoreErrorKind, TableName,
-    clip_text,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterStore, IdempotencyKey, NewDeadLetter,
+    PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, Settlement, TableName,
 };
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, MySql, Row, Transaction};
 
+use crate::error::{ER_DUP_ENTRY, error_number};
 use crate::store_error;
 
 /// The default dead-letter table.
 pub const DEFAULT_DEAD_LETTER_TABLE: &str = "idem_dead_letters";
 
-/// The database's clock in milliseconds, read when the statement runs.
+/// The database's clock in milliseconds.
 const NOW_MS: &str = "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)";
 
-/// The columns every read selects.
+/// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
-                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body";
-
-/// Attempts and redrives are `u32` in the API; sums stop there.
-const MAX_COUNT: i64 = u32::MAX as i64;
+                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
 
 struct Sql {
-    record: String,
+    now: String,
+    insert: String,
     get: String,
     get_for_update: String,
     find: String,
-    find_id: String,
-    begin: String,
-    resolve: String,
-    fail: String,
+    find_for_update: String,
+    update: String,
     purge: String,
 }
 
@@ -92,44 +90,31 @@ impl MySqlDeadLetters {
     /// The dead letters in `table`.
     pub fn with_table(pool: MySqlPool, table: TableName) -> Self {
         let t = table.as_str();
-        let taken = "state = 'redriving' AND redrives = ?";
         let sql = Sql {
-            // MySQL applies the assignments left to right, each seeing the
-            // ones before it: `state` is tested by every other assignment,
-            // so it is assigned last. `id = LAST_INSERT_ID(id)` makes the
-            // statement report the existing row's id. A resolved letter
-            // keeps everything: its call has been made.
-            record: format!(
+            now: format!("SELECT {NOW_MS}"),
+            insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
-                 state, redrives, created_at_ms, updated_at_ms) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'dead', 0, {NOW_MS}, {NOW_MS}) \
-                 ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id), \
-                 attempts = IF(state = 'resolved', attempts, LEAST(attempts + VALUES(attempts), {MAX_COUNT})), \
-                 last_error = IF(state = 'resolved', last_error, VALUES(last_error)), \
-                 redrive_until_ms = IF(state = 'resolved', redrive_until_ms, NULL), \
-                 updated_at_ms = IF(state = 'resolved', updated_at_ms, VALUES(updated_at_ms)), \
-                 state = IF(state = 'resolved', state, 'dead')"
+                 state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             ),
-            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = ?"),
-            get_for_update: format!("SELECT {COLUMNS} FROM {t} WHERE id = ? FOR UPDATE"),
-            find: format!("SELECT {COLUMNS} FROM {t} WHERE tenant = ? AND operation = ? AND idem_key = ?"),
-            find_id: format!("SELECT id FROM {t} WHERE tenant = ? AND operation = ? AND idem_key = ?"),
-            begin: format!(
-                "UPDATE {t} SET state = 'redriving', redrives = redrives + 1, \
-                 redrive_until_ms = {NOW_MS} + ?, updated_at_ms = {NOW_MS} \
-                 WHERE id = ? AND redrives < {MAX_COUNT} \
-                 AND (state = 'dead' OR (state = 'redriving' AND redrive_until_ms <= {NOW_MS}))"
+            get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ?"),
+            get_for_update: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ? FOR UPDATE"),
+            find: format!(
+                "SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE tenant = ? AND operation = ? AND idem_key = ?"
             ),
-            resolve: format!(
-                "UPDATE {t} SET state = 'resolved', response_status = ?, response_body = ?, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = ? AND {taken}"
+            find_for_update: format!(
+                "SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} \
+                 WHERE tenant = ? AND operation = ? AND idem_key = ? FOR UPDATE"
             ),
-            fail: format!(
-                "UPDATE {t} SET state = 'dead', attempts = LEAST(attempts + ?, {MAX_COUNT}), last_error = ?, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = ? AND {taken}"
+            update: format!(
+                "UPDATE {t} SET url = ?, attempts = ?, last_error = ?, state = ?, redrives = ?, updated_at_ms = ?, \
+                 redrive_until_ms = ?, response_status = ?, response_body = ?, first_reached_at_ms = ?, \
+                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ? WHERE id = ?"
             ),
             purge: format!(
-                "DELETE FROM {t} WHERE state = 'resolved' AND updated_at_ms < {NOW_MS} - ? ORDER BY id LIMIT ?"
+                "DELETE FROM {t} WHERE state IN ('resolved', 'cancelled') AND updated_at_ms < {NOW_MS} - ? \
+                 ORDER BY id LIMIT ?"
             ),
         };
         Self {
@@ -149,13 +134,13 @@ impl MySqlDeadLetters {
         &self.pool
     }
 
-    fn ddl(&self) -> String {
+    fn create(&self) -> String {
         let t = self.table.as_str();
         // Binary columns compare byte for byte (keys that differ only in
         // case or trailing spaces stay apart, whatever the server's
         // collation), and the unique key of three 255-byte columns stays
-        // within InnoDB's 3072-byte index limit, where utf8mb4 text columns
-        // would need 3060 bytes for their characters alone.
+        // within InnoDB's 3072-byte index limit. A vendor's answer is kept
+        // up to 64 KiB, one byte more than a BLOB holds: MEDIUMBLOB.
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (
                 id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
@@ -174,16 +159,66 @@ impl MySqlDeadLetters {
                 updated_at_ms BIGINT NOT NULL,
                 redrive_until_ms BIGINT NULL,
                 response_status INT NULL,
-                response_body BLOB NULL,
+                response_body MEDIUMBLOB NULL,
+                first_reached_at_ms BIGINT NULL,
+                verdict VARBINARY(16) NULL,
+                verdict_by VARBINARY(16) NULL,
+                verdict_at_ms BIGINT NULL,
+                verdict_note BLOB NULL,
                 UNIQUE KEY scope_key (tenant, operation, idem_key),
                 KEY state_idx (state, id)
             ) ENGINE=InnoDB"
         )
     }
 
-    /// Creates the table and its indexes if they do not exist. Safe to run
-    /// again and from several processes at once (they take turns on a named
-    /// lock).
+    /// Version 2 from version 1: the new columns, and room for a whole
+    /// vendor answer. (MySQL does not check the states: nothing to change
+    /// there.)
+    fn upgrade(&self) -> Vec<String> {
+        let t = self.table.as_str();
+        vec![format!(
+            "ALTER TABLE {t} ADD COLUMN first_reached_at_ms BIGINT NULL, ADD COLUMN verdict VARBINARY(16) NULL, \
+             ADD COLUMN verdict_by VARBINARY(16) NULL, ADD COLUMN verdict_at_ms BIGINT NULL, \
+             ADD COLUMN verdict_note BLOB NULL, MODIFY COLUMN response_body MEDIUMBLOB NULL"
+        )]
+    }
+
+    /// The schema version of the table: 0 when it does not exist.
+    async fn version(&self, conn: &mut MySqlConnection) -> Result<u32> {
+        let columns: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind(self.table.as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(store_error)?;
+        Ok(match () {
+            _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
+            _ => 1,
+        })
+    }
+
+    fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
+        match version {
+            0 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                statements: vec![self.create()],
+            }],
+            1 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                statements: self.upgrade(),
+            }],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Creates the table and its indexes, or upgrades an older table. Safe
+    /// to run again and from several processes at once (they take turns on
+    /// a named lock, and each reads the table's version under it).
     pub async fn migrate(&self) -> Result<()> {
         let t = self.table.as_str();
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
@@ -197,75 +232,151 @@ impl MySqlDeadLetters {
             .await
             .map_err(store_error)?;
         if acquired != Some(1) {
-            return Err(Error::store(
-                StoreErrorKind::LockTimeout,
+            return Err(idem_core::Error::store(
+                idem_core::StoreErrorKind::LockTimeout,
                 format!("the dead-letter migration lock of {t} was not granted within 60 s"),
             ));
         }
-        let result = sqlx::query(AssertSqlSafe(self.ddl()))
-            .execute(&mut *conn)
-            .await
-            .map_err(store_error);
+        let result = async {
+            let version = self.version(&mut conn).await?;
+            for migration in self.pending_for(version) {
+                for statement in migration.statements {
+                    sqlx::query(AssertSqlSafe(statement))
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(store_error)?;
+                }
+            }
+            Ok::<_, idem_core::Error>(())
+        }
+        .await;
         sqlx::query(AssertSqlSafe(format!("SELECT RELEASE_LOCK({lock})")))
             .bind(t)
             .execute(&mut *conn)
             .await
             .map_err(store_error)?;
-        result.map(|_| ())
+        result
     }
 
-    /// What [`migrate`](Self::migrate) would run, without running it: the
-    /// table's one schema version while the table does not exist, nothing
-    /// once it does.
+    /// What [`migrate`](Self::migrate) would run, without running it.
     pub async fn pending_migrations(&self) -> Result<Vec<PendingMigration>> {
-        let exists: i64 = sqlx::query_scalar(
-            "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.tables \
-             WHERE table_schema = DATABASE() AND table_name = ?",
-        )
-        .bind(self.table.as_str())
-        .fetch_one(&self.pool)
-        .await
-        .map_err(store_error)?;
-        if exists > 0 {
-            return Ok(Vec::new());
-        }
-        Ok(vec![PendingMigration {
-            version: 1,
-            description: "dead letters table and state index".into(),
-            statements: vec![self.ddl()],
-        }])
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let version = self.version(&mut conn).await?;
+        Ok(self.pending_for(version))
     }
 
     /// Records `letter` in the caller's open transaction (see
     /// [`DeadLetterStore::record`]): it is kept if and only if that
     /// transaction commits. Answers the letter's id.
     pub async fn record_in(&self, conn: &mut MySqlConnection, letter: &NewDeadLetter) -> Result<i64> {
-        let headers = encode_headers(letter.request.headers())?;
-        let done = sqlx::query(AssertSqlSafe(self.sql.record.as_str()))
-            .bind(letter.scope.tenant().as_str())
-            .bind(letter.scope.operation().as_str())
-            .bind(letter.key.as_str())
-            .bind(letter.request.method())
-            .bind(letter.request.url())
-            .bind(headers)
-            .bind(letter.request.body())
-            .bind(i64::from(letter.attempts))
-            .bind(clip_text(&letter.last_error))
-            .execute(&mut *conn)
+        let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
+            .fetch_one(&mut *conn)
             .await
             .map_err(store_error)?;
-        if let Ok(id @ 1..) = i64::try_from(done.last_insert_id()) {
-            return Ok(id);
+        let row = DeadLetterRow::of(&DeadLetter::created(letter, now))?;
+        let inserted = sqlx::query(AssertSqlSafe(self.sql.insert.as_str()))
+            .bind(&row.tenant)
+            .bind(&row.operation)
+            .bind(&row.idem_key)
+            .bind(&row.method)
+            .bind(&row.url)
+            .bind(&row.headers)
+            .bind(&row.body)
+            .bind(row.attempts)
+            .bind(&row.last_error)
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.created_at_ms)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status)
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(&row.verdict_note)
+            .execute(&mut *conn)
+            .await;
+        match inserted {
+            Ok(done) => {
+                if let Ok(id @ 1..) = i64::try_from(done.last_insert_id()) {
+                    return Ok(id);
+                }
+            }
+            // Another writer of the same call made the row first: this
+            // record updates it. Only the statement failed, not the
+            // transaction.
+            Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => {}
+            Err(e) => return Err(store_error(e)),
         }
-        // A server that did not report the id: the row is there, under this
-        // transaction's lock.
-        sqlx::query_scalar(AssertSqlSafe(self.sql.find_id.as_str()))
+        let found = sqlx::query(AssertSqlSafe(self.sql.find_for_update.as_str()))
             .bind(letter.scope.tenant().as_str())
             .bind(letter.scope.operation().as_str())
             .bind(letter.key.as_str())
-            .fetch_one(conn)
+            .fetch_one(&mut *conn)
             .await
-            .map_err(store_error)
+            .map_err(store_error)?;
+        let (mut existing, now) = read(&found)?;
+        if existing.on_record(letter, now) {
+            self.write(conn, &existing).await?;
+        }
+        Ok(existing.id)
+    }
+
+    /// Cancels letter `id` in the caller's open transaction, if it is known
+    /// not to have been applied (see [`DeadLetterStore::cancel`]).
+    pub async fn cancel_in(&self, conn: &mut MySqlConnection, id: i64) -> Result<bool> {
+        Ok(self
+            .change_in(conn, id, |l, now| Ok(l.cancel(now).then_some(())))
+            .await?
+            .is_some())
+    }
+
+    async fn write(&self, conn: &mut MySqlConnection, letter: &DeadLetter) -> Result<()> {
+        let row = DeadLetterRow::of(letter)?;
+        sqlx::query(AssertSqlSafe(self.sql.update.as_str()))
+            .bind(&row.url)
+            .bind(row.attempts)
+            .bind(&row.last_error)
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status)
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(&row.verdict_note)
+            .bind(row.id)
+            .execute(conn)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Reads letter `id` on `conn`, applies `change` (which answers `Some`
+    /// when it changed the letter) and writes it back.
+    async fn change_in<T>(
+        &self,
+        conn: &mut MySqlConnection,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.get_for_update.as_str()))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let (mut letter, now) = read(&row)?;
+        let out = change(&mut letter, now)?;
+        if out.is_some() {
+            self.write(conn, &letter).await?;
+        }
+        Ok(out)
     }
 
     /// A READ COMMITTED transaction whatever the server's default:
@@ -278,6 +389,23 @@ impl MySqlDeadLetters {
             .await
             .map_err(store_error)?;
         Transaction::begin(conn, None).await.map_err(store_error)
+    }
+
+    /// [`change_in`](Self::change_in) in a READ COMMITTED transaction of its
+    /// own.
+    async fn change<T>(
+        &self,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let mut tx = self.read_committed().await?;
+        let out = self.change_in(&mut tx, id, change).await?;
+        if out.is_some() {
+            tx.commit().await.map_err(store_error)?;
+        } else {
+            tx.rollback().await.map_err(store_error)?;
+        }
+        Ok(out)
     }
 }
 
@@ -296,7 +424,7 @@ impl DeadLetterStore for MySqlDeadLetters {
         let filter = filter.clone();
         Box::pin(async move {
             filter.check()?;
-            let mut sql = format!("SELECT {COLUMNS} FROM {} WHERE id > ?", self.table);
+            let mut sql = format!("SELECT {COLUMNS}, 0 AS now_ms FROM {} WHERE id > ?", self.table);
             for (set, clause) in [
                 (filter.tenant.is_some(), " AND tenant = ?"),
                 (filter.operation.is_some(), " AND operation = ?"),
@@ -322,7 +450,7 @@ impl DeadLetterStore for MySqlDeadLetters {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(store_error)?;
-            rows.iter().map(decode).collect()
+            rows.iter().map(|r| read(r).map(|(l, _)| l)).collect()
         })
     }
 
@@ -333,7 +461,7 @@ impl DeadLetterStore for MySqlDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
@@ -347,60 +475,53 @@ impl DeadLetterStore for MySqlDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            let hold_ms = idem_core::redrive_hold_ms(hold_ms)?;
-            let mut tx = self.read_committed().await?;
-            let taken = sqlx::query(AssertSqlSafe(self.sql.begin.as_str()))
-                .bind(hold_ms)
-                .bind(id)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            if taken.rows_affected() != 1 {
-                tx.rollback().await.map_err(store_error)?;
-                return Ok(None);
-            }
-            // The update holds the row's lock until commit: this reads the
-            // row exactly as it was taken.
-            let row = sqlx::query(AssertSqlSafe(self.sql.get_for_update.as_str()))
-                .bind(id)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            tx.commit().await.map_err(store_error)?;
-            let dead_letter = decode(&row)?;
-            Ok(Some(RedriveHold {
-                token: dead_letter.redrives,
-                dead_letter,
-            }))
+            idem_core::redrive_hold_ms(hold_ms)?;
+            self.change(id, |l, now| {
+                Ok(l.take(now, hold_ms)?.map(|token| RedriveHold {
+                    dead_letter: l.clone(),
+                    token,
+                }))
+            })
+            .await
+        })
+    }
+
+    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
+        let url = url.to_owned();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.retarget(token, &url, now)?.then_some(())));
+            Ok(changed.await?.is_some())
         })
     }
 
     fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
         let outcome = outcome.clone();
         Box::pin(async move {
-            let query = match &outcome {
-                RedriveOutcome::Resolved { status, body } => sqlx::query(AssertSqlSafe(self.sql.resolve.as_str()))
-                    .bind(i32::from(*status))
-                    .bind(idem_core::clip_body(body)),
-                RedriveOutcome::Failed { attempts, error } => sqlx::query(AssertSqlSafe(self.sql.fail.as_str()))
-                    .bind(i64::from(*attempts))
-                    .bind(clip_text(error)),
-            };
-            let mut tx = self.read_committed().await?;
-            let done = query
-                .bind(id)
-                .bind(i64::from(token))
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            tx.commit().await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
+            let changed = self.change(id, |l, now| Ok(l.finish(token, &outcome, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
+        let settlement = settlement.clone();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.settle(&settlement, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move {
+            Ok(self
+                .change(id, |l, now| Ok(l.cancel(now).then_some(())))
+                .await?
+                .is_some())
         })
     }
 
@@ -419,49 +540,47 @@ impl DeadLetterStore for MySqlDeadLetters {
     }
 }
 
-fn corrupt(what: String) -> Error {
-    Error::store(StoreErrorKind::Other, format!("corrupt dead letter: {what}"))
-}
-
-fn encode_headers(headers: &[(String, String)]) -> Result<String> {
-    serde_json::to_string(headers).map_err(|e| Error::InvalidRequest(format!("headers cannot be stored: {e}")))
-}
-
-fn decode(row: &MySqlRow) -> Result<DeadLetter> {
-    let id: i64 = row.try_get("id").map_err(store_error)?;
+/// A row and the database's clock read with it.
+fn read(row: &MySqlRow) -> Result<(DeadLetter, i64)> {
+    let get = |name: &str| -> Result<i64> { row.try_get(name).map_err(store_error) };
+    let opt = |name: &str| -> Result<Option<i64>> { row.try_get(name).map_err(store_error) };
     // Every text column is binary: the bytes written, UTF-8.
+    let bytes = |name: &str| -> Result<Vec<u8>> { row.try_get(name).map_err(store_error) };
+    let opt_bytes = |name: &str| -> Result<Option<Vec<u8>>> { row.try_get(name).map_err(store_error) };
     let text = |name: &str| -> Result<String> {
-        let bytes: Vec<u8> = row.try_get(name).map_err(store_error)?;
-        String::from_utf8(bytes).map_err(|_| corrupt(format!("{name} of {id} is not UTF-8")))
+        String::from_utf8(bytes(name)?).map_err(|_| {
+            idem_core::Error::store(
+                idem_core::StoreErrorKind::Other,
+                format!("corrupt dead letter: {name} is not UTF-8"),
+            )
+        })
     };
-    let count = |name: &str| -> Result<u32> {
-        let n: i64 = row.try_get(name).map_err(store_error)?;
-        u32::try_from(n).map_err(|_| corrupt(format!("{name} {n} of {id}")))
-    };
-    let headers: Vec<(String, String)> =
-        serde_json::from_str(&text("headers")?).map_err(|e| corrupt(format!("headers of {id}: {e}")))?;
-    let request = OutboundRequest::new(
-        text("method")?,
-        text("url")?,
-        headers,
-        row.try_get("body").map_err(store_error)?,
-    )?;
+    let lossy = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
     let status: Option<i32> = row.try_get("response_status").map_err(store_error)?;
-    Ok(DeadLetter {
-        id,
-        scope: Scope::parse(&text("tenant")?, &text("operation")?)?,
-        key: IdempotencyKey::new(text("idem_key")?)?,
-        request,
-        attempts: count("attempts")?,
-        last_error: text("last_error")?,
-        state: DeadLetterState::parse(&text("state")?)?,
-        redrives: count("redrives")?,
-        created_at_ms: row.try_get("created_at_ms").map_err(store_error)?,
-        updated_at_ms: row.try_get("updated_at_ms").map_err(store_error)?,
-        redrive_until_ms: row.try_get("redrive_until_ms").map_err(store_error)?,
-        response_status: status
-            .map(|s| u16::try_from(s).map_err(|_| corrupt(format!("response status {s} of {id}"))))
-            .transpose()?,
-        response_body: row.try_get("response_body").map_err(store_error)?,
-    })
+    let letter = DeadLetterRow {
+        id: get("id")?,
+        tenant: text("tenant")?,
+        operation: text("operation")?,
+        idem_key: text("idem_key")?,
+        method: text("method")?,
+        url: text("url")?,
+        headers: text("headers")?,
+        body: bytes("body")?,
+        attempts: get("attempts")?,
+        last_error: lossy(bytes("last_error")?),
+        state: text("state")?,
+        redrives: get("redrives")?,
+        created_at_ms: get("created_at_ms")?,
+        updated_at_ms: get("updated_at_ms")?,
+        redrive_until_ms: opt("redrive_until_ms")?,
+        response_status: status.map(i64::from),
+        response_body: opt_bytes("response_body")?,
+        first_reached_at_ms: opt("first_reached_at_ms")?,
+        verdict: opt_bytes("verdict")?.map(lossy),
+        verdict_by: opt_bytes("verdict_by")?.map(lossy),
+        verdict_at_ms: opt("verdict_at_ms")?,
+        verdict_note: opt_bytes("verdict_note")?.map(lossy),
+    }
+    .decode()?;
+    Ok((letter, get("now_ms")?))
 }

@@ -81,13 +81,13 @@ deadletter_conformance!(
 );
 
 fn letter(tenant: &str, key: &str) -> NewDeadLetter {
-    NewDeadLetter {
-        scope: Scope::parse(tenant, "payout").unwrap(),
-        key: IdempotencyKey::new(key).unwrap(),
-        request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
-        attempts: 2,
-        last_error: "timeout".into(),
-    }
+    NewDeadLetter::new(
+        Scope::parse(tenant, "payout").unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+        OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
+        2,
+        "timeout",
+    )
 }
 
 /// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.

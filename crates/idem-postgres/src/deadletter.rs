@@ -1,21 +1,21 @@
 //! Dead letters of outbound calls on PostgreSQL.
 //!
-//! One row per (tenant, operation, key): recording the same call again is
-//! an `INSERT … ON CONFLICT DO UPDATE` on that unique key. A redrive takes a
-//! row with one conditional `UPDATE … RETURNING` in a READ COMMITTED
-//! transaction: a concurrent redrive waits for the row's lock, re-reads it
-//! and no longer matches, so it answers `None` rather than a serialisation
-//! failure, whatever the database's default isolation level. A redrive
-//! finishes the row only with the token that `UPDATE` handed out.
-//! Timestamps and holds are on the database's clock.
+//! One row per (tenant, operation, key). Every write reads the row with the
+//! database's clock by `SELECT … FOR UPDATE` in a READ COMMITTED
+//! transaction (a concurrent redrive waits for the row's lock, re-reads it
+//! and no longer finds it free: `None`, never a serialisation failure,
+//! whatever the database's default level), applies one of the core's
+//! transitions ([`DeadLetter`]'s methods: the same decisions on every
+//! engine), and writes the row back. A first record is an
+//! `INSERT … ON CONFLICT DO NOTHING`, so two writers of one call make one
+//! row. Timestamps and holds are on the database's clock.
 
 use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
-    OutboundRequest, PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, StoreErrorKind, TableName,
-    clip_text,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterStore, IdempotencyKey, NewDeadLetter,
+    PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, Settlement, TableName,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
@@ -26,23 +26,22 @@ use crate::store_error;
 /// The default dead-letter table.
 pub const DEFAULT_DEAD_LETTER_TABLE: &str = "idem_dead_letters";
 
-/// The database's clock in milliseconds, read when the statement runs.
+/// The database's clock in milliseconds.
 const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint";
 
-/// The columns every read selects.
+/// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
-                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body";
-
-/// Attempts and redrives are `u32` in the API; sums stop there.
-const MAX_COUNT: i64 = u32::MAX as i64;
+                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
 
 struct Sql {
-    record: String,
+    now: String,
+    insert: String,
     get: String,
+    get_for_update: String,
     find: String,
-    begin: String,
-    resolve: String,
-    fail: String,
+    find_for_update: String,
+    update: String,
     purge: String,
 }
 
@@ -90,43 +89,32 @@ impl PgDeadLetters {
     /// The dead letters in `table`.
     pub fn with_table(pool: PgPool, table: TableName) -> Self {
         let t = table.as_str();
-        let taken = "state = 'redriving' AND redrives = $2";
-        let resolved = format!("{t}.state = 'resolved'");
         let sql = Sql {
-            // A resolved letter keeps everything: its call has been made.
-            record: format!(
+            now: format!("SELECT {NOW_MS}"),
+            insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
-                 state, redrives, created_at_ms, updated_at_ms) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'dead', 0, {NOW_MS}, {NOW_MS}) \
-                 ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
-                 attempts = CASE WHEN {resolved} THEN {t}.attempts \
-                     ELSE LEAST({t}.attempts + EXCLUDED.attempts, {MAX_COUNT}) END, \
-                 last_error = CASE WHEN {resolved} THEN {t}.last_error ELSE EXCLUDED.last_error END, \
-                 redrive_until_ms = CASE WHEN {resolved} THEN {t}.redrive_until_ms ELSE NULL END, \
-                 updated_at_ms = CASE WHEN {resolved} THEN {t}.updated_at_ms ELSE EXCLUDED.updated_at_ms END, \
-                 state = CASE WHEN {resolved} THEN {t}.state ELSE 'dead' END \
-                 RETURNING id"
+                 state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
+                 ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING id"
             ),
-            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
-            find: format!("SELECT {COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3"),
-            begin: format!(
-                "UPDATE {t} SET state = 'redriving', redrives = redrives + 1, \
-                 redrive_until_ms = {NOW_MS} + $2, updated_at_ms = {NOW_MS} \
-                 WHERE id = $1 AND redrives < {MAX_COUNT} \
-                 AND (state = 'dead' OR (state = 'redriving' AND redrive_until_ms <= {NOW_MS})) \
-                 RETURNING {COLUMNS}"
+            get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = $1"),
+            get_for_update: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = $1 FOR UPDATE"),
+            find: format!(
+                "SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3"
             ),
-            resolve: format!(
-                "UPDATE {t} SET state = 'resolved', response_status = $3, response_body = $4, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = $1 AND {taken}"
+            find_for_update: format!(
+                "SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} \
+                 WHERE tenant = $1 AND operation = $2 AND idem_key = $3 FOR UPDATE"
             ),
-            fail: format!(
-                "UPDATE {t} SET state = 'dead', attempts = LEAST(attempts + $3, {MAX_COUNT}), last_error = $4, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = $1 AND {taken}"
+            update: format!(
+                "UPDATE {t} SET url = $1, attempts = $2, last_error = $3, state = $4, redrives = $5, updated_at_ms = $6, \
+                 redrive_until_ms = $7, response_status = $8, response_body = $9, first_reached_at_ms = $10, \
+                 verdict = $11, verdict_by = $12, verdict_at_ms = $13, verdict_note = $14 WHERE id = $15"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} \
-                 WHERE state = 'resolved' AND updated_at_ms < {NOW_MS} - $1 ORDER BY id LIMIT $2)"
+                 WHERE state IN ('resolved', 'cancelled') AND updated_at_ms < {NOW_MS} - $1 ORDER BY id LIMIT $2)"
             ),
         };
         Self {
@@ -146,44 +134,109 @@ impl PgDeadLetters {
         &self.pool
     }
 
-    fn ddl(&self) -> Vec<String> {
+    fn create(&self) -> String {
         let t = self.table.as_str();
         let unique = derived_name(&self.table, "scope_key");
+        let check = derived_name(&self.table, "state_check");
+        // The scope and key use the "C" collation, as the keys table does:
+        // plain byte comparisons, so keys that differ only in case or
+        // trailing spaces stay apart. Errors and notes are kept as bytes
+        // (UTF-8): they may hold a NUL, which `text` refuses.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                tenant TEXT COLLATE \"C\" NOT NULL,
+                operation TEXT COLLATE \"C\" NOT NULL,
+                idem_key TEXT COLLATE \"C\" NOT NULL,
+                method TEXT NOT NULL,
+                url TEXT NOT NULL,
+                headers TEXT NOT NULL,
+                body BYTEA NOT NULL,
+                attempts BIGINT NOT NULL,
+                last_error BYTEA NOT NULL,
+                state TEXT COLLATE \"C\" NOT NULL,
+                redrives BIGINT NOT NULL DEFAULT 0,
+                created_at_ms BIGINT NOT NULL,
+                updated_at_ms BIGINT NOT NULL,
+                redrive_until_ms BIGINT NULL,
+                response_status INTEGER NULL,
+                response_body BYTEA NULL,
+                first_reached_at_ms BIGINT NULL,
+                verdict TEXT NULL,
+                verdict_by TEXT NULL,
+                verdict_at_ms BIGINT NULL,
+                verdict_note BYTEA NULL,
+                CONSTRAINT {unique} UNIQUE (tenant, operation, idem_key),
+                CONSTRAINT {check} CHECK (state IN ('dead', 'redriving', 'resolved', 'unknown', 'cancelled'))
+            )"
+        )
+    }
+
+    fn index(&self) -> String {
+        let t = self.table.as_str();
         let state = derived_name(&self.table, "state_idx");
+        // Listing by state, in id order; purging final letters.
+        format!("CREATE INDEX IF NOT EXISTS {state} ON {t} (state, id)")
+    }
+
+    /// Version 2 from version 1: the new columns, and the state check (an
+    /// unnamed one in version 1, whatever PostgreSQL called it) replaced by
+    /// one that admits the new states.
+    fn upgrade(&self) -> Vec<String> {
+        let t = self.table.as_str();
+        let check = derived_name(&self.table, "state_check");
         vec![
-            // The scope and key use the "C" collation, as the keys table
-            // does: plain byte comparisons, so keys that differ only in case
-            // or trailing spaces stay apart. The error is kept as bytes
-            // (UTF-8): an error text may hold a NUL, which `text` refuses.
             format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                    tenant TEXT COLLATE \"C\" NOT NULL,
-                    operation TEXT COLLATE \"C\" NOT NULL,
-                    idem_key TEXT COLLATE \"C\" NOT NULL,
-                    method TEXT NOT NULL,
-                    url TEXT NOT NULL,
-                    headers TEXT NOT NULL,
-                    body BYTEA NOT NULL,
-                    attempts BIGINT NOT NULL,
-                    last_error BYTEA NOT NULL,
-                    state TEXT COLLATE \"C\" NOT NULL CHECK (state IN ('dead', 'redriving', 'resolved')),
-                    redrives BIGINT NOT NULL DEFAULT 0,
-                    created_at_ms BIGINT NOT NULL,
-                    updated_at_ms BIGINT NOT NULL,
-                    redrive_until_ms BIGINT NULL,
-                    response_status INTEGER NULL,
-                    response_body BYTEA NULL,
-                    CONSTRAINT {unique} UNIQUE (tenant, operation, idem_key)
-                )"
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS first_reached_at_ms BIGINT NULL, \
+                 ADD COLUMN IF NOT EXISTS verdict TEXT NULL, ADD COLUMN IF NOT EXISTS verdict_by TEXT NULL, \
+                 ADD COLUMN IF NOT EXISTS verdict_at_ms BIGINT NULL, ADD COLUMN IF NOT EXISTS verdict_note BYTEA NULL"
             ),
-            // Listing by state, in id order; purging resolved letters.
-            format!("CREATE INDEX IF NOT EXISTS {state} ON {t} (state, id)"),
+            format!(
+                "DO $$ DECLARE c text; BEGIN FOR c IN SELECT conname FROM pg_constraint \
+                 WHERE conrelid = '{t}'::regclass AND contype = 'c' LOOP \
+                 EXECUTE format('ALTER TABLE {t} DROP CONSTRAINT %I', c); END LOOP; END $$"
+            ),
+            format!(
+                "ALTER TABLE {t} ADD CONSTRAINT {check} \
+                 CHECK (state IN ('dead', 'redriving', 'resolved', 'unknown', 'cancelled'))"
+            ),
         ]
     }
 
-    /// Creates the table and its index if they do not exist. Safe to run
-    /// again and from several processes at once (they take turns on an
+    /// The schema version of the table: 0 when it does not exist.
+    async fn version(&self, conn: &mut PgConnection) -> Result<u32> {
+        let columns: Vec<String> = sqlx::query_scalar(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+        )
+            .bind(self.table.as_str())
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        Ok(match () {
+            _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
+            _ => 1,
+        })
+    }
+
+    fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
+        match version {
+            0 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                statements: vec![self.create(), self.index()],
+            }],
+            1 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                statements: self.upgrade(),
+            }],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Creates the table and its index, or upgrades an older table. Safe to
+    /// run again and from several processes at once (they take turns on an
     /// advisory lock in a READ COMMITTED transaction).
     pub async fn migrate(&self) -> Result<()> {
         let mut tx = self.read_committed().await?;
@@ -193,52 +246,129 @@ impl PgDeadLetters {
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
-        for ddl in self.ddl() {
-            sqlx::query(AssertSqlSafe(ddl))
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
+        let version = self.version(&mut tx).await?;
+        for migration in self.pending_for(version) {
+            for statement in migration.statements {
+                sqlx::query(AssertSqlSafe(statement))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+            }
         }
         tx.commit().await.map_err(store_error)
     }
 
-    /// What [`migrate`](Self::migrate) would run, without running it: the
-    /// table's one schema version while the table does not exist, nothing
-    /// once it does.
+    /// What [`migrate`](Self::migrate) would run, without running it.
     pub async fn pending_migrations(&self) -> Result<Vec<PendingMigration>> {
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(self.table.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        if exists {
-            return Ok(Vec::new());
-        }
-        Ok(vec![PendingMigration {
-            version: 1,
-            description: "dead letters table and state index".into(),
-            statements: self.ddl(),
-        }])
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let version = self.version(&mut conn).await?;
+        Ok(self.pending_for(version))
     }
 
     /// Records `letter` in the caller's open transaction (see
     /// [`DeadLetterStore::record`]): it is kept if and only if that
     /// transaction commits. Answers the letter's id.
     pub async fn record_in(&self, conn: &mut PgConnection, letter: &NewDeadLetter) -> Result<i64> {
-        let headers = encode_headers(letter.request.headers())?;
-        sqlx::query_scalar(AssertSqlSafe(self.sql.record.as_str()))
+        let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let row = DeadLetterRow::of(&DeadLetter::created(letter, now))?;
+        let inserted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.insert.as_str()))
+            .bind(&row.tenant)
+            .bind(&row.operation)
+            .bind(&row.idem_key)
+            .bind(&row.method)
+            .bind(&row.url)
+            .bind(&row.headers)
+            .bind(&row.body)
+            .bind(row.attempts)
+            .bind(row.last_error.as_bytes())
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.created_at_ms)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status.map(|s| s as i32))
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(row.verdict_note.as_deref().map(str::as_bytes))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if let Some(id) = inserted {
+            return Ok(id);
+        }
+        let found = sqlx::query(AssertSqlSafe(self.sql.find_for_update.as_str()))
             .bind(letter.scope.tenant().as_str())
             .bind(letter.scope.operation().as_str())
             .bind(letter.key.as_str())
-            .bind(letter.request.method())
-            .bind(letter.request.url())
-            .bind(headers)
-            .bind(letter.request.body())
-            .bind(i64::from(letter.attempts))
-            .bind(clip_text(&letter.last_error).as_bytes())
-            .fetch_one(conn)
+            .fetch_one(&mut *conn)
             .await
-            .map_err(store_error)
+            .map_err(store_error)?;
+        let (mut existing, now) = read(&found)?;
+        if existing.on_record(letter, now) {
+            self.write(conn, &existing).await?;
+        }
+        Ok(existing.id)
+    }
+
+    /// Cancels letter `id` in the caller's open transaction, if it is known
+    /// not to have been applied (see [`DeadLetterStore::cancel`]).
+    pub async fn cancel_in(&self, conn: &mut PgConnection, id: i64) -> Result<bool> {
+        Ok(self
+            .change_in(conn, id, |l, now| Ok(l.cancel(now).then_some(())))
+            .await?
+            .is_some())
+    }
+
+    async fn write(&self, conn: &mut PgConnection, letter: &DeadLetter) -> Result<()> {
+        let row = DeadLetterRow::of(letter)?;
+        sqlx::query(AssertSqlSafe(self.sql.update.as_str()))
+            .bind(&row.url)
+            .bind(row.attempts)
+            .bind(row.last_error.as_bytes())
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status.map(|s| s as i32))
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(row.verdict_note.as_deref().map(str::as_bytes))
+            .bind(row.id)
+            .execute(conn)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Reads letter `id` on `conn`, applies `change` (which answers `Some`
+    /// when it changed the letter) and writes it back.
+    async fn change_in<T>(
+        &self,
+        conn: &mut PgConnection,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.get_for_update.as_str()))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let (mut letter, now) = read(&row)?;
+        let out = change(&mut letter, now)?;
+        if out.is_some() {
+            self.write(conn, &letter).await?;
+        }
+        Ok(out)
     }
 
     /// A READ COMMITTED transaction whatever the database's default: a
@@ -249,6 +379,23 @@ impl PgDeadLetters {
             .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(store_error)
+    }
+
+    /// [`change_in`](Self::change_in) in a READ COMMITTED transaction of its
+    /// own.
+    async fn change<T>(
+        &self,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let mut tx = self.read_committed().await?;
+        let out = self.change_in(&mut tx, id, change).await?;
+        if out.is_some() {
+            tx.commit().await.map_err(store_error)?;
+        } else {
+            tx.rollback().await.map_err(store_error)?;
+        }
+        Ok(out)
     }
 }
 
@@ -267,7 +414,10 @@ impl DeadLetterStore for PgDeadLetters {
         let filter = filter.clone();
         Box::pin(async move {
             filter.check()?;
-            let mut sql = format!("SELECT {COLUMNS} FROM {} WHERE id > $1", self.table);
+            let mut sql = format!(
+                "SELECT {COLUMNS}, 0::bigint AS now_ms FROM {} WHERE id > $1",
+                self.table
+            );
             let mut n = 1;
             for (set, column) in [
                 (filter.tenant.is_some(), "tenant"),
@@ -295,7 +445,7 @@ impl DeadLetterStore for PgDeadLetters {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(store_error)?;
-            rows.iter().map(decode).collect()
+            rows.iter().map(|r| read(r).map(|(l, _)| l)).collect()
         })
     }
 
@@ -306,7 +456,7 @@ impl DeadLetterStore for PgDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
@@ -320,49 +470,53 @@ impl DeadLetterStore for PgDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            let hold_ms = idem_core::redrive_hold_ms(hold_ms)?;
-            let mut tx = self.read_committed().await?;
-            let row = sqlx::query(AssertSqlSafe(self.sql.begin.as_str()))
-                .bind(id)
-                .bind(hold_ms)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            tx.commit().await.map_err(store_error)?;
-            let Some(row) = row else { return Ok(None) };
-            let dead_letter = decode(&row)?;
-            Ok(Some(RedriveHold {
-                token: dead_letter.redrives,
-                dead_letter,
-            }))
+            idem_core::redrive_hold_ms(hold_ms)?;
+            self.change(id, |l, now| {
+                Ok(l.take(now, hold_ms)?.map(|token| RedriveHold {
+                    dead_letter: l.clone(),
+                    token,
+                }))
+            })
+            .await
+        })
+    }
+
+    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
+        let url = url.to_owned();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.retarget(token, &url, now)?.then_some(())));
+            Ok(changed.await?.is_some())
         })
     }
 
     fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
         let outcome = outcome.clone();
         Box::pin(async move {
-            let query = match &outcome {
-                RedriveOutcome::Resolved { status, body } => sqlx::query(AssertSqlSafe(self.sql.resolve.as_str()))
-                    .bind(id)
-                    .bind(i64::from(token))
-                    .bind(i32::from(*status))
-                    .bind(idem_core::clip_body(body)),
-                RedriveOutcome::Failed { attempts, error } => sqlx::query(AssertSqlSafe(self.sql.fail.as_str()))
-                    .bind(id)
-                    .bind(i64::from(token))
-                    .bind(i64::from(*attempts))
-                    .bind(clip_text(error).as_bytes()),
-            };
-            let mut tx = self.read_committed().await?;
-            let done = query.execute(&mut *tx).await.map_err(store_error)?;
-            tx.commit().await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
+            let changed = self.change(id, |l, now| Ok(l.finish(token, &outcome, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
+        let settlement = settlement.clone();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.settle(&settlement, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move {
+            Ok(self
+                .change(id, |l, now| Ok(l.cancel(now).then_some(())))
+                .await?
+                .is_some())
         })
     }
 
@@ -381,46 +535,40 @@ impl DeadLetterStore for PgDeadLetters {
     }
 }
 
-fn corrupt(what: String) -> Error {
-    Error::store(StoreErrorKind::Other, format!("corrupt dead letter: {what}"))
-}
-
-fn encode_headers(headers: &[(String, String)]) -> Result<String> {
-    serde_json::to_string(headers).map_err(|e| Error::InvalidRequest(format!("headers cannot be stored: {e}")))
-}
-
-fn decode(row: &PgRow) -> Result<DeadLetter> {
-    let id: i64 = row.try_get("id").map_err(store_error)?;
+/// A row and the database's clock read with it.
+fn read(row: &PgRow) -> Result<(DeadLetter, i64)> {
+    let get = |name: &str| -> Result<i64> { row.try_get(name).map_err(store_error) };
     let text = |name: &str| -> Result<String> { row.try_get(name).map_err(store_error) };
-    let count = |name: &str| -> Result<u32> {
-        let n: i64 = row.try_get(name).map_err(store_error)?;
-        u32::try_from(n).map_err(|_| corrupt(format!("{name} {n} of {id}")))
-    };
-    let headers: Vec<(String, String)> =
-        serde_json::from_str(&text("headers")?).map_err(|e| corrupt(format!("headers of {id}: {e}")))?;
-    let request = OutboundRequest::new(
-        text("method")?,
-        text("url")?,
-        headers,
-        row.try_get("body").map_err(store_error)?,
-    )?;
+    let opt = |name: &str| -> Result<Option<i64>> { row.try_get(name).map_err(store_error) };
+    // Errors and notes are stored as bytes; invalid UTF-8 is shown, not refused.
+    let utf8 = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
     let last_error: Vec<u8> = row.try_get("last_error").map_err(store_error)?;
+    let note: Option<Vec<u8>> = row.try_get("verdict_note").map_err(store_error)?;
     let status: Option<i32> = row.try_get("response_status").map_err(store_error)?;
-    Ok(DeadLetter {
-        id,
-        scope: Scope::parse(&text("tenant")?, &text("operation")?)?,
-        key: IdempotencyKey::new(text("idem_key")?)?,
-        request,
-        attempts: count("attempts")?,
-        last_error: String::from_utf8(last_error).map_err(|_| corrupt(format!("last error of {id} is not UTF-8")))?,
-        state: DeadLetterState::parse(&text("state")?)?,
-        redrives: count("redrives")?,
-        created_at_ms: row.try_get("created_at_ms").map_err(store_error)?,
-        updated_at_ms: row.try_get("updated_at_ms").map_err(store_error)?,
-        redrive_until_ms: row.try_get("redrive_until_ms").map_err(store_error)?,
-        response_status: status
-            .map(|s| u16::try_from(s).map_err(|_| corrupt(format!("response status {s} of {id}"))))
-            .transpose()?,
+    let letter = DeadLetterRow {
+        id: get("id")?,
+        tenant: text("tenant")?,
+        operation: text("operation")?,
+        idem_key: text("idem_key")?,
+        method: text("method")?,
+        url: text("url")?,
+        headers: text("headers")?,
+        body: row.try_get("body").map_err(store_error)?,
+        attempts: get("attempts")?,
+        last_error: utf8(last_error),
+        state: text("state")?,
+        redrives: get("redrives")?,
+        created_at_ms: get("created_at_ms")?,
+        updated_at_ms: get("updated_at_ms")?,
+        redrive_until_ms: opt("redrive_until_ms")?,
+        response_status: status.map(i64::from),
         response_body: row.try_get("response_body").map_err(store_error)?,
-    })
+        first_reached_at_ms: opt("first_reached_at_ms")?,
+        verdict: row.try_get("verdict").map_err(store_error)?,
+        verdict_by: row.try_get("verdict_by").map_err(store_error)?,
+        verdict_at_ms: opt("verdict_at_ms")?,
+        verdict_note: note.map(utf8),
+    }
+    .decode()?;
+    Ok((letter, get("now_ms")?))
 }

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
-use idem_core::{BoxFuture, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName};
+use idem_core::{
+    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName,
+};
 use idem_postgres::{PgDeadLetters, store_error};
 
 /// The dead-letter table most tests share; they use unique tenants, so they
@@ -85,13 +87,13 @@ deadletter_conformance!(
 );
 
 fn letter(tenant: &str, key: &str) -> NewDeadLetter {
-    NewDeadLetter {
-        scope: Scope::parse(tenant, "payout").unwrap(),
-        key: IdempotencyKey::new(key).unwrap(),
-        request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
-        attempts: 2,
-        last_error: "timeout".into(),
-    }
+    NewDeadLetter::new(
+        Scope::parse(tenant, "payout").unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+        OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
+        2,
+        "timeout",
+    )
 }
 
 /// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.
@@ -174,4 +176,50 @@ async fn migrate_is_idempotent_and_listed_until_applied() {
         letters.get(id).await.unwrap().is_some(),
         "migrating again keeps the rows"
     );
+}
+
+/// A table of the first schema version (an unnamed three-state check, no first reach or verdicts) is upgraded in place, rows kept, the new states accepted after; concurrent upgrades are harmless.
+#[tokio::test]
+async fn a_version_1_table_is_upgraded_with_its_rows() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let t = table.as_str();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {t} (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, tenant TEXT COLLATE \"C\" NOT NULL, \
+         operation TEXT COLLATE \"C\" NOT NULL, idem_key TEXT COLLATE \"C\" NOT NULL, method TEXT NOT NULL, \
+         url TEXT NOT NULL, headers TEXT NOT NULL, body BYTEA NOT NULL, attempts BIGINT NOT NULL, \
+         last_error BYTEA NOT NULL, state TEXT COLLATE \"C\" NOT NULL CHECK (state IN ('dead', 'redriving', 'resolved')), \
+         redrives BIGINT NOT NULL DEFAULT 0, created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, \
+         redrive_until_ms BIGINT NULL, response_status INTEGER NULL, response_body BYTEA NULL, \
+         UNIQUE (tenant, operation, idem_key))"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let old_id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+         created_at_ms, updated_at_ms) VALUES ('t', 'payout', 'old', 'POST', 'http://v/v1/payouts', '[]', '\\x7b7d', \
+         3, 'timeout'::bytea, 'dead', 1, 1) RETURNING id"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let letters = PgDeadLetters::with_table(pool.clone(), table.clone());
+    assert_eq!(letters.pending_migrations().await.unwrap()[0].version, 2);
+    let mut racers = Vec::new();
+    for _ in 0..3 {
+        let letters = PgDeadLetters::with_table(open_pool(&database_url()).await, table.clone());
+        racers.push(tokio::spawn(async move { letters.migrate().await }));
+    }
+    for racer in racers {
+        racer.await.unwrap().expect("concurrent upgrades all succeed");
+    }
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let old = letters.get(old_id).await.unwrap().expect("the row survives");
+    assert_eq!(
+        (old.state, old.attempts, old.first_reached_at_ms),
+        (DeadLetterState::Dead, 3, None)
+    );
+    let id = letters.record(&letter("t", "new").outcome_unknown()).await.unwrap();
+    assert_eq!(letters.get(id).await.unwrap().unwrap().state, DeadLetterState::Unknown);
 }

@@ -1,18 +1,19 @@
 //! Dead letters of outbound calls on SQLite.
 //!
-//! One row per (tenant, operation, key): recording the same call again is
-//! an upsert on that unique key. A redrive takes a row with one conditional
-//! `UPDATE … RETURNING` (SQLite has one writer, so two redrives never both
-//! match), and finishes it only with the token that `UPDATE` handed out.
-//! Timestamps and holds are on the database's clock.
+//! One row per (tenant, operation, key). Every write reads the row with the
+//! database's clock inside a `BEGIN IMMEDIATE` transaction (SQLite's single
+//! writer lock, so two redrives never both take one letter), applies one of
+//! the core's transitions ([`DeadLetter`]'s methods: the same decisions on
+//! every engine), and writes the row back. A first record is an
+//! `INSERT … ON CONFLICT DO NOTHING`, so two writers of one call make one
+//! row. Timestamps and holds are on the database's clock.
 
 use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter,
-    OutboundRequest, PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, StoreErrorKind, TableName,
-    clip_text,
+    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterStore, IdempotencyKey, NewDeadLetter,
+    PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, Settlement, TableName,
 };
 use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -25,20 +26,21 @@ pub const DEFAULT_DEAD_LETTER_TABLE: &str = "idem_dead_letters";
 /// The database's clock in milliseconds.
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
 
-/// The columns every read selects, in [`decode`]'s order.
+/// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
-                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body";
+                       redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
 
-/// Attempts and redrives are `u32` in the API; sums stop there.
-const MAX_COUNT: i64 = u32::MAX as i64;
+/// The columns of the first schema version, which an upgrade copies.
+const V1_COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+                          redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body";
 
 struct Sql {
-    record: String,
+    now: String,
+    insert: String,
     get: String,
     find: String,
-    begin: String,
-    resolve: String,
-    fail: String,
+    update: String,
     purge: String,
 }
 
@@ -86,42 +88,27 @@ impl SqliteDeadLetters {
     /// The dead letters in `table`.
     pub fn with_table(pool: SqlitePool, table: TableName) -> Self {
         let t = table.as_str();
-        let taken = "state = 'redriving' AND redrives = ?2";
         let sql = Sql {
-            // A resolved letter keeps everything: its call has been made.
-            record: format!(
+            now: format!("SELECT {NOW_MS}"),
+            insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
-                 state, redrives, created_at_ms, updated_at_ms) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, 'dead', 0, {NOW_MS}, {NOW_MS}) \
-                 ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
-                 attempts = CASE WHEN state = 'resolved' THEN attempts \
-                     ELSE MIN(attempts + excluded.attempts, {MAX_COUNT}) END, \
-                 last_error = CASE WHEN state = 'resolved' THEN last_error ELSE excluded.last_error END, \
-                 redrive_until_ms = CASE WHEN state = 'resolved' THEN redrive_until_ms ELSE NULL END, \
-                 updated_at_ms = CASE WHEN state = 'resolved' THEN updated_at_ms ELSE excluded.updated_at_ms END, \
-                 state = CASE WHEN state = 'resolved' THEN state ELSE 'dead' END \
-                 RETURNING id"
+                 state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+                 ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING id"
             ),
-            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = ?"),
-            find: format!("SELECT {COLUMNS} FROM {t} WHERE tenant = ? AND operation = ? AND idem_key = ?"),
-            begin: format!(
-                "UPDATE {t} SET state = 'redriving', redrives = redrives + 1, \
-                 redrive_until_ms = {NOW_MS} + ?2, updated_at_ms = {NOW_MS} \
-                 WHERE id = ?1 AND redrives < {MAX_COUNT} \
-                 AND (state = 'dead' OR (state = 'redriving' AND redrive_until_ms <= {NOW_MS})) \
-                 RETURNING {COLUMNS}"
+            get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ?"),
+            find: format!(
+                "SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE tenant = ? AND operation = ? AND idem_key = ?"
             ),
-            resolve: format!(
-                "UPDATE {t} SET state = 'resolved', response_status = ?3, response_body = ?4, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = ?1 AND {taken}"
-            ),
-            fail: format!(
-                "UPDATE {t} SET state = 'dead', attempts = MIN(attempts + ?3, {MAX_COUNT}), last_error = ?4, \
-                 redrive_until_ms = NULL, updated_at_ms = {NOW_MS} WHERE id = ?1 AND {taken}"
+            update: format!(
+                "UPDATE {t} SET url = ?, attempts = ?, last_error = ?, state = ?, redrives = ?, updated_at_ms = ?, \
+                 redrive_until_ms = ?, response_status = ?, response_body = ?, first_reached_at_ms = ?, \
+                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ? WHERE id = ?"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} \
-                 WHERE state = 'resolved' AND updated_at_ms < {NOW_MS} - ? ORDER BY id LIMIT ?)"
+                 WHERE state IN ('resolved', 'cancelled') AND updated_at_ms < {NOW_MS} - ? ORDER BY id LIMIT ?)"
             ),
         };
         Self {
@@ -141,88 +128,235 @@ impl SqliteDeadLetters {
         &self.pool
     }
 
-    fn ddl(&self) -> Vec<String> {
+    fn create(&self, t: &str) -> String {
+        // Text compares byte for byte (SQLite's BINARY collation), so keys
+        // that differ only in case or trailing spaces stay apart.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                tenant TEXT NOT NULL,
+                operation TEXT NOT NULL,
+                idem_key TEXT NOT NULL,
+                method TEXT NOT NULL,
+                url TEXT NOT NULL,
+                headers TEXT NOT NULL,
+                body BLOB NOT NULL,
+                attempts INTEGER NOT NULL,
+                last_error TEXT NOT NULL,
+                state TEXT NOT NULL CHECK (state IN ('dead', 'redriving', 'resolved', 'unknown', 'cancelled')),
+                redrives INTEGER NOT NULL DEFAULT 0,
+                created_at_ms INTEGER NOT NULL,
+                updated_at_ms INTEGER NOT NULL,
+                redrive_until_ms INTEGER NULL,
+                response_status INTEGER NULL,
+                response_body BLOB NULL,
+                first_reached_at_ms INTEGER NULL,
+                verdict TEXT NULL,
+                verdict_by TEXT NULL,
+                verdict_at_ms INTEGER NULL,
+                verdict_note TEXT NULL,
+                UNIQUE (tenant, operation, idem_key)
+            )"
+        )
+    }
+
+    fn index(&self) -> String {
         let t = self.table.as_str();
+        // Listing by state, in id order; purging final letters.
+        format!("CREATE INDEX IF NOT EXISTS {t}_state_idx ON {t} (state, id)")
+    }
+
+    /// Version 2 from version 1: SQLite cannot change a CHECK constraint
+    /// (the new states), so the table is rebuilt under the same name, rows,
+    /// ids and id sequence kept.
+    fn upgrade(&self) -> Vec<String> {
+        let t = self.table.as_str();
+        let new = format!("{t}_v2");
         vec![
-            // Text compares byte for byte (SQLite's BINARY collation), so
-            // keys that differ only in case or trailing spaces stay apart.
-            format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    id INTEGER PRIMARY KEY AUTOINCREMENT,
-                    tenant TEXT NOT NULL,
-                    operation TEXT NOT NULL,
-                    idem_key TEXT NOT NULL,
-                    method TEXT NOT NULL,
-                    url TEXT NOT NULL,
-                    headers TEXT NOT NULL,
-                    body BLOB NOT NULL,
-                    attempts INTEGER NOT NULL,
-                    last_error TEXT NOT NULL,
-                    state TEXT NOT NULL CHECK (state IN ('dead', 'redriving', 'resolved')),
-                    redrives INTEGER NOT NULL DEFAULT 0,
-                    created_at_ms INTEGER NOT NULL,
-                    updated_at_ms INTEGER NOT NULL,
-                    redrive_until_ms INTEGER NULL,
-                    response_status INTEGER NULL,
-                    response_body BLOB NULL,
-                    UNIQUE (tenant, operation, idem_key)
-                )"
-            ),
-            // Listing by state, in id order; purging resolved letters.
-            format!("CREATE INDEX IF NOT EXISTS {t}_state_idx ON {t} (state, id)"),
+            format!("DROP TABLE IF EXISTS {new}"),
+            self.create(&new),
+            format!("INSERT INTO {new} ({V1_COLUMNS}) SELECT {V1_COLUMNS} FROM {t}"),
+            format!("DROP TABLE {t}"),
+            format!("ALTER TABLE {new} RENAME TO {t}"),
+            self.index(),
         ]
     }
 
-    /// Creates the table and its index if they do not exist; safe to run
-    /// again and from several processes.
+    /// The schema version of the table: 0 when it does not exist.
+    async fn version(&self, conn: &mut SqliteConnection) -> Result<u32> {
+        let columns: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info(?)")
+            .bind(self.table.as_str())
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        Ok(match () {
+            _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
+            _ => 1,
+        })
+    }
+
+    fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
+        match version {
+            0 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                statements: vec![self.create(self.table.as_str()), self.index()],
+            }],
+            1 => vec![PendingMigration {
+                version: 2,
+                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                statements: self.upgrade(),
+            }],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Creates the table and its index, or upgrades an older table; safe to
+    /// run again and from several processes (they take turns on the
+    /// database's write lock).
     pub async fn migrate(&self) -> Result<()> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        for ddl in self.ddl() {
-            sqlx::query(AssertSqlSafe(ddl))
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
+        let version = self.version(&mut tx).await?;
+        for migration in self.pending_for(version) {
+            for statement in migration.statements {
+                sqlx::query(AssertSqlSafe(statement))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+            }
         }
         tx.commit().await.map_err(store_error)
     }
 
-    /// What [`migrate`](Self::migrate) would run, without running it: the
-    /// table's one schema version while the table does not exist, nothing
-    /// once it does.
+    /// What [`migrate`](Self::migrate) would run, without running it.
     pub async fn pending_migrations(&self) -> Result<Vec<PendingMigration>> {
-        let exists: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?")
-            .bind(self.table.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        if exists > 0 {
-            return Ok(Vec::new());
-        }
-        Ok(vec![PendingMigration {
-            version: 1,
-            description: "dead letters table and state index".into(),
-            statements: self.ddl(),
-        }])
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let version = self.version(&mut conn).await?;
+        Ok(self.pending_for(version))
     }
 
     /// Records `letter` in the caller's open transaction (see
     /// [`DeadLetterStore::record`]): it is kept if and only if that
     /// transaction commits. Answers the letter's id.
     pub async fn record_in(&self, conn: &mut SqliteConnection, letter: &NewDeadLetter) -> Result<i64> {
-        let headers = encode_headers(letter.request.headers())?;
-        sqlx::query_scalar(AssertSqlSafe(self.sql.record.as_str()))
+        let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let row = DeadLetterRow::of(&DeadLetter::created(letter, now))?;
+        let inserted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.insert.as_str()))
+            .bind(&row.tenant)
+            .bind(&row.operation)
+            .bind(&row.idem_key)
+            .bind(&row.method)
+            .bind(&row.url)
+            .bind(&row.headers)
+            .bind(&row.body)
+            .bind(row.attempts)
+            .bind(&row.last_error)
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.created_at_ms)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status)
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(&row.verdict_note)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if let Some(id) = inserted {
+            return Ok(id);
+        }
+        let found = sqlx::query(AssertSqlSafe(self.sql.find.as_str()))
             .bind(letter.scope.tenant().as_str())
             .bind(letter.scope.operation().as_str())
             .bind(letter.key.as_str())
-            .bind(letter.request.method())
-            .bind(letter.request.url())
-            .bind(headers)
-            .bind(letter.request.body())
-            .bind(i64::from(letter.attempts))
-            .bind(clip_text(&letter.last_error))
-            .fetch_one(conn)
+            .fetch_one(&mut *conn)
             .await
-            .map_err(store_error)
+            .map_err(store_error)?;
+        let (mut existing, now) = read(&found)?;
+        if existing.on_record(letter, now) {
+            self.write(conn, &existing).await?;
+        }
+        Ok(existing.id)
+    }
+
+    /// Cancels letter `id` in the caller's open transaction, if it is known
+    /// not to have been applied (see [`DeadLetterStore::cancel`]).
+    pub async fn cancel_in(&self, conn: &mut SqliteConnection, id: i64) -> Result<bool> {
+        Ok(self
+            .change_in(conn, id, |l, now| Ok(l.cancel(now).then_some(())))
+            .await?
+            .is_some())
+    }
+
+    async fn write(&self, conn: &mut SqliteConnection, letter: &DeadLetter) -> Result<()> {
+        let row = DeadLetterRow::of(letter)?;
+        sqlx::query(AssertSqlSafe(self.sql.update.as_str()))
+            .bind(&row.url)
+            .bind(row.attempts)
+            .bind(&row.last_error)
+            .bind(&row.state)
+            .bind(row.redrives)
+            .bind(row.updated_at_ms)
+            .bind(row.redrive_until_ms)
+            .bind(row.response_status)
+            .bind(&row.response_body)
+            .bind(row.first_reached_at_ms)
+            .bind(&row.verdict)
+            .bind(&row.verdict_by)
+            .bind(row.verdict_at_ms)
+            .bind(&row.verdict_note)
+            .bind(row.id)
+            .execute(conn)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Reads letter `id` on `conn`, applies `change` (which answers `Some`
+    /// when it changed the letter) and writes it back.
+    async fn change_in<T>(
+        &self,
+        conn: &mut SqliteConnection,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.get.as_str()))
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let (mut letter, now) = read(&row)?;
+        let out = change(&mut letter, now)?;
+        if out.is_some() {
+            self.write(conn, &letter).await?;
+        }
+        Ok(out)
+    }
+
+    /// [`change_in`](Self::change_in) in a transaction of its own that holds
+    /// the write lock from its first statement.
+    async fn change<T>(
+        &self,
+        id: i64,
+        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let out = self.change_in(&mut tx, id, change).await?;
+        if out.is_some() {
+            tx.commit().await.map_err(store_error)?;
+        } else {
+            tx.rollback().await.map_err(store_error)?;
+        }
+        Ok(out)
     }
 }
 
@@ -230,8 +364,10 @@ impl DeadLetterStore for SqliteDeadLetters {
     fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
         let letter = letter.clone();
         Box::pin(async move {
-            let mut conn = self.pool.acquire().await.map_err(store_error)?;
-            self.record_in(&mut conn, &letter).await
+            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+            let id = self.record_in(&mut tx, &letter).await?;
+            tx.commit().await.map_err(store_error)?;
+            Ok(id)
         })
     }
 
@@ -239,7 +375,7 @@ impl DeadLetterStore for SqliteDeadLetters {
         let filter = filter.clone();
         Box::pin(async move {
             filter.check()?;
-            let mut sql = format!("SELECT {COLUMNS} FROM {} WHERE id > ?", self.table);
+            let mut sql = format!("SELECT {COLUMNS}, 0 AS now_ms FROM {} WHERE id > ?", self.table);
             for (set, clause) in [
                 (filter.tenant.is_some(), " AND tenant = ?"),
                 (filter.operation.is_some(), " AND operation = ?"),
@@ -265,7 +401,7 @@ impl DeadLetterStore for SqliteDeadLetters {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(store_error)?;
-            rows.iter().map(decode).collect()
+            rows.iter().map(|r| read(r).map(|(l, _)| l)).collect()
         })
     }
 
@@ -276,7 +412,7 @@ impl DeadLetterStore for SqliteDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
@@ -290,45 +426,53 @@ impl DeadLetterStore for SqliteDeadLetters {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-            row.as_ref().map(decode).transpose()
+            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
         })
     }
 
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
-            let hold_ms = idem_core::redrive_hold_ms(hold_ms)?;
-            let row = sqlx::query(AssertSqlSafe(self.sql.begin.as_str()))
-                .bind(id)
-                .bind(hold_ms)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(store_error)?;
-            let Some(row) = row else { return Ok(None) };
-            let dead_letter = decode(&row)?;
-            Ok(Some(RedriveHold {
-                token: dead_letter.redrives,
-                dead_letter,
-            }))
+            idem_core::redrive_hold_ms(hold_ms)?;
+            self.change(id, |l, now| {
+                Ok(l.take(now, hold_ms)?.map(|token| RedriveHold {
+                    dead_letter: l.clone(),
+                    token,
+                }))
+            })
+            .await
+        })
+    }
+
+    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
+        let url = url.to_owned();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.retarget(token, &url, now)?.then_some(())));
+            Ok(changed.await?.is_some())
         })
     }
 
     fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
         let outcome = outcome.clone();
         Box::pin(async move {
-            let query = match &outcome {
-                RedriveOutcome::Resolved { status, body } => sqlx::query(AssertSqlSafe(self.sql.resolve.as_str()))
-                    .bind(id)
-                    .bind(i64::from(token))
-                    .bind(i64::from(*status))
-                    .bind(idem_core::clip_body(body)),
-                RedriveOutcome::Failed { attempts, error } => sqlx::query(AssertSqlSafe(self.sql.fail.as_str()))
-                    .bind(id)
-                    .bind(i64::from(token))
-                    .bind(i64::from(*attempts))
-                    .bind(clip_text(error)),
-            };
-            let done = query.execute(&self.pool).await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
+            let changed = self.change(id, |l, now| Ok(l.finish(token, &outcome, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
+        let settlement = settlement.clone();
+        Box::pin(async move {
+            let changed = self.change(id, |l, now| Ok(l.settle(&settlement, now).then_some(())));
+            Ok(changed.await?.is_some())
+        })
+    }
+
+    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move {
+            Ok(self
+                .change(id, |l, now| Ok(l.cancel(now).then_some(())))
+                .await?
+                .is_some())
         })
     }
 
@@ -345,45 +489,35 @@ impl DeadLetterStore for SqliteDeadLetters {
     }
 }
 
-fn corrupt(what: String) -> Error {
-    Error::store(StoreErrorKind::Other, format!("corrupt dead letter: {what}"))
-}
-
-fn encode_headers(headers: &[(String, String)]) -> Result<String> {
-    serde_json::to_string(headers).map_err(|e| Error::InvalidRequest(format!("headers cannot be stored: {e}")))
-}
-
-fn decode(row: &SqliteRow) -> Result<DeadLetter> {
-    let id: i64 = row.try_get("id").map_err(store_error)?;
+/// A row and the database's clock read with it.
+fn read(row: &SqliteRow) -> Result<(DeadLetter, i64)> {
+    let get = |name: &str| -> Result<i64> { row.try_get(name).map_err(store_error) };
     let text = |name: &str| -> Result<String> { row.try_get(name).map_err(store_error) };
-    let count = |name: &str| -> Result<u32> {
-        let n: i64 = row.try_get(name).map_err(store_error)?;
-        u32::try_from(n).map_err(|_| corrupt(format!("{name} {n} of {id}")))
-    };
-    let headers: Vec<(String, String)> =
-        serde_json::from_str(&text("headers")?).map_err(|e| corrupt(format!("headers of {id}: {e}")))?;
-    let request = OutboundRequest::new(
-        text("method")?,
-        text("url")?,
-        headers,
-        row.try_get("body").map_err(store_error)?,
-    )?;
-    let status: Option<i64> = row.try_get("response_status").map_err(store_error)?;
-    Ok(DeadLetter {
-        id,
-        scope: Scope::parse(&text("tenant")?, &text("operation")?)?,
-        key: IdempotencyKey::new(text("idem_key")?)?,
-        request,
-        attempts: count("attempts")?,
+    let opt = |name: &str| -> Result<Option<i64>> { row.try_get(name).map_err(store_error) };
+    let letter = DeadLetterRow {
+        id: get("id")?,
+        tenant: text("tenant")?,
+        operation: text("operation")?,
+        idem_key: text("idem_key")?,
+        method: text("method")?,
+        url: text("url")?,
+        headers: text("headers")?,
+        body: row.try_get("body").map_err(store_error)?,
+        attempts: get("attempts")?,
         last_error: text("last_error")?,
-        state: DeadLetterState::parse(&text("state")?)?,
-        redrives: count("redrives")?,
-        created_at_ms: row.try_get("created_at_ms").map_err(store_error)?,
-        updated_at_ms: row.try_get("updated_at_ms").map_err(store_error)?,
-        redrive_until_ms: row.try_get("redrive_until_ms").map_err(store_error)?,
-        response_status: status
-            .map(|s| u16::try_from(s).map_err(|_| corrupt(format!("response status {s} of {id}"))))
-            .transpose()?,
+        state: text("state")?,
+        redrives: get("redrives")?,
+        created_at_ms: get("created_at_ms")?,
+        updated_at_ms: get("updated_at_ms")?,
+        redrive_until_ms: opt("redrive_until_ms")?,
+        response_status: opt("response_status")?,
         response_body: row.try_get("response_body").map_err(store_error)?,
-    })
+        first_reached_at_ms: opt("first_reached_at_ms")?,
+        verdict: row.try_get("verdict").map_err(store_error)?,
+        verdict_by: row.try_get("verdict_by").map_err(store_error)?,
+        verdict_at_ms: opt("verdict_at_ms")?,
+        verdict_note: row.try_get("verdict_note").map_err(store_error)?,
+    }
+    .decode()?;
+    Ok((letter, get("now_ms")?))
 }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
-use idem_core::{BoxFuture, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName};
+use idem_core::{
+    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName,
+};
 use idem_sqlite::{SqliteDeadLetters, SqliteStore, store_error};
 
 /// A temporary database file, removed (with its WAL and shared-memory
@@ -81,13 +83,13 @@ impl DeadLetterSubject for SqliteLetters {
 deadletter_conformance!(sqlite_deadletters, SqliteLetters::new());
 
 fn letter(key: &str) -> NewDeadLetter {
-    NewDeadLetter {
-        scope: Scope::parse("tenant", "payout").unwrap(),
-        key: IdempotencyKey::new(key).unwrap(),
-        request: OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
-        attempts: 2,
-        last_error: "timeout".into(),
-    }
+    NewDeadLetter::new(
+        Scope::parse("tenant", "payout").unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+        OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
+        2,
+        "timeout",
+    )
 }
 
 /// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.
@@ -155,4 +157,56 @@ async fn migrate_is_idempotent_and_listed_until_applied() {
     let id = fresh.record(&letter("k")).await.unwrap();
     fresh.migrate().await.unwrap();
     assert!(fresh.get(id).await.unwrap().is_some(), "migrating again keeps the rows");
+}
+
+/// A table of the first schema version (three states, no first reach or verdicts) is upgraded in place: rows, ids and the id sequence kept, the new states accepted after.
+#[tokio::test]
+async fn a_version_1_table_is_upgraded_with_its_rows() {
+    let s = SqliteLetters::new().await;
+    let pool = s.letters.pool().clone();
+    let t = "idem_dead_letters_v1";
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {t} (id INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, operation TEXT NOT NULL, \
+         idem_key TEXT NOT NULL, method TEXT NOT NULL, url TEXT NOT NULL, headers TEXT NOT NULL, body BLOB NOT NULL, \
+         attempts INTEGER NOT NULL, last_error TEXT NOT NULL, \
+         state TEXT NOT NULL CHECK (state IN ('dead', 'redriving', 'resolved')), redrives INTEGER NOT NULL DEFAULT 0, \
+         created_at_ms INTEGER NOT NULL, updated_at_ms INTEGER NOT NULL, redrive_until_ms INTEGER NULL, \
+         response_status INTEGER NULL, response_body BLOB NULL, UNIQUE (tenant, operation, idem_key))"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+         redrives, created_at_ms, updated_at_ms) VALUES (41, 'tenant', 'payout', 'old', 'POST', 'http://v/v1/payouts', \
+         '[[\"authorization\",\"Bearer leaked\"],[\"content-type\",\"application/json\"]]', X'7B7D', 3, 'timeout', 'dead', 0, 1, 1)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let letters = SqliteDeadLetters::with_table(pool.clone(), TableName::new(t).unwrap());
+    let pending = letters.pending_migrations().await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].version, 2);
+    letters.migrate().await.unwrap();
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let old = letters.get(41).await.unwrap().expect("the row survives");
+    assert_eq!(
+        (old.state, old.attempts, old.first_reached_at_ms),
+        (DeadLetterState::Dead, 3, None)
+    );
+    assert_eq!(
+        old.request.headers(),
+        &[("content-type".to_owned(), "application/json".to_owned())],
+        "a credential stored by an older version is neither shown nor sent"
+    );
+    let id = letters.record(&letter("new").outcome_unknown()).await.unwrap();
+    assert!(id > 41, "the id sequence goes on");
+    assert_eq!(letters.get(id).await.unwrap().unwrap().state, DeadLetterState::Unknown);
+    letters.migrate().await.unwrap();
+    assert_eq!(
+        letters.get(41).await.unwrap(),
+        Some(old),
+        "migrating again changes nothing"
+    );
 }
