@@ -14,13 +14,29 @@
 //!   before paying), `slow_ms` (answer this much later), `refuse_ms` (stop
 //!   accepting connections for this long). `GET /_faults` reads them,
 //!   `GET /_stats` counts what happened.
+//! - **Forgetful, as real vendors are.** A key is remembered for
+//!   [`Options::key_horizon`] on the vendor's own clock (Stripe-like 24 h by
+//!   default; set it short, or move the clock with [`Vendor::advance`] or
+//!   `PUT /_clock {"advance_ms": n}`): a key older than that is forgotten,
+//!   and the same request with it **pays again**. With
+//!   [`Options::idempotency`] off the vendor has no keys at all (the
+//!   header is ignored): every request pays.
+//! - `GET /v1/payouts?reference=R`: the vendor's own record, kept forever:
+//!   `{"object": "list", "data": [{"id", "amount", "reference", "status":
+//!   "paid"}, …]}`, plus `{"reference", "amount", "status": "processing"}`
+//!   while a request with that reference is still being worked on. This is
+//!   what a reconcile asks.
+//! - A request whose key an earlier request is still processing gets `409`
+//!   `{"error": {"type": "idempotency_error", "message":
+//!   "idempotency_key_in_use: …"}}` without `Retry-After`, as Stripe
+//!   answers.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -47,6 +63,24 @@ pub struct Faults {
     pub refuse_ms: u64,
 }
 
+/// How the vendor treats idempotency keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// How long a key is remembered, on the vendor's clock (default 24 h).
+    pub key_horizon: Duration,
+    /// Whether the vendor deduplicates by key at all (default true).
+    pub idempotency: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            key_horizon: Duration::from_secs(24 * 3600),
+            idempotency: true,
+        }
+    }
+}
+
 /// What happened, for tests.
 #[derive(Debug, Default, Serialize)]
 pub struct Stats {
@@ -62,6 +96,12 @@ pub struct Stats {
     pub errors_500: u64,
     /// 429s.
     pub rate_limited: u64,
+    /// Keys forgotten past the horizon.
+    pub forgotten: u64,
+    /// 409s for a key still being processed.
+    pub in_use: u64,
+    /// Lookups by reference.
+    pub lookups: u64,
 }
 
 #[derive(Clone)]
@@ -69,14 +109,28 @@ struct Recorded {
     fingerprint: [u8; 32],
     status: StatusCode,
     body: serde_json::Value,
+    at_ms: u64,
 }
+
+/// Keys and references of requests being processed (a reference may be in
+/// several requests at once: its amount and count).
+type InProcess = (HashSet<String>, HashMap<String, (i64, u32)>);
 
 /// The vendor's state.
 #[derive(Default)]
 pub struct Vendor {
+    options: Options,
     faults: Mutex<Faults>,
-    /// The ledger, by key.
+    /// The keys it still remembers.
     keys: Mutex<HashMap<String, Recorded>>,
+    /// Every payment made, in order: its key and its answer.
+    payments: Mutex<Vec<(Option<String>, serde_json::Value)>>,
+    processing: std::sync::Mutex<InProcess>,
+    /// How far the vendor's clock is ahead of the system's, in ms.
+    clock_offset_ms: AtomicU64,
+    forgotten: AtomicU64,
+    in_use: AtomicU64,
+    lookups: AtomicU64,
     total: AtomicU64,
     paid: AtomicU64,
     replayed: AtomicU64,
@@ -87,6 +141,56 @@ pub struct Vendor {
     seq: AtomicU64,
     /// Until when connections are refused (ms since the epoch).
     pub refuse_until_ms: AtomicU64,
+}
+
+impl Vendor {
+    /// A vendor treating keys by `options`.
+    pub fn new(options: Options) -> Self {
+        Self {
+            options,
+            ..Self::default()
+        }
+    }
+
+    /// Moves the vendor's clock forward (keys age by as much).
+    pub fn advance(&self, by: Duration) {
+        self.clock_offset_ms
+            .fetch_add(u64::try_from(by.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms().saturating_add(self.clock_offset_ms.load(Ordering::SeqCst))
+    }
+
+    fn lock_processing(&self) -> std::sync::MutexGuard<'_, InProcess> {
+        self.processing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Marks a request as being processed until dropped.
+struct Processing<'a> {
+    vendor: &'a Vendor,
+    key: Option<String>,
+    reference: Option<String>,
+}
+
+impl Drop for Processing<'_> {
+    fn drop(&mut self) {
+        let mut p = self.vendor.lock_processing();
+        if let Some(key) = &self.key {
+            p.0.remove(key);
+        }
+        if let Some(reference) = &self.reference
+            && let Some(entry) = p.1.get_mut(reference)
+        {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                p.1.remove(reference);
+            }
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -119,19 +223,21 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response {
 
 async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let faults = v.faults.lock().await.clone();
-    if faults.slow_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(faults.slow_ms)).await;
-    }
-    let Some(key) = headers
+    let key = headers
         .get("idempotency-key")
         .and_then(|k| k.to_str().ok())
-        .map(str::to_owned)
-    else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "an Idempotency-Key header is required",
-        );
+        .map(str::to_owned);
+    let key = match (v.options.idempotency, key) {
+        (true, Some(key)) => Some(key),
+        (true, None) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "an Idempotency-Key header is required",
+            );
+        }
+        // A vendor without idempotency ignores the header altogether.
+        (false, _) => None,
     };
     let Ok(req) = serde_json::from_slice::<NewPayout>(&body) else {
         return error(
@@ -143,22 +249,58 @@ async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::bo
     if req.amount <= 0 {
         return error(StatusCode::BAD_REQUEST, "invalid_request", "amount must be positive");
     }
+    // From here the request is being processed: a second request with its
+    // key is told so (409), and a lookup of its reference says
+    // "processing", until it ends whichever way.
+    let _processing = {
+        let mut p = v.lock_processing();
+        if let Some(key) = &key
+            && !p.0.insert(key.clone())
+        {
+            drop(p);
+            v.in_use.fetch_add(1, Ordering::SeqCst);
+            return error(
+                StatusCode::CONFLICT,
+                "idempotency_error",
+                "idempotency_key_in_use: a request with this key is being processed; retry later",
+            );
+        }
+        if let Some(reference) = &req.reference {
+            p.1.entry(reference.clone()).or_insert((req.amount, 0)).1 += 1;
+        }
+        Processing {
+            vendor: &v,
+            key: key.clone(),
+            reference: req.reference.clone(),
+        }
+    };
+    if faults.slow_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.slow_ms)).await;
+    }
     let fingerprint: [u8; 32] = Sha256::digest(&body).into();
     let mut keys = v.keys.lock().await;
-    if let Some(r) = keys.get(&key) {
-        if r.fingerprint != fingerprint {
+    if let Some(key) = &key
+        && let Some(r) = keys.get(key)
+    {
+        if v.now_ms().saturating_sub(r.at_ms) >= v.options.key_horizon.as_millis() as u64 {
+            // Past the horizon the vendor has forgotten the key: the same
+            // request is a new one, and pays again.
+            keys.remove(key);
+            v.forgotten.fetch_add(1, Ordering::SeqCst);
+        } else if r.fingerprint != fingerprint {
             v.mismatched.fetch_add(1, Ordering::SeqCst);
             return error(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency_key_reused",
                 "this key was used with another request",
             );
+        } else {
+            v.replayed.fetch_add(1, Ordering::SeqCst);
+            let mut res = (r.status, Json(r.body.clone())).into_response();
+            res.headers_mut()
+                .insert("idempotent-replayed", "true".parse().expect("a header value"));
+            return res;
         }
-        v.replayed.fetch_add(1, Ordering::SeqCst);
-        let mut res = (r.status, Json(r.body.clone())).into_response();
-        res.headers_mut()
-            .insert("idempotent-replayed", "true".parse().expect("a header value"));
-        return res;
     }
     let seq = v.seq.fetch_add(1, Ordering::SeqCst);
     if chance(seq * 3) < faults.error_500 {
@@ -187,14 +329,18 @@ async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::bo
         "amount": req.amount,
         "reference": req.reference,
     });
-    keys.insert(
-        key,
-        Recorded {
-            fingerprint,
-            status: StatusCode::CREATED,
-            body: body.clone(),
-        },
-    );
+    if let Some(key) = &key {
+        keys.insert(
+            key.clone(),
+            Recorded {
+                fingerprint,
+                status: StatusCode::CREATED,
+                body: body.clone(),
+                at_ms: v.now_ms(),
+            },
+        );
+    }
+    v.payments.lock().await.push((key, body.clone()));
     v.paid.fetch_add(1, Ordering::SeqCst);
     v.total.fetch_add(req.amount as u64, Ordering::SeqCst);
     drop(keys);
@@ -206,15 +352,59 @@ async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::bo
     (StatusCode::CREATED, Json(body)).into_response()
 }
 
+/// What it paid: `payouts` (payments made), `total`, `keys` (the distinct
+/// keys that paid) and `references` (the distinct references paid). A key
+/// or reference paid twice shows as fewer keys or references than payouts.
 async fn ledger(State(v): State<Arc<Vendor>>) -> Json<serde_json::Value> {
-    let keys = v.keys.lock().await;
-    let mut list: Vec<&String> = keys.keys().collect();
-    list.sort();
+    let payments = v.payments.lock().await;
+    let keys: std::collections::BTreeSet<&String> = payments.iter().filter_map(|(k, _)| k.as_ref()).collect();
+    let references: std::collections::BTreeSet<&str> =
+        payments.iter().filter_map(|(_, b)| b["reference"].as_str()).collect();
     Json(serde_json::json!({
         "payouts": v.paid.load(Ordering::SeqCst),
         "total": v.total.load(Ordering::SeqCst),
-        "keys": list,
+        "keys": keys,
+        "references": references,
     }))
+}
+
+#[derive(Deserialize)]
+struct Lookup {
+    reference: String,
+}
+
+/// `GET /v1/payouts?reference=R`: the payments of that reference, and the
+/// requests with it still being processed.
+async fn lookup(State(v): State<Arc<Vendor>>, Query(q): Query<Lookup>) -> Json<serde_json::Value> {
+    v.lookups.fetch_add(1, Ordering::SeqCst);
+    let mut data: Vec<serde_json::Value> = v
+        .payments
+        .lock()
+        .await
+        .iter()
+        .filter(|(_, b)| b["reference"].as_str() == Some(q.reference.as_str()))
+        .map(|(_, b)| {
+            let mut b = b.clone();
+            b["status"] = "paid".into();
+            b
+        })
+        .collect();
+    if let Some((amount, _)) = v.lock_processing().1.get(&q.reference) {
+        data.push(serde_json::json!({ "reference": q.reference, "amount": amount, "status": "processing" }));
+    }
+    Json(serde_json::json!({ "object": "list", "data": data }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClockMove {
+    advance_ms: u64,
+}
+
+/// `PUT /_clock {"advance_ms": n}`: moves the vendor's clock forward.
+async fn move_clock(State(v): State<Arc<Vendor>>, Json(m): Json<ClockMove>) -> StatusCode {
+    v.advance(Duration::from_millis(m.advance_ms));
+    StatusCode::NO_CONTENT
 }
 
 async fn get_faults(State(v): State<Arc<Vendor>>) -> Json<Faults> {
@@ -245,13 +435,17 @@ async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
         dropped: v.dropped.load(Ordering::SeqCst),
         errors_500: v.errors_500.load(Ordering::SeqCst),
         rate_limited: v.rate_limited.load(Ordering::SeqCst),
+        forgotten: v.forgotten.load(Ordering::SeqCst),
+        in_use: v.in_use.load(Ordering::SeqCst),
+        lookups: v.lookups.load(Ordering::SeqCst),
     })
 }
 
 /// The vendor's routes.
 pub fn router(vendor: Arc<Vendor>) -> Router {
     Router::new()
-        .route("/v1/payouts", post(payout))
+        .route("/v1/payouts", post(payout).get(lookup))
+        .route("/_clock", axum::routing::put(move_clock))
         .route("/v1/ledger", get(ledger))
         .route("/_faults", get(get_faults).put(set_faults))
         .route("/_stats", get(stats))

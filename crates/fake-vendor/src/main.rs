@@ -12,6 +12,13 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:9100")]
     listen: std::net::SocketAddr,
+    /// How long a key is remembered, in seconds (past it, the same request
+    /// pays again).
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=31_622_400))]
+    key_horizon_secs: u64,
+    /// No idempotency at all: the key header is ignored, every request pays.
+    #[arg(long)]
+    no_idempotency: bool,
 }
 
 #[tokio::main]
@@ -32,7 +39,11 @@ async fn main() -> std::process::ExitCode {
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    match fake_vendor::serve(args.listen, Arc::new(fake_vendor::Vendor::default()), shutdown).await {
+    let vendor = fake_vendor::Vendor::new(fake_vendor::Options {
+        key_horizon: std::time::Duration::from_secs(args.key_horizon_secs),
+        idempotency: !args.no_idempotency,
+    });
+    match fake_vendor::serve(args.listen, Arc::new(vendor), shutdown).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("fake-vendor: {e}");

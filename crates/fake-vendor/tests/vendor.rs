@@ -5,13 +5,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 async fn start() -> (String, Arc<fake_vendor::Vendor>) {
+    start_with(fake_vendor::Options::default()).await
+}
+
+async fn start_with(options: fake_vendor::Options) -> (String, Arc<fake_vendor::Vendor>) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let vendor = Arc::new(fake_vendor::Vendor::default());
+    let vendor = Arc::new(fake_vendor::Vendor::new(options));
     tokio::spawn(fake_vendor::serve(addr, vendor.clone(), std::future::pending()));
     let base = format!("http://{addr}");
     for _ in 0..100 {
@@ -115,4 +119,96 @@ async fn faults_do_what_they_say() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+}
+
+async fn lookup(base: &str, reference: &str) -> serde_json::Value {
+    reqwest::get(format!("{base}/v1/payouts?reference={reference}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// A key older than the vendor's horizon is forgotten: the same request pays again, and the lookup by reference shows both payments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_horizon_a_key_pays_again() {
+    let (base, vendor) = start_with(fake_vendor::Options {
+        key_horizon: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await;
+    let body = r#"{"amount":7,"reference":"p-1"}"#;
+    assert_eq!(pay(&base, Some("k"), body).await.unwrap().status(), 201);
+    vendor.advance(Duration::from_secs(3599));
+    let within = pay(&base, Some("k"), body).await.unwrap();
+    assert_eq!(within.headers()["idempotent-replayed"], "true");
+    // Moved over HTTP too.
+    let r = reqwest::Client::new()
+        .put(format!("{base}/_clock"))
+        .json(&serde_json::json!({ "advance_ms": 1000 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    let past = pay(&base, Some("k"), body).await.unwrap();
+    assert_eq!(past.status(), 201);
+    assert!(
+        past.headers().get("idempotent-replayed").is_none(),
+        "forgotten: paid again"
+    );
+    let l = ledger(&base).await;
+    assert_eq!(
+        (l["payouts"].as_u64(), l["keys"].as_array().unwrap().len()),
+        (Some(2), 1)
+    );
+    assert_eq!(l["references"], serde_json::json!(["p-1"]));
+    let found = lookup(&base, "p-1").await;
+    assert_eq!(found["data"].as_array().unwrap().len(), 2);
+    assert!(
+        found["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["status"] == "paid" && p["amount"] == 7)
+    );
+    assert_eq!(lookup(&base, "nope").await["data"], serde_json::json!([]));
+}
+
+/// Without idempotency the key is ignored (none is needed) and every request pays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_idempotency_every_request_pays() {
+    let (base, _) = start_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    })
+    .await;
+    let body = r#"{"amount":3,"reference":"p-2"}"#;
+    assert_eq!(pay(&base, Some("k"), body).await.unwrap().status(), 201);
+    assert_eq!(pay(&base, Some("k"), body).await.unwrap().status(), 201);
+    assert_eq!(pay(&base, None, body).await.unwrap().status(), 201);
+    assert_eq!(ledger(&base).await["payouts"], 3);
+    assert_eq!(lookup(&base, "p-2").await["data"].as_array().unwrap().len(), 3);
+}
+
+/// A second request with a key still being processed gets 409 idempotency_key_in_use without Retry-After, and the lookup says "processing" meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_flight_is_409_and_its_reference_processing() {
+    let (base, _) = start().await;
+    faults(&base, serde_json::json!({ "slow_ms": 800 })).await;
+    let body = r#"{"amount":4,"reference":"p-3"}"#;
+    let first = {
+        let base = base.clone();
+        tokio::spawn(async move { pay(&base, Some("k"), body).await.unwrap().status() })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = pay(&base, Some("k"), body).await.unwrap();
+    assert_eq!(second.status(), 409);
+    assert!(second.headers().get("retry-after").is_none());
+    let text = second.text().await.unwrap();
+    assert!(text.contains("idempotency_key_in_use"), "{text}");
+    let seen = lookup(&base, "p-3").await;
+    assert_eq!(seen["data"][0]["status"], "processing", "{seen}");
+    assert_eq!(first.await.unwrap(), 201);
+    assert_eq!(lookup(&base, "p-3").await["data"][0]["status"], "paid");
 }
