@@ -221,7 +221,18 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response {
         .into_response()
 }
 
+/// `POST /v1/payouts`. The work runs in a task of its own, as at a real
+/// vendor: a caller that gives up (times out, hangs up) does not stop it,
+/// and it may still pay after the caller has gone.
 async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    match tokio::spawn(process(v, headers, body)).await {
+        Ok(response) => response,
+        // The `apply_then_drop` fault: the connection goes away unanswered.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let faults = v.faults.lock().await.clone();
     let key = headers
         .get("idempotency-key")

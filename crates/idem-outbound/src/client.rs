@@ -1,13 +1,14 @@
-//! The client: one logical call, its attempts, their classification.
+//! The client: one logical call, its attempts, their classification, and
+//! the reconcile before a re-send the vendor may no longer recognise.
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use backon::Retryable;
-use idem_core::{IdempotencyKey, OutboundRequest, Retryable as Transience, http_status_retryable};
+use idem_core::{IdempotencyKey, OutboundRequest, Retryable as Transience, SharedClock, http_status_retryable};
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -16,6 +17,7 @@ use crate::breaker::{Admission, BreakerState, Breakers};
 use crate::config::{Jitter, OutboundConfig};
 use crate::error::{OutboundError, Result, snippet};
 use crate::metrics::Labels;
+use crate::reconcile::{KeyHorizon, Reconcile, Reconciled};
 use crate::retry_after::parse_retry_after;
 
 /// Request headers never copied from a stored request: the connection's
@@ -32,12 +34,20 @@ const FRAMING_HEADERS: [&str; 9] = [
     "upgrade",
 ];
 
+/// Whether the HTTP client that [`OutboundClient::new`] builds can speak
+/// TLS. This crate compiles reqwest without a TLS backend, so an `https://`
+/// target is refused at once (never retried as if the network had failed);
+/// the TLS backend arrives behind a cargo feature, which turns this on.
+/// A client passed to [`OutboundClient::with_http_client`] is the caller's
+/// to equip.
+const BUILT_IN_TLS: bool = false;
+
 /// A success (2xx) answer to a logical call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboundResponse {
     /// The status (200..=299).
     pub status: u16,
-    /// The response headers.
+    /// The response headers (none when `reconciled`).
     pub headers: HeaderMap,
     /// The body, at most `max_response_body` bytes.
     pub body: Vec<u8>,
@@ -46,6 +56,25 @@ pub struct OutboundResponse {
     pub body_truncated: bool,
     /// Attempts made, this one included.
     pub attempts: u32,
+    /// Whether the answer is the vendor's record, found by a reconcile,
+    /// rather than the answer to a send (nothing was sent for it).
+    pub reconciled: bool,
+}
+
+/// What is known of a call's earlier sends, for a re-send (a lease
+/// takeover, a redrive).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Earlier {
+    /// When the first earlier send that may have reached the vendor started
+    /// (ms, the client's clock); `None` for a first send, or when none can
+    /// have reached it.
+    pub first_reached_at_ms: Option<i64>,
+    /// Ask the vendor before any send, whatever the horizon (an outcome
+    /// held as unknown).
+    pub must_reconcile: bool,
+    /// The operator's override: send even past the horizon without asking
+    /// (the operator has checked the vendor).
+    pub past_horizon_override: bool,
 }
 
 /// Sends logical calls with one idempotency key across every retry, behind
@@ -56,11 +85,16 @@ pub struct OutboundClient {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     http: reqwest::Client,
+    /// Whether `http` can speak TLS (see [`BUILT_IN_TLS`]).
+    tls: bool,
     config: OutboundConfig,
     breakers: Breakers,
     labels: Arc<Labels>,
+    clock: SharedClock,
+    reconcile: Option<Arc<dyn Reconcile>>,
 }
 
 impl fmt::Debug for OutboundClient {
@@ -68,6 +102,7 @@ impl fmt::Debug for OutboundClient {
         f.debug_struct("OutboundClient")
             .field("config", &self.inner.config)
             .field("breakers", &self.inner.breakers)
+            .field("reconcile", &self.inner.reconcile.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -82,10 +117,14 @@ pub(crate) enum Failure {
         /// What `Retry-After` asked for (429, 503, and 409: see
         /// [`Failure::transient`]).
         retry_after: Option<Duration>,
+        /// A 409 whose body says the key is still being processed.
+        in_flight: bool,
     },
     /// No complete answer within the attempt's time.
     Timeout(Option<Duration>),
-    /// Connect refused or failed, reset, the body cut off.
+    /// No connection (refused, DNS): the request was not sent.
+    Connect(String),
+    /// Reset, closed, the body cut off: the request may have arrived.
     Network(String),
     /// Not sent: the host's breaker refused it.
     CircuitOpen {
@@ -93,6 +132,12 @@ pub(crate) enum Failure {
         state: BreakerState,
         retry_in: Duration,
     },
+    /// Not sent: the vendor, asked, is still processing this call.
+    VendorBusy,
+    /// Not sent: the vendor could not be asked.
+    ReconcileFailed(String),
+    /// Not sent, and not to be sent on a guess: the outcome is unknown.
+    Held(String),
     /// Cannot be sent at all.
     Invalid(String),
 }
@@ -101,17 +146,32 @@ impl Failure {
     fn transient(&self) -> bool {
         match self {
             // A 409 with `Retry-After` is the Idempotency-Key draft's "a
-            // request with this key is still being processed": the same key
-            // is sent again, after the wait, never dead-lettered for it.
+            // request with this key is still being processed", and one whose
+            // body says so (Stripe's `idempotency_key_in_use`) means the
+            // same: the same key is sent again after the wait, never
+            // dead-lettered for it.
             Failure::Status {
                 status: 409,
                 retry_after: Some(_),
                 ..
-            } => true,
+            }
+            | Failure::Status { in_flight: true, .. } => true,
             Failure::Status { status, .. } => http_status_retryable(*status) == Transience::Transient,
-            Failure::Invalid(_) => false,
-            Failure::Timeout(_) | Failure::Network(_) | Failure::CircuitOpen { .. } => true,
+            Failure::Invalid(_) | Failure::Held(_) => false,
+            Failure::Timeout(_)
+            | Failure::Connect(_)
+            | Failure::Network(_)
+            | Failure::CircuitOpen { .. }
+            | Failure::VendorBusy
+            | Failure::ReconcileFailed(_) => true,
         }
+    }
+
+    /// Whether the request may have reached the vendor (and been applied):
+    /// any answer, a timeout, a connection lost after sending. A refused
+    /// connection, a breaker's refusal or a reconcile sent nothing.
+    fn may_have_reached(&self) -> bool {
+        matches!(self, Failure::Status { .. } | Failure::Timeout(_) | Failure::Network(_))
     }
 
     /// A wait the answer asked for, in place of a shorter scheduled one.
@@ -133,12 +193,15 @@ impl Failure {
                 status: 409,
                 retry_after: Some(_),
                 ..
-            } => ("in_flight", true),
+            }
+            | Failure::Status { in_flight: true, .. } => ("in_flight", true),
             Failure::Status { status: 500.., .. } => ("http_5xx", false),
             Failure::Status { .. } => ("rejected", true),
             Failure::Timeout(_) => ("timeout", false),
+            Failure::Connect(_) => ("connect", false),
             Failure::Network(_) => ("network", false),
             Failure::CircuitOpen { .. } => ("circuit_open", false),
+            Failure::VendorBusy | Failure::ReconcileFailed(_) | Failure::Held(_) => ("reconcile", true),
             Failure::Invalid(_) => ("invalid", true),
         }
     }
@@ -151,15 +214,20 @@ impl fmt::Display for Failure {
                 status,
                 body,
                 retry_after,
+                in_flight,
             } => {
                 write!(f, "HTTP {status}: {}", snippet(body))?;
                 if let Some(wait) = retry_after {
                     write!(f, " (Retry-After {}s)", wait.as_secs_f64())?;
                 }
+                if *in_flight {
+                    write!(f, " (the key is still being processed)")?;
+                }
                 Ok(())
             }
             Failure::Timeout(Some(t)) => write!(f, "no complete answer within {} ms", t.as_millis()),
             Failure::Timeout(None) => write!(f, "the HTTP client timed out"),
+            Failure::Connect(e) => write!(f, "not sent, no connection: {e}"),
             Failure::Network(e) => write!(f, "network error: {e}"),
             Failure::CircuitOpen {
                 host,
@@ -174,7 +242,9 @@ impl fmt::Display for Failure {
                 "not sent: the circuit breaker of {host} is open for {} ms more",
                 retry_in.as_millis()
             ),
-            Failure::Invalid(e) => write!(f, "{e}"),
+            Failure::VendorBusy => write!(f, "not sent: the vendor is still processing an earlier send"),
+            Failure::ReconcileFailed(e) => write!(f, "not sent: the vendor could not be asked: {e}"),
+            Failure::Held(e) | Failure::Invalid(e) => write!(f, "{e}"),
         }
     }
 }
@@ -204,24 +274,44 @@ impl Iterator for Schedule {
     }
 }
 
+/// What the attempts of one call learnt of the vendor, across attempts.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CallState {
+    /// When the first send that may have reached the vendor started.
+    pub(crate) reached_at_ms: Option<i64>,
+    /// When the vendor said it had not applied the call, if nothing may
+    /// have reached it since.
+    pub(crate) not_applied_at_ms: Option<i64>,
+}
+
+/// `now + by`, saturating far in the future instead of overflowing.
+pub(crate) fn instant_after(by: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(by)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// Runs one logical call: `attempt(timeout)` until a success, a final
 /// failure, the end of the schedule or the deadline. Waits honour a
 /// `Retry-After` (or a breaker's open period) when it is longer than the
 /// scheduled delay, and never reach past the deadline: a wait that would
-/// ends the call at once.
+/// ends the call at once (a server's `Retry-After` then ends it as
+/// `RetryLater`). `state` is what the attempts recorded of the vendor.
 pub(crate) async fn drive<F, Fut>(
     config: &OutboundConfig,
     labels: &Labels,
     host_label: &str,
+    state: &Mutex<CallState>,
     mut attempt: F,
 ) -> Result<OutboundResponse>
 where
     F: FnMut(Duration) -> Fut,
     Fut: Future<Output = Result<OutboundResponse, Failure>>,
 {
-    let deadline = Instant::now() + config.deadline;
+    let deadline = instant_after(config.deadline);
     let attempts = AtomicU32::new(0);
     let mut gave_up: Option<String> = None;
+    let mut retry_later: Option<Duration> = None;
     let result = (|| {
         attempts.fetch_add(1, Ordering::Relaxed);
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -236,12 +326,20 @@ where
             return None;
         };
         let wait = failure.wait_hint().map_or(scheduled, |hint| hint.max(scheduled));
-        if Instant::now() + wait >= deadline {
+        if Instant::now().checked_add(wait).is_none_or(|at| at >= deadline) {
             gave_up = Some(format!(
                 "the next attempt, in {} ms, would be past the {} ms deadline",
                 wait.as_millis(),
                 config.deadline.as_millis()
             ));
+            if let Failure::Status {
+                status: 429 | 503,
+                retry_after: Some(after),
+                ..
+            } = failure
+            {
+                retry_later = Some(*after);
+            }
             return None;
         }
         Some(wait)
@@ -252,44 +350,76 @@ where
     })
     .await;
     let attempts = attempts.into_inner();
+    let CallState {
+        reached_at_ms: first_reached_at_ms,
+        not_applied_at_ms,
+    } = *state.lock().unwrap_or_else(PoisonError::into_inner);
     match result {
         Ok(response) => Ok(OutboundResponse { attempts, ..response }),
         Err(Failure::Invalid(why)) => Err(OutboundError::Invalid(why)),
+        Err(Failure::Held(reason)) => Err(OutboundError::Unknown {
+            attempts,
+            reason,
+            first_reached_at_ms,
+        }),
         Err(failure @ Failure::Status { .. }) if !failure.transient() => {
             let Failure::Status { status, body, .. } = failure else {
                 unreachable!("matched as a status")
             };
-            Err(OutboundError::Rejected { status, body, attempts })
+            Err(OutboundError::Rejected {
+                status,
+                body,
+                attempts,
+                first_reached_at_ms,
+            })
         }
-        Err(failure) => Err(OutboundError::Exhausted {
-            attempts,
-            last_error: match gave_up {
+        Err(failure) => {
+            let last_error = match gave_up {
                 Some(why) => format!("{failure}; {why}"),
                 None => failure.to_string(),
-            },
-        }),
+            };
+            match retry_later {
+                Some(after) => Err(OutboundError::RetryLater {
+                    after,
+                    attempts,
+                    last_error,
+                    first_reached_at_ms,
+                }),
+                None => Err(OutboundError::Exhausted {
+                    attempts,
+                    last_error,
+                    first_reached_at_ms,
+                    not_applied_at_ms,
+                }),
+            }
+        }
     }
 }
 
 impl OutboundClient {
-    /// A client with its own connection pool. Redirects are not followed
-    /// (a 3xx ends the call as [`OutboundError::Rejected`]).
+    /// A client with its own connection pool, on the system clock, without
+    /// a reconcile hook. Redirects are not followed (a 3xx ends the call as
+    /// [`OutboundError::Rejected`]).
     ///
-    /// HTTPS needs a TLS backend in reqwest, which this crate does not pick:
-    /// enable one in the application (`reqwest = { version = "0.13",
-    /// features = ["rustls"] }`; features are shared) or pass a client to
+    /// This build has no TLS backend: an `https://` target is refused as
+    /// [`OutboundError::Invalid`] at once (check targets at start with
+    /// [`check_target`](Self::check_target)), or pass a client with TLS to
     /// [`with_http_client`](Self::with_http_client).
     pub fn new(config: OutboundConfig) -> Result<Self> {
         let http = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| OutboundError::InvalidConfig(format!("the HTTP client cannot be built: {e}")))?;
-        Self::with_http_client(http, config)
+        Self::build(http, BUILT_IN_TLS, config)
     }
 
     /// A client over `http` (its TLS, proxy and pool settings). Its own
     /// timeout, if set, counts as a failed attempt; leave redirects off.
     pub fn with_http_client(http: reqwest::Client, config: OutboundConfig) -> Result<Self> {
+        Self::build(http, true, config)
+    }
+
+    fn build(http: reqwest::Client, tls: bool, config: OutboundConfig) -> Result<Self> {
         config.validate()?;
         let labels = Arc::new(Labels::new(config.name.clone(), config.max_host_labels));
         let on_transition = {
@@ -302,16 +432,42 @@ impl OutboundClient {
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
+                tls,
                 breakers: Breakers::new(config.breaker.clone(), on_transition),
                 config,
                 labels,
+                clock: idem_core::system_clock(),
+                reconcile: None,
             }),
         })
+    }
+
+    /// Reads time from `clock` for the age of earlier sends (the store's
+    /// clock in production: an `AnchoredClock`, so every instance measures
+    /// the same age).
+    pub fn with_clock(self, clock: SharedClock) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.clock = clock;
+        Self { inner: Arc::new(inner) }
+    }
+
+    /// Asks the vendor through `reconcile` before a re-send it may no
+    /// longer recognise (see the crate docs). Without one, such a re-send
+    /// ends as [`OutboundError::Unknown`], never sent.
+    pub fn with_reconcile(self, reconcile: Arc<dyn Reconcile>) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.reconcile = Some(reconcile);
+        Self { inner: Arc::new(inner) }
     }
 
     /// The configuration.
     pub fn config(&self) -> &OutboundConfig {
         &self.inner.config
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &SharedClock {
+        &self.inner.clock
     }
 
     pub(crate) fn labels(&self) -> &Labels {
@@ -324,13 +480,53 @@ impl OutboundClient {
         Ok(self.inner.breakers.state(&host_of(&url)?))
     }
 
+    /// Checks a target URL as every send does, so a service refuses a bad
+    /// one at start: absolute `http://` (or `https://` when the client can
+    /// speak TLS), a host, a port other than 0, no user information (put
+    /// credentials in secret headers) and no fragment (it is never sent:
+    /// `http://v/#/v1/payouts` would post to `/`).
+    ///
+    /// ```
+    /// let client = idem_outbound::OutboundClient::new(Default::default())?;
+    /// assert!(client.check_target("http://vendor:9100/v1/payouts").is_ok());
+    /// for bad in ["http://vendor#", "http://u:p@vendor/", "http://vendor:0/", "http://vendor:99999/", "https://vendor/", "ftp://vendor/"] {
+    ///     assert!(client.check_target(bad).is_err(), "{bad}");
+    /// }
+    /// # Ok::<(), idem_outbound::OutboundError>(())
+    /// ```
+    pub fn check_target(&self, url: &str) -> Result<()> {
+        parse_target(url, self.inner.tls).map(|_| ())
+    }
+
     /// Sends `request` with `key` in the key header, retrying by the
     /// configuration until a success, a final rejection, or the end of the
-    /// schedule or the deadline; every attempt carries the same key.
+    /// schedule or the deadline; every attempt carries the same key. A
+    /// first send: nothing of this call can have reached the vendor before.
     pub async fn send(&self, key: &IdempotencyKey, request: &OutboundRequest) -> Result<OutboundResponse> {
+        self.resend(key, request, Earlier::default()).await
+    }
+
+    /// Sends `request` again with `key`, knowing what `earlier` sends of the
+    /// call may have done. While the first send that may have reached the
+    /// vendor is within the target's key horizon, attempts are sent blindly
+    /// (the vendor answers a key it remembers with its recorded result).
+    /// Past it, for a vendor without keys, or with `must_reconcile`, the
+    /// vendor is asked first through the reconcile hook: applied → its
+    /// answer is returned (`reconciled`) and nothing is sent; not applied →
+    /// sent; in flight → asked again after the next wait; unknown, or no
+    /// hook → [`OutboundError::Unknown`], nothing sent. Within one call,
+    /// each retry after an attempt that may have reached the vendor is
+    /// judged the same way.
+    pub async fn resend(
+        &self,
+        key: &IdempotencyKey,
+        request: &OutboundRequest,
+        earlier: Earlier,
+    ) -> Result<OutboundResponse> {
         let prepared = self.prepare(key, request)?;
         let host: Arc<str> = host_of(prepared.url())?.into();
         let host_label = self.inner.labels.host(&host);
+        let horizon = self.inner.config.horizon_of(&host);
         let span = tracing::info_span!(
             "outbound_call",
             key = %key,
@@ -338,21 +534,36 @@ impl OutboundClient {
             host = %host,
             attempts = tracing::field::Empty,
         );
+        let state = Mutex::new(CallState {
+            reached_at_ms: earlier.first_reached_at_ms,
+            not_applied_at_ms: None,
+        });
+        let must_reconcile = std::sync::atomic::AtomicBool::new(earlier.must_reconcile);
         async {
             let labels = &self.inner.labels;
-            let result = drive(&self.inner.config, labels, &host_label, |timeout| {
-                self.attempt(&prepared, &host, &host_label, timeout)
+            let result = drive(&self.inner.config, labels, &host_label, &state, |timeout| {
+                self.step(
+                    key,
+                    request,
+                    &prepared,
+                    (&host, &host_label, horizon),
+                    (&state, &must_reconcile, earlier.past_horizon_override),
+                    timeout,
+                )
             })
             .await;
             let (label, attempts) = match &result {
+                Ok(r) if r.reconciled => ("reconciled", r.attempts),
                 Ok(r) => ("success", r.attempts),
                 Err(e @ OutboundError::Rejected { .. }) => ("rejected", e.attempts()),
+                Err(e @ OutboundError::Unknown { .. }) => ("unknown", e.attempts()),
+                Err(e @ OutboundError::RetryLater { .. }) => ("retry_later", e.attempts()),
                 Err(e) => ("exhausted", e.attempts()),
             };
             labels.call(&host_label, label);
             tracing::Span::current().record("attempts", attempts);
             match &result {
-                Ok(r) => tracing::debug!(status = r.status, "outbound call succeeded"),
+                Ok(r) => tracing::debug!(status = r.status, reconciled = r.reconciled, "outbound call succeeded"),
                 Err(e) => tracing::warn!(error = %e, "outbound call failed"),
             }
             result
@@ -361,9 +572,100 @@ impl OutboundClient {
         .await
     }
 
+    /// One step of a call: the reconcile its state asks for, then (unless
+    /// that settled it) one attempt; records in `state` whether the attempt
+    /// may have reached the vendor.
+    async fn step(
+        &self,
+        key: &IdempotencyKey,
+        request: &OutboundRequest,
+        prepared: &reqwest::Request,
+        (host, host_label, horizon): (&Arc<str>, &str, KeyHorizon),
+        (state, must_reconcile, past_horizon_override): (&Mutex<CallState>, &std::sync::atomic::AtomicBool, bool),
+        timeout: Duration,
+    ) -> Result<OutboundResponse, Failure> {
+        let now = self.inner.clock.now_ms();
+        let reached = state.lock().unwrap_or_else(PoisonError::into_inner).reached_at_ms;
+        let forced = must_reconcile.load(Ordering::SeqCst);
+        let remembered = reached.is_some_and(|at| horizon.remembers(at, now));
+        let ask = (forced || (reached.is_some() && !remembered)) && !past_horizon_override;
+        if ask {
+            let labels = &self.inner.labels;
+            let Some(hook) = &self.inner.reconcile else {
+                labels.reconcile("held");
+                return Err(Failure::Held(match (forced, reached) {
+                    (true, _) => {
+                        "its outcome is held as unknown, and there is no reconcile hook to ask the vendor".into()
+                    }
+                    (false, Some(at)) => format!(
+                        "a send that may have reached the vendor started {} s ago, past the vendor's key horizon \
+                         ({} s less a margin of {} s), and there is no reconcile hook to ask the vendor",
+                        now.saturating_sub(at) / 1000,
+                        horizon.horizon.as_secs(),
+                        horizon.margin.as_secs()
+                    ),
+                    (false, None) => "no reconcile hook".into(),
+                }));
+            };
+            match tokio::time::timeout(timeout, hook.reconcile(key, request, timeout)).await {
+                Err(_) => {
+                    labels.reconcile("error");
+                    return Err(Failure::ReconcileFailed(format!(
+                        "no answer within {} ms",
+                        timeout.as_millis()
+                    )));
+                }
+                Ok(Err(e)) => {
+                    labels.reconcile("error");
+                    return Err(Failure::ReconcileFailed(e));
+                }
+                Ok(Ok(Reconciled::Applied { status, body })) => {
+                    labels.reconcile("applied");
+                    tracing::info!(key = %key, "the vendor had applied it: its record stands, nothing is sent");
+                    return Ok(OutboundResponse {
+                        status,
+                        headers: HeaderMap::new(),
+                        body,
+                        body_truncated: false,
+                        attempts: 0,
+                        reconciled: true,
+                    });
+                }
+                Ok(Ok(Reconciled::InFlight)) => {
+                    labels.reconcile("in_flight");
+                    return Err(Failure::VendorBusy);
+                }
+                Ok(Ok(Reconciled::Unknown(why))) => {
+                    labels.reconcile("unknown");
+                    return Err(Failure::Held(format!(
+                        "the vendor cannot say whether it applied it: {why}"
+                    )));
+                }
+                Ok(Ok(Reconciled::NotApplied)) => {
+                    labels.reconcile("not_applied");
+                    must_reconcile.store(false, Ordering::SeqCst);
+                    let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+                    s.reached_at_ms = None;
+                    s.not_applied_at_ms = Some(now);
+                }
+            }
+        }
+        let started = self.inner.clock.now_ms();
+        let result = self.attempt(prepared, host, host_label, timeout).await;
+        if let Err(failure) = &result
+            && failure.may_have_reached()
+        {
+            let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+            s.reached_at_ms.get_or_insert(started);
+            s.not_applied_at_ms = None;
+        }
+        result
+    }
+
     /// The request as reqwest sends it, checked once for all attempts.
     fn prepare(&self, key: &IdempotencyKey, request: &OutboundRequest) -> Result<reqwest::Request> {
         let invalid = |why: String| OutboundError::Invalid(why);
+        let url = parse_target(request.url(), self.inner.tls)?;
         let method = reqwest::Method::from_bytes(request.method().as_bytes())
             .map_err(|_| invalid(format!("invalid method {:?}", request.method())))?;
         let key_header = &self.inner.config.key_header;
@@ -378,12 +680,16 @@ impl OutboundClient {
                 .map_err(|_| invalid(format!("invalid value of header {name}")))?;
             headers.append(name, value);
         }
+        // Secret headers come from the configuration, never from storage.
+        for (name, value) in &self.inner.config.secret_headers {
+            headers.insert(name.clone(), value.clone());
+        }
         let key_value =
             HeaderValue::from_str(key.as_str()).map_err(|_| invalid("the key is not a valid header value".into()))?;
         headers.insert(key_header.clone(), key_value);
         self.inner
             .http
-            .request(method, request.url())
+            .request(method, url)
             .headers(headers)
             .body(request.body().to_vec())
             .build()
@@ -436,6 +742,8 @@ impl OutboundClient {
         let mut response = self.inner.http.execute(request).await.map_err(|e| {
             if e.is_builder() {
                 Failure::Invalid(error_chain(&e))
+            } else if e.is_connect() {
+                Failure::Connect(error_chain(&e))
             } else if e.is_timeout() {
                 Failure::Timeout(None)
             } else {
@@ -471,6 +779,7 @@ impl OutboundClient {
                 body,
                 body_truncated,
                 attempts: 0,
+                reconciled: false,
             });
         }
         let retry_after = match status {
@@ -480,12 +789,80 @@ impl OutboundClient {
                 .and_then(|v| parse_retry_after(v, SystemTime::now())),
             _ => None,
         };
+        let in_flight = status == 409 && says_in_flight(&body, &self.inner.config.in_flight_codes);
         Err(Failure::Status {
             status,
             body,
             retry_after,
+            in_flight,
         })
     }
+}
+
+/// Whether a 409's JSON body says the key is still being processed: a
+/// string value of `code`, `type` or `message` (at the top level or under
+/// `error`) that is one of `codes`, ends in `/code`, or starts with
+/// `code:` or `code ` — how Stripe (`idempotency_key_in_use`) and the
+/// Idempotency-Key draft (a problem type ending in
+/// `idempotency-key-in-flight`) say it. A body that is not JSON says
+/// nothing.
+pub(crate) fn says_in_flight(body: &[u8], codes: &[String]) -> bool {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return false;
+    };
+    let matches = |text: &str| {
+        codes.iter().any(|code| {
+            text == code
+                || text.ends_with(&format!("/{code}"))
+                || text.starts_with(&format!("{code}:"))
+                || text.starts_with(&format!("{code} "))
+        })
+    };
+    [&value, &value["error"]].iter().any(|v| {
+        ["code", "type", "message"]
+            .iter()
+            .filter_map(|field| v.get(field).and_then(serde_json::Value::as_str))
+            .any(matches)
+    })
+}
+
+/// A target URL, checked (see [`OutboundClient::check_target`]).
+fn parse_target(url: &str, tls: bool) -> Result<reqwest::Url> {
+    let invalid = |why: String| Err(OutboundError::Invalid(why));
+    let parsed = match reqwest::Url::parse(url) {
+        Ok(u) => u,
+        Err(e) => return invalid(format!("{url:?} is not a valid URL: {e}")),
+    };
+    match parsed.scheme() {
+        "http" => {}
+        "https" if tls => {}
+        "https" => {
+            return invalid(format!(
+                "{url:?} is https, and this client has no TLS backend: it could never be reached \
+                 (pass a reqwest client built with TLS to OutboundClient::with_http_client)"
+            ));
+        }
+        other => return invalid(format!("{url:?}: the scheme must be http or https, not {other}")),
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return invalid(format!("{url:?} has no host"));
+    }
+    if parsed.port() == Some(0) {
+        return invalid(format!("{url:?}: port 0 cannot be called"));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return invalid(
+            "the URL carries user information: give credentials as secret headers, never in a URL that is \
+             stored and shown"
+                .into(),
+        );
+    }
+    if parsed.fragment().is_some() {
+        return invalid(format!(
+            "{url:?} has a fragment (#…), which is never sent: everything after it is lost"
+        ));
+    }
+    Ok(parsed)
 }
 
 /// The breaker's and the metrics' name of a URL's host:
@@ -514,8 +891,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
 
     fn config(delays_ms: &[u64], deadline_ms: u64) -> OutboundConfig {
@@ -535,6 +910,7 @@ mod tests {
             body: b"{}".to_vec(),
             body_truncated: false,
             attempts: 0,
+            reconciled: false,
         }
     }
 
@@ -543,6 +919,7 @@ mod tests {
             status,
             body: b"no".to_vec(),
             retry_after: retry_after_secs.map(Duration::from_secs),
+            in_flight: false,
         }
     }
 
@@ -556,7 +933,8 @@ mod tests {
         let start = Instant::now();
         let script = Mutex::new(script.into_iter());
         let seen = Mutex::new(Vec::new());
-        let result = drive(config, &labels, "h", |timeout| {
+        let state = Mutex::new(CallState::default());
+        let result = drive(config, &labels, "h", &state, |timeout| {
             seen.lock().unwrap().push((start.elapsed(), timeout));
             let next = script.lock().unwrap().next().unwrap_or(Err(status(503, None)));
             async move { next }
@@ -578,7 +956,9 @@ mod tests {
         let starts: Vec<_> = seen.iter().map(|s| s.0).collect();
         assert_eq!(starts, [0.0, 0.5, 2.5, 7.5, 37.5].map(secs));
         match result {
-            Err(OutboundError::Exhausted { attempts, last_error }) => {
+            Err(OutboundError::Exhausted {
+                attempts, last_error, ..
+            }) => {
                 assert_eq!(attempts, 5);
                 assert!(last_error.starts_with("HTTP 503: no"), "{last_error}");
                 assert!(last_error.contains("no retries left"), "{last_error}");
@@ -608,7 +988,9 @@ mod tests {
             let (result, seen) = run(&config(&[100, 100], 60_000), vec![Err(status(code, None))]).await;
             assert_eq!(seen.len(), 1);
             match result {
-                Err(OutboundError::Rejected { status, body, attempts }) => {
+                Err(OutboundError::Rejected {
+                    status, body, attempts, ..
+                }) => {
                     assert_eq!((status, body.as_slice(), attempts), (code, &b"no"[..], 1));
                 }
                 other => panic!("{other:?}"),
@@ -648,7 +1030,7 @@ mod tests {
         assert_eq!(starts, [0.0, 3.0, 3.5].map(secs));
     }
 
-    /// A Retry-After past the deadline ends the call at once: no sleep.
+    /// A Retry-After past the deadline ends the call at once, no sleep, as "retry later" with the wait asked for (not a dead end).
     #[tokio::test(start_paused = true)]
     async fn retry_after_past_the_deadline_gives_up_at_once() {
         let c = config(&[500, 2000], 10_000);
@@ -657,10 +1039,13 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::ZERO);
         assert_eq!(seen.len(), 1);
         match result {
-            Err(OutboundError::Exhausted {
+            Err(OutboundError::RetryLater {
                 attempts: 1,
+                after,
                 last_error,
+                ..
             }) => {
+                assert_eq!(after, Duration::from_secs(60));
                 assert!(last_error.contains("Retry-After 60s"), "{last_error}");
                 assert!(last_error.contains("past the 10000 ms deadline"), "{last_error}");
             }
@@ -715,5 +1100,49 @@ mod tests {
         assert_eq!(host_of(&url("http://v.example/x")).unwrap(), "http://v.example:80");
         assert_eq!(host_of(&url("https://v.example/x")).unwrap(), "https://v.example:443");
         assert_eq!(host_of(&url("http://[::1]:8080/")).unwrap(), "http://[::1]:8080");
+    }
+}
+
+#[cfg(test)]
+mod in_flight_tests {
+    use super::*;
+
+    /// Proves a 409 is recognised as "still being processed" by Stripe's code and the draft's problem type, and nothing else.
+    #[test]
+    fn in_flight_409_bodies_are_recognised() {
+        let codes = OutboundConfig::default().in_flight_codes;
+        for yes in [
+            r#"{"error":{"type":"idempotency_error","code":"idempotency_key_in_use","message":"x"}}"#,
+            r#"{"error":{"type":"idempotency_error","message":"idempotency_key_in_use: retry later"}}"#,
+            r#"{"type":"https://idem.dev/problems/idempotency-key-in-flight","status":409}"#,
+        ] {
+            assert!(says_in_flight(yes.as_bytes(), &codes), "{yes}");
+        }
+        for no in [
+            r#"{"error":{"type":"invalid_request_error","code":"resource_already_exists"}}"#,
+            r#"{"message":"not_idempotency_key_in_use"}"#,
+            "idempotency_key_in_use",
+            "",
+        ] {
+            assert!(!says_in_flight(no.as_bytes(), &codes), "{no}");
+        }
+    }
+
+    /// Proves targets are checked as the issue asks: fragments, user information, port 0 or out of range, https without TLS.
+    #[test]
+    fn targets_are_checked() {
+        assert!(parse_target("http://v:9100/v1/payouts?x=1", false).is_ok());
+        assert!(parse_target("https://v/", true).is_ok());
+        for bad in [
+            "http://v#",
+            "http://v/#/v1/payouts",
+            "http://user:pw@v/",
+            "http://v:0/",
+            "http://v:65536/",
+            "https://v/",
+            "ftp://v/",
+        ] {
+            assert!(parse_target(bad, false).is_err(), "{bad}");
+        }
     }
 }

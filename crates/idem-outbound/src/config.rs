@@ -2,9 +2,10 @@
 
 use std::time::Duration;
 
-use reqwest::header::HeaderName;
+use reqwest::header::{HeaderName, HeaderValue};
 
 use crate::error::OutboundError;
+use crate::reconcile::KeyHorizon;
 
 /// The largest response body a client may be configured to keep (64 MiB).
 pub const MAX_RESPONSE_BODY_LIMIT: usize = 64 * 1024 * 1024;
@@ -98,7 +99,30 @@ pub struct OutboundConfig {
     /// The most distinct hosts that get their own `host` metric label
     /// (default 64); later hosts share the label `other`.
     pub max_host_labels: usize,
+    /// How long the vendor remembers idempotency keys (default Stripe's
+    /// 24 h, trusted up to 23 h); [`KeyHorizon::NONE`] for a vendor without
+    /// idempotency. A re-send past it is reconciled first.
+    pub key_horizon: KeyHorizon,
+    /// Per-host horizons (`scheme://host:port`), in place of `key_horizon`.
+    pub host_key_horizons: Vec<(String, KeyHorizon)>,
+    /// Headers sent with every attempt but never part of a stored request
+    /// (vendor credentials): a dead letter, a listing or a log never holds
+    /// them, and a redrive's client sends them again from its own
+    /// configuration. Their values are marked sensitive.
+    pub secret_headers: Vec<(HeaderName, HeaderValue)>,
+    /// Error codes that make a `409` without `Retry-After` mean "this key is
+    /// still being processed" (wait and send again within the deadline)
+    /// rather than a final rejection: matched against the string values of
+    /// the JSON answer's `code`, `type` and `message` fields (top level and
+    /// under `error`), equal or ending in `/code` or starting with `code:`.
+    /// Default: Stripe's `idempotency_key_in_use` and the Idempotency-Key
+    /// draft's problem type `idempotency-key-in-flight`.
+    pub in_flight_codes: Vec<String>,
 }
+
+/// The longest deadline a client may be configured for (one day): instants
+/// built from it never overflow.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(24 * 3600);
 
 impl Default for OutboundConfig {
     fn default() -> Self {
@@ -117,6 +141,10 @@ impl Default for OutboundConfig {
             max_response_body: 1024 * 1024,
             breaker: BreakerConfig::default(),
             max_host_labels: 64,
+            key_horizon: KeyHorizon::new(Duration::from_secs(24 * 3600), Duration::from_secs(3600)),
+            host_key_horizons: Vec::new(),
+            secret_headers: Vec::new(),
+            in_flight_codes: vec!["idempotency_key_in_use".into(), "idempotency-key-in-flight".into()],
         }
     }
 }
@@ -137,6 +165,34 @@ impl OutboundConfig {
         Ok(self)
     }
 
+    /// Adds a secret header (see [`secret_headers`](Self::secret_headers));
+    /// refused unless the name and value are valid, or when it is the key
+    /// header. The value never appears in the error.
+    ///
+    /// ```
+    /// let config = idem_outbound::OutboundConfig::default().with_secret_header("Authorization", "Bearer sk_test")?;
+    /// assert!(format!("{config:?}").contains("Sensitive"));
+    /// assert!(!format!("{config:?}").contains("sk_test"));
+    /// # Ok::<(), idem_outbound::OutboundError>(())
+    /// ```
+    pub fn with_secret_header(mut self, name: &str, value: &str) -> Result<Self, OutboundError> {
+        let header = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| OutboundError::InvalidConfig(format!("secret header {name:?} is not a valid header name")))?;
+        let mut value = HeaderValue::from_str(value)
+            .map_err(|_| OutboundError::InvalidConfig(format!("the value of secret header {name} is not valid")))?;
+        value.set_sensitive(true);
+        self.secret_headers.push((header, value));
+        Ok(self)
+    }
+
+    /// The horizon of `host` (`scheme://host:port`).
+    pub fn horizon_of(&self, host: &str) -> KeyHorizon {
+        self.host_key_horizons
+            .iter()
+            .find(|(h, _)| h.eq_ignore_ascii_case(host))
+            .map_or(self.key_horizon, |(_, k)| *k)
+    }
+
     /// Checks the settings; the client refuses a configuration that fails.
     pub fn validate(&self) -> Result<(), OutboundError> {
         let bad = |why: String| Err(OutboundError::InvalidConfig(why));
@@ -153,6 +209,26 @@ impl OutboundConfig {
         }
         if self.deadline.is_zero() || self.attempt_timeout.is_zero() {
             return bad("the deadline and the attempt timeout must be positive".into());
+        }
+        if self.deadline > MAX_DEADLINE || self.attempt_timeout > MAX_DEADLINE {
+            return bad(format!(
+                "the deadline and the attempt timeout are at most {} s",
+                MAX_DEADLINE.as_secs()
+            ));
+        }
+        for (host, k) in std::iter::once(&("key_horizon".to_owned(), self.key_horizon)).chain(&self.host_key_horizons) {
+            if !k.horizon.is_zero() && k.margin >= k.horizon {
+                return bad(format!(
+                    "{host}: the horizon margin ({} s) must be shorter than the horizon ({} s)",
+                    k.margin.as_secs(),
+                    k.horizon.as_secs()
+                ));
+            }
+        }
+        for (name, _) in &self.secret_headers {
+            if *name == self.key_header {
+                return bad(format!("secret header {name} is the idempotency key header"));
+            }
         }
         if self.max_response_body == 0 || self.max_response_body > MAX_RESPONSE_BODY_LIMIT {
             return bad(format!(

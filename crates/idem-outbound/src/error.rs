@@ -10,8 +10,8 @@ pub type Result<T, E = OutboundError> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum OutboundError {
     /// The vendor answered with a final status (a 3xx, or a 4xx other than
-    /// 408, 425 and 429): sending it again would get the same answer, so it
-    /// was not retried.
+    /// 408, 425, 429 and an in-flight 409): sending it again would get the
+    /// same answer, so it was not retried.
     #[error("rejected with HTTP {status} after {attempts} attempt(s): {}", snippet(.body))]
     Rejected {
         /// The status.
@@ -20,6 +20,8 @@ pub enum OutboundError {
         body: Vec<u8>,
         /// Attempts made (the last one answered).
         attempts: u32,
+        /// When the first send that may have reached the vendor started.
+        first_reached_at_ms: Option<i64>,
     },
     /// The retries or the deadline were used up without a final answer; the
     /// caller keeps the call as a dead letter (see
@@ -30,6 +32,41 @@ pub enum OutboundError {
         attempts: u32,
         /// What the last one got, and why no further one was made.
         last_error: String,
+        /// When the first send that may have reached the vendor started
+        /// (`None`: none can have; a redrive may send it blindly).
+        first_reached_at_ms: Option<i64>,
+        /// When the vendor said it had not applied the call, if it was
+        /// asked and no send reached it after.
+        not_applied_at_ms: Option<i64>,
+    },
+    /// The vendor asked to be called again later than the deadline allows
+    /// (`Retry-After` on a 429 or 503): nothing was applied by that answer;
+    /// call again at `after` from now (a worker defers the call, rather
+    /// than dead-letter it).
+    #[error("the vendor asks to retry in {} s, past the deadline, after {attempts} attempt(s): {last_error}", .after.as_secs())]
+    RetryLater {
+        /// How long the vendor asked to wait.
+        after: std::time::Duration,
+        /// Attempts made.
+        attempts: u32,
+        /// What the last one got.
+        last_error: String,
+        /// As in [`Exhausted`](Self::Exhausted).
+        first_reached_at_ms: Option<i64>,
+    },
+    /// Whether the vendor applied the call cannot be established, and it is
+    /// not sent on a guess: a send that may have reached the vendor is past
+    /// its key horizon (or the vendor has no keys) and there is no reconcile
+    /// hook, or the vendor could not say. Keep it as an unknown outcome for
+    /// an operator.
+    #[error("outcome unknown after {attempts} attempt(s), not sent again: {reason}")]
+    Unknown {
+        /// Attempts made.
+        attempts: u32,
+        /// Why it cannot be established.
+        reason: String,
+        /// When the first send that may have reached the vendor started.
+        first_reached_at_ms: Option<i64>,
     },
     /// The request cannot be sent as given (nothing was sent).
     #[error("invalid outbound request: {0}")]
@@ -46,23 +83,48 @@ impl OutboundError {
     /// The attempts the call made (0 when nothing was tried).
     pub fn attempts(&self) -> u32 {
         match self {
-            Self::Rejected { attempts, .. } | Self::Exhausted { attempts, .. } => *attempts,
+            Self::Rejected { attempts, .. }
+            | Self::Exhausted { attempts, .. }
+            | Self::RetryLater { attempts, .. }
+            | Self::Unknown { attempts, .. } => *attempts,
             Self::Invalid(_) | Self::InvalidConfig(_) | Self::Store(_) => 0,
         }
     }
 
-    /// The dead letter to keep for an [`Exhausted`](Self::Exhausted) call,
-    /// to be redriven later with the same key; `None` for any other error
-    /// (a rejection will not change by sending it again).
-    pub fn dead_letter(&self, scope: &Scope, key: &IdempotencyKey, request: &OutboundRequest) -> Option<NewDeadLetter> {
+    /// When the first send that may have reached the vendor started, as the
+    /// call leaves it.
+    pub fn first_reached_at_ms(&self) -> Option<i64> {
         match self {
-            Self::Exhausted { attempts, last_error } => Some(NewDeadLetter {
-                scope: scope.clone(),
-                key: key.clone(),
-                request: request.clone(),
-                attempts: *attempts,
-                last_error: idem_core::clip_text(last_error).to_owned(),
-            }),
+            Self::Rejected {
+                first_reached_at_ms, ..
+            }
+            | Self::Exhausted {
+                first_reached_at_ms, ..
+            }
+            | Self::RetryLater {
+                first_reached_at_ms, ..
+            }
+            | Self::Unknown {
+                first_reached_at_ms, ..
+            } => *first_reached_at_ms,
+            Self::Invalid(_) | Self::InvalidConfig(_) | Self::Store(_) => None,
+        }
+    }
+
+    /// The dead letter to keep for a call that gave up
+    /// ([`Exhausted`](Self::Exhausted), [`RetryLater`](Self::RetryLater)) or
+    /// whose outcome is unknown (kept in state `unknown`), to be redriven or
+    /// settled later with the same key; `None` for any other error (a
+    /// rejection will not change by sending it again).
+    pub fn dead_letter(&self, scope: &Scope, key: &IdempotencyKey, request: &OutboundRequest) -> Option<NewDeadLetter> {
+        let letter = |error: &str| {
+            NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), self.attempts(), error)
+                .reached_at(self.first_reached_at_ms())
+        };
+        match self {
+            Self::Exhausted { last_error, .. } => Some(letter(idem_core::clip_text(last_error))),
+            Self::RetryLater { .. } => Some(letter(idem_core::clip_text(&self.to_string()))),
+            Self::Unknown { reason, .. } => Some(letter(idem_core::clip_text(reason)).outcome_unknown()),
             _ => None,
         }
     }
@@ -92,6 +154,7 @@ mod tests {
             status: 422,
             body: br#"{"error":"reused"}"#.to_vec(),
             attempts: 1,
+            first_reached_at_ms: Some(1),
         };
         assert_eq!(
             e.to_string(),
@@ -101,6 +164,8 @@ mod tests {
         let e = OutboundError::Exhausted {
             attempts: 5,
             last_error: "HTTP 503".into(),
+            first_reached_at_ms: None,
+            not_applied_at_ms: None,
         };
         assert_eq!(e.to_string(), "gave up after 5 attempt(s): HTTP 503");
         assert_eq!(e.attempts(), 5);
@@ -118,14 +183,25 @@ mod tests {
         let exhausted = OutboundError::Exhausted {
             attempts: 5,
             last_error: "x".repeat(10_000),
+            first_reached_at_ms: Some(77),
+            not_applied_at_ms: None,
         };
         let letter = exhausted.dead_letter(&scope, &key, &request).unwrap();
         assert_eq!(letter.attempts, 5);
         assert_eq!(letter.last_error.len(), idem_core::MAX_DEAD_LETTER_TEXT);
+        assert_eq!(letter.first_reached_at_ms, Some(77));
+        assert!(!letter.unknown);
+        let unknown = OutboundError::Unknown {
+            attempts: 1,
+            reason: "no reconcile hook".into(),
+            first_reached_at_ms: Some(5),
+        };
+        assert!(unknown.dead_letter(&scope, &key, &request).unwrap().unknown);
         let rejected = OutboundError::Rejected {
             status: 400,
             body: vec![],
             attempts: 1,
+            first_reached_at_ms: None,
         };
         assert!(rejected.dead_letter(&scope, &key, &request).is_none());
     }

@@ -120,12 +120,14 @@ mod client;
 mod config;
 mod error;
 mod metrics;
+mod reconcile;
 mod redrive;
 mod retry_after;
 
 pub use breaker::BreakerState;
-pub use client::{OutboundClient, OutboundResponse};
-pub use config::{BreakerConfig, Jitter, MAX_RESPONSE_BODY_LIMIT, MAX_RETRIES, OutboundConfig};
+pub use client::{Earlier, OutboundClient, OutboundResponse};
+pub use config::{BreakerConfig, Jitter, MAX_DEADLINE, MAX_RESPONSE_BODY_LIMIT, MAX_RETRIES, OutboundConfig};
 pub use error::{OutboundError, Result};
+pub use reconcile::{KeyHorizon, Reconcile, Reconciled};
 pub use redrive::{MAX_REDRIVES_PER_SECOND, RedriveItem, RedriveOptions, RedriveReport, RedriveResult, Redriver};
 pub use retry_after::{MAX_RETRY_AFTER, parse_retry_after};

@@ -79,6 +79,11 @@ impl Labels {
         metrics::gauge!("idem_outbound_breaker_state", "client" => self.client.clone(), "host" => host).set(to.gauge());
     }
 
+    pub(crate) fn reconcile(&self, result: &'static str) {
+        metrics::counter!("idem_outbound_reconciles_total", "client" => self.client.clone(), "result" => result)
+            .increment(1);
+    }
+
     pub(crate) fn redrive(&self, result: &'static str) {
         metrics::counter!("idem_outbound_redrives_total", "client" => self.client.clone(), "result" => result)
             .increment(1);

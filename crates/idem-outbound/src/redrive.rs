@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use idem_core::{DeadLetterFilter, DeadLetterStore, MAX_DEAD_LETTER_PAGE, RedriveOutcome};
+use idem_core::{DeadLetterFilter, DeadLetterStore, MAX_DEAD_LETTER_PAGE, RedriveOutcome, Verdict};
 use tokio::time::{Interval, MissedTickBehavior};
 
-use crate::client::OutboundClient;
+use crate::client::{Earlier, OutboundClient};
 use crate::error::{OutboundError, Result};
 
 /// The most sends per second a redrive may be configured for.
@@ -51,7 +51,14 @@ pub enum RedriveResult {
         /// Why.
         error: String,
     },
-    /// Not sent: it is resolved, gone, or another redrive holds it.
+    /// Whether the vendor applied it cannot be established (past its key
+    /// horizon with no way to ask, or the vendor could not say): nothing was
+    /// sent, and the letter is held in state `unknown` for an operator.
+    Unknown {
+        /// Why.
+        reason: String,
+    },
+    /// Not sent: it is resolved, cancelled, or another redrive holds it.
     Skipped,
     /// Sent, but another redrive took it over (this one's hold ran out)
     /// before the outcome could be stored; the other redrive's stands.
@@ -76,6 +83,8 @@ pub struct RedriveReport {
     pub resolved: u32,
     /// Dead letters that failed again.
     pub failed: u32,
+    /// Dead letters held as unknown outcomes for an operator.
+    pub unknown: u32,
     /// Dead letters not sent (resolved, gone, or held by another redrive).
     pub skipped: u32,
     /// Store failures and holds lost.
@@ -89,6 +98,7 @@ impl RedriveReport {
         match result {
             RedriveResult::Resolved { .. } => self.resolved += 1,
             RedriveResult::Failed { .. } => self.failed += 1,
+            RedriveResult::Unknown { .. } => self.unknown += 1,
             RedriveResult::Skipped => self.skipped += 1,
             RedriveResult::HoldLost | RedriveResult::StoreError(_) => self.errors += 1,
         }
@@ -125,19 +135,52 @@ impl Pacer {
 
 /// Sends dead letters again through an [`OutboundClient`], with the key
 /// each was first sent with, and records the outcome in the store.
+///
+/// Each redrive is a re-send of a call whose earlier sends may have reached
+/// the vendor: it goes through [`OutboundClient::resend`] with the letter's
+/// first reach, so past the vendor's key horizon (or for a letter held as
+/// unknown) the vendor is asked first, and without a reconcile hook the
+/// letter is held as unknown rather than sent on a guess.
 #[derive(Debug, Clone)]
 pub struct Redriver<S> {
     client: OutboundClient,
     store: S,
     hold: Duration,
+    target: Option<String>,
+    past_horizon_override: bool,
 }
 
 impl<S: DeadLetterStore> Redriver<S> {
     /// A redriver; each dead letter is held for the client's deadline plus
     /// 30 s while it is sent, so no other redrive takes it meanwhile.
     pub fn new(client: OutboundClient, store: S) -> Self {
-        let hold = client.config().deadline + Duration::from_secs(30);
-        Self { client, store, hold }
+        let hold = client.config().deadline.saturating_add(Duration::from_secs(30));
+        Self {
+            client,
+            store,
+            hold,
+            target: None,
+            past_horizon_override: false,
+        }
+    }
+
+    /// Sends every letter to `url` instead of its stored URL (a target
+    /// fixed after the letters were written: a wrong vendor URL), and
+    /// stores it in each letter it sends. Refused unless the client would
+    /// send to it (see [`OutboundClient::check_target`]).
+    pub fn with_target(mut self, url: &str) -> Result<Self> {
+        self.client.check_target(url)?;
+        self.target = Some(url.to_owned());
+        Ok(self)
+    }
+
+    /// The operator's override: send letters past the vendor's key horizon
+    /// without asking it first (the operator has checked the vendor). A
+    /// letter held as unknown is still only sent after the vendor, or an
+    /// operator's settlement, says it was not applied.
+    pub fn with_past_horizon_override(mut self, past_horizon: bool) -> Self {
+        self.past_horizon_override = past_horizon;
+        self
     }
 
     /// Holds each dead letter this long while it is sent (keep it above the
@@ -206,8 +249,27 @@ impl<S: DeadLetterStore> Redriver<S> {
             pacer.ready().await;
         }
         let letter = &hold.dead_letter;
+        let mut request = letter.request.clone();
+        if let Some(url) = &self.target {
+            request = request.with_url(url.as_str())?;
+            if !self.store.retarget(id, hold.token, url).await? {
+                labels.redrive("error");
+                return Ok(RedriveResult::HoldLost);
+            }
+        }
+        let held_unknown = letter
+            .reconciliation
+            .as_ref()
+            .is_some_and(|r| r.verdict == Verdict::Unknown);
+        let earlier = Earlier {
+            first_reached_at_ms: letter.first_reached_at_ms,
+            must_reconcile: held_unknown,
+            // An outcome held as unknown is never sent on the operator's
+            // horizon override: only a verdict releases it.
+            past_horizon_override: self.past_horizon_override && !held_unknown,
+        };
         let span = tracing::info_span!("redrive", id, key = %letter.key, scope = %letter.scope);
-        let sent = tracing::Instrument::instrument(self.client.send(&letter.key, &letter.request), span).await;
+        let sent = tracing::Instrument::instrument(self.client.resend(&letter.key, &request, earlier), span).await;
         let (result, outcome) = match sent {
             Ok(response) => (
                 RedriveResult::Resolved {
@@ -217,20 +279,43 @@ impl<S: DeadLetterStore> Redriver<S> {
                 RedriveOutcome::Resolved {
                     status: response.status,
                     body: response.body,
+                    reconciled: response.reconciled,
+                },
+            ),
+            Err(OutboundError::Unknown {
+                attempts,
+                reason,
+                first_reached_at_ms,
+            }) => (
+                RedriveResult::Unknown { reason: reason.clone() },
+                RedriveOutcome::Unknown {
+                    attempts,
+                    reason,
+                    first_reached_at_ms,
                 },
             ),
             Err(e) => {
                 let attempts = e.attempts();
-                let error = match e {
-                    OutboundError::Exhausted { last_error, .. } => last_error,
-                    other => other.to_string(),
+                let first_reached_at_ms = e.first_reached_at_ms();
+                let (error, not_applied_at_ms) = match e {
+                    OutboundError::Exhausted {
+                        last_error,
+                        not_applied_at_ms,
+                        ..
+                    } => (last_error, not_applied_at_ms),
+                    other => (other.to_string(), None),
                 };
                 (
                     RedriveResult::Failed {
                         attempts,
                         error: error.clone(),
                     },
-                    RedriveOutcome::Failed { attempts, error },
+                    RedriveOutcome::Failed {
+                        attempts,
+                        error,
+                        first_reached_at_ms,
+                        not_applied_at_ms,
+                    },
                 )
             }
         };
@@ -241,6 +326,7 @@ impl<S: DeadLetterStore> Redriver<S> {
         }
         labels.redrive(match result {
             RedriveResult::Resolved { .. } => "resolved",
+            RedriveResult::Unknown { .. } => "unknown",
             _ => "failed",
         });
         Ok(result)

@@ -16,8 +16,22 @@ fn client(config: OutboundConfig) -> OutboundClient {
 
 fn exhausted(result: Result<idem_outbound::OutboundResponse, OutboundError>) -> (u32, String) {
     match result {
-        Err(OutboundError::Exhausted { attempts, last_error }) => (attempts, last_error),
+        Err(OutboundError::Exhausted {
+            attempts, last_error, ..
+        }) => (attempts, last_error),
         other => panic!("expected Exhausted, got {other:?}"),
+    }
+}
+
+fn retry_later(result: Result<idem_outbound::OutboundResponse, OutboundError>) -> (u32, String, Duration) {
+    match result {
+        Err(OutboundError::RetryLater {
+            attempts,
+            last_error,
+            after,
+            ..
+        }) => (attempts, last_error, after),
+        other => panic!("expected RetryLater, got {other:?}"),
     }
 }
 
@@ -116,6 +130,7 @@ async fn final_rejections_are_not_retried() {
                 status: s,
                 body,
                 attempts,
+                ..
             }) => {
                 assert_eq!((s, body.as_slice(), attempts), (status, &b"nope"[..], 1));
             }
@@ -177,7 +192,7 @@ async fn retry_after_is_read_in_both_forms() {
     let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3600));
     for retry_after in ["1".to_owned(), soon] {
         let server = Scripted::start(vec![Answer::status(429).header("retry-after", retry_after.clone())]).await;
-        let (attempts, error) = exhausted(
+        let (attempts, error, _) = retry_later(
             client(short_deadline.clone())
                 .send(&key("ra"), &server.request("/"))
                 .await,
@@ -214,7 +229,8 @@ async fn retry_after_is_read_in_both_forms() {
 }
 
 /// The vendor's own 429 (rate limit fault) with Retry-After past the
-/// deadline: given up at once, nothing paid.
+/// deadline: given up at once as "retry later", with the wait asked for,
+/// nothing paid.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_vendors_rate_limit_is_honoured() {
     let (base, _vendor) = vendor().await;
@@ -227,8 +243,9 @@ async fn the_vendors_rate_limit_is_honoured() {
         deadline: Duration::from_secs(5),
         ..config(&[10, 10, 10])
     });
-    let (attempts, error) = exhausted(c.send(&key("rl"), &payout(&base, r#"{"amount":1}"#)).await);
+    let (attempts, error, after) = retry_later(c.send(&key("rl"), &payout(&base, r#"{"amount":1}"#)).await);
     assert_eq!(attempts, 1);
+    assert_eq!(after, Duration::from_secs(30));
     assert!(error.contains("Retry-After 30s"), "{error}");
     assert_eq!(stats(&base).await["rate_limited"], 1);
     assert_eq!(ledger(&base).await.0, 0);
@@ -240,9 +257,15 @@ async fn the_vendors_rate_limit_is_honoured() {
 async fn refused_connections_are_retried() {
     let addr = support::free_addr();
     let request = payout(&format!("http://{addr}"), r#"{"amount":1}"#);
-    let (attempts, error) = exhausted(client(config(&[10, 10, 10])).send(&key("x"), &request).await);
+    let refused = client(config(&[10, 10, 10])).send(&key("x"), &request).await;
+    assert_eq!(
+        refused.as_ref().err().and_then(OutboundError::first_reached_at_ms),
+        None,
+        "a refused connection cannot have reached the vendor"
+    );
+    let (attempts, error) = exhausted(refused);
     assert_eq!(attempts, 4);
-    assert!(error.starts_with("network error"), "{error}");
+    assert!(error.starts_with("not sent, no connection"), "{error}");
     assert!(error.contains("no retries left (3 configured)"), "{error}");
 
     // The vendor refuses connections for a while, then pays once.
@@ -401,6 +424,7 @@ async fn the_breaker_opens_probes_once_and_closes() {
             Err(OutboundError::Exhausted {
                 attempts: 1,
                 last_error,
+                ..
             }) => {
                 assert!(last_error.contains("half-open"), "{last_error}");
             }

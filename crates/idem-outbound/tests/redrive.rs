@@ -86,13 +86,13 @@ async fn redrives_are_capped_and_held_letters_skipped() {
     let store = MemoryDeadLetters::new();
     let mut ids = Vec::new();
     for i in 0..5 {
-        let letter = NewDeadLetter {
-            scope: scope(),
-            key: key(&format!("cap-{i}")),
-            request: payout(&base, &format!(r#"{{"amount":{}}}"#, i + 1)),
-            attempts: 5,
-            last_error: "HTTP 503".into(),
-        };
+        let letter = NewDeadLetter::new(
+            scope(),
+            key(&format!("cap-{i}")),
+            payout(&base, &format!(r#"{{"amount":{}}}"#, i + 1)),
+            5,
+            "HTTP 503",
+        );
         ids.push(store.record(&letter).await.unwrap());
     }
     // Another redrive holds the second one.
@@ -159,13 +159,13 @@ async fn a_mismatched_body_fails_the_redrive() {
         .unwrap();
     let store = MemoryDeadLetters::new();
     let id = store
-        .record(&NewDeadLetter {
-            scope: scope(),
-            key: key("same-key"),
-            request: payout(&base, r#"{"amount":200}"#),
-            attempts: 5,
-            last_error: "HTTP 503".into(),
-        })
+        .record(&NewDeadLetter::new(
+            scope(),
+            key("same-key"),
+            payout(&base, r#"{"amount":200}"#),
+            5,
+            "HTTP 503",
+        ))
         .await
         .unwrap();
     let redriver = Redriver::new(c, store.clone());

@@ -56,8 +56,13 @@ pub fn free_addr() -> SocketAddr {
 
 /// Starts the fake vendor on loopback.
 pub async fn vendor() -> (String, Arc<fake_vendor::Vendor>) {
+    vendor_with(fake_vendor::Options::default()).await
+}
+
+/// Starts the fake vendor on loopback, treating keys by `options`.
+pub async fn vendor_with(options: fake_vendor::Options) -> (String, Arc<fake_vendor::Vendor>) {
     let addr = free_addr();
-    let vendor = Arc::new(fake_vendor::Vendor::default());
+    let vendor = Arc::new(fake_vendor::Vendor::new(options));
     tokio::spawn(fake_vendor::serve(addr, vendor.clone(), std::future::pending()));
     for _ in 0..200 {
         if tokio::net::TcpStream::connect(addr).await.is_ok() {
@@ -240,5 +245,60 @@ impl Scripted {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("{} requests arrived, not {n}", self.count());
+    }
+}
+
+/// A reconcile hook for the fake vendor: a lookup by the request's
+/// `reference`, counted.
+pub struct Lookup {
+    pub base: String,
+    pub asked: std::sync::atomic::AtomicUsize,
+}
+
+impl Lookup {
+    pub fn new(base: &str) -> Arc<Self> {
+        Arc::new(Self {
+            base: base.to_owned(),
+            asked: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    pub fn asked(&self) -> usize {
+        self.asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl idem_outbound::Reconcile for Lookup {
+    fn reconcile<'a>(
+        &'a self,
+        _key: &'a IdempotencyKey,
+        request: &'a OutboundRequest,
+        timeout: Duration,
+    ) -> idem_core::BoxFuture<'a, Result<idem_outbound::Reconciled, String>> {
+        Box::pin(async move {
+            self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let body: serde_json::Value = serde_json::from_slice(request.body()).map_err(|e| e.to_string())?;
+            let reference = body["reference"].as_str().ok_or("no reference")?;
+            let found: serde_json::Value = reqwest::Client::new()
+                .get(format!("{}/v1/payouts?reference={reference}", self.base))
+                .timeout(timeout)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?
+                .json()
+                .await
+                .map_err(|e| e.to_string())?;
+            let data = found["data"].as_array().cloned().unwrap_or_default();
+            let paid: Vec<_> = data.iter().filter(|p| p["status"] == "paid").collect();
+            Ok(match (paid.as_slice(), data.len()) {
+                ([one], _) => idem_outbound::Reconciled::Applied {
+                    status: 201,
+                    body: serde_json::to_vec(one).unwrap(),
+                },
+                ([], 0) => idem_outbound::Reconciled::NotApplied,
+                ([], _) => idem_outbound::Reconciled::InFlight,
+                (many, _) => idem_outbound::Reconciled::Unknown(format!("paid {} times", many.len())),
+            })
+        })
     }
 }

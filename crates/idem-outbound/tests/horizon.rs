@@ -1,0 +1,311 @@
+//! Re-sends and the vendor's memory, against the fake vendor: a re-send
+//! within the key horizon is sent blindly and replayed; past it, or to a
+//! vendor without keys, the vendor is asked first (applied: nothing sent;
+//! not applied: sent); without a way to ask, nothing is sent and the
+//! outcome is unknown. Also: the in-flight 409, refused https and user
+//! information, secret headers.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Clock, DeadLetterStore, ManualClock, Scope};
+use idem_memory::MemoryDeadLetters;
+use idem_outbound::{Earlier, KeyHorizon, OutboundClient, OutboundConfig, OutboundError, RedriveResult, Redriver};
+use support::{Answer, Lookup, Scripted, config, key, ledger, payout, set_faults, stats, vendor_with};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn short_horizon() -> fake_vendor::Options {
+    fake_vendor::Options {
+        key_horizon: HOUR,
+        ..Default::default()
+    }
+}
+
+fn client_at(clock: &ManualClock, horizon: KeyHorizon) -> OutboundClient {
+    OutboundClient::new(OutboundConfig {
+        key_horizon: horizon,
+        ..config(&[10, 10, 10])
+    })
+    .unwrap()
+    .with_clock(Arc::new(clock.clone()))
+}
+
+fn hour_horizon() -> KeyHorizon {
+    KeyHorizon::new(HOUR, Duration::from_secs(60))
+}
+
+/// A re-send within the horizon is sent blindly and the vendor replays; past it, without a reconcile hook, nothing is sent and the outcome is unknown; with one, the vendor's record is taken and nothing is paid twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_horizon_the_vendor_is_asked_before_any_send() {
+    let (base, vendor) = vendor_with(short_horizon()).await;
+    let clock = ManualClock::starting_now();
+    let request = payout(&base, r#"{"amount":5,"reference":"po-1"}"#);
+    let first_at = clock.now_ms();
+    let paid = client_at(&clock, hour_horizon())
+        .send(&key("po-1"), &request)
+        .await
+        .unwrap();
+    assert_eq!(paid.status, 201);
+    let earlier = Earlier {
+        first_reached_at_ms: Some(first_at),
+        ..Earlier::default()
+    };
+    // Within the horizon: blind, replayed.
+    clock.advance(Duration::from_secs(30 * 60));
+    vendor.advance(Duration::from_secs(30 * 60));
+    let again = client_at(&clock, hour_horizon())
+        .resend(&key("po-1"), &request, earlier)
+        .await
+        .unwrap();
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    // Past it: the vendor has forgotten the key. Without a hook: held.
+    clock.advance(HOUR);
+    vendor.advance(HOUR);
+    let held = client_at(&clock, hour_horizon())
+        .resend(&key("po-1"), &request, earlier)
+        .await;
+    match held {
+        Err(OutboundError::Unknown {
+            attempts,
+            reason,
+            first_reached_at_ms,
+        }) => {
+            assert_eq!(attempts, 1);
+            assert!(reason.contains("past the vendor's key horizon"), "{reason}");
+            assert_eq!(first_reached_at_ms, Some(first_at));
+        }
+        other => panic!("{other:?}"),
+    }
+    // With a hook: the vendor's record is the answer, and nothing is sent.
+    let lookup = Lookup::new(&base);
+    let found = client_at(&clock, hour_horizon())
+        .with_reconcile(lookup.clone())
+        .resend(&key("po-1"), &request, earlier)
+        .await
+        .unwrap();
+    assert!(found.reconciled);
+    let record: serde_json::Value = serde_json::from_slice(&found.body).unwrap();
+    assert_eq!(record["id"], paid_id(&paid.body));
+    assert_eq!(lookup.asked(), 1);
+    let (payouts, _) = ledger(&base).await;
+    assert_eq!(payouts, 1, "paid once");
+    assert_eq!(
+        stats(&base).await["forgotten"],
+        0,
+        "the forgotten key was never sent again"
+    );
+    // The operator's override sends past the horizon: the vendor pays again.
+    // That is why it is an explicit override.
+    let forced = client_at(&clock, hour_horizon())
+        .resend(
+            &key("po-1"),
+            &request,
+            Earlier {
+                past_horizon_override: true,
+                ..earlier
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!forced.reconciled);
+    assert_eq!(ledger(&base).await.0, 2);
+}
+
+fn paid_id(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice::<serde_json::Value>(body).unwrap()["id"].clone()
+}
+
+/// Past the horizon, a call the vendor has no record of is sent (once), and the redrive of its dead letter resolves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_vendor_never_applied_is_sent_after_asking() {
+    let (base, _) = vendor_with(short_horizon()).await;
+    let clock = ManualClock::starting_now();
+    let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
+    let request = payout(&base, r#"{"amount":9,"reference":"po-2"}"#);
+    let scope = Scope::parse("t", "payout").unwrap();
+    // A send that timed out at the vendor's door, two hours ago.
+    let letter =
+        idem_core::NewDeadLetter::new(scope, key("po-2"), request, 4, "timeout").reached_at(Some(clock.now_ms()));
+    let id = letters.record(&letter).await.unwrap();
+    clock.advance(2 * HOUR);
+    let lookup = Lookup::new(&base);
+    let redriver = Redriver::new(
+        client_at(&clock, hour_horizon()).with_reconcile(lookup.clone()),
+        letters.clone(),
+    );
+    let result = redriver.redrive_one(id).await.unwrap();
+    assert!(
+        matches!(result, RedriveResult::Resolved { status: 201, .. }),
+        "{result:?}"
+    );
+    assert_eq!(lookup.asked(), 1);
+    assert_eq!(ledger(&base).await.0, 1);
+    let stored = letters.get(id).await.unwrap().unwrap();
+    assert_eq!(stored.state, idem_core::DeadLetterState::Resolved);
+    // Without a hook, the same redrive holds the letter as unknown, sends nothing.
+    let (base2, _) = vendor_with(short_horizon()).await;
+    let request = payout(&base2, r#"{"amount":9,"reference":"po-3"}"#);
+    let scope = Scope::parse("t", "payout").unwrap();
+    let letter =
+        idem_core::NewDeadLetter::new(scope, key("po-3"), request, 4, "timeout").reached_at(Some(clock.now_ms()));
+    let id = letters.record(&letter).await.unwrap();
+    clock.advance(2 * HOUR);
+    let blind = Redriver::new(client_at(&clock, hour_horizon()), letters.clone());
+    let result = blind.redrive_one(id).await.unwrap();
+    assert!(matches!(result, RedriveResult::Unknown { .. }), "{result:?}");
+    assert_eq!(
+        letters.get(id).await.unwrap().unwrap().state,
+        idem_core::DeadLetterState::Unknown
+    );
+    assert_eq!(ledger(&base2).await.0, 0, "nothing sent on a guess");
+    // An unknown letter stays held even with the horizon override.
+    let forced = Redriver::new(client_at(&clock, hour_horizon()), letters.clone()).with_past_horizon_override(true);
+    assert!(matches!(
+        forced.redrive_one(id).await.unwrap(),
+        RedriveResult::Unknown { .. }
+    ));
+    assert_eq!(ledger(&base2).await.0, 0);
+}
+
+/// A vendor without idempotency is asked before every re-send, even within one call: an answer dropped after paying is found by the lookup, and paid once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vendor_without_keys_is_asked_before_every_resend() {
+    let (base, _) = vendor_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    })
+    .await;
+    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
+    let lookup = Lookup::new(&base);
+    let client = OutboundClient::new(OutboundConfig {
+        key_horizon: KeyHorizon::NONE,
+        ..config(&[10, 10])
+    })
+    .unwrap()
+    .with_reconcile(lookup.clone());
+    let answer = client
+        .send(&key("k"), &payout(&base, r#"{"amount":3,"reference":"po-4"}"#))
+        .await
+        .unwrap();
+    assert!(answer.reconciled);
+    assert_eq!(lookup.asked(), 1);
+    assert_eq!(ledger(&base).await.0, 1, "paid once, by the only send");
+    // Refused connections never reached it: retried without asking.
+    let refused = format!("http://{}", support::free_addr());
+    let _ = client
+        .send(&key("k2"), &payout(&refused, r#"{"amount":3,"reference":"po-5"}"#))
+        .await;
+    assert_eq!(lookup.asked(), 1, "nothing to ask about a send that never left");
+}
+
+/// A 409 idempotency_key_in_use without Retry-After (the key still being processed at the vendor) is waited out and asked again, not taken as final.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_flight_409_without_retry_after_is_asked_again() {
+    let in_use = r#"{"error":{"type":"idempotency_error","code":"idempotency_key_in_use","message":"in use"}}"#;
+    let server = Scripted::start(vec![Answer::status(409).body(in_use), Answer::status(201)]).await;
+    let answer = OutboundClient::new(config(&[10, 10]))
+        .unwrap()
+        .send(&key("busy"), &server.request("/"))
+        .await
+        .unwrap();
+    assert_eq!((answer.status, answer.attempts), (201, 2));
+    // Another 409 is final.
+    let server = Scripted::start(vec![
+        Answer::status(409).body(r#"{"error":{"code":"resource_exists"}}"#),
+    ])
+    .await;
+    let refused = OutboundClient::new(config(&[10, 10]))
+        .unwrap()
+        .send(&key("exists"), &server.request("/"))
+        .await;
+    assert!(
+        matches!(refused, Err(OutboundError::Rejected { status: 409, .. })),
+        "{refused:?}"
+    );
+    assert_eq!(server.count(), 1);
+    // Against the fake vendor: the first send outlives its attempt timeout,
+    // the retry meets the 409, then the recorded answer. Paid once.
+    let (base, _) = vendor_with(fake_vendor::Options::default()).await;
+    set_faults(&base, serde_json::json!({ "slow_ms": 600 })).await;
+    let client = OutboundClient::new(OutboundConfig {
+        attempt_timeout: Duration::from_millis(300),
+        ..config(&[50, 100, 200, 400, 800])
+    })
+    .unwrap();
+    // Once the vendor has answered a 409, it answers at once again.
+    let calm = {
+        let base = base.clone();
+        tokio::spawn(async move {
+            while stats(&base).await["in_use"] == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            set_faults(&base, serde_json::json!({})).await;
+        })
+    };
+    let answer = client
+        .send(&key("slow"), &payout(&base, r#"{"amount":2,"reference":"po-6"}"#))
+        .await
+        .unwrap();
+    calm.await.unwrap();
+    assert_eq!(answer.status, 201);
+    assert!(stats(&base).await["in_use"].as_u64().unwrap() >= 1);
+    assert_eq!(ledger(&base).await.0, 1);
+}
+
+/// An https target without TLS, a URL with user information or a fragment are refused at once: nothing sent, no retry, the breaker untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_that_cannot_work_are_refused_at_once() {
+    let client = OutboundClient::new(config(&[10, 10])).unwrap();
+    for url in [
+        "https://127.0.0.1:9/v1/payouts",
+        "http://user:pw@127.0.0.1:9/x",
+        "http://127.0.0.1:9/#/v1",
+    ] {
+        let request = idem_core::OutboundRequest::new("POST", url, vec![], b"{}".to_vec()).unwrap();
+        let refused = client.send(&key("k"), &request).await;
+        assert!(matches!(refused, Err(OutboundError::Invalid(_))), "{url}: {refused:?}");
+        assert!(client.check_target(url).is_err());
+    }
+    assert_eq!(
+        client.breaker_state("http://127.0.0.1:9/").unwrap(),
+        idem_outbound::BreakerState::Closed
+    );
+}
+
+/// Secret headers go out with every attempt and every redrive, and are never in the dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_headers_are_sent_never_stored() {
+    let server = Scripted::start(vec![Answer::status(503), Answer::status(503), Answer::status(201)]).await;
+    let config = OutboundConfig {
+        retry_delays: vec![Duration::from_millis(10)],
+        ..config(&[])
+    }
+    .with_secret_header("Authorization", "Bearer sk_live_secret")
+    .unwrap();
+    let client = OutboundClient::new(config).unwrap();
+    let request = server.request("/");
+    let failed = client.send(&key("s"), &request).await.unwrap_err();
+    let letter = failed
+        .dead_letter(&Scope::parse("t", "payout").unwrap(), &key("s"), &request)
+        .unwrap();
+    let letters = MemoryDeadLetters::new();
+    let id = letters.record(&letter).await.unwrap();
+    let stored = letters.get(id).await.unwrap().unwrap();
+    assert!(
+        stored
+            .request
+            .headers()
+            .iter()
+            .all(|(n, _)| !n.eq_ignore_ascii_case("authorization"))
+    );
+    assert!(!format!("{stored:?}{failed}").contains("sk_live_secret"));
+    let result = Redriver::new(client, letters).redrive_one(id).await.unwrap();
+    assert!(matches!(result, RedriveResult::Resolved { .. }), "{result:?}");
+    assert_eq!(
+        server.header_values("authorization"),
+        vec![vec!["Bearer sk_live_secret".to_owned()]; 3]
+    );
+}
