@@ -111,6 +111,7 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
         .route("/v1/transfers", post(transfer::<D>))
         .route("/v1/payouts", post(request_payout::<D>))
         .route("/v1/payouts/{id}", get(get_payout::<D>))
+        .route("/v1/payouts/{id}/cancel", post(cancel_payout::<D>))
         .route("/v1/accounts/{id}/statement", get(statement::<D>))
         .route("/v1/audit", get(audit::<D>))
         .route_layer(idempotency)
@@ -352,31 +353,87 @@ fn amount(value: i64) -> Result<i64, ApiError> {
     Ok(value)
 }
 
-/// A JSON number with no fractional part: `5`, `5.0` and `5e0` are all 5,
-/// as in JSON Schema's `integer`. Numbers beyond `i64` saturate, so the
-/// range check names them; `1.5`, strings and the like are type errors.
+/// A JSON number read exactly, never through `f64`: `5`, `5.0`, `5e0` and
+/// `50e-1` are all 5 (JSON Schema's `integer`), but
+/// `4.9999999999999999999`, `5.000000000000000000001` and
+/// `999999999999.99999` are not whole numbers and are refused (a float
+/// would round each to a whole one). Whole numbers beyond `i64` saturate,
+/// so the amount's range check names them; strings and the like are type
+/// errors.
 fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
-    struct Whole;
-    impl serde::de::Visitor<'_> for Whole {
-        type Value = i64;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a whole number")
-        }
-        fn visit_i64<E>(self, v: i64) -> Result<i64, E> {
-            Ok(v)
-        }
-        fn visit_u64<E>(self, v: u64) -> Result<i64, E> {
-            Ok(i64::try_from(v).unwrap_or(i64::MAX))
-        }
-        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<i64, E> {
-            if !v.is_finite() || v.fract() != 0.0 {
-                return Err(E::custom(format!("{v} is not a whole number")));
-            }
-            // Saturating: out-of-range values fail the amount's range check.
-            Ok(v as i64)
-        }
+    use serde::Deserialize as _;
+    let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
+    exact_integer(raw.get()).map_err(serde::de::Error::custom)
+}
+
+/// The whole number a JSON number token spells exactly (see
+/// [`whole_number`]); saturated to `i64`.
+pub(crate) fn exact_integer(token: &str) -> Result<i64, String> {
+    let not_whole = || format!("{token} is not a whole number");
+    let bytes = token.as_bytes();
+    let (negative, rest) = match bytes.first() {
+        Some(b'-') => (true, &token[1..]),
+        Some(b'0'..=b'9') => (false, token),
+        _ => return Err(format!("{token} is not a number")),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+        None => (rest, None),
+    };
+    let (int, frac) = match mantissa.split_once('.') {
+        Some((i, f)) => (i, f),
+        None => (mantissa, ""),
+    };
+    if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{token} is not a number"));
     }
-    d.deserialize_any(Whole)
+    // The exponent, bounded: past 10^6 digits any non-zero number is out
+    // of range (or not whole) anyway.
+    let exp: i64 = match exponent {
+        None => 0,
+        Some(e) => {
+            let (sign, digits) = match e.as_bytes().first() {
+                Some(b'-') => (-1, &e[1..]),
+                Some(b'+') => (1, &e[1..]),
+                _ => (1, e),
+            };
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(format!("{token} is not a number"));
+            }
+            let digits = digits.trim_start_matches('0');
+            if digits.len() > 7 {
+                sign * 10_000_000
+            } else {
+                sign * digits.parse::<i64>().unwrap_or(0)
+            }
+        }
+    };
+    // digits × 10^(exp − frac digits), with the significant digits only.
+    let all = format!("{int}{frac}");
+    let all = all.trim_start_matches('0');
+    if all.is_empty() {
+        return Ok(0);
+    }
+    let trailing = all.len() - all.trim_end_matches('0').len();
+    let digits = all.trim_end_matches('0');
+    let scale = exp - frac.len() as i64 + trailing as i64;
+    if scale < 0 {
+        return Err(not_whole());
+    }
+    let magnitude = if scale > 19 || digits.len() as i64 + scale > 19 {
+        None
+    } else {
+        digits
+            .parse::<i64>()
+            .ok()
+            .and_then(|d| 10i64.checked_pow(scale as u32).and_then(|p| d.checked_mul(p)))
+    };
+    Ok(match (magnitude, negative) {
+        (Some(m), false) => m,
+        (Some(m), true) => -m,
+        (None, false) => i64::MAX,
+        (None, true) => i64::MIN,
+    })
 }
 
 /// Account ids are canonical lower-case UUIDs.
@@ -654,6 +711,113 @@ async fn get_payout<D: LedgerDb>(
         Ok(None) => Err(missing()),
         Err(e) => Err(ApiError::Db(e).into_response()),
     }
+}
+
+/// The answer to a cancelled payout.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct PayoutCancelled {
+    /// The payout id.
+    id: String,
+    account_id: String,
+    amount: i64,
+    /// `cancelled`.
+    status: crate::db::PayoutState,
+}
+
+/// `POST /v1/payouts/{id}/cancel`: cancels a dead-lettered or unknown
+/// payout that the vendor is known not to have paid (its dead letter's
+/// verdict is "not applied", and nothing was sent since), reversing the
+/// debit. The payout, its reversal, its event and its dead letter change in
+/// one transaction, once (a retry with the key replays). Anything else is a
+/// 409 problem and nothing is written: a payout that may have been paid is
+/// never cancelled.
+async fn cancel_payout<D: LedgerDb>(
+    State(st): State<AppState<D>>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    mut tx: Tx<D>,
+) -> Result<(StatusCode, Json<PayoutCancelled>), Response> {
+    use idem_core::DeadLetterStore as _;
+    let tenant = who.tenant.as_str();
+    let missing = || {
+        problem(
+            StatusCode::NOT_FOUND,
+            "payout-not-found",
+            "Payout not found",
+            format!("no payout {id}"),
+        )
+    };
+    if account_id("id", &id).is_err() {
+        return Err(missing());
+    }
+    let db_error = |e: DbError| ApiError::Db(e).into_response();
+    let Some(payout) = st.db.payout(tenant, &id).await.map_err(db_error)? else {
+        return Err(missing());
+    };
+    let not_cancellable = |state: &str| {
+        problem(
+            StatusCode::CONFLICT,
+            "payout-not-cancellable",
+            "Payout not cancellable",
+            format!("payout {id} is {state}: only a dead-lettered or unknown payout can be cancelled"),
+        )
+    };
+    if !matches!(
+        payout.status,
+        crate::db::PayoutState::DeadLettered | crate::db::PayoutState::Unknown
+    ) {
+        return Err(not_cancellable(payout.status.as_str()));
+    }
+    let letters = st.db.dead_letters();
+    let scope = idem_core::Scope::parse(tenant, crate::payouts::PAYOUT_OPERATION).map_err(|e| db_error(e.into()))?;
+    let key = idem_core::IdempotencyKey::new(&id).map_err(|e| db_error(e.into()))?;
+    let letter = letters.find(&scope, &key).await.map_err(|e| db_error(e.into()))?;
+    let not_reconciled = |detail: String| {
+        problem(
+            StatusCode::CONFLICT,
+            "payout-not-reconciled",
+            "Payout not reconciled",
+            detail,
+        )
+    };
+    let Some(letter) = letter.filter(idem_core::DeadLetter::known_not_applied) else {
+        return Err(not_reconciled(format!(
+            "the vendor is not known not to have paid payout {id}: it may have been paid, so it is not cancelled. \
+             Check the vendor, then record what it says with `idem dlq resolve` on its dead letter"
+        )));
+    };
+    if !D::cancel_dead_letter(&letters, &mut tx, letter.id)
+        .await
+        .map_err(db_error)?
+    {
+        return Err(not_reconciled(format!(
+            "the dead letter of payout {id} changed meanwhile (a redrive holds it, or it was settled); try again"
+        )));
+    }
+    let now_ms = st.clock.now_ms();
+    if !D::cancel_payout(&mut tx, tenant, &id, now_ms).await.map_err(db_error)? {
+        return Err(not_cancellable("no longer dead-lettered or unknown"));
+    }
+    crate::events::enqueue::<D>(
+        &st.outbox,
+        &mut tx,
+        &st.namespace,
+        "payout.cancelled",
+        tenant,
+        now_ms,
+        serde_json::json!({ "payout_id": id, "account_id": payout.account_id, "amount": payout.amount }),
+    )
+    .await
+    .map_err(db_error)?;
+    Ok((
+        StatusCode::OK,
+        Json(PayoutCancelled {
+            id,
+            account_id: payout.account_id,
+            amount: payout.amount,
+            status: crate::db::PayoutState::Cancelled,
+        }),
+    ))
 }
 
 async fn statement<D: LedgerDb>(
@@ -937,6 +1101,42 @@ async fn method_not_allowed(req: Request) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Amounts are read exactly: whole numbers in any spelling pass, fractions that a float would round are refused.
+    #[test]
+    fn amounts_are_parsed_exactly() {
+        for (token, want) in [
+            ("5", 5),
+            ("5.0", 5),
+            ("5e0", 5),
+            ("50e-1", 5),
+            ("0.5e1", 5),
+            ("-5", -5),
+            ("1000000000000", 1_000_000_000_000),
+            ("1e12", 1_000_000_000_000),
+            ("0", 0),
+            ("0.000e5", 0),
+            ("99999999999999999999", i64::MAX),
+            ("1e400", i64::MAX),
+            ("-1e400", i64::MIN),
+            ("1e99999999999999999999", i64::MAX),
+        ] {
+            assert_eq!(exact_integer(token), Ok(want), "{token}");
+        }
+        for token in [
+            "4.9999999999999999999",
+            "5.000000000000000000001",
+            "999999999999.99999",
+            "1.5",
+            "5e-1",
+            "1e-99999999999999999999",
+            "\"5\"",
+            "true",
+            "",
+        ] {
+            assert!(exact_integer(token).is_err(), "{token}");
+        }
+    }
 
     /// A database error that is contention asks the idempotency layer to run the transaction again; other errors do not.
     #[test]

@@ -149,6 +149,13 @@ pub enum PayoutState {
     /// The vendor call used up its retries or was refused; kept as a dead
     /// letter until it is redriven. The debit stands.
     DeadLettered,
+    /// Whether the vendor paid it cannot be established (its dead letter is
+    /// held as unknown): never sent again on a guess, settled by an
+    /// operator (`idem dlq resolve`). The debit stands.
+    Unknown,
+    /// Cancelled after the vendor was found not to have paid it: the debit
+    /// was reversed.
+    Cancelled,
 }
 
 impl PayoutState {
@@ -158,6 +165,8 @@ impl PayoutState {
             Self::Requested => "requested",
             Self::Paid => "paid",
             Self::DeadLettered => "dead_lettered",
+            Self::Unknown => "unknown",
+            Self::Cancelled => "cancelled",
         }
     }
 
@@ -166,6 +175,8 @@ impl PayoutState {
             "requested" => Ok(Self::Requested),
             "paid" => Ok(Self::Paid),
             "dead_lettered" => Ok(Self::DeadLettered),
+            "unknown" => Ok(Self::Unknown),
+            "cancelled" => Ok(Self::Cancelled),
             other => Err(DbError::Corrupt(format!("unknown payout state {other:?}"))),
         }
     }
@@ -192,6 +203,12 @@ pub struct Payout {
     pub created_at_ms: i64,
     /// When it last changed.
     pub updated_at_ms: i64,
+    /// When the first vendor call that may have reached the vendor started
+    /// (a worker that takes the payout over judges the vendor's memory by
+    /// it).
+    pub first_sent_at_ms: Option<i64>,
+    /// Not sent again before this time (the vendor asked to wait).
+    pub not_before_ms: Option<i64>,
 }
 
 /// A payout for the worker: whose, which, how much.
@@ -317,7 +334,8 @@ impl Dialect {
             "CREATE TABLE IF NOT EXISTS ledger_payouts (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
              account_id VARCHAR(80) NOT NULL, amount BIGINT NOT NULL, state VARCHAR(20) NOT NULL, \
              vendor_payout_id VARCHAR(200) NULL, attempts BIGINT NOT NULL, last_error TEXT NULL, \
-             created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id))",
+             created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, first_sent_at_ms BIGINT NULL, \
+             not_before_ms BIGINT NULL, PRIMARY KEY (tenant, id))",
         ]
         .into_iter()
         .map(String::from)
@@ -363,6 +381,12 @@ pub struct Queries {
     payouts_in: SqlStr,
     payouts_redriven: SqlStr,
     change_payout: SqlStr,
+    payouts_due: SqlStr,
+    mark_sent: SqlStr,
+    defer_payout: SqlStr,
+    payout_columns: SqlStr,
+    select_payout_for_cancel: SqlStr,
+    cancel_payout: SqlStr,
 }
 
 impl Queries {
@@ -423,20 +447,55 @@ impl Queries {
                  VALUES (?, ?, ?, ?, 'requested', 0, ?, ?)",
             ),
             select_payout: p(
-                "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms \
-                 FROM ledger_payouts WHERE tenant = ? AND id = ?",
+                "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms, \
+                 first_sent_at_ms, not_before_ms FROM ledger_payouts WHERE tenant = ? AND id = ?",
             ),
+            payouts_due: p(
+                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = 'requested' \
+                 AND (not_before_ms IS NULL OR not_before_ms <= ?) ORDER BY created_at_ms LIMIT ?",
+            ),
+            mark_sent: p(
+                "UPDATE ledger_payouts SET first_sent_at_ms = COALESCE(first_sent_at_ms, ?) \
+                 WHERE tenant = ? AND id = ? AND state = 'requested'",
+            ),
+            defer_payout: p(
+                "UPDATE ledger_payouts SET not_before_ms = ?, attempts = attempts + ?, last_error = ?, updated_at_ms = ? \
+                 WHERE tenant = ? AND id = ? AND state = 'requested'",
+            ),
+            select_payout_for_cancel: p(&format!(
+                "SELECT account_id, amount, state FROM ledger_payouts WHERE tenant = ? AND id = ?{}",
+                match dialect {
+                    Dialect::Sqlite => "",
+                    Dialect::Postgres | Dialect::MySql => " FOR UPDATE",
+                }
+            )),
+            cancel_payout: p("UPDATE ledger_payouts SET state = 'cancelled', updated_at_ms = ? \
+                 WHERE tenant = ? AND id = ? AND state IN ('dead_lettered', 'unknown')"),
+            payout_columns: p(match dialect {
+                Dialect::Sqlite => "SELECT name FROM pragma_table_info('ledger_payouts')",
+                Dialect::Postgres => {
+                    "SELECT column_name::text FROM information_schema.columns \
+                     WHERE table_schema = current_schema() AND table_name = 'ledger_payouts'"
+                }
+                Dialect::MySql => {
+                    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+                     WHERE table_schema = DATABASE() AND table_name = 'ledger_payouts'"
+                }
+            }),
             payouts_in: p(
                 "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
             ),
-            // Dead-lettered payouts whose dead letter a redrive resolved,
-            // however many older ones are still dead. The keys compare as
-            // bytes, as the dead letters store them.
+            // Dead-lettered or unknown payouts whose dead letter was settled
+            // elsewhere (a redrive resolved it, an operator settled it, a
+            // redrive held it as unknown), however many older ones are still
+            // waiting. The keys compare as bytes, as the dead letters store
+            // them.
             payouts_redriven: p(&format!(
                 "SELECT p.tenant, p.id, p.account_id, p.amount FROM ledger_payouts p \
-                 WHERE p.state = 'dead_lettered' AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
+                 WHERE p.state IN ('dead_lettered', 'unknown') AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
                  WHERE d.tenant = p.tenant{bytes} AND d.operation = ? AND d.idem_key = p.id{bytes} \
-                 AND d.state = 'resolved') ORDER BY p.created_at_ms LIMIT ?",
+                 AND (d.state = 'resolved' OR (p.state = 'unknown' AND d.state = 'dead') \
+                 OR (p.state = 'dead_lettered' AND d.state = 'unknown'))) ORDER BY p.created_at_ms LIMIT ?",
                 bytes = match dialect {
                     Dialect::Postgres => " COLLATE \"C\"",
                     Dialect::MySql | Dialect::Sqlite => "",
@@ -555,6 +614,42 @@ pub trait LedgerDb: TxBackend + Clone {
         tx: &'c mut Self::Tx,
         letter: &'c NewDeadLetter,
     ) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// Up to `limit` requested payouts due at `now_ms` (not deferred past
+    /// it), oldest first, of every tenant.
+    fn payouts_due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>>;
+    /// Records that a vendor call of a requested payout starts now, if none
+    /// started before (committed before the call, so a worker that takes
+    /// the payout over knows a call may have reached the vendor).
+    fn mark_payout_sent<'a>(&'a self, tenant: &'a str, id: &'a str, now_ms: i64) -> BoxFuture<'a, Result<(), DbError>>;
+    /// Leaves a requested payout alone until `not_before_ms` (the vendor
+    /// asked to wait); false when it is no longer requested.
+    #[allow(clippy::too_many_arguments)]
+    fn defer_payout<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        id: &'c str,
+        not_before_ms: i64,
+        attempts: i64,
+        last_error: &'c str,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
+    /// Cancels a dead-lettered or unknown payout: its state moves to
+    /// `cancelled` and the debit is reversed (kind `payout_reversal`, from
+    /// `@world` back to the account), in the open transaction; false
+    /// (nothing written) when it is in another state.
+    fn cancel_payout<'c>(
+        tx: &'c mut Self::Tx,
+        tenant: &'c str,
+        id: &'c str,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
+    /// Cancels the dead letter `id` in the open transaction, if it is known
+    /// not to have been applied.
+    fn cancel_dead_letter<'c>(
+        letters: &'c Self::DeadLetters,
+        tx: &'c mut Self::Tx,
+        id: i64,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
     /// Moves a payout from `change.from` to `change.to`; false (nothing
     /// written) when it was not in `change.from`.
     fn change_payout<'c>(
@@ -594,6 +689,29 @@ macro_rules! ledger_db {
                         sqlx::query(unlock).execute(&mut *conn).await?;
                     }
                     result?;
+                    // Older databases: the payout columns added since.
+                    let columns: Vec<String> = sqlx::query_scalar(queries().payout_columns.clone())
+                        .fetch_all(self.pool())
+                        .await?;
+                    for (column, ty) in [
+                        ("first_sent_at_ms", "BIGINT NULL"),
+                        ("not_before_ms", "BIGINT NULL"),
+                    ] {
+                        if !columns.iter().any(|c| c == column) {
+                            let added = sqlx::query(AssertSqlSafe(format!(
+                                "ALTER TABLE ledger_payouts ADD COLUMN {column} {ty}"
+                            )))
+                            .execute(self.pool())
+                            .await;
+                            // Another process may have added it meanwhile.
+                            if let Err(e) = added
+                                && !e.to_string().to_ascii_lowercase().contains("duplicate")
+                                && !e.to_string().to_ascii_lowercase().contains("already exists")
+                            {
+                                return Err(e.into());
+                            }
+                        }
+                    }
                     for table in [
                         WEBHOOK_INBOX_TABLE,
                         PROJECTION_INBOX_TABLE,
@@ -632,6 +750,130 @@ macro_rules! ledger_db {
                     self.pool().clone(),
                     TableName::new(DEAD_LETTERS_TABLE).expect("a valid table name"),
                 )
+            }
+
+            fn cancel_dead_letter<'c>(
+                letters: &'c $letters,
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+                id: i64,
+            ) -> BoxFuture<'c, Result<bool, DbError>> {
+                Box::pin(async move { Ok(letters.cancel_in(&mut **tx, id).await?) })
+            }
+
+            fn payouts_due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
+                Box::pin(async move {
+                    let rows: Vec<(String, String, String, i64)> = sqlx::query_as(queries().payouts_due.clone())
+                        .bind(now_ms)
+                        .bind(i64::from(limit))
+                        .fetch_all(self.pool())
+                        .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(tenant, id, account_id, amount)| PayoutTask {
+                            tenant,
+                            id,
+                            account_id,
+                            amount,
+                        })
+                        .collect())
+                })
+            }
+
+            fn mark_payout_sent<'a>(
+                &'a self,
+                tenant: &'a str,
+                id: &'a str,
+                now_ms: i64,
+            ) -> BoxFuture<'a, Result<(), DbError>> {
+                Box::pin(async move {
+                    sqlx::query(queries().mark_sent.clone())
+                        .bind(now_ms)
+                        .bind(tenant)
+                        .bind(id)
+                        .execute(self.pool())
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn defer_payout<'c>(
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+                tenant: &'c str,
+                id: &'c str,
+                not_before_ms: i64,
+                attempts: i64,
+                last_error: &'c str,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<bool, DbError>> {
+                Box::pin(async move {
+                    let done = sqlx::query(queries().defer_payout.clone())
+                        .bind(not_before_ms)
+                        .bind(attempts)
+                        .bind(last_error)
+                        .bind(now_ms)
+                        .bind(tenant)
+                        .bind(id)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(done.rows_affected() == 1)
+                })
+            }
+
+            fn cancel_payout<'c>(
+                tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+                tenant: &'c str,
+                id: &'c str,
+                now_ms: i64,
+            ) -> BoxFuture<'c, Result<bool, DbError>> {
+                Box::pin(async move {
+                    let q = queries();
+                    let row: Option<(String, i64, String)> = sqlx::query_as(q.select_payout_for_cancel.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .fetch_optional(&mut **tx)
+                        .await?;
+                    let Some((account_id, amount, state)) = row else {
+                        return Ok(false);
+                    };
+                    if !(state == "dead_lettered" || state == "unknown") {
+                        return Ok(false);
+                    }
+                    let moved = sqlx::query(q.cancel_payout.clone())
+                        .bind(now_ms)
+                        .bind(tenant)
+                        .bind(id)
+                        .execute(&mut **tx)
+                        .await?;
+                    if moved.rows_affected() != 1 {
+                        return Ok(false);
+                    }
+                    // The reversal: the money comes back from `@world`, under
+                    // a journal id of its own.
+                    let journal_id = format!("{id}:reversal");
+                    credit(&mut **tx, q, tenant, &account_id, amount).await?;
+                    journal(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        &journal_id,
+                        "payout_reversal",
+                        amount,
+                        None,
+                        Some(&account_id),
+                        now_ms,
+                    )
+                    .await?;
+                    entries(
+                        &mut **tx,
+                        q,
+                        tenant,
+                        &journal_id,
+                        (WORLD, -amount),
+                        (&account_id, amount),
+                    )
+                    .await?;
+                    Ok(true)
+                })
             }
 
             fn record_dead_letter<'c>(
@@ -770,6 +1012,8 @@ macro_rules! ledger_db {
                         Option<String>,
                         i64,
                         i64,
+                        Option<i64>,
+                        Option<i64>,
                     );
                     let row: Option<Row> = sqlx::query_as(queries().select_payout.clone())
                         .bind(tenant)
@@ -787,6 +1031,8 @@ macro_rules! ledger_db {
                             last_error,
                             created_at_ms,
                             updated_at_ms,
+                            first_sent_at_ms,
+                            not_before_ms,
                         )| {
                             Ok(Payout {
                                 id,
@@ -798,6 +1044,8 @@ macro_rules! ledger_db {
                                 last_error,
                                 created_at_ms,
                                 updated_at_ms,
+                                first_sent_at_ms,
+                                not_before_ms,
                             })
                         },
                     )
@@ -998,7 +1246,13 @@ macro_rules! ledger_db {
                         let (t,): (i64,) = one(&q.audit_kind).bind(kind).fetch_one(&mut *tx).await?;
                         top_ups_total = top_ups_total.saturating_add(t);
                     }
-                    let (payouts_total,) = one(&q.audit_kind).bind("payout").fetch_one(&mut *tx).await?;
+                    let (paid_out,) = one(&q.audit_kind).bind("payout").fetch_one(&mut *tx).await?;
+                    // A cancelled payout's reversal gives its amount back.
+                    let (reversed,) = one(&q.audit_kind)
+                        .bind("payout_reversal")
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    let payouts_total = paid_out.saturating_sub(reversed);
                     let (negative_balances,) = one(&q.audit_negative).fetch_one(&mut *tx).await?;
                     let (balance_mismatches,) = one(&q.audit_mismatch).fetch_one(&mut *tx).await?;
                     let (journal_rows,) = one(&q.audit_journal).fetch_one(&mut *tx).await?;

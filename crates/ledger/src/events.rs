@@ -28,6 +28,8 @@
 //! | `payout.requested` | `{"payout_id", "account_id", "amount"}` (debited now) |
 //! | `payout.paid` | `{"payout_id", "account_id", "amount", "vendor_payout_id"}` |
 //! | `payout.dead_lettered` | `{"payout_id", "account_id", "amount", "error"}` (the debit stands until a redrive pays it) |
+//! | `payout.outcome_unknown` | `{"payout_id", "account_id", "amount", "error"}` (held for an operator; the debit stands) |
+//! | `payout.cancelled` | `{"payout_id", "account_id", "amount"}` (the vendor did not pay it: the debit is reversed) |
 //!
 //! A consumer must refuse a `version` it does not know (the projection keeps
 //! such an event as a dead letter). A new field is added without a new
@@ -216,9 +218,14 @@ impl Envelope {
                 let d: CreditData = serde_json::from_value(data).map_err(bad)?;
                 vec![change(d.account_id, 0, d.amount)]
             }
-            "payout.paid" | "payout.dead_lettered" => {
+            "payout.paid" | "payout.dead_lettered" | "payout.outcome_unknown" => {
                 let _: PayoutData = serde_json::from_value(data).map_err(bad)?;
                 vec![]
+            }
+            // The reversal of a cancelled payout gives the amount back.
+            "payout.cancelled" => {
+                let d: CreditData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, d.amount, 0)]
             }
             other => return Err(format!("unknown event type {other:?}")),
         })

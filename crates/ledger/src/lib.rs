@@ -240,6 +240,15 @@ impl idem_core::DeadLetterStore for DeadLetters {
     fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> idem_core::BoxFuture<'_, idem_core::Result<u64>> {
         each_letters!(self, s => s.purge_resolved(older_than_ms, limit))
     }
+    fn retarget(&self, id: i64, token: u32, url: &str) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
+        each_letters!(self, s => s.retarget(id, token, url))
+    }
+    fn settle(&self, id: i64, settlement: &idem_core::Settlement) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
+        each_letters!(self, s => s.settle(id, settlement))
+    }
+    fn cancel(&self, id: i64) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
+        each_letters!(self, s => s.cancel(id))
+    }
 }
 
 impl idem_core::TimeSource for Store {

@@ -67,6 +67,20 @@ struct Args {
     /// The longest a vendor call may take, retries included, in seconds.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3_600), global = true)]
     payout_deadline_secs: u64,
+    /// How long the vendor remembers idempotency keys, in seconds (0: it has
+    /// none). Past it a payout is looked up at the vendor before it is sent
+    /// again.
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400), global = true)]
+    vendor_key_horizon_secs: u64,
+    /// Kept from the vendor's key horizon, in seconds (default an hour, at
+    /// most a tenth of the horizon below an hour's horizon).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=31_622_400), global = true)]
+    vendor_horizon_margin_secs: Option<u64>,
+    /// A header sent to the vendor with every call but never stored (its
+    /// credentials), as NAME:ENV_VAR: the value is read from the
+    /// environment variable, never from the command line. Repeatable.
+    #[arg(long = "vendor-secret-header", global = true)]
+    vendor_secret_headers: Vec<String>,
     /// The balance snapshots job's period in seconds (0: off).
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
     snapshot_every_secs: u64,
@@ -231,9 +245,8 @@ fn payouts(
         return Ok(None);
     };
     let bad = |why: String| ledger::StartError::Config(why);
-    let lower = url.to_ascii_lowercase();
-    if !(lower.starts_with("http://") || lower.starts_with("https://")) || url.contains(char::is_whitespace) {
-        return Err(bad(format!("--vendor-url {url:?} must be an absolute http(s) URL")));
+    if url.contains(char::is_whitespace) {
+        return Err(bad(format!("--vendor-url {url:?} must be an absolute http URL")));
     }
     if args.payout_retry_delays_ms.len() > 20 || args.payout_retry_delays_ms.iter().any(|&ms| ms > 3_600_000) {
         return Err(bad(
@@ -243,7 +256,12 @@ fn payouts(
     let mut config = ledger::payouts::PayoutConfig::new(url, namespace.clone());
     config.concurrency = usize::from(args.payout_concurrency);
     config.lease = Duration::from_secs(args.payout_lease_secs);
-    let outbound = idem_outbound::OutboundConfig {
+    let horizon = Duration::from_secs(args.vendor_key_horizon_secs);
+    let margin = args
+        .vendor_horizon_margin_secs
+        .map(Duration::from_secs)
+        .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
+    let mut outbound = idem_outbound::OutboundConfig {
         name: "payouts".into(),
         retry_delays: args
             .payout_retry_delays_ms
@@ -251,8 +269,28 @@ fn payouts(
             .map(|&ms| Duration::from_millis(ms))
             .collect(),
         deadline: Duration::from_secs(args.payout_deadline_secs),
+        key_horizon: idem_outbound::KeyHorizon::new(horizon, margin),
         ..Default::default()
     };
+    for spec in &args.vendor_secret_headers {
+        let Some((name, var)) = spec.split_once(':') else {
+            return Err(bad(format!("--vendor-secret-header {spec:?}: expected NAME:ENV_VAR")));
+        };
+        let value = std::env::var(var).map_err(|_| {
+            bad(format!(
+                "--vendor-secret-header {name}: the environment variable {var} is not set"
+            ))
+        })?;
+        outbound = outbound
+            .with_secret_header(name, &value)
+            .map_err(|e| bad(format!("--vendor-secret-header {name}: {e}")))?;
+    }
     outbound.validate().map_err(|e| bad(format!("payouts: {e}")))?;
+    // A vendor URL that could never work (https without TLS, a fragment,
+    // user information, a bad port) stops the start, naming the setting.
+    let client = idem_outbound::OutboundClient::new(outbound.clone()).map_err(|e| bad(format!("payouts: {e}")))?;
+    client
+        .check_target(&config.payouts_url())
+        .map_err(|e| bad(format!("--vendor-url: {e}")))?;
     Ok(Some((config, outbound)))
 }

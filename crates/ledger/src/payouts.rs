@@ -22,15 +22,40 @@
 //! key; once it is resolved the worker marks its payout paid, however many
 //! older dead-lettered payouts are still waiting. The debit stands throughout,
 //! so conservation holds with payouts requested, paid and dead-lettered.
+//!
+//! # The vendor forgets keys
+//!
+//! The vendor remembers a key only for its horizon (`--vendor-key-horizon-secs`,
+//! 24 h by default; 0 for a vendor without idempotency). Before its first
+//! call the worker commits `first_sent_at_ms` on the payout, so a worker
+//! that takes the payout over (after a crash, a pause past the lease) knows
+//! a call may have reached the vendor, and when. Within the horizon it
+//! sends again blindly (the vendor replays); past it, it asks the vendor
+//! first ([`VendorLookup`]: `GET {vendor}/v1/payouts?reference={payout id}`):
+//! found → marked paid with the vendor's record, nothing sent; not found →
+//! sent; still processing → asked again; anything else → the payout's
+//! status is `unknown`, its dead letter is held as unknown, and nothing is
+//! sent until an operator settles it (`idem dlq resolve`).
+//!
+//! - A `429` whose `Retry-After` is past the call's deadline defers the
+//!   payout to that time (`not_before_ms`), still `requested`.
+//! - An answer is `paid` only if it holds what the vendor's contract
+//!   promises: an `id`, the payout's `amount` and its `reference`. Any other
+//!   2xx is an unknown outcome.
+//! - A dead-lettered or unknown payout the vendor is known not to have paid
+//!   (its dead letter's verdict is "not applied", by the vendor or an
+//!   operator, and nothing was sent since) can be cancelled:
+//!   `POST /v1/payouts/{id}/cancel` reverses the debit (a `payout_reversal`
+//!   journal entry) and cancels the dead letter in one transaction, once.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
     Acquire, Call, DeadLetterState, DeadLetterStore, Error as IdemError, Fingerprint, IdempotencyKey, InFlight,
-    LeaseEngine, LeaseStore, NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock,
+    LeaseEngine, LeaseStore, NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock, VerdictSource,
 };
-use idem_outbound::OutboundClient;
+use idem_outbound::{Earlier, OutboundClient, OutboundError, Reconcile, Reconciled};
 use tokio::sync::watch;
 
 use crate::db::{DbError, LedgerDb, PayoutChange, PayoutState, PayoutTask};
@@ -53,6 +78,10 @@ pub struct PayoutConfig {
     pub poll: Duration,
     /// The events' names.
     pub namespace: Namespace,
+    /// Ask the vendor (a lookup by reference) before a re-send it may no
+    /// longer recognise (default true). Off: such a payout is held as
+    /// unknown for an operator.
+    pub reconcile: bool,
 }
 
 impl PayoutConfig {
@@ -64,7 +93,13 @@ impl PayoutConfig {
             lease: Duration::from_secs(30),
             poll: Duration::from_millis(250),
             namespace,
+            reconcile: true,
         }
+    }
+
+    /// `{vendor_url}/v1/payouts`.
+    pub fn payouts_url(&self) -> String {
+        format!("{}/v1/payouts", self.vendor_url)
     }
 }
 
@@ -79,6 +114,10 @@ pub struct PassReport {
     pub reconciled: u64,
     /// Payouts another worker held, or that were settled meanwhile.
     pub skipped: u64,
+    /// Payouts whose outcome is unknown (held for an operator).
+    pub unknown: u64,
+    /// Payouts the vendor asked to call again later.
+    pub deferred: u64,
 }
 
 /// The payout worker of one database.
@@ -92,9 +131,18 @@ pub struct PayoutWorker<D: LedgerDb + LeaseStore> {
 
 impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
     /// A worker on `db` calling the vendor through `client`.
+    ///
+    /// The client reads the worker's clock (the age of earlier calls), and
+    /// with `config.reconcile` asks the vendor through [`VendorLookup`].
     pub fn new(db: D, clock: SharedClock, client: OutboundClient, config: PayoutConfig) -> Result<Self, DbError> {
         let leases = LeaseEngine::new(db.keyed(idem_core::TableName::new(crate::db::PAYOUT_LEASES_TABLE)?))
             .with_clock(clock.clone());
+        let client = client.with_clock(clock.clone());
+        let client = if config.reconcile {
+            client.with_reconcile(Arc::new(VendorLookup::new(&config.vendor_url)?))
+        } else {
+            client
+        };
         Ok(Self {
             db,
             leases,
@@ -120,9 +168,9 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                 break;
             }
             if tokio::time::Instant::now() >= next_look {
-                next_look = tokio::time::Instant::now() + this.config.poll;
+                next_look = idem_outbound_instant_after(this.config.poll);
                 if running.len() < slots {
-                    match this.db.payouts_in(PayoutState::Requested, 100).await {
+                    match this.db.payouts_due(this.clock.now_ms(), 100).await {
                         Ok(due) => {
                             for task in due {
                                 if running.len() >= slots {
@@ -170,7 +218,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
     /// `concurrency` at once) and reconciles redriven dead letters.
     pub async fn pass(self: Arc<Self>) -> Result<PassReport, DbError> {
         let mut report = PassReport::default();
-        let due = self.db.payouts_in(PayoutState::Requested, 100).await?;
+        let due = self.db.payouts_due(self.clock.now_ms(), 100).await?;
         let limit = Arc::new(tokio::sync::Semaphore::new(self.config.concurrency.max(1)));
         let mut running = tokio::task::JoinSet::new();
         for task in due {
@@ -186,6 +234,8 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                 Ok(Ok(Settled::Paid)) => report.paid += 1,
                 Ok(Ok(Settled::DeadLettered)) => report.dead_lettered += 1,
                 Ok(Ok(Settled::Skipped)) => report.skipped += 1,
+                Ok(Ok(Settled::Unknown)) => report.unknown += 1,
+                Ok(Ok(Settled::Deferred)) => report.deferred += 1,
                 Ok(Err(e)) => tracing::warn!(error = %e, "a payout was not settled; it is tried again"),
                 Err(e) => tracing::error!(error = %e, "a payout task failed"),
             }
@@ -232,37 +282,94 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         scope: &Scope,
         request: &OutboundRequest,
     ) -> Result<Settled, DbError> {
-        // Settled while this worker waited for the lease: nothing to do.
-        match self.db.payout(&task.tenant, &task.id).await? {
-            Some(p) if p.status == PayoutState::Requested => {}
+        // Settled while this worker waited for the lease, or deferred by
+        // another worker meanwhile: nothing to do now.
+        let payout = match self.db.payout(&task.tenant, &task.id).await? {
+            Some(p) if p.status == PayoutState::Requested => p,
             _ => return Ok(Settled::Skipped),
+        };
+        if payout.not_before_ms.is_some_and(|at| at > self.clock.now_ms()) {
+            return Ok(Settled::Skipped);
         }
-        let sent = self.client.send(key, request).await;
+        // Committed before the call: if this worker dies after the vendor
+        // paid, the one that takes the payout over knows a call may have
+        // reached the vendor, and since when.
+        self.db
+            .mark_payout_sent(&task.tenant, &task.id, self.clock.now_ms())
+            .await?;
+        let earlier = Earlier {
+            first_reached_at_ms: payout.first_sent_at_ms,
+            ..Earlier::default()
+        };
+        let sent = self.client.resend(key, request, earlier).await;
         let now_ms = self.clock.now_ms();
         let mut tx = self.db.begin().await?;
         let settled = match sent {
-            Ok(answer) => {
-                let vendor_id = vendor_payout_id(&answer.body);
-                let change = PayoutChange {
-                    from: PayoutState::Requested,
-                    to: PayoutState::Paid,
-                    vendor_payout_id: vendor_id.as_deref(),
-                    attempts: i64::from(answer.attempts),
-                    last_error: None,
-                    now_ms,
-                };
-                let moved = D::change_payout(&mut tx, &task.tenant, &task.id, &change).await?;
-                if moved {
-                    self.event(
-                        &mut tx,
-                        task,
-                        "payout.paid",
-                        serde_json::json!({ "vendor_payout_id": vendor_id }),
+            Ok(answer) => match check_answer(task, &answer.body) {
+                Ok(vendor_id) => {
+                    let change = PayoutChange {
+                        from: PayoutState::Requested,
+                        to: PayoutState::Paid,
+                        vendor_payout_id: vendor_id.as_deref(),
+                        attempts: i64::from(answer.attempts),
+                        last_error: None,
                         now_ms,
-                    )
-                    .await?;
+                    };
+                    let moved = D::change_payout(&mut tx, &task.tenant, &task.id, &change).await?;
+                    if moved {
+                        self.event(
+                            &mut tx,
+                            task,
+                            "payout.paid",
+                            serde_json::json!({ "vendor_payout_id": vendor_id }),
+                            now_ms,
+                        )
+                        .await?;
+                    }
+                    moved.then_some(Settled::Paid)
                 }
-                moved.then_some(Settled::Paid)
+                // A success that does not say what the vendor promises (a
+                // wrong endpoint's "200 ok"): it may or may not have paid.
+                Err(why) => {
+                    let reason = format!(
+                        "the vendor's {} answer does not match its contract: {why}",
+                        answer.status
+                    );
+                    let letter =
+                        NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), answer.attempts, &reason)
+                            .reached_at(Some(payout.first_sent_at_ms.unwrap_or(now_ms)))
+                            .outcome_unknown();
+                    self.hold_unknown(&mut tx, task, &letter, answer.attempts, &reason, now_ms)
+                        .await?
+                }
+            },
+            Err(OutboundError::RetryLater {
+                after,
+                attempts,
+                last_error,
+                ..
+            }) => {
+                let not_before = now_ms.saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX));
+                let deferred = D::defer_payout(
+                    &mut tx,
+                    &task.tenant,
+                    &task.id,
+                    not_before,
+                    i64::from(attempts),
+                    idem_core::clip_text(&last_error),
+                    now_ms,
+                )
+                .await?;
+                tracing::info!(payout = %task.id, retry_in_s = after.as_secs(), "the vendor asked to wait; payout deferred");
+                deferred.then_some(Settled::Deferred)
+            }
+            Err(failed @ OutboundError::Unknown { .. }) => {
+                let letter = failed
+                    .dead_letter(scope, key, request)
+                    .expect("an unknown outcome is kept");
+                let reason = failed.to_string();
+                self.hold_unknown(&mut tx, task, &letter, failed.attempts(), &reason, now_ms)
+                    .await?
             }
             Err(failed) => {
                 let error = failed.to_string();
@@ -276,13 +383,15 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                 };
                 let moved = D::change_payout(&mut tx, &task.tenant, &task.id, &change).await?;
                 if moved {
-                    let letter = NewDeadLetter {
-                        scope: scope.clone(),
-                        key: key.clone(),
-                        request: request.clone(),
-                        attempts: failed.attempts(),
-                        last_error: error.clone(),
+                    // The first call that may have reached the vendor is
+                    // the earliest of this worker's and any before it.
+                    let reached = match (failed.first_reached_at_ms(), payout.first_sent_at_ms) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
                     };
+                    let letter =
+                        NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), failed.attempts(), &error)
+                            .reached_at(reached);
                     D::record_dead_letter(&self.db.dead_letters(), &mut tx, &letter).await?;
                     self.event(
                         &mut tx,
@@ -301,8 +410,47 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         Ok(settled.unwrap_or(Settled::Skipped))
     }
 
-    /// Marks paid the dead-lettered payouts whose dead letter a redrive
-    /// resolved (up to a batch, oldest first); answers how many.
+    /// Moves a requested payout to `unknown` with its dead letter held as
+    /// unknown, in `tx`.
+    async fn hold_unknown(
+        &self,
+        tx: &mut D::Tx,
+        task: &PayoutTask,
+        letter: &NewDeadLetter,
+        attempts: u32,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<Option<Settled>, DbError> {
+        let change = PayoutChange {
+            from: PayoutState::Requested,
+            to: PayoutState::Unknown,
+            vendor_payout_id: None,
+            attempts: i64::from(attempts),
+            last_error: Some(idem_core::clip_text(reason)),
+            now_ms,
+        };
+        let moved = D::change_payout(tx, &task.tenant, &task.id, &change).await?;
+        if moved {
+            D::record_dead_letter(&self.db.dead_letters(), tx, letter).await?;
+            self.event(
+                tx,
+                task,
+                "payout.outcome_unknown",
+                serde_json::json!({ "error": reason }),
+                now_ms,
+            )
+            .await?;
+            metrics::counter!("ledger_payouts_unknown_total").increment(1);
+            tracing::error!(payout = %task.id, reason, "payout outcome unknown: held for an operator (idem dlq resolve)");
+        }
+        Ok(moved.then_some(Settled::Unknown))
+    }
+
+    /// Settles the dead-lettered and unknown payouts whose dead letter was
+    /// settled elsewhere (up to a batch, oldest first): resolved → paid
+    /// (when the answer holds what the vendor promises; otherwise unknown);
+    /// held as unknown → unknown; found not applied by an operator (dead
+    /// again) → dead-lettered. Answers how many became paid.
     pub async fn reconcile(&self) -> Result<u64, DbError> {
         let dead = self.db.payouts_redriven(PAYOUT_OPERATION, 100).await?;
         let letters = self.db.dead_letters();
@@ -313,30 +461,64 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             let Some(letter) = letters.find(&scope, &key).await? else {
                 continue;
             };
-            if letter.state != DeadLetterState::Resolved {
+            let Some(payout) = self.db.payout(&task.tenant, &task.id).await? else {
+                continue;
+            };
+            let now_ms = self.clock.now_ms();
+            let (to, vendor_id, last_error, kind) = match letter.state {
+                DeadLetterState::Resolved => {
+                    let body = letter.response_body.as_deref().unwrap_or_default();
+                    let by_operator = letter
+                        .reconciliation
+                        .as_ref()
+                        .is_some_and(|r| r.by == VerdictSource::Operator);
+                    match check_answer(&task, body) {
+                        Ok(id) => (PayoutState::Paid, id, None, "payout.paid"),
+                        // An operator's word stands, with whatever id it gave.
+                        Err(_) if by_operator => (PayoutState::Paid, vendor_payout_id(body), None, "payout.paid"),
+                        Err(why) => (
+                            PayoutState::Unknown,
+                            None,
+                            Some(format!(
+                                "the vendor's answer to a redrive does not match its contract: {why}"
+                            )),
+                            "payout.outcome_unknown",
+                        ),
+                    }
+                }
+                DeadLetterState::Unknown => (
+                    PayoutState::Unknown,
+                    None,
+                    Some(letter.last_error.clone()),
+                    "payout.outcome_unknown",
+                ),
+                DeadLetterState::Dead => (
+                    PayoutState::DeadLettered,
+                    None,
+                    Some(letter.last_error.clone()),
+                    "payout.dead_lettered",
+                ),
+                _ => continue,
+            };
+            if to == payout.status {
                 continue;
             }
-            let vendor_id = letter.response_body.as_deref().and_then(vendor_payout_id);
-            let now_ms = self.clock.now_ms();
             let change = PayoutChange {
-                from: PayoutState::DeadLettered,
-                to: PayoutState::Paid,
+                from: payout.status,
+                to,
                 vendor_payout_id: vendor_id.as_deref(),
                 attempts: 0,
-                last_error: None,
+                last_error: last_error.as_deref().map(idem_core::clip_text),
                 now_ms,
             };
             let mut tx = self.db.begin().await?;
             if D::change_payout(&mut tx, &task.tenant, &task.id, &change).await? {
-                self.event(
-                    &mut tx,
-                    &task,
-                    "payout.paid",
-                    serde_json::json!({ "vendor_payout_id": vendor_id }),
-                    now_ms,
-                )
-                .await?;
-                reconciled += 1;
+                let extra = match &last_error {
+                    None => serde_json::json!({ "vendor_payout_id": vendor_id }),
+                    Some(e) => serde_json::json!({ "error": e }),
+                };
+                self.event(&mut tx, &task, kind, extra, now_ms).await?;
+                reconciled += u64::from(to == PayoutState::Paid);
             }
             self.db.commit(tx).await?;
         }
@@ -408,6 +590,15 @@ enum Settled {
     Paid,
     DeadLettered,
     Skipped,
+    Unknown,
+    Deferred,
+}
+
+/// `now + by` on tokio's clock, saturating instead of overflowing.
+fn idem_outbound_instant_after(by: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(by)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// The vendor call of a payout: `POST {vendor}/v1/payouts` with the amount
@@ -423,6 +614,29 @@ pub fn vendor_request(vendor_url: &str, task: &PayoutTask) -> Result<OutboundReq
     )?)
 }
 
+/// What the vendor's success answer promises, checked against the payout:
+/// a JSON object with the vendor's `id` (1 to 200 bytes without control
+/// characters, storable on every engine), the payout's `amount` and its
+/// id as `reference`. Answers the vendor's id.
+pub fn check_answer(task: &PayoutTask, body: &[u8]) -> Result<Option<String>, String> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("not a JSON object ({e})"))?;
+    if !value.is_object() {
+        return Err("not a JSON object".into());
+    }
+    if value.get("amount").and_then(serde_json::Value::as_i64) != Some(task.amount) {
+        return Err(format!("its amount is {}, not {}", value["amount"], task.amount));
+    }
+    if value.get("reference").and_then(serde_json::Value::as_str) != Some(task.id.as_str()) {
+        return Err(format!("its reference is {}, not {}", value["reference"], task.id));
+    }
+    match value.get("id").and_then(serde_json::Value::as_str) {
+        None | Some("") => Err("it has no vendor id".into()),
+        // An id the database cannot store (a NUL) does not keep a paid
+        // payout requested, called again on every pass: paid, without it.
+        Some(_) => Ok(vendor_payout_id(body)),
+    }
+}
+
 /// The vendor's id in its answer (`{"id": …}`), if it has one that every
 /// engine can store: 1 to 200 bytes without control characters (PostgreSQL
 /// refuses a NUL, and a payout whose result cannot be stored would stay
@@ -431,4 +645,89 @@ fn vendor_payout_id(body: &[u8]) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
     let id = value.get("id")?.as_str()?;
     (!id.is_empty() && id.len() <= 200 && !id.chars().any(char::is_control)).then(|| id.to_owned())
+}
+
+/// The ledger's reconcile hook: asks the vendor for its record of a payout,
+/// by the payout id it was sent as `reference` —
+/// `GET {vendor}/v1/payouts?reference={payout id}`, answering `{"data":
+/// [{"id", "amount", "reference", "status"}, …]}`.
+///
+/// - one record `paid`, for the payout's amount → applied (its record is
+///   the answer; nothing is sent);
+/// - none → not applied (the vendor keeps every payout it made, forever);
+/// - a request still `processing` → in flight (asked again later);
+/// - several paid, or a record that does not match → unknown.
+#[derive(Debug, Clone)]
+pub struct VendorLookup {
+    http: reqwest::Client,
+    url: reqwest::Url,
+}
+
+impl VendorLookup {
+    /// The lookup of the vendor at `vendor_url`.
+    pub fn new(vendor_url: &str) -> Result<Self, DbError> {
+        let bad = |why: String| DbError::Idem(IdemError::Config(why));
+        let url = reqwest::Url::parse(&format!("{}/v1/payouts", vendor_url.trim_end_matches('/')))
+            .map_err(|e| bad(format!("vendor URL {vendor_url:?}: {e}")))?;
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| bad(format!("the vendor lookup's HTTP client: {e}")))?;
+        Ok(Self { http, url })
+    }
+
+    async fn ask(&self, request: &OutboundRequest, timeout: Duration) -> Result<Reconciled, String> {
+        let sent: serde_json::Value =
+            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
+        let (Some(reference), Some(amount)) = (sent["reference"].as_str(), sent["amount"].as_i64()) else {
+            return Ok(Reconciled::Unknown(
+                "the request has no reference or amount to look up".into(),
+            ));
+        };
+        let mut url = self.url.clone();
+        url.query_pairs_mut().append_pair("reference", reference);
+        let response = self
+            .http
+            .get(url)
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| format!("lookup failed: {e}"))?;
+        let status = response.status();
+        let body = response.bytes().await.map_err(|e| format!("lookup failed: {e}"))?;
+        if !status.is_success() {
+            return Err(format!("lookup answered HTTP {status}"));
+        }
+        let found: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| format!("lookup answer is not JSON: {e}"))?;
+        let Some(data) = found["data"].as_array() else {
+            return Err("lookup answer has no data list".into());
+        };
+        let paid: Vec<&serde_json::Value> = data.iter().filter(|p| p["status"] == "paid").collect();
+        Ok(match paid.as_slice() {
+            [one] if one["amount"].as_i64() == Some(amount) => Reconciled::Applied {
+                status: 201,
+                body: serde_json::to_vec(one).map_err(|e| e.to_string())?,
+            },
+            [one] => Reconciled::Unknown(format!(
+                "the vendor paid reference {reference} for {}, not {amount}",
+                one["amount"]
+            )),
+            [] if data.iter().any(|p| p["status"] == "processing") => Reconciled::InFlight,
+            [] if data.is_empty() => Reconciled::NotApplied,
+            [] => Reconciled::Unknown(format!("the vendor's records of {reference} are in no known state")),
+            many => Reconciled::Unknown(format!("the vendor paid reference {reference} {} times", many.len())),
+        })
+    }
+}
+
+impl Reconcile for VendorLookup {
+    fn reconcile<'a>(
+        &'a self,
+        _key: &'a IdempotencyKey,
+        request: &'a OutboundRequest,
+        timeout: Duration,
+    ) -> idem_core::BoxFuture<'a, Result<Reconciled, String>> {
+        Box::pin(self.ask(request, timeout))
+    }
 }

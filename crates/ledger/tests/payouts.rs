@@ -75,6 +75,10 @@ async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
         r#"{"account_id":"x","amount":5}"#.to_owned(),
         format!(r#"{{"account_id":"{a}","amount":5,"extra":1}}"#),
         format!(r#"{{"account_id":"{a}","amount":5.5}}"#),
+        format!(r#"{{"account_id":"{a}","amount":4.9999999999999999999}}"#),
+        format!(r#"{{"account_id":"{a}","amount":5.000000000000000000001}}"#),
+        format!(r#"{{"account_id":"{a}","amount":99.99999999999999999}}"#),
+        format!(r#"{{"account_id":"{a}","amount":999999999999.99999}}"#),
         format!(r#"{{"account_id":"{a}"}}"#),
     ] {
         let r = l.post("/v1/payouts", &t, Some(&key()), &bad).await;
@@ -83,6 +87,40 @@ async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
     l.post("/v1/payouts", &t, None, &payout_body(&a, 5))
         .await
         .assert_problem(400, "idempotency-key-missing");
+    // Every route reads amounts exactly: a fraction a float would round to a
+    // whole number is refused, never credited or moved.
+    let b = l.account(&t, "b").await;
+    for amount in ["4.9999999999999999999", "5.000000000000000000001", "999999999999.99999"] {
+        let top_up = format!(r#"{{"account_id":"{a}","amount":{amount}}}"#);
+        l.post("/v1/top-ups", &t, Some(&key()), &top_up)
+            .await
+            .assert_problem(400, "invalid-request");
+        let transfer = format!(r#"{{"from":"{a}","to":"{b}","amount":{amount}}}"#);
+        l.post("/v1/transfers", &t, Some(&key()), &transfer)
+            .await
+            .assert_problem(400, "invalid-request");
+    }
+    for amount in ["5.0", "5e0", "50e-1"] {
+        let r = l
+            .post(
+                "/v1/transfers",
+                &t,
+                Some(&key()),
+                &format!(r#"{{"from":"{a}","to":"{b}","amount":{amount}}}"#),
+            )
+            .await;
+        assert_eq!(r.status, 201, "{amount}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["amount"], 5);
+    }
+    let r = l
+        .post(
+            "/v1/transfers",
+            &t,
+            Some(&key()),
+            &format!(r#"{{"from":"{b}","to":"{a}","amount":15}}"#),
+        )
+        .await;
+    assert_eq!(r.status, 201);
     l.post(
         "/v1/payouts",
         &t,
@@ -108,12 +146,18 @@ matrix!(a_payout_debits_at_once, refused_payouts_write_nothing);
 /// A fake vendor on a loopback port.
 struct FakeVendor {
     url: String,
+    vendor: Arc<Vendor>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl FakeVendor {
     async fn start() -> Self {
-        let vendor = Arc::new(Vendor::default());
+        Self::start_with(fake_vendor::Options::default()).await
+    }
+
+    async fn start_with(options: fake_vendor::Options) -> Self {
+        let vendor = Arc::new(Vendor::new(options));
+        let keep = vendor.clone();
         let probe = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = probe.local_addr().unwrap();
         drop(probe);
@@ -133,7 +177,11 @@ impl FakeVendor {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Self { url, stop: Some(stop) }
+        Self {
+            url,
+            vendor: keep,
+            stop: Some(stop),
+        }
     }
 
     async fn faults(&self, faults: &Faults) {
@@ -585,28 +633,43 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     l.stop().await;
 }
 
-/// A vendor that pays every call and answers `answer` (status 201).
-async fn vendor_answering(answer: &'static str) -> String {
+/// A vendor that answers each call with `answer(request body, call
+/// number)`: a status and a body.
+async fn vendor_answering<F>(answer: F) -> String
+where
+    F: Fn(&serde_json::Value, usize) -> (u16, String) + Clone + Send + Sync + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let app = axum::Router::new().route(
         "/v1/payouts",
-        axum::routing::post(move || async move {
-            (
-                axum::http::StatusCode::CREATED,
-                [("content-type", "application/json")],
-                answer,
-            )
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let (answer, calls) = (answer.clone(), calls.clone());
+            async move {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let (status, body) = answer(&v, calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+                (
+                    axum::http::StatusCode::from_u16(status).unwrap(),
+                    [("content-type", "application/json")],
+                    body,
+                )
+            }
         }),
     );
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
 }
 
+/// The vendor's promised answer to `request`, with `id`.
+fn promised(request: &serde_json::Value, id: &str) -> String {
+    serde_json::json!({ "id": id, "amount": request["amount"], "reference": request["reference"] }).to_string()
+}
+
 /// A vendor id the database cannot store (a NUL) does not keep a paid
 /// payout requested, called again on every pass: it is paid, without the id.
 async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine) {
-    let url = vendor_answering(r#"{"id":"po_\u0000x"}"#).await;
+    let url = vendor_answering(|r, _| (201, promised(r, "po_\u{0}x"))).await;
     let l = start(engine).await;
     let t = token();
     let a = l.account(&t, "a").await;
@@ -646,7 +709,7 @@ async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::s
                 (
                     axum::http::StatusCode::CREATED,
                     [("content-type", "application/json")],
-                    format!(r#"{{"id":"po_{}"}}"#, v["reference"].as_str().unwrap_or("x")),
+                    promised(&v, &format!("po_{}", v["reference"].as_str().unwrap_or("x"))),
                 )
             }
         }),
@@ -719,6 +782,526 @@ async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     l.stop().await;
 }
 
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// A ledger on a clock the test moves (the worker's and the redrive's).
+async fn start_on(engine: Engine, clock: &idem_core::ManualClock) -> Ledger {
+    Ledger::start_with(
+        &own_database(engine).await,
+        Transport::InProcess,
+        Arc::new(clock.clone()),
+        ledger::Options::default(),
+    )
+    .await
+}
+
+/// A client that trusts the vendor's keys for an hour less a minute.
+fn hour_client(retries: &[u64]) -> idem_outbound::OutboundClient {
+    idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+        retry_delays: retries.iter().map(|&ms| Duration::from_millis(ms)).collect(),
+        deadline: Duration::from_secs(20),
+        attempt_timeout: Duration::from_secs(5),
+        key_horizon: idem_outbound::KeyHorizon::new(HOUR, Duration::from_secs(60)),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Moves the ledger's clock and the vendor's together.
+fn advance(clock: &idem_core::ManualClock, vendor: &FakeVendor, by: Duration) {
+    use idem_core::Clock as _;
+    let _ = clock.now_ms();
+    clock.advance(by);
+    vendor.vendor.advance(by);
+}
+
+async fn pass_with(l: &Ledger, client: idem_outbound::OutboundClient, config: PayoutConfig) -> PassReport {
+    ledger::payouts::pass(&l.store, l.clock.clone(), client, config)
+        .await
+        .unwrap()
+}
+
+/// A payout the vendor paid whose every answer was lost, dead-lettered, then redriven past the vendor's one-hour key horizon: pays once. Without a way to ask the vendor (`idem dlq redrive`) nothing is sent and it is held as unknown; with the ledger's lookup it is found paid.
+async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
+    let vendor = FakeVendor::start_with(fake_vendor::Options {
+        key_horizon: HOUR,
+        ..Default::default()
+    })
+    .await;
+    let clock = idem_core::ManualClock::starting_now();
+    let l = start_on(engine, &clock).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    vendor
+        .faults(&Faults {
+            apply_then_drop: 1.0,
+            ..Default::default()
+        })
+        .await;
+    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    let report = pass_with(&l, hour_client(&[]), config(&vendor)).await;
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
+    vendor.faults(&Faults::default()).await;
+    advance(&clock, &vendor, 2 * HOUR);
+    let letters = l.store.dead_letters();
+    let scope =
+        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let id = letters
+        .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
+        .await
+        .unwrap()
+        .expect("its dead letter")
+        .id;
+    // `idem dlq redrive`: a redriver with no way to ask the vendor.
+    let blind = idem_outbound::Redriver::new(hour_client(&[]).with_clock(l.clock.clone()), letters.clone());
+    let result = blind.redrive_one(id).await.unwrap();
+    assert_eq!(
+        vendor.ledger().await["payouts"],
+        1,
+        "paid twice past the horizon: {result:?}"
+    );
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Unknown { .. }),
+        "{result:?}"
+    );
+    pass(&l, &vendor).await;
+    assert_eq!(status(&l, &t, &p).await["status"], "unknown");
+    // With the ledger's lookup the vendor's record settles it; nothing is sent.
+    let asking = idem_outbound::Redriver::new(
+        hour_client(&[])
+            .with_clock(l.clock.clone())
+            .with_reconcile(Arc::new(ledger::payouts::VendorLookup::new(&vendor.url).unwrap())),
+        letters.clone(),
+    );
+    let result = asking.redrive_one(id).await.unwrap();
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
+        "{result:?}"
+    );
+    assert_eq!(pass(&l, &vendor).await.reconciled, 1);
+    let paid = status(&l, &t, &p).await;
+    assert_eq!(paid["status"], "paid");
+    assert!(paid["vendor_payout_id"].as_str().unwrap().starts_with("po_"));
+    assert_eq!(vendor.ledger().await["payouts"], 1, "paid once");
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+/// A worker dies while the vendor pays; the payout is taken over past the vendor's key horizon: paid once (the new worker asks the vendor first), or, without a way to ask, held as unknown and not sent.
+async fn a_takeover_past_the_vendors_horizon_pays_once(engine: Engine) {
+    takeover(
+        engine,
+        fake_vendor::Options {
+            key_horizon: HOUR,
+            ..Default::default()
+        },
+    )
+    .await;
+}
+
+/// The same against a vendor without idempotency keys: every re-send is asked about first.
+async fn a_takeover_at_a_vendor_without_keys_pays_once(engine: Engine) {
+    takeover(
+        engine,
+        fake_vendor::Options {
+            idempotency: false,
+            ..Default::default()
+        },
+    )
+    .await;
+}
+
+async fn takeover(engine: Engine, options: fake_vendor::Options) {
+    let vendor = FakeVendor::start_with(options).await;
+    let clock = idem_core::ManualClock::starting_now();
+    let l = start_on(engine, &clock).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let held = payout(&l, &t, &a, 300).await.json()["id"].as_str().unwrap().to_owned();
+    let asked = payout(&l, &t, &a, 200).await.json()["id"].as_str().unwrap().to_owned();
+    let horizon = if options.idempotency {
+        idem_outbound::KeyHorizon::new(HOUR, Duration::from_secs(60))
+    } else {
+        idem_outbound::KeyHorizon::NONE
+    };
+    let client = || {
+        idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+            retry_delays: vec![],
+            deadline: Duration::from_secs(20),
+            attempt_timeout: Duration::from_secs(10),
+            key_horizon: horizon,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let mut short = config(&vendor);
+    short.lease = Duration::from_secs(1);
+    // The vendor works slowly; the worker dies mid-call; the vendor pays anyway.
+    vendor
+        .faults(&Faults {
+            slow_ms: 400,
+            ..Default::default()
+        })
+        .await;
+    let worker = {
+        let (store, clock, config, client) = (l.store.clone(), l.clock.clone(), short.clone(), client());
+        tokio::spawn(async move { ledger::payouts::pass(&store, clock, client, config).await })
+    };
+    let by = tokio::time::Instant::now() + Duration::from_secs(20);
+    let seen = |reference: String| {
+        let url = format!("{}/v1/payouts?reference={reference}", vendor.url);
+        async move {
+            let found: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
+            !found["data"].as_array().unwrap().is_empty()
+        }
+    };
+    while !(seen(held.clone()).await && seen(asked.clone()).await) {
+        assert!(tokio::time::Instant::now() < by, "the vendor never saw the calls");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    worker.abort();
+    let _ = worker.await;
+    while vendor.ledger().await["payouts"] != 2 {
+        assert!(
+            tokio::time::Instant::now() < by,
+            "the vendor pays both calls it received"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    vendor.faults(&Faults::default()).await;
+    assert_eq!(
+        status(&l, &t, &held).await["status"],
+        "requested",
+        "the worker died before it knew"
+    );
+    // Past the lease and past the vendor's horizon, another worker takes over.
+    advance(&clock, &vendor, 2 * HOUR);
+    let mut blind = short.clone();
+    blind.reconcile = false;
+    let scope =
+        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    // Without a way to ask: not sent, held for an operator.
+    let report = pass_with(&l, client(), blind).await;
+    assert_eq!(report.unknown, 2, "{report:?}");
+    assert_eq!(vendor.ledger().await["payouts"], 2, "nothing sent on a guess");
+    let got = status(&l, &t, &held).await;
+    assert_eq!(got["status"], "unknown", "{got}");
+    let letter = l
+        .store
+        .dead_letters()
+        .find(&scope, &idem_core::IdempotencyKey::new(&held).unwrap())
+        .await
+        .unwrap()
+        .expect("held in the dead letters");
+    assert_eq!(letter.state, idem_core::DeadLetterState::Unknown);
+    // An operator (who checked the vendor) says the second was paid: it is
+    // marked paid with no send; the first is asked about by a redrive with
+    // the ledger's lookup.
+    let letters = l.store.dead_letters();
+    let other = letters
+        .find(&scope, &idem_core::IdempotencyKey::new(&asked).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let record = promised(&serde_json::json!({ "amount": 200, "reference": asked }), "po_checked");
+    assert!(
+        letters
+            .settle(
+                other.id,
+                &idem_core::Settlement {
+                    verdict: idem_core::Verdict::Applied,
+                    by: idem_core::VerdictSource::Operator,
+                    status: Some(201),
+                    body: record.into_bytes(),
+                    note: "seen on the vendor's dashboard".into(),
+                }
+            )
+            .await
+            .unwrap()
+    );
+    let asking = idem_outbound::Redriver::new(
+        client()
+            .with_clock(l.clock.clone())
+            .with_reconcile(Arc::new(ledger::payouts::VendorLookup::new(&vendor.url).unwrap())),
+        letters.clone(),
+    );
+    let result = asking.redrive_one(letter.id).await.unwrap();
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
+        "{result:?}"
+    );
+    assert_eq!(pass(&l, &vendor).await.reconciled, 2);
+    for id in [&held, &asked] {
+        assert_eq!(status(&l, &t, id).await["status"], "paid", "{id}");
+    }
+    let paid = vendor.ledger().await;
+    assert_eq!(paid["payouts"], 2, "each paid once: {paid}");
+    assert_eq!(paid["references"].as_array().unwrap().len(), 2);
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
+/// A 429 whose Retry-After is past the call's deadline defers the payout to that time, still requested, instead of dead-lettering it; it is paid once the time has come.
+async fn a_long_retry_after_defers_the_payout(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    let clock = idem_core::ManualClock::starting_now();
+    let l = start_on(engine, &clock).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    vendor
+        .faults(&Faults {
+            rate_limit_429: 1.0,
+            retry_after_secs: 3600,
+            ..Default::default()
+        })
+        .await;
+    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let report = pass_with(&l, hour_client(&[20]), config(&vendor)).await;
+    assert_eq!((report.deferred, report.dead_lettered), (1, 0), "{report:?}");
+    let got = status(&l, &t, &p).await;
+    assert_eq!(got["status"], "requested", "{got}");
+    use idem_core::Clock as _;
+    let not_before = got["not_before_ms"].as_i64().expect("deferred");
+    assert!(not_before >= clock.now_ms() + 3_599_000, "{got}");
+    vendor.faults(&Faults::default()).await;
+    assert_eq!(
+        pass_with(&l, hour_client(&[20]), config(&vendor)).await,
+        PassReport::default(),
+        "not before its time"
+    );
+    assert_eq!(stats(&vendor).await["rate_limited"], 1);
+    advance(&clock, &vendor, HOUR);
+    assert_eq!(pass_with(&l, hour_client(&[20]), config(&vendor)).await.paid, 1);
+    assert_eq!(status(&l, &t, &p).await["status"], "paid");
+    assert_eq!(vendor.ledger().await["payouts"], 1);
+    l.stop().await;
+}
+
+/// A 2xx that does not hold what the vendor promises (a default backend's "200 ok") is not taken as paid: the outcome is unknown and held; a vendor URL ending in `#` is refused at start.
+async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) {
+    let url = vendor_answering(|_, _| (200, "ok".to_owned())).await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let report = ledger::payouts::pass(
+        &l.store,
+        l.clock.clone(),
+        fast_client(),
+        PayoutConfig::new(&url, Default::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!((report.paid, report.unknown), (0, 1), "{report:?}");
+    let got = status(&l, &t, &p).await;
+    assert_eq!(got["status"], "unknown", "{got}");
+    assert!(
+        got["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("does not match its contract"),
+        "{got}"
+    );
+    // A wrong amount or reference is no better.
+    let url = vendor_answering(|r, _| {
+        let mut wrong: serde_json::Value = serde_json::from_str(&promised(r, "po_1")).unwrap();
+        wrong["amount"] = 1.into();
+        (201, wrong.to_string())
+    })
+    .await;
+    let p2 = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    ledger::payouts::pass(
+        &l.store,
+        l.clock.clone(),
+        fast_client(),
+        PayoutConfig::new(&url, Default::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status(&l, &t, &p2).await["status"], "unknown");
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+    // At start: the binary refuses the URL, naming the setting.
+    for bad in [
+        "http://127.0.0.1:9#",
+        "https://127.0.0.1:9",
+        "http://user:pw@127.0.0.1:9",
+        "http://127.0.0.1:0",
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
+            .args([
+                "--database-url",
+                "/nonexistent-dir/x.db",
+                "--vendor-url",
+                bad,
+                "payouts",
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}: {err}");
+        assert!(err.contains("--vendor-url"), "{bad}: {err}");
+    }
+}
+
+/// A dead-lettered payout has a way out: a redrive to a corrected vendor URL pays it; one the vendor did not pay is cancelled, once, its debit reversed, only after a verdict that it was not applied.
+async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    // A wrong vendor URL (nothing listens): both payouts are dead-lettered.
+    let wrong = format!("http://127.0.0.1:{}", {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    });
+    let fixed = payout(&l, &t, &a, 100).await.json()["id"].as_str().unwrap().to_owned();
+    let cancelled = payout(&l, &t, &a, 250).await.json()["id"].as_str().unwrap().to_owned();
+    let report = ledger::payouts::pass(
+        &l.store,
+        l.clock.clone(),
+        fast_client(),
+        PayoutConfig::new(&wrong, Default::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.dead_lettered, 2, "{report:?}");
+    assert_eq!(l.balance(&t, &a).await, 650);
+    let letters = l.store.dead_letters();
+    let scope =
+        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let letter_of = |id: &str| {
+        let (letters, scope, key) = (
+            letters.clone(),
+            scope.clone(),
+            idem_core::IdempotencyKey::new(id).unwrap(),
+        );
+        async move { letters.find(&scope, &key).await.unwrap().unwrap() }
+    };
+    // The target override: the letter goes to the right vendor, and keeps it.
+    let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone())
+        .with_target(&format!("{}/v1/payouts", vendor.url))
+        .unwrap();
+    assert!(
+        idem_outbound::Redriver::new(fast_client(), letters.clone())
+            .with_target("http://v#")
+            .is_err()
+    );
+    let id = letter_of(&fixed).await.id;
+    let result = redriver.redrive_one(id).await.unwrap();
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
+        "{result:?}"
+    );
+    assert!(letter_of(&fixed).await.request.url().starts_with(&vendor.url));
+    assert_eq!(pass(&l, &vendor).await.reconciled, 1);
+    assert_eq!(status(&l, &t, &fixed).await["status"], "paid");
+    // The other: cancelling is refused until the vendor is known not to have paid it.
+    let cancel = |k: String| {
+        let (l, t, id) = (&l, t.clone(), cancelled.clone());
+        async move { l.post(&format!("/v1/payouts/{id}/cancel"), &t, Some(&k), "").await }
+    };
+    cancel(key()).await.assert_problem(409, "payout-not-reconciled");
+    let letter = letter_of(&cancelled).await;
+    assert!(
+        letters
+            .settle(
+                letter.id,
+                &idem_core::Settlement {
+                    verdict: idem_core::Verdict::NotApplied,
+                    by: idem_core::VerdictSource::Operator,
+                    status: None,
+                    body: vec![],
+                    note: "the vendor URL was wrong: nothing reached the vendor".into(),
+                }
+            )
+            .await
+            .unwrap()
+    );
+    let k = key();
+    let done = cancel(k.clone()).await;
+    assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
+    assert_eq!(done.json()["status"], "cancelled");
+    assert!(cancel(k).await.replayed(), "the same key replays");
+    cancel(key()).await.assert_problem(409, "payout-not-cancellable");
+    assert_eq!(status(&l, &t, &cancelled).await["status"], "cancelled");
+    assert_eq!(letter_of(&cancelled).await.state, idem_core::DeadLetterState::Cancelled);
+    assert_eq!(l.balance(&t, &a).await, 900, "the 250 came back, once");
+    let audit = l.audit(&t).await;
+    assert_eq!(
+        (audit["payouts_total"].as_i64(), audit["conserved"].as_bool()),
+        (Some(100), Some(true)),
+        "{audit}"
+    );
+    // A paid payout is not cancelled.
+    l.post(&format!("/v1/payouts/{fixed}/cancel"), &t, Some(&key()), "")
+        .await
+        .assert_problem(409, "payout-not-cancellable");
+    assert_eq!(vendor.ledger().await["payouts"], 1);
+    l.stop().await;
+}
+
+/// A redrive's answer over 4 KiB keeps what the ledger needs: the redriven payout is marked paid with the vendor's id.
+async fn a_large_vendor_answer_keeps_its_id(engine: Engine) {
+    let url = vendor_answering(|r, call| {
+        if call == 0 {
+            return (503, "{}".to_owned());
+        }
+        let mut answer: serde_json::Value = serde_json::from_str(&promised(r, "po_large")).unwrap();
+        answer["metadata"] = "m".repeat(8 * 1024).into();
+        (201, answer.to_string())
+    })
+    .await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let once = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+        retry_delays: vec![],
+        ..Default::default()
+    })
+    .unwrap();
+    let config = PayoutConfig::new(&url, Default::default());
+    let report = ledger::payouts::pass(&l.store, l.clock.clone(), once, config.clone())
+        .await
+        .unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let letters = l.store.dead_letters();
+    let id = letters
+        .list(&DeadLetterFilter {
+            tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()[0]
+        .id;
+    let result = idem_outbound::Redriver::new(fast_client(), letters.clone())
+        .redrive_one(id)
+        .await
+        .unwrap();
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
+        "{result:?}"
+    );
+    ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config)
+        .await
+        .unwrap();
+    let got = status(&l, &t, &p).await;
+    assert_eq!(
+        (got["status"].as_str(), got["vendor_payout_id"].as_str()),
+        (Some("paid"), Some("po_large")),
+        "{got}"
+    );
+    l.stop().await;
+}
+
 /// Expands each worker test into one per engine.
 macro_rules! worker_tests {
     ($($name:ident),* $(,)?) => {
@@ -737,5 +1320,12 @@ worker_tests!(
     a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice,
     a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled,
     a_vendor_id_with_a_nul_does_not_keep_a_payout_requested,
-    a_slow_vendor_call_holds_only_its_own_slot
+    a_slow_vendor_call_holds_only_its_own_slot,
+    a_redrive_past_the_vendors_horizon_pays_once,
+    a_takeover_past_the_vendors_horizon_pays_once,
+    a_takeover_at_a_vendor_without_keys_pays_once,
+    a_long_retry_after_defers_the_payout,
+    an_answer_without_what_the_vendor_promises_is_not_paid,
+    a_dead_lettered_payout_has_a_way_out,
+    a_large_vendor_answer_keeps_its_id
 );
