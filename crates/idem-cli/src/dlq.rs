@@ -1,9 +1,19 @@
 //! `idem dlq`: dead letters of outbound calls on the SQL stores, listed,
-//! shown and redriven.
+//! shown, redriven and resolved.
+//!
+//! `idem dlq redrive` has no way to ask a vendor what became of a call (a
+//! reconcile hook is the service's: it knows the vendor's lookup). So a
+//! letter whose first send may have reached the vendor longer ago than the
+//! vendor remembers keys (`--key-horizon-secs`, 24 h by default), or whose
+//! outcome is held as unknown, is not sent: it is held as unknown, and the
+//! operator checks the vendor and records what it says with `idem dlq
+//! resolve`, or sends it anyway with `--past-horizon`.
+
+use std::time::Duration;
 
 use idem_core::{
     BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter, RedriveHold,
-    RedriveOutcome, Result, Scope, TableName,
+    RedriveOutcome, Result, Scope, Settlement, TableName, Verdict, VerdictSource,
 };
 use idem_gateway::AnyLease;
 use idem_outbound::{RedriveReport, RedriveResult};
@@ -93,6 +103,126 @@ impl DeadLetterStore for AnyDeadLetters {
     fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         each!(self, s => s.purge_resolved(older_than_ms, limit))
     }
+
+    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
+        each!(self, s => s.retarget(id, token, url))
+    }
+
+    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
+        each!(self, s => s.settle(id, settlement))
+    }
+
+    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
+        each!(self, s => s.cancel(id))
+    }
+}
+
+/// How `dlq redrive` sends: the target, the vendor's key horizon, the
+/// operator's override and the secret headers.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ResendArgs {
+    /// Send to this URL instead of each letter's own (a vendor URL fixed
+    /// since), and keep it in each letter sent.
+    #[arg(long)]
+    url: Option<String>,
+    /// How long the vendor remembers idempotency keys, in seconds (0: it
+    /// has none). A letter whose first send may have reached the vendor
+    /// longer ago is held as unknown, not sent.
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
+    key_horizon_secs: u64,
+    /// Kept from the horizon, in seconds (default an hour, at most a tenth
+    /// of a horizon shorter than ten hours).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
+    horizon_margin_secs: Option<u64>,
+    /// Send letters past the horizon anyway: you have checked the vendor
+    /// (a letter held as unknown still needs `idem dlq resolve`).
+    #[arg(long)]
+    past_horizon: bool,
+    /// A header to send with every redrive but never store (the vendor's
+    /// credentials), as NAME:ENV_VAR: the value is read from that
+    /// environment variable, never from the command line. Repeatable.
+    #[arg(long = "secret-header")]
+    secret_headers: Vec<String>,
+}
+
+impl ResendArgs {
+    /// `base` with the horizon and the secret headers.
+    pub(crate) fn config(
+        &self,
+        base: idem_outbound::OutboundConfig,
+    ) -> std::result::Result<idem_outbound::OutboundConfig, crate::Failure> {
+        let bad = |why: String| crate::Failure(2, why);
+        let horizon = Duration::from_secs(self.key_horizon_secs);
+        let margin = self
+            .horizon_margin_secs
+            .map(Duration::from_secs)
+            .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
+        let mut config = idem_outbound::OutboundConfig {
+            key_horizon: idem_outbound::KeyHorizon::new(horizon, margin),
+            ..base
+        };
+        for spec in &self.secret_headers {
+            let Some((name, var)) = spec.split_once(':') else {
+                return Err(bad(format!("--secret-header {spec:?}: expected NAME:ENV_VAR")));
+            };
+            let value = std::env::var(var).map_err(|_| {
+                bad(format!(
+                    "--secret-header {name}: the environment variable {var} is not set"
+                ))
+            })?;
+            config = config
+                .with_secret_header(name, &value)
+                .map_err(|e| bad(format!("--secret-header {name}: {e}")))?;
+        }
+        config.validate().map_err(|e| bad(e.to_string()))?;
+        Ok(config)
+    }
+
+    /// The redriver, with the target override checked.
+    pub(crate) fn redriver<S: DeadLetterStore>(
+        &self,
+        client: idem_outbound::OutboundClient,
+        store: S,
+    ) -> std::result::Result<idem_outbound::Redriver<S>, crate::Failure> {
+        let redriver = idem_outbound::Redriver::new(client, store).with_past_horizon_override(self.past_horizon);
+        match &self.url {
+            Some(url) => redriver
+                .with_target(url)
+                .map_err(|e| crate::Failure(2, format!("--url: {e}"))),
+            None => Ok(redriver),
+        }
+    }
+}
+
+/// The operator's settlement of `dlq resolve`.
+pub(crate) fn settlement(
+    applied: bool,
+    status: u16,
+    body: String,
+    note: String,
+) -> std::result::Result<Settlement, crate::Failure> {
+    if note.trim().is_empty() || note.len() > idem_core::MAX_DEAD_LETTER_TEXT {
+        return Err(crate::Failure(
+            2,
+            format!(
+                "--note: say where it was checked (1 to {} bytes)",
+                idem_core::MAX_DEAD_LETTER_TEXT
+            ),
+        ));
+    }
+    if body.len() > idem_core::MAX_DEAD_LETTER_RESPONSE {
+        return Err(crate::Failure(
+            2,
+            format!("--body: at most {} bytes", idem_core::MAX_DEAD_LETTER_RESPONSE),
+        ));
+    }
+    Ok(Settlement {
+        verdict: if applied { Verdict::Applied } else { Verdict::NotApplied },
+        by: VerdictSource::Operator,
+        status: applied.then_some(status),
+        body: body.into_bytes(),
+        note,
+    })
 }
 
 /// Text kept from a body or error: at most this many characters.
@@ -119,6 +249,13 @@ pub(crate) fn summary_json(l: &DeadLetter) -> serde_json::Value {
         "updated_at_ms": l.updated_at_ms,
         "redrive_until_ms": l.redrive_until_ms,
         "response_status": l.response_status,
+        "first_reached_at_ms": l.first_reached_at_ms,
+        "verdict": l.reconciliation.as_ref().map(|r| serde_json::json!({
+            "verdict": r.verdict.as_str(),
+            "by": r.by.as_str(),
+            "at_ms": r.at_ms,
+            "note": r.note,
+        })),
     })
 }
 
@@ -163,6 +300,7 @@ pub(crate) fn result_json(id: i64, result: &RedriveResult) -> serde_json::Value 
         RedriveResult::Failed { attempts, error } => {
             serde_json::json!({ "id": id, "result": "failed", "attempts": attempts, "error": error })
         }
+        RedriveResult::Unknown { reason } => serde_json::json!({ "id": id, "result": "unknown", "reason": reason }),
         RedriveResult::Skipped => serde_json::json!({ "id": id, "result": "skipped" }),
         RedriveResult::HoldLost => serde_json::json!({ "id": id, "result": "hold_lost" }),
         RedriveResult::StoreError(e) => serde_json::json!({ "id": id, "result": "store_error", "error": e }),
@@ -176,7 +314,8 @@ pub(crate) fn result_line(id: i64, result: &RedriveResult) -> String {
             format!("{id}\tresolved\tHTTP {status} after {attempts} attempt(s)")
         }
         RedriveResult::Failed { attempts, error } => format!("{id}\tfailed\t{attempts} attempt(s): {error}"),
-        RedriveResult::Skipped => format!("{id}\tskipped\t(resolved, gone, or held by another redrive)"),
+        RedriveResult::Unknown { reason } => format!("{id}\tunknown\tnot sent, held for an operator: {reason}"),
+        RedriveResult::Skipped => format!("{id}\tskipped\t(resolved, cancelled, or held by another redrive)"),
         RedriveResult::HoldLost => format!("{id}\thold lost\t(another redrive took it over)"),
         RedriveResult::StoreError(e) => format!("{id}\tstore error\t{e}"),
     }
@@ -188,6 +327,7 @@ pub(crate) fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
         "store": kind,
         "resolved": r.resolved,
         "failed": r.failed,
+        "unknown": r.unknown,
         "skipped": r.skipped,
         "errors": r.errors,
         "items": r.items.iter().map(|i| result_json(i.id, &i.result)).collect::<Vec<_>>(),

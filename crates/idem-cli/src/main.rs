@@ -149,7 +149,7 @@ enum Command {
         #[command(subcommand)]
         command: OutboxCommand,
     },
-    /// Dead letters of outbound calls: list, show, redrive.
+    /// Dead letters of outbound calls: list, show, redrive, resolve.
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
@@ -205,7 +205,7 @@ enum DlqCommand {
         #[command(flatten)]
         selection: DlqSelection,
         /// Only in this state.
-        #[arg(long, value_parser = ["dead", "redriving", "resolved"])]
+        #[arg(long, value_parser = ["dead", "redriving", "resolved", "unknown", "cancelled"])]
         state: Option<String>,
         /// At most this many.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000))]
@@ -244,6 +244,39 @@ enum DlqCommand {
         /// Each send's deadline, retries included, in seconds.
         #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3_600))]
         deadline_secs: u64,
+        #[command(flatten)]
+        resend: dlq::ResendArgs,
+    },
+    /// Records what the vendor says of a dead or unknown letter, checked by
+    /// the operator: `--applied` resolves it with the vendor's answer;
+    /// `--not-applied` makes it dead again with nothing counted as sent, so a
+    /// redrive sends it (even past the vendor's key horizon) and the service
+    /// may cancel it.
+    Resolve {
+        /// The service's database URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// The dead-letter table.
+        #[arg(long, default_value = "idem_dead_letters")]
+        table: String,
+        /// The dead letter's id.
+        #[arg(long)]
+        id: i64,
+        /// The vendor applied it.
+        #[arg(long, conflicts_with = "not_applied", required_unless_present = "not_applied")]
+        applied: bool,
+        /// The vendor did not apply it.
+        #[arg(long)]
+        not_applied: bool,
+        /// With --applied: the vendor's success status.
+        #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u16).range(200..=299), requires = "applied")]
+        status: u16,
+        /// With --applied: the vendor's record of it (its answer), as text.
+        #[arg(long, default_value = "", requires = "applied")]
+        body: String,
+        /// Where it was checked, or why (kept with the letter).
+        #[arg(long)]
+        note: String,
     },
 }
 
@@ -368,7 +401,7 @@ enum OutboxCommand {
 }
 
 /// A failure with its exit code.
-struct Failure(u8, String);
+pub(crate) struct Failure(pub(crate) u8, pub(crate) String);
 
 impl From<idem_core::Error> for Failure {
     fn from(e: idem_core::Error) -> Self {
@@ -859,7 +892,7 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
             if json {
                 say!(
                     "{}",
-                    serde_json::Value::Array(letters.iter().map(dlq::summary_json).collect())
+                    serde_json::Value::Array(letters.iter().map(dlq::summary_json).collect::<Vec<_>>())
                 );
             } else {
                 for l in &letters {
@@ -867,6 +900,46 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
                 }
                 eprintln!("{} dead letter(s)", letters.len());
             }
+        }
+        DlqCommand::Resolve {
+            store,
+            table,
+            id,
+            applied,
+            not_applied: _,
+            status,
+            body,
+            note,
+        } => {
+            let selection = DlqSelection {
+                store,
+                table,
+                tenant: None,
+                operation: None,
+                after_id: None,
+            };
+            let s = selection.open().await?;
+            let settlement = dlq::settlement(applied, status, body, note)?;
+            let letter = s.get(id).await.map_err(|e| dlq_failure(&selection.table, e))?;
+            let Some(letter) = letter else {
+                return Err(Failure(1, format!("no dead letter {id} in {}", selection.table)));
+            };
+            if !s
+                .settle(id, &settlement)
+                .await
+                .map_err(|e| dlq_failure(&selection.table, e))?
+            {
+                return Err(Failure(
+                    1,
+                    format!(
+                        "dead letter {id} is {}: only a dead or unknown letter is resolved",
+                        letter.state.as_str()
+                    ),
+                ));
+            }
+            let after = s.get(id).await.map_err(|e| dlq_failure(&selection.table, e))?;
+            let v = after.as_ref().map(dlq::detail_json).unwrap_or_default();
+            print(json, v, format!("{id}\t{}", after.map_or("gone", |l| l.state.as_str())));
         }
         DlqCommand::Show { store, table, id } => {
             let selection = DlqSelection {
@@ -895,17 +968,28 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
             max,
             per_second,
             deadline_secs,
+            resend,
         } => {
             let filter = selection.filter(Some(&state), 100)?;
-            let store = selection.open().await?;
-            let client = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
+            let config = resend.config(idem_outbound::OutboundConfig {
                 name: "idem-cli".into(),
                 deadline: Duration::from_secs(deadline_secs),
                 ..idem_outbound::OutboundConfig::default()
             })?;
-            let redriver = idem_outbound::Redriver::new(client, store.clone());
+            let client = idem_outbound::OutboundClient::new(config)?;
+            let store = selection.open().await?;
+            let redriver = resend.redriver(client, store.clone())?;
             let report = match id {
                 Some(id) => {
+                    // A mistyped id is an error, not a quiet "skipped".
+                    if store
+                        .get(id)
+                        .await
+                        .map_err(|e| dlq_failure(&selection.table, e))?
+                        .is_none()
+                    {
+                        return Err(Failure(1, format!("no dead letter {id} in {}", selection.table)));
+                    }
                     let result = redriver.redrive_one(id).await.map_err(|e| match e {
                         idem_outbound::OutboundError::Store(e) => dlq_failure(&selection.table, e),
                         other => other.into(),
@@ -915,6 +999,7 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
                         idem_outbound::RedriveResult::Resolved { .. } => report.resolved += 1,
                         idem_outbound::RedriveResult::Failed { .. } => report.failed += 1,
                         idem_outbound::RedriveResult::Skipped => report.skipped += 1,
+                        idem_outbound::RedriveResult::Unknown { .. } => report.unknown += 1,
                         _ => report.errors += 1,
                     }
                     report.items.push(idem_outbound::RedriveItem { id, result });
@@ -935,20 +1020,21 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
                     say!("{}", dlq::result_line(item.id, &item.result));
                 }
                 say!(
-                    "{}: {} resolved, {} failed, {} skipped, {} error(s)",
+                    "{}: {} resolved, {} failed, {} held as unknown, {} skipped, {} error(s)",
                     store.kind(),
                     report.resolved,
                     report.failed,
+                    report.unknown,
                     report.skipped,
                     report.errors
                 );
             }
-            if report.failed > 0 || report.errors > 0 {
+            if report.failed > 0 || report.errors > 0 || report.unknown > 0 {
                 return Err(Failure(
                     1,
                     format!(
-                        "{} dead letter(s) failed again, {} error(s)",
-                        report.failed, report.errors
+                        "{} dead letter(s) failed again, {} held as unknown (see `idem dlq resolve`), {} error(s)",
+                        report.failed, report.unknown, report.errors
                     ),
                 ));
             }

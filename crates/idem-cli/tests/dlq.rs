@@ -79,19 +79,19 @@ async fn payouts(base: &str) -> u64 {
 }
 
 fn letter(base: &str, key: &str, body: &str) -> NewDeadLetter {
-    NewDeadLetter {
-        scope: Scope::parse("dlq-test", "payout").unwrap(),
-        key: IdempotencyKey::new(key).unwrap(),
-        request: OutboundRequest::new(
+    NewDeadLetter::new(
+        Scope::parse("dlq-test", "payout").unwrap(),
+        IdempotencyKey::new(key).unwrap(),
+        OutboundRequest::new(
             "POST",
             format!("{base}/v1/payouts"),
             vec![("content-type".into(), "application/json".into())],
             body.as_bytes().to_vec(),
         )
         .unwrap(),
-        attempts: 5,
-        last_error: "HTTP 503: down".into(),
-    }
+        5,
+        "HTTP 503: down",
+    )
 }
 
 async fn dead_letter_commands(url: &str) {
@@ -103,6 +103,7 @@ async fn dead_letter_commands(url: &str) {
     if sqlite {
         assert_eq!(code, 3, "{out}");
         assert!(out.contains("no such database file"), "{out}");
+        assert!(!std::path::Path::new(url).exists(), "nothing created");
     } else {
         assert_eq!(code, 1, "{out}");
         assert!(out.contains("is the table there?"), "{out}");
@@ -233,6 +234,126 @@ async fn dead_letter_commands(url: &str) {
     assert_eq!(json["items"][0]["result"], "skipped");
     let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--tenant", "x"]);
     assert_eq!(code, 2, "--id takes no filters: {out}");
+    // A mistyped id fails, clearly.
+    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "987654321"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("no dead letter 987654321"), "{out}");
+
+    // Past the vendor's key horizon: a letter whose first send may have
+    // reached the vendor two days ago is not sent (the vendor has forgotten
+    // the key and would pay again); it is held as unknown.
+    let two_days_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 48 * 3_600_000;
+    let old = match &store {
+        AnyLease::Sqlite(s) => {
+            record_old(
+                idem_sqlite::SqliteDeadLetters::new(s.pool().clone()),
+                &base,
+                two_days_ago,
+            )
+            .await
+        }
+        AnyLease::Postgres(s) => {
+            record_old(idem_postgres::PgDeadLetters::new(s.pool().clone()), &base, two_days_ago).await
+        }
+        AnyLease::MySql(s) => {
+            record_old(idem_mysql::MySqlDeadLetters::new(s.pool().clone()), &base, two_days_ago).await
+        }
+        AnyLease::Redis(_) => unreachable!(),
+    };
+    let paid_before = payouts(&base).await;
+    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &old.to_string(), "--json"]);
+    assert_eq!(code, 1, "held, not sent: {out}");
+    assert_eq!(json["items"][0]["result"], "unknown", "{json}");
+    assert!(
+        json["items"][0]["reason"].as_str().unwrap().contains("key horizon"),
+        "{json}"
+    );
+    assert_eq!(payouts(&base).await, paid_before, "nothing sent on a guess");
+    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--state", "unknown", "--json"]);
+    assert_eq!(json[0]["id"], old, "{json}");
+    // Still held: a second redrive sends nothing either, override or not.
+    let (code, _, _) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        url,
+        "--id",
+        &old.to_string(),
+        "--past-horizon",
+    ]);
+    assert_eq!(code, 1);
+    assert_eq!(payouts(&base).await, paid_before);
+    // The operator checks the vendor and records it: not applied.
+    let (code, _, out) = idem(&[
+        "dlq",
+        "resolve",
+        "--store",
+        url,
+        "--id",
+        &old.to_string(),
+        "--not-applied",
+    ]);
+    assert_eq!(code, 2, "a note is required: {out}");
+    let (code, json, out) = idem(&[
+        "dlq",
+        "resolve",
+        "--store",
+        url,
+        "--id",
+        &old.to_string(),
+        "--not-applied",
+        "--note",
+        "not on the vendor's dashboard",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        (json["state"].as_str(), json["verdict"]["verdict"].as_str()),
+        (Some("dead"), Some("not_applied")),
+        "{json}"
+    );
+    assert_eq!(json["first_reached_at_ms"], serde_json::Value::Null);
+    // Now it is sent, to the URL given.
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        url,
+        "--id",
+        &old.to_string(),
+        "--url",
+        &format!("{base}/v1/payouts"),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "resolved", "{json}");
+    assert_eq!(payouts(&base).await, paid_before + 1);
+    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--url", "http://vendor#"]);
+    assert_eq!(code, 2, "a bad target is refused: {out}");
+    let (code, _, out) = idem(&[
+        "dlq",
+        "resolve",
+        "--store",
+        url,
+        "--id",
+        &old.to_string(),
+        "--applied",
+        "--note",
+        "again",
+    ]);
+    assert_eq!(code, 1, "a resolved letter is final: {out}");
+}
+
+/// Records a letter whose first send may have reached the vendor at `reached_at_ms`.
+async fn record_old<S: DeadLetterStore>(store: S, base: &str, reached_at_ms: i64) -> i64 {
+    store
+        .record(&letter(base, "old", r#"{"amount":40}"#).reached_at(Some(reached_at_ms)))
+        .await
+        .unwrap()
 }
 
 /// Creates the table and records three dead letters; answers their ids.
