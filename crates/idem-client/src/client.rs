@@ -112,6 +112,7 @@ pub struct ClientBuilder {
     max_response_bytes: usize,
     jitter_seed: Option<u64>,
     observer: Option<Observer>,
+    resume_concurrency: usize,
 }
 
 impl fmt::Debug for ClientBuilder {
@@ -144,6 +145,7 @@ impl Default for ClientBuilder {
             max_response_bytes: 16 * 1024 * 1024,
             jitter_seed: None,
             observer: None,
+            resume_concurrency: 8,
         }
     }
 }
@@ -257,6 +259,14 @@ impl ClientBuilder {
         self
     }
 
+    /// How many pending operations [`Client::resume`] sends at once
+    /// (default 8, at least 1): one unreachable host holds up only its own
+    /// operations.
+    pub fn resume_concurrency(mut self, concurrency: usize) -> Self {
+        self.resume_concurrency = concurrency.max(1);
+        self
+    }
+
     /// Calls `observer` after every attempt, with what it got and what the
     /// client does next: for metrics, logs, or a harness that counts
     /// retries and replays.
@@ -301,6 +311,7 @@ impl ClientBuilder {
                 max_response_bytes: self.max_response_bytes,
                 jitter_seed: self.jitter_seed,
                 observer: self.observer,
+                resume_concurrency: self.resume_concurrency,
             }),
         })
     }
@@ -342,6 +353,7 @@ struct Inner {
     max_response_bytes: usize,
     jitter_seed: Option<u64>,
     observer: Option<Observer>,
+    resume_concurrency: usize,
 }
 
 impl fmt::Debug for Client {
@@ -405,19 +417,36 @@ impl Client {
         Ok(())
     }
 
-    /// Sends every pending operation again, oldest first, each with its
-    /// original key, and removes each one that gets a final answer. An
-    /// operation that was applied before the restart gets its recorded
-    /// answer replayed ([`Response::replayed`]).
+    /// Sends every pending operation again, each with its original key,
+    /// up to [`ClientBuilder::resume_concurrency`] at once (started oldest
+    /// first), and removes each one that gets a final answer; answers them
+    /// oldest first. An operation that was applied before the restart gets
+    /// its recorded answer replayed ([`Response::replayed`]). Each keeps to
+    /// its own deadline, so an unreachable host holds up only its own.
     pub async fn resume(&self) -> Result<Vec<Resumed>> {
         let ops = self.inner.store.list().await?;
-        let mut out = Vec::with_capacity(ops.len());
-        for operation in ops {
-            tracing::debug!(key = %operation.key(), url = %operation.url(), "resuming a pending operation");
-            let result = self.drive(&operation).await;
-            out.push(Resumed { operation, result });
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.inner.resume_concurrency));
+        let mut running = tokio::task::JoinSet::new();
+        for (index, operation) in ops.into_iter().enumerate() {
+            // Taken here, in order: the oldest operations start first.
+            let permit = slots.clone().acquire_owned().await.expect("never closed");
+            let client = self.clone();
+            running.spawn(async move {
+                let _permit = permit;
+                tracing::debug!(key = %operation.key(), url = %operation.url(), "resuming a pending operation");
+                let result = client.drive(&operation).await;
+                (index, Resumed { operation, result })
+            });
         }
-        Ok(out)
+        let mut out = Vec::new();
+        while let Some(done) = running.join_next().await {
+            match done {
+                Ok(resumed) => out.push(resumed),
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+            }
+        }
+        out.sort_by_key(|(index, _)| *index);
+        Ok(out.into_iter().map(|(_, r)| r).collect())
     }
 
     /// Sends a saved operation until a final answer; removes it then.
@@ -438,7 +467,8 @@ impl Client {
 
     async fn attempts(&self, op: &Operation) -> Result<Response> {
         let inner = &self.inner;
-        let deadline = Instant::now() + inner.deadline;
+        // A deadline too far away to represent is no deadline at all.
+        let deadline = instant_after(inner.deadline);
         let mut builder = inner.backoff;
         if let Some(seed) = inner.jitter_seed {
             builder = builder.with_jitter_seed(seed ^ fnv1a(op.key().as_str().as_bytes()));
@@ -496,7 +526,8 @@ impl Client {
                 None => backoff.next().unwrap_or(inner.max_delay),
             };
             let out_of_attempts = inner.max_attempts.is_some_and(|max| attempt >= max);
-            let next = if out_of_attempts || Instant::now() + wait >= deadline {
+            let past_deadline = Instant::now().checked_add(wait).is_none_or(|at| at >= deadline);
+            let next = if out_of_attempts || past_deadline {
                 Next::GiveUp
             } else {
                 Next::RetryIn(wait)
@@ -592,6 +623,13 @@ impl Client {
             })),
         }
     }
+}
+
+/// `now + by`, saturating a century away instead of overflowing.
+fn instant_after(by: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(by)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// Classifies a reqwest error; `stage` is what was going on.

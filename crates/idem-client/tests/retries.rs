@@ -705,3 +705,73 @@ async fn retry_after_is_bounded_both_ways() {
     );
     assert_same_key(&script.seen(), &op, 3);
 }
+
+/// A deadline, attempt timeout, backoff or Retry-After bound too large to add to an instant does not panic: the operation is sent as usual.
+#[tokio::test]
+async fn huge_durations_do_not_overflow() {
+    let script = Script::new([problem(503, "database-unavailable", vec![("retry-after", "1".into())])]);
+    let base = server(&script).await;
+    let client = Client::builder()
+        .deadline(Duration::MAX)
+        .attempt_timeout(Duration::MAX)
+        .backoff(Duration::from_millis(5), Duration::MAX)
+        .max_retry_after(Duration::MAX)
+        .build()
+        .unwrap();
+    let answer = client.send(&top_up(&base)).await.unwrap();
+    assert_eq!(answer.status(), 201);
+    assert_eq!(script.seen().len(), 2);
+}
+
+/// Resume sends pending operations side by side: one to a host that never answers does not hold up the others, which finish first.
+#[tokio::test]
+async fn resume_does_not_wait_for_one_unreachable_host() {
+    // A host that accepts connections and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_base = format!("http://{}", silent.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let script = Script::default();
+    let base = server(&script).await;
+    let store = Arc::new(MemoryPending::new());
+    let stuck = top_up(&silent_base);
+    let fine: Vec<Operation> = (0..3).map(|_| top_up(&base)).collect();
+    store.save(&stuck).await.unwrap();
+    for op in &fine {
+        store.save(op).await.unwrap();
+    }
+    let events = Events::default();
+    let client = events
+        .install(
+            fast()
+                .shared_store(store.clone())
+                .attempt_timeout(Duration::from_secs(2))
+                .deadline(Duration::from_secs(2)),
+        )
+        .build()
+        .unwrap();
+    let resumed = client.resume().await.unwrap();
+    assert_eq!(resumed.len(), 4);
+    assert_eq!(resumed[0].operation, stuck, "answered oldest first");
+    assert!(resumed[0].result.is_err());
+    assert!(
+        resumed[1..]
+            .iter()
+            .all(|r| r.result.as_ref().is_ok_and(|a| a.status() == 201))
+    );
+    let order: Vec<String> = events.all().into_iter().map(|e| e.0).collect();
+    let stuck_at = order.iter().position(|k| *k == stuck.key().to_string()).unwrap();
+    for op in &fine {
+        let at = order.iter().position(|k| *k == op.key().to_string()).unwrap();
+        assert!(at < stuck_at, "{op:?} waited for the unreachable host: {order:?}");
+    }
+    assert_eq!(
+        store.list().await.unwrap(),
+        vec![stuck],
+        "only the unanswered one stays pending"
+    );
+}
