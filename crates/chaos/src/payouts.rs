@@ -1,10 +1,14 @@
 //! Payouts under attack: a fake vendor of the harness's own (in this
-//! process, on a free loopback port) that drops answers after paying,
-//! fails, rate-limits, slows down and refuses connections; two `ledger
-//! payouts` worker processes killed with `kill -9` and paused past their
-//! lease; and, once all is quiet, every dead letter redriven and the set
-//! checks: each committed payout paid exactly once at the vendor, none
-//! lost, nothing paid that no transaction committed.
+//! process, on a free loopback port) that **forgets idempotency keys after
+//! a short horizon** ([`VENDOR_KEY_HORIZON_SECS`]: the same request then
+//! pays again), drops answers after paying, fails, rate-limits, slows down
+//! and refuses connections; two `ledger payouts` worker processes killed
+//! with `kill -9` and paused past their lease — and so past the vendor's
+//! horizon — whose takeovers must ask the vendor (a lookup by reference)
+//! instead of sending again; and, once all is quiet, every dead letter
+//! redriven (asking the vendor first) and the set checks: each committed
+//! payout paid exactly once at the vendor, none lost, nothing paid that no
+//! transaction committed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -28,6 +32,11 @@ pub const LEASE_SECS: u64 = 3;
 /// The payout workers' retry schedule (short, so dead letters happen within
 /// the run).
 const RETRY_DELAYS_MS: &str = "50,100,200,400";
+/// How long the fake vendor remembers a key, in seconds: shorter than a
+/// pause of a worker (twice its lease), so takeovers cross it.
+pub const VENDOR_KEY_HORIZON_SECS: u64 = 3;
+/// What the workers trust of it: a key younger than 3 − 1 seconds.
+const VENDOR_HORIZON_MARGIN_SECS: u64 = 1;
 
 /// Payout faults that really happened.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -77,6 +86,20 @@ pub struct PayoutCounts {
     pub vendor_total: u64,
     /// Answers the vendor replayed for a key it had paid.
     pub vendor_replays: u64,
+    /// Distinct payout references the vendor paid.
+    pub vendor_references: u64,
+    /// Keys the vendor had forgotten when they came again (each such send
+    /// would pay again: with the fix, none comes).
+    pub vendor_keys_forgotten: u64,
+    /// Lookups by reference the vendor answered (reconciles before a
+    /// re-send past its horizon).
+    pub vendor_lookups: u64,
+    /// 409 `idempotency_key_in_use` answers (a re-send overtaking a slow
+    /// first call).
+    pub vendor_in_use: u64,
+    /// Payouts whose outcome was held as unknown at some point (dead
+    /// letters in state `unknown` before the final redrive).
+    pub held_unknown: u64,
     /// Seconds from the end of the faults until every payout was settled,
     /// redriven and reconciled.
     pub settle_secs: f64,
@@ -96,6 +119,10 @@ pub(crate) struct VendorLedger {
     pub(crate) payouts: u64,
     pub(crate) total: u64,
     pub(crate) keys: Vec<String>,
+    /// The distinct references it paid (a reference paid twice shows as
+    /// fewer references than payouts, even under another key).
+    #[serde(default)]
+    pub(crate) references: Vec<String>,
 }
 
 impl Vendor {
@@ -103,7 +130,10 @@ impl Vendor {
         quiet_dropped_answers();
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let vendor = Arc::new(fake_vendor::Vendor::default());
+        let vendor = Arc::new(fake_vendor::Vendor::new(fake_vendor::Options {
+            key_horizon: Duration::from_secs(VENDOR_KEY_HORIZON_SECS),
+            idempotency: true,
+        }));
         tokio::spawn(async move {
             let shutdown = async move {
                 let _ = stopped.await;
@@ -220,6 +250,10 @@ pub(crate) async fn start_workers(
                     "10".into(),
                     "--payout-concurrency".into(),
                     "8".into(),
+                    "--vendor-key-horizon-secs".into(),
+                    VENDOR_KEY_HORIZON_SECS.to_string(),
+                    "--vendor-horizon-margin-secs".into(),
+                    VENDOR_HORIZON_MARGIN_SECS.to_string(),
                 ],
                 log.with_extension(format!("payouts{i}.log")),
             )
@@ -397,40 +431,57 @@ pub(crate) async fn settle_and_check(
         ],
         deadline: Duration::from_secs(20),
         attempt_timeout: Duration::from_secs(5),
+        key_horizon: idem_outbound::KeyHorizon::new(
+            Duration::from_secs(VENDOR_KEY_HORIZON_SECS),
+            Duration::from_secs(VENDOR_HORIZON_MARGIN_SECS),
+        ),
         ..Default::default()
     })
     .map_err(|e| Error::Service(format!("redrive client: {e}")))?;
+    // The redrive asks the vendor first past its horizon, as the workers
+    // do (letters held as unknown always), so nothing is paid twice.
+    let lookup =
+        ledger::payouts::VendorLookup::new(&vendor.url).map_err(|e| Error::Service(format!("vendor lookup: {e}")))?;
+    let client = client.with_reconcile(Arc::new(lookup));
     let redriver = idem_outbound::Redriver::new(client, letters.clone());
-    let dead = DeadLetterFilter {
+    let of_state = |state| DeadLetterFilter {
         tenant: Some(tenant.clone()),
         operation: Some(ledger::payouts::PAYOUT_OPERATION.to_owned()),
-        state: Some(DeadLetterState::Dead),
+        state: Some(state),
         limit: idem_core::MAX_DEAD_LETTER_PAGE,
         ..Default::default()
     };
+    let held_unknown = letters
+        .list(&of_state(DeadLetterState::Unknown))
+        .await
+        .map_err(|e| Error::Service(format!("dead letters: {e}")))?
+        .len() as u64;
     let mut redriven = 0u64;
-    loop {
-        let left = letters
-            .list(&DeadLetterFilter {
-                limit: 1,
-                ..dead.clone()
-            })
-            .await
-            .map_err(|e| Error::Service(format!("dead letters: {e}")))?;
-        if left.is_empty() || tokio::time::Instant::now() > deadline {
-            break;
+    for state in [DeadLetterState::Unknown, DeadLetterState::Dead] {
+        let selection = of_state(state);
+        loop {
+            let left = letters
+                .list(&DeadLetterFilter {
+                    limit: 1,
+                    ..selection.clone()
+                })
+                .await
+                .map_err(|e| Error::Service(format!("dead letters: {e}")))?;
+            if left.is_empty() || tokio::time::Instant::now() > deadline {
+                break;
+            }
+            let report = redriver
+                .redrive(
+                    &selection,
+                    idem_outbound::RedriveOptions {
+                        max: 1_000_000,
+                        per_second: idem_outbound::MAX_REDRIVES_PER_SECOND,
+                    },
+                )
+                .await
+                .map_err(|e| Error::Service(format!("redrive: {e}")))?;
+            redriven += u64::from(report.resolved);
         }
-        let report = redriver
-            .redrive(
-                &dead,
-                idem_outbound::RedriveOptions {
-                    max: 1_000_000,
-                    per_second: idem_outbound::MAX_REDRIVES_PER_SECOND,
-                },
-            )
-            .await
-            .map_err(|e| Error::Service(format!("redrive: {e}")))?;
-        redriven += u64::from(report.resolved);
     }
 
     // The workers mark each resolved dead letter's payout paid.
@@ -438,7 +489,7 @@ pub(crate) async fn settle_and_check(
         .payouts(&tenant)
         .await?
         .values()
-        .any(|(_, s)| s == "dead_lettered")
+        .any(|(_, s)| s == "dead_lettered" || s == "unknown")
     {
         if tokio::time::Instant::now() > deadline {
             break;
@@ -527,6 +578,11 @@ pub(crate) async fn settle_and_check(
     counts.vendor_keys = at_vendor.keys.len() as u64;
     counts.vendor_total = at_vendor.total;
     counts.vendor_replays = stats["replayed"].as_u64().unwrap_or(0);
+    counts.vendor_references = at_vendor.references.len() as u64;
+    counts.vendor_keys_forgotten = stats["forgotten"].as_u64().unwrap_or(0);
+    counts.vendor_lookups = stats["lookups"].as_u64().unwrap_or(0);
+    counts.vendor_in_use = stats["in_use"].as_u64().unwrap_or(0);
+    counts.held_unknown = held_unknown;
     counts.settle_secs = settle_secs;
     Ok(counts)
 }
@@ -595,6 +651,15 @@ pub(crate) fn judge(
             vendor.keys.len()
         ));
     }
+    // A key the vendor forgot pays again under the same key; a reference
+    // paid twice is caught whatever the key.
+    if vendor.payouts != vendor.references.len() as u64 {
+        violations.push(format!(
+            "payouts: the vendor paid {} time(s) for {} distinct reference(s): a payout paid twice",
+            vendor.payouts,
+            vendor.references.len()
+        ));
+    }
     let paid_total: i128 = rows
         .payouts
         .values()
@@ -652,6 +717,7 @@ mod tests {
             payouts,
             total,
             keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+            references: keys.iter().map(|k| (*k).to_owned()).collect(),
         }
     }
 
@@ -677,6 +743,16 @@ mod tests {
         let cases: Vec<Case> = vec![
             // One key paid twice (a vendor without deduplication).
             ("paid twice", rows(), vendor(3, 50, &["a", "b"]), acked()),
+            // A reference paid twice under two keys.
+            (
+                "distinct reference(s)",
+                rows(),
+                VendorLedger {
+                    references: vec!["a".into()],
+                    ..vendor(2, 30, &["a", "b"])
+                },
+                acked(),
+            ),
             // A second payment under another key: a key of no payout.
             (
                 "of no committed payout",

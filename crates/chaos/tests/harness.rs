@@ -96,6 +96,10 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         pf.vendor_dropped_after_paying > 0 && p.vendor_replays > 0,
         "seed {seed}: no vendor answer dropped after paying, or no replay: {pf:?} {p:?}"
     );
+    assert!(
+        p.vendor_references == p.committed && p.vendor_lookups > 0,
+        "seed {seed}: a reference paid twice, or no takeover crossed the vendor's key horizon: {p:?}"
+    );
 }
 
 /// SQLite: 2,000 operations under every fault, no violation.
