@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::{ISOLATED_PREFIX, Isolation, connect, connect_at};
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
-use idem_core::{BoxFuture, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName};
+use idem_core::{
+    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName,
+};
 use idem_mysql::{MySqlDeadLetters, store_error};
 
 /// The dead-letter table most tests share; they use unique tenants, so they
@@ -173,4 +175,59 @@ async fn migrate_is_idempotent_and_listed_until_applied() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// A table of the first schema version (no first reach or verdicts, a 64 KiB answer column) is upgraded in place, rows kept; concurrent upgrades are harmless, and a whole 64 KiB answer fits after.
+#[tokio::test]
+async fn a_version_1_table_is_upgraded_with_its_rows() {
+    let pool = connect().await;
+    let table = isolated_name();
+    let t = table.as_str();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {t} (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, tenant VARBINARY(255) NOT NULL, \
+         operation VARBINARY(255) NOT NULL, idem_key VARBINARY(255) NOT NULL, method VARBINARY(32) NOT NULL, \
+         url VARBINARY(2048) NOT NULL, headers MEDIUMBLOB NOT NULL, body MEDIUMBLOB NOT NULL, attempts BIGINT NOT NULL, \
+         last_error BLOB NOT NULL, state VARBINARY(16) NOT NULL, redrives BIGINT NOT NULL DEFAULT 0, \
+         created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, redrive_until_ms BIGINT NULL, \
+         response_status INT NULL, response_body BLOB NULL, UNIQUE KEY scope_key (tenant, operation, idem_key), \
+         KEY state_idx (state, id)) ENGINE=InnoDB"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+         created_at_ms, updated_at_ms) VALUES (41, 't', 'payout', 'old', 'POST', 'http://v/v1/payouts', '[]', '{{}}', 3, \
+         'timeout', 'dead', 1, 1)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let letters = MySqlDeadLetters::with_table(pool.clone(), table.clone());
+    assert_eq!(letters.pending_migrations().await.unwrap()[0].version, 2);
+    let mut racers = Vec::new();
+    for _ in 0..3 {
+        let letters = MySqlDeadLetters::with_table(connect().await, table.clone());
+        racers.push(tokio::spawn(async move { letters.migrate().await }));
+    }
+    for racer in racers {
+        racer.await.unwrap().expect("concurrent upgrades all succeed");
+    }
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let old = letters.get(41).await.unwrap().expect("the row survives");
+    assert_eq!(
+        (old.state, old.attempts, old.first_reached_at_ms),
+        (DeadLetterState::Dead, 3, None)
+    );
+    let id = letters.record(&letter("t", "new").outcome_unknown()).await.unwrap();
+    assert_eq!(letters.get(id).await.unwrap().unwrap().state, DeadLetterState::Unknown);
+    let hold = letters.begin_redrive(41, 600_000).await.unwrap().unwrap();
+    let answer = vec![b'x'; idem_core::MAX_DEAD_LETTER_RESPONSE];
+    let resolved = idem_core::RedriveOutcome::Resolved {
+        status: 201,
+        body: answer.clone(),
+        reconciled: false,
+    };
+    assert!(letters.finish_redrive(41, hold.token, &resolved).await.unwrap());
+    assert_eq!(letters.get(41).await.unwrap().unwrap().response_body, Some(answer));
 }
