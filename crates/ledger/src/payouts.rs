@@ -139,7 +139,9 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             .with_clock(clock.clone());
         let client = client.with_clock(clock.clone());
         let client = if config.reconcile {
-            client.with_reconcile(Arc::new(VendorLookup::new(&config.vendor_url)?))
+            // The lookup carries the vendor's credentials too.
+            let lookup = VendorLookup::new(&config.vendor_url)?.with_headers(client.config().secret_headers.clone());
+            client.with_reconcile(Arc::new(lookup))
         } else {
             client
         };
@@ -661,6 +663,7 @@ fn vendor_payout_id(body: &[u8]) -> Option<String> {
 pub struct VendorLookup {
     http: reqwest::Client,
     url: reqwest::Url,
+    headers: reqwest::header::HeaderMap,
 }
 
 impl VendorLookup {
@@ -673,7 +676,21 @@ impl VendorLookup {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| bad(format!("the vendor lookup's HTTP client: {e}")))?;
-        Ok(Self { http, url })
+        Ok(Self {
+            http,
+            url,
+            headers: reqwest::header::HeaderMap::new(),
+        })
+    }
+
+    /// Sends `headers` with every lookup (the vendor's credentials, kept
+    /// sensitive).
+    pub fn with_headers(mut self, headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>) -> Self {
+        for (name, mut value) in headers {
+            value.set_sensitive(true);
+            self.headers.insert(name, value);
+        }
+        self
     }
 
     async fn ask(&self, request: &OutboundRequest, timeout: Duration) -> Result<Reconciled, String> {
@@ -689,6 +706,7 @@ impl VendorLookup {
         let response = self
             .http
             .get(url)
+            .headers(self.headers.clone())
             .timeout(timeout)
             .send()
             .await
