@@ -233,6 +233,9 @@ async fn payout(State(v): State<Arc<Vendor>>, headers: HeaderMap, body: axum::bo
 }
 
 async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    // Whether a key is still remembered is judged when the request arrives,
+    // as a real vendor looks a key up first: a slow answer does not age it.
+    let arrived_ms = v.now_ms();
     let faults = v.faults.lock().await.clone();
     let key = headers
         .get("idempotency-key")
@@ -293,7 +296,7 @@ async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) ->
     if let Some(key) = &key
         && let Some(r) = keys.get(key)
     {
-        if v.now_ms().saturating_sub(r.at_ms) >= v.options.key_horizon.as_millis() as u64 {
+        if arrived_ms.saturating_sub(r.at_ms) >= v.options.key_horizon.as_millis() as u64 {
             // Past the horizon the vendor has forgotten the key: the same
             // request is a new one, and pays again.
             keys.remove(key);
