@@ -34,7 +34,21 @@
 //! | `postgres` | `postgres::PgStore` (PostgreSQL, CockroachDB, YugabyteDB) |
 //! | `mysql` | `mysql::MySqlStore` (MySQL, MariaDB) |
 //! | `sqlite` | `sqlite::SqliteStore` |
-//! | `http` | `http::IdempotencyLayer`, the tower/axum layer |
+//! | `http` | `http::IdempotencyLayer`, the tower/axum layer, transactional and lease mode |
+//! | `redis` | `redis::RedisStore` (Redis and Redis Cluster, lease mode) |
+//! | `inbox` | `inbox::Inbox`: an event handler applied once per (handler, event id) |
+//! | `webhooks` | `webhooks::Verifier` and `webhooks::WebhookInbox` (Standard Webhooks, Svix) |
+//! | `outbox` | `outbox::Relay`: the transactional outbox, published at least once |
+//! | `jetstream` | `jetstream::JetStreamPublisher` and `jetstream::InboxConsumer` (NATS JetStream) |
+//! | `jobs` | `jobs::Scheduler`: scheduled jobs run once per slot |
+//! | `outbound` | `outbound::OutboundClient`, `outbound::Reconcile`, `outbound::Redriver`: calls to vendors |
+//! | `client` | `client::Client`, `client::Key`, `client::MemoryPending`: the caller's side |
+//! | `client-sqlite` | `client::SqlitePending`: pending operations that survive a crash |
+//! | `gateway` | `gateway::Gateway`: the reverse proxy of `idem gateway`, as a library |
+//! | `full` | all of the above |
+//!
+//! Nothing is on by default: `idem = { version = "0.1", features = ["postgres", "http"] }`
+//! is a typical axum service on PostgreSQL.
 
 pub use idem_core::*;
 
@@ -96,4 +110,31 @@ pub mod jetstream {
 #[cfg(feature = "jobs")]
 pub mod jobs {
     pub use idem_jobs::*;
+}
+
+/// The Redis and Redis Cluster lease store.
+#[cfg(feature = "redis")]
+pub mod redis {
+    pub use idem_redis::*;
+}
+
+/// Outbound calls: one idempotency key per logical call, retries, the circuit
+/// breaker, reconcile before re-send, and dead letters.
+#[cfg(feature = "outbound")]
+pub mod outbound {
+    pub use idem_outbound::*;
+}
+
+/// The client side: idempotency keys, a retrying client that keeps one key
+/// per logical operation, and pending operations resumed after a crash.
+#[cfg(feature = "client")]
+pub mod client {
+    pub use idem_client::*;
+}
+
+/// The gateway as a library: a reverse proxy that gives any HTTP API the
+/// Idempotency-Key contract in lease mode.
+#[cfg(feature = "gateway")]
+pub mod gateway {
+    pub use idem_gateway::*;
 }
