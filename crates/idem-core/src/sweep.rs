@@ -12,7 +12,7 @@ pub struct SweepReport {
     /// Rows deleted.
     pub deleted: u64,
     /// Index entries removed whose row the store had already deleted by
-    /// itself (see [`SweepBatch::ghosts`]); not counted in `deleted`.
+    /// itself (see [`SweepBatch::ghosts`](crate::SweepBatch::ghosts)); not counted in `deleted`.
     pub ghosts: u64,
     /// Batches run (each one short transaction).
     pub batches: u64,
@@ -44,7 +44,7 @@ impl Default for SweepOptions {
 ///
 /// The sweep goes on while its batches find work of any kind — rows to
 /// delete, or index entries left behind by rows the store expired by itself
-/// ([`SweepBatch::ghosts`]) — and stops after the first batch that took up
+/// ([`SweepBatch::ghosts`](crate::SweepBatch::ghosts)) — and stops after the first batch that took up
 /// fewer than `batch_size`.
 ///
 /// ```

@@ -7,9 +7,14 @@
 //! ```sh
 //! cargo run -p idem --features client-sqlite,http,memory --example client_resume
 //! #   the first client died mid-call; 1 operation(s) pending
-//! #   resumed key=…: 201 (replayed: true)
+//! #   resumed key=…: 201 (replayed: false)
 //! #   the server applied it 1 time(s)
 //! ```
+//!
+//! Here the dropped connection rolled the server's transaction back, so the
+//! resumed send applies the operation (`replayed: false`); had the server
+//! committed before the client died, the resumed send would get the
+//! recorded answer (`replayed: true`). Either way it is applied once.
 //!
 //! `crates/idem-client/tests/ledger.rs` does the same with a client process
 //! killed by `kill -9`.

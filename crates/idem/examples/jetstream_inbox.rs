@@ -92,5 +92,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM applied").fetch_one(store.pool()).await?;
     println!("published 3 messages for 2 events; applied {applied} (one row per event)");
     js.delete_stream(&name).await?;
+    let _ = std::fs::remove_file(&path);
     Ok(())
 }

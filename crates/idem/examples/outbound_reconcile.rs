@@ -68,7 +68,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let key = IdempotencyKey::generate(); // one key per logical payout, kept with it
     let request = OutboundRequest::new(
         "POST",
-        &format!("{url}/v1/payouts"),
+        format!("{url}/v1/payouts"),
         vec![("Content-Type".into(), "application/json".into())],
         br#"{"amount":500,"reference":"payout-42"}"#.to_vec(),
     )?;
