@@ -46,6 +46,29 @@ use serde::de::DeserializeOwned;
 pub struct Job {
     name: Operation,
     period_ms: i64,
+    missed: MissedSlots,
+}
+
+/// The counter of slots [`Scheduler::run_every`] gave up without a run
+/// (label `job`).
+pub const SLOTS_SKIPPED: &str = "idem_job_slots_skipped_total";
+
+/// What [`Scheduler::run_every`] does with slots that went by without a
+/// successful run while it was busy: a run longer than its period, or a
+/// slot whose attempts kept failing until later slots began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissedSlots {
+    /// Give them up: each is logged and counted in [`SLOTS_SKIPPED`]; the
+    /// next run is the current slot. The default.
+    Skip,
+    /// Run them afterwards, oldest first, each under its own run id (a slot
+    /// whose attempts fail is tried again until it succeeds), but never
+    /// more than `max` slots behind the current one: older ones are skipped
+    /// as under `Skip`.
+    CatchUp {
+        /// The most missed slots run (at least 1).
+        max: u32,
+    },
 }
 
 /// A slot of a job: the start of one period, in ms since the Unix epoch.
@@ -65,7 +88,53 @@ impl Job {
         Ok(Self {
             name,
             period_ms: i64::try_from(period.as_millis()).expect("bounded above"),
+            missed: MissedSlots::Skip,
         })
+    }
+
+    /// The same job with `policy` for missed slots; `CatchUp` with a `max`
+    /// of 0 is refused.
+    pub fn with_missed_slots(mut self, policy: MissedSlots) -> Result<Self, Error> {
+        if policy == (MissedSlots::CatchUp { max: 0 }) {
+            return Err(Error::Config(format!(
+                "job {}: catching up missed slots needs a maximum of at least 1",
+                self.name
+            )));
+        }
+        self.missed = policy;
+        Ok(self)
+    }
+
+    /// The missed-slot policy.
+    pub fn missed_slots(&self) -> MissedSlots {
+        self.missed
+    }
+
+    /// The slot to run when `due` is the oldest slot not yet run and
+    /// `current` is the slot now: the slots given up on the way are logged
+    /// and counted.
+    fn missed(&self, due: Slot, current: Slot) -> Slot {
+        if due >= current {
+            return due;
+        }
+        let behind = (current.0 - due.0) / self.period_ms;
+        let keep = match self.missed {
+            MissedSlots::Skip => 0,
+            MissedSlots::CatchUp { max } => i64::from(max).min(behind),
+        };
+        let first_kept = Slot(current.0 - keep * self.period_ms);
+        let mut slot = due;
+        while slot < first_kept {
+            metrics::counter!(SLOTS_SKIPPED, "job" => self.name.as_str().to_owned()).increment(1);
+            tracing::warn!(
+                job = self.name(),
+                run_id = %self.run_id(slot),
+                policy = ?self.missed,
+                "job slot skipped: no run succeeded before later slots began"
+            );
+            slot = self.next(slot);
+        }
+        first_kept
     }
 
     /// The job's name.
@@ -139,9 +208,16 @@ impl<B: TxBackend> Scheduler<B> {
 
     /// Runs the slot due now, then each following slot when it starts, until
     /// `shutdown` completes; `make` builds each run's work from its run id.
-    /// A slot missed while no instance ran is not caught up: the next run is
-    /// the current slot. A failed run is logged and tried again after
-    /// `retry` (same run id), until the next slot begins.
+    /// A slot missed while no instance ran is not caught up: the first run
+    /// is the current slot. A failed run is logged and tried again after
+    /// `retry` (same run id).
+    ///
+    /// Slots that go by while a run is running, or while a slot's attempts
+    /// keep failing, are handled by the job's [`MissedSlots`] policy:
+    /// skipped, each with a log line and a count in
+    /// [`SLOTS_SKIPPED`] (`job` label), or run afterwards in order, each
+    /// under its own run id, at most `max` of them (older ones are skipped
+    /// and counted the same way).
     pub async fn run_every<T, E, M, F>(
         &self,
         job: &Job,
@@ -155,21 +231,35 @@ impl<B: TxBackend> Scheduler<B> {
         E: From<Error> + Contention + std::fmt::Display,
     {
         tokio::pin!(shutdown);
+        let retry_ms = i64::try_from(retry.as_millis()).unwrap_or(i64::MAX).max(1);
+        // The next slot to run.
+        let mut due = job.slot_at(self.clock.now_ms());
         loop {
             let now = self.clock.now_ms();
-            let slot = job.slot_at(now);
-            let run_id = job.run_id(slot);
-            let wait_ms = match self.run(job, &run_id, make(run_id.clone())).await {
-                Ok(d) => {
-                    if d.is_applied() {
-                        tracing::info!(job = job.name(), %run_id, "job run applied");
+            let current = job.slot_at(now);
+            due = job.missed(due, current);
+            let wait_ms = if due > current {
+                // Every slot up to now has run: wait for the next one.
+                due.0.saturating_sub(now)
+            } else {
+                let run_id = job.run_id(due);
+                match self.run(job, &run_id, make(run_id.clone())).await {
+                    Ok(d) => {
+                        if d.is_applied() {
+                            tracing::info!(job = job.name(), %run_id, "job run applied");
+                        }
+                        due = job.next(due);
+                        due.0.saturating_sub(self.clock.now_ms())
                     }
-                    job.next(slot).0.saturating_sub(self.clock.now_ms())
-                }
-                Err(e) => {
-                    tracing::warn!(job = job.name(), %run_id, error = %e, "job run failed; retrying");
-                    let next = job.next(slot).0.saturating_sub(self.clock.now_ms());
-                    next.min(i64::try_from(retry.as_millis()).unwrap_or(i64::MAX))
+                    Err(e) => {
+                        tracing::warn!(job = job.name(), %run_id, error = %e, "job run failed; retrying");
+                        // Under `Skip`, the slot is given up once the next one starts.
+                        let next = job.next(due).0.saturating_sub(self.clock.now_ms());
+                        match job.missed {
+                            MissedSlots::Skip => next.min(retry_ms),
+                            MissedSlots::CatchUp { .. } => retry_ms,
+                        }
+                    }
                 }
             };
             let wait = Duration::from_millis(u64::try_from(wait_ms.max(1)).unwrap_or(1));
@@ -196,5 +286,19 @@ mod tests {
         assert_eq!(day.next(s), Slot(1_732_492_800_000));
         assert!(Job::new("x", Duration::from_millis(10)).is_err());
         assert!(Job::new("", Duration::from_secs(60)).is_err());
+    }
+
+    #[test]
+    fn missed_slots_are_skipped_or_caught_up_within_the_maximum() {
+        let job = Job::new("rollup", Duration::from_secs(10)).unwrap();
+        let s = |n: i64| Slot(n * 10_000);
+        assert_eq!(job.missed(s(3), s(3)), s(3));
+        assert_eq!(job.missed(s(4), s(3)), s(4));
+        assert_eq!(job.missed(s(1), s(5)), s(5), "skip: the current slot");
+        let up = job.clone().with_missed_slots(MissedSlots::CatchUp { max: 2 }).unwrap();
+        assert_eq!(up.missed(s(1), s(2)), s(1), "one behind: run it");
+        assert_eq!(up.missed(s(1), s(3)), s(1), "two behind: run both");
+        assert_eq!(up.missed(s(1), s(6)), s(4), "five behind: the two latest");
+        assert!(job.with_missed_slots(MissedSlots::CatchUp { max: 0 }).is_err());
     }
 }

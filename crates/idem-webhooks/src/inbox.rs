@@ -2,24 +2,54 @@
 //! event id, in one transaction with the handler's writes.
 
 use http::HeaderMap;
-use idem_core::{BoxFuture, Contention, TxBackend};
+use idem_core::{BoxFuture, Contention, Tenant, TxBackend};
 use idem_inbox::{Delivery, Inbox};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::{Verifier, WebhookError};
 
-/// Proof that a webhook's signature and timestamp were verified; only
-/// [`WebhookInbox::verify`] makes one.
+/// A webhook whose signature and timestamp were verified, with everything
+/// it is applied under: the tenant it is for, the verified body and the
+/// event id it is deduplicated on. Only [`WebhookInbox::verify`] makes one,
+/// and [`WebhookInbox::apply`] takes nothing else, so a body or an event id
+/// other than the verified ones cannot be applied.
 #[derive(Debug)]
-pub struct Verified<'h> {
-    webhook_id: &'h str,
+pub struct Verified<'a> {
+    tenant: Tenant,
+    webhook_id: &'a str,
+    event_id: String,
+    body: &'a [u8],
 }
 
-impl<'h> Verified<'h> {
+impl<'a> Verified<'a> {
     /// The `webhook-id` header: the same on each of the provider's retries.
-    pub fn webhook_id(&self) -> &'h str {
+    pub fn webhook_id(&self) -> &'a str {
         self.webhook_id
+    }
+
+    /// The tenant the webhook is applied for.
+    pub fn tenant(&self) -> &Tenant {
+        &self.tenant
+    }
+
+    /// The event id it is deduplicated on: the `webhook-id`, unless
+    /// [`keyed_by`](Self::keyed_by) read another from the body.
+    pub fn event_id(&self) -> &str {
+        &self.event_id
+    }
+
+    /// The verified raw body.
+    pub fn body(&self) -> &'a [u8] {
+        self.body
+    }
+
+    /// Deduplicates on the provider's event id as `read` finds it in the
+    /// verified body (for providers whose `webhook-id` changes across
+    /// retries of one event), instead of on the `webhook-id`.
+    pub fn keyed_by<E>(self, read: impl FnOnce(&[u8]) -> Result<String, E>) -> Result<Self, E> {
+        let event_id = read(self.body)?;
+        Ok(Self { event_id, ..self })
     }
 }
 
@@ -36,17 +66,22 @@ pub enum ReceiveError<E> {
 }
 
 /// A provider's webhooks, verified per Standard Webhooks and applied once
-/// per event id through an [`Inbox`] (give its store a table of its own,
-/// apart from request keys).
+/// per (tenant, event id) through an [`Inbox`] (give its store a table of
+/// its own, apart from request keys). Every webhook is verified for a
+/// tenant — the account or customer it is for, or one fixed tenant in a
+/// single-tenant service — and its event id is scoped to that tenant before
+/// it is looked up, so two tenants' webhooks with the same id are two
+/// events.
 ///
 /// ```no_run
 /// # async fn demo(store: idem_sqlite::SqliteStore, headers: http::HeaderMap, body: Vec<u8>) {
 /// use idem_webhooks::{ReceiveError, Verifier, WebhookInbox};
 /// let inbox = idem_inbox::Inbox::new(idem_core::TxEngine::new(store));
 /// let webhooks = WebhookInbox::new(Verifier::new(["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]).unwrap(), inbox, "payments");
+/// let tenant = idem_core::Tenant::new("acme").unwrap();
 /// let now = 1_732_450_000;
 /// match webhooks
-///     .receive(&headers, &body, now, |tx| Box::pin(async move { Ok::<_, idem_core::Error>(()) }))
+///     .receive(&tenant, &headers, &body, now, |tx| Box::pin(async move { Ok::<_, idem_core::Error>(()) }))
 ///     .await
 /// {
 ///     Ok(delivery) => { /* 200, applied now or before */ }
@@ -73,53 +108,42 @@ impl<B: TxBackend> WebhookInbox<B> {
         }
     }
 
-    /// Verifies the headers and the raw body at `now_secs`.
-    pub fn verify<'h>(&self, headers: &'h HeaderMap, body: &[u8], now_secs: i64) -> Result<Verified<'h>, WebhookError> {
+    /// Verifies the headers and the raw body at `now_secs`, for `tenant`.
+    pub fn verify<'a>(
+        &self,
+        tenant: &Tenant,
+        headers: &'a HeaderMap,
+        body: &'a [u8],
+        now_secs: i64,
+    ) -> Result<Verified<'a>, WebhookError> {
         let webhook_id = self.verifier.verify_headers(headers, body, now_secs)?;
-        Ok(Verified { webhook_id })
+        Ok(Verified {
+            tenant: tenant.clone(),
+            webhook_id,
+            event_id: webhook_id.to_owned(),
+            body,
+        })
     }
 
-    /// Applies a verified webhook once per `event_id` (the provider's event
-    /// id, from the verified body or [`Verified::webhook_id`]): `work`'s
+    /// Applies a verified webhook once per (tenant, event id): `work`'s
     /// writes, the claim and the recorded outcome commit together; a
-    /// redelivery answers the recorded outcome without running `work`.
-    pub async fn apply<T, E, F>(
-        &self,
-        _verified: &Verified<'_>,
-        event_id: &str,
-        body: &[u8],
-        work: F,
-    ) -> Result<Delivery<T>, E>
+    /// redelivery answers the recorded outcome without running `work`, and
+    /// the same event id with another body is [`idem_core::Error::Mismatch`].
+    pub async fn apply<T, E, F>(&self, verified: &Verified<'_>, work: F) -> Result<Delivery<T>, E>
     where
         F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
         T: Serialize + DeserializeOwned,
         E: From<idem_core::Error> + Contention,
     {
-        self.inbox.process(&self.handler, event_id, body, work).await
+        self.inbox
+            .process_in(&verified.tenant, &self.handler, &verified.event_id, verified.body, work)
+            .await
     }
 
-    /// [`apply`](Self::apply) with the event id scoped to `tenant` (the
-    /// account or customer the webhook is for): one tenant's event id never
-    /// replays another tenant's outcome.
-    pub async fn apply_for<T, E, F>(
-        &self,
-        tenant: &idem_core::Tenant,
-        _verified: &Verified<'_>,
-        event_id: &str,
-        body: &[u8],
-        work: F,
-    ) -> Result<Delivery<T>, E>
-    where
-        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: From<idem_core::Error> + Contention,
-    {
-        self.inbox.process_in(tenant, &self.handler, event_id, body, work).await
-    }
-
-    /// Verifies, then applies once per `webhook-id`.
+    /// Verifies for `tenant`, then applies once per (tenant, `webhook-id`).
     pub async fn receive<T, E, F>(
         &self,
+        tenant: &Tenant,
         headers: &HeaderMap,
         body: &[u8],
         now_secs: i64,
@@ -130,10 +154,9 @@ impl<B: TxBackend> WebhookInbox<B> {
         T: Serialize + DeserializeOwned,
         E: From<idem_core::Error> + Contention,
     {
-        let verified = self.verify(headers, body, now_secs).map_err(ReceiveError::Refused)?;
-        let id = verified.webhook_id();
-        self.apply(&verified, id, body, work)
-            .await
-            .map_err(ReceiveError::Handler)
+        let verified = self
+            .verify(tenant, headers, body, now_secs)
+            .map_err(ReceiveError::Refused)?;
+        self.apply(&verified, work).await.map_err(ReceiveError::Handler)
     }
 }

@@ -41,6 +41,13 @@ pub const WEBHOOK_TIMESTAMP: &str = "webhook-timestamp";
 /// The header with the signatures (`v1,<base64>`, space-separated).
 pub const WEBHOOK_SIGNATURE: &str = "webhook-signature";
 
+/// Svix's name for [`WEBHOOK_ID`], accepted as well.
+pub const SVIX_ID: &str = "svix-id";
+/// Svix's name for [`WEBHOOK_TIMESTAMP`], accepted as well.
+pub const SVIX_TIMESTAMP: &str = "svix-timestamp";
+/// Svix's name for [`WEBHOOK_SIGNATURE`], accepted as well.
+pub const SVIX_SIGNATURE: &str = "svix-signature";
+
 /// The default timestamp tolerance: five minutes either way, as the
 /// specification recommends.
 pub const DEFAULT_TOLERANCE: Duration = Duration::from_secs(300);
@@ -177,7 +184,12 @@ impl Verifier {
     }
 
     /// Verifies a webhook from its request headers and raw body; answers its
-    /// `webhook-id`, the key its inbox deduplicates on.
+    /// id, the key its inbox deduplicates on.
+    ///
+    /// The headers are read as one family: `webhook-id`, `webhook-timestamp`
+    /// and `webhook-signature` (Standard Webhooks) if any of them is there,
+    /// else Svix's `svix-id`, `svix-timestamp` and `svix-signature`; each
+    /// must be there exactly once. The signed content is the same in both.
     pub fn verify_headers<'h>(
         &self,
         headers: &'h HeaderMap,
@@ -191,8 +203,16 @@ impl Verifier {
                 _ => Err(WebhookError::Header(name)),
             }
         };
-        let id = one(WEBHOOK_ID)?;
-        self.verify(id, one(WEBHOOK_TIMESTAMP)?, one(WEBHOOK_SIGNATURE)?, body, now_secs)?;
+        let standard = [WEBHOOK_ID, WEBHOOK_TIMESTAMP, WEBHOOK_SIGNATURE];
+        let svix = [SVIX_ID, SVIX_TIMESTAMP, SVIX_SIGNATURE];
+        let [id, timestamp, signature] =
+            if standard.iter().all(|n| !headers.contains_key(*n)) && svix.iter().any(|n| headers.contains_key(*n)) {
+                svix
+            } else {
+                standard
+            };
+        let id = one(id)?;
+        self.verify(id, one(timestamp)?, one(signature)?, body, now_secs)?;
         Ok(id)
     }
 }
@@ -334,6 +354,46 @@ mod tests {
         headers.insert(WEBHOOK_ID, "x".repeat(MAX_ID_LEN + 1).parse().unwrap());
         assert_eq!(
             verifier.verify_headers(&headers, BODY, TS),
+            Err(WebhookError::Header(WEBHOOK_ID))
+        );
+    }
+
+    /// Svix's header names carry the same signed content: the
+    /// specification's test vector verifies under them, a mixed or
+    /// repeated family is refused naming the header.
+    #[test]
+    fn svix_header_names_are_accepted_too() {
+        let verifier = Verifier::new([SECRET]).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(SVIX_ID, ID.parse().unwrap());
+        headers.insert(SVIX_TIMESTAMP, "1614265330".parse().unwrap());
+        headers.insert(SVIX_SIGNATURE, EXPECTED.parse().unwrap());
+        assert_eq!(verifier.verify_headers(&headers, BODY, TS), Ok(ID));
+        assert_eq!(
+            verifier.verify_headers(&headers, b"{\"test\": 1}", TS),
+            Err(WebhookError::Signature)
+        );
+        let mut repeated = headers.clone();
+        repeated.append(SVIX_SIGNATURE, EXPECTED.parse().unwrap());
+        assert_eq!(
+            verifier.verify_headers(&repeated, BODY, TS),
+            Err(WebhookError::Header(SVIX_SIGNATURE))
+        );
+        let mut partial = headers.clone();
+        partial.remove(SVIX_TIMESTAMP);
+        assert_eq!(
+            verifier.verify_headers(&partial, BODY, TS),
+            Err(WebhookError::Header(SVIX_TIMESTAMP))
+        );
+        // A family is taken whole: a standard id does not borrow Svix's signature.
+        let mut mixed = headers.clone();
+        mixed.insert(WEBHOOK_ID, ID.parse().unwrap());
+        assert_eq!(
+            verifier.verify_headers(&mixed, BODY, TS),
+            Err(WebhookError::Header(WEBHOOK_TIMESTAMP))
+        );
+        assert_eq!(
+            verifier.verify_headers(&HeaderMap::new(), BODY, TS),
             Err(WebhookError::Header(WEBHOOK_ID))
         );
     }
