@@ -930,7 +930,7 @@ async fn payment_webhook<D: LedgerDb>(
     };
     let now_secs = st.clock.now_ms().div_euclid(1000);
     // The signature is checked before the body is even parsed.
-    let verified = match webhooks.verify(&headers, &body, now_secs) {
+    let verified = match webhooks.verify(&who.tenant, &headers, &body, now_secs) {
         Ok(v) => v,
         Err(e) => return webhook_refused(&e),
     };
@@ -966,7 +966,7 @@ async fn payment_webhook<D: LedgerDb>(
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return invalid("the webhook body must be a JSON object".into());
     }
-    let req: PaymentWebhook = match serde_json::from_slice(&body) {
+    let req: PaymentWebhook = match serde_json::from_slice(verified.body()) {
         Ok(r) => r,
         Err(e) => return invalid(format!("invalid JSON body: {e}")),
     };
@@ -976,11 +976,17 @@ async fn payment_webhook<D: LedgerDb>(
     if let Err(e) = account_id("account_id", &req.account_id).and_then(|()| amount(req.amount).map(|_| ())) {
         return e.into_response();
     }
-    let tenant = who.tenant.clone();
-    let (event_id, account, amount) = (req.event_id.clone(), req.account_id.clone(), req.amount);
+    let tenant = verified.tenant().clone();
+    let (account, amount) = (req.account_id.clone(), req.amount);
+    // Applied once per (tenant, the provider's event id in the body).
+    let verified = match verified.keyed_by(|_| Ok::<_, std::convert::Infallible>(req.event_id)) {
+        Ok(v) => v,
+        Err(never) => match never {},
+    };
+    let event_id = verified.event_id().to_owned();
     let (outbox, clock, ns) = (st.outbox.clone(), st.clock.clone(), st.namespace.clone());
     let applied = webhooks
-        .apply_for(&tenant, &verified, &req.event_id, &body, |tx| {
+        .apply(&verified, |tx| {
             let (tenant, event_id, account, outbox, clock, ns) = (
                 tenant.clone(),
                 event_id.clone(),

@@ -28,6 +28,7 @@ pub mod events;
 pub mod fault;
 pub mod openapi;
 pub mod payouts;
+pub mod sweeper;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -430,16 +431,26 @@ pub async fn run_events(
     Ok(())
 }
 
+/// The server's background work besides events and payouts.
+#[derive(Debug, Clone)]
+pub struct Background {
+    /// The balance snapshots job (its period and missed-slot policy), if on.
+    pub snapshots: Option<idem_jobs::Job>,
+    /// How often expired rows of every keyed table are swept, if at all.
+    pub sweep_every: Option<Duration>,
+}
+
 /// What the binary runs: connect, migrate, listen, serve until SIGTERM or
 /// Ctrl-C; with `events`, relays and the projection in the same process;
-/// with `snapshot_every`, the balance snapshots job on its schedule.
+/// the balance snapshots job on its schedule and the sweeper, as
+/// `background` says.
 pub async fn run(
     listen: &str,
     database_url: &str,
     max_connections: u32,
     options: Options,
     events: Option<events::EventsConfig>,
-    snapshot_every: Option<Duration>,
+    background: Background,
     payouts: Option<(payouts::PayoutConfig, idem_outbound::OutboundConfig)>,
 ) -> Result<(), StartError> {
     #[cfg(feature = "fault-injection")]
@@ -449,10 +460,10 @@ pub async fn run(
     tracing::info!(addr = %listener.local_addr()?, engine = store.engine(), "ledger listening");
     let clock = anchored_clock(&store).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut background = tokio::task::JoinSet::new();
+    let mut background_tasks = tokio::task::JoinSet::new();
     if let Some(config) = events {
         let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
-        background.spawn(async move {
+        background_tasks.spawn(async move {
             if let Err(e) = with_db!(store, db => events::run(db, clock, config, stopped).await) {
                 tracing::error!(error = %e, "events stopped");
             }
@@ -460,10 +471,15 @@ pub async fn run(
     } else {
         tracing::info!("no --nats-url: events stay in the outbox until a relay runs");
     }
-    if let Some(every) = snapshot_every {
-        let job = snapshot_job(every)?;
+    if let Some(every) = background.sweep_every {
+        let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
+        background_tasks.spawn(async move { with_db!(store, db => sweeper::run(db, clock, every, stopped).await) });
+    } else {
+        tracing::info!("--sweep-every-secs 0: expired keys are not swept by this process");
+    }
+    if let Some(job) = background.snapshots {
         let (store, clock, mut stopped) = (store.clone(), clock.clone(), stopped.clone());
-        background.spawn(async move {
+        background_tasks.spawn(async move {
             let shutdown = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
@@ -474,13 +490,13 @@ pub async fn run(
         let client =
             idem_outbound::OutboundClient::new(outbound).map_err(|e| StartError::Config(format!("payouts: {e}")))?;
         let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
-        background.spawn(async move { payouts::run(&store, clock, client, config, stopped).await });
+        background_tasks.spawn(async move { payouts::run(&store, clock, client, config, stopped).await });
     } else {
         tracing::info!("no --vendor-url: payouts stay requested until a payout worker runs");
     }
     serve(listener, store, clock, options, shutdown_signal()).await?;
     let _ = stop.send(true);
-    while background.join_next().await.is_some() {}
+    while background_tasks.join_next().await.is_some() {}
     tracing::info!("ledger stopped");
     Ok(())
 }

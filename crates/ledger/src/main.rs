@@ -84,6 +84,20 @@ struct Args {
     /// The balance snapshots job's period in seconds (0: off).
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
     snapshot_every_secs: u64,
+    /// What the snapshots job does with slots that go by without a run (a
+    /// run longer than the period, or failing until the next slot): `skip`
+    /// them (logged, counted in idem_job_slots_skipped_total) or `catch-up`
+    /// (run them afterwards in order, at most --snapshot-catch-up-max).
+    #[arg(long, default_value = "skip", value_parser = ["skip", "catch-up"])]
+    snapshot_missed_slots: String,
+    /// The most missed slots the snapshots job catches up.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    snapshot_catch_up_max: u32,
+    /// Seconds between sweeps of expired rows of every keyed table (request
+    /// keys, webhook and projection inboxes, job runs, payout leases); 0:
+    /// this process does not sweep.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    sweep_every_secs: u64,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -222,7 +236,22 @@ async fn serve(
         events_namespace,
         require_keys: true,
     };
-    let snapshot_every = (args.snapshot_every_secs > 0).then(|| Duration::from_secs(args.snapshot_every_secs));
+    let snapshots = match args.snapshot_every_secs {
+        0 => None,
+        secs => {
+            let missed = match args.snapshot_missed_slots.as_str() {
+                "catch-up" => idem_jobs::MissedSlots::CatchUp {
+                    max: args.snapshot_catch_up_max,
+                },
+                _ => idem_jobs::MissedSlots::Skip,
+            };
+            Some(ledger::snapshot_job(Duration::from_secs(secs))?.with_missed_slots(missed)?)
+        }
+    };
+    let background = ledger::Background {
+        snapshots,
+        sweep_every: (args.sweep_every_secs > 0).then(|| Duration::from_secs(args.sweep_every_secs)),
+    };
     let payouts = payouts(args, &options.events_namespace)?;
     ledger::run(
         &args.listen,
@@ -230,7 +259,7 @@ async fn serve(
         args.max_connections,
         options,
         events,
-        snapshot_every,
+        background,
         payouts,
     )
     .await

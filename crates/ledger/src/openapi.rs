@@ -109,18 +109,49 @@ fn read(id: &str, summary: &str, body: &str) -> OperationBuilder {
         .response("503", problem("The database is unavailable"))
 }
 
-/// A Standard Webhooks header.
-fn webhook_header(name: &str, description: &str, pattern: &str) -> utoipa::openapi::path::Parameter {
+/// A Standard Webhooks header, or its Svix name: either family is
+/// accepted, so neither is required by itself (a request with neither is
+/// refused with 400).
+fn webhook_header(name: &str, description: &str, pattern: &str, max_length: usize) -> utoipa::openapi::path::Parameter {
     ParameterBuilder::new()
         .name(name)
         .parameter_in(ParameterIn::Header)
-        .required(Required::True)
+        .required(Required::False)
         .description(Some(description))
         .schema(Some(
-            ObjectBuilder::new().schema_type(Type::String).pattern(Some(pattern)),
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some(pattern))
+                .max_length(Some(max_length)),
         ))
         .build()
 }
+
+/// The webhook headers, under both names: (standard, Svix, description,
+/// pattern, longest).
+pub const WEBHOOK_HEADERS: [(&str, &str, &str, &str, usize); 3] = [
+    (
+        "webhook-id",
+        "svix-id",
+        "The message id (the same on every retry)",
+        r"^[ -~]{1,255}$",
+        255,
+    ),
+    (
+        "webhook-timestamp",
+        "svix-timestamp",
+        "Seconds since the Unix epoch, within 5 minutes of now",
+        r"^ *[+-]?[0-9]{1,19} *$",
+        64,
+    ),
+    (
+        "webhook-signature",
+        "svix-signature",
+        "Space-separated signatures, at least one `v1,<base64 HMAC-SHA256>`; others (`v1a,…`) are ignored",
+        r"^([ -~]* )?v1,[A-Za-z0-9+/=]+( [ -~]*)?$",
+        4096,
+    ),
+];
 
 fn item(method: HttpMethod, operation: Operation) -> PathItem {
     PathItem::new(method, operation)
@@ -187,23 +218,21 @@ pub fn document() -> OpenApi {
                 HttpMethod::Post,
                 OperationBuilder::new()
                     .operation_id(Some("receivePaymentWebhook"))
+                    .parameters(Some(WEBHOOK_HEADERS.iter().flat_map(
+                        |(name, svix, what, pattern, max)| {
+                            [
+                                webhook_header(
+                                    name,
+                                    &format!("{what}; required unless `{svix}` is sent"),
+                                    pattern,
+                                    *max,
+                                ),
+                                webhook_header(svix, &format!("Svix's name for `{name}`"), pattern, *max),
+                            ]
+                        },
+                    )))
                     .summary(Some(
                         "A provider-initiated top-up, signed per Standard Webhooks and applied once per event_id",
-                    ))
-                    .parameter(webhook_header(
-                        "webhook-id",
-                        "The message id (the same on every retry)",
-                        r"^[ -~]{1,255}$",
-                    ))
-                    .parameter(webhook_header(
-                        "webhook-timestamp",
-                        "Seconds since the Unix epoch, within 5 minutes of now",
-                        r"^[0-9]{1,12}$",
-                    ))
-                    .parameter(webhook_header(
-                        "webhook-signature",
-                        "Space-separated `v1,<base64 HMAC-SHA256>` signatures",
-                        r"^v1,[A-Za-z0-9+/=]+( v1,[A-Za-z0-9+/=]+)*$",
                     ))
                     .request_body(Some(
                         RequestBodyBuilder::new()
@@ -381,5 +410,48 @@ fn fix_links(value: &mut serde_json::Value) {
         }
         serde_json::Value::Array(items) => items.iter_mut().for_each(fix_links),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The documented header patterns admit what the verifier accepts: the
+    /// specification's test vector, rotations with several signatures, and
+    /// signatures of other schemes (`v1a,…`) next to a `v1` one.
+    #[test]
+    fn webhook_header_patterns_admit_what_the_verifier_accepts() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let (id, ts, body) = ("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
+        let v1 = idem_webhooks::sign(secret, id, ts, body).unwrap();
+        let verifier = idem_webhooks::Verifier::new([secret]).unwrap();
+        let pattern = |name: &str| {
+            let (_, _, _, p, _) = WEBHOOK_HEADERS.iter().find(|h| h.0 == name).unwrap();
+            regex::Regex::new(p).unwrap()
+        };
+        let signature = pattern("webhook-signature");
+        for header in [
+            v1.clone(),
+            format!("v1a,c29tZSBlZDI1NTE5IHNpZ25hdHVyZQ== {v1}"),
+            format!("{v1} v1a,c29tZSBlZDI1NTE5IHNpZ25hdHVyZQ=="),
+            format!("v1,bm9wZQ== {v1}"),
+        ] {
+            verifier.verify(id, &ts.to_string(), &header, body, ts).unwrap();
+            assert!(signature.is_match(&header), "{header}");
+        }
+        assert!(!signature.is_match("v1a,c29tZQ=="), "no v1 signature");
+        assert!(pattern("webhook-timestamp").is_match(&ts.to_string()));
+        assert!(pattern("webhook-id").is_match(id));
+        let doc = serde_json::to_value(document()).unwrap();
+        let params = doc["paths"]["/v1/webhooks/payments"]["post"]["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>();
+        for name in ["webhook-id", "svix-id", "webhook-signature", "svix-signature"] {
+            assert!(params.iter().any(|p| p == name), "{name} documented: {params:?}");
+        }
     }
 }

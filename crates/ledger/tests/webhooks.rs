@@ -171,7 +171,46 @@ async fn concurrent_deliveries_apply_once(engine: Engine, transport: Transport) 
     std::sync::Arc::into_inner(l).unwrap().stop().await;
 }
 
+/// Deliveries under Svix's header names (`svix-id`, `svix-timestamp`,
+/// `svix-signature`) verify and apply once like the standard ones; a
+/// signature header with another scheme next to `v1` (`v1a,…`) verifies
+/// by its `v1` signature.
+async fn svix_header_names_are_accepted(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    let b = body("evt_svix", &a, 40);
+    let send = |family: &'static str, extra: &'static str| {
+        let (l, t, b) = (&l, t.clone(), b.clone());
+        async move {
+            let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
+            let ts = now_secs();
+            let signature = idem_webhooks::sign(DEMO_WEBHOOK_SECRET, &id, ts, b.as_bytes()).unwrap();
+            let headers = vec![
+                ("authorization".to_owned(), format!("Bearer {t}")),
+                ("content-type".to_owned(), "application/json".to_owned()),
+                (format!("{family}-id"), id),
+                (format!("{family}-timestamp"), ts.to_string()),
+                (format!("{family}-signature"), format!("{extra}{signature}")),
+            ];
+            l.send_raw("POST", "/v1/webhooks/payments", &headers, Some(&b)).await
+        }
+    };
+    let first = send("svix", "").await;
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    assert!(!first.replayed());
+    let again = send("svix", "v1a,c29tZSBvdGhlciBzY2hlbWU= ").await;
+    assert_eq!(again.status, 200, "{}", String::from_utf8_lossy(&again.body));
+    assert!(again.replayed());
+    let standard = send("webhook", "v1a,c29tZSBvdGhlciBzY2hlbWU= ").await;
+    assert_eq!(standard.status, 200);
+    assert!(standard.replayed());
+    assert_eq!(l.balance(&t, &a).await, 40);
+    l.stop().await;
+}
+
 matrix!(
+    svix_header_names_are_accepted,
     a_signed_webhook_tops_up_once,
     refused_webhooks_write_nothing,
     event_ids_are_scoped_by_tenant,
