@@ -134,21 +134,21 @@ pub const WEBHOOK_HEADERS: [(&str, &str, &str, &str, usize); 3] = [
         "webhook-id",
         "svix-id",
         "The message id (the same on every retry)",
-        r"^[ -~]{1,255}$",
+        r"^[!-~]([ -~]{0,253}[!-~])?$",
         255,
     ),
     (
         "webhook-timestamp",
         "svix-timestamp",
         "Seconds since the Unix epoch, within 5 minutes of now",
-        r"^ *[+-]?[0-9]{1,19} *$",
+        r"^[+-]?[0-9]{1,19}$",
         64,
     ),
     (
         "webhook-signature",
         "svix-signature",
         "Space-separated signatures, at least one `v1,<base64 HMAC-SHA256>`; others (`v1a,…`) are ignored",
-        r"^([ -~]* )?v1,[A-Za-z0-9+/=]+( [ -~]*)?$",
+        r"^([!-~]+ +)*v1,[A-Za-z0-9+/=]+( +[!-~]+)*$",
         4096,
     ),
 ];
@@ -441,6 +441,10 @@ mod tests {
             assert!(signature.is_match(&header), "{header}");
         }
         assert!(!signature.is_match("v1a,c29tZQ=="), "no v1 signature");
+        assert!(
+            !signature.is_match(&format!(" {v1}")),
+            "no leading space: a header value cannot have one"
+        );
         assert!(pattern("webhook-timestamp").is_match(&ts.to_string()));
         assert!(pattern("webhook-id").is_match(id));
         let doc = serde_json::to_value(document()).unwrap();
