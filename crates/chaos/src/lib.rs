@@ -1,5 +1,7 @@
 //! `chaos`: the reliability harness of idem.
 //!
+//! The guide, with examples: `docs/reliability.md` in the repository.
+//!
 //! It starts the `ledger` (built with the `fault-injection` feature) as a
 //! child process on a fresh database, drives a workload of top-ups and
 //! transfers through a fault proxy with retrying clients (`idem-client`: one

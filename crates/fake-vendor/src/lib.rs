@@ -1,5 +1,7 @@
 //! A Stripe-like fake payout vendor, for demos and tests of outbound calls.
 //!
+//! The guide, with examples: `docs/ledger.md` in the repository.
+//!
 //! - `POST /v1/payouts` `{"amount": n, "reference": "…"}` with an
 //!   `Idempotency-Key` header: a new key pays (201, `{"id", "amount",
 //!   "reference"}`) and records the answer; the same key with the same body

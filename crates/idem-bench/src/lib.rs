@@ -1,6 +1,8 @@
 //! idem's performance suite: each workload measured against its baseline,
 //! per engine, in one run.
 //!
+//! The guide, with examples: `docs/benchmarks.md` in the repository.
+//!
 //! | workload | baseline | idem |
 //! |---|---|---|
 //! | micro (one insert) | `BEGIN; INSERT; COMMIT` | `TxEngine::execute` with a new key; replays; the three-commit pattern (`LeaseEngine`) |

@@ -1,5 +1,7 @@
 //! The client side of idem: for services that call idem-protected HTTP APIs.
 //!
+//! The guide, with examples: `docs/client.md` in the repository.
+//!
 //! A caller that never heard back cannot know whether its operation was
 //! applied, so it sends it again; the server applies it once only if every
 //! attempt carries the same `Idempotency-Key`. This crate makes that the

@@ -1,5 +1,7 @@
 //! The core of **idem**: exactly-once effects for Rust services.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! ```text
 //! at-least-once delivery + idempotent handler = exactly-once effect
 //! ```

@@ -1,7 +1,8 @@
 //! A tiny API that is not idempotent at all, for the gateway demo:
 //! `POST /v1/orders` creates a new order on every call.
 //!
-//! `cargo run -p idem-gateway --example counter` (listens on 127.0.0.1:9000)
+//! `cargo run -p idem-gateway --example counter` (listens on 127.0.0.1:9000,
+//! or on the address in `COUNTER_LISTEN`)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,9 +27,10 @@ async fn main() {
             "/v1/orders/count",
             get(move || async move { format!("{{\"orders\":{}}}\n", counted.load(Ordering::SeqCst)) }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:9000")
+    let addr = std::env::var("COUNTER_LISTEN").unwrap_or_else(|_| "127.0.0.1:9000".into());
+    let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .expect("port 9000 is free");
-    println!("counter upstream on http://127.0.0.1:9000");
+        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
+    println!("counter upstream on http://{addr}");
     axum::serve(listener, app).await.unwrap();
 }

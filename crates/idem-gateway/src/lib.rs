@@ -1,6 +1,8 @@
 //! `idem gateway`: a reverse proxy that gives any HTTP API the
 //! Idempotency-Key contract of idem, in lease mode with the heartbeat.
 //!
+//! The guide, with examples: `docs/gateway.md` in the repository.
+//!
 //! The gateway sits in front of an upstream that knows nothing of idem.
 //! For each mutating request with a key it claims (tenant, operation, key)
 //! in a lease store, forwards the request, and records the upstream's

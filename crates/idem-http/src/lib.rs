@@ -2,6 +2,8 @@
 //! contract as a tower [`Layer`](tower_layer::Layer), for axum and any tower
 //! HTTP service.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! - A mutating request (POST, PATCH, PUT, DELETE) carries
 //!   `Idempotency-Key: "…"` (an RFC 9651 sf-string; a bare token is also
 //!   accepted, and parameters are ignored; see [`parse_key_header`]). The first request with a key claims it, runs, and records its

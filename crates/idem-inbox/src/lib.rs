@@ -1,5 +1,7 @@
 //! The inbox: exactly-once effects for event consumers and webhooks.
 //!
+//! The guide, with examples: `docs/events.md` in the repository.
+//!
 //! Brokers and webhook providers deliver at least once. An [`Inbox`] makes
 //! the effect exactly-once: the handler applies an event inside a database
 //! transaction that also claims the key (handler, event id) and records the

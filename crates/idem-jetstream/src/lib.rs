@@ -1,5 +1,7 @@
 //! NATS JetStream for idem.
 //!
+//! The guide, with examples: `docs/events.md` in the repository.
+//!
 //! - [`JetStreamPublisher`]: the outbox relay's publisher. Each message is
 //!   published with `Nats-Msg-Id` = its event id, so the stream drops a
 //!   second copy within its duplicate window, and counts as sent only once

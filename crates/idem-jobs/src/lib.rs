@@ -1,5 +1,7 @@
 //! Scheduled jobs with run ids.
 //!
+//! The guide, with examples: `docs/events.md` in the repository.
+//!
 //! A periodic job's time is cut into **slots** of its period, aligned to the
 //! Unix epoch (a daily job's slots start at 00:00 UTC). The **run id** of a
 //! slot is derived from the job and the slot — `statements@1732406400000` —

@@ -1,5 +1,7 @@
 //! An in-memory store for idem, in transactional and lease mode.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! Useful for tests and single-process tools; everything is lost when the
 //! process exits. It passes the same conformance suite as the SQL stores.
 //!

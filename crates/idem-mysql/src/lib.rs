@@ -2,6 +2,8 @@
 //! claim, business writes and recorded outcome commit in one InnoDB
 //! transaction.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! [`MySqlStore`] implements all three store traits of `idem-core`:
 //!
 //! | mode | trait | how the key is held |

@@ -3,6 +3,8 @@
 //! applies it at most once however many times it is sent; a per-host circuit
 //! breaker; and the redrive of calls that ended as dead letters.
 //!
+//! The guide, with examples: `docs/outbound.md` in the repository.
+//!
 //! ```no_run
 //! use idem_core::{IdempotencyKey, OutboundRequest};
 //! use idem_outbound::{OutboundClient, OutboundConfig, OutboundError};

@@ -1,5 +1,7 @@
 //! The transactional outbox relay.
 //!
+//! The guide, with examples: `docs/events.md` in the repository.
+//!
 //! A service enqueues an event in the same database transaction as the
 //! business change it announces (`PgOutbox::enqueue`, `MySqlOutbox::enqueue`,
 //! `SqliteOutbox::enqueue`), so the event exists if and only if the change

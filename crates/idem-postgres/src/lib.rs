@@ -1,6 +1,8 @@
 //! The PostgreSQL store of **idem**: exactly-once effects whose key claim, business
 //! writes and recorded outcome commit in one PostgreSQL transaction.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! [`PgStore`] implements the three store traits of `idem-core`:
 //!
 //! - [`TxBackend`] (transactional mode, used by [`idem_core::TxEngine`]): the

@@ -1,6 +1,8 @@
 //! Redis lease store for idem (lease mode only: Redis has no transaction a
 //! caller's database writes could join).
 //!
+//! The guide: `docs/http.md` (Engines) and `docs/operations.md` in the repository.
+//!
 //! Each key lives in one Redis hash, `<prefix>:{<tag>}:r`, where the tag is
 //! 128 bits of SHA-256 over (tenant, operation, key): fingerprint, status,
 //! fencing token, lease expiry, key expiry and recorded outcome. Its fencing

@@ -1,6 +1,8 @@
 //! The SQLite store of **idem**: exactly-once effects on an embedded
 //! database file, in transactional and lease mode.
 //!
+//! The guide, with examples: `docs/http.md` in the repository.
+//!
 //! SQLite is idem's embedded default. [`SqliteStore`] implements
 //! [`TxBackend`](idem_core::TxBackend) (the key claim, the caller's own
 //! writes and the recorded outcome commit as one transaction),

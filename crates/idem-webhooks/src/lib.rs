@@ -1,6 +1,8 @@
 //! Verification of incoming webhooks per the
 //! [Standard Webhooks](https://www.standardwebhooks.com/) specification.
 //!
+//! The guide, with examples: `docs/events.md` in the repository.
+//!
 //! A provider signs `"{webhook-id}.{webhook-timestamp}.{body}"` with
 //! HMAC-SHA256 under a shared secret and sends the base64 signature, prefixed
 //! `v1,`, in `webhook-signature` (several, space-separated, while it rotates
