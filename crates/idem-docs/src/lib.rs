@@ -8,9 +8,9 @@
 //!   in a temporary directory, against services the block starts itself
 //!   (`cargo run -p …` runs the binary the test build already made; the
 //!   ports the docs show are mapped to free ones). A line `#   pattern`
-//!   (a hash and three spaces) right after a command is an output line that
+//!   (a hash and exactly three spaces) after a command is an output line that
 //!   command must print, `…` matching any text; patterns of one command
-//!   match in order.
+//!   match in order (runs of spaces and tabs compare equal).
 //! - ` ```sh norun: <reason> `: not executed (a long chaos run, a
 //!   benchmark, an engine the suite does not own); every `cargo run` in it
 //!   is run with `--help` appended, so its binary must still accept the
@@ -168,6 +168,7 @@ pub fn commands(body: &[String]) -> Vec<Command> {
         }
         if line.starts_with('#') {
             if let Some(p) = line.strip_prefix(EXPECT)
+                && !p.starts_with(char::is_whitespace)
                 && let Some(cmd) = out.last_mut()
             {
                 cmd.expected.push(p.trim_end().to_string());
@@ -185,8 +186,12 @@ pub fn commands(body: &[String]) -> Vec<Command> {
     out
 }
 
-/// Whether `line` matches `pattern` as a whole, `…` matching any text.
+/// Whether `line` matches `pattern` as a whole, `…` matching any text; runs
+/// of spaces and tabs compare equal to one space.
 pub fn matches(pattern: &str, line: &str) -> bool {
+    let squeeze = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let (pattern, line) = (squeeze(pattern), squeeze(line));
+    let (pattern, line) = (pattern.as_str(), line.as_str());
     let parts: Vec<&str> = pattern.split('…').collect();
     if parts.len() == 1 {
         return pattern == line;
@@ -337,7 +342,7 @@ mod tests {
     #[test]
     fn commands_and_patterns() {
         let body: Vec<String> =
-            "# a comment\nA=1\ncurl -s x \\\n   -d y\n#   {\"a\":…}\n#   b\n# not a pattern\n\necho z"
+            "# a comment\nA=1\ncurl -s x \\\n   -d y\n#   {\"a\":…}\n#   b\n# not a pattern\n#    nor this\n\necho z"
                 .lines()
                 .map(String::from)
                 .collect();
@@ -362,6 +367,7 @@ mod tests {
         assert!(matches("a…b…c", "abc"));
         assert!(!matches("a…a", "a"));
         assert!(!matches("HTTP/1.1 201 Created", "HTTP/1.1 201 Created extra"));
+        assert!(matches("1  a  dead", "1\ta\tdead"));
         let lines = ["one", "two", "three"];
         assert_eq!(missing(&["one".into(), "three".into()], &lines), None);
         assert_eq!(missing(&["three".into(), "one".into()], &lines), Some("one"));

@@ -345,12 +345,21 @@ docs_wait_port() {
   echo "docs: nothing listens on port $1" >&2
   return 1
 }
+docs_wait_started() {   # the server started last (`$!`) has replaced the one before it
+  local last=$1 i
+  [[ -z $last ]] && return 0
+  for i in $(seq 1 600); do
+    if grep -qx "$last" ./*.pid 2>/dev/null || ! kill -0 "$last" 2>/dev/null; then return 0; fi
+    sleep 0.05
+  done
+}
 curl() {
   local a
+  docs_wait_started "${!:-}"
   for a in "$@"; do
     if [[ $a =~ (localhost|127\.0\.0\.1):([0-9]+) ]]; then docs_wait_port "${BASH_REMATCH[2]}"; break; fi
   done
-  command curl --max-time 30 "$@"
+  command curl --no-progress-meter --max-time 30 "$@"
 }
 docs_exec() {
   local exe=$1; shift
@@ -502,9 +511,15 @@ fn run_document(rel: &str) {
         std::thread::sleep(Duration::from_millis(50));
     };
     // The servers the script started are in its process group.
-    let _ = Command::new("kill").args(["-TERM", "--", &format!("-{pgid}")]).status();
+    let quiet = |sig: &str| {
+        Command::new("kill")
+            .args([sig, "--", &format!("-{pgid}")])
+            .stderr(Stdio::null())
+            .status()
+    };
+    let _ = quiet("-TERM");
     std::thread::sleep(Duration::from_millis(200));
-    let _ = Command::new("kill").args(["-KILL", "--", &format!("-{pgid}")]).status();
+    let _ = quiet("-KILL");
     let _ = child.wait();
     let output = reader.join().expect("reader");
     let logs = || {
