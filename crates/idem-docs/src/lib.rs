@@ -148,20 +148,33 @@ pub struct Command {
 pub const EXPECT: &str = "#   ";
 
 /// Splits a shell block into commands with their expected output. A command
-/// starts on a line that is not blank, not a comment and does not follow a
-/// line ending in `\`.
+/// starts on a line that is not blank, not a comment, does not follow a line
+/// ending in `\` and is not inside a loop or conditional (a `for` … `done`
+/// is one command).
 pub fn commands(body: &[String]) -> Vec<Command> {
     let mut out: Vec<Command> = Vec::new();
     let mut continued = false;
+    // Inside `for`/`while`/`until`/`if`/`case` … `done`/`fi`/`esac`: one command.
+    let mut depth = 0usize;
     for (i, line) in body.iter().enumerate() {
         let t = line.trim();
-        if continued {
+        let first = t.split_whitespace().next().unwrap_or("");
+        let opens = usize::from(matches!(first, "for" | "while" | "until" | "if" | "case"));
+        let closes = usize::from(
+            matches!(first.trim_end_matches(';'), "done" | "fi" | "esac")
+                || ["; done", "; fi", "esac"].iter().any(|e| t.ends_with(e)),
+        );
+        if continued || (depth > 0 && !t.is_empty() && !line.starts_with('#')) {
             let cmd = out.last_mut().expect("a continuation follows a command");
             cmd.text.push(' ');
             cmd.text.push_str(t.trim_end_matches('\\').trim());
             cmd.end = i + 1;
             continued = t.ends_with('\\');
+            depth = (depth + opens).saturating_sub(closes);
             continue;
+        }
+        if !t.is_empty() && !line.starts_with('#') {
+            depth = (depth + opens).saturating_sub(closes);
         }
         if t.is_empty() {
             continue;
@@ -352,6 +365,21 @@ mod tests {
         assert_eq!((c[1].first, c[1].end), (2, 4));
         assert_eq!(c[1].expected, vec!["{\"a\":…}".to_string(), "b".into()]);
         assert!(c[2].expected.is_empty());
+    }
+
+    #[test]
+    fn a_loop_is_one_command() {
+        let body: Vec<String> = "for i in 1 2; do\n  echo $i\ndone\n#   1\n#   2\necho end"
+            .lines()
+            .map(String::from)
+            .collect();
+        let c = commands(&body);
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[0].text, "for i in 1 2; do echo $i done");
+        assert_eq!((c[0].first, c[0].end), (0, 3));
+        assert_eq!(c[0].expected, vec!["1".to_string(), "2".into()]);
+        let one: Vec<String> = vec!["for i in 1 2; do echo $i; done".into(), "echo end".into()];
+        assert_eq!(commands(&one).len(), 2);
     }
 
     #[test]
