@@ -320,6 +320,57 @@ pub fn check(output: &str, commands: &[Command]) -> Result<(), String> {
     Ok(())
 }
 
+/// The relative links of a Markdown text outside code blocks: (line, target).
+pub fn links(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut fence: Option<String> = None;
+    for (i, line) in text.lines().enumerate() {
+        let ticks = line.chars().take_while(|&c| c == '`').count();
+        match &fence {
+            Some(f) if line.starts_with(f.as_str()) && line[f.len()..].trim().is_empty() => fence = None,
+            Some(_) => {}
+            None if ticks >= 3 => fence = Some("`".repeat(ticks)),
+            None => {
+                let mut rest = line;
+                while let Some(at) = rest.find("](") {
+                    let after = &rest[at + 2..];
+                    let Some(end) = after.find(')') else { break };
+                    let target = &after[..end];
+                    if !target.contains("://") && !target.starts_with("mailto:") {
+                        out.push((i + 1, target.to_string()));
+                    }
+                    rest = &after[end..];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The anchors GitHub gives a Markdown text's headings.
+pub fn anchors(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fence = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fence = !fence;
+            continue;
+        }
+        if fence || !line.starts_with('#') {
+            continue;
+        }
+        let title = line.trim_start_matches('#').trim();
+        let slug: String = title
+            .to_lowercase()
+            .chars()
+            .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+            .map(|c| if c == ' ' { '-' } else { c })
+            .collect();
+        out.push(slug);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,6 +468,19 @@ mod tests {
         // The second command's line printed by the first does not count.
         let bad = format!("\n{}\n1\n2\n\n{}\n3\n", step_marker(0), step_marker(1));
         assert!(check(&bad, &cmds).is_err());
+    }
+
+    #[test]
+    fn links_and_anchors() {
+        let doc = "# One dependency: the `idem` crate\nSee [a](docs/http.md#metric-labels) and [b](https://x.y/z).\n```sh run\necho [c](nope.md)\n```\n## What each mode guarantees";
+        assert_eq!(links(doc), vec![(2, "docs/http.md#metric-labels".to_string())]);
+        assert_eq!(
+            anchors(doc),
+            vec![
+                "one-dependency-the-idem-crate".to_string(),
+                "what-each-mode-guarantees".into()
+            ]
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use idem_docs::{Block, DOC_PORTS, Marker, blocks, check, commands, map_ports, script};
+use idem_docs::{Block, DOC_PORTS, Marker, anchors, blocks, check, commands, links, map_ports, script};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -75,6 +75,39 @@ fn every_shell_block_is_marked() {
         counts[0], counts[1], counts[2]
     );
     assert!(counts[0] > 0 && counts[2] > 0, "the docs lost their runnable blocks");
+}
+
+#[test]
+fn every_relative_link_and_anchor_exists() {
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).expect("doc");
+        for (line, target) in links(&text) {
+            checked += 1;
+            let (path, anchor) = target.split_once('#').unwrap_or((&target, ""));
+            let file = if path.is_empty() {
+                doc.clone()
+            } else {
+                doc.parent().expect("dir").join(path)
+            };
+            if !file.exists() {
+                problems.push(format!("{}:{line}: `{target}`: no such file", name(&doc)));
+                continue;
+            }
+            if !anchor.is_empty() {
+                let headings = anchors(&std::fs::read_to_string(&file).unwrap_or_default());
+                if !headings.iter().any(|h| h == anchor) {
+                    problems.push(format!(
+                        "{}:{line}: `{target}`: no heading with that anchor",
+                        name(&doc)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "broken links:\n{}", problems.join("\n"));
+    eprintln!("{checked} relative links checked");
 }
 
 #[test]
