@@ -619,3 +619,13 @@ fn operations() {
 fn http() {
     run_document("docs/http.md");
 }
+
+#[test]
+fn events() {
+    run_document("docs/events.md");
+}
+
+#[test]
+fn outbound() {
+    run_document("docs/outbound.md");
+}
