@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idem_core::{KeyAdmin, Sweep, TableName, TimeSource};
+use idem_core::{KeyAdmin, LeaseStore, Sweep, TableName, TimeSource};
 use idem_gateway::AnyLease;
 
 /// idem's command line.
@@ -299,7 +299,7 @@ struct Selection {
     #[arg(long)]
     key_prefix: Option<String>,
     /// Only keys in this state.
-    #[arg(long, value_parser = ["in_progress", "completed", "rejected", "expired"])]
+    #[arg(long, value_parser = ["in_progress", "completed", "rejected", "unknown", "expired"])]
     state: Option<String>,
     /// Only keys claimed at least this many seconds ago.
     #[arg(long)]
@@ -333,6 +333,7 @@ impl Selection {
                 "in_progress" => idem_core::KeyState::InProgress,
                 "completed" => idem_core::KeyState::Completed,
                 "rejected" => idem_core::KeyState::Rejected,
+                "unknown" => idem_core::KeyState::Unknown,
                 _ => idem_core::KeyState::Expired,
             }),
             older_than_ms: self
@@ -364,6 +365,49 @@ enum KeysCommand {
         #[arg(long)]
         key: String,
     },
+    /// Resolves a key whose outcome is unknown (the upstream got the whole
+    /// request, then failed or went silent): --applied records what the
+    /// upstream did, and retries replay it; --not-applied releases the key,
+    /// and the next retry is sent. Any other key is left alone.
+    Resolve {
+        /// The store URL.
+        #[arg(long, env = "IDEM_STORE")]
+        store: String,
+        /// The keys table (an inbox or job table shares its schema).
+        #[arg(long)]
+        table: Option<String>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The operation.
+        #[arg(long)]
+        operation: String,
+        /// The key.
+        #[arg(long)]
+        key: String,
+        /// The upstream applied the request: record --status (and --body,
+        /// --header) as its answer.
+        #[arg(
+            long,
+            conflicts_with = "not_applied",
+            required_unless_present = "not_applied",
+            requires = "status"
+        )]
+        applied: bool,
+        /// The upstream did not apply the request: release the key.
+        #[arg(long)]
+        not_applied: bool,
+        /// The answer's status (2xx, 3xx or 4xx).
+        #[arg(long, requires = "applied")]
+        status: Option<u16>,
+        /// A file holding the answer's body.
+        #[arg(long, requires = "applied")]
+        body: Option<std::path::PathBuf>,
+        /// An answer header, `Name: value` (repeatable); with a body and no
+        /// Content-Type, `application/json`.
+        #[arg(long = "header", requires = "applied")]
+        headers: Vec<String>,
+    },
     /// Deletes the keys matching the filters (at least one filter; a key
     /// still in progress only with --force: its holder may be working).
     Purge {
@@ -373,6 +417,58 @@ enum KeysCommand {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// The recorded answer an operator gives for an applied request; a 5xx is
+/// no answer (the request's outcome would still be unknown).
+fn resolved_answer(
+    status: Option<u16>,
+    body: Option<&std::path::Path>,
+    headers: &[String],
+) -> Result<idem_core::Record, Failure> {
+    let status = status.ok_or_else(|| Failure(2, "--applied needs --status".into()))?;
+    let status = http::StatusCode::from_u16(status)
+        .ok()
+        .filter(|s| s.is_success() || s.is_redirection() || s.is_client_error())
+        .ok_or_else(|| {
+            Failure(
+                2,
+                format!("--status {status}: give the 2xx, 3xx or 4xx the upstream answered (a 5xx is no outcome)"),
+            )
+        })?;
+    let mut map = http::HeaderMap::new();
+    for h in headers {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| Failure(2, format!("--header {h:?}: write `Name: value`")))?;
+        let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+            .map_err(|e| Failure(2, format!("--header {h:?}: {e}")))?;
+        let value =
+            http::HeaderValue::from_str(value.trim()).map_err(|e| Failure(2, format!("--header {h:?}: {e}")))?;
+        map.append(name, value);
+    }
+    let body = match body {
+        Some(path) => std::fs::read(path).map_err(|e| Failure(2, format!("--body {}: {e}", path.display())))?,
+        None => Vec::new(),
+    };
+    if !body.is_empty() && !map.contains_key(http::header::CONTENT_TYPE) {
+        map.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+    }
+    let encoded = idem_http::RecordedResponse {
+        status,
+        headers: map,
+        body: body.into(),
+        trailers: http::HeaderMap::new(),
+    }
+    .encode();
+    Ok(if status.is_client_error() {
+        idem_core::Record::rejected(encoded)
+    } else {
+        idem_core::Record::completed(encoded)
+    })
 }
 
 fn key_json(k: &idem_core::KeyInfo) -> serde_json::Value {
@@ -713,6 +809,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 "in_progress": st.in_progress,
                 "completed": st.completed,
                 "rejected": st.rejected,
+                "unknown": st.unknown,
                 "expired": st.expired,
             });
             if let Some(t) = s.table() {
@@ -722,11 +819,12 @@ async fn run(args: Args) -> Result<(), Failure> {
                 json,
                 v,
                 format!(
-                    "{}: {} in progress, {} completed, {} rejected, {} expired (to sweep)",
+                    "{}: {} in progress, {} completed, {} rejected, {} unknown (held for an operator), {} expired (to sweep)",
                     s.kind(),
                     st.in_progress,
                     st.completed,
                     st.rejected,
+                    st.unknown,
                     st.expired
                 ),
             );
@@ -799,6 +897,59 @@ async fn run(args: Args) -> Result<(), Failure> {
             } else {
                 say!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             }
+        }
+        Command::Keys {
+            command:
+                KeysCommand::Resolve {
+                    store,
+                    table,
+                    tenant,
+                    operation,
+                    key,
+                    applied,
+                    not_applied: _,
+                    status,
+                    body,
+                    headers,
+                },
+        } => {
+            let scope = idem_core::Scope::parse(&tenant, &operation)
+                .map_err(|e| Failure(2, format!("--tenant/--operation: {e}")))?;
+            let key = idem_core::IdempotencyKey::new(key.as_str()).map_err(|e| Failure(2, format!("--key: {e}")))?;
+            let record = if applied {
+                Some(resolved_answer(status, body.as_deref(), &headers)?)
+            } else {
+                None
+            };
+            let s = open_keys_to_write(&store, table.as_deref(), &redis).await?;
+            // The store's clock, as the gateway's keys are timed by it.
+            let now = s.source_now_ms().await?;
+            let resolved = s.resolve_unknown(&scope, &key, now, record.as_ref()).await?;
+            if !resolved {
+                let state = s
+                    .find_key(&scope, &key, now)
+                    .await?
+                    .map_or("no such key", |k| k.state.name());
+                return Err(Failure(
+                    1,
+                    format!(
+                        "key {:?} of tenant {tenant:?} and operation {operation:?} holds no unknown outcome \
+                         ({state}); nothing was changed",
+                        key.as_str()
+                    ),
+                ));
+            }
+            let what = if applied { "applied" } else { "not_applied" };
+            let text = if applied {
+                "the answer is recorded; retries replay it"
+            } else {
+                "the key is released; the next retry is sent"
+            };
+            print(
+                json,
+                serde_json::json!({ "store": s.kind(), "resolved": what, "key": key.as_str() }),
+                format!("{}: {text}", s.kind()),
+            );
         }
         Command::Keys {
             command: KeysCommand::Purge { selection: sel, force },

@@ -228,6 +228,7 @@ where
             in_progress: 1,
             completed: 2,
             rejected: 1,
+            unknown: 0,
             expired: 2,
         }
     );

@@ -595,3 +595,159 @@ pub async fn lease_extend_outlives_the_key_ttl<S: Subject>(s: S) {
     engine.complete(&lease, record.clone()).await.unwrap();
     assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
 }
+
+fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
+    match r {
+        Err(Error::OutcomeUnknown) => {}
+        other => panic!("expected an unknown outcome, got {other:?}"),
+    }
+}
+
+/// A key whose outcome is marked unknown is held: every later claim is told
+/// so (never a new claim), however long after the lease ran out; the holder
+/// can no longer complete, release or extend it; a different request is
+/// still a mismatch; only the key's expiry frees it.
+pub async fn lease_unknown_outcome_is_held<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000).with_ttl_secs(60));
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine
+        .mark_unknown(&lease, b"upstream answered 500".to_vec())
+        .await
+        .unwrap();
+    assert_unknown(engine.acquire(&call).await);
+    clock.advance(Duration::from_millis(5_000));
+    assert_unknown(engine.acquire(&call).await);
+    assert!(matches!(
+        engine.complete(&lease, record_of(&Receipt::new(1))).await,
+        Err(Error::Fenced)
+    ));
+    assert!(matches!(engine.release(&lease).await, Err(Error::Fenced)));
+    assert!(matches!(engine.extend(&lease, 10_000).await, Err(Error::Fenced)));
+    assert!(matches!(
+        engine.mark_unknown(&lease, Vec::new()).await,
+        Err(Error::Fenced)
+    ));
+    let other = call_for(&scope, &key, r#"{"a":2}"#, rejecting());
+    assert!(matches!(engine.acquire(&other).await, Err(Error::Mismatch)));
+    assert_unknown(engine.acquire(&call).await);
+    clock.advance(Duration::from_millis(60_000));
+    let again = held(engine.acquire(&call).await.unwrap());
+    assert!(again.token > lease.token, "the key expired and was claimed anew");
+}
+
+/// An unknown outcome resolved as applied records the operator's outcome:
+/// retries replay it, and resolving again changes nothing.
+pub async fn lease_unknown_outcome_resolved_applied<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting());
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine.mark_unknown(&lease, Vec::new()).await.unwrap();
+    let record = record_of(&Receipt::new(7));
+    assert!(engine.resolve_unknown(&scope, &key, Some(&record)).await.unwrap());
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record.clone()));
+    let other = record_of(&Receipt::new(8));
+    assert!(
+        !engine.resolve_unknown(&scope, &key, Some(&other)).await.unwrap(),
+        "a recorded outcome is not unknown"
+    );
+    assert!(!engine.resolve_unknown(&scope, &key, None).await.unwrap());
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
+    assert!(matches!(
+        engine
+            .resolve_unknown(&scope, &key, Some(&Record::unknown(Vec::new())))
+            .await,
+        Err(Error::Config(_))
+    ));
+}
+
+/// An unknown outcome resolved as not applied frees the key: the next claim
+/// runs. Resolving leaves every other state alone: no row, a live claim, an
+/// expired unknown outcome.
+pub async fn lease_unknown_outcome_resolved_not_applied<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting().with_ttl_secs(60));
+    assert!(!engine.resolve_unknown(&scope, &key, None).await.unwrap(), "no row");
+    let lease = held(engine.acquire(&call).await.unwrap());
+    assert!(
+        !engine.resolve_unknown(&scope, &key, None).await.unwrap(),
+        "a live claim is not unknown"
+    );
+    engine.mark_unknown(&lease, Vec::new()).await.unwrap();
+    assert!(engine.resolve_unknown(&scope, &key, None).await.unwrap());
+    let runs = Runs::default();
+    let outcome = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+    assert!(!outcome.is_replayed());
+    assert_eq!(runs.get(), 1, "the released key ran again");
+    // An expired unknown outcome is the sweeper's, not the operator's.
+    let key2 = IdempotencyKey::generate();
+    let call2 = call_for(&scope, &key2, "{}", rejecting().with_ttl_secs(60));
+    let lease2 = held(engine.acquire(&call2).await.unwrap());
+    engine.mark_unknown(&lease2, Vec::new()).await.unwrap();
+    clock.advance(Duration::from_millis(61_000));
+    let record = record_of(&Receipt::new(1));
+    assert!(!engine.resolve_unknown(&scope, &key2, Some(&record)).await.unwrap());
+}
+
+/// Many tasks on two pools, on one key whose outcome is unknown: every
+/// claimer is told so, and of many concurrent resolutions exactly one
+/// takes; then many claimers run the work once.
+pub async fn lease_unknown_outcome_resolved_once_under_concurrency<S: Subject>(s: S) {
+    let other = s.another().await;
+    let engines = [Arc::new(lease_engine(&s)), Arc::new(lease_engine(&other))];
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", waiting(120_000));
+    let lease = held(engines[0].acquire(&call).await.unwrap());
+    engines[0].mark_unknown(&lease, Vec::new()).await.unwrap();
+    let claims: Vec<_> = (0..32)
+        .map(|i| {
+            let (engine, call) = (engines[i % 2].clone(), call.clone());
+            tokio::spawn(async move { engine.acquire(&call).await })
+        })
+        .collect();
+    for t in claims {
+        assert_unknown(t.await.unwrap());
+    }
+    let resolutions: Vec<_> = (0..32)
+        .map(|i| {
+            let (engine, scope, key) = (engines[i % 2].clone(), scope.clone(), key.clone());
+            tokio::spawn(async move { engine.resolve_unknown(&scope, &key, None).await.unwrap() })
+        })
+        .collect();
+    let mut taken = 0;
+    for t in resolutions {
+        taken += usize::from(t.await.unwrap());
+    }
+    assert_eq!(taken, 1, "exactly one resolution took");
+    let runs = Runs::default();
+    let barrier = Arc::new(tokio::sync::Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let runs2 = runs.clone();
+                engine
+                    .run(&call, move |_lease| async move {
+                        runs2.hit();
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, TestError>(Receipt::new(1))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().expect("every task gets an outcome");
+    }
+    assert_eq!(runs.get(), 1, "the work ran once after the release");
+}

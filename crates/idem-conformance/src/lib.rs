@@ -273,7 +273,11 @@ macro_rules! lease_conformance {
                 lease_dropped_work_keeps_the_key_until_expiry,
                 lease_outcome_recorded_after_a_drop,
                 lease_skewed_host_cannot_take_over,
-                lease_abandoned_claim_is_released
+                lease_abandoned_claim_is_released,
+                lease_unknown_outcome_is_held,
+                lease_unknown_outcome_resolved_applied,
+                lease_unknown_outcome_resolved_not_applied,
+                lease_unknown_outcome_resolved_once_under_concurrency
             );
         }
     };

@@ -27,6 +27,10 @@ pub(crate) fn decide(call: &Call, row: StoredRow) -> Result<Found> {
         return Err(Error::Mismatch);
     }
     match row.state {
+        RowState::Done(record) if record.status == crate::record::RecordStatus::Unknown => {
+            metrics::count(metrics::UNKNOWN_HELD, op);
+            Err(Error::OutcomeUnknown)
+        }
         RowState::Done(record) => Ok(Found::Replay(record)),
         RowState::InProgress { .. } => Ok(Found::Wait),
     }
@@ -142,6 +146,8 @@ where
     Ok(match record.status {
         RecordStatus::Completed => Ok(serde_json::from_slice(&record.payload).map_err(corrupt)?),
         RecordStatus::Rejected => Err(serde_json::from_slice(&record.payload).map_err(corrupt)?),
+        // Never replayed: a lookup of an unknown outcome fails first.
+        RecordStatus::Unknown => return Err(Error::OutcomeUnknown),
     })
 }
 

@@ -46,6 +46,11 @@ pub enum Error {
         /// How long the caller should wait before retrying.
         retry_after: Duration,
     },
+    /// An earlier attempt with this key may have taken effect and nobody
+    /// knows whether it did (HTTP 409): the key is held, never run again,
+    /// until an operator or a reconciliation resolves it.
+    #[error("the outcome of an earlier request with this idempotency key is unknown; it is held until resolved")]
+    OutcomeUnknown,
     /// A lease-mode holder's token is no longer current: its lease expired
     /// and another claimer took the key over, or it completed already.
     #[error("lease lost: the key was taken over by another claimer")]

@@ -14,8 +14,10 @@ use crate::detached::Detached;
 use crate::engine::{self, Attempts, Found, Retry};
 use crate::error::{Error, Result};
 use crate::heartbeat::{Heartbeat, HeldLease};
+use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Token};
+use crate::scope::Scope;
 use crate::store::{LeaseClaim, LeaseStore};
 use crate::tx::status_label;
 
@@ -228,6 +230,50 @@ impl<S: LeaseStore> LeaseEngine<S> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Records that the outcome of a held lease is unknown: the work may have
+    /// taken effect (the upstream got the whole request, then failed or went
+    /// silent). The key is held: every later claim fails with
+    /// [`Error::OutcomeUnknown`], a lease's end never frees it, and only
+    /// [`resolve_unknown`](Self::resolve_unknown) or its expiry does. `note`
+    /// (what was seen) is kept for the operator. Fails with
+    /// [`Error::Fenced`] if the lease was taken over.
+    pub async fn mark_unknown(&self, lease: &Lease, note: impl Into<Vec<u8>>) -> Result<()> {
+        let op = lease.scope.operation().as_str();
+        match self.store.complete(lease, &Record::unknown(note)).await {
+            Ok(()) => {
+                metrics::count(metrics::UNKNOWN, op);
+                Ok(())
+            }
+            Err(Error::Fenced) => {
+                metrics::count(metrics::FENCED, op);
+                Err(Error::Fenced)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Resolves an unknown outcome: `Some(record)` (the work took effect,
+    /// with this outcome) records it, and retries replay it; `None` (it did
+    /// not) frees the key, and the next retry runs the work. Answers whether
+    /// the key held an unknown outcome; nothing else is ever changed.
+    pub async fn resolve_unknown(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        resolution: Option<&Record>,
+    ) -> Result<bool> {
+        if resolution.is_some_and(|r| r.status == crate::record::RecordStatus::Unknown) {
+            return Err(Error::Config("an unknown outcome is resolved with a known one".into()));
+        }
+        let now_ms = self.clock.now_ms();
+        let resolved = self.store.resolve_unknown(scope, key, now_ms, resolution).await?;
+        if resolved {
+            let label = if resolution.is_some() { "applied" } else { "not_applied" };
+            metrics::unknown_resolved(scope.operation().as_str(), label);
+        }
+        Ok(resolved)
     }
 
     /// Extends a held lease by `lease_ms` from now (a heartbeat for long work).

@@ -15,6 +15,14 @@ pub const IN_FLIGHT: &str = "idem_in_flight_total";
 pub const RELEASES: &str = "idem_releases_total";
 /// Counter: outcomes recorded (`operation`, `status` = `completed` | `rejected`).
 pub const RECORDS: &str = "idem_records_total";
+/// Counter: outcomes marked unknown: the work may have taken effect and
+/// the key is held until resolved (`operation`).
+pub const UNKNOWN: &str = "idem_unknown_outcomes_total";
+/// Counter: retries refused because their key's outcome is unknown (`operation`).
+pub const UNKNOWN_HELD: &str = "idem_unknown_held_total";
+/// Counter: unknown outcomes resolved (`operation`, `resolution` =
+/// `applied` | `not_applied`).
+pub const UNKNOWN_RESOLVED: &str = "idem_unknown_resolved_total";
 /// Counter: lease holders fenced off by a newer claim (`operation`).
 pub const FENCED: &str = "idem_fenced_total";
 /// Counter: leases lost while their holder was still working: an extension
@@ -38,6 +46,10 @@ pub(crate) fn count(name: &'static str, operation: &str) {
 
 pub(crate) fn lease_lost(operation: &str) {
     count(LEASES_LOST, operation);
+}
+
+pub(crate) fn unknown_resolved(operation: &str, resolution: &'static str) {
+    metrics::counter!(UNKNOWN_RESOLVED, "operation" => operation.to_owned(), "resolution" => resolution).increment(1);
 }
 
 pub(crate) fn claim(operation: &str, mode: &'static str) {

@@ -16,6 +16,11 @@ pub const STATUS_IN_PROGRESS: i16 = 0;
 pub const STATUS_COMPLETED: i16 = 1;
 /// The status code stored for a recorded final rejection.
 pub const STATUS_REJECTED: i16 = 2;
+/// The status code stored for an unknown outcome: the work may have taken
+/// effect (the upstream got the whole request, then failed or went silent),
+/// and nobody knows whether it did. Held until an operator (or a
+/// reconciliation) resolves it, or until the key expires.
+pub const STATUS_UNKNOWN: i16 = 3;
 
 /// How a recorded call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,6 +30,10 @@ pub enum RecordStatus {
     /// The work was rejected with a final (non-retryable) error that the
     /// policy chose to record.
     Rejected,
+    /// The work may or may not have taken effect: the key is held (a lookup
+    /// answers [`Error::OutcomeUnknown`]) until it is resolved or expires.
+    /// Its payload is a note for the operator, never replayed.
+    Unknown,
 }
 
 impl RecordStatus {
@@ -33,6 +42,7 @@ impl RecordStatus {
         match self {
             Self::Completed => STATUS_COMPLETED,
             Self::Rejected => STATUS_REJECTED,
+            Self::Unknown => STATUS_UNKNOWN,
         }
     }
 }
@@ -60,6 +70,14 @@ impl Record {
         Self {
             status: RecordStatus::Rejected,
             payload,
+        }
+    }
+
+    /// An unknown outcome, with a note for the operator (what was seen).
+    pub fn unknown(note: impl Into<Vec<u8>>) -> Self {
+        Self {
+            status: RecordStatus::Unknown,
+            payload: note.into(),
         }
     }
 }
@@ -90,7 +108,8 @@ pub enum RowState {
         /// When the lease runs out (ms since the epoch).
         lease_expires_at_ms: i64,
     },
-    /// A recorded outcome.
+    /// A recorded outcome (or an unknown one, [`RecordStatus::Unknown`]:
+    /// settled like an outcome, never taken over by a lease's end).
     Done(Record),
 }
 
@@ -121,11 +140,11 @@ impl StoredRow {
                 token: Token(token),
                 lease_expires_at_ms: lease_expires_at_ms.unwrap_or(i64::MAX),
             },
-            STATUS_COMPLETED | STATUS_REJECTED => RowState::Done(Record {
-                status: if status == STATUS_COMPLETED {
-                    RecordStatus::Completed
-                } else {
-                    RecordStatus::Rejected
+            STATUS_COMPLETED | STATUS_REJECTED | STATUS_UNKNOWN => RowState::Done(Record {
+                status: match status {
+                    STATUS_COMPLETED => RecordStatus::Completed,
+                    STATUS_REJECTED => RecordStatus::Rejected,
+                    _ => RecordStatus::Unknown,
                 },
                 payload: payload.unwrap_or_default(),
             }),

@@ -160,6 +160,24 @@ pub trait LeaseStore: Send + Sync + 'static {
 
     /// Moves a held lease's expiry to `lease_expires_at_ms`.
     fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>>;
+
+    /// Resolves the unknown outcome of `key` in `scope` (a row whose status
+    /// is [`STATUS_UNKNOWN`](crate::STATUS_UNKNOWN), recorded by
+    /// [`complete`](Self::complete) with an unknown [`Record`]): with
+    /// `Some(record)`, records it as the key's outcome (expiry unchanged);
+    /// with `None`, deletes the row so the next claim runs the work.
+    ///
+    /// Only a row that still holds an unknown outcome and has not expired at
+    /// `now_ms` is changed, in one atomic step; anything else (no row, a
+    /// live claim, a recorded outcome) is left alone and the answer is
+    /// `false`.
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>>;
 }
 
 /// A store whose expired rows can be deleted in bounded batches.

@@ -96,6 +96,8 @@ pub struct KeyStats {
     pub completed: u64,
     /// Recorded final rejections.
     pub rejected: u64,
+    /// Unknown outcomes held for an operator.
+    pub unknown: u64,
     /// Keys past their expiry, waiting for the sweeper.
     pub expired: u64,
 }
@@ -139,6 +141,8 @@ pub enum KeyState {
     Completed,
     /// A recorded final rejection (not expired).
     Rejected,
+    /// An unknown outcome held for an operator (not expired).
+    Unknown,
     /// Past its expiry, whatever it holds.
     Expired,
 }
@@ -152,6 +156,7 @@ impl KeyState {
             match status {
                 crate::record::STATUS_IN_PROGRESS => KeyState::InProgress,
                 crate::record::STATUS_REJECTED => KeyState::Rejected,
+                crate::record::STATUS_UNKNOWN => KeyState::Unknown,
                 _ => KeyState::Completed,
             }
         }
@@ -163,6 +168,7 @@ impl KeyState {
             KeyState::InProgress => "in_progress",
             KeyState::Completed => "completed",
             KeyState::Rejected => "rejected",
+            KeyState::Unknown => "unknown",
             KeyState::Expired => "expired",
         }
     }

@@ -433,5 +433,6 @@ pub(crate) fn status_label(status: RecordStatus) -> &'static str {
     match status {
         RecordStatus::Completed => "completed",
         RecordStatus::Rejected => "rejected",
+        RecordStatus::Unknown => "unknown",
     }
 }

@@ -23,6 +23,7 @@
 //! wait_ms = 10000
 //! lease_ms = 30000
 //! record_rejections = false # true: 4xx answers (but 408/429) consume the key too
+//! on_unknown_outcome = "hold" # or "release": see UnknownOutcome
 //!
 //! [[routes]]
 //! method = "POST"
@@ -67,6 +68,26 @@ pub enum InFlightMode {
     Reject,
 }
 
+/// What a key becomes when the upstream got the whole request and then
+/// answered 5xx, timed out or dropped the connection: the request may have
+/// been applied, and nobody knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownOutcome {
+    /// The key is held as an unknown outcome: retries get 409
+    /// `idempotency-outcome-unknown` and the upstream is never called again
+    /// for it, until `idem keys resolve` (or the route's reconcile request)
+    /// says what happened. The default: never a second upstream call for a
+    /// request that may have been applied.
+    #[default]
+    Hold,
+    /// The key is released and the client's retry reaches the upstream
+    /// again. Choose it only when the upstream honours the forwarded
+    /// `Idempotency-Key` itself (it deduplicates the retry), or when its
+    /// operation is harmless to repeat.
+    Release,
+}
+
 /// The policy of routes with none of their own.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -83,6 +104,8 @@ pub struct Defaults {
     pub lease_ms: u64,
     /// Whether final 4xx answers consume the key.
     pub record_rejections: bool,
+    /// What a possibly applied request's key becomes (`hold` or `release`).
+    pub on_unknown_outcome: UnknownOutcome,
 }
 
 impl Default for Defaults {
@@ -94,6 +117,7 @@ impl Default for Defaults {
             wait_ms: 10_000,
             lease_ms: 30_000,
             record_rejections: false,
+            on_unknown_outcome: UnknownOutcome::Hold,
         }
     }
 }
@@ -161,6 +185,8 @@ pub struct RouteConfig {
     pub lease_ms: Option<u64>,
     /// Overrides.
     pub record_rejections: Option<bool>,
+    /// Overrides.
+    pub on_unknown_outcome: Option<UnknownOutcome>,
 }
 
 impl RouteConfig {

@@ -2,9 +2,11 @@
 //! (hop-by-hop headers aside, forwarding headers added if configured), the
 //! answer streamed back with its end-to-end headers.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -14,7 +16,7 @@ use futures_util::TryStreamExt;
 use idem_http::{DEFAULT_PROBLEM_BASE, Problem, strip_hop_by_hop};
 
 use crate::body::is_slow_body;
-use crate::config::ForwardedHeaders;
+use crate::config::{ForwardedHeaders, UnknownOutcome};
 use crate::trust::{Peer, Trusted};
 use crate::{Config, ConfigError};
 
@@ -90,12 +92,82 @@ impl Forwarding {
     }
 }
 
+/// Which routes hold a possibly applied request's key as an unknown
+/// outcome, and which release it.
+struct Unknowns {
+    routes: crate::path::Routes,
+    by_operation: HashMap<String, UnknownOutcome>,
+    default: UnknownOutcome,
+}
+
+impl Unknowns {
+    fn new(config: &Config) -> Result<Self, ConfigError> {
+        let mut routes = crate::path::Routes::default();
+        let mut by_operation = HashMap::new();
+        for route in &config.routes {
+            let (method, template) = route.parsed()?;
+            let name = routes.push(method, template);
+            // The first route of a name is the one requests match.
+            by_operation
+                .entry(name)
+                .or_insert(route.on_unknown_outcome.unwrap_or(config.defaults.on_unknown_outcome));
+        }
+        Ok(Self {
+            routes,
+            by_operation,
+            default: config.defaults.on_unknown_outcome,
+        })
+    }
+
+    fn holds(&self, method: &axum::http::Method, path: &str) -> bool {
+        let configured = self
+            .routes
+            .operation(method, path)
+            .and_then(|op| self.by_operation.get(op.as_str()).copied());
+        configured.unwrap_or(self.default) == UnknownOutcome::Hold
+    }
+}
+
+/// Watches a request body on its way to the upstream: `whole` turns true
+/// once every byte of it was handed to the connection (its stream ended,
+/// or as many bytes as it holds went out). Until then the upstream cannot
+/// have the whole request; after, it may.
+struct Watched<S> {
+    inner: S,
+    sent: u64,
+    length: Option<u64>,
+    whole: Arc<AtomicBool>,
+}
+
+impl<S> futures_util::Stream for Watched<S>
+where
+    S: futures_util::Stream<Item = Result<axum::body::Bytes, axum::Error>> + Unpin,
+{
+    type Item = Result<axum::body::Bytes, axum::Error>;
+
+    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let next = std::pin::Pin::new(&mut self.inner).poll_next(cx);
+        match &next {
+            Poll::Ready(None) => self.whole.store(true, Ordering::SeqCst),
+            Poll::Ready(Some(Ok(chunk))) => {
+                self.sent += chunk.len() as u64;
+                if self.length.is_some_and(|l| self.sent >= l) {
+                    self.whole.store(true, Ordering::SeqCst);
+                }
+            }
+            _ => {}
+        }
+        next
+    }
+}
+
 /// The upstream as a tower service.
 #[derive(Clone)]
 pub(crate) struct Proxy {
     client: reqwest::Client,
     upstream: Arc<reqwest::Url>,
     forwarding: Arc<Forwarding>,
+    unknowns: Arc<Unknowns>,
 }
 
 impl Proxy {
@@ -107,6 +179,7 @@ impl Proxy {
                 mode: config.forwarded_headers,
                 trusted: config.trusted()?,
             }),
+            unknowns: Arc::new(Unknowns::new(config)?),
         })
     }
 
@@ -140,13 +213,32 @@ impl Proxy {
         let host = parts.headers.remove(header::HOST);
         self.forwarding
             .apply(&mut parts.headers, parts.extensions.get::<Peer>(), host);
+        let holds = self.unknowns.holds(&parts.method, parts.uri.path());
+        let whole = Arc::new(AtomicBool::new(false));
+        let length = http_body::Body::size_hint(&body).exact();
+        let watched = Watched {
+            inner: body.into_data_stream(),
+            sent: 0,
+            length,
+            whole: whole.clone(),
+        };
         let sent = self
             .client
             .request(parts.method, url)
             .headers(parts.headers)
-            .body(reqwest::Body::wrap_stream(body.into_data_stream()))
+            .body(reqwest::Body::wrap_stream(watched))
             .send()
             .await;
+        // The upstream may have applied the request once it had all of it.
+        let unknown =
+            |what: String| (holds && whole.load(Ordering::SeqCst)).then_some(idem_http::OutcomeUnknown { note: what });
+        let sent = match sent {
+            Err(e) if !is_slow_body(&e) => match unknown(format!("the upstream did not answer: {e}")) {
+                Some(held) => return held_failure(&e, held),
+                None => Err(e),
+            },
+            other => other,
+        };
         match sent {
             Ok(answer) => {
                 let status = answer.status();
@@ -157,6 +249,11 @@ impl Proxy {
                 let mut response = Response::new(Body::from_stream(answer.bytes_stream().map_err(axum::Error::new)));
                 *response.status_mut() = status;
                 *response.headers_mut() = headers;
+                if status.is_server_error()
+                    && let Some(unknown) = unknown(format!("the upstream answered {}", status.as_u16()))
+                {
+                    response.extensions_mut().insert(unknown);
+                }
                 response
             }
             Err(e) if is_slow_body(&e) => {
@@ -183,6 +280,26 @@ impl Proxy {
             ),
         }
     }
+}
+
+/// The answer to a first caller whose upstream got the whole request and
+/// then failed: a 504 or 502 problem that says the key is held.
+fn held_failure(e: &reqwest::Error, held: idem_http::OutcomeUnknown) -> Response<Body> {
+    tracing::warn!(error = %e, "upstream failed after it got the whole request; its outcome is unknown");
+    let (status, slug, title) = if e.is_timeout() {
+        (StatusCode::GATEWAY_TIMEOUT, "upstream-timeout", "Upstream timeout")
+    } else {
+        (StatusCode::BAD_GATEWAY, "upstream-unreachable", "Upstream failed")
+    };
+    let mut response = Problem::new(status, slug, title)
+        .with_detail(
+            "the upstream got the whole request and then did not answer: it may have applied it. The key is held \
+             as an unknown outcome; a retry with the same Idempotency-Key is answered 409 until an operator \
+             resolves it",
+        )
+        .into_response(DEFAULT_PROBLEM_BASE);
+    response.extensions_mut().insert(held);
+    response
 }
 
 fn problem(status: StatusCode, slug: &str, title: &str, e: &reqwest::Error) -> Response<Body> {

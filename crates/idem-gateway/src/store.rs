@@ -406,6 +406,16 @@ impl LeaseStore for AnyLease {
     fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
         each!(self, s => s.extend(lease, lease_expires_at_ms))
     }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        each!(self, s => s.resolve_unknown(scope, key, now_ms, resolution))
+    }
 }
 
 impl TimeSource for AnyLease {

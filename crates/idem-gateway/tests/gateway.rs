@@ -53,10 +53,18 @@ async fn the_contract_in_front_of_any_api() {
     assert_eq!(state.calls(), 2);
 }
 
+/// Under `on_unknown_outcome = "release"` a 5xx releases the key: the
+/// retry reaches the upstream (under the default, `hold`, it would be held
+/// as an unknown outcome: see `idem-cli`'s `unknown_outcome` tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_5xx_is_never_recorded() {
     let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let g = start_gateway(
+        &upstream,
+        &sqlite_store(),
+        &format!("{BEARER}[defaults]\non_unknown_outcome = \"release\"\n"),
+    )
+    .await;
     let (t, k) = (fresh(), fresh());
     let (status, _, _) = send(&g.base, "/v1/flaky", &t, Some(&k), "{}").await;
     assert_eq!(status, 503);

@@ -70,3 +70,20 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLease {
         Ok(parts.extensions.get::<HeldLease>().cloned())
     }
 }
+
+/// Put in a response's extensions by a lease-mode handler (or a proxy) whose
+/// work may have taken effect although it failed: the upstream got the whole
+/// request, then answered 5xx, timed out or dropped the connection. The
+/// layer then marks the key's outcome unknown instead of releasing it: every
+/// retry gets a 409 `idempotency-outcome-unknown` problem, never a second
+/// run, until an operator (or a reconciliation) resolves the key
+/// ([`LeaseEngine::resolve_unknown`](idem_core::LeaseEngine::resolve_unknown)).
+/// The note says what was seen, for the operator; it is kept, never replayed.
+///
+/// Only a response the layer would not record (a 5xx, or a 4xx the policy
+/// does not record) is marked; a response that is recorded is recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeUnknown {
+    /// What was seen, for the operator.
+    pub note: String,
+}

@@ -91,7 +91,7 @@ pub use layer::{
     IdempotencyLayer, KeyRequirement, Leased, OperationFn, RoutePolicy, TenantFn, Transactional, UNROUTED,
     matched_route_operation, method_label,
 };
-pub use lease::{HeldLease, HeldLeaseRejection};
+pub use lease::{HeldLease, HeldLeaseRejection, OutcomeUnknown};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
 pub use recorded::RecordedResponse;
 pub use retry::RetryTransaction;

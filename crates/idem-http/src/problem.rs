@@ -98,6 +98,10 @@ pub mod slugs {
     pub const KEY_REUSED: &str = "idempotency-key-reused";
     /// 409: a request with the same key is still being processed.
     pub const KEY_IN_FLIGHT: &str = "idempotency-key-in-flight";
+    /// 409: an earlier request with the same key may have taken effect and
+    /// nobody knows whether it did; the key is held until an operator
+    /// resolves it (`idem keys resolve`) or a reconciliation does.
+    pub const OUTCOME_UNKNOWN: &str = "idempotency-outcome-unknown";
     /// 413: the request body exceeds the configured limit.
     pub const BODY_TOO_LARGE: &str = "request-body-too-large";
     /// 400: the request body could not be read.

@@ -325,6 +325,18 @@ fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Body> {
                 .with_detail("a request with this Idempotency-Key is still being processed; retry later")
                 .with_retry_after_secs(secs)
         }
+        Error::OutcomeUnknown => Problem::new(StatusCode::CONFLICT, slugs::OUTCOME_UNKNOWN, "Outcome unknown")
+            .with_detail(format!(
+                "an earlier request with the Idempotency-Key {:?} reached the upstream and may have been applied, \
+             but its outcome is unknown; it is not sent again. An operator resolves it: \
+             `idem keys resolve --tenant {:?} --operation {:?} --key {:?} --applied --status <code> --body <file>` \
+             records what the upstream did (retries then replay it), `--not-applied` releases the key (the next \
+             retry is sent)",
+                call.key().as_str(),
+                call.scope().tenant().as_str(),
+                call.scope().operation().as_str(),
+                call.key().as_str()
+            )),
         Error::RecordTooLarge { size, limit } => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             slugs::RESPONSE_TOO_LARGE,
@@ -764,6 +776,13 @@ impl<L: LeaseStore> Mode for Leased<L> {
             };
             hit(Point::BeforeCommit);
             let settled = match settle {
+                Some(record) if record.status == idem_core::RecordStatus::Unknown => {
+                    tracing::warn!(
+                        operation = call.scope().operation().as_str(),
+                        "the outcome is unknown: the key is held until it is resolved"
+                    );
+                    engine.mark_unknown(&lease, record.payload).await
+                }
                 Some(record) => engine.complete(&lease, record).await,
                 None => engine.release(&lease).await,
             };
@@ -979,9 +998,17 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (rparts, rbody) = response.into_parts();
+    let (mut rparts, rbody) = response.into_parts();
     let rejected = match decide(rparts.status, call) {
-        Decision::Release => return (None, Ok(first(rparts, Body::new(rbody)))),
+        Decision::Release => {
+            // The answer goes to its caller as it is; the key is held
+            // rather than released when its outcome is unknown.
+            let unknown = rparts
+                .extensions
+                .remove::<crate::lease::OutcomeUnknown>()
+                .map(|u| Record::unknown(u.note.into_bytes()));
+            return (unknown, Ok(first(rparts, Body::new(rbody))));
+        }
         Decision::Record => false,
         Decision::RecordRejection => true,
     };

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, Fingerprint, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record,
-    Result, STATUS_IN_PROGRESS, Scope, StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
+    Result, STATUS_IN_PROGRESS, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
 };
 
 type Slot = (Scope, IdempotencyKey);
@@ -265,6 +265,35 @@ impl LeaseStore for MemoryStore {
             row.lease_expires_at_ms = Some(lease_expires_at_ms);
             row.expires_at_ms = row.expires_at_ms.max(lease_expires_at_ms);
             Ok(())
+        })
+    }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let mut rows = self.lock();
+            let slot = (scope.clone(), key.clone());
+            let Some(row) = rows
+                .get_mut(&slot)
+                .filter(|r| r.status == STATUS_UNKNOWN && r.expires_at_ms > now_ms)
+            else {
+                return Ok(false);
+            };
+            match resolution {
+                Some(record) => {
+                    row.status = record.status.code();
+                    row.payload = Some(record.payload.clone());
+                }
+                None => {
+                    rows.remove(&slot);
+                }
+            }
+            Ok(true)
         })
     }
 }

@@ -87,7 +87,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS,
-    Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
 };
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
@@ -152,6 +152,8 @@ struct Statements {
     complete: SqlStr,
     release: SqlStr,
     extend: SqlStr,
+    resolve_record: SqlStr,
+    resolve_release: SqlStr,
     sweep: SqlStr,
 }
 
@@ -189,6 +191,13 @@ impl Statements {
             extend: fixed(format!(
                 "UPDATE `{table}` SET lease_expires_at_ms = ?, expires_at_ms = GREATEST(expires_at_ms, ?) \
                  WHERE {WHERE_KEY} AND token = ? AND status = {STATUS_IN_PROGRESS}"
+            )),
+            resolve_record: fixed(format!(
+                "UPDATE `{table}` SET status = ?, payload = ? \
+                 WHERE {WHERE_KEY} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?"
+            )),
+            resolve_release: fixed(format!(
+                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?"
             )),
             sweep: fixed(format!(
                 "DELETE FROM `{table}` WHERE expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
@@ -629,6 +638,30 @@ impl LeaseStore for MySqlStore {
             fenced(done.rows_affected(), lease)
         })
     }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let mut query = match resolution {
+                Some(record) => sqlx::query(self.sql.resolve_record.clone())
+                    .bind(record.status.code())
+                    .bind(record.payload.clone()),
+                None => sqlx::query(self.sql.resolve_release.clone()),
+            };
+            query = query
+                .bind(scope.tenant().as_str().as_bytes())
+                .bind(scope.operation().as_str().as_bytes())
+                .bind(key.as_str().as_bytes())
+                .bind(now_ms);
+            let done = query.execute(&self.pool).await.map_err(store_error)?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
 }
 
 impl Sweep for MySqlStore {
@@ -660,12 +693,14 @@ impl MySqlStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, expired): (i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
+                    CAST(COALESCE(SUM(CASE WHEN status = 3 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ? THEN 1 ELSE 0 END), 0) AS SIGNED) FROM {t}"
         )))
+        .bind(now_ms)
         .bind(now_ms)
         .bind(now_ms)
         .bind(now_ms)
@@ -677,6 +712,7 @@ impl MySqlStore {
             in_progress: in_progress as u64,
             completed: completed as u64,
             rejected: rejected as u64,
+            unknown: unknown as u64,
             expired: expired as u64,
         })
     }
@@ -725,6 +761,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter, now_ms: i64) -> (String, Vec<Ke
         Some(idem_core::KeyState::InProgress) => conds.push(format!("status = 0 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Completed) => conds.push(format!("status = 1 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Rejected) => conds.push(format!("status = 2 AND expires_at_ms > {now_ms}")),
+        Some(idem_core::KeyState::Unknown) => conds.push(format!("status = 3 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Expired) => conds.push(format!("expires_at_ms <= {now_ms}")),
         None => conds.push("1 = 1".into()),
     }

@@ -625,6 +625,31 @@ impl LeaseStore for PgStore {
             self.fenced_unless_one(done.rows_affected(), lease, "extend")
         })
     }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let sql = match resolution {
+                Some(_) => self.sql.resolve_record.clone(),
+                None => self.sql.resolve_release.clone(),
+            };
+            let mut query = sqlx::query(AssertSqlSafe(sql))
+                .bind(scope.tenant().as_str())
+                .bind(scope.operation().as_str())
+                .bind(key.as_str())
+                .bind(now_ms);
+            if let Some(record) = resolution {
+                query = query.bind(record.status.code()).bind(record.payload.clone());
+            }
+            let done = query.execute(&self.pool).await.map_err(store_error)?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
 }
 
 impl PgStore {
@@ -667,20 +692,23 @@ impl PgStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, expired): (i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT COUNT(*) FILTER (WHERE status = 0 AND expires_at_ms > $1), \
+        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT COUNT(*) FILTER (WHERE status = 0 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE status = 1 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE status = 2 AND expires_at_ms > $1), \
+                    COUNT(*) FILTER (WHERE status = 3 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE expires_at_ms <= $1) FROM {t}"
-        )))
-        .bind(now_ms)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(store_error)?;
+            )))
+            .bind(now_ms)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
         Ok(idem_core::KeyStats {
             in_progress: in_progress as u64,
             completed: completed as u64,
             rejected: rejected as u64,
+            unknown: unknown as u64,
             expired: expired as u64,
         })
     }
@@ -726,6 +754,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
         Some(idem_core::KeyState::InProgress) => conds.push("status = 0 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > $1".into()),
+        Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= $1".into()),
         None => conds.push("$1 = $1".into()),
     }

@@ -19,17 +19,18 @@ struct Migration {
 
 /// Every migration, oldest first. Applied versions are never edited; a
 /// schema change is a new entry.
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "keys table and expiry index",
-    statements: &[
-        // The key columns use the "C" collation: byte order never changes
-        // with an operating system's locale data, so the primary key index
-        // that makes claims exclusive cannot be corrupted by a libc upgrade,
-        // and comparisons are plain byte comparisons. The fill factor leaves
-        // room on each page so that recording an outcome, which updates the
-        // row its claim inserted moments before, stays a heap-only update.
-        "CREATE TABLE IF NOT EXISTS {table} (
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "keys table and expiry index",
+        statements: &[
+            // The key columns use the "C" collation: byte order never changes
+            // with an operating system's locale data, so the primary key index
+            // that makes claims exclusive cannot be corrupted by a libc upgrade,
+            // and comparisons are plain byte comparisons. The fill factor leaves
+            // room on each page so that recording an outcome, which updates the
+            // row its claim inserted moments before, stays a heap-only update.
+            "CREATE TABLE IF NOT EXISTS {table} (
             tenant TEXT COLLATE \"C\" NOT NULL,
             operation TEXT COLLATE \"C\" NOT NULL,
             idem_key TEXT COLLATE \"C\" NOT NULL,
@@ -42,13 +43,31 @@ const MIGRATIONS: &[Migration] = &[Migration {
             lease_expires_at_ms BIGINT NULL,
             PRIMARY KEY (tenant, operation, idem_key)
         ) WITH (fillfactor = 80)",
-        // The sweeper finds expired rows through this index.
-        "CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at_ms)",
-    ],
-}];
+            // The sweeper finds expired rows through this index.
+            "CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at_ms)",
+        ],
+    },
+    Migration {
+        version: 2,
+        description: "status 3: unknown outcomes",
+        statements: &[
+            // The version-1 check's name is the one PostgreSQL chose; it is
+            // found by what it checks.
+            "DO $idem$ DECLARE c text; BEGIN
+                FOR c IN SELECT conname FROM pg_constraint
+                    WHERE conrelid = '{table}'::regclass AND contype = 'c'
+                      AND pg_get_constraintdef(oid) LIKE '%status%'
+                LOOP
+                    EXECUTE format('ALTER TABLE {table} DROP CONSTRAINT %I', c);
+                END LOOP;
+            END $idem$",
+            "ALTER TABLE {table} ADD CONSTRAINT {status_check} CHECK (status IN (0, 1, 2, 3))",
+        ],
+    },
+];
 
 /// The newest schema version this crate knows.
-pub(crate) const LATEST_VERSION: i32 = 1;
+pub(crate) const LATEST_VERSION: i32 = 2;
 
 /// Applies every migration newer than the recorded version, in one READ
 /// COMMITTED transaction serialised by an advisory lock on the table's name,
@@ -56,6 +75,7 @@ pub(crate) const LATEST_VERSION: i32 = 1;
 pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
+    let status_check = derived_name(table, "status_check");
     let mut tx = pool.begin().await.map_err(store_error)?;
     // At REPEATABLE READ or SERIALIZABLE (a database or session default many
     // teams set), the statement that waits for the lock below would fix the
@@ -106,7 +126,8 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
         for statement in migration.statements {
             let sql = statement
                 .replace("{table}", table.as_str())
-                .replace("{expires_index}", &expires_index);
+                .replace("{expires_index}", &expires_index)
+                .replace("{status_check}", &status_check);
             sqlx::query(AssertSqlSafe(sql))
                 .execute(&mut *tx)
                 .await
@@ -142,6 +163,7 @@ fn unix_ms() -> i64 {
 pub(crate) async fn pending(pool: &PgPool, table: &TableName) -> Result<Vec<idem_core::PendingMigration>> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
+    let status_check = derived_name(table, "status_check");
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(&version_table)
         .fetch_one(pool)
@@ -169,6 +191,7 @@ pub(crate) async fn pending(pool: &PgPool, table: &TableName) -> Result<Vec<idem
                 .map(|s| {
                     s.replace("{table}", table.as_str())
                         .replace("{expires_index}", &expires_index)
+                        .replace("{status_check}", &status_check)
                 })
                 .collect(),
         })

@@ -51,6 +51,10 @@ pub(crate) struct Statements {
     pub(crate) release: Arc<str>,
     /// Moves a held lease's expiry.
     pub(crate) extend: Arc<str>,
+    /// Records the outcome of a key whose outcome is unknown.
+    pub(crate) resolve_record: Arc<str>,
+    /// Deletes a key whose outcome is unknown.
+    pub(crate) resolve_release: Arc<str>,
     /// Deletes a bounded batch of expired rows.
     pub(crate) sweep: Arc<str>,
 }
@@ -98,6 +102,11 @@ impl Statements {
                  WHERE {key} AND token = $4 AND status = 0"
             )
             .into(),
+            resolve_record: format!(
+                "UPDATE {t} SET status = $5, payload = $6 WHERE {key} AND status = 3 AND expires_at_ms > $4"
+            )
+            .into(),
+            resolve_release: format!("DELETE FROM {t} WHERE {key} AND status = 3 AND expires_at_ms > $4").into(),
             // SKIP LOCKED leaves rows that a claim is taking over right now to
             // that claim, so the sweeper never waits on live traffic. The rows
             // the subquery locked still qualify (PostgreSQL rechecks the filter

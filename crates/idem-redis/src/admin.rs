@@ -139,6 +139,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
                         KeyState::InProgress => stats.in_progress += 1,
                         KeyState::Completed => stats.completed += 1,
                         KeyState::Rejected => stats.rejected += 1,
+                        KeyState::Unknown => stats.unknown += 1,
                         KeyState::Expired => stats.expired += 1,
                     }
                 }

@@ -81,8 +81,8 @@ use std::sync::Arc;
 
 use futures_util::{StreamExt, TryStreamExt};
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, Lease, LeaseClaim, LeaseStore, Record, RecordStatus, Result, StoreErrorKind,
-    StoredRow, Sweep, SweepBatch, TimeSource, Token,
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
+    StoreErrorKind, StoredRow, Sweep, SweepBatch, TimeSource, Token,
 };
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -103,6 +103,7 @@ const CONCURRENCY: usize = 64;
 struct Scripts {
     claim: Script,
     complete: Script,
+    resolve: Script,
     release: Script,
     extend: Script,
     sweep_one: Script,
@@ -203,6 +204,7 @@ impl<C> RedisStore<C> {
             scripts: Arc::new(Scripts {
                 claim: Script::new(scripts::CLAIM),
                 complete: Script::new(scripts::COMPLETE),
+                resolve: Script::new(scripts::RESOLVE),
                 release: Script::new(scripts::RELEASE),
                 extend: Script::new(scripts::EXTEND),
                 sweep_one: Script::new(scripts::SWEEP_ONE),
@@ -363,11 +365,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
 
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let status = match record.status {
-                RecordStatus::Completed => idem_core::STATUS_COMPLETED,
-                RecordStatus::Rejected => idem_core::STATUS_REJECTED,
-            }
-            .to_string();
+            let status = record.status.code().to_string();
             self.fenced(&self.scripts.complete, lease, &[status.as_bytes(), &record.payload])
                 .await
                 .map(drop)
@@ -392,6 +390,34 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                     .await;
             }
             Ok(())
+        })
+    }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let tag = Self::tag(scope, key);
+            let mut conn = self.conn.clone();
+            let mut invocation = self.scripts.resolve.key(self.row_key(&tag));
+            invocation.arg(now_ms);
+            match resolution {
+                Some(record) => {
+                    invocation
+                        .arg("r")
+                        .arg(record.status.code().to_string())
+                        .arg(&record.payload[..]);
+                }
+                None => {
+                    invocation.arg("d");
+                }
+            }
+            let done: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
+            Ok(done == 1)
         })
     }
 }

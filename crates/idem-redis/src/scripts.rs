@@ -3,7 +3,7 @@
 //! alone — so every script runs on Redis Cluster.
 //!
 //! Row fields: `fp` fingerprint, `st` status (0 in progress, 1 completed, 2
-//! rejected), `tok` fencing token (a decimal string), `lease` lease expiry,
+//! rejected, 3 unknown), `tok` fencing token (a decimal string), `lease` lease expiry,
 //! `exp` key expiry (both ms on the engine's clock), `tn`/`op`/`k` tenant,
 //! operation and key, `cr` creation time, `pl` recorded outcome.
 
@@ -103,6 +103,21 @@ redis.call('HSET', KEYS[1], 'exp', ARGV[2])
 return 2
 "#;
 
+/// Resolves an unknown outcome: KEYS = row; ARGV = now, then 'r' and a
+/// status and payload to record, or 'd' to delete the row. Only a row
+/// whose status is 3 (unknown) and whose expiry is after now is changed.
+/// 1 done, 0 no such unknown outcome.
+pub(crate) const RESOLVE: &str = r#"
+local r = redis.call('HMGET', KEYS[1], 'st', 'exp')
+if r[1] ~= '3' or not r[2] or tonumber(r[2]) <= tonumber(ARGV[1]) then return 0 end
+if ARGV[2] == 'r' then
+  redis.call('HSET', KEYS[1], 'st', ARGV[3], 'pl', ARGV[4])
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"#;
+
 /// Looks at the row an expiry-index entry points at, at ARGV[1] (now):
 /// KEYS = row. `{0, ''}` the row is gone (Redis expired it by its TTL, or
 /// it was released or purged): the entry is a ghost; `{1, exp}` the row had
@@ -156,6 +171,7 @@ if ARGV[8] ~= '' then
   if tonumber(r[6]) <= tonumber(ARGV[1]) then state = 'expired'
   elseif r[4] == '0' then state = 'in_progress'
   elseif r[4] == '2' then state = 'rejected'
+  elseif r[4] == '3' then state = 'unknown'
   else state = 'completed' end
   if state ~= ARGV[8] then return false end
 end

@@ -220,6 +220,33 @@ impl LeaseStore for SqliteStore {
             fenced_unless_one(done.rows_affected(), lease, "extend")
         })
     }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let query = match resolution {
+                Some(record) => sqlx::query(AssertSqlSafe(self.sql.resolve_record.clone()))
+                    .bind(scope.tenant().as_str())
+                    .bind(scope.operation().as_str())
+                    .bind(key.as_str())
+                    .bind(record.status.code())
+                    .bind(record.payload.clone())
+                    .bind(now_ms),
+                None => sqlx::query(AssertSqlSafe(self.sql.resolve_release.clone()))
+                    .bind(scope.tenant().as_str())
+                    .bind(scope.operation().as_str())
+                    .bind(key.as_str())
+                    .bind(now_ms),
+            };
+            let done = query.execute(&self.pool).await.map_err(store_error)?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
 }
 
 /// A lease operation that matched no row found the key taken over, finished

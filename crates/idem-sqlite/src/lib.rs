@@ -400,10 +400,11 @@ impl SqliteStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, expired): (i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
+                    CAST(COALESCE(SUM(CASE WHEN status = 3 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ?1 THEN 1 ELSE 0 END), 0) AS INTEGER) FROM \"{t}\""
         )))
         .bind(now_ms)
@@ -414,6 +415,7 @@ impl SqliteStore {
             in_progress: in_progress as u64,
             completed: completed as u64,
             rejected: rejected as u64,
+            unknown: unknown as u64,
             expired: expired as u64,
         })
     }
@@ -459,6 +461,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
         Some(idem_core::KeyState::InProgress) => conds.push("status = 0 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > ?1".into()),
+        Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= ?1".into()),
         None => conds.push("?1 = ?1".into()),
     }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use idem_core::{STATUS_COMPLETED, STATUS_IN_PROGRESS, STATUS_REJECTED, TableName};
+use idem_core::{STATUS_COMPLETED, STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_UNKNOWN, TableName};
 
 /// One schema version: the statements that bring a database from the
 /// previous version to this one.
@@ -23,11 +23,18 @@ pub(crate) struct Migration {
 /// Every migration, in order. A new schema version is appended here and
 /// never edits an earlier entry, because databases in the field have
 /// already run those.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "keys table and expiry index",
-    statements: v1_keys_table,
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "keys table and expiry index",
+        statements: v1_keys_table,
+    },
+    Migration {
+        version: 2,
+        description: "status 3: unknown outcomes",
+        statements: v2_unknown_status,
+    },
+];
 
 /// The newest schema version this crate knows.
 pub(crate) fn latest_version() -> i64 {
@@ -67,6 +74,38 @@ fn v1_keys_table(t: &str) -> Vec<String> {
     ]
 }
 
+/// Version 2: status 3 (an unknown outcome) is allowed. SQLite cannot
+/// change a check constraint in place: the table is rebuilt under the
+/// migration's write lock, rows and index included.
+fn v2_unknown_status(t: &str) -> Vec<String> {
+    vec![
+        format!(
+            r#"CREATE TABLE "{t}_v2" (
+    tenant TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    idem_key TEXT NOT NULL,
+    fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
+    status INTEGER NOT NULL CHECK (status IN ({STATUS_IN_PROGRESS}, {STATUS_COMPLETED}, {STATUS_REJECTED}, {STATUS_UNKNOWN})),
+    token INTEGER NOT NULL,
+    payload BLOB,
+    created_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL,
+    lease_expires_at_ms INTEGER,
+    PRIMARY KEY (tenant, operation, idem_key)
+) STRICT"#
+        ),
+        format!(
+            r#"INSERT INTO "{t}_v2" (tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms)
+SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms FROM "{t}""#
+        ),
+        format!(r#"DROP TABLE "{t}""#),
+        format!(r#"ALTER TABLE "{t}_v2" RENAME TO "{t}""#),
+        format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#),
+    ]
+}
+
 /// The statements of one keys table, rendered once and shared by clones of
 /// the store (an `Arc<str>` is what sqlx accepts without copying).
 #[derive(Debug)]
@@ -80,6 +119,8 @@ pub(crate) struct Statements {
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) extend: Arc<str>,
+    pub(crate) resolve_record: Arc<str>,
+    pub(crate) resolve_release: Arc<str>,
     pub(crate) sweep: Arc<str>,
 }
 
@@ -142,6 +183,15 @@ WHERE {key} AND token = ?6 AND status = {in_progress}"#
             extend: format!(
                 r#"UPDATE "{t}" SET lease_expires_at_ms = ?4, expires_at_ms = max(expires_at_ms, ?4)
 WHERE {key} AND token = ?5 AND status = {in_progress}"#
+            )
+            .into(),
+            resolve_record: format!(
+                r#"UPDATE "{t}" SET status = ?4, payload = ?5
+WHERE {key} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?6"#
+            )
+            .into(),
+            resolve_release: format!(
+                r#"DELETE FROM "{t}" WHERE {key} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?4"#
             )
             .into(),
             // The oldest expired rows first, through the expiry index; the

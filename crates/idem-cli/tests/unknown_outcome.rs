@@ -1,0 +1,374 @@
+//! `idem gateway` as a process in front of an upstream that applies a
+//! request and then fails: it answers 500, or drops the connection. With
+//! `on_unknown_outcome = "hold"` (the default) the key is held as an unknown
+//! outcome: retries get a 409 `idempotency-outcome-unknown` problem and the
+//! upstream is called once, until `idem keys resolve` says what happened
+//! (then retries replay the operator's answer, or reach the upstream once
+//! more). With `release` the retry reaches the upstream again. On SQLite,
+//! PostgreSQL and Redis.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+
+/// A gateway process, killed when the test ends.
+struct Gateway(Child);
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn temp(name: &str) -> String {
+    std::env::temp_dir()
+        .join(format!("idem-unknown-{}-{name}", uuid::Uuid::now_v7()))
+        .display()
+        .to_string()
+}
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn redis_url() -> String {
+    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// What the upstream applied, per route.
+#[derive(Clone, Default)]
+struct Applied {
+    fail: Arc<AtomicUsize>,
+    drop: Arc<AtomicUsize>,
+    released: Arc<AtomicUsize>,
+}
+
+/// The upstream: every route applies the request (counts it), then
+/// `/v1/fail` and `/v1/released` answer 500 and `/v1/drop` drops the
+/// connection without an answer, on their first call; later calls answer 201.
+async fn upstream() -> (String, Applied) {
+    let applied = Applied::default();
+    let a = applied.clone();
+    let app = Router::new()
+        .route(
+            "/v1/fail",
+            post({
+                let c = a.fail.clone();
+                move || async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 1 {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "applied, then failed".to_owned())
+                    } else {
+                        (StatusCode::CREATED, format!("fail call {n}"))
+                    }
+                }
+            }),
+        )
+        .route(
+            "/v1/released",
+            post({
+                let c = a.released.clone();
+                move || async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 1 {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "applied, then failed".to_owned())
+                    } else {
+                        (StatusCode::CREATED, format!("released call {n}"))
+                    }
+                }
+            }),
+        )
+        .route(
+            "/v1/drop",
+            post({
+                let c = a.drop.clone();
+                move |_body: String| async move {
+                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 1 {
+                        // The request was applied; the connection's task
+                        // ends without an answer, closing the socket.
+                        panic!("applied, then the connection drops");
+                    }
+                    (StatusCode::CREATED, format!("drop call {n}"))
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), applied)
+}
+
+const CONFIG: &str = r#"
+[tenant]
+source = "credentials"
+credentials = ["authorization"]
+
+[[routes]]
+method = "POST"
+path = "/v1/fail"
+
+[[routes]]
+method = "POST"
+path = "/v1/drop"
+
+[[routes]]
+method = "POST"
+path = "/v1/released"
+on_unknown_outcome = "release"
+"#;
+
+async fn start(upstream: &str, store: &str) -> (Gateway, String) {
+    let config = temp("gateway.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["gateway", "--upstream", upstream, "--store", store, "--config", &config])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("idem runs");
+    let g = Gateway(child);
+    let base = format!("http://127.0.0.1:{port}");
+    for _ in 0..800 {
+        if reqwest::get(format!("{base}/_idem/healthz"))
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            return (g, base);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the gateway on {store} did not become healthy");
+}
+
+struct Answer {
+    status: u16,
+    content_type: String,
+    replayed: bool,
+    body: String,
+}
+
+async fn send(base: &str, path: &str, token: &str, key: &str) -> Answer {
+    let r = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .bearer_auth(token)
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .expect("the gateway answers");
+    let header = |n: &str| {
+        r.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let (content_type, replayed) = (header("content-type"), header("idempotent-replayed") == "true");
+    Answer {
+        status: r.status().as_u16(),
+        content_type,
+        replayed,
+        body: r.text().await.unwrap(),
+    }
+}
+
+/// Runs `idem --json <args>`: exit code and stdout as JSON.
+fn idem(args: &[&str]) -> (i32, serde_json::Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("--json")
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("idem runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let json = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {text}"));
+    (out.status.code().unwrap_or(-1), json)
+}
+
+/// The retries of a held key: a 409 problem each, naming the key and how
+/// to resolve it; the upstream is not called.
+async fn assert_held(base: &str, path: &str, token: &str, key: &str, calls: &AtomicUsize) {
+    for _ in 0..3 {
+        let a = send(base, path, token, key).await;
+        assert_eq!(a.status, 409, "{path}: {}", a.body);
+        assert_eq!(a.content_type, "application/problem+json");
+        let problem: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("/idempotency-outcome-unknown"),
+            "{problem}"
+        );
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains("idem keys resolve") && detail.contains(key), "{detail}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "{path}: the upstream was called once");
+}
+
+/// The tenant the gateway scoped `key` by, as `idem keys list` shows it,
+/// with the key's state there.
+fn listed(store: &str, key: &str, operation: &str) -> (String, String) {
+    let (code, list) = idem(&[
+        "keys",
+        "list",
+        "--store",
+        store,
+        "--operation",
+        operation,
+        "--key-prefix",
+        key,
+    ]);
+    assert_eq!(code, 0, "{list}");
+    let k = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["key"] == key)
+        .unwrap_or_else(|| panic!("{key} not listed: {list}"));
+    (
+        k["tenant"].as_str().unwrap().to_owned(),
+        k["state"].as_str().unwrap().to_owned(),
+    )
+}
+
+async fn hold_and_resolve(store: &str) {
+    let (up, applied) = upstream().await;
+    let (_g, base) = start(&up, store).await;
+    let token = uuid::Uuid::now_v7().to_string();
+
+    // Applied, then 500: held; the operator records the answer; retries replay it.
+    let key = uuid::Uuid::now_v7().to_string();
+    let first = send(&base, "/v1/fail", &token, &key).await;
+    assert_eq!((first.status, first.body.as_str()), (500, "applied, then failed"));
+    assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
+    let (tenant, state) = listed(store, &key, "POST /v1/fail");
+    assert_eq!(state, "unknown");
+    let (code, shown) = idem(&[
+        "keys",
+        "show",
+        "--store",
+        store,
+        "--tenant",
+        &tenant,
+        "--operation",
+        "POST /v1/fail",
+        "--key",
+        &key,
+    ]);
+    assert_eq!((code, shown["state"].as_str()), (0, Some("unknown")), "{shown}");
+    // Bad input changes nothing: a 5xx is no answer, a key not held is refused.
+    let scope = ["--store", store, "--tenant", &tenant, "--operation", "POST /v1/fail"];
+    let (code, e) = idem(
+        &[
+            &["keys", "resolve"][..],
+            &scope,
+            &["--key", &key, "--applied", "--status", "500"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 2, "{e}");
+    let (code, e) = idem(
+        &[
+            &["keys", "resolve"][..],
+            &scope,
+            &["--key", "never-used", "--not-applied"],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 1, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("no unknown outcome"), "{e}");
+    assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
+    let body = temp("answer.json");
+    std::fs::write(&body, r#"{"id":"pay_1","status":"paid"}"#).unwrap();
+    let (code, done) = idem(
+        &[
+            &["keys", "resolve"][..],
+            &scope,
+            &["--key", &key, "--applied", "--status", "201", "--body", &body],
+        ]
+        .concat(),
+    );
+    assert_eq!((code, done["resolved"].as_str()), (0, Some("applied")), "{done}");
+    for _ in 0..2 {
+        let a = send(&base, "/v1/fail", &token, &key).await;
+        assert_eq!((a.status, a.body.as_str()), (201, r#"{"id":"pay_1","status":"paid"}"#));
+        assert!(a.replayed);
+        assert_eq!(a.content_type, "application/json");
+    }
+    assert_eq!(applied.fail.load(Ordering::SeqCst), 1, "one upstream call in all");
+    // Resolved once: a second resolution is refused and changes nothing.
+    let (code, _) = idem(&[&["keys", "resolve"][..], &scope, &["--key", &key, "--not-applied"]].concat());
+    assert_eq!(code, 1);
+    assert!(send(&base, "/v1/fail", &token, &key).await.replayed);
+
+    // Applied, then the connection drops: held; the operator says it was
+    // not applied; the next retry reaches the upstream, once.
+    let key = uuid::Uuid::now_v7().to_string();
+    let first = send(&base, "/v1/drop", &token, &key).await;
+    assert_eq!(first.status, 502, "{}", first.body);
+    assert_eq!(first.content_type, "application/problem+json");
+    assert_held(&base, "/v1/drop", &token, &key, &applied.drop).await;
+    let (tenant, state) = listed(store, &key, "POST /v1/drop");
+    assert_eq!(state, "unknown");
+    let (code, done) = idem(&[
+        "keys",
+        "resolve",
+        "--store",
+        store,
+        "--tenant",
+        &tenant,
+        "--operation",
+        "POST /v1/drop",
+        "--key",
+        &key,
+        "--not-applied",
+    ]);
+    assert_eq!((code, done["resolved"].as_str()), (0, Some("not_applied")), "{done}");
+    let a = send(&base, "/v1/drop", &token, &key).await;
+    assert_eq!((a.status, a.body.as_str(), a.replayed), (201, "drop call 2", false));
+    let a = send(&base, "/v1/drop", &token, &key).await;
+    assert_eq!((a.status, a.body.as_str(), a.replayed), (201, "drop call 2", true));
+    assert_eq!(applied.drop.load(Ordering::SeqCst), 2);
+
+    // `release`: the retry reaches the upstream again (for an upstream that
+    // deduplicates by the forwarded key itself).
+    let key = uuid::Uuid::now_v7().to_string();
+    assert_eq!(send(&base, "/v1/released", &token, &key).await.status, 500);
+    let a = send(&base, "/v1/released", &token, &key).await;
+    assert_eq!((a.status, a.body.as_str(), a.replayed), (201, "released call 2", false));
+    assert_eq!(applied.released.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_turns_apply_then_fail_into_one_call_on_sqlite() {
+    hold_and_resolve(&temp("keys.db")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_turns_apply_then_fail_into_one_call_on_postgres() {
+    hold_and_resolve(&postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_turns_apply_then_fail_into_one_call_on_redis() {
+    hold_and_resolve(&redis_url()).await;
+}
