@@ -24,6 +24,7 @@
 mod check;
 mod db;
 pub mod events;
+pub mod gateway;
 pub mod payouts;
 pub mod proxy;
 pub mod rng;

@@ -61,12 +61,72 @@ struct Args {
     /// No payouts (payout workers, the fake vendor and its faults).
     #[arg(long)]
     no_payouts: bool,
+    /// The gateway mode instead of the ledger: two `idem gateway`
+    /// processes on one shared store (postgres or redis), killed and
+    /// SIGTERMed, in front of a counting upstream (`--ops`, `--clients`,
+    /// `--seed`, `--kill-interval-ms` apply).
+    #[arg(long)]
+    gateway: Option<chaos::gateway::GatewayStore>,
+    /// Tenants of the gateway mode (keys repeat across them).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
+    tenants: u64,
+    /// The `idem` binary of the gateway mode (built with cargo if absent).
+    #[arg(long, env = "CHAOS_IDEM_BIN")]
+    idem_bin: Option<PathBuf>,
+}
+
+async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) -> std::process::ExitCode {
+    println!("chaos: gateway on {} seed {seed}", store.name());
+    let mut config = chaos::gateway::GatewayConfig::new(store, seed);
+    config.ops = args.ops as usize;
+    config.clients = args.clients as usize;
+    config.tenants = args.tenants as usize;
+    config.fault_interval_ms = args.kill_interval_ms;
+    if args.idem_bin.is_some() {
+        config.idem_bin.clone_from(&args.idem_bin);
+    }
+    let report = match chaos::gateway::run_gateway(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let json = serde_json::to_string_pretty(&report).unwrap_or_default();
+    if let Some(path) = &args.report
+        && let Err(e) = std::fs::write(path, &json)
+    {
+        eprintln!("chaos: cannot write {}: {e}", path.display());
+    }
+    println!("{json}");
+    println!(
+        "chaos: gateway on {}: seed {seed}: {} ops ({} answered, {} held, {} unanswered), {} effects, {} kills, \
+         {} SIGTERMs, {} keys applied again after a cut-off first call: {} violation(s)",
+        report.store,
+        report.ops,
+        report.ok,
+        report.held,
+        report.unanswered,
+        report.effects,
+        report.kills,
+        report.sigterms,
+        report.reapplied_unrecorded,
+        report.violations.len()
+    );
+    if report.violations.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64);
+    if let Some(store) = args.gateway {
+        return gateway(store, seed, &args).await;
+    }
     println!("chaos: engine {} seed {seed}", args.engine.name());
     let mut config = Config::new(args.engine, seed);
     config.clients = args.clients as usize;

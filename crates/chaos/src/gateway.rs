@@ -1,0 +1,714 @@
+//! The gateway mode: two `idem gateway` processes on one shared store
+//! (PostgreSQL or Redis) in front of a counting upstream that is not
+//! idempotent at all, killed with `kill -9` and restarted, and stopped with
+//! SIGTERM, while clients of several tenants retry each logical request
+//! through either gateway, with the same keys across tenants.
+//!
+//! The upstream numbers every call it applies (an effect) and answers with
+//! that number and the tenant it saw; some calls are slow, and a few apply
+//! and then answer 500 (on routes that hold an unknown outcome). The
+//! checker proves:
+//!
+//! - **one effect per recorded key**: once any client has read an effect's
+//!   whole answer, that answer was recorded (the gateway ends a body only
+//!   after its outcome is settled), so the upstream must never apply that
+//!   key again; a key whose first call was cut off by a kill may have been
+//!   applied again, which is lease mode's documented limit, and is counted;
+//! - **held outcomes**: a key whose upstream applied it and answered 500 is
+//!   applied once, and its retries are told the outcome is unknown;
+//! - **no cross-tenant replay**: every answer names the caller's tenant;
+//! - **one answer per key**: every 201 a key's callers read names one effect.
+//!
+//! Run: `cargo run --release -p chaos -- --gateway postgres --ops 20000`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::IntoResponse;
+use serde::Serialize;
+
+use crate::Error;
+use crate::rng::Rng;
+
+/// The store both gateways share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatewayStore {
+    /// PostgreSQL (the default keys table of the test database).
+    Postgres,
+    /// Redis (a key prefix of the run's own).
+    Redis,
+}
+
+impl std::str::FromStr for GatewayStore {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "postgres" => Ok(Self::Postgres),
+            "redis" => Ok(Self::Redis),
+            other => Err(format!("{other:?}: the gateway mode runs on postgres or redis")),
+        }
+    }
+}
+
+impl GatewayStore {
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::Redis => "redis",
+        }
+    }
+}
+
+/// One gateway run's settings.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The shared store.
+    pub store: GatewayStore,
+    /// The seed of every random decision.
+    pub seed: u64,
+    /// Logical operations.
+    pub ops: usize,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Tenants (each a bearer token); keys repeat across them.
+    pub tenants: usize,
+    /// Mean milliseconds between faults (a kill or a SIGTERM).
+    pub fault_interval_ms: u64,
+    /// The `idem` binary; built with cargo if absent.
+    pub idem_bin: Option<PathBuf>,
+    /// PostgreSQL URL.
+    pub postgres_url: String,
+    /// Redis URL.
+    pub redis_url: String,
+}
+
+impl GatewayConfig {
+    /// Defaults: 8 clients, 4 tenants, 2,000 operations, a fault every 1.5 s.
+    pub fn new(store: GatewayStore, seed: u64) -> Self {
+        Self {
+            store,
+            seed,
+            ops: 2_000,
+            clients: 8,
+            tenants: 4,
+            fault_interval_ms: 1_500,
+            idem_bin: std::env::var("CHAOS_IDEM_BIN").ok().map(PathBuf::from),
+            postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+            redis_url: std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+        }
+    }
+}
+
+/// What a gateway run saw.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GatewayReport {
+    /// The seed.
+    pub seed: u64,
+    /// The store.
+    pub store: String,
+    /// Logical operations.
+    pub ops: u64,
+    /// Operations answered 201 (first or replayed).
+    pub ok: u64,
+    /// Operations whose retries were told the outcome is unknown (held).
+    pub held: u64,
+    /// Operations never answered by the end.
+    pub unanswered: u64,
+    /// Attempts sent again.
+    pub retries: u64,
+    /// Replays read (`Idempotent-Replayed: true`).
+    pub replays_seen: u64,
+    /// 409 in-flight answers.
+    pub in_flight_seen: u64,
+    /// Attempts that failed at the connection (a gateway down or killed).
+    pub connection_failures: u64,
+    /// Attempts the client gave up waiting for (their recording goes on).
+    pub abandoned: u64,
+    /// Effects the upstream applied.
+    pub effects: u64,
+    /// Keys the upstream applied more than once whose earlier calls no
+    /// client ever read: cut off by a kill (lease mode's limit).
+    pub reapplied_unrecorded: u64,
+    /// Held keys applied more than once: a gateway killed between the
+    /// upstream's 500 and the hold (lease mode's limit, as above).
+    pub held_reapplied: u64,
+    /// `kill -9` of a gateway.
+    pub kills: u64,
+    /// SIGTERM of a gateway.
+    pub sigterms: u64,
+    /// Gateway restarts.
+    pub restarts: u64,
+    /// Seconds the run took.
+    pub duration_secs: f64,
+    /// Every property that failed; empty when all held.
+    pub violations: Vec<String>,
+}
+
+/// Finds or builds the `idem` binary.
+pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
+    if let Some(p) = explicit {
+        return Ok(p.clone());
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(&root)
+        .args(["build", "-p", "idem-cli", "--bin", "idem", "--message-format=json"]);
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
+    if !out.status.success() {
+        return Err(Error::Service("building idem failed".into()));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "idem")
+        .filter_map(|v| v["executable"].as_str().map(PathBuf::from))
+        .last()
+        .ok_or_else(|| Error::Service("cargo reported no idem executable".into()))
+}
+
+/// The upstream's memory: every effect per (tenant, key), in order.
+#[derive(Clone, Default)]
+struct Upstream {
+    seq: Arc<AtomicU64>,
+    effects: Arc<Mutex<HashMap<(String, String), Vec<u64>>>>,
+}
+
+/// Applies the request (a new effect number), then answers 201 naming it
+/// and the tenant, after a delay the path asks for; `/v1/fail` answers 500
+/// after applying.
+async fn apply(State(u): State<Upstream>, uri: Uri, headers: HeaderMap, body: Bytes) -> axum::response::Response {
+    let tenant = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .to_owned();
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let delay = uri
+        .query()
+        .and_then(|q| q.strip_prefix("delay_ms="))
+        .and_then(|d| d.parse::<u64>().ok())
+        .unwrap_or(0);
+    let effect = u.seq.fetch_add(1, Ordering::SeqCst) + 1;
+    u.effects
+        .lock()
+        .unwrap()
+        .entry((tenant.clone(), key.clone()))
+        .or_default()
+        .push(effect);
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    let answer =
+        serde_json::json!({ "effect": effect, "tenant": tenant, "key": key, "body": String::from_utf8_lossy(&body) });
+    let status = if uri.path() == "/v1/fail" {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::CREATED
+    };
+    (status, [("content-type", "application/json")], answer.to_string()).into_response()
+}
+
+async fn start_upstream() -> Result<(String, Upstream), Error> {
+    let upstream = Upstream::default();
+    let app = Router::new()
+        .fallback(axum::routing::post(apply))
+        .with_state(upstream.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((format!("http://{addr}"), upstream))
+}
+
+/// One gateway process on a fixed port.
+struct Instance {
+    port: u16,
+    child: Option<tokio::process::Child>,
+}
+
+struct Gateways {
+    bin: PathBuf,
+    config: PathBuf,
+    upstream: String,
+    store: String,
+    instances: Vec<Instance>,
+}
+
+impl Gateways {
+    async fn start(&mut self, i: usize) -> Result<(), Error> {
+        let port = self.instances[i].port;
+        let child = tokio::process::Command::new(&self.bin)
+            .args(["gateway", "--upstream", &self.upstream, "--store", &self.store])
+            .arg("--config")
+            .arg(&self.config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        self.instances[i].child = Some(child);
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(1)).build()?;
+        for _ in 0..600 {
+            if client
+                .get(format!("http://127.0.0.1:{port}/_idem/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Err(Error::Service(format!(
+            "the gateway on port {port} did not become healthy"
+        )))
+    }
+
+    fn signal(&self, i: usize, signal: &str) {
+        if let Some(pid) = self.instances[i].child.as_ref().and_then(tokio::process::Child::id) {
+            let _ = std::process::Command::new("kill")
+                .args([signal, &pid.to_string()])
+                .status();
+        }
+    }
+
+    async fn wait_exit(&mut self, i: usize, limit: Duration) {
+        if let Some(child) = self.instances[i].child.as_mut() {
+            if tokio::time::timeout(limit, child.wait()).await.is_err() {
+                let _ = child.kill().await;
+            }
+        }
+        self.instances[i].child = None;
+    }
+}
+
+/// What a client saw of one logical operation.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Effects whose whole 201 answer a caller read.
+    answers: Vec<u64>,
+    held: bool,
+    ok: bool,
+}
+
+/// One logical operation.
+#[derive(Debug, Clone)]
+struct Op {
+    tenant: String,
+    key: String,
+    path: String,
+    body: String,
+}
+
+#[derive(Default)]
+struct Tally {
+    retries: AtomicU64,
+    replays: AtomicU64,
+    in_flight: AtomicU64,
+    connection_failures: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+enum Attempt {
+    /// A whole 201: the effect it names, whether it was a replay.
+    Answered(u64, String),
+    /// 409 outcome unknown.
+    Held,
+    /// Try again.
+    Again,
+}
+
+async fn attempt(client: &reqwest::Client, base: &str, op: &Op, patience: Option<Duration>, tally: &Tally) -> Attempt {
+    let send = client
+        .post(format!("{base}{}", op.path))
+        .bearer_auth(&op.tenant)
+        .header("idempotency-key", format!("\"{}\"", op.key))
+        .header("content-type", "application/json")
+        .body(op.body.clone())
+        .send();
+    let read = async {
+        let r = send.await?;
+        let status = r.status().as_u16();
+        let replayed = r.headers().get("idempotent-replayed").is_some();
+        let text = r.text().await?;
+        Ok::<_, reqwest::Error>((status, replayed, text))
+    };
+    let result = match patience {
+        Some(p) => match tokio::time::timeout(p, read).await {
+            Ok(r) => r,
+            Err(_) => {
+                tally.abandoned.fetch_add(1, Ordering::Relaxed);
+                return Attempt::Again;
+            }
+        },
+        None => read.await,
+    };
+    match result {
+        Ok((201, replayed, text)) => {
+            if replayed {
+                tally.replays.fetch_add(1, Ordering::Relaxed);
+            }
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+            Attempt::Answered(
+                v["effect"].as_u64().unwrap_or(0),
+                v["tenant"].as_str().unwrap_or("").to_owned(),
+            )
+        }
+        Ok((409, _, text)) if text.contains("idempotency-outcome-unknown") => Attempt::Held,
+        Ok((409, _, _)) => {
+            tally.in_flight.fetch_add(1, Ordering::Relaxed);
+            Attempt::Again
+        }
+        Ok(_) => Attempt::Again,
+        Err(_) => {
+            tally.connection_failures.fetch_add(1, Ordering::Relaxed);
+            Attempt::Again
+        }
+    }
+}
+
+/// Sends `op` until it is answered or held, through either gateway, for
+/// at most `deadline`; answers read go to `seen`. Cross-tenant answers are
+/// violations.
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    client: &reqwest::Client,
+    bases: &[String],
+    op: &Op,
+    rng: &mut Rng,
+    deadline: Instant,
+    impatient: bool,
+    seen: &Mutex<HashMap<(String, String), Seen>>,
+    violations: &Mutex<Vec<String>>,
+    tally: &Tally,
+) {
+    let mut first = true;
+    while Instant::now() < deadline {
+        if !first {
+            tally.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(rng.range(20, 200))).await;
+        }
+        first = false;
+        let base = &bases[rng.range(0, bases.len() as u64) as usize];
+        let patience = (impatient && rng.chance(0.1)).then(|| Duration::from_millis(rng.range(5, 300)));
+        match attempt(client, base, op, patience, tally).await {
+            Attempt::Answered(effect, tenant) => {
+                if tenant != op.tenant {
+                    violations.lock().unwrap().push(format!(
+                        "key {}: tenant {} read an answer made for tenant {tenant}",
+                        op.key, op.tenant
+                    ));
+                }
+                let mut seen = seen.lock().unwrap();
+                let s = seen.entry((op.tenant.clone(), op.key.clone())).or_default();
+                s.answers.push(effect);
+                s.ok = true;
+                return;
+            }
+            Attempt::Held => {
+                seen.lock()
+                    .unwrap()
+                    .entry((op.tenant.clone(), op.key.clone()))
+                    .or_default()
+                    .held = true;
+                return;
+            }
+            Attempt::Again => {}
+        }
+    }
+}
+
+const GATEWAY_CONFIG: &str = r#"
+upstream_timeout_secs = 5
+
+[tenant]
+source = "credentials"
+credentials = ["authorization"]
+
+[defaults]
+ttl_secs = 3600
+lease_ms = 2000
+wait_ms = 1000
+
+[[routes]]
+method = "POST"
+path = "/v1/orders"
+
+[[routes]]
+method = "POST"
+path = "/v1/fail"
+"#;
+
+/// Runs the gateway mode once.
+pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> {
+    let started = Instant::now();
+    let bin = idem_binary(config.idem_bin.as_ref())?;
+    let run = uuid::Uuid::now_v7().simple().to_string();
+    let (upstream_url, upstream) = start_upstream().await?;
+    let (store, extra) = match config.store {
+        GatewayStore::Postgres => (config.postgres_url.clone(), String::new()),
+        GatewayStore::Redis => (
+            config.redis_url.clone(),
+            format!("\n[redis]\nprefix = \"chaos-gw-{run}\"\n"),
+        ),
+    };
+    let config_path = std::env::temp_dir().join(format!("chaos-gateway-{run}.toml"));
+    std::fs::write(&config_path, format!("{GATEWAY_CONFIG}{extra}"))?;
+    let mut gateways = Gateways {
+        bin,
+        config: config_path.clone(),
+        upstream: upstream_url,
+        store,
+        instances: Vec::new(),
+    };
+    for _ in 0..2 {
+        let port = crate::free_port().await?;
+        gateways.instances.push(Instance { port, child: None });
+    }
+    for i in 0..2 {
+        gateways.start(i).await?;
+    }
+    let bases: Vec<String> = gateways
+        .instances
+        .iter()
+        .map(|g| format!("http://127.0.0.1:{}", g.port))
+        .collect();
+    let mut report = GatewayReport {
+        seed: config.seed,
+        store: config.store.name().to_owned(),
+        ..GatewayReport::default()
+    };
+
+    // The schedule: tenants share key names, so a gateway that did not
+    // scope keys by tenant would replay one tenant's answer to another.
+    let mut rng = Rng::new(config.seed);
+    let tenants: Vec<String> = (0..config.tenants).map(|t| format!("tenant{t}-{run}")).collect();
+    // Two operations per key name, each of a random tenant: of one
+    // tenant, the second is a retry of the first from another client.
+    let mut ops: Vec<Op> = Vec::with_capacity(config.ops);
+    for j in 0..config.ops.div_ceil(2) {
+        let fail = rng.chance(0.02);
+        let delay = if rng.chance(0.2) { rng.range(50, 1_500) } else { 0 };
+        for _ in 0..2 {
+            if ops.len() == config.ops {
+                break;
+            }
+            ops.push(Op {
+                tenant: tenants[rng.range(0, tenants.len() as u64) as usize].clone(),
+                key: format!("k{j}-{run}"),
+                path: format!("/v1/{}?delay_ms={delay}", if fail { "fail" } else { "orders" }),
+                body: format!("{{\"op\":{j}}}"),
+            });
+        }
+    }
+    let seen: Arc<Mutex<HashMap<(String, String), Seen>>> = Arc::default();
+    let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+    let tally = Arc::new(Tally::default());
+    let next = Arc::new(AtomicU64::new(0));
+    let ops = Arc::new(ops);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .pool_max_idle_per_host(0)
+        .build()?;
+
+    // Faults: kill -9 (mostly) or SIGTERM one gateway, restart it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let faults = {
+        let stop = stop.clone();
+        let mut rng = rng.fork(7);
+        let interval = config.fault_interval_ms;
+        tokio::spawn(async move {
+            let (mut kills, mut sigterms, mut restarts) = (0u64, 0u64, 0u64);
+            while !stop.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(rng.range(interval / 2, interval * 3 / 2))).await;
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let i = rng.range(0, 2) as usize;
+                if rng.chance(0.25) {
+                    gateways.signal(i, "-TERM");
+                    sigterms += 1;
+                    gateways.wait_exit(i, Duration::from_secs(15)).await;
+                } else {
+                    gateways.signal(i, "-KILL");
+                    kills += 1;
+                    gateways.wait_exit(i, Duration::from_secs(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(rng.range(50, 500))).await;
+                if gateways.start(i).await.is_ok() {
+                    restarts += 1;
+                }
+            }
+            (gateways, kills, sigterms, restarts)
+        })
+    };
+
+    let clients: Vec<_> = (0..config.clients)
+        .map(|c| {
+            let (ops, next, seen, violations, tally, client, bases) = (
+                ops.clone(),
+                next.clone(),
+                seen.clone(),
+                violations.clone(),
+                tally.clone(),
+                client.clone(),
+                bases.clone(),
+            );
+            let mut rng = rng.fork(100 + c as u64);
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst) as usize;
+                    let Some(op) = ops.get(i) else { break };
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    drive(
+                        &client,
+                        &bases,
+                        op,
+                        &mut rng,
+                        deadline,
+                        true,
+                        &seen,
+                        &violations,
+                        &tally,
+                    )
+                    .await;
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let _ = c.await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let (mut gateways, kills, sigterms, restarts) = faults
+        .await
+        .map_err(|e| Error::Service(format!("the fault task failed: {e}")))?;
+    report.kills = kills;
+    report.sigterms = sigterms;
+    report.restarts = restarts;
+    for i in 0..2 {
+        if gateways.instances[i].child.is_none() {
+            gateways.start(i).await?;
+        }
+    }
+
+    // Quiesce: every operation not yet answered or held is driven to its
+    // end without faults (a claim cut off by a kill runs out its lease).
+    let mut final_rng = rng.fork(999);
+    for op in ops.iter() {
+        let done = seen
+            .lock()
+            .unwrap()
+            .get(&(op.tenant.clone(), op.key.clone()))
+            .is_some_and(|s| s.ok || s.held);
+        if !done {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            drive(
+                &client,
+                &bases,
+                op,
+                &mut final_rng,
+                deadline,
+                false,
+                &seen,
+                &violations,
+                &tally,
+            )
+            .await;
+        }
+    }
+    for i in 0..2 {
+        gateways.signal(i, "-TERM");
+        gateways.wait_exit(i, Duration::from_secs(15)).await;
+    }
+    let _ = std::fs::remove_file(&config_path);
+
+    // The checks.
+    let effects = upstream.effects.lock().unwrap().clone();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    let mut violations = std::mem::take(&mut *violations.lock().unwrap());
+    let mut distinct: BTreeMap<(String, String), ()> = BTreeMap::new();
+    for op in ops.iter() {
+        distinct.insert((op.tenant.clone(), op.key.clone()), ());
+    }
+    report.ops = ops.len() as u64;
+    for ((tenant, key), s) in &seen {
+        let applied = effects
+            .get(&(tenant.clone(), format!("\"{key}\"")))
+            .cloned()
+            .unwrap_or_default();
+        let mut answers = s.answers.clone();
+        answers.sort_unstable();
+        answers.dedup();
+        if answers.len() > 1 {
+            violations.push(format!("{tenant}/{key}: callers read different answers {answers:?}"));
+        }
+        if let Some(&read) = answers.first() {
+            if !applied.contains(&read) {
+                violations.push(format!(
+                    "{tenant}/{key}: an answer names effect {read}, not this key's {applied:?}"
+                ));
+            }
+            // Read whole means recorded: nothing may be applied after it.
+            if let Some(after) = applied.iter().find(|&&e| e > read) {
+                violations.push(format!(
+                    "{tenant}/{key}: effect {after} applied after effect {read} was recorded and read"
+                ));
+            }
+        }
+        if s.held && applied.is_empty() {
+            violations.push(format!("{tenant}/{key}: held as an unknown outcome but never applied"));
+        }
+        if s.held && applied.len() > 1 {
+            // A kill between the upstream's 500 and the hold leaves the
+            // claim to its lease, and a retry then applies it again.
+            report.held_reapplied += 1;
+        } else if applied.len() > 1 && answers.first().is_none_or(|r| applied.iter().any(|e| e < r)) {
+            report.reapplied_unrecorded += 1;
+        }
+    }
+    for (t, k) in distinct.keys() {
+        let s = seen.get(&(t.clone(), k.clone()));
+        if s.is_some_and(|s| s.held) {
+            report.held += 1;
+        } else if s.is_some_and(|s| s.ok) {
+            report.ok += 1;
+        } else {
+            report.unanswered += 1;
+        }
+    }
+    if report.unanswered > 0 {
+        violations.push(format!(
+            "{} operations never got an answer, even after the faults stopped",
+            report.unanswered
+        ));
+    }
+    report.effects = effects.values().map(|v| v.len() as u64).sum();
+    report.retries = tally.retries.load(Ordering::Relaxed);
+    report.replays_seen = tally.replays.load(Ordering::Relaxed);
+    report.in_flight_seen = tally.in_flight.load(Ordering::Relaxed);
+    report.connection_failures = tally.connection_failures.load(Ordering::Relaxed);
+    report.abandoned = tally.abandoned.load(Ordering::Relaxed);
+    report.violations = violations;
+    report.duration_secs = started.elapsed().as_secs_f64();
+    Ok(report)
+}
