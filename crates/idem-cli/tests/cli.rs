@@ -59,13 +59,13 @@ async fn operator_commands(url: &str, outbox: bool) {
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["applied"], false);
     if outbox {
-        // A SQL store: version 1 is pending, and nothing was created.
-        assert_eq!(json["pending"], serde_json::json!([1]), "{json}");
+        // A SQL store: every version from 1 is pending, and nothing was created.
+        assert_eq!(json["pending"][0], 1, "{json}");
         assert!(json["sql"][0].as_str().unwrap().contains("CREATE TABLE"), "{json}");
         let (code, json, out) = idem(&["migrate", "--store", url, "--dry-run", "--json"]);
         assert_eq!(
-            (code, &json["pending"]),
-            (0, &serde_json::json!([1])),
+            (code, &json["pending"][0]),
+            (0, &serde_json::json!(1)),
             "still pending: {out}"
         );
     } else {
