@@ -269,7 +269,11 @@ async fn concurrent_migrations_at(isolation: Isolation) {
     .iter()
     .map(|row| row.get(0))
     .collect();
-    assert_eq!(versions, vec![1], "each version is applied and recorded exactly once");
+    assert_eq!(
+        versions,
+        vec![1, 2],
+        "each version is applied and recorded exactly once"
+    );
 }
 
 /// Concurrent migrations at READ COMMITTED.
@@ -539,4 +543,58 @@ async fn purge_never_deletes_a_row_claimed_under_it() {
         .unwrap()
         .expect("the claimed row is there");
     assert_eq!(row.state, RowState::Done(Record::completed(b"new".to_vec())));
+}
+
+/// A version-1 keys table (its check allows status 0 to 2) is upgraded to
+/// version 2 in place: its rows are kept and status 3 (an unknown
+/// outcome) is then accepted; anything else is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_1_table_is_upgraded_keeping_its_rows() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let t = table.as_str();
+    for statement in [
+        format!(
+            "CREATE TABLE {t}_schema (version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at_ms BIGINT NOT NULL)"
+        ),
+        format!("INSERT INTO {t}_schema VALUES (1, 'keys table and expiry index', 0)"),
+        format!(
+            "CREATE TABLE {t} (tenant TEXT COLLATE \"C\" NOT NULL, operation TEXT COLLATE \"C\" NOT NULL, \
+             idem_key TEXT COLLATE \"C\" NOT NULL, fingerprint BYTEA NOT NULL CHECK (octet_length(fingerprint) = 32), \
+             status SMALLINT NOT NULL CHECK (status IN (0, 1, 2)), token BIGINT NOT NULL, payload BYTEA NULL, \
+             created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, lease_expires_at_ms BIGINT NULL, \
+             PRIMARY KEY (tenant, operation, idem_key))"
+        ),
+        format!("INSERT INTO {t} VALUES ('t', 'o', 'k', decode(repeat('00', 32), 'hex'), 1, 7, 'ok', 1, 99, NULL)"),
+    ] {
+        sqlx::query(AssertSqlSafe(statement.clone()))
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    let store = PgStore::new(pool.clone()).with_table(table.clone());
+    store.migrate().await.expect("upgrade");
+    let row: (i16, i64, Vec<u8>) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, token, payload FROM {t} WHERE idem_key = 'k'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .expect("the row is kept");
+    assert_eq!(row, (1, 7, b"ok".to_vec()));
+    let insert = |status: i16, key: &str| {
+        format!(
+            "INSERT INTO {t} VALUES ('t', 'o', '{key}', decode(repeat('00', 32), 'hex'), {status}, 8, NULL, 1, 99, NULL)"
+        )
+    };
+    sqlx::query(AssertSqlSafe(insert(3, "k3")))
+        .execute(&pool)
+        .await
+        .expect("status 3 is accepted after the upgrade");
+    assert!(
+        sqlx::query(AssertSqlSafe(insert(4, "k4")))
+            .execute(&pool)
+            .await
+            .is_err(),
+        "status 4 is still refused"
+    );
 }

@@ -384,7 +384,7 @@ async fn migrate_is_versioned_and_safe_concurrently() {
         .fetch_all(a.pool())
         .await
         .expect("versions");
-    assert_eq!(versions, vec![1], "each version applied exactly once");
+    assert_eq!(versions, vec![1, 2], "each version applied exactly once");
     let index: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'payments_keys' AND sql LIKE '%expires_at_ms%'",
     )
@@ -403,7 +403,7 @@ async fn migrate_is_versioned_and_safe_concurrently() {
     );
 }
 
-/// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code.
+/// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code (0 to 3).
 #[tokio::test]
 async fn schema_refuses_malformed_rows() {
     let db = TempDb::new();
@@ -419,10 +419,10 @@ async fn schema_refuses_malformed_rows() {
     assert!(short.is_err(), "a 31-byte fingerprint is refused");
     let unknown = sqlx::query(insert)
         .bind(vec![0u8; 32])
-        .bind(3i64)
+        .bind(4i64)
         .execute(store.pool())
         .await;
-    assert!(unknown.is_err(), "status 3 is refused");
+    assert!(unknown.is_err(), "status 4 is refused");
     let mapped = store_error(unknown.unwrap_err());
     assert_eq!(mapped.store_kind(), Some(StoreErrorKind::Other));
 }
@@ -447,4 +447,53 @@ async fn concurrent_first_opens_succeed() {
             task.await.expect("task").expect("open and migrate");
         }
     }
+}
+
+/// A version-1 keys table (status 0 to 2 only) is upgraded to version 2 in
+/// place: its rows and expiry index are kept, and status 3 (an unknown
+/// outcome) is then accepted.
+#[tokio::test]
+async fn version_1_table_is_upgraded_keeping_its_rows() {
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.path).await.expect("open");
+    for statement in [
+        "CREATE TABLE idem_keys_schema (version INTEGER PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at_ms INTEGER NOT NULL) STRICT",
+        "INSERT INTO idem_keys_schema VALUES (1, 'keys table and expiry index', 0)",
+        "CREATE TABLE idem_keys (tenant TEXT NOT NULL, operation TEXT NOT NULL, idem_key TEXT NOT NULL,
+            fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
+            status INTEGER NOT NULL CHECK (status IN (0, 1, 2)), token INTEGER NOT NULL, payload BLOB,
+            created_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, lease_expires_at_ms INTEGER,
+            PRIMARY KEY (tenant, operation, idem_key)) STRICT",
+        "CREATE INDEX idem_keys_expires_at_ms_idx ON idem_keys (expires_at_ms)",
+        "INSERT INTO idem_keys VALUES ('t', 'o', 'k', zeroblob(32), 1, 7, x'6f6b', 1, 99, NULL)",
+    ] {
+        sqlx::query(statement).execute(store.pool()).await.expect(statement);
+    }
+    let pending: Vec<i64> = store
+        .pending_migrations()
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.version)
+        .collect();
+    assert_eq!(pending, vec![2]);
+    store.migrate().await.expect("upgrade");
+    let row: (i64, i64, Vec<u8>, i64) =
+        sqlx::query_as("SELECT status, token, payload, expires_at_ms FROM idem_keys WHERE idem_key = 'k'")
+            .fetch_one(store.pool())
+            .await
+            .expect("the row is kept");
+    assert_eq!(row, (1, 7, b"ok".to_vec(), 99));
+    let index: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'idem_keys' AND sql LIKE '%expires_at_ms%'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(index, 1, "the expiry index exists");
+    sqlx::query("INSERT INTO idem_keys VALUES ('t', 'o', 'k2', zeroblob(32), 3, 8, NULL, 1, 99, NULL)")
+        .execute(store.pool())
+        .await
+        .expect("status 3 is accepted after the upgrade");
+    assert!(store.pending_migrations().await.unwrap().is_empty());
 }
