@@ -89,6 +89,10 @@ pub struct GatewayConfig {
     pub postgres_url: String,
     /// Redis URL.
     pub redis_url: String,
+    /// Run the gateways with `[tenant] source = "anonymous"`: every caller
+    /// shares one key space (the checker must then report cross-tenant
+    /// answers).
+    pub break_tenancy: bool,
 }
 
 impl GatewayConfig {
@@ -105,6 +109,7 @@ impl GatewayConfig {
             postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
             redis_url: std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+            break_tenancy: false,
         }
     }
 }
@@ -472,7 +477,14 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         ),
     };
     let config_path = std::env::temp_dir().join(format!("chaos-gateway-{run}.toml"));
-    std::fs::write(&config_path, format!("{GATEWAY_CONFIG}{extra}"))?;
+    let mut text = format!("{GATEWAY_CONFIG}{extra}");
+    if config.break_tenancy {
+        text = text.replace(
+            "source = \"credentials\"\ncredentials = [\"authorization\"]",
+            "source = \"anonymous\"",
+        );
+    }
+    std::fs::write(&config_path, text)?;
     let mut gateways = Gateways {
         bin,
         config: config_path.clone(),

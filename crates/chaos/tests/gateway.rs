@@ -47,3 +47,22 @@ async fn gateway_chaos_on_postgres() {
 async fn gateway_chaos_on_redis() {
     short_run(GatewayStore::Redis).await;
 }
+
+/// The checker can fail: gateways that scope nobody's keys (an anonymous
+/// tenant for every caller) replay one tenant's answer to another, and the
+/// run must say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gateway_checker_can_fail() {
+    let seed = seed();
+    let mut config = GatewayConfig::new(GatewayStore::Postgres, seed);
+    config.ops = 200;
+    config.break_tenancy = true;
+    let report = run_gateway(config)
+        .await
+        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
+    assert!(
+        report.violations.iter().any(|v| v.contains("made for tenant")),
+        "seed {seed}: no cross-tenant answer reported: {:#?}",
+        report.violations
+    );
+}
