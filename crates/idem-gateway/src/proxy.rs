@@ -214,8 +214,10 @@ impl Proxy {
         self.forwarding
             .apply(&mut parts.headers, parts.extensions.get::<Peer>(), host);
         let holds = self.unknowns.holds(&parts.method, parts.uri.path());
-        let whole = Arc::new(AtomicBool::new(false));
         let length = http_body::Body::size_hint(&body).exact();
+        // An empty body is whole as soon as the request's head is sent: a
+        // connection may never ask for it.
+        let whole = Arc::new(AtomicBool::new(length == Some(0)));
         let watched = Watched {
             inner: body.into_data_stream(),
             sent: 0,
@@ -233,10 +235,13 @@ impl Proxy {
         let unknown =
             |what: String| (holds && whole.load(Ordering::SeqCst)).then_some(idem_http::OutcomeUnknown { note: what });
         let sent = match sent {
-            Err(e) if !is_slow_body(&e) => match unknown(format!("the upstream did not answer: {e}")) {
-                Some(held) => return held_failure(&e, held),
-                None => Err(e),
-            },
+            // A request that never got a connection never reached the upstream.
+            Err(e) if !is_slow_body(&e) && !e.is_connect() => {
+                match unknown(format!("the upstream did not answer: {e}")) {
+                    Some(held) => return held_failure(&e, held),
+                    None => Err(e),
+                }
+            }
             other => other,
         };
         match sent {

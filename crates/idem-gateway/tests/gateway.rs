@@ -81,6 +81,46 @@ async fn a_5xx_is_never_recorded() {
     assert_eq!(state.flaky.load(Ordering::SeqCst), 2);
 }
 
+/// Under the default `hold`, a request with an empty body that the upstream
+/// answered 500 is held like any other: its retry is a 409 and the upstream
+/// is called once. An upstream that cannot be connected to never got the
+/// request: its key stays free (502, then 502 again, never 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_empty_body_is_held_after_a_500_and_a_refused_connection_is_not() {
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (t, k) = (fresh(), fresh());
+    let auth = format!("Bearer {t}");
+    let (status, _, _) = send_with(
+        &g.base,
+        "DELETE",
+        "/v1/orders/1?status=500",
+        &[("authorization", &auth)],
+        Some(&k),
+        "",
+    )
+    .await;
+    assert_eq!(status, 500);
+    let (status, headers, body) = send_with(
+        &g.base,
+        "DELETE",
+        "/v1/orders/1?status=500",
+        &[("authorization", &auth)],
+        Some(&k),
+        "",
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(headers["content-type"], "application/problem+json");
+    assert!(body.contains("idempotency-outcome-unknown"), "{body}");
+    assert_eq!(state.calls(), 1, "the upstream was called once");
+    let down = start_gateway("http://127.0.0.1:9", &sqlite_store(), BEARER).await;
+    for _ in 0..2 {
+        let (status, _, body) = send(&down.base, "/v1/payments", &t, Some(&k), "{}").await;
+        assert_eq!(status, 502, "{body}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unreachable_upstream_is_a_502_problem() {
     let g = start_gateway("http://127.0.0.1:9", &sqlite_store(), BEARER).await;
