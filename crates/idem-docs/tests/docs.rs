@@ -477,7 +477,17 @@ impl Nats {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("starting {bin}: {e}"));
-        Nats(child, store)
+        let nats = Nats(child, store);
+        // The page's commands connect at once: wait until the server listens.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{bin} did not listen on 127.0.0.1:{port} within 20 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        nats
     }
 }
 
