@@ -154,6 +154,11 @@ enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
+    /// Dead letters of JetStream inbox consumers: list, redrive.
+    Events {
+        #[command(subcommand)]
+        command: events::EventsCommand,
+    },
 }
 
 /// The dead-letter table and which of its rows a command selects.
@@ -618,6 +623,8 @@ macro_rules! say {
     }};
 }
 
+mod events;
+
 fn print(json: bool, value: serde_json::Value, text: String) {
     if json {
         say!("{value}");
@@ -1022,6 +1029,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             );
         }
         Command::Dlq { command } => return dlq(command, json).await,
+        Command::Events { command } => return events::run(command, json).await,
     }
     Ok(())
 }

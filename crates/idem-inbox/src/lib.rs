@@ -102,6 +102,11 @@ impl<B: TxBackend> Inbox<B> {
         self
     }
 
+    /// The tenant the inbox's keys are scoped to.
+    pub fn tenant(&self) -> &Tenant {
+        &self.tenant
+    }
+
     /// How long event ids are kept, in seconds.
     pub fn ttl_secs(&self) -> u64 {
         self.policy.ttl_secs()

@@ -1,6 +1,7 @@
 //! A JetStream pull consumer that applies each message through an inbox.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,14 +11,36 @@ use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use bytes::Bytes;
-use futures_util::StreamExt;
-use idem_core::{BoxFuture, Contention, TxBackend};
+use futures_util::{FutureExt, StreamExt};
+use idem_core::{BoxFuture, Contention, Tenant, TxBackend};
 use idem_inbox::{Delivery, Inbox};
+use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 /// The header that carries the event id (set by the outbox relay).
 pub const MSG_ID: &str = "Nats-Msg-Id";
+/// On a dead letter and on a redriven copy: the original event id.
+pub const EVENT_ID: &str = "Idem-Event-Id";
+/// On a redriven copy: the one handler that is to run it again (every other
+/// consumer of the subject acknowledges it without running anything).
+pub const REDRIVE: &str = "Idem-Redrive";
+
+/// What the consumer records in the inbox for an event: `None` (JSON
+/// `null`) when the handler's writes committed, `Some` when the event was
+/// kept as a dead letter instead. Either way an ordinary redelivery does not
+/// run the handler; only a redrive ([`crate::redrive`]) runs a dead-lettered
+/// event, once.
+pub type Recorded = Option<DeadLettered>;
+
+/// The inbox's record of an event kept as a dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLettered {
+    /// Deliveries made before it was kept.
+    pub dead_lettered_after: i64,
+    /// Why (the last failure).
+    pub error: String,
+}
 
 /// One message, as the handler sees it.
 #[derive(Debug, Clone)]
@@ -48,6 +71,11 @@ pub enum HandlerError {
     /// permanent; anything else is transient.
     #[error(transparent)]
     Idem(#[from] idem_core::Error),
+    /// The handler panicked: a transient failure, counted toward
+    /// `max_deliveries` like any other, so a handler that always panics
+    /// ends as a dead letter.
+    #[error("the handler panicked: {0}")]
+    Panicked(String),
 }
 
 impl HandlerError {
@@ -63,7 +91,7 @@ impl HandlerError {
 
     fn is_permanent(&self) -> bool {
         match self {
-            Self::Retry(_) => false,
+            Self::Retry(_) | Self::Panicked(_) => false,
             Self::Reject(_) => true,
             Self::Idem(e) => matches!(
                 e,
@@ -73,6 +101,14 @@ impl HandlerError {
                     | idem_core::Error::RecordTooLarge { .. }
             ),
         }
+    }
+}
+
+impl HandlerError {
+    /// Another delivery of the same event is being handled right now: this
+    /// delivery did not run the handler, so it never makes a dead letter.
+    fn is_in_flight(&self) -> bool {
+        matches!(self, Self::Idem(idem_core::Error::InFlight { .. }))
     }
 }
 
@@ -101,7 +137,14 @@ pub struct ConsumerOptions {
     /// its metrics.
     pub handler: String,
     /// Deliveries after which a message that keeps failing becomes a dead
-    /// letter.
+    /// letter. It counts the server's deliveries of the message (its
+    /// `delivered` count), which include deliveries the handler never saw
+    /// (a copy redelivered after `ack_wait` while it waited in the client's
+    /// buffer, a copy that came while another ran the handler). Only a
+    /// delivery whose handler ran and failed makes a dead letter: a copy
+    /// that finds the event in flight elsewhere is delivered again later, so
+    /// the handler always gets at least one run before a dead letter, and a
+    /// handler that keeps failing gets up to `max_deliveries` runs.
     pub max_deliveries: i64,
     /// The delay before the n-th redelivery after a transient failure (the
     /// last one repeats).
@@ -180,6 +223,7 @@ struct Inner<B: TxBackend> {
     progress_every: Duration,
     pull_batch: usize,
     pull_expires: Duration,
+    redrive_tenant: Tenant,
     handler: Box<Handler<B>>,
 }
 
@@ -196,6 +240,11 @@ impl<B: TxBackend> std::fmt::Debug for InboxConsumer<B> {
 enum Handled {
     Applied,
     Duplicate,
+    /// A redelivery of an event kept as a dead letter: not run again.
+    DuplicateDeadLetter,
+    Redriven,
+    /// A redriven copy meant for another handler.
+    NotMine,
     Retried,
     DeadLettered,
 }
@@ -205,6 +254,9 @@ impl Handled {
         match self {
             Handled::Applied => "applied",
             Handled::Duplicate => "duplicate",
+            Handled::DuplicateDeadLetter => "duplicate_dead_letter",
+            Handled::Redriven => "redriven",
+            Handled::NotMine => "redrive_for_another_handler",
             Handled::Retried => "retried",
             Handled::DeadLettered => "dead_lettered",
         }
@@ -221,12 +273,25 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
     /// - the consumer must acknowledge explicitly;
     /// - its `max_deliver` must be unlimited (-1): this consumer bounds
     ///   deliveries itself, and a message whose dead letter could not be
-    ///   stored must come back rather than be dropped;
-    /// - the dead-letter subject must be one a message can be published to;
-    /// - the inbox's key TTL must cover the redelivery horizon,
-    ///   `max_deliveries × (ack_wait + the longest retry delay)`, plus the
-    ///   stream's duplicate window (a relay may publish a copy up to that
-    ///   long after the first).
+    ///   stored must come back rather than be dropped (a server-side bound
+    ///   would drop it silently, so none is safe);
+    /// - the dead-letter subject must be one a message can be published to,
+    ///   and a stream must capture it (otherwise no dead letter could ever
+    ///   be stored and every permanent failure would loop);
+    /// - the stream must remove messages by age (`max_age`), no later than
+    ///   the inbox forgets their ids: a consumer killed between its commit
+    ///   and its ack gets the message again whenever it next pulls, for as
+    ///   long as the stream keeps it, so only `max_age` bounds when a
+    ///   redelivery can come;
+    /// - `max_age` must outlast the delivery schedule of a message that
+    ///   keeps failing, `max_deliveries` × the longest of the consumer's ack
+    ///   wait (or server-side `backoff` step) and the retry delay, so that
+    ///   it becomes a dead letter before the stream drops it.
+    ///
+    /// A relay that republishes an event after a crash (between the
+    /// server's PubAck and marking the row sent) stores a new copy once the
+    /// duplicate window has passed, and that copy lives `max_age` from then:
+    /// see `RelayOptions::stale_unsent_after` in `idem-outbox`.
     ///
     /// Warns (does not refuse) when the duplicate window is under two
     /// minutes: relays that republish after a crash then create copies the
@@ -243,6 +308,8 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
     {
         idem_core::Operation::new(options.handler.as_str())
             .map_err(|e| ConsumerError::Config(format!("handler name: {e}")))?;
+        let redrive_tenant = Tenant::new(format!("{}.redrive", inbox.tenant().as_str()))
+            .map_err(|e| ConsumerError::Config(format!("the inbox tenant is too long for its redrive keys: {e}")))?;
         if options.max_deliveries < 1 || options.concurrency == 0 || options.batch == 0 {
             return Err(ConsumerError::Config(
                 "max_deliveries, concurrency and batch must be at least 1".into(),
@@ -271,6 +338,24 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
         idem_core::OutboxEvent::new(options.dead_letter_subject.as_str(), Vec::new()).map_err(|e| {
             ConsumerError::Config(format!("dead-letter subject {:?}: {e}", options.dead_letter_subject))
         })?;
+        let dead_stream = js
+            .stream_by_subject(options.dead_letter_subject.clone())
+            .await
+            .map_err(|e| match e.kind() {
+                async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound => ConsumerError::Config(format!(
+                    "no stream captures the dead-letter subject {:?}: create one that does, or no dead letter \
+                     could be stored and a message that cannot succeed would be delivered for ever",
+                    options.dead_letter_subject
+                )),
+                _ => ConsumerError::Nats(e.to_string()),
+            })?;
+        if dead_stream == info.stream_name {
+            return Err(ConsumerError::Config(format!(
+                "the dead-letter subject {:?} is in the consumer's own stream {:?}: dead letters would be \
+                 delivered to the handler again",
+                options.dead_letter_subject, info.stream_name
+            )));
+        }
         // The server refuses pull requests over the consumer's own limits.
         let mut pull_batch = options.batch.min(options.concurrency);
         if config.max_batch > 0 {
@@ -284,31 +369,15 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
             .get_stream(&info.stream_name)
             .await
             .map_err(|e| ConsumerError::Nats(e.to_string()))?;
-        let duplicate_window = stream
+        let stream_config = stream
             .info()
             .await
             .map_err(|e| ConsumerError::Nats(e.to_string()))?
             .config
-            .duplicate_window;
-        let longest_delay = options.retry_delays.iter().max().copied().unwrap_or_default();
-        let per_delivery = config.ack_wait + longest_delay;
-        let horizon = per_delivery
-            .saturating_mul(u32::try_from(options.max_deliveries).unwrap_or(u32::MAX))
-            .saturating_add(duplicate_window);
+            .clone();
+        let duplicate_window = stream_config.duplicate_window;
         let ttl = Duration::from_secs(inbox.ttl_secs());
-        if ttl < horizon {
-            return Err(ConsumerError::Config(format!(
-                "the inbox keeps event ids for {} s, but a message can be delivered again up to {} s later \
-                 ({} deliveries × (ack_wait {} s + retry delay {} s) + duplicate window {} s): \
-                 raise the inbox TTL or lower the bounds",
-                ttl.as_secs(),
-                horizon.as_secs(),
-                options.max_deliveries,
-                config.ack_wait.as_secs(),
-                longest_delay.as_secs(),
-                duplicate_window.as_secs()
-            )));
-        }
+        check_horizon(&options, config, &info.stream_name, stream_config.max_age, ttl)?;
         if duplicate_window < Duration::from_secs(120) {
             tracing::warn!(
                 stream = %info.stream_name,
@@ -329,6 +398,7 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                 progress_every,
                 pull_batch,
                 pull_expires,
+                redrive_tenant,
                 handler: Box::new(handler),
             }),
             consumer,
@@ -413,12 +483,30 @@ impl<B: TxBackend + Clone> Inner<B> {
     async fn handle(&self, message: async_nats::jetstream::Message) {
         let handler = self.options.handler.as_str();
         let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
-        let id = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(MSG_ID))
-            .map(|v| v.as_str().to_owned());
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+        };
+        let redrive = header(REDRIVE);
+        if redrive.as_deref().is_some_and(|h| h != handler) {
+            let handled = self.ack(&message, AckKind::Ack, Handled::NotMine).await;
+            self.count(handled);
+            return;
+        }
+        // A redriven copy names the original event; anything else is the
+        // event itself.
+        let id = if redrive.is_some() {
+            header(EVENT_ID)
+        } else {
+            header(MSG_ID)
+        };
         let outcome = match id {
+            None if redrive.is_some() => Err(HandlerError::reject(format!(
+                "the redriven copy has no {EVENT_ID} header"
+            ))),
             None => Err(HandlerError::reject(format!("the message has no {MSG_ID} header"))),
             Some(id) => {
                 let event = Arc::new(Event {
@@ -427,36 +515,111 @@ impl<B: TxBackend + Clone> Inner<B> {
                     payload: message.payload.clone(),
                     delivered,
                 });
-                self.apply(&message, event).await
+                let work = async {
+                    if redrive.is_some() {
+                        self.redrive(event).await
+                    } else {
+                        self.apply(event).await
+                    }
+                };
+                self.with_progress(&message, work).await
             }
         };
         let handled = match outcome {
-            Ok(Delivery::Applied(())) => self.ack(&message, AckKind::Ack, Handled::Applied).await,
-            Ok(Delivery::Duplicate(())) => self.ack(&message, AckKind::Ack, Handled::Duplicate).await,
+            Ok(handled) => self.ack(&message, AckKind::Ack, handled).await,
+            // Another delivery of the event is running the handler: this one
+            // ran nothing, so it does not count toward a dead letter.
+            Err(e) if e.is_in_flight() => {
+                let delay = self.options.retry_delay(1);
+                tracing::debug!(handler, delivered, "event in flight elsewhere; redelivering later");
+                self.ack(&message, AckKind::Nak(Some(delay)), Handled::Retried).await
+            }
             Err(e) if !e.is_permanent() && delivered < self.options.max_deliveries => {
                 let delay = self.options.retry_delay(delivered);
                 tracing::warn!(handler, delivered, error = %e, delay_ms = delay.as_millis() as u64, "handler failed; redelivering later");
                 self.ack(&message, AckKind::Nak(Some(delay)), Handled::Retried).await
             }
-            Err(e) => self.dead_letter(&message, delivered, &e).await,
+            Err(e) => self.dead_letter(&message, redrive.is_some(), delivered, &e).await,
         };
+        self.count(handled);
+    }
+
+    fn count(&self, handled: Handled) {
         metrics::counter!("idem_consumer_messages_total", "handler" => self.options.handler.clone(), "outcome" => handled.label())
             .increment(1);
     }
 
-    /// Runs the handler through the inbox while a ticker tells the server
-    /// the message is still being worked on.
-    async fn apply(
-        &self,
-        message: &async_nats::jetstream::Message,
-        event: Arc<Event>,
-    ) -> Result<Delivery<()>, HandlerError> {
-        let (id, payload) = (event.id.clone(), event.payload.clone());
-        let work = self
+    /// The handler's future for one run, with a panic (while building the
+    /// future or while polling it) turned into [`HandlerError::Panicked`]:
+    /// the transaction rolls back and the failure counts like any other.
+    fn guarded<'c>(&self, tx: &'c mut B::Tx, event: Arc<Event>) -> BoxFuture<'c, Result<Recorded, HandlerError>> {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| (self.handler)(tx, event))) {
+            Err(panic) => Box::pin(std::future::ready(Err(panicked(panic.as_ref())))),
+            Ok(work) => Box::pin(async move {
+                match AssertUnwindSafe(work).catch_unwind().await {
+                    Ok(result) => result.map(|()| None),
+                    Err(panic) => Err(panicked(panic.as_ref())),
+                }
+            }),
+        }
+    }
+
+    /// Runs the handler through the inbox, once per event.
+    async fn apply(&self, event: Arc<Event>) -> Result<Handled, HandlerError> {
+        let delivery = self
             .inbox
-            .process(&self.options.handler, &id, &payload, |tx: &mut B::Tx| {
-                (self.handler)(tx, event.clone())
-            });
+            .process(&self.options.handler, &event.id, &event.payload, |tx: &mut B::Tx| {
+                self.guarded(tx, event.clone())
+            })
+            .await?;
+        Ok(match delivery {
+            Delivery::Applied(_) => Handled::Applied,
+            Delivery::Duplicate(None) => Handled::Duplicate,
+            Delivery::Duplicate(Some(_)) => Handled::DuplicateDeadLetter,
+        })
+    }
+
+    /// Runs a redriven event: through its own inbox key when the inbox has
+    /// no record of it (its dead letter could not be closed there), through
+    /// the redrive key (tenant `<inbox tenant>.redrive`) when it was kept
+    /// as a dead letter, and not at all when it was applied. Each key is
+    /// claimed once, so however many copies are redriven, the handler's
+    /// writes commit once.
+    async fn redrive(&self, event: Arc<Event>) -> Result<Handled, HandlerError> {
+        let handler = self.options.handler.as_str();
+        let first = self
+            .inbox
+            .process(handler, &event.id, &event.payload, |tx: &mut B::Tx| {
+                self.guarded(tx, event.clone())
+            })
+            .await?;
+        match first {
+            Delivery::Applied(_) => return Ok(Handled::Redriven),
+            Delivery::Duplicate(None) => return Ok(Handled::Duplicate),
+            Delivery::Duplicate(Some(_)) => {}
+        }
+        let delivery = self
+            .inbox
+            .process_in(
+                &self.redrive_tenant,
+                handler,
+                &event.id,
+                &event.payload,
+                |tx: &mut B::Tx| self.guarded(tx, event.clone()),
+            )
+            .await?;
+        Ok(match delivery {
+            Delivery::Applied(_) => {
+                tracing::info!(handler, event_id = %event.id, "dead letter redriven and applied");
+                Handled::Redriven
+            }
+            Delivery::Duplicate(_) => Handled::Duplicate,
+        })
+    }
+
+    /// Awaits `work` while a ticker tells the server the message is still
+    /// being worked on.
+    async fn with_progress<T>(&self, message: &async_nats::jetstream::Message, work: impl Future<Output = T>) -> T {
         tokio::pin!(work);
         let mut ticker = tokio::time::interval(self.progress_every);
         ticker.tick().await;
@@ -492,20 +655,30 @@ impl<B: TxBackend + Clone> Inner<B> {
     /// dead-letter subject (with why and how many deliveries), and only once
     /// the server stored it, terminates the original. If the copy cannot be
     /// stored, the original is delivered again later instead of being lost.
+    ///
+    /// The inbox records the event as dead-lettered ([`DeadLettered`]), not
+    /// as applied: a redelivery still runs nothing, and a redrive can tell
+    /// the two apart. A redriven copy that fails again leaves its redrive
+    /// key unused, so its new dead letter can be redriven again.
     async fn dead_letter(
         &self,
         message: &async_nats::jetstream::Message,
+        redriven: bool,
         delivered: i64,
         error: &HandlerError,
     ) -> Handled {
         let mut headers = HeaderMap::new();
-        let original_id = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(MSG_ID))
-            .map(|v| v.as_str().to_owned());
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+        };
+        let message_id = header(MSG_ID);
+        let original_id = if redriven { header(EVENT_ID) } else { message_id.clone() };
         if let Some(id) = &original_id {
-            headers.insert("Idem-Event-Id", id.as_str());
+            headers.insert(EVENT_ID, id.as_str());
         }
         headers.insert("Idem-Handler", self.options.handler.as_str());
         headers.insert("Idem-Subject", message.subject.as_str());
@@ -517,8 +690,13 @@ impl<B: TxBackend + Clone> Inner<B> {
             .take(500)
             .collect();
         headers.insert("Idem-Error", reason.as_str());
+        if redriven {
+            headers.insert("Idem-Redriven", "true");
+        }
         let mut publish = Publish::build().headers(headers).payload(message.payload.clone());
-        if let Some(id) = &original_id {
+        // Deduplicated on the copy's own id: a redriven copy that fails
+        // again is a new dead letter, not a duplicate of the first.
+        if let Some(id) = &message_id {
             publish = publish.message_id(format!("{}:{id}", self.options.handler));
         }
         let stored = match self
@@ -532,19 +710,25 @@ impl<B: TxBackend + Clone> Inner<B> {
         match stored {
             Ok(()) => {
                 tracing::error!(handler = %self.options.handler, delivered, error = %error, "message kept as a dead letter");
-                // Close the event in the inbox, so that if the termination
-                // below is lost and the message comes back, the handler does
-                // not run after its dead letter was kept (best effort: with
-                // the database down, the termination alone stands).
-                if let Some(id) = &original_id {
+                // Record the event as dead-lettered in the inbox, so that if
+                // the termination below is lost and the message comes back,
+                // the handler does not run after its dead letter was kept
+                // (best effort: with the database down, the termination
+                // alone stands, and a redrive runs it through its own key).
+                if let (Some(id), false) = (&original_id, redriven) {
+                    let mark = DeadLettered {
+                        dead_lettered_after: delivered,
+                        error: reason.clone(),
+                    };
                     let closed = self
                         .inbox
                         .process(&self.options.handler, id, &message.payload, |_tx: &mut B::Tx| {
-                            Box::pin(async { Ok::<(), HandlerError>(()) })
+                            let mark = mark.clone();
+                            Box::pin(async move { Ok::<Recorded, HandlerError>(Some(mark)) })
                         })
                         .await;
                     if let Err(e) = closed {
-                        tracing::debug!(error = %e, "dead letter not closed in the inbox");
+                        tracing::debug!(error = %e, "dead letter not recorded in the inbox");
                     }
                 }
                 if let Err(e) = message.double_ack_with(AckKind::Term).await {
@@ -563,4 +747,73 @@ impl<B: TxBackend + Clone> Inner<B> {
             }
         }
     }
+}
+
+/// The text of a panic's payload.
+fn panicked(panic: &(dyn std::any::Any + Send)) -> HandlerError {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text payload".into());
+    HandlerError::Panicked(text)
+}
+
+/// Refuses an inbox that could forget an event while the stream can still
+/// deliver it, and a stream that could drop a failing message before it
+/// becomes a dead letter.
+fn check_horizon(
+    options: &ConsumerOptions,
+    config: &async_nats::jetstream::consumer::Config,
+    stream: &str,
+    max_age: Duration,
+    ttl: Duration,
+) -> Result<(), ConsumerError> {
+    if max_age.is_zero() {
+        return Err(ConsumerError::Config(format!(
+            "the stream {stream:?} keeps messages for ever (max_age unlimited), but the inbox forgets event ids \
+             after {} s: a message redelivered later would run the handler again; set the stream's max_age to \
+             at most the inbox TTL",
+            ttl.as_secs()
+        )));
+    }
+    if ttl < max_age {
+        return Err(ConsumerError::Config(format!(
+            "the inbox keeps event ids for {} s, but the stream {stream:?} can deliver a message again up to \
+             {} s (its max_age) after it was stored: raise the inbox TTL or lower the stream's max_age",
+            ttl.as_secs(),
+            max_age.as_secs()
+        )));
+    }
+    let schedule = delivery_schedule(options, config);
+    if max_age < schedule {
+        return Err(ConsumerError::Config(format!(
+            "a message that keeps failing is delivered {} times over up to {} s (ack wait or backoff, and the \
+             retry delays), but the stream {stream:?} drops it after {} s (max_age), before its dead letter is \
+             kept: raise max_age or lower the bounds",
+            options.max_deliveries,
+            schedule.as_secs(),
+            max_age.as_secs()
+        )));
+    }
+    Ok(())
+}
+
+/// How long a message that keeps failing can take to reach its last
+/// delivery: per delivery, the longer of the server's redelivery wait (the
+/// consumer's `backoff` step for that delivery, else its `ack_wait`) and
+/// the retry delay the consumer asks for.
+fn delivery_schedule(options: &ConsumerOptions, config: &async_nats::jetstream::consumer::Config) -> Duration {
+    let mut total = Duration::ZERO;
+    for delivered in 1..=options.max_deliveries.min(10_000) {
+        let i = usize::try_from(delivered - 1).unwrap_or(usize::MAX);
+        let server = config
+            .backoff
+            .get(i)
+            .or(config.backoff.last())
+            .copied()
+            .unwrap_or(config.ack_wait);
+        total = total.saturating_add(server.max(options.retry_delay(delivered)));
+    }
+    total
 }

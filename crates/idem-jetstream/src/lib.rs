@@ -15,13 +15,22 @@
 //!   with a delay; after a bounded number of deliveries, or at once for a
 //!   message that can never succeed, the message is published to a
 //!   dead-letter subject and terminated. Long handlers send progress acks.
-//!   At start the consumer checks that its settings, the stream's
-//!   duplicate window and the inbox's key TTL cover the redelivery horizon.
+//!   A panicking handler is a failing one. At start the consumer checks
+//!   that the stream's `max_age` bounds the redelivery horizon within the
+//!   inbox's key TTL, and that a stream captures its dead letters.
+//! - [`dead_letters`] and [`redrive`]: a dead-lettered event is recorded
+//!   as such in the inbox (an ordinary redelivery still runs nothing); a
+//!   redrive publishes it again for its handler alone, which runs it once.
 
 mod consumer;
 mod publisher;
+mod redrive;
 
-pub use consumer::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, MSG_ID, handler};
+pub use consumer::{
+    ConsumerError, ConsumerOptions, DeadLettered, EVENT_ID, Event, HandlerError, InboxConsumer, MSG_ID, REDRIVE,
+    Recorded, handler,
+};
 pub use publisher::JetStreamPublisher;
+pub use redrive::{DeadLetterFilter, RedriveOptions, RedriveReport, StoredDeadLetter, dead_letters, redrive};
 
 pub use async_nats;

@@ -11,8 +11,12 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use idem_core::{BoxFuture, IdempotencyKey, OutboxBatch, OutboxEvent, OutboxStore, TableName, TxBackend, TxEngine};
+use idem_inbox::Delivery;
 use idem_inbox::Inbox;
-use idem_jetstream::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, JetStreamPublisher};
+use idem_jetstream::{
+    ConsumerError, ConsumerOptions, DeadLetterFilter, Event, HandlerError, InboxConsumer, JetStreamPublisher, Recorded,
+    RedriveOptions,
+};
 use idem_outbox::{Publisher, Relay, RelayOptions};
 
 fn nats_url() -> String {
@@ -59,6 +63,8 @@ impl Broker {
             name: b.stream.clone(),
             subjects: vec![format!("{}.>", b.subjects)],
             duplicate_window,
+            // Within the inbox's TTL: only max_age bounds a redelivery.
+            max_age: Duration::from_secs(3_600),
             storage: stream::StorageType::Memory,
             ..Default::default()
         })
@@ -337,6 +343,43 @@ macro_rules! events_suite {
                         .fetch_one(&self.pool)
                         .await
                         .expect("count effects")
+                }
+
+                /// What the inbox recorded for `handler`'s event `id` (the
+                /// handler must have seen it): `None` applied, `Some` a dead letter.
+                async fn recorded(&self, handler: &str, id: &str) -> Recorded {
+                    let delivery = self
+                        .inbox()
+                        .process(handler, id, br#"{"v":1}"#, |_tx| {
+                            Box::pin(async { Err::<Recorded, _>(idem_core::Error::Config("not recorded".into())) })
+                        })
+                        .await
+                        .expect("a recorded outcome");
+                    match delivery {
+                        Delivery::Duplicate(recorded) => recorded,
+                        Delivery::Applied(_) => unreachable!("the probe fails when it runs"),
+                    }
+                }
+
+                /// Publishes a copy of event `id` under `msg_id`, as a redrive
+                /// for `redrive` when given.
+                async fn publish_copy(&self, id: &str, msg_id: &str, redrive: Option<&str>) {
+                    let mut headers = async_nats::HeaderMap::new();
+                    if let Some(handler) = redrive {
+                        headers.insert(idem_jetstream::REDRIVE, handler);
+                        headers.insert(idem_jetstream::EVENT_ID, id);
+                    }
+                    let publish = async_nats::jetstream::message::PublishMessage::build()
+                        .headers(headers)
+                        .message_id(msg_id)
+                        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
+                    self.broker
+                        .js
+                        .send_publish(self.broker.subject("created"), publish)
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
                 }
 
                 async fn unsent(&self) -> u64 {
@@ -670,20 +713,223 @@ macro_rules! events_suite {
                 );
                 assert_eq!(seen.get(&poison), Some(&1), "a permanent failure is not retried");
                 assert!(s.broker.settled("flaky").await, "both were terminated");
-                // Each dead letter is closed in the inbox: if its termination
-                // were lost, a redelivery would not run the handler.
+                // Each dead letter is recorded as such in the inbox: if its
+                // termination were lost, a redelivery would not run the handler.
                 for dead_id in [&id, &poison] {
-                    let again = s
-                        .inbox()
-                        .process("flaky", dead_id, br#"{"v":1}"#, |_tx| {
-                            Box::pin(async { Ok::<(), idem_core::Error>(()) })
-                        })
-                        .await
-                        .unwrap();
-                    assert!(!again.is_applied(), "{dead_id} is closed");
+                    assert!(
+                        s.recorded("flaky", dead_id).await.is_some(),
+                        "{dead_id} is closed"
+                    );
                 }
                 s.broker.cleanup().await;
                 let _ = &s.tag;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_panicking_handler_ends_as_a_dead_letter_after_its_bound() {
+                // A panic, in the handler's future or before it, is a failure
+                // like any other: counted, then kept as a dead letter.
+                let s = subject(Duration::from_secs(120)).await;
+                let late = s.enqueue("late", true).await;
+                let early = s.enqueue("early", true).await;
+                let relays = Relays::start(1, &s.outbox, &s.broker.js);
+                eventually("sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let mut options = s.options("panicky");
+                options.max_deliveries = 2;
+                options.retry_delays = vec![Duration::from_millis(50)];
+                let consumer = s.broker.consumer("panicky", Duration::from_secs(1)).await;
+                let runs = Arc::new(std::sync::Mutex::new(BTreeMap::<String, i64>::new()));
+                let seen = runs.clone();
+                let work = handler::<$store, _>(move |_tx, event| {
+                    *seen.lock().unwrap().entry(event.id.clone()).or_default() += 1;
+                    if event.subject.ends_with(".early") {
+                        panic!("the handler panicked before its future");
+                    }
+                    Box::pin(async move {
+                        tokio::task::yield_now().await;
+                        if !event.id.is_empty() {
+                            panic!("the handler panicked in its future");
+                        }
+                        Ok(())
+                    })
+                });
+                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
+                    .await
+                    .expect("start");
+                let running = Running::start(consumer);
+                eventually("both are dead letters", || async {
+                    s.broker
+                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .len()
+                        == 2
+                })
+                .await;
+                // Longer than the ack wait: nothing comes back.
+                tokio::time::sleep(Duration::from_millis(2_500)).await;
+                running.stop().await;
+                let runs = runs.lock().unwrap().clone();
+                assert_eq!(runs.get(&late), Some(&2), "{runs:?}");
+                assert_eq!(runs.get(&early), Some(&2), "{runs:?}");
+                assert_eq!(
+                    s.broker
+                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .len(),
+                    2
+                );
+                assert!(s.broker.settled("panicky").await, "both were terminated");
+                for id in [&late, &early] {
+                    let mark = s
+                        .recorded("panicky", id)
+                        .await
+                        .expect("recorded as a dead letter");
+                    assert!(mark.error.contains("panicked"), "{mark:?}");
+                }
+                s.broker.cleanup().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_dead_letter_is_not_an_applied_event_and_a_redrive_applies_it_once() {
+                // Recorded as dead-lettered, not run by an ordinary
+                // redelivery even once its cause is fixed, run exactly once
+                // by a redrive (however many copies), and by no other handler.
+                let s = subject(Duration::from_secs(1)).await;
+                let id = s.enqueue("created", true).await;
+                let relays = Relays::start(1, &s.outbox, &s.broker.js);
+                eventually("sent", || async { s.unsent().await == 0 }).await;
+                relays.stop().await;
+                let broken = Arc::new(std::sync::atomic::AtomicBool::new(true));
+                let mut options = s.options("projection");
+                options.max_deliveries = 2;
+                options.retry_delays = vec![Duration::from_millis(50)];
+                let consumer = s.broker.consumer("projection", Duration::from_secs(5)).await;
+                let (effects, down) = (s.effects.clone(), broken.clone());
+                let work = handler::<$store, _>(move |tx, event| {
+                    let (effects, down) = (effects.clone(), down.clone());
+                    Box::pin(async move {
+                        if down.load(std::sync::atomic::Ordering::SeqCst) {
+                            return Err(HandlerError::retry("the database is down"));
+                        }
+                        sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
+                            .bind("projection")
+                            .bind(event.id.clone())
+                            .execute(&mut **tx)
+                            .await
+                            .map_err(HandlerError::retry)?;
+                        Ok(())
+                    })
+                });
+                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
+                    .await
+                    .expect("start");
+                let running = Running::start(consumer);
+                let notifier = Running::start(s.consumer("notifier", s.options("notifier")).await);
+                eventually("a dead letter", || async {
+                    s.broker
+                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .len()
+                        == 1
+                })
+                .await;
+                eventually("the other handler applied it", || async {
+                    s.effects("notifier", &id).await == 1
+                })
+                .await;
+                let mark = s
+                    .recorded("projection", &id)
+                    .await
+                    .expect("recorded as a dead letter, not as applied");
+                assert_eq!(mark.dead_lettered_after, 2);
+                assert!(mark.error.contains("the database is down"), "{mark:?}");
+
+                // The cause is fixed; an ordinary redelivery still runs nothing.
+                broken.store(false, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1_200)).await;
+                s.publish_copy(&id, &id, None).await;
+                eventually("the copy is acknowledged", || s.broker.settled("projection")).await;
+                assert_eq!(
+                    s.effects("projection", &id).await,
+                    0,
+                    "a redelivery does not run it"
+                );
+
+                let dead = s.broker.dead_stream.clone();
+                let filter = DeadLetterFilter {
+                    handler: Some("projection".into()),
+                    limit: 10,
+                    ..Default::default()
+                };
+                let letters = idem_jetstream::dead_letters(&s.broker.js, &dead, &filter)
+                    .await
+                    .unwrap();
+                assert_eq!(letters.len(), 1, "{letters:?}");
+                assert_eq!(letters[0].event_id.as_deref(), Some(id.as_str()));
+                assert_eq!(letters[0].deliveries, Some(2));
+                let other = DeadLetterFilter {
+                    handler: Some("notifier".into()),
+                    limit: 10,
+                    ..Default::default()
+                };
+                assert!(
+                    idem_jetstream::dead_letters(&s.broker.js, &dead, &other)
+                        .await
+                        .unwrap()
+                        .is_empty()
+                );
+
+                let options = RedriveOptions {
+                    max: 10,
+                    per_second: 50,
+                };
+                let report = idem_jetstream::redrive(&s.broker.js, &dead, &filter, options)
+                    .await
+                    .unwrap();
+                assert_eq!(report.redriven, vec![letters[0].seq], "{report:?}");
+                eventually("the redrive applied it", || async {
+                    s.effects("projection", &id).await == 1
+                })
+                .await;
+                // More copies of the redrive (a second operator, a retry of
+                // the command) and another ordinary redelivery.
+                tokio::time::sleep(Duration::from_millis(1_200)).await;
+                s.publish_copy(&id, "another-redrive", Some("projection")).await;
+                s.publish_copy(&id, "yet-another-redrive", Some("projection"))
+                    .await;
+                s.publish_copy(&id, &id, None).await;
+                eventually("every copy is acknowledged", || async {
+                    s.broker.settled("projection").await && s.broker.settled("notifier").await
+                })
+                .await;
+                running.stop().await;
+                notifier.stop().await;
+                assert_eq!(
+                    s.effects("projection", &id).await,
+                    1,
+                    "one effect from the redrive"
+                );
+                assert_eq!(
+                    s.effects("notifier", &id).await,
+                    1,
+                    "the other handler ignores redrives"
+                );
+                assert!(
+                    idem_jetstream::dead_letters(&s.broker.js, &dead, &filter)
+                        .await
+                        .unwrap()
+                        .is_empty()
+                );
+                assert_eq!(
+                    s.broker
+                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .len(),
+                    0,
+                    "the redriven letter left the dead-letter stream"
+                );
+                s.broker.cleanup().await;
             }
         }
     };
@@ -763,7 +1009,9 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
     let short = Inbox::new(TxEngine::new(store.clone())).with_policy(idem_core::Policy::default().with_ttl_secs(60));
     let consumer = broker.consumer("short", Duration::from_secs(30)).await;
     let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
-    let err = InboxConsumer::start(broker.js.clone(), consumer, short, ConsumerOptions::new("short"), work)
+    let mut options = ConsumerOptions::new("short");
+    options.dead_letter_subject = format!("{}.short", broker.dead_subject);
+    let err = InboxConsumer::start(broker.js.clone(), consumer, short, options, work)
         .await
         .expect_err("refused");
     let ConsumerError::Config(message) = err else {
@@ -787,17 +1035,230 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
         .await
         .unwrap();
     let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+    let mut options = ConsumerOptions::new("bounded");
+    options.dead_letter_subject = format!("{}.bounded", broker.dead_subject);
     let err = InboxConsumer::start(
         broker.js.clone(),
         bounded,
         Inbox::new(TxEngine::new(store)),
-        ConsumerOptions::new("bounded"),
+        options,
         work,
     )
     .await
     .expect_err("refused");
     assert!(err.to_string().contains("max_deliver"), "{err}");
     broker.cleanup().await;
+}
+
+/// Only the stream's max_age bounds when a message can come back (a
+/// consumer killed between its commit and its ack gets it whenever it next
+/// pulls): a stream that keeps messages for ever, or longer than the inbox
+/// keeps ids, is refused whatever the delivery bounds, and so is one that
+/// would drop a failing message before its last delivery (the retry delays
+/// counted, an empty list as the 1 s it waits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
+    let tag = tag();
+    let broker = Broker::new(&tag, Duration::from_secs(1)).await;
+    let (store, _outbox, _pool) = open_sqlite(&tag).await;
+    store.migrate().await.unwrap();
+    let inbox = |ttl_secs: u64| {
+        Inbox::new(TxEngine::new(store.clone())).with_policy(idem_core::Policy::default().with_ttl_secs(ttl_secs))
+    };
+    let stream_with = |name: &str, max_age: Duration| {
+        let js = broker.js.clone();
+        let (name, subjects) = (format!("{name}_{tag}"), format!("{}_{tag}.>", name.to_lowercase()));
+        async move {
+            js.create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![subjects],
+                duplicate_window: Duration::from_secs(1),
+                max_age,
+                storage: stream::StorageType::Memory,
+                ..Default::default()
+            })
+            .await
+            .expect("create the stream")
+        }
+    };
+    let consumer_on = |stream: stream::Stream| async move {
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some("c".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(1),
+                max_deliver: -1,
+                ..Default::default()
+            })
+            .await
+            .expect("create the consumer")
+    };
+    let options = |max_deliveries: i64, retry_delays: Vec<Duration>| {
+        let mut o = ConsumerOptions::new("h");
+        o.dead_letter_subject = format!("{}.h", broker.dead_subject);
+        o.max_deliveries = max_deliveries;
+        o.retry_delays = retry_delays;
+        o
+    };
+    let work = || handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+
+    // Kept for ever: a 3 s TTL (which the delivery bounds alone would
+    // cover: 1 × (1 s + 0) + 1 s) and even seven days are refused.
+    let forever = stream_with("FOREVER", Duration::ZERO).await;
+    for ttl in [3, 7 * 86_400] {
+        let c = consumer_on(forever.clone()).await;
+        let err = InboxConsumer::start(broker.js.clone(), c, inbox(ttl), options(1, vec![]), work())
+            .await
+            .expect_err("an unlimited max_age is refused");
+        assert!(err.to_string().contains("max_age unlimited"), "{err}");
+    }
+
+    // Kept a minute, ids kept 30 s: refused; kept two minutes: accepted.
+    let minute = stream_with("MINUTE", Duration::from_secs(60)).await;
+    let c = consumer_on(minute.clone()).await;
+    let err = InboxConsumer::start(broker.js.clone(), c, inbox(30), options(1, vec![]), work())
+        .await
+        .expect_err("a TTL under max_age is refused");
+    assert!(err.to_string().contains("keeps event ids for 30 s"), "{err}");
+    let c = consumer_on(minute.clone()).await;
+    InboxConsumer::start(
+        broker.js.clone(),
+        c,
+        inbox(120),
+        options(3, vec![Duration::from_secs(1)]),
+        work(),
+    )
+    .await
+    .expect("max_age within the TTL, and longer than the delivery schedule");
+
+    // Retry delays past it are refused (a server-side backoff counts the
+    // same way, where the server accepts one with an unlimited
+    // max_deliver; 2.9 does not), and an empty list counts as the 1 s it
+    // waits.
+    minute.delete_consumer("c").await.unwrap();
+    let c = consumer_on(minute.clone()).await;
+    let err = InboxConsumer::start(
+        broker.js.clone(),
+        c,
+        inbox(120),
+        options(2, vec![Duration::from_secs(45)]),
+        work(),
+    )
+    .await
+    .expect_err("retry delays past max_age are refused");
+    assert!(err.to_string().contains("90 s"), "{err}");
+    minute.delete_consumer("c").await.unwrap();
+    let c = consumer_on(minute.clone()).await;
+    let err = InboxConsumer::start(broker.js.clone(), c, inbox(120), options(61, vec![]), work())
+        .await
+        .expect_err("61 deliveries of at least 1 s each outlast a 60 s max_age");
+    assert!(err.to_string().contains("61 s"), "{err}");
+
+    for name in ["FOREVER", "MINUTE"] {
+        let _ = broker.js.delete_stream(format!("{name}_{tag}")).await;
+    }
+    broker.cleanup().await;
+}
+
+/// A dead-letter subject that no stream captures could never keep a dead
+/// letter (every permanent failure would loop): refused at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
+    let tag = tag();
+    let broker = Broker::new(&tag, Duration::from_secs(120)).await;
+    let (store, _outbox, _pool) = open_sqlite(&tag).await;
+    store.migrate().await.unwrap();
+    let work = || handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+    let mut options = ConsumerOptions::new("h");
+    options.dead_letter_subject = format!("nowhere_{tag}.dead");
+    let consumer = broker.consumer("h", Duration::from_secs(5)).await;
+    let err = InboxConsumer::start(
+        broker.js.clone(),
+        consumer,
+        Inbox::new(TxEngine::new(store.clone())),
+        options,
+        work(),
+    )
+    .await
+    .expect_err("refused");
+    let ConsumerError::Config(message) = err else {
+        panic!("{err:?}")
+    };
+    assert!(message.contains("no stream captures"), "{message}");
+    // Nor may the dead letters land in the consumer's own stream.
+    let mut options = ConsumerOptions::new("h");
+    options.dead_letter_subject = broker.subject("dead");
+    let consumer = broker.consumer("h", Duration::from_secs(5)).await;
+    let err = InboxConsumer::start(
+        broker.js.clone(),
+        consumer,
+        Inbox::new(TxEngine::new(store)),
+        options,
+        work(),
+    )
+    .await
+    .expect_err("refused");
+    assert!(err.to_string().contains("own stream"), "{err}");
+    broker.cleanup().await;
+}
+
+/// A relay batch larger than the engine takes bound values in one statement
+/// (65,535 on MySQL/MariaDB, 32,766 on SQLite) is still marked sent: the
+/// marks go in bounded statements, so rows are not republished every pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_batch_over_the_engines_bound_values_is_marked_sent() {
+    const ROWS: usize = 66_000;
+    let tag = tag();
+    let (_store, outbox, pool) = open_mysql(&tag).await;
+    outbox.migrate().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO outbox_{tag} (event_id, subject, payload, created_at_ms) \
+         SELECT CONCAT('e', seq), 'x.y', '{{}}', 0 FROM seq_1_to_{ROWS}"
+    )))
+    .execute(&pool)
+    .await
+    .expect("fill the MariaDB outbox (sequence engine)");
+    let batch = outbox.take(70_000).await.unwrap();
+    assert_eq!(batch.messages().len(), ROWS);
+    let sent: Vec<i64> = batch.messages().iter().map(|m| m.seq).collect();
+    batch
+        .finish(
+            sent,
+            idem_core::RetryBackoff {
+                min_ms: 100,
+                max_ms: 1_000,
+            },
+        )
+        .await
+        .expect("every row marked sent");
+    assert_eq!(outbox.lag().await.unwrap().unsent, 0);
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE outbox_{tag}")))
+        .execute(&pool)
+        .await;
+
+    let (_store, outbox, pool) = open_sqlite(&tag).await;
+    outbox.migrate().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 40000) \
+         INSERT INTO outbox_{tag} (event_id, subject, payload, created_at_ms) SELECT 'e' || i, 'x.y', X'7B7D', 0 FROM n"
+    )))
+    .execute(&pool)
+    .await
+    .expect("fill the SQLite outbox");
+    let batch = outbox.take(50_000).await.unwrap();
+    assert_eq!(batch.messages().len(), 40_000);
+    let sent: Vec<i64> = batch.messages().iter().map(|m| m.seq).collect();
+    batch
+        .finish(
+            sent,
+            idem_core::RetryBackoff {
+                min_ms: 100,
+                max_ms: 1_000,
+            },
+        )
+        .await
+        .expect("every row marked sent");
+    assert_eq!(outbox.lag().await.unwrap().unsent, 0);
 }
 
 #[test]

@@ -188,6 +188,10 @@ impl fmt::Debug for MySqlOutboxBatch {
     }
 }
 
+/// Row sequences marked per statement: under every engine's limit of bound
+/// values, whatever the relay's batch size.
+const MARK_CHUNK: usize = 1_000;
+
 impl OutboxBatch for MySqlOutboxBatch {
     fn messages(&self) -> &[OutboxMessage] {
         &self.messages
@@ -205,20 +209,22 @@ impl OutboxBatch for MySqlOutboxBatch {
                 .map(|m| m.seq)
                 .filter(|s| !sent.contains(s))
                 .collect();
-            if !sent.is_empty() {
-                let list = vec!["?"; sent.len()].join(", ");
+            // In bounded statements: a prepared statement takes at most
+            // 65,535 placeholders, and a relay's batch may be larger.
+            for chunk in sent.chunks(MARK_CHUNK) {
+                let list = vec!["?"; chunk.len()].join(", ");
                 let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_sent)));
-                for seq in &sent {
+                for seq in chunk {
                     query = query.bind(*seq);
                 }
                 query.execute(&mut *tx).await.map_err(store_error)?;
             }
-            if !failed.is_empty() {
-                let list = vec!["?"; failed.len()].join(", ");
+            for chunk in failed.chunks(MARK_CHUNK) {
+                let list = vec!["?"; chunk.len()].join(", ");
                 let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_failed)))
                     .bind(backoff.max_ms.max(1))
                     .bind(backoff.min_ms.max(1));
-                for seq in &failed {
+                for seq in chunk {
                     query = query.bind(*seq);
                 }
                 query.execute(&mut *tx).await.map_err(store_error)?;

@@ -35,7 +35,8 @@
 //!
 //! Metrics (label `outbox`, the relay's configured name):
 //! `idem_outbox_published_total`, `idem_outbox_publish_failures_total`,
-//! `idem_outbox_purged_total` (counters), `idem_outbox_unsent` and
+//! `idem_outbox_purged_total`, `idem_outbox_stale_unsent_at_start_total`
+//! (counters), `idem_outbox_unsent` and
 //! `idem_outbox_oldest_unsent_age_seconds` (gauges).
 
 use std::future::Future;
@@ -120,6 +121,15 @@ pub struct RelayOptions {
     /// The longest one batch may take to publish; what is unconfirmed then
     /// counts as failed. Keep it shorter than a SQLite outbox's relay lease.
     pub publish_timeout: Duration,
+    /// Rows unsent for longer than this are reported when the relay starts
+    /// (an error log and `idem_outbox_stale_unsent_at_start_total`): a row
+    /// the broker stored before a crash and that was not marked sent is
+    /// published again, as a new copy once the broker's duplicate window
+    /// has passed, which consumers may receive for as long as the stream
+    /// keeps it. Set it to the consumers' inbox TTL minus the stream's
+    /// `max_age`: an older row can reach a consumer after its inbox forgot
+    /// the event. `None`: no check.
+    pub stale_unsent_after: Option<Duration>,
 }
 
 impl Default for RelayOptions {
@@ -134,6 +144,7 @@ impl Default for RelayOptions {
             purge_batch: 1_000,
             housekeeping_every: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(10),
+            stale_unsent_after: None,
         }
     }
 }
@@ -243,6 +254,32 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         Ok(lag)
     }
 
+    /// Whether the outbox holds rows unsent for longer than
+    /// [`RelayOptions::stale_unsent_after`]: if so, says so loudly (an error
+    /// log, `idem_outbox_stale_unsent_at_start_total`) and answers the lag.
+    /// [`run`](Self::run) checks once at start.
+    pub async fn check_stale(&self) -> Result<Option<OutboxLag>, RelayError> {
+        let Some(limit) = self.options.stale_unsent_after else {
+            return Ok(None);
+        };
+        let lag = self.store.lag().await?;
+        let age_ms = lag.oldest_unsent_age_ms.unwrap_or(0);
+        if u128::try_from(age_ms).unwrap_or(0) <= limit.as_millis() {
+            return Ok(None);
+        }
+        metrics::counter!("idem_outbox_stale_unsent_at_start_total", "outbox" => self.options.name.clone())
+            .increment(1);
+        tracing::error!(
+            outbox = %self.options.name,
+            unsent = lag.unsent,
+            oldest_unsent_age_s = age_ms / 1000,
+            limit_s = limit.as_secs(),
+            "unsent rows older than the consumers' inbox horizon: one that was published before a crash may now \
+             reach a consumer that has forgotten it, and be applied twice; check the consumers before relaying"
+        );
+        Ok(Some(lag))
+    }
+
     /// Deletes sent rows past the retention, in bounded batches; answers how
     /// many.
     pub async fn purge(&self) -> Result<u64, RelayError> {
@@ -290,6 +327,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         tokio::pin!(shutdown);
         let mut backoff = self.backoff();
         let mut next_housekeeping = Instant::now();
+        if let Err(e) = self.check_stale().await {
+            tracing::warn!(error = %e, "the age of unsent rows was not checked");
+        }
         loop {
             if Instant::now() >= next_housekeeping {
                 next_housekeeping = Instant::now() + self.options.housekeeping_every;

@@ -21,6 +21,7 @@ struct Row {
 #[derive(Clone, Default)]
 struct Outbox {
     rows: Arc<Mutex<Vec<Row>>>,
+    oldest_unsent_age_ms: Arc<Mutex<Option<i64>>>,
 }
 
 impl Outbox {
@@ -95,7 +96,11 @@ impl OutboxStore for Outbox {
     }
 
     fn lag(&self) -> BoxFuture<'_, idem_core::Result<OutboxLag>> {
-        Box::pin(async { Ok(OutboxLag::default()) })
+        let lag = OutboxLag {
+            unsent: self.rows.lock().unwrap().iter().filter(|r| !r.sent).count() as u64,
+            oldest_unsent_age_ms: *self.oldest_unsent_age_ms.lock().unwrap(),
+        };
+        Box::pin(async move { Ok(lag) })
     }
 
     fn purge_sent(&self, _older_than_ms: i64, _limit: u32) -> BoxFuture<'_, idem_core::Result<u64>> {
@@ -203,4 +208,35 @@ async fn an_unavailable_broker_pauses_the_relay() {
     let batches = *batches.lock().unwrap();
     assert!((2..=12).contains(&batches), "{batches} batches in 10 s of outage");
     assert!(!outbox.sent(1));
+}
+
+/// A relay that starts with rows unsent for longer than the consumers'
+/// inbox horizon says so; younger rows, or no horizon set, say nothing.
+#[tokio::test]
+async fn rows_unsent_past_the_inbox_horizon_are_reported_at_start() {
+    let outbox = Outbox::default();
+    outbox.enqueue("routable.a");
+    *outbox.oldest_unsent_age_ms.lock().unwrap() = Some(2 * 86_400_000);
+    let horizon = RelayOptions {
+        stale_unsent_after: Some(Duration::from_secs(86_400)),
+        ..options()
+    };
+    let relay = Relay::new(outbox.clone(), Broker::default(), horizon.clone());
+    let lag = relay.check_stale().await.unwrap().expect("reported");
+    assert_eq!(lag.unsent, 1);
+    assert_eq!(
+        Relay::new(outbox.clone(), Broker::default(), options())
+            .check_stale()
+            .await
+            .unwrap(),
+        None
+    );
+    *outbox.oldest_unsent_age_ms.lock().unwrap() = Some(3_600_000);
+    assert_eq!(
+        Relay::new(outbox, Broker::default(), horizon)
+            .check_stale()
+            .await
+            .unwrap(),
+        None
+    );
 }

@@ -208,6 +208,10 @@ impl fmt::Debug for SqliteOutboxBatch {
     }
 }
 
+/// Row sequences marked per statement: under every engine's limit of bound
+/// values, whatever the relay's batch size.
+const MARK_CHUNK: usize = 1_000;
+
 impl OutboxBatch for SqliteOutboxBatch {
     fn messages(&self) -> &[OutboxMessage] {
         &self.messages
@@ -219,10 +223,12 @@ impl OutboxBatch for SqliteOutboxBatch {
                 return Ok(());
             }
             let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-            if !sent.is_empty() {
-                let list = vec!["?"; sent.len()].join(", ");
+            // In bounded statements: SQLite takes at most 32,766 bound
+            // values in one, and a relay's batch may be larger.
+            for chunk in sent.chunks(MARK_CHUNK) {
+                let list = vec!["?"; chunk.len()].join(", ");
                 let mut query = sqlx::query(AssertSqlSafe(format!("{}({list})", self.sql.mark_sent))).bind(self.token);
-                for seq in &sent {
+                for seq in chunk {
                     query = query.bind(*seq);
                 }
                 query.execute(&mut *tx).await.map_err(store_error)?;

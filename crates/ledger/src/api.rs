@@ -34,6 +34,8 @@ pub struct AppState<D: LedgerDb> {
     pub clock: SharedClock,
     /// The Prometheus recorder, for `GET /metrics`.
     pub metrics: Option<PrometheusHandle>,
+    /// Event settings refused at start, for `/healthz`.
+    pub events_health: crate::events::EventsHealth,
 }
 
 /// Settings of the API.
@@ -54,6 +56,9 @@ pub struct Options {
     /// commits on success, with no claim and no record: the same routes
     /// without idempotency, for measuring what the layer costs.
     pub require_keys: bool,
+    /// Where the events report settings refused at start (shown by
+    /// `/healthz` as 503 `events-configuration-refused`).
+    pub events_health: crate::events::EventsHealth,
 }
 
 /// The demo's webhook secret (`whsec_` + base64 of
@@ -69,6 +74,7 @@ impl Default for Options {
             webhooks: Some(Verifier::new([DEMO_WEBHOOK_SECRET]).expect("the demo secret is valid")),
             events_namespace: Namespace::default(),
             require_keys: true,
+            events_health: crate::events::EventsHealth::default(),
         }
     }
 }
@@ -1058,6 +1064,15 @@ async fn audit<D: LedgerDb>(
 }
 
 async fn healthz<D: LedgerDb>(State(st): State<AppState<D>>) -> Response {
+    let refused = st.events_health.refused();
+    if !refused.is_empty() {
+        return problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "events-configuration-refused",
+            "Events configuration refused",
+            refused.join("; "),
+        );
+    }
     match st.db.ping().await {
         Ok(()) => Json(serde_json::json!({"status": "ok"})).into_response(),
         Err(e) => problem(

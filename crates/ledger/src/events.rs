@@ -42,7 +42,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use idem_core::{OutboxEvent, SharedClock, StoreErrorKind, TableName, TxEngine};
 use idem_inbox::Inbox;
 use idem_jetstream::async_nats;
-use idem_jetstream::{ConsumerOptions, Event, HandlerError, InboxConsumer, JetStreamPublisher};
+use idem_jetstream::{ConsumerError, ConsumerOptions, Event, HandlerError, InboxConsumer, JetStreamPublisher};
 use idem_outbox::{Relay, RelayOptions};
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +57,10 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub const DEFAULT_NAMESPACE: &str = "ledger";
 /// The projection's inbox handler name.
 pub const PROJECTION: &str = "ledger-statements";
+/// How long the streams keep a message: a day under the projection inbox's
+/// seven-day TTL, so a redelivery always finds its event id, and a relay
+/// that starts with rows unsent for longer than that day says so.
+pub const STREAM_MAX_AGE: Duration = Duration::from_secs(6 * 86_400);
 
 /// The names of one ledger deployment's streams, subjects and consumers,
 /// so several deployments can share one NATS server.
@@ -272,7 +276,7 @@ pub async fn connect(url: &str, ns: &Namespace) -> Result<jetstream::Context, St
                     subjects: vec![subjects.clone()],
                     duplicate_window: Duration::from_secs(120),
                     storage: stream::StorageType::File,
-                    max_age: Duration::from_secs(7 * 86_400),
+                    max_age: STREAM_MAX_AGE,
                     ..Default::default()
                 })
                 .await;
@@ -313,37 +317,129 @@ pub fn relay<D: LedgerDb>(db: &D, js: &jetstream::Context) -> Relay<D::Outbox, J
         RelayOptions {
             name: "ledger".into(),
             idle_wait: Duration::from_millis(20),
+            stale_unsent_after: Some(Duration::from_secs(idem_inbox::DEFAULT_TTL_SECS).saturating_sub(STREAM_MAX_AGE)),
             ..Default::default()
         },
     )
 }
 
+/// What the `/healthz` endpoint reports of the events: the settings
+/// refused at start (each stops its component for good, unlike NATS being
+/// down, which is retried).
+#[derive(Debug, Clone, Default)]
+pub struct EventsHealth(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl EventsHealth {
+    /// Records a refused setting of `component`: logged as an error,
+    /// counted in `ledger_events_config_refused_total`, and shown by
+    /// `/healthz` until the process restarts.
+    pub fn refuse(&self, component: &str, why: &str) {
+        tracing::error!(component, error = %why, "events configuration refused; this component does not run until it is fixed and the process restarted");
+        metrics::counter!("ledger_events_config_refused_total", "component" => component.to_owned()).increment(1);
+        let mut refused = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = format!("{component}: {why}");
+        if !refused.contains(&entry) {
+            refused.push(entry);
+        }
+    }
+
+    /// The refusals so far.
+    pub fn refused(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// The statement projection's durable consumer, with `ack_wait` in force:
+/// an existing consumer's configuration is updated to it, and refused if
+/// the server keeps another.
+async fn projection_consumer(
+    js: &jetstream::Context,
+    ns: &Namespace,
+    ack_wait: Duration,
+) -> Result<jetstream::consumer::PullConsumer, ConsumerError> {
+    let stream = js
+        .get_stream(ns.stream())
+        .await
+        .map_err(|e| ConsumerError::Nats(format!("the stream {}: {e}", ns.stream())))?;
+    let config = pull::Config {
+        durable_name: Some(ns.consumer()),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait,
+        max_deliver: -1,
+        ..Default::default()
+    };
+    let mut consumer = match stream.get_consumer::<pull::Config>(&ns.consumer()).await {
+        Err(_) => stream
+            .get_or_create_consumer(&ns.consumer(), config)
+            .await
+            .map_err(|e| ConsumerError::Nats(format!("the consumer {}: {e}", ns.consumer())))?,
+        Ok(mut existing) => {
+            let current = existing
+                .info()
+                .await
+                .map_err(|e| ConsumerError::Nats(e.to_string()))?
+                .config
+                .clone();
+            if current.ack_wait == ack_wait {
+                existing
+            } else {
+                // Editable on the server: the same durable with the new wait.
+                let updated = jetstream::consumer::Config {
+                    ack_wait,
+                    ..current.clone()
+                };
+                stream.create_consumer(updated).await.map_err(|e| {
+                    ConsumerError::Config(format!(
+                        "the consumer {} has ack_wait {} s and the server refused to change it to {} s \
+                         (--projection-ack-wait-secs): {e}",
+                        ns.consumer(),
+                        current.ack_wait.as_secs(),
+                        ack_wait.as_secs()
+                    ))
+                })?;
+                tracing::info!(
+                    consumer = %ns.consumer(),
+                    from_s = current.ack_wait.as_secs(),
+                    to_s = ack_wait.as_secs(),
+                    "projection consumer's ack_wait updated"
+                );
+                stream
+                    .get_consumer::<pull::Config>(&ns.consumer())
+                    .await
+                    .map_err(|e| ConsumerError::Nats(format!("the consumer {}: {e}", ns.consumer())))?
+            }
+        }
+    };
+    let in_force = consumer
+        .info()
+        .await
+        .map_err(|e| ConsumerError::Nats(e.to_string()))?
+        .config
+        .ack_wait;
+    if in_force != ack_wait {
+        return Err(ConsumerError::Config(format!(
+            "the consumer {} keeps ack_wait {} s, not the {} s asked (--projection-ack-wait-secs)",
+            ns.consumer(),
+            in_force.as_secs(),
+            ack_wait.as_secs()
+        )));
+    }
+    Ok(consumer)
+}
+
 /// The statement projection's consumer.
+///
+/// [`ConsumerError::Config`]: a setting is refused (retrying cannot help);
+/// [`ConsumerError::Nats`]: the server did not answer.
 pub async fn projector<D: LedgerDb>(
     db: &D,
     clock: SharedClock,
     js: &jetstream::Context,
     ns: &Namespace,
     ack_wait: Duration,
-) -> Result<InboxConsumer<D>, StartError> {
-    let stream = js
-        .get_stream(ns.stream())
-        .await
-        .map_err(|e| StartError::Config(format!("the stream {}: {e}", ns.stream())))?;
-    let consumer = stream
-        .get_or_create_consumer(
-            &ns.consumer(),
-            pull::Config {
-                durable_name: Some(ns.consumer()),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait,
-                max_deliver: -1,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| StartError::Config(format!("the consumer {}: {e}", ns.consumer())))?;
-    let store = db.keyed(TableName::new(PROJECTION_INBOX_TABLE)?);
+) -> Result<InboxConsumer<D>, ConsumerError> {
+    let consumer = projection_consumer(js, ns, ack_wait).await?;
+    let store = db.keyed(TableName::new(PROJECTION_INBOX_TABLE).map_err(|e| ConsumerError::Config(e.to_string()))?);
     let inbox = Inbox::new(TxEngine::new(store).with_clock(clock.clone()));
     let mut options = ConsumerOptions::new(PROJECTION);
     options.dead_letter_subject = ns.dead_subject();
@@ -374,33 +470,27 @@ pub async fn projector<D: LedgerDb>(
             })
         })
     });
-    InboxConsumer::start(js.clone(), consumer, inbox, options, handler)
-        .await
-        .map_err(|e| StartError::Config(e.to_string()))
+    InboxConsumer::start(js.clone(), consumer, inbox, options, handler).await
 }
 
 /// Runs `config.relays` relays and `config.projectors` projection consumers
-/// until `shutdown` flips. While NATS cannot be reached at start, it keeps
-/// trying (and says so), so events are published once the broker is back.
+/// until `shutdown` flips. While NATS cannot be reached, it keeps trying
+/// (and says so), so events are published once the broker is back. The
+/// relays start as soon as NATS answers, whatever becomes of the
+/// projection; a projection setting that is refused is reported through
+/// `health` (log, metric, `/healthz`) and stops only the projection.
 pub async fn run<D: LedgerDb>(
     db: D,
     clock: SharedClock,
     config: EventsConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
+    health: EventsHealth,
 ) -> Result<(), StartError> {
     let mut pause = Duration::from_millis(500);
-    let (js, consumers) = loop {
-        let attempt = async {
-            let js = connect(&config.nats_url, &config.namespace).await?;
-            let mut consumers = Vec::new();
-            for _ in 0..config.projectors {
-                consumers.push(projector(&db, clock.clone(), &js, &config.namespace, config.ack_wait).await?);
-            }
-            Ok::<_, StartError>((js, consumers))
-        };
-        match attempt.await {
-            Ok(ready) => break ready,
-            Err(e @ StartError::Config(_)) if !matches!(shutdown.has_changed(), Ok(true)) => {
+    let js = loop {
+        match connect(&config.nats_url, &config.namespace).await {
+            Ok(js) => break js,
+            Err(e) if !matches!(shutdown.has_changed(), Ok(true)) => {
                 tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "events not started; retrying");
                 tokio::select! {
                     _ = shutdown.wait_for(|s| *s) => return Ok(()),
@@ -423,9 +513,28 @@ pub async fn run<D: LedgerDb>(
                 .await
         });
     }
-    for consumer in consumers {
+    for _ in 0..config.projectors {
+        let (db, clock, js, config, health) = (db.clone(), clock.clone(), js.clone(), config.clone(), health.clone());
         let mut stop = shutdown.clone();
         tasks.spawn(async move {
+            let mut pause = Duration::from_millis(500);
+            let consumer = loop {
+                match projector(&db, clock.clone(), &js, &config.namespace, config.ack_wait).await {
+                    Ok(consumer) => break consumer,
+                    Err(ConsumerError::Config(why)) => {
+                        health.refuse("projection", &why);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "projection not started; retrying");
+                        tokio::select! {
+                            _ = stop.wait_for(|s| *s) => return,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                        pause = (pause * 2).min(Duration::from_secs(10));
+                    }
+                }
+            };
             consumer
                 .run(async move {
                     let _ = stop.wait_for(|s| *s).await;

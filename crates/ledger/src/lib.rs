@@ -129,6 +129,7 @@ impl Store {
                 AppState {
                     outbox: db.outbox(),
                     namespace: options.events_namespace.clone(),
+                    events_health: options.events_health.clone(),
                     db,
                     clock,
                     metrics,
@@ -139,6 +140,7 @@ impl Store {
                 AppState {
                     outbox: db.outbox(),
                     namespace: options.events_namespace.clone(),
+                    events_health: options.events_health.clone(),
                     db,
                     clock,
                     metrics,
@@ -149,6 +151,7 @@ impl Store {
                 AppState {
                     outbox: db.outbox(),
                     namespace: options.events_namespace.clone(),
+                    events_health: options.events_health.clone(),
                     db,
                     clock,
                     metrics,
@@ -415,7 +418,8 @@ pub async fn run_events(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut task = {
         let store = store.clone();
-        tokio::spawn(async move { with_db!(store, db => events::run(db, clock, config, stopped).await) })
+        let health = events::EventsHealth::default();
+        tokio::spawn(async move { with_db!(store, db => events::run(db, clock, config, stopped, health).await) })
     };
     // A task that ends on its own (a configuration it cannot retry) ends
     // the process with its error.
@@ -463,8 +467,9 @@ pub async fn run(
     let mut background_tasks = tokio::task::JoinSet::new();
     if let Some(config) = events {
         let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
+        let health = options.events_health.clone();
         background_tasks.spawn(async move {
-            if let Err(e) = with_db!(store, db => events::run(db, clock, config, stopped).await) {
+            if let Err(e) = with_db!(store, db => events::run(db, clock, config, stopped, health).await) {
                 tracing::error!(error = %e, "events stopped");
             }
         });

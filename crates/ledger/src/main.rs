@@ -235,6 +235,7 @@ async fn serve(
         webhooks,
         events_namespace,
         require_keys: true,
+        events_health: ledger::events::EventsHealth::default(),
     };
     let snapshots = match args.snapshot_every_secs {
         0 => None,

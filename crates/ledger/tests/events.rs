@@ -229,6 +229,141 @@ async fn the_snapshot_job_runs_once_per_run_id(engine: Engine) {
     assert!(second.contains("already applied; nothing done"), "{second}");
 }
 
+/// The namespace's streams, created as the ledger creates them, with the
+/// projection's durable consumer made beforehand with `consumer`.
+async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Config) -> async_nats::jetstream::Context {
+    use async_nats::jetstream::stream;
+    let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
+    let up = ns.to_ascii_uppercase();
+    let events = js
+        .create_stream(stream::Config {
+            name: format!("{up}_EVENTS"),
+            subjects: vec![format!("{ns}.events.>")],
+            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_secs(6 * 86_400),
+            ..Default::default()
+        })
+        .await
+        .expect("the events stream");
+    events
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some(format!("{ns}-statements")),
+            ..consumer
+        })
+        .await
+        .expect("the projection's consumer");
+    js
+}
+
+async fn health(base: &str) -> (u16, serde_json::Value) {
+    let r = reqwest::get(format!("{base}/healthz")).await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or_default())
+}
+
+/// A projection setting the consumer refuses (here a server-side delivery
+/// bound) stops the projection only: the relays publish anyway, and the
+/// refusal is in `/healthz` (503) and the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_projection_setting_does_not_stop_the_relays() {
+    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let js = prepare(
+        &ns,
+        async_nats::jetstream::consumer::pull::Config {
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            max_deliver: 3,
+            ..Default::default()
+        },
+    )
+    .await;
+    let url = database_url(Engine::Sqlite);
+    let ledger = Instance::start_with(&url, &["--nats-url", &nats_url(), "--events-namespace", &ns]);
+    let c = Client {
+        http: reqwest::Client::new(),
+        base: ledger.base.clone(),
+        token: token(),
+    };
+    let (status, _) = c.post("/v1/accounts", serde_json::json!({ "name": "a" })).await;
+    assert_eq!(status, 201);
+    let stream = format!("{}_EVENTS", ns.to_ascii_uppercase());
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while stream_types(&js, &stream).await.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the relay published nothing");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = health(&ledger.base).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        body["type"]
+            .as_str()
+            .map(|t| t.ends_with("events-configuration-refused")),
+        Some(true),
+        "{body}"
+    );
+    assert!(
+        body["detail"].as_str().unwrap_or_default().contains("max_deliver"),
+        "{body}"
+    );
+    let metrics = reqwest::get(format!("{}/metrics", ledger.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("ledger_events_config_refused_total"), "{metrics}");
+    drop(ledger);
+    let _ = js.delete_stream(&stream).await;
+    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+}
+
+/// `--projection-ack-wait-secs` is in force on a durable consumer that
+/// already exists with another ack wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
+    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let js = prepare(
+        &ns,
+        async_nats::jetstream::consumer::pull::Config {
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            ..Default::default()
+        },
+    )
+    .await;
+    let url = database_url(Engine::Sqlite);
+    let ledger = Instance::start_with(
+        &url,
+        &[
+            "--nats-url",
+            &nats_url(),
+            "--events-namespace",
+            &ns,
+            "--projection-ack-wait-secs",
+            "300",
+        ],
+    );
+    let stream = js
+        .get_stream(format!("{}_EVENTS", ns.to_ascii_uppercase()))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer(&format!("{ns}-statements")).await.unwrap();
+        if c.info().await.unwrap().config.ack_wait == Duration::from_secs(300) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "ack_wait still 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = health(&ledger.base).await;
+    assert_eq!(status, 200, "{body}");
+    drop(ledger);
+    let _ = js.delete_stream(format!("{}_EVENTS", ns.to_ascii_uppercase())).await;
+    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+}
+
 macro_rules! per_engine {
     ($($engine:ident => $variant:expr),*) => {
         $(mod $engine {

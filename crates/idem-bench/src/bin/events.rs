@@ -84,6 +84,19 @@ macro_rules! engine_bench {
                 subjects: vec![format!("{subjects}.>")],
                 storage: stream::StorageType::File,
                 duplicate_window: Duration::from_secs(120),
+                // Within the inbox's TTL (seven days): the consumer refuses
+                // a stream that keeps messages longer.
+                max_age: Duration::from_secs(86_400),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            // Dead letters go to a stream of their own (none is expected).
+            js.create_stream(stream::Config {
+                name: format!("{stream_name}_DEAD"),
+                subjects: vec![format!("{subjects}_dead")],
+                storage: stream::StorageType::File,
+                max_age: Duration::from_secs(86_400),
                 ..Default::default()
             })
             .await
@@ -163,7 +176,7 @@ macro_rules! engine_bench {
                 .unwrap();
             let mut options = ConsumerOptions::new("bench");
             options.concurrency = 16;
-            options.dead_letter_subject = format!("{subjects}.dead");
+            options.dead_letter_subject = format!("{subjects}_dead");
             let handler = {
                 let (effects, commits, lags) = (Arc::new(effects.clone()), commits.clone(), lags.clone());
                 idem_jetstream::handler::<$store, _>(move |tx, event: Arc<Event>| {
@@ -270,6 +283,7 @@ macro_rules! engine_bench {
                 lags.len()
             );
             let _ = js.delete_stream(&stream_name).await;
+            let _ = js.delete_stream(format!("{stream_name}_DEAD")).await;
             let mut v = serde_json::Map::new();
             v.extend(relay_figures);
             v.insert("consumer_events_per_s".into(), consumer_rate.round().into());
