@@ -1202,6 +1202,68 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     broker.cleanup().await;
 }
 
+/// `max_deliveries` counts the server's deliveries, but a copy delivered
+/// while another delivery is running the handler ran nothing: it is
+/// delivered again later and never makes a dead letter, even at the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_copy_that_finds_its_event_in_flight_never_makes_a_dead_letter() {
+    let tag = tag();
+    let broker = Broker::new(&tag, Duration::from_secs(120)).await;
+    let (store, _outbox, _pool) = open_postgres(&tag).await;
+    store.migrate().await.unwrap();
+    let id = format!("evt-{tag}");
+    let publish = async_nats::jetstream::message::PublishMessage::build()
+        .message_id(id.as_str())
+        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
+    broker
+        .js
+        .send_publish(broker.subject("created"), publish)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The server delivers a copy after 1 s without news (no progress acks);
+    // the handler takes 3 s, and a twin is answered "in flight" at once.
+    let consumer = broker.consumer("slow", Duration::from_secs(1)).await;
+    let mut options = ConsumerOptions::new("slow");
+    options.dead_letter_subject = format!("{}.slow", broker.dead_subject);
+    options.max_deliveries = 2;
+    options.retry_delays = vec![Duration::from_millis(200)];
+    options.progress_every = Some(Duration::from_secs(600));
+    options.concurrency = 4;
+    let inbox = Inbox::new(TxEngine::new(store.clone())).with_policy(
+        idem_core::Policy::default()
+            .with_ttl_secs(idem_inbox::DEFAULT_TTL_SECS)
+            .with_in_flight(idem_core::InFlight::Reject),
+    );
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = runs.clone();
+    let work = handler::<idem_postgres::PgStore, _>(move |_tx, _event| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Ok(())
+        })
+    });
+    let consumer = InboxConsumer::start(broker.js.clone(), consumer, inbox, options, work)
+        .await
+        .expect("start");
+    let running = Running::start(consumer);
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    eventually("acknowledged", || broker.settled("slow")).await;
+    running.stop().await;
+    assert!(
+        broker.deliveries("slow").await >= 2,
+        "a copy came while the handler ran"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(
+        broker.stored(&broker.dead_stream, "Idem-Event-Id").await.is_empty(),
+        "no dead letter for an applied event"
+    );
+    broker.cleanup().await;
+}
+
 /// A relay batch larger than the engine takes bound values in one statement
 /// (65,535 on MySQL/MariaDB, 32,766 on SQLite) is still marked sent: the
 /// marks go in bounded statements, so rows are not republished every pass.
