@@ -18,6 +18,9 @@ use crate::db::Database;
 use crate::rng::Rng;
 use crate::service::Service;
 
+/// The odds that one run of the projection's handler panics.
+const PROJECTION_PANIC: &str = "0.05";
+
 /// Event faults that really happened.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct EventFaults {
@@ -40,8 +43,13 @@ pub struct EventCounts {
     pub stream_messages: u64,
     /// Applications to the projection.
     pub applied: u64,
-    /// Dead letters.
+    /// Dead letters left at the end (after the redrives).
     pub dead_letters: u64,
+    /// Dead letters redriven while waiting (an event may be dead-lettered,
+    /// and redriven, more than once).
+    pub redriven: u64,
+    /// Of those, letters kept because the handler panicked.
+    pub redriven_after_panics: u64,
     /// Seconds from the end of the faults until everything was published and applied.
     pub settle_secs: f64,
 }
@@ -135,6 +143,7 @@ impl Workers {
                     bin,
                     database_url,
                     vec!["relay".into(), "--nats-url".into(), nats.into()],
+                    Vec::new(),
                     log.with_extension(format!("relay{i}.log")),
                 )
                 .await?,
@@ -150,6 +159,10 @@ impl Workers {
                         "--projection-ack-wait-secs".into(),
                         "5".into(),
                     ],
+                    // The handler panics now and then: with two deliveries
+                    // allowed, some events become dead letters, redriven
+                    // while the checker waits.
+                    vec![("LEDGER_PROJECTION_PANIC".into(), PROJECTION_PANIC.into())],
                     log.with_extension(format!("project{i}.log")),
                 )
                 .await?,
@@ -215,6 +228,11 @@ pub(crate) async fn check(
 ) -> Result<EventCounts, Error> {
     let started = tokio::time::Instant::now();
     let deadline = started + within;
+    let client = async_nats::connect(nats_url)
+        .await
+        .map_err(|e| Error::Service(format!("cannot reach the harness's NATS: {e}")))?;
+    let js = async_nats::jetstream::new(client);
+    let (mut redriven, mut redriven_after_panics) = (0, 0);
     let mut state = database.events().await?;
     loop {
         let done = state.unsent == 0
@@ -225,15 +243,31 @@ pub(crate) async fn check(
         if done || tokio::time::Instant::now() > deadline {
             break;
         }
+        // The operator's redrive: every dead letter, once its cause (an
+        // injected panic) may have passed.
+        let all = idem_jetstream::DeadLetterFilter {
+            limit: 1_000,
+            ..Default::default()
+        };
+        if let Ok(letters) = idem_jetstream::dead_letters(&js, "LEDGER_DEAD", &all).await
+            && !letters.is_empty()
+        {
+            let options = idem_jetstream::RedriveOptions {
+                max: 1_000,
+                per_second: 1_000,
+            };
+            if let Ok(report) = idem_jetstream::redrive(&js, "LEDGER_DEAD", &all, options).await {
+                for letter in letters.iter().filter(|l| report.redriven.contains(&l.seq)) {
+                    redriven += 1;
+                    redriven_after_panics += u64::from(letter.error.contains("panicked"));
+                }
+            }
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         state = database.events().await?;
     }
     let settle_secs = started.elapsed().as_secs_f64();
 
-    let client = async_nats::connect(nats_url)
-        .await
-        .map_err(|e| Error::Service(format!("cannot reach the harness's NATS: {e}")))?;
-    let js = async_nats::jetstream::new(client);
     let (stream_ids, stream_messages) = stored_ids(&js, "LEDGER_EVENTS", "Nats-Msg-Id").await?;
     let (dead, _) = stored_ids(&js, "LEDGER_DEAD", "Idem-Event-Id").await?;
 
@@ -246,6 +280,8 @@ pub(crate) async fn check(
         stream_messages,
         applied: applied_total,
         dead_letters: dead.len() as u64,
+        redriven,
+        redriven_after_panics,
         settle_secs,
     })
 }
@@ -327,6 +363,12 @@ async fn stored_ids(
                 .get_raw_message(seq)
                 .await
                 .map_err(|e| Error::Service(format!("stream {stream} message {seq}: {e}")))?;
+            // A redriven copy carries the event it redrives in its own header.
+            let header = if m.headers.get(idem_jetstream::REDRIVE).is_some() {
+                idem_jetstream::EVENT_ID
+            } else {
+                header
+            };
             ids.push(m.headers.get(header).map(|v| v.as_str().to_owned()).unwrap_or_default());
         }
     }

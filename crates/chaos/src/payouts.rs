@@ -255,6 +255,7 @@ pub(crate) async fn start_workers(
                     "--vendor-horizon-margin-secs".into(),
                     VENDOR_HORIZON_MARGIN_SECS.to_string(),
                 ],
+                Vec::new(),
                 log.with_extension(format!("payouts{i}.log")),
             )
             .await?,

@@ -89,13 +89,14 @@ impl Service {
         bin: &Path,
         database_url: &str,
         args: Vec<String>,
+        env: Vec<(String, String)>,
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
         let service = Arc::new(Service {
             bin: bin.to_owned(),
             port: 0,
             database_url: database_url.to_owned(),
-            env: Vec::new(),
+            env,
             worker: Some(args),
             pid: AtomicU32::new(0),
             stopping: AtomicBool::new(false),

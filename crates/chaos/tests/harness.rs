@@ -70,6 +70,10 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         ev.committed > 1_000 && ev.published == ev.committed && ev.applied == ev.committed,
         "seed {seed}: {ev:?}"
     );
+    assert!(
+        ev.redriven_after_panics > 0 && ev.dead_letters == 0,
+        "seed {seed}: no dead letter of a panic redriven, or some left: {ev:?}"
+    );
     let (pf, p) = (&report.payout_faults, &report.payouts);
     assert!(report.payouts_enabled);
     assert!(

@@ -443,8 +443,12 @@ pub async fn projector<D: LedgerDb>(
     let inbox = Inbox::new(TxEngine::new(store).with_clock(clock.clone()));
     let mut options = ConsumerOptions::new(PROJECTION);
     options.dead_letter_subject = ns.dead_subject();
+    #[cfg(feature = "fault-injection")]
+    crate::fault::projection_options(&mut options);
     let handler = idem_jetstream::handler::<D, _>(move |tx, event: Arc<Event>| {
         let clock = clock.clone();
+        #[cfg(feature = "fault-injection")]
+        crate::fault::projection_panic();
         Box::pin(async move {
             let envelope: Envelope = serde_json::from_slice(&event.payload)
                 .map_err(|e| HandlerError::reject(format!("not an event: {e}")))?;

@@ -9,6 +9,10 @@
 //! - `LEDGER_FAULT_SEED=<u64>`: seeds the choice.
 //! - `LEDGER_BREAK_IDEMPOTENCY=1`: switches the idempotency claim off, so the
 //!   harness can prove its checker sees double applications.
+//! - `LEDGER_PROJECTION_PANIC=<p>`: the statement projection's handler
+//!   panics with probability `p` per run (seeded by `LEDGER_FAULT_SEED`),
+//!   and its deliveries are bounded at 2, 100 ms apart, so panics become
+//!   dead letters the harness redrives.
 
 use std::io::Write;
 use std::sync::Mutex;
@@ -74,4 +78,37 @@ pub fn install_from_env() -> Result<(), String> {
     });
     tracing::warn!(faults = %spec, seed, "fault points armed");
     Ok(())
+}
+
+/// The projection's panic odds and their generator, read once.
+fn projection_odds() -> &'static Option<(f64, Mutex<SplitMix>)> {
+    static ODDS: std::sync::OnceLock<Option<(f64, Mutex<SplitMix>)>> = std::sync::OnceLock::new();
+    ODDS.get_or_init(|| {
+        let p: f64 = std::env::var("LEDGER_PROJECTION_PANIC").ok()?.trim().parse().ok()?;
+        let seed = std::env::var("LEDGER_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0u64);
+        (0.0..=1.0)
+            .contains(&p)
+            .then(|| (p, Mutex::new(SplitMix(seed ^ 0x5EED))))
+    })
+}
+
+/// Shortens the projection's delivery schedule when panics are injected.
+pub fn projection_options(options: &mut idem_jetstream::ConsumerOptions) {
+    if projection_odds().is_some() {
+        options.max_deliveries = 2;
+        options.retry_delays = vec![Duration::from_millis(100)];
+    }
+}
+
+/// Panics, with the configured odds, in the projection's handler.
+pub fn projection_panic() {
+    if let Some((p, rng)) = projection_odds() {
+        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
+        if roll < *p {
+            panic!("injected projection panic");
+        }
+    }
 }
