@@ -102,9 +102,7 @@ impl HandlerError {
             ),
         }
     }
-}
 
-impl HandlerError {
     /// Another delivery of the same event is being handled right now: this
     /// delivery did not run the handler, so it never makes a dead letter.
     fn is_in_flight(&self) -> bool {
@@ -140,11 +138,11 @@ pub struct ConsumerOptions {
     /// letter. It counts the server's deliveries of the message (its
     /// `delivered` count), which include deliveries the handler never saw
     /// (a copy redelivered after `ack_wait` while it waited in the client's
-    /// buffer, a copy that came while another ran the handler). Only a
-    /// delivery whose handler ran and failed makes a dead letter: a copy
-    /// that finds the event in flight elsewhere is delivered again later, so
-    /// the handler always gets at least one run before a dead letter, and a
-    /// handler that keeps failing gets up to `max_deliveries` runs.
+    /// buffer, a copy that came while another ran the handler). A copy
+    /// that finds the event in flight elsewhere ran nothing and never makes
+    /// a dead letter: it is delivered again later. So a transient failure
+    /// becomes a dead letter only after a run that failed, and a handler
+    /// that keeps failing gets at most `max_deliveries` runs.
     pub max_deliveries: i64,
     /// The delay before the n-th redelivery after a transient failure (the
     /// last one repeats).
