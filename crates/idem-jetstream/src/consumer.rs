@@ -29,7 +29,7 @@ pub const REDRIVE: &str = "Idem-Redrive";
 /// What the consumer records in the inbox for an event: `None` (JSON
 /// `null`) when the handler's writes committed, `Some` when the event was
 /// kept as a dead letter instead. Either way an ordinary redelivery does not
-/// run the handler; only a redrive ([`crate::redrive`]) runs a dead-lettered
+/// run the handler; only a redrive ([`redrive`](crate::redrive())) runs a dead-lettered
 /// event, once.
 pub type Recorded = Option<DeadLettered>;
 
@@ -347,10 +347,13 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                 )),
                 _ => ConsumerError::Nats(e.to_string()),
             })?;
-        if dead_stream == info.stream_name {
+        if dead_stream == info.stream_name
+            && (config.filter_subject.is_empty()
+                || subject_matches(&config.filter_subject, &options.dead_letter_subject))
+        {
             return Err(ConsumerError::Config(format!(
-                "the dead-letter subject {:?} is in the consumer's own stream {:?}: dead letters would be \
-                 delivered to the handler again",
+                "the dead-letter subject {:?} is in the consumer's own stream {:?} and its filter: dead letters \
+                 would be delivered to the handler again",
                 options.dead_letter_subject, info.stream_name
             )));
         }
@@ -744,6 +747,32 @@ impl<B: TxBackend + Clone> Inner<B> {
                 self.ack(message, AckKind::Nak(Some(delay)), Handled::Retried).await
             }
         }
+    }
+}
+
+/// Whether `subject` is one the NATS subject `filter` (`*` one token, `>`
+/// the rest) selects.
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut subject = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (t, Some(s)) if t == s => {}
+            _ => return false,
+        }
+    }
+    subject.next().is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    /// NATS wildcards, as the dead-letter check reads a consumer's filter.
+    #[test]
+    fn subjects_match_filters_with_wildcards() {
+        use super::subject_matches as m;
+        assert!(m("a.>", "a.b.c") && m("a.*.c", "a.b.c") && m("a.b", "a.b") && m(">", "a"));
+        assert!(!m("a.>", "a") && !m("a.*", "a.b.c") && !m("a.b", "a.c") && !m("a.b.c", "a.b"));
     }
 }
 

@@ -18,7 +18,7 @@
 //!   A panicking handler is a failing one. At start the consumer checks
 //!   that the stream's `max_age` bounds the redelivery horizon within the
 //!   inbox's key TTL, and that a stream captures its dead letters.
-//! - [`dead_letters`] and [`redrive`]: a dead-lettered event is recorded
+//! - [`dead_letters`] and [`redrive()`]: a dead-lettered event is recorded
 //!   as such in the inbox (an ordinary redelivery still runs nothing); a
 //!   redrive publishes it again for its handler alone, which runs it once.
 

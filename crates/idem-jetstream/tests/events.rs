@@ -1199,6 +1199,24 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     .await
     .expect_err("refused");
     assert!(err.to_string().contains("own stream"), "{err}");
+    // In the own stream but outside the consumer's filter: accepted.
+    let stream = broker.js.get_stream(&broker.stream).await.unwrap();
+    let filtered = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("filtered".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            max_deliver: -1,
+            filter_subject: broker.subject("orders"),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut options = ConsumerOptions::new("filtered");
+    options.dead_letter_subject = broker.subject("dead");
+    let inbox = Inbox::new(TxEngine::new(open_sqlite(&tag).await.0));
+    InboxConsumer::start(broker.js.clone(), filtered, inbox, options, work())
+        .await
+        .expect("dead letters outside the consumer's filter");
     broker.cleanup().await;
 }
 

@@ -53,7 +53,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tokio::spawn(axum::serve(listener, app).into_future());
 
     let pending = std::env::temp_dir().join(format!("idem-example-pending-{}.db", std::process::id()));
-    let op = Operation::post(&url).json(&serde_json::json!({ "amount": 500 })).build()?;
+    let op = Operation::post(&url)
+        .json(&serde_json::json!({ "amount": 500 }))
+        .build()?;
 
     // A client saves the operation before its first byte is sent, then dies
     // while the server is still working on it.
@@ -64,7 +66,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = call.await;
     tokio::time::sleep(Duration::from_millis(400)).await; // the server finishes meanwhile
     let store = SqlitePending::open(&pending).await?;
-    println!("the first client died mid-call; {} operation(s) pending", store.list().await?.len());
+    println!(
+        "the first client died mid-call; {} operation(s) pending",
+        store.list().await?.len()
+    );
 
     // A restarted client resumes it with the same key: the server replays.
     let restarted = Client::builder().store(store).build()?;

@@ -11,7 +11,10 @@
 
 use std::time::Duration;
 
-use idem::jetstream::async_nats::{self, jetstream::{self, consumer::pull, stream}};
+use idem::jetstream::async_nats::{
+    self,
+    jetstream::{self, consumer::pull, stream},
+};
 use idem::jetstream::{ConsumerOptions, HandlerError, InboxConsumer, handler};
 use idem::sqlite::SqliteStore;
 use idem::{TableName, TxEngine, inbox::Inbox};
@@ -46,7 +49,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The inbox, and the handler's own table, in one SQLite file.
     let path = std::env::temp_dir().join(format!("idem-example-inbox-{run}.db"));
-    let store = SqliteStore::open(&path).await?.with_table(TableName::new("idem_inbox")?);
+    let store = SqliteStore::open(&path)
+        .await?
+        .with_table(TableName::new("idem_inbox")?);
     store.migrate().await?;
     sqlx::query("CREATE TABLE IF NOT EXISTS applied (event_id TEXT NOT NULL)")
         .execute(store.pool())
@@ -63,7 +68,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let mut options = ConsumerOptions::new("statements");
     options.dead_letter_subject = format!("{subjects}_dead.statements");
-    let consumer = InboxConsumer::start(js.clone(), pull, Inbox::new(TxEngine::new(store.clone())), options, work).await?;
+    let consumer = InboxConsumer::start(
+        js.clone(),
+        pull,
+        Inbox::new(TxEngine::new(store.clone())),
+        options,
+        work,
+    )
+    .await?;
 
     // Two events, one of them published again later (as a relay that
     // crashed after the broker's acknowledgement would, once the stream's
@@ -75,7 +87,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(idem::jetstream::MSG_ID, id);
-        js.publish_with_headers(format!("{subjects}.orders.created"), headers, "{}".into()).await?.await?;
+        js.publish_with_headers(format!("{subjects}.orders.created"), headers, "{}".into())
+            .await?
+            .await?;
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move {
@@ -89,7 +103,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _ = stop.send(());
     running.await?;
 
-    let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM applied").fetch_one(store.pool()).await?;
+    let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM applied")
+        .fetch_one(store.pool())
+        .await?;
     println!("published 3 messages for 2 events; applied {applied} (one row per event)");
     js.delete_stream(&name).await?;
     let _ = std::fs::remove_file(&path);

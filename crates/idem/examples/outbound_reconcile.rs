@@ -51,7 +51,12 @@ impl Reconcile for LookupByReference {
 }
 
 async fn get_json(url: &str) -> Result<serde_json::Value, String> {
-    let body = reqwest::get(url).await.map_err(|e| e.to_string())?.bytes().await.map_err(|e| e.to_string())?;
+    let body = reqwest::get(url)
+        .await
+        .map_err(|e| e.to_string())?
+        .bytes()
+        .await
+        .map_err(|e| e.to_string())?;
     serde_json::from_slice(&body).map_err(|e| e.to_string())
 }
 
@@ -79,13 +84,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A worker that crashed after the vendor paid takes the payout over a
     // day later: the vendor has forgotten the key by then.
     vendor.advance(Duration::from_secs(25 * 3600));
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as i64;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
     let earlier = Earlier {
         first_reached_at_ms: Some(now_ms - 25 * 3_600_000),
         ..Earlier::default()
     };
     let again = client.resend(&key, &request, earlier).await?;
-    let how = if again.reconciled { "reconciled: nothing sent" } else { "sent" };
+    let how = if again.reconciled {
+        "reconciled: nothing sent"
+    } else {
+        "sent"
+    };
     println!("re-send 25 h later: {} ({how})", again.status);
 
     let stats = get_json(&format!("{url}/_stats")).await?;
