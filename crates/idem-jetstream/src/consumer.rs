@@ -765,17 +765,6 @@ fn subject_matches(filter: &str, subject: &str) -> bool {
     subject.next().is_none()
 }
 
-#[cfg(test)]
-mod tests {
-    /// NATS wildcards, as the dead-letter check reads a consumer's filter.
-    #[test]
-    fn subjects_match_filters_with_wildcards() {
-        use super::subject_matches as m;
-        assert!(m("a.>", "a.b.c") && m("a.*.c", "a.b.c") && m("a.b", "a.b") && m(">", "a"));
-        assert!(!m("a.>", "a") && !m("a.*", "a.b.c") && !m("a.b", "a.c") && !m("a.b.c", "a.b"));
-    }
-}
-
 /// The text of a panic's payload.
 fn panicked(panic: &(dyn std::any::Any + Send)) -> HandlerError {
     let text = panic
@@ -843,4 +832,15 @@ fn delivery_schedule(options: &ConsumerOptions, config: &async_nats::jetstream::
         total = total.saturating_add(server.max(options.retry_delay(delivered)));
     }
     total
+}
+
+#[cfg(test)]
+mod tests {
+    /// NATS wildcards, as the dead-letter check reads a consumer's filter.
+    #[test]
+    fn subjects_match_filters_with_wildcards() {
+        use super::subject_matches as m;
+        assert!(m("a.>", "a.b.c") && m("a.*.c", "a.b.c") && m("a.b", "a.b") && m(">", "a"));
+        assert!(!m("a.>", "a") && !m("a.*", "a.b.c") && !m("a.b", "a.c") && !m("a.b.c", "a.b"));
+    }
 }
