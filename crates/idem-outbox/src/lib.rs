@@ -326,13 +326,14 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let mut backoff = self.backoff();
-        let mut next_housekeeping = Instant::now();
+        // `None`: the next housekeeping is further away than any instant.
+        let mut next_housekeeping = Some(Instant::now());
         if let Err(e) = self.check_stale().await {
             tracing::warn!(error = %e, "the age of unsent rows was not checked");
         }
         loop {
-            if Instant::now() >= next_housekeeping {
-                next_housekeeping = Instant::now() + self.options.housekeeping_every;
+            if next_housekeeping.is_some_and(|at| Instant::now() >= at) {
+                next_housekeeping = Instant::now().checked_add(self.options.housekeeping_every);
                 if let Err(e) = self.lag().await {
                     tracing::warn!(error = %e, "outbox lag not measured");
                 }

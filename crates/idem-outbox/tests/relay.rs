@@ -240,3 +240,33 @@ async fn rows_unsent_past_the_inbox_horizon_are_reported_at_start() {
         None
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_housekeeping_interval_beyond_any_instant_still_relays() {
+    let outbox = Outbox::default();
+    let last = outbox.enqueue("routable.x");
+    let options = RelayOptions {
+        housekeeping_every: Duration::MAX,
+        ..options()
+    };
+    let relay = Relay::new(outbox.clone(), Broker::default(), options);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let started = Instant::now();
+    while !outbox.sent(last) && !running.is_finished() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the row was never published"
+        );
+    }
+    let _ = stop.send(());
+    running.await.expect("the relay runs with any housekeeping interval");
+    assert!(outbox.sent(last));
+}
