@@ -124,6 +124,9 @@ use crate::sql::{MIGRATIONS, Statements, latest_version};
 /// caller's own writes go through it (`&mut **tx` is a connection).
 pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
 
+/// The longest busy timeout SQLite takes, in ms (`i32::MAX`, about 24 days).
+pub const MAX_BUSY_TIMEOUT_MS: u64 = i32::MAX as u64;
+
 /// How [`SqliteStore::open_with`] configures its connections.
 #[derive(Debug, Clone)]
 pub struct SqliteOptions {
@@ -151,7 +154,8 @@ impl SqliteOptions {
     }
 
     /// How long a statement waits for another connection's lock before it
-    /// fails with [`StoreErrorKind::LockTimeout`].
+    /// fails with [`StoreErrorKind::LockTimeout`]; at most
+    /// [`MAX_BUSY_TIMEOUT_MS`] (SQLite's own limit), or opening fails.
     pub fn busy_timeout_ms(mut self, busy_timeout_ms: u64) -> Self {
         self.busy_timeout = Duration::from_millis(busy_timeout_ms);
         self
@@ -217,6 +221,12 @@ impl SqliteStore {
     /// missing, unless [`SqliteOptions::create_if_missing`] says not to).
     pub async fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self> {
         let path = path.as_ref();
+        if options.busy_timeout > Duration::from_millis(MAX_BUSY_TIMEOUT_MS) {
+            return Err(idem_core::Error::Config(format!(
+                "sqlite busy timeout: at most {MAX_BUSY_TIMEOUT_MS} ms, got {} ms",
+                options.busy_timeout.as_millis()
+            )));
+        }
         let connect = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(options.create_if_missing)

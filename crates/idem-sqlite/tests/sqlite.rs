@@ -497,3 +497,32 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
         .expect("status 3 is accepted after the upgrade");
     assert!(store.pending_migrations().await.unwrap().is_empty());
 }
+
+/// A busy timeout longer than SQLite takes is refused with a clear error
+/// before any file is created; the longest it takes opens.
+#[tokio::test]
+async fn busy_timeout_beyond_sqlites_limit_is_refused() {
+    for ms in [u64::MAX, idem_sqlite::MAX_BUSY_TIMEOUT_MS + 1] {
+        let db = TempDb::new();
+        let err = SqliteStore::open_with(&db.path, SqliteOptions::new().busy_timeout_ms(ms))
+            .await
+            .expect_err("a busy timeout beyond SQLite's limit");
+        assert!(
+            matches!(&err, idem_core::Error::Config(m) if m.contains("busy timeout")),
+            "{ms} ms: {err}"
+        );
+        assert!(!db.path.exists(), "{ms} ms: nothing is created");
+    }
+    let db = TempDb::new();
+    let store = SqliteStore::open_with(
+        &db.path,
+        SqliteOptions::new().busy_timeout_ms(idem_sqlite::MAX_BUSY_TIMEOUT_MS),
+    )
+    .await
+    .expect("the longest busy timeout SQLite takes");
+    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(store.pool())
+        .await
+        .expect("busy timeout");
+    assert_eq!(busy, i64::from(i32::MAX));
+}
