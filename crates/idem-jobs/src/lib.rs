@@ -65,8 +65,10 @@ pub enum MissedSlots {
     Skip,
     /// Run them afterwards, oldest first, each under its own run id (a slot
     /// whose attempts fail is tried again until it succeeds), but never
-    /// more than `max` slots behind the current one: older ones are skipped
-    /// as under `Skip`.
+    /// more than `max` slots behind the current one, nor a slot whose run id
+    /// may be gone (older than [`Scheduler::ttl_secs`], when a run of it by
+    /// another instance may have been swept): older ones are skipped as
+    /// under `Skip`.
     CatchUp {
         /// The most missed slots run (at least 1).
         max: u32,
@@ -120,9 +122,14 @@ impl Job {
             return due;
         }
         let behind = (current.0 - due.0) / self.period_ms;
+        // A slot older than the run ids' retention may have run on another
+        // instance and had its record swept since: running it would run it
+        // twice. Its run id is kept for `ttl` from its start at the least.
+        let ttl_ms = i64::try_from(self.ttl_secs().saturating_mul(1_000)).unwrap_or(i64::MAX);
+        let retained = ttl_ms / self.period_ms - 1;
         let keep = match self.missed {
             MissedSlots::Skip => 0,
-            MissedSlots::CatchUp { max } => i64::from(max).min(behind),
+            MissedSlots::CatchUp { max } => i64::from(max).min(behind).min(retained),
         };
         let first_kept = Slot(current.0 - keep * self.period_ms);
         let mut slot = due;
@@ -137,6 +144,11 @@ impl Job {
             slot = self.next(slot);
         }
         first_kept
+    }
+
+    /// How long its run ids are kept: ten periods, at least [`MIN_TTL_SECS`].
+    fn ttl_secs(&self) -> u64 {
+        (self.period().as_secs().saturating_mul(10)).max(MIN_TTL_SECS)
     }
 
     /// The job's name.
@@ -189,7 +201,7 @@ impl<B: TxBackend> Scheduler<B> {
     /// How long run ids are kept for `job`: ten periods, at least
     /// [`MIN_TTL_SECS`].
     pub fn ttl_secs(job: &Job) -> u64 {
-        (job.period().as_secs().saturating_mul(10)).max(MIN_TTL_SECS)
+        job.ttl_secs()
     }
 
     /// Runs `job` under `run_id` once: the first call applies `work`'s
@@ -302,5 +314,24 @@ mod tests {
         assert_eq!(up.missed(s(1), s(3)), s(1), "two behind: run both");
         assert_eq!(up.missed(s(1), s(6)), s(4), "five behind: the two latest");
         assert!(job.with_missed_slots(MissedSlots::CatchUp { max: 0 }).is_err());
+    }
+
+    #[test]
+    fn catch_up_never_reaches_past_the_run_ids_retention() {
+        // Daily: run ids are kept ten days, so at most nine slots behind.
+        let day = Job::new("daily", Duration::from_secs(86_400))
+            .unwrap()
+            .with_missed_slots(MissedSlots::CatchUp { max: 30 })
+            .unwrap();
+        let d = |n: i64| Slot(n * 86_400_000);
+        assert_eq!(day.missed(d(20), d(25)), d(20), "within the retention: all");
+        assert_eq!(day.missed(d(1), d(25)), d(16), "nine behind at most");
+        // Every second: kept seven days.
+        let second = Job::new("second", Duration::from_secs(1))
+            .unwrap()
+            .with_missed_slots(MissedSlots::CatchUp { max: u32::MAX })
+            .unwrap();
+        let now = Slot(10 * 86_400_000);
+        assert_eq!(second.missed(Slot(0), now), Slot(now.0 - (7 * 86_400 - 1) * 1_000));
     }
 }
