@@ -227,7 +227,6 @@ impl Breakers {
     }
 
     fn finish(&self, host: &str, generation: u64, healthy: bool) {
-        let now = Instant::now();
         let mut hosts = self.lock();
         let next = hosts.generation();
         let threshold = self.inner.config.failure_threshold;
@@ -253,7 +252,7 @@ impl Breakers {
         entry.failures = 0;
         entry.state = match to {
             BreakerState::Open => State::Open {
-                until: now + self.inner.config.open_for,
+                until: crate::client::instant_after(self.inner.config.open_for),
             },
             _ => State::Closed,
         };
@@ -349,6 +348,27 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), [("http://a:80".to_owned(), BreakerState::Open)]);
         // Other hosts are not affected.
         allowed(b.admit(&"http://b:80".into())).finish(true);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_period_beyond_any_instant_stays_open() {
+        let seen: Seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let b = Breakers::new(
+            BreakerConfig {
+                failure_threshold: 1,
+                open_for: Duration::MAX,
+                max_hosts: 3,
+            },
+            Box::new(move |h, s| log.lock().unwrap().push((h.to_owned(), s))),
+        );
+        let h: Arc<str> = "http://a:80".into();
+        allowed(b.admit(&h)).finish(false);
+        assert_eq!(b.state(&h), BreakerState::Open);
+        tokio::time::advance(Duration::from_secs(86_400)).await;
+        assert_eq!(refused(b.admit(&h)).0, BreakerState::Open);
+        allowed(b.admit(&"http://b:80".into())).finish(true);
+        assert_eq!(*seen.lock().unwrap(), [("http://a:80".to_owned(), BreakerState::Open)]);
     }
 
     #[tokio::test(start_paused = true)]
