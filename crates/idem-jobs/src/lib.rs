@@ -60,7 +60,8 @@ pub const SLOTS_SKIPPED: &str = "idem_job_slots_skipped_total";
 /// slot whose attempts kept failing until later slots began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MissedSlots {
-    /// Give them up: each is logged and counted in [`SLOTS_SKIPPED`]; the
+    /// Give them up: each is counted in [`SLOTS_SKIPPED`], and each run of
+    /// them logged in one line (the first and last run ids, how many); the
     /// next run is the current slot. The default.
     Skip,
     /// Run them afterwards, oldest first, each under its own run id (a slot
@@ -132,16 +133,20 @@ impl Job {
             MissedSlots::CatchUp { max } => i64::from(max).min(behind).min(retained),
         };
         let first_kept = Slot(current.0 - keep * self.period_ms);
-        let mut slot = due;
-        while slot < first_kept {
-            metrics::counter!(SLOTS_SKIPPED, "job" => self.name.as_str().to_owned()).increment(1);
+        // One count and one line for the whole run of slots given up: a
+        // clock that jumps years ahead must not stall the scheduler in a
+        // loop over each of them.
+        let skipped = (first_kept.0 - due.0) / self.period_ms;
+        if skipped > 0 {
+            metrics::counter!(SLOTS_SKIPPED, "job" => self.name.as_str().to_owned()).increment(skipped as u64);
             tracing::warn!(
                 job = self.name(),
-                run_id = %self.run_id(slot),
+                first_run_id = %self.run_id(due),
+                last_run_id = %self.run_id(Slot(first_kept.0 - self.period_ms)),
+                skipped,
                 policy = ?self.missed,
-                "job slot skipped: no run succeeded before later slots began"
+                "job slots skipped: no run succeeded before later slots began"
             );
-            slot = self.next(slot);
         }
         first_kept
     }
@@ -314,6 +319,33 @@ mod tests {
         assert_eq!(up.missed(s(1), s(3)), s(1), "two behind: run both");
         assert_eq!(up.missed(s(1), s(6)), s(4), "five behind: the two latest");
         assert!(job.with_missed_slots(MissedSlots::CatchUp { max: 0 }).is_err());
+    }
+
+    #[test]
+    fn a_clock_years_ahead_skips_its_slots_at_once_and_counts_each() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let job = Job::new("every-second", Duration::from_secs(1)).unwrap();
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let years = 1_000 * 366 * 86_400_000_i64;
+        let (done, next) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(metrics::with_local_recorder(&recorder, || {
+                job.missed(Slot(0), Slot(years))
+            }));
+        });
+        let next = next
+            .recv_timeout(Duration::from_secs(5))
+            .expect("skipping a thousand years of slots returns at once");
+        assert_eq!(next, Slot(years));
+        let counted: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, ..)| k.key().name() == SLOTS_SKIPPED)
+            .map(|(.., v)| v)
+            .collect();
+        assert_eq!(counted, [DebugValue::Counter((years / 1_000) as u64)]);
     }
 
     #[test]
