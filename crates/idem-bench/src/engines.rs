@@ -168,6 +168,14 @@ impl SqliteFile {
             .await?
             .with_table(keys_table()))
     }
+
+    /// Opens the store on it with at most `connections` connections.
+    pub async fn open_with_connections(&self, connections: u32) -> Result<idem_sqlite::SqliteStore, BoxError> {
+        let options = idem_sqlite::SqliteOptions::new().max_connections(connections);
+        Ok(idem_sqlite::SqliteStore::open_with(&self.path, options)
+            .await?
+            .with_table(keys_table()))
+    }
 }
 
 impl Default for SqliteFile {

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cost::{Cost, show};
 use crate::machine::{Commit, Machine};
 use crate::measure::Comparison;
 
@@ -28,6 +29,9 @@ pub struct Results {
     pub args: serde_json::Value,
     /// Every comparison, in the order measured.
     pub comparisons: Vec<Comparison>,
+    /// The cost per request of each transactional path (the cost meter).
+    #[serde(default)]
+    pub costs: Vec<Cost>,
     /// The scale benchmark's own results, when it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale: Option<serde_json::Value>,
@@ -125,6 +129,38 @@ fn comparisons_table(results: &Results) -> String {
                 },
             );
         }
+    }
+    out
+}
+
+fn costs_table(results: &Results) -> String {
+    if results.costs.is_empty() {
+        return "Cost per request: not counted in this run (the suite counts it unless `--cost-ops 0`).\n".into();
+    }
+    let ops = results.costs.first().map_or(0, |c| c.ops);
+    let mut out = format!(
+        "Cost per request ({ops} requests per path, one connection, one after another; round trips counted at the wire; \
+         rows written: PostgreSQL `n_tup_ins + n_tup_upd + n_tup_del` of the suite's tables, MariaDB the session's \
+         `Handler_write + Handler_update + Handler_delete`, SQLite `total_changes()`; log: PostgreSQL `pg_stat_wal` \
+         (cluster-wide), MariaDB `Innodb_os_log_written` (server-wide); server CPU: the PostgreSQL backend, the whole \
+         `mariadbd`; client CPU: the suite's process, its proxy left out):\n\n\
+         | engine | workload | path | round trips | rows written | log records | log bytes | server CPU µs | client CPU µs |\n\
+         |---|---|---|---|---|---|---|---|---|\n"
+    );
+    for c in &results.costs {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            engine_name(results, &c.engine),
+            c.workload,
+            c.path,
+            show(c.round_trips),
+            show(c.rows_written),
+            show(c.log_records),
+            c.log_bytes.map_or("—".into(), thousands),
+            c.server_cpu_us.map_or("—".into(), thousands),
+            c.client_cpu_us.map_or("—".into(), thousands),
+        );
     }
     out
 }
@@ -230,9 +266,10 @@ fn scale_section(results: &Results) -> String {
 /// The README's generated part: the run's summary, the comparisons, scale.
 pub fn render(results: &Results) -> String {
     format!(
-        "{}\n{}\n{}",
+        "{}\n{}\n{}\n{}",
         summary(results),
         comparisons_table(results),
+        costs_table(results),
         scale_section(results)
     )
 }
@@ -306,8 +343,35 @@ mod tests {
         assert!(generated.contains("commit `0123456789`"));
         assert!(generated.contains("MariaDB 11.4.2-MariaDB"));
         assert!(generated.contains("Scale: not measured in this run"));
+        assert!(generated.contains("Cost per request: not counted in this run"));
         // Rendering again from the output changes nothing.
         assert_eq!(replace_generated(&out, &render(&sample())).unwrap(), out);
+    }
+
+    /// The cost meter's figures become one row per engine, workload and
+    /// path; a figure the engine has no counter for is a dash.
+    #[test]
+    fn lists_costs() {
+        let mut results = sample();
+        results.costs = serde_json::from_value(serde_json::json!([{
+            "engine": "postgres", "workload": "micro", "path": "fresh", "ops": 300,
+            "round_trips": 4.0, "rows_written": 3.0, "log_records": 8.01, "log_bytes": 818.4,
+            "server_cpu_us": 1234.5, "client_cpu_us": 210.0, "scope": "backend"
+        }, {
+            "engine": "sqlite", "workload": "micro", "path": "bare", "ops": 300,
+            "round_trips": null, "rows_written": 1.0, "log_records": null, "log_bytes": null,
+            "server_cpu_us": null, "client_cpu_us": 95.2, "scope": "in-process"
+        }]))
+        .unwrap();
+        let out = render(&results);
+        assert!(out.contains("Cost per request (300 requests per path"));
+        assert!(out.contains("| PostgreSQL | micro | fresh | 4.00 | 3.00 | 8.01 | 818 | 1 234 | 210 |"));
+        assert!(out.contains("| SQLite | micro | bare | — | 1.00 | — | — | — | 95 |"));
+        // A results file from before the meter still renders.
+        let mut old = serde_json::to_value(sample()).unwrap();
+        old.as_object_mut().unwrap().remove("costs");
+        let old: Results = serde_json::from_value(old).unwrap();
+        assert!(render(&old).contains("not counted in this run"));
     }
 
     /// A README without the markers is refused, not rewritten.

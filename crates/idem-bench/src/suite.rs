@@ -10,10 +10,12 @@ use clap::Parser;
 use idem_core::BoxError;
 use serde::Serialize;
 
+use crate::cost::Cost;
 use crate::engines::{self, BenchDb};
 use crate::http::HttpPaths;
 use crate::machine::{Commit, Machine, now_rfc3339};
 use crate::measure::{Comparison, Paths, RatioSpec, Setting, compare, print_header};
+use crate::meter;
 use crate::micro::Insert;
 use crate::report::{Results, render, replace_generated};
 use crate::transfer::{TENANT, Transfer, fund_accounts};
@@ -47,6 +49,10 @@ pub struct Args {
     /// Database connections of the HTTP server.
     #[arg(long, default_value_t = 32)]
     pub http_connections: u32,
+    /// Requests the cost meter counts per path (one connection, one after
+    /// another, after the throughput runs); 0 skips the meter.
+    #[arg(long, default_value_t = 300)]
+    pub cost_ops: u64,
     /// Also run the scale benchmark (`scale`, next to this binary).
     #[arg(long)]
     pub scale: bool,
@@ -206,6 +212,24 @@ where
     db.server_version().await
 }
 
+/// Counts the cost per request of the transactional paths on `engine`.
+async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> {
+    let workloads: Vec<String> = args
+        .workloads
+        .iter()
+        .filter(|w| *w == "micro" || *w == "transfer")
+        .cloned()
+        .collect();
+    if args.cost_ops == 0 || workloads.is_empty() {
+        return Ok(Vec::new());
+    }
+    match engine {
+        "postgres" => meter::postgres(&args.postgres_url, &workloads, args.cost_ops).await,
+        "mysql" => meter::mysql(&args.mysql_url, &workloads, args.cost_ops).await,
+        _ => meter::sqlite(&workloads, args.cost_ops).await,
+    }
+}
+
 /// Connects to `engine`, measures it, and answers its server version.
 async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) -> Result<String, BoxError> {
     match engine {
@@ -270,10 +294,12 @@ pub async fn run(args: Args) -> Result<(), BoxError> {
     let machine = Machine::this();
     let mut comparisons = Vec::new();
     let mut servers = BTreeMap::new();
+    let mut costs = Vec::new();
     print_header();
     for engine in &args.engines {
         let version = measure_engine(engine, &args, &mut comparisons).await?;
         servers.insert(engine.clone(), version);
+        costs.extend(meter_engine(engine, &args).await?);
     }
     let dir = args.out.parent().unwrap_or(Path::new(".")).to_path_buf();
     std::fs::create_dir_all(&dir)?;
@@ -288,6 +314,7 @@ pub async fn run(args: Args) -> Result<(), BoxError> {
         servers,
         args: serde_json::to_value(&args)?,
         comparisons,
+        costs,
         scale,
     };
     std::fs::write(&args.out, serde_json::to_vec_pretty(&results)?)?;

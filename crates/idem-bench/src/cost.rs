@@ -1,0 +1,279 @@
+//! The cost meter: what one request costs, counted rather than timed.
+//!
+//! Each path runs `ops` times, one after another, on a store whose single
+//! connection goes through a counting proxy ([`crate::wire`]); counters read
+//! before and after give per-request figures that hold on a busy machine:
+//!
+//! | figure | PostgreSQL | MariaDB/MySQL | SQLite |
+//! |---|---|---|---|
+//! | round trips | the proxy | the proxy | — (in-process) |
+//! | rows written | `pg_stat_user_tables` `n_tup_ins + n_tup_upd + n_tup_del` of the suite's tables | the session's `Handler_write + Handler_update + Handler_delete` | the connection's `total_changes()` |
+//! | log written | `pg_stat_wal` records and bytes (cluster-wide) | `Innodb_os_log_written` bytes (server-wide) | — |
+//! | server CPU | the connection's backend (`/proc/<pid>/schedstat`) | the whole `mariadbd` (its threads' `schedstat`) | — (in the client) |
+//! | client CPU | this process's threads but the proxy's (`/proc/self/task/*/schedstat`) | same | same |
+//!
+//! Cluster- and server-wide figures include whatever else the server did
+//! meanwhile; each figure says its scope.
+
+use std::future::Future;
+
+use idem_core::BoxError;
+use serde::{Deserialize, Serialize};
+
+use crate::measure::Paths;
+
+/// Counters read at one instant. `None` where the engine has no such counter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// Round trips at the wire.
+    pub round_trips: Option<u64>,
+    /// Rows inserted, updated or deleted.
+    pub rows: Option<u64>,
+    /// Log records written.
+    pub log_records: Option<u64>,
+    /// Log bytes written.
+    pub log_bytes: Option<u64>,
+    /// Server CPU time, ns.
+    pub server_cpu_ns: Option<u64>,
+    /// Client CPU time, ns.
+    pub client_cpu_ns: Option<u64>,
+}
+
+/// What one request of one path costs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Cost {
+    /// `postgres`, `mysql` or `sqlite`.
+    pub engine: String,
+    /// `micro` or `transfer`.
+    pub workload: String,
+    /// `bare`, `fresh`, `replay` or `three-commit`.
+    pub path: String,
+    /// Requests counted.
+    pub ops: u64,
+    /// Round trips per request.
+    pub round_trips: Option<f64>,
+    /// Rows written per request.
+    pub rows_written: Option<f64>,
+    /// Log records per request.
+    pub log_records: Option<f64>,
+    /// Log bytes per request.
+    pub log_bytes: Option<f64>,
+    /// Server CPU µs per request.
+    pub server_cpu_us: Option<f64>,
+    /// Client CPU µs per request.
+    pub client_cpu_us: Option<f64>,
+    /// What the log and server CPU figures cover (`backend`, `cluster`, `server`).
+    pub scope: String,
+}
+
+impl Cost {
+    /// The cost per request of `ops` requests between `before` and `after`.
+    pub fn between(before: &Sample, after: &Sample, ops: u64, scope: &str) -> Self {
+        let per = |b: Option<u64>, a: Option<u64>, unit: f64| match (b, a) {
+            (Some(b), Some(a)) if ops > 0 => Some(a.saturating_sub(b) as f64 / ops as f64 / unit),
+            _ => None,
+        };
+        Self {
+            engine: String::new(),
+            workload: String::new(),
+            path: String::new(),
+            ops,
+            round_trips: per(before.round_trips, after.round_trips, 1.0),
+            rows_written: per(before.rows, after.rows, 1.0),
+            log_records: per(before.log_records, after.log_records, 1.0),
+            log_bytes: per(before.log_bytes, after.log_bytes, 1.0),
+            server_cpu_us: per(before.server_cpu_ns, after.server_cpu_ns, 1000.0),
+            client_cpu_us: per(before.client_cpu_ns, after.client_cpu_ns, 1000.0),
+            scope: scope.to_owned(),
+        }
+    }
+}
+
+/// The CPU time (ns) in a `/proc/…/schedstat` text: its first field.
+pub fn parse_schedstat(text: &str) -> Option<u64> {
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// The CPU time (ns) of every thread of process `pid` (`self` for this
+/// one) whose name is not `skip`.
+pub fn process_cpu_ns(pid: &str, skip: Option<&str>) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        if let Some(skip) = skip
+            && std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim() == skip)
+        {
+            continue;
+        }
+        // A thread that ended between the listing and the read is skipped.
+        if let Some(ns) = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .as_deref()
+            .and_then(parse_schedstat)
+        {
+            total += ns;
+        }
+    }
+    Some(total)
+}
+
+/// This process's CPU time (ns), the proxy's threads left out.
+pub fn client_cpu_ns() -> Option<u64> {
+    process_cpu_ns("self", Some(crate::wire::THREAD_NAME))
+}
+
+/// The pid of the oldest process whose `comm` is one of `names`.
+pub fn pid_named(names: &[&str]) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| names.contains(&c.trim())))
+        .min()
+}
+
+/// The sum of `names`' values in rows of `(name, value)` (such as `SHOW
+/// STATUS`); `None` if one is missing or not a number.
+pub fn sum_status(rows: &[(String, String)], names: &[&str]) -> Option<u64> {
+    names
+        .iter()
+        .map(|n| {
+            rows.iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(n))
+                .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Reads an engine's counters (everything but the client's CPU).
+pub trait Probe: Send + Sync {
+    /// What the log and server CPU figures cover.
+    fn scope(&self) -> &'static str;
+    /// The counters now.
+    fn sample(&self) -> impl Future<Output = Result<Sample, BoxError>> + Send;
+}
+
+/// Runs each of `paths` `ops` times on `bench` (one request after another)
+/// and answers each path's cost per request. Keys the last path that
+/// returned any produced are what `replay` replays, as in the suite.
+pub async fn measure<P: Paths, R: Probe>(
+    bench: &P,
+    probe: &R,
+    wire: Option<&crate::wire::Wire>,
+    engine: &str,
+    workload: &str,
+    paths: &[&'static str],
+    ops: u64,
+) -> Result<Vec<Cost>, BoxError> {
+    let mut used = Vec::new();
+    let mut out = Vec::new();
+    for path in paths {
+        let mut keys = Vec::new();
+        // One request first, so connecting and preparing statements are not counted.
+        keys.extend(bench.one(path, 0, 0, &used).await?);
+        // The probe's own statements fall outside the counted window.
+        let mut before = probe.sample().await?;
+        before.round_trips = wire.map(|w| w.round_trips());
+        before.client_cpu_ns = client_cpu_ns();
+        for n in 1..=ops {
+            keys.extend(bench.one(path, 0, n, &used).await?);
+        }
+        let (client, round_trips) = (client_cpu_ns(), wire.map(|w| w.round_trips()));
+        let mut after = probe.sample().await?;
+        after.client_cpu_ns = client;
+        after.round_trips = round_trips;
+        let mut cost = Cost::between(&before, &after, ops, probe.scope());
+        cost.engine = engine.to_owned();
+        cost.workload = workload.to_owned();
+        cost.path = (*path).to_owned();
+        println!(
+            "{engine:>8} {workload:>9} cost {path:>13}: round trips {}, rows {}, log records {}, log bytes {}, server CPU µs {}, client CPU µs {} ({})",
+            show(cost.round_trips),
+            show(cost.rows_written),
+            show(cost.log_records),
+            show(cost.log_bytes),
+            show(cost.server_cpu_us),
+            show(cost.client_cpu_us),
+            cost.scope,
+        );
+        out.push(cost);
+        if !keys.is_empty() {
+            used = keys;
+        }
+    }
+    Ok(out)
+}
+
+/// A figure with two decimals, `—` if missing.
+pub fn show(value: Option<f64>) -> String {
+    value.map_or("—".into(), |v| format!("{v:.2}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per-request figures are the counters' deltas over the requests, CPU
+    /// in µs; a counter missing on either side gives no figure.
+    #[test]
+    fn divides_deltas_by_requests() {
+        let before = Sample {
+            round_trips: Some(10),
+            rows: Some(100),
+            log_records: Some(1_000),
+            log_bytes: Some(50_000),
+            server_cpu_ns: Some(1_000_000),
+            client_cpu_ns: Some(2_000_000),
+        };
+        let after = Sample {
+            round_trips: Some(310),
+            rows: Some(300),
+            log_records: Some(1_600),
+            log_bytes: Some(120_000),
+            server_cpu_ns: Some(31_000_000),
+            client_cpu_ns: None,
+        };
+        let c = Cost::between(&before, &after, 100, "backend");
+        assert_eq!(c.round_trips, Some(3.0));
+        assert_eq!(c.rows_written, Some(2.0));
+        assert_eq!(c.log_records, Some(6.0));
+        assert_eq!(c.log_bytes, Some(700.0));
+        assert_eq!(c.server_cpu_us, Some(300.0));
+        assert_eq!(c.client_cpu_us, None);
+        assert_eq!(c.scope, "backend");
+        // No requests, no figures; a counter that went back gives zero.
+        assert_eq!(Cost::between(&before, &after, 0, "x").round_trips, None);
+        assert_eq!(Cost::between(&after, &before, 1, "x").rows_written, Some(0.0));
+    }
+
+    /// The first schedstat field is the CPU time in ns.
+    #[test]
+    fn parses_schedstat_and_status() {
+        assert_eq!(parse_schedstat("4755029079 19150908845 11867\n"), Some(4_755_029_079));
+        assert_eq!(parse_schedstat(""), None);
+        assert_eq!(parse_schedstat("x 1 2"), None);
+        let rows = vec![
+            ("Handler_write".to_owned(), "7".to_owned()),
+            ("Handler_update".to_owned(), "2".to_owned()),
+            ("handler_delete".to_owned(), "1".to_owned()),
+        ];
+        assert_eq!(
+            sum_status(&rows, &["Handler_write", "Handler_update", "Handler_delete"]),
+            Some(10)
+        );
+        assert_eq!(sum_status(&rows, &["Handler_write", "Handler_read_key"]), None);
+    }
+
+    /// This process's CPU time is readable and grows with work.
+    #[test]
+    fn reads_this_process_cpu() {
+        let before = client_cpu_ns().expect("schedstat is readable");
+        let mut x = 0u64;
+        for i in 0..20_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        assert!(client_cpu_ns().unwrap() > before);
+    }
+}
