@@ -126,27 +126,29 @@ impl Probe for SqliteProbe {
 }
 
 /// Meters `workloads` (micro, transfer) on `db`, whose only connection
-/// `probe` reads and `wire` (if any) carries.
+/// `probe` reads and `wire` (if any) carries; `admin`, another store on the
+/// same tables, prepares and cleans up.
 async fn meter_store<D: BenchDb, R: Probe>(
     engine: &str,
+    admin: D,
     db: D,
     probe: &R,
     wire: Option<&Wire>,
     workloads: &[String],
     ops: u64,
 ) -> Result<Vec<Cost>, BoxError> {
-    db.prepare().await?;
+    admin.prepare().await?;
     let mut out = Vec::new();
     if workloads.iter().any(|w| w == "micro") {
         let bench = TxPaths::new(&db, "POST /bench/insert", Insert::<D>::new())?;
         out.extend(cost::measure(&bench, probe, wire, engine, "micro", &PATHS, ops).await?);
     }
     if workloads.iter().any(|w| w == "transfer") {
-        let accounts = fund_accounts(&db, TENANT, ACCOUNTS).await?;
+        let accounts = fund_accounts(&admin, TENANT, ACCOUNTS).await?;
         let bench = TxPaths::new(&db, "POST /bench/transfer", Transfer::new(accounts))?;
         out.extend(cost::measure(&bench, probe, wire, engine, "transfer", &PATHS, ops).await?);
     }
-    db.clean_up().await?;
+    admin.clean_up().await?;
     Ok(out)
 }
 
@@ -165,7 +167,8 @@ pub async fn postgres(url: &str, workloads: &[String], ops: u64) -> Result<Vec<C
         observer,
         backend: backend as u32,
     };
-    meter_store("postgres", db, &probe, Some(&wire), workloads, ops).await
+    let admin = engines::postgres(url, 2).await?;
+    meter_store("postgres", admin, db, &probe, Some(&wire), workloads, ops).await
 }
 
 /// Meters MariaDB/MySQL at `url`.
@@ -181,7 +184,8 @@ pub async fn mysql(url: &str, workloads: &[String], ops: u64) -> Result<Vec<Cost
         observer,
         server: cost::pid_named(&["mariadbd", "mysqld"]),
     };
-    meter_store("mysql", db, &probe, Some(&wire), workloads, ops).await
+    let admin = engines::mysql(url, 2).await?;
+    meter_store("mysql", admin, db, &probe, Some(&wire), workloads, ops).await
 }
 
 /// Meters SQLite on a temporary file.
@@ -191,5 +195,5 @@ pub async fn sqlite(workloads: &[String], ops: u64) -> Result<Vec<Cost>, BoxErro
     let probe = SqliteProbe {
         measured: db.pool().clone(),
     };
-    meter_store("sqlite", db, &probe, None, workloads, ops).await
+    meter_store("sqlite", file.open().await?, db, &probe, None, workloads, ops).await
 }
