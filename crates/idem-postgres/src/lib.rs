@@ -42,10 +42,10 @@
 //!   for bytes, decimal integers).
 //! - The claim reads the key's row first: a live row (a recorded outcome, or
 //!   a lease still running) is answered without inserting, so a replay writes
-//!   nothing, locks nothing and takes no advisory lock. Under SERIALIZABLE
-//!   that read is skipped (its predicate lock would make the first claimer's
-//!   commit fail more often), and a replay goes through the upsert as
-//!   before.
+//!   nothing and locks no row, at every isolation level (and takes no
+//!   advisory lock but under SERIALIZABLE): under SERIALIZABLE the claim inserts first with `ON CONFLICT DO
+//!   NOTHING` and reads the row only if the key is held, so fresh claims take
+//!   no predicate lock on the key's index page and a replay no row lock.
 //! - The record fails unless it updated exactly the claimed row, and then the
 //!   `COMMIT` sent with it does not run: the caller's writes never commit
 //!   without their outcome.

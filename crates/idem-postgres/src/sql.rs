@@ -161,6 +161,15 @@ const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET 
 ///   stale (expired, or an in-progress lease whose lease ran out). A live row
 ///   committed after the snapshot answers neither a token nor a live row: the
 ///   caller reads it again in a new snapshot.
+/// - Under SERIALIZABLE a read of a key nobody holds would take a predicate
+///   lock on its index page and make unrelated fresh claims fail each
+///   other's commits, so `inserted` tries the key first with `ON CONFLICT DO
+///   NOTHING`, which locks no row and reads nothing; only if the key is held
+///   does `existing` read it (the gate is a constant of the statement, so
+///   the scan does not run otherwise), and `claimed` takes the row over only
+///   if it is stale. A replay still locks nothing. A conflicting row committed
+///   after the snapshot fails the statement with a serialisation failure,
+///   which the engine retries in a new transaction.
 /// - The statement bounds its own lock wait, so no round trip is spent on
 ///   `SET LOCAL`: `saved` keeps the caller's `lock_timeout`, `bounded` sets
 ///   the claim's, and `restored`, which runs after the insert finished, puts
@@ -180,25 +189,37 @@ fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
              SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
          ), bounded AS MATERIALIZED (\
              SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
-         ){lock_cte}, existing AS MATERIALIZED (\
+         ){lock_cte}, inserted AS (\
+             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
+             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} WHERE {SERIALIZABLE} \
+             ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token\
+         ), existing AS MATERIALIZED (\
              SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
-             AND current_setting('transaction_isolation') <> 'serializable'\
+             AND (NOT {SERIALIZABLE} OR NOT EXISTS (SELECT 1 FROM inserted))\
          ), claimed AS (\
-             INSERT INTO {t} AS k (tenant, operation, idem_key, fingerprint, status, token, \
-                                   created_at_ms, expires_at_ms, lease_expires_at_ms) \
+             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
              SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
              WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
+             AND (NOT {SERIALIZABLE} OR EXISTS (SELECT 1 FROM existing)) \
              {TAKEOVER}\
          ), restored AS MATERIALIZED (\
              SELECT set_config('lock_timeout', saved.saved, true) AS restored \
-             FROM saved, (SELECT count(*) FROM claimed) AS done\
+             FROM saved, (SELECT count(*) FROM claimed) AS done, (SELECT count(*) FROM inserted) AS first\
          ) \
-         SELECT c.token, COALESCE({live}, false), \
+         SELECT COALESCE(c.token, i.token), COALESCE({live}, false), \
                 e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms \
-         FROM restored LEFT JOIN claimed c ON true LEFT JOIN existing e ON true",
+         FROM restored LEFT JOIN claimed c ON true LEFT JOIN inserted i ON true LEFT JOIN existing e ON true",
         live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
     )
 }
+
+/// The columns both claims insert.
+const INSERT_COLUMNS: &str =
+    "tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms, lease_expires_at_ms";
+
+/// Whether the transaction is SERIALIZABLE (a constant of the statement, so
+/// the planner gates a scan on it without running the scan).
+const SERIALIZABLE: &str = "(current_setting('transaction_isolation') = 'serializable')";
 
 /// The lease-mode claim upsert, committed on its own.
 ///

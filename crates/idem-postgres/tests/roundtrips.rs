@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use common::{database_url, isolated_table};
 use idem_core::{
-    Begin, Call, ClaimRequest, Error, Fingerprint, IdempotencyKey, Outcome, Record, Scope, Token, TxBackend, TxEngine,
+    Begin, Call, ClaimRequest, Error, Fingerprint, IdempotencyKey, Outcome, Record, Scope, Token, TxBackend, TxClaim,
+    TxEngine,
 };
 use idem_postgres::{ClaimStrategy, PgStore};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -377,7 +378,56 @@ async fn a_connection_that_lost_its_prepared_record_rolls_back_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_takes_no_row_lock() {
-    let store = store_on(pool_with(2, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    replay_takes_no_row_lock(pool_with(2, &[]).await).await;
+}
+
+/// The same on a database whose default isolation is SERIALIZABLE, as a
+/// team may set it with `ALTER DATABASE`: the claim must not lock the row
+/// there either.
+#[tokio::test]
+async fn a_replay_takes_no_row_lock_on_a_serializable_database() {
+    let pool = serializable_database_pool().await;
+    let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(level, "serializable");
+    replay_takes_no_row_lock(pool).await;
+}
+
+/// A database of its own whose default isolation is SERIALIZABLE (created
+/// once; concurrent creators tolerate each other), and a pool on it.
+async fn serializable_database_pool() -> PgPool {
+    const DATABASE: &str = "idem_rt_serializable";
+    let admin = pool_with(1, &[]).await;
+    if let Err(e) = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {DATABASE}")))
+        .execute(&admin)
+        .await
+    {
+        // 42P04: it exists; 23505: another process created it meanwhile.
+        let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+        assert!(
+            matches!(code.as_deref(), Some("42P04" | "23505")),
+            "CREATE DATABASE {DATABASE}: {e}"
+        );
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "ALTER DATABASE {DATABASE} SET default_transaction_isolation = 'serializable'"
+    )))
+    .execute(&admin)
+    .await
+    .expect("ALTER DATABASE");
+    let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options.database(DATABASE))
+        .await
+        .expect("a pool on the serializable database")
+}
+
+async fn replay_takes_no_row_lock(pool: PgPool) {
+    let store = store_on(pool, ClaimStrategy::InsertOnConflict).await;
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
     assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
@@ -398,4 +448,30 @@ async fn a_replay_takes_no_row_lock() {
         .with_policy(idem_core::Policy::default().with_in_flight(idem_core::InFlight::Reject));
     assert!(matches!(run(&engine, &impatient).await, Outcome::Replayed(_)));
     store.rollback(holder).await.unwrap();
+}
+
+/// On a SERIALIZABLE database a fresh claim reads nothing, so it takes no
+/// predicate lock on the keys table or its indexes that would make other
+/// fresh claims on the same index page fail their commits; a replay locks no
+/// row (above).
+#[tokio::test]
+async fn a_fresh_serializable_claim_takes_no_predicate_lock() {
+    let store = store_on(serializable_database_pool().await, ClaimStrategy::InsertOnConflict).await;
+    let (call, scope) = (fresh_call(), Scope::parse("t", "POST /v1/predicate").unwrap());
+    let (mut tx, claim) = store
+        .begin_claim(&request(&scope, &call), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    let table = store.table().as_str().to_owned();
+    let locks: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+         WHERE l.pid = pg_backend_pid() AND l.mode = 'SIReadLock' \
+         AND (c.relname = '{table}' OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = '{table}'::regclass))"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(locks, 0, "a fresh claim took predicate locks on {table}");
+    store.rollback(tx).await.unwrap();
 }
