@@ -1,5 +1,6 @@
 //! The conformance suite against PostgreSQL, with both claim strategies and in lease mode,
-//! and in transactional mode on connections that default to each isolation level.
+//! and in transactional mode on connections that default to each isolation level, and on a
+//! database whose default is SERIALIZABLE (`ALTER DATABASE … SET default_transaction_isolation`).
 //!
 //! The database comes from `IDEM_TEST_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`); the tests fail, never skip, when
@@ -7,7 +8,7 @@
 
 mod common;
 
-use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
+use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at, serializable_database_url};
 use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_postgres::{ClaimStrategy, PgStore, PgTx};
@@ -32,7 +33,11 @@ impl Postgres {
     /// A subject whose connections default to `isolation`, on a keys table
     /// of its own, so that the modules of each level never share keys.
     async fn connect_at(strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
-        let url = database_url();
+        Self::connect_on(database_url(), strategy, isolation, table).await
+    }
+
+    /// The same on the database at `url`.
+    async fn connect_on(url: String, strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
         create_effects_table(&open_pool(&url).await).await;
         let pool = open_pool_at(&url, isolation).await;
         let store = PgStore::new(pool)
@@ -159,5 +164,23 @@ tx_conformance!(
         ClaimStrategy::AdvisoryLock,
         Isolation::Serializable,
         "idem_conformance_keys_ser_adv"
+    )
+);
+tx_conformance!(
+    postgres_tx_serializable_database,
+    Postgres::connect_on(
+        serializable_database_url().await,
+        ClaimStrategy::InsertOnConflict,
+        Isolation::DatabaseDefault,
+        "idem_conformance_keys"
+    )
+);
+tx_conformance!(
+    postgres_tx_advisory_serializable_database,
+    Postgres::connect_on(
+        serializable_database_url().await,
+        ClaimStrategy::AdvisoryLock,
+        Isolation::DatabaseDefault,
+        "idem_conformance_keys_adv"
     )
 );

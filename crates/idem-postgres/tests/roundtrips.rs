@@ -395,33 +395,14 @@ async fn a_replay_takes_no_row_lock_on_a_serializable_database() {
     replay_takes_no_row_lock(pool).await;
 }
 
-/// A database of its own whose default isolation is SERIALIZABLE (created
-/// once; concurrent creators tolerate each other), and a pool on it.
+/// A pool on the tests' SERIALIZABLE database.
 async fn serializable_database_pool() -> PgPool {
-    const DATABASE: &str = "idem_rt_serializable";
-    let admin = pool_with(1, &[]).await;
-    if let Err(e) = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {DATABASE}")))
-        .execute(&admin)
-        .await
-    {
-        // 42P04: it exists; 23505: another process created it meanwhile.
-        let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
-        assert!(
-            matches!(code.as_deref(), Some("42P04" | "23505")),
-            "CREATE DATABASE {DATABASE}: {e}"
-        );
-    }
-    sqlx::query(AssertSqlSafe(format!(
-        "ALTER DATABASE {DATABASE} SET default_transaction_isolation = 'serializable'"
-    )))
-    .execute(&admin)
-    .await
-    .expect("ALTER DATABASE");
-    let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
+    let url = common::serializable_database_url().await;
+    let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
     PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options.database(DATABASE))
+        .connect_with(options)
         .await
         .expect("a pool on the serializable database")
 }

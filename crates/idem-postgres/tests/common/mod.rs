@@ -33,6 +33,8 @@ pub(crate) enum Isolation {
     RepeatableRead,
     /// Serialisable snapshot isolation.
     Serializable,
+    /// Whatever the database's default is (nothing set on the session).
+    DatabaseDefault,
 }
 
 impl Isolation {
@@ -41,7 +43,7 @@ impl Isolation {
         match self {
             Isolation::ReadCommitted => "READ COMMITTED",
             Isolation::RepeatableRead => "REPEATABLE READ",
-            Isolation::Serializable => "SERIALIZABLE",
+            Isolation::Serializable | Isolation::DatabaseDefault => "SERIALIZABLE",
         }
     }
 }
@@ -58,10 +60,13 @@ pub(crate) async fn open_pool_at(url: &str, isolation: Isolation) -> PgPool {
     if let Err(e) = options.connect().await {
         panic!("PostgreSQL is unreachable at {url} ({e}); start it or point {URL_VAR} at a reachable database");
     }
-    let set = format!(
-        "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {}",
-        isolation.sql()
-    );
+    let set = match isolation {
+        Isolation::DatabaseDefault => "SELECT 1".to_owned(),
+        level => format!(
+            "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {}",
+            level.sql()
+        ),
+    };
     PgPoolOptions::new()
         .max_connections(8)
         .after_connect(move |conn, _meta| {
@@ -74,6 +79,44 @@ pub(crate) async fn open_pool_at(url: &str, isolation: Isolation) -> PgPool {
         .connect_with(options)
         .await
         .unwrap_or_else(|e| panic!("cannot open a pool on {url} (set by {URL_VAR}): {e}"))
+}
+
+/// The URL of a database of the tests' own whose default isolation is
+/// SERIALIZABLE (`ALTER DATABASE … SET default_transaction_isolation`),
+/// created on the server of [`database_url`] if missing; concurrent
+/// creators tolerate each other.
+#[allow(dead_code)]
+pub(crate) async fn serializable_database_url() -> String {
+    const DATABASE: &str = "idem_rt_serializable";
+    let url = database_url();
+    let admin = open_pool(&url).await;
+    let mut conn = admin.acquire().await.expect("a connection");
+    // Concurrent test processes take turns (CREATE DATABASE runs outside a
+    // transaction, so the lock is the session's).
+    let lock = "SELECT pg_advisory_lock(hashtextextended('idem_rt_serializable', 0))";
+    sqlx::query(lock).execute(&mut *conn).await.expect("lock");
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(DATABASE)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("look the database up");
+    if !exists {
+        for sql in [
+            format!("CREATE DATABASE {DATABASE}"),
+            format!("ALTER DATABASE {DATABASE} SET default_transaction_isolation = 'serializable'"),
+        ] {
+            sqlx::query(AssertSqlSafe(sql.clone()))
+                .execute(&mut *conn)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+    }
+    sqlx::query("SELECT pg_advisory_unlock(hashtextextended('idem_rt_serializable', 0))")
+        .execute(&mut *conn)
+        .await
+        .expect("unlock");
+    let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    options.database(DATABASE).to_url_lossy().to_string()
 }
 
 /// Milliseconds since the epoch.
