@@ -137,6 +137,15 @@ pub async fn postgres(url: &str, connections: u32) -> Result<idem_postgres::PgSt
     Ok(idem_postgres::PgStore::new(pool).with_table(keys_table()))
 }
 
+/// The PostgreSQL claim strategy named `name`.
+pub fn claim_strategy(name: &str) -> Result<idem_postgres::ClaimStrategy, BoxError> {
+    match name {
+        "insert-on-conflict" => Ok(idem_postgres::ClaimStrategy::InsertOnConflict),
+        "advisory-lock" => Ok(idem_postgres::ClaimStrategy::AdvisoryLock),
+        other => Err(format!("unknown claim strategy {other:?} (insert-on-conflict, advisory-lock)").into()),
+    }
+}
+
 /// Connects to MySQL/MariaDB with a pool of `connections`.
 pub async fn mysql(url: &str, connections: u32) -> Result<idem_mysql::MySqlStore, BoxError> {
     let pool = sqlx::mysql::MySqlPoolOptions::new()

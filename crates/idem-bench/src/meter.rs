@@ -152,10 +152,17 @@ async fn meter_store<D: BenchDb, R: Probe>(
     Ok(out)
 }
 
-/// Meters PostgreSQL at `url`.
-pub async fn postgres(url: &str, workloads: &[String], ops: u64) -> Result<Vec<Cost>, BoxError> {
+/// Meters PostgreSQL at `url` with the store's claim `strategy`.
+pub async fn postgres(
+    url: &str,
+    strategy: idem_postgres::ClaimStrategy,
+    workloads: &[String],
+    ops: u64,
+) -> Result<Vec<Cost>, BoxError> {
     let wire = Wire::start(server_of(url, 5432)?)?;
-    let db = engines::postgres(&via(url, wire.addr())?, 1).await?;
+    let db = engines::postgres(&via(url, wire.addr())?, 1)
+        .await?
+        .with_claim_strategy(strategy);
     let observer = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect(url)

@@ -53,6 +53,10 @@ pub struct Args {
     /// another, after the throughput runs); 0 skips the meter.
     #[arg(long, default_value_t = 300)]
     pub cost_ops: u64,
+    /// The PostgreSQL store's claim strategy: `insert-on-conflict` (the
+    /// default) or `advisory-lock`.
+    #[arg(long, default_value = "insert-on-conflict", value_parser = ["insert-on-conflict", "advisory-lock"])]
+    pub pg_claim_strategy: String,
     /// Also run the scale benchmark (`scale`, next to this binary).
     #[arg(long)]
     pub scale: bool,
@@ -224,7 +228,10 @@ async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> 
         return Ok(Vec::new());
     }
     match engine {
-        "postgres" => meter::postgres(&args.postgres_url, &workloads, args.cost_ops).await,
+        "postgres" => {
+            let strategy = engines::claim_strategy(&args.pg_claim_strategy)?;
+            meter::postgres(&args.postgres_url, strategy, &workloads, args.cost_ops).await
+        }
         "mysql" => meter::mysql(&args.mysql_url, &workloads, args.cost_ops).await,
         _ => meter::sqlite(&workloads, args.cost_ops).await,
     }
@@ -233,7 +240,15 @@ async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> 
 /// Connects to `engine`, measures it, and answers its server version.
 async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) -> Result<String, BoxError> {
     match engine {
-        "postgres" => measure_store(engine, args, out, |n| engines::postgres(&args.postgres_url, n)).await,
+        "postgres" => {
+            let strategy = engines::claim_strategy(&args.pg_claim_strategy)?;
+            measure_store(engine, args, out, |n| async move {
+                Ok(engines::postgres(&args.postgres_url, n)
+                    .await?
+                    .with_claim_strategy(strategy))
+            })
+            .await
+        }
         "mysql" => measure_store(engine, args, out, |n| engines::mysql(&args.mysql_url, n)).await,
         "sqlite" => {
             let file = engines::SqliteFile::new();
