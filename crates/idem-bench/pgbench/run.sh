@@ -16,7 +16,7 @@ clients=${2:-16}
 rounds=${3:-2}
 url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 psql -q "$url" -f setup.sql
-options=(separate paired paired-noexp onewrite threecommit)
+options=(separate paired paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
 tps() {
     pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$1.sql" "$url" 2>/dev/null |
         awk '/^tps/ {print int($3)}'
@@ -29,4 +29,4 @@ for round in $(seq "$rounds"); do
         printf '%-14s %8s %8s %7.3f\n' "$option" "$t" "$bare" "$(echo "$t / $bare" | bc -l)"
     done
 done
-psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_effects"
+psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects"
