@@ -279,11 +279,11 @@ pub fn render(results: &Results) -> String {
 pub fn replace_generated(readme: &str, generated: &str) -> Result<String, String> {
     let start = readme
         .find(BEGIN)
-        .ok_or_else(|| format!("no {BEGIN} marker in the README"))?
+        .ok_or_else(|| format!("no {BEGIN} marker in the page"))?
         + BEGIN.len();
     let end = readme[start..]
         .find(END)
-        .ok_or_else(|| format!("no {END} marker after {BEGIN} in the README"))?
+        .ok_or_else(|| format!("no {END} marker after {BEGIN} in the page"))?
         + start;
     let mut generated = generated.to_owned();
     if !generated.ends_with('\n') {

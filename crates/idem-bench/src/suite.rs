@@ -63,7 +63,8 @@ pub struct Args {
     /// Where to write the results.
     #[arg(long, default_value = "target/bench/results.json")]
     pub out: PathBuf,
-    /// Regenerates this README's tables from the results.
+    /// Regenerates the tables of this page (`docs/benchmarks.md`, or any
+    /// file with the `<!-- bench:begin -->`/`<!-- bench:end -->` markers) from the results.
     #[arg(long)]
     pub readme: Option<PathBuf>,
     /// Runs nothing: renders the README's tables (`--readme`) from this results file.
