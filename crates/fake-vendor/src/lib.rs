@@ -154,6 +154,11 @@ impl Vendor {
         }
     }
 
+    /// Payouts made so far.
+    pub fn paid(&self) -> u64 {
+        self.paid.load(Ordering::SeqCst)
+    }
+
     /// Moves the vendor's clock forward (keys age by as much).
     pub fn advance(&self, by: Duration) {
         self.clock_offset_ms
@@ -475,6 +480,16 @@ pub async fn serve(
     vendor: Arc<Vendor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with_tls(addr, vendor, None, shutdown).await
+}
+
+/// [`serve`], over TLS with `tls` when given (`https://`).
+pub async fn serve_with_tls(
+    addr: std::net::SocketAddr,
+    vendor: Arc<Vendor>,
+    tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     tokio::pin!(shutdown);
     loop {
         let listener = tokio::net::TcpListener::bind(addr).await?;
@@ -488,13 +503,93 @@ pub async fn serve(
             }
         };
         let app = router(vendor.clone());
+        let served = async {
+            match &tls {
+                Some(config) => axum::serve(TlsListener::new(listener, config.clone()), app).await,
+                None => axum::serve(listener, app).await,
+            }
+        };
         tokio::select! {
-            r = axum::serve(listener, app) => return r,
+            r = served => return r,
             _ = &mut shutdown => return Ok(()),
             _ = refused => {}
         }
         // Refusing: the listener is dropped until the fault ends.
         let until = vendor.refuse_until_ms.load(Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(until.saturating_sub(now_ms()))).await;
+    }
+}
+
+/// A TCP listener whose connections are TLS servers: each accepted
+/// connection is handed on once its handshake is done; one whose handshake
+/// fails (a client that does not trust the certificate, plain HTTP) is
+/// logged and closed. Handshakes run beside the accept loop, so a slow
+/// client holds up no other.
+pub struct TlsListener {
+    addr: std::net::SocketAddr,
+    ready: tokio::sync::mpsc::Receiver<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        std::net::SocketAddr,
+    )>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl TlsListener {
+    /// TLS with `config` on the connections of `listener`.
+    pub fn new(listener: tokio::net::TcpListener, config: Arc<idem_tls::rustls::ServerConfig>) -> Self {
+        let addr = listener.local_addr().unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        let (tx, ready) = tokio::sync::mpsc::channel(64);
+        let accepting = tokio::spawn(async move {
+            loop {
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let acceptor = acceptor.clone();
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send((stream, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::info!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            ready,
+            accepting: accepting,
+        }
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(conn) => conn,
+            // The accept loop never ends while the listener lives.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
     }
 }

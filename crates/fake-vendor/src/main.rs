@@ -19,6 +19,12 @@ struct Args {
     /// No idempotency at all: the key header is ignored, every request pays.
     #[arg(long)]
     no_idempotency: bool,
+    /// Serve https with this certificate chain (PEM; with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -35,7 +41,18 @@ async fn main() -> std::process::ExitCode {
             eprintln!("fake-vendor: {info}");
         }
     }));
-    println!("fake vendor on http://{}", args.listen);
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => match idem_tls::server_config(cert, key) {
+            Ok(config) => Some(config),
+            Err(e) => {
+                eprintln!("fake-vendor: {e}");
+                return std::process::ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    println!("fake vendor on {scheme}://{}", args.listen);
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -43,7 +60,7 @@ async fn main() -> std::process::ExitCode {
         key_horizon: std::time::Duration::from_secs(args.key_horizon_secs),
         idempotency: !args.no_idempotency,
     });
-    match fake_vendor::serve(args.listen, Arc::new(vendor), shutdown).await {
+    match fake_vendor::serve_with_tls(args.listen, Arc::new(vendor), tls, shutdown).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("fake-vendor: {e}");

@@ -35,12 +35,11 @@ const FRAMING_HEADERS: [&str; 9] = [
 ];
 
 /// Whether the HTTP client that [`OutboundClient::new`] builds can speak
-/// TLS. This crate compiles reqwest without a TLS backend, so an `https://`
-/// target is refused at once (never retried as if the network had failed);
-/// the TLS backend arrives behind a cargo feature, which turns this on.
-/// A client passed to [`OutboundClient::with_http_client`] is the caller's
-/// to equip.
-const BUILT_IN_TLS: bool = false;
+/// TLS: with the `tls` feature (rustls on ring, the platform's roots or the
+/// configured CA file). Without it an `https://` target is refused at once
+/// (never retried as if the network had failed). A client passed to
+/// [`OutboundClient::with_http_client`] is the caller's to equip.
+const BUILT_IN_TLS: bool = cfg!(feature = "tls");
 
 /// A success (2xx) answer to a logical call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -401,13 +400,22 @@ impl OutboundClient {
     /// a reconcile hook. Redirects are not followed (a 3xx ends the call as
     /// [`OutboundError::Rejected`]).
     ///
-    /// This build has no TLS backend: an `https://` target is refused as
+    /// With the `tls` feature, `https://` targets are verified against the
+    /// platform's roots, or only `config.ca_file`'s certificates when set.
+    /// Without it an `https://` target is refused as
     /// [`OutboundError::Invalid`] at once (check targets at start with
     /// [`check_target`](Self::check_target)), or pass a client with TLS to
     /// [`with_http_client`](Self::with_http_client).
     pub fn new(config: OutboundConfig) -> Result<Self> {
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
+        let builder = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none());
+        #[cfg(feature = "tls")]
+        let builder = {
+            let tls = idem_tls::Roots::ca_file(config.ca_file.clone())
+                .client_config()
+                .map_err(|e| OutboundError::InvalidConfig(e.to_string()))?;
+            builder.tls_backend_preconfigured(tls)
+        };
+        let http = builder
             .build()
             .map_err(|e| OutboundError::InvalidConfig(format!("the HTTP client cannot be built: {e}")))?;
         Self::build(http, BUILT_IN_TLS, config)
@@ -416,7 +424,19 @@ impl OutboundClient {
     /// A client over `http` (its TLS, proxy and pool settings). Its own
     /// timeout, if set, counts as a failed attempt; leave redirects off.
     pub fn with_http_client(http: reqwest::Client, config: OutboundConfig) -> Result<Self> {
+        if config.ca_file.is_some() {
+            return Err(OutboundError::InvalidConfig(
+                "ca_file is for the client OutboundClient::new builds: give the CA to the reqwest client passed in"
+                    .into(),
+            ));
+        }
         Self::build(http, true, config)
+    }
+
+    /// The HTTP client every attempt goes through (its TLS settings and
+    /// connection pool), for other requests to the same vendors.
+    pub fn http_client(&self) -> &reqwest::Client {
+        &self.inner.http
     }
 
     fn build(http: reqwest::Client, tls: bool, config: OutboundConfig) -> Result<Self> {
@@ -489,9 +509,11 @@ impl OutboundClient {
     /// ```
     /// let client = idem_outbound::OutboundClient::new(Default::default())?;
     /// assert!(client.check_target("http://vendor:9100/v1/payouts").is_ok());
-    /// for bad in ["http://vendor#", "http://u:p@vendor/", "http://vendor:0/", "http://vendor:99999/", "https://vendor/", "ftp://vendor/"] {
+    /// for bad in ["http://vendor#", "http://u:p@vendor/", "http://vendor:0/", "http://vendor:99999/", "ftp://vendor/"] {
     ///     assert!(client.check_target(bad).is_err(), "{bad}");
     /// }
+    /// // https needs the `tls` feature.
+    /// assert_eq!(client.check_target("https://vendor/").is_ok(), cfg!(feature = "tls"));
     /// # Ok::<(), idem_outbound::OutboundError>(())
     /// ```
     pub fn check_target(&self, url: &str) -> Result<()> {
@@ -839,7 +861,8 @@ fn parse_target(url: &str, tls: bool) -> Result<reqwest::Url> {
         "https" => {
             return invalid(format!(
                 "{url:?} is https, and this client has no TLS backend: it could never be reached \
-                 (pass a reqwest client built with TLS to OutboundClient::with_http_client)"
+                 (build idem-outbound with its `tls` feature, or pass a reqwest client built with TLS \
+                 to OutboundClient::with_http_client)"
             ));
         }
         other => return invalid(format!("{url:?}: the scheme must be http or https, not {other}")),
@@ -874,8 +897,21 @@ fn host_of(url: &reqwest::Url) -> Result<String> {
     }
 }
 
+/// An error and its sources, on one line; a failed TLS handshake is said
+/// as such, with the URL it was for and rustls's reason.
+fn error_chain(e: &reqwest::Error) -> String {
+    #[cfg(feature = "tls")]
+    if let Some(failed) = idem_tls::handshake_failure(e) {
+        return match e.url() {
+            Some(url) => format!("{}: {failed}", host_of(url).unwrap_or_else(|_| url.to_string())),
+            None => failed,
+        };
+    }
+    source_chain(e)
+}
+
 /// An error and its sources, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
+fn source_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -118,6 +118,10 @@ pub struct OutboundConfig {
     /// Default: Stripe's `idempotency_key_in_use` and the Idempotency-Key
     /// draft's problem type `idempotency-key-in-flight`.
     pub in_flight_codes: Vec<String>,
+    /// The CA certificates (a PEM file) that `https://` targets must be
+    /// signed by, in place of the platform's roots. Needs the `tls`
+    /// feature.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// The longest deadline a client may be configured for (one day): instants
@@ -145,6 +149,7 @@ impl Default for OutboundConfig {
             host_key_horizons: Vec::new(),
             secret_headers: Vec::new(),
             in_flight_codes: vec!["idempotency_key_in_use".into(), "idempotency-key-in-flight".into()],
+            ca_file: None,
         }
     }
 }

@@ -255,12 +255,12 @@ async fn an_in_flight_409_without_retry_after_is_asked_again() {
     assert_eq!(ledger(&base).await.0, 1);
 }
 
-/// An https target without TLS, a URL with user information or a fragment are refused at once: nothing sent, no retry, the breaker untouched.
+/// A URL with user information or a fragment is refused at once: nothing sent, no retry, the breaker untouched (https without TLS: the `check_target` doc test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn targets_that_cannot_work_are_refused_at_once() {
     let client = OutboundClient::new(config(&[10, 10])).unwrap();
     for url in [
-        "https://127.0.0.1:9/v1/payouts",
+        "https://user:pw@127.0.0.1:9/v1/payouts",
         "http://user:pw@127.0.0.1:9/x",
         "http://127.0.0.1:9/#/v1",
     ] {
