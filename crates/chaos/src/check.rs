@@ -18,7 +18,7 @@ pub(crate) async fn history(
     violations: &mut Vec<String>,
 ) -> Result<serde_json::Value, Error> {
     // The service's own audit.
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
+    let http = ledger::http_builder().timeout(Duration::from_secs(30)).build()?;
     let audit: serde_json::Value = {
         let mut tries = 0;
         loop {

@@ -144,7 +144,7 @@ impl Vendor {
         });
         let me = Arc::new(Self {
             url: format!("http://{addr}"),
-            http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+            http: ledger::http_builder().timeout(Duration::from_secs(10)).build()?,
             stop: std::sync::Mutex::new(Some(stop)),
         });
         me.wait_up(Duration::from_secs(20)).await?;

@@ -191,7 +191,7 @@ impl Service {
 
     /// Waits until `/healthz` answers 200.
     pub async fn wait_healthy(&self, within: Duration) -> Result<(), Error> {
-        let client = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
+        let client = ledger::http_builder().timeout(Duration::from_secs(2)).build()?;
         let url = format!("http://127.0.0.1:{}/healthz", self.port);
         let deadline = tokio::time::Instant::now() + within;
         loop {

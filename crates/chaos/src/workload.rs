@@ -76,7 +76,7 @@ struct Seen {
 
 impl Client {
     fn new(base: &str, token: &str, seed: u64) -> Result<Self, Error> {
-        let http = reqwest::Client::builder()
+        let http = ledger::http_builder()
             .pool_max_idle_per_host(0)
             .redirect(reqwest::redirect::Policy::none())
             .timeout(Duration::from_secs(20))

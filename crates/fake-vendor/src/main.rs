@@ -33,6 +33,8 @@ async fn main() -> std::process::ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     let args = Args::parse();
+    // One rustls provider for the process: ring.
+    idem_tls::install_default_provider();
     // The `apply_then_drop` fault ends its connection's task on purpose:
     // say so once, quietly.
     std::panic::set_hook(Box::new(|info| {

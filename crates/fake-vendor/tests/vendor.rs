@@ -28,7 +28,7 @@ async fn start_with(options: fake_vendor::Options) -> (String, Arc<fake_vendor::
 }
 
 async fn pay(base: &str, key: Option<&str>, body: &str) -> reqwest::Result<reqwest::Response> {
-    let mut r = reqwest::Client::new()
+    let mut r = idem_tls::test_pki::http_client()
         .post(format!("{base}/v1/payouts"))
         .timeout(Duration::from_secs(5))
         .header("content-type", "application/json")
@@ -40,7 +40,7 @@ async fn pay(base: &str, key: Option<&str>, body: &str) -> reqwest::Result<reqwe
 }
 
 async fn faults(base: &str, f: serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = idem_tls::test_pki::http_client()
         .put(format!("{base}/_faults"))
         .json(&f)
         .send()
@@ -50,7 +50,7 @@ async fn faults(base: &str, f: serde_json::Value) {
 }
 
 async fn ledger(base: &str) -> serde_json::Value {
-    reqwest::get(format!("{base}/v1/ledger"))
+    idem_tls::test_pki::get(format!("{base}/v1/ledger"))
         .await
         .unwrap()
         .json()
@@ -112,7 +112,7 @@ async fn faults_do_what_they_say() {
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(pay(&base, Some("d"), r#"{"amount":1}"#).await.unwrap().status(), 201);
     assert!(vendor.refuse_until_ms.load(std::sync::atomic::Ordering::SeqCst) > 0);
-    let bad = reqwest::Client::new()
+    let bad = idem_tls::test_pki::http_client()
         .put(format!("{base}/_faults"))
         .json(&serde_json::json!({ "error_500": 2.0 }))
         .send()
@@ -122,7 +122,7 @@ async fn faults_do_what_they_say() {
 }
 
 async fn lookup(base: &str, reference: &str) -> serde_json::Value {
-    reqwest::get(format!("{base}/v1/payouts?reference={reference}"))
+    idem_tls::test_pki::get(format!("{base}/v1/payouts?reference={reference}"))
         .await
         .unwrap()
         .json()
@@ -144,7 +144,7 @@ async fn past_its_horizon_a_key_pays_again() {
     let within = pay(&base, Some("k"), body).await.unwrap();
     assert_eq!(within.headers()["idempotent-replayed"], "true");
     // Moved over HTTP too.
-    let r = reqwest::Client::new()
+    let r = idem_tls::test_pki::http_client()
         .put(format!("{base}/_clock"))
         .json(&serde_json::json!({ "advance_ms": 1000 }))
         .send()

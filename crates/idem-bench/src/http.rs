@@ -56,7 +56,7 @@ impl HttpPaths {
             },
         ));
         Ok(Self {
-            client: reqwest::Client::builder().build()?,
+            client: ledger::http_builder().build()?,
             url,
             accounts,
             stop: Some(stop),

@@ -143,6 +143,10 @@ pub(crate) struct ResendArgs {
     /// environment variable, never from the command line. Repeatable.
     #[arg(long = "secret-header")]
     secret_headers: Vec<String>,
+    /// The CA certificates (PEM) an https vendor must be signed by, in
+    /// place of the platform's roots.
+    #[arg(long)]
+    ca_file: Option<std::path::PathBuf>,
 }
 
 impl ResendArgs {
@@ -159,6 +163,7 @@ impl ResendArgs {
             .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
         let mut config = idem_outbound::OutboundConfig {
             key_horizon: idem_outbound::KeyHorizon::new(horizon, margin),
+            ca_file: self.ca_file.clone(),
             ..base
         };
         for spec in &self.secret_headers {

@@ -68,6 +68,11 @@ enum Command {
         /// The API behind the gateway.
         #[arg(long, env = "IDEM_UPSTREAM")]
         upstream: Option<String>,
+        /// The CA certificates (PEM) an https upstream must be signed by, in
+        /// place of the platform's roots (overrides the file's
+        /// upstream_ca_file).
+        #[arg(long, env = "IDEM_UPSTREAM_CA_FILE")]
+        upstream_ca_file: Option<PathBuf>,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:8000")]
         listen: String,
@@ -639,6 +644,7 @@ async fn run(args: Args) -> Result<(), Failure> {
     match args.command {
         Command::Gateway {
             upstream,
+            upstream_ca_file,
             listen,
             store,
             config,
@@ -651,6 +657,9 @@ async fn run(args: Args) -> Result<(), Failure> {
             };
             if upstream.is_some() {
                 cfg.upstream = upstream;
+            }
+            if upstream_ca_file.is_some() {
+                cfg.upstream_ca_file = upstream_ca_file;
             }
             if store.is_some() {
                 cfg.store = store;

@@ -56,7 +56,7 @@ fn start_vendor() -> String {
 }
 
 async fn pay(base: &str, key: &str, body: &str) -> u16 {
-    reqwest::Client::new()
+    idem_tls::test_pki::http_client()
         .post(format!("{base}/v1/payouts"))
         .header("idempotency-key", key)
         .header("content-type", "application/json")
@@ -69,7 +69,7 @@ async fn pay(base: &str, key: &str, body: &str) -> u16 {
 }
 
 async fn payouts(base: &str) -> u64 {
-    let l: serde_json::Value = reqwest::get(format!("{base}/v1/ledger"))
+    let l: serde_json::Value = idem_tls::test_pki::get(format!("{base}/v1/ledger"))
         .await
         .unwrap()
         .json()

@@ -134,7 +134,7 @@ async fn slow_upstream() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
 
 async fn healthy(base: &str) {
     for _ in 0..400 {
-        if reqwest::get(format!("{base}/_idem/healthz"))
+        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
             .await
             .is_ok_and(|r| r.status() == 200)
         {
@@ -146,7 +146,7 @@ async fn healthy(base: &str) {
 }
 
 fn order(base: &str, key: &str) -> reqwest::RequestBuilder {
-    reqwest::Client::new()
+    idem_tls::test_pki::http_client()
         .post(format!("{base}/v1/slow"))
         .bearer_auth("demo")
         .header("idempotency-key", format!("\"{key}\""))

@@ -340,7 +340,7 @@ async fn start_gateway(upstream: &str, store: &str) -> (Gateway, String) {
         .unwrap();
     let gateway = Gateway(child);
     let base = format!("http://{listen}");
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     for _ in 0..400 {
         if client
             .get(format!("{base}/_idem/healthz"))
@@ -365,7 +365,7 @@ async fn the_gateway_and_the_operator_commands_run_on_a_cluster() {
     let store = cluster.urls().join(",");
     let (upstream, calls) = counting_upstream();
     let (_gateway, base) = start_gateway(&upstream, &store).await;
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     let keys: Vec<String> = (0..20).map(|i| format!("order-{i}")).collect();
     for round in 0..2 {
         for key in &keys {

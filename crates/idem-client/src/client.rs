@@ -100,6 +100,7 @@ type Observer = Arc<dyn Fn(&AttemptEvent<'_>) + Send + Sync>;
 #[must_use]
 pub struct ClientBuilder {
     http: Option<reqwest::Client>,
+    ca_file: Option<std::path::PathBuf>,
     store: Option<Arc<dyn PendingStore>>,
     default_headers: HeaderMap,
     error: Option<Error>,
@@ -133,6 +134,7 @@ impl Default for ClientBuilder {
     fn default() -> Self {
         Self {
             http: None,
+            ca_file: None,
             store: None,
             default_headers: HeaderMap::new(),
             error: None,
@@ -157,6 +159,14 @@ impl ClientBuilder {
     /// redirects off, a 10 s connect timeout.
     pub fn http(mut self, http: reqwest::Client) -> Self {
         self.http = Some(http);
+        self
+    }
+
+    /// Verifies https servers against the CA certificates of this PEM file
+    /// only, in place of the platform's roots (the default client; needs
+    /// the `tls` feature).
+    pub fn ca_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
         self
     }
 
@@ -280,14 +290,15 @@ impl ClientBuilder {
         if let Some(e) = self.error {
             return Err(e);
         }
-        let plain_http_only = self.http.is_none();
+        let plain_http_only = self.http.is_none() && !cfg!(feature = "tls");
         let http = match self.http {
+            Some(_) if self.ca_file.is_some() => {
+                return Err(Error::Http(
+                    "ca_file is for the default client: give the CA to the reqwest client passed to http()".into(),
+                ));
+            }
             Some(http) => http,
-            None => reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .connect_timeout(Duration::from_secs(10))
-                .build()
-                .map_err(|e| Error::Http(e.to_string()))?,
+            None => default_http(self.ca_file.as_deref())?,
         };
         let backoff = ExponentialBuilder::new()
             .with_min_delay(self.min_delay)
@@ -410,7 +421,8 @@ impl Client {
         if self.inner.plain_http_only && op.url().scheme() == "https" {
             return Err(Error::InvalidOperation(format!(
                 "{} is https, and the default HTTP client has no TLS backend; \
-                 pass a reqwest::Client built with a TLS feature to ClientBuilder::http",
+                 build idem-client with its `tls` feature, or pass a reqwest::Client built with TLS \
+                 to ClientBuilder::http",
                 op.url()
             )));
         }
@@ -632,6 +644,30 @@ fn instant_after(by: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// The default HTTP client: redirects off, a 10 s connect timeout, and with
+/// the `tls` feature https verified against the platform's roots or only
+/// `ca_file`'s certificates.
+fn default_http(ca_file: Option<&std::path::Path>) -> Result<reqwest::Client> {
+    let builder = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(Duration::from_secs(10));
+    #[cfg(feature = "tls")]
+    let builder = {
+        let tls = idem_tls::Roots::ca_file(ca_file)
+            .client_config()
+            .map_err(|e| Error::Http(e.to_string()))?;
+        builder.tls_backend_preconfigured(tls)
+    };
+    #[cfg(not(feature = "tls"))]
+    if let Some(file) = ca_file {
+        return Err(Error::Http(format!(
+            "ca_file {}: this build has no TLS (the `tls` feature of idem-client)",
+            file.display()
+        )));
+    }
+    builder.build().map_err(|e| Error::Http(e.to_string()))
+}
+
 /// Classifies a reqwest error; `stage` is what was going on.
 fn transport(e: &reqwest::Error, stage: TransportKind) -> TransportError {
     let kind = if e.is_timeout() {
@@ -641,6 +677,16 @@ fn transport(e: &reqwest::Error, stage: TransportKind) -> TransportError {
     } else {
         stage
     };
+    #[cfg(feature = "tls")]
+    if let Some(failed) = idem_tls::handshake_failure(e) {
+        let at = e
+            .url()
+            .map_or("?".to_owned(), |u| format!("{}://{}", u.scheme(), u.authority()));
+        return TransportError {
+            kind,
+            message: format!("{at}: {failed}"),
+        };
+    }
     // The chain names the cause ("connection refused", "connection reset").
     let mut message = e.to_string();
     let mut source = std::error::Error::source(e);

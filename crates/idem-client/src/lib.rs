@@ -64,10 +64,11 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `sqlite` | yes | [`SqlitePending`] (sqlx, bundled SQLite) and the `idem-client-demo` binary |
+//! | `tls` | no | https with the default client: rustls on ring, the platform's roots or [`ClientBuilder::ca_file`] |
 //!
-//! The default reqwest client speaks plain HTTP (no TLS backend is compiled
-//! in, as in the rest of the workspace); for HTTPS, pass a `reqwest::Client`
-//! built with a TLS feature to [`ClientBuilder::http`].
+//! Without `tls` the default reqwest client speaks plain HTTP and refuses an
+//! https operation at once; or pass a `reqwest::Client` of your own to
+//! [`ClientBuilder::http`].
 
 mod client;
 mod error;

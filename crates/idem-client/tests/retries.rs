@@ -663,22 +663,6 @@ async fn one_key_per_operation() {
     assert_ne!(a.key(), b.key());
 }
 
-/// An https URL with the default client (no TLS) is refused before anything is saved or sent; a pending one is kept for a client that can send it.
-#[tokio::test]
-async fn https_without_tls_is_a_clear_error() {
-    let client = fast().build().unwrap();
-    let op = Operation::post("https://127.0.0.1:9/v1/top-ups").build().unwrap();
-    match client.send(&op).await {
-        Err(Error::InvalidOperation(why)) => assert!(why.contains("TLS"), "{why}"),
-        other => panic!("{other:?}"),
-    }
-    assert!(client.store().list().await.unwrap().is_empty());
-    client.store().save(&op).await.unwrap();
-    let resumed = client.resume().await.unwrap();
-    assert!(matches!(resumed[0].result, Err(Error::InvalidOperation(_))));
-    assert_eq!(client.store().list().await.unwrap(), vec![op]);
-}
-
 /// `Retry-After: 0` waits the backoff's minimum, not zero; a Retry-After over the cap waits the cap.
 #[tokio::test]
 async fn retry_after_is_bounded_both_ways() {

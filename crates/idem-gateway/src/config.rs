@@ -241,8 +241,12 @@ pub enum ForwardedHeaders {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// The API behind the gateway (`http://host:port`).
+    /// The API behind the gateway (`http://host:port`, or `https://` with
+    /// the `tls` feature).
     pub upstream: Option<String>,
+    /// The CA certificates (PEM) an https upstream (and its identity
+    /// endpoint) must be signed by, in place of the platform's roots.
+    pub upstream_ca_file: Option<std::path::PathBuf>,
     /// The store: a SQLite path (default `./idem-gateway.db`),
     /// `postgres://…`, `mysql://…` or `redis://…`.
     pub store: Option<String>,
@@ -335,6 +339,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             upstream: None,
+            upstream_ca_file: None,
             store: None,
             tenant: None,
             tenant_header: None,
@@ -356,8 +361,8 @@ impl Default for Config {
     }
 }
 
-/// Whether the gateway can call `https://` upstreams: only once TLS is built
-/// in (the `tls` feature); until then such an upstream is refused at start
+/// Whether the gateway can call `https://` upstreams: only with TLS built
+/// in (the `tls` feature); without it such an upstream is refused at start
 /// rather than answered with a 502 on every request.
 const TLS: bool = cfg!(feature = "tls");
 

@@ -44,9 +44,6 @@
 //!   (so they never shadow an upstream route), or on a listener of their own
 //!   (`admin_listen`).
 
-#[cfg(feature = "tls")]
-compile_error!("the `tls` feature of idem-gateway is reserved for TLS to https:// upstreams, which is not built yet");
-
 mod body;
 mod config;
 mod door;
@@ -99,7 +96,7 @@ impl Gateway {
     /// Builds the gateway of a configuration (validated here) on `store`.
     pub fn new(config: &Config, store: AnyLease, clock: SharedClock) -> Result<Self, GatewayError> {
         config.validate()?;
-        let client = proxy::Proxy::client(config.upstream_timeout())?;
+        let client = proxy::Proxy::client(config.upstream_timeout(), config.upstream_ca_file.as_deref())?;
         let defaults = config.defaults.policy()?;
         let mut routes = path::Routes::default();
         let mut layer_routes = Vec::new();

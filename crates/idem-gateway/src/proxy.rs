@@ -184,13 +184,28 @@ impl Proxy {
     }
 
     /// The HTTP client of upstream calls.
-    pub(crate) fn client(timeout: Duration) -> Result<reqwest::Client, ConfigError> {
-        reqwest::Client::builder()
+    /// With TLS, an https upstream is verified against the platform's
+    /// roots, or only `ca_file`'s certificates.
+    pub(crate) fn client(timeout: Duration, ca_file: Option<&std::path::Path>) -> Result<reqwest::Client, ConfigError> {
+        let builder = reqwest::Client::builder()
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(64)
-            .build()
-            .map_err(|e| ConfigError(format!("HTTP client: {e}")))
+            .pool_max_idle_per_host(64);
+        #[cfg(feature = "tls")]
+        let builder = {
+            let tls = idem_tls::Roots::ca_file(ca_file)
+                .client_config()
+                .map_err(|e| ConfigError(format!("upstream_ca_file: {e}")))?;
+            builder.tls_backend_preconfigured(tls)
+        };
+        #[cfg(not(feature = "tls"))]
+        if let Some(file) = ca_file {
+            return Err(ConfigError(format!(
+                "upstream_ca_file {}: this build has no TLS",
+                file.display()
+            )));
+        }
+        builder.build().map_err(|e| ConfigError(format!("HTTP client: {e}")))
     }
 
     async fn forward(self, req: Request<Body>) -> Response<Body> {
@@ -308,6 +323,16 @@ fn held_failure(e: &reqwest::Error, held: idem_http::OutcomeUnknown) -> Response
 }
 
 fn problem(status: StatusCode, slug: &str, title: &str, e: &reqwest::Error) -> Response<Body> {
+    #[cfg(feature = "tls")]
+    if let Some(failed) = idem_tls::handshake_failure(e) {
+        let upstream = e
+            .url()
+            .map_or("?".to_owned(), |u| format!("{}://{}", u.scheme(), u.authority()));
+        tracing::error!("upstream {upstream}: {failed}");
+        return Problem::new(status, slug, title)
+            .with_detail("the upstream's TLS certificate was refused; nothing was recorded")
+            .into_response(DEFAULT_PROBLEM_BASE);
+    }
     tracing::warn!(error = %e, "upstream failed");
     Problem::new(status, slug, title)
         .with_detail("the upstream did not answer; nothing was recorded, retry with the same Idempotency-Key")

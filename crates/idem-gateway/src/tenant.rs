@@ -756,7 +756,12 @@ mod tests {
             identity: None,
         };
         config.validate(false).unwrap();
-        Tenants::new(&config, reqwest::Client::new(), &"http://127.0.0.1:9".parse().unwrap()).unwrap()
+        Tenants::new(
+            &config,
+            crate::proxy::Proxy::client(std::time::Duration::from_secs(5), None).unwrap(),
+            &"http://127.0.0.1:9".parse().unwrap(),
+        )
+        .unwrap()
     }
 
     async fn tenant(t: &Tenants, headers: &[(&str, &str)]) -> Result<String, StatusCode> {

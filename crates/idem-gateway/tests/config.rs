@@ -35,13 +35,16 @@ async fn a_key_that_could_expire_mid_call_is_refused() {
     assert!(e.contains("[defaults]") && e.contains("lease_ms"), "{e}");
 }
 
-/// An https:// upstream is refused while no TLS is built in, rather than answered 502 on every request.
+/// An upstream CA file that cannot be read stops the start, naming the setting and the file.
 #[tokio::test]
-async fn an_https_upstream_is_refused_without_tls() {
+async fn an_unreadable_upstream_ca_file_is_refused() {
     let e = refusal(&format!(
-        "upstream = \"https://127.0.0.1:9443\"\nstore = {:?}\n{BEARER}",
+        "upstream = \"https://127.0.0.1:9443\"\nupstream_ca_file = \"/nonexistent/ca.pem\"\nstore = {:?}\n{BEARER}",
         sqlite_store()
     ))
     .await;
-    assert!(e.contains("no TLS") && e.contains("https://127.0.0.1:9443"), "{e}");
+    assert!(
+        e.contains("upstream_ca_file") && e.contains("CA file /nonexistent/ca.pem: cannot be read"),
+        "{e}"
+    );
 }

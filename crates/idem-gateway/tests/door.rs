@@ -102,7 +102,9 @@ async fn the_admin_endpoints_can_have_a_listener_of_their_own() {
         .await
     });
     wait_healthy(&admin_base).await;
-    let metrics = reqwest::get(format!("{admin_base}/_idem/metrics")).await.unwrap();
+    let metrics = idem_tls::test_pki::get(format!("{admin_base}/_idem/metrics"))
+        .await
+        .unwrap();
     assert_eq!(metrics.status(), 200);
     let (status, _, body) = send_with(&proxy_base, "GET", "/_idem/healthz", &[], None, "").await;
     assert_eq!(status, 201, "forwarded to the upstream: {body}");

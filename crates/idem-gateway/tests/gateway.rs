@@ -202,7 +202,7 @@ async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
     let (t, k) = (fresh(), fresh());
     let mut first = tokio::time::timeout(
         Duration::from_secs(10),
-        reqwest::Client::new()
+        idem_tls::test_pki::http_client()
             .post(format!("{}/v1/stream", g.base))
             .bearer_auth(&t)
             .header("idempotency-key", format!("\"{k}\""))

@@ -65,7 +65,7 @@ async fn start_gateway(upstream: &str, store: &str) -> Gateway {
         .await
         .unwrap_or_else(|e| panic!("the gateway failed: {e}"));
     });
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     for _ in 0..400 {
         if client
             .get(format!("{base}/_idem/healthz"))
@@ -82,7 +82,7 @@ async fn start_gateway(upstream: &str, store: &str) -> Gateway {
 
 /// Sends `n` requests with fresh keys, 16 at a time.
 async fn send_fresh(base: &str, n: usize) {
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     let tasks: Vec<_> = (0..16)
         .map(|t| {
             let (client, base) = (client.clone(), base.to_owned());
@@ -150,7 +150,7 @@ async fn the_redis_expiry_index_returns_to_zero() {
     eventually("entries in the expiry index", 0, || zcard(conn.clone())).await;
     let rows: Vec<String> = redis::cmd("KEYS").arg("idem:*:r").query_async(&mut conn).await.unwrap();
     assert!(rows.is_empty(), "{rows:?}");
-    let metrics = reqwest::get(format!("{}/_idem/metrics", g.base))
+    let metrics = idem_tls::test_pki::get(format!("{}/_idem/metrics", g.base))
         .await
         .unwrap()
         .text()

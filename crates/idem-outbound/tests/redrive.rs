@@ -61,7 +61,7 @@ async fn a_redrive_replays_the_applied_call_and_resolves_it() {
     assert_eq!(letter.state, DeadLetterState::Resolved);
     assert_eq!(letter.response_status, Some(201));
     // The body kept is the one the vendor recorded when it paid.
-    let replay = reqwest::Client::new()
+    let replay = idem_tls::test_pki::http_client()
         .post(format!("{base}/v1/payouts"))
         .header("idempotency-key", "payout-42")
         .header("content-type", "application/json")

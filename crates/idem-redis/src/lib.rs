@@ -75,6 +75,7 @@ mod connection;
 mod deployment;
 mod index;
 mod scripts;
+mod tls;
 
 use std::fmt;
 use std::sync::Arc;
@@ -156,20 +157,29 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 }
 
 impl RedisStore<ConnectionManager> {
-    /// Connects to one Redis server (`redis://host:port/db`), reconnecting
-    /// as needed once connected. A server that cannot be reached at all
-    /// fails at once, rather than after the reconnection attempts.
+    /// Connects to one Redis server (`redis://host:port/db`, or
+    /// `rediss://` for TLS, with `?ca_file=PATH` to trust only that CA),
+    /// reconnecting as needed once connected. A server that cannot be
+    /// reached at all fails at once, rather than after the reconnection
+    /// attempts.
     pub async fn connect(url: &str) -> Result<Self> {
+        let (url, ca) = tls::split_ca_file(url)?;
+        let url = url.as_str();
         let bad =
             |e: redis::RedisError| Error::Config(idem_core::redact_credentials(&format!("Redis URL {url:?}: {e}")));
         let info = redis::IntoConnectionInfo::into_connection_info(url)
             .map_err(bad)?
             .set_tcp_settings(tcp_settings());
-        let client = redis::Client::open(info).map_err(bad)?;
+        let client = tls::client(info, ca.as_deref(), url)?;
         // One plain connection first: the manager below retries a refused
         // connection for seconds, which helps a running service through a
         // restart of Redis but only delays a start against a wrong address.
-        drop(client.get_multiplexed_async_connection().await.map_err(store_error)?);
+        drop(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .map_err(|e| tls::connect_error(url, e))?,
+        );
         let config = redis::aio::ConnectionManagerConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
         let conn = ConnectionManager::new_with_config(client, config)
             .await
@@ -179,18 +189,28 @@ impl RedisStore<ConnectionManager> {
 }
 
 impl RedisStore<ClusterConnection> {
-    /// Connects to a Redis Cluster through any of its nodes.
+    /// Connects to a Redis Cluster through any of its nodes (`rediss://`
+    /// for TLS; a `?ca_file=PATH` on any node is the CA of all).
     pub async fn connect_cluster(nodes: &[&str]) -> Result<Self> {
-        let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+        let mut ca = None;
+        let mut plain = Vec::with_capacity(nodes.len());
+        for node in nodes {
+            let (node, node_ca) = tls::split_ca_file(node)?;
+            ca = ca.or(node_ca);
+            plain.push(node);
+        }
+        let builder = redis::cluster::ClusterClient::builder(plain.clone())
             .tcp_settings(tcp_settings())
-            .response_timeout(RESPONSE_TIMEOUT)
-            .build()
-            .map_err(|e| {
-                Error::Config(idem_core::redact_credentials(&format!(
-                    "Redis Cluster nodes {nodes:?}: {e}"
-                )))
-            })?;
-        let conn = client.get_async_connection().await.map_err(store_error)?;
+            .response_timeout(RESPONSE_TIMEOUT);
+        let client = tls::cluster_certs(builder, ca.as_deref())?.build().map_err(|e| {
+            Error::Config(idem_core::redact_credentials(&format!(
+                "Redis Cluster nodes {plain:?}: {e}"
+            )))
+        })?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| tls::connect_error(&plain.join(","), e))?;
         Ok(Self::new(conn))
     }
 }

@@ -97,6 +97,7 @@ impl Roots {
     /// rustls settings for a client that verifies servers against these
     /// roots, with no client certificate; `alpn` is left empty.
     pub fn client_config(&self) -> Result<ClientConfig> {
+        install_default_provider();
         let config = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::Settings(e.to_string()))?
@@ -111,9 +112,20 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// Makes ring the process's default rustls provider, unless one is
+/// installed already (then nothing changes). Code that builds TLS settings
+/// without naming a provider takes the process's default — a reqwest client
+/// built without idem's settings panics without one when, as here, ring is
+/// the only provider compiled in. Settings made by this crate install it;
+/// binaries call it first thing.
+pub fn install_default_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// rustls server settings presenting the certificate chain of `cert_file`
 /// with the private key of `key_file` (both PEM), offering HTTP/1.1.
 pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<rustls::ServerConfig>> {
+    install_default_provider();
     let certs = read_pem_certs(cert_file, "certificate file")?;
     let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| TlsError::KeyFile {
         path: key_file.to_owned(),
@@ -173,16 +185,51 @@ fn platform_roots() -> Result<RootCertStore> {
 }
 
 /// `TLS handshake failed: <rustls's reason>` if `e`'s chain holds a rustls
-/// error (also inside an `io::Error`, where TLS streams put it), else
-/// `None`.
+/// error (also inside an `io::Error`, where TLS streams put it), or if a
+/// link of the chain is only the text of one (drivers that keep an I/O
+/// error's message alone), else `None`.
 pub fn handshake_failure(e: &(dyn StdError + 'static)) -> Option<String> {
+    handshake_error(e).or_else(|| {
+        let mut next: Option<&(dyn StdError + 'static)> = Some(e);
+        while let Some(err) = next {
+            if let Some(found) = handshake_text(&err.to_string()) {
+                return Some(found);
+            }
+            next = err.source();
+        }
+        None
+    })
+}
+
+/// The text of rustls's handshake errors, by the start of their message.
+const RUSTLS_MESSAGES: [&str; 7] = [
+    "invalid peer certificate: ",
+    "received corrupt message of type ",
+    "peer is incompatible: ",
+    "peer misbehaved: ",
+    "received fatal alert: ",
+    "peer sent no certificates",
+    "peer doesn't support any known protocol",
+];
+
+/// `TLS handshake failed: <reason>` if `text` is, or ends with, a rustls
+/// handshake error's message.
+fn handshake_text(text: &str) -> Option<String> {
+    RUSTLS_MESSAGES
+        .iter()
+        .filter_map(|m| text.find(m))
+        .min()
+        .map(|at| format!("TLS handshake failed: {}", &text[at..]))
+}
+
+fn handshake_error(e: &(dyn StdError + 'static)) -> Option<String> {
     let mut next: Option<&(dyn StdError + 'static)> = Some(e);
     while let Some(err) = next {
         if let Some(tls) = err.downcast_ref::<rustls::Error>() {
             return Some(format!("TLS handshake failed: {tls}"));
         }
         if let Some(inner) = err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
-            if let Some(found) = handshake_failure(inner as &(dyn StdError + 'static)) {
+            if let Some(found) = handshake_error(inner as &(dyn StdError + 'static)) {
                 return Some(found);
             }
         }

@@ -83,6 +83,23 @@ impl Drop for TestPki {
     }
 }
 
+/// A reqwest client builder, with ring installed as the process's provider
+/// first (see [`crate::install_default_provider`]).
+pub fn http_builder() -> reqwest::ClientBuilder {
+    crate::install_default_provider();
+    reqwest::Client::builder()
+}
+
+/// A default reqwest client (see [`http_builder`]).
+pub fn http_client() -> reqwest::Client {
+    http_builder().build().expect("a reqwest client")
+}
+
+/// `GET url` with a default client, as `reqwest::get`.
+pub async fn get(url: impl reqwest::IntoUrl) -> reqwest::Result<reqwest::Response> {
+    http_client().get(url).send().await
+}
+
 fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);

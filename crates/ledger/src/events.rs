@@ -35,6 +35,7 @@
 //! such an event as a dead letter). A new field is added without a new
 //! version; a change of meaning is a new version.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -241,6 +242,9 @@ impl Envelope {
 pub struct EventsConfig {
     /// The NATS server.
     pub nats_url: String,
+    /// The CA certificates (PEM) a TLS NATS server must be signed by, in
+    /// place of the platform's roots; TLS is then required.
+    pub ca_file: Option<std::path::PathBuf>,
     /// Relays in this process.
     pub relays: usize,
     /// Projection consumers in this process.
@@ -253,14 +257,35 @@ pub struct EventsConfig {
     pub ack_wait: Duration,
 }
 
-/// Connects to NATS and makes sure the streams exist.
-pub async fn connect(url: &str, ns: &Namespace) -> Result<jetstream::Context, StartError> {
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .map_err(|e| StartError::Config(format!("cannot connect to NATS at {url}: {e}")))?;
+/// Connects to NATS (`nats://`, or `tls://` and any URL with `ca_file`:
+/// TLS verified against the platform's roots or only `ca_file`'s
+/// certificates) and makes sure the streams exist. A server that is not
+/// there yet is waited for; one whose TLS handshake fails is an error at
+/// once ([`StartError::Handshake`]), never retried.
+pub async fn connect(url: &str, ca_file: Option<&Path>, ns: &Namespace) -> Result<jetstream::Context, StartError> {
+    let options = || -> Result<async_nats::ConnectOptions, StartError> {
+        let options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
+        // A server that asks for TLS gets it on any URL: the roots are set
+        // whatever the scheme.
+        let tls = idem_tls::Roots::ca_file(ca_file)
+            .client_config()
+            .map_err(|e| StartError::Config(format!("--nats-ca: {e}")))?;
+        Ok(options.tls_client_config(tls).require_tls(ca_file.is_some()))
+    };
+    // One attempt first: a refused handshake is a configuration to fix,
+    // not a server to wait for.
+    let client = match options()?.connect(url).await {
+        Ok(client) => client,
+        Err(e) if e.kind() == async_nats::ConnectErrorKind::Tls => {
+            let why = idem_tls::handshake_failure(&e).unwrap_or_else(|| format!("TLS failed: {e}"));
+            return Err(StartError::Handshake(format!("NATS {url}: {why}")));
+        }
+        Err(_) => options()?
+            .retry_on_initial_connect()
+            .connect(url)
+            .await
+            .map_err(|e| StartError::Config(format!("cannot connect to NATS at {url}: {e}")))?,
+    };
     let js = jetstream::new(client);
     for (name, subjects) in [
         (ns.stream(), format!("{}.>", ns.subjects())),
@@ -492,8 +517,10 @@ pub async fn run<D: LedgerDb>(
 ) -> Result<(), StartError> {
     let mut pause = Duration::from_millis(500);
     let js = loop {
-        match connect(&config.nats_url, &config.namespace).await {
+        match connect(&config.nats_url, config.ca_file.as_deref(), &config.namespace).await {
             Ok(js) => break js,
+            // A refused handshake is a configuration to fix, not a server to wait for.
+            Err(e @ StartError::Handshake(_)) => return Err(e),
             Err(e) if !matches!(shutdown.has_changed(), Ok(true)) => {
                 tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "events not started; retrying");
                 tokio::select! {

@@ -75,9 +75,32 @@ pub enum StartError {
     /// A setting is invalid.
     #[error("configuration: {0}")]
     Config(String),
+    /// A server's TLS handshake failed (which server, and why).
+    #[error("{0}")]
+    Handshake(String),
     /// The listener failed.
     #[error("listener: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// A reqwest client builder for plain HTTP or the platform's roots, with
+/// ring installed as the process's rustls provider first (reqwest panics
+/// without one when ring is the only provider compiled in).
+pub fn http_builder() -> reqwest::ClientBuilder {
+    idem_tls::install_default_provider();
+    reqwest::Client::builder()
+}
+
+/// A database's connection failure; a failed TLS handshake names the
+/// database and rustls's reason.
+fn connect_error(url: &str, e: sqlx::Error) -> StartError {
+    match idem_tls::handshake_failure(&e) {
+        Some(failed) => StartError::Handshake(format!(
+            "database {}: {failed}",
+            idem_core::redact_credentials(url.split('?').next().unwrap_or(url))
+        )),
+        None => StartError::Sql(e),
+    }
 }
 
 impl Store {
@@ -90,7 +113,8 @@ impl Store {
                 .max_connections(max_connections)
                 .acquire_timeout(Duration::from_secs(10))
                 .connect(url)
-                .await?;
+                .await
+                .map_err(|e| connect_error(url, e))?;
             Store::Postgres(idem_postgres::PgStore::new(pool))
         } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
             let url = url.replacen("mariadb://", "mysql://", 1);
@@ -98,7 +122,8 @@ impl Store {
                 .max_connections(max_connections)
                 .acquire_timeout(Duration::from_secs(10))
                 .connect(&url)
-                .await?;
+                .await
+                .map_err(|e| connect_error(&url, e))?;
             Store::MySql(idem_mysql::MySqlStore::new(pool))
         } else if let Some(path) = url
             .strip_prefix("sqlite://")

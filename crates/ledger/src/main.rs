@@ -34,6 +34,11 @@ struct Args {
     /// this process). Unset: events wait in the outbox.
     #[arg(long, env = "NATS_URL", global = true)]
     nats_url: Option<String>,
+    /// The CA certificates (PEM) the NATS server must be signed by, in place
+    /// of the platform's roots; TLS is then required (`tls://` URLs use the
+    /// platform's roots without it).
+    #[arg(long, env = "NATS_CA", global = true)]
+    nats_ca: Option<std::path::PathBuf>,
     /// Relays in this process (with --nats-url).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64), global = true)]
     relays: u16,
@@ -53,6 +58,10 @@ struct Args {
     /// payouts stay requested until a payout worker runs.
     #[arg(long, env = "LEDGER_VENDOR_URL", global = true)]
     vendor_url: Option<String>,
+    /// The CA certificates (PEM) an https vendor must be signed by, in place
+    /// of the platform's roots.
+    #[arg(long, env = "LEDGER_VENDOR_CA_FILE", global = true)]
+    vendor_ca_file: Option<std::path::PathBuf>,
     /// Vendor calls in flight at once in this process.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=256), global = true)]
     payout_concurrency: u16,
@@ -139,6 +148,8 @@ async fn main() -> std::process::ExitCode {
         )
         .init();
     let args = Args::parse();
+    // One rustls provider for the process: ring.
+    idem_tls::install_default_provider();
     let namespace = match ledger::events::Namespace::new(&args.events_namespace) {
         Ok(ns) => ns,
         Err(e) => {
@@ -148,6 +159,7 @@ async fn main() -> std::process::ExitCode {
     };
     let events = args.nats_url.clone().map(|nats_url| ledger::events::EventsConfig {
         nats_url,
+        ca_file: args.nats_ca.clone(),
         relays: usize::from(args.relays),
         projectors: usize::from(args.projectors),
         namespace: namespace.clone(),
@@ -276,7 +288,9 @@ fn payouts(
     };
     let bad = |why: String| ledger::StartError::Config(why);
     if url.contains(char::is_whitespace) {
-        return Err(bad(format!("--vendor-url {url:?} must be an absolute http URL")));
+        return Err(bad(format!(
+            "--vendor-url {url:?} must be an absolute http or https URL"
+        )));
     }
     if args.payout_retry_delays_ms.len() > 20 || args.payout_retry_delays_ms.iter().any(|&ms| ms > 3_600_000) {
         return Err(bad(
@@ -300,6 +314,7 @@ fn payouts(
             .collect(),
         deadline: Duration::from_secs(args.payout_deadline_secs),
         key_horizon: idem_outbound::KeyHorizon::new(horizon, margin),
+        ca_file: args.vendor_ca_file.clone(),
         ..Default::default()
     };
     for spec in &args.vendor_secret_headers {
@@ -318,7 +333,8 @@ fn payouts(
     outbound.validate().map_err(|e| bad(format!("payouts: {e}")))?;
     // A vendor URL that could never work (https without TLS, a fragment,
     // user information, a bad port) stops the start, naming the setting.
-    let client = idem_outbound::OutboundClient::new(outbound.clone()).map_err(|e| bad(format!("payouts: {e}")))?;
+    let client =
+        idem_outbound::OutboundClient::new(outbound.clone()).map_err(|e| bad(format!("--vendor-ca-file: {e}")))?;
     client
         .check_target(&config.payouts_url())
         .map_err(|e| bad(format!("--vendor-url: {e}")))?;

@@ -139,8 +139,11 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             .with_clock(clock.clone());
         let client = client.with_clock(clock.clone());
         let client = if config.reconcile {
-            // The lookup carries the vendor's credentials too.
-            let lookup = VendorLookup::new(&config.vendor_url)?.with_headers(client.config().secret_headers.clone());
+            // The lookup carries the vendor's credentials too, and goes
+            // through the calls' HTTP client (its TLS roots).
+            let lookup = VendorLookup::new(&config.vendor_url)?
+                .with_http_client(client.http_client().clone())
+                .with_headers(client.config().secret_headers.clone());
             client.with_reconcile(Arc::new(lookup))
         } else {
             client
@@ -672,7 +675,7 @@ impl VendorLookup {
         let bad = |why: String| DbError::Idem(IdemError::Config(why));
         let url = reqwest::Url::parse(&format!("{}/v1/payouts", vendor_url.trim_end_matches('/')))
             .map_err(|e| bad(format!("vendor URL {vendor_url:?}: {e}")))?;
-        let http = reqwest::Client::builder()
+        let http = crate::http_builder()
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| bad(format!("the vendor lookup's HTTP client: {e}")))?;
@@ -681,6 +684,13 @@ impl VendorLookup {
             url,
             headers: reqwest::header::HeaderMap::new(),
         })
+    }
+
+    /// Asks through `http` (its TLS roots and pool; redirects must be
+    /// off), in place of a client of its own.
+    pub fn with_http_client(mut self, http: reqwest::Client) -> Self {
+        self.http = http;
+        self
     }
 
     /// Sends `headers` with every lookup (the vendor's credentials, kept

@@ -111,7 +111,7 @@ async fn events_reach_the_projection(engine: Engine) {
         ],
     );
     let c = Client {
-        http: reqwest::Client::new(),
+        http: idem_tls::test_pki::http_client(),
         base: ledger.base.clone(),
         token: token(),
     };

@@ -58,7 +58,7 @@ async fn split(client: &reqwest::Client, instances: &[Instance; 2], token: &str,
 async fn two_instances_one_effect(engine: Engine) {
     let url = database_url(engine);
     let instances = [Instance::start(&url), Instance::start(&url)];
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     let t = token();
     let mut accounts = Vec::new();
     for (i, name) in ["a", "b"].into_iter().enumerate() {

@@ -9,7 +9,7 @@ use common::{Engine, Instance, database_url};
 async fn the_document_lists_every_route() {
     let url = database_url(Engine::Sqlite);
     let ledger = Instance::start(&url);
-    let doc: serde_json::Value = reqwest::get(format!("{}/openapi.json", ledger.base))
+    let doc: serde_json::Value = idem_tls::test_pki::get(format!("{}/openapi.json", ledger.base))
         .await
         .expect("served")
         .json()

@@ -170,7 +170,7 @@ impl FakeVendor {
             .expect("the fake vendor serves");
         });
         let url = format!("http://{addr}");
-        let client = reqwest::Client::new();
+        let client = idem_tls::test_pki::http_client();
         for _ in 0..100 {
             if client.get(format!("{url}/_stats")).send().await.is_ok() {
                 break;
@@ -185,7 +185,7 @@ impl FakeVendor {
     }
 
     async fn faults(&self, faults: &Faults) {
-        let r = reqwest::Client::new()
+        let r = idem_tls::test_pki::http_client()
             .put(format!("{}/_faults", self.url))
             .json(faults)
             .send()
@@ -195,7 +195,7 @@ impl FakeVendor {
     }
 
     async fn ledger(&self) -> serde_json::Value {
-        reqwest::get(format!("{}/v1/ledger", self.url))
+        idem_tls::test_pki::get(format!("{}/v1/ledger", self.url))
             .await
             .unwrap()
             .json()
@@ -333,7 +333,7 @@ async fn start(engine: Engine) -> Ledger {
 }
 
 async fn stats(vendor: &FakeVendor) -> serde_json::Value {
-    reqwest::get(format!("{}/_stats", vendor.url))
+    idem_tls::test_pki::get(format!("{}/_stats", vendor.url))
         .await
         .unwrap()
         .json()
@@ -469,7 +469,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     assert_eq!(status(&l, &t, &p).await["status"], "dead_lettered");
     // The vendor is back after its refusal.
     let back = tokio::time::Instant::now() + Duration::from_secs(30);
-    while reqwest::get(format!("{}/_stats", vendor.url)).await.is_err() {
+    while idem_tls::test_pki::get(format!("{}/_stats", vendor.url)).await.is_err() {
         assert!(
             tokio::time::Instant::now() < back,
             "the vendor accepts connections again"
@@ -954,7 +954,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     let seen = |reference: String| {
         let url = format!("{}/v1/payouts?reference={reference}", vendor.url);
         async move {
-            let found: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
+            let found: serde_json::Value = idem_tls::test_pki::get(url).await.unwrap().json().await.unwrap();
             !found["data"].as_array().unwrap().is_empty()
         }
     };

@@ -100,7 +100,7 @@ struct Figures {
 }
 
 async fn load(target: &Target, connections: usize, seconds: u64, replay_keys: Option<Arc<Vec<String>>>) -> Figures {
-    let client = reqwest::Client::builder()
+    let client = ledger::http_builder()
         .pool_max_idle_per_host(connections)
         .build()
         .unwrap();
@@ -293,7 +293,9 @@ async fn main() {
             panic!("{} answers no request", target.name);
         }
         for k in &keys {
-            let mut req = reqwest::Client::new()
+            let mut req = ledger::http_builder()
+                .build()
+                .expect("an HTTP client")
                 .post(&target.url)
                 .header("content-type", "application/json")
                 .body(r#"{"item":"book","qty":1}"#);

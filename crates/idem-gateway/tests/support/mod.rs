@@ -135,6 +135,25 @@ async fn whoami(State(s): State<Upstream>, headers: HeaderMap) -> Response {
 
 /// Starts the upstream on a free port.
 pub async fn start_upstream() -> (String, Upstream) {
+    let (app, state) = upstream_app();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), state)
+}
+
+/// Starts the upstream on a free port, serving https with `pki`'s
+/// certificate.
+pub async fn start_tls_upstream(pki: &idem_tls::test_pki::TestPki) -> (String, Upstream) {
+    let (app, state) = upstream_app();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tls = fake_vendor::TlsListener::new(listener, pki.server_config());
+    tokio::spawn(async move { axum::serve(tls, app).await.unwrap() });
+    (format!("https://{addr}"), state)
+}
+
+fn upstream_app() -> (Router, Upstream) {
     let state = Upstream {
         calls: Arc::default(),
         flaky: Arc::default(),
@@ -191,10 +210,7 @@ pub async fn start_upstream() -> (String, Upstream) {
         )
         .fallback(any(echo))
         .with_state(state.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), state)
+    (app, state)
 }
 
 /// A gateway serving on a real socket; dropped, it stops.
@@ -239,7 +255,7 @@ pub async fn start_gateway(upstream: &str, store: &str, extra: &str) -> Gateway 
 
 /// Waits until `base` answers `/_idem/healthz` with 200.
 pub async fn wait_healthy(base: &str) {
-    let client = reqwest::Client::new();
+    let client = idem_tls::test_pki::http_client();
     for _ in 0..400 {
         if client
             .get(format!("{base}/_idem/healthz"))
@@ -291,7 +307,7 @@ pub async fn send_with(
     key: Option<&str>,
     body: &str,
 ) -> Answer {
-    let client = reqwest::Client::builder()
+    let client = idem_tls::test_pki::http_builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap();

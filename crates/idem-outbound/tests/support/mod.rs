@@ -74,7 +74,7 @@ pub async fn vendor_with(options: fake_vendor::Options) -> (String, Arc<fake_ven
 }
 
 pub async fn set_faults(base: &str, faults: serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = idem_tls::test_pki::http_client()
         .put(format!("{base}/_faults"))
         .json(&faults)
         .send()
@@ -84,7 +84,7 @@ pub async fn set_faults(base: &str, faults: serde_json::Value) {
 }
 
 pub async fn get_json(url: String) -> serde_json::Value {
-    reqwest::Client::new()
+    idem_tls::test_pki::http_client()
         .get(url)
         .send()
         .await
@@ -279,7 +279,7 @@ impl idem_outbound::Reconcile for Lookup {
             self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let body: serde_json::Value = serde_json::from_slice(request.body()).map_err(|e| e.to_string())?;
             let reference = body["reference"].as_str().ok_or("no reference")?;
-            let found: serde_json::Value = reqwest::Client::new()
+            let found: serde_json::Value = idem_tls::test_pki::http_client()
                 .get(format!("{}/v1/payouts?reference={reference}", self.base))
                 .timeout(timeout)
                 .send()

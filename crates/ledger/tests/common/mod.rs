@@ -115,7 +115,7 @@ impl Ledger {
     pub async fn start_with(url: &str, transport: Transport, clock: SharedClock, options: Options) -> Self {
         let store = connect(url).await;
         let router = store.router(clock.clone(), options.clone());
-        let client = reqwest::Client::builder()
+        let client = idem_tls::test_pki::http_builder()
             .timeout(Duration::from_secs(60))
             .build()
             .unwrap();
