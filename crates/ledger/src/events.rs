@@ -276,7 +276,7 @@ pub async fn connect(url: &str, ca_file: Option<&Path>, ns: &Namespace) -> Resul
     // not a server to wait for.
     let client = match options()?.connect(url).await {
         Ok(client) => client,
-        Err(e) if e.kind() == async_nats::ConnectErrorKind::Tls => {
+        Err(e) if e.kind() == async_nats::ConnectErrorKind::Tls || idem_tls::handshake_failure(&e).is_some() => {
             let why = idem_tls::handshake_failure(&e).unwrap_or_else(|| format!("TLS failed: {e}"));
             return Err(StartError::Handshake(format!("NATS {url}: {why}")));
         }
