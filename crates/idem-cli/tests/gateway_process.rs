@@ -1,6 +1,7 @@
 //! `idem gateway` as a process: configurations that can never work are
-//! refused at start with exit 2, and SIGTERM waits for the recording of a
-//! caller that went away, so its retry after a restart replays.
+//! refused at start with exit 2, an https upstream is verified against
+//! `--upstream-ca-file`, and SIGTERM waits for the recording of a caller
+//! that went away, so its retry after a restart replays.
 
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
@@ -81,9 +82,16 @@ fn impossible_configurations_exit_2() {
     let listen = format!("127.0.0.1:{}", free_port());
     for (args, said) in [
         (
-            // Until TLS is built in, an https:// upstream could only ever 502.
-            vec!["--upstream", "https://127.0.0.1:9443", "--tenant", "anonymous"],
-            "no TLS",
+            // A CA file that cannot be read could only ever fail every call.
+            vec![
+                "--upstream",
+                "https://127.0.0.1:9443",
+                "--upstream-ca-file",
+                "/nonexistent/ca.pem",
+                "--tenant",
+                "anonymous",
+            ],
+            "upstream_ca_file: CA file /nonexistent/ca.pem: cannot be read",
         ),
         (vec!["--upstream", "http://127.0.0.1:9"], "[tenant]"),
         (
@@ -209,4 +217,50 @@ async fn sigterm_waits_for_the_recording_of_a_caller_gone() {
     );
     assert_eq!(retry.text().await.unwrap(), "order 1");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the upstream ran once");
+}
+
+/// The binary in front of an https upstream verified against --upstream-ca-file: a keyed POST reaches it once and its retry is replayed; without the CA file the upstream is refused (502) and reached by nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_verified_against_the_ca_file() {
+    let pki = idem_tls::test_pki::TestPki::new("cli-gateway");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let app = Router::new().route(
+        "/v1/slow",
+        post(move || {
+            let c = c.clone();
+            async move {
+                (
+                    StatusCode::CREATED,
+                    format!("order {}", c.fetch_add(1, Ordering::SeqCst) + 1),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("https://{}", listener.local_addr().unwrap());
+    let tls = fake_vendor::TlsListener::new(listener, pki.server_config());
+    tokio::spawn(async move { axum::serve(tls, app).await.unwrap() });
+    let ca = pki.ca_file().display().to_string();
+    for (with_ca, expected) in [(true, 201), (false, 502)] {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let store = temp("https.db");
+        let mut args = vec!["--upstream", &upstream, "--listen", &listen, "--store", &store];
+        if with_ca {
+            args.extend(["--upstream-ca-file", &ca]);
+        }
+        let _g = gateway(&[&args[..], TENANT].concat());
+        let base = format!("http://{listen}");
+        healthy(&base).await;
+        let key = uuid::Uuid::now_v7().to_string();
+        let first = order(&base, &key).send().await.unwrap();
+        assert_eq!(first.status().as_u16(), expected);
+        let again = order(&base, &key).send().await.unwrap();
+        assert_eq!(again.status().as_u16(), expected);
+        if with_ca {
+            assert_eq!(again.headers()["idempotent-replayed"], "true");
+            assert_eq!(again.text().await.unwrap(), "order 1");
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

@@ -349,7 +349,8 @@ pub struct Client {
 }
 
 struct Inner {
-    /// The default reqwest client has no TLS backend.
+    /// The default reqwest client, built without the `tls` feature, has no
+    /// TLS backend.
     plain_http_only: bool,
     http: reqwest::Client,
     store: Arc<dyn PendingStore>,

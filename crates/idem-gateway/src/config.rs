@@ -4,6 +4,7 @@
 //! upstream = "http://127.0.0.1:9000"
 //! store = "postgres://gateway@db/gateway"   # default: ./idem-gateway.db (SQLite)
 //! upstream_timeout_secs = 60
+//! # upstream_ca_file = "/etc/ssl/upstream-ca.pem"  # an https upstream: this CA only, not the platform's roots
 //! header_read_timeout_secs = 10  # a request head not whole by then: the connection is closed
 //! body_read_timeout_secs = 30    # the longest wait for a request body's next bytes (then 408)
 //! body_total_timeout_secs = 120  # all waits for one body's bytes together (then 408)
@@ -477,7 +478,7 @@ impl Config {
         if url.scheme() == "https" && !TLS {
             return Err(ConfigError(format!(
                 "upstream {shown:?}: this build has no TLS, so an https:// upstream cannot be called; use \
-                 http:// (a TLS-terminating proxy next to the upstream) or a build with TLS"
+                 http:// (a TLS-terminating proxy next to the upstream) or a build with the `tls` feature"
             )));
         }
         if url.query().is_some() || url.fragment().is_some() || !url.username().is_empty() || url.password().is_some() {

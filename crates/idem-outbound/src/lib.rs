@@ -47,7 +47,7 @@
 //! | connect refused, DNS (not sent) | yes | failure |
 //! | reset, body cut off, attempt timeout (may have reached the vendor) | yes | failure |
 //! | refused by an open breaker (not sent) | yes, not before the open period ends | — |
-//! | `https://` without TLS, user information, a fragment, port 0 (cannot work) | no: [`OutboundError::Invalid`], nothing sent | — |
+//! | `https://` without the `tls` feature, user information, a fragment, port 0 (cannot work) | no: [`OutboundError::Invalid`], nothing sent | — |
 //!
 //! The waits are the configured list (default 500 ms, 2 s, 5 s, 30 s), each
 //! spread by the [`Jitter`] (default ±20 %); after the last the call gives

@@ -1129,7 +1129,7 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
     // At start: the binary refuses the URL, naming the setting.
     for bad in [
         "http://127.0.0.1:9#",
-        "https://127.0.0.1:9",
+        "ftp://127.0.0.1:9",
         "http://user:pw@127.0.0.1:9",
         "http://127.0.0.1:0",
     ] {
@@ -1147,6 +1147,25 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
         assert!(!out.status.success(), "{bad}: {err}");
         assert!(err.contains("--vendor-url"), "{bad}: {err}");
     }
+    // An https vendor's CA file that cannot be read stops the start, naming it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
+        .args([
+            "--database-url",
+            "/nonexistent-dir/x.db",
+            "--vendor-url",
+            "https://127.0.0.1:9",
+            "--vendor-ca-file",
+            "/nonexistent/ca.pem",
+            "payouts",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--vendor-ca-file: CA file /nonexistent/ca.pem: cannot be read"),
+        "{err}"
+    );
 }
 
 /// A dead-lettered payout has a way out: a redrive to a corrected vendor URL pays it; one the vendor did not pay is cancelled, once, its debit reversed, only after a verdict that it was not applied.
