@@ -45,6 +45,7 @@
 //! | `client` | `client::Client`, `client::Key`, `client::MemoryPending`: the caller's side |
 //! | `client-sqlite` | `client::SqlitePending`: pending operations that survive a crash |
 //! | `gateway` | `gateway::Gateway`: the reverse proxy of `idem gateway`, as a library |
+//! | `tls` | TLS for the crates enabled above that connect (https, sqlx's `sslmode`/`ssl-mode`, `rediss://`) |
 //! | `full` | all of the above |
 //!
 //! Nothing is on by default: `idem = { version = "0.1", features = ["postgres", "http"] }`
