@@ -563,11 +563,7 @@ impl TlsListener {
                 });
             }
         });
-        Self {
-            addr,
-            ready,
-            accepting: accepting,
-        }
+        Self { addr, ready, accepting }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use idem_core::{Error, Result, StoreErrorKind};
+use idem_core::{Error, Result};
 
 /// The URL without its `ca_file` parameter, and that parameter.
 pub(crate) fn split_ca_file(url: &str) -> Result<(String, Option<PathBuf>)> {
@@ -86,7 +86,7 @@ pub(crate) fn connect_error(url: &str, e: redis::RedisError) -> Error {
     #[cfg(feature = "tls")]
     if let Some(failed) = idem_tls::handshake_failure(&e) {
         let at = idem_core::redact_credentials(url);
-        return Error::store(StoreErrorKind::Unavailable, format!("Redis {at}: {failed}"));
+        return Error::store(idem_core::StoreErrorKind::Unavailable, format!("Redis {at}: {failed}"));
     }
     let _ = url;
     crate::store_error(e)

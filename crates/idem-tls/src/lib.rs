@@ -228,10 +228,10 @@ fn handshake_error(e: &(dyn StdError + 'static)) -> Option<String> {
         if let Some(tls) = err.downcast_ref::<rustls::Error>() {
             return Some(format!("TLS handshake failed: {tls}"));
         }
-        if let Some(inner) = err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
-            if let Some(found) = handshake_error(inner as &(dyn StdError + 'static)) {
-                return Some(found);
-            }
+        if let Some(inner) = err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref())
+            && let Some(found) = handshake_error(inner as &(dyn StdError + 'static))
+        {
+            return Some(found);
         }
         next = err.source();
     }
