@@ -180,16 +180,19 @@ pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "idem")
-        .filter_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .last()
+        .rev()
+        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
         .ok_or_else(|| Error::Service("cargo reported no idem executable".into()))
 }
 
-/// The upstream's memory: every effect per (tenant, key), in order.
+/// Every effect per (tenant, key), in order.
+type Effects = HashMap<(String, String), Vec<u64>>;
+
+/// The upstream's memory.
 #[derive(Clone, Default)]
 struct Upstream {
     seq: Arc<AtomicU64>,
-    effects: Arc<Mutex<HashMap<(String, String), Vec<u64>>>>,
+    effects: Arc<Mutex<Effects>>,
 }
 
 /// Applies the request (a new effect number), then answers 201 naming it
@@ -297,10 +300,10 @@ impl Gateways {
     }
 
     async fn wait_exit(&mut self, i: usize, limit: Duration) {
-        if let Some(child) = self.instances[i].child.as_mut() {
-            if tokio::time::timeout(limit, child.wait()).await.is_err() {
-                let _ = child.kill().await;
-            }
+        if let Some(child) = self.instances[i].child.as_mut()
+            && tokio::time::timeout(limit, child.wait()).await.is_err()
+        {
+            let _ = child.kill().await;
         }
         self.instances[i].child = None;
     }

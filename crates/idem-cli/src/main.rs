@@ -144,7 +144,7 @@ enum Command {
         #[arg(long)]
         table: Option<String>,
     },
-    /// Stored keys: list, show, purge.
+    /// Stored keys: list, show, resolve (an unknown outcome), purge.
     Keys {
         #[command(subcommand)]
         command: KeysCommand,

@@ -78,12 +78,17 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
             tokio::time::sleep(options.pause).await;
         }
     }
-    tracing::info!(
-        deleted = report.deleted,
-        ghosts = report.ghosts,
-        batches = report.batches,
-        "swept expired idempotency keys"
-    );
+    // A periodic sweeper that found nothing says so only at debug level.
+    if report.deleted > 0 || report.ghosts > 0 {
+        tracing::info!(
+            deleted = report.deleted,
+            ghosts = report.ghosts,
+            batches = report.batches,
+            "swept expired idempotency keys"
+        );
+    } else {
+        tracing::debug!(batches = report.batches, "swept: no expired idempotency keys");
+    }
     Ok(report)
 }
 

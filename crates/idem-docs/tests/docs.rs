@@ -639,3 +639,8 @@ fn events() {
 fn outbound() {
     run_document("docs/outbound.md");
 }
+
+#[test]
+fn tls() {
+    run_document("docs/tls.md");
+}
