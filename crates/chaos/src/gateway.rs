@@ -274,7 +274,7 @@ impl Gateways {
             .kill_on_drop(true)
             .spawn()?;
         self.instances[i].child = Some(child);
-        let client = reqwest::Client::builder().timeout(Duration::from_secs(1)).build()?;
+        let client = ledger::http_builder().timeout(Duration::from_secs(1)).build()?;
         for _ in 0..600 {
             if client
                 .get(format!("http://127.0.0.1:{port}/_idem/healthz"))
@@ -540,7 +540,7 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
     let tally = Arc::new(Tally::default());
     let next = Arc::new(AtomicU64::new(0));
     let ops = Arc::new(ops);
-    let client = reqwest::Client::builder()
+    let client = ledger::http_builder()
         .timeout(Duration::from_secs(10))
         .pool_max_idle_per_host(0)
         .build()?;

@@ -146,7 +146,7 @@ async fn start(upstream: &str, store: &str) -> (Gateway, String) {
     let g = Gateway(child);
     let base = format!("http://127.0.0.1:{port}");
     for _ in 0..800 {
-        if reqwest::get(format!("{base}/_idem/healthz"))
+        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
             .await
             .is_ok_and(|r| r.status() == 200)
         {
@@ -165,7 +165,7 @@ struct Answer {
 }
 
 async fn send(base: &str, path: &str, token: &str, key: &str) -> Answer {
-    let r = reqwest::Client::new()
+    let r = idem_tls::test_pki::http_client()
         .post(format!("{base}{path}"))
         .bearer_auth(token)
         .header("idempotency-key", format!("\"{key}\""))

@@ -256,7 +256,7 @@ async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Conf
 }
 
 async fn health(base: &str) -> (u16, serde_json::Value) {
-    let r = reqwest::get(format!("{base}/healthz")).await.unwrap();
+    let r = idem_tls::test_pki::get(format!("{base}/healthz")).await.unwrap();
     let status = r.status().as_u16();
     (status, r.json().await.unwrap_or_default())
 }
@@ -279,7 +279,7 @@ async fn a_refused_projection_setting_does_not_stop_the_relays() {
     let url = database_url(Engine::Sqlite);
     let ledger = Instance::start_with(&url, &["--nats-url", &nats_url(), "--events-namespace", &ns]);
     let c = Client {
-        http: reqwest::Client::new(),
+        http: idem_tls::test_pki::http_client(),
         base: ledger.base.clone(),
         token: token(),
     };
@@ -304,7 +304,7 @@ async fn a_refused_projection_setting_does_not_stop_the_relays() {
         body["detail"].as_str().unwrap_or_default().contains("max_deliver"),
         "{body}"
     );
-    let metrics = reqwest::get(format!("{}/metrics", ledger.base))
+    let metrics = idem_tls::test_pki::get(format!("{}/metrics", ledger.base))
         .await
         .unwrap()
         .text()
