@@ -379,13 +379,16 @@ pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
         rejecting().with_lease_ms(200),
     );
     let runs = Runs::default();
+    // The work lasts until every twin has been turned away (at least 650 ms,
+    // over three lease lengths), however slow the machine is.
+    let done = std::sync::Arc::new(tokio::sync::Notify::new());
     let holder = {
-        let (engine, call, runs) = (engine.clone(), call.clone(), runs.clone());
+        let (engine, call, runs, done) = (engine.clone(), call.clone(), runs.clone(), done.clone());
         tokio::spawn(async move {
             engine
                 .run(&call, move |lease| async move {
                     runs.hit();
-                    tokio::time::sleep(Duration::from_millis(700)).await;
+                    let _ = tokio::time::timeout(Duration::from_secs(30), done.notified()).await;
                     assert!(lease.is_held(), "the heartbeat kept the lease");
                     Ok::<_, TestError>(Receipt::new(lease.token().0))
                 })
@@ -400,6 +403,7 @@ pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
             "a twin while the holder works is in flight, got {twin:?}"
         );
     }
+    done.notify_one();
     let first = holder.await.unwrap().unwrap();
     assert!(!first.is_replayed());
     let again = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
