@@ -376,11 +376,14 @@ pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
         &unique_scope("op"),
         &IdempotencyKey::generate(),
         "{}",
-        rejecting().with_lease_ms(200),
+        rejecting().with_lease_ms(LEASE_MS),
     );
     let runs = Runs::default();
-    // The work lasts until every twin has been turned away (at least 650 ms,
-    // over three lease lengths), however slow the machine is.
+    // The work lasts until every twin has been turned away (over two lease
+    // lengths), however slow the machine is. The lease is long enough that a
+    // heartbeat delayed by a loaded machine (it beats every third of a lease)
+    // still lands in time.
+    const LEASE_MS: u64 = 1_000;
     let done = std::sync::Arc::new(tokio::sync::Notify::new());
     let holder = {
         let (engine, call, runs, done) = (engine.clone(), call.clone(), runs.clone(), done.clone());
@@ -395,7 +398,7 @@ pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
                 .await
         })
     };
-    for at in [50u64, 250, 250, 100] {
+    for at in [100u64, LEASE_MS + 100, LEASE_MS + 100] {
         tokio::time::sleep(Duration::from_millis(at)).await;
         let twin = run_receipt::<S>(&engine, &call, &runs).await;
         assert!(
