@@ -8,7 +8,7 @@
 //! once it is not (a crash, a dropped future).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use crate::clock::SharedClock;
@@ -29,13 +29,18 @@ use crate::store::LeaseStore;
 pub struct HeldLease {
     lease: Lease,
     lost: Arc<AtomicBool>,
+    /// Until when the lease is known to be held (ms, the engine's clock):
+    /// its claim's expiry, moved on by each extension that succeeded.
+    until_ms: Arc<AtomicI64>,
 }
 
 impl HeldLease {
     pub(crate) fn new(lease: Lease) -> Self {
+        let until_ms = Arc::new(AtomicI64::new(lease.lease_expires_at_ms));
         Self {
             lease,
             lost: Arc::new(AtomicBool::new(false)),
+            until_ms,
         }
     }
 
@@ -64,6 +69,28 @@ impl HeldLease {
     /// early should.
     pub fn is_held(&self) -> bool {
         !self.lost.load(Ordering::Acquire)
+    }
+
+    /// Until when the lease is known to be held (ms since the epoch, on the
+    /// engine's clock): the claim's expiry, moved on by every extension that
+    /// succeeded. Past it another caller may have taken the key over even
+    /// if no extension was fenced yet (this process was paused, its store
+    /// unreachable).
+    pub fn held_until_ms(&self) -> i64 {
+        self.until_ms.load(Ordering::Acquire)
+    }
+
+    /// Whether the lease is held and will still be for `margin_ms` after
+    /// `now_ms`: the check to make right before an effect that another
+    /// holder must never repeat (a send to a vendor). A holder that was
+    /// stopped past its lease (a `SIGSTOP`, a long pause) finds it false
+    /// before its heartbeat has had a chance to be fenced.
+    pub fn holds_for(&self, now_ms: i64, margin_ms: i64) -> bool {
+        self.is_held() && now_ms.saturating_add(margin_ms) < self.held_until_ms()
+    }
+
+    fn extended_until(&self, until_ms: i64) {
+        self.until_ms.fetch_max(until_ms, Ordering::AcqRel);
     }
 
     fn mark_lost(&self) {
@@ -132,7 +159,9 @@ async fn beat_until_lost<S: LeaseStore>(store: Arc<S>, clock: SharedClock, held:
         tokio::time::sleep(every).await;
         let until = clock.now_ms().saturating_add(length);
         match store.extend(held.lease(), until).await {
-            Ok(()) => {}
+            // `until` was computed before the store was asked: the lease
+            // is held at least that long.
+            Ok(()) => held.extended_until(until),
             Err(Error::Fenced) => {
                 held.mark_lost();
                 metrics::lease_lost(&operation);
@@ -148,5 +177,35 @@ async fn beat_until_lost<S: LeaseStore>(store: Arc<S>, clock: SharedClock, held:
                 tracing::warn!(operation = %operation, error = %e, "could not extend a lease");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IdempotencyKey, Scope};
+
+    fn lease(until: i64) -> Lease {
+        Lease {
+            scope: Scope::parse("t", "op").unwrap(),
+            key: IdempotencyKey::new("k").unwrap(),
+            token: Token(1),
+            lease_expires_at_ms: until,
+        }
+    }
+
+    #[test]
+    fn a_lease_holds_until_its_expiry_less_the_margin() {
+        let held = HeldLease::new(lease(1_000));
+        assert_eq!(held.held_until_ms(), 1_000);
+        assert!(held.holds_for(500, 400));
+        assert!(!held.holds_for(500, 500), "the margin reaches the expiry");
+        assert!(!held.holds_for(2_000, 0), "past the expiry");
+        held.extended_until(3_000);
+        held.extended_until(2_000);
+        assert_eq!(held.held_until_ms(), 3_000, "an extension never moves it back");
+        assert!(held.holds_for(2_000, 500));
+        held.mark_lost();
+        assert!(!held.holds_for(2_000, 500), "a fenced lease is not held");
     }
 }

@@ -137,6 +137,8 @@ pub(crate) enum Failure {
     ReconcileFailed(String),
     /// Not sent, and not to be sent on a guess: the outcome is unknown.
     Held(String),
+    /// Not sent: the caller's guard said it may no longer send.
+    Stopped(String),
     /// Cannot be sent at all.
     Invalid(String),
 }
@@ -156,7 +158,7 @@ impl Failure {
             }
             | Failure::Status { in_flight: true, .. } => true,
             Failure::Status { status, .. } => http_status_retryable(*status) == Transience::Transient,
-            Failure::Invalid(_) | Failure::Held(_) => false,
+            Failure::Invalid(_) | Failure::Held(_) | Failure::Stopped(_) => false,
             Failure::Timeout(_)
             | Failure::Connect(_)
             | Failure::Network(_)
@@ -201,6 +203,7 @@ impl Failure {
             Failure::Network(_) => ("network", false),
             Failure::CircuitOpen { .. } => ("circuit_open", false),
             Failure::VendorBusy | Failure::ReconcileFailed(_) | Failure::Held(_) => ("reconcile", true),
+            Failure::Stopped(_) => ("stopped", true),
             Failure::Invalid(_) => ("invalid", true),
         }
     }
@@ -244,6 +247,7 @@ impl fmt::Display for Failure {
             Failure::VendorBusy => write!(f, "not sent: the vendor is still processing an earlier send"),
             Failure::ReconcileFailed(e) => write!(f, "not sent: the vendor could not be asked: {e}"),
             Failure::Held(e) | Failure::Invalid(e) => write!(f, "{e}"),
+            Failure::Stopped(e) => write!(f, "not sent: {e}"),
         }
     }
 }
@@ -358,6 +362,12 @@ where
         Err(Failure::Invalid(why)) => Err(OutboundError::Invalid(why)),
         Err(Failure::Held(reason)) => Err(OutboundError::Unknown {
             attempts,
+            reason,
+            first_reached_at_ms,
+        }),
+        Err(Failure::Stopped(reason)) => Err(OutboundError::Stopped {
+            // The attempt the guard stopped was not made.
+            attempts: attempts.saturating_sub(1),
             reason,
             first_reached_at_ms,
         }),
@@ -545,6 +555,23 @@ impl OutboundClient {
         request: &OutboundRequest,
         earlier: Earlier,
     ) -> Result<OutboundResponse> {
+        self.resend_while(key, request, earlier, &|| Ok(())).await
+    }
+
+    /// [`resend`](Self::resend), asking `may_send` right before each attempt
+    /// (after any reconcile): `Err(reason)` ends the call at once with
+    /// [`OutboundError::Stopped`], nothing more sent. A lease holder passes
+    /// a check of its lease, so a holder that was paused past its lease
+    /// (and whose call another holder has since taken over, asked about and
+    /// sent) never sends again on its own, even to a vendor that has by then
+    /// forgotten the key.
+    pub async fn resend_while(
+        &self,
+        key: &IdempotencyKey,
+        request: &OutboundRequest,
+        earlier: Earlier,
+        may_send: &(dyn Fn() -> std::result::Result<(), String> + Send + Sync),
+    ) -> Result<OutboundResponse> {
         let prepared = self.prepare(key, request)?;
         let host: Arc<str> = host_of(prepared.url())?.into();
         let host_label = self.inner.labels.host(&host);
@@ -569,7 +596,7 @@ impl OutboundClient {
                     request,
                     &prepared,
                     (&host, &host_label, horizon),
-                    (&state, &must_reconcile, earlier.past_horizon_override),
+                    (&state, &must_reconcile, earlier.past_horizon_override, may_send),
                     timeout,
                 )
             })
@@ -579,6 +606,7 @@ impl OutboundClient {
                 Ok(r) => ("success", r.attempts),
                 Err(e @ OutboundError::Rejected { .. }) => ("rejected", e.attempts()),
                 Err(e @ OutboundError::Unknown { .. }) => ("unknown", e.attempts()),
+                Err(e @ OutboundError::Stopped { .. }) => ("stopped", e.attempts()),
                 Err(e @ OutboundError::RetryLater { .. }) => ("retry_later", e.attempts()),
                 Err(e) => ("exhausted", e.attempts()),
             };
@@ -603,7 +631,12 @@ impl OutboundClient {
         request: &OutboundRequest,
         prepared: &reqwest::Request,
         (host, host_label, horizon): (&Arc<str>, &str, KeyHorizon),
-        (state, must_reconcile, past_horizon_override): (&Mutex<CallState>, &std::sync::atomic::AtomicBool, bool),
+        (state, must_reconcile, past_horizon_override, may_send): (
+            &Mutex<CallState>,
+            &std::sync::atomic::AtomicBool,
+            bool,
+            &(dyn Fn() -> std::result::Result<(), String> + Send + Sync),
+        ),
         timeout: Duration,
     ) -> Result<OutboundResponse, Failure> {
         let now = self.inner.clock.now_ms();
@@ -671,6 +704,12 @@ impl OutboundClient {
                     s.not_applied_at_ms = Some(now);
                 }
             }
+        }
+        // Asked last, right before the send: a reconcile may have taken a
+        // while.
+        if let Err(reason) = may_send() {
+            self.inner.labels.attempt(host_label, "stopped");
+            return Err(Failure::Stopped(reason));
         }
         let started = self.inner.clock.now_ms();
         let result = self.attempt(prepared, host, host_label, timeout).await;

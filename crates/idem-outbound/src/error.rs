@@ -68,6 +68,19 @@ pub enum OutboundError {
         /// When the first send that may have reached the vendor started.
         first_reached_at_ms: Option<i64>,
     },
+    /// The caller's guard stopped the call before a send (the caller no
+    /// longer holds the right to send: a lease lost or run out). Nothing was
+    /// sent after the guard said no; whoever holds the call now carries on.
+    /// Not a dead letter.
+    #[error("stopped before a send after {attempts} attempt(s): {reason}")]
+    Stopped {
+        /// Attempts made before the guard said no.
+        attempts: u32,
+        /// What the guard said.
+        reason: String,
+        /// When the first send that may have reached the vendor started.
+        first_reached_at_ms: Option<i64>,
+    },
     /// The request cannot be sent as given (nothing was sent).
     #[error("invalid outbound request: {0}")]
     Invalid(String),
@@ -86,7 +99,8 @@ impl OutboundError {
             Self::Rejected { attempts, .. }
             | Self::Exhausted { attempts, .. }
             | Self::RetryLater { attempts, .. }
-            | Self::Unknown { attempts, .. } => *attempts,
+            | Self::Unknown { attempts, .. }
+            | Self::Stopped { attempts, .. } => *attempts,
             Self::Invalid(_) | Self::InvalidConfig(_) | Self::Store(_) => 0,
         }
     }
@@ -105,6 +119,9 @@ impl OutboundError {
                 first_reached_at_ms, ..
             }
             | Self::Unknown {
+                first_reached_at_ms, ..
+            }
+            | Self::Stopped {
                 first_reached_at_ms, ..
             } => *first_reached_at_ms,
             Self::Invalid(_) | Self::InvalidConfig(_) | Self::Store(_) => None,

@@ -60,8 +60,9 @@ pub enum RedriveResult {
     },
     /// Not sent: it is resolved, cancelled, or another redrive holds it.
     Skipped,
-    /// Sent, but another redrive took it over (this one's hold ran out)
-    /// before the outcome could be stored; the other redrive's stands.
+    /// This redrive's hold ran out (another redrive may hold the letter
+    /// now): either it was sent and its outcome could not be stored, or it
+    /// was stopped before a send. The other redrive's outcome stands.
     HoldLost,
     /// The store failed for this dead letter.
     StoreError(String),
@@ -241,6 +242,9 @@ impl<S: DeadLetterStore> Redriver<S> {
     async fn redrive_paced(&self, id: i64, pacer: Option<&mut Pacer>) -> Result<RedriveResult> {
         let labels = self.client.labels();
         let hold_ms = i64::try_from(self.hold.as_millis()).unwrap_or(i64::MAX);
+        // Taken before the hold is asked for: the hold lasts at least until
+        // then plus its length.
+        let taken_at_ms = self.client.clock().now_ms();
         let Some(hold) = self.store.begin_redrive(id, hold_ms).await? else {
             labels.redrive("skipped");
             return Ok(RedriveResult::Skipped);
@@ -269,7 +273,29 @@ impl<S: DeadLetterStore> Redriver<S> {
             past_horizon_override: self.past_horizon_override && !held_unknown,
         };
         let span = tracing::info_span!("redrive", id, key = %letter.key, scope = %letter.scope);
-        let sent = tracing::Instrument::instrument(self.client.resend(&letter.key, &request, earlier), span).await;
+        // Right before each send the hold must still be this redrive's for
+        // a while: a redrive stopped past its hold (a paused process) whose
+        // letter another redrive has since taken, asked about and sent must
+        // not send it again when it wakes up.
+        let held_until_ms = taken_at_ms.saturating_add(hold_ms);
+        let margin_ms = (hold_ms / 3).min(10_000);
+        let clock = self.client.clock().clone();
+        let may_send = move || {
+            let now = clock.now_ms();
+            if now.saturating_add(margin_ms) < held_until_ms {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the redrive's hold on dead letter {id} ran out ({} ms ago or less than {margin_ms} ms left)",
+                    now.saturating_sub(held_until_ms).max(0)
+                ))
+            }
+        };
+        let sent = tracing::Instrument::instrument(
+            self.client.resend_while(&letter.key, &request, earlier, &may_send),
+            span,
+        )
+        .await;
         let (result, outcome) = match sent {
             Ok(response) => (
                 RedriveResult::Resolved {
@@ -282,6 +308,12 @@ impl<S: DeadLetterStore> Redriver<S> {
                     reconciled: response.reconciled,
                 },
             ),
+            Err(OutboundError::Stopped { reason, .. }) => {
+                // The letter is another redrive's now: leave its row alone.
+                labels.redrive("error");
+                tracing::warn!(id, reason, "the redrive's hold ran out before a send; nothing sent");
+                return Ok(RedriveResult::HoldLost);
+            }
             Err(OutboundError::Unknown {
                 attempts,
                 reason,

@@ -309,3 +309,118 @@ async fn secret_headers_are_sent_never_stored() {
         vec![vec!["Bearer sk_live_secret".to_owned()]; 3]
     );
 }
+
+/// The caller's guard is asked right before each attempt: once it says no (a lease run out while the call waited to retry), the call ends as `Stopped` and nothing more is sent, however many retries were left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_that_says_no_stops_the_call_before_the_next_send() {
+    let server = Scripted::start(vec![Answer::status(500), Answer::status(201).body("{}")]).await;
+    let client = OutboundClient::new(config(&[10, 10, 10])).unwrap();
+    let allowed = std::sync::atomic::AtomicUsize::new(1);
+    let guard = || {
+        if allowed
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok()
+        {
+            Ok(())
+        } else {
+            Err("the lease ran out".to_owned())
+        }
+    };
+    let started = idem_core::SystemClock.now_ms();
+    let result = client
+        .resend_while(
+            &key("po-guard"),
+            &server.request("/v1/payouts"),
+            Earlier::default(),
+            &guard,
+        )
+        .await;
+    match result {
+        Err(OutboundError::Stopped {
+            attempts,
+            reason,
+            first_reached_at_ms,
+        }) => {
+            assert_eq!(attempts, 1, "the attempt the guard stopped is not counted");
+            assert!(reason.contains("the lease ran out"), "{reason}");
+            // The 500 may have been applied: a later holder must know.
+            assert!(first_reached_at_ms.is_some_and(|at| at >= started));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(server.count(), 1, "nothing sent after the guard said no");
+    let stopped = OutboundError::Stopped {
+        attempts: 1,
+        reason: "x".into(),
+        first_reached_at_ms: None,
+    };
+    assert!(
+        stopped
+            .dead_letter(
+                &Scope::parse("acme", "payout").unwrap(),
+                &key("k"),
+                &payout("http://v", "{}")
+            )
+            .is_none(),
+        "a stopped call is not a dead letter: its new holder carries on"
+    );
+}
+
+/// A lookup that takes longer than the redrive's hold (the clock is moved while the vendor is asked, as if the process had been stopped), then says "not applied".
+struct SlowLookup {
+    clock: ManualClock,
+    by: Duration,
+}
+
+impl idem_outbound::Reconcile for SlowLookup {
+    fn reconcile<'a>(
+        &'a self,
+        _key: &'a idem_core::IdempotencyKey,
+        _request: &'a idem_core::OutboundRequest,
+        _timeout: Duration,
+    ) -> idem_core::BoxFuture<'a, Result<idem_outbound::Reconciled, String>> {
+        Box::pin(async move {
+            self.clock.advance(self.by);
+            Ok(idem_outbound::Reconciled::NotApplied)
+        })
+    }
+}
+
+/// A redrive whose hold ran out while it asked the vendor (another redrive may hold the letter, have asked and sent it) sends nothing when it carries on, and leaves the letter to the redrive that holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_whose_hold_ran_out_sends_nothing() {
+    let (base, _) = vendor_with(short_horizon()).await;
+    let clock = ManualClock::starting_now();
+    let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
+    let request = payout(&base, r#"{"amount":9,"reference":"po-hold"}"#);
+    let scope = Scope::parse("t", "payout").unwrap();
+    let letter =
+        idem_core::NewDeadLetter::new(scope, key("po-hold"), request, 4, "timeout").reached_at(Some(clock.now_ms()));
+    let id = letters.record(&letter).await.unwrap();
+    clock.advance(2 * HOUR);
+    let slow = Arc::new(SlowLookup {
+        clock: clock.clone(),
+        by: Duration::from_secs(120),
+    });
+    let redriver = Redriver::new(client_at(&clock, hour_horizon()).with_reconcile(slow), letters.clone())
+        .with_hold(Duration::from_secs(60));
+    let result = redriver.redrive_one(id).await.unwrap();
+    assert!(matches!(result, RedriveResult::HoldLost), "{result:?}");
+    assert_eq!(ledger(&base).await.0, 0, "nothing sent once the hold ran out");
+    // A quick enough redrive, later, sends it once.
+    let quick = Arc::new(SlowLookup {
+        clock: clock.clone(),
+        by: Duration::ZERO,
+    });
+    let redriver = Redriver::new(client_at(&clock, hour_horizon()).with_reconcile(quick), letters.clone());
+    let result = redriver.redrive_one(id).await.unwrap();
+    assert!(
+        matches!(result, RedriveResult::Resolved { status: 201, .. }),
+        "{result:?}"
+    );
+    assert_eq!(ledger(&base).await.0, 1);
+}

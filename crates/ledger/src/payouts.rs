@@ -37,6 +37,10 @@
 //! status is `unknown`, its dead letter is held as unknown, and nothing is
 //! sent until an operator settles it (`idem dlq resolve`).
 //!
+//! - Right before each send the worker checks that its lease is still held
+//!   for a third of its length on its own clock: a worker stopped past its
+//!   lease (whose payout another worker took over, asked about and paid)
+//!   sends nothing when it wakes up, before its heartbeat is fenced.
 //! - A `429` whose `Retry-After` is past the call's deadline defers the
 //!   payout to that time (`not_before_ms`), still `requested`.
 //! - An answer is `paid` only if it holds what the vendor's contract
@@ -52,8 +56,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, Call, DeadLetterState, DeadLetterStore, Error as IdemError, Fingerprint, IdempotencyKey, InFlight,
-    LeaseEngine, LeaseStore, NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock, VerdictSource,
+    Acquire, Call, DeadLetterState, DeadLetterStore, Error as IdemError, Fingerprint, HeldLease, IdempotencyKey,
+    InFlight, LeaseEngine, LeaseStore, NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock, VerdictSource,
 };
 use idem_outbound::{Earlier, OutboundClient, OutboundError, Reconcile, Reconciled};
 use tokio::sync::watch;
@@ -269,7 +273,9 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             Err(e) => return Err(e.into()),
         };
         let beat = self.leases.heartbeat(&lease, lease_ms);
-        let outcome = self.pay_held(&task, &key, &scope, &request).await;
+        let outcome = self
+            .pay_held(&task, &key, &scope, &request, (beat.held(), lease_ms))
+            .await;
         beat.stop();
         // The key is only a lock among workers: the payout row is the
         // record. A lease taken over meanwhile is fenced; that is fine.
@@ -286,6 +292,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         key: &IdempotencyKey,
         scope: &Scope,
         request: &OutboundRequest,
+        (held, lease_ms): (&HeldLease, u64),
     ) -> Result<Settled, DbError> {
         // Settled while this worker waited for the lease, or deferred by
         // another worker meanwhile: nothing to do now.
@@ -306,7 +313,34 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             first_reached_at_ms: payout.first_sent_at_ms,
             ..Earlier::default()
         };
-        let sent = self.client.resend(key, request, earlier).await;
+        // Right before each send, the lease must still be this worker's for
+        // a third of its length: a worker stopped past its lease (a pause,
+        // a stalled machine) whose payout was taken over, asked about and
+        // paid by another must not send it again when it wakes up, and
+        // before its heartbeat learns it lost the lease, even to a vendor
+        // that has forgotten the key by then.
+        let margin_ms = i64::try_from(lease_ms / 3).unwrap_or(i64::MAX);
+        let clock = self.clock.clone();
+        let may_send = move || {
+            if held.holds_for(clock.now_ms(), margin_ms) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "this worker's lease on the payout ran out or was taken over (held until {} ms, now {} ms)",
+                    held.held_until_ms(),
+                    clock.now_ms()
+                ))
+            }
+        };
+        let sent = self.client.resend_while(key, request, earlier, &may_send).await;
+        if let Err(stopped @ OutboundError::Stopped { .. }) = &sent {
+            // The payout is another worker's now (or will be once the lease
+            // is found expired): it carries on from the row, which says a
+            // call may have reached the vendor.
+            tracing::warn!(payout = %task.id, error = %stopped, "payout left to the worker that holds it now");
+            metrics::counter!("ledger_payouts_lease_lost_total").increment(1);
+            return Ok(Settled::Skipped);
+        }
         let now_ms = self.clock.now_ms();
         let mut tx = self.db.begin().await?;
         let settled = match sent {

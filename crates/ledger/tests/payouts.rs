@@ -1044,6 +1044,53 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     l.stop().await;
 }
 
+/// A worker stopped past its lease between two attempts (its first found the vendor refusing connections) wakes up after another worker took the payout over, asked the vendor, paid it, and the vendor has since forgotten the key: it sends nothing, so the payout is paid once.
+async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engine) {
+    let vendor = FakeVendor::start_with(fake_vendor::Options {
+        key_horizon: HOUR,
+        ..Default::default()
+    })
+    .await;
+    let clock = idem_core::ManualClock::starting_now();
+    let l = start_on(engine, &clock).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    // An hour-long lease on the test's clock: no heartbeat beats within the
+    // test, as if the worker's process were stopped.
+    let mut hour_lease = config(&vendor);
+    hour_lease.lease = HOUR;
+    vendor
+        .faults(&Faults {
+            refuse_ms: 700,
+            ..Default::default()
+        })
+        .await;
+    let sleeper = {
+        let (store, clock, config) = (l.store.clone(), l.clock.clone(), hour_lease.clone());
+        tokio::spawn(async move { ledger::payouts::pass(&store, clock, hour_client(&[2_500]), config).await })
+    };
+    // Its first attempt was refused; it waits to try again.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert_eq!(vendor.ledger().await["payouts"], 0, "nothing paid yet");
+    // Past its lease and past the vendor's horizon, another worker takes
+    // the payout over, asks the vendor (not paid) and pays it.
+    advance(&clock, &vendor, 2 * HOUR);
+    let report = pass_with(&l, hour_client(&[]), hour_lease.clone()).await;
+    assert_eq!(report.paid, 1, "{report:?}");
+    assert_eq!(stats(&vendor).await["lookups"], 1, "asked before the re-send");
+    // The vendor forgets that key too before the first worker wakes up.
+    advance(&clock, &vendor, 2 * HOUR);
+    let woke = sleeper.await.unwrap().unwrap();
+    assert_eq!(woke.skipped, 1, "the woken worker left the payout alone: {woke:?}");
+    let paid = vendor.ledger().await;
+    assert_eq!(paid["payouts"], 1, "paid once: {paid}");
+    assert_eq!(status(&l, &t, &p).await["status"], "paid");
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
 /// A 429 whose Retry-After is past the call's deadline defers the payout to that time, still requested, instead of dead-lettering it; it is paid once the time has come.
 async fn a_long_retry_after_defers_the_payout(engine: Engine) {
     let vendor = FakeVendor::start().await;
@@ -1343,6 +1390,7 @@ worker_tests!(
     a_redrive_past_the_vendors_horizon_pays_once,
     a_takeover_past_the_vendors_horizon_pays_once,
     a_takeover_at_a_vendor_without_keys_pays_once,
+    a_worker_paused_past_its_lease_sends_nothing_when_it_wakes,
     a_long_retry_after_defers_the_payout,
     an_answer_without_what_the_vendor_promises_is_not_paid,
     a_dead_lettered_payout_has_a_way_out,
