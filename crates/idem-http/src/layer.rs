@@ -195,6 +195,7 @@ pub struct Transactional<B> {
 pub struct Leased<L> {
     pub(crate) engine: LeaseEngine<L>,
     pub(crate) streaming: Option<Streaming>,
+    pub(crate) reconcile: Option<Arc<dyn crate::Reconcile>>,
 }
 
 impl<L> Clone for Leased<L> {
@@ -202,6 +203,7 @@ impl<L> Clone for Leased<L> {
         Self {
             engine: self.engine.clone(),
             streaming: self.streaming,
+            reconcile: self.reconcile.clone(),
         }
     }
 }
@@ -297,6 +299,7 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
                 mode: Leased {
                     engine,
                     streaming: None,
+                    reconcile: None,
                 },
                 config: config(Arc::new(tenant)),
             }),
@@ -359,6 +362,16 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     pub fn stream_responses(mut self, stall: std::time::Duration) -> Self {
         let stall = stall.max(MIN_STALL);
         Arc::make_mut(&mut self.shared).mode.streaming = Some(Streaming { stall });
+        self
+    }
+
+    /// Asks `reconcile` about a key held as an unknown outcome when a retry
+    /// meets it, instead of answering 409 at once: an applied request's
+    /// answer is recorded and replayed, a request that was not applied is
+    /// run once by this retry, and anything else keeps the key held (see
+    /// [`Reconcile`](crate::Reconcile)). One retry per key asks at a time.
+    pub fn reconcile(mut self, reconcile: impl crate::Reconcile) -> Self {
+        Arc::make_mut(&mut self.shared).mode.reconcile = Some(Arc::new(reconcile));
         self
     }
 }

@@ -79,6 +79,7 @@ mod key;
 mod layer;
 mod lease;
 mod problem;
+mod reconcile;
 mod recorded;
 mod retry;
 mod service;
@@ -93,6 +94,7 @@ pub use layer::{
 };
 pub use lease::{HeldLease, HeldLeaseRejection, OutcomeUnknown};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
+pub use reconcile::{Reconcile, Reconciled};
 pub use recorded::RecordedResponse;
 pub use retry::RetryTransaction;
 pub use service::{Idempotency, Mode};

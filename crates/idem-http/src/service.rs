@@ -685,6 +685,162 @@ impl<L: LeaseStore> Drop for ReleaseOnPanic<L> {
     }
 }
 
+impl<L: LeaseStore> Leased<L> {
+    /// Claims the call's key, or answers without running the handler: a
+    /// replay or a problem. A key held as an unknown outcome is reconciled
+    /// first when the layer has a way to ask about this request.
+    async fn claim(&self, cfg: &Config, parts: &Parts, call: &Call) -> Result<idem_core::Lease, Response<Body>> {
+        match self.engine.acquire(call).await {
+            Ok(Acquire::Claimed(lease)) => Ok(lease),
+            Ok(Acquire::Replay(record)) => Err(replay(cfg, &record)),
+            Err(Error::OutcomeUnknown) => match &self.reconcile {
+                Some(reconcile) if reconcile.can_ask(parts, call) => {
+                    self.reconcile_held(cfg, reconcile.as_ref(), parts, call).await
+                }
+                _ => Err(error_response(cfg, call, Error::OutcomeUnknown)),
+            },
+            Err(e) => Err(error_response(cfg, call, e)),
+        }
+    }
+
+    /// Reconciles a held key under its reconcile lock: a lease on the same
+    /// key in a scope of its own, so that one retry per key asks at a time,
+    /// across every instance on the store. Twins wait for the lock as the
+    /// policy says for an in-flight request (or get 409 in flight).
+    async fn reconcile_held(
+        &self,
+        cfg: &Config,
+        reconcile: &dyn crate::Reconcile,
+        parts: &Parts,
+        call: &Call,
+    ) -> Result<idem_core::Lease, Response<Body>> {
+        let unknown = || error_response(cfg, call, Error::OutcomeUnknown);
+        let Ok(operation) = idem_core::Operation::new(format!("{} (reconcile)", call.scope().operation())) else {
+            return Err(unknown());
+        };
+        let lock_call = Call::new(
+            Scope::new(call.scope().tenant().clone(), operation),
+            call.key().clone(),
+            *call.fingerprint(),
+        )
+        .with_policy(*call.policy());
+        let lock = match self.engine.acquire(&lock_call).await {
+            Ok(Acquire::Claimed(lock)) => lock,
+            // A lock is never recorded; a row found there is not ours to use.
+            Ok(Acquire::Replay(_)) => return Err(unknown()),
+            Err(e) => return Err(error_response(cfg, call, e)),
+        };
+        let beat = self.engine.heartbeat(&lock, lock_call.policy().effective_lease_ms());
+        let held = beat.held().clone();
+        // The lock is given back whatever happens to this future.
+        let release = ReleaseLock {
+            engine: self.engine.clone(),
+            lock: Some(lock),
+        };
+        let result = self.reconcile_locked(cfg, reconcile, parts, call, &held).await;
+        beat.stop();
+        drop(release);
+        result
+    }
+
+    async fn reconcile_locked(
+        &self,
+        cfg: &Config,
+        reconcile: &dyn crate::Reconcile,
+        parts: &Parts,
+        call: &Call,
+        lock: &idem_core::HeldLease,
+    ) -> Result<idem_core::Lease, Response<Body>> {
+        let op = call.scope().operation().as_str();
+        // Looked at again under the lock: another retry may have settled the
+        // key (or released it and sent the request again) while this one
+        // waited, and only an outcome held now may be asked about.
+        match self.engine.acquire(call).await {
+            Ok(Acquire::Claimed(lease)) => return Ok(lease),
+            Ok(Acquire::Replay(record)) => return Err(replay(cfg, &record)),
+            Err(Error::OutcomeUnknown) => {}
+            Err(e) => return Err(error_response(cfg, call, e)),
+        }
+        let answer = reconcile.ask(parts, call).await;
+        if !lock.is_held() {
+            tracing::warn!(
+                operation = op,
+                "the reconcile lock was lost while asking; the key stays held"
+            );
+            return Err(error_response(cfg, call, Error::OutcomeUnknown));
+        }
+        let resolution = match answer {
+            crate::Reconciled::Applied(response) => {
+                let (rparts, body) = response.into_parts();
+                if body.len() > cfg.max_response_bytes {
+                    tracing::warn!(
+                        operation = op,
+                        bytes = body.len(),
+                        "the reconcile answer is larger than the record limit; the key stays held"
+                    );
+                    return Err(error_response(cfg, call, Error::OutcomeUnknown));
+                }
+                let mut headers = rparts.headers;
+                crate::headers::strip_hop_by_hop(&mut headers);
+                Some(whole_record(
+                    rparts.status,
+                    headers,
+                    body,
+                    http::HeaderMap::new(),
+                    false,
+                    &cfg.private_headers,
+                ))
+            }
+            crate::Reconciled::NotApplied => None,
+            crate::Reconciled::Unknown => return Err(error_response(cfg, call, Error::OutcomeUnknown)),
+        };
+        match self
+            .engine
+            .resolve_unknown(call.scope(), call.key(), resolution.as_ref())
+            .await
+        {
+            Ok(resolved) => {
+                tracing::info!(
+                    operation = op,
+                    applied = resolution.is_some(),
+                    resolved,
+                    "a held outcome was reconciled"
+                );
+            }
+            Err(e) => return Err(error_response(cfg, call, e)),
+        }
+        // Still under the lock, so twins that waited for it find the key
+        // claimed (and wait or get 409) or recorded (and replay).
+        match self.engine.acquire(call).await {
+            Ok(Acquire::Claimed(lease)) => Ok(lease),
+            Ok(Acquire::Replay(record)) => Err(replay(cfg, &record)),
+            Err(e) => Err(error_response(cfg, call, e)),
+        }
+    }
+}
+
+/// Gives a reconcile lock back when dropped, in a task of its own so that a
+/// caller that went away still frees it at once rather than at its lease's end.
+struct ReleaseLock<L: LeaseStore> {
+    engine: idem_core::LeaseEngine<L>,
+    lock: Option<idem_core::Lease>,
+}
+
+impl<L: LeaseStore> Drop for ReleaseLock<L> {
+    fn drop(&mut self) {
+        let Some(lock) = self.lock.take() else { return };
+        let engine = self.engine.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let detached = engine.detached().clone();
+            detached.spawn_on(&handle, async move {
+                if let Err(e) = engine.release(&lock).await {
+                    tracing::warn!(error = %e, "could not give a reconcile lock back; it will expire");
+                }
+            });
+        }
+    }
+}
+
 /// What the lease-mode task needs of the layer's configuration.
 #[derive(Clone)]
 struct Recording {
@@ -709,10 +865,9 @@ impl<L: LeaseStore> Mode for Leased<L> {
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let lease = match self.engine.acquire(&call).await {
-            Err(e) => return Ok(error_response(cfg, &call, e)),
-            Ok(Acquire::Replay(record)) => return Ok(replay(cfg, &record)),
-            Ok(Acquire::Claimed(lease)) => lease,
+        let lease = match self.claim(cfg, &parts, &call).await {
+            Ok(lease) => lease,
+            Err(answer) => return Ok(answer),
         };
         hit(Point::AfterClaim);
         // From here on the handler may take effect, so everything up to the
