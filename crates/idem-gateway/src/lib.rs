@@ -49,6 +49,7 @@ mod config;
 mod door;
 mod path;
 mod proxy;
+mod reconcile;
 mod serve;
 mod store;
 mod sweeper;
@@ -63,7 +64,11 @@ use idem_core::{Detached, LeaseEngine, SharedClock, TimeSource};
 use idem_http::IdempotencyLayer;
 use tokio::net::TcpListener;
 
-pub use config::{Config, ConfigError, Defaults, ForwardedHeaders, InFlightMode, KeyMode, RouteConfig};
+pub use config::{
+    Config, ConfigError, Defaults, ForwardedHeaders, InFlightMode, KeyMode, ReconcileConfig, RouteConfig,
+    UnknownOutcome,
+};
+pub use reconcile::RECONCILE_TOTAL;
 pub use store::{AnyLease, RedisSettings};
 pub use sweeper::{SWEEP_LAST_SUCCESS, SWEEP_RUNS, SWEEP_SECONDS, Sweeper, SweeperConfig};
 pub use tenant::{IdentityConfig, TenantConfig, TenantSource};
@@ -124,6 +129,9 @@ impl Gateway {
             .stream_responses(config.upstream_timeout());
         for (name, policy) in layer_routes {
             layer = layer.route(name, policy);
+        }
+        if let Some(reconciler) = reconcile::Reconciler::new(config, client.clone())? {
+            layer = layer.reconcile(reconciler);
         }
         let proxy = proxy::Proxy::new(config, client)?;
         let admin = admin_router(store);

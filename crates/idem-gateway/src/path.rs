@@ -32,7 +32,7 @@ use idem_http::{UNROUTED, method_label};
 /// Why a target is refused.
 pub(crate) type NotCanonical = String;
 
-fn is_unreserved(b: u8) -> bool {
+pub(crate) fn is_unreserved(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
 }
 
@@ -55,7 +55,7 @@ fn hex(b: u8) -> Option<u8> {
     }
 }
 
-fn push_encoded(out: &mut String, b: u8) {
+pub(crate) fn push_encoded(out: &mut String, b: u8) {
     out.push_str(&format!("%{b:02X}"));
 }
 
@@ -109,7 +109,7 @@ pub(crate) fn canonical_path(raw: &str) -> Result<String, NotCanonical> {
 /// The canonical form of a query: percent-encodings get upper-case hex,
 /// and the characters a forwarded URL would encode are encoded here, so
 /// the fingerprinted query is the forwarded one.
-fn canonical_query(raw: &str) -> Result<String, NotCanonical> {
+pub(crate) fn canonical_query(raw: &str) -> Result<String, NotCanonical> {
     let bytes = raw.as_bytes();
     let mut out = String::with_capacity(raw.len());
     let mut i = 0;
@@ -174,7 +174,8 @@ pub(crate) struct Template {
 #[derive(Debug, Clone)]
 enum Segment {
     Literal(String),
-    Any,
+    /// `{name}`.
+    Any(String),
 }
 
 /// A path's segments as routes match them: the part of each segment before
@@ -212,7 +213,7 @@ impl Template {
                     return Err(format!("has a placeholder {segment} whose name is not alphanumeric"));
                 }
                 literal.push_str("/x");
-                segments.push(Segment::Any);
+                segments.push(Segment::Any(name.to_owned()));
             } else {
                 literal.push('/');
                 literal.push_str(segment);
@@ -237,9 +238,35 @@ impl Template {
         let got = match_segments(path);
         got.len() == self.segments.len()
             && self.segments.iter().zip(&got).all(|(t, s)| match t {
-                Segment::Any => !s.is_empty(),
+                Segment::Any(_) => !s.is_empty(),
                 Segment::Literal(l) => l.eq_ignore_ascii_case(s),
             })
+    }
+
+    /// The names of its `{name}` placeholders, in order.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> + Clone {
+        self.segments.iter().filter_map(|s| match s {
+            Segment::Any(name) => Some(name.as_str()),
+            Segment::Literal(_) => None,
+        })
+    }
+
+    /// The canonical `path`'s segment under each placeholder (without any
+    /// `;parameters`), when `path` is this route.
+    pub(crate) fn captures<'p>(&self, path: &'p str) -> Option<Vec<(&str, &'p str)>> {
+        if !self.matches(path) {
+            return None;
+        }
+        Some(
+            self.segments
+                .iter()
+                .zip(match_segments(path))
+                .filter_map(|(t, s)| match t {
+                    Segment::Any(name) => Some((name.as_str(), s)),
+                    Segment::Literal(_) => None,
+                })
+                .collect(),
+        )
     }
 }
 

@@ -26,16 +26,24 @@ const X_FORWARDED_HOST: &str = "x-forwarded-host";
 
 /// Which forwarding headers to add, and whose to believe.
 #[derive(Clone)]
-struct Forwarding {
+pub(crate) struct Forwarding {
     mode: ForwardedHeaders,
     trusted: Trusted,
 }
 
 impl Forwarding {
+    /// The forwarding of `config`.
+    pub(crate) fn new(config: &Config) -> Result<Self, ConfigError> {
+        Ok(Self {
+            mode: config.forwarded_headers,
+            trusted: config.trusted()?,
+        })
+    }
+
     /// Adds the forwarding headers of one hop from `peer`. Those a trusted
     /// proxy sent are kept and extended; anyone else's are replaced, so an
     /// upstream never takes a caller's word for its own address.
-    fn apply(&self, headers: &mut HeaderMap, peer: Option<&Peer>, host: Option<HeaderValue>) {
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, peer: Option<&Peer>, host: Option<HeaderValue>) {
         if self.mode == ForwardedHeaders::None {
             return;
         }
@@ -175,10 +183,7 @@ impl Proxy {
         Ok(Self {
             client,
             upstream: Arc::new(config.upstream()?),
-            forwarding: Arc::new(Forwarding {
-                mode: config.forwarded_headers,
-                trusted: config.trusted()?,
-            }),
+            forwarding: Arc::new(Forwarding::new(config)?),
             unknowns: Arc::new(Unknowns::new(config)?),
         })
     }
