@@ -752,72 +752,77 @@ impl<L: LeaseStore> Leased<L> {
         lock: &idem_core::HeldLease,
     ) -> Result<idem_core::Lease, Response<Body>> {
         let op = call.scope().operation().as_str();
-        // Looked at again under the lock: another retry may have settled the
-        // key (or released it and sent the request again) while this one
-        // waited, and only an outcome held now may be asked about.
-        match self.engine.acquire(call).await {
-            Ok(Acquire::Claimed(lease)) => return Ok(lease),
-            Ok(Acquire::Replay(record)) => return Err(replay(cfg, &record)),
-            Err(Error::OutcomeUnknown) => {}
-            Err(e) => return Err(error_response(cfg, call, e)),
-        }
-        let answer = reconcile.ask(parts, call).await;
-        if !lock.is_held() {
-            tracing::warn!(
-                operation = op,
-                "the reconcile lock was lost while asking; the key stays held"
-            );
-            return Err(error_response(cfg, call, Error::OutcomeUnknown));
-        }
-        let resolution = match answer {
-            crate::Reconciled::Applied(response) => {
-                let (rparts, body) = response.into_parts();
-                if body.len() > cfg.max_response_bytes {
-                    tracing::warn!(
-                        operation = op,
-                        bytes = body.len(),
-                        "the reconcile answer is larger than the record limit; the key stays held"
-                    );
-                    return Err(error_response(cfg, call, Error::OutcomeUnknown));
-                }
-                let mut headers = rparts.headers;
-                crate::headers::strip_hop_by_hop(&mut headers);
-                Some(whole_record(
-                    rparts.status,
-                    headers,
-                    body,
-                    http::HeaderMap::new(),
-                    false,
-                    &cfg.private_headers,
-                ))
+        let unknown = || error_response(cfg, call, Error::OutcomeUnknown);
+        let mut asked = 0;
+        loop {
+            // Looked at (again) under the lock: another retry may have settled
+            // the key while this one waited, or claimed it the moment it was
+            // released and sent the request again, which may be held again by
+            // now. Only an outcome held now is asked about, so an answer is
+            // never applied to a later send than the one it was asked after.
+            match self.engine.acquire(call).await {
+                Ok(Acquire::Claimed(lease)) => return Ok(lease),
+                Ok(Acquire::Replay(record)) => return Err(replay(cfg, &record)),
+                Err(Error::OutcomeUnknown) if asked < MAX_RECONCILE_ASKS => asked += 1,
+                Err(e) => return Err(error_response(cfg, call, e)),
             }
-            crate::Reconciled::NotApplied => None,
-            crate::Reconciled::Unknown => return Err(error_response(cfg, call, Error::OutcomeUnknown)),
-        };
-        match self
-            .engine
-            .resolve_unknown(call.scope(), call.key(), resolution.as_ref())
-            .await
-        {
-            Ok(resolved) => {
-                tracing::info!(
+            let answer = reconcile.ask(parts, call).await;
+            if !lock.is_held() {
+                tracing::warn!(
+                    operation = op,
+                    "the reconcile lock was lost while asking; the key stays held"
+                );
+                return Err(unknown());
+            }
+            let resolution = match answer {
+                crate::Reconciled::Applied(response) => {
+                    let (rparts, body) = response.into_parts();
+                    if body.len() > cfg.max_response_bytes {
+                        tracing::warn!(
+                            operation = op,
+                            bytes = body.len(),
+                            "the reconcile answer is larger than the record limit; the key stays held"
+                        );
+                        return Err(unknown());
+                    }
+                    let mut headers = rparts.headers;
+                    crate::headers::strip_hop_by_hop(&mut headers);
+                    Some(whole_record(
+                        rparts.status,
+                        headers,
+                        body,
+                        http::HeaderMap::new(),
+                        false,
+                        &cfg.private_headers,
+                    ))
+                }
+                crate::Reconciled::NotApplied => None,
+                crate::Reconciled::Unknown => return Err(unknown()),
+            };
+            match self
+                .engine
+                .resolve_unknown(call.scope(), call.key(), resolution.as_ref())
+                .await
+            {
+                Ok(resolved) => tracing::info!(
                     operation = op,
                     applied = resolution.is_some(),
                     resolved,
                     "a held outcome was reconciled"
-                );
+                ),
+                Err(e) => return Err(error_response(cfg, call, e)),
             }
-            Err(e) => return Err(error_response(cfg, call, e)),
-        }
-        // Still under the lock, so twins that waited for it find the key
-        // claimed (and wait or get 409) or recorded (and replay).
-        match self.engine.acquire(call).await {
-            Ok(Acquire::Claimed(lease)) => Ok(lease),
-            Ok(Acquire::Replay(record)) => Err(replay(cfg, &record)),
-            Err(e) => Err(error_response(cfg, call, e)),
+            // Still under the lock: twins that waited for it find the key
+            // claimed by this retry (and wait or get 409) or recorded (and
+            // replay).
         }
     }
 }
+
+/// How many times one retry asks about a key under its reconcile lock:
+/// after a "not applied", a retry that was not waiting for the lock may
+/// claim the released key first and have its send held again.
+const MAX_RECONCILE_ASKS: u32 = 3;
 
 /// Gives a reconcile lock back when dropped, in a task of its own so that a
 /// caller that went away still frees it at once rather than at its lease's end.

@@ -1,0 +1,107 @@
+//! Lease mode with a `Reconcile` hook: a retry that meets a key held as an
+//! unknown outcome asks before answering, and a retry that goes away while
+//! asking gives the reconcile lock back at once, so the next retry asks
+//! rather than being told the key is in flight until the lock's lease ends.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use http_body_util::BodyExt;
+use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, Policy, Tenant};
+use idem_http::{IdempotencyLayer, OutcomeUnknown, Problem, Reconcile, Reconciled, RoutePolicy};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
+
+fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
+    Ok(Tenant::new("t").expect("valid tenant"))
+}
+
+/// Says "not applied", except to its first asker, who never hears back.
+struct FirstAskHangs {
+    asks: Arc<AtomicUsize>,
+}
+
+impl Reconcile for FirstAskHangs {
+    fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
+        true
+    }
+
+    fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
+        let n = self.asks.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            if n == 0 {
+                std::future::pending::<()>().await;
+            }
+            Reconciled::NotApplied
+        })
+    }
+}
+
+fn post_with_key(key: &str) -> Request<Body> {
+    Request::builder()
+        .method("POST")
+        .uri("/pay")
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .expect("valid request")
+}
+
+/// A retry dropped while it asks frees the reconcile lock: the next retry
+/// (under `in_flight = reject` and a minute-long lease, so a lock left behind
+/// would answer 409 in flight) asks, hears "not applied" and runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let asks = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
+        .default_route(
+            RoutePolicy::required()
+                .with_policy(Policy::default().with_lease_ms(60_000).with_in_flight(InFlight::Reject)),
+        )
+        .reconcile(FirstAskHangs { asks: asks.clone() });
+    let detached = layer.detached().clone();
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let runs = counted.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        // It may have taken effect: the key is held.
+                        let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
+                        response.extensions_mut().insert(OutcomeUnknown {
+                            note: "failed after the effect".into(),
+                        });
+                        response
+                    } else {
+                        (StatusCode::CREATED, "paid").into_response()
+                    }
+                }
+            }),
+        )
+        .route_layer(layer);
+
+    let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
+    assert_eq!(first.status(), 500);
+    detached.idle().await;
+    let gone = tokio::time::timeout(Duration::from_millis(300), app.clone().oneshot(post_with_key("k"))).await;
+    assert!(gone.is_err(), "the first asker never hears back");
+    assert_eq!(asks.load(Ordering::SeqCst), 1);
+    detached.idle().await;
+
+    let retry = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
+    let status = retry.status();
+    let replayed = retry.headers().contains_key("idempotent-replayed");
+    let body = retry.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"paid"[..]), "{body:?}");
+    assert!(!replayed);
+    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
+}
