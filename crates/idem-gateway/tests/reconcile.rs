@@ -133,9 +133,19 @@ async fn lookup(State(s): State<Payouts>, Path((id, key)): Path<(String, String)
     }
 }
 
+/// `GET /whoami`: `Authorization: Bearer <user>.<anything>` is `<user>`.
+async fn whoami(headers: HeaderMap) -> Response {
+    let auth = header(&headers, "authorization");
+    match auth.strip_prefix("Bearer ").and_then(|t| t.split('.').next()) {
+        Some(user) if !user.is_empty() => ([("x-user-id", user.to_owned())], "").into_response(),
+        _ => StatusCode::UNAUTHORIZED.into_response(),
+    }
+}
+
 async fn upstream() -> (String, Payouts) {
     let state = Payouts::default();
     let app = Router::new()
+        .route("/whoami", get(whoami))
         .route("/v1/payouts/{id}", post(pay))
         .route("/v1/payouts/{id}/by-key/{key}", get(lookup))
         .with_state(state.clone());
@@ -310,6 +320,8 @@ async fn concurrent_retries(store: &str) {
     assert_eq!(pay_out(&g.base, &id, &token, &key).await.0, 500);
     let all = retry_all(id.clone(), key.clone()).await;
     let statuses: Vec<u16> = all.iter().map(|a| a.0).collect();
+    let odd: Vec<&str> = all.iter().filter(|a| a.0 == 409).map(|a| a.2.as_str()).collect();
+    assert!(odd.is_empty(), "{odd:?}");
     assert_eq!(statuses.iter().filter(|s| **s == 500).count(), 1, "{statuses:?}");
     assert_eq!(statuses.iter().filter(|s| **s == 201).count(), 31, "{statuses:?}");
     let fresh_answers = all
@@ -371,4 +383,28 @@ async fn a_route_without_a_reconcile_request_is_not_asked_about() {
     let (status, _, body) = pay_out(&g.base, &id, &token, &key).await;
     assert_eq!(status, 409, "{body}");
     assert_eq!((s.posts(), s.lookups()), (1, 0));
+}
+
+/// The lookup carries the retrying caller's own credentials: under the
+/// `identity` source a refreshed token keeps its keys, and the lookup is
+/// sent with the token of the retry that asks, not the one of the request
+/// that was held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lookup_carries_the_retrying_callers_credentials() {
+    let (up, s) = upstream().await;
+    let identity = "[tenant]\nsource = \"identity\"\ncredentials = [\"authorization\"]\n\
+                    [tenant.identity]\npath = \"/whoami\"\nheader = \"x-user-id\"\n";
+    let g = start_gateway(&up, &sqlite_store(), &format!("{identity}{ROUTES}")).await;
+    s.faults.lock().unwrap().push(Fault::PayThen500);
+    let (id, key, user) = (fresh(), fresh(), fresh());
+    let (status, _, body) = pay_out(&g.base, &id, &format!("{user}.first"), &key).await;
+    assert_eq!(status, 500, "{body}");
+    let (status, headers, body) = pay_out(&g.base, &id, &format!("{user}.refreshed"), &key).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(
+        s.lookup_headers.lock().unwrap().clone(),
+        vec![(format!("Bearer {user}.refreshed"), format!("\"{key}\""))]
+    );
+    assert_eq!(s.posts(), 1);
 }
