@@ -272,21 +272,24 @@ async fn answers(store: &str) {
     }
 }
 
-/// 32 concurrent retries of a held key. Paid: one lookup, every retry gets
+/// 32 concurrent retries of a held key, split between two gateway instances
+/// sharing the store. Paid: one lookup, every retry gets
 /// the recorded answer, the payout was sent once. Not paid, twice: each
 /// payout sent again follows a lookup made after the previous send ended,
 /// so exactly two more are sent (the second of them pays), never one per
 /// retry; the retry whose send failed gets its 500, all others the 201.
 async fn concurrent_retries(store: &str) {
     let (up, s) = upstream().await;
+    // Two gateway instances on the one store; the retries are split between them.
     let g = start_gateway(&up, store, &format!("{BEARER}{ROUTES}")).await;
+    let other = start_gateway(&up, store, &format!("{BEARER}{ROUTES}")).await;
     let token = fresh();
     let retry_all = |id: String, key: String| {
-        let (base, token) = (g.base.clone(), token.clone());
+        let (bases, token) = ([g.base.clone(), other.base.clone()], token.clone());
         async move {
             let tasks: Vec<_> = (0..32)
-                .map(|_| {
-                    let (base, id, token, key) = (base.clone(), id.clone(), token.clone(), key.clone());
+                .map(|i| {
+                    let (base, id, token, key) = (bases[i % 2].clone(), id.clone(), token.clone(), key.clone());
                     tokio::spawn(async move { pay_out(&base, &id, &token, &key).await })
                 })
                 .collect();
