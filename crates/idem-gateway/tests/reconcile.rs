@@ -5,7 +5,7 @@
 //! payout is sent once. Not applied (404): the retry is sent once. A lookup
 //! that fails keeps the key held (409). Many concurrent retries send the
 //! payout no more often than lookups said it was not applied. On SQLite,
-//! PostgreSQL and Redis.
+//! PostgreSQL, MariaDB and Redis.
 
 mod support;
 
@@ -19,7 +19,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use support::{BEARER, fresh, postgres_url, redis_url, send_with, sqlite_store, start_gateway};
+use support::{BEARER, fresh, mysql_url, postgres_url, redis_url, send_with, sqlite_store, start_gateway};
 
 /// What the next payout call does.
 #[derive(Clone, Copy, Debug)]
@@ -351,6 +351,11 @@ async fn reconcile_answers_on_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reconcile_answers_on_mariadb() {
+    answers(&mysql_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reconcile_answers_on_redis() {
     answers(&redis_url()).await;
 }
@@ -363,6 +368,11 @@ async fn concurrent_retries_on_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_retries_on_postgres() {
     concurrent_retries(&postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_retries_on_mariadb() {
+    concurrent_retries(&mysql_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
