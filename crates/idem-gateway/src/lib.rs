@@ -31,6 +31,13 @@
 //!   that changes a schema); a Redis deployment is checked at start
 //!   (eviction policy refused, missing persistence warned about); expired
 //!   keys are swept in the background ([`Sweeper`], `[sweeper]`).
+//! - **Unknown outcomes**: a request the upstream got whole and then failed
+//!   (5xx, timeout, dropped connection) may have been applied; by default
+//!   its key is held and retries get 409 until it is resolved, by an
+//!   operator (`idem keys resolve`) or by the route's reconcile request
+//!   ([`ReconcileConfig`]): the upstream is asked, with the retrying
+//!   caller's own headers, and an applied request's answer is recorded and
+//!   replayed, a request not applied is sent once more.
 //! - Hop-by-hop headers (RFC 9110 §7.6.1, `Proxy-Authenticate` among them,
 //!   and those named in `Connection`) are never forwarded, either way.
 //!   `Set-Cookie` and the configured private headers reach the first caller
