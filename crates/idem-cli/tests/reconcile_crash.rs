@@ -1,0 +1,192 @@
+//! `idem gateway` processes with a reconcile request, one of them killed
+//! (SIGKILL) while it asks the upstream about a held key: its reconcile lock
+//! outlives it only until its lease ends. A second gateway on the same
+//! store turns retries away as in flight meanwhile (the lock is real across
+//! processes), then takes the lock over, asks, and replays the applied
+//! answer; the upstream's payout was called once.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+
+/// A gateway process, killed when the test ends.
+struct Gateway(Child);
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn temp(name: &str) -> String {
+    std::env::temp_dir()
+        .join(format!("idem-reconcile-{}-{name}", uuid::Uuid::now_v7()))
+        .display()
+        .to_string()
+}
+
+#[derive(Clone, Default)]
+struct Counts {
+    pays: Arc<AtomicUsize>,
+    lookups: Arc<AtomicUsize>,
+}
+
+/// `POST /v1/pay` pays, then answers 500 the first time; `GET
+/// /v1/pay/by-key/{key}` never answers its first asker, and says "paid"
+/// (200) to the others.
+async fn upstream() -> (String, Counts) {
+    let counts = Counts::default();
+    let (pays, lookups) = (counts.pays.clone(), counts.lookups.clone());
+    let app = Router::new()
+        .route(
+            "/v1/pay",
+            post(move || {
+                let pays = pays.clone();
+                async move {
+                    if pays.fetch_add(1, Ordering::SeqCst) == 0 {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "paid, then failed")
+                    } else {
+                        (StatusCode::CREATED, "paid again")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/v1/pay/by-key/{key}",
+            get(move || {
+                let lookups = lookups.clone();
+                async move {
+                    if lookups.fetch_add(1, Ordering::SeqCst) == 0 {
+                        std::future::pending::<()>().await;
+                    }
+                    (StatusCode::OK, r#"{"status":"paid"}"#)
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), counts)
+}
+
+const CONFIG: &str = r#"
+[tenant]
+source = "credentials"
+credentials = ["authorization"]
+
+[[routes]]
+method = "POST"
+path = "/v1/pay"
+lease_ms = 2000
+in_flight = "reject"
+[routes.reconcile]
+path = "/v1/pay/by-key/{key}"
+applied_status = 201
+timeout_ms = 60000
+"#;
+
+async fn start(upstream: &str, store: &str, config: &str) -> (Gateway, String) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["gateway", "--upstream", upstream, "--store", store, "--config", config])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("idem runs");
+    let g = Gateway(child);
+    let base = format!("http://127.0.0.1:{port}");
+    for _ in 0..800 {
+        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            return (g, base);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the gateway on {store} did not become healthy");
+}
+
+/// Status, whether replayed, and body; `None` when the connection failed.
+async fn pay(base: &str, token: &str, key: &str) -> Option<(u16, bool, String)> {
+    let r = idem_tls::test_pki::http_client()
+        .post(format!("{base}/v1/pay"))
+        .bearer_auth(token)
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(r#"{"amount":5}"#)
+        .send()
+        .await
+        .ok()?;
+    let replayed = r.headers().contains_key("idempotent-replayed");
+    Some((r.status().as_u16(), replayed, r.text().await.ok()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gateway_killed_while_asking_holds_the_key_only_until_its_lock_lease_ends() {
+    let (up, counts) = upstream().await;
+    let (store, config) = (temp("gateway.db"), temp("gateway.toml"));
+    std::fs::write(&config, CONFIG).unwrap();
+    let (token, key) = (uuid::Uuid::now_v7().to_string(), uuid::Uuid::now_v7().to_string());
+
+    let (mut first, base) = start(&up, &store, &config).await;
+    // Another gateway on the store, up before the first one dies.
+    let (_second, other) = start(&up, &store, &config).await;
+    let (status, _, body) = pay(&base, &token, &key).await.expect("an answer");
+    assert_eq!(status, 500, "{body}");
+    // A retry asks, and the upstream never answers it; its gateway is killed.
+    let asking = tokio::spawn({
+        let (base, token, key) = (base.clone(), token.clone(), key.clone());
+        async move { pay(&base, &token, &key).await }
+    });
+    for _ in 0..400 {
+        if counts.lookups.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(counts.lookups.load(Ordering::SeqCst), 1, "the retry asked");
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    assert!(
+        asking.await.unwrap().is_none(),
+        "the asking retry's connection died with its gateway"
+    );
+
+    // The other gateway: the dead one's lock still holds for a moment (409
+    // in flight), then it is taken over, the upstream is asked again, and
+    // its answer is recorded and replayed.
+    let mut in_flight = 0;
+    let answer = loop {
+        let (status, replayed, body) = pay(&other, &token, &key).await.expect("an answer");
+        if status == 409 && body.contains("idempotency-key-in-flight") {
+            in_flight += 1;
+            assert!(
+                in_flight < 400,
+                "the lock of a killed gateway must expire with its lease"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+            continue;
+        }
+        break (status, replayed, body);
+    };
+    assert!(in_flight > 0, "the dead gateway's lock was held until its lease ended");
+    assert_eq!(answer, (201, true, r#"{"status":"paid"}"#.to_owned()));
+    assert_eq!(counts.lookups.load(Ordering::SeqCst), 2);
+    assert_eq!(counts.pays.load(Ordering::SeqCst), 1, "the payout was called once");
+}
