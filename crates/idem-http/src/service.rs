@@ -767,10 +767,17 @@ impl<L: LeaseStore> Leased<L> {
                 Err(e) => return Err(error_response(cfg, call, e)),
             }
             let answer = reconcile.ask(parts, call).await;
-            if !lock.is_held() {
+            // A retry stopped past its lock's lease while it asked (a pause,
+            // an unreachable store) may have been overtaken by another that
+            // asked, released the key and sent the request again: its answer
+            // would then be about an outcome that is no longer the one held.
+            let margin_ms = i64::try_from(call.policy().effective_lease_ms() / 3)
+                .unwrap_or(i64::MAX)
+                .min(10_000);
+            if !lock.holds_for(self.engine.clock().now_ms(), margin_ms) {
                 tracing::warn!(
                     operation = op,
-                    "the reconcile lock was lost while asking; the key stays held"
+                    "the reconcile lock ran out while asking; the key stays held"
                 );
                 return Err(unknown());
             }

@@ -105,3 +105,70 @@ async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
     assert!(!replayed);
     assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
 }
+
+/// Says "not applied" after moving the engine's clock past the reconcile
+/// lock's lease, as a process paused while it asked would find it.
+struct AsksPastTheLease {
+    clock: idem_core::ManualClock,
+    asks: Arc<AtomicUsize>,
+}
+
+impl Reconcile for AsksPastTheLease {
+    fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
+        true
+    }
+
+    fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
+        self.clock.advance(Duration::from_secs(120));
+        Box::pin(async { Reconciled::NotApplied })
+    }
+}
+
+/// An answer heard after the reconcile lock's lease ran out is not acted on:
+/// another retry may have taken the lock over meanwhile. The key stays held
+/// (409) and the handler does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_heard_after_the_lock_ran_out_is_not_acted_on() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let asks = Arc::new(AtomicUsize::new(0));
+    let clock = idem_core::ManualClock::starting_now();
+    let engine = LeaseEngine::new(MemoryStore::new()).with_clock(Arc::new(clock.clone()));
+    let layer = IdempotencyLayer::lease(engine, tenant)
+        .default_route(RoutePolicy::required().with_policy(Policy::default().with_lease_ms(60_000)))
+        .reconcile(AsksPastTheLease {
+            clock,
+            asks: asks.clone(),
+        });
+    let detached = layer.detached().clone();
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let runs = counted.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
+                    response.extensions_mut().insert(OutcomeUnknown {
+                        note: "failed after the effect".into(),
+                    });
+                    response
+                }
+            }),
+        )
+        .route_layer(layer);
+
+    let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
+    assert_eq!(first.status(), 500);
+    detached.idle().await;
+    let retry = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
+    let status = retry.status();
+    let body = retry.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(status, StatusCode::CONFLICT, "{body:?}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("idempotency-outcome-unknown"),
+        "{body:?}"
+    );
+    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (1, 1));
+}
