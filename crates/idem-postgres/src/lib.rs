@@ -14,6 +14,9 @@
 //!   Postgres-compatible distributed engines (CockroachDB, YugabyteDB) lack;
 //!   this crate's own tests run on PostgreSQL. [`ClaimStrategy::AdvisoryLock`]
 //!   additionally takes a transaction-scoped advisory lock on the key first.
+//!   [`ClaimStrategy::OneWrite`] takes that lock instead of writing a claim
+//!   row: the claim only reads the key, and the record inserts the completed
+//!   row, so a fresh call writes one row (below SERIALIZABLE).
 //! - [`LeaseStore`] (lease mode, used by [`idem_core::LeaseEngine`]): the same
 //!   upsert in autocommit, with a lease and a fencing token; complete, release
 //!   and extend succeed only with the current token.
@@ -33,6 +36,12 @@
 //! | the caller's work | the caller's | the caller's |
 //! | record and commit | `EXECUTE idem_record_…(…); COMMIT` | 1 |
 //! | replay | `BEGIN; EXECUTE idem_claim_…(…)`, then `ROLLBACK` | 2 |
+//!
+//! Under [`ClaimStrategy::OneWrite`] the first text is
+//! `BEGIN; EXECUTE idem_lock_…(…); EXECUTE idem_claim_…(…)` (the lock statement
+//! on its own, so at READ COMMITTED the claim reads in a snapshot taken after the
+//! lock was granted) and the second `EXECUTE idem_insert_…(…); COMMIT`: still one
+//! round trip each.
 //!
 //! - The claim and the record are prepared once per connection with SQL
 //!   `PREPARE` (a connection that lost them, say after `DEALLOCATE ALL`,
@@ -132,7 +141,7 @@ use idem_core::{
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 
-use sql::CLAIM_COLUMNS;
+use sql::{CLAIM_COLUMNS, ONE_WRITE_COLUMNS};
 
 mod clock;
 pub mod deadletter;
@@ -175,6 +184,29 @@ pub enum ClaimStrategy {
     /// and key before the same insert, so twins queue on the advisory lock.
     /// PostgreSQL only. Lease-mode claims, which commit at once, never take it.
     AdvisoryLock,
+    /// One row written per fresh call: the claim takes
+    /// `pg_advisory_xact_lock` on a 64-bit hash of the table, tenant,
+    /// operation and key and reads the key's row, writing nothing; the
+    /// record inserts the completed row with one plain `INSERT` sent with
+    /// `COMMIT`. A twin queues on the advisory lock (bounded by the
+    /// policy's wait) and then reads the committed row and replays, or
+    /// claims if the first rolled back. The row is always read by its full
+    /// key, so two keys whose hashes collide only take turns, never answer
+    /// for each other; the primary key still refuses a second completed
+    /// row, and a record that meets one (a lease-mode claim of the same key
+    /// committed meanwhile) fails as a serialisation failure, so the engine
+    /// runs the call again and finds that row.
+    ///
+    /// An expired row is deleted by the claim. A replay reads the row and
+    /// takes no lock. At REPEATABLE READ a twin that had to wait for the lock
+    /// reads in a snapshot taken before the first committed, so its claim
+    /// fails as a serialisation failure and the engine begins again (then it
+    /// replays). Under SERIALIZABLE a read of an absent key would take a
+    /// predicate lock that fails unrelated claims' commits, so there the
+    /// claim inserts its placeholder first as [`AdvisoryLock`](Self::AdvisoryLock)
+    /// does and writes the row twice. PostgreSQL only; lease-mode claims never
+    /// take the lock.
+    OneWrite,
 }
 
 /// The PostgreSQL store: a connection pool, a keys table and a claim strategy.
@@ -345,10 +377,10 @@ fn decode_row(row: &PgRow, first: usize) -> Result<StoredRow> {
 /// `Claimed`, `Found` with the live row it saw, or `None` when a live row
 /// was committed after its snapshot and must be read again.
 fn decide_claim(row: &PgRow) -> Result<Option<TxClaim>> {
-    if row.len() != CLAIM_COLUMNS {
+    if row.len() < CLAIM_COLUMNS {
         return Err(Error::store(
             StoreErrorKind::Other,
-            format!("the claim answered {} columns, not {CLAIM_COLUMNS}", row.len()),
+            format!("the claim answered {} columns, fewer than {CLAIM_COLUMNS}", row.len()),
         ));
     }
     let token: Option<i64> = row.try_get(0).map_err(store_error)?;
@@ -361,6 +393,12 @@ fn decide_claim(row: &PgRow) -> Result<Option<TxClaim>> {
     }
     Ok(None)
 }
+
+/// The lock statement's state when it took the lock at once.
+const LOCK_TAKEN: i32 = 0;
+
+/// The lock statement's state when it took the lock after a twin released it.
+const LOCK_AFTER_WAIT: i32 = 1;
 
 fn vanished() -> Error {
     Error::store(
@@ -393,6 +431,102 @@ impl PgStore {
         }
     }
 
+    /// Reads the answers of the one-write lock and claim (see
+    /// [`ClaimStrategy::OneWrite`]); on the one-write path a claim is noted
+    /// on `tx`, with the token the record will insert.
+    fn decide_one_write(
+        &self,
+        tx: &mut PgTx,
+        req: &ClaimRequest<'_>,
+        lock: &PgRow,
+        row: &PgRow,
+    ) -> Result<Option<TxClaim>> {
+        if row.len() != ONE_WRITE_COLUMNS || lock.len() != 2 {
+            return Err(Error::store(
+                StoreErrorKind::Other,
+                format!(
+                    "the one-write claim answered {} and {} columns, not 2 and {ONE_WRITE_COLUMNS}",
+                    lock.len(),
+                    row.len()
+                ),
+            ));
+        }
+        let one_write: bool = row.try_get(CLAIM_COLUMNS).map_err(store_error)?;
+        if !one_write {
+            // SERIALIZABLE: the insert-first claim ran.
+            return decide_claim(row);
+        }
+        let live: bool = row.try_get(1).map_err(store_error)?;
+        if live {
+            return Ok(Some(TxClaim::Found(decode_row(row, 2)?)));
+        }
+        let state: i32 = lock.try_get(0).map_err(store_error)?;
+        let snapshot_held: bool = lock.try_get(1).map_err(store_error)?;
+        match state {
+            LOCK_TAKEN => {}
+            LOCK_AFTER_WAIT if !snapshot_held => {}
+            LOCK_AFTER_WAIT => {
+                // The snapshot was taken before the twin we waited for
+                // committed: a new transaction reads what it wrote.
+                return Err(Error::store(
+                    StoreErrorKind::Serialization,
+                    "the key's twin ended while this claim waited, after its snapshot was taken",
+                ));
+            }
+            _ => {
+                // A live row seen by the lock statement was gone for the
+                // claim (purged between the two): the lock is not held.
+                return Err(Error::store(
+                    StoreErrorKind::Serialization,
+                    "the key's row was deleted while it was being claimed",
+                ));
+            }
+        }
+        let gone: Option<i64> = row.try_get(CLAIM_COLUMNS + 1).map_err(store_error)?;
+        let fresh = req.fresh_token.0;
+        let token = gone.map_or(fresh, |old| fresh.max(old.saturating_add(1)));
+        tx.hold_one_write(req, token);
+        Ok(Some(TxClaim::Claimed))
+    }
+
+    /// The one-write claim on a transaction opened with `begin`: the lock
+    /// and the claim as bound statements.
+    async fn claim_one_write(
+        &self,
+        tx: &mut PgTx,
+        one_write: &sql::OneWriteStatements,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+    ) -> Result<TxClaim> {
+        let lock = sqlx::query(AssertSqlSafe(one_write.lock.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .bind(req.now_ms)
+            .bind(lock_timeout_setting(wait))
+            .bind(self.advisory_key(req.scope, req.key))
+            .fetch_one(&mut **tx)
+            .await;
+        let lock = match lock {
+            Ok(lock) => lock,
+            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
+            Err(e) => return Err(store_error(e)),
+        };
+        let row = match self
+            .claim_query(&self.sql.claim_tx, req, wait, false)
+            .fetch_one(&mut **tx)
+            .await
+        {
+            Ok(row) => row,
+            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
+            Err(e) => return Err(store_error(e)),
+        };
+        if let Some(answer) = self.decide_one_write(tx, req, &lock, &row)? {
+            return Ok(answer);
+        }
+        self.reread(tx, req).await?.ok_or_else(vanished)
+    }
+
     fn busy(&self, wait: Duration) -> TxClaim {
         tracing::debug!(
             table = self.table.as_str(),
@@ -417,6 +551,9 @@ impl TxBackend for PgStore {
         wait: Duration,
     ) -> BoxFuture<'a, Result<TxClaim>> {
         Box::pin(async move {
+            if let Some(one_write) = &self.sql.one_write {
+                return self.claim_one_write(tx, one_write, req, wait).await;
+            }
             let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
             for _ in 0..VANISHED_ROW_ATTEMPTS {
                 let answered = self
@@ -449,12 +586,24 @@ impl TxBackend for PgStore {
             let conn = self.pool.acquire().await.map_err(store_error)?;
             let advisory =
                 (self.strategy == ClaimStrategy::AdvisoryLock).then(|| self.advisory_key(req.scope, req.key));
-            let execute = tx::execute_claim(&self.sql.claim_tx_name, req, &lock_timeout_setting(wait), advisory);
-            let prepared = tx::Prepared {
-                claim: &self.sql.prepare_claim_tx,
-                record: &self.sql.prepare_record_tx,
-            };
-            let (mut tx, row) = match tx::begin_claim(conn, prepared, execute).await {
+            let lock_timeout = lock_timeout_setting(wait);
+            let mut execute = tx::execute_claim(&self.sql.claim_tx_name, req, &lock_timeout, advisory);
+            let mut prepared = vec![
+                (&*self.sql.record_tx_name, &*self.sql.prepare_record_tx),
+                (&*self.sql.claim_tx_name, &*self.sql.prepare_claim_tx),
+            ];
+            if let Some(one_write) = &self.sql.one_write {
+                let lock = tx::execute_lock(
+                    &one_write.lock_name,
+                    req,
+                    &lock_timeout,
+                    self.advisory_key(req.scope, req.key),
+                );
+                execute = format!("{lock}; {execute}");
+                prepared.push((&one_write.lock_name, &one_write.prepare_lock));
+                prepared.push((&one_write.insert_name, &one_write.prepare_insert));
+            }
+            let (mut tx, row) = match tx::begin_claim(conn, &prepared, execute).await {
                 Ok(claimed) => claimed,
                 Err((tx, e)) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                     return Ok((tx, self.busy(wait)));
@@ -466,7 +615,11 @@ impl TxBackend for PgStore {
                     return Err(store_error(e));
                 }
             };
-            let answer = match decide_claim(&row) {
+            let decided = match &row {
+                tx::ClaimRows::Claim(row) => decide_claim(row),
+                tx::ClaimRows::LockThenClaim(lock, row) => self.decide_one_write(&mut tx, req, lock, row),
+            };
+            let answer = match decided {
                 Ok(Some(answer)) => Ok(answer),
                 Ok(None) => match self.reread(&mut tx, req).await {
                     Ok(Some(answer)) => Ok(answer),
@@ -499,6 +652,22 @@ impl TxBackend for PgStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
+                sqlx::query(AssertSqlSafe(one_write.insert.clone()))
+                    .bind(req.scope.tenant().as_str())
+                    .bind(req.scope.operation().as_str())
+                    .bind(req.key.as_str())
+                    .bind(&req.fingerprint.as_bytes()[..])
+                    .bind(record.status.code())
+                    .bind(token)
+                    .bind(&record.payload[..])
+                    .bind(req.now_ms)
+                    .bind(req.expires_at_ms)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(tx::record_error)?;
+                return Ok(());
+            }
             let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
                 .bind(req.scope.tenant().as_str())
                 .bind(req.scope.operation().as_str())
@@ -536,6 +705,14 @@ impl TxBackend for PgStore {
                     return Err(e);
                 }
                 return tx.commit().await;
+            }
+            if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
+                return tx::record_commit(
+                    tx,
+                    &one_write.prepare_insert,
+                    tx::execute_insert(&one_write.insert_name, req, record, token),
+                )
+                .await;
             }
             tx::record_commit(
                 tx,

@@ -57,6 +57,53 @@ pub(crate) struct Statements {
     pub(crate) resolve_release: Arc<str>,
     /// Deletes a bounded batch of expired rows.
     pub(crate) sweep: Arc<str>,
+    /// Under [`ClaimStrategy::OneWrite`], the statements that take the
+    /// advisory lock before the claim and insert the completed row at
+    /// commit; `None` under the other strategies.
+    pub(crate) one_write: Option<OneWriteStatements>,
+}
+
+/// The statements only [`ClaimStrategy::OneWrite`] sends.
+#[derive(Debug)]
+pub(crate) struct OneWriteStatements {
+    /// Takes the key's transaction-scoped advisory lock unless a live row is
+    /// visible (see [`one_write_lock`]).
+    pub(crate) lock: Arc<str>,
+    /// The name [`lock`](Self::lock) is prepared under.
+    pub(crate) lock_name: Arc<str>,
+    /// `PREPARE {lock_name} (…) AS {lock}`.
+    pub(crate) prepare_lock: Arc<str>,
+    /// The record: one plain `INSERT` of the completed row. Parameters: `$1`
+    /// tenant, `$2` operation, `$3` key, `$4` fingerprint, `$5` status, `$6`
+    /// token, `$7` payload, `$8` claim time, `$9` expiry.
+    pub(crate) insert: Arc<str>,
+    /// The name [`insert`](Self::insert) is prepared under.
+    pub(crate) insert_name: Arc<str>,
+    /// `PREPARE {insert_name} (…) AS {insert}`.
+    pub(crate) prepare_insert: Arc<str>,
+}
+
+impl OneWriteStatements {
+    fn new(t: &str) -> Self {
+        let lock = one_write_lock(t);
+        let lock_name = format!("idem_lock_{:016x}", fnv1a(&[lock.as_bytes()]));
+        let insert = format!(
+            "INSERT INTO {t} (tenant, operation, idem_key, fingerprint, status, token, payload, \
+             created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        );
+        let insert_name = format!("idem_insert_{:016x}", fnv1a(&[insert.as_bytes()]));
+        Self {
+            prepare_lock: format!("PREPARE {lock_name} (text, text, text, bigint, text, bigint) AS {lock}").into(),
+            prepare_insert: format!(
+                "PREPARE {insert_name} (text, text, text, bytea, smallint, bigint, bytea, bigint, bigint) AS {insert}"
+            )
+            .into(),
+            lock: lock.into(),
+            lock_name: lock_name.into(),
+            insert: insert.into(),
+            insert_name: insert_name.into(),
+        }
+    }
 }
 
 impl Statements {
@@ -66,7 +113,7 @@ impl Statements {
         let claim_tx = tx_claim(t, strategy);
         let claim_tx_name = format!("idem_claim_{:016x}", fnv1a(&[claim_tx.as_bytes()]));
         let types = match strategy {
-            ClaimStrategy::InsertOnConflict => CLAIM_PARAM_TYPES.to_owned(),
+            ClaimStrategy::InsertOnConflict | ClaimStrategy::OneWrite => CLAIM_PARAM_TYPES.to_owned(),
             ClaimStrategy::AdvisoryLock => format!("{CLAIM_PARAM_TYPES}, bigint"),
         };
         let record_tx = format!(
@@ -119,6 +166,7 @@ impl Statements {
                  LIMIT $2 FOR UPDATE SKIP LOCKED)"
             )
             .into(),
+            one_write: (strategy == ClaimStrategy::OneWrite).then(|| OneWriteStatements::new(t)),
         }
     }
 }
@@ -178,6 +226,7 @@ const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET 
 ///   are materialised and evaluated at most once, `saved` before `bounded`.
 fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
     let (lock_cte, source) = match strategy {
+        ClaimStrategy::OneWrite => return one_write_claim(t),
         ClaimStrategy::InsertOnConflict => (String::new(), "bounded"),
         ClaimStrategy::AdvisoryLock => (
             ", locked AS MATERIALIZED (SELECT pg_advisory_xact_lock($10) AS locked FROM bounded)".to_owned(),
@@ -209,6 +258,108 @@ fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
          SELECT COALESCE(c.token, i.token), COALESCE({live}, false), \
                 e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms \
          FROM restored LEFT JOIN claimed c ON true LEFT JOIN inserted i ON true LEFT JOIN existing e ON true",
+        live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
+    )
+}
+
+/// The columns the one-write claim answers after [`CLAIM_COLUMNS`]: whether
+/// it wrote nothing (the one-write path: the record inserts the row), and
+/// the token of a stale row it deleted.
+pub(crate) const ONE_WRITE_COLUMNS: usize = CLAIM_COLUMNS + 2;
+
+/// The lock statement of [`ClaimStrategy::OneWrite`], sent before its claim
+/// as a statement of its own, so that at READ COMMITTED the claim reads the
+/// key in a snapshot taken after the lock was granted.
+///
+/// Parameters: `$1` tenant, `$2` operation, `$3` key, `$4` now, `$5` the
+/// `lock_timeout` in milliseconds as text, `$6` the advisory lock key.
+///
+/// - A live row visible now (a replay) is answered without taking the lock,
+///   so replays of one key never queue behind each other. Under SERIALIZABLE
+///   the read is skipped (it would take a predicate lock on the key's index
+///   page) and the lock is always taken.
+/// - Otherwise `pg_try_advisory_xact_lock` takes the lock if it is free, and
+///   `pg_advisory_xact_lock` waits for it (bounded by `$5`, then `55P03`)
+///   if a twin holds it.
+///
+/// Answers the lock's state (0 taken at once, 1 taken after a wait, 2 not
+/// taken: a live row was visible) and whether the transaction's snapshot is
+/// held across statements (REPEATABLE READ, SERIALIZABLE): then a wait means
+/// the claim's read may not see what the twin committed.
+fn one_write_lock(t: &str) -> String {
+    format!(
+        "WITH live AS MATERIALIZED (\
+             SELECT EXISTS (SELECT 1 FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+             AND expires_at_ms > $4 AND (status <> 0 OR lease_expires_at_ms > $4) AND NOT {SERIALIZABLE}) AS live\
+         ), saved AS MATERIALIZED (\
+             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved \
+             FROM live WHERE NOT live.live\
+         ), bounded AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', $5, true) AS bounded FROM saved\
+         ), tried AS MATERIALIZED (\
+             SELECT pg_try_advisory_xact_lock($6) AS free FROM bounded\
+         ), waited AS MATERIALIZED (\
+             SELECT pg_advisory_xact_lock($6) AS waited FROM tried WHERE NOT tried.free\
+         ), restored AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', saved.saved, true) AS restored \
+             FROM saved, (SELECT count(*) FROM waited) AS w\
+         ) \
+         SELECT (CASE WHEN live.live THEN 2 WHEN tried.free THEN 0 ELSE 1 END)::int4, \
+                current_setting('transaction_isolation') <> 'read committed' \
+         FROM live LEFT JOIN tried ON true, (SELECT count(*) FROM restored) AS r"
+    )
+}
+
+/// The claim of [`ClaimStrategy::OneWrite`], sent after [`one_write_lock`]
+/// with [`tx_claim`]'s parameters (no lock key: the lock is held already).
+///
+/// Below SERIALIZABLE it writes nothing on the common path: `existing`
+/// reads the key's row; a stale row (expired, or an in-progress lease whose
+/// lease ran out) is deleted by `gone`, so the record can insert the
+/// completed row with one plain `INSERT` at commit. It answers
+/// [`CLAIM_COLUMNS`] (the token always NULL) and then `true` and the deleted
+/// row's token.
+///
+/// Under SERIALIZABLE a read of a key nobody holds would take a predicate
+/// lock on its index page, and unrelated fresh claims would fail each
+/// other's commits; so there the statement is [`tx_claim`]'s insert-first
+/// claim (a placeholder row, updated by the record) and answers `false` in
+/// the ninth column. Each arm is gated on the isolation level, a constant of
+/// the statement, so the other arm's scans and writes do not run.
+fn one_write_claim(t: &str) -> String {
+    format!(
+        "WITH saved AS MATERIALIZED (\
+             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
+         ), bounded AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
+         ), inserted AS (\
+             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
+             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded WHERE {SERIALIZABLE} \
+             ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token\
+         ), existing AS MATERIALIZED (\
+             SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+             AND (NOT {SERIALIZABLE} OR NOT EXISTS (SELECT 1 FROM inserted))\
+         ), claimed AS (\
+             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
+             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded \
+             WHERE {SERIALIZABLE} AND NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
+             AND EXISTS (SELECT 1 FROM existing) \
+             {TAKEOVER}\
+         ), gone AS (\
+             DELETE FROM {t} AS k WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+             AND NOT {SERIALIZABLE} AND EXISTS (SELECT 1 FROM existing e WHERE NOT ({live})) \
+             AND (k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6)) \
+             RETURNING k.token\
+         ), restored AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', saved.saved, true) AS restored \
+             FROM saved, (SELECT count(*) FROM claimed) AS done, (SELECT count(*) FROM inserted) AS first, \
+             (SELECT count(*) FROM gone) AS swept\
+         ) \
+         SELECT COALESCE(c.token, i.token), COALESCE({live}, false), \
+                e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms, \
+                NOT {SERIALIZABLE}, g.token \
+         FROM restored LEFT JOIN claimed c ON true LEFT JOIN inserted i ON true LEFT JOIN existing e ON true \
+         LEFT JOIN gone g ON true",
         live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
     )
 }

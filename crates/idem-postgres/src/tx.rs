@@ -28,8 +28,9 @@ use crate::error::{sqlstate, store_error};
 /// deallocated).
 const NOT_PREPARED: &str = "26000";
 
-/// SQLSTATE `duplicate_prepared_statement`.
-const ALREADY_PREPARED: &str = "42P05";
+/// SQLSTATE `unique_violation`: a one-write record met a completed row
+/// committed meanwhile (a lease-mode claim of the key).
+const UNIQUE_VIOLATION: &str = "23505";
 
 /// SQLSTATE `division_by_zero`: the record statement's guard when it did not
 /// update exactly one row.
@@ -51,6 +52,25 @@ pub struct PgTx {
     /// Whether this transaction began with the prepared claim, so the
     /// connection has the prepared record too.
     prepared: bool,
+    /// The keys claimed in this transaction on the one-write path (nothing
+    /// written yet), with the token the record inserts.
+    one_write: Vec<OneWriteClaim>,
+}
+
+/// A key claimed without a row: the record inserts it.
+struct OneWriteClaim {
+    tenant: String,
+    operation: String,
+    key: String,
+    token: i64,
+}
+
+impl OneWriteClaim {
+    fn is(&self, req: &ClaimRequest<'_>) -> bool {
+        self.key == req.key.as_str()
+            && self.operation == req.scope.operation().as_str()
+            && self.tenant == req.scope.tenant().as_str()
+    }
 }
 
 impl std::fmt::Debug for PgTx {
@@ -102,6 +122,7 @@ impl PgTx {
             conn: Some(conn),
             open: true,
             prepared: false,
+            one_write: Vec::new(),
         };
         if let Err(e) = tx.execute("BEGIN").await {
             tx.close();
@@ -130,6 +151,24 @@ impl PgTx {
     /// (its connection has the prepared record).
     pub(crate) fn has_prepared_record(&self) -> bool {
         self.prepared
+    }
+
+    /// Notes a one-write claim of `req`'s key: the record inserts its row
+    /// with `token`.
+    pub(crate) fn hold_one_write(&mut self, req: &ClaimRequest<'_>, token: i64) {
+        self.one_write.retain(|held| !held.is(req));
+        self.one_write.push(OneWriteClaim {
+            tenant: req.scope.tenant().as_str().to_owned(),
+            operation: req.scope.operation().as_str().to_owned(),
+            key: req.key.as_str().to_owned(),
+            token,
+        });
+    }
+
+    /// The token to insert if this transaction holds a one-write claim of
+    /// `req`'s key.
+    pub(crate) fn one_write_token(&self, req: &ClaimRequest<'_>) -> Option<i64> {
+        self.one_write.iter().find(|held| held.is(req)).map(|held| held.token)
     }
 
     /// Marks the transaction ended; the connection goes back to the pool if
@@ -167,61 +206,73 @@ impl PgTx {
     }
 }
 
-/// The statements a connection prepares once (with SQL `PREPARE`) for the
-/// one-round-trip paths.
-pub(crate) struct Prepared<'a> {
-    /// `PREPARE` of the claim.
-    pub(crate) claim: &'a str,
-    /// `PREPARE` of the record.
-    pub(crate) record: &'a str,
+/// The rows a claim's text query answered: the claim's row, or under the
+/// one-write strategy the lock statement's row and then the claim's.
+pub(crate) enum ClaimRows {
+    Claim(PgRow),
+    LockThenClaim(PgRow, PgRow),
 }
 
 /// Opens a transaction on `conn` and runs the prepared claim in it, in one
 /// round trip, preparing the statements first on a connection that lacks
-/// them.
+/// them. `prepared` lists the statements a connection prepares once (with
+/// SQL `PREPARE`), by name and `PREPARE` text.
 ///
-/// Answers the open transaction and the claim's row, or the transaction
+/// Answers the open transaction and the claim's rows, or the transaction
 /// (aborted by the error, still to be rolled back) and the error.
 pub(crate) async fn begin_claim(
     conn: PoolConnection<Postgres>,
-    prepared: Prepared<'_>,
+    prepared: &[(&str, &str)],
     execute: String,
-) -> std::result::Result<(PgTx, PgRow), (PgTx, sqlx::Error)> {
+) -> std::result::Result<(PgTx, ClaimRows), (PgTx, sqlx::Error)> {
     let mut tx = PgTx {
         conn: Some(conn),
         open: true,
         prepared: false,
+        one_write: Vec::new(),
     };
     let (mut rows, _, mut error) = tx.script(format!("BEGIN; {execute}")).await;
     if error
         .as_ref()
         .is_some_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
     {
-        // The record is prepared before the claim, so a connection that has
-        // the claim has both.
-        (rows, _, error) = tx
-            .script(format!(
-                "ROLLBACK; {}; {}; BEGIN; {execute}",
-                prepared.record, prepared.claim
-            ))
-            .await;
-        if error
-            .as_ref()
-            .is_some_and(|e| sqlstate(e).as_deref() == Some(ALREADY_PREPARED))
-        {
-            // Only the claim had been deallocated. The failed PREPARE ended
-            // the implicit transaction it ran in.
-            (rows, _, error) = tx.script(format!("{}; BEGIN; {execute}", prepared.claim)).await;
-        }
+        // A new connection, or one that lost some of them: prepare what it
+        // lacks, then begin again.
+        (rows, error) = match prepare_missing(&mut tx, prepared).await {
+            Ok(prepare) => {
+                let (rows, _, error) = tx.script(format!("{prepare}BEGIN; {execute}")).await;
+                (rows, error)
+            }
+            Err(e) => (Vec::new(), Some(e)),
+        };
     }
     if let Some(e) = error {
         return Err((tx, e));
     }
     tx.prepared = true;
-    match rows.pop() {
-        Some(row) => Ok((tx, row)),
-        None => Err((tx, sqlx::Error::RowNotFound)),
+    let claim = rows.pop();
+    let lock = rows.pop();
+    match (lock, claim) {
+        (Some(lock), Some(claim)) => Ok((tx, ClaimRows::LockThenClaim(lock, claim))),
+        (None, Some(claim)) => Ok((tx, ClaimRows::Claim(claim))),
+        _ => Err((tx, sqlx::Error::RowNotFound)),
     }
+}
+
+/// Rolls back the failed attempt and answers the `PREPARE`s of the
+/// statements this connection lacks, each followed by `; `.
+async fn prepare_missing(tx: &mut PgTx, prepared: &[(&str, &str)]) -> std::result::Result<String, sqlx::Error> {
+    tx.execute("ROLLBACK").await?;
+    let names: Vec<String> = prepared.iter().map(|(name, _)| (*name).to_owned()).collect();
+    let have: Vec<String> = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name = ANY($1)")
+        .bind(&names)
+        .fetch_all(&mut **tx)
+        .await?;
+    Ok(prepared
+        .iter()
+        .filter(|(name, _)| !have.iter().any(|h| h == name))
+        .map(|(_, prepare)| format!("{prepare}; "))
+        .collect())
 }
 
 /// Records the outcome and commits, in one round trip: `execute` is the
@@ -244,6 +295,7 @@ pub(crate) async fn record_commit(mut tx: PgTx, prepare: &str, execute: String) 
         return Err(store_error(e));
     };
     match code.as_deref() {
+        Some(UNIQUE_VIOLATION) => Err(record_error(e)),
         Some(NO_CLAIM) => Err(Error::Config(
             "record called on a transaction that holds no claim of this key".into(),
         )),
@@ -261,6 +313,19 @@ pub(crate) async fn record_commit(mut tx: PgTx, prepare: &str, execute: String) 
         }
         _ => Err(store_error(e)),
     }
+}
+
+/// The error of a record statement: a unique violation of a one-write
+/// insert is contention (a lease-mode claim of the key committed after the
+/// claim read it), so the engine runs the call again and finds that row.
+pub(crate) fn record_error(e: sqlx::Error) -> Error {
+    if sqlstate(&e).as_deref() == Some(UNIQUE_VIOLATION) {
+        return Error::store(
+            idem_core::StoreErrorKind::Serialization,
+            format!("the key's row was written by another claim before this record: {e}"),
+        );
+    }
+    store_error(e)
 }
 
 /// Rolls back and keeps the connection (for a statement after the rollback).
@@ -345,6 +410,52 @@ pub(crate) fn execute_claim(name: &str, req: &ClaimRequest<'_>, lock_timeout: &s
     if let Some(key) = advisory {
         sql.push_str(", ");
         literal::int(&mut sql, Some(key));
+    }
+    sql.push(')');
+    sql
+}
+
+/// `EXECUTE <name>(…)` of the one-write lock statement with `req`'s values.
+pub(crate) fn execute_lock(name: &str, req: &ClaimRequest<'_>, lock_timeout: &str, advisory: i64) -> String {
+    let mut sql = format!("EXECUTE {name}(");
+    for text in [
+        req.scope.tenant().as_str(),
+        req.scope.operation().as_str(),
+        req.key.as_str(),
+    ] {
+        literal::text(&mut sql, text);
+        sql.push_str(", ");
+    }
+    literal::int(&mut sql, Some(req.now_ms));
+    sql.push_str(", ");
+    literal::text(&mut sql, lock_timeout);
+    sql.push_str(", ");
+    literal::int(&mut sql, Some(advisory));
+    sql.push(')');
+    sql
+}
+
+/// `EXECUTE <name>(…)` of the one-write insert of the completed row.
+pub(crate) fn execute_insert(name: &str, req: &ClaimRequest<'_>, record: &Record, token: i64) -> String {
+    let mut sql = format!("EXECUTE {name}(");
+    for text in [
+        req.scope.tenant().as_str(),
+        req.scope.operation().as_str(),
+        req.key.as_str(),
+    ] {
+        literal::text(&mut sql, text);
+        sql.push_str(", ");
+    }
+    literal::bytes(&mut sql, &req.fingerprint.as_bytes()[..]);
+    sql.push_str(", ");
+    literal::int(&mut sql, Some(i64::from(record.status.code())));
+    sql.push_str(", ");
+    literal::int(&mut sql, Some(token));
+    sql.push_str(", ");
+    literal::bytes(&mut sql, &record.payload);
+    for value in [req.now_ms, req.expires_at_ms] {
+        sql.push_str(", ");
+        literal::int(&mut sql, Some(value));
     }
     sql.push(')');
     sql

@@ -1,4 +1,4 @@
-//! The conformance suite against PostgreSQL, with both claim strategies and in lease mode,
+//! The conformance suite against PostgreSQL, with each claim strategy and in lease mode,
 //! and in transactional mode on connections that default to each isolation level, and on a
 //! database whose default is SERIALIZABLE (`ALTER DATABASE … SET default_transaction_isolation`).
 //!
@@ -140,6 +140,32 @@ impl Subject for Postgres {
 
 tx_conformance!(postgres_tx, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(postgres_tx_advisory, Postgres::connect(ClaimStrategy::AdvisoryLock));
+tx_conformance!(postgres_tx_one_write, Postgres::connect(ClaimStrategy::OneWrite));
+tx_conformance!(
+    postgres_tx_one_write_repeatable_read,
+    Postgres::connect_at(
+        ClaimStrategy::OneWrite,
+        Isolation::RepeatableRead,
+        "idem_conformance_keys_rr_one"
+    )
+);
+tx_conformance!(
+    postgres_tx_one_write_serializable,
+    Postgres::connect_at(
+        ClaimStrategy::OneWrite,
+        Isolation::Serializable,
+        "idem_conformance_keys_ser_one"
+    )
+);
+tx_conformance!(
+    postgres_tx_one_write_serializable_database,
+    Postgres::connect_on(
+        serializable_database_url().await,
+        ClaimStrategy::OneWrite,
+        Isolation::DatabaseDefault,
+        "idem_conformance_keys_one"
+    )
+);
 lease_conformance!(postgres_lease, Postgres::connect(ClaimStrategy::InsertOnConflict));
 admin_conformance!(postgres_admin, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(

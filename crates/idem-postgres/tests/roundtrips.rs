@@ -156,7 +156,11 @@ async fn connection_is_clean(pool: &PgPool) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_calls_and_replays_leave_the_only_connection_clean() {
-    for strategy in [ClaimStrategy::InsertOnConflict, ClaimStrategy::AdvisoryLock] {
+    for strategy in [
+        ClaimStrategy::InsertOnConflict,
+        ClaimStrategy::AdvisoryLock,
+        ClaimStrategy::OneWrite,
+    ] {
         let store = store_on(pool_with(1, &[]).await, strategy).await;
         let engine = TxEngine::new(store.clone());
         let call = fresh_call();
@@ -260,9 +264,14 @@ async fn a_record_that_finds_no_claim_commits_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_mean_the_same_under_every_string_setting() {
     let every_byte: Vec<u8> = (0..=255).collect();
-    for conforming in ["on", "off"] {
+    for (conforming, strategy) in [
+        ("on", ClaimStrategy::AdvisoryLock),
+        ("off", ClaimStrategy::AdvisoryLock),
+        ("on", ClaimStrategy::OneWrite),
+        ("off", ClaimStrategy::OneWrite),
+    ] {
         let pool = pool_with(1, &[("standard_conforming_strings", conforming)]).await;
-        let store = store_on(pool, ClaimStrategy::AdvisoryLock).await;
+        let store = store_on(pool, strategy).await;
         let engine = TxEngine::new(store.clone());
         let tenant = format!("t'e\\s ☃ \"{}\"; --", uuid::Uuid::new_v4());
         let operation = "POST /v1/x'y\\z é";
@@ -296,12 +305,25 @@ async fn values_mean_the_same_under_every_string_setting() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_lost_its_prepared_claim_prepares_it_again() {
-    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    lost_prepared_statement_is_prepared_again(ClaimStrategy::InsertOnConflict, "claim").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_lost_its_prepared_one_write_statements_prepares_them_again() {
+    for lost in ["claim", "lock"] {
+        lost_prepared_statement_is_prepared_again(ClaimStrategy::OneWrite, lost).await;
+    }
+}
+
+/// Deallocates the prepared statement `idem_<lost>_…` (and only it: sqlx keeps statements of its own);
+/// the next call prepares it again.
+async fn lost_prepared_statement_is_prepared_again(strategy: ClaimStrategy, lost: &str) {
+    let store = store_on(pool_with(1, &[]).await, strategy).await;
     let engine = TxEngine::new(store.clone());
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
-    // Deallocate the claim (and only it: sqlx keeps statements of its own).
     let mut conn = store.pool().acquire().await.unwrap();
-    let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\\_claim\\_%'")
+    let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE $1")
+        .bind(format!("idem\\_{lost}\\_%"))
         .fetch_one(&mut *conn)
         .await
         .unwrap();
@@ -345,18 +367,29 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_lost_its_prepared_record_rolls_back_and_recovers() {
-    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    lost_record_rolls_back_and_recovers(ClaimStrategy::InsertOnConflict, "record").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_lost_its_prepared_one_write_insert_rolls_back_and_recovers() {
+    lost_record_rolls_back_and_recovers(ClaimStrategy::OneWrite, "insert").await;
+}
+
+/// Deallocates the record statement `idem_<lost>_…` inside a claimed transaction: the commit fails,
+/// retryably, with nothing committed, and the connection prepares it again.
+async fn lost_record_rolls_back_and_recovers(strategy: ClaimStrategy, lost: &str) {
+    let store = store_on(pool_with(1, &[]).await, strategy).await;
     let engine = TxEngine::new(store.clone());
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let call = fresh_call();
     let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
         panic!("a fresh key is claimed")
     };
-    let name: String =
-        sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\\_record\\_%'")
-            .fetch_one(&mut *claimed.tx)
-            .await
-            .unwrap();
+    let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE $1")
+        .bind(format!("idem\\_{lost}\\_%"))
+        .fetch_one(&mut *claimed.tx)
+        .await
+        .unwrap();
     sqlx::query(AssertSqlSafe(format!("DEALLOCATE {name}")))
         .execute(&mut *claimed.tx)
         .await

@@ -174,10 +174,20 @@ async fn twin_waits_on_the_advisory_lock_for_at_most_its_wait() {
     twin_wait_is_bounded(ClaimStrategy::AdvisoryLock, "advisory").await;
 }
 
+/// A twin under the one-write strategy waits on the key's advisory lock, and only up to its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_twin_waits_on_the_advisory_lock_for_at_most_its_wait() {
+    twin_wait_is_bounded(ClaimStrategy::OneWrite, "advisory").await;
+}
+
 /// After a claim, the caller's own `lock_timeout` is back in force for the rest of its transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_restores_the_callers_lock_timeout() {
-    for strategy in [ClaimStrategy::InsertOnConflict, ClaimStrategy::AdvisoryLock] {
+    for strategy in [
+        ClaimStrategy::InsertOnConflict,
+        ClaimStrategy::AdvisoryLock,
+        ClaimStrategy::OneWrite,
+    ] {
         let store = store(strategy).await;
         let key = Key::new();
         let req = key.at(now_ms());
@@ -212,6 +222,139 @@ async fn claim_restores_the_callers_lock_timeout() {
             "restored after finding a committed key"
         );
         store.rollback(tx).await.unwrap();
+    }
+}
+
+/// The rows written to the keys table so far in the current transaction.
+async fn rows_written_in(tx: &mut idem_postgres::PgTx, table: &str) -> i64 {
+    sqlx::query(
+        "SELECT pg_stat_get_xact_tuples_inserted($1::text::regclass) \
+              + pg_stat_get_xact_tuples_updated($1::text::regclass) \
+              + pg_stat_get_xact_tuples_deleted($1::text::regclass)",
+    )
+    .bind(table)
+    .fetch_one(&mut **tx)
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Under the one-write strategy a fresh call writes nothing when it claims and one row when it commits:
+/// the completed row is the first and only tuple of a new table (an insert and an update would leave it
+/// second); the insert-on-conflict strategy writes its placeholder at the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_claim_writes_nothing_and_the_record_one_row() {
+    for (strategy, written_at_claim, tuple) in [
+        (ClaimStrategy::OneWrite, 0, "(0,1)"),
+        (ClaimStrategy::InsertOnConflict, 1, "(0,2)"),
+    ] {
+        let store = store(strategy).await;
+        let table = store.table().as_str().to_owned();
+        let key = Key::new();
+        let req = key.at(now_ms());
+        let (mut tx, answer) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+        assert_eq!(answer, TxClaim::Claimed);
+        assert_eq!(
+            rows_written_in(&mut tx, &table).await,
+            written_at_claim,
+            "rows written by the claim under {strategy:?}"
+        );
+        store
+            .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+            .await
+            .unwrap();
+        let tuple_of = || async {
+            let row = sqlx::query(AssertSqlSafe(format!(
+                "SELECT ctid::text, xmax::text, status, payload FROM {table} WHERE idem_key = $1"
+            )))
+            .bind(key.key.as_str())
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+            let parts: (String, String, i16, Vec<u8>) = (row.get(0), row.get(1), row.get(2), row.get(3));
+            parts
+        };
+        let (ctid, xmax, status, payload) = tuple_of().await;
+        assert_eq!(
+            (status, payload),
+            (1, b"done".to_vec()),
+            "the completed row under {strategy:?}"
+        );
+        assert_eq!(ctid, tuple, "the completed row's tuple under {strategy:?}");
+        // A replay finds it and neither writes nor locks it.
+        let (tx, answer) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+        assert!(matches!(answer, TxClaim::Found(_)), "{answer:?}");
+        store.rollback(tx).await.unwrap();
+        assert_eq!(
+            tuple_of().await.0,
+            ctid,
+            "a replay leaves the row as it was under {strategy:?}"
+        );
+        assert_eq!(tuple_of().await.1, xmax, "a replay locks nothing under {strategy:?}");
+    }
+}
+
+/// A one-write claim holds no row, so a lease-mode claim of the same key (which takes no advisory lock)
+/// may commit meanwhile; the record then meets that row, fails as contention with nothing committed,
+/// and the call run again finds the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_record_that_meets_a_lease_row_is_contention() {
+    let store = store(ClaimStrategy::OneWrite).await;
+    let key = Key::new();
+    let now = now_ms();
+    let req = key.at(now);
+    let (tx, answer) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert_eq!(answer, TxClaim::Claimed);
+    let lease = ClaimRequest {
+        lease_expires_at_ms: Some(now + 30_000),
+        ..key.at(now)
+    };
+    assert!(matches!(
+        store.try_claim(&lease).await.unwrap(),
+        LeaseClaim::Acquired(_)
+    ));
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(
+        err.is_contention(),
+        "a record that meets a committed row is contention: {err:?}"
+    );
+    let row = store.get(&key.scope, &key.key).await.unwrap().expect("the lease row");
+    assert!(
+        matches!(row.state, RowState::InProgress { .. }),
+        "the lease's row is untouched: {row:?}"
+    );
+    let (tx, again) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert!(
+        matches!(again, TxClaim::Found(_)),
+        "the call run again finds the lease: {again:?}"
+    );
+    store.rollback(tx).await.unwrap();
+}
+
+/// A record on a one-write transaction that claimed another key, or none, fails and commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_record_without_a_claim_commits_nothing() {
+    let store = store(ClaimStrategy::OneWrite).await;
+    let (claimed, other) = (Key::new(), Key::new());
+    let now = now_ms();
+    let (tx, answer) = store.begin_claim(&claimed.at(now), Duration::ZERO).await.unwrap();
+    assert_eq!(answer, TxClaim::Claimed);
+    let err = store
+        .record_commit(tx, &other.at(now), &Record::completed(b"x".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    let tx = store.begin().await.unwrap();
+    let err = store
+        .record_commit(tx, &other.at(now), &Record::completed(b"x".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    for key in [&claimed, &other] {
+        assert!(store.get(&key.scope, &key.key).await.unwrap().is_none());
     }
 }
 
