@@ -209,6 +209,28 @@ pub enum ClaimStrategy {
     OneWrite,
 }
 
+/// The index the sweeper finds expired rows by, which
+/// [`PgStore::migrate`] makes the table's (creating it, and dropping the
+/// other kind).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ExpiryIndex {
+    /// A B-tree on `expires_at_ms` (`{table}_expires_at_ms_idx`): each
+    /// insert adds an entry (a WAL record), and the sweep reads the oldest
+    /// expired rows directly.
+    #[default]
+    BTree,
+    /// A BRIN index on `expires_at_ms` (`{table}_expires_at_ms_brin`): an
+    /// insert adds no entry (ranges are summarised later, by vacuum), and
+    /// the sweep reads whole block ranges whose expiries may have passed.
+    /// Rows are written in the order they expire when one TTL is used, so
+    /// the ranges stay narrow.
+    Brin,
+    /// No expiry index: nothing per insert, and the sweep scans the table
+    /// in its physical order.
+    None,
+}
+
 /// The PostgreSQL store: a connection pool, a keys table and a claim strategy.
 ///
 /// Cloning is cheap: clones share the pool and the prepared SQL text.
@@ -228,6 +250,7 @@ pub struct PgStore {
     pool: PgPool,
     table: TableName,
     strategy: ClaimStrategy,
+    expiry_index: ExpiryIndex,
     sql: Arc<Statements>,
 }
 
@@ -236,6 +259,7 @@ impl fmt::Debug for PgStore {
         f.debug_struct("PgStore")
             .field("table", &self.table)
             .field("strategy", &self.strategy)
+            .field("expiry_index", &self.expiry_index)
             .field("pool", &self.pool)
             .finish_non_exhaustive()
     }
@@ -252,6 +276,7 @@ impl PgStore {
             pool,
             table,
             strategy,
+            expiry_index: ExpiryIndex::default(),
             sql,
         }
     }
@@ -268,6 +293,19 @@ impl PgStore {
         self.strategy = strategy;
         self.sql = Arc::new(Statements::new(&self.table, self.strategy));
         self
+    }
+
+    /// Chooses the expiry index [`migrate`](Self::migrate) gives the table
+    /// (see [`ExpiryIndex`]). Every process that migrates a table must
+    /// choose the same one.
+    pub fn with_expiry_index(mut self, index: ExpiryIndex) -> Self {
+        self.expiry_index = index;
+        self
+    }
+
+    /// The expiry index [`migrate`](Self::migrate) gives the table.
+    pub fn expiry_index(&self) -> ExpiryIndex {
+        self.expiry_index
     }
 
     /// The connection pool.
@@ -291,9 +329,11 @@ impl PgStore {
     /// recorded in `{table}_schema`. Safe to call from many processes at
     /// once, at any default isolation level (they take turns on
     /// PostgreSQL's `pg_advisory_xact_lock` in a READ COMMITTED
-    /// transaction), and cheap when the schema is current.
+    /// transaction), and cheap when the schema is current. It also makes
+    /// the table's expiry index the store's [`ExpiryIndex`] (not a schema
+    /// version: changing the choice and migrating again switches it).
     pub async fn migrate(&self) -> Result<()> {
-        migrate::run(&self.pool, &self.table).await
+        migrate::run(&self.pool, &self.table, self.expiry_index).await
     }
 
     /// The schema versions the table has not had yet, with their SQL,

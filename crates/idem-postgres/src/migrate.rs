@@ -6,6 +6,7 @@ use idem_core::{Result, TableName};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
 
+use crate::ExpiryIndex;
 use crate::error::store_error;
 use crate::sql::{derived_name, fnv1a};
 
@@ -72,7 +73,7 @@ pub(crate) const LATEST_VERSION: i32 = 2;
 /// Applies every migration newer than the recorded version, in one READ
 /// COMMITTED transaction serialised by an advisory lock on the table's name,
 /// whatever the default isolation level of the database or session.
-pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
+pub(crate) async fn run(pool: &PgPool, table: &TableName, expiry: ExpiryIndex) -> Result<()> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
     let status_check = derived_name(table, "status_check");
@@ -149,7 +150,55 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName) -> Result<()> {
             "applied idem schema migration"
         );
     }
+    apply_expiry_index(&mut tx, table, &expires_index, expiry).await?;
     tx.commit().await.map_err(store_error)?;
+    Ok(())
+}
+
+/// Makes the table's expiry index the one `expiry` names: creates it if
+/// missing and drops the other kind, touching nothing when they already
+/// match (a catalog read, no DDL and no table lock).
+async fn apply_expiry_index(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    table: &TableName,
+    btree: &str,
+    expiry: ExpiryIndex,
+) -> Result<()> {
+    let brin = derived_name(table, "expires_at_ms_brin");
+    let present: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE i.indrelid = to_regclass($1) AND c.relname::text = ANY($2)",
+    )
+    .bind(table.as_str())
+    .bind(vec![btree.to_owned(), brin.clone()])
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(store_error)?;
+    let t = table.as_str();
+    for (name, wanted, create) in [
+        (
+            btree,
+            expiry == ExpiryIndex::BTree,
+            format!("CREATE INDEX {btree} ON {t} (expires_at_ms)"),
+        ),
+        (
+            brin.as_str(),
+            expiry == ExpiryIndex::Brin,
+            format!("CREATE INDEX {brin} ON {t} USING brin (expires_at_ms)"),
+        ),
+    ] {
+        let has = present.iter().any(|p| p == name);
+        let ddl = match (wanted, has) {
+            (true, false) => create,
+            (false, true) => format!("DROP INDEX {name}"),
+            _ => continue,
+        };
+        sqlx::query(AssertSqlSafe(ddl))
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        tracing::info!(table = t, index = name, created = wanted, "changed the expiry index");
+    }
     Ok(())
 }
 

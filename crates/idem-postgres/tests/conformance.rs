@@ -11,7 +11,7 @@ mod common;
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at, serializable_database_url};
 use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
-use idem_postgres::{ClaimStrategy, PgStore, PgTx};
+use idem_postgres::{ClaimStrategy, ExpiryIndex, PgStore, PgTx};
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 
@@ -38,11 +38,23 @@ impl Postgres {
 
     /// The same on the database at `url`.
     async fn connect_on(url: String, strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
+        Self::connect_with(url, strategy, ExpiryIndex::default(), isolation, table).await
+    }
+
+    /// The same with the keys table's expiry index `expiry`.
+    async fn connect_with(
+        url: String,
+        strategy: ClaimStrategy,
+        expiry: ExpiryIndex,
+        isolation: Isolation,
+        table: &str,
+    ) -> Self {
         create_effects_table(&open_pool(&url).await).await;
         let pool = open_pool_at(&url, isolation).await;
         let store = PgStore::new(pool)
             .with_table(TableName::new(table).unwrap())
-            .with_claim_strategy(strategy);
+            .with_claim_strategy(strategy)
+            .with_expiry_index(expiry);
         // Every test of a module migrates the same table at once, at the
         // module's isolation level.
         store.migrate().await.expect("migrate the shared keys table");
@@ -113,7 +125,8 @@ impl Subject for Postgres {
             let pool = open_pool_at(&self.url, self.isolation).await;
             let store = PgStore::new(pool)
                 .with_table(self.store.table().clone())
-                .with_claim_strategy(self.store.claim_strategy());
+                .with_claim_strategy(self.store.claim_strategy())
+                .with_expiry_index(self.store.expiry_index());
             Self {
                 store,
                 url: self.url.clone(),
@@ -127,7 +140,8 @@ impl Subject for Postgres {
             let table = isolated_table(self.store.pool()).await;
             let store = PgStore::new(self.store.pool().clone())
                 .with_table(table)
-                .with_claim_strategy(self.store.claim_strategy());
+                .with_claim_strategy(self.store.claim_strategy())
+                .with_expiry_index(self.store.expiry_index());
             store.migrate().await.expect("migrate an isolated keys table");
             Self {
                 store,
@@ -164,6 +178,26 @@ tx_conformance!(
         ClaimStrategy::OneWrite,
         Isolation::DatabaseDefault,
         "idem_conformance_keys_one"
+    )
+);
+tx_conformance!(
+    postgres_tx_one_write_brin,
+    Postgres::connect_with(
+        database_url(),
+        ClaimStrategy::OneWrite,
+        ExpiryIndex::Brin,
+        Isolation::ReadCommitted,
+        "idem_conformance_keys_brin"
+    )
+);
+tx_conformance!(
+    postgres_tx_no_expiry_index,
+    Postgres::connect_with(
+        database_url(),
+        ClaimStrategy::InsertOnConflict,
+        ExpiryIndex::None,
+        Isolation::ReadCommitted,
+        "idem_conformance_keys_noexp"
     )
 );
 lease_conformance!(postgres_lease, Postgres::connect(ClaimStrategy::InsertOnConflict));

@@ -13,7 +13,7 @@ use idem_core::{
     ClaimRequest, Error, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Record, RowState, Scope, StoreErrorKind,
     Sweep, Token, TxBackend, TxClaim,
 };
-use idem_postgres::{ClaimStrategy, PgStore, store_error};
+use idem_postgres::{ClaimStrategy, ExpiryIndex, PgStore, store_error};
 use sqlx::{AssertSqlSafe, Row};
 
 /// One key with its scope and fingerprint.
@@ -355,6 +355,57 @@ async fn one_write_record_without_a_claim_commits_nothing() {
     assert!(matches!(err, Error::Config(_)), "{err:?}");
     for key in [&claimed, &other] {
         assert!(store.get(&key.scope, &key.key).await.unwrap().is_none());
+    }
+}
+
+/// The expiry indexes of `store`'s table, by the end of their names and their access methods.
+async fn expiry_indexes(store: &PgStore) -> Vec<(&'static str, String)> {
+    sqlx::query(
+        "SELECT c.relname::text, am.amname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         JOIN pg_am am ON am.oid = c.relam WHERE i.indrelid = to_regclass($1) AND NOT i.indisprimary \
+         ORDER BY 1",
+    )
+    .bind(store.table().as_str())
+    .fetch_all(store.pool())
+    .await
+    .unwrap()
+    .iter()
+    .map(|row| {
+        let name: String = row.get(0);
+        let end = ["_expires_at_ms_idx", "_expires_at_ms_brin"]
+            .into_iter()
+            .find(|end| name.ends_with(end))
+            .unwrap_or("another index");
+        (end, row.get(1))
+    })
+    .collect()
+}
+
+/// `migrate` gives the table the store's expiry index, switching it when the choice changes, and the
+/// sweep finds expired rows through each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_applies_the_chosen_expiry_index() {
+    let store = store(ClaimStrategy::OneWrite).await;
+    let btree = vec![("_expires_at_ms_idx", "btree")];
+    let brin = vec![("_expires_at_ms_brin", "brin")];
+    let found = expiry_indexes(&store).await;
+    assert_eq!(found, vec![("_expires_at_ms_idx", "btree".to_owned())]);
+    for (index, expected) in [
+        (ExpiryIndex::Brin, brin.clone()),
+        (ExpiryIndex::None, vec![]),
+        (ExpiryIndex::BTree, btree.clone()),
+        (ExpiryIndex::Brin, brin.clone()),
+    ] {
+        let store = store.clone().with_expiry_index(index);
+        store.migrate().await.unwrap();
+        store.migrate().await.expect("migrating again changes nothing");
+        let found = expiry_indexes(&store).await;
+        let found: Vec<(&str, &str)> = found.iter().map(|(end, am)| (*end, am.as_str())).collect();
+        assert_eq!(found, expected, "{index:?}");
+        let key = Key::new();
+        let now = now_ms();
+        commit_record(&store, &key.at(now - 120_000)).await;
+        assert_eq!(store.sweep_expired(now, 100).await.unwrap(), 1, "swept under {index:?}");
     }
 }
 
