@@ -142,7 +142,18 @@ pub fn claim_strategy(name: &str) -> Result<idem_postgres::ClaimStrategy, BoxErr
     match name {
         "insert-on-conflict" => Ok(idem_postgres::ClaimStrategy::InsertOnConflict),
         "advisory-lock" => Ok(idem_postgres::ClaimStrategy::AdvisoryLock),
-        other => Err(format!("unknown claim strategy {other:?} (insert-on-conflict, advisory-lock)").into()),
+        "one-write" => Ok(idem_postgres::ClaimStrategy::OneWrite),
+        other => Err(format!("unknown claim strategy {other:?} (insert-on-conflict, advisory-lock, one-write)").into()),
+    }
+}
+
+/// The PostgreSQL expiry index named `name`.
+pub fn expiry_index(name: &str) -> Result<idem_postgres::ExpiryIndex, BoxError> {
+    match name {
+        "btree" => Ok(idem_postgres::ExpiryIndex::BTree),
+        "brin" => Ok(idem_postgres::ExpiryIndex::Brin),
+        "none" => Ok(idem_postgres::ExpiryIndex::None),
+        other => Err(format!("unknown expiry index {other:?} (btree, brin, none)").into()),
     }
 }
 

@@ -159,6 +159,18 @@ pub async fn postgres(
     workloads: &[String],
     ops: u64,
 ) -> Result<Vec<Cost>, BoxError> {
+    postgres_with(url, strategy, idem_postgres::ExpiryIndex::default(), workloads, ops).await
+}
+
+/// Meters PostgreSQL at `url` with the store's claim `strategy`, the keys
+/// table migrated to `expiry_index`.
+pub async fn postgres_with(
+    url: &str,
+    strategy: idem_postgres::ClaimStrategy,
+    expiry_index: idem_postgres::ExpiryIndex,
+    workloads: &[String],
+    ops: u64,
+) -> Result<Vec<Cost>, BoxError> {
     let wire = Wire::start(server_of(url, 5432)?)?;
     let db = engines::postgres(&via(url, wire.addr())?, 1)
         .await?
@@ -174,7 +186,7 @@ pub async fn postgres(
         observer,
         backend: backend as u32,
     };
-    let admin = engines::postgres(url, 2).await?;
+    let admin = engines::postgres(url, 2).await?.with_expiry_index(expiry_index);
     meter_store("postgres", admin, db, &probe, Some(&wire), workloads, ops).await
 }
 

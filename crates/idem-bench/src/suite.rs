@@ -54,8 +54,8 @@ pub struct Args {
     #[arg(long, default_value_t = 300)]
     pub cost_ops: u64,
     /// The PostgreSQL store's claim strategy: `insert-on-conflict` (the
-    /// default) or `advisory-lock`.
-    #[arg(long, default_value = "insert-on-conflict", value_parser = ["insert-on-conflict", "advisory-lock"])]
+    /// default), `advisory-lock` or `one-write`.
+    #[arg(long, default_value = "insert-on-conflict", value_parser = ["insert-on-conflict", "advisory-lock", "one-write"])]
     pub pg_claim_strategy: String,
     /// Also run the scale benchmark (`scale`, next to this binary).
     #[arg(long)]

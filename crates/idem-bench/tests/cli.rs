@@ -3,12 +3,13 @@
 
 use std::process::Command;
 
-const PROGRAMS: [(&str, &str); 5] = [
+const PROGRAMS: [(&str, &str); 6] = [
     ("suite", env!("CARGO_BIN_EXE_suite")),
     ("idem-bench", env!("CARGO_BIN_EXE_idem-bench")),
     ("events", env!("CARGO_BIN_EXE_events")),
     ("gateway", env!("CARGO_BIN_EXE_gateway")),
     ("scale", env!("CARGO_BIN_EXE_scale")),
+    ("claims", env!("CARGO_BIN_EXE_claims")),
 ];
 
 #[test]

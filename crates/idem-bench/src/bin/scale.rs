@@ -136,6 +136,13 @@ struct Args {
     /// (spread over the key space like the stored ones).
     #[arg(long, default_value = "v7")]
     live_keys: String,
+    /// The PostgreSQL store's claim strategy: `insert-on-conflict`,
+    /// `advisory-lock` or `one-write`.
+    #[arg(long, default_value = "insert-on-conflict", value_parser = ["insert-on-conflict", "advisory-lock", "one-write"])]
+    pg_claim_strategy: String,
+    /// The PostgreSQL keys table's expiry index: `btree`, `brin` or `none`.
+    #[arg(long, default_value = "btree", value_parser = ["btree", "brin", "none"])]
+    pg_expiry_index: String,
     /// Where to write the figures.
     #[arg(long, default_value = "target/bench/scale.json")]
     out: String,
@@ -1013,7 +1020,11 @@ async fn main() -> Result<(), BoxError> {
                     .max_connections(pool_size)
                     .connect(&args.postgres_url)
                     .await?;
-                scale_engine(idem_postgres::PgStore::new(pool).with_table(table.clone()), &args).await?
+                let store = idem_postgres::PgStore::new(pool)
+                    .with_table(table.clone())
+                    .with_claim_strategy(idem_bench::engines::claim_strategy(&args.pg_claim_strategy)?)
+                    .with_expiry_index(idem_bench::engines::expiry_index(&args.pg_expiry_index)?);
+                scale_engine(store, &args).await?
             }
             "mysql" => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
@@ -1042,6 +1053,8 @@ async fn main() -> Result<(), BoxError> {
         "warmup_seconds": WARMUP.as_secs(),
         "workers": args.workers,
         "live_keys": args.live_keys,
+        "pg_claim_strategy": args.pg_claim_strategy,
+        "pg_expiry_index": args.pg_expiry_index,
         "results": results,
     });
     if let Some(dir) = std::path::Path::new(&args.out).parent() {
