@@ -224,10 +224,13 @@ pub enum ExpiryIndex {
     /// insert adds no entry (ranges are summarised later, by vacuum), and
     /// the sweep reads whole block ranges whose expiries may have passed.
     /// Rows are written in the order they expire when one TTL is used, so
-    /// the ranges stay narrow.
+    /// the ranges stay narrow; but a range keeps its summary after its rows
+    /// are deleted, so each sweep batch reads again the dead rows earlier
+    /// batches left until vacuum runs (a slower sweep: docs/benchmarks.md).
     Brin,
-    /// No expiry index: nothing per insert, and the sweep scans the table
-    /// in its physical order.
+    /// No expiry index: nothing per insert, and each sweep batch scans the
+    /// table in its physical order up to the expired rows, so its cost
+    /// grows with the table.
     None,
 }
 

@@ -334,6 +334,52 @@ async fn one_write_record_that_meets_a_lease_row_is_contention() {
     store.rollback(tx).await.unwrap();
 }
 
+/// A one-write claim holds nothing but its advisory lock: when the holder's session dies (its backend
+/// killed), the server releases the lock and the waiting twin claims the key, which is then recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_twin_claims_when_the_holders_backend_is_killed() {
+    let store = store(ClaimStrategy::OneWrite).await;
+    let key = Arc::new(Key::new());
+    let now = now_ms();
+    let (mut first, answer) = store.begin_claim(&key.at(now), Duration::ZERO).await.unwrap();
+    assert_eq!(answer, TxClaim::Claimed);
+    let pid: i32 = sqlx::query("SELECT pg_backend_pid()")
+        .fetch_one(&mut *first)
+        .await
+        .unwrap()
+        .get(0);
+    let twin = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move {
+            let req = key.at(now);
+            let (tx, answer) = store.begin_claim(&req, Duration::from_secs(20)).await.unwrap();
+            assert_eq!(answer, TxClaim::Claimed, "the twin claims once the holder is gone");
+            store
+                .record_commit(tx, &req, &Record::completed(b"twin".to_vec()))
+                .await
+                .unwrap();
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!twin.is_finished(), "the twin waits on the holder's lock");
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert!(killed);
+    tokio::time::timeout(Duration::from_secs(20), twin)
+        .await
+        .expect("the twin is released")
+        .unwrap();
+    let row = store.get(&key.scope, &key.key).await.unwrap().expect("the twin's row");
+    assert!(
+        matches!(&row.state, RowState::Done(record) if record.payload == b"twin"),
+        "{row:?}"
+    );
+    drop(first);
+}
+
 /// A record on a one-write transaction that claimed another key, or none, fails and commits nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_write_record_without_a_claim_commits_nothing() {
