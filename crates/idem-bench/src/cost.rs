@@ -94,6 +94,40 @@ pub fn parse_schedstat(text: &str) -> Option<u64> {
     text.split_whitespace().next()?.parse().ok()
 }
 
+/// The CPU time of a process in clock ticks, `utime + stime`, from a
+/// `/proc/<pid>/stat` text. Unlike the threads' `schedstat`, it keeps the
+/// time of threads that have already ended. The process name (field 2) may
+/// hold spaces and parentheses, so the fields are counted from its last `)`.
+pub fn parse_stat_cpu_ticks(text: &str) -> Option<u64> {
+    let after_name = &text[text.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace();
+    // After the name: state (3), ppid, pgrp, session, tty_nr, tpgid, flags,
+    // minflt, cminflt, majflt, cmajflt, utime (14), stime (15).
+    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// The kernel's clock ticks per second (`getconf CLK_TCK`), the unit of
+/// [`parse_stat_cpu_ticks`].
+pub fn clock_ticks_per_sec() -> Result<u64, String> {
+    let out = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .map_err(|e| format!("getconf CLK_TCK: {e}"))?;
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .map_err(|e| format!("getconf CLK_TCK: {e}"))
+}
+
+/// The CPU time (µs) process `pid` has used (all its threads, ended ones
+/// included), from `/proc/<pid>/stat`; `None` once it has exited.
+pub fn process_stat_cpu_us(pid: u32, ticks_per_sec: u64) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(parse_stat_cpu_ticks(&text)? * 1_000_000 / ticks_per_sec.max(1))
+}
+
 /// The CPU time (ns) of every thread of process `pid` (`self` for this
 /// one) whose name is not `skip`.
 pub fn process_cpu_ns(pid: &str, skip: Option<&str>) -> Option<u64> {
@@ -263,6 +297,19 @@ mod tests {
             Some(10)
         );
         assert_eq!(sum_status(&rows, &["Handler_write", "Handler_read_key"]), None);
+    }
+
+    /// utime and stime are fields 14 and 15 of `/proc/<pid>/stat`, counted
+    /// after the process name whatever it holds.
+    #[test]
+    fn parses_stat_cpu_ticks() {
+        let line = "4242 (idem gw (x)) S 1 4242 4242 0 -1 4194560 1200 0 3 0 250 75 0 0 20 0 9 0 100 0 0\n";
+        assert_eq!(parse_stat_cpu_ticks(line), Some(325));
+        assert_eq!(parse_stat_cpu_ticks("4242 (idem) S 1 2"), None);
+        assert_eq!(parse_stat_cpu_ticks("no name here"), None);
+        let own = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat is readable");
+        assert!(parse_stat_cpu_ticks(&own).is_some());
+        assert!(clock_ticks_per_sec().is_ok_and(|t| t > 0));
     }
 
     /// This process's CPU time is readable and grows with work.

@@ -1,18 +1,23 @@
 //! Gateway benchmark: `idem gateway` (on Redis, SQLite and PostgreSQL)
 //! against `idempotent-proxy-server` (Redis), in front of one upstream, at
 //! equal TTL: requests/s, p50 and p99 for fresh keys and for replays at 1,
-//! 16 and 64 connections, in one run, with the ratios.
+//! 16 and 64 connections, in one run, with the ratios; and each gateway's
+//! CPU per request: the process's `utime + stime` (`/proc/<pid>/stat`,
+//! every thread, ended ones included) over the scenario, divided by the
+//! requests it completed.
 //!
 //! ```text
-//! cargo install idempotent-proxy-server --root /tmp/ipx
+//! cargo install idempotent-proxy-server --version 1.2.2 --root /tmp/ipx
 //! cargo build --release -p idem-cli -p idem-bench
 //! IPX_BIN=/tmp/ipx/bin/idempotent-proxy-server target/release/gateway --seconds 4
+//! target/release/gateway --stores redis --connections 1,16   # idem on Redis only
 //! ```
 //!
-//! Prints figures; asserts nothing about time.
+//! A gateway that does not start (missing binary, exits, never listens)
+//! stops the run with its log. Prints figures; asserts nothing about time.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +27,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use clap::Parser;
+use idem_bench::cost;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -31,6 +37,9 @@ struct Args {
     /// Connection counts.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     connections: Vec<usize>,
+    /// The stores idem gateway runs on (redis, sqlite, postgres).
+    #[arg(long, value_delimiter = ',', default_value = "redis,sqlite,postgres")]
+    stores: Vec<String>,
     /// The idempotent-proxy-server binary.
     #[arg(long, env = "IPX_BIN", default_value = "idempotent-proxy-server")]
     ipx_bin: PathBuf,
@@ -72,14 +81,23 @@ fn free_port() -> u16 {
         .port()
 }
 
-async fn wait_port(port: u16) {
+/// Waits until the gateway `name` listens on `port`; stops the run with
+/// its log if it exits first or never listens.
+async fn wait_started(name: &str, proc: &mut Proc, port: u16, log: &Path) {
+    fn failed(name: &str, log: &Path, why: String) -> ! {
+        let log = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("{name} did not start: {why}\n--- its log ---\n{log}");
+    }
     for _ in 0..400 {
+        if let Ok(Some(status)) = proc.0.try_wait() {
+            failed(name, log, format!("it exited ({status})"));
+        }
         if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    panic!("nothing listens on {port}");
+    failed(name, log, format!("nothing listens on 127.0.0.1:{port} after 10 s"));
 }
 
 /// One target: how to name a request to it.
@@ -88,7 +106,20 @@ struct Target {
     url: String,
     /// idem gateway: sf-string keys and a bearer token.
     idem: bool,
-    _proc: Proc,
+    proc: Proc,
+}
+
+impl Target {
+    /// The gateway process's CPU time so far, µs.
+    fn cpu_us(&self, ticks_per_sec: u64) -> u64 {
+        cost::process_stat_cpu_us(self.proc.0.id(), ticks_per_sec).unwrap_or_else(|| {
+            panic!(
+                "{}: /proc/{}/stat is unreadable (did it exit?)",
+                self.name,
+                self.proc.0.id()
+            )
+        })
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -97,6 +128,10 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     errors: u64,
+    /// Requests answered with a success.
+    completed: u64,
+    /// The gateway's CPU over the scenario per completed request, µs.
+    cpu_us_per_req: f64,
 }
 
 async fn load(target: &Target, connections: usize, seconds: u64, replay_keys: Option<Arc<Vec<String>>>) -> Figures {
@@ -164,12 +199,39 @@ async fn load(target: &Target, connections: usize, seconds: u64, replay_keys: Op
         p50_ms: pct(0.5),
         p99_ms: pct(0.99),
         errors: errors.load(Ordering::Relaxed),
+        completed: all.len() as u64,
+        cpu_us_per_req: f64::NAN,
     }
+}
+
+/// One scenario, with the gateway's CPU time read around it.
+async fn measured(
+    target: &Target,
+    ticks_per_sec: u64,
+    connections: usize,
+    seconds: u64,
+    replay_keys: Option<Arc<Vec<String>>>,
+) -> Figures {
+    let before = target.cpu_us(ticks_per_sec);
+    let mut f = load(target, connections, seconds, replay_keys).await;
+    let after = target.cpu_us(ticks_per_sec);
+    if f.completed > 0 {
+        f.cpu_us_per_req = after.saturating_sub(before) as f64 / f.completed as f64;
+    }
+    f
 }
 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    for store in &args.stores {
+        assert!(
+            ["redis", "sqlite", "postgres"].contains(&store.as_str()),
+            "--stores: unknown store {store:?} (redis, sqlite, postgres)"
+        );
+    }
+    let ticks_per_sec = cost::clock_ticks_per_sec().unwrap_or_else(|e| panic!("{e}"));
+    let with_postgres = args.stores.iter().any(|s| s == "postgres");
     // The upstream: creates an order on every call.
     let orders = Arc::new(AtomicU64::new(0));
     let counted = orders.clone();
@@ -192,17 +254,22 @@ async fn main() {
             .status();
     };
     flush();
-    let pg = sqlx::PgPool::connect(&args.postgres_url).await.expect("PostgreSQL");
     let db = "idem_gateway_bench";
-    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-    )))
-    .execute(&pg)
-    .await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+    let pg = if with_postgres {
+        let pg = sqlx::PgPool::connect(&args.postgres_url).await.expect("PostgreSQL");
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+        )))
         .execute(&pg)
-        .await
-        .unwrap();
+        .await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&pg)
+            .await
+            .unwrap();
+        Some(pg)
+    } else {
+        None
+    };
     let (base, _) = args.postgres_url.rsplit_once('/').unwrap();
     let pg_url = format!("{base}/{db}");
     let tmp = std::env::temp_dir().join(format!("idem-gw-bench-{}", std::process::id()));
@@ -219,6 +286,7 @@ async fn main() {
     {
         let port = free_port();
         std::fs::write(tmp.join(".env"), "").unwrap();
+        let log = tmp.join("ipx.log");
         let child = Command::new(&args.ipx_bin)
             .current_dir(&tmp)
             .env("SERVER_ADDR", format!("127.0.0.1:{port}"))
@@ -227,23 +295,31 @@ async fn main() {
             .env("URL_ORDERS", format!("http://{up}/v1/orders"))
             .env("LOG_LEVEL", "error")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {} (set IPX_BIN): {e}", args.ipx_bin.display()));
-        let proc = Proc(child);
-        wait_port(port).await;
+        let name = "idempotent-proxy (Redis)";
+        let mut proc = Proc(child);
+        wait_started(name, &mut proc, port, &log).await;
         targets.push(Target {
-            name: "idempotent-proxy (Redis)".into(),
+            name: name.into(),
             url: format!("http://127.0.0.1:{port}/URL_ORDERS"),
             idem: false,
-            _proc: proc,
+            proc,
         });
     }
-    for (name, store) in [
-        ("idem gateway (Redis)", redis_db.clone()),
-        ("idem gateway (SQLite)", tmp.join("gw.db").display().to_string()),
-        ("idem gateway (PostgreSQL)", pg_url.clone()),
+    for (kind, name, store) in [
+        ("redis", "idem gateway (Redis)", redis_db.clone()),
+        (
+            "sqlite",
+            "idem gateway (SQLite)",
+            tmp.join("gw.db").display().to_string(),
+        ),
+        ("postgres", "idem gateway (PostgreSQL)", pg_url.clone()),
     ] {
+        if !args.stores.iter().any(|s| s == kind) {
+            continue;
+        }
         let port = free_port();
         let config = tmp.join(format!("{port}.toml"));
         // Keys live longer than an upstream call may take, as the gateway requires.
@@ -270,16 +346,16 @@ async fn main() {
             .arg(&config)
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(tmp.join(format!("{kind}.log"))).unwrap())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {} (set IDEM_BIN): {e}", idem_bin.display()));
-        let proc = Proc(child);
-        wait_port(port).await;
+        let mut proc = Proc(child);
+        wait_started(name, &mut proc, port, &tmp.join(format!("{kind}.log"))).await;
         targets.push(Target {
             name: name.into(),
             url: format!("http://127.0.0.1:{port}/v1/orders"),
             idem: true,
-            _proc: proc,
+            proc,
         });
     }
 
@@ -310,31 +386,49 @@ async fn main() {
         let keys = Arc::new(keys);
         for &c in &args.connections {
             for (scenario, replay) in [("fresh", None), ("replay", Some(keys.clone()))] {
-                let f = load(target, c, args.seconds, replay).await;
+                let f = measured(target, ticks_per_sec, c, args.seconds, replay).await;
                 println!(
-                    "{:<28} {scenario:<6} {c:>3} conns: {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>7.2} ms  errors {}",
-                    target.name, f.rps, f.p50_ms, f.p99_ms, f.errors
+                    "{:<28} {scenario:<6} {c:>3} conns: {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>7.2} ms  \
+                     CPU {:>6.1} µs/req  errors {}",
+                    target.name, f.rps, f.p50_ms, f.p99_ms, f.cpu_us_per_req, f.errors
                 );
                 results.entry(target.name.clone()).or_default().insert(
                     format!("{scenario}_{c}"),
-                    serde_json::json!({ "rps": f.rps.round(), "p50_ms": f.p50_ms, "p99_ms": f.p99_ms, "errors": f.errors }),
+                    serde_json::json!({
+                        "rps": f.rps.round(),
+                        "p50_ms": f.p50_ms,
+                        "p99_ms": f.p99_ms,
+                        "errors": f.errors,
+                        "requests": f.completed,
+                        "cpu_us_per_req": (f.cpu_us_per_req * 10.0).round() / 10.0,
+                    }),
                 );
                 table.push((target.name.clone(), scenario.into(), c, f));
             }
         }
     }
-    println!("\nratios against idempotent-proxy (req/s ×, p99 ×):");
+    println!("\nratios against idempotent-proxy (req/s ×, p99 ×, CPU per request ×):");
     let base: Vec<&(String, String, usize, Figures)> =
         table.iter().filter(|r| r.0.starts_with("idempotent-proxy")).collect();
     for row in table.iter().filter(|r| r.0.starts_with("idem gateway")) {
         if let Some(b) = base.iter().find(|b| b.1 == row.1 && b.2 == row.2) {
+            let cpu = row.3.cpu_us_per_req / b.3.cpu_us_per_req;
             println!(
-                "{:<28} {:<6} {:>3} conns: {:>5.2}× req/s, {:>5.2}× p99",
+                "{:<28} {:<6} {:>3} conns: {:>5.2}× req/s, {:>5.2}× p99, {:>5.2}× CPU µs/req",
                 row.0,
                 row.1,
                 row.2,
                 row.3.rps / b.3.rps,
-                row.3.p99_ms / b.3.p99_ms
+                row.3.p99_ms / b.3.p99_ms,
+                cpu
+            );
+            results.entry(row.0.clone()).or_default().insert(
+                format!("{}_{}_vs_idempotent_proxy", row.1, row.2),
+                serde_json::json!({
+                    "rps_ratio": row.3.rps / b.3.rps,
+                    "p99_ratio": row.3.p99_ms / b.3.p99_ms,
+                    "cpu_us_per_req_ratio": cpu,
+                }),
             );
         }
     }
@@ -346,10 +440,12 @@ async fn main() {
     println!("figures written to {}", args.out);
     drop(targets);
     flush();
-    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-    )))
-    .execute(&pg)
-    .await;
+    if let Some(pg) = &pg {
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+        )))
+        .execute(pg)
+        .await;
+    }
     let _ = std::fs::remove_dir_all(&tmp);
 }
