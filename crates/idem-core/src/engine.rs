@@ -21,7 +21,7 @@ pub(crate) enum Found {
 
 /// Decides what a committed row means for `call`.
 pub(crate) fn decide(call: &Call, row: StoredRow) -> Result<Found> {
-    let op = call.scope().operation().as_str();
+    let op = call.scope().operation();
     if !call.accepts(&row.fingerprint) {
         metrics::count(metrics::MISMATCHES, op);
         return Err(Error::Mismatch);
@@ -110,7 +110,7 @@ impl<'a> Attempts<'a> {
             }
             Retry::Busy => {
                 if Instant::now() >= self.deadline {
-                    metrics::count(metrics::IN_FLIGHT, self.call.scope().operation().as_str());
+                    metrics::count(metrics::IN_FLIGHT, self.call.scope().operation());
                     return Err(in_flight(self.call.policy()));
                 }
                 self.backoff.sleep(Some(self.deadline)).await;

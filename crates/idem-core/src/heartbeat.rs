@@ -7,6 +7,8 @@
 //! work for as long as the holder is alive, and expires within one lease length
 //! once it is not (a crash, a dropped future).
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
@@ -147,6 +149,24 @@ impl Drop for Heartbeat {
 
 /// How often a lease of `lease_ms` is extended: a third of its length, so two
 /// extensions in a row may fail (a slow store, a pause) before it runs out.
+/// A heartbeat that runs in its caller's task: the lease it keeps alive,
+/// and a future that extends the lease every third of `lease_ms` for as
+/// long as it is polled. The future never completes (after a lost lease it
+/// only waits); dropping it stops the beats.
+pub(crate) fn in_place<S: LeaseStore>(
+    store: Arc<S>,
+    clock: SharedClock,
+    lease: Lease,
+    lease_ms: u64,
+) -> (HeldLease, impl Future<Output = Infallible> + Send + 'static) {
+    let held = HeldLease::new(lease);
+    let beat = held.clone();
+    (held, async move {
+        beat_until_lost(store, clock, beat, lease_ms).await;
+        std::future::pending().await
+    })
+}
+
 pub(crate) fn interval(lease_ms: u64) -> Duration {
     Duration::from_millis((lease_ms / 3).max(1))
 }
@@ -154,7 +174,7 @@ pub(crate) fn interval(lease_ms: u64) -> Duration {
 async fn beat_until_lost<S: LeaseStore>(store: Arc<S>, clock: SharedClock, held: HeldLease, lease_ms: u64) {
     let every = interval(lease_ms);
     let length = i64::try_from(lease_ms).unwrap_or(i64::MAX);
-    let operation = held.scope().operation().as_str().to_owned();
+    let operation = held.scope().operation().clone();
     loop {
         tokio::time::sleep(every).await;
         let until = clock.now_ms().saturating_add(length);

@@ -113,7 +113,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
 
     async fn acquire_inner(&self, call: &Call) -> Result<Acquire> {
         call.policy().validate()?;
-        let op = call.scope().operation().as_str();
+        let op = call.scope().operation();
         let mut attempts = Attempts::new(call);
         loop {
             let now_ms = self.clock.now_ms();
@@ -201,7 +201,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
     /// the lease was taken over; the newer outcome is never overwritten.
     pub async fn complete(&self, lease: &Lease, record: Record) -> Result<()> {
-        let op = lease.scope.operation().as_str();
+        let op = lease.scope.operation();
         match self.store.complete(lease, &record).await {
             Ok(()) => {
                 metrics::record(op, status_label(record.status));
@@ -218,7 +218,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// Gives the key back unused. Fails with [`Error::Fenced`] if the lease
     /// was taken over.
     pub async fn release(&self, lease: &Lease) -> Result<()> {
-        let op = lease.scope.operation().as_str();
+        let op = lease.scope.operation();
         match self.store.release(lease).await {
             Ok(()) => {
                 metrics::count(metrics::RELEASES, op);
@@ -240,7 +240,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// (what was seen) is kept for the operator. Fails with
     /// [`Error::Fenced`] if the lease was taken over.
     pub async fn mark_unknown(&self, lease: &Lease, note: impl Into<Vec<u8>>) -> Result<()> {
-        let op = lease.scope.operation().as_str();
+        let op = lease.scope.operation();
         match self.store.complete(lease, &Record::unknown(note)).await {
             Ok(()) => {
                 metrics::count(metrics::UNKNOWN, op);
@@ -271,7 +271,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         let resolved = self.store.resolve_unknown(scope, key, now_ms, resolution).await?;
         if resolved {
             let label = if resolution.is_some() { "applied" } else { "not_applied" };
-            metrics::unknown_resolved(scope.operation().as_str(), label);
+            metrics::unknown_resolved(scope.operation(), label);
         }
         Ok(resolved)
     }
@@ -297,6 +297,23 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// lease fails with [`Error::Fenced`]: the new holder is never overwritten.
     pub fn heartbeat(&self, lease: &Lease, lease_ms: u64) -> Heartbeat {
         Heartbeat::start(self.store.clone(), self.clock.clone(), lease.clone(), lease_ms)
+    }
+
+    /// Keeps `lease` alive like [`heartbeat`](Self::heartbeat), in the
+    /// caller's own task instead of one of its own: the future returned
+    /// extends the lease with its token every third of `lease_ms` for as long
+    /// as it is polled, and never completes. Poll it beside the work and the
+    /// settlement (`tokio::select!`), and drop it once the outcome is
+    /// settled; the [`HeldLease`] says whether the lease was lost meanwhile.
+    pub fn heartbeat_in_place(
+        &self,
+        lease: &Lease,
+        lease_ms: u64,
+    ) -> (
+        HeldLease,
+        impl Future<Output = std::convert::Infallible> + Send + 'static,
+    ) {
+        crate::heartbeat::in_place(self.store.clone(), self.clock.clone(), lease.clone(), lease_ms)
     }
 
     /// Runs `work` once per key in lease mode: claims, runs, records its value
@@ -436,7 +453,7 @@ impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
                 if let Err(e) = store.release(&lease).await {
                     tracing::warn!(error = %e, "could not release a lease after a panic; it will expire");
                 } else {
-                    metrics::count(metrics::RELEASES, lease.scope.operation().as_str());
+                    metrics::count(metrics::RELEASES, lease.scope.operation());
                 }
             });
         }
@@ -481,7 +498,7 @@ impl<S: LeaseStore> Drop for Answer<S> {
 
 async fn release_abandoned<S: LeaseStore>(store: &S, lease: Lease) {
     match store.release(&lease).await {
-        Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation().as_str()),
+        Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation()),
         Err(e) => tracing::warn!(error = %e, "could not release an abandoned claim; it will expire"),
     }
 }

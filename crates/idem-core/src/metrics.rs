@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use crate::scope::Operation;
+
 /// Counter: claims won (`operation`, `mode` = `transactional` | `lease`).
 pub const CLAIMS: &str = "idem_claims_total";
 /// Counter: recorded outcomes replayed (`operation`).
@@ -40,28 +42,32 @@ pub const SWEPT: &str = "idem_swept_total";
 /// already expired by itself (Redis); no key was deleted for them.
 pub const SWEPT_GHOSTS: &str = "idem_sweep_ghosts_total";
 
-pub(crate) fn count(name: &'static str, operation: &str) {
-    metrics::counter!(name, "operation" => operation.to_owned()).increment(1);
+// The operation label shares the operation's name rather than copying it
+// per call.
+
+pub(crate) fn count(name: &'static str, operation: &Operation) {
+    metrics::counter!(name, "operation" => operation.metric_label()).increment(1);
 }
 
-pub(crate) fn lease_lost(operation: &str) {
+pub(crate) fn lease_lost(operation: &Operation) {
     count(LEASES_LOST, operation);
 }
 
-pub(crate) fn unknown_resolved(operation: &str, resolution: &'static str) {
-    metrics::counter!(UNKNOWN_RESOLVED, "operation" => operation.to_owned(), "resolution" => resolution).increment(1);
+pub(crate) fn unknown_resolved(operation: &Operation, resolution: &'static str) {
+    metrics::counter!(UNKNOWN_RESOLVED, "operation" => operation.metric_label(), "resolution" => resolution)
+        .increment(1);
 }
 
-pub(crate) fn claim(operation: &str, mode: &'static str) {
-    metrics::counter!(CLAIMS, "operation" => operation.to_owned(), "mode" => mode).increment(1);
+pub(crate) fn claim(operation: &Operation, mode: &'static str) {
+    metrics::counter!(CLAIMS, "operation" => operation.metric_label(), "mode" => mode).increment(1);
 }
 
-pub(crate) fn record(operation: &str, status: &'static str) {
-    metrics::counter!(RECORDS, "operation" => operation.to_owned(), "status" => status).increment(1);
+pub(crate) fn record(operation: &Operation, status: &'static str) {
+    metrics::counter!(RECORDS, "operation" => operation.metric_label(), "status" => status).increment(1);
 }
 
-pub(crate) fn claim_latency(operation: &str, elapsed: Duration) {
-    metrics::histogram!(CLAIM_SECONDS, "operation" => operation.to_owned()).record(elapsed.as_secs_f64());
+pub(crate) fn claim_latency(operation: &Operation, elapsed: Duration) {
+    metrics::histogram!(CLAIM_SECONDS, "operation" => operation.metric_label()).record(elapsed.as_secs_f64());
 }
 
 /// Where in a transactional call contention struck.

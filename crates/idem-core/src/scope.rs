@@ -70,6 +70,14 @@ name_type!(
     "operation"
 );
 
+impl Operation {
+    /// The operation's name as a metric label value, sharing the name
+    /// rather than copying it.
+    pub fn metric_label(&self) -> metrics::SharedString {
+        metrics::SharedString::from(self.0.clone())
+    }
+}
+
 /// The namespace of a key: the same key under two scopes is two independent
 /// keys. Every store looks keys up by (tenant, operation, key) together, so a
 /// record of one tenant can never be found by another.

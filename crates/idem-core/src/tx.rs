@@ -163,7 +163,7 @@ impl<B: TxBackend> TxEngine<B> {
 
     async fn begin_inner(&self, call: &Call) -> Result<Begin<B::Tx>> {
         call.policy().validate()?;
-        let op = call.scope().operation().as_str();
+        let op = call.scope().operation();
         let mut attempts = Attempts::new(call);
         let guard = match self.backend.local_registry() {
             Some(registry) => match registry.acquire(call.scope(), call.key(), attempts.deadline).await? {
@@ -221,7 +221,7 @@ impl<B: TxBackend> TxEngine<B> {
                     Retry::Busy
                 }
                 Err(e) if engine::is_contention(&e) => {
-                    metrics::tx_retry(op, Stage::Claim);
+                    metrics::tx_retry(op.as_str(), Stage::Claim);
                     Retry::Contention(e)
                 }
                 Err(e) => return Err(e),
@@ -235,7 +235,7 @@ impl<B: TxBackend> TxEngine<B> {
     /// On any error the transaction is rolled back and the key stays unused.
     pub async fn commit(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<()> {
         let Claimed { tx, ticket } = claimed;
-        let op = ticket.call.scope().operation().as_str();
+        let op = ticket.call.scope().operation();
         let limit = ticket.call.policy().max_record_bytes();
         if record.payload.len() > limit {
             self.rollback_quietly(tx).await;
@@ -252,7 +252,7 @@ impl<B: TxBackend> TxEngine<B> {
         }
         metrics::record(op, status_label(record.status));
         tracing::debug!(
-            operation = op,
+            operation = op.as_str(),
             elapsed_ms = ticket.started.elapsed().as_millis() as u64,
             "idempotent call committed"
         );
@@ -265,7 +265,7 @@ impl<B: TxBackend> TxEngine<B> {
     pub async fn reject_final(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<bool> {
         let Claimed { tx, ticket } = claimed;
         self.rollback_quietly(tx).await;
-        let op = ticket.call.scope().operation().as_str();
+        let op = ticket.call.scope().operation();
         let limit = ticket.call.policy().max_record_bytes();
         if record.payload.len() > limit {
             metrics::count(metrics::RELEASES, op);
@@ -289,7 +289,7 @@ impl<B: TxBackend> TxEngine<B> {
 
     /// Rolls the transaction back; the key stays unused.
     pub async fn abandon(&self, claimed: Claimed<B::Tx>) {
-        let op = claimed.ticket.call.scope().operation().as_str().to_owned();
+        let op = claimed.ticket.call.scope().operation().clone();
         self.rollback_quietly(claimed.tx).await;
         metrics::count(metrics::RELEASES, &op);
     }
