@@ -168,7 +168,7 @@ pub struct Config {
     pub(crate) operation: OperationFn,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_response_bytes: usize,
-    pub(crate) problem_base: String,
+    pub(crate) problem_base: Arc<str>,
     pub(crate) drain: Drain,
     pub(crate) accept_previous_fingerprints: bool,
     pub(crate) private_headers: Arc<[http::HeaderName]>,
@@ -265,7 +265,7 @@ fn config(tenant: TenantFn) -> Config {
         operation: default_operation(),
         max_request_bytes: 1 << 20,
         max_response_bytes: 1 << 20,
-        problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
+        problem_base: Arc::from(DEFAULT_PROBLEM_BASE),
         drain: Drain::default(),
         accept_previous_fingerprints: true,
         private_headers: Arc::from([]),
@@ -355,7 +355,10 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     ///   response cut off with an error; the body is still read to its end
     ///   and recorded;
     /// - HTTP/1.0 callers, and 204 and 304 answers, get the whole response as
-    ///   without streaming.
+    ///   without streaming; so does a body that declares a length of at most
+    ///   16 KiB (and within the record limit): it is read whole, recorded and
+    ///   then answered, which its caller cannot tell from a stream whose end
+    ///   waits for the record, and it saves handing frames from task to task.
     ///
     /// Responses that are not recorded (5xx, 4xx unless the policy records
     /// rejections) stream as they always do.
@@ -474,7 +477,7 @@ impl<M: Clone> IdempotencyLayer<M> {
 
     /// The base of problem `type` URIs (default [`DEFAULT_PROBLEM_BASE`]).
     pub fn problem_base(mut self, base: impl Into<String>) -> Self {
-        self.config_mut().problem_base = base.into();
+        self.config_mut().problem_base = Arc::from(base.into());
         self
     }
 }

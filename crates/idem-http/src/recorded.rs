@@ -57,7 +57,19 @@ impl RecordedResponse {
 
     /// Decodes a recorded response; fails on anything malformed.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        let mut r = Reader { bytes, pos: 0 };
+        Self::decode_shared(Bytes::copy_from_slice(bytes))
+    }
+
+    /// Decodes a recorded response held in `bytes` without copying its body
+    /// or header values: they share the buffer (a replay sends the record's
+    /// own bytes). Fails on anything malformed.
+    pub fn decode_shared(shared: Bytes) -> Result<Self, String> {
+        let bytes: &[u8] = &shared;
+        let mut r = Reader {
+            bytes,
+            shared: &shared,
+            pos: 0,
+        };
         let has_trailers = match r.take(4)? {
             m if m == MAGIC => false,
             m if m == MAGIC_TRAILERS => true,
@@ -68,7 +80,7 @@ impl RecordedResponse {
         let headers = r.fields()?;
         let len = u64::from_be_bytes(r.array()?);
         let len = usize::try_from(len).map_err(|e| e.to_string())?;
-        let body = Bytes::copy_from_slice(r.take(len)?);
+        let body = r.take_shared(len)?;
         let trailers = if has_trailers { r.fields()? } else { HeaderMap::new() };
         if r.pos != bytes.len() {
             return Err("trailing bytes after the recorded response".into());
@@ -107,10 +119,19 @@ fn write_fields(out: &mut Vec<u8>, fields: &[(&HeaderName, &HeaderValue)]) {
 
 struct Reader<'a> {
     bytes: &'a [u8],
+    /// The same bytes, to share slices of.
+    shared: &'a Bytes,
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
+    /// The next `n` bytes as a slice of the shared buffer (no copy).
+    fn take_shared(&mut self, n: usize) -> Result<Bytes, String> {
+        let start = self.pos;
+        self.take(n)?;
+        Ok(self.shared.slice(start..self.pos))
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         let end = self
             .pos
@@ -129,7 +150,7 @@ impl<'a> Reader<'a> {
             let len = u32::from_be_bytes(self.array()?) as usize;
             let name = HeaderName::from_bytes(self.take(len)?).map_err(|e| e.to_string())?;
             let len = u32::from_be_bytes(self.array()?) as usize;
-            let value = HeaderValue::from_bytes(self.take(len)?).map_err(|e| e.to_string())?;
+            let value = HeaderValue::from_maybe_shared(self.take_shared(len)?).map_err(|e| e.to_string())?;
             fields.append(name, value);
         }
         Ok(fields)
@@ -145,6 +166,28 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A replay's body is the record's own bytes, not a copy of them.
+    #[test]
+    fn decode_shared_keeps_the_body_in_the_record() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        let response = RecordedResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from(vec![b'x'; 4096]),
+            trailers: HeaderMap::new(),
+        };
+        let record = Bytes::from(response.encode());
+        let decoded = RecordedResponse::decode_shared(record.clone()).unwrap();
+        assert_eq!(decoded, response);
+        assert!(
+            record.as_ptr_range().contains(&decoded.body.as_ptr()),
+            "the body was copied out of the record"
+        );
+        assert_eq!(RecordedResponse::decode(&record).unwrap(), response);
+        assert!(RecordedResponse::decode_shared(record.slice(..record.len() - 1)).is_err());
+    }
 
     #[test]
     fn round_trips_and_drops_hop_by_hop() {

@@ -149,13 +149,18 @@ fn is_json(parts: &Parts) -> bool {
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
-        .is_some_and(|v| v == "application/json" || v.ends_with("+json"))
+        .map(|v| v.split(';').next().unwrap_or("").trim())
+        .is_some_and(|v| {
+            // Compared without a lower-cased copy.
+            v.eq_ignore_ascii_case("application/json")
+                || v.len() >= 5 && v.is_char_boundary(v.len() - 5) && v[v.len() - 5..].eq_ignore_ascii_case("+json")
+        })
 }
 
-fn outcome(operation: &str, result: &'static str, started: Instant) {
-    metrics::counter!("idem_http_requests_total", "operation" => operation.to_owned(), "result" => result).increment(1);
-    metrics::histogram!("idem_http_request_duration_seconds", "operation" => operation.to_owned())
+fn outcome(operation: &Operation, result: &'static str, started: Instant) {
+    metrics::counter!("idem_http_requests_total", "operation" => operation.metric_label(), "result" => result)
+        .increment(1);
+    metrics::histogram!("idem_http_request_duration_seconds", "operation" => operation.metric_label())
         .record(started.elapsed().as_secs_f64());
 }
 
@@ -181,7 +186,7 @@ where
         // Not a routed operation (an unknown route): nothing to protect.
         return passthrough(inner, Request::from_parts(parts, Body::new(body))).await;
     };
-    let op = operation.as_str().to_owned();
+    let op = operation.clone();
     let route = cfg.route(&operation);
     let key = if is_safe(&parts.method) {
         None
@@ -368,8 +373,9 @@ fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Body> {
     problem.into_response(&cfg.problem_base)
 }
 
-fn replay(cfg: &Config, record: &Record) -> Response<Body> {
-    match RecordedResponse::decode(&record.payload) {
+/// The replay of a record; its body is the record's payload, not a copy.
+fn replay(cfg: &Config, record: Record) -> Response<Body> {
+    match RecordedResponse::decode_shared(Bytes::from(record.payload)) {
         Ok(recorded) => recorded.into_replay(),
         Err(why) => {
             tracing::error!(%why, "a recorded response is corrupt");
@@ -538,7 +544,7 @@ impl<B: TxBackend + Clone> Transactional<B> {
         let done = |response| Ok(Settled::Done(response));
         let claimed = match self.engine.begin(call).await {
             Err(e) => return done(error_response(cfg, call, e)),
-            Ok(Begin::Replay(record)) => return done(replay(cfg, &record)),
+            Ok(Begin::Replay(record)) => return done(replay(cfg, record)),
             Ok(Begin::Claimed(claimed)) => claimed,
         };
         hit(Point::AfterClaim);
@@ -692,7 +698,7 @@ impl<L: LeaseStore> Leased<L> {
     async fn claim(&self, cfg: &Config, parts: &Parts, call: &Call) -> Result<idem_core::Lease, Response<Body>> {
         match self.engine.acquire(call).await {
             Ok(Acquire::Claimed(lease)) => Ok(lease),
-            Ok(Acquire::Replay(record)) => Err(replay(cfg, &record)),
+            Ok(Acquire::Replay(record)) => Err(replay(cfg, record)),
             Err(Error::OutcomeUnknown) => match &self.reconcile {
                 Some(reconcile) if reconcile.can_ask(parts, call) => {
                     self.reconcile_held(cfg, reconcile.as_ref(), parts, call).await
@@ -762,7 +768,7 @@ impl<L: LeaseStore> Leased<L> {
             // never applied to a later send than the one it was asked after.
             match self.engine.acquire(call).await {
                 Ok(Acquire::Claimed(lease)) => return Ok(lease),
-                Ok(Acquire::Replay(record)) => return Err(replay(cfg, &record)),
+                Ok(Acquire::Replay(record)) => return Err(replay(cfg, record)),
                 Err(Error::OutcomeUnknown) if asked < MAX_RECONCILE_ASKS => asked += 1,
                 Err(e) => return Err(error_response(cfg, call, e)),
             }
@@ -857,7 +863,7 @@ impl<L: LeaseStore> Drop for ReleaseLock<L> {
 #[derive(Clone)]
 struct Recording {
     max_response_bytes: usize,
-    problem_base: String,
+    problem_base: Arc<str>,
     private_headers: Arc<[http::HeaderName]>,
 }
 
@@ -886,12 +892,14 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // recorded outcome runs in a task of its own: a request future
         // dropped now (the client went away, an outer timeout) neither
         // releases the key nor stops the recording. The heartbeat keeps the
-        // lease alive until the outcome is settled.
-        let beat = self.engine.heartbeat(&lease, call.policy().effective_lease_ms());
+        // lease alive until the outcome is settled; it beats in that same
+        // task, polled beside the work, rather than in a task of its own.
+        let (held, beats) = self
+            .engine
+            .heartbeat_in_place(&lease, call.policy().effective_lease_ms());
         let version = parts.version;
         let mut req = Request::from_parts(parts, Body::from(body));
-        req.extensions_mut()
-            .insert(crate::lease::HeldLease(beat.held().clone()));
+        req.extensions_mut().insert(crate::lease::HeldLease(held));
         let engine = self.engine.clone();
         let recording = Recording {
             max_response_bytes: cfg.max_response_bytes,
@@ -908,52 +916,63 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // Counted in the engine's detached work: a graceful shutdown waits
         // for it, so a caller gone before the answer still gets it recorded.
         let task = self.engine.detached().spawn(tracing::Instrument::in_current_span(async move {
-            let mut guard = ReleaseOnPanic {
-                engine: Some(engine.clone()),
-                lease: lease.clone(),
-            };
-            let response = inner.call(req).await;
-            guard.disarm();
-            // A whole response is handed over once its outcome is settled, a
-            // streamed one at once; its body ends once the outcome is settled.
-            // Either way a caller that has read the whole response can replay it.
-            let mut stream_end = None;
-            let mut deliver = None;
-            let settle = match response {
-                Ok(response) => match streaming {
-                    // 204 and 304 have no body to stream.
-                    Some(streaming)
-                        if !matches!(decide(response.status(), &call), Decision::Release)
-                            && !matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED) =>
-                    {
-                        let (record, tx) = stream_and_record(&recording, &call, streaming, response, answer).await;
-                        stream_end = tx;
-                        Some(record)
+            // The work and its settlement, while the heartbeat beats.
+            let work = async move {
+                let mut guard = ReleaseOnPanic {
+                    engine: Some(engine.clone()),
+                    lease: lease.clone(),
+                };
+                let response = inner.call(req).await;
+                guard.disarm();
+                // A whole response is handed over once its outcome is settled, a
+                // streamed one at once; its body ends once the outcome is settled.
+                // Either way a caller that has read the whole response can replay it.
+                let mut stream_end = None;
+                let mut deliver = None;
+                let settle = match response {
+                    Ok(response) => match streaming {
+                        // 204 and 304 have no body to stream.
+                        Some(streaming)
+                            if !matches!(decide(response.status(), &call), Decision::Release)
+                                && !matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED)
+                                && !small_and_whole(&response, recording.max_response_bytes) =>
+                        {
+                            let (record, tx) = stream_and_record(&recording, &call, streaming, response, answer).await;
+                            stream_end = tx;
+                            Some(record)
+                        }
+                        _ => {
+                            let (settle, response) = settle_response(&recording, &call, response).await;
+                            deliver = Some((answer, response));
+                            settle
+                        }
+                    },
+                    Err(e) => {
+                        deliver = Some((answer, Err(e)));
+                        None
                     }
-                    _ => {
-                        let (settle, response) = settle_response(&recording, &call, response).await;
-                        deliver = Some((answer, response));
-                        settle
+                };
+                hit(Point::BeforeCommit);
+                let settled = match settle {
+                    Some(record) if record.status == idem_core::RecordStatus::Unknown => {
+                        tracing::warn!(
+                            operation = call.scope().operation().as_str(),
+                            "the outcome is unknown: the key is held until it is resolved"
+                        );
+                        engine.mark_unknown(&lease, record.payload).await
                     }
-                },
-                Err(e) => {
-                    deliver = Some((answer, Err(e)));
-                    None
-                }
+                    Some(record) => engine.complete(&lease, record).await,
+                    None => engine.release(&lease).await,
+                };
+                (settled, deliver, stream_end)
             };
-            hit(Point::BeforeCommit);
-            let settled = match settle {
-                Some(record) if record.status == idem_core::RecordStatus::Unknown => {
-                    tracing::warn!(
-                        operation = call.scope().operation().as_str(),
-                        "the outcome is unknown: the key is held until it is resolved"
-                    );
-                    engine.mark_unknown(&lease, record.payload).await
-                }
-                Some(record) => engine.complete(&lease, record).await,
-                None => engine.release(&lease).await,
+            // The beats end with the work: once the outcome is settled the
+            // lease is no longer extended.
+            let (settled, deliver, stream_end) = tokio::select! {
+                biased;
+                out = work => out,
+                never = beats => match never {},
             };
-            beat.stop();
             match settled {
                 Ok(()) => hit(Point::AfterCommit),
                 Err(Error::Fenced) => tracing::warn!(
@@ -997,6 +1016,23 @@ impl<L: LeaseStore> Mode for Leased<L> {
     {
         passthrough(inner, req).await
     }
+}
+
+/// The most bytes a declared body length may have for the body to be read
+/// whole rather than streamed.
+const WHOLE_BYTES: u64 = 16 * 1024;
+
+/// Whether a response is answered whole even when responses stream: its
+/// body declares an exact length of at most [`WHOLE_BYTES`] that fits the
+/// record. A streamed body ends only after the record anyway, so its caller
+/// sees the same response at the same moment, without frames handed from the
+/// recording task to the connection one by one.
+fn small_and_whole<B: http_body::Body>(response: &Response<B>, max_response_bytes: usize) -> bool {
+    response
+        .body()
+        .size_hint()
+        .exact()
+        .is_some_and(|n| n <= WHOLE_BYTES && n <= max_response_bytes as u64)
 }
 
 /// How many frames the channel to the first caller holds; the frames behind
