@@ -39,7 +39,7 @@ pub(crate) struct Door {
     /// The gateway's own endpoints, when they are served on this listener.
     pub(crate) admin: Option<Router>,
     pub(crate) tenants: Arc<Tenants>,
-    pub(crate) trusted: Trusted,
+    pub(crate) trusted: Arc<Trusted>,
     /// The most bytes of a refused request's body read before answering.
     pub(crate) drain_bytes: usize,
 }

@@ -146,7 +146,7 @@ impl Gateway {
             protected: tower_layer::Layer::layer(&layer, proxy),
             admin: Some(admin.clone()),
             tenants,
-            trusted: config.trusted()?,
+            trusted: Arc::new(config.trusted()?),
             drain_bytes: config.max_request_bytes,
         };
         Ok(Self {

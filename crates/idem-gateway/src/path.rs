@@ -180,15 +180,20 @@ enum Segment {
 
 /// A path's segments as routes match them: the part of each segment before
 /// any `;`, and no trailing empty segment (the root path has one, empty).
-fn match_segments(path: &str) -> Vec<&str> {
-    let mut segments: Vec<&str> = path[1..]
-        .split('/')
-        .map(|s| s.split(';').next().unwrap_or(""))
-        .collect();
-    if segments.len() > 1 && segments.last().is_some_and(|s| s.is_empty()) {
-        segments.pop();
+/// An iterator, so that matching a request against every route allocates
+/// nothing.
+fn match_segments(path: &str) -> impl Iterator<Item = &str> {
+    fn base(segment: &str) -> &str {
+        segment.split(';').next().unwrap_or("")
     }
-    segments
+    let relative = path.strip_prefix('/').unwrap_or(path);
+    // A last segment that is empty before any `;` is no segment of its own,
+    // unless it is the only one.
+    let relative = match relative.rfind('/') {
+        Some(i) if base(&relative[i + 1..]).is_empty() => &relative[..i],
+        _ => relative,
+    };
+    relative.split('/').map(base)
 }
 
 impl Template {
@@ -235,12 +240,12 @@ impl Template {
 
     /// Whether the canonical `path` is this route.
     fn matches(&self, path: &str) -> bool {
-        let got = match_segments(path);
-        got.len() == self.segments.len()
-            && self.segments.iter().zip(&got).all(|(t, s)| match t {
-                Segment::Any(_) => !s.is_empty(),
-                Segment::Literal(l) => l.eq_ignore_ascii_case(s),
-            })
+        let mut got = match_segments(path);
+        self.segments.iter().all(|t| match (t, got.next()) {
+            (_, None) => false,
+            (Segment::Any(_), Some(s)) => !s.is_empty(),
+            (Segment::Literal(l), Some(s)) => l.eq_ignore_ascii_case(s),
+        }) && got.next().is_none()
     }
 
     /// The names of its `{name}` placeholders, in order.
@@ -270,17 +275,47 @@ impl Template {
     }
 }
 
-/// The configured routes, in order.
-#[derive(Debug, Clone, Default)]
+/// The method labels an operation name may start with (see
+/// [`method_label`]).
+const METHOD_LABELS: [&str; 10] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH", "OTHER",
+];
+
+/// The configured routes, in order, each with its operation made once, and
+/// the operation of an unrouted request per method: finding a request's
+/// operation allocates nothing.
+#[derive(Debug, Clone)]
 pub(crate) struct Routes {
-    routes: Vec<(String, Template)>,
+    routes: Vec<(String, Template, Option<Operation>)>,
+    unrouted: Vec<(&'static str, Operation)>,
+}
+
+impl Default for Routes {
+    fn default() -> Self {
+        let unrouted = METHOD_LABELS
+            .iter()
+            .map(|m| {
+                (
+                    *m,
+                    Operation::new(format!("{m} {UNROUTED}")).expect("a valid operation name"),
+                )
+            })
+            .collect();
+        Self {
+            routes: Vec::new(),
+            unrouted,
+        }
+    }
 }
 
 impl Routes {
     /// Adds a route; returns its operation name (`POST /v1/payouts/{id}`).
     pub(crate) fn push(&mut self, method: String, template: Template) -> String {
         let name = format!("{method} {}", template.path);
-        self.routes.push((method, template));
+        // A name that is no valid operation (too long) protects nothing,
+        // as before: the layer passes such a request through.
+        let operation = Operation::new(&name).ok();
+        self.routes.push((method, template, operation));
         name
     }
 
@@ -288,10 +323,14 @@ impl Routes {
     /// route whose method and template match, else `"<METHOD> (unrouted)"`.
     pub(crate) fn operation(&self, method: &axum::http::Method, path: &str) -> Option<Operation> {
         let method = method_label(method);
-        let route = self.routes.iter().find(|(m, t)| m == method && t.matches(path));
+        let route = self.routes.iter().find(|(m, t, _)| m == method && t.matches(path));
         match route {
-            Some((m, t)) => Operation::new(format!("{m} {}", t.path)).ok(),
-            None => Operation::new(format!("{method} {UNROUTED}")).ok(),
+            Some((_, _, operation)) => operation.clone(),
+            None => self
+                .unrouted
+                .iter()
+                .find(|(m, _)| *m == method)
+                .map(|(_, op)| op.clone()),
         }
     }
 }
@@ -379,6 +418,24 @@ mod tests {
             r.push(m.into(), Template::parse(p).unwrap());
         }
         r
+    }
+
+    /// The segments routes match are the path's, `;parameters` cut, less one
+    /// trailing empty segment unless it is the only one.
+    #[test]
+    fn match_segments_cut_parameters_and_one_trailing_slash() {
+        for (path, want) in [
+            ("/", vec![""]),
+            ("/;x", vec![""]),
+            ("/v1", vec!["v1"]),
+            ("/v1/", vec!["v1"]),
+            ("/v1/;x", vec!["v1"]),
+            ("/v1//", vec!["v1", ""]),
+            ("/v1/p;a=1/q;b", vec!["v1", "p", "q"]),
+            ("/v1/p/", vec!["v1", "p"]),
+        ] {
+            assert_eq!(match_segments(path).collect::<Vec<_>>(), want, "{path}");
+        }
     }
 
     /// Routes match their own path and its lenient spellings, and nothing else.

@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
-use futures_util::TryStreamExt;
 use idem_http::{DEFAULT_PROBLEM_BASE, Problem, strip_hop_by_hop};
 
 use crate::body::is_slow_body;
@@ -169,20 +168,57 @@ where
     }
 }
 
+/// An upstream body's data frames, its trailers left out; its size hint
+/// (the declared length) is kept.
+struct DataOnly<B>(B);
+
+impl<B> http_body::Body for DataOnly<B>
+where
+    B: http_body::Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        loop {
+            match std::task::ready!(std::pin::Pin::new(&mut self.0).poll_frame(cx)) {
+                Some(Ok(frame)) if !frame.is_data() => continue,
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
+    }
+}
+
 /// The upstream as a tower service.
 #[derive(Clone)]
 pub(crate) struct Proxy {
     client: reqwest::Client,
     upstream: Arc<reqwest::Url>,
+    /// The upstream's path, less a trailing slash: the prefix of every
+    /// forwarded path.
+    base: Arc<str>,
     forwarding: Arc<Forwarding>,
     unknowns: Arc<Unknowns>,
 }
 
 impl Proxy {
     pub(crate) fn new(config: &Config, client: reqwest::Client) -> Result<Self, ConfigError> {
+        let upstream = config.upstream()?;
         Ok(Self {
             client,
-            upstream: Arc::new(config.upstream()?),
+            base: Arc::from(upstream.path().trim_end_matches('/')),
+            upstream: Arc::new(upstream),
             forwarding: Arc::new(Forwarding::new(config)?),
             unknowns: Arc::new(Unknowns::new(config)?),
         })
@@ -218,9 +254,14 @@ impl Proxy {
         // The door made the target canonical; it is forwarded as it is, so
         // the upstream gets the path that was routed and fingerprinted.
         let mut url = (*self.upstream).clone();
-        let base = url.path().trim_end_matches('/').to_owned();
-        let path = format!("{base}{}", parts.uri.path());
-        url.set_path(&path);
+        let joined;
+        let path = if self.base.is_empty() {
+            parts.uri.path()
+        } else {
+            joined = format!("{}{}", self.base, parts.uri.path());
+            &joined
+        };
+        url.set_path(path);
         url.set_query(parts.uri.query());
         if url.path() != path || url.query() != parts.uri.query() {
             tracing::error!(target = %parts.uri, "a canonical target would be forwarded otherwise; refused");
@@ -266,14 +307,16 @@ impl Proxy {
         };
         match sent {
             Ok(answer) => {
-                let status = answer.status();
-                let mut headers = answer.headers().clone();
+                // The answer's head is taken over as it is, not copied.
+                let (mut head, body) = axum::http::Response::from(answer).into_parts();
                 // Content-Length stays: the body is streamed unchanged, and a
                 // HEAD answer has no other way to say its length.
-                strip_hop_by_hop(&mut headers);
-                let mut response = Response::new(Body::from_stream(answer.bytes_stream().map_err(axum::Error::new)));
+                strip_hop_by_hop(&mut head.headers);
+                let status = head.status;
+                // Its data and its declared length; trailers are not forwarded.
+                let mut response = Response::new(Body::new(DataOnly(body)));
                 *response.status_mut() = status;
-                *response.headers_mut() = headers;
+                *response.headers_mut() = head.headers;
                 if status.is_server_error()
                     && let Some(unknown) = unknown(format!("the upstream answered {}", status.as_u16()))
                 {

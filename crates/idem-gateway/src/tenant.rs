@@ -163,11 +163,13 @@ impl Credential {
         }
     }
 
-    fn label(&self) -> String {
+    /// The credential's name in the digest; the usual one is not built anew
+    /// per request.
+    fn label(&self) -> std::borrow::Cow<'static, str> {
         match self {
             Self::Authorization => "authorization".into(),
-            Self::Header(h) => format!("header:{h}"),
-            Self::Cookie(c) => format!("cookie:{c}"),
+            Self::Header(h) => format!("header:{h}").into(),
+            Self::Cookie(c) => format!("cookie:{c}").into(),
         }
     }
 
@@ -449,13 +451,16 @@ fn digest(credentials: &[Credential], presented: &[Vec<&[u8]>]) -> [u8; 32] {
 /// digest gateways used before the source was configurable (`auth_…` of
 /// the header's value), so keys recorded before an upgrade still replay.
 fn credential_tenant(credentials: &[Credential], presented: &[Vec<&[u8]>]) -> Tenant {
-    let name = match (credentials, presented) {
-        ([Credential::Authorization], [values]) if values.len() == 1 => {
-            format!("auth_{}", &hex::encode(Sha256::digest(values[0]))[..40])
-        }
-        _ => format!("cred_{}", &hex::encode(digest(credentials, presented))[..40]),
+    let (prefix, digest): (&[u8; 5], [u8; 32]) = match (credentials, presented) {
+        ([Credential::Authorization], [values]) if values.len() == 1 => (b"auth_", Sha256::digest(values[0]).into()),
+        _ => (b"cred_", digest(credentials, presented)),
     };
-    Tenant::new(name).expect("a hex digest is a valid tenant")
+    // The prefix and the digest's first 20 bytes in hex, written in place:
+    // the tenant's own name is the only allocation.
+    let mut name = [0u8; 45];
+    name[..5].copy_from_slice(prefix);
+    hex::encode_to_slice(&digest[..20], &mut name[5..]).expect("40 hex digits fit");
+    Tenant::new(std::str::from_utf8(&name).expect("ASCII")).expect("a hex digest is a valid tenant")
 }
 
 /// Where the upstream's identity answer names the caller.
