@@ -70,24 +70,41 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
                 .await
                 .map_err(store_error)?;
             let n = tags.len() as isize;
-            let reads: Vec<_> = tags
-                .iter()
-                .map(|tag| {
-                    let mut conn = self.conn.clone();
-                    let mut cmd = redis::cmd("HMGET");
-                    cmd.arg(self.row_key(tag)).arg(fields);
-                    async move { cmd.query_async::<Fields>(&mut conn).await.map_err(store_error) }
-                })
-                .collect();
-            let rows: Vec<Fields> = futures_util::stream::iter(reads)
-                .buffered(CONCURRENCY)
-                .try_collect()
-                .await?;
+            let rows = self.read_rows(&tags, fields).await?;
             if !each(tags.into_iter().zip(rows).collect()) || n < PAGE {
                 return Ok(());
             }
             start += PAGE;
         }
+    }
+
+    /// `fields` of the rows of `tags`, in order: on one server in one
+    /// pipeline (one round trip), on a cluster row by row, several in flight.
+    async fn read_rows(&self, tags: &[String], fields: &[&str]) -> Result<Vec<Fields>> {
+        if tags.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.pipelines {
+            let mut pipe = redis::pipe();
+            for tag in tags {
+                pipe.cmd("HMGET").arg(self.row_key(tag)).arg(fields);
+            }
+            let mut conn = self.conn.clone();
+            return pipe.query_async(&mut conn).await.map_err(store_error);
+        }
+        let reads: Vec<_> = tags
+            .iter()
+            .map(|tag| {
+                let mut conn = self.conn.clone();
+                let mut cmd = redis::cmd("HMGET");
+                cmd.arg(self.row_key(tag)).arg(fields);
+                async move { cmd.query_async::<Fields>(&mut conn).await.map_err(store_error) }
+            })
+            .collect();
+        futures_util::stream::iter(reads)
+            .buffered(CONCURRENCY)
+            .try_collect()
+            .await
     }
 
     /// The keys matching `filter` with their tags. `Order::Oldest`: the
@@ -192,34 +209,63 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
             let flag = |v: &Option<String>| if v.is_some() { "1" } else { "0" };
             let state = filter.state.map(KeyState::name).unwrap_or("");
             let cutoff = filter.older_than_ms.map(|age| now_ms.saturating_sub(age));
-            let deletes: Vec<_> = candidates
-                .iter()
-                .map(|(tag, _)| {
-                    let mut conn = self.conn.clone();
-                    let mut invocation = self.scripts.purge_one.key(self.row_key(tag));
-                    invocation
-                        .arg(now_ms)
-                        .arg(flag(&filter.tenant))
-                        .arg(filter.tenant.as_deref().unwrap_or(""))
-                        .arg(flag(&filter.operation))
-                        .arg(filter.operation.as_deref().unwrap_or(""))
-                        .arg(flag(&filter.key_prefix))
-                        .arg(filter.key_prefix.as_deref().unwrap_or(""))
-                        .arg(state)
-                        .arg(if cutoff.is_some() { "1" } else { "0" })
-                        .arg(cutoff.unwrap_or(0));
-                    async move {
-                        invocation
-                            .invoke_async::<Option<String>>(&mut conn)
-                            .await
-                            .map_err(store_error)
+            let (now, cutoff_ms) = (now_ms.to_string(), cutoff.unwrap_or(0).to_string());
+            // The script's arguments after the row's key, the same for every row.
+            let args: Vec<&[u8]> = vec![
+                now.as_bytes(),
+                flag(&filter.tenant).as_bytes(),
+                filter.tenant.as_deref().unwrap_or("").as_bytes(),
+                flag(&filter.operation).as_bytes(),
+                filter.operation.as_deref().unwrap_or("").as_bytes(),
+                flag(&filter.key_prefix).as_bytes(),
+                filter.key_prefix.as_deref().unwrap_or("").as_bytes(),
+                state.as_bytes(),
+                if cutoff.is_some() { b"1" } else { b"0" },
+                cutoff_ms.as_bytes(),
+            ];
+            let deleted: Vec<Option<String>> = if candidates.is_empty() {
+                Vec::new()
+            } else if self.pipelines {
+                // One round trip for the batch: the script is loaded first (a
+                // pipeline cannot load it on a NOSCRIPT answer), then run on
+                // each row by its hash.
+                let mut conn = self.conn.clone();
+                let sha = self
+                    .scripts
+                    .purge_one
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(store_error)?;
+                let mut pipe = redis::pipe();
+                for (tag, _) in &candidates {
+                    let cmd = pipe.cmd("EVALSHA").arg(&sha).arg(1).arg(self.row_key(tag));
+                    for a in &args {
+                        cmd.arg(*a);
                     }
-                })
-                .collect();
-            let deleted: Vec<Option<String>> = futures_util::stream::iter(deletes)
-                .buffered(CONCURRENCY)
-                .try_collect()
-                .await?;
+                }
+                pipe.query_async(&mut conn).await.map_err(store_error)?
+            } else {
+                let deletes: Vec<_> = candidates
+                    .iter()
+                    .map(|(tag, _)| {
+                        let mut conn = self.conn.clone();
+                        let mut invocation = self.scripts.purge_one.key(self.row_key(tag));
+                        for a in &args {
+                            invocation.arg(*a);
+                        }
+                        async move {
+                            invocation
+                                .invoke_async::<Option<String>>(&mut conn)
+                                .await
+                                .map_err(store_error)
+                        }
+                    })
+                    .collect();
+                futures_util::stream::iter(deletes)
+                    .buffered(CONCURRENCY)
+                    .try_collect()
+                    .await?
+            };
             // Only the entries of deleted rows, and only while they still
             // point at the deleted row's expiry or earlier: a claim made
             // since has indexed its own, later expiry.
@@ -231,5 +277,87 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
             self.settle_index(&settle).await?;
             Ok(settle.len() as u64)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+    use super::*;
+
+    const ROWS: usize = 100;
+
+    /// One server holding `ROWS` indexed rows, counting the round trips
+    /// made to it (a command alone or a whole pipeline).
+    #[derive(Clone, Default)]
+    struct Server {
+        round_trips: Arc<AtomicUsize>,
+    }
+
+    fn answer(cmd: &Cmd) -> Value {
+        let args: Vec<Vec<u8>> = cmd
+            .args_iter()
+            .filter_map(|a| match a {
+                redis::Arg::Simple(b) => Some(b.to_vec()),
+                _ => None,
+            })
+            .collect();
+        match args[0].as_slice() {
+            b"ZRANGE" if args[2] == b"0" => Value::Array(
+                (0..ROWS)
+                    .map(|i| Value::BulkString(format!("tag{i}").into_bytes()))
+                    .collect(),
+            ),
+            b"ZRANGE" => Value::Array(Vec::new()),
+            b"HMGET" => Value::Array(
+                [b"1".as_slice(), b"9000000000000"]
+                    .iter()
+                    .map(|v| Value::BulkString(v.to_vec()))
+                    .collect(),
+            ),
+            _ => Value::Nil,
+        }
+    }
+
+    impl ConnectionLike for Server {
+        fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+            self.round_trips.fetch_add(1, Ordering::SeqCst);
+            let value = answer(cmd);
+            Box::pin(async move { Ok(value) })
+        }
+
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            pipe: &'a Pipeline,
+            offset: usize,
+            count: usize,
+        ) -> RedisFuture<'a, Vec<Value>> {
+            self.round_trips.fetch_add(1, Ordering::SeqCst);
+            let values: Vec<Value> = pipe.cmd_iter().map(answer).skip(offset).take(count).collect();
+            Box::pin(async move { Ok(values) })
+        }
+
+        fn get_db(&self) -> i64 {
+            0
+        }
+    }
+
+    /// On one server the rows of an index page are read in one pipeline,
+    /// not one round trip per row.
+    #[tokio::test]
+    async fn stats_read_a_page_of_rows_in_one_round_trip() {
+        let server = Server::default();
+        let store = RedisStore::new(server.clone());
+        let stats = store.stats(0).await.unwrap();
+        assert_eq!(
+            stats.in_progress + stats.completed + stats.rejected + stats.unknown + stats.expired,
+            ROWS as u64
+        );
+        let round_trips = server.round_trips.load(Ordering::SeqCst);
+        assert!(round_trips <= 2, "{ROWS} rows cost {round_trips} round trips");
     }
 }

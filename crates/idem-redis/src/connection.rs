@@ -92,14 +92,14 @@ impl RedisStore<RedisConnection> {
                 let single = RedisStore::connect(one).await?;
                 if is_cluster_node(&single.conn).await {
                     let cluster = RedisStore::connect_cluster(&[one]).await?;
-                    Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)))
+                    Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)).on_cluster())
                 } else {
                     Ok(RedisStore::new(RedisConnection::Single(single.conn)))
                 }
             }
             many => {
                 let cluster = RedisStore::connect_cluster(many).await?;
-                Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)))
+                Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)).on_cluster())
             }
         }
     }

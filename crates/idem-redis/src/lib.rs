@@ -119,6 +119,11 @@ struct Scripts {
 pub struct RedisStore<C = ConnectionManager> {
     conn: C,
     prefix: Arc<str>,
+    /// `<prefix>:expiry`, made once.
+    expiry: Arc<str>,
+    /// Whether commands on many rows may share one pipeline: on one server
+    /// they may; on a cluster each row is in a slot of its own.
+    pipelines: bool,
     scripts: Arc<Scripts>,
     index: Arc<index::IndexQueue>,
 }
@@ -211,16 +216,25 @@ impl RedisStore<ClusterConnection> {
             .get_async_connection()
             .await
             .map_err(|e| tls::connect_error(&plain.join(","), e))?;
-        Ok(Self::new(conn))
+        Ok(Self::new(conn).on_cluster())
     }
 }
 
 impl<C> RedisStore<C> {
+    /// Marks the store as one on a Redis Cluster: commands on many rows are
+    /// sent row by row (several in flight), never in one pipeline.
+    pub(crate) fn on_cluster(mut self) -> Self {
+        self.pipelines = false;
+        self
+    }
+
     /// A store on `conn` with the prefix [`DEFAULT_PREFIX`].
     pub fn new(conn: C) -> Self {
         Self {
             conn,
             prefix: DEFAULT_PREFIX.into(),
+            expiry: format!("{DEFAULT_PREFIX}:expiry").into(),
+            pipelines: true,
             scripts: Arc::new(Scripts {
                 claim: Script::new(scripts::CLAIM),
                 complete: Script::new(scripts::COMPLETE),
@@ -249,6 +263,7 @@ impl<C> RedisStore<C> {
             )));
         }
         self.prefix = prefix.into();
+        self.expiry = format!("{prefix}:expiry").into();
         // The index of another prefix is written by a queue of its own.
         self.index = Arc::default();
         Ok(self)
@@ -276,8 +291,8 @@ impl<C> RedisStore<C> {
         format!("{}:{{{tag}}}:t", self.prefix)
     }
 
-    fn expiry_key(&self) -> String {
-        format!("{}:expiry", self.prefix)
+    fn expiry_key(&self) -> &str {
+        &self.expiry
     }
 }
 
@@ -285,6 +300,15 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
     match v {
         Value::BulkString(b) => Some(b.clone()),
         Value::SimpleString(s) => Some(s.clone().into_bytes()),
+        _ => None,
+    }
+}
+
+/// The bytes of a string value, moved out of it.
+fn take_bytes(v: &mut Value) -> Option<Vec<u8>> {
+    match std::mem::replace(v, Value::Nil) {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
         _ => None,
     }
 }
@@ -300,8 +324,18 @@ fn corrupt(what: &str) -> Error {
     Error::Corrupt(format!("Redis row: {what}"))
 }
 
+/// A string value's text, borrowed.
+fn str_of(v: &Value) -> Option<&str> {
+    match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s),
+        Value::VerbatimString { text, .. } => Some(text),
+        _ => None,
+    }
+}
+
 fn int(v: &Value, what: &str) -> Result<i64> {
-    text(v).and_then(|s| s.parse().ok()).ok_or_else(|| corrupt(what))
+    str_of(v).and_then(|s| s.parse().ok()).ok_or_else(|| corrupt(what))
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
@@ -329,7 +363,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
             let lease = req.lease_expires_at_ms.unwrap_or(req.expires_at_ms);
             let ttl_ms = (req.expires_at_ms - req.now_ms).max(1);
             let mut conn = self.conn.clone();
-            let reply: Vec<Value> = self
+            let mut reply: Vec<Value> = self
                 .scripts
                 .claim
                 .key(self.row_key(&tag))
@@ -346,7 +380,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                 .invoke_async(&mut conn)
                 .await
                 .map_err(store_error)?;
-            match reply.first().and_then(text).as_deref() {
+            match reply.first().and_then(str_of) {
                 Some("acquired") => {
                     let token = reply
                         .get(1)
@@ -356,7 +390,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                     // The sweeper's index, written off this path; Redis also
                     // expires the row by its TTL.
                     self.index
-                        .add(&self.conn, &self.expiry_key(), tag, req.expires_at_ms)
+                        .add(&self.conn, self.expiry_key(), tag, req.expires_at_ms)
                         .await;
                     Ok(LeaseClaim::Acquired(Token(token)))
                 }
@@ -364,10 +398,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                     let fingerprint = bytes(&reply[1]).ok_or_else(|| corrupt("fingerprint"))?;
                     let status = int(&reply[2], "status")?;
                     let token = int(&reply[3], "token")?;
-                    let lease = text(&reply[4]).filter(|s| !s.is_empty()).map(|s| s.parse::<i64>());
+                    let lease = str_of(&reply[4]).filter(|s| !s.is_empty()).map(str::parse::<i64>);
                     let lease = lease.transpose().map_err(|_| corrupt("lease"))?;
                     let expires = int(&reply[5], "expiry")?;
-                    let payload = bytes(&reply[6]);
+                    // The recorded outcome is taken out of the reply, not copied.
+                    let payload = take_bytes(&mut reply[6]);
                     let row = StoredRow::from_columns(
                         &fingerprint,
                         i16::try_from(status).map_err(|_| corrupt("status"))?,
@@ -406,7 +441,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
             if done == 2 {
                 let tag = Self::tag(&lease.scope, &lease.key);
                 self.index
-                    .add(&self.conn, &self.expiry_key(), tag, lease_expires_at_ms)
+                    .add(&self.conn, self.expiry_key(), tag, lease_expires_at_ms)
                     .await;
             }
             Ok(())
