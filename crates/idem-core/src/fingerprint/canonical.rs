@@ -21,7 +21,10 @@
 //! keeps memory proportional to the input, and bounds an exponent to
 //! [`MAX_EXPONENT_DIGITS`] significant digits.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::io::Write as _;
+use std::ops::Range;
 
 /// How deeply arrays and objects may nest.
 pub const MAX_DEPTH: usize = 128;
@@ -70,23 +73,45 @@ impl std::error::Error for CanonicalError {}
 /// # Ok::<(), idem_core::CanonicalError>(())
 /// ```
 pub fn canonical_json(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
-    Parser { input: json, pos: 0 }.document()
+    Parser {
+        input: json,
+        pos: 0,
+        digits: Vec::new(),
+    }
+    .document()
 }
 
-enum Frame {
-    Array(Vec<u8>),
-    Object {
-        members: Vec<(Vec<u16>, Vec<u8>)>,
-        name: Vec<u16>,
-    },
+/// An object's members: each name, and the range of its value's canonical
+/// form in the object's buffer.
+type Members<'a> = Vec<(Cow<'a, str>, Range<usize>)>;
+
+/// An open object: its members' canonical values side by side in `buf`,
+/// each named with its range there, sorted when the object closes.
+struct Object<'a> {
+    buf: Vec<u8>,
+    members: Members<'a>,
+    /// The name of the member being parsed, and where its value starts.
+    name: Cow<'a, str>,
+    start: usize,
+}
+
+/// What is open, innermost last. An array keeps no buffer of its own: its
+/// elements keep their order, so they are written straight into the
+/// innermost open object's buffer (or the output).
+#[derive(Clone, Copy)]
+enum Open {
+    Array,
+    Object,
 }
 
 struct Parser<'a> {
     input: &'a [u8],
     pos: usize,
+    /// Scratch space for a number's digits, reused.
+    digits: Vec<u8>,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn err(&self) -> CanonicalError {
         CanonicalError::Syntax { offset: self.pos }
     }
@@ -112,65 +137,80 @@ impl Parser<'_> {
     }
 
     fn document(mut self) -> Result<Vec<u8>, CanonicalError> {
-        let mut stack: Vec<Frame> = Vec::new();
+        // Each value is written once where it ends up, except an object's
+        // members, which are copied once more when the object is sorted.
+        // Buffers of closed objects are kept for the next ones.
+        let mut out = Vec::with_capacity(self.input.len());
+        let mut open: Vec<Open> = Vec::new();
+        let mut objects: Vec<Object<'a>> = Vec::new();
+        let mut spare: Vec<(Vec<u8>, Members<'a>)> = Vec::new();
         'value: loop {
-            // Parse one value; containers push a frame and parse their first
-            // element on the next turn of the loop.
+            // Parse one value into the innermost object's buffer (or the
+            // output); containers open and parse their first element on the
+            // next turn of the loop.
             self.skip_ws();
-            let mut value = match self.peek() {
+            let sink = match objects.last_mut() {
+                Some(object) => &mut object.buf,
+                None => &mut out,
+            };
+            match self.peek() {
                 Some(b'[') => {
                     self.pos += 1;
-                    if stack.len() >= MAX_DEPTH {
+                    if open.len() >= MAX_DEPTH {
                         return Err(CanonicalError::TooDeep);
                     }
                     self.skip_ws();
                     if self.peek() == Some(b']') {
                         self.pos += 1;
-                        b"[]".to_vec()
+                        sink.extend_from_slice(b"[]");
                     } else {
-                        stack.push(Frame::Array(vec![b'[']));
+                        sink.push(b'[');
+                        open.push(Open::Array);
                         continue 'value;
                     }
                 }
                 Some(b'{') => {
                     self.pos += 1;
-                    if stack.len() >= MAX_DEPTH {
+                    if open.len() >= MAX_DEPTH {
                         return Err(CanonicalError::TooDeep);
                     }
                     self.skip_ws();
                     if self.peek() == Some(b'}') {
                         self.pos += 1;
-                        b"{}".to_vec()
+                        sink.extend_from_slice(b"{}");
                     } else {
                         let name = self.name()?;
-                        stack.push(Frame::Object {
-                            members: Vec::new(),
+                        let (mut buf, members) = spare.pop().unwrap_or_default();
+                        buf.clear();
+                        objects.push(Object {
+                            buf,
+                            members,
                             name,
+                            start: 0,
                         });
+                        open.push(Open::Object);
                         continue 'value;
                     }
                 }
                 Some(b'"') => {
                     let s = self.string()?;
-                    let mut out = Vec::with_capacity(s.len() + 2);
-                    write_string(&mut out, &s);
-                    out
+                    write_parsed(sink, &s);
                 }
-                Some(b'-' | b'0'..=b'9') => self.number()?,
-                Some(b't') => self.literal(b"true")?,
-                Some(b'f') => self.literal(b"false")?,
-                Some(b'n') => self.literal(b"null")?,
+                Some(b'-' | b'0'..=b'9') => self.number(sink)?,
+                Some(b't') => self.literal(b"true", sink)?,
+                Some(b'f') => self.literal(b"false", sink)?,
+                Some(b'n') => self.literal(b"null", sink)?,
                 _ => return Err(self.err()),
-            };
-            // Hand the finished value to its container, closing containers
-            // as long as their closing bracket follows.
+            }
+            // The value is written: hand it to its container, closing
+            // containers as long as their closing bracket follows.
             loop {
-                let Some(top) = stack.last_mut() else {
+                let Some(&top) = open.last() else {
                     self.skip_ws();
                     if self.pos != self.input.len() {
                         return Err(self.err());
                     }
-                    return Ok(value);
+                    return Ok(out);
                 };
                 self.skip_ws();
                 let next = self.peek();
@@ -178,15 +218,19 @@ impl Parser<'_> {
                     self.pos += 1;
                 }
                 match top {
-                    Frame::Array(out) => {
-                        out.extend_from_slice(&value);
+                    Open::Array => {
+                        let sink = match objects.last_mut() {
+                            Some(object) => &mut object.buf,
+                            None => &mut out,
+                        };
                         match next {
                             Some(b',') => {
-                                out.push(b',');
+                                sink.push(b',');
                                 continue 'value;
                             }
                             Some(b']') => {
-                                out.push(b']');
+                                sink.push(b']');
+                                open.pop();
                             }
                             _ => {
                                 return Err(CanonicalError::Syntax {
@@ -195,15 +239,28 @@ impl Parser<'_> {
                             }
                         }
                     }
-                    Frame::Object { members, name } => {
-                        members.push((std::mem::take(name), value));
+                    Open::Object => {
+                        let object = objects.last_mut().expect("an open object has its buffer");
+                        let name = std::mem::take(&mut object.name);
+                        object.members.push((name, object.start..object.buf.len()));
                         match next {
                             Some(b',') => {
                                 self.skip_ws();
-                                *name = self.name()?;
+                                object.name = self.name()?;
+                                object.start = object.buf.len();
                                 continue 'value;
                             }
-                            Some(b'}') => {}
+                            Some(b'}') => {
+                                open.pop();
+                                let mut closed = objects.pop().expect("an open object has its buffer");
+                                let sink = match objects.last_mut() {
+                                    Some(object) => &mut object.buf,
+                                    None => &mut out,
+                                };
+                                close_object(&mut closed.members, &closed.buf, sink)?;
+                                closed.members.clear();
+                                spare.push((closed.buf, closed.members));
+                            }
                             _ => {
                                 return Err(CanonicalError::Syntax {
                                     offset: self.pos.saturating_sub(1),
@@ -212,30 +269,26 @@ impl Parser<'_> {
                         }
                     }
                 }
-                value = match stack.pop() {
-                    Some(Frame::Array(out)) => out,
-                    Some(Frame::Object { members, .. }) => close_object(members)?,
-                    None => unreachable!("the stack had a top frame"),
-                };
             }
         }
     }
 
-    /// A member name and its colon, as UTF-16 code units.
-    fn name(&mut self) -> Result<Vec<u16>, CanonicalError> {
+    /// A member name and its colon.
+    fn name(&mut self) -> Result<Cow<'a, str>, CanonicalError> {
         self.skip_ws();
         if self.peek() != Some(b'"') {
             return Err(self.err());
         }
         let name = self.string()?;
         self.expect(b':')?;
-        Ok(name.encode_utf16().collect())
+        Ok(name)
     }
 
-    fn literal(&mut self, word: &'static [u8]) -> Result<Vec<u8>, CanonicalError> {
+    fn literal(&mut self, word: &'static [u8], out: &mut Vec<u8>) -> Result<(), CanonicalError> {
         if self.input[self.pos..].starts_with(word) {
             self.pos += word.len();
-            Ok(word.to_vec())
+            out.extend_from_slice(word);
+            Ok(())
         } else {
             Err(self.err())
         }
@@ -252,28 +305,36 @@ impl Parser<'_> {
         Ok(v)
     }
 
-    /// An unescaped string; `self.pos` is at its opening quote.
-    fn string(&mut self) -> Result<String, CanonicalError> {
+    /// An unescaped string; `self.pos` is at its opening quote. Borrowed
+    /// from the input when it has no escapes, and then it holds nothing the
+    /// canonical form escapes either (see [`write_parsed`]).
+    fn string(&mut self) -> Result<Cow<'a, str>, CanonicalError> {
+        let input = self.input;
         self.pos += 1;
-        let mut out = String::new();
+        let mut out: Option<String> = None;
         loop {
             let start = self.pos;
-            while let Some(b) = self.peek() {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.pos += 1;
-            }
-            let run = std::str::from_utf8(&self.input[start..self.pos]).map_err(|e| CanonicalError::Syntax {
+            self.pos += input[start..]
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+                .unwrap_or(input.len() - start);
+            let run = std::str::from_utf8(&input[start..self.pos]).map_err(|e| CanonicalError::Syntax {
                 offset: start + e.valid_up_to(),
             })?;
-            out.push_str(run);
             match self.peek() {
                 Some(b'"') => {
                     self.pos += 1;
-                    return Ok(out);
+                    return Ok(match out {
+                        None => Cow::Borrowed(run),
+                        Some(mut out) => {
+                            out.push_str(run);
+                            Cow::Owned(out)
+                        }
+                    });
                 }
                 Some(b'\\') => {
+                    let out = out.get_or_insert_with(String::new);
+                    out.push_str(run);
                     self.pos += 1;
                     let escape = self.peek().ok_or_else(|| self.err())?;
                     self.pos += 1;
@@ -317,17 +378,18 @@ impl Parser<'_> {
         char::from_u32(c).ok_or(CanonicalError::LoneSurrogate)
     }
 
-    fn digits(&mut self) -> &[u8] {
+    fn digits(&mut self) -> &'a [u8] {
+        let input = self.input;
         let start = self.pos;
         while let Some(b'0'..=b'9') = self.peek() {
             self.pos += 1;
         }
-        &self.input[start..self.pos]
+        &input[start..self.pos]
     }
 
-    /// A number as `[-]digits[eN]`: `digits` has no leading or trailing
-    /// zeros, and the value is `digits × 10^N`. Zero is `0`.
-    fn number(&mut self) -> Result<Vec<u8>, CanonicalError> {
+    /// Writes a number as `[-]digits[eN]`: `digits` has no leading or
+    /// trailing zeros, and the value is `digits × 10^N`. Zero is `0`.
+    fn number(&mut self, out: &mut Vec<u8>) -> Result<(), CanonicalError> {
         let negative = self.peek() == Some(b'-');
         if negative {
             self.pos += 1;
@@ -337,7 +399,17 @@ impl Parser<'_> {
         if int.is_empty() || (int.len() > 1 && int[0] == b'0') {
             return Err(CanonicalError::Syntax { offset: int_at });
         }
-        let mut digits = int.to_vec();
+        let mut digits = std::mem::take(&mut self.digits);
+        digits.clear();
+        digits.extend_from_slice(int);
+        let result = self.number_rest(negative, &mut digits, out);
+        self.digits = digits;
+        result
+    }
+
+    /// The fraction and exponent of a number whose integer digits are in
+    /// `digits`, then the number written.
+    fn number_rest(&mut self, negative: bool, digits: &mut Vec<u8>, out: &mut Vec<u8>) -> Result<(), CanonicalError> {
         let mut exponent: i128 = 0;
         if self.peek() == Some(b'.') {
             self.pos += 1;
@@ -376,63 +448,127 @@ impl Parser<'_> {
         let trailing = digits[leading..].iter().rev().take_while(|&&d| d == b'0').count();
         let significant = &digits[leading..digits.len() - trailing];
         if significant.is_empty() {
-            return Ok(b"0".to_vec());
+            out.push(b'0');
+            return Ok(());
         }
         exponent += trailing as i128;
-        let mut out = Vec::with_capacity(significant.len() + 24);
         if negative {
             out.push(b'-');
         }
         out.extend_from_slice(significant);
         if exponent != 0 {
             out.push(b'e');
-            out.extend_from_slice(exponent.to_string().as_bytes());
+            // Writing to a Vec cannot fail.
+            let _ = write!(out, "{exponent}");
         }
-        Ok(out)
+        Ok(())
     }
 }
 
-/// Sorts an object's members by name and refuses duplicate names.
-fn close_object(mut members: Vec<(Vec<u16>, Vec<u8>)>) -> Result<Vec<u8>, CanonicalError> {
-    members.sort_by(|a, b| a.0.cmp(&b.0));
+/// Writes an object: its members sorted by name (as UTF-16 code units), each
+/// value taken from its range of `values`; refuses duplicate names.
+fn close_object(
+    members: &mut [(Cow<'_, str>, Range<usize>)],
+    values: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), CanonicalError> {
+    members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
     if members.windows(2).any(|w| w[0].0 == w[1].0) {
         return Err(CanonicalError::DuplicateName);
     }
-    let len = members.iter().map(|(n, v)| n.len() * 3 + v.len() + 4).sum::<usize>() + 2;
-    let mut out = Vec::with_capacity(len);
+    out.reserve(values.len() + members.iter().map(|(n, _)| n.len() + 4).sum::<usize>() + 2);
     out.push(b'{');
     for (i, (name, value)) in members.iter().enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        // Names came from valid strings, so they decode without loss.
-        let name = String::from_utf16_lossy(name);
-        write_string(&mut out, &name);
+        write_parsed(out, name);
         out.push(b':');
-        out.extend_from_slice(value);
+        out.extend_from_slice(&values[value.clone()]);
     }
     out.push(b'}');
-    Ok(out)
+    Ok(())
 }
 
-fn write_string(out: &mut Vec<u8>, s: &str) {
-    out.push(b'"');
-    for c in s.chars() {
-        match c {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            '\u{8}' => out.extend_from_slice(b"\\b"),
-            '\u{c}' => out.extend_from_slice(b"\\f"),
-            '\n' => out.extend_from_slice(b"\\n"),
-            '\r' => out.extend_from_slice(b"\\r"),
-            '\t' => out.extend_from_slice(b"\\t"),
-            c if (c as u32) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes()),
-            c => {
-                let mut buf = [0u8; 4];
-                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-            }
-        }
+/// Compares strings as sequences of UTF-16 code units (RFC 8785's order).
+/// UTF-8 byte order is the same except where a character from U+E000 to
+/// U+FFFF meets one past U+FFFF, so the bytes decide unless the first
+/// difference involves such characters.
+fn utf16_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    let Some(i) = x.iter().zip(y).position(|(p, q)| p != q) else {
+        // One is a prefix of the other, in code units too.
+        return x.len().cmp(&y.len());
+    };
+    // The first differing characters start at `lead` on both sides (the
+    // bytes before `i` are shared). Leading bytes below 0xEE begin
+    // characters below U+E000, where both orders agree.
+    let mut lead = i;
+    while lead > 0 && x[lead] & 0xC0 == 0x80 {
+        lead -= 1;
     }
+    if x[lead] < 0xEE && y[lead] < 0xEE {
+        x[i].cmp(&y[i])
+    } else {
+        a.encode_utf16().cmp(b.encode_utf16())
+    }
+}
+
+/// Writes a string [`Parser::string`] returned. A borrowed one had no escape
+/// in the input, so it holds no quote, backslash or control character: its
+/// canonical form is itself between quotes.
+#[expect(
+    clippy::ptr_arg,
+    reason = "whether the string is borrowed says whether it needs escaping"
+)]
+fn write_parsed(out: &mut Vec<u8>, s: &Cow<'_, str>) {
+    match s {
+        Cow::Borrowed(s) => {
+            out.reserve(s.len() + 2);
+            out.push(b'"');
+            out.extend_from_slice(s.as_bytes());
+            out.push(b'"');
+        }
+        Cow::Owned(s) => write_string(out, s),
+    }
+}
+
+/// Writes `s` as a JSON string with the canonical escaping: runs that need
+/// none are copied whole.
+fn write_string(out: &mut Vec<u8>, s: &str) {
+    let bytes = s.as_bytes();
+    out.reserve(bytes.len() + 2);
+    out.push(b'"');
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => b"",
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        if escape.is_empty() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(&[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ]);
+        } else {
+            out.extend_from_slice(escape);
+        }
+        start = i + 1;
+    }
+    out.extend_from_slice(&bytes[start..]);
     out.push(b'"');
 }
 
@@ -495,6 +631,17 @@ mod tests {
             canon("{\"\u{e000}\":2,\"\u{1f600}\":1}"),
             "{\"\u{1f600}\":1,\"\u{e000}\":2}"
         );
+    }
+
+    proptest::proptest! {
+        // The byte-wise shortcut orders names exactly as their UTF-16 code units do.
+        #[test]
+        fn names_compare_as_utf16(
+            a in "[a\u{7f}\u{e9}\u{d7ff}\u{e000}\u{ffff}\u{10000}\u{1f600}]{0,4}",
+            b in "[a\u{7f}\u{e9}\u{d7ff}\u{e000}\u{ffff}\u{10000}\u{1f600}]{0,4}",
+        ) {
+            proptest::prop_assert_eq!(utf16_cmp(&a, &b), a.encode_utf16().cmp(b.encode_utf16()));
+        }
     }
 
     // Two members named alike, even through escapes, have no canonical form.
