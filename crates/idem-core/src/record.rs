@@ -1,6 +1,7 @@
 //! What stores keep under a key, and the handles of claims.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -89,12 +90,19 @@ pub struct Token(pub i64);
 
 impl Token {
     /// A candidate token for a fresh claim at `now_ms`: the time in the high
-    /// bits and random low bits, so a key that was released or swept and
-    /// claimed again never hands out a token an old holder still has. On a
-    /// takeover, stores use the larger of this and the previous token plus one.
+    /// bits and 20 low bits that differ between processes (a random start)
+    /// and between calls in one process (a counter), so a key that was
+    /// released or swept and claimed again never hands out a token an old
+    /// holder still has. On a takeover, stores use the larger of this and the
+    /// previous token plus one.
     pub fn fresh(now_ms: i64) -> Self {
-        let random = (uuid::Uuid::now_v7().as_u128() & 0xF_FFFF) as i64;
-        Self(((now_ms.max(0) & ((1 << 42) - 1)) << 20) | random)
+        // One draw of randomness per process, not one system call per claim;
+        // the counter keeps tokens of one millisecond apart (2^20 of them).
+        static START: OnceLock<u64> = OnceLock::new();
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let start = *START.get_or_init(|| uuid::Uuid::now_v7().as_u128() as u64);
+        let low = (start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) & 0xF_FFFF) as i64;
+        Self(((now_ms.max(0) & ((1 << 42) - 1)) << 20) | low)
     }
 }
 
@@ -349,6 +357,15 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    // Claims at one instant in one process never get the same fresh token.
+    #[test]
+    fn fresh_tokens_of_one_instant_differ() {
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..100_000 {
+            assert!(seen.insert(Token::fresh(1_700_000_000_000)), "a fresh token repeated");
+        }
+    }
     use crate::fingerprint::{FingerprintBuilder, FingerprintVersion};
 
     // A call accepts its own fingerprint and, once computed on demand, its previous-format one.
