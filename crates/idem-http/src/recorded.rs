@@ -7,6 +7,8 @@
 //! headers' layout (count, then names and values). A binary layout keeps
 //! bodies byte-identical without any re-encoding.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
@@ -37,22 +39,7 @@ impl RecordedResponse {
     /// hop-by-hop ones (see [`strip_hop_by_hop`](crate::strip_hop_by_hop)),
     /// `Content-Length` (recomputed) and `Idempotent-Replayed`.
     pub fn encode(&self) -> Vec<u8> {
-        let mut headers = self.headers.clone();
-        crate::headers::strip_hop_by_hop(&mut headers);
-        let mut trailers = self.trailers.clone();
-        crate::headers::strip_hop_by_hop(&mut trailers);
-        let kept: Vec<_> = headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
-        let trailers: Vec<_> = trailers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
-        let mut out = Vec::with_capacity(16 + self.body.len() + (kept.len() + trailers.len()) * 32);
-        out.extend_from_slice(if trailers.is_empty() { MAGIC } else { MAGIC_TRAILERS });
-        out.extend_from_slice(&self.status.as_u16().to_be_bytes());
-        write_fields(&mut out, &kept);
-        out.extend_from_slice(&(self.body.len() as u64).to_be_bytes());
-        out.extend_from_slice(&self.body);
-        if !trailers.is_empty() {
-            write_fields(&mut out, &trailers);
-        }
-        out
+        encode(self.status, &self.headers, &self.body, &self.trailers, &[])
     }
 
     /// Decodes a recorded response; fails on anything malformed.
@@ -105,6 +92,49 @@ impl RecordedResponse {
         response.headers_mut().remove(header::CONTENT_LENGTH);
         response
     }
+}
+
+/// Encodes a response as [`RecordedResponse::encode`] does, leaving out the
+/// `private` headers too, without taking the header maps.
+pub(crate) fn encode(
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &[u8],
+    trailers: &HeaderMap,
+    private: &[HeaderName],
+) -> Vec<u8> {
+    let headers = recordable(headers, private);
+    let trailers = recordable(trailers, private);
+    let kept: Vec<_> = headers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+    let trailers: Vec<_> = trailers.iter().filter(|(n, _)| !is_unrecorded(n)).collect();
+    let mut out = Vec::with_capacity(16 + body.len() + (kept.len() + trailers.len()) * 32);
+    out.extend_from_slice(if trailers.is_empty() { MAGIC } else { MAGIC_TRAILERS });
+    out.extend_from_slice(&status.as_u16().to_be_bytes());
+    write_fields(&mut out, &kept);
+    out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    out.extend_from_slice(body);
+    if !trailers.is_empty() {
+        write_fields(&mut out, &trailers);
+    }
+    out
+}
+
+/// The fields of `fields` that may be recorded, less the unrecorded framing
+/// headers (filtered by the caller). Most responses carry no hop-by-hop or
+/// private header: those are borrowed as they are. Otherwise the fields are
+/// copied and the headers removed from the copy.
+fn recordable<'m>(fields: &'m HeaderMap, private: &[HeaderName]) -> Cow<'m, HeaderMap> {
+    let clean =
+        fields.keys().all(|n| !crate::headers::is_hop_by_hop(n)) && private.iter().all(|n| !fields.contains_key(n));
+    if clean {
+        return Cow::Borrowed(fields);
+    }
+    let mut fields = fields.clone();
+    for name in private {
+        fields.remove(name);
+    }
+    crate::headers::strip_hop_by_hop(&mut fields);
+    Cow::Owned(fields)
 }
 
 fn write_fields(out: &mut Vec<u8>, fields: &[(&HeaderName, &HeaderValue)]) {
@@ -213,6 +243,29 @@ mod tests {
         assert!(back.headers.get("x-hop").is_none(), "named in Connection");
         assert!(back.headers.get("proxy-authenticate").is_none());
         assert!(back.headers.get("content-length").is_none());
+    }
+
+    // Private and hop-by-hop headers are left out of the record whether the
+    // maps are borrowed as they are or copied and stripped.
+    #[test]
+    fn private_headers_are_left_out() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("set-cookie", HeaderValue::from_static("session=1"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+        let private = [HeaderName::from_static("set-cookie")];
+        let encoded = encode(StatusCode::OK, &headers, b"{}", &trailers, &private);
+        let back = RecordedResponse::decode(&encoded).unwrap();
+        assert!(back.headers.get("set-cookie").is_none());
+        assert_eq!(back.headers.get("content-type").unwrap(), "application/json");
+        assert_eq!(back.trailers.get("x-checksum").unwrap(), "abc");
+        // Nothing to leave out: the same bytes as the whole response's encoding.
+        headers.remove("set-cookie");
+        let clean = encode(StatusCode::OK, &headers, b"{}", &trailers, &private);
+        assert_eq!(clean, encoded);
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        assert_eq!(encode(StatusCode::OK, &headers, b"{}", &trailers, &private), encoded);
     }
 
     #[test]

@@ -627,9 +627,9 @@ impl<B: TxBackend + Clone> Transactional<B> {
         };
         let record = whole_record(
             rparts.status,
-            rparts.headers.clone(),
-            body.clone(),
-            trailers.clone(),
+            &rparts.headers,
+            &body,
+            &trailers,
             rejection,
             &cfg.private_headers,
         );
@@ -802,9 +802,9 @@ impl<L: LeaseStore> Leased<L> {
                     crate::headers::strip_hop_by_hop(&mut headers);
                     Some(whole_record(
                         rparts.status,
-                        headers,
-                        body,
-                        http::HeaderMap::new(),
+                        &headers,
+                        &body,
+                        &http::HeaderMap::new(),
                         false,
                         &cfg.private_headers,
                     ))
@@ -1148,7 +1148,7 @@ where
     };
     let record = match teed {
         crate::body::Teed::Full(body, trailers) => {
-            whole_record(status, headers, body, trailers, rejected, &recording.private_headers)
+            whole_record(status, &headers, &body, &trailers, rejected, &recording.private_headers)
         }
         crate::body::Teed::TooLarge => stand_in(recording, status, StandIn::TooLarge).0,
         crate::body::Teed::Failed(why) => {
@@ -1219,9 +1219,9 @@ where
         Collected::Full(body, trailers) => {
             let record = whole_record(
                 rparts.status,
-                rparts.headers.clone(),
-                body.clone(),
-                trailers.clone(),
+                &rparts.headers,
+                &body,
+                &trailers,
                 rejected,
                 &recording.private_headers,
             );
@@ -1246,23 +1246,13 @@ where
 /// Private headers are left out: the first caller got them, no replay will.
 fn whole_record(
     status: StatusCode,
-    mut headers: http::HeaderMap,
-    body: Bytes,
-    mut trailers: http::HeaderMap,
+    headers: &http::HeaderMap,
+    body: &Bytes,
+    trailers: &http::HeaderMap,
     rejected: bool,
     private: &[http::HeaderName],
 ) -> Record {
-    for name in private {
-        headers.remove(name);
-        trailers.remove(name);
-    }
-    let encoded = RecordedResponse {
-        status,
-        headers,
-        body,
-        trailers,
-    }
-    .encode();
+    let encoded = crate::recorded::encode(status, headers, body, trailers, private);
     if rejected {
         Record::rejected(encoded)
     } else {
