@@ -285,6 +285,23 @@ fn check_norun(text: &str) -> Result<&'static str, String> {
                 }
                 Ok("the package and its test exist")
             }
+            Some("bench") => {
+                let pkg = w
+                    .iter()
+                    .skip_while(|a| *a != "-p")
+                    .nth(1)
+                    .ok_or("`cargo bench` without `-p`")?;
+                let dir = root().join("crates").join(pkg);
+                if !dir.join("Cargo.toml").exists() {
+                    return Err(format!("no package `{pkg}`"));
+                }
+                if let Some(b) = w.iter().skip_while(|a| *a != "--bench").nth(1)
+                    && !dir.join("benches").join(format!("{b}.rs")).exists()
+                {
+                    return Err(format!("package `{pkg}` has no bench `{b}`"));
+                }
+                Ok("the package and its bench exist")
+            }
             Some("test") => {
                 let ci = std::fs::read_to_string(root().join(".ci/run")).map_err(|e| e.to_string())?;
                 let line = w.join(" ");
