@@ -899,6 +899,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
             .heartbeat_in_place(&lease, call.policy().effective_lease_ms());
         let version = parts.version;
         let mut req = Request::from_parts(parts, Body::from(body));
+        let still_held = held.clone();
         req.extensions_mut().insert(crate::lease::HeldLease(held));
         let engine = self.engine.clone();
         let recording = Recording {
@@ -918,6 +919,24 @@ impl<L: LeaseStore> Mode for Leased<L> {
         let task = self.engine.detached().spawn(tracing::Instrument::in_current_span(async move {
             // The work and its settlement, while the heartbeat beats.
             let work = async move {
+                // A holder stopped past its whole lease between its claim and
+                // here (a paused process) may have been overtaken by a twin
+                // that claimed the key and ran the handler: it runs nothing.
+                if !still_held.holds_for(engine.clock().now_ms(), 0) {
+                    tracing::warn!(
+                        operation = call.scope().operation().as_str(),
+                        "the lease ran out before the handler started; nothing runs"
+                    );
+                    let settled = engine.release(&lease).await;
+                    let late = Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
+                        .with_detail(
+                            "this request's claim ran out before it could run; another request with this \
+                             Idempotency-Key may hold it now: retry later",
+                        )
+                        .with_retry_after_secs(1)
+                        .into_response(&recording.problem_base);
+                    return (settled, Some((answer, Ok(late))), None);
+                }
                 let mut guard = ReleaseOnPanic {
                     engine: Some(engine.clone()),
                     lease: lease.clone(),
