@@ -10,7 +10,9 @@
 //! - `LEDGER_BREAK_IDEMPOTENCY=1`: switches the idempotency claim off, so the
 //!   harness can prove its checker sees double applications.
 //! - `LEDGER_PROJECTION_PANIC=<p>`: the statement projection's handler
-//!   panics with probability `p` per run (seeded by `LEDGER_FAULT_SEED`),
+//!   panics with probability `p` per run (seeded by `LEDGER_FAULT_SEED`
+//!   mixed with the process id and start time, so each restarted projector
+//!   draws its own rolls),
 //!   and its deliveries are bounded at 2, 100 ms apart, so panics become
 //!   dead letters the harness redrives.
 
@@ -89,9 +91,16 @@ fn projection_odds() -> &'static Option<(f64, Mutex<SplitMix>)> {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0u64);
+        // Every process draws its own rolls: projectors are killed and
+        // restarted often, and processes that all replayed the seed's first
+        // rolls would see the same few panics (or none) in every life.
+        let own = u64::from(std::process::id()).rotate_left(32)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
         (0.0..=1.0)
             .contains(&p)
-            .then(|| (p, Mutex::new(SplitMix(seed ^ 0x5EED))))
+            .then(|| (p, Mutex::new(SplitMix(seed ^ 0x5EED ^ own))))
     })
 }
 
