@@ -514,9 +514,11 @@ pub async fn serve_with_tls(
             _ = &mut shutdown => return Ok(()),
             _ = refused => {}
         }
-        // Refusing: the listener is dropped until the fault ends.
-        let until = vendor.refuse_until_ms.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(until.saturating_sub(now_ms()))).await;
+        // Refusing: the listener is dropped until the fault ends (or is
+        // ended early through `refuse_until_ms`).
+        while vendor.refuse_until_ms.load(Ordering::SeqCst) > now_ms() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 

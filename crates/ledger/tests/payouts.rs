@@ -1061,18 +1061,37 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     // test, as if the worker's process were stopped.
     let mut hour_lease = config(&vendor);
     hour_lease.lease = HOUR;
+    // Connections are refused until the test says otherwise.
     vendor
         .faults(&Faults {
-            refuse_ms: 700,
+            refuse_ms: 600_000,
             ..Default::default()
         })
         .await;
+    let by = tokio::time::Instant::now() + Duration::from_secs(30);
+    while idem_tls::test_pki::get(format!("{}/_stats", vendor.url)).await.is_ok() {
+        assert!(tokio::time::Instant::now() < by, "the vendor never stopped listening");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let sleeper = {
         let (store, clock, config) = (l.store.clone(), l.clock.clone(), hour_lease.clone());
-        tokio::spawn(async move { ledger::payouts::pass(&store, clock, hour_client(&[2_500]), config).await })
+        tokio::spawn(async move { ledger::payouts::pass(&store, clock, hour_client(&[5_000]), config).await })
     };
-    // Its first attempt was refused; it waits to try again.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // Its first attempt is refused (the call is marked sent just before);
+    // it waits to try again.
+    while status(&l, &t, &p).await["first_sent_at_ms"].is_null() {
+        assert!(tokio::time::Instant::now() < by, "the worker never called");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    vendor
+        .vendor
+        .refuse_until_ms
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    while idem_tls::test_pki::get(format!("{}/_stats", vendor.url)).await.is_err() {
+        assert!(tokio::time::Instant::now() < by, "the vendor never listened again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(vendor.ledger().await["payouts"], 0, "nothing paid yet");
     // Past its lease and past the vendor's horizon, another worker takes
     // the payout over, asks the vendor (not paid) and pays it.
