@@ -3,20 +3,22 @@
 //! the handler once, and the stopped holder, when it carries on, runs
 //! nothing.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::post;
 use idem_core::{
     BoxFuture, ClaimRequest, IdempotencyKey, Lease, LeaseClaim, LeaseEngine, LeaseStore, ManualClock, Policy, Record,
-    Scope, Tenant,
+    Scope,
 };
-use idem_http::{IdempotencyLayer, Problem, RoutePolicy};
+use idem_http::{IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
+use support::{post_with_key, tenant};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 
@@ -67,20 +69,6 @@ impl LeaseStore for PausingStore {
     ) -> BoxFuture<'a, idem_core::Result<bool>> {
         self.inner.resolve_unknown(scope, key, now_ms, resolution)
     }
-}
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("valid tenant"))
-}
-
-fn post_with_key(key: &str) -> Request<Body> {
-    Request::builder()
-        .method("POST")
-        .uri("/pay")
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(Body::from("{}"))
-        .expect("valid request")
 }
 
 /// The first request is stopped right after its claim for twice its lease;

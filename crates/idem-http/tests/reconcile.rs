@@ -3,24 +3,22 @@
 //! asking gives the reconcile lock back at once, so the next retry asks
 //! rather than being told the key is in flight until the lock's lease ends.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, Policy, Tenant};
-use idem_http::{IdempotencyLayer, OutcomeUnknown, Problem, Reconcile, Reconciled, RoutePolicy};
+use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, Policy};
+use idem_http::{IdempotencyLayer, OutcomeUnknown, Reconcile, Reconciled, RoutePolicy};
 use idem_memory::MemoryStore;
+use support::{post_with_key, tenant};
 use tower::ServiceExt;
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("valid tenant"))
-}
 
 /// Says "not applied", except to its first asker, who never hears back.
 struct FirstAskHangs {
@@ -41,16 +39,6 @@ impl Reconcile for FirstAskHangs {
             Reconciled::NotApplied
         })
     }
-}
-
-fn post_with_key(key: &str) -> Request<Body> {
-    Request::builder()
-        .method("POST")
-        .uri("/pay")
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(Body::from("{}"))
-        .expect("valid request")
 }
 
 /// A retry dropped while it asks frees the reconcile lock: the next retry
