@@ -19,7 +19,7 @@ use crate::rng::Rng;
 use crate::service::Service;
 
 /// The odds that one run of the projection's handler panics.
-const PROJECTION_PANIC: &str = "0.05";
+const PROJECTION_PANIC: &str = "0.12";
 
 /// Event faults that really happened.
 #[derive(Debug, Clone, Default, Serialize)]
