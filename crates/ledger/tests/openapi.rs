@@ -51,6 +51,48 @@ async fn the_document_lists_every_route() {
     }
 }
 
+/// The schemathesis release the fuzz test runs.
+const SCHEMATHESIS: &str = "schemathesis==4.32.5";
+
+/// The `schemathesis` on the `PATH`, or else one installed from PyPI into
+/// this test's own directory (once), so the suite needs nothing installed
+/// beforehand but Python and pip.
+fn schemathesis() -> std::process::Command {
+    let on_path = std::process::Command::new("schemathesis")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if on_path {
+        return std::process::Command::new("schemathesis");
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("schemathesis-4.32.5");
+    let marker = dir.join(".installed");
+    if !marker.exists() {
+        let installed = std::process::Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(SCHEMATHESIS)
+            .status()
+            .unwrap_or_else(|e| panic!("schemathesis is not installed and python3 did not start ({e})"));
+        assert!(
+            installed.success(),
+            "schemathesis is not installed and `python3 -m pip install --target {} {SCHEMATHESIS}` failed",
+            dir.display()
+        );
+        std::fs::write(&marker, SCHEMATHESIS).expect("the schemathesis directory is writable");
+    }
+    let mut command = std::process::Command::new("python3");
+    command.args(["-m", "schemathesis.cli"]).env("PYTHONPATH", &dir);
+    command
+}
+
 /// A short schemathesis run: every check, the stateful phase included. The
 /// long run is a documented command (README, "OpenAPI and fuzzing").
 #[test]
@@ -65,7 +107,7 @@ fn schemathesis_finds_nothing() {
             ledger::api::DEMO_WEBHOOK_SECRET,
         ],
     );
-    let output = std::process::Command::new("schemathesis")
+    let output = schemathesis()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["run", &format!("{}/openapi.json", ledger.base)])
         .args(["-H", "Authorization: Bearer fuzz-token"])
@@ -81,7 +123,7 @@ fn schemathesis_finds_nothing() {
         ])
         .env("NO_COLOR", "1")
         .output()
-        .unwrap_or_else(|e| panic!("schemathesis is not installed ({e}): python3 -m pip install schemathesis==4.32.5"));
+        .unwrap_or_else(|e| panic!("schemathesis did not start ({e}): python3 -m pip install {SCHEMATHESIS}"));
     drop(ledger);
     for suffix in ["", "-wal", "-shm", "-idem.lock"] {
         let _ = std::fs::remove_file(format!("{url}{suffix}"));
