@@ -6,7 +6,8 @@ use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
     StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
 };
-use sqlx::{AssertSqlSafe, Row, SqliteConnection};
+use sqlx::sqlite::SqliteRow;
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::error::store_error;
 use crate::{SqliteStore, SqliteTx};
@@ -17,12 +18,12 @@ use crate::{SqliteStore, SqliteTx};
 const BEGIN_IMMEDIATE: &str = "BEGIN IMMEDIATE";
 
 impl SqliteStore {
-    async fn begin_immediate(&self) -> Result<SqliteTx> {
+    async fn begin_immediate(&self) -> Result<Transaction<'static, Sqlite>> {
         self.pool.begin_with(BEGIN_IMMEDIATE).await.map_err(store_error)
     }
 
-    /// Claims a free or stale key; answers the new token, or `None` if a
-    /// live row holds the key.
+    /// Claims a free or stale key in lease mode; answers the new token, or
+    /// `None` if a live row holds the key.
     async fn upsert(&self, conn: &mut SqliteConnection, req: &ClaimRequest<'_>) -> Result<Option<i64>> {
         let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
             .bind(req.scope.tenant().as_str())
@@ -52,14 +53,39 @@ impl SqliteStore {
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
-        let Some(row) = row else { return Ok(None) };
-        let fingerprint: Vec<u8> = row.try_get(0).map_err(store_error)?;
-        let status: i16 = row.try_get(1).map_err(store_error)?;
-        let token: i64 = row.try_get(2).map_err(store_error)?;
-        let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
-        let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
-        let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
-        StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms).map(Some)
+        row.as_ref().map(decode).transpose()
+    }
+
+    /// The transactional claim: reads the key's row and writes nothing. A
+    /// live row answers; a free key, or a stale row, is noted on `tx` as
+    /// claimed, and [`record`](TxBackend::record) writes the completed row.
+    async fn claim_in(&self, tx: &mut SqliteTx, req: &ClaimRequest<'_>) -> Result<TxClaim> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.claim_read.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .bind(req.now_ms)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let fresh = req.fresh_token.0;
+        let Some(row) = row else {
+            tx.hold(req, fresh, None);
+            tracing::debug!(table = %self.table, token = fresh, "free key claimed in transaction");
+            return Ok(TxClaim::Claimed);
+        };
+        let stale: bool = row.try_get(6).map_err(store_error)?;
+        if stale {
+            // A takeover's token is larger than the stale row's, so that
+            // row's lease holder is fenced once this transaction commits.
+            let old: i64 = row.try_get(2).map_err(store_error)?;
+            let token = fresh.max(old.saturating_add(1));
+            tx.hold(req, token, Some(old));
+            tracing::debug!(table = %self.table, token, "stale key taken over in transaction");
+            return Ok(TxClaim::Claimed);
+        }
+        tracing::debug!(table = %self.table, "key held by a committed row");
+        decode(&row).map(TxClaim::Found)
     }
 
     /// Reads the row that made a claim attempt fail. The caller holds the
@@ -75,6 +101,18 @@ impl SqliteStore {
     }
 }
 
+/// The key's row from the columns `fingerprint, status, token, payload,
+/// lease_expires_at_ms, expires_at_ms`, in this order.
+fn decode(row: &SqliteRow) -> Result<StoredRow> {
+    let fingerprint: Vec<u8> = row.try_get(0).map_err(store_error)?;
+    let status: i16 = row.try_get(1).map_err(store_error)?;
+    let token: i64 = row.try_get(2).map_err(store_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
+    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
+    let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
+    StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
+}
+
 /// Transactional mode. Each transaction begins with `BEGIN IMMEDIATE`, so
 /// it holds SQLite's write lock from its start: once a claim runs, no other
 /// claim of any key is uncommitted, and a found row is always committed.
@@ -83,11 +121,16 @@ impl SqliteStore {
 /// begins, in the key registry (in this process, then against other
 /// processes through the side lock file), and waiting for the write lock in
 /// [`begin`](TxBackend::begin), up to the busy timeout.
+///
+/// The same lock is why the claim writes nothing: no other writer can
+/// change the key's row between the claim's read and the record, so the
+/// record writes the completed row once (see the crate docs, "One row per
+/// fresh call").
 impl TxBackend for SqliteStore {
     type Tx = SqliteTx;
 
     fn begin(&self) -> BoxFuture<'_, Result<SqliteTx>> {
-        Box::pin(self.begin_immediate())
+        Box::pin(async move { self.begin_immediate().await.map(SqliteTx::new) })
     }
 
     fn claim<'a>(
@@ -96,19 +139,7 @@ impl TxBackend for SqliteStore {
         req: &'a ClaimRequest<'a>,
         _wait: Duration,
     ) -> BoxFuture<'a, Result<TxClaim>> {
-        Box::pin(async move {
-            match self.upsert(tx, req).await? {
-                Some(token) => {
-                    tracing::debug!(table = %self.table, token, "key claimed in transaction");
-                    Ok(TxClaim::Claimed)
-                }
-                None => {
-                    let row = self.found(tx, req).await?;
-                    tracing::debug!(table = %self.table, "key held by a committed row");
-                    Ok(TxClaim::Found(row))
-                }
-            }
-        })
+        Box::pin(self.claim_in(tx, req))
     }
 
     fn record<'a>(
@@ -118,35 +149,45 @@ impl TxBackend for SqliteStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            // The transaction holds the write lock since its claim, so the
-            // in-progress row is the one it claimed; matching on the token
-            // is unnecessary (and a takeover's token differs from the
-            // request's fresh one).
+            let Some(held) = tx.held(req) else {
+                return Err(Error::Config(
+                    "record called on a transaction that holds no claim of this key".into(),
+                ));
+            };
+            let (token, replaces) = (held.token, held.replaces);
             let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
                 .bind(req.scope.tenant().as_str())
                 .bind(req.scope.operation().as_str())
                 .bind(req.key.as_str())
+                .bind(&req.fingerprint.as_bytes()[..])
                 .bind(record.status.code())
+                .bind(token)
                 .bind(&record.payload[..])
+                .bind(req.now_ms)
+                .bind(req.expires_at_ms)
+                .bind(replaces)
                 .execute(&mut **tx)
                 .await
                 .map_err(store_error)?;
-            if done.rows_affected() == 1 {
-                Ok(())
-            } else {
-                Err(Error::Config(
-                    "record called on a transaction that holds no claim".into(),
-                ))
+            if done.rows_affected() != 1 {
+                // No other writer could have touched the row under the
+                // write lock: the caller's own work did, in this transaction.
+                return Err(Error::Config(
+                    "the key's row was written by the work of the transaction that claimed it; nothing is recorded"
+                        .into(),
+                ));
             }
+            tx.release(req);
+            Ok(())
         })
     }
 
     fn commit(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.commit().await.map_err(store_error) })
+        Box::pin(tx.commit())
     }
 
     fn rollback(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+        Box::pin(tx.rollback())
     }
 
     fn local_registry(&self) -> Option<&KeyRegistry> {

@@ -103,6 +103,7 @@ mod keylock;
 pub mod outbox;
 mod shared;
 mod sql;
+mod tx;
 
 use std::fmt;
 use std::path::Path;
@@ -119,10 +120,7 @@ pub use crate::deadletter::SqliteDeadLetters;
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements, latest_version};
-
-/// The transaction type of [`SqliteStore`] in transactional mode. The
-/// caller's own writes go through it (`&mut **tx` is a connection).
-pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
+pub use crate::tx::SqliteTx;
 
 /// The longest busy timeout SQLite takes, in ms (`i32::MAX`, about 24 days).
 pub const MAX_BUSY_TIMEOUT_MS: u64 = i32::MAX as u64;

@@ -115,6 +115,7 @@ pub(crate) struct Statements {
     pub(crate) insert_schema_version: Arc<str>,
     pub(crate) claim: Arc<str>,
     pub(crate) select: Arc<str>,
+    pub(crate) claim_read: Arc<str>,
     pub(crate) record: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
@@ -124,11 +125,23 @@ pub(crate) struct Statements {
     pub(crate) sweep: Arc<str>,
 }
 
+/// Whether the key's row in table `t` is stale at the time `now` (a
+/// placeholder): expired, or an in-progress lease that ran out. A claim may
+/// take over a stale row; any other row answers the claim.
+fn stale(t: &str, now: &str) -> String {
+    format!(
+        r#"("{t}".expires_at_ms <= {now} OR ("{t}".status = {STATUS_IN_PROGRESS} AND "{t}".lease_expires_at_ms <= {now}))"#
+    )
+}
+
 impl Statements {
     pub(crate) fn new(table: &TableName) -> Self {
         let t = table.as_str();
         let key = "tenant = ?1 AND operation = ?2 AND idem_key = ?3";
         let in_progress = STATUS_IN_PROGRESS;
+        let stale_at_4 = stale(t, "?4");
+        let stale_at_6 = stale(t, "?6");
+        let stale_at_8 = stale(t, "?8");
         Self {
             create_schema_table: format!(
                 r#"CREATE TABLE IF NOT EXISTS "{t}_schema" (
@@ -143,10 +156,11 @@ impl Statements {
                 r#"INSERT INTO "{t}_schema" (version, description, applied_at_ms) VALUES (?1, ?2, ?3)"#
             )
             .into(),
-            // One statement claims a free key, takes over a stale one, or
-            // does nothing. ?6 is the engine's `now_ms`. A takeover's token
-            // is the larger of the fresh token and the old one plus one (the
-            // CASE keeps that addition from overflowing into a REAL).
+            // The lease-mode claim: one statement claims a free key, takes
+            // over a stale one, or does nothing. ?6 is the engine's
+            // `now_ms`. A takeover's token is the larger of the fresh token
+            // and the old one plus one (the CASE keeps that addition from
+            // overflowing into a REAL).
             claim: format!(
                 r#"INSERT INTO "{t}" (tenant, operation, idem_key, fingerprint, status, token, payload,
     created_at_ms, expires_at_ms, lease_expires_at_ms)
@@ -159,8 +173,7 @@ ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
     created_at_ms = excluded.created_at_ms,
     expires_at_ms = excluded.expires_at_ms,
     lease_expires_at_ms = excluded.lease_expires_at_ms
-WHERE "{t}".expires_at_ms <= ?6
-    OR ("{t}".status = {in_progress} AND "{t}".lease_expires_at_ms <= ?6)
+WHERE {stale_at_6}
 RETURNING token"#
             )
             .into(),
@@ -169,9 +182,36 @@ RETURNING token"#
 FROM "{t}" WHERE {key}"#
             )
             .into(),
+            // The transactional claim reads the key's row and writes
+            // nothing: ?4 is the engine's `now_ms`, and the last column says
+            // whether the row is stale (expired, or a lease that ran out),
+            // so that the claim may take it over.
+            claim_read: format!(
+                r#"SELECT fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms,
+    CASE WHEN {stale_at_4} THEN 1 ELSE 0 END
+FROM "{t}" WHERE {key}"#
+            )
+            .into(),
+            // The transactional record writes the completed row in one
+            // statement: an insert where the claim found no row, or, where
+            // it found a stale one, the replacement of that row, matched by
+            // its token (?10) and staleness (?8 is the claim's `now_ms`).
+            // Where the claim found no row ?10 is NULL, which matches no
+            // row: a row the insert meets was written inside the claiming
+            // transaction, and the record changes nothing.
             record: format!(
-                r#"UPDATE "{t}" SET status = ?4, payload = ?5, lease_expires_at_ms = NULL
-WHERE {key} AND status = {in_progress}"#
+                r#"INSERT INTO "{t}" (tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, NULL)
+ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
+    fingerprint = excluded.fingerprint,
+    status = excluded.status,
+    token = excluded.token,
+    payload = excluded.payload,
+    created_at_ms = excluded.created_at_ms,
+    expires_at_ms = excluded.expires_at_ms,
+    lease_expires_at_ms = NULL
+WHERE "{t}".token = ?10 AND {stale_at_8}"#
             )
             .into(),
             complete: format!(

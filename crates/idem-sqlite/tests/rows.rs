@@ -1,0 +1,402 @@
+//! What a transactional call writes: the rows counted by SQLite's
+//! `total_changes()` on the store's only connection, the rows a claim must
+//! never touch, and twins of both modes on a key whose transactional claim
+//! wrote no row yet.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem_core::{
+    Call, ClaimRequest, Clock, Error, Fingerprint, IdempotencyKey, InFlight, Lease, LeaseClaim, LeaseEngine,
+    LeaseStore, Policy, Record, RecordStatus, RowState, Scope, Token, TxBackend, TxClaim, TxEngine,
+};
+use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
+
+/// A temporary database file, removed with its WAL, shared-memory and lock files.
+struct TempDb {
+    path: PathBuf,
+}
+
+impl TempDb {
+    fn new() -> Self {
+        let name = format!("idem-sqlite-rows-{}.db", uuid::Uuid::new_v4().simple());
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+}
+
+impl Drop for TempDb {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+            let mut file = self.path.clone().into_os_string();
+            file.push(suffix);
+            // The file may be missing or still open in a closing pool; both
+            // are harmless for a temporary file.
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+/// A migrated store on one connection, so that `total_changes()` counts
+/// every row any of its statements wrote.
+async fn one_connection(db: &TempDb) -> SqliteStore {
+    let store = SqliteStore::open_with(&db.path, SqliteOptions::new().max_connections(1))
+        .await
+        .expect("open");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE effects (effect_id TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("effects table");
+    store
+}
+
+/// Rows inserted, updated or deleted on the store's connection since it opened.
+async fn changes(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT total_changes()")
+        .fetch_one(store.pool())
+        .await
+        .expect("total_changes")
+}
+
+async fn effects(store: &SqliteStore, effect_id: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
+        .bind(effect_id)
+        .fetch_one(store.pool())
+        .await
+        .expect("count")
+}
+
+async fn token_of(store: &SqliteStore, key: &IdempotencyKey) -> i64 {
+    sqlx::query_scalar("SELECT token FROM idem_keys WHERE idem_key = ?1")
+        .bind(key.as_str())
+        .fetch_one(store.pool())
+        .await
+        .expect("the key's row")
+}
+
+fn scope() -> Scope {
+    Scope::parse(&format!("tenant-{}", uuid::Uuid::new_v4()), "POST /v1/transfers").expect("scope")
+}
+
+fn fingerprint(scope: &Scope) -> Fingerprint {
+    Fingerprint::of_bytes(scope.operation(), b"body")
+}
+
+fn request<'a>(
+    scope: &'a Scope,
+    key: &'a IdempotencyKey,
+    fingerprint: &'a Fingerprint,
+    now_ms: i64,
+    fresh_token: i64,
+    lease_expires_at_ms: Option<i64>,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope,
+        key,
+        fingerprint,
+        now_ms,
+        expires_at_ms: now_ms + 100_000,
+        fresh_token: Token(fresh_token),
+        lease_expires_at_ms,
+    }
+}
+
+async fn write_effect(tx: &mut idem_sqlite::SqliteTx, effect_id: &str) -> Result<(), Error> {
+    sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
+        .bind(effect_id)
+        .execute(&mut **tx)
+        .await
+        .map_err(store_error)?;
+    Ok(())
+}
+
+/// A fresh transactional call writes its work's rows plus exactly one (the completed record), and a replay writes none.
+#[tokio::test]
+async fn fresh_call_writes_one_row_beyond_its_work() {
+    let db = TempDb::new();
+    let store = one_connection(&db).await;
+
+    // The bare transaction: the same work, no key.
+    let before = changes(&store).await;
+    let mut bare = TxBackend::begin(&store).await.expect("begin");
+    write_effect(&mut bare, "bare").await.expect("bare work");
+    TxBackend::commit(&store, bare).await.expect("commit");
+    let bare_rows = changes(&store).await - before;
+    assert_eq!(bare_rows, 1, "the work writes one row");
+
+    let engine = TxEngine::new(store.clone());
+    let scope = scope();
+    let key = IdempotencyKey::generate();
+    let call = Call::new(scope.clone(), key.clone(), fingerprint(&scope));
+    let before = changes(&store).await;
+    let first = engine
+        .execute(&call, |tx| {
+            Box::pin(async move {
+                write_effect(tx, "fresh").await?;
+                Ok::<_, Error>(42u32)
+            })
+        })
+        .await
+        .expect("fresh call");
+    assert!(!first.is_replayed());
+    let fresh_rows = changes(&store).await - before;
+    assert_eq!(
+        fresh_rows,
+        bare_rows + 1,
+        "a fresh call writes the bare rows and one more"
+    );
+
+    let row = store.get(&scope, &key).await.expect("get").expect("the key's row");
+    assert!(
+        matches!(&row.state, RowState::Done(record) if record.status == RecordStatus::Completed),
+        "{row:?}"
+    );
+
+    let before = changes(&store).await;
+    let again = engine
+        .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(0u32) }))
+        .await
+        .expect("replay");
+    assert_eq!(again.into_inner(), 42);
+    assert_eq!(changes(&store).await - before, 0, "a replay writes nothing");
+    assert_eq!(effects(&store, "fresh").await, 1);
+}
+
+/// A transactional claim of a stale row (a lease that ran out, or an expired outcome) replaces it with one row write and a larger token, and the stale lease holder is fenced.
+#[tokio::test]
+async fn stale_row_is_replaced_with_one_write() {
+    let db = TempDb::new();
+    let store = one_connection(&db).await;
+    for stale in ["lease ran out", "outcome expired"] {
+        let scope = scope();
+        let key = IdempotencyKey::generate();
+        let fp = fingerprint(&scope);
+        let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000));
+        assert_eq!(
+            store.try_claim(&lease_req).await.expect("lease claim"),
+            LeaseClaim::Acquired(Token(7))
+        );
+        let lease = Lease {
+            scope: scope.clone(),
+            key: key.clone(),
+            token: Token(7),
+            lease_expires_at_ms: 2_000,
+        };
+        // An expired outcome: completed, then past its TTL (100 s after 1 s).
+        let now_ms = if stale == "outcome expired" {
+            store
+                .complete(&lease, &Record::completed(b"old".to_vec()))
+                .await
+                .expect("complete");
+            200_000
+        } else {
+            5_000
+        };
+
+        let before = changes(&store).await;
+        let req = request(&scope, &key, &fp, now_ms, 3, None);
+        let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.expect("claim");
+        assert_eq!(claim, TxClaim::Claimed, "{stale}");
+        store
+            .record_commit(tx, &req, &Record::completed(b"new".to_vec()))
+            .await
+            .expect("record");
+        assert_eq!(changes(&store).await - before, 1, "{stale}: one row written");
+
+        assert_eq!(token_of(&store, &key).await, 8, "{stale}: the old token plus one");
+        let row = store.get(&scope, &key).await.expect("get").expect("row");
+        assert_eq!(row.state, RowState::Done(Record::completed(b"new".to_vec())), "{stale}");
+        assert_eq!(row.expires_at_ms, now_ms + 100_000, "{stale}: the new TTL");
+        if stale == "lease ran out" {
+            let fenced = store.complete(&lease, &Record::completed(b"late".to_vec())).await;
+            assert!(matches!(fenced, Err(Error::Fenced)), "{stale}: {fenced:?}");
+        }
+    }
+}
+
+/// A live lease row answers a transactional claim as in flight, and the claim writes nothing.
+#[tokio::test]
+async fn live_lease_row_is_in_flight() {
+    let db = TempDb::new();
+    let store = one_connection(&db).await;
+    let scope = scope();
+    let key = IdempotencyKey::generate();
+    let fp = fingerprint(&scope);
+    let now_ms = idem_core::SystemClock.now_ms();
+    let lease_req = request(&scope, &key, &fp, now_ms, 7, Some(now_ms + 600_000));
+    assert!(matches!(
+        store.try_claim(&lease_req).await.expect("lease claim"),
+        LeaseClaim::Acquired(_)
+    ));
+
+    let before = changes(&store).await;
+    let call = Call::new(scope.clone(), key.clone(), fp)
+        .with_policy(Policy::default().with_in_flight(InFlight::Reject));
+    let answer = TxEngine::new(store.clone())
+        .execute(&call, |tx| {
+            Box::pin(async move {
+                write_effect(tx, "twin").await?;
+                Ok::<_, Error>(1u32)
+            })
+        })
+        .await;
+    assert!(matches!(answer, Err(Error::InFlight { .. })), "{answer:?}");
+    assert_eq!(changes(&store).await - before, 0, "nothing written");
+    assert_eq!(effects(&store, "twin").await, 0);
+    assert_eq!(token_of(&store, &key).await, 7, "the lease row is untouched");
+}
+
+/// A record in a transaction that holds no claim of its key fails, writes nothing, and leaves a lease holder's row of that key as it was.
+#[tokio::test]
+async fn record_without_claim_touches_no_row() {
+    let db = TempDb::new();
+    let store = one_connection(&db).await;
+    let scope = scope();
+    let key = IdempotencyKey::generate();
+    let fp = fingerprint(&scope);
+    let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000_000));
+    assert_eq!(
+        store.try_claim(&lease_req).await.expect("lease claim"),
+        LeaseClaim::Acquired(Token(7))
+    );
+
+    let req = request(&scope, &key, &fp, 1_000, 9, None);
+    let mut tx = TxBackend::begin(&store).await.expect("begin");
+    write_effect(&mut tx, "unclaimed").await.expect("work");
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert_eq!(effects(&store, "unclaimed").await, 0, "the work did not commit");
+    let row = store.get(&scope, &key).await.expect("get").expect("row");
+    assert_eq!(
+        row.state,
+        RowState::InProgress {
+            token: Token(7),
+            lease_expires_at_ms: 2_000_000
+        },
+        "the lease holder's row is untouched"
+    );
+
+    // A key with no row at all is no claim either.
+    let other = IdempotencyKey::generate();
+    let req = request(&scope, &other, &fp, 1_000, 9, None);
+    let tx = TxBackend::begin(&store).await.expect("begin");
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert!(store.get(&scope, &other).await.expect("get").is_none());
+}
+
+/// A record whose key's row was written by the claiming transaction's own work fails, and nothing of that transaction commits.
+#[tokio::test]
+async fn row_written_by_the_work_fails_the_record() {
+    let db = TempDb::new();
+    let store = one_connection(&db).await;
+    let scope = scope();
+    let key = IdempotencyKey::generate();
+    let fp = fingerprint(&scope);
+    let req = request(&scope, &key, &fp, 1_000, 9, None);
+    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.expect("claim");
+    assert_eq!(claim, TxClaim::Claimed);
+    write_effect(&mut tx, "meddling").await.expect("work");
+    sqlx::query(
+        "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
+         VALUES (?1, ?2, ?3, zeroblob(32), 1, 1, 0, 10000000)",
+    )
+    .bind(scope.tenant().as_str())
+    .bind(scope.operation().as_str())
+    .bind(key.as_str())
+    .execute(&mut *tx)
+    .await
+    .expect("the work writes the key's row");
+    let err = store
+        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert_eq!(effects(&store, "meddling").await, 0, "the work did not commit");
+    assert!(
+        store.get(&scope, &key).await.expect("get").is_none(),
+        "no row committed"
+    );
+}
+
+/// 32 concurrent tasks on one key, half transactional and half in lease mode: a transactional claim writes no row until its record, yet the effect runs once and every task sees its outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_and_lease_twins_run_the_effect_once() {
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE effects (effect_id TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("effects table");
+    let tx_engine = Arc::new(TxEngine::new(store.clone()));
+    let lease_engine = Arc::new(LeaseEngine::new(store.clone()));
+    let scope = scope();
+    let key = IdempotencyKey::generate();
+    let call = Call::new(scope.clone(), key.clone(), fingerprint(&scope))
+        .with_policy(Policy::default().with_in_flight(InFlight::Wait { max_ms: 120_000 }));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (tx_engine, lease_engine, store, call, runs, barrier) = (
+                tx_engine.clone(),
+                lease_engine.clone(),
+                store.clone(),
+                call.clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                if i % 2 == 0 {
+                    tx_engine
+                        .execute(&call, |tx| {
+                            let runs = runs.clone();
+                            Box::pin(async move {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                write_effect(tx, "mixed").await?;
+                                // Hold the claim so that twins of both modes meet it.
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                Ok::<_, Error>(format!("transactional {i}"))
+                            })
+                        })
+                        .await
+                } else {
+                    lease_engine
+                        .run(&call, |_lease| async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            sqlx::query("INSERT INTO effects (effect_id) VALUES ('mixed')")
+                                .execute(store.pool())
+                                .await
+                                .map_err(store_error)?;
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            Ok::<_, Error>(format!("lease {i}"))
+                        })
+                        .await
+                }
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("task").expect("every task gets an outcome"));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
+    assert_eq!(effects(&store, "mixed").await, 1, "the effect exists once");
+    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
+    assert!(
+        outcomes.iter().all(|o| o.value() == outcomes[0].value()),
+        "all 32 saw the same outcome"
+    );
+}
