@@ -104,8 +104,9 @@ impl<B: TxBackend + Clone> TxCell<B> {
 /// the handler's writes through it commit together with the claim and the
 /// recorded response, or not at all. On a request without a key, it is a
 /// fresh transaction that commits if the response is a success. Dereferences
-/// to the backend's transaction type (for the sqlx stores,
-/// `sqlx::Transaction<'static, DB>`, so `&mut **tx` is the connection).
+/// to the backend's transaction type, which for the SQL stores dereferences
+/// to the connection (`PgTx`, `MySqlTx`, `SqliteTx`), so `&mut **tx` is the
+/// connection.
 pub struct Tx<B: TxBackend + Clone> {
     tx: Option<B::Tx>,
     cell: TxCell<B>,

@@ -47,7 +47,9 @@
 //! | Durability | `synchronous = FULL` by default (see [`SqliteOptions::synchronous`]) |
 //! | Transactions | `BEGIN IMMEDIATE`: the write lock is taken at begin, never upgraded mid-transaction |
 //! | Busy database | waits up to the busy timeout (5 s by default), then [`StoreErrorKind::LockTimeout`], which the engines retry |
-//! | Claim | one `INSERT … ON CONFLICT … DO UPDATE … WHERE <stale> RETURNING token` |
+//! | Transactional claim | one `SELECT` of the key's row; nothing written |
+//! | Transactional record | one `INSERT` of the completed row (`… ON CONFLICT … DO UPDATE … WHERE token = <stale row's>` in place of a stale row) |
+//! | Lease claim | one `INSERT … ON CONFLICT … DO UPDATE … WHERE <stale> RETURNING token`, committed at once |
 //! | Twins in one process | serialised per key by a [`KeyRegistry`] shared by every store on the same file |
 //! | Twins in other processes | serialised per key by a POSIX byte-range lock on the side file `<db>-idem.lock` |
 //! | Time | always the engine's injected clock, never SQLite's |
@@ -78,6 +80,43 @@
 //! Lease mode needs no such lock: its claim commits at once, so a twin in
 //! any process finds the in-progress row and waits for, or is rejected by,
 //! the lease.
+//!
+//! # One row per fresh call
+//!
+//! A fresh transactional call writes the rows of its work and one row more:
+//! the completed record. The claim only reads the key's row, inside the
+//! transaction's `BEGIN IMMEDIATE`:
+//!
+//! - a live row (a recorded outcome, an unknown one, or a lease still
+//!   running) answers the claim: a replay, a mismatch, or a key in flight;
+//! - no row, or a stale one (expired, or a lease that ran out), is claimed:
+//!   the claim is noted on the [`SqliteTx`] with its token (for a takeover,
+//!   the stale row's plus one, if that is larger than the fresh token), and
+//!   writes nothing;
+//! - the record writes the completed row in one statement: an `INSERT`, or
+//!   in place of the stale row, an upsert that matches that row by its token
+//!   and staleness.
+//!
+//! Claiming without a row is as safe as writing an in-progress row at the
+//! claim, because of the lock `BEGIN IMMEDIATE` takes: the database's single
+//! write lock, held from the transaction's start until it commits or rolls
+//! back, against every connection of every process on the file. No other
+//! writer (a twin in another process that holds no key lock, a lease-mode
+//! claim, a sweep, an operator's purge) can write any row until then, and a
+//! write transaction reads the newest committed state. So the row the claim
+//! read is still the key's row when the record writes, and no twin can
+//! commit a row of the key in between: it waits for the lock, then reads
+//! the completed row and replays, or, if the first rolled back, finds the
+//! key as it was and claims it. An in-progress row would have been seen by
+//! no other connection anyway, since they read only committed rows. That is
+//! why this is the store's only transactional path, not an option.
+//!
+//! The record fails with [`Error::Config`](idem_core::Error::Config), and
+//! the transaction commits nothing, if the transaction holds no claim of its
+//! key, or if the key's row changed after the claim (only the transaction's
+//! own work can do that, writing to the keys table). A stale row taken over
+//! costs one write too; its lease holder is fenced once the record commits,
+//! because the token changed.
 //!
 //! A transactional claim holds the database's write lock until it commits,
 //! so every other writer waits for the caller's work: keep that work short

@@ -234,8 +234,8 @@ async fn live_lease_row_is_in_flight() {
     ));
 
     let before = changes(&store).await;
-    let call = Call::new(scope.clone(), key.clone(), fp)
-        .with_policy(Policy::default().with_in_flight(InFlight::Reject));
+    let call =
+        Call::new(scope.clone(), key.clone(), fp).with_policy(Policy::default().with_in_flight(InFlight::Reject));
     let answer = TxEngine::new(store.clone())
         .execute(&call, |tx| {
             Box::pin(async move {
