@@ -125,9 +125,9 @@ pub(crate) struct Statements {
     pub(crate) sweep: Arc<str>,
 }
 
-/// Whether the key's row in table `t` is stale at the time `now` (a
-/// placeholder): expired, or an in-progress lease that ran out. A claim may
-/// take over a stale row; any other row answers the claim.
+/// Whether the key's row in table `t` is stale at the time bound to the
+/// parameter `now` (such as `?4`): expired, or an in-progress lease that ran
+/// out. A claim may take over a stale row; any other row answers the claim.
 fn stale(t: &str, now: &str) -> String {
     format!(
         r#"("{t}".expires_at_ms <= {now} OR ("{t}".status = {STATUS_IN_PROGRESS} AND "{t}".lease_expires_at_ms <= {now}))"#
