@@ -12,6 +12,9 @@ pub(crate) const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// `ER_LOCK_DEADLOCK`: this transaction was chosen as a deadlock victim. The
 /// server has already rolled the whole transaction back.
 pub(crate) const ER_LOCK_DEADLOCK: u16 = 1213;
+/// `ER_USER_LOCK_DEADLOCK` (MySQL): waiting for a named lock (`GET_LOCK`)
+/// would deadlock with another session's named locks. MariaDB answers 1213.
+pub(crate) const ER_USER_LOCK_DEADLOCK: u16 = 3058;
 
 /// `ER_CHECKREAD` (MariaDB with `innodb_snapshot_isolation`): a row changed
 /// after this REPEATABLE READ transaction's snapshot; the transaction must
@@ -50,7 +53,7 @@ pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
 pub(crate) fn kind_of(e: &sqlx::Error) -> StoreErrorKind {
     match e {
         sqlx::Error::Database(_) => match error_number(e) {
-            Some(ER_LOCK_DEADLOCK) => StoreErrorKind::Deadlock,
+            Some(ER_LOCK_DEADLOCK | ER_USER_LOCK_DEADLOCK) => StoreErrorKind::Deadlock,
             Some(ER_LOCK_WAIT_TIMEOUT) => StoreErrorKind::LockTimeout,
             Some(ER_CHECKREAD) => StoreErrorKind::Serialization,
             Some(n) if UNAVAILABLE.contains(&n) => StoreErrorKind::Unavailable,

@@ -80,6 +80,7 @@ pub mod deadletter;
 mod error;
 mod migrate;
 pub mod outbox;
+mod tx;
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -89,6 +90,7 @@ use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS,
     STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
 };
+use sha2::{Digest, Sha256};
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
 
@@ -96,10 +98,52 @@ pub use crate::deadletter::MySqlDeadLetters;
 use crate::error::{ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT, error_number};
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::MySqlOutbox;
+pub use crate::tx::MySqlTx;
 
-/// The transaction a transactional-mode claim lives in; the caller's own
-/// writes go through it (`&mut **tx` is a `MySqlConnection`).
-pub type MySqlTx = sqlx::Transaction<'static, sqlx::MySql>;
+/// How a transactional claim excludes a concurrent twin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ClaimStrategy {
+    /// The key's primary key is the lock: the claim inserts an uncommitted
+    /// in-progress row, a twin's duplicate `INSERT` blocks on it and then
+    /// collides, and the record updates the row. A fresh call writes the
+    /// key's row twice.
+    #[default]
+    Placeholder,
+    /// One row written per fresh call: the claim takes the server's named
+    /// lock (`GET_LOCK`) on a hash of the table, tenant, operation and key
+    /// before any read of the transaction, then reads the key's row with a
+    /// plain consistent read (no shared lock, no gap lock) and writes
+    /// nothing; the record inserts the completed row with one plain
+    /// `INSERT`. A twin queues on the named lock (bounded by the policy's
+    /// wait, then answered busy as under
+    /// [`Placeholder`](Self::Placeholder)), and once it has the lock its
+    /// read takes a snapshot that shows what the first committed.
+    ///
+    /// Named locks belong to the session, not to the transaction: the
+    /// store's [`MySqlTx`] releases them after `COMMIT` or `ROLLBACK`, and
+    /// closes its connection if it is dropped still holding one. The row is
+    /// read by its full key, so two keys whose hashes collide only take
+    /// turns. The primary key still refuses a second row: a record that
+    /// meets one (a lease-mode claim of the key, or a claim under the
+    /// other strategy, committed meanwhile) fails as a serialisation
+    /// failure before anything commits, and the engine runs the call again
+    /// and finds that row. Every process that claims keys of a table should
+    /// use the same strategy: mixing them stays correct, but a twin of the
+    /// other strategy may then wait for a whole lock wait.
+    ///
+    /// A stale row (expired, or a lease run out) is taken over in place as
+    /// under [`Placeholder`](Self::Placeholder), and recorded with an
+    /// update. Under SERIALIZABLE, where InnoDB turns every plain read of a
+    /// transaction into a locking one (with gap locks on an absent key), the
+    /// claim takes no named lock and runs the placeholder claim. Lease-mode
+    /// claims never take the lock.
+    NamedLock,
+}
+
+/// What the named-lock statement answers when the transaction is
+/// SERIALIZABLE (and it took no lock).
+const NAMED_LOCK_SERIALIZABLE: i64 = -1;
 
 /// The longest a single claim attempt blocks on a twin's uncommitted row, in
 /// seconds.
@@ -145,6 +189,9 @@ enum Flavor {
 /// The SQL texts of one keys table, built once.
 struct Statements {
     insert: String,
+    named_lock_mariadb: SqlStr,
+    named_lock_mysql: SqlStr,
+    insert_completed: SqlStr,
     select_locked: String,
     takeover: String,
     select: SqlStr,
@@ -169,6 +216,13 @@ impl Statements {
                  created_at_ms, expires_at_ms, lease_expires_at_ms) \
                  VALUES (?, ?, ?, ?, {STATUS_IN_PROGRESS}, ?, NULL, ?, ?, ?)"
             ),
+            named_lock_mariadb: fixed(named_lock("@@tx_isolation")),
+            named_lock_mysql: fixed(named_lock("@@transaction_isolation")),
+            insert_completed: fixed(format!(
+                "INSERT INTO `{table}` (tenant, operation, idem_key, fingerprint, status, token, payload, \
+                 created_at_ms, expires_at_ms, lease_expires_at_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)"
+            )),
             select_locked: format!("SELECT {COLUMNS} FROM `{table}` WHERE {WHERE_KEY} LOCK IN SHARE MODE"),
             takeover: format!(
                 "UPDATE `{table}` SET fingerprint = ?, status = {STATUS_IN_PROGRESS}, token = ?, payload = NULL, \
@@ -206,6 +260,13 @@ impl Statements {
     }
 }
 
+/// The named-lock statement: `-1` under SERIALIZABLE (the isolation level
+/// is the server variable `isolation`, whose name differs between MariaDB
+/// and MySQL), otherwise `GET_LOCK(name, seconds)`: `1` taken, `0` timed out.
+fn named_lock(isolation: &str) -> String {
+    format!("SELECT IF({isolation} = 'SERIALIZABLE', {NAMED_LOCK_SERIALIZABLE}, GET_LOCK(?, ?))")
+}
+
 /// The idem store on MySQL 8 or MariaDB 10.3+ (InnoDB).
 ///
 /// Cheap to clone: clones share the pool. Call [`migrate`](Self::migrate)
@@ -214,6 +275,7 @@ impl Statements {
 pub struct MySqlStore {
     pool: MySqlPool,
     table: TableName,
+    strategy: ClaimStrategy,
     sql: Arc<Statements>,
     flavor: Arc<OnceLock<Flavor>>,
 }
@@ -222,6 +284,7 @@ impl fmt::Debug for MySqlStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MySqlStore")
             .field("table", &self.table)
+            .field("strategy", &self.strategy)
             .field("flavor", &self.flavor.get())
             .finish_non_exhaustive()
     }
@@ -283,8 +346,21 @@ impl MySqlStore {
             sql: Arc::new(Statements::new(&table)),
             pool,
             table,
+            strategy: ClaimStrategy::default(),
             flavor: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Chooses how transactional claims exclude concurrent twins (see
+    /// [`ClaimStrategy`]).
+    pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// The claim strategy.
+    pub fn claim_strategy(&self) -> ClaimStrategy {
+        self.strategy
     }
 
     /// Uses `table` for the keys (and `{table}_schema` for its schema
@@ -440,10 +516,25 @@ impl MySqlStore {
         if !row.is_stale(req.now_ms) {
             return Ok(Claim::Found(row.into_stored()?));
         }
-        // A stale row (expired, or a lease whose holder's lease ran out) is
-        // taken over in place. The token only grows, so a fenced holder's old
-        // token can never match again; the `token = ?` guard and the repeated
-        // staleness test make the update a no-op if the row changed.
+        self.take_over(conn, req, &row, prefix).await
+    }
+
+    /// Takes over a stale row (expired, or a lease whose holder's lease ran
+    /// out) in place, as an in-progress row the record updates. The token
+    /// only grows, so a fenced holder's old token can never match again; the
+    /// `token = ?` guard and the repeated staleness test (on the row's
+    /// newest version) make the update a no-op if the row changed since it
+    /// was read.
+    async fn take_over(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        row: &RawRow,
+        prefix: &str,
+    ) -> Result<Claim> {
+        let tenant = req.scope.tenant().as_str().as_bytes();
+        let operation = req.scope.operation().as_str().as_bytes();
+        let key = req.key.as_str().as_bytes();
         let token = req.fresh_token.0.max(row.token.saturating_add(1));
         let updated = sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.takeover)))
             .bind(&req.fingerprint.as_bytes()[..])
@@ -469,6 +560,125 @@ impl MySqlStore {
                 "the stale row changed while it was being taken over",
             )),
             Err(e) => busy_or_error(e),
+        }
+    }
+
+    /// The server-wide name of the key's named lock: a hash of the table,
+    /// tenant, operation and key (names are limited to 64 characters).
+    fn lock_name(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        let mut hash = Sha256::new();
+        for part in [
+            self.table.as_str(),
+            scope.tenant().as_str(),
+            scope.operation().as_str(),
+            key.as_str(),
+        ] {
+            hash.update((part.len() as u64).to_be_bytes());
+            hash.update(part.as_bytes());
+        }
+        let digest = hash.finalize();
+        let mut name = String::with_capacity(5 + 48);
+        name.push_str("idem:");
+        for b in &digest[..24] {
+            name.push_str(&format!("{b:02x}"));
+        }
+        name
+    }
+
+    /// The claim of [`ClaimStrategy::NamedLock`] on `tx`: the key's named
+    /// lock first (unless this transaction holds it), then a plain read of
+    /// the row. An absent key is noted on `tx` as claimed with no row; the
+    /// record inserts it.
+    async fn claim_named(&self, tx: &mut MySqlTx, req: &ClaimRequest<'_>, wait: Duration) -> Result<Claim> {
+        let flavor = self.flavor(tx).await?;
+        let name = self.lock_name(req.scope, req.key);
+        if !tx.holds_lock(&name) {
+            let statement = match flavor {
+                Flavor::MariaDb => &self.sql.named_lock_mariadb,
+                Flavor::MySql => &self.sql.named_lock_mysql,
+            };
+            // GET_LOCK takes fractions of a second; the cap keeps a long
+            // wait in steps, as the placeholder claim's row-lock wait is.
+            let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+            let answer: Option<i64> = sqlx::query_scalar(statement.clone())
+                .bind(name.as_str())
+                .bind(secs)
+                .fetch_one(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            match answer {
+                Some(1) => tx.note_lock(name),
+                Some(0) => {
+                    tracing::debug!("a concurrent claim still holds the key's named lock; answering busy");
+                    return Ok(Claim::Busy);
+                }
+                Some(NAMED_LOCK_SERIALIZABLE) => return self.claim_on(tx, req, lock_wait_secs(wait)).await,
+                other => {
+                    return Err(Error::store(
+                        StoreErrorKind::Other,
+                        format!("GET_LOCK of the key's named lock answered {other:?}"),
+                    ));
+                }
+            }
+        }
+        // The lock was taken before this transaction read anything, so at
+        // REPEATABLE READ the snapshot begins here, after the twin that held
+        // the lock committed and released it.
+        let row = sqlx::query(self.sql.select.clone())
+            .bind(req.scope.tenant().as_str().as_bytes())
+            .bind(req.scope.operation().as_str().as_bytes())
+            .bind(req.key.as_str().as_bytes())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else {
+            tx.note_unwritten(req, req.fresh_token.0);
+            return Ok(Claim::Claimed(req.fresh_token));
+        };
+        let row = RawRow::decode(&row)?;
+        if !row.is_stale(req.now_ms) {
+            return Ok(Claim::Found(row.into_stored()?));
+        }
+        // A lease-mode claim commits at once, so the takeover's row lock is
+        // normally free; on MariaDB its wait is bounded as the placeholder
+        // claim's, on MySQL it is the session's own.
+        let prefix = match flavor {
+            Flavor::MariaDb => format!("SET STATEMENT innodb_lock_wait_timeout = {} FOR ", lock_wait_secs(wait)),
+            Flavor::MySql => String::new(),
+        };
+        self.take_over(tx, req, &row, &prefix).await
+    }
+
+    /// The named-lock record: one `INSERT` of the completed row. A
+    /// duplicate key means another claim's row committed after this claim
+    /// read the key: a serialisation failure, so the engine rolls back and
+    /// runs the call again.
+    async fn insert_completed(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        record: &Record,
+        token: i64,
+    ) -> Result<()> {
+        let inserted = sqlx::query(self.sql.insert_completed.clone())
+            .bind(req.scope.tenant().as_str().as_bytes())
+            .bind(req.scope.operation().as_str().as_bytes())
+            .bind(req.key.as_str().as_bytes())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(record.status.code())
+            .bind(token)
+            .bind(&record.payload[..])
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .execute(&mut **tx)
+            .await;
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => Err(Error::store(
+                StoreErrorKind::Serialization,
+                format!("the key's row was written by another claim before this record: {e}"),
+            )),
+            Err(e) => Err(store_error(e)),
         }
     }
 }
@@ -508,7 +718,7 @@ impl TxBackend for MySqlStore {
     type Tx = MySqlTx;
 
     fn begin(&self) -> BoxFuture<'_, Result<MySqlTx>> {
-        Box::pin(async move { self.pool.begin().await.map_err(store_error) })
+        Box::pin(MySqlTx::begin(&self.pool))
     }
 
     fn claim<'a>(
@@ -518,7 +728,11 @@ impl TxBackend for MySqlStore {
         wait: Duration,
     ) -> BoxFuture<'a, Result<TxClaim>> {
         Box::pin(async move {
-            Ok(match self.claim_on(tx, req, lock_wait_secs(wait)).await? {
+            let claim = match self.strategy {
+                ClaimStrategy::Placeholder => self.claim_on(tx, req, lock_wait_secs(wait)).await?,
+                ClaimStrategy::NamedLock => self.claim_named(tx, req, wait).await?,
+            };
+            Ok(match claim {
                 Claim::Claimed(_) => TxClaim::Claimed,
                 Claim::Found(row) => TxClaim::Found(row),
                 Claim::Busy => TxClaim::Busy,
@@ -533,6 +747,9 @@ impl TxBackend for MySqlStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            if let Some(token) = tx.take_unwritten(req) {
+                return self.insert_completed(tx, req, record, token).await;
+            }
             let done = sqlx::query(self.sql.record.clone())
                 .bind(record.status.code())
                 .bind(&record.payload[..])
@@ -552,11 +769,11 @@ impl TxBackend for MySqlStore {
     }
 
     fn commit(&self, tx: MySqlTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.commit().await.map_err(store_error) })
+        Box::pin(tx.commit())
     }
 
     fn rollback(&self, tx: MySqlTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+        Box::pin(tx.rollback())
     }
 }
 
@@ -683,7 +900,7 @@ impl Sweep for MySqlStore {
     }
 }
 
-async fn rollback_quietly(tx: MySqlTx) {
+async fn rollback_quietly(tx: sqlx::Transaction<'static, sqlx::MySql>) {
     if let Err(e) = tx.rollback().await {
         tracing::debug!(error = %e, "rollback failed; the connection will be discarded");
     }

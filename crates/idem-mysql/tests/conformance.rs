@@ -1,5 +1,6 @@
 //! The conformance suite against MariaDB or MySQL, in transactional mode on
-//! connections that default to each isolation level, and in lease mode.
+//! connections that default to each isolation level under each claim
+//! strategy, and in lease mode.
 //!
 //! The server comes from `IDEM_TEST_MYSQL_URL` (default
 //! `mysql://root@127.0.0.1:3306/test`); an unreachable server fails every
@@ -10,7 +11,7 @@ mod common;
 use common::{EFFECTS_TABLE, Isolation, connect_at, isolated_store, shared_store_on};
 use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture};
-use idem_mysql::{MySqlStore, MySqlTx};
+use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
 
 /// A store under test: a keys table reached through one small pool.
 #[derive(Clone)]
@@ -23,8 +24,15 @@ impl MySqlSubject {
     /// A subject whose connections default to `isolation`, on a keys table
     /// of its own, so that the modules of each level never share keys.
     async fn shared(isolation: Isolation, table: &str) -> Self {
+        Self::shared_with(ClaimStrategy::Placeholder, isolation, table).await
+    }
+
+    /// The same with the claim strategy `strategy`.
+    async fn shared_with(strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
         Self {
-            store: shared_store_on(connect_at(isolation).await, table).await,
+            store: shared_store_on(connect_at(isolation).await, table)
+                .await
+                .with_claim_strategy(strategy),
             isolation,
         }
     }
@@ -75,7 +83,9 @@ impl Subject for MySqlSubject {
     fn another(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move {
             Self {
-                store: MySqlStore::new(connect_at(self.isolation).await).with_table(self.store.table().clone()),
+                store: MySqlStore::new(connect_at(self.isolation).await)
+                    .with_table(self.store.table().clone())
+                    .with_claim_strategy(self.store.claim_strategy()),
                 isolation: self.isolation,
             }
         })
@@ -84,7 +94,9 @@ impl Subject for MySqlSubject {
     fn isolated(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move {
             Self {
-                store: isolated_store(self.store.pool().clone()).await,
+                store: isolated_store(self.store.pool().clone())
+                    .await
+                    .with_claim_strategy(self.store.claim_strategy()),
                 isolation: self.isolation,
             }
         })
@@ -102,6 +114,38 @@ tx_conformance!(
 tx_conformance!(
     mysql_tx_serializable,
     MySqlSubject::shared(Isolation::Serializable, "idem_conformance_keys_ser")
+);
+tx_conformance!(
+    mysql_tx_named_lock,
+    MySqlSubject::shared_with(
+        ClaimStrategy::NamedLock,
+        Isolation::RepeatableRead,
+        "idem_conformance_keys_nl"
+    )
+);
+tx_conformance!(
+    mysql_tx_named_lock_read_committed,
+    MySqlSubject::shared_with(
+        ClaimStrategy::NamedLock,
+        Isolation::ReadCommitted,
+        "idem_conformance_keys_nl_rc"
+    )
+);
+tx_conformance!(
+    mysql_tx_named_lock_serializable,
+    MySqlSubject::shared_with(
+        ClaimStrategy::NamedLock,
+        Isolation::Serializable,
+        "idem_conformance_keys_nl_ser"
+    )
+);
+lease_conformance!(
+    mysql_lease_named_lock,
+    MySqlSubject::shared_with(
+        ClaimStrategy::NamedLock,
+        Isolation::RepeatableRead,
+        "idem_conformance_keys_nl"
+    )
 );
 lease_conformance!(
     mysql_lease,

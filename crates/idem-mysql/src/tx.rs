@@ -1,0 +1,193 @@
+//! The transaction a [`MySqlStore`](crate::MySqlStore) hands out.
+//!
+//! It is sqlx's own transaction bookkeeping (`MySqlTransactionManager`, so
+//! a nested `begin` on the connection is a savepoint, as on a
+//! `sqlx::Transaction`) on a pooled connection, plus what a
+//! [`ClaimStrategy::NamedLock`](crate::ClaimStrategy::NamedLock) claim
+//! leaves on the transaction: the server's named locks it took and the keys
+//! it claimed without writing a row. Named locks belong to the session, not
+//! to the transaction, so they are released after `COMMIT` or `ROLLBACK`,
+//! and a transaction dropped while it holds one closes its connection
+//! rather than return it to the pool still holding the lock.
+
+use std::ops::{Deref, DerefMut};
+
+use idem_core::{ClaimRequest, Result};
+use sqlx::mysql::{MySqlConnection, MySqlTransactionManager};
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, MySql, MySqlPool};
+use sqlx_core::transaction::TransactionManager;
+
+use crate::error::store_error;
+
+/// The open transaction of a [`MySqlStore`](crate::MySqlStore): a pooled
+/// connection inside `BEGIN`. The caller's queries run on it (`&mut **tx`
+/// is a `&mut MySqlConnection`), so they commit or roll back with the
+/// claim.
+///
+/// Dropping an open transaction rolls it back, as dropping a
+/// `sqlx::Transaction` does (the `ROLLBACK` is sent before the connection is
+/// used again). If it holds a named lock of a
+/// [`NamedLock`](crate::ClaimStrategy::NamedLock) claim, its connection is
+/// closed instead: ending the session rolls the transaction back and frees
+/// the lock, so the key is free for the next caller.
+pub struct MySqlTx {
+    conn: Option<PoolConnection<MySql>>,
+    /// Whether the server may be inside the transaction on this connection.
+    open: bool,
+    /// The named locks this transaction's claims took, released when it ends.
+    locks: Vec<String>,
+    /// The keys claimed without a row: the record inserts the completed row.
+    unwritten: Vec<Unwritten>,
+}
+
+/// A key claimed under a named lock with no row written yet.
+struct Unwritten {
+    tenant: String,
+    operation: String,
+    key: String,
+    token: i64,
+}
+
+impl Unwritten {
+    fn is(&self, req: &ClaimRequest<'_>) -> bool {
+        self.key == req.key.as_str()
+            && self.operation == req.scope.operation().as_str()
+            && self.tenant == req.scope.tenant().as_str()
+    }
+}
+
+impl std::fmt::Debug for MySqlTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlTx")
+            .field("open", &self.open)
+            .field("named_locks", &self.locks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for MySqlTx {
+    type Target = MySqlConnection;
+    fn deref(&self) -> &MySqlConnection {
+        self.conn
+            .as_ref()
+            .expect("a MySqlTx holds its connection until it ends")
+    }
+}
+
+impl DerefMut for MySqlTx {
+    fn deref_mut(&mut self) -> &mut MySqlConnection {
+        self.conn
+            .as_mut()
+            .expect("a MySqlTx holds its connection until it ends")
+    }
+}
+
+impl Drop for MySqlTx {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else { return };
+        if !self.locks.is_empty() {
+            // The locks outlive any ROLLBACK: only the end of the session
+            // frees them (and rolls back whatever is open).
+            match tokio::runtime::Handle::try_current() {
+                Ok(_) => conn.close_on_drop(),
+                Err(_) => drop(conn.detach()),
+            }
+            return;
+        }
+        if self.open {
+            MySqlTransactionManager::start_rollback(&mut conn);
+        }
+    }
+}
+
+impl MySqlTx {
+    /// Opens a transaction on a connection of `pool`.
+    pub(crate) async fn begin(pool: &MySqlPool) -> Result<Self> {
+        let mut conn = pool.acquire().await.map_err(store_error)?;
+        MySqlTransactionManager::begin(&mut conn, None)
+            .await
+            .map_err(store_error)?;
+        Ok(Self {
+            conn: Some(conn),
+            open: true,
+            locks: Vec::new(),
+            unwritten: Vec::new(),
+        })
+    }
+
+    /// Commits the transaction, then releases the named locks its claims
+    /// took.
+    pub async fn commit(mut self) -> Result<()> {
+        let done = MySqlTransactionManager::commit(&mut self).await;
+        if done.is_ok() {
+            self.open = false;
+        }
+        self.release_locks().await;
+        done.map_err(store_error)
+    }
+
+    /// Rolls the transaction back, then releases the named locks its claims
+    /// took.
+    pub async fn rollback(mut self) -> Result<()> {
+        let done = MySqlTransactionManager::rollback(&mut self).await;
+        if done.is_ok() {
+            self.open = false;
+        }
+        self.release_locks().await;
+        done.map_err(store_error)
+    }
+
+    /// Releases the named locks, once the transaction has ended. A
+    /// connection whose transaction did not end cleanly, or whose locks
+    /// could not be released, is closed: closing frees them.
+    async fn release_locks(&mut self) {
+        if self.locks.is_empty() {
+            return;
+        }
+        if !self.open {
+            let calls = vec!["RELEASE_LOCK(?)"; self.locks.len()].join(", ");
+            let mut release = sqlx::query(AssertSqlSafe(format!("DO {calls}")));
+            for name in &self.locks {
+                release = release.bind(name.as_str());
+            }
+            match release.execute(&mut **self).await {
+                Ok(_) => {
+                    self.locks.clear();
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "releasing named locks failed; closing the connection"),
+            }
+        }
+        // Drop sees the locks and closes the connection.
+    }
+
+    /// Whether this transaction holds the named lock `name`.
+    pub(crate) fn holds_lock(&self, name: &str) -> bool {
+        self.locks.iter().any(|held| held == name)
+    }
+
+    /// Notes the named lock `name`, taken on this transaction's session.
+    pub(crate) fn note_lock(&mut self, name: String) {
+        self.locks.push(name);
+    }
+
+    /// Notes a claim of `req`'s key that wrote no row: the record inserts
+    /// the completed row with `token`.
+    pub(crate) fn note_unwritten(&mut self, req: &ClaimRequest<'_>, token: i64) {
+        self.unwritten.retain(|held| !held.is(req));
+        self.unwritten.push(Unwritten {
+            tenant: req.scope.tenant().as_str().to_owned(),
+            operation: req.scope.operation().as_str().to_owned(),
+            key: req.key.as_str().to_owned(),
+            token,
+        });
+    }
+
+    /// Takes back the claim of `req`'s key that wrote no row, if this
+    /// transaction holds one: the token the record inserts.
+    pub(crate) fn take_unwritten(&mut self, req: &ClaimRequest<'_>) -> Option<i64> {
+        let at = self.unwritten.iter().position(|held| held.is(req))?;
+        Some(self.unwritten.swap_remove(at).token)
+    }
+}

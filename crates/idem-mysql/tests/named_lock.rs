@@ -1,0 +1,407 @@
+//! The named-lock claim strategy beyond the conformance suite: a fresh
+//! claim writes no row until its record inserts the completed one, the
+//! session-scoped named lock is released after commit and rollback and never
+//! returns to the pool with a dropped transaction, a lock wait that runs out
+//! answers busy, a record that meets a row committed meanwhile rolls back,
+//! a lease-mode row is taken over, and many sessions claiming one key run
+//! the effect once.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{EFFECTS_TABLE, connect, shared_store};
+use idem_conformance::{Runs, call_for, unique_scope, waiting};
+use idem_core::{
+    Call, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind, Token,
+    TxBackend, TxClaim, TxEngine,
+};
+use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
+use sqlx::MySqlPool;
+
+fn now_ms() -> i64 {
+    idem_core::Clock::now_ms(&idem_core::SystemClock)
+}
+
+/// A transactional claim request for `call` at `now`.
+fn request_at(call: &Call, now: i64) -> ClaimRequest<'_> {
+    ClaimRequest {
+        scope: call.scope(),
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: now,
+        expires_at_ms: now + 60_000,
+        fresh_token: Token::fresh(now),
+        lease_expires_at_ms: None,
+    }
+}
+
+/// The shared keys table under the named-lock strategy, on a pool of its own.
+async fn named_store() -> MySqlStore {
+    shared_store(connect().await)
+        .await
+        .with_claim_strategy(ClaimStrategy::NamedLock)
+}
+
+/// Another store on the same table with a pool (so sessions) of its own, as
+/// another process would have.
+async fn other_process(store: &MySqlStore) -> MySqlStore {
+    MySqlStore::new(connect().await)
+        .with_table(store.table().clone())
+        .with_claim_strategy(store.claim_strategy())
+}
+
+fn new_call(operation: &str) -> Call {
+    call_for(
+        &unique_scope(operation),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    )
+}
+
+async fn write_effect(tx: &mut MySqlTx, id: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
+    )))
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+}
+
+async fn effects(pool: &MySqlPool, id: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
+    )))
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The key's row as another session sees it at READ UNCOMMITTED: its status,
+/// or `None` if there is no row, committed or not.
+async fn uncommitted_status(store: &MySqlStore, call: &Call) -> Option<i16> {
+    let mut conn = store.pool().acquire().await.unwrap();
+    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let status = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM `{}` WHERE tenant = ? AND operation = ? AND idem_key = ?",
+        store.table().as_str()
+    )))
+    .bind(call.scope().tenant().as_str().as_bytes())
+    .bind(call.scope().operation().as_str().as_bytes())
+    .bind(call.key().as_str().as_bytes())
+    .fetch_optional(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    status
+}
+
+/// The key's committed token.
+async fn token_of(store: &MySqlStore, call: &Call) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT token FROM `{}` WHERE tenant = ? AND operation = ? AND idem_key = ?",
+        store.table().as_str()
+    )))
+    .bind(call.scope().tenant().as_str().as_bytes())
+    .bind(call.scope().operation().as_str().as_bytes())
+    .bind(call.key().as_str().as_bytes())
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
+/// A fresh claim writes nothing (no placeholder, not even an uncommitted one); the record writes the completed row at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_claim_writes_only_the_completed_row() {
+    let store = named_store().await;
+    let call = new_call("POST /named/one-row");
+    let req = request_at(&call, now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    assert_eq!(uncommitted_status(&store, &call).await, None, "the claim wrote no row");
+    let record = Record::completed(b"done".to_vec());
+    store.record(&mut tx, &req, &record).await.unwrap();
+    assert_eq!(
+        uncommitted_status(&store, &call).await,
+        Some(1),
+        "the record wrote the completed row, never an in-progress one"
+    );
+    store.commit(tx).await.unwrap();
+    let row = store
+        .get(call.scope(), call.key())
+        .await
+        .unwrap()
+        .expect("the committed row");
+    assert_eq!(row.state, RowState::Done(record));
+    assert_eq!(token_of(&store, &call).await, req.fresh_token.0);
+}
+
+/// After COMMIT the named lock is released: another session's claim that does not wait finds the recorded row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_is_released_after_commit() {
+    let store = named_store().await;
+    let other = other_process(&store).await;
+    let call = new_call("POST /named/commit");
+    let req = request_at(&call, now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let record = Record::completed(b"r".to_vec());
+    store.record_commit(tx, &req, &record).await.unwrap();
+
+    let mut theirs = other.begin().await.unwrap();
+    match other.claim(&mut theirs, &req, Duration::ZERO).await.unwrap() {
+        TxClaim::Found(row) => assert_eq!(row.state, RowState::Done(record)),
+        answer => panic!("expected the recorded row at once, got {answer:?}"),
+    }
+    other.rollback(theirs).await.unwrap();
+}
+
+/// After ROLLBACK the named lock is released: another session's claim that does not wait claims the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_is_released_after_rollback() {
+    let store = named_store().await;
+    let other = other_process(&store).await;
+    let call = new_call("POST /named/rollback");
+    let req = request_at(&call, now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    store.rollback(tx).await.unwrap();
+
+    let mut theirs = other.begin().await.unwrap();
+    assert_eq!(
+        other.claim(&mut theirs, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed,
+        "the key is free at once"
+    );
+    other.rollback(theirs).await.unwrap();
+}
+
+/// A transaction dropped while it holds the key (a cancelled caller) does not return its session to the pool with the lock: the next caller claims the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_transaction_does_not_keep_the_key_locked() {
+    let store = named_store().await;
+    let other = other_process(&store).await;
+    let call = new_call("POST /named/dropped");
+    let req = request_at(&call, now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    write_effect(&mut tx, &format!("dropped-{}", call.key().as_str())).await;
+    drop(tx);
+
+    // Closing the dropped session runs in the background; a claim waiting
+    // (up to five seconds per attempt) gets the key as soon as it is freed.
+    // A session returned to the pool would hold the lock for good.
+    let mut claimed = None;
+    for _ in 0..4 {
+        let mut theirs = other.begin().await.unwrap();
+        match other.claim(&mut theirs, &req, Duration::from_secs(5)).await.unwrap() {
+            TxClaim::Busy => other.rollback(theirs).await.unwrap(),
+            answer => {
+                claimed = Some(answer);
+                other.rollback(theirs).await.unwrap();
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        claimed,
+        Some(TxClaim::Claimed),
+        "the dropped transaction's lock was freed"
+    );
+    assert_eq!(
+        effects(store.pool(), &format!("dropped-{}", call.key().as_str())).await,
+        0,
+        "the dropped transaction's write rolled back"
+    );
+    // The store's own pool still serves claims of the key.
+    let mut again = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut again, &req, Duration::from_secs(5)).await.unwrap(),
+        TxClaim::Claimed
+    );
+    store.rollback(again).await.unwrap();
+}
+
+/// A twin whose wait for the named lock runs out is answered busy, and the engine reports the key in flight, as under the placeholder strategy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_wait_that_runs_out_is_in_flight() {
+    let store = named_store().await;
+    let other = other_process(&store).await;
+    let call = new_call("POST /named/busy");
+    let req = request_at(&call, now_ms());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+
+    let mut theirs = other.begin().await.unwrap();
+    assert_eq!(
+        other
+            .claim(&mut theirs, &req, Duration::from_millis(300))
+            .await
+            .unwrap(),
+        TxClaim::Busy
+    );
+    other.rollback(theirs).await.unwrap();
+    let twin = call.clone().with_policy(waiting(300));
+    let engine = TxEngine::new(other.clone());
+    match engine.begin(&twin).await {
+        Err(Error::InFlight { .. }) => {}
+        Err(e) => panic!("expected in flight, got {e}"),
+        Ok(_) => panic!("expected in flight, got a claim or a replay"),
+    }
+    store.rollback(tx).await.unwrap();
+}
+
+/// A record that meets a row committed after the claim read the key (a lease-mode claim) fails as contention and commits none of the caller's writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_meeting_a_committed_row_rolls_back() {
+    let store = named_store().await;
+    let other = other_process(&store).await;
+    let call = new_call("POST /named/duplicate");
+    let now = now_ms();
+    let req = request_at(&call, now);
+    let effect = format!("duplicate-{}", call.key().as_str());
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    write_effect(&mut tx, &effect).await;
+
+    let lease_req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 30_000),
+        ..request_at(&call, now)
+    };
+    let token = match other.try_claim(&lease_req).await.unwrap() {
+        LeaseClaim::Acquired(token) => token,
+        found => panic!("the lease claim writes no placeholder to wait for, got {found:?}"),
+    };
+
+    let e = store
+        .record_commit(tx, &req, &Record::completed(b"second".to_vec()))
+        .await
+        .expect_err("the primary key refuses a second row");
+    assert_eq!(e.store_kind(), Some(StoreErrorKind::Serialization), "{e}");
+    assert!(e.is_contention(), "the engine runs the call again: {e}");
+    assert_eq!(effects(store.pool(), &effect).await, 0, "nothing of the call committed");
+    let row = store
+        .get(call.scope(), call.key())
+        .await
+        .unwrap()
+        .expect("the lease's row");
+    assert!(
+        matches!(row.state, RowState::InProgress { token: t, .. } if t == token),
+        "{row:?}"
+    );
+}
+
+/// A live lease-mode row is found, and one whose lease ran out is taken over with a larger token and recorded, as under the placeholder strategy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_rows_are_found_and_taken_over() {
+    let store = named_store().await;
+    let call = new_call("POST /named/lease");
+    let now = now_ms();
+    let lease_req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 1_000),
+        ..request_at(&call, now)
+    };
+    let LeaseClaim::Acquired(lease_token) = store.try_claim(&lease_req).await.unwrap() else {
+        panic!("a fresh key is acquired");
+    };
+
+    let live = request_at(&call, now + 500);
+    let mut tx = store.begin().await.unwrap();
+    match store.claim(&mut tx, &live, Duration::ZERO).await.unwrap() {
+        TxClaim::Found(row) => assert!(
+            matches!(row.state, RowState::InProgress { token, .. } if token == lease_token),
+            "{row:?}"
+        ),
+        answer => panic!("expected the live lease, got {answer:?}"),
+    }
+    store.rollback(tx).await.unwrap();
+
+    let later = request_at(&call, now + 2_000);
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut tx, &later, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    let record = Record::completed(b"after the lease".to_vec());
+    store.record_commit(tx, &later, &record).await.unwrap();
+    let row = store.get(call.scope(), call.key()).await.unwrap().expect("the row");
+    assert_eq!(row.state, RowState::Done(record));
+    assert!(
+        token_of(&store, &call).await > lease_token.0,
+        "the takeover's token is larger"
+    );
+}
+
+/// Many tasks on four pools (sessions of four processes) run one key's effect once; every other caller replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_sessions_on_one_key_run_the_effect_once() {
+    let store = named_store().await;
+    let mut stores = vec![store.clone()];
+    for _ in 0..3 {
+        stores.push(other_process(&store).await);
+    }
+    let call = call_for(
+        &unique_scope("POST /named/many"),
+        &IdempotencyKey::generate(),
+        "{}",
+        waiting(60_000),
+    );
+    let effect = format!("many-{}", call.key().as_str());
+    let runs = Runs::default();
+    let mut tasks = Vec::new();
+    for i in 0..48 {
+        let engine = TxEngine::new(stores[i % stores.len()].clone());
+        let (call, effect, runs) = (call.clone(), effect.clone(), runs.clone());
+        tasks.push(tokio::spawn(async move {
+            engine
+                .execute(&call, |tx| {
+                    let (effect, runs) = (effect.clone(), runs.clone());
+                    Box::pin(async move {
+                        runs.hit();
+                        write_effect(tx, &effect).await;
+                        Ok::<_, Error>(7_u32)
+                    })
+                })
+                .await
+                .expect("every caller gets the outcome")
+        }));
+    }
+    let mut executed = 0;
+    for task in tasks {
+        let outcome = task.await.unwrap();
+        assert_eq!(*outcome.value(), 7);
+        if !outcome.is_replayed() {
+            executed += 1;
+        }
+    }
+    assert_eq!(executed, 1, "one caller executed, the others replayed");
+    assert_eq!(runs.get(), 1, "the work ran once");
+    assert_eq!(effects(store.pool(), &effect).await, 1, "the effect committed once");
+}
