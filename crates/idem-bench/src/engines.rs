@@ -167,6 +167,15 @@ pub async fn mysql(url: &str, connections: u32) -> Result<idem_mysql::MySqlStore
     Ok(idem_mysql::MySqlStore::new(pool).with_table(keys_table()))
 }
 
+/// The MySQL/MariaDB claim strategy named `name`.
+pub fn mysql_claim_strategy(name: &str) -> Result<idem_mysql::ClaimStrategy, BoxError> {
+    match name {
+        "placeholder" => Ok(idem_mysql::ClaimStrategy::Placeholder),
+        "named-lock" => Ok(idem_mysql::ClaimStrategy::NamedLock),
+        other => Err(format!("unknown MySQL claim strategy {other:?} (placeholder, named-lock)").into()),
+    }
+}
+
 /// A SQLite file that is deleted (with its WAL and lock files) on drop.
 #[derive(Debug)]
 pub struct SqliteFile {

@@ -190,10 +190,17 @@ pub async fn postgres_with(
     meter_store("postgres", admin, db, &probe, Some(&wire), workloads, ops).await
 }
 
-/// Meters MariaDB/MySQL at `url`.
-pub async fn mysql(url: &str, workloads: &[String], ops: u64) -> Result<Vec<Cost>, BoxError> {
+/// Meters MariaDB/MySQL at `url` with the store's claim `strategy`.
+pub async fn mysql(
+    url: &str,
+    strategy: idem_mysql::ClaimStrategy,
+    workloads: &[String],
+    ops: u64,
+) -> Result<Vec<Cost>, BoxError> {
     let wire = Wire::start(server_of(url, 3306)?)?;
-    let db = engines::mysql(&via(url, wire.addr())?, 1).await?;
+    let db = engines::mysql(&via(url, wire.addr())?, 1)
+        .await?
+        .with_claim_strategy(strategy);
     let observer = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(1)
         .connect(url)

@@ -57,6 +57,10 @@ pub struct Args {
     /// default), `advisory-lock` or `one-write`.
     #[arg(long, default_value = "insert-on-conflict", value_parser = ["insert-on-conflict", "advisory-lock", "one-write"])]
     pub pg_claim_strategy: String,
+    /// The MySQL/MariaDB store's claim strategy: `placeholder` (the
+    /// default) or `named-lock`.
+    #[arg(long, default_value = "placeholder", value_parser = ["placeholder", "named-lock"])]
+    pub mysql_claim_strategy: String,
     /// Also run the scale benchmark (`scale`, next to this binary).
     #[arg(long)]
     pub scale: bool,
@@ -233,7 +237,10 @@ async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> 
             let strategy = engines::claim_strategy(&args.pg_claim_strategy)?;
             meter::postgres(&args.postgres_url, strategy, &workloads, args.cost_ops).await
         }
-        "mysql" => meter::mysql(&args.mysql_url, &workloads, args.cost_ops).await,
+        "mysql" => {
+            let strategy = engines::mysql_claim_strategy(&args.mysql_claim_strategy)?;
+            meter::mysql(&args.mysql_url, strategy, &workloads, args.cost_ops).await
+        }
         _ => meter::sqlite(&workloads, args.cost_ops).await,
     }
 }
@@ -250,7 +257,13 @@ async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) ->
             })
             .await
         }
-        "mysql" => measure_store(engine, args, out, |n| engines::mysql(&args.mysql_url, n)).await,
+        "mysql" => {
+            let strategy = engines::mysql_claim_strategy(&args.mysql_claim_strategy)?;
+            measure_store(engine, args, out, |n| async move {
+                Ok(engines::mysql(&args.mysql_url, n).await?.with_claim_strategy(strategy))
+            })
+            .await
+        }
         "sqlite" => {
             let file = engines::SqliteFile::new();
             measure_store(engine, args, out, |_| file.open()).await

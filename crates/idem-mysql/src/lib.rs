@@ -260,6 +260,10 @@ impl Statements {
     }
 }
 
+/// The session variable the named lock's answer is kept in between the two
+/// statements of [`MySqlStore::begin_named`].
+const LOCK_VARIABLE: &str = "idem_named_lock";
+
 /// The named-lock statement: `-1` under SERIALIZABLE (the isolation level
 /// is the server variable `isolation`, whose name differs between MariaDB
 /// and MySQL), otherwise `GET_LOCK(name, seconds)`: `1` taken, `0` timed out.
@@ -324,6 +328,23 @@ impl RawRow {
     fn is_stale(&self, now_ms: i64) -> bool {
         self.expires_at_ms <= now_ms
             || (self.status == STATUS_IN_PROGRESS && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
+    }
+
+    /// Decodes the key's row from the columns after the first of the
+    /// named-lock read (`None`: no row, the join found nothing).
+    fn decode_joined(row: &MySqlRow) -> Result<Option<Self>> {
+        let fingerprint: Option<Vec<u8>> = row.try_get(1).map_err(store_error)?;
+        let Some(fingerprint) = fingerprint else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
+            fingerprint,
+            status: row.try_get(2).map_err(store_error)?,
+            token: row.try_get(3).map_err(store_error)?,
+            payload: row.try_get(4).map_err(store_error)?,
+            lease_expires_at_ms: row.try_get(5).map_err(store_error)?,
+            expires_at_ms: row.try_get(6).map_err(store_error)?,
+        }))
     }
 
     fn into_stored(self) -> Result<StoredRow> {
@@ -608,17 +629,7 @@ impl MySqlStore {
                 .map_err(store_error)?;
             match answer {
                 Some(1) => tx.note_lock(name),
-                Some(0) => {
-                    tracing::debug!("a concurrent claim still holds the key's named lock; answering busy");
-                    return Ok(Claim::Busy);
-                }
-                Some(NAMED_LOCK_SERIALIZABLE) => return self.claim_on(tx, req, lock_wait_secs(wait)).await,
-                other => {
-                    return Err(Error::store(
-                        StoreErrorKind::Other,
-                        format!("GET_LOCK of the key's named lock answered {other:?}"),
-                    ));
-                }
+                other => return self.not_locked(tx, req, wait, other).await,
             }
         }
         // The lock was taken before this transaction read anything, so at
@@ -631,11 +642,48 @@ impl MySqlStore {
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
+        let row = row.map(|row| RawRow::decode(&row)).transpose()?;
+        self.decide_named(tx, req, wait, flavor, row).await
+    }
+
+    /// The answer of a named-lock statement that did not take the lock:
+    /// busy when its wait ran out, the placeholder claim under
+    /// SERIALIZABLE.
+    async fn not_locked(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+        answer: Option<i64>,
+    ) -> Result<Claim> {
+        match answer {
+            Some(0) => {
+                tracing::debug!("a concurrent claim still holds the key's named lock; answering busy");
+                Ok(Claim::Busy)
+            }
+            Some(NAMED_LOCK_SERIALIZABLE) => self.claim_on(tx, req, lock_wait_secs(wait)).await,
+            other => Err(Error::store(
+                StoreErrorKind::Other,
+                format!("GET_LOCK of the key's named lock answered {other:?}"),
+            )),
+        }
+    }
+
+    /// Decides a named-lock claim from the key's row read under the lock:
+    /// an absent key is claimed with no row written (noted on `tx`), a live
+    /// row is found, a stale one taken over.
+    async fn decide_named(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+        flavor: Flavor,
+        row: Option<RawRow>,
+    ) -> Result<Claim> {
         let Some(row) = row else {
             tx.note_unwritten(req, req.fresh_token.0);
             return Ok(Claim::Claimed(req.fresh_token));
         };
-        let row = RawRow::decode(&row)?;
         if !row.is_stale(req.now_ms) {
             return Ok(Claim::Found(row.into_stored()?));
         }
@@ -647,6 +695,91 @@ impl MySqlStore {
             Flavor::MySql => String::new(),
         };
         self.take_over(tx, req, &row, &prefix).await
+    }
+
+    /// The named-lock claim as the engine opens it, in one round trip
+    /// before `BEGIN`: a text of two statements takes the lock
+    /// (`SET @idem_named_lock = GET_LOCK(…)`) and then reads the key's row
+    /// with the lock's answer. Outside a transaction the read is a
+    /// consistent read in a snapshot of its own, taken after the lock was
+    /// granted, and it locks nothing at any isolation level. Values are
+    /// written as literals whose meaning no setting changes: the lock name in
+    /// hexadecimal digits, the wait in decimal, the key's columns (binary)
+    /// as `X'…'`.
+    ///
+    /// `BEGIN` follows only when the claim writes (a fresh key, a takeover,
+    /// the placeholder claim under SERIALIZABLE). A found row or a busy key
+    /// answers a transaction that never began: rolling it back only releases
+    /// the lock, so a replay costs two round trips.
+    async fn begin_named(&self, req: &ClaimRequest<'_>, wait: Duration) -> Result<(MySqlTx, Claim)> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let flavor = self.flavor(&mut conn).await?;
+        let isolation = match flavor {
+            Flavor::MariaDb => "@@tx_isolation",
+            Flavor::MySql => "@@transaction_isolation",
+        };
+        let name = self.lock_name(req.scope, req.key);
+        let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+        let mut text = format!(
+            "SET @{LOCK_VARIABLE} = IF({isolation} = 'SERIALIZABLE', {NAMED_LOCK_SERIALIZABLE}, \
+             GET_LOCK('{name}', {secs:.3})); \
+             SELECT CAST(@{LOCK_VARIABLE} AS SIGNED), k.fingerprint, k.status, k.token, k.payload, \
+             k.lease_expires_at_ms, k.expires_at_ms FROM (SELECT 1) AS one LEFT JOIN `{}` AS k ON ",
+            self.table.as_str()
+        );
+        for (column, value) in [
+            ("tenant", req.scope.tenant().as_str()),
+            ("operation", req.scope.operation().as_str()),
+            ("idem_key", req.key.as_str()),
+        ] {
+            if column != "tenant" {
+                text.push_str(" AND ");
+            }
+            text.push_str(&format!("k.{column} = X'"));
+            for b in value.as_bytes() {
+                text.push_str(&format!("{b:02X}"));
+            }
+            text.push('\'');
+        }
+        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(&mut *conn).await;
+        // Until its answer is read, the lock counts as held: ending the
+        // transaction releases it, or closes the connection if the text
+        // failed (releasing a lock not held does nothing).
+        let mut tx = MySqlTx::idle(conn, name.clone());
+        let claim = async {
+            let rows = rows.map_err(store_error)?;
+            let [row] = &rows[..] else {
+                return Err(Error::store(
+                    StoreErrorKind::Other,
+                    format!("the named-lock read answered {} rows, not 1", rows.len()),
+                ));
+            };
+            let answer: Option<i64> = row.try_get(0).map_err(store_error)?;
+            if answer != Some(1) {
+                tx.forget_lock(&name);
+                if answer == Some(NAMED_LOCK_SERIALIZABLE) {
+                    tx.start().await?;
+                }
+                return self.not_locked(&mut tx, req, wait, answer).await;
+            }
+            match RawRow::decode_joined(row)? {
+                Some(found) if !found.is_stale(req.now_ms) => Ok(Claim::Found(found.into_stored()?)),
+                found => {
+                    tx.start().await?;
+                    self.decide_named(&mut tx, req, wait, flavor, found).await
+                }
+            }
+        }
+        .await;
+        match claim {
+            Ok(claim) => Ok((tx, claim)),
+            Err(e) => {
+                if let Err(rollback) = tx.rollback().await {
+                    tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The named-lock record: one `INSERT` of the completed row. A
@@ -737,6 +870,40 @@ impl TxBackend for MySqlStore {
                 Claim::Found(row) => TxClaim::Found(row),
                 Claim::Busy => TxClaim::Busy,
             })
+        })
+    }
+
+    /// Under [`ClaimStrategy::NamedLock`], the lock is taken with `BEGIN`
+    /// (see [`MySqlStore::begin_named`]); otherwise `begin` then `claim`.
+    fn begin_claim<'a>(
+        &'a self,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<(MySqlTx, TxClaim)>> {
+        Box::pin(async move {
+            let (tx, claim) = match self.strategy {
+                ClaimStrategy::NamedLock => self.begin_named(req, wait).await?,
+                ClaimStrategy::Placeholder => {
+                    let mut tx = self.begin().await?;
+                    match self.claim_on(&mut tx, req, lock_wait_secs(wait)).await {
+                        Ok(claim) => (tx, claim),
+                        Err(e) => {
+                            if let Err(rollback) = tx.rollback().await {
+                                tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+            };
+            Ok((
+                tx,
+                match claim {
+                    Claim::Claimed(_) => TxClaim::Claimed,
+                    Claim::Found(row) => TxClaim::Found(row),
+                    Claim::Busy => TxClaim::Busy,
+                },
+            ))
         })
     }
 

@@ -116,9 +116,35 @@ impl MySqlTx {
         })
     }
 
+    /// A transaction not begun yet on `conn`, whose session may hold the
+    /// named lock `lock` (see
+    /// [`ClaimStrategy::NamedLock`](crate::ClaimStrategy::NamedLock)): the
+    /// lock is noted as held until [`forget_lock`](Self::forget_lock) says
+    /// otherwise. [`start`](Self::start) begins it; rolling back one that
+    /// never began only releases the lock.
+    pub(crate) fn idle(conn: PoolConnection<MySql>, lock: String) -> Self {
+        Self {
+            conn: Some(conn),
+            open: false,
+            locks: vec![lock],
+            unwritten: Vec::new(),
+        }
+    }
+
+    /// Begins the transaction of one that is [`idle`](Self::idle).
+    pub(crate) async fn start(&mut self) -> Result<()> {
+        MySqlTransactionManager::begin(self, None).await.map_err(store_error)?;
+        self.open = true;
+        Ok(())
+    }
+
     /// Commits the transaction, then releases the named locks its claims
     /// took.
     pub async fn commit(mut self) -> Result<()> {
+        if !self.open {
+            self.release_locks().await;
+            return Ok(());
+        }
         let done = MySqlTransactionManager::commit(&mut self).await;
         if done.is_ok() {
             self.open = false;
@@ -130,6 +156,10 @@ impl MySqlTx {
     /// Rolls the transaction back, then releases the named locks its claims
     /// took.
     pub async fn rollback(mut self) -> Result<()> {
+        if !self.open {
+            self.release_locks().await;
+            return Ok(());
+        }
         let done = MySqlTransactionManager::rollback(&mut self).await;
         if done.is_ok() {
             self.open = false;
@@ -165,6 +195,11 @@ impl MySqlTx {
     /// Whether this transaction holds the named lock `name`.
     pub(crate) fn holds_lock(&self, name: &str) -> bool {
         self.locks.iter().any(|held| held == name)
+    }
+
+    /// Forgets the named lock `name`: the session does not hold it.
+    pub(crate) fn forget_lock(&mut self, name: &str) {
+        self.locks.retain(|held| held != name);
     }
 
     /// Notes the named lock `name`, taken on this transaction's session.

@@ -60,6 +60,34 @@ fn new_call(operation: &str) -> Call {
     )
 }
 
+/// How a test opens its claim: `begin` then `claim` (one statement for
+/// the lock, one for the read), or `begin_claim` as the engine does (the
+/// lock taken with `BEGIN`, the read with the lock's answer).
+#[derive(Debug, Clone, Copy)]
+enum Opening {
+    BeginThenClaim,
+    BeginClaim,
+}
+
+/// Opens a transaction and claims `req`'s key in it the way `opening` says.
+async fn open_claim(
+    store: &MySqlStore,
+    req: &ClaimRequest<'_>,
+    wait: Duration,
+    opening: Opening,
+) -> (MySqlTx, TxClaim) {
+    match opening {
+        Opening::BeginThenClaim => {
+            let mut tx = store.begin().await.unwrap();
+            let claim = store.claim(&mut tx, req, wait).await.unwrap();
+            (tx, claim)
+        }
+        Opening::BeginClaim => store.begin_claim(req, wait).await.unwrap(),
+    }
+}
+
+const OPENINGS: [Opening; 2] = [Opening::BeginThenClaim, Opening::BeginClaim];
+
 async fn write_effect(tx: &mut MySqlTx, id: &str) {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
@@ -123,29 +151,32 @@ async fn token_of(store: &MySqlStore, call: &Call) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_claim_writes_only_the_completed_row() {
     let store = named_store().await;
-    let call = new_call("POST /named/one-row");
-    let req = request_at(&call, now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
-    assert_eq!(uncommitted_status(&store, &call).await, None, "the claim wrote no row");
-    let record = Record::completed(b"done".to_vec());
-    store.record(&mut tx, &req, &record).await.unwrap();
-    assert_eq!(
-        uncommitted_status(&store, &call).await,
-        Some(1),
-        "the record wrote the completed row, never an in-progress one"
-    );
-    store.commit(tx).await.unwrap();
-    let row = store
-        .get(call.scope(), call.key())
-        .await
-        .unwrap()
-        .expect("the committed row");
-    assert_eq!(row.state, RowState::Done(record));
-    assert_eq!(token_of(&store, &call).await, req.fresh_token.0);
+    for opening in OPENINGS {
+        let call = new_call("POST /named/one-row");
+        let req = request_at(&call, now_ms());
+        let (mut tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
+        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        assert_eq!(
+            uncommitted_status(&store, &call).await,
+            None,
+            "{opening:?}: the claim wrote no row"
+        );
+        let record = Record::completed(b"done".to_vec());
+        store.record(&mut tx, &req, &record).await.unwrap();
+        assert_eq!(
+            uncommitted_status(&store, &call).await,
+            Some(1),
+            "{opening:?}: the record wrote the completed row, never an in-progress one"
+        );
+        store.commit(tx).await.unwrap();
+        let row = store
+            .get(call.scope(), call.key())
+            .await
+            .unwrap()
+            .expect("the committed row");
+        assert_eq!(row.state, RowState::Done(record));
+        assert_eq!(token_of(&store, &call).await, req.fresh_token.0);
+    }
 }
 
 /// After COMMIT the named lock is released: another session's claim that does not wait finds the recorded row.
@@ -153,22 +184,24 @@ async fn fresh_claim_writes_only_the_completed_row() {
 async fn lock_is_released_after_commit() {
     let store = named_store().await;
     let other = other_process(&store).await;
-    let call = new_call("POST /named/commit");
-    let req = request_at(&call, now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
-    let record = Record::completed(b"r".to_vec());
-    store.record_commit(tx, &req, &record).await.unwrap();
+    for opening in OPENINGS {
+        let call = new_call("POST /named/commit");
+        let req = request_at(&call, now_ms());
+        let (tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
+        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let record = Record::completed(b"r".to_vec());
+        store.record_commit(tx, &req, &record).await.unwrap();
 
-    let mut theirs = other.begin().await.unwrap();
-    match other.claim(&mut theirs, &req, Duration::ZERO).await.unwrap() {
-        TxClaim::Found(row) => assert_eq!(row.state, RowState::Done(record)),
-        answer => panic!("expected the recorded row at once, got {answer:?}"),
+        // A replay takes the lock too, and releases it after its rollback.
+        for _ in 0..2 {
+            let (theirs, answer) = open_claim(&other, &req, Duration::ZERO, opening).await;
+            match answer {
+                TxClaim::Found(row) => assert_eq!(row.state, RowState::Done(record.clone())),
+                answer => panic!("{opening:?}: expected the recorded row at once, got {answer:?}"),
+            }
+            other.rollback(theirs).await.unwrap();
+        }
     }
-    other.rollback(theirs).await.unwrap();
 }
 
 /// After ROLLBACK the named lock is released: another session's claim that does not wait claims the key.
@@ -176,22 +209,17 @@ async fn lock_is_released_after_commit() {
 async fn lock_is_released_after_rollback() {
     let store = named_store().await;
     let other = other_process(&store).await;
-    let call = new_call("POST /named/rollback");
-    let req = request_at(&call, now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
-    store.rollback(tx).await.unwrap();
+    for opening in OPENINGS {
+        let call = new_call("POST /named/rollback");
+        let req = request_at(&call, now_ms());
+        let (tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
+        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        store.rollback(tx).await.unwrap();
 
-    let mut theirs = other.begin().await.unwrap();
-    assert_eq!(
-        other.claim(&mut theirs, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed,
-        "the key is free at once"
-    );
-    other.rollback(theirs).await.unwrap();
+        let (theirs, answer) = open_claim(&other, &req, Duration::ZERO, opening).await;
+        assert_eq!(answer, TxClaim::Claimed, "{opening:?}: the key is free at once");
+        other.rollback(theirs).await.unwrap();
+    }
 }
 
 /// A transaction dropped while it holds the key (a cancelled caller) does not return its session to the pool with the lock: the next caller claims the key.
@@ -199,48 +227,43 @@ async fn lock_is_released_after_rollback() {
 async fn dropped_transaction_does_not_keep_the_key_locked() {
     let store = named_store().await;
     let other = other_process(&store).await;
-    let call = new_call("POST /named/dropped");
-    let req = request_at(&call, now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
-    write_effect(&mut tx, &format!("dropped-{}", call.key().as_str())).await;
-    drop(tx);
+    for opening in OPENINGS {
+        let call = new_call("POST /named/dropped");
+        let req = request_at(&call, now_ms());
+        let effect = format!("dropped-{}", call.key().as_str());
+        let (mut tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
+        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        write_effect(&mut tx, &effect).await;
+        drop(tx);
 
-    // Closing the dropped session runs in the background; a claim waiting
-    // (up to five seconds per attempt) gets the key as soon as it is freed.
-    // A session returned to the pool would hold the lock for good.
-    let mut claimed = None;
-    for _ in 0..4 {
-        let mut theirs = other.begin().await.unwrap();
-        match other.claim(&mut theirs, &req, Duration::from_secs(5)).await.unwrap() {
-            TxClaim::Busy => other.rollback(theirs).await.unwrap(),
-            answer => {
+        // Closing the dropped session runs in the background; a claim
+        // waiting (up to five seconds per attempt) gets the key as soon as
+        // it is freed. A session returned to the pool would hold the lock
+        // for good.
+        let mut claimed = None;
+        for _ in 0..4 {
+            let (theirs, answer) = open_claim(&other, &req, Duration::from_secs(5), opening).await;
+            other.rollback(theirs).await.unwrap();
+            if answer != TxClaim::Busy {
                 claimed = Some(answer);
-                other.rollback(theirs).await.unwrap();
                 break;
             }
         }
+        assert_eq!(
+            claimed,
+            Some(TxClaim::Claimed),
+            "{opening:?}: the dropped transaction's lock was freed"
+        );
+        assert_eq!(
+            effects(store.pool(), &effect).await,
+            0,
+            "the dropped transaction's write rolled back"
+        );
+        // The store's own pool still serves claims of the key.
+        let (again, answer) = open_claim(&store, &req, Duration::from_secs(5), opening).await;
+        assert_eq!(answer, TxClaim::Claimed, "{opening:?}");
+        store.rollback(again).await.unwrap();
     }
-    assert_eq!(
-        claimed,
-        Some(TxClaim::Claimed),
-        "the dropped transaction's lock was freed"
-    );
-    assert_eq!(
-        effects(store.pool(), &format!("dropped-{}", call.key().as_str())).await,
-        0,
-        "the dropped transaction's write rolled back"
-    );
-    // The store's own pool still serves claims of the key.
-    let mut again = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut again, &req, Duration::from_secs(5)).await.unwrap(),
-        TxClaim::Claimed
-    );
-    store.rollback(again).await.unwrap();
 }
 
 /// A twin whose wait for the named lock runs out is answered busy, and the engine reports the key in flight, as under the placeholder strategy.
@@ -250,21 +273,14 @@ async fn lock_wait_that_runs_out_is_in_flight() {
     let other = other_process(&store).await;
     let call = new_call("POST /named/busy");
     let req = request_at(&call, now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let (tx, claim) = open_claim(&store, &req, Duration::ZERO, Opening::BeginClaim).await;
+    assert_eq!(claim, TxClaim::Claimed);
 
-    let mut theirs = other.begin().await.unwrap();
-    assert_eq!(
-        other
-            .claim(&mut theirs, &req, Duration::from_millis(300))
-            .await
-            .unwrap(),
-        TxClaim::Busy
-    );
-    other.rollback(theirs).await.unwrap();
+    for opening in OPENINGS {
+        let (theirs, answer) = open_claim(&other, &req, Duration::from_millis(300), opening).await;
+        assert_eq!(answer, TxClaim::Busy, "{opening:?}");
+        other.rollback(theirs).await.unwrap();
+    }
     let twin = call.clone().with_policy(waiting(300));
     let engine = TxEngine::new(other.clone());
     match engine.begin(&twin).await {

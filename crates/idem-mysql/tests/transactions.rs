@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{EFFECTS_TABLE, URL_VAR, isolated_store, shared_store, url};
 use idem_conformance::{call_for, rejecting, unique_scope};
 use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, Token, TxBackend, TxClaim, TxEngine};
-use idem_mysql::MySqlStore;
+use idem_mysql::{ClaimStrategy, MySqlStore};
 use sqlx::MySqlPool;
 use sqlx::mysql::MySqlPoolOptions;
 
@@ -185,15 +185,26 @@ async fn record_without_claim_commits_nothing() {
     assert!(store.get(call.scope(), call.key()).await.unwrap().is_none());
 }
 
-/// Tenants, operations and keys with quotes, backslashes and non-ASCII text are stored and matched exactly, whether or not backslashes escape.
+/// Tenants, operations and keys with quotes, backslashes and non-ASCII text are stored and matched exactly, whether or not backslashes escape, under each claim strategy.
 #[tokio::test]
 async fn awkward_names_round_trip_under_every_sql_mode() {
-    for mode in [
-        "SET SESSION sql_mode = 'STRICT_TRANS_TABLES'",
-        "SET SESSION sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'",
+    for (mode, strategy) in [
+        (
+            "SET SESSION sql_mode = 'STRICT_TRANS_TABLES'",
+            ClaimStrategy::Placeholder,
+        ),
+        (
+            "SET SESSION sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'",
+            ClaimStrategy::Placeholder,
+        ),
+        ("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'", ClaimStrategy::NamedLock),
+        (
+            "SET SESSION sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'",
+            ClaimStrategy::NamedLock,
+        ),
     ] {
         let pool = pool(2, mode).await;
-        let store = isolated_store(pool).await;
+        let store = isolated_store(pool).await.with_claim_strategy(strategy);
         let engine = TxEngine::new(store.clone());
         let tenant = format!("t'\\\"%_\\' ünï {}", uuid::Uuid::new_v4().simple());
         let scope = Scope::parse(&tenant, "POST /v1/x'\\\\y\" — ✓").unwrap();

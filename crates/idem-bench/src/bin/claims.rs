@@ -1,19 +1,24 @@
-//! The PostgreSQL claim strategies side by side, counted by the cost meter
-//! in one run: round trips, rows written, WAL records and bytes, and CPU per
-//! request of the bare transaction and of a fresh call (and a replay) under
-//! each strategy.
+//! The claim strategies of the PostgreSQL store, or of the MySQL/MariaDB
+//! store, side by side, counted by the cost meter in one run: round trips,
+//! rows written, log records and bytes (PostgreSQL's WAL, InnoDB's redo
+//! log), and CPU per request of the bare transaction and of a fresh call (and
+//! a replay) under each strategy.
 //!
-//! Run: `cargo run --release -p idem-bench --bin claims -- --ops 300`
+//! Run: `cargo run --release -p idem-bench --bin claims -- --ops 300`, or
+//! `… -- --engine mysql --ops 300` for MariaDB/MySQL.
 
 use clap::Parser;
 use idem_bench::cost::{Cost, show};
 use idem_bench::{engines, meter};
 use idem_core::BoxError;
 
-/// Counts what one request costs under each PostgreSQL claim strategy.
+/// Counts what one request costs under each claim strategy of one engine.
 #[derive(Debug, Parser)]
 #[command(name = "claims")]
 struct Args {
+    /// The engine: `postgres` or `mysql` (MariaDB or MySQL).
+    #[arg(long, default_value = "postgres", value_parser = ["postgres", "mysql"])]
+    engine: String,
     /// The PostgreSQL server (its `test` database).
     #[arg(
         long,
@@ -21,22 +26,27 @@ struct Args {
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     postgres_url: String,
+    /// The MySQL/MariaDB server (its `test` database).
+    #[arg(
+        long,
+        env = "IDEM_BENCH_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: String,
     /// Requests counted per path and strategy (one connection, one after another).
     #[arg(long, default_value_t = 300)]
     ops: u64,
     /// The workload: `micro` (one business insert) or `transfer`.
     #[arg(long, default_value = "micro", value_parser = ["micro", "transfer"])]
     workload: String,
-    /// The strategies, in the order they run.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "insert-on-conflict,advisory-lock,one-write"
-    )]
+    /// The strategies, in the order they run (by default every strategy of
+    /// the engine: `insert-on-conflict,advisory-lock,one-write` on
+    /// PostgreSQL, `placeholder,named-lock` on MySQL/MariaDB).
+    #[arg(long, value_delimiter = ',')]
     strategies: Vec<String>,
-    /// The keys table's expiry index for the strategies' runs: `btree`,
-    /// `brin` or `none`; several run one after another (the bare path is
-    /// measured again in each).
+    /// The keys table's expiry index for the strategies' runs (PostgreSQL):
+    /// `btree`, `brin` or `none`; several run one after another (the bare
+    /// path is measured again in each).
     #[arg(long, value_delimiter = ',', default_value = "btree")]
     expiry_indexes: Vec<String>,
     /// Where to write every figure as JSON.
@@ -46,9 +56,26 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.strategies.is_empty() {
+        let all: &[&str] = match args.engine.as_str() {
+            "mysql" => &["placeholder", "named-lock"],
+            _ => &["insert-on-conflict", "advisory-lock", "one-write"],
+        };
+        args.strategies = all.iter().map(|s| (*s).to_owned()).collect();
+    }
     let workloads = [args.workload.clone()];
     let mut rows: Vec<(String, Cost)> = Vec::new();
+    if args.engine == "mysql" {
+        for name in &args.strategies {
+            let strategy = engines::mysql_claim_strategy(name)?;
+            for cost in meter::mysql(&args.mysql_url, strategy, &workloads, args.ops).await? {
+                rows.push((name.clone(), cost));
+            }
+        }
+        print_table(&rows, "redo records", "redo bytes");
+        return write_json(&args, &rows);
+    }
     for index_name in &args.expiry_indexes {
         let index = engines::expiry_index(index_name)?;
         for name in &args.strategies {
@@ -65,8 +92,15 @@ async fn main() -> Result<(), BoxError> {
     }
     // The suite's table keeps the default index afterwards.
     engines::postgres(&args.postgres_url, 1).await?.migrate().await?;
+    print_table(&rows, "WAL records", "WAL bytes");
+    write_json(&args, &rows)
+}
+
+/// Prints the figures as a Markdown table, the log columns named
+/// `records` and `bytes`.
+fn print_table(rows: &[(String, Cost)], records: &str, bytes: &str) {
     println!();
-    println!("| path | round trips | rows written | WAL records | WAL bytes | server CPU µs | client CPU µs |");
+    println!("| path | round trips | rows written | {records} | {bytes} | server CPU µs | client CPU µs |");
     println!("|---|---|---|---|---|---|---|");
     let line = |label: &str, c: &Cost| {
         println!(
@@ -88,7 +122,12 @@ async fn main() -> Result<(), BoxError> {
             _ => {}
         }
     }
+}
+
+/// Writes every figure as JSON to `args.out`.
+fn write_json(args: &Args, rows: &[(String, Cost)]) -> Result<(), BoxError> {
     let json = serde_json::json!({
+        "engine": args.engine,
         "ops": args.ops,
         "workload": args.workload,
         "costs": rows.iter().map(|(s, c)| serde_json::json!({"strategy": s, "cost": c})).collect::<Vec<_>>(),
