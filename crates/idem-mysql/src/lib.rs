@@ -8,7 +8,7 @@
 //!
 //! | mode | trait | how the key is held |
 //! | --- | --- | --- |
-//! | transactional | [`TxBackend`] | an uncommitted placeholder row: a twin's duplicate `INSERT` blocks on it, then collides on the primary key |
+//! | transactional | [`TxBackend`] | an uncommitted placeholder row: a twin's duplicate `INSERT` blocks on it, then collides on the primary key; or, under [`ClaimStrategy::NamedLock`], the server's named lock on a hash of the key, with no row until the record inserts the completed one |
 //! | lease (check–claim–complete) | [`LeaseStore`] | a committed in-progress row with a lease and a fencing token |
 //! | retention | [`Sweep`] | `DELETE … ORDER BY expires_at_ms LIMIT n` in short batches |
 //!
@@ -24,6 +24,31 @@
 //! | key held by a twin (busy) | `BEGIN`; the placeholder `INSERT` (waits, then 1205); `ROLLBACK` |
 //! | stale key (expired, or a lease run out) | as a recorded key, then the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT` |
 //!
+//! Under [`ClaimStrategy::NamedLock`]:
+//!
+//! | request | statements, one round trip per line |
+//! | --- | --- |
+//! | fresh key | `SET @… = GET_LOCK(…); SELECT` the key's row (one text); `BEGIN`; the caller's own; the `INSERT` of the completed row; `COMMIT`; `DO RELEASE_LOCK(…)` |
+//! | recorded key (replay, or 422) | the lock and the read (one text); `DO RELEASE_LOCK(…)` |
+//! | key held by a twin (busy) | the lock and the read (`GET_LOCK` waits, then answers 0) |
+//! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT`, `DO RELEASE_LOCK(…)` |
+//!
+//! So a fresh call writes one row of its own instead of two, and a replay
+//! writes and locks nothing. Counted by the cost meter on MariaDB 10.11
+//! (`claims --engine mysql`, 300 calls per path, one business insert; redo
+//! bytes are the server's, shared with whatever else runs on it):
+//!
+//! | path | round trips | rows written | redo bytes |
+//! | --- | --- | --- | --- |
+//! | bare `BEGIN; INSERT; COMMIT` | 5 | 1 | 318–360 |
+//! | fresh, placeholder | 7 | 3 | 971–1 030 |
+//! | fresh, named lock | 8 | 2 | 583–706 |
+//! | replay, placeholder | 6 | 1 (the refused insert) | 0 |
+//! | replay, named lock | 4 | 0 | 0–53 |
+//!
+//! (`docs/benchmarks.md`, "MariaDB claim strategies", has the transfer
+//! workload and the CPU figures.)
+//!
 //! The pool's own connection check on acquire (sqlx pings by default) comes
 //! on top, as for any transaction. The claim and record statements are
 //! prepared once per connection and take their values as parameters. They
@@ -36,20 +61,30 @@
 //! (1205) is answered [`TxClaim::Busy`], so the engine polls until the
 //! policy's deadline; a deadlock (1213) becomes [`StoreErrorKind::Deadlock`]
 //! and the engine retries the whole claim. Every other driver error is mapped
-//! to a portable kind by [`store_error`]. Claims use locking reads, so they
-//! are correct under both REPEATABLE READ (the default) and READ COMMITTED.
+//! to a portable kind by [`store_error`]. Placeholder claims use locking
+//! reads, so they are correct under both REPEATABLE READ (the default) and
+//! READ COMMITTED; named-lock claims read after the lock is granted, in a
+//! snapshot of their own, and run the placeholder claim under SERIALIZABLE.
+//!
+//! Transactions are the store's own [`MySqlTx`]: sqlx's transaction
+//! bookkeeping on a pooled connection (a nested `begin` on `&mut **tx` is a
+//! savepoint, as on a `sqlx::Transaction`), which also releases the named
+//! locks of its claims when it ends, and closes its connection if it is
+//! dropped holding one.
 //! The crate has no optional features.
 //!
 //! ```no_run
 //! use idem_core::{Call, Fingerprint, IdempotencyKey, Scope, TxEngine};
-//! use idem_mysql::MySqlStore;
+//! use idem_mysql::{ClaimStrategy, MySqlStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::mysql::MySqlPoolOptions::new()
 //!     .max_connections(8)
 //!     .connect("mysql://root@127.0.0.1:3306/test")
 //!     .await?;
-//! let store = MySqlStore::new(pool);
+//! // The placeholder strategy is the default; the named lock writes one row
+//! // per fresh call.
+//! let store = MySqlStore::new(pool).with_claim_strategy(ClaimStrategy::NamedLock);
 //! store.migrate().await?;
 //! let engine = TxEngine::new(store);
 //!
@@ -873,8 +908,9 @@ impl TxBackend for MySqlStore {
         })
     }
 
-    /// Under [`ClaimStrategy::NamedLock`], the lock is taken with `BEGIN`
-    /// (see [`MySqlStore::begin_named`]); otherwise `begin` then `claim`.
+    /// Under [`ClaimStrategy::NamedLock`], the lock and the read of the key
+    /// in one round trip, before `BEGIN` (which follows only if the claim
+    /// writes); otherwise `begin` then `claim`.
     fn begin_claim<'a>(
         &'a self,
         req: &'a ClaimRequest<'a>,

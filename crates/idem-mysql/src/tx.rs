@@ -31,6 +31,11 @@ use crate::error::store_error;
 /// [`NamedLock`](crate::ClaimStrategy::NamedLock) claim, its connection is
 /// closed instead: ending the session rolls the transaction back and frees
 /// the lock, so the key is free for the next caller.
+///
+/// Under the named-lock strategy, a claim that `begin_claim` answers with a
+/// found row or a busy key comes in a transaction that never began (no
+/// `BEGIN` was sent): it is there to be rolled back, which releases the
+/// lock.
 pub struct MySqlTx {
     conn: Option<PoolConnection<MySql>>,
     /// Whether the server may be inside the transaction on this connection.
@@ -172,24 +177,20 @@ impl MySqlTx {
     /// connection whose transaction did not end cleanly, or whose locks
     /// could not be released, is closed: closing frees them.
     async fn release_locks(&mut self) {
-        if self.locks.is_empty() {
+        // While the transaction may still be open, the locks stay noted:
+        // Drop closes the connection.
+        if self.locks.is_empty() || self.open {
             return;
         }
-        if !self.open {
-            let calls = vec!["RELEASE_LOCK(?)"; self.locks.len()].join(", ");
-            let mut release = sqlx::query(AssertSqlSafe(format!("DO {calls}")));
-            for name in &self.locks {
-                release = release.bind(name.as_str());
-            }
-            match release.execute(&mut **self).await {
-                Ok(_) => {
-                    self.locks.clear();
-                    return;
-                }
-                Err(e) => tracing::debug!(error = %e, "releasing named locks failed; closing the connection"),
-            }
+        let calls = vec!["RELEASE_LOCK(?)"; self.locks.len()].join(", ");
+        let mut release = sqlx::query(AssertSqlSafe(format!("DO {calls}")));
+        for name in &self.locks {
+            release = release.bind(name.as_str());
         }
-        // Drop sees the locks and closes the connection.
+        match release.execute(&mut **self).await {
+            Ok(_) => self.locks.clear(),
+            Err(e) => tracing::debug!(error = %e, "releasing named locks failed; closing the connection"),
+        }
     }
 
     /// Whether this transaction holds the named lock `name`.
