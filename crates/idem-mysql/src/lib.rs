@@ -1337,6 +1337,35 @@ mod tests {
     use super::*;
     use idem_core::{Call, Fingerprint, RowState};
 
+    /// Named-lock names fit MariaDB's 64 characters and differ by table, tenant, operation and key, however long those are.
+    #[tokio::test]
+    async fn lock_names_are_short_and_distinct() {
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .connect_lazy("mysql://root@127.0.0.1:3306/test")
+            .unwrap();
+        let store = MySqlStore::new(pool);
+        let other_table = store.clone().with_table(TableName::new("other_keys").unwrap());
+        let long = "k".repeat(255);
+        let scope = Scope::parse("tenant", "POST /op").unwrap();
+        let key = IdempotencyKey::new(&long).unwrap();
+        let name = store.lock_name(&scope, &key);
+        assert!(name.len() <= 64, "{name}");
+        assert!(name.starts_with("idem:") && name[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(name, store.lock_name(&scope, &key), "the same key, the same lock");
+        let others = [
+            other_table.lock_name(&scope, &key),
+            store.lock_name(&Scope::parse("tenant2", "POST /op").unwrap(), &key),
+            store.lock_name(&Scope::parse("tenant", "POST /op2").unwrap(), &key),
+            store.lock_name(&scope, &IdempotencyKey::new("k").unwrap()),
+            // The parts are length-prefixed: moving a character between
+            // them names another lock.
+            store.lock_name(&Scope::parse("tenan", "tPOST /op").unwrap(), &key),
+        ];
+        for other in others {
+            assert_ne!(name, other);
+        }
+    }
+
     /// Whole seconds of the wait, never more than the cap; under a second is no wait.
     #[test]
     fn lock_wait_is_whole_seconds_within_the_wait() {

@@ -4,7 +4,7 @@
 //! returns to the pool with a dropped transaction, a lock wait that runs out
 //! answers busy, a record that meets a row committed meanwhile rolls back,
 //! a lease-mode row is taken over, and many sessions claiming one key run
-//! the effect once.
+//! the effect once, also when processes of the two strategies share a key.
 
 mod common;
 
@@ -420,4 +420,50 @@ async fn many_sessions_on_one_key_run_the_effect_once() {
     assert_eq!(executed, 1, "one caller executed, the others replayed");
     assert_eq!(runs.get(), 1, "the work ran once");
     assert_eq!(effects(store.pool(), &effect).await, 1, "the effect committed once");
+}
+
+/// Processes that claim one table's keys under different strategies still run a key's effect once: the primary key arbitrates between a placeholder and a named-lock claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_strategies_on_one_key_run_the_effect_once() {
+    let named = named_store().await;
+    let placeholder = other_process(&named)
+        .await
+        .with_claim_strategy(ClaimStrategy::Placeholder);
+    let stores = [named.clone(), placeholder];
+    let call = call_for(
+        &unique_scope("POST /named/mixed"),
+        &IdempotencyKey::generate(),
+        "{}",
+        waiting(60_000),
+    );
+    let effect = format!("mixed-{}", call.key().as_str());
+    let runs = Runs::default();
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let engine = TxEngine::new(stores[i % stores.len()].clone());
+        let (call, effect, runs) = (call.clone(), effect.clone(), runs.clone());
+        tasks.push(tokio::spawn(async move {
+            engine
+                .execute(&call, |tx| {
+                    let (effect, runs) = (effect.clone(), runs.clone());
+                    Box::pin(async move {
+                        runs.hit();
+                        write_effect(tx, &effect).await;
+                        Ok::<_, Error>(9_u32)
+                    })
+                })
+                .await
+                .expect("every caller gets the outcome")
+        }));
+    }
+    let mut executed = 0;
+    for task in tasks {
+        let outcome = task.await.unwrap();
+        assert_eq!(*outcome.value(), 9);
+        if !outcome.is_replayed() {
+            executed += 1;
+        }
+    }
+    assert_eq!(executed, 1, "one caller executed, the others replayed");
+    assert_eq!(effects(named.pool(), &effect).await, 1, "the effect committed once");
 }
