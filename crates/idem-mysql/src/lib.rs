@@ -172,7 +172,13 @@ pub enum ClaimStrategy {
     /// update. Under SERIALIZABLE, where InnoDB turns every plain read of a
     /// transaction into a locking one (with gap locks on an absent key), the
     /// claim takes no named lock and runs the placeholder claim. Lease-mode
-    /// claims never take the lock.
+    /// claims never take the lock, and Galera clusters do not support it.
+    ///
+    /// It trades a row write for a round trip: a fresh call sends
+    /// `RELEASE_LOCK` after `COMMIT` (a replay costs two round trips instead
+    /// of four). On a local, CPU-bound MariaDB its fresh calls ran slower
+    /// than the placeholder's (`docs/benchmarks.md`); it pays where the redo
+    /// volume is what runs out.
     NamedLock,
 }
 
