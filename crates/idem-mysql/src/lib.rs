@@ -662,15 +662,19 @@ impl MySqlStore {
             // GET_LOCK takes fractions of a second; the cap keeps a long
             // wait in steps, as the placeholder claim's row-lock wait is.
             let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+            // Noted before it is asked for: a caller that goes away while
+            // the server waits drops the transaction, whose session may be
+            // granted the lock later, so it must be closed, not pooled.
+            tx.note_lock(name.clone());
             let answer: Option<i64> = sqlx::query_scalar(statement.clone())
                 .bind(name.as_str())
                 .bind(secs)
                 .fetch_one(&mut **tx)
                 .await
                 .map_err(store_error)?;
-            match answer {
-                Some(1) => tx.note_lock(name),
-                other => return self.not_locked(tx, req, wait, other).await,
+            if answer != Some(1) {
+                tx.forget_lock(&name);
+                return self.not_locked(tx, req, wait, answer).await;
             }
         }
         // The lock was taken before this transaction read anything, so at
@@ -782,11 +786,12 @@ impl MySqlStore {
             }
             text.push('\'');
         }
-        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(&mut *conn).await;
         // Until its answer is read, the lock counts as held: ending the
         // transaction releases it, or closes the connection if the text
-        // failed (releasing a lock not held does nothing).
+        // failed or the caller went away while the server waits (releasing
+        // a lock not held does nothing).
         let mut tx = MySqlTx::idle(conn, name.clone());
+        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(&mut *tx).await;
         let claim = async {
             let rows = rows.map_err(store_error)?;
             let [row] = &rows[..] else {

@@ -266,6 +266,50 @@ async fn dropped_transaction_does_not_keep_the_key_locked() {
     }
 }
 
+/// A claim cancelled while its session waits for the named lock (a caller
+/// that went away) does not leave the key locked: once the holder ends, the
+/// waiting session may be granted the lock, and it must not go back to the
+/// pool holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_cancelled_while_waiting_does_not_keep_the_key_locked() {
+    let store = named_store().await;
+    let waiter = other_process(&store).await;
+    let third = other_process(&store).await;
+    for opening in OPENINGS {
+        let call = new_call("POST /named/cancelled");
+        let req = request_at(&call, now_ms());
+        let (held, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
+        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(500),
+            open_claim(&waiter, &req, Duration::from_secs(30), opening),
+        )
+        .await;
+        assert!(cancelled.is_err(), "{opening:?}: the waiting claim was cancelled");
+        store.rollback(held).await.unwrap();
+
+        // The waiting session is granted the lock when the holder ends,
+        // unless its connection is already closed; a claim from elsewhere
+        // must get the key within a few waits either way.
+        let mut claimed = None;
+        for _ in 0..4 {
+            let (theirs, answer) = open_claim(&third, &req, Duration::from_secs(5), opening).await;
+            third.rollback(theirs).await.unwrap();
+            if answer != TxClaim::Busy {
+                claimed = Some(answer);
+                break;
+            }
+        }
+        assert_eq!(
+            claimed,
+            Some(TxClaim::Claimed),
+            "{opening:?}: the cancelled claim's session kept the key locked"
+        );
+    }
+    drop(waiter);
+}
+
 /// A twin whose wait for the named lock runs out is answered busy, and the engine reports the key in flight, as under the placeholder strategy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_wait_that_runs_out_is_in_flight() {
