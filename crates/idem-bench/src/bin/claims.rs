@@ -116,7 +116,7 @@ fn print_table(rows: &[(String, Cost)], records: &str, bytes: &str) {
     for (i, (name, cost)) in rows.iter().enumerate() {
         let first_bare = rows.iter().position(|(_, c)| c.path == "bare") == Some(i);
         match cost.path.as_str() {
-            "bare" if first_bare => line("bare `BEGIN; INSERT; COMMIT`", cost),
+            "bare" if first_bare => line("bare (the workload's own transaction, no idem)", cost),
             "bare" => line(&format!("bare (again, with {name})"), cost),
             "fresh" | "replay" => line(&format!("{} ({name})", cost.path), cost),
             _ => {}
