@@ -1,38 +1,14 @@
 //! The conformance suite against the SQLite store, one database file per test.
 
-use std::path::PathBuf;
+mod common;
+
+use common::TempDb;
+
 use std::sync::Arc;
 
 use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_sqlite::{SqliteStore, SqliteTx};
-
-/// A temporary database file, removed (with its WAL and shared-memory
-/// files) when the last handle on it is dropped.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new() -> Self {
-        let name = format!("idem-sqlite-conformance-{}.db", uuid::Uuid::new_v4().simple());
-        Self {
-            path: std::env::temp_dir().join(name),
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // The file may never have been created, or may still be held open
-            // by a closing pool; both are harmless on a temporary file.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
 
 /// The business table of the suite: no unique constraint, so a double write
 /// would be counted rather than refused.
@@ -46,7 +22,7 @@ struct Sqlite {
 
 impl Sqlite {
     async fn new() -> Self {
-        let db = Arc::new(TempDb::new());
+        let db = Arc::new(TempDb::new("conformance"));
         let store = SqliteStore::open(&db.path).await.expect("open the test database");
         store.migrate().await.expect("migrate the keys table");
         sqlx::query(EFFECTS_TABLE)

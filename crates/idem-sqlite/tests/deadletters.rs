@@ -1,7 +1,10 @@
 //! The dead-letter conformance suite against SQLite, one database file per
 //! test, and recording inside the caller's transaction.
 
-use std::path::PathBuf;
+mod common;
+
+use common::TempDb;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,33 +14,6 @@ use idem_core::{
 };
 use idem_sqlite::{SqliteDeadLetters, SqliteStore, store_error};
 
-/// A temporary database file, removed (with its WAL and shared-memory
-/// files) when the last handle on it is dropped.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new() -> Self {
-        let name = format!("idem-sqlite-deadletters-{}.db", uuid::Uuid::new_v4().simple());
-        Self {
-            path: std::env::temp_dir().join(name),
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // The file may never have been created, or may still be held open
-            // by a closing pool; both are harmless on a temporary file.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
-
 #[derive(Clone)]
 struct SqliteLetters {
     letters: SqliteDeadLetters,
@@ -46,7 +22,7 @@ struct SqliteLetters {
 
 impl SqliteLetters {
     async fn new() -> Self {
-        let db = Arc::new(TempDb::new());
+        let db = Arc::new(TempDb::new("deadletters"));
         let store = SqliteStore::open(&db.path).await.expect("open the test database");
         let letters = SqliteDeadLetters::new(store.pool().clone());
         letters.migrate().await.expect("migrate the dead-letter table");

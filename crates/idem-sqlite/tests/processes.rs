@@ -4,6 +4,10 @@
 //! `IDEM_SQLITE_CHILD` set to act as the other process. The two talk over
 //! the child's standard input and output, one line at a time.
 
+mod common;
+
+use common::TempDb;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -42,7 +46,7 @@ fn main() {
         if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
             continue;
         }
-        let db = TempDb::new();
+        let db = TempDb::new("proc");
         let started = Instant::now();
         runtime.block_on(run(name, db.path.clone()));
         ran += 1;
@@ -70,31 +74,6 @@ async fn run(name: &str, db: PathBuf) {
         "many_tasks_in_two_processes_one_effect" => many_tasks_in_two_processes_one_effect(db).await,
         "lease_twin_in_other_process_is_busy" => lease_twin_in_other_process_is_busy(db).await,
         other => panic!("unknown test {other}"),
-    }
-}
-
-/// A temporary database file, removed with its WAL, shared-memory and key
-/// lock files.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new() -> Self {
-        let name = format!("idem-sqlite-proc-{}.db", uuid::Uuid::new_v4().simple());
-        Self {
-            path: std::env::temp_dir().join(name),
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            let _ = std::fs::remove_file(file);
-        }
     }
 }
 

@@ -3,7 +3,10 @@
 //! never touch, and twins of both modes on a key whose transactional claim
 //! wrote no row yet.
 
-use std::path::PathBuf;
+mod common;
+
+use common::TempDb;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,32 +16,6 @@ use idem_core::{
     LeaseStore, Policy, Record, RecordStatus, RowState, Scope, Token, TxBackend, TxClaim, TxEngine,
 };
 use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
-
-/// A temporary database file, removed with its WAL, shared-memory and lock files.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new() -> Self {
-        let name = format!("idem-sqlite-rows-{}.db", uuid::Uuid::new_v4().simple());
-        Self {
-            path: std::env::temp_dir().join(name),
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // The file may be missing or still open in a closing pool; both
-            // are harmless for a temporary file.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
 
 /// A migrated store on one connection, so that `total_changes()` counts
 /// every row any of its statements wrote.
@@ -117,7 +94,7 @@ async fn write_effect(tx: &mut idem_sqlite::SqliteTx, effect_id: &str) -> Result
 /// A fresh transactional call writes its work's rows plus exactly one (the completed record), and a replay writes none.
 #[tokio::test]
 async fn fresh_call_writes_one_row_beyond_its_work() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = one_connection(&db).await;
 
     // The bare transaction: the same work, no key.
@@ -169,7 +146,7 @@ async fn fresh_call_writes_one_row_beyond_its_work() {
 /// A transactional claim of a stale row (a lease that ran out, or an expired outcome) replaces it with one row write and a larger token, and the stale lease holder is fenced.
 #[tokio::test]
 async fn stale_row_is_replaced_with_one_write() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     for stale in ["lease ran out", "outcome expired"] {
         let scope = scope();
@@ -221,7 +198,7 @@ async fn stale_row_is_replaced_with_one_write() {
 /// A live lease row answers a transactional claim as in flight, and the claim writes nothing.
 #[tokio::test]
 async fn live_lease_row_is_in_flight() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     let scope = scope();
     let key = IdempotencyKey::generate();
@@ -253,7 +230,7 @@ async fn live_lease_row_is_in_flight() {
 /// A record in a transaction that holds no claim of its key fails, writes nothing, and leaves a lease holder's row of that key as it was.
 #[tokio::test]
 async fn record_without_claim_touches_no_row() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     let scope = scope();
     let key = IdempotencyKey::generate();
@@ -298,7 +275,7 @@ async fn record_without_claim_touches_no_row() {
 /// A record whose key's row was written by the claiming transaction's own work fails, and nothing of that transaction commits.
 #[tokio::test]
 async fn row_written_by_the_work_fails_the_record() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     let scope = scope();
     let key = IdempotencyKey::generate();
@@ -332,7 +309,7 @@ async fn row_written_by_the_work_fails_the_record() {
 /// 32 concurrent tasks on one key, half transactional and half in lease mode: a transactional claim writes no row until its record, yet the effect runs once and every task sees its outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transactional_and_lease_twins_run_the_effect_once() {
-    let db = TempDb::new();
+    let db = TempDb::new("rows");
     let store = SqliteStore::open(&db.path).await.expect("open");
     store.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE effects (effect_id TEXT NOT NULL)")

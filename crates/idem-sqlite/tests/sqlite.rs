@@ -2,7 +2,11 @@
 //! safety across pools that share no registry, busy and unavailable
 //! databases, connection settings and migrations.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::TempDb;
+
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -13,32 +17,6 @@ use idem_core::{
 };
 use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-
-/// A temporary database file, removed with its WAL and shared-memory files.
-struct TempDb {
-    path: PathBuf,
-}
-
-impl TempDb {
-    fn new() -> Self {
-        let name = format!("idem-sqlite-test-{}.db", uuid::Uuid::new_v4().simple());
-        Self {
-            path: std::env::temp_dir().join(name),
-        }
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let mut file = self.path.clone().into_os_string();
-            file.push(suffix);
-            // The file may be missing or still open in a closing pool; both
-            // are harmless for a temporary file.
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
 
 const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS effects (effect_id TEXT NOT NULL)";
 
@@ -97,7 +75,7 @@ fn assert_kind(result: Result<impl std::fmt::Debug, Error>, kind: StoreErrorKind
 /// Two stores on one file that share no key registry (the second on a separately built pool, as a second process would be, its tasks not even sharing a registry among themselves) still run the effect exactly once under 64 concurrent tasks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn separate_registries_64_tasks_one_effect() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let a = migrated(&db.path).await;
     let b = SqliteStore::new(separate_pool(&db.path).await).with_registry(KeyRegistry::new());
 
@@ -186,13 +164,13 @@ async fn separate_registries_64_tasks_one_effect() {
 /// Every store on one file in a process shares one key registry, however the file is named or the pool built; another file has its own.
 #[tokio::test]
 async fn stores_on_one_file_share_a_registry() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let first = migrated(&db.path).await;
     let dir = db.path.parent().expect("temp dir");
     let detour = dir.join(".").join(db.path.file_name().expect("file name"));
     let second = SqliteStore::open(&detour).await.expect("open by another name");
     let third = SqliteStore::new(separate_pool(&db.path).await);
-    let other_db = TempDb::new();
+    let other_db = TempDb::new("test");
     let elsewhere = SqliteStore::open(&other_db.path).await.expect("open another file");
 
     let guard = first
@@ -223,7 +201,7 @@ async fn stores_on_one_file_share_a_registry() {
 /// A twin in another store on the same file is serialised by the shared registry: it is rejected at once rather than waiting on the write lock.
 #[tokio::test]
 async fn shared_registry_rejects_twin_of_another_pool() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let a = migrated(&db.path).await;
     let b = SqliteStore::open(&db.path).await.expect("second pool");
     let (ea, eb) = (TxEngine::new(a), TxEngine::new(b));
@@ -247,7 +225,7 @@ async fn shared_registry_rejects_twin_of_another_pool() {
 /// A database held busy by another writer fails with LockTimeout after the busy timeout, on every path, and works again once released.
 #[tokio::test]
 async fn busy_database_is_lock_timeout() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let holder = migrated(&db.path).await;
     let busy = SqliteStore::open_with(&db.path, SqliteOptions::new().busy_timeout_ms(100))
         .await
@@ -317,7 +295,7 @@ async fn unopenable_file_is_unavailable() {
 /// `open` configures WAL, `synchronous = FULL`, a 5 s busy timeout and foreign keys, and the busy timeout is configurable.
 #[tokio::test]
 async fn open_configures_the_connections() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let store = SqliteStore::open(&db.path).await.expect("open");
     let pool = store.pool();
     let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
@@ -363,7 +341,7 @@ async fn open_configures_the_connections() {
 /// Concurrent `migrate` calls from two pools apply each schema version once, a repeat is a no-op, and a newer schema is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn migrate_is_versioned_and_safe_concurrently() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let table = TableName::new("payments_keys").expect("table");
     let a = SqliteStore::open(&db.path)
         .await
@@ -406,7 +384,7 @@ async fn migrate_is_versioned_and_safe_concurrently() {
 /// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code (0 to 3).
 #[tokio::test]
 async fn schema_refuses_malformed_rows() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let store = migrated(&db.path).await;
     let insert =
         "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
@@ -431,7 +409,7 @@ async fn schema_refuses_malformed_rows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_first_opens_succeed() {
     for _ in 0..20 {
-        let db = TempDb::new();
+        let db = TempDb::new("test");
         let path = Arc::new(db.path.clone());
         let tasks: Vec<_> = (0..8)
             .map(|_| {
@@ -454,7 +432,7 @@ async fn concurrent_first_opens_succeed() {
 /// outcome) is then accepted.
 #[tokio::test]
 async fn version_1_table_is_upgraded_keeping_its_rows() {
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let store = SqliteStore::open(&db.path).await.expect("open");
     for statement in [
         "CREATE TABLE idem_keys_schema (version INTEGER PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at_ms INTEGER NOT NULL) STRICT",
@@ -503,7 +481,7 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
 #[tokio::test]
 async fn busy_timeout_beyond_sqlites_limit_is_refused() {
     for ms in [u64::MAX, idem_sqlite::MAX_BUSY_TIMEOUT_MS + 1] {
-        let db = TempDb::new();
+        let db = TempDb::new("test");
         let err = SqliteStore::open_with(&db.path, SqliteOptions::new().busy_timeout_ms(ms))
             .await
             .expect_err("a busy timeout beyond SQLite's limit");
@@ -513,7 +491,7 @@ async fn busy_timeout_beyond_sqlites_limit_is_refused() {
         );
         assert!(!db.path.exists(), "{ms} ms: nothing is created");
     }
-    let db = TempDb::new();
+    let db = TempDb::new("test");
     let store = SqliteStore::open_with(
         &db.path,
         SqliteOptions::new().busy_timeout_ms(idem_sqlite::MAX_BUSY_TIMEOUT_MS),
