@@ -419,27 +419,31 @@ async fn lease_rows_are_found_and_taken_over() {
     );
 }
 
-/// Many tasks on four pools (sessions of four processes) run one key's effect once; every other caller replays it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_sessions_on_one_key_run_the_effect_once() {
-    let store = named_store().await;
-    let mut stores = vec![store.clone()];
-    for _ in 0..3 {
-        stores.push(other_process(&store).await);
-    }
+/// What `tasks` callers spread over `stores` saw, all executing one new
+/// key (operation `operation`) whose work writes one effect row.
+struct Race {
+    /// Callers whose outcome was executed rather than replayed.
+    executed: usize,
+    /// Times the work ran (a run rolled back counts too).
+    runs: usize,
+    /// Effect rows committed.
+    effects: i64,
+}
+
+async fn race_one_key(stores: &[MySqlStore], tasks: usize, operation: &str) -> Race {
     let call = call_for(
-        &unique_scope("POST /named/many"),
+        &unique_scope(operation),
         &IdempotencyKey::generate(),
         "{}",
         waiting(60_000),
     );
-    let effect = format!("many-{}", call.key().as_str());
+    let effect = format!("race-{}", call.key().as_str());
     let runs = Runs::default();
-    let mut tasks = Vec::new();
-    for i in 0..48 {
+    let mut handles = Vec::new();
+    for i in 0..tasks {
         let engine = TxEngine::new(stores[i % stores.len()].clone());
         let (call, effect, runs) = (call.clone(), effect.clone(), runs.clone());
-        tasks.push(tokio::spawn(async move {
+        handles.push(tokio::spawn(async move {
             engine
                 .execute(&call, |tx| {
                     let (effect, runs) = (effect.clone(), runs.clone());
@@ -454,16 +458,32 @@ async fn many_sessions_on_one_key_run_the_effect_once() {
         }));
     }
     let mut executed = 0;
-    for task in tasks {
-        let outcome = task.await.unwrap();
+    for handle in handles {
+        let outcome = handle.await.unwrap();
         assert_eq!(*outcome.value(), 7);
         if !outcome.is_replayed() {
             executed += 1;
         }
     }
-    assert_eq!(executed, 1, "one caller executed, the others replayed");
-    assert_eq!(runs.get(), 1, "the work ran once");
-    assert_eq!(effects(store.pool(), &effect).await, 1, "the effect committed once");
+    Race {
+        executed,
+        runs: runs.get(),
+        effects: effects(stores[0].pool(), &effect).await,
+    }
+}
+
+/// Many tasks on four pools (sessions of four processes) run one key's effect once; every other caller replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_sessions_on_one_key_run_the_effect_once() {
+    let store = named_store().await;
+    let mut stores = vec![store.clone()];
+    for _ in 0..3 {
+        stores.push(other_process(&store).await);
+    }
+    let race = race_one_key(&stores, 48, "POST /named/many").await;
+    assert_eq!(race.executed, 1, "one caller executed, the others replayed");
+    assert_eq!(race.runs, 1, "the work ran once");
+    assert_eq!(race.effects, 1, "the effect committed once");
 }
 
 /// Processes that claim one table's keys under different strategies still run a key's effect once: the primary key arbitrates between a placeholder and a named-lock claim.
@@ -473,41 +493,7 @@ async fn mixed_strategies_on_one_key_run_the_effect_once() {
     let placeholder = other_process(&named)
         .await
         .with_claim_strategy(ClaimStrategy::Placeholder);
-    let stores = [named.clone(), placeholder];
-    let call = call_for(
-        &unique_scope("POST /named/mixed"),
-        &IdempotencyKey::generate(),
-        "{}",
-        waiting(60_000),
-    );
-    let effect = format!("mixed-{}", call.key().as_str());
-    let runs = Runs::default();
-    let mut tasks = Vec::new();
-    for i in 0..24 {
-        let engine = TxEngine::new(stores[i % stores.len()].clone());
-        let (call, effect, runs) = (call.clone(), effect.clone(), runs.clone());
-        tasks.push(tokio::spawn(async move {
-            engine
-                .execute(&call, |tx| {
-                    let (effect, runs) = (effect.clone(), runs.clone());
-                    Box::pin(async move {
-                        runs.hit();
-                        write_effect(tx, &effect).await;
-                        Ok::<_, Error>(9_u32)
-                    })
-                })
-                .await
-                .expect("every caller gets the outcome")
-        }));
-    }
-    let mut executed = 0;
-    for task in tasks {
-        let outcome = task.await.unwrap();
-        assert_eq!(*outcome.value(), 9);
-        if !outcome.is_replayed() {
-            executed += 1;
-        }
-    }
-    assert_eq!(executed, 1, "one caller executed, the others replayed");
-    assert_eq!(effects(named.pool(), &effect).await, 1, "the effect committed once");
+    let race = race_one_key(&[named, placeholder], 24, "POST /named/mixed").await;
+    assert_eq!(race.executed, 1, "one caller executed, the others replayed");
+    assert_eq!(race.effects, 1, "the effect committed once");
 }
