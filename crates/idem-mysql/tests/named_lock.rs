@@ -10,31 +10,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{EFFECTS_TABLE, connect, shared_store};
+use common::{EFFECTS_TABLE, connect, now_ms, request_at, shared_store};
 use idem_conformance::{Runs, call_for, unique_scope, waiting};
 use idem_core::{
-    Call, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind, Token,
+    Call, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind,
     TxBackend, TxClaim, TxEngine,
 };
 use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
 use sqlx::MySqlPool;
-
-fn now_ms() -> i64 {
-    idem_core::Clock::now_ms(&idem_core::SystemClock)
-}
-
-/// A transactional claim request for `call` at `now`.
-fn request_at(call: &Call, now: i64) -> ClaimRequest<'_> {
-    ClaimRequest {
-        scope: call.scope(),
-        key: call.key(),
-        fingerprint: call.fingerprint(),
-        now_ms: now,
-        expires_at_ms: now + 60_000,
-        fresh_token: Token::fresh(now),
-        lease_expires_at_ms: None,
-    }
-}
 
 /// The shared keys table under the named-lock strategy, on a pool of its own.
 async fn named_store() -> MySqlStore {

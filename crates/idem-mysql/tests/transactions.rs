@@ -10,26 +10,13 @@ use std::time::Duration;
 
 use common::{EFFECTS_TABLE, URL_VAR, isolated_store, shared_store, url};
 use idem_conformance::{call_for, rejecting, unique_scope};
-use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, Token, TxBackend, TxClaim, TxEngine};
+use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, TxBackend, TxClaim, TxEngine};
 use idem_mysql::{ClaimStrategy, MySqlStore};
 use sqlx::MySqlPool;
 use sqlx::mysql::MySqlPoolOptions;
 
-fn now_ms() -> i64 {
-    idem_core::Clock::now_ms(&idem_core::SystemClock)
-}
-
 fn request(call: &idem_core::Call) -> ClaimRequest<'_> {
-    let now = now_ms();
-    ClaimRequest {
-        scope: call.scope(),
-        key: call.key(),
-        fingerprint: call.fingerprint(),
-        now_ms: now,
-        expires_at_ms: now + 60_000,
-        fresh_token: Token::fresh(now),
-        lease_expires_at_ms: None,
-    }
+    common::request_at(call, common::now_ms())
 }
 
 /// A pool of `max` connections whose sessions run `setup` first.
@@ -233,7 +220,7 @@ async fn awkward_names_round_trip_under_every_sql_mode() {
                     tenant: Some(tenant.clone()),
                     ..Default::default()
                 },
-                now_ms(),
+                common::now_ms(),
                 100,
             )
             .await

@@ -129,3 +129,22 @@ async fn drop_old_isolated_tables(pool: &MySqlPool) {
             .expect("drop an old isolated table");
     }
 }
+
+/// The wall clock in milliseconds, as the stores read it.
+pub fn now_ms() -> i64 {
+    idem_core::Clock::now_ms(&idem_core::SystemClock)
+}
+
+/// A transactional claim request for `call` at `now`: a key kept a minute,
+/// a fresh token, no lease.
+pub fn request_at(call: &idem_core::Call, now: i64) -> idem_core::ClaimRequest<'_> {
+    idem_core::ClaimRequest {
+        scope: call.scope(),
+        key: call.key(),
+        fingerprint: call.fingerprint(),
+        now_ms: now,
+        expires_at_ms: now + 60_000,
+        fresh_token: idem_core::Token::fresh(now),
+        lease_expires_at_ms: None,
+    }
+}
