@@ -11,7 +11,7 @@ url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 psql -q "$url" -f setup.sql
 wal() { psql -Atq "$url" -c "SELECT wal_records || ' ' || wal_bytes FROM pg_stat_wal"; }
 printf '%-14s %12s %12s\n' option records/tx bytes/tx
-for option in bare separate paired paired-noexp onewrite onewrite-noexp onewrite-brin threecommit; do
+for option in bare separate paired store paired-noexp onewrite onewrite-noexp onewrite-brin threecommit; do
     read -r r0 b0 <<<"$(wal)"
     pgbench -n -M prepared -c 1 -t "$n" -f "$option.sql" "$url" >/dev/null 2>&1
     sleep 1.2

@@ -239,6 +239,119 @@ pub async fn measure<P: Paths, R: Probe>(
     Ok(out)
 }
 
+/// A counted target of the cost meter checked against one run: a fresh
+/// call's figure against the bare transaction's on the same engine and
+/// workload.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CostTarget {
+    /// `postgres`, `mysql` or `sqlite`.
+    pub engine: String,
+    /// `micro` or `transfer`.
+    pub workload: String,
+    /// What is compared: `round trips`, `log records`, `rows written` or
+    /// `CPU µs (server + client)`.
+    pub figure: String,
+    /// The bare transaction's figure per request.
+    pub bare: f64,
+    /// A fresh call's figure per request.
+    pub fresh: f64,
+    /// `fresh − bare` for counts, `fresh / bare` for CPU.
+    pub measured: f64,
+    /// The target, as written (`= bare`, `≤ bare + 2`, `≤ 1.3×`).
+    pub target: String,
+    /// Whether `measured` reaches it.
+    pub met: bool,
+}
+
+/// How far an averaged count may sit from a whole number and still count
+/// as it (a stray write or round trip of the server in 300 requests).
+const COUNT_SLACK: f64 = 0.05;
+
+/// The counted targets the runs in `costs` can be checked against:
+///
+/// - PostgreSQL: a fresh call's round trips equal the bare transaction's,
+///   its WAL records are at most the bare's plus 2 (the completed row's
+///   heap tuple and its primary-key entry), and on the transfer its CPU
+///   (server and client) is at most 1.3× the bare's.
+/// - MariaDB/MySQL and SQLite: a fresh call writes the bare's rows plus 1
+///   (the completed record).
+///
+/// An engine and workload without both a bare and a fresh figure gives no
+/// row.
+pub fn cost_targets(costs: &[Cost]) -> Vec<CostTarget> {
+    let mut out = Vec::new();
+    let mut seen: Vec<(&str, &str)> = Vec::new();
+    for c in costs {
+        let (engine, workload) = (c.engine.as_str(), c.workload.as_str());
+        if seen.contains(&(engine, workload)) {
+            continue;
+        }
+        seen.push((engine, workload));
+        let path = |name: &str| {
+            costs
+                .iter()
+                .find(|x| x.engine == engine && x.workload == workload && x.path == name)
+        };
+        let (Some(bare), Some(fresh)) = (path("bare"), path("fresh")) else {
+            continue;
+        };
+        let mut push =
+            |figure: &str, b: Option<f64>, f: Option<f64>, target: &str, check: &dyn Fn(f64, f64) -> (f64, bool)| {
+                if let (Some(b), Some(f)) = (b, f) {
+                    let (measured, met) = check(b, f);
+                    out.push(CostTarget {
+                        engine: engine.to_owned(),
+                        workload: workload.to_owned(),
+                        figure: figure.to_owned(),
+                        bare: b,
+                        fresh: f,
+                        measured,
+                        target: target.to_owned(),
+                        met,
+                    });
+                }
+            };
+        let cpu = |c: &Cost| Some(c.server_cpu_us? + c.client_cpu_us?);
+        match engine {
+            "postgres" => {
+                push("round trips", bare.round_trips, fresh.round_trips, "= bare", &|b, f| {
+                    (f - b, (f - b).abs() <= COUNT_SLACK)
+                });
+                push(
+                    "log records",
+                    bare.log_records,
+                    fresh.log_records,
+                    "≤ bare + 2",
+                    &|b, f| (f - b, f - b <= 2.0 + COUNT_SLACK),
+                );
+                if workload == "transfer" {
+                    push(
+                        "CPU µs (server + client)",
+                        cpu(bare),
+                        cpu(fresh),
+                        "≤ 1.3×",
+                        &|b, f| {
+                            let ratio = if b > 0.0 { f / b } else { f64::INFINITY };
+                            (ratio, ratio <= 1.3)
+                        },
+                    );
+                }
+            }
+            "mysql" | "sqlite" => {
+                push(
+                    "rows written",
+                    bare.rows_written,
+                    fresh.rows_written,
+                    "= bare + 1",
+                    &|b, f| (f - b, (f - b - 1.0).abs() <= COUNT_SLACK),
+                );
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 /// A figure with two decimals, `—` if missing.
 pub fn show(value: Option<f64>) -> String {
     value.map_or("—".into(), |v| format!("{v:.2}"))
@@ -247,6 +360,106 @@ pub fn show(value: Option<f64>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn cost(engine: &str, workload: &str, path: &str, figures: [Option<f64>; 5]) -> Cost {
+        let [round_trips, rows_written, log_records, server_cpu_us, client_cpu_us] = figures;
+        Cost {
+            engine: engine.into(),
+            workload: workload.into(),
+            path: path.into(),
+            ops: 300,
+            round_trips,
+            rows_written,
+            log_records,
+            log_bytes: None,
+            server_cpu_us,
+            client_cpu_us,
+            scope: "backend".into(),
+        }
+    }
+
+    /// Each engine is held to its own counted targets, fresh against bare
+    /// on the same workload; a count a hair off a whole number still counts
+    /// as it, one request's worth more does not.
+    #[test]
+    fn checks_the_counted_targets() {
+        let costs = [
+            cost(
+                "postgres",
+                "micro",
+                "bare",
+                [Some(5.0), Some(1.0), Some(3.01), Some(270.0), Some(240.0)],
+            ),
+            cost(
+                "postgres",
+                "micro",
+                "fresh",
+                [Some(5.0), Some(2.0), Some(5.02), Some(500.0), Some(230.0)],
+            ),
+            cost(
+                "postgres",
+                "micro",
+                "replay",
+                [Some(4.0), Some(0.0), Some(0.0), Some(150.0), Some(130.0)],
+            ),
+            cost(
+                "postgres",
+                "transfer",
+                "bare",
+                [Some(9.0), Some(5.0), Some(11.0), Some(600.0), Some(400.0)],
+            ),
+            cost(
+                "postgres",
+                "transfer",
+                "fresh",
+                [Some(10.0), Some(7.0), Some(16.0), Some(900.0), Some(420.0)],
+            ),
+            cost(
+                "mysql",
+                "micro",
+                "bare",
+                [Some(5.0), Some(1.0), None, None, Some(200.0)],
+            ),
+            cost(
+                "mysql",
+                "micro",
+                "fresh",
+                [Some(7.0), Some(3.0), None, None, Some(250.0)],
+            ),
+            cost("sqlite", "micro", "bare", [None, Some(1.0), None, None, Some(90.0)]),
+            cost("sqlite", "micro", "fresh", [None, Some(2.0), None, None, Some(120.0)]),
+            cost(
+                "sqlite",
+                "transfer",
+                "fresh",
+                [None, Some(6.0), None, None, Some(120.0)],
+            ),
+        ];
+        let targets = cost_targets(&costs);
+        let find = |engine: &str, workload: &str, figure: &str| {
+            targets
+                .iter()
+                .find(|t| t.engine == engine && t.workload == workload && t.figure == figure)
+                .unwrap_or_else(|| panic!("no {engine} {workload} {figure} in {targets:?}"))
+        };
+        assert!(find("postgres", "micro", "round trips").met);
+        let wal = find("postgres", "micro", "log records");
+        assert!(wal.met && (wal.measured - 2.01).abs() < 1e-9, "{wal:?}");
+        assert!(!find("postgres", "transfer", "round trips").met);
+        assert!(!find("postgres", "transfer", "log records").met);
+        let cpu = find("postgres", "transfer", "CPU µs (server + client)");
+        assert!(!cpu.met && (cpu.measured - 1.32).abs() < 1e-9, "{cpu:?}");
+        assert!(!find("mysql", "micro", "rows written").met);
+        assert!(find("sqlite", "micro", "rows written").met);
+        // CPU is a target on the transfer only; SQLite's transfer has no bare.
+        assert!(
+            !targets
+                .iter()
+                .any(|t| t.workload == "micro" && t.figure.starts_with("CPU"))
+        );
+        assert!(!targets.iter().any(|t| t.engine == "sqlite" && t.workload == "transfer"));
+        assert_eq!(targets.len(), 7, "{targets:?}");
+    }
 
     /// Per-request figures are the counters' deltas over the requests, CPU
     /// in µs; a counter missing on either side gives no figure.

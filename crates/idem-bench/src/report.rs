@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::{Cost, show};
+use crate::cost::{Cost, CostTarget, cost_targets, show};
 use crate::machine::{Commit, Machine};
 use crate::measure::Comparison;
 
@@ -32,6 +32,10 @@ pub struct Results {
     /// The cost per request of each transactional path (the cost meter).
     #[serde(default)]
     pub costs: Vec<Cost>,
+    /// The counted targets checked against [`costs`](Self::costs) (see
+    /// [`cost_targets`]).
+    #[serde(default)]
+    pub cost_targets: Vec<CostTarget>,
     /// The scale benchmark's own results, when it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale: Option<serde_json::Value>,
@@ -165,6 +169,40 @@ fn costs_table(results: &Results) -> String {
     out
 }
 
+/// The counted targets, recomputed from the costs so that a results file
+/// written before they were recorded renders them too.
+fn cost_targets_table(results: &Results) -> String {
+    let targets = cost_targets(&results.costs);
+    if targets.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "Counted targets (a fresh call against the bare transaction, from the costs above; counts as fresh − bare, \
+         CPU as fresh / bare):\n\n\
+         | engine | workload | figure | bare | fresh | measured | target | met |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for t in &targets {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {:.2} | {:.2} | {}{:.2} | {} | {} |",
+            engine_name(results, &t.engine),
+            t.workload,
+            t.figure,
+            t.bare,
+            t.fresh,
+            if t.figure.starts_with("CPU") || t.measured < 0.0 {
+                ""
+            } else {
+                "+"
+            },
+            t.measured,
+            t.target,
+            if t.met { "yes" } else { "**no**" },
+        );
+    }
+    out + "\n"
+}
+
 /// Every leaf of `value` with its path (`a.b[2].c`).
 fn leaves(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, String)>) {
     match value {
@@ -266,10 +304,11 @@ fn scale_section(results: &Results) -> String {
 /// The README's generated part: the run's summary, the comparisons, scale.
 pub fn render(results: &Results) -> String {
     format!(
-        "{}\n{}\n{}\n{}",
+        "{}\n{}\n{}\n{}{}",
         summary(results),
         comparisons_table(results),
         costs_table(results),
+        cost_targets_table(results),
         scale_section(results)
     )
 }
@@ -367,6 +406,25 @@ mod tests {
         assert!(out.contains("Cost per request (300 requests per path"));
         assert!(out.contains("| PostgreSQL | micro | fresh | 4.00 | 3.00 | 8.01 | 818 | 1 234 | 210 |"));
         assert!(out.contains("| SQLite | micro | bare | — | 1.00 | — | — | — | 95 |"));
+        // Without a bare and a fresh figure on one workload, no target is checked.
+        assert!(!out.contains("Counted targets"));
+        results.costs.push(
+            serde_json::from_value(serde_json::json!({
+                "engine": "postgres", "workload": "micro", "path": "bare", "ops": 300,
+                "round_trips": 4.0, "rows_written": 1.0, "log_records": 3.01, "log_bytes": 260.0,
+                "server_cpu_us": 600.0, "client_cpu_us": 200.0, "scope": "backend"
+            }))
+            .unwrap(),
+        );
+        let out = render(&results);
+        assert!(
+            out.contains("| PostgreSQL | micro | round trips | 4.00 | 4.00 | +0.00 | = bare | yes |"),
+            "{out}"
+        );
+        assert!(
+            out.contains("| PostgreSQL | micro | log records | 3.01 | 8.01 | +5.00 | ≤ bare + 2 | **no** |"),
+            "{out}"
+        );
         // A results file from before the meter still renders.
         let mut old = serde_json::to_value(sample()).unwrap();
         old.as_object_mut().unwrap().remove("costs");

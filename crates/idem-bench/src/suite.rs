@@ -330,6 +330,13 @@ pub async fn run(args: Args) -> Result<(), BoxError> {
         servers.insert(engine.clone(), version);
         costs.extend(meter_engine(engine, &args).await?);
     }
+    let cost_targets = crate::cost::cost_targets(&costs);
+    for t in &cost_targets {
+        println!(
+            "{:>8} {:>9} target {}: bare {:.2}, fresh {:.2}, measured {:.2}, target {}, met: {}",
+            t.engine, t.workload, t.figure, t.bare, t.fresh, t.measured, t.target, t.met
+        );
+    }
     let dir = args.out.parent().unwrap_or(Path::new(".")).to_path_buf();
     std::fs::create_dir_all(&dir)?;
     let scale = match &scale_exe {
@@ -343,6 +350,7 @@ pub async fn run(args: Args) -> Result<(), BoxError> {
         servers,
         args: serde_json::to_value(&args)?,
         comparisons,
+        cost_targets,
         costs,
         scale,
     };

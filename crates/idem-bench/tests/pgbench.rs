@@ -1,0 +1,172 @@
+//! The statement-level PostgreSQL scripts of `crates/idem-bench/pgbench`
+//! (docs/benchmarks.md): each runs, and `store.sql` holds the statements the
+//! store really sends, so its figures stay the store's as the store changes.
+//!
+//! Needs PostgreSQL (`IDEM_TEST_POSTGRES_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`) and its `pgbench` and `psql`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use idem_core::{Call, Fingerprint, IdempotencyKey, Scope, TableName, TxEngine};
+use idem_postgres::PgStore;
+
+fn url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("pgbench")
+}
+
+fn run(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir())
+        .output()
+        .unwrap_or_else(|e| panic!("{program} (PostgreSQL's client tools are needed): {e}"));
+    assert!(out.status.success(), "{program} {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The scripts share tables of their own (`setup.sql`), so they run one
+/// after another in one test.
+#[test]
+fn every_script_runs_and_store_sql_commits_its_records() {
+    let url = url();
+    let scripts: Vec<String> = std::fs::read_dir(dir())
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".sql") && n != "setup.sql")
+        .collect();
+    assert!(scripts.len() >= 10, "{scripts:?}");
+    for script in &scripts {
+        run("psql", &["-q", &url, "-f", "setup.sql"]);
+        let out = run(
+            "pgbench",
+            &["-n", "-M", "prepared", "-c", "1", "-t", "3", "-f", script, &url],
+        );
+        assert!(
+            out.contains("number of transactions actually processed: 3/3"),
+            "{script}: {out}"
+        );
+        assert!(!out.contains("number of failed transactions: 1"), "{script}: {out}");
+        if script.starts_with("store") {
+            // Three keys claimed and recorded, three business rows.
+            let counts = run(
+                "psql",
+                &[
+                    "-Atq",
+                    &url,
+                    "-c",
+                    "SELECT (SELECT count(*) FROM pgb_keys WHERE status = 1) || ' ' || (SELECT count(*) FROM pgb_effects)",
+                ],
+            );
+            assert_eq!(counts.trim(), "3 3", "{script}");
+        }
+    }
+    run(
+        "psql",
+        &[
+            "-q",
+            &url,
+            "-c",
+            "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects",
+        ],
+    );
+}
+
+/// `$n` parameters of `sql` replaced by `values[n - 1]`.
+fn bind(sql: &str, values: &[&str]) -> String {
+    let mut out = String::new();
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits: String = rest[at + 1..].chars().take_while(char::is_ascii_digit).collect();
+        let n: usize = digits.parse().unwrap_or_else(|_| panic!("a bare $ in {sql}"));
+        out.push_str(values[n - 1]);
+        rest = &rest[at + 1 + digits.len()..];
+    }
+    out + rest
+}
+
+/// The claim and the record in `store.sql` are the store's prepared
+/// statements (read back from `pg_prepared_statements` after a fresh call),
+/// with its parameters written as the script's values.
+#[tokio::test]
+async fn store_sql_holds_the_statements_the_store_sends() {
+    let table = format!("pgb_probe_{}", std::process::id());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url())
+        .await
+        .expect("PostgreSQL at IDEM_TEST_POSTGRES_URL");
+    let store = PgStore::new(pool.clone()).with_table(TableName::new(table.as_str()).unwrap());
+    store.migrate().await.unwrap();
+    let engine = TxEngine::new(store);
+    let scope = Scope::parse("t", "POST /bench").unwrap();
+    let fingerprint = Fingerprint::of_json(scope.operation(), b"{}").unwrap();
+    let call = Call::new(scope, IdempotencyKey::new("probe-1").unwrap(), fingerprint);
+    engine
+        .execute(&call, |_tx| Box::pin(async { Ok::<i64, idem_core::Error>(1) }))
+        .await
+        .unwrap();
+    let prepared: Vec<(String, String)> = sqlx::query_as("SELECT name, statement FROM pg_prepared_statements")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    // The table's name is this test's own (digits and letters only).
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}, {table}_schema")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The store prepares its statements in the text of the first request that
+    // needs them (`PREPARE a …; PREPARE b …; BEGIN; EXECUTE a(…)`), which is
+    // what the view shows for each; its statements hold no semicolon.
+    let statement = |prefix: &str| {
+        let (name, text) = prepared
+            .iter()
+            .find(|(name, _)| name.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix}… among {prepared:?}"));
+        let own = &text[text.find(&format!("PREPARE {name} (")).expect("its PREPARE")..];
+        let own = own.split(';').next().unwrap();
+        own[own.find(" AS ").expect("PREPARE … AS …") + 4..].replace(&table, "pgb_keys")
+    };
+    let key = ":client_id || '-' || :a || '-' || :b";
+    let fingerprint = "'\\xabababababababababababababababababababababababababababababababab'::bytea";
+    let claim = bind(
+        &statement("idem_claim_"),
+        &[
+            "'t'",
+            "'POST /bench'",
+            key,
+            fingerprint,
+            "1::bigint",
+            "1::bigint",
+            "9000000000000000::bigint",
+            "NULL::bigint",
+            "'5000'",
+        ],
+    );
+    let record = bind(
+        &statement("idem_record_"),
+        &[
+            "1::smallint",
+            "'\\x7b226f6b223a747275657d'::bytea",
+            "'t'",
+            "'POST /bench'",
+            key,
+        ],
+    );
+    let script = std::fs::read_to_string(dir().join("store.sql")).unwrap();
+    let lines: Vec<&str> = script.lines().collect();
+    assert!(
+        lines.contains(&format!("{claim};").as_str()),
+        "store.sql's claim is not the store's; the store's, as the script writes it:\n{claim};"
+    );
+    assert!(
+        lines.contains(&format!("{record};").as_str()),
+        "store.sql's record is not the store's; the store's, as the script writes it:\n{record};"
+    );
+}
