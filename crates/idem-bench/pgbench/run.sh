@@ -16,7 +16,7 @@ clients=${2:-16}
 rounds=${3:-2}
 url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 psql -q "$url" -f setup.sql
-options=(separate paired store paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
+options=(separate paired store store-lean paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
 tps() {
     pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$1.sql" "$url" 2>/dev/null |
         awk '/^tps/ {print int($3)}'

@@ -169,6 +169,20 @@ fn costs_table(results: &Results) -> String {
     out
 }
 
+/// A target's measured figure: a ratio as it is, a difference with its sign
+/// (`+0.00` for one that rounds to nothing, never `-0.00`).
+fn signed(t: &CostTarget) -> String {
+    if t.figure.starts_with("CPU") {
+        return format!("{:.2}", t.measured);
+    }
+    let rounded = (t.measured * 100.0).round() / 100.0;
+    if rounded < 0.0 {
+        format!("{rounded:.2}")
+    } else {
+        format!("+{:.2}", rounded.abs())
+    }
+}
+
 /// The counted targets, recomputed from the costs so that a results file
 /// written before they were recorded renders them too.
 fn cost_targets_table(results: &Results) -> String {
@@ -184,18 +198,13 @@ fn cost_targets_table(results: &Results) -> String {
     for t in &targets {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.2} | {:.2} | {}{:.2} | {} | {} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {} |",
             engine_name(results, &t.engine),
             t.workload,
             t.figure,
             t.bare,
             t.fresh,
-            if t.figure.starts_with("CPU") || t.measured < 0.0 {
-                ""
-            } else {
-                "+"
-            },
-            t.measured,
+            signed(t),
             t.target,
             if t.met { "yes" } else { "**no**" },
         );
@@ -421,6 +430,9 @@ mod tests {
             out.contains("| PostgreSQL | micro | round trips | 4.00 | 4.00 | +0.00 | = bare | yes |"),
             "{out}"
         );
+        // A count a hair under the bare's is shown as none, not as -0.00.
+        results.costs[0].round_trips = Some(3.999);
+        assert!(render(&results).contains("| round trips | 4.00 | 4.00 | +0.00 | = bare | yes |"));
         assert!(
             out.contains("| PostgreSQL | micro | log records | 3.01 | 8.01 | +5.00 | ≤ bare + 2 | **no** |"),
             "{out}"
