@@ -13,8 +13,9 @@
 //!    by the row count (PostgreSQL after `VACUUM ANALYZE`, MariaDB after
 //!    `ANALYZE TABLE`, SQLite from the `dbstat` table);
 //! 3. **sweeping under live traffic**: with `--sweep-rows` expired rows
-//!    added, live claims without a sweep, then while `sweep_expired` runs with
-//!    its default options until every expired row is gone; it reports the
+//!    added, live claims without a sweep, then while `sweep_expired` runs
+//!    (its default options unless `--sweep-batch` or `--sweep-pause-ms` say
+//!    otherwise) until every expired row is gone; it reports the
 //!    live p99 during the sweep over the one without (target 1.2), and the
 //!    sweep's duration and rows/s.
 //!
@@ -143,6 +144,12 @@ struct Args {
     /// The PostgreSQL keys table's expiry index: `btree`, `brin` or `none`.
     #[arg(long, default_value = "btree", value_parser = ["btree", "brin", "none"])]
     pg_expiry_index: String,
+    /// Rows the sweep deletes per batch (`SweepOptions::batch_size`).
+    #[arg(long, default_value_t = SweepOptions::default().batch_size)]
+    sweep_batch: u32,
+    /// Milliseconds the sweep pauses between batches (`SweepOptions::pause`).
+    #[arg(long, default_value_t = SweepOptions::default().pause.as_millis() as u64)]
+    sweep_pause_ms: u64,
     /// Where to write the figures.
     #[arg(long, default_value = "target/bench/scale.json")]
     out: String,
@@ -935,12 +942,17 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
     // The sweep starts when the live traffic's warm-up ends, and the live
     // claims are counted until it is done.
     let done = Arc::new(AtomicBool::new(false));
+    let options = SweepOptions {
+        batch_size: args.sweep_batch,
+        pause: Duration::from_millis(args.sweep_pause_ms),
+        ..SweepOptions::default()
+    };
     let sweeper = {
         let (db, done) = (db.clone(), done.clone());
         tokio::spawn(async move {
             tokio::time::sleep(WARMUP).await;
             let start = Instant::now();
-            let report = sweep_expired(&db, &SystemClock, SweepOptions::default()).await;
+            let report = sweep_expired(&db, &SystemClock, options).await;
             done.store(true, Ordering::SeqCst);
             report.map(|r| (r, start.elapsed()))
         })
@@ -1055,6 +1067,8 @@ async fn main() -> Result<(), BoxError> {
         "live_keys": args.live_keys,
         "pg_claim_strategy": args.pg_claim_strategy,
         "pg_expiry_index": args.pg_expiry_index,
+        "sweep_batch": args.sweep_batch,
+        "sweep_pause_ms": args.sweep_pause_ms,
         "results": results,
     });
     if let Some(dir) = std::path::Path::new(&args.out).parent() {
