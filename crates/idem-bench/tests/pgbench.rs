@@ -170,3 +170,63 @@ async fn store_sql_holds_the_statements_the_store_sends() {
         "store.sql's record is not the store's; the store's, as the script writes it:\n{record};"
     );
 }
+
+/// A script's statements: its lines from the first `\set` on (the comment
+/// at its head says what it is, and differs between scripts).
+fn body(script: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(dir().join(script)).unwrap();
+    let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+    let start = lines.iter().position(|l| l.starts_with("\\set")).expect("a \\set line");
+    lines[start..].to_vec()
+}
+
+/// The line of `lines` that starts with `prefix`: there must be exactly one.
+fn line_starting<'a>(lines: &'a [String], prefix: &str) -> &'a str {
+    let found: Vec<&String> = lines.iter().filter(|l| l.starts_with(prefix)).collect();
+    assert_eq!(found.len(), 1, "one line starting {prefix:?} in {lines:?}");
+    found[0]
+}
+
+/// Each variant of `store.sql` is `store.sql` with its one part changed, so
+/// the variants follow the store's statements as `store.sql` does (which the
+/// test above holds to the store).
+#[test]
+fn store_variants_differ_from_store_sql_in_their_one_part() {
+    let store = body("store.sql");
+    let paired = body("paired.sql");
+    let claim = line_starting(&store, "WITH saved").to_owned();
+    let record = line_starting(&store, "WITH done").to_owned();
+    let with = |from: &str, to: &str| -> Vec<String> {
+        store
+            .iter()
+            .map(|l| if l == from { to.to_owned() } else { l.clone() })
+            .collect()
+    };
+
+    let plain_update = line_starting(&paired, "UPDATE pgb_keys");
+    assert_eq!(body("store-plainrecord.sql"), with(&record, plain_update));
+    let plain_upsert = line_starting(&paired, "INSERT INTO pgb_keys");
+    assert_eq!(body("store-plainclaim.sql"), with(&claim, plain_upsert));
+
+    // Without the wait bound: the CTEs that save, set and restore
+    // lock_timeout become constants, and nothing else changes.
+    let save_and_set = "WITH saved AS MATERIALIZED (SELECT set_config('idem.saved_lock_timeout', \
+        current_setting('lock_timeout'), true) AS saved), bounded AS MATERIALIZED (SELECT \
+        set_config('lock_timeout', '5000', true) AS bounded FROM saved), ";
+    let restore = "restored AS MATERIALIZED (SELECT set_config('lock_timeout', saved.saved, true) AS restored \
+        FROM saved, (SELECT count(*) FROM claimed) AS done, (SELECT count(*) FROM inserted) AS first)";
+    assert!(claim.contains(save_and_set) && claim.contains(restore), "{claim}");
+    let unbounded = claim
+        .replace(save_and_set, "WITH bounded AS MATERIALIZED (SELECT 1 AS bounded), ")
+        .replace(
+            restore,
+            "restored AS MATERIALIZED (SELECT 1 FROM (SELECT count(*) FROM claimed) AS done, \
+             (SELECT count(*) FROM inserted) AS first)",
+        );
+    assert_eq!(body("store-nolt.sql"), with(&claim, &unbounded));
+
+    // The lean claim is written by hand; everything around it is the store's.
+    let lean = body("store-lean.sql");
+    let lean_claim = line_starting(&lean, "WITH existing").to_owned();
+    assert_eq!(lean, with(&claim, &lean_claim));
+}
