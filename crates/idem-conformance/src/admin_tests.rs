@@ -221,6 +221,18 @@ where
     )
     .await;
     put::<S>(&engine, &scope, "running", 3600, None).await;
+    let sending = held(
+        engine
+            .acquire(&call_for(
+                &scope,
+                &IdempotencyKey::new("sending").unwrap(),
+                "{}",
+                rejecting().with_lease_ms(60_000),
+            ))
+            .await
+            .unwrap(),
+    );
+    engine.mark_sent(&sending).await.unwrap();
     let stats = admin.stats(clock.now_ms()).await.unwrap();
     assert_eq!(
         stats,
@@ -229,8 +241,26 @@ where
             completed: 2,
             rejected: 1,
             unknown: 0,
+            sent: 1,
             expired: 2,
         }
+    );
+    let listed = admin
+        .list_keys(
+            &KeyFilter {
+                tenant: Some(scope.tenant().as_str().to_owned()),
+                state: Some(KeyState::Sent),
+                ..KeyFilter::default()
+            },
+            clock.now_ms(),
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.iter().map(|k| (k.key.as_str(), k.state)).collect::<Vec<_>>(),
+        vec![("sending", KeyState::Sent)],
+        "a sent claim is listed by its own state"
     );
 }
 

@@ -442,32 +442,6 @@ pub async fn lease_lost_heartbeat_is_reported<S: Subject>(s: S) {
     assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(b_record));
 }
 
-/// A run dropped while its work runs may already have taken effect: the key
-/// is not released (a twin is in flight), and the claim expires with its
-/// lease because the heartbeat stopped.
-pub async fn lease_dropped_work_keeps_the_key_until_expiry<S: Subject>(s: S) {
-    let engine = lease_engine(&s);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(300),
-    );
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(100),
-        engine.run(&call, |_lease| async {
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            Ok::<_, TestError>(Receipt::new(1))
-        }),
-    )
-    .await;
-    assert!(dropped.is_err(), "the run was dropped mid-work");
-    assert_in_flight(engine.acquire(&call).await);
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let lease = held(engine.acquire(&call).await.unwrap());
-    engine.release(&lease).await.unwrap();
-}
-
 /// Once the work returned, the outcome is recorded even if the caller's
 /// future is dropped while recording.
 pub async fn lease_outcome_recorded_after_a_drop<S: Subject>(s: S) {

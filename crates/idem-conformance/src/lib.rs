@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 pub mod admin_tests;
 pub mod deadletter_tests;
 pub mod lease_tests;
+pub mod sent_tests;
 pub mod tx_tests;
 
 /// A store under test.
@@ -270,7 +271,6 @@ macro_rules! lease_conformance {
                 lease_concurrent_64_tasks_one_key_one_effect,
                 lease_heartbeat_keeps_a_slow_holder,
                 lease_lost_heartbeat_is_reported,
-                lease_dropped_work_keeps_the_key_until_expiry,
                 lease_outcome_recorded_after_a_drop,
                 lease_skewed_host_cannot_take_over,
                 lease_abandoned_claim_is_released,
@@ -278,6 +278,16 @@ macro_rules! lease_conformance {
                 lease_unknown_outcome_resolved_applied,
                 lease_unknown_outcome_resolved_not_applied,
                 lease_unknown_outcome_resolved_once_under_concurrency
+            );
+            $crate::__sent_test!($make;
+                sent_claim_is_never_taken_over,
+                sent_mark_keeps_the_earliest_time,
+                sent_claim_resolved_like_unknown,
+                sent_claim_holder_extends_and_releases,
+                sent_dropped_run_is_held_not_taken_over,
+                sent_refused_completion_is_retried,
+                sent_refused_release_is_retried,
+                sent_refused_mark_runs_nothing
             );
         }
     };
@@ -370,6 +380,20 @@ macro_rules! __tx_test {
             async fn $name() {
                 let subject = $make.await;
                 $crate::tx_tests::$name(subject).await;
+            }
+        )*
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __sent_test {
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let subject = $make.await;
+                $crate::sent_tests::$name(subject).await;
             }
         )*
     };

@@ -19,20 +19,23 @@ pub(crate) enum Found {
     Wait,
 }
 
-/// Decides what a committed row means for `call`.
-pub(crate) fn decide(call: &Call, row: StoredRow) -> Result<Found> {
+/// Decides what a committed row means for `call` at `now_ms`.
+pub(crate) fn decide(call: &Call, row: StoredRow, now_ms: i64) -> Result<Found> {
     let op = call.scope().operation();
     if !call.accepts(&row.fingerprint) {
         metrics::count(metrics::MISMATCHES, op);
         return Err(Error::Mismatch);
     }
+    if row.is_unknown_at(now_ms) {
+        // Recorded as unknown, or sent by a holder whose lease ran out: the
+        // request may have reached the other side, so it is never sent again
+        // blindly.
+        metrics::count(metrics::UNKNOWN_HELD, op);
+        return Err(Error::OutcomeUnknown);
+    }
     match row.state {
-        RowState::Done(record) if record.status == crate::record::RecordStatus::Unknown => {
-            metrics::count(metrics::UNKNOWN_HELD, op);
-            Err(Error::OutcomeUnknown)
-        }
         RowState::Done(record) => Ok(Found::Replay(record)),
-        RowState::InProgress { .. } => Ok(Found::Wait),
+        RowState::InProgress { .. } | RowState::Sent { .. } => Ok(Found::Wait),
     }
 }
 

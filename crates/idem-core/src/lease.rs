@@ -129,7 +129,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
                         lease_expires_at_ms,
                     }));
                 }
-                Ok(LeaseClaim::Found(row)) => match engine::decide(call, row)? {
+                Ok(LeaseClaim::Found(row)) => match engine::decide(call, row, now_ms)? {
                     Found::Replay(record) => {
                         metrics::count(metrics::REPLAYS, op);
                         metrics::claim_latency(op, attempts.started.elapsed());
@@ -213,6 +213,102 @@ impl<S: LeaseStore> LeaseEngine<S> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Marks a held lease as sent, durably, before anything leaves this
+    /// process (see [`LeaseStore::mark_sent`]): from now on the request may
+    /// reach the other side, so the key is never taken over when the lease
+    /// runs out. A holder that dies or stalls past its lease leaves an
+    /// unknown outcome, settled by a reconciliation or an operator, never a
+    /// blind second send. Call it right before the first byte is sent; if
+    /// it fails nothing may be sent. Fails with [`Error::Fenced`] if the
+    /// lease was taken over.
+    pub async fn mark_sent(&self, lease: &Lease) -> Result<()> {
+        let op = lease.scope.operation();
+        match self.store.mark_sent(lease, self.clock.now_ms()).await {
+            Ok(()) => {
+                metrics::count(metrics::SENT, op);
+                Ok(())
+            }
+            Err(Error::Fenced) => {
+                metrics::count(metrics::FENCED, op);
+                Err(Error::Fenced)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The key's row as the store holds it, with the time it was first
+    /// marked sent.
+    pub async fn lookup(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<crate::StoredRow>> {
+        self.store.lookup(scope, key).await
+    }
+
+    /// Completes `lease` with `record` (or releases it, with `None`), and
+    /// tries again with backoff while the store fails, for at most `window`:
+    /// an outcome is never dropped because one write was refused.
+    ///
+    /// A write the store applied but reported as failed is recognised on
+    /// the next try: the key then holds this very record (or, for a
+    /// release, no longer this lease), which counts as done. A lease lost
+    /// meanwhile is [`Error::Fenced`]; a sent lease whose lease ran out
+    /// while the store refused is still this holder's to complete, so its
+    /// answer is kept if the store accepts it before anyone resolves it.
+    /// Keep the lease's heartbeat beating while this runs.
+    pub async fn settle_retrying(
+        &self,
+        lease: &Lease,
+        record: Option<Record>,
+        window: std::time::Duration,
+    ) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + window;
+        let mut backoff = std::time::Duration::from_millis(50);
+        let mut refused = false;
+        loop {
+            let attempt = match &record {
+                Some(record) if record.status == crate::RecordStatus::Unknown => {
+                    self.mark_unknown(lease, record.payload.clone()).await
+                }
+                Some(record) => self.complete(lease, record.clone()).await,
+                None => self.release(lease).await,
+            };
+            let e = match attempt {
+                Ok(()) => return Ok(()),
+                Err(Error::Fenced) if refused => match self.settled_by_earlier_try(lease, record.as_ref()).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => return Err(Error::Fenced),
+                    Err(e) => e,
+                },
+                Err(Error::Fenced) => return Err(Error::Fenced),
+                Err(e @ (Error::Config(_) | Error::Corrupt(_))) => return Err(e),
+                Err(e) => e,
+            };
+            refused = true;
+            metrics::count(metrics::SETTLE_RETRIES, lease.scope.operation());
+            if tokio::time::Instant::now() + backoff > deadline {
+                tracing::warn!(error = %e, "the store kept refusing the outcome; giving up");
+                return Err(e);
+            }
+            tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "the store refused the outcome; trying again");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+        }
+    }
+
+    /// After a refused write and then a fenced one: whether the refused one
+    /// was applied after all (the row holds this record, or, for a
+    /// release, the lease's row is gone or belongs to a later claim).
+    async fn settled_by_earlier_try(&self, lease: &Lease, record: Option<&Record>) -> Result<bool> {
+        let row = self.store.lookup(&lease.scope, &lease.key).await?;
+        Ok(match (record, row) {
+            (Some(record), Some(row)) => matches!(&row.state, crate::RowState::Done(done) if done == record),
+            (Some(_), None) => false,
+            (None, None) => true,
+            (None, Some(row)) => match row.state {
+                crate::RowState::InProgress { token, .. } | crate::RowState::Sent { token, .. } => token > lease.token,
+                crate::RowState::Done(_) => false,
+            },
+        })
     }
 
     /// Gives the key back unused. Fails with [`Error::Fenced`] if the lease
@@ -364,6 +460,15 @@ impl<S: LeaseStore> LeaseEngine<S> {
             Acquire::Replay(record) => return Ok(Outcome::Replayed(engine::decode::<T, R>(&record)?)),
             Acquire::Claimed(lease) => lease,
         };
+        // Nothing leaves this process before the key is marked sent: a holder
+        // that dies in the work leaves an unknown outcome, never a key a
+        // twin takes over and runs again.
+        if let Err(e) = self.mark_sent(&lease).await {
+            if !matches!(e, Error::Fenced) {
+                release_abandoned(&*self.store, lease).await;
+            }
+            return Err(e.into());
+        }
         let beat = self.heartbeat(&lease, call.policy().effective_lease_ms());
         let mut guard = ReleaseOnPanic {
             store: Some(self.store.clone()),
@@ -396,15 +501,17 @@ impl<S: LeaseStore> LeaseEngine<S> {
     }
 
     /// Completes or releases `lease` in a task of its own, keeping `beat`
-    /// alive until it is done, and waits for it. Dropping the returned
-    /// future does not stop the task.
+    /// alive until it is done (a refused write is tried again, see
+    /// [`settle_retrying`](Self::settle_retrying)), and waits for it.
+    /// Dropping the returned future does not stop the task.
     pub(crate) async fn settle_detached(&self, lease: Lease, settle: Settle, beat: Heartbeat) -> Result<()> {
         let engine = self.clone();
         let task = self.detached.spawn(tracing::Instrument::in_current_span(async move {
-            let settled = match settle {
-                Settle::Complete(record) => engine.complete(&lease, record).await,
-                Settle::Release => engine.release(&lease).await,
+            let record = match settle {
+                Settle::Complete(record) => Some(record),
+                Settle::Release => None,
             };
+            let settled = engine.settle_retrying(&lease, record, SETTLE_RETRY_WINDOW).await;
             beat.stop();
             settled
         }));
@@ -415,6 +522,11 @@ impl<S: LeaseStore> LeaseEngine<S> {
         }
     }
 }
+
+/// How long a refused completion (or release) is tried again before the
+/// outcome is left to the sent mark: a key whose lease then runs out is held
+/// as an unknown outcome, never released.
+pub const SETTLE_RETRY_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How a lease is given back once the work is done.
 #[derive(Debug)]

@@ -74,14 +74,14 @@ pub use fingerprint::canonical::{CanonicalError, canonical_json};
 pub use fingerprint::{Fingerprint, FingerprintBuilder, FingerprintVersion};
 pub use heartbeat::{Heartbeat, HeldLease};
 pub use key::{IdempotencyKey, MAX_KEY_LEN};
-pub use lease::{Acquire, LeaseEngine};
+pub use lease::{Acquire, LeaseEngine, SETTLE_RETRY_WINDOW};
 pub use outbox::{
     MAX_OUTBOX_PAYLOAD, MAX_SUBJECT_LEN, OutboxBatch, OutboxEvent, OutboxLag, OutboxMessage, OutboxStore, RetryBackoff,
 };
 pub use policy::{Consume, InFlight, Policy};
 pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
-    STATUS_REJECTED, STATUS_UNKNOWN, StoredRow, Token,
+    STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, StoredRow, Token,
 };
 pub use redact::redact_credentials;
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};

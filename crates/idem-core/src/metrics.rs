@@ -25,6 +25,11 @@ pub const UNKNOWN_HELD: &str = "idem_unknown_held_total";
 /// Counter: unknown outcomes resolved (`operation`, `resolution` =
 /// `applied` | `not_applied`).
 pub const UNKNOWN_RESOLVED: &str = "idem_unknown_resolved_total";
+/// Counter: leases marked sent before their request left the process (`operation`).
+pub const SENT: &str = "idem_sent_marks_total";
+/// Counter: completions or releases the store refused and that were tried
+/// again (`operation`).
+pub const SETTLE_RETRIES: &str = "idem_settle_retries_total";
 /// Counter: lease holders fenced off by a newer claim (`operation`).
 pub const FENCED: &str = "idem_fenced_total";
 /// Counter: leases lost while their holder was still working: an extension

@@ -22,6 +22,13 @@ pub const STATUS_REJECTED: i16 = 2;
 /// and nobody knows whether it did. Held until an operator (or a
 /// reconciliation) resolves it, or until the key expires.
 pub const STATUS_UNKNOWN: i16 = 3;
+/// The status code stored for a lease-mode claim whose holder said, before
+/// anything left its process, that from now on its request may reach the
+/// other side ([`LeaseStore::mark_sent`](crate::LeaseStore::mark_sent)).
+/// While its lease lives it is in progress like [`STATUS_IN_PROGRESS`]; once
+/// the lease has run out it is an unknown outcome, never taken over: only
+/// the holder's own completion, an operator or a reconciliation settles it.
+pub const STATUS_SENT: i16 = 4;
 
 /// How a recorded call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -116,6 +123,15 @@ pub enum RowState {
         /// When the lease runs out (ms since the epoch).
         lease_expires_at_ms: i64,
     },
+    /// A lease-mode claim whose request may have reached the other side
+    /// ([`STATUS_SENT`]): in flight while its lease lives, an unknown
+    /// outcome once it has run out. Never taken over.
+    Sent {
+        /// The holder's fencing token.
+        token: Token,
+        /// When the lease runs out (ms since the epoch).
+        lease_expires_at_ms: i64,
+    },
     /// A recorded outcome (or an unknown one, [`RecordStatus::Unknown`]:
     /// settled like an outcome, never taken over by a lease's end).
     Done(Record),
@@ -130,9 +146,33 @@ pub struct StoredRow {
     pub state: RowState,
     /// When the key expires (ms since the epoch).
     pub expires_at_ms: i64,
+    /// The earliest time a holder marked that its request may have reached
+    /// the other side ([`LeaseStore::mark_sent`](crate::LeaseStore::mark_sent)),
+    /// kept when the outcome is recorded. Read by
+    /// [`LeaseStore::lookup`](crate::LeaseStore::lookup); `None` where a
+    /// store's claim statement does not read it, and for rows never sent.
+    pub sent_at_ms: Option<i64>,
 }
 
 impl StoredRow {
+    /// The row with its sent mark's time (see [`sent_at_ms`](Self::sent_at_ms)).
+    pub fn with_sent_at_ms(mut self, sent_at_ms: Option<i64>) -> Self {
+        self.sent_at_ms = sent_at_ms;
+        self
+    }
+
+    /// Whether this row holds an unknown outcome at `now_ms`: one recorded
+    /// as unknown, or a sent claim whose lease has run out.
+    pub fn is_unknown_at(&self, now_ms: i64) -> bool {
+        match &self.state {
+            RowState::Done(record) => record.status == RecordStatus::Unknown,
+            RowState::Sent {
+                lease_expires_at_ms, ..
+            } => *lease_expires_at_ms <= now_ms,
+            RowState::InProgress { .. } => false,
+        }
+    }
+
     /// Decodes a row from the columns every SQL store keeps.
     pub fn from_columns(
         fingerprint: &[u8],
@@ -145,6 +185,10 @@ impl StoredRow {
         let fingerprint = Fingerprint::try_from_slice(fingerprint)?;
         let state = match status {
             STATUS_IN_PROGRESS => RowState::InProgress {
+                token: Token(token),
+                lease_expires_at_ms: lease_expires_at_ms.unwrap_or(i64::MAX),
+            },
+            STATUS_SENT => RowState::Sent {
                 token: Token(token),
                 lease_expires_at_ms: lease_expires_at_ms.unwrap_or(i64::MAX),
             },
@@ -162,6 +206,7 @@ impl StoredRow {
             fingerprint,
             state,
             expires_at_ms,
+            sent_at_ms: None,
         })
     }
 }

@@ -145,12 +145,35 @@ pub enum LeaseClaim {
 ///
 /// `try_claim` follows the same staleness rule as [`TxBackend::claim`] but
 /// commits before answering, and never waits on other claimers.
-/// `complete`, `release` and `extend` succeed only if the row is still
-/// in progress with `lease.token`; otherwise they fail with
+/// `complete`, `release`, `extend` and `mark_sent` succeed only if the row
+/// is still in progress (status [`STATUS_IN_PROGRESS`](crate::STATUS_IN_PROGRESS)
+/// or [`STATUS_SENT`](crate::STATUS_SENT)) with `lease.token`, whether or
+/// not its lease has run out; otherwise they fail with
 /// [`Error::Fenced`](crate::Error::Fenced) and change nothing.
+///
+/// **Sent claims.** A row marked sent ([`mark_sent`](Self::mark_sent)) is
+/// never stale while the key lives: a claim whose lease ran out is taken
+/// over only if it was never marked. Its lease's end makes it an unknown
+/// outcome instead ([`StoredRow::is_unknown_at`]), which
+/// [`resolve_unknown`](Self::resolve_unknown) settles like one recorded as
+/// unknown, and which its holder may still complete with its token.
+/// Completing keeps the mark's time (`sent_at_ms`).
 pub trait LeaseStore: Send + Sync + 'static {
     /// Claims the key with a lease.
     fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>>;
+
+    /// Marks a held lease as sent, durably, before anything leaves the
+    /// holder's process: from now on its request may reach the other side.
+    /// Sets the row's status to [`STATUS_SENT`](crate::STATUS_SENT) and its
+    /// `sent_at_ms` to `now_ms` unless it holds an earlier time (the
+    /// earliest reach only moves earlier). Fails with
+    /// [`Error::Fenced`](crate::Error::Fenced) if the lease is no longer
+    /// current.
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>>;
+
+    /// Reads the key's row as it is, expired or not, with its
+    /// [`sent_at_ms`](StoredRow::sent_at_ms).
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>>;
 
     /// Records the outcome of a held lease.
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>>;
@@ -167,10 +190,10 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// `Some(record)`, records it as the key's outcome (expiry unchanged);
     /// with `None`, deletes the row so the next claim runs the work.
     ///
-    /// Only a row that still holds an unknown outcome and has not expired at
-    /// `now_ms` is changed, in one atomic step; anything else (no row, a
-    /// live claim, a recorded outcome) is left alone and the answer is
-    /// `false`.
+    /// Only a row that still holds an unknown outcome at `now_ms` (status
+    /// unknown, or sent with its lease run out) and has not expired is
+    /// changed, in one atomic step; anything else (no row, a live claim, a
+    /// recorded outcome) is left alone and the answer is `false`.
     fn resolve_unknown<'a>(
         &'a self,
         scope: &'a Scope,

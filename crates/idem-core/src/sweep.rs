@@ -103,6 +103,9 @@ pub struct KeyStats {
     pub rejected: u64,
     /// Unknown outcomes held for an operator.
     pub unknown: u64,
+    /// Lease-mode claims marked sent: in flight while their lease lives,
+    /// unknown outcomes once it has run out (never taken over).
+    pub sent: u64,
     /// Keys past their expiry, waiting for the sweeper.
     pub expired: u64,
 }
@@ -148,6 +151,10 @@ pub enum KeyState {
     Rejected,
     /// An unknown outcome held for an operator (not expired).
     Unknown,
+    /// A lease-mode claim marked sent: its request may have reached the
+    /// other side (not expired). Once its lease has run out it is held like
+    /// an unknown outcome, and resolved like one.
+    Sent,
     /// Past its expiry, whatever it holds.
     Expired,
 }
@@ -162,6 +169,7 @@ impl KeyState {
                 crate::record::STATUS_IN_PROGRESS => KeyState::InProgress,
                 crate::record::STATUS_REJECTED => KeyState::Rejected,
                 crate::record::STATUS_UNKNOWN => KeyState::Unknown,
+                crate::record::STATUS_SENT => KeyState::Sent,
                 _ => KeyState::Completed,
             }
         }
@@ -174,6 +182,7 @@ impl KeyState {
             KeyState::Completed => "completed",
             KeyState::Rejected => "rejected",
             KeyState::Unknown => "unknown",
+            KeyState::Sent => "sent",
             KeyState::Expired => "expired",
         }
     }

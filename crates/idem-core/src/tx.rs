@@ -207,7 +207,7 @@ impl<B: TxBackend> TxEngine<B> {
                 }
                 Ok((tx, TxClaim::Found(row))) => {
                     self.rollback_quietly(tx).await;
-                    match engine::decide(call, row)? {
+                    match engine::decide(call, row, now_ms)? {
                         Found::Replay(record) => {
                             metrics::count(metrics::REPLAYS, op);
                             metrics::claim_latency(op, attempts.started.elapsed());

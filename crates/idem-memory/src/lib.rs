@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, Fingerprint, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record,
-    Result, STATUS_IN_PROGRESS, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
+    Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, Token, TxBackend,
+    TxClaim,
 };
 
 type Slot = (Scope, IdempotencyKey);
@@ -43,6 +44,7 @@ struct Row {
     payload: Option<Vec<u8>>,
     lease_expires_at_ms: Option<i64>,
     expires_at_ms: i64,
+    sent_at_ms: Option<i64>,
 }
 
 impl Row {
@@ -60,6 +62,14 @@ impl Row {
             self.lease_expires_at_ms,
             self.expires_at_ms,
         )
+        .map(|row| row.with_sent_at_ms(self.sent_at_ms))
+    }
+
+    /// Whether it holds an unknown outcome at `now_ms`: recorded as
+    /// unknown, or sent with its lease run out.
+    fn is_unknown(&self, now_ms: i64) -> bool {
+        self.status == STATUS_UNKNOWN
+            || (self.status == STATUS_SENT && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
     }
 
     fn fresh(req: &ClaimRequest<'_>, previous: Option<&Row>) -> Row {
@@ -74,6 +84,7 @@ impl Row {
             payload: None,
             lease_expires_at_ms: req.lease_expires_at_ms,
             expires_at_ms: req.expires_at_ms,
+            sent_at_ms: None,
         }
     }
 }
@@ -249,6 +260,20 @@ impl LeaseStore for MemoryStore {
         })
     }
 
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut rows = self.lock();
+            let row = held(&mut rows, lease)?;
+            row.status = STATUS_SENT;
+            row.sent_at_ms = Some(row.sent_at_ms.map_or(now_ms, |at| at.min(now_ms)));
+            Ok(())
+        })
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(async move { self.get(scope, key) })
+    }
+
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let mut rows = self.lock();
@@ -280,7 +305,7 @@ impl LeaseStore for MemoryStore {
             let slot = (scope.clone(), key.clone());
             let Some(row) = rows
                 .get_mut(&slot)
-                .filter(|r| r.status == STATUS_UNKNOWN && r.expires_at_ms > now_ms)
+                .filter(|r| r.is_unknown(now_ms) && r.expires_at_ms > now_ms)
             else {
                 return Ok(false);
             };
@@ -288,6 +313,7 @@ impl LeaseStore for MemoryStore {
                 Some(record) => {
                     row.status = record.status.code();
                     row.payload = Some(record.payload.clone());
+                    row.lease_expires_at_ms = None;
                 }
                 None => {
                     rows.remove(&slot);
@@ -300,7 +326,7 @@ impl LeaseStore for MemoryStore {
 
 fn held<'r>(rows: &'r mut HashMap<Slot, Row>, lease: &Lease) -> Result<&'r mut Row> {
     match rows.get_mut(&(lease.scope.clone(), lease.key.clone())) {
-        Some(row) if row.status == STATUS_IN_PROGRESS && row.token == lease.token.0 => Ok(row),
+        Some(row) if matches!(row.status, STATUS_IN_PROGRESS | STATUS_SENT) && row.token == lease.token.0 => Ok(row),
         _ => Err(Error::Fenced),
     }
 }

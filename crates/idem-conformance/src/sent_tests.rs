@@ -1,0 +1,314 @@
+//! Sent claims: a lease marked sent before its request left the holder's
+//! process is never taken over, and every recovery path treats it as an
+//! unknown outcome; outcomes the store refused are tried again.
+
+use std::time::Duration;
+
+use idem_core::{Acquire, Error, IdempotencyKey, Lease, LeaseEngine, Outcome, Record, RowState, StoredRow};
+use idem_faults::{Fault, FaultPlan, Faulty, Op};
+
+use crate::*;
+
+fn held(acquire: Acquire) -> Lease {
+    match acquire {
+        Acquire::Claimed(lease) => lease,
+        Acquire::Replay(r) => panic!("expected a claim, got a replay of {r:?}"),
+    }
+}
+
+fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
+    match r {
+        Err(Error::OutcomeUnknown) => {}
+        other => panic!("expected an unknown outcome, got {other:?}"),
+    }
+}
+
+fn assert_in_flight<T: std::fmt::Debug>(r: Result<T, Error>) {
+    match r {
+        Err(Error::InFlight { .. }) => {}
+        other => panic!("expected in-flight, got {other:?}"),
+    }
+}
+
+async fn row<S: Subject>(engine: &LeaseEngine<S::Lease>, lease: &Lease) -> StoredRow {
+    engine
+        .lookup(&lease.scope, &lease.key)
+        .await
+        .unwrap()
+        .expect("the key has a row")
+}
+
+/// A sent claim whose lease runs out is held as an unknown outcome, never
+/// taken over, however long after; its holder can still complete it with
+/// its token, and that outcome is replayed.
+pub async fn sent_claim_is_never_taken_over<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(1_000).with_ttl_secs(600),
+    );
+    let lease = held(engine.acquire(&call).await.unwrap());
+    let sent_at = idem_core::Clock::now_ms(&clock);
+    engine.mark_sent(&lease).await.unwrap();
+    assert_in_flight(engine.acquire(&call).await);
+    let seen = row::<S>(&engine, &lease).await;
+    assert!(
+        matches!(seen.state, RowState::Sent { token, .. } if token == lease.token),
+        "{seen:?}"
+    );
+    assert_eq!(seen.sent_at_ms, Some(sent_at));
+    clock.advance(Duration::from_millis(1_001));
+    assert_unknown(engine.acquire(&call).await);
+    clock.advance(Duration::from_secs(300));
+    assert_unknown(engine.acquire(&call).await);
+    let record = Record::completed(b"{\"paid\":true}".to_vec());
+    engine.complete(&lease, record.clone()).await.unwrap();
+    assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
+    assert_eq!(
+        row::<S>(&engine, &lease).await.sent_at_ms,
+        Some(sent_at),
+        "completing keeps the time of the mark"
+    );
+}
+
+/// The mark keeps the earliest time; a stale holder can mark nothing; an
+/// unknown outcome recorded after the mark keeps the mark's time.
+pub async fn sent_mark_keeps_the_earliest_time<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(10_000));
+    let lease = held(engine.acquire(&call).await.unwrap());
+    let first = idem_core::Clock::now_ms(&clock);
+    engine.mark_sent(&lease).await.unwrap();
+    clock.advance(Duration::from_millis(500));
+    engine.mark_sent(&lease).await.unwrap();
+    let lease = engine.extend(&lease, 10_000).await.unwrap();
+    assert_eq!(row::<S>(&engine, &lease).await.sent_at_ms, Some(first));
+    engine
+        .mark_unknown(&lease, b"upstream timed out".to_vec())
+        .await
+        .unwrap();
+    let seen = row::<S>(&engine, &lease).await;
+    assert!(seen.is_unknown_at(idem_core::Clock::now_ms(&clock)), "{seen:?}");
+    assert_eq!(
+        seen.sent_at_ms,
+        Some(first),
+        "the unknown outcome keeps the mark's time"
+    );
+    assert!(matches!(engine.mark_sent(&lease).await, Err(Error::Fenced)));
+    // A claim that was released cannot be marked by its old holder.
+    let other = call_for(&scope, &IdempotencyKey::generate(), "{}", rejecting());
+    let a = held(engine.acquire(&other).await.unwrap());
+    engine.release(&a).await.unwrap();
+    let b = held(engine.acquire(&other).await.unwrap());
+    assert!(matches!(engine.mark_sent(&a).await, Err(Error::Fenced)));
+    assert_eq!(row::<S>(&engine, &b).await.sent_at_ms, None, "never marked");
+    engine.release(&b).await.unwrap();
+}
+
+/// A sent claim is resolved like an unknown outcome once its lease has run
+/// out, never while it lives; "not applied" frees the key for a new claim
+/// that fences the old holder, "applied" records the outcome.
+pub async fn sent_claim_resolved_like_unknown<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let scope = unique_scope("op");
+    for applied in [false, true] {
+        let key = IdempotencyKey::generate();
+        let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000));
+        let lease = held(engine.acquire(&call).await.unwrap());
+        engine.mark_sent(&lease).await.unwrap();
+        let record = Record::completed(b"{\"found\":true}".to_vec());
+        let resolution = applied.then_some(&record);
+        assert!(
+            !engine.resolve_unknown(&scope, &key, resolution).await.unwrap(),
+            "a live sent claim is not resolved"
+        );
+        clock.advance(Duration::from_millis(1_500));
+        assert!(engine.resolve_unknown(&scope, &key, resolution).await.unwrap());
+        assert!(
+            !engine.resolve_unknown(&scope, &key, resolution).await.unwrap(),
+            "resolved once"
+        );
+        if applied {
+            assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
+        } else {
+            let again = held(engine.acquire(&call).await.unwrap());
+            assert!(again.token > lease.token);
+            assert!(matches!(
+                engine.complete(&lease, Record::completed(b"1".to_vec())).await,
+                Err(Error::Fenced)
+            ));
+            engine.release(&again).await.unwrap();
+        }
+    }
+}
+
+/// The holder of a sent claim extends and releases it like any claim (it
+/// knows the answer: nothing is in flight any more).
+pub async fn sent_claim_holder_extends_and_releases<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(1_000),
+    );
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine.mark_sent(&lease).await.unwrap();
+    clock.advance(Duration::from_millis(800));
+    let lease = engine.extend(&lease, 1_000).await.unwrap();
+    clock.advance(Duration::from_millis(800));
+    assert_in_flight(engine.acquire(&call).await);
+    engine.release(&lease).await.unwrap();
+    let again = held(engine.acquire(&call).await.unwrap());
+    engine.release(&again).await.unwrap();
+}
+
+/// `run` marks the key sent before its work runs: a run dropped mid-work
+/// leaves an unknown outcome once its lease runs out, never a key a twin
+/// takes over and runs again.
+pub async fn sent_dropped_run_is_held_not_taken_over<S: Subject>(s: S) {
+    let engine = lease_engine(&s);
+    let scope = unique_scope("op");
+    let key = IdempotencyKey::generate();
+    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(300));
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        engine.run(&call, |_lease| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok::<_, TestError>(Receipt::new(1))
+        }),
+    )
+    .await;
+    assert!(dropped.is_err(), "the run was dropped mid-work");
+    assert_in_flight(engine.acquire(&call).await);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_unknown(engine.acquire(&call).await);
+    let runs = Runs::default();
+    let again = {
+        let runs = runs.clone();
+        engine
+            .run(&call, move |_| async move {
+                runs.hit();
+                Ok::<_, TestError>(Receipt::new(2))
+            })
+            .await
+    };
+    assert!(
+        matches!(again, Err(TestError::Idem(Error::OutcomeUnknown))),
+        "{again:?}"
+    );
+    assert_eq!(runs.get(), 0, "nothing ran again");
+    assert!(engine.resolve_unknown(&scope, &key, None).await.unwrap());
+    let lease = held(engine.acquire(&call).await.unwrap());
+    engine.release(&lease).await.unwrap();
+}
+
+/// A completion the store refuses, times out on, or applies and reports as
+/// failed is tried again: the outcome is recorded once, the work ran once,
+/// and every retry replays it.
+pub async fn sent_refused_completion_is_retried<S: Subject>(s: S) {
+    let store = Faulty::new(s.lease_store(), FaultPlan::none());
+    let engine = LeaseEngine::new(store.clone());
+    let scope = unique_scope("op");
+    let runs = Runs::default();
+    for faults in [
+        vec![Fault::Refused, Fault::Refused, Fault::TimedOut],
+        vec![Fault::AppliedThenRefused],
+        vec![Fault::Refused, Fault::AppliedThenRefused],
+    ] {
+        let call = call_for(&scope, &IdempotencyKey::generate(), "{}", rejecting());
+        for fault in &faults {
+            store.faults().fail_next(Op::Complete, *fault);
+        }
+        let before = store.faults().calls(Op::Complete);
+        let first = {
+            let runs = runs.clone();
+            engine
+                .run(&call, move |_| async move {
+                    runs.hit();
+                    Ok::<_, TestError>(Receipt::new(9))
+                })
+                .await
+                .unwrap()
+        };
+        assert!(!first.is_replayed());
+        assert_eq!(
+            store.faults().calls(Op::Complete) - before,
+            faults.len() as u64 + 1,
+            "{faults:?}: one try per fault, and one that was answered"
+        );
+        let again = run_again::<S>(&engine, &call, &runs).await;
+        assert_eq!(again, Outcome::Replayed(first.into_inner()), "{faults:?}");
+    }
+    assert_eq!(runs.get(), 3, "each work ran once");
+}
+
+/// A release the store refuses is tried again, and one applied but
+/// reported as failed is recognised: the key is free either way.
+pub async fn sent_refused_release_is_retried<S: Subject>(s: S) {
+    let store = Faulty::new(s.lease_store(), FaultPlan::none());
+    let engine = LeaseEngine::new(store.clone());
+    let scope = unique_scope("op");
+    for fault in [Fault::Refused, Fault::AppliedThenRefused] {
+        let call = call_for(&scope, &IdempotencyKey::generate(), "{}", rejecting());
+        store.faults().fail_next(Op::Release, fault);
+        let out = engine
+            .run(&call, |_| async {
+                Err::<Receipt, _>(TestError::Work("declined".into()))
+            })
+            .await;
+        assert!(matches!(out, Err(TestError::Work(_))), "{out:?}");
+        let lease = held(engine.acquire(&call).await.unwrap());
+        engine.release(&lease).await.unwrap();
+    }
+}
+
+/// A mark the store refuses sends nothing: `run` fails before its work
+/// starts and the key is free again.
+pub async fn sent_refused_mark_runs_nothing<S: Subject>(s: S) {
+    let store = Faulty::new(s.lease_store(), FaultPlan::none());
+    let engine = LeaseEngine::new(store.clone());
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    store.faults().fail_next(Op::MarkSent, Fault::Refused);
+    let runs = Runs::default();
+    let out = {
+        let runs = runs.clone();
+        engine
+            .run(&call, move |_| async move {
+                runs.hit();
+                Ok::<_, TestError>(Receipt::new(1))
+            })
+            .await
+    };
+    assert!(
+        matches!(out, Err(TestError::Idem(ref e)) if e.is_retryable()),
+        "{out:?}"
+    );
+    assert_eq!(runs.get(), 0, "nothing ran without the mark");
+    let again = run_again::<S>(&engine, &call, &runs).await;
+    assert!(!again.is_replayed());
+    assert_eq!(runs.get(), 1);
+}
+
+async fn run_again<S: Subject>(
+    engine: &LeaseEngine<Faulty<S::Lease>>,
+    call: &idem_core::Call,
+    runs: &Runs,
+) -> Outcome<Receipt> {
+    let runs = runs.clone();
+    engine
+        .run(call, move |_| async move {
+            runs.hit();
+            Ok::<_, TestError>(Receipt::new(0))
+        })
+        .await
+        .unwrap()
+}
