@@ -5,6 +5,9 @@ use sqlx::mysql::MySqlDatabaseError;
 
 /// `ER_DUP_ENTRY`: a duplicate key (the twin's row already exists).
 pub(crate) const ER_DUP_ENTRY: u16 = 1062;
+/// `ER_DUP_FIELDNAME`: an `ADD COLUMN` whose column the table already has
+/// (a migration run again after it died before recording itself).
+pub(crate) const ER_DUP_FIELDNAME: u16 = 1060;
 /// `ER_LOCK_WAIT_TIMEOUT`: InnoDB gave up waiting for a row lock. Only the
 /// statement is rolled back (unless the server runs with
 /// `innodb_rollback_on_timeout`).

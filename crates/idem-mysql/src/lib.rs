@@ -9,11 +9,28 @@
 //! | mode | trait | how the key is held |
 //! | --- | --- | --- |
 //! | transactional | [`TxBackend`] | an uncommitted placeholder row: a twin's duplicate `INSERT` blocks on it, then collides on the primary key; or, under [`ClaimStrategy::NamedLock`], the server's named lock on a hash of the key, with no row until the record inserts the completed one |
-//! | lease (check–claim–complete) | [`LeaseStore`] | a committed in-progress row with a lease and a fencing token |
+//! | lease (check–claim–complete) | [`LeaseStore`] | a committed in-progress row with a lease and a fencing token; marked sent before the holder's request leaves, it is never taken over |
 //! | retention | [`Sweep`] | `DELETE … ORDER BY expires_at_ms LIMIT n` in short batches |
 //!
 //! Every time it stores or compares comes from the engine's clock (never the
 //! server's `NOW()`), so expiry and leases behave the same under a test clock.
+//!
+//! ## The keys table
+//!
+//! One row per key, its primary key `(tenant, operation, idem_key)` in
+//! binary columns; [`MySqlStore::migrate`] creates the table and brings it
+//! to the latest schema version, recorded in `{table}_schema`.
+//!
+//! | `status` | the row holds | taken over by a claim |
+//! | --- | --- | --- |
+//! | 0 | a claim in progress (`lease_expires_at_ms` set in lease mode) | once its lease has run out, or the key expired |
+//! | 1, 2 | a completed or rejected outcome (`payload`) | once the key expired |
+//! | 3 | an unknown outcome, held for an operator or a reconciliation | once the key expired |
+//! | 4 | a lease-mode claim marked sent ([`LeaseStore::mark_sent`]): in flight while its lease lives, an unknown outcome once it has run out | once the key expired, never at its lease's end |
+//!
+//! `sent_at_ms` is the earliest time the claim was marked sent; recording
+//! the outcome keeps it, a takeover clears it. Schema versions: 1, the keys
+//! table; 2, the `sent_at_ms` column (added in place, rows kept).
 //!
 //! ## Statements and round trips of a transactional request
 //!
@@ -123,7 +140,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS,
-    STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    STATUS_SENT, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
 };
 use sha2::{Digest, Sha256};
 use sqlx::mysql::MySqlRow;
@@ -236,7 +253,9 @@ struct Statements {
     select_locked: String,
     takeover: String,
     select: SqlStr,
+    lookup: SqlStr,
     record: SqlStr,
+    mark_sent: SqlStr,
     complete: SqlStr,
     release: SqlStr,
     extend: SqlStr,
@@ -251,6 +270,13 @@ const WHERE_KEY: &str = "tenant = ? AND operation = ? AND idem_key = ?";
 impl Statements {
     fn new(table: &TableName) -> Self {
         let fixed = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        // A lease-mode row its holder still holds: in progress, or sent
+        // (lease run out or not: only the token says who holds it).
+        let held = format!("status IN ({STATUS_IN_PROGRESS}, {STATUS_SENT})");
+        // A row holding an unknown outcome at the time bound to its `?`:
+        // recorded as unknown, or sent with its lease run out.
+        let unknown_at =
+            format!("(status = {STATUS_UNKNOWN} OR (status = {STATUS_SENT} AND lease_expires_at_ms <= ?))");
         Self {
             insert: format!(
                 "INSERT INTO `{table}` (tenant, operation, idem_key, fingerprint, status, token, payload, \
@@ -267,32 +293,40 @@ impl Statements {
             select_locked: format!("SELECT {COLUMNS} FROM `{table}` WHERE {WHERE_KEY} LOCK IN SHARE MODE"),
             takeover: format!(
                 "UPDATE `{table}` SET fingerprint = ?, status = {STATUS_IN_PROGRESS}, token = ?, payload = NULL, \
-                 created_at_ms = ?, expires_at_ms = ?, lease_expires_at_ms = ? \
+                 created_at_ms = ?, expires_at_ms = ?, lease_expires_at_ms = ?, sent_at_ms = NULL \
                  WHERE {WHERE_KEY} AND token = ? \
                  AND (expires_at_ms <= ? OR (status = {STATUS_IN_PROGRESS} AND lease_expires_at_ms <= ?))"
             ),
             select: fixed(format!("SELECT {COLUMNS} FROM `{table}` WHERE {WHERE_KEY}")),
+            lookup: fixed(format!("SELECT {COLUMNS}, sent_at_ms FROM `{table}` WHERE {WHERE_KEY}")),
             record: fixed(format!(
                 "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
                  WHERE {WHERE_KEY} AND status = {STATUS_IN_PROGRESS}"
             )),
+            // The earliest mark is kept: `LEAST` of the stored time and
+            // this one, the stored one being absent the first time.
+            mark_sent: fixed(format!(
+                "UPDATE `{table}` SET status = {STATUS_SENT}, sent_at_ms = LEAST(COALESCE(sent_at_ms, ?), ?) \
+                 WHERE {WHERE_KEY} AND token = ? AND {held}"
+            )),
+            // `sent_at_ms` is left as it is: the outcome keeps the mark's time.
             complete: fixed(format!(
                 "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
-                 WHERE {WHERE_KEY} AND token = ? AND status = {STATUS_IN_PROGRESS}"
+                 WHERE {WHERE_KEY} AND token = ? AND {held}"
             )),
             release: fixed(format!(
-                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND token = ? AND status = {STATUS_IN_PROGRESS}"
+                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND token = ? AND {held}"
             )),
             extend: fixed(format!(
                 "UPDATE `{table}` SET lease_expires_at_ms = ?, expires_at_ms = GREATEST(expires_at_ms, ?) \
-                 WHERE {WHERE_KEY} AND token = ? AND status = {STATUS_IN_PROGRESS}"
+                 WHERE {WHERE_KEY} AND token = ? AND {held}"
             )),
             resolve_record: fixed(format!(
-                "UPDATE `{table}` SET status = ?, payload = ? \
-                 WHERE {WHERE_KEY} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?"
+                "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
+                 WHERE {WHERE_KEY} AND expires_at_ms > ? AND {unknown_at}"
             )),
             resolve_release: fixed(format!(
-                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?"
+                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND expires_at_ms > ? AND {unknown_at}"
             )),
             sweep: fixed(format!(
                 "DELETE FROM `{table}` WHERE expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
@@ -365,7 +399,10 @@ impl RawRow {
     }
 
     /// The staleness rule of the store traits: an expired key, or an
-    /// in-progress lease whose holder's lease ran out.
+    /// in-progress lease whose holder's lease ran out. A sent claim
+    /// (status 4) is not stale until the key expires, however long ago its
+    /// lease ran out: it is found, and the engine answers it as an unknown
+    /// outcome. The takeover statement repeats this rule in SQL.
     fn is_stale(&self, now_ms: i64) -> bool {
         self.expires_at_ms <= now_ms
             || (self.status == STATUS_IN_PROGRESS && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
@@ -460,16 +497,20 @@ impl MySqlStore {
     }
 
     /// The stored row of a key, if any (expired rows not swept yet included),
-    /// read without locking.
+    /// with the time it was marked sent, read without locking.
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        let row = sqlx::query(self.sql.select.clone())
+        let row = sqlx::query(self.sql.lookup.clone())
             .bind(scope.tenant().as_str().as_bytes())
             .bind(scope.operation().as_str().as_bytes())
             .bind(key.as_str().as_bytes())
             .fetch_optional(&self.pool)
             .await
             .map_err(store_error)?;
-        row.map(|r| RawRow::decode(&r)?.into_stored()).transpose()
+        row.map(|r| {
+            let sent_at_ms: Option<i64> = r.try_get(6).map_err(store_error)?;
+            Ok(RawRow::decode(&r)?.into_stored()?.with_sent_at_ms(sent_at_ms))
+        })
+        .transpose()
     }
 
     async fn flavor(&self, conn: &mut MySqlConnection) -> Result<Flavor> {
@@ -582,7 +623,8 @@ impl MySqlStore {
     }
 
     /// Takes over a stale row (expired, or a lease whose holder's lease ran
-    /// out) in place, as an in-progress row the record updates. The token
+    /// out) in place, as an in-progress row the record updates, never
+    /// marked sent (an expired key's old mark goes with it). The token
     /// only grows, so a fenced holder's old token can never match again; the
     /// `token = ?` guard and the repeated staleness test (on the row's
     /// newest version) make the update a no-op if the row changed since it
@@ -1020,6 +1062,30 @@ impl LeaseStore for MySqlStore {
         })
     }
 
+    /// One `UPDATE` guarded by the token: a row still held (in progress or
+    /// already sent) becomes sent, keeping the earliest mark's time.
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // Marking a row already sent at an earlier time changes nothing,
+            // but CLIENT_FOUND_ROWS counts it as matched (see `extend`).
+            let done = sqlx::query(self.sql.mark_sent.clone())
+                .bind(now_ms)
+                .bind(now_ms)
+                .bind(lease.scope.tenant().as_str().as_bytes())
+                .bind(lease.scope.operation().as_str().as_bytes())
+                .bind(lease.key.as_str().as_bytes())
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            fenced(done.rows_affected(), lease)
+        })
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(self.get(scope, key))
+    }
+
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let done = sqlx::query(self.sql.complete.clone())
@@ -1084,10 +1150,12 @@ impl LeaseStore for MySqlStore {
                     .bind(record.payload.clone()),
                 None => sqlx::query(self.sql.resolve_release.clone()),
             };
+            // The key's expiry, then the end of a sent claim's lease.
             query = query
                 .bind(scope.tenant().as_str().as_bytes())
                 .bind(scope.operation().as_str().as_bytes())
                 .bind(key.as_str().as_bytes())
+                .bind(now_ms)
                 .bind(now_ms);
             let done = query.execute(&self.pool).await.map_err(store_error)?;
             Ok(done.rows_affected() == 1)
@@ -1124,13 +1192,15 @@ impl MySqlStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        let (in_progress, completed, rejected, unknown, sent, expired): (i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
                     CAST(COALESCE(SUM(CASE WHEN status = 3 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
-                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ? THEN 1 ELSE 0 END), 0) AS SIGNED) FROM {t}"
+                    CAST(COALESCE(SUM(CASE WHEN status = 4 AND expires_at_ms > ? THEN 1 ELSE 0 END), 0) AS SIGNED), \
+                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ? THEN 1 ELSE 0 END), 0) AS SIGNED) FROM `{t}`"
         )))
+        .bind(now_ms)
         .bind(now_ms)
         .bind(now_ms)
         .bind(now_ms)
@@ -1144,6 +1214,7 @@ impl MySqlStore {
             completed: completed as u64,
             rejected: rejected as u64,
             unknown: unknown as u64,
+            sent: sent as u64,
             expired: expired as u64,
         })
     }
@@ -1193,6 +1264,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter, now_ms: i64) -> (String, Vec<Ke
         Some(idem_core::KeyState::Completed) => conds.push(format!("status = 1 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Rejected) => conds.push(format!("status = 2 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Unknown) => conds.push(format!("status = 3 AND expires_at_ms > {now_ms}")),
+        Some(idem_core::KeyState::Sent) => conds.push(format!("status = 4 AND expires_at_ms > {now_ms}")),
         Some(idem_core::KeyState::Expired) => conds.push(format!("expires_at_ms <= {now_ms}")),
         None => conds.push("1 = 1".into()),
     }

@@ -2,10 +2,12 @@
 //!
 //! Each migration is a list of DDL statements. MySQL commits DDL implicitly,
 //! so a migration cannot be rolled back as a whole; every statement is
-//! therefore written to be safe to run again (`IF NOT EXISTS`), and a
-//! migration is recorded in the version table only after all of its
-//! statements succeeded. A process that dies half-way through simply runs the
-//! unfinished migration again next time.
+//! therefore safe to run again (`IF NOT EXISTS`; an `ADD COLUMN` whose
+//! column is already there counts as done, because MySQL, unlike MariaDB,
+//! has no `ADD COLUMN IF NOT EXISTS`), and a migration is recorded in the
+//! version table only after all of its statements succeeded. A process that
+//! dies half-way through simply runs the unfinished migration again next
+//! time.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -13,7 +15,7 @@ use idem_core::{Error, Result, StoreErrorKind, TableName};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool};
 
-use crate::error::store_error;
+use crate::error::{ER_DUP_FIELDNAME, error_number, store_error};
 
 /// How long `migrate` waits for another process's migration to finish.
 const LOCK_TIMEOUT_SECS: i64 = 60;
@@ -30,11 +32,24 @@ struct Migration {
 
 /// Every migration, in version order. Released migrations never change;
 /// a schema change is a new entry.
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "create the keys table",
-    statements: v1_keys_table,
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create the keys table",
+        statements: v1_keys_table,
+    },
+    Migration {
+        version: 2,
+        description: "sent claims: the sent_at_ms column",
+        statements: v2_sent_at_ms,
+    },
+];
+
+/// The schema version `migrate` brings a keys table to.
+pub(crate) const LATEST_VERSION: i64 = 2;
+
+// The newest migration is the latest version: a new entry bumps both.
+const _: () = assert!(MIGRATIONS[MIGRATIONS.len() - 1].version == LATEST_VERSION);
 
 /// The keys table. Tenant, operation and key are binary strings so that keys
 /// compare byte for byte: a case-insensitive collation would merge distinct
@@ -57,6 +72,15 @@ fn v1_keys_table(table: &str) -> Vec<String> {
             KEY expires_at_ms_idx (expires_at_ms)
         ) ENGINE=InnoDB"
     )]
+}
+
+/// Sent claims (status 4): the earliest time a holder marked its request as
+/// possibly sent, kept when the outcome is recorded. `status` has no CHECK
+/// constraint, so status 4 needs no other change. Nullable, added last: on
+/// MariaDB 10.3+ and MySQL 8.0.12+ this is an instant change that rewrites
+/// no rows.
+fn v2_sent_at_ms(table: &str) -> Vec<String> {
+    vec![format!("ALTER TABLE `{table}` ADD COLUMN sent_at_ms BIGINT NULL")]
 }
 
 /// The name of the version table that belongs to `table`.
@@ -133,10 +157,19 @@ async fn apply(conn: &mut PoolConnection<MySql>, table: &TableName, schema: &str
     .map_err(store_error)?;
     for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
         for statement in (migration.statements)(table.as_str()) {
-            sqlx::raw_sql(AssertSqlSafe(statement))
-                .execute(&mut **conn)
-                .await
-                .map_err(store_error)?;
+            match sqlx::raw_sql(AssertSqlSafe(statement)).execute(&mut **conn).await {
+                Ok(_) => {}
+                // The column was added by a run of this migration that died
+                // before recording it.
+                Err(e) if error_number(&e) == Some(ER_DUP_FIELDNAME) => {
+                    tracing::debug!(
+                        table = table.as_str(),
+                        version = migration.version,
+                        "the migration's column is already there"
+                    );
+                }
+                Err(e) => return Err(store_error(e)),
+            }
         }
         // The time a migration ran is bookkeeping for operators, not a claim
         // decision, so it comes from the system clock.

@@ -3,7 +3,8 @@
 //! session-scoped named lock is released after commit and rollback and never
 //! returns to the pool with a dropped transaction, a lock wait that runs out
 //! answers busy, a record that meets a row committed meanwhile rolls back,
-//! a lease-mode row is taken over, and many sessions claiming one key run
+//! a lease-mode row is taken over (unless it was marked sent: then only
+//! once the key expired), and many sessions claiming one key run
 //! the effect once, also when processes of the two strategies share a key.
 
 mod common;
@@ -13,7 +14,7 @@ use std::time::Duration;
 use common::{EFFECTS_TABLE, connect, now_ms, request_at, shared_store};
 use idem_conformance::{Runs, call_for, unique_scope, waiting};
 use idem_core::{
-    Call, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind,
+    Call, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind,
     TxBackend, TxClaim, TxEngine,
 };
 use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
@@ -399,6 +400,60 @@ async fn lease_rows_are_found_and_taken_over() {
     assert!(
         token_of(&store, &call).await > lease_token.0,
         "the takeover's token is larger"
+    );
+}
+
+/// A lease-mode row marked sent is found, not taken over, however long after its lease ran out, by either opening of the claim; once the key expired it is taken over, its old mark cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sent_lease_rows_are_held_until_the_key_expires() {
+    let store = named_store().await;
+    let call = new_call("POST /named/sent");
+    let now = now_ms();
+    let lease_req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 1_000),
+        ..request_at(&call, now)
+    };
+    let LeaseClaim::Acquired(lease_token) = store.try_claim(&lease_req).await.unwrap() else {
+        panic!("a fresh key is acquired");
+    };
+    let lease = Lease {
+        scope: call.scope().clone(),
+        key: call.key().clone(),
+        token: lease_token,
+        lease_expires_at_ms: now + 1_000,
+    };
+    store.mark_sent(&lease, now + 10).await.unwrap();
+
+    for at in [now + 500, now + 2_000, now + 59_999] {
+        for opening in OPENINGS {
+            let (tx, claim) = open_claim(&store, &request_at(&call, at), Duration::ZERO, opening).await;
+            match claim {
+                TxClaim::Found(row) => assert!(
+                    matches!(row.state, RowState::Sent { token, .. } if token == lease_token),
+                    "{opening:?} at +{}: {row:?}",
+                    at - now
+                ),
+                answer => panic!("{opening:?} at +{}: expected the sent row, got {answer:?}", at - now),
+            }
+            store.rollback(tx).await.unwrap();
+        }
+    }
+    assert_eq!(token_of(&store, &call).await, lease_token.0, "nothing took it over");
+
+    let expired = request_at(&call, now + 60_000);
+    let (tx, claim) = open_claim(&store, &expired, Duration::ZERO, Opening::BeginClaim).await;
+    assert_eq!(claim, TxClaim::Claimed, "an expired key is taken over");
+    let record = Record::completed(b"after expiry".to_vec());
+    store.record_commit(tx, &expired, &record).await.unwrap();
+    let row = store.get(call.scope(), call.key()).await.unwrap().expect("the row");
+    assert_eq!(row.state, RowState::Done(record));
+    assert_eq!(row.sent_at_ms, None, "the expired claim's mark went with it");
+    assert!(
+        matches!(
+            store.complete(&lease, &Record::completed(b"late".to_vec())).await,
+            Err(Error::Fenced)
+        ),
+        "the old holder is fenced"
     );
 }
 

@@ -116,6 +116,7 @@ async fn schema_matches_the_documented_layout() {
         ("created_at_ms", "bigint", "NO"),
         ("expires_at_ms", "bigint", "NO"),
         ("lease_expires_at_ms", "bigint", "YES"),
+        ("sent_at_ms", "bigint", "YES"),
     ];
     assert_eq!(got, expected);
     let engine: String = sqlx::query_scalar(
@@ -172,7 +173,7 @@ async fn concurrent_migrations_at(isolation: Isolation) {
         .fetch_all(stores[0].pool())
         .await
         .unwrap();
-    assert_eq!(versions, [1], "version 1 is recorded exactly once");
+    assert_eq!(versions, [1, 2], "each version is recorded exactly once");
 }
 
 /// Concurrent migrations at REPEATABLE READ (InnoDB's default).
@@ -191,6 +192,146 @@ async fn concurrent_migrations_at_read_committed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_migrations_at_serializable() {
     concurrent_migrations_at(Isolation::Serializable).await;
+}
+
+/// A keys table of schema version 1 (no `sent_at_ms`), as a release before sent claims left it, with rows of its own.
+async fn version_1_table(pool: &sqlx::MySqlPool) -> TableName {
+    let table = TableName::new(format!("{}{}", common::ISOLATED_PREFIX, uuid::Uuid::new_v4().simple())).unwrap();
+    let t = table.as_str();
+    for statement in [
+        format!(
+            "CREATE TABLE `{t}` (tenant VARBINARY(255) NOT NULL, operation VARBINARY(255) NOT NULL, \
+             idem_key VARBINARY(255) NOT NULL, fingerprint BINARY(32) NOT NULL, status SMALLINT NOT NULL, \
+             token BIGINT NOT NULL, payload LONGBLOB NULL, created_at_ms BIGINT NOT NULL, \
+             expires_at_ms BIGINT NOT NULL, lease_expires_at_ms BIGINT NULL, \
+             PRIMARY KEY (tenant, operation, idem_key), KEY expires_at_ms_idx (expires_at_ms)) ENGINE=InnoDB"
+        ),
+        format!(
+            "CREATE TABLE `{t}_schema` (version BIGINT NOT NULL PRIMARY KEY, description VARCHAR(255) NOT NULL, \
+             applied_at_ms BIGINT NOT NULL) ENGINE=InnoDB"
+        ),
+        format!("INSERT INTO `{t}_schema` VALUES (1, 'create the keys table', 1)"),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    table
+}
+
+/// A version-1 keys table is upgraded in place by `migrate` (listed as pending first, concurrent upgrades harmless, rows kept), and a sent claim then works on it: held, never taken over at its lease's end, completed with its mark's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_version_1_keys_table_is_upgraded_for_sent_claims() {
+    let pool = connect().await;
+    let table = version_1_table(&pool).await;
+    let store = MySqlStore::new(pool.clone()).with_table(table.clone());
+    let old = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let old_req = request(&old, Some(now_ms() + 60_000));
+    assert!(matches!(
+        store.try_claim(&old_req).await.unwrap(),
+        LeaseClaim::Acquired(_)
+    ));
+
+    let pending = store.pending_migrations().await.unwrap();
+    assert_eq!(pending.iter().map(|m| m.version).collect::<Vec<_>>(), [2]);
+    assert!(
+        pending[0].statements[0].contains("ADD COLUMN sent_at_ms BIGINT NULL"),
+        "{pending:?}"
+    );
+    let mut racers = Vec::new();
+    for _ in 0..3 {
+        let racer = MySqlStore::new(connect().await).with_table(table.clone());
+        racers.push(tokio::spawn(async move { racer.migrate().await }));
+    }
+    for racer in racers {
+        racer.await.unwrap().expect("concurrent upgrades all succeed");
+    }
+    assert!(store.pending_migrations().await.unwrap().is_empty());
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM `{table}_schema` ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, [1, 2]);
+    let kept = store
+        .get(old.scope(), old.key())
+        .await
+        .unwrap()
+        .expect("the old row survives");
+    assert!(matches!(kept.state, idem_core::RowState::InProgress { .. }), "{kept:?}");
+    assert_eq!(kept.sent_at_ms, None);
+
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    );
+    let now = now_ms();
+    let lease_end = now + 1_000;
+    let req = ClaimRequest {
+        lease_expires_at_ms: Some(lease_end),
+        ..request(&call, None)
+    };
+    let LeaseClaim::Acquired(token) = store.try_claim(&req).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    let lease = Lease {
+        scope: call.scope().clone(),
+        key: call.key().clone(),
+        token,
+        lease_expires_at_ms: lease_end,
+    };
+    store.mark_sent(&lease, now).await.unwrap();
+    let after_lease = ClaimRequest {
+        now_ms: lease_end + 1,
+        fresh_token: Token::fresh(lease_end + 1),
+        ..request(&call, None)
+    };
+    match store.try_claim(&after_lease).await.unwrap() {
+        LeaseClaim::Found(row) => {
+            assert!(row.is_unknown_at(lease_end + 1), "{row:?}");
+            assert!(matches!(row.state, idem_core::RowState::Sent { token: t, .. } if t == token));
+        }
+        other => panic!("a sent claim is never taken over at its lease's end, got {other:?}"),
+    }
+    let record = Record::completed(b"paid".to_vec());
+    store.complete(&lease, &record).await.unwrap();
+    let row = store.lookup(call.scope(), call.key()).await.unwrap().expect("the row");
+    assert_eq!(row.state, idem_core::RowState::Done(record));
+    assert_eq!(row.sent_at_ms, Some(now), "the outcome keeps the mark's time");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_schema`")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// A migration whose column was added by a run that died before recording it runs again without failing.
+#[tokio::test]
+async fn an_unrecorded_column_migration_runs_again() {
+    let pool = connect().await;
+    let table = version_1_table(&pool).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE `{table}` ADD COLUMN sent_at_ms BIGINT NULL"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = MySqlStore::new(pool.clone()).with_table(table.clone());
+    assert_eq!(store.pending_migrations().await.unwrap().len(), 1);
+    store.migrate().await.expect("the column already there counts as added");
+    assert!(store.pending_migrations().await.unwrap().is_empty());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_schema`")))
+        .execute(&pool)
+        .await
+        .unwrap();
 }
 
 /// A table name whose version table would exceed MySQL's identifier limit is refused before touching the server.
