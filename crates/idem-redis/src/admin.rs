@@ -157,6 +157,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> KeyAdmin for RedisStore<
                         KeyState::Completed => stats.completed += 1,
                         KeyState::Rejected => stats.rejected += 1,
                         KeyState::Unknown => stats.unknown += 1,
+                        KeyState::Sent => stats.sent += 1,
                         KeyState::Expired => stats.expired += 1,
                     }
                 }
@@ -354,7 +355,7 @@ mod tests {
         let store = RedisStore::new(server.clone());
         let stats = store.stats(0).await.unwrap();
         assert_eq!(
-            stats.in_progress + stats.completed + stats.rejected + stats.unknown + stats.expired,
+            stats.in_progress + stats.completed + stats.rejected + stats.unknown + stats.sent + stats.expired,
             ROWS as u64
         );
         let round_trips = server.round_trips.load(Ordering::SeqCst);

@@ -5,23 +5,33 @@
 //!
 //! Each key lives in one Redis hash, `<prefix>:{<tag>}:r`, where the tag is
 //! 128 bits of SHA-256 over (tenant, operation, key): fingerprint, status,
-//! fencing token, lease expiry, key expiry and recorded outcome. Its fencing
-//! counter, `<prefix>:{<tag>}:t`, has the same hash tag, so it lives in the
-//! same slot and every script below touches one slot: they all run on
-//! **Redis Cluster**.
+//! fencing token, lease expiry, key expiry, recorded outcome and the time
+//! the claim was first marked sent. Its fencing counter,
+//! `<prefix>:{<tag>}:t`, has the same hash tag, so it lives in the same
+//! slot and every script below touches one slot: they all run on **Redis
+//! Cluster**.
 //!
 //! - **Claim**: one script checks the row and, if it is absent or stale
-//!   (expired, or an in-progress lease past its lease), writes the new
+//!   (expired, or an in-progress lease past its lease, but never a claim
+//!   marked sent: that one is held until the key expires), writes the new
 //!   in-progress row with a token larger than any token the key handed out
 //!   before (the larger of the engine's fresh token and the counter plus
 //!   one) and sets the row's time to live. Atomic like `SET NX PX`, and it
 //!   takes over a stale row in the same step.
-//! - **Complete, release, extend**: compare-and-set scripts on the token; a
-//!   stale holder changes nothing and gets [`Error::Fenced`]. An extension
-//!   whose lease would outlive the key raises the key's expiry with it — in
-//!   the row, in its Redis TTL and in its index entry — as the SQL stores
-//!   raise `expires_at_ms`: a holder whose work outlives the key's TTL keeps
-//!   its claim while its heartbeat runs.
+//! - **Complete, release, extend, mark sent**: compare-and-set scripts on
+//!   the token, for a claim in progress or marked sent (status 0 or 4); a
+//!   stale holder changes nothing and gets [`Error::Fenced`]. Marking sent
+//!   sets status 4 and keeps the earliest mark's time (`sent`), which
+//!   completing keeps too. An extension whose lease would outlive the key
+//!   raises the key's expiry with it — in the row, in its Redis TTL and in
+//!   its index entry — as the SQL stores raise `expires_at_ms`: a holder
+//!   whose work outlives the key's TTL keeps its claim while its heartbeat
+//!   runs.
+//! - **Resolve**: one script settles an unexpired row holding an unknown
+//!   outcome — recorded as unknown (status 3), or marked sent (status 4)
+//!   with its lease run out — by recording an outcome or deleting the row.
+//! - **Lookup** reads the row with one `HMGET`. Rows written before sent
+//!   claims existed have no `sent` field: they were never marked.
 //! - **Sweep**: Redis expires rows itself (their TTL is the key's expiry);
 //!   [`Sweep`] walks the sorted set `<prefix>:expiry` in bounded batches
 //!   and settles each entry due: an expired row is deleted, an entry whose
@@ -103,6 +113,7 @@ const CONCURRENCY: usize = 64;
 
 struct Scripts {
     claim: Script,
+    mark_sent: Script,
     complete: Script,
     resolve: Script,
     release: Script,
@@ -237,6 +248,7 @@ impl<C> RedisStore<C> {
             pipelines: true,
             scripts: Arc::new(Scripts {
                 claim: Script::new(scripts::CLAIM),
+                mark_sent: Script::new(scripts::MARK_SENT),
                 complete: Script::new(scripts::COMPLETE),
                 resolve: Script::new(scripts::RESOLVE),
                 release: Script::new(scripts::RELEASE),
@@ -338,6 +350,40 @@ fn int(v: &Value, what: &str) -> Result<i64> {
     str_of(v).and_then(|s| s.parse().ok()).ok_or_else(|| corrupt(what))
 }
 
+/// An optional integer field: absent (nil) or empty is `None`.
+fn opt_int(v: &Value, what: &str) -> Result<Option<i64>> {
+    match v {
+        Value::Nil => Ok(None),
+        v => match str_of(v) {
+            Some("") => Ok(None),
+            Some(s) => s.parse().map(Some).map_err(|_| corrupt(what)),
+            None => Err(corrupt(what)),
+        },
+    }
+}
+
+/// The row fields read back as a [`StoredRow`], in this order.
+const ROW_FIELDS: [&str; 7] = ["fp", "st", "tok", "lease", "exp", "pl", "sent"];
+
+/// Decodes a row from its fields (fingerprint, status, token, lease expiry,
+/// key expiry), its recorded outcome and its sent mark's time.
+fn decode_row(fields: &[Value], payload: Option<Vec<u8>>, sent_at_ms: Option<i64>) -> Result<StoredRow> {
+    let [fingerprint, status, token, lease, expires, ..] = fields else {
+        return Err(corrupt("missing fields"));
+    };
+    let fingerprint = bytes(fingerprint).ok_or_else(|| corrupt("fingerprint"))?;
+    let status = i16::try_from(int(status, "status")?).map_err(|_| corrupt("status"))?;
+    let row = StoredRow::from_columns(
+        &fingerprint,
+        status,
+        int(token, "token")?,
+        payload,
+        opt_int(lease, "lease")?,
+        int(expires, "expiry")?,
+    )?;
+    Ok(row.with_sent_at_ms(sent_at_ms))
+}
+
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
     /// Runs a compare-and-set `script` on the lease's row (and its counter)
     /// with the lease's token and `extra` arguments; answers the script's
@@ -395,26 +441,45 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                     Ok(LeaseClaim::Acquired(Token(token)))
                 }
                 Some("found") if reply.len() == 7 => {
-                    let fingerprint = bytes(&reply[1]).ok_or_else(|| corrupt("fingerprint"))?;
-                    let status = int(&reply[2], "status")?;
-                    let token = int(&reply[3], "token")?;
-                    let lease = str_of(&reply[4]).filter(|s| !s.is_empty()).map(str::parse::<i64>);
-                    let lease = lease.transpose().map_err(|_| corrupt("lease"))?;
-                    let expires = int(&reply[5], "expiry")?;
-                    // The recorded outcome is taken out of the reply, not copied.
+                    // The recorded outcome is taken out of the reply, not
+                    // copied. The claim does not read the sent mark's time.
                     let payload = take_bytes(&mut reply[6]);
-                    let row = StoredRow::from_columns(
-                        &fingerprint,
-                        i16::try_from(status).map_err(|_| corrupt("status"))?,
-                        token,
-                        payload,
-                        lease,
-                        expires,
-                    )?;
-                    Ok(LeaseClaim::Found(row))
+                    Ok(LeaseClaim::Found(decode_row(&reply[1..6], payload, None)?))
                 }
                 _ => Err(corrupt("unexpected claim reply")),
             }
+        })
+    }
+
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let now = now_ms.to_string();
+            self.fenced(&self.scripts.mark_sent, lease, &[now.as_bytes()])
+                .await
+                .map(drop)
+        })
+    }
+
+    /// Reads the row with one `HMGET`, expired or not (until Redis drops
+    /// it by its TTL).
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let mut fields: Vec<Value> = redis::cmd("HMGET")
+                .arg(self.row_key(&Self::tag(scope, key)))
+                .arg(&ROW_FIELDS)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            if fields.len() != ROW_FIELDS.len() {
+                return Err(corrupt("unexpected lookup reply"));
+            }
+            if fields[0] == Value::Nil {
+                return Ok(None);
+            }
+            let sent_at_ms = opt_int(&fields[6], "sent")?;
+            let payload = take_bytes(&mut fields[5]);
+            decode_row(&fields[..5], payload, sent_at_ms).map(Some)
         })
     }
 

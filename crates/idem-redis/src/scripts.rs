@@ -3,9 +3,17 @@
 //! alone — so every script runs on Redis Cluster.
 //!
 //! Row fields: `fp` fingerprint, `st` status (0 in progress, 1 completed, 2
-//! rejected, 3 unknown), `tok` fencing token (a decimal string), `lease` lease expiry,
-//! `exp` key expiry (both ms on the engine's clock), `tn`/`op`/`k` tenant,
-//! operation and key, `cr` creation time, `pl` recorded outcome.
+//! rejected, 3 unknown, 4 sent), `tok` fencing token (a decimal string),
+//! `lease` lease expiry, `exp` key expiry (both ms on the engine's clock),
+//! `tn`/`op`/`k` tenant, operation and key, `cr` creation time, `pl`
+//! recorded outcome, `sent` the earliest time the claim was marked sent (ms
+//! on the engine's clock; absent if never marked, as in every row written
+//! before sent claims existed).
+//!
+//! A claim is held (its holder may complete, release, extend or mark it)
+//! while its status is 0 or 4. A status-4 row is never stale before its key
+//! expires: the claim's staleness test takes over an expired lease only at
+//! status 0, and a sent row whose lease has run out is an unknown outcome.
 
 /// Claims a key: KEYS = row, counter; ARGV = fingerprint, now, expiry,
 /// fresh token, lease expiry, TTL in ms, tenant, operation, key.
@@ -31,6 +39,8 @@ end
 local now = tonumber(ARGV[2])
 local r = redis.call('HMGET', KEYS[1], 'fp', 'st', 'tok', 'lease', 'exp', 'pl')
 if r[1] then
+  -- Only an in-progress lease (status 0) past its end is stale before the
+  -- key expires; a sent one (status 4) is held as an unknown outcome.
   local stale = tonumber(r[5]) <= now or (r[2] == '0' and tonumber(r[4]) <= now)
   if not stale then
     return {'found', r[1], r[2], r[3], r[4] or '', r[5], r[6] or ''}
@@ -55,28 +65,29 @@ redis.call('SET', KEYS[2], token, 'PX', ttl + 604800000)
 return {'acquired', token}
 "#;
 
-/// Records an outcome with the holder's token: KEYS = row; ARGV = token,
-/// status, payload. 1 done, 0 fenced.
+/// Records an outcome with the holder's token on a held claim (status 0 or
+/// 4, lease run out or not): KEYS = row; ARGV = token, status, payload. The
+/// sent mark's time stays. 1 done, 0 fenced.
 pub(crate) const COMPLETE: &str = r#"
 local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
+if (r[1] ~= '0' and r[1] ~= '4') or r[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3])
 redis.call('HDEL', KEYS[1], 'lease')
 return 1
 "#;
 
-/// Gives a key back with the holder's token: KEYS = row; ARGV = token.
-/// 1 done, 0 fenced.
+/// Gives a held key (status 0 or 4) back with the holder's token: KEYS =
+/// row; ARGV = token. 1 done, 0 fenced.
 pub(crate) const RELEASE: &str = r#"
 local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
+if (r[1] ~= '0' and r[1] ~= '4') or r[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 "#;
 
-/// Moves a held lease to ARGV[2] with the holder's token ARGV[1]: KEYS =
-/// row, counter. 0 fenced, 1 done, 2 done and the key's expiry raised to the
-/// lease's end.
+/// Moves a held lease (status 0 or 4) to ARGV[2] with the holder's token
+/// ARGV[1]: KEYS = row, counter. 0 fenced, 1 done, 2 done and the key's
+/// expiry raised to the lease's end.
 ///
 /// A lease never outlives its key: like the SQL stores' `expires_at_ms =
 /// GREATEST(expires_at_ms, lease)`, the row's expiry moves up to the new
@@ -86,7 +97,7 @@ return 1
 /// outlives the row by at least a week as at the claim.
 pub(crate) const EXTEND: &str = r#"
 local r = redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp')
-if r[1] ~= '0' or r[2] ~= ARGV[1] then return 0 end
+if (r[1] ~= '0' and r[1] ~= '4') or r[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2])
 local raise = tonumber(ARGV[2]) - tonumber(r[3])
 if raise <= 0 then return 1 end
@@ -105,16 +116,34 @@ return 2
 
 /// Resolves an unknown outcome: KEYS = row; ARGV = now, then 'r' and a
 /// status and payload to record, or 'd' to delete the row. Only a row
-/// whose status is 3 (unknown) and whose expiry is after now is changed.
-/// 1 done, 0 no such unknown outcome.
+/// whose expiry is after now and that holds an unknown outcome — status 3,
+/// or status 4 (sent) with its lease run out — is changed; a recorded one
+/// keeps its expiry and sent mark, and loses its lease. 1 done, 0 no such
+/// unknown outcome.
 pub(crate) const RESOLVE: &str = r#"
-local r = redis.call('HMGET', KEYS[1], 'st', 'exp')
-if r[1] ~= '3' or not r[2] or tonumber(r[2]) <= tonumber(ARGV[1]) then return 0 end
+local now = tonumber(ARGV[1])
+local r = redis.call('HMGET', KEYS[1], 'st', 'exp', 'lease')
+if not r[2] or tonumber(r[2]) <= now then return 0 end
+local unknown = r[1] == '3' or (r[1] == '4' and r[3] and tonumber(r[3]) <= now)
+if not unknown then return 0 end
 if ARGV[2] == 'r' then
   redis.call('HSET', KEYS[1], 'st', ARGV[3], 'pl', ARGV[4])
+  redis.call('HDEL', KEYS[1], 'lease')
 else
   redis.call('DEL', KEYS[1])
 end
+return 1
+"#;
+
+/// Marks a held claim (status 0 or 4, lease run out or not) sent with the
+/// holder's token: KEYS = row; ARGV = token, now. Sets status 4 and keeps
+/// the earliest mark's time in `sent`. 1 done, 0 fenced.
+pub(crate) const MARK_SENT: &str = r#"
+local r = redis.call('HMGET', KEYS[1], 'st', 'tok', 'sent')
+if (r[1] ~= '0' and r[1] ~= '4') or r[2] ~= ARGV[1] then return 0 end
+local at = ARGV[2]
+if r[3] and tonumber(r[3]) < tonumber(at) then at = r[3] end
+redis.call('HSET', KEYS[1], 'st', '4', 'sent', at)
 return 1
 "#;
 
@@ -172,6 +201,7 @@ if ARGV[8] ~= '' then
   elseif r[4] == '0' then state = 'in_progress'
   elseif r[4] == '2' then state = 'rejected'
   elseif r[4] == '3' then state = 'unknown'
+  elseif r[4] == '4' then state = 'sent'
   else state = 'completed' end
   if state ~= ARGV[8] then return false end
 end

@@ -9,7 +9,7 @@ mod servers;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 
-use idem_conformance::{Subject, admin_tests, lease_tests};
+use idem_conformance::{Subject, admin_tests, lease_tests, sent_tests};
 use idem_core::{BoxError, BoxFuture};
 use idem_memory::{MemoryStore, MemoryTx};
 use idem_redis::RedisStore;
@@ -127,10 +127,19 @@ fn main() {
         lease_concurrent_64_tasks_one_key_one_effect,
         lease_heartbeat_keeps_a_slow_holder,
         lease_lost_heartbeat_is_reported,
-        lease_dropped_work_keeps_the_key_until_expiry,
         lease_outcome_recorded_after_a_drop,
         lease_skewed_host_cannot_take_over,
         lease_abandoned_claim_is_released,
+    );
+    run_all!(rt, ran, failures, sent_tests;
+        sent_claim_is_never_taken_over,
+        sent_mark_keeps_the_earliest_time,
+        sent_claim_resolved_like_unknown,
+        sent_claim_holder_extends_and_releases,
+        sent_dropped_run_is_held_not_taken_over,
+        sent_refused_completion_is_retried,
+        sent_refused_release_is_retried,
+        sent_refused_mark_runs_nothing,
     );
     run_all!(rt, ran, failures, admin_tests;
         purge_spares_keys_claimed_during_the_purge,

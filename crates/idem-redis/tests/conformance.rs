@@ -264,3 +264,26 @@ async fn an_extension_moves_the_ttl_and_the_index_entry() {
     let found = store.find_key(&lease.scope, &lease.key, later).await.unwrap().unwrap();
     assert_eq!(found.expires_at_ms, now + 60_000);
 }
+
+/// A purge by the state `sent` deletes the claims marked sent, and neither
+/// a claim still in progress nor a sent claim claimed again meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_by_sent_state_deletes_sent_claims_only() {
+    use idem_core::{KeyAdmin, KeyFilter, KeyState, LeaseStore, SystemClock};
+    let store = Redis::connect().await.store;
+    let now = idem_core::Clock::now_ms(&SystemClock);
+    let sent = claim_for(&store, now, 60_000).await;
+    let running = claim_for(&store, now, 60_000).await;
+    store.mark_sent(&sent, now).await.unwrap();
+    store.flush_index().await;
+    let filter = KeyFilter {
+        state: Some(KeyState::Sent),
+        ..KeyFilter::default()
+    };
+    assert_eq!(store.purge_keys(&filter, now, 100).await.unwrap(), 1);
+    assert_eq!(store.lookup(&sent.scope, &sent.key).await.unwrap(), None);
+    let left = store.lookup(&running.scope, &running.key).await.unwrap().unwrap();
+    assert_eq!(left.sent_at_ms, None, "{left:?}");
+    let stats = store.stats(now).await.unwrap();
+    assert_eq!((stats.in_progress, stats.sent), (1, 0), "{stats:?}");
+}
