@@ -18,8 +18,10 @@
 //!   row: the claim only reads the key, and the record inserts the completed
 //!   row, so a fresh call writes one row (below SERIALIZABLE).
 //! - [`LeaseStore`] (lease mode, used by [`idem_core::LeaseEngine`]): the same
-//!   upsert in autocommit, with a lease and a fencing token; complete, release
-//!   and extend succeed only with the current token.
+//!   upsert in autocommit, with a lease and a fencing token; mark sent,
+//!   complete, release and extend succeed only with the current token. A
+//!   lease marked sent (status 4) is never taken over before the key
+//!   expires: once its lease has run out it is an unknown outcome.
 //! - [`Sweep`]: deletes expired keys in short, bounded batches that skip rows
 //!   a claim holds.
 //!
@@ -118,11 +120,12 @@
 //! | --- | --- | --- |
 //! | `tenant`, `operation`, `idem_key` | `TEXT` | the primary key: a key only means something in its scope |
 //! | `fingerprint` | `BYTEA` (32 bytes) | SHA-256 of the request that claimed the key |
-//! | `status` | `SMALLINT` | 0 in progress, 1 completed, 2 rejected |
+//! | `status` | `SMALLINT` | 0 in progress, 1 completed, 2 rejected, 3 unknown outcome, 4 sent (a lease-mode claim whose request may have reached the other side) |
 //! | `token` | `BIGINT` | the fencing token of the current claim |
 //! | `payload` | `BYTEA NULL` | the recorded outcome, replayed byte for byte |
 //! | `created_at_ms`, `expires_at_ms` | `BIGINT` | claim time and expiry (ms since the epoch; indexed for the sweeper) |
-//! | `lease_expires_at_ms` | `BIGINT NULL` | when a lease-mode claim may be taken over |
+//! | `lease_expires_at_ms` | `BIGINT NULL` | when a lease-mode claim may be taken over (status 0), or becomes an unknown outcome (status 4) |
+//! | `sent_at_ms` | `BIGINT NULL` | the earliest time the claim was marked sent; kept when its outcome is recorded (schema version 3) |
 //!
 //! ## Features
 //!
@@ -345,16 +348,19 @@ impl PgStore {
         migrate::pending(&self.pool, &self.table).await
     }
 
-    /// The stored row of a key, if any (expired rows not yet swept included).
+    /// The stored row of a key, if any (expired rows not yet swept
+    /// included), with its [`sent_at_ms`](StoredRow::sent_at_ms).
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.select_row.clone()))
+        let row = sqlx::query(AssertSqlSafe(self.sql.lookup.clone()))
             .bind(scope.tenant().as_str())
             .bind(scope.operation().as_str())
             .bind(key.as_str())
             .fetch_optional(&self.pool)
             .await
             .map_err(store_error)?;
-        row.as_ref().map(|row| decode_row(row, 0)).transpose()
+        let Some(row) = row else { return Ok(None) };
+        let sent_at_ms: Option<i64> = row.try_get(ROW_COLUMN_COUNT).map_err(store_error)?;
+        Ok(Some(decode_row(&row, 0)?.with_sent_at_ms(sent_at_ms)))
     }
 
     /// The claim upsert with its parameters bound.
@@ -401,6 +407,9 @@ fn lock_timeout_setting(wait: Duration) -> String {
     let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128);
     ms.to_string()
 }
+
+/// How many columns [`decode_row`] reads.
+const ROW_COLUMN_COUNT: usize = 6;
 
 /// Decodes the row columns every row-reading statement selects, starting at
 /// column `first`.
@@ -801,6 +810,26 @@ impl LeaseStore for PgStore {
         })
     }
 
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // Autocommit: the mark is durable before anything is sent.
+            let done = sqlx::query(AssertSqlSafe(self.sql.mark_sent.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(now_ms)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "mark sent")
+        })
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(self.get(scope, key))
+    }
+
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
@@ -912,12 +941,13 @@ impl PgStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) =
+        let (in_progress, completed, rejected, unknown, sent, expired): (i64, i64, i64, i64, i64, i64) =
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT COUNT(*) FILTER (WHERE status = 0 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE status = 1 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE status = 2 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE status = 3 AND expires_at_ms > $1), \
+                    COUNT(*) FILTER (WHERE status = 4 AND expires_at_ms > $1), \
                     COUNT(*) FILTER (WHERE expires_at_ms <= $1) FROM {t}"
             )))
             .bind(now_ms)
@@ -929,6 +959,7 @@ impl PgStore {
             completed: completed as u64,
             rejected: rejected as u64,
             unknown: unknown as u64,
+            sent: sent as u64,
             expired: expired as u64,
         })
     }
@@ -975,6 +1006,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
         Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > $1".into()),
+        Some(idem_core::KeyState::Sent) => conds.push("status = 4 AND expires_at_ms > $1".into()),
         Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= $1".into()),
         None => conds.push("$1 = $1".into()),
     }

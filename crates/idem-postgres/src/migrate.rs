@@ -65,10 +65,31 @@ const MIGRATIONS: &[Migration] = &[
             "ALTER TABLE {table} ADD CONSTRAINT {status_check} CHECK (status IN (0, 1, 2, 3))",
         ],
     },
+    Migration {
+        version: 3,
+        description: "status 4 and sent_at_ms: sent claims",
+        statements: &[
+            // A nullable column without a default is a catalog change only:
+            // existing rows are not rewritten.
+            "ALTER TABLE {table} ADD COLUMN sent_at_ms BIGINT NULL",
+            // Dropped by what it checks, as in version 2, so a table whose
+            // check was named otherwise (a renamed table keeps its old
+            // constraint names) is upgraded too.
+            "DO $idem$ DECLARE c text; BEGIN
+                FOR c IN SELECT conname FROM pg_constraint
+                    WHERE conrelid = '{table}'::regclass AND contype = 'c'
+                      AND pg_get_constraintdef(oid) LIKE '%status%'
+                LOOP
+                    EXECUTE format('ALTER TABLE {table} DROP CONSTRAINT %I', c);
+                END LOOP;
+            END $idem$",
+            "ALTER TABLE {table} ADD CONSTRAINT {status_check} CHECK (status IN (0, 1, 2, 3, 4))",
+        ],
+    },
 ];
 
 /// The newest schema version this crate knows.
-pub(crate) const LATEST_VERSION: i32 = 2;
+pub(crate) const LATEST_VERSION: i32 = 3;
 
 /// Applies every migration newer than the recorded version, in one READ
 /// COMMITTED transaction serialised by an advisory lock on the table's name,

@@ -43,17 +43,22 @@ pub(crate) struct Statements {
     pub(crate) claim_lease: Arc<str>,
     /// Reads a row.
     pub(crate) select_row: Arc<str>,
+    /// Reads a row with its `sent_at_ms` after the [`ROW_COLUMNS`].
+    pub(crate) lookup: Arc<str>,
     /// Records an outcome on the row claimed in the same transaction.
     pub(crate) record: Arc<str>,
-    /// Records an outcome on a held lease.
+    /// Records an outcome on a held lease (keeping its `sent_at_ms`).
     pub(crate) complete: Arc<str>,
+    /// Marks a held lease sent, keeping the earliest `sent_at_ms`.
+    pub(crate) mark_sent: Arc<str>,
     /// Deletes a held lease's row.
     pub(crate) release: Arc<str>,
     /// Moves a held lease's expiry.
     pub(crate) extend: Arc<str>,
-    /// Records the outcome of a key whose outcome is unknown.
+    /// Records the outcome of a key whose outcome is unknown (recorded as
+    /// unknown, or sent with its lease run out).
     pub(crate) resolve_record: Arc<str>,
-    /// Deletes a key whose outcome is unknown.
+    /// Deletes a key whose outcome is unknown (as for `resolve_record`).
     pub(crate) resolve_release: Arc<str>,
     /// Deletes a bounded batch of expired rows.
     pub(crate) sweep: Arc<str>,
@@ -131,6 +136,7 @@ impl Statements {
             claim_tx_name: claim_tx_name.into(),
             claim_lease: lease_claim(t).into(),
             select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),
+            lookup: format!("SELECT {ROW_COLUMNS}, sent_at_ms FROM {t} WHERE {key}").into(),
             // Only columns outside every index change here, so PostgreSQL can
             // make this a heap-only (HOT) update on the claim's own page.
             record: format!(
@@ -138,22 +144,32 @@ impl Statements {
                  WHERE {key} AND status = 0"
             )
             .into(),
+            // A held lease is in progress (status 0) or sent (status 4),
+            // with its token, whether or not its lease has run out.
             complete: format!(
                 "UPDATE {t} SET status = $5, payload = $6, lease_expires_at_ms = NULL \
-                 WHERE {key} AND token = $4 AND status = 0"
+                 WHERE {key} AND token = $4 AND status IN (0, 4)"
             )
             .into(),
-            release: format!("DELETE FROM {t} WHERE {key} AND token = $4 AND status = 0").into(),
+            // LEAST ignores a NULL argument: the first mark sets the time,
+            // later ones only move it earlier.
+            mark_sent: format!(
+                "UPDATE {t} SET status = 4, sent_at_ms = LEAST(sent_at_ms, $5) \
+                 WHERE {key} AND token = $4 AND status IN (0, 4)"
+            )
+            .into(),
+            release: format!("DELETE FROM {t} WHERE {key} AND token = $4 AND status IN (0, 4)").into(),
             extend: format!(
                 "UPDATE {t} SET lease_expires_at_ms = $5, expires_at_ms = GREATEST(expires_at_ms, $5) \
-                 WHERE {key} AND token = $4 AND status = 0"
+                 WHERE {key} AND token = $4 AND status IN (0, 4)"
             )
             .into(),
             resolve_record: format!(
-                "UPDATE {t} SET status = $5, payload = $6 WHERE {key} AND status = 3 AND expires_at_ms > $4"
+                "UPDATE {t} SET status = $5, payload = $6, lease_expires_at_ms = NULL \
+                 WHERE {key} AND {HOLDS_UNKNOWN}"
             )
             .into(),
-            resolve_release: format!("DELETE FROM {t} WHERE {key} AND status = 3 AND expires_at_ms > $4").into(),
+            resolve_release: format!("DELETE FROM {t} WHERE {key} AND {HOLDS_UNKNOWN}").into(),
             // SKIP LOCKED leaves rows that a claim is taking over right now to
             // that claim, so the sweeper never waits on live traffic. The rows
             // the subquery locked still qualify (PostgreSQL rechecks the filter
@@ -171,6 +187,11 @@ impl Statements {
     }
 }
 
+/// An unexpired row that holds an unknown outcome at `$4` (the time): recorded as
+/// unknown (status 3), or sent (status 4) by a holder whose lease has run
+/// out. A sent row whose lease still runs is in flight, not unknown.
+const HOLDS_UNKNOWN: &str = "expires_at_ms > $4 AND (status = 3 OR (status = 4 AND lease_expires_at_ms <= $4))";
+
 /// The parameter types of the transactional claim, in order (the advisory
 /// strategy adds a tenth, the lock key).
 const CLAIM_PARAM_TYPES: &str = "text, text, text, bytea, bigint, bigint, bigint, bigint, text";
@@ -183,7 +204,9 @@ pub(crate) const CLAIM_COLUMNS: usize = 8;
 
 /// The conflict arm of both claims: a conflicting row is taken over only if
 /// it is stale (expired, or an in-progress lease whose lease ran out), with a
-/// token larger than its old one; the claimed token is returned.
+/// token larger than its old one; the claimed token is returned. A sent
+/// lease (status 4) is never stale before the key expires: its lease's end
+/// makes it an unknown outcome, answered as the row it is.
 const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
      fingerprint = EXCLUDED.fingerprint, status = 0, token = GREATEST(k.token + 1, EXCLUDED.token), \
      payload = NULL, created_at_ms = EXCLUDED.created_at_ms, expires_at_ms = EXCLUDED.expires_at_ms, \
@@ -200,9 +223,10 @@ const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET 
 /// under the advisory strategy `$10` the advisory lock key.
 ///
 /// - `existing` reads the key's row in the statement's snapshot. A live row
-///   (unexpired, and completed or a lease still running) holds the key: the
-///   insert is skipped, so a replay writes nothing, locks nothing and takes no
-///   advisory lock, and the row is answered.
+///   (unexpired, and completed, sent, or a lease still running: `status <> 0`
+///   covers every settled or sent row) holds the key: the insert is skipped,
+///   so a replay writes nothing, locks nothing and takes no advisory lock,
+///   and the row is answered.
 /// - Otherwise the insert claims the key. A concurrent uncommitted claim of
 ///   the same key makes it wait for that transaction; if that one commits, the
 ///   conflict arm locks the committed row and takes it over only if it is
@@ -315,8 +339,8 @@ fn one_write_lock(t: &str) -> String {
 ///
 /// Below SERIALIZABLE it writes nothing on the common path: `existing`
 /// reads the key's row; a stale row (expired, or an in-progress lease whose
-/// lease ran out) is deleted by `gone`, so the record can insert the
-/// completed row with one plain `INSERT` at commit. It answers
+/// lease ran out, never a sent one) is deleted by `gone`, so the record can
+/// insert the completed row with one plain `INSERT` at commit. It answers
 /// [`CLAIM_COLUMNS`] (the token always NULL) and then `true` and the deleted
 /// row's token.
 ///

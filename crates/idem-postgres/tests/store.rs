@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
 use idem_core::{
-    ClaimRequest, Error, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Record, RowState, Scope, StoreErrorKind,
-    Sweep, Token, TxBackend, TxClaim,
+    ClaimRequest, Error, Fingerprint, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, RowState, Scope,
+    StoreErrorKind, Sweep, Token, TxBackend, TxClaim,
 };
 use idem_postgres::{ClaimStrategy, ExpiryIndex, PgStore, store_error};
 use sqlx::{AssertSqlSafe, Row};
@@ -511,7 +511,7 @@ async fn concurrent_migrations_at(isolation: Isolation) {
     .collect();
     assert_eq!(
         versions,
-        vec![1, 2],
+        vec![1, 2, 3],
         "each version is applied and recorded exactly once"
     );
 }
@@ -786,8 +786,9 @@ async fn purge_never_deletes_a_row_claimed_under_it() {
 }
 
 /// A version-1 keys table (its check allows status 0 to 2) is upgraded to
-/// version 2 in place: its rows are kept and status 3 (an unknown
-/// outcome) is then accepted; anything else is still refused.
+/// the latest version in place: its rows are kept, status 3 (an unknown
+/// outcome) and 4 (sent) are then accepted, anything else is still
+/// refused, and a lease can be marked sent on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn version_1_table_is_upgraded_keeping_its_rows() {
     let pool = open_pool(&database_url()).await;
@@ -830,11 +831,155 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
         .execute(&pool)
         .await
         .expect("status 3 is accepted after the upgrade");
-    assert!(
-        sqlx::query(AssertSqlSafe(insert(4, "k4")))
+    assert_upgraded_to_version_3(&store).await;
+}
+
+/// A version-2 keys table (built by the version 1 and 2 statements as
+/// `pending_migrations` lists them, holding a claim in progress) is
+/// upgraded to version 3 in place: `sent_at_ms` is added, status 4 is
+/// accepted, and the claim it held can be marked sent and is then never
+/// taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_2_table_is_upgraded_to_sent_claims() {
+    let pool = open_pool(&database_url()).await;
+    let table = isolated_table(&pool).await;
+    let t = table.as_str();
+    let store = PgStore::new(pool.clone()).with_table(table.clone());
+    let pending = store.pending_migrations().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {t}_schema (version INTEGER PRIMARY KEY, description TEXT NOT NULL, applied_at_ms BIGINT NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    for migration in pending.iter().filter(|m| m.version <= 2) {
+        for statement in &migration.statements {
+            sqlx::query(AssertSqlSafe(statement.clone()))
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("{statement}: {e}"));
+        }
+        sqlx::query(AssertSqlSafe(format!("INSERT INTO {t}_schema VALUES ($1, $2, 0)")))
+            .bind(migration.version as i32)
+            .bind(&migration.description)
             .execute(&pool)
             .await
-            .is_err(),
-        "status 4 is still refused"
+            .unwrap();
+    }
+    let has_sent_at = format!(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name = '{t}' AND column_name = 'sent_at_ms')"
     );
+    let before: bool = sqlx::query_scalar(AssertSqlSafe(has_sent_at.clone()))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(!before, "a version-2 table has no sent_at_ms");
+    assert_eq!(
+        store
+            .pending_migrations()
+            .await
+            .unwrap()
+            .iter()
+            .map(|m| m.version)
+            .collect::<Vec<_>>(),
+        vec![3],
+        "only version 3 is pending on a version-2 table"
+    );
+    // A lease claimed before the upgrade, by a process of the old version.
+    let k = Key::new();
+    let now = now_ms();
+    let req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 1_000),
+        ..k.at(now)
+    };
+    let token = match store.try_claim(&req).await.unwrap() {
+        LeaseClaim::Acquired(token) => token,
+        other => panic!("expected a lease, got {other:?}"),
+    };
+    store.migrate().await.expect("upgrade");
+    let after: bool = sqlx::query_scalar(AssertSqlSafe(has_sent_at))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(after, "the upgrade adds sent_at_ms");
+    let held = Lease {
+        scope: k.scope.clone(),
+        key: k.key.clone(),
+        token,
+        lease_expires_at_ms: now + 1_000,
+    };
+    store
+        .mark_sent(&held, now + 10)
+        .await
+        .expect("the old claim is marked sent");
+    let row = store.lookup(&k.scope, &k.key).await.unwrap().expect("the row");
+    assert_eq!(row.sent_at_ms, Some(now + 10));
+    assert!(
+        matches!(row.state, RowState::Sent { token: marked, .. } if marked == token),
+        "{row:?}"
+    );
+    // Past its lease it is an unknown outcome, answered, not taken over.
+    let later = ClaimRequest {
+        lease_expires_at_ms: Some(now + 5_000),
+        ..k.at(now + 2_000)
+    };
+    match store.try_claim(&later).await.unwrap() {
+        LeaseClaim::Found(found) => assert!(found.is_unknown_at(now + 2_000), "{found:?}"),
+        other => panic!("a sent claim is never taken over, got {other:?}"),
+    }
+    assert_upgraded_to_version_3(&store).await;
+}
+
+/// After an upgrade: versions 1 to 3 are recorded, nothing is pending,
+/// status 4 is accepted and 5 refused, and a fresh lease is marked sent
+/// and completed keeping its mark's time.
+async fn assert_upgraded_to_version_3(store: &PgStore) {
+    let t = store.table().as_str();
+    let pool = store.pool();
+    let versions: Vec<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {t}_schema ORDER BY version"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, vec![1, 2, 3]);
+    assert!(store.pending_migrations().await.unwrap().is_empty());
+    let insert = |status: i16, key: &str| {
+        format!(
+            "INSERT INTO {t} (tenant, operation, idem_key, fingerprint, status, token, payload, created_at_ms, \
+             expires_at_ms, lease_expires_at_ms, sent_at_ms) \
+             VALUES ('t', 'o', '{key}', decode(repeat('00', 32), 'hex'), {status}, 8, NULL, 1, 99, 50, 2)"
+        )
+    };
+    sqlx::query(AssertSqlSafe(insert(4, "k4")))
+        .execute(pool)
+        .await
+        .expect("status 4 is accepted after the upgrade");
+    assert!(
+        sqlx::query(AssertSqlSafe(insert(5, "k5"))).execute(pool).await.is_err(),
+        "status 5 is still refused"
+    );
+    let k = Key::new();
+    let now = now_ms();
+    let req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 30_000),
+        ..k.at(now)
+    };
+    let LeaseClaim::Acquired(token) = store.try_claim(&req).await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    let lease = Lease {
+        scope: k.scope.clone(),
+        key: k.key.clone(),
+        token,
+        lease_expires_at_ms: now + 30_000,
+    };
+    store.mark_sent(&lease, now).await.expect("marked sent");
+    store
+        .complete(&lease, &Record::completed(b"done".to_vec()))
+        .await
+        .expect("a sent lease is completed by its holder");
+    let row = store.lookup(&k.scope, &k.key).await.unwrap().expect("the row");
+    assert_eq!(row.state, RowState::Done(Record::completed(b"done".to_vec())));
+    assert_eq!(row.sent_at_ms, Some(now), "completing keeps the mark's time");
 }
