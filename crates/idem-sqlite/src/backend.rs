@@ -53,7 +53,12 @@ impl SqliteStore {
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
-        row.as_ref().map(decode).transpose()
+        row.as_ref()
+            .map(|row| {
+                let sent_at_ms: Option<i64> = row.try_get(6).map_err(store_error)?;
+                decode(row).map(|stored| stored.with_sent_at_ms(sent_at_ms))
+            })
+            .transpose()
     }
 
     /// The transactional claim: reads the key's row and writes nothing. A
@@ -102,7 +107,9 @@ impl SqliteStore {
 }
 
 /// The key's row from the columns `fingerprint, status, token, payload,
-/// lease_expires_at_ms, expires_at_ms`, in this order.
+/// lease_expires_at_ms, expires_at_ms`, in this order. Its
+/// [`sent_at_ms`](StoredRow::sent_at_ms) is left `None`: a reader that
+/// selected that column sets it.
 fn decode(row: &SqliteRow) -> Result<StoredRow> {
     let fingerprint: Vec<u8> = row.try_get(0).map_err(store_error)?;
     let status: i16 = row.try_get(1).map_err(store_error)?;
@@ -196,8 +203,10 @@ impl TxBackend for SqliteStore {
 }
 
 /// Lease mode. A claim is its own short `BEGIN IMMEDIATE` transaction;
-/// complete, release and extend are single statements (each one atomic in
-/// SQLite's autocommit) that match the row's token and in-progress status.
+/// complete, mark_sent, release and extend are single statements (each one
+/// atomic in SQLite's autocommit) that match the row's token and a status
+/// in progress or sent. Like resolve_unknown, they need no key lock: each
+/// touches one row in one statement under SQLite's write lock.
 impl LeaseStore for SqliteStore {
     fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>> {
         Box::pin(async move {
@@ -231,6 +240,25 @@ impl LeaseStore for SqliteStore {
                 .map_err(store_error)?;
             fenced_unless_one(done.rows_affected(), lease, "complete")
         })
+    }
+
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.mark_sent.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(now_ms)
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            fenced_unless_one(done.rows_affected(), lease, "mark_sent")
+        })
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(self.get(scope, key))
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {

@@ -87,12 +87,13 @@
 //! the completed record. The claim only reads the key's row, inside the
 //! transaction's `BEGIN IMMEDIATE`:
 //!
-//! - a live row (a recorded outcome, an unknown one, or a lease still
-//!   running) answers the claim: a replay, a mismatch, or a key in flight;
-//! - no row, or a stale one (expired, or a lease that ran out), is claimed:
-//!   the claim is noted on the [`SqliteTx`] with its token (for a takeover,
-//!   the stale row's plus one, if that is larger than the fresh token), and
-//!   writes nothing;
+//! - a live row (a recorded outcome, an unknown one, a lease still
+//!   running, or a claim marked sent, whatever its lease) answers the claim:
+//!   a replay, a mismatch, a key in flight, or an unknown outcome;
+//! - no row, or a stale one (expired, or a lease never marked sent that ran
+//!   out), is claimed: the claim is noted on the [`SqliteTx`] with its
+//!   token (for a takeover, the stale row's plus one, if that is larger
+//!   than the fresh token), and writes nothing;
 //! - the record writes the completed row in one statement: an `INSERT`, or
 //!   in place of the stale row, an upsert that matches that row by its token
 //!   and staleness.
@@ -122,6 +123,32 @@
 //! so every other writer waits for the caller's work: keep that work short
 //! (database writes), and run slow effects such as vendor calls in lease
 //! mode, whose claim commits at once.
+//!
+//! # The keys table
+//!
+//! One row per key, primary key `(tenant, operation, idem_key)`, with an
+//! index on `expires_at_ms` for the sweeper. `status` is one of
+//!
+//! | Code | Meaning |
+//! |---|---|
+//! | 0 | in progress: a lease-mode claim, until `lease_expires_at_ms` |
+//! | 1 | completed, `payload` holds the recorded response |
+//! | 2 | rejected, `payload` holds the recorded response |
+//! | 3 | unknown outcome, held until resolved or expired |
+//! | 4 | sent: a lease-mode claim whose holder marked that its request may have reached the other side; in flight while its lease lives, an unknown outcome once it ran out, never taken over |
+//!
+//! `sent_at_ms` holds the earliest time the claim was marked sent, and is
+//! kept when its outcome is recorded or resolved; a claim that takes over an
+//! expired row starts without it. Rows written in transactional mode are
+//! never marked.
+//!
+//! The schema is versioned in a `{table}_schema` table and brought up to
+//! date by [`SqliteStore::migrate`] (what it would run:
+//! [`SqliteStore::pending_migrations`]). Version 1 created the table,
+//! version 2 allowed status 3 and version 3 allowed status 4 and added
+//! `sent_at_ms`; SQLite cannot change a check constraint in place, so
+//! versions 2 and 3 rebuild the table, keeping its rows, under the
+//! migration's write lock.
 //!
 //! # Files only
 //!
@@ -428,7 +455,8 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// The stored row of a key, if any (expired rows included until swept).
+    /// The stored row of a key, if any (expired rows included until swept),
+    /// with its [`sent_at_ms`](StoredRow::sent_at_ms).
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         self.select(&mut conn, scope, key).await
@@ -447,11 +475,12 @@ impl SqliteStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
         let t = self.table.as_str();
-        let (in_progress, completed, rejected, unknown, expired): (i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        let (in_progress, completed, rejected, unknown, sent, expired): (i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN status = 3 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
+                    CAST(COALESCE(SUM(CASE WHEN status = 4 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
                     CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ?1 THEN 1 ELSE 0 END), 0) AS INTEGER) FROM \"{t}\""
         )))
         .bind(now_ms)
@@ -463,6 +492,7 @@ impl SqliteStore {
             completed: completed as u64,
             rejected: rejected as u64,
             unknown: unknown as u64,
+            sent: sent as u64,
             expired: expired as u64,
         })
     }
@@ -509,6 +539,7 @@ fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
         Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > ?1".into()),
+        Some(idem_core::KeyState::Sent) => conds.push("status = 4 AND expires_at_ms > ?1".into()),
         Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= ?1".into()),
         None => conds.push("?1 = ?1".into()),
     }

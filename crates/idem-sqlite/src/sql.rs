@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use idem_core::{STATUS_COMPLETED, STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_UNKNOWN, TableName};
+use idem_core::{STATUS_COMPLETED, STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, TableName};
 
 /// One schema version: the statements that bring a database from the
 /// previous version to this one.
@@ -33,6 +33,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "status 3: unknown outcomes",
         statements: v2_unknown_status,
+    },
+    Migration {
+        version: 3,
+        description: "status 4 and sent_at_ms: sent claims",
+        statements: v3_sent_status,
     },
 ];
 
@@ -106,6 +111,41 @@ SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
     ]
 }
 
+/// Version 3: status 4 (a lease-mode claim marked sent) is allowed, and
+/// `sent_at_ms` keeps the earliest time its holder marked it. As for
+/// version 2, the check constraint needs the table rebuilt under the
+/// migration's write lock, rows and index included; the rows copied have
+/// never been marked, so their `sent_at_ms` is NULL.
+fn v3_sent_status(t: &str) -> Vec<String> {
+    vec![
+        format!(
+            r#"CREATE TABLE "{t}_v3" (
+    tenant TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    idem_key TEXT NOT NULL,
+    fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
+    status INTEGER NOT NULL CHECK (status IN ({STATUS_IN_PROGRESS}, {STATUS_COMPLETED}, {STATUS_REJECTED}, {STATUS_UNKNOWN}, {STATUS_SENT})),
+    token INTEGER NOT NULL,
+    payload BLOB,
+    created_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL,
+    lease_expires_at_ms INTEGER,
+    sent_at_ms INTEGER,
+    PRIMARY KEY (tenant, operation, idem_key)
+) STRICT"#
+        ),
+        format!(
+            r#"INSERT INTO "{t}_v3" (tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms, sent_at_ms)
+SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms, NULL FROM "{t}""#
+        ),
+        format!(r#"DROP TABLE "{t}""#),
+        format!(r#"ALTER TABLE "{t}_v3" RENAME TO "{t}""#),
+        format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#),
+    ]
+}
+
 /// The statements of one keys table, rendered once and shared by clones of
 /// the store (an `Arc<str>` is what sqlx accepts without copying).
 #[derive(Debug)]
@@ -118,6 +158,7 @@ pub(crate) struct Statements {
     pub(crate) claim_read: Arc<str>,
     pub(crate) record: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) mark_sent: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) extend: Arc<str>,
     pub(crate) resolve_record: Arc<str>,
@@ -128,6 +169,8 @@ pub(crate) struct Statements {
 /// Whether the key's row in table `t` is stale at the time bound to the
 /// parameter `now` (such as `?4`): expired, or an in-progress lease that ran
 /// out. A claim may take over a stale row; any other row answers the claim.
+/// A sent claim (status 4) is stale only once the key expires: its lease's
+/// end makes it an unknown outcome, never a row to take over.
 fn stale(t: &str, now: &str) -> String {
     format!(
         r#"("{t}".expires_at_ms <= {now} OR ("{t}".status = {STATUS_IN_PROGRESS} AND "{t}".lease_expires_at_ms <= {now}))"#
@@ -139,6 +182,15 @@ impl Statements {
         let t = table.as_str();
         let key = "tenant = ?1 AND operation = ?2 AND idem_key = ?3";
         let in_progress = STATUS_IN_PROGRESS;
+        let sent = STATUS_SENT;
+        // A row its lease holder may still write: in progress or sent.
+        let held = format!("status IN ({in_progress}, {sent})");
+        // An unknown outcome at the time bound to `now`: recorded as
+        // unknown, or sent with its lease run out.
+        let unknown_at =
+            |now: &str| format!("(status = {STATUS_UNKNOWN} OR (status = {sent} AND lease_expires_at_ms <= {now}))");
+        let unknown_at_4 = unknown_at("?4");
+        let unknown_at_6 = unknown_at("?6");
         let stale_at_4 = stale(t, "?4");
         let stale_at_6 = stale(t, "?6");
         let stale_at_8 = stale(t, "?8");
@@ -160,7 +212,8 @@ impl Statements {
             // over a stale one, or does nothing. ?6 is the engine's
             // `now_ms`. A takeover's token is the larger of the fresh token
             // and the old one plus one (the CASE keeps that addition from
-            // overflowing into a REAL).
+            // overflowing into a REAL). A takeover starts a new claim, so
+            // the old row's sent mark (`sent_at_ms`) goes with it.
             claim: format!(
                 r#"INSERT INTO "{t}" (tenant, operation, idem_key, fingerprint, status, token, payload,
     created_at_ms, expires_at_ms, lease_expires_at_ms)
@@ -172,13 +225,14 @@ ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
     payload = NULL,
     created_at_ms = excluded.created_at_ms,
     expires_at_ms = excluded.expires_at_ms,
-    lease_expires_at_ms = excluded.lease_expires_at_ms
+    lease_expires_at_ms = excluded.lease_expires_at_ms,
+    sent_at_ms = NULL
 WHERE {stale_at_6}
 RETURNING token"#
             )
             .into(),
             select: format!(
-                r#"SELECT fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms
+                r#"SELECT fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms, sent_at_ms
 FROM "{t}" WHERE {key}"#
             )
             .into(),
@@ -198,7 +252,8 @@ FROM "{t}" WHERE {key}"#
             // its token (?10) and staleness (?8 is the claim's `now_ms`).
             // Where the claim found no row ?10 is NULL, which matches no
             // row: a row the insert meets was written inside the claiming
-            // transaction, and the record changes nothing.
+            // transaction, and the record changes nothing. A replaced row's
+            // sent mark belonged to an earlier claim and is cleared.
             record: format!(
                 r#"INSERT INTO "{t}" (tenant, operation, idem_key, fingerprint, status, token, payload,
     created_at_ms, expires_at_ms, lease_expires_at_ms)
@@ -210,30 +265,42 @@ ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
     payload = excluded.payload,
     created_at_ms = excluded.created_at_ms,
     expires_at_ms = excluded.expires_at_ms,
-    lease_expires_at_ms = NULL
+    lease_expires_at_ms = NULL,
+    sent_at_ms = NULL
 WHERE "{t}".token = ?10 AND {stale_at_8}"#
             )
             .into(),
+            // The lease holder's writes match its token on a row in progress
+            // or sent, whether or not the lease has run out. Completing
+            // keeps `sent_at_ms`: the outcome still says when the request
+            // may first have reached the other side.
             complete: format!(
                 r#"UPDATE "{t}" SET status = ?4, payload = ?5, lease_expires_at_ms = NULL
-WHERE {key} AND token = ?6 AND status = {in_progress}"#
+WHERE {key} AND token = ?6 AND {held}"#
             )
             .into(),
-            release: format!(r#"DELETE FROM "{t}" WHERE {key} AND token = ?4 AND status = {in_progress}"#).into(),
+            // ?4 is the holder's `now_ms`; the earliest mark's time stays.
+            mark_sent: format!(
+                r#"UPDATE "{t}" SET status = {sent}, sent_at_ms = min(COALESCE(sent_at_ms, ?4), ?4)
+WHERE {key} AND token = ?5 AND {held}"#
+            )
+            .into(),
+            release: format!(r#"DELETE FROM "{t}" WHERE {key} AND token = ?4 AND {held}"#).into(),
             extend: format!(
                 r#"UPDATE "{t}" SET lease_expires_at_ms = ?4, expires_at_ms = max(expires_at_ms, ?4)
-WHERE {key} AND token = ?5 AND status = {in_progress}"#
+WHERE {key} AND token = ?5 AND {held}"#
             )
             .into(),
+            // An operator's or a reconciliation's answer for an unknown
+            // outcome (?6 and ?4 are `now_ms`): the expiry and `sent_at_ms`
+            // are kept, and a sent claim's lease is cleared with its status.
             resolve_record: format!(
-                r#"UPDATE "{t}" SET status = ?4, payload = ?5
-WHERE {key} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?6"#
+                r#"UPDATE "{t}" SET status = ?4, payload = ?5, lease_expires_at_ms = NULL
+WHERE {key} AND {unknown_at_6} AND expires_at_ms > ?6"#
             )
             .into(),
-            resolve_release: format!(
-                r#"DELETE FROM "{t}" WHERE {key} AND status = {STATUS_UNKNOWN} AND expires_at_ms > ?4"#
-            )
-            .into(),
+            resolve_release: format!(r#"DELETE FROM "{t}" WHERE {key} AND {unknown_at_4} AND expires_at_ms > ?4"#)
+                .into(),
             // The oldest expired rows first, through the expiry index; the
             // subquery bounds the batch because SQLite's `DELETE … LIMIT`
             // needs a compile-time option the bundled library lacks.

@@ -195,6 +195,85 @@ async fn stale_row_is_replaced_with_one_write() {
     }
 }
 
+/// A lease row marked sent is never taken over while its key lives, even with its lease run out: a transactional or lease claim finds it and writes nothing. Once the key expires, either claim takes it over with one write and the new row carries no sent mark.
+#[tokio::test]
+async fn sent_row_is_taken_over_only_once_expired() {
+    let db = TempDb::new("rows");
+    let store = one_connection(&db).await;
+    for taker in ["transactional", "lease"] {
+        let scope = scope();
+        let key = IdempotencyKey::generate();
+        let fp = fingerprint(&scope);
+        let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000));
+        assert_eq!(
+            store.try_claim(&lease_req).await.expect("lease claim"),
+            LeaseClaim::Acquired(Token(7))
+        );
+        let lease = Lease {
+            scope: scope.clone(),
+            key: key.clone(),
+            token: Token(7),
+            lease_expires_at_ms: 2_000,
+        };
+        let before = changes(&store).await;
+        store.mark_sent(&lease, 1_500).await.expect("mark sent");
+        assert_eq!(changes(&store).await - before, 1, "the mark writes one row");
+
+        // The lease ran out at 2 s; the key lives until 101 s.
+        let sent = RowState::Sent {
+            token: Token(7),
+            lease_expires_at_ms: 2_000,
+        };
+        let before = changes(&store).await;
+        let req = request(&scope, &key, &fp, 5_000, 3, None);
+        let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.expect("claim");
+        assert!(matches!(&claim, TxClaim::Found(row) if row.state == sent), "{claim:?}");
+        TxBackend::rollback(&store, tx).await.expect("rollback");
+        let found = store
+            .try_claim(&request(&scope, &key, &fp, 5_000, 3, Some(6_000)))
+            .await
+            .expect("lease claim");
+        assert!(
+            matches!(&found, LeaseClaim::Found(row) if row.state == sent),
+            "{found:?}"
+        );
+        assert_eq!(changes(&store).await - before, 0, "nothing written");
+        assert_eq!(
+            store
+                .lookup(&scope, &key)
+                .await
+                .expect("lookup")
+                .expect("row")
+                .sent_at_ms,
+            Some(1_500)
+        );
+
+        let before = changes(&store).await;
+        if taker == "transactional" {
+            let req = request(&scope, &key, &fp, 200_000, 3, None);
+            let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.expect("claim");
+            assert_eq!(claim, TxClaim::Claimed);
+            store
+                .record_commit(tx, &req, &Record::completed(b"new".to_vec()))
+                .await
+                .expect("record");
+        } else {
+            assert_eq!(
+                store
+                    .try_claim(&request(&scope, &key, &fp, 200_000, 3, Some(201_000)))
+                    .await
+                    .expect("lease claim"),
+                LeaseClaim::Acquired(Token(8))
+            );
+        }
+        assert_eq!(changes(&store).await - before, 1, "{taker}: one row written");
+        assert_eq!(token_of(&store, &key).await, 8, "{taker}: the old token plus one");
+        let row = store.lookup(&scope, &key).await.expect("lookup").expect("row");
+        assert_eq!(row.sent_at_ms, None, "{taker}: the new claim is not marked");
+        assert!(matches!(store.mark_sent(&lease, 200_000).await, Err(Error::Fenced)));
+    }
+}
+
 /// A live lease row answers a transactional claim as in flight, and the claim writes nothing.
 #[tokio::test]
 async fn live_lease_row_is_in_flight() {

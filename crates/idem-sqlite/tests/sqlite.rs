@@ -362,7 +362,7 @@ async fn migrate_is_versioned_and_safe_concurrently() {
         .fetch_all(a.pool())
         .await
         .expect("versions");
-    assert_eq!(versions, vec![1, 2], "each version applied exactly once");
+    assert_eq!(versions, vec![1, 2, 3], "each version applied exactly once");
     let index: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'payments_keys' AND sql LIKE '%expires_at_ms%'",
     )
@@ -381,7 +381,7 @@ async fn migrate_is_versioned_and_safe_concurrently() {
     );
 }
 
-/// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code (0 to 3).
+/// The keys table refuses malformed rows: a fingerprint must be 32 bytes and the status a known code (0 to 4).
 #[tokio::test]
 async fn schema_refuses_malformed_rows() {
     let db = TempDb::new("test");
@@ -397,10 +397,10 @@ async fn schema_refuses_malformed_rows() {
     assert!(short.is_err(), "a 31-byte fingerprint is refused");
     let unknown = sqlx::query(insert)
         .bind(vec![0u8; 32])
-        .bind(4i64)
+        .bind(5i64)
         .execute(store.pool())
         .await;
-    assert!(unknown.is_err(), "status 4 is refused");
+    assert!(unknown.is_err(), "status 5 is refused");
     let mapped = store_error(unknown.unwrap_err());
     assert_eq!(mapped.store_kind(), Some(StoreErrorKind::Other));
 }
@@ -427,9 +427,9 @@ async fn concurrent_first_opens_succeed() {
     }
 }
 
-/// A version-1 keys table (status 0 to 2 only) is upgraded to version 2 in
-/// place: its rows and expiry index are kept, and status 3 (an unknown
-/// outcome) is then accepted.
+/// A version-1 keys table (status 0 to 2 only) is upgraded to the newest
+/// version in place: its rows and expiry index are kept, and status 3 (an
+/// unknown outcome) is then accepted.
 #[tokio::test]
 async fn version_1_table_is_upgraded_keeping_its_rows() {
     let db = TempDb::new("test");
@@ -454,7 +454,7 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
         .iter()
         .map(|m| m.version)
         .collect();
-    assert_eq!(pending, vec![2]);
+    assert_eq!(pending, vec![2, 3]);
     store.migrate().await.expect("upgrade");
     let row: (i64, i64, Vec<u8>, i64) =
         sqlx::query_as("SELECT status, token, payload, expires_at_ms FROM idem_keys WHERE idem_key = 'k'")
@@ -469,11 +469,112 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
     .await
     .unwrap();
     assert_eq!(index, 1, "the expiry index exists");
-    sqlx::query("INSERT INTO idem_keys VALUES ('t', 'o', 'k2', zeroblob(32), 3, 8, NULL, 1, 99, NULL)")
-        .execute(store.pool())
-        .await
-        .expect("status 3 is accepted after the upgrade");
+    sqlx::query(
+        "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
+        VALUES ('t', 'o', 'k2', zeroblob(32), 3, 8, 1, 99)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("status 3 is accepted after the upgrade");
     assert!(store.pending_migrations().await.unwrap().is_empty());
+}
+
+/// A version-2 keys table (status 0 to 3, no `sent_at_ms`) is upgraded to version 3 in place by `migrate`: its rows and expiry index are kept, and a lease claim taken over on it is then marked sent, never taken over once its lease runs out, and completed keeping the mark's time.
+#[tokio::test]
+async fn version_2_table_is_upgraded_and_takes_sent_claims() {
+    let db = TempDb::new("test");
+    let store = SqliteStore::open(&db.path).await.expect("open");
+    for statement in [
+        "CREATE TABLE idem_keys_schema (version INTEGER PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at_ms INTEGER NOT NULL) STRICT",
+        "INSERT INTO idem_keys_schema VALUES (1, 'keys table and expiry index', 0)",
+        "INSERT INTO idem_keys_schema VALUES (2, 'status 3: unknown outcomes', 0)",
+        "CREATE TABLE idem_keys (tenant TEXT NOT NULL, operation TEXT NOT NULL, idem_key TEXT NOT NULL,
+            fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
+            status INTEGER NOT NULL CHECK (status IN (0, 1, 2, 3)), token INTEGER NOT NULL, payload BLOB,
+            created_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, lease_expires_at_ms INTEGER,
+            PRIMARY KEY (tenant, operation, idem_key)) STRICT",
+        "CREATE INDEX idem_keys_expires_at_ms_idx ON idem_keys (expires_at_ms)",
+        // A lease that ran out at 500, and an unknown outcome.
+        "INSERT INTO idem_keys VALUES ('t', 'POST /pay', 'k', zeroblob(32), 0, 7, NULL, 1, 100000, 500)",
+        "INSERT INTO idem_keys VALUES ('t', 'POST /pay', 'u', zeroblob(32), 3, 3, x'3f', 1, 100000, NULL)",
+    ] {
+        sqlx::query(statement).execute(store.pool()).await.expect(statement);
+    }
+    let pending: Vec<i64> = store
+        .pending_migrations()
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.version)
+        .collect();
+    assert_eq!(pending, vec![3]);
+    store.migrate().await.expect("upgrade");
+    assert!(store.pending_migrations().await.unwrap().is_empty());
+    // Key, status, token, lease expiry, sent mark.
+    type Upgraded = (String, i64, i64, Option<i64>, Option<i64>);
+    let rows: Vec<Upgraded> = sqlx::query_as(
+        "SELECT idem_key, status, token, lease_expires_at_ms, sent_at_ms FROM idem_keys ORDER BY idem_key",
+    )
+    .fetch_all(store.pool())
+    .await
+    .expect("the rows are kept");
+    assert_eq!(
+        rows,
+        vec![("k".into(), 0, 7, Some(500), None), ("u".into(), 3, 3, None, None)]
+    );
+    let index: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'idem_keys' AND sql LIKE '%expires_at_ms%'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(index, 1, "the expiry index exists");
+
+    let scope = Scope::parse("t", "POST /pay").expect("scope");
+    let key = IdempotencyKey::new("k").expect("key");
+    let fingerprint = Fingerprint::of_bytes(scope.operation(), b"body");
+    let request = |now_ms: i64| idem_core::ClaimRequest {
+        scope: &scope,
+        key: &key,
+        fingerprint: &fingerprint,
+        now_ms,
+        expires_at_ms: 100_000,
+        fresh_token: Token(1),
+        lease_expires_at_ms: Some(now_ms + 1_000),
+    };
+    assert_eq!(
+        store.try_claim(&request(1_000)).await.expect("take over"),
+        LeaseClaim::Acquired(Token(8)),
+        "the upgraded row's lease ran out: it is taken over"
+    );
+    let lease = idem_core::Lease {
+        scope: scope.clone(),
+        key: key.clone(),
+        token: Token(8),
+        lease_expires_at_ms: 2_000,
+    };
+    store.mark_sent(&lease, 1_100).await.expect("mark sent");
+    store.mark_sent(&lease, 1_200).await.expect("mark again");
+    let row = store.lookup(&scope, &key).await.expect("lookup").expect("row");
+    assert_eq!(
+        row.state,
+        RowState::Sent {
+            token: Token(8),
+            lease_expires_at_ms: 2_000
+        }
+    );
+    assert_eq!(row.sent_at_ms, Some(1_100), "the earliest mark is kept");
+    match store.try_claim(&request(3_000)).await.expect("claim") {
+        LeaseClaim::Found(found) => assert!(found.is_unknown_at(3_000), "{found:?}"),
+        other => panic!("a sent claim whose lease ran out is never taken over: {other:?}"),
+    }
+    store
+        .complete(&lease, &idem_core::Record::completed(b"ok".to_vec()))
+        .await
+        .expect("the holder completes");
+    let row = store.lookup(&scope, &key).await.expect("lookup").expect("row");
+    assert!(matches!(row.state, RowState::Done(_)), "{row:?}");
+    assert_eq!(row.sent_at_ms, Some(1_100), "completing keeps the mark's time");
 }
 
 /// A busy timeout longer than SQLite takes is refused with a clear error
