@@ -359,6 +359,15 @@ pub async fn only_a_letter_known_not_applied_is_cancelled<S: DeadLetterSubject>(
             .await
             .unwrap()
     );
+    // The take was the redrive's sent mark: from then on a send may have
+    // reached the vendor, and only a verdict given after it clears that.
+    let after = fetch(&store, id).await;
+    assert!(after.first_reached_at_ms.is_some(), "{after:?}");
+    assert!(
+        !store.cancel(id).await.unwrap(),
+        "a redrive may have reached the vendor"
+    );
+    assert!(store.settle(id, &settlement(Verdict::NotApplied, b"")).await.unwrap());
     assert!(store.cancel(id).await.unwrap());
     assert!(!store.cancel(id).await.unwrap(), "once");
     let got = fetch(&store, id).await;

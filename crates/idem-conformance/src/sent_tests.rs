@@ -111,6 +111,37 @@ pub async fn sent_mark_keeps_the_earliest_time<S: Subject>(s: S) {
     engine.release(&b).await.unwrap();
 }
 
+/// A key claimed anew once its sent claim expired starts afresh: the new
+/// claim is not held, and its own mark's time is the one kept, not the
+/// expired claim's.
+pub async fn sent_mark_of_a_new_claim_starts_afresh<S: Subject>(s: S) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
+    let call = call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        rejecting().with_lease_ms(1_000).with_ttl_secs(60),
+    );
+    let old = held(engine.acquire(&call).await.unwrap());
+    engine.mark_sent(&old).await.unwrap();
+    engine.mark_unknown(&old, b"timed out".to_vec()).await.unwrap();
+    clock.advance(Duration::from_secs(61));
+    let new = held(engine.acquire(&call).await.unwrap());
+    assert!(new.token > old.token);
+    assert_eq!(
+        row::<S>(&engine, &new).await.state,
+        RowState::InProgress {
+            token: new.token,
+            lease_expires_at_ms: new.lease_expires_at_ms
+        }
+    );
+    let marked_at = idem_core::Clock::now_ms(&clock);
+    engine.mark_sent(&new).await.unwrap();
+    assert_eq!(row::<S>(&engine, &new).await.sent_at_ms, Some(marked_at));
+    engine.release(&new).await.unwrap();
+}
+
 /// A sent claim is resolved like an unknown outcome once its lease has run
 /// out, never while it lives; "not applied" frees the key for a new claim
 /// that fences the old holder, "applied" records the outcome.

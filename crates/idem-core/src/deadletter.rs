@@ -601,6 +601,15 @@ impl DeadLetter {
     /// Takes the letter for a redrive until `now_ms + hold_ms`: a dead or
     /// unknown letter, or one whose earlier hold ran out. Answers the
     /// hold's token (the redrive count), or `None` when it cannot be taken.
+    ///
+    /// From the moment it is taken a send of this redrive may reach the
+    /// vendor, so the take is also the durable "sent" mark: `now_ms`
+    /// becomes the first send that may have reached the vendor unless an
+    /// earlier one is known. A redrive killed after its send, before it
+    /// stored the answer, leaves that mark behind: the next redrive judges
+    /// its send by the vendor's key horizon (and asks past it), and the
+    /// letter is never known "not applied" on the strength of an older
+    /// verdict.
     pub fn take(&mut self, now_ms: i64, hold_ms: i64) -> Result<Option<u32>> {
         let hold_ms = redrive_hold_ms(hold_ms)?;
         let free = match self.state {
@@ -613,6 +622,7 @@ impl DeadLetter {
         };
         self.redrives = token;
         self.state = DeadLetterState::Redriving;
+        self.first_reached_at_ms = earliest(self.first_reached_at_ms, Some(now_ms));
         self.redrive_until_ms = Some(now_ms.saturating_add(hold_ms));
         self.updated_at_ms = now_ms;
         Ok(Some(token))
@@ -656,7 +666,14 @@ impl DeadLetter {
                 self.state = DeadLetterState::Dead;
                 self.attempts = self.attempts.saturating_add(*attempts);
                 self.last_error = clip_text(error).to_owned();
-                self.first_reached_at_ms = *first_reached_at_ms;
+                // The earliest reach only moves earlier, unless the vendor,
+                // asked during this redrive, said it had not applied the call
+                // (and no send reached it after): then the redrive's own view
+                // stands.
+                self.first_reached_at_ms = match not_applied_at_ms {
+                    Some(_) => *first_reached_at_ms,
+                    None => earliest(self.first_reached_at_ms, *first_reached_at_ms),
+                };
                 if let Some(at_ms) = not_applied_at_ms {
                     self.reconciliation = Some(Reconciliation {
                         verdict: Verdict::NotApplied,
@@ -674,7 +691,7 @@ impl DeadLetter {
                 self.state = DeadLetterState::Unknown;
                 self.attempts = self.attempts.saturating_add(*attempts);
                 self.last_error = clip_text(reason).to_owned();
-                self.first_reached_at_ms = *first_reached_at_ms;
+                self.first_reached_at_ms = earliest(self.first_reached_at_ms, *first_reached_at_ms);
                 self.reconciliation = Some(Reconciliation {
                     verdict: Verdict::Unknown,
                     by: VerdictSource::Sender,
@@ -1006,6 +1023,74 @@ mod tests {
         if unknown { letter.outcome_unknown() } else { letter }
     }
 
+    /// A redrive killed after its send (its hold runs out, nothing stored)
+    /// leaves its take as the first send that may have reached the vendor:
+    /// an older "not applied" no longer makes the letter cancellable, a
+    /// later redrive that fails keeps that reach, and only a verdict asked
+    /// after it clears it.
+    #[test]
+    fn a_crashed_redrive_leaves_its_reach_behind() {
+        let mut letter = DeadLetter::created(&new(false, None), 1_000);
+        let not_applied = Settlement {
+            verdict: Verdict::NotApplied,
+            by: VerdictSource::Operator,
+            status: None,
+            body: Vec::new(),
+            note: "checked the vendor's dashboard".into(),
+        };
+        assert!(letter.settle(&not_applied, 2_000));
+        assert!(letter.known_not_applied(), "before any redrive it may be cancelled");
+        // A redrive takes it and is killed after its send.
+        assert_eq!(letter.take(3_000, 10_000).unwrap(), Some(1));
+        assert_eq!(letter.first_reached_at_ms, Some(3_000), "the take is the sent mark");
+        assert!(!letter.known_not_applied(), "a send may have reached the vendor since");
+        // Its hold runs out; a later redrive meets only refused connections.
+        assert_eq!(letter.take(20_000, 10_000).unwrap(), Some(2));
+        assert_eq!(letter.first_reached_at_ms, Some(3_000), "the earliest reach is kept");
+        let refused = RedriveOutcome::Failed {
+            attempts: 3,
+            error: "connection refused".into(),
+            first_reached_at_ms: None,
+            not_applied_at_ms: None,
+        };
+        assert!(letter.finish(2, &refused, 21_000));
+        assert_eq!(
+            letter.first_reached_at_ms,
+            Some(3_000),
+            "a failed redrive keeps the reach"
+        );
+        assert!(
+            !letter.cancel(22_000),
+            "a letter that may have been paid is never cancelled"
+        );
+        // The vendor, asked during a redrive, says it never applied it.
+        assert_eq!(letter.take(30_000, 10_000).unwrap(), Some(3));
+        let asked = RedriveOutcome::Failed {
+            attempts: 1,
+            error: "vendor refused".into(),
+            first_reached_at_ms: None,
+            not_applied_at_ms: Some(30_500),
+        };
+        assert!(letter.finish(3, &asked, 31_000));
+        assert_eq!(letter.first_reached_at_ms, None);
+        assert!(letter.cancel(32_000), "now known not applied");
+    }
+
+    /// A redrive that ends unknown keeps the earliest reach too.
+    #[test]
+    fn an_unknown_redrive_keeps_the_earliest_reach() {
+        let mut letter = DeadLetter::created(&new(false, Some(500)), 1_000);
+        assert_eq!(letter.take(3_000, 10_000).unwrap(), Some(1));
+        assert_eq!(letter.first_reached_at_ms, Some(500));
+        let unknown = RedriveOutcome::Unknown {
+            attempts: 1,
+            reason: "no reconcile hook".into(),
+            first_reached_at_ms: Some(3_100),
+        };
+        assert!(letter.finish(1, &unknown, 4_000));
+        assert_eq!(letter.first_reached_at_ms, Some(500));
+    }
+
     /// Proves requests are validated, credentials refused, and stored credentials dropped on reading.
     #[test]
     fn requests_are_validated() {
@@ -1120,7 +1205,11 @@ mod tests {
             },
             130
         ));
-        assert_eq!(l.first_reached_at_ms, Some(60), "a redrive's account replaces it");
+        assert_eq!(
+            l.first_reached_at_ms,
+            Some(40),
+            "a failed redrive never moves the earliest reach later"
+        );
         assert!(l.on_record(&new(true, None), 140));
         assert_eq!(l.state, DeadLetterState::Unknown);
         assert!(l.on_record(&new(false, None), 150));

@@ -127,6 +127,13 @@ pub struct ReconcileConfig {
     /// How long the upstream may take to answer, milliseconds.
     #[serde(default = "default_reconcile_timeout_ms")]
     pub timeout_ms: u64,
+    /// How long after the held request was sent its "not applied" answer is
+    /// trusted, milliseconds: the longest the upstream may still be working
+    /// on a request whose caller gave up. Before it, a "not applied" keeps
+    /// the key held (409 with `Retry-After`). Default: the upstream timeout
+    /// plus 5 seconds. The lookup must answer "applied" for any request the
+    /// upstream applied once this long has passed since it was sent.
+    pub settle_ms: Option<u64>,
 }
 
 fn default_reconcile_method() -> String {
@@ -189,6 +196,12 @@ impl ReconcileConfig {
             return Err(ConfigError(format!(
                 "{what}.timeout_ms must be between 1 and 600000, not {}",
                 self.timeout_ms
+            )));
+        }
+        if self.settle_ms.is_some_and(|ms| ms > 86_400_000) {
+            return Err(ConfigError(format!(
+                "{what}.settle_ms must be at most 86400000 (a day), not {}",
+                self.settle_ms.unwrap_or_default()
             )));
         }
         crate::reconcile::LookupTemplate::parse(&self.path, names)
@@ -587,11 +600,27 @@ impl Config {
                 ));
             }
             d.check("[defaults] reconcile", std::iter::empty())?;
+            self.check_settle("[defaults] reconcile", d)?;
         }
         for route in &self.routes {
-            route.reconcile(&self.defaults)?;
+            if let Some((rc, _)) = route.reconcile(&self.defaults)? {
+                self.check_settle(&format!("route {} reconcile", route.name()), rc)?;
+            }
         }
         Ok(())
+    }
+
+    /// A "not applied" must not be trusted while the upstream may still be
+    /// working on the request: a settle time shorter than the upstream
+    /// timeout would send a request again that is about to be applied.
+    fn check_settle(&self, what: &str, rc: &ReconcileConfig) -> Result<(), ConfigError> {
+        match rc.settle_ms {
+            Some(ms) if u128::from(ms) < self.upstream_timeout().as_millis() => Err(ConfigError(format!(
+                "{what}.settle_ms ({ms}) must be at least upstream_timeout_secs ({}) in milliseconds:                  the upstream may still apply a request that long after it was sent",
+                self.upstream_timeout_secs
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// A key must outlive its claim: a TTL no longer than the lease or the

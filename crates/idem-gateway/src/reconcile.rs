@@ -180,10 +180,20 @@ struct Lookup {
     applied_status: Option<StatusCode>,
     not_applied: Vec<u16>,
     timeout: Duration,
+    /// How long after a send its "not applied" is trusted.
+    settle: Duration,
 }
 
+/// What is added to the upstream timeout to make a route's default settle time.
+pub(crate) const SETTLE_MARGIN: Duration = Duration::from_secs(5);
+
 impl Lookup {
-    fn new(config: &ReconcileConfig, route: Option<Template>, target: LookupTemplate) -> Result<Self, ConfigError> {
+    fn new(
+        config: &ReconcileConfig,
+        route: Option<Template>,
+        target: LookupTemplate,
+        upstream_timeout: Duration,
+    ) -> Result<Self, ConfigError> {
         Ok(Self {
             route,
             method: reqwest::Method::from_bytes(config.method.to_ascii_uppercase().as_bytes())
@@ -193,6 +203,9 @@ impl Lookup {
             applied_status: config.applied_status.and_then(|s| StatusCode::from_u16(s).ok()),
             not_applied: config.not_applied.clone(),
             timeout: Duration::from_millis(config.timeout_ms),
+            settle: config
+                .settle_ms
+                .map_or(upstream_timeout + SETTLE_MARGIN, Duration::from_millis),
         })
     }
 }
@@ -215,7 +228,7 @@ impl Reconciler {
         let unrouted = match &config.defaults.reconcile {
             Some(d) if config.defaults.on_unknown_outcome == crate::config::UnknownOutcome::Hold => {
                 let target = d.check("[defaults] reconcile", std::iter::empty())?;
-                Some(Arc::new(Lookup::new(d, None, target)?))
+                Some(Arc::new(Lookup::new(d, None, target, config.upstream_timeout())?))
             }
             _ => None,
         };
@@ -228,7 +241,12 @@ impl Reconciler {
                 continue;
             }
             let lookup = match route.reconcile(&config.defaults)? {
-                Some((rc, target)) => Some(Arc::new(Lookup::new(rc, Some(template), target)?)),
+                Some((rc, target)) => Some(Arc::new(Lookup::new(
+                    rc,
+                    Some(template),
+                    target,
+                    config.upstream_timeout(),
+                )?)),
                 None => None,
             };
             by_operation.insert(name, lookup);
@@ -352,6 +370,11 @@ impl Reconcile for Reconciler {
 
     fn ask<'a>(&'a self, parts: &'a Parts, call: &'a Call) -> BoxFuture<'a, Reconciled> {
         Box::pin(self.ask_upstream(parts, call))
+    }
+
+    fn settle_after(&self, _parts: &Parts, call: &Call) -> Duration {
+        self.lookup(call)
+            .map_or(idem_http::DEFAULT_SETTLE, |lookup| lookup.settle)
     }
 }
 

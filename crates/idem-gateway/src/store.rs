@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyStats, Lease, LeaseClaim,
-    LeaseStore, OutboxLag, OutboxStore, Record, Result, Scope, StoreErrorKind, Sweep, SweepBatch, TableName,
+    LeaseStore, OutboxLag, OutboxStore, Record, Result, Scope, StoreErrorKind, StoredRow, Sweep, SweepBatch, TableName,
     TimeSource,
 };
 use idem_redis::RedisConnection;
@@ -393,6 +393,14 @@ impl Sweep for AnyLease {
 impl LeaseStore for AnyLease {
     fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>> {
         each!(self, s => s.try_claim(req))
+    }
+
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        each!(self, s => s.mark_sent(lease, now_ms))
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        each!(self, s => s.lookup(scope, key))
     }
 
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {

@@ -94,7 +94,7 @@ pub use layer::{
 };
 pub use lease::{HeldLease, HeldLeaseRejection, OutcomeUnknown};
 pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
-pub use reconcile::{Reconcile, Reconciled};
+pub use reconcile::{DEFAULT_SETTLE, Reconcile, Reconciled};
 pub use recorded::RecordedResponse;
 pub use retry::RetryTransaction;
 pub use service::{Idempotency, Mode};

@@ -11,7 +11,12 @@
 //!   and replayed to this caller and every later one; the handler does not
 //!   run.
 //! - [`Reconciled::NotApplied`]: the key is released and this retry claims it
-//!   and runs the handler, once, as a first request would.
+//!   and runs the handler, once, as a first request would — but only once
+//!   the held request has settled: [`Reconcile::settle_after`] after it was
+//!   marked sent. A server may still be working on a request whose caller
+//!   gave up, and its lookup answers "not found" until it commits; asked
+//!   earlier, a "not applied" keeps the key held (409 with `Retry-After`
+//!   until the settle time).
 //! - [`Reconciled::Unknown`]: the key stays held (409, as without asking).
 //!
 //! One retry per key asks at a time, whatever the number of instances on
@@ -51,4 +56,17 @@ pub trait Reconcile: Send + Sync + 'static {
     /// Asks. Errors, timeouts and answers that say nothing are
     /// [`Reconciled::Unknown`].
     fn ask<'a>(&'a self, parts: &'a Parts, call: &'a Call) -> BoxFuture<'a, Reconciled>;
+
+    /// How long after the held request was sent a "not applied" answer is
+    /// trusted: the longest the other side may still be working on it (its
+    /// timeout, plus a margin). A lookup must satisfy this rule: once this
+    /// long has passed since a request was sent, "not found" means it was
+    /// not applied and never will be. [`DEFAULT_SETTLE`] unless overridden.
+    fn settle_after(&self, parts: &Parts, call: &Call) -> std::time::Duration {
+        let _ = (parts, call);
+        DEFAULT_SETTLE
+    }
 }
+
+/// How long after a send a "not applied" answer is trusted by default.
+pub const DEFAULT_SETTLE: std::time::Duration = std::time::Duration::from_secs(30);

@@ -772,6 +772,12 @@ impl<L: LeaseStore> Leased<L> {
                 Err(Error::OutcomeUnknown) if asked < MAX_RECONCILE_ASKS => asked += 1,
                 Err(e) => return Err(error_response(cfg, call, e)),
             }
+            // When the held request was sent: a "not applied" asked before it
+            // has settled may only mean the other side has not finished yet.
+            let sent_at_ms = match self.engine.lookup(call.scope(), call.key()).await {
+                Ok(row) => row.and_then(|row| row.sent_at_ms),
+                Err(e) => return Err(error_response(cfg, call, e)),
+            };
             let answer = reconcile.ask(parts, call).await;
             // A retry stopped past its lock's lease while it asked (a pause,
             // an unreachable store) may have been overtaken by another that
@@ -809,7 +815,25 @@ impl<L: LeaseStore> Leased<L> {
                         &cfg.private_headers,
                     ))
                 }
-                crate::Reconciled::NotApplied => None,
+                crate::Reconciled::NotApplied => {
+                    let settle_ms = i64::try_from(reconcile.settle_after(parts, call).as_millis()).unwrap_or(i64::MAX);
+                    let now_ms = self.engine.clock().now_ms();
+                    if let Some(settled_at) = sent_at_ms.map(|at| at.saturating_add(settle_ms))
+                        && now_ms < settled_at
+                    {
+                        let wait_secs = u64::try_from(settled_at - now_ms).unwrap_or(0).div_ceil(1000).max(1);
+                        tracing::info!(
+                            operation = op,
+                            wait_secs,
+                            "\"not applied\" asked before the held request settled; the key stays held"
+                        );
+                        let mut held = unknown();
+                        held.headers_mut()
+                            .insert(http::header::RETRY_AFTER, http::HeaderValue::from(wait_secs));
+                        return Err(held);
+                    }
+                    None
+                }
                 crate::Reconciled::Unknown => return Err(unknown()),
             };
             match self
@@ -937,6 +961,31 @@ impl<L: LeaseStore> Mode for Leased<L> {
                         .into_response(&recording.problem_base);
                     return (settled, Some((answer, Ok(late))), None);
                 }
+                // Nothing reaches the handler, and so nothing can leave for the
+                // other side, before the key is marked sent: a holder that dies
+                // from here on leaves an unknown outcome (reconciled or held),
+                // never a key that a twin takes over and sends again.
+                if let Err(e) = engine.mark_sent(&lease).await {
+                    let unsent = match e {
+                        Error::Fenced => Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
+                            .with_detail(
+                                "another request with this Idempotency-Key holds it now; retry later",
+                            )
+                            .with_retry_after_secs(1),
+                        e => {
+                            tracing::warn!(error = %e, "could not mark the request sent; nothing was sent");
+                            Problem::new(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                slugs::STORE_UNAVAILABLE,
+                                "Idempotency store unavailable",
+                            )
+                            .with_detail("the request was not applied; retry with the same Idempotency-Key")
+                            .with_retry_after_secs(1)
+                        }
+                    };
+                    let settled = engine.release(&lease).await;
+                    return (settled, Some((answer, Ok(unsent.into_response(&recording.problem_base)))), None);
+                }
                 let mut guard = ReleaseOnPanic {
                     engine: Some(engine.clone()),
                     lease: lease.clone(),
@@ -972,17 +1021,21 @@ impl<L: LeaseStore> Mode for Leased<L> {
                     }
                 };
                 hit(Point::BeforeCommit);
-                let settled = match settle {
-                    Some(record) if record.status == idem_core::RecordStatus::Unknown => {
-                        tracing::warn!(
-                            operation = call.scope().operation().as_str(),
-                            "the outcome is unknown: the key is held until it is resolved"
-                        );
-                        engine.mark_unknown(&lease, record.payload).await
-                    }
-                    Some(record) => engine.complete(&lease, record).await,
-                    None => engine.release(&lease).await,
-                };
+                if settle
+                    .as_ref()
+                    .is_some_and(|record| record.status == idem_core::RecordStatus::Unknown)
+                {
+                    tracing::warn!(
+                        operation = call.scope().operation().as_str(),
+                        "the outcome is unknown: the key is held until it is resolved"
+                    );
+                }
+                // A write the store refuses is tried again while the heartbeat
+                // keeps the lease; should the lease run out meanwhile, the sent
+                // mark holds the key as an unknown outcome, never released.
+                let settled = engine
+                    .settle_retrying(&lease, settle, idem_core::SETTLE_RETRY_WINDOW)
+                    .await;
                 (settled, deliver, stream_end)
             };
             // The beats end with the work: once the outcome is settled the
@@ -997,7 +1050,10 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 Err(Error::Fenced) => tracing::warn!(
                     "lease lost before the outcome was recorded: another request took the key over; nothing was overwritten"
                 ),
-                Err(e) => tracing::warn!(error = %e, "could not settle the lease; it will expire"),
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "could not record the outcome; the key is held as an unknown outcome once its lease runs out"
+                ),
             }
             if let Some((answer, response)) = deliver {
                 let _ = answer.send(response);

@@ -48,6 +48,18 @@ impl LeaseStore for PausingStore {
         })
     }
 
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, idem_core::Result<()>> {
+        self.inner.mark_sent(lease, now_ms)
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, idem_core::Result<Option<idem_core::StoredRow>>> {
+        self.inner.lookup(scope, key)
+    }
+
     fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, idem_core::Result<()>> {
         self.inner.complete(lease, record)
     }

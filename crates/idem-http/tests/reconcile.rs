@@ -39,6 +39,10 @@ impl Reconcile for FirstAskHangs {
             Reconciled::NotApplied
         })
     }
+
+    fn settle_after(&self, _parts: &http::request::Parts, _call: &Call) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// A retry dropped while it asks frees the reconcile lock: the next retry
@@ -159,4 +163,83 @@ async fn an_answer_heard_after_the_lock_ran_out_is_not_acted_on() {
         "{body:?}"
     );
     assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (1, 1));
+}
+
+/// Says "not applied" to every asker, with a settle time of ten seconds.
+struct NotYet {
+    asks: Arc<AtomicUsize>,
+}
+
+impl Reconcile for NotYet {
+    fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
+        true
+    }
+
+    fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async { Reconciled::NotApplied })
+    }
+
+    fn settle_after(&self, _parts: &http::request::Parts, _call: &Call) -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+/// A "not applied" heard before the held request settled (the other side
+/// may still be working on it) keeps the key held: 409 with `Retry-After`
+/// until the settle time, the handler not run. Past it, the same answer
+/// releases the key and the retry runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_not_applied_heard_before_the_send_settled_keeps_the_key_held() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let asks = Arc::new(AtomicUsize::new(0));
+    let clock = idem_core::ManualClock::starting_now();
+    let engine = LeaseEngine::new(MemoryStore::new()).with_clock(Arc::new(clock.clone()));
+    let layer = IdempotencyLayer::lease(engine, tenant)
+        .default_route(RoutePolicy::required().with_policy(Policy::default().with_lease_ms(60_000)))
+        .reconcile(NotYet { asks: asks.clone() });
+    let detached = layer.detached().clone();
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let runs = counted.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let mut response = (StatusCode::GATEWAY_TIMEOUT, "timed out").into_response();
+                        response.extensions_mut().insert(OutcomeUnknown {
+                            note: "no answer in time".into(),
+                        });
+                        response
+                    } else {
+                        (StatusCode::CREATED, "paid").into_response()
+                    }
+                }
+            }),
+        )
+        .route_layer(layer);
+
+    assert_eq!(app.clone().oneshot(post_with_key("k")).await.unwrap().status(), 504);
+    detached.idle().await;
+    clock.advance(Duration::from_secs(3));
+    let early = app.clone().oneshot(post_with_key("k")).await.unwrap();
+    assert_eq!(early.status(), StatusCode::CONFLICT);
+    let retry_after = early
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    assert_eq!(retry_after.as_deref(), Some("7"), "the settle time's remainder");
+    let body = early.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("idempotency-outcome-unknown"),
+        "{body:?}"
+    );
+    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (1, 1));
+    detached.idle().await;
+
+    clock.advance(Duration::from_secs(8));
+    let late = app.clone().oneshot(post_with_key("k")).await.unwrap();
+    assert_eq!(late.status(), StatusCode::CREATED);
+    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
 }

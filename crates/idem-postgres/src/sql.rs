@@ -151,11 +151,12 @@ impl Statements {
                  WHERE {key} AND token = $4 AND status IN (0, 4)"
             )
             .into(),
-            // LEAST ignores a NULL argument: the first mark sets the time,
-            // later ones only move it earlier.
+            // The first mark of a claim (status 0) sets the time, whatever a
+            // row taken over from an expired key still carries; later marks
+            // only move it earlier (LEAST ignores a NULL argument).
             mark_sent: format!(
-                "UPDATE {t} SET status = 4, sent_at_ms = LEAST(sent_at_ms, $5) \
-                 WHERE {key} AND token = $4 AND status IN (0, 4)"
+                "UPDATE {t} SET sent_at_ms = CASE WHEN status = 0 THEN $5 ELSE LEAST(sent_at_ms, $5) END, \
+                 status = 4 WHERE {key} AND token = $4 AND status IN (0, 4)"
             )
             .into(),
             release: format!("DELETE FROM {t} WHERE {key} AND token = $4 AND status IN (0, 4)").into(),

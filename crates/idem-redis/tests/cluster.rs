@@ -134,6 +134,7 @@ fn main() {
     run_all!(rt, ran, failures, sent_tests;
         sent_claim_is_never_taken_over,
         sent_mark_keeps_the_earliest_time,
+        sent_mark_of_a_new_claim_starts_afresh,
         sent_claim_resolved_like_unknown,
         sent_claim_holder_extends_and_releases,
         sent_dropped_run_is_held_not_taken_over,
