@@ -64,14 +64,20 @@ async fn left<D: LedgerDb + KeyAdmin>(db: &D, tag: &str) -> Vec<(String, bool, b
     out
 }
 
-async fn check<D: LedgerDb + KeyAdmin>(db: &D) {
-    let tag = format!("sw{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
-    seed(db, &tag).await;
-    let before = left(db, &tag).await;
+/// Seeds the rows and checks that both are stored in every table, so that
+/// their absence later can only be the sweeper's doing.
+async fn seed_and_read_back<D: LedgerDb + KeyAdmin>(db: &D, tag: &str) {
+    seed(db, tag).await;
+    let before = left(db, tag).await;
     assert!(before.iter().all(|(_, old, live)| *old && *live), "{before:?}");
+}
+
+/// Waits until the expired rows are gone from every table, the live ones
+/// kept throughout.
+async fn wait_swept<D: LedgerDb + KeyAdmin>(db: &D, tag: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let now = left(db, &tag).await;
+        let now = left(db, tag).await;
         assert!(now.iter().all(|(_, _, live)| *live), "live rows are kept: {now:?}");
         if now.iter().all(|(_, old, _)| !*old) {
             return;
@@ -83,12 +89,21 @@ async fn check<D: LedgerDb + KeyAdmin>(db: &D) {
 
 async fn the_server_sweeps_every_keyed_table(engine: Engine) {
     let url = database_url(engine);
-    let ledger = Instance::start_with(&url, &["--sweep-every-secs", "1"]);
     let store = connect(&url).await;
+    let tag = format!("sw{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    // Seeded and read back before the server starts: it sweeps every
+    // second, so a read after its start could find an expired row already
+    // gone, however quickly it came.
     match &store {
-        ledger::Store::Postgres(db) => check(db).await,
-        ledger::Store::MySql(db) => check(db).await,
-        ledger::Store::Sqlite(db) => check(db).await,
+        ledger::Store::Postgres(db) => seed_and_read_back(db, &tag).await,
+        ledger::Store::MySql(db) => seed_and_read_back(db, &tag).await,
+        ledger::Store::Sqlite(db) => seed_and_read_back(db, &tag).await,
+    }
+    let ledger = Instance::start_with(&url, &["--sweep-every-secs", "1"]);
+    match &store {
+        ledger::Store::Postgres(db) => wait_swept(db, &tag).await,
+        ledger::Store::MySql(db) => wait_swept(db, &tag).await,
+        ledger::Store::Sqlite(db) => wait_swept(db, &tag).await,
     }
     drop(ledger);
     if engine == Engine::Sqlite {
