@@ -179,7 +179,9 @@ impl Workers {
 }
 
 /// Kills a relay or a projector every so often, and restarts the broker,
-/// until `calm`.
+/// until `calm`. Every run has at least one relay kill, one projector kill
+/// and one broker restart: past `calm`, the attack goes on with what has
+/// not happened yet until each has.
 pub(crate) async fn attack(
     workers: Arc<Workers>,
     nats: Arc<Nats>,
@@ -188,26 +190,47 @@ pub(crate) async fn attack(
     faults: Arc<Mutex<EventFaults>>,
 ) {
     let mut next_broker_restart = tokio::time::Instant::now() + Duration::from_millis(rng.range(2_000, 4_000));
-    while !calm.load(Ordering::SeqCst) {
-        tokio::time::sleep(Duration::from_millis(rng.range(300, 1_200))).await;
-        if calm.load(Ordering::SeqCst) {
+    let (mut relay_killed, mut projector_killed, mut restarted) = (false, false, false);
+    // Past `calm`, a bounded number of tries (a broker that cannot be
+    // restarted does not hold the run up).
+    let mut tries_past_calm = 0;
+    loop {
+        let calm_now = calm.load(Ordering::SeqCst);
+        if calm_now && ((relay_killed && projector_killed && restarted) || tries_past_calm >= 50) {
             break;
         }
-        let relay = rng.range(0, 2) == 0;
-        let pool = if relay { &workers.relays } else { &workers.projectors };
-        let victim = &pool[rng.range(0, pool.len() as u64) as usize];
-        if victim.kill() {
-            let mut f = faults.lock().await;
-            if relay {
-                f.relay_kills += 1;
-            } else {
-                f.projector_kills += 1;
+        tries_past_calm += u32::from(calm_now);
+        tokio::time::sleep(Duration::from_millis(rng.range(300, 1_200))).await;
+        let relay = if !calm_now {
+            Some(rng.range(0, 2) == 0)
+        } else if !relay_killed {
+            Some(true)
+        } else if !projector_killed {
+            Some(false)
+        } else {
+            None
+        };
+        if let Some(relay) = relay {
+            let pool = if relay { &workers.relays } else { &workers.projectors };
+            let victim = &pool[rng.range(0, pool.len() as u64) as usize];
+            if victim.kill() {
+                let mut f = faults.lock().await;
+                if relay {
+                    f.relay_kills += 1;
+                    relay_killed = true;
+                } else {
+                    f.projector_kills += 1;
+                    projector_killed = true;
+                }
             }
         }
-        if tokio::time::Instant::now() >= next_broker_restart {
+        if tokio::time::Instant::now() >= next_broker_restart || (calm_now && !restarted) {
             let down = Duration::from_millis(rng.range(100, 1_000));
             match nats.restart(down).await {
-                Ok(()) => faults.lock().await.broker_restarts += 1,
+                Ok(()) => {
+                    faults.lock().await.broker_restarts += 1;
+                    restarted = true;
+                }
                 Err(e) => eprintln!("chaos: nats restart failed: {e}"),
             }
             next_broker_restart = tokio::time::Instant::now() + Duration::from_millis(rng.range(3_000, 6_000));

@@ -26,6 +26,7 @@ mod db;
 pub mod events;
 pub mod gateway;
 pub mod payouts;
+mod progress;
 pub mod proxy;
 pub mod rng;
 pub mod service;
@@ -188,6 +189,9 @@ pub struct FaultCounts {
     pub delays: u64,
     /// `kill -9` at random moments.
     pub random_kills: u64,
+    /// `kill -9` at a quarter, half and three quarters of the workload
+    /// (so every run has kills however fast it goes).
+    pub scheduled_kills: u64,
     /// `kill -9` at named fault points, by point.
     pub fault_point_kills: BTreeMap<String, u64>,
     /// Database sessions killed.
@@ -201,7 +205,7 @@ pub struct FaultCounts {
 impl FaultCounts {
     /// Every kill of the service.
     pub fn kills(&self) -> u64 {
-        self.random_kills + self.fault_point_kills.values().sum::<u64>()
+        self.random_kills + self.scheduled_kills + self.fault_point_kills.values().sum::<u64>()
     }
 }
 
@@ -329,6 +333,8 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let proxy = Proxy::start(upstream, odds, rng.fork(1)).await?;
 
     let calm = Arc::new(AtomicBool::new(false));
+    let progress = Arc::new(progress::Progress::new(config.ops));
+    let token = format!("chaos-{}-{}", config.seed, uuid::Uuid::now_v7());
     let payout_faults = Arc::new(tokio::sync::Mutex::new(payouts::PayoutFaults::default()));
     let sessions_killed = Arc::new(AtomicU64::new(0));
     let mut background = Vec::new();
@@ -366,7 +372,12 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         );
         background.push(tokio::spawn(payouts::attack_workers(w, v, c, r, f)));
         let (v, c, r, f) = (vendor.clone(), calm.clone(), rng.fork(8), payout_faults.clone());
-        background.push(tokio::spawn(payouts::attack_vendor(v, c, r, f)));
+        let held = payouts::HeldWindows {
+            progress: progress.clone(),
+            database_url: database.url.clone(),
+            tenant: ledger::tenant_for_token(&token).as_str().to_owned(),
+        };
+        background.push(tokio::spawn(payouts::attack_vendor(v, c, r, f, held)));
         payout_side = Some((vendor, workers));
     }
     if config.faults.kills {
@@ -377,6 +388,27 @@ pub async fn run(config: Config) -> Result<Report, Error> {
                 if !calm.load(Ordering::SeqCst) && service.kill() {
                     service.counts.random_kills.fetch_add(1, Ordering::SeqCst);
                 }
+            }
+        }));
+    }
+    if config.faults.kills {
+        // Besides the random kills, one at each quarter of the workload:
+        // the kills a run promises do not depend on how long it lasts.
+        let (service, calm, progress) = (service.clone(), calm.clone(), progress.clone());
+        background.push(tokio::spawn(async move {
+            for fraction in [0.25, 0.5, 0.75] {
+                if !progress.wait_for(fraction, &calm).await {
+                    break;
+                }
+                // Between a kill and the restart there is no process to
+                // kill: try again until one is.
+                while !service.kill() {
+                    if service.broken() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                service.counts.scheduled_kills.fetch_add(1, Ordering::SeqCst);
             }
         }));
     }
@@ -394,9 +426,14 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if config.faults.db_sessions && config.engine != Engine::Sqlite {
         let (database, calm, mut r, killed) = (database.clone(), calm.clone(), rng.fork(4), sessions_killed.clone());
         background.push(tokio::spawn(async move {
-            while !calm.load(Ordering::SeqCst) {
+            // Until `calm`, and past it until one session has been killed
+            // (a bounded number of tries).
+            let mut tries_past_calm = 0;
+            let go_on = |tries: u32| !calm.load(Ordering::SeqCst) || (killed.load(Ordering::SeqCst) == 0 && tries < 30);
+            while go_on(tries_past_calm) {
                 tokio::time::sleep(Duration::from_millis(r.range(700, 2_000))).await;
-                if !calm.load(Ordering::SeqCst) {
+                tries_past_calm += u32::from(calm.load(Ordering::SeqCst));
+                if go_on(tries_past_calm) {
                     match database.kill_sessions().await {
                         Ok(n) => {
                             killed.fetch_add(n, Ordering::SeqCst);
@@ -410,7 +447,6 @@ pub async fn run(config: Config) -> Result<Report, Error> {
 
     let base = format!("http://{}", proxy.addr);
     let direct = format!("http://127.0.0.1:{port}");
-    let token = format!("chaos-{}-{}", config.seed, uuid::Uuid::now_v7());
     let mut phases = BTreeMap::new();
     let mut lap = started;
     let mut phase = |name: &str| {
@@ -418,7 +454,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         lap = Instant::now();
     };
     phase("setup");
-    let outcome = workload::run(&config, &base, &token, rng.fork(5), &service).await;
+    let outcome = workload::run(&config, &base, &token, rng.fork(5), &service, progress).await;
     phase("workload");
 
     // Quiesce: no more faults, the service up, every lease long expired.
@@ -472,6 +508,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         connections_cut: pc.connections_cut.load(Ordering::SeqCst),
         delays: pc.delays.load(Ordering::SeqCst),
         random_kills: service.counts.random_kills.load(Ordering::SeqCst),
+        scheduled_kills: service.counts.scheduled_kills.load(Ordering::SeqCst),
         fault_point_kills: service.counts.fault_point_kills.lock().await.clone(),
         sessions_killed: sessions_killed.load(Ordering::SeqCst),
         pauses: service.counts.pauses.load(Ordering::SeqCst),

@@ -22,6 +22,7 @@ use tokio::sync::Mutex;
 
 use crate::Error;
 use crate::db::Database;
+use crate::progress::Progress;
 use crate::rng::Rng;
 use crate::service::Service;
 use crate::workload::{Answer, Outcome};
@@ -59,6 +60,19 @@ pub struct PayoutFaults {
     /// Outages: windows in which the vendor refused new connections
     /// (`refuse_ms`) and answered 500 on kept-alive ones.
     pub vendor_refuse_windows: u64,
+    /// Windows in which the vendor dropped every answer after paying, held
+    /// until a dropped payment was replayed (one per run, at a sixth of
+    /// the workload).
+    pub vendor_held_drop_windows: u64,
+    /// Outages in which the vendor answered every call 500, held until a
+    /// payout called in it was dead-lettered (one per run, at a third of
+    /// the workload).
+    pub vendor_held_outages: u64,
+    /// When the held outage saw its dead letter: the final redrive waits
+    /// until that letter is past the vendor's key horizon, so it asks the
+    /// vendor before sending.
+    #[serde(skip)]
+    pub(crate) outage_letter_seen_at: Option<tokio::time::Instant>,
 }
 
 /// What the payout checks saw.
@@ -111,6 +125,9 @@ pub(crate) struct Vendor {
     pub(crate) url: String,
     http: reqwest::Client,
     stop: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    /// Whether a window of [`attack_vendor`]'s is held: while it is, the
+    /// other attacks leave the vendor's faults alone.
+    held: Mutex<bool>,
 }
 
 /// The vendor's own ledger (`GET /v1/ledger`).
@@ -146,6 +163,7 @@ impl Vendor {
             url: format!("http://{addr}"),
             http: ledger::http_builder().timeout(Duration::from_secs(10)).build()?,
             stop: std::sync::Mutex::new(Some(stop)),
+            held: Mutex::new(false),
         });
         me.wait_up(Duration::from_secs(20)).await?;
         Ok(me)
@@ -182,6 +200,33 @@ impl Vendor {
         if !r.status().is_success() {
             return Err(Error::Service(format!("the vendor refused faults: {}", r.status())));
         }
+        Ok(())
+    }
+
+    /// Sets the vendor's faults unless a window is held; answers whether
+    /// it did.
+    async fn change(&self, faults: &fake_vendor::Faults) -> Result<bool, Error> {
+        let held = self.held.lock().await;
+        if *held {
+            return Ok(false);
+        }
+        self.set(faults).await?;
+        Ok(true)
+    }
+
+    /// Sets faults that only [`Vendor::release`] changes.
+    async fn hold(&self, faults: &fake_vendor::Faults) -> Result<(), Error> {
+        let mut held = self.held.lock().await;
+        self.set(faults).await?;
+        *held = true;
+        Ok(())
+    }
+
+    /// Sets faults that the other attacks may change again.
+    async fn release(&self, faults: &fake_vendor::Faults) -> Result<(), Error> {
+        let mut held = self.held.lock().await;
+        self.set(faults).await?;
+        *held = false;
         Ok(())
     }
 
@@ -268,7 +313,9 @@ pub(crate) async fn start_workers(
 /// twice its lease or more, until `calm`. Each stop comes half a second into
 /// a window of slow vendor answers, so the stopped worker most likely holds
 /// payouts mid-call: the other worker takes them over once the lease runs
-/// out and pays them with the same key (the vendor replays).
+/// out and pays them with the same key (the vendor replays). Every run has
+/// at least one kill and one stop: the first of each is made even if the
+/// workload ended before it.
 pub(crate) async fn attack_workers(
     workers: Vec<Arc<Service>>,
     vendor: Arc<Vendor>,
@@ -287,35 +334,50 @@ pub(crate) async fn attack_workers(
         );
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(rng.range(1_000, 3_000))).await;
-            while !calm.load(Ordering::SeqCst) {
+            let (mut made, mut tries_past_calm) = (0u64, 0u32);
+            while !calm.load(Ordering::SeqCst) || (made == 0 && tries_past_calm < 50) {
+                tries_past_calm += u32::from(calm.load(Ordering::SeqCst));
                 let i = rng.range(0, workers.len() as u64) as usize;
                 let d = Duration::from_millis(LEASE_SECS * 2_000 + rng.range(0, 1_000));
                 let slow = fake_vendor::Faults {
                     slow_ms: rng.range(1_000, 2_000),
                     ..BASE_FAULTS
                 };
-                if vendor.set(&slow).await.is_ok() {
+                // During a held window the vendor's faults stay as they are.
+                if let Ok(true) = vendor.change(&slow).await {
                     faults.lock().await.vendor_slow_windows += 1;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 paused[i].store(true, Ordering::SeqCst);
-                if workers[i].pause(d).await {
-                    faults.lock().await.worker_pauses_past_lease += 1;
-                }
+                let stopped = workers[i].pause(d).await;
                 paused[i].store(false, Ordering::SeqCst);
+                if !stopped {
+                    // Between a kill and its restart there is no process to
+                    // stop: try again.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                faults.lock().await.worker_pauses_past_lease += 1;
+                made += 1;
                 tokio::time::sleep(Duration::from_millis(rng.range(6_000, 12_000))).await;
             }
         })
     };
-    while !calm.load(Ordering::SeqCst) {
+    // Past `calm`, a bounded number of tries (a worker that cannot be
+    // started again does not hold the run up).
+    let (mut killed, mut tries_past_calm) = (0u64, 0u32);
+    let go_on = |killed: u64, tries: u32| !calm.load(Ordering::SeqCst) || (killed == 0 && tries < 50);
+    while go_on(killed, tries_past_calm) {
         tokio::time::sleep(Duration::from_millis(rng.range(800, 2_500))).await;
-        if calm.load(Ordering::SeqCst) {
+        tries_past_calm += u32::from(calm.load(Ordering::SeqCst));
+        if !go_on(killed, tries_past_calm) {
             break;
         }
         let i = rng.range(0, workers.len() as u64) as usize;
         // A stopped worker is left stopped: its pause must outlast its lease.
         if !paused[i].load(Ordering::SeqCst) && workers[i].kill() {
             faults.lock().await.worker_kills += 1;
+            killed += 1;
         }
     }
     let _ = pauses.await;
@@ -331,25 +393,58 @@ const BASE_FAULTS: fake_vendor::Faults = fake_vendor::Faults {
     refuse_ms: 0,
 };
 
+/// Where in the workload the held windows open (fractions of its
+/// operations): first every answer dropped after paying, then an outage.
+const DROP_WINDOW_AT: f64 = 1.0 / 6.0;
+const OUTAGE_WINDOW_AT: f64 = 1.0 / 3.0;
+
+/// What the held windows of [`attack_vendor`] need: the workload's
+/// progress (they open at fixed fractions of it), and the ledger's database
+/// and tenant (the outage is held until they show a dead letter).
+pub(crate) struct HeldWindows {
+    pub(crate) progress: Arc<Progress>,
+    pub(crate) database_url: String,
+    pub(crate) tenant: String,
+}
+
 /// Changes the vendor's faults every 1–3 s until `calm`: answers dropped
 /// after paying (10 %), 500s (10 %), 429s with `Retry-After: 1` (5 %),
 /// often a window of slow answers, and 3–6 s in then every 60–120 s an
 /// outage longer than the workers' retries: new connections refused for
 /// 1.5–3 s, and every request answered 500 until 1–3 s later (their calls
 /// are dead-lettered, and their circuit breaker opens for a while).
+///
+/// The faults whose effects the run promises are not left to chance: at a
+/// sixth of the workload every answer is dropped after paying until one
+/// dropped payment was replayed, and at a third every call is answered 500
+/// until a payout called in that outage was dead-lettered. Outages are held:
+/// no other attack changes the vendor's faults while one is on.
 pub(crate) async fn attack_vendor(
     vendor: Arc<Vendor>,
     calm: Arc<AtomicBool>,
     mut rng: Rng,
     faults: Arc<Mutex<PayoutFaults>>,
+    windows: HeldWindows,
 ) {
     let base = BASE_FAULTS;
-    if let Err(e) = vendor.set(&base).await {
+    if let Err(e) = vendor.release(&base).await {
         eprintln!("chaos: {e}");
     }
+    let (mut dropped_held, mut outage_held) = (false, false);
     let mut next_refusal = tokio::time::Instant::now() + Duration::from_millis(rng.range(3_000, 6_000));
     while !calm.load(Ordering::SeqCst) {
-        tokio::time::sleep(Duration::from_millis(rng.range(1_000, 3_000))).await;
+        let next_change = tokio::time::Instant::now() + Duration::from_millis(rng.range(1_000, 3_000));
+        while tokio::time::Instant::now() < next_change && !calm.load(Ordering::SeqCst) {
+            if !dropped_held && windows.progress.reached(DROP_WINDOW_AT) {
+                dropped_held = true;
+                hold_drop_window(&vendor, &calm, &faults).await;
+            }
+            if !outage_held && windows.progress.reached(OUTAGE_WINDOW_AT) {
+                outage_held = true;
+                hold_outage(&vendor, &calm, &faults, &windows).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         if calm.load(Ordering::SeqCst) {
             break;
         }
@@ -359,14 +454,17 @@ pub(crate) async fn attack_vendor(
             f.slow_ms = rng.range(200, 1_500);
         }
         let refuse = tokio::time::Instant::now() >= next_refusal;
-        if refuse {
+        let set = if refuse {
             // New connections are refused; the workers' kept-alive ones
             // get 500s, until well past their retries.
             f.refuse_ms = rng.range(1_500, 3_000);
             f.error_500 = 1.0;
             next_refusal = tokio::time::Instant::now() + Duration::from_millis(rng.range(60_000, 120_000));
-        }
-        match vendor.set(&f).await {
+            vendor.hold(&f).await
+        } else {
+            vendor.release(&f).await
+        };
+        match set {
             Ok(()) => {
                 let mut c = faults.lock().await;
                 c.vendor_slow_windows += u64::from(slow);
@@ -377,6 +475,144 @@ pub(crate) async fn attack_vendor(
         if refuse {
             tokio::time::sleep(Duration::from_millis(f.refuse_ms)).await;
         }
+    }
+}
+
+/// Holds `faults`, trying again until the vendor takes them (it may be
+/// refusing connections); answers false if `calm` came first.
+async fn hold_until_set(vendor: &Vendor, faults: &fake_vendor::Faults, calm: &AtomicBool) -> bool {
+    loop {
+        match vendor.hold(faults).await {
+            Ok(()) => return true,
+            Err(e) if calm.load(Ordering::SeqCst) => {
+                eprintln!("chaos: a held window was not opened: {e}");
+                return false;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Drops every answer after paying until the vendor has dropped one more
+/// and replayed one more payment (the worker's retry with the same key),
+/// or `calm`.
+async fn hold_drop_window(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<PayoutFaults>) {
+    let dropping = fake_vendor::Faults {
+        apply_then_drop: 1.0,
+        ..Default::default()
+    };
+    if !hold_until_set(vendor, &dropping, calm).await {
+        return;
+    }
+    faults.lock().await.vendor_held_drop_windows += 1;
+    let counts = |stats: &serde_json::Value| {
+        (
+            stats["dropped"].as_u64().unwrap_or(0),
+            stats["replayed"].as_u64().unwrap_or(0),
+        )
+    };
+    let mut before = None;
+    while !calm.load(Ordering::SeqCst) {
+        if let Ok(stats) = vendor.get_json::<serde_json::Value>("/_stats").await {
+            let (dropped, replayed) = counts(&stats);
+            match before {
+                None => before = Some((dropped, replayed)),
+                Some((d, r)) if dropped > d && replayed > r => break,
+                Some(_) => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Err(e) = vendor.release(&BASE_FAULTS).await {
+        eprintln!("chaos: {e}");
+    }
+}
+
+/// Answers every call 500 until a payout called in this outage has been
+/// dead-lettered after reaching the vendor (the workers' retries run out
+/// within a second), or `calm`.
+async fn hold_outage(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<PayoutFaults>, windows: &HeldWindows) {
+    let store = match ledger::Store::connect(&windows.database_url, 2).await {
+        Ok(store) => store,
+        Err(e) => {
+            eprintln!("chaos: the outage cannot watch the ledger's store: {e}");
+            return;
+        }
+    };
+    let letters = store.dead_letters();
+    let failing = fake_vendor::Faults {
+        error_500: 1.0,
+        ..BASE_FAULTS
+    };
+    if !hold_until_set(vendor, &failing, calm).await {
+        close(&store).await;
+        return;
+    }
+    faults.lock().await.vendor_held_outages += 1;
+    let before = loop {
+        match reached_letters(&letters, &windows.tenant).await {
+            Ok(n) => break n,
+            // Database sessions are killed now and then: ask again.
+            Err(_) if !calm.load(Ordering::SeqCst) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => {
+                eprintln!("chaos: {e}");
+                break u64::MAX;
+            }
+        }
+    };
+    while !calm.load(Ordering::SeqCst) {
+        if reached_letters(&letters, &windows.tenant)
+            .await
+            .is_ok_and(|n| n > before)
+        {
+            faults.lock().await.outage_letter_seen_at = Some(tokio::time::Instant::now());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Err(e) = vendor.release(&BASE_FAULTS).await {
+        eprintln!("chaos: {e}");
+    }
+    drop(letters);
+    close(&store).await;
+}
+
+/// The tenant's payout dead letters whose call reached the vendor.
+async fn reached_letters(letters: &ledger::DeadLetters, tenant: &str) -> Result<u64, Error> {
+    let mut page = DeadLetterFilter {
+        tenant: Some(tenant.to_owned()),
+        operation: Some(ledger::payouts::PAYOUT_OPERATION.to_owned()),
+        limit: idem_core::MAX_DEAD_LETTER_PAGE,
+        ..Default::default()
+    };
+    let mut reached = 0;
+    loop {
+        let got = letters
+            .list(&page)
+            .await
+            .map_err(|e| Error::Service(format!("dead letters: {e}")))?;
+        reached += got.iter().filter(|l| l.first_reached_at_ms.is_some()).count() as u64;
+        let Some(last) = got.last() else { break };
+        page.after_id = Some(last.id);
+        if (got.len() as u32) < page.limit {
+            break;
+        }
+    }
+    Ok(reached)
+}
+
+/// Closes the store's connections now, not at the pool's idle timeout: no
+/// session of the harness outlives the run's database.
+async fn close(store: &ledger::Store) {
+    let closed = async {
+        match store {
+            ledger::Store::Postgres(s) => s.pool().close().await,
+            ledger::Store::MySql(s) => s.pool().close().await,
+            ledger::Store::Sqlite(s) => s.pool().close().await,
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(10), closed).await.is_err() {
+        eprintln!("chaos: the payout checks' connections did not close within 10 s");
     }
 }
 
@@ -416,6 +652,13 @@ pub(crate) async fn settle_and_check(
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // The held outage's dead letter reached the vendor: once it is past the
+    // vendor's key horizon, its redrive asks the vendor before sending.
+    let outage_letter_seen_at = faults.lock().await.outage_letter_seen_at;
+    if let Some(seen) = outage_letter_seen_at {
+        tokio::time::sleep_until(seen + Duration::from_secs(VENDOR_KEY_HORIZON_SECS)).await;
     }
 
     // Every dead letter redriven, with its own key, until none is left.
@@ -523,19 +766,8 @@ pub(crate) async fn settle_and_check(
             break;
         }
     }
-    // Closed here, not left to the pool's idle timeout: no session of the
-    // harness outlives the run's database.
     drop((redriver, letters));
-    let closed = async {
-        match &store {
-            ledger::Store::Postgres(s) => s.pool().close().await,
-            ledger::Store::MySql(s) => s.pool().close().await,
-            ledger::Store::Sqlite(s) => s.pool().close().await,
-        }
-    };
-    if tokio::time::timeout(Duration::from_secs(10), closed).await.is_err() {
-        eprintln!("chaos: the payout checks' connections did not close within 10 s");
-    }
+    close(&store).await;
     let at_vendor: VendorLedger = vendor.get_json("/v1/ledger").await?;
     let stats: serde_json::Value = vendor.get_json("/_stats").await?;
     if stats["mismatched"].as_u64().unwrap_or(0) != 0 {

@@ -18,6 +18,8 @@ use crate::Error;
 pub struct ServiceCounts {
     /// Kills at random moments.
     pub random_kills: AtomicU64,
+    /// Kills at fixed fractions of the workload.
+    pub scheduled_kills: AtomicU64,
     /// Kills at idem's named fault points, by point.
     pub fault_point_kills: Mutex<BTreeMap<String, u64>>,
     /// Pauses (SIGSTOP … SIGCONT).

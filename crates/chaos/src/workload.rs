@@ -2,11 +2,12 @@
 //! until a definite answer.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Mutex;
 
+use crate::progress::Progress;
 use crate::rng::Rng;
 use crate::service::Service;
 use crate::{Config, Counts, Error};
@@ -203,6 +204,7 @@ pub(crate) async fn run(
     token: &str,
     mut rng: Rng,
     service: &Arc<Service>,
+    progress: Arc<Progress>,
 ) -> Result<Outcome, Error> {
     // The plan has its own stream, drawn before anything runs, so one seed
     // always gives one schedule however many retries the setup needs.
@@ -276,23 +278,22 @@ pub(crate) async fn run(
         .collect();
     let plans = Arc::new(plans);
     let accounts = Arc::new(accounts);
-    let next = Arc::new(AtomicUsize::new(0));
     let results: Arc<Mutex<Vec<Option<Op>>>> = Arc::new(Mutex::new(vec![None; config.ops]));
     let probes = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for _ in 0..config.clients.max(1) {
-        let (client, plans, accounts, next, results, probes, service) = (
+        let (client, plans, accounts, progress, results, probes, service) = (
             client.clone(),
             plans.clone(),
             accounts.clone(),
-            next.clone(),
+            progress.clone(),
             results.clone(),
             probes.clone(),
             service.clone(),
         );
         tasks.push(tokio::spawn(async move {
             loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
+                let i = progress.take();
                 let Some((plan, burst, probe)) = plans.get(i) else {
                     break;
                 };
