@@ -9,13 +9,16 @@
 //! and then answer 500 (on routes that hold an unknown outcome). The
 //! checker proves:
 //!
-//! - **one effect per recorded key**: once any client has read an effect's
+//! - **one effect per key**: the upstream never applies a key twice. A
+//!   gateway marks a request sent before its first byte leaves, so a
+//!   gateway killed mid-request leaves its key held (an unknown outcome),
+//!   never taken over and sent again; once any client has read an effect's
 //!   whole answer, that answer was recorded (the gateway ends a body only
-//!   after its outcome is settled), so the upstream must never apply that
-//!   key again; a key whose first call was cut off by a kill may have been
-//!   applied again, which is lease mode's documented limit, and is counted;
+//!   after its outcome is settled);
 //! - **held outcomes**: a key whose upstream applied it and answered 500 is
-//!   applied once, and its retries are told the outcome is unknown;
+//!   applied once, and its retries are told the outcome is unknown; a key
+//!   held because its gateway was killed after marking it sent may not have
+//!   reached the upstream at all (counted);
 //! - **no cross-tenant replay**: every answer names the caller's tenant;
 //! - **one answer per key**: every 201 a key's callers read names one effect.
 //!
@@ -141,12 +144,13 @@ pub struct GatewayReport {
     pub abandoned: u64,
     /// Effects the upstream applied.
     pub effects: u64,
-    /// Keys the upstream applied more than once whose earlier calls no
-    /// client ever read: cut off by a kill (lease mode's limit).
-    pub reapplied_unrecorded: u64,
-    /// Held keys applied more than once: a gateway killed between the
-    /// upstream's 500 and the hold (lease mode's limit, as above).
-    pub held_reapplied: u64,
+    /// Keys the upstream applied more than once (each a violation: a sent
+    /// request is never sent again).
+    pub reapplied: u64,
+    /// Keys held as unknown outcomes that the upstream never applied: a
+    /// gateway killed after marking the request sent, before it reached
+    /// the upstream.
+    pub held_unapplied: u64,
     /// `kill -9` of a gateway.
     pub kills: u64,
     /// SIGTERM of a gateway.
@@ -691,14 +695,14 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
             }
         }
         if s.held && applied.is_empty() {
-            violations.push(format!("{tenant}/{key}: held as an unknown outcome but never applied"));
+            report.held_unapplied += 1;
         }
-        if s.held && applied.len() > 1 {
-            // A kill between the upstream's 500 and the hold leaves the
-            // claim to its lease, and a retry then applies it again.
-            report.held_reapplied += 1;
-        } else if applied.len() > 1 && answers.first().is_none_or(|r| applied.iter().any(|e| e < r)) {
-            report.reapplied_unrecorded += 1;
+        if applied.len() > 1 {
+            report.reapplied += 1;
+            violations.push(format!(
+                "{tenant}/{key}: the upstream applied it {} times ({applied:?})",
+                applied.len()
+            ));
         }
     }
     for (t, k) in distinct.keys() {

@@ -101,7 +101,7 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     println!("{json}");
     println!(
         "chaos: gateway on {}: seed {seed}: {} ops ({} answered, {} held, {} unanswered), {} effects, {} kills, \
-         {} SIGTERMs, {} keys applied again after a cut-off first call: {} violation(s)",
+         {} SIGTERMs, {} keys applied twice, {} held keys never applied: {} violation(s)",
         report.store,
         report.ops,
         report.ok,
@@ -110,7 +110,8 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
         report.effects,
         report.kills,
         report.sigterms,
-        report.reapplied_unrecorded,
+        report.reapplied,
+        report.held_unapplied,
         report.violations.len()
     );
     if report.violations.is_empty() {
