@@ -22,6 +22,10 @@
 //! - **no cross-tenant replay**: every answer names the caller's tenant;
 //! - **one answer per key**: every 201 a key's callers read names one effect.
 //!
+//! The store is attacked too (`storefaults`): on Redis (a server of the
+//! run's own) writes are refused for a moment and connections killed; on
+//! PostgreSQL the gateways' sessions are terminated mid-use.
+//!
 //! Run: `cargo run --release -p chaos -- --gateway postgres --ops 20000`.
 
 use std::collections::{BTreeMap, HashMap};
@@ -30,14 +34,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, Uri};
-use axum::response::IntoResponse;
 use serde::Serialize;
 
 use crate::Error;
+use crate::gwprocs::{Gateways, Instance, start_upstream};
+pub use crate::gwprocs::{idem_binary, idem_fault_binary};
 use crate::rng::Rng;
 
 /// The store both gateways share.
@@ -96,6 +97,13 @@ pub struct GatewayConfig {
     /// shares one key space (the checker must then report cross-tenant
     /// answers).
     pub break_tenancy: bool,
+    /// Attack the shared store too (on Redis, a server of the run's own):
+    /// writes refused for a moment, connections killed mid-command.
+    pub store_faults: bool,
+    /// Run gateways built with fault injection whose sent mark is off: a
+    /// request cut off by a kill is then sent again, and the checker must
+    /// say so.
+    pub break_sent_mark: bool,
 }
 
 impl GatewayConfig {
@@ -113,6 +121,8 @@ impl GatewayConfig {
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
             redis_url: std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
             break_tenancy: false,
+            store_faults: true,
+            break_sent_mark: false,
         }
     }
 }
@@ -153,164 +163,19 @@ pub struct GatewayReport {
     pub held_unapplied: u64,
     /// `kill -9` of a gateway.
     pub kills: u64,
+    /// Times both gateways were killed while the upstream worked on a
+    /// request (the first fault of every run).
+    pub mid_request_kills: u64,
     /// SIGTERM of a gateway.
     pub sigterms: u64,
     /// Gateway restarts.
     pub restarts: u64,
     /// Seconds the run took.
     pub duration_secs: f64,
+    /// The faults of the shared store.
+    pub store_faults: crate::storefaults::StoreFaultCounts,
     /// Every property that failed; empty when all held.
     pub violations: Vec<String>,
-}
-
-/// Finds or builds the `idem` binary.
-pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
-    if let Some(p) = explicit {
-        return Ok(p.clone());
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.current_dir(&root)
-        .args(["build", "-p", "idem-cli", "--bin", "idem", "--message-format=json"]);
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
-    if !out.status.success() {
-        return Err(Error::Service("building idem failed".into()));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "idem")
-        .rev()
-        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| Error::Service("cargo reported no idem executable".into()))
-}
-
-/// Every effect per (tenant, key), in order.
-type Effects = HashMap<(String, String), Vec<u64>>;
-
-/// The upstream's memory.
-#[derive(Clone, Default)]
-struct Upstream {
-    seq: Arc<AtomicU64>,
-    effects: Arc<Mutex<Effects>>,
-}
-
-/// Applies the request (a new effect number), then answers 201 naming it
-/// and the tenant, after a delay the path asks for; `/v1/fail` answers 500
-/// after applying.
-async fn apply(State(u): State<Upstream>, uri: Uri, headers: HeaderMap, body: Bytes) -> axum::response::Response {
-    let tenant = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
-        .to_owned();
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    let delay = uri
-        .query()
-        .and_then(|q| q.strip_prefix("delay_ms="))
-        .and_then(|d| d.parse::<u64>().ok())
-        .unwrap_or(0);
-    let effect = u.seq.fetch_add(1, Ordering::SeqCst) + 1;
-    u.effects
-        .lock()
-        .unwrap()
-        .entry((tenant.clone(), key.clone()))
-        .or_default()
-        .push(effect);
-    tokio::time::sleep(Duration::from_millis(delay)).await;
-    let answer =
-        serde_json::json!({ "effect": effect, "tenant": tenant, "key": key, "body": String::from_utf8_lossy(&body) });
-    let status = if uri.path() == "/v1/fail" {
-        StatusCode::INTERNAL_SERVER_ERROR
-    } else {
-        StatusCode::CREATED
-    };
-    (status, [("content-type", "application/json")], answer.to_string()).into_response()
-}
-
-async fn start_upstream() -> Result<(String, Upstream), Error> {
-    let upstream = Upstream::default();
-    let app = Router::new()
-        .fallback(axum::routing::post(apply))
-        .with_state(upstream.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    Ok((format!("http://{addr}"), upstream))
-}
-
-/// One gateway process on a fixed port.
-struct Instance {
-    port: u16,
-    child: Option<tokio::process::Child>,
-}
-
-struct Gateways {
-    bin: PathBuf,
-    config: PathBuf,
-    upstream: String,
-    store: String,
-    instances: Vec<Instance>,
-}
-
-impl Gateways {
-    async fn start(&mut self, i: usize) -> Result<(), Error> {
-        let port = self.instances[i].port;
-        let child = tokio::process::Command::new(&self.bin)
-            .args(["gateway", "--upstream", &self.upstream, "--store", &self.store])
-            .arg("--config")
-            .arg(&self.config)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .env("RUST_LOG", "error")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()?;
-        self.instances[i].child = Some(child);
-        let client = ledger::http_builder().timeout(Duration::from_secs(1)).build()?;
-        for _ in 0..600 {
-            if client
-                .get(format!("http://127.0.0.1:{port}/_idem/healthz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-            {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        Err(Error::Service(format!(
-            "the gateway on port {port} did not become healthy"
-        )))
-    }
-
-    fn signal(&self, i: usize, signal: &str) {
-        if let Some(pid) = self.instances[i].child.as_ref().and_then(tokio::process::Child::id) {
-            let _ = std::process::Command::new("kill")
-                .args([signal, &pid.to_string()])
-                .status();
-        }
-    }
-
-    async fn wait_exit(&mut self, i: usize, limit: Duration) {
-        if let Some(child) = self.instances[i].child.as_mut()
-            && tokio::time::timeout(limit, child.wait()).await.is_err()
-        {
-            let _ = child.kill().await;
-        }
-        self.instances[i].child = None;
-    }
 }
 
 /// What a client saw of one logical operation.
@@ -473,13 +338,21 @@ path = "/v1/fail"
 /// Runs the gateway mode once.
 pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> {
     let started = Instant::now();
-    let bin = idem_binary(config.idem_bin.as_ref())?;
+    let bin = if config.break_sent_mark {
+        idem_fault_binary()?
+    } else {
+        idem_binary(config.idem_bin.as_ref())?
+    };
     let run = uuid::Uuid::now_v7().simple().to_string();
     let (upstream_url, upstream) = start_upstream().await?;
+    let own_redis = match (config.store, config.store_faults) {
+        (GatewayStore::Redis, true) => Some(Arc::new(crate::storefaults::PrivateRedis::start().await?)),
+        _ => None,
+    };
     let (store, extra) = match config.store {
         GatewayStore::Postgres => (config.postgres_url.clone(), String::new()),
         GatewayStore::Redis => (
-            config.redis_url.clone(),
+            own_redis.as_ref().map_or_else(|| config.redis_url.clone(), |r| r.url()),
             format!("\n[redis]\nprefix = \"chaos-gw-{run}\"\n"),
         ),
     };
@@ -498,6 +371,7 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         upstream: upstream_url,
         store,
         instances: Vec::new(),
+        skip_sent_mark: config.break_sent_mark,
     };
     for _ in 0..2 {
         let port = crate::free_port().await?;
@@ -555,8 +429,34 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         let stop = stop.clone();
         let mut rng = rng.fork(7);
         let interval = config.fault_interval_ms;
+        let slow_in_flight = upstream.slow_in_flight.clone();
         tokio::spawn(async move {
             let (mut kills, mut sigterms, mut restarts) = (0u64, 0u64, 0u64);
+            // First, by construction: both gateways killed while the upstream
+            // works on a request, so a request that may have been applied is
+            // cut off from its answer in every run.
+            let mut mid_request_kills = 0u64;
+            for _ in 0..2_000 {
+                if stop.load(Ordering::SeqCst) || slow_in_flight.load(Ordering::SeqCst) > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if slow_in_flight.load(Ordering::SeqCst) > 0 {
+                for i in 0..2 {
+                    gateways.signal(i, "-KILL");
+                    kills += 1;
+                }
+                for i in 0..2 {
+                    gateways.wait_exit(i, Duration::from_secs(5)).await;
+                }
+                mid_request_kills += 1;
+                for i in 0..2 {
+                    if gateways.start(i).await.is_ok() {
+                        restarts += 1;
+                    }
+                }
+            }
             while !stop.load(Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_millis(rng.range(interval / 2, interval * 3 / 2))).await;
                 if stop.load(Ordering::SeqCst) {
@@ -577,8 +477,31 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
                     restarts += 1;
                 }
             }
-            (gateways, kills, sigterms, restarts)
+            (gateways, kills, sigterms, restarts, mid_request_kills)
         })
+    };
+
+    // Faults of the store, on their own schedule.
+    let store_counts = Arc::new(crate::storefaults::Counters::default());
+    let store_attack = if config.store_faults {
+        let target = match &own_redis {
+            Some(redis) => crate::storefaults::Target::Redis(redis.clone()),
+            None => crate::storefaults::Target::Postgres(
+                sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&config.postgres_url)
+                    .await?,
+            ),
+        };
+        Some(tokio::spawn(crate::storefaults::attack(
+            target,
+            rng.fork(11),
+            config.fault_interval_ms,
+            stop.clone(),
+            store_counts.clone(),
+        )))
+    } else {
+        None
     };
 
     let clients: Vec<_> = (0..config.clients)
@@ -618,10 +541,15 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         let _ = c.await;
     }
     stop.store(true, Ordering::SeqCst);
-    let (mut gateways, kills, sigterms, restarts) = faults
+    let (mut gateways, kills, sigterms, restarts, mid_request_kills) = faults
         .await
         .map_err(|e| Error::Service(format!("the fault task failed: {e}")))?;
+    if let Some(attack) = store_attack {
+        let _ = attack.await;
+    }
+    report.store_faults = store_counts.report();
     report.kills = kills;
+    report.mid_request_kills = mid_request_kills;
     report.sigterms = sigterms;
     report.restarts = restarts;
     for i in 0..2 {
@@ -660,6 +588,9 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         gateways.wait_exit(i, Duration::from_secs(15)).await;
     }
     let _ = std::fs::remove_file(&config_path);
+    if let Some(redis) = own_redis.and_then(|r| Arc::try_unwrap(r).ok()) {
+        redis.stop().await;
+    }
 
     // The checks.
     let effects = upstream.effects.lock().unwrap().clone();

@@ -25,11 +25,13 @@ mod check;
 mod db;
 pub mod events;
 pub mod gateway;
+mod gwprocs;
 pub mod payouts;
 mod progress;
 pub mod proxy;
 pub mod rng;
 pub mod service;
+pub mod storefaults;
 mod workload;
 
 use std::collections::BTreeMap;

@@ -101,7 +101,8 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     println!("{json}");
     println!(
         "chaos: gateway on {}: seed {seed}: {} ops ({} answered, {} held, {} unanswered), {} effects, {} kills, \
-         {} SIGTERMs, {} keys applied twice, {} held keys never applied: {} violation(s)",
+         {} SIGTERMs, store: {} refusal windows ({} ms), {} sessions killed; {} keys applied twice, {} held keys \
+         never applied: {} violation(s)",
         report.store,
         report.ops,
         report.ok,
@@ -110,6 +111,9 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
         report.effects,
         report.kills,
         report.sigterms,
+        report.store_faults.refusal_windows,
+        report.store_faults.refusal_ms,
+        report.store_faults.sessions_killed,
         report.reapplied,
         report.held_unapplied,
         report.violations.len()

@@ -2,7 +2,8 @@
 //! processes on one store, killed with `kill -9` and SIGTERMed while
 //! clients of several tenants retry through both. No recorded key is
 //! applied twice, no caller reads another tenant's answer, and every
-//! operation is answered once the faults stop. Seeds come from
+//! operation is answered once the faults stop — while the store refuses
+//! writes for moments and has its connections killed. Seeds come from
 //! `CHAOS_SEED` or are random, and are printed.
 
 use chaos::gateway::{GatewayConfig, GatewayReport, GatewayStore, run_gateway};
@@ -26,6 +27,10 @@ async fn short_run(store: GatewayStore) -> GatewayReport {
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert!(report.violations.is_empty(), "seed {seed}: {:#?}", report.violations);
     assert!(report.kills >= 2, "seed {seed}: only {} kills", report.kills);
+    assert_eq!(
+        report.mid_request_kills, 1,
+        "seed {seed}: the gateways were not killed mid-request"
+    );
     assert!(report.restarts >= 2, "seed {seed}: only {} restarts", report.restarts);
     assert!(
         report.ok > 0 && report.replays_seen > 0,
@@ -35,6 +40,18 @@ async fn short_run(store: GatewayStore) -> GatewayReport {
         report.connection_failures > 0,
         "seed {seed}: no attempt hit a dead gateway"
     );
+    assert!(
+        report.store_faults.sessions_killed > 0,
+        "seed {seed}: no store connection killed: {:?}",
+        report.store_faults
+    );
+    if store == GatewayStore::Redis {
+        assert!(
+            report.store_faults.refusal_windows > 0,
+            "seed {seed}: the store never refused a write: {:?}",
+            report.store_faults
+        );
+    }
     report
 }
 
@@ -63,6 +80,28 @@ async fn the_gateway_checker_can_fail() {
     assert!(
         report.violations.iter().any(|v| v.contains("made for tenant")),
         "seed {seed}: no cross-tenant answer reported: {:#?}",
+        report.violations
+    );
+}
+
+/// The checker catches what the sent mark prevents: gateways built with
+/// fault injection and the mark switched off send a request cut off by a
+/// kill again once its lease runs out, and the run must report the key
+/// applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gateway_checker_catches_a_missing_sent_mark() {
+    let seed = seed();
+    let mut config = GatewayConfig::new(GatewayStore::Postgres, seed);
+    config.ops = 200;
+    config.break_sent_mark = true;
+    config.store_faults = false;
+    let report = run_gateway(config)
+        .await
+        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
+    assert_eq!(report.mid_request_kills, 1, "seed {seed}");
+    assert!(
+        report.reapplied > 0 && report.violations.iter().any(|v| v.contains("the upstream applied it")),
+        "seed {seed}: no key reported applied twice: {:#?}",
         report.violations
     );
 }

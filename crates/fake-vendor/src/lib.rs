@@ -159,6 +159,20 @@ impl Vendor {
         self.paid.load(Ordering::SeqCst)
     }
 
+    /// Payout requests being processed right now (arrived, not yet answered).
+    pub fn in_process(&self) -> usize {
+        self.lock_processing().0.len()
+    }
+
+    /// Sets the switchable faults (`refuse_ms` starts refusing now).
+    pub async fn set_faults(&self, faults: Faults) {
+        if faults.refuse_ms > 0 {
+            self.refuse_until_ms
+                .store(now_ms().saturating_add(faults.refuse_ms), Ordering::SeqCst);
+        }
+        *self.faults.lock().await = Faults { refuse_ms: 0, ..faults };
+    }
+
     /// Moves the vendor's clock forward (keys age by as much).
     pub fn advance(&self, by: Duration) {
         self.clock_offset_ms
@@ -441,10 +455,7 @@ async fn set_faults(State(v): State<Arc<Vendor>>, Json(f): Json<Faults>) -> Resp
             "probabilities are between 0 and 1",
         );
     }
-    if f.refuse_ms > 0 {
-        v.refuse_until_ms.store(now_ms() + f.refuse_ms, Ordering::SeqCst);
-    }
-    *v.faults.lock().await = Faults { refuse_ms: 0, ..f };
+    v.set_faults(f).await;
     StatusCode::NO_CONTENT.into_response()
 }
 

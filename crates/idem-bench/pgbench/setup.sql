@@ -12,6 +12,7 @@ CREATE TABLE pgb_keys (
     created_at_ms BIGINT NOT NULL,
     expires_at_ms BIGINT NOT NULL,
     lease_expires_at_ms BIGINT NULL,
+    sent_at_ms BIGINT NULL,
     PRIMARY KEY (tenant, operation, idem_key)
 ) WITH (fillfactor = 80);
 CREATE INDEX pgb_keys_expires ON pgb_keys (expires_at_ms);

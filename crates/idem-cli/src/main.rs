@@ -309,7 +309,7 @@ struct Selection {
     #[arg(long)]
     key_prefix: Option<String>,
     /// Only keys in this state.
-    #[arg(long, value_parser = ["in_progress", "completed", "rejected", "unknown", "expired"])]
+    #[arg(long, value_parser = ["in_progress", "sent", "completed", "rejected", "unknown", "expired"])]
     state: Option<String>,
     /// Only keys claimed at least this many seconds ago.
     #[arg(long)]
@@ -344,6 +344,7 @@ impl Selection {
                 "completed" => idem_core::KeyState::Completed,
                 "rejected" => idem_core::KeyState::Rejected,
                 "unknown" => idem_core::KeyState::Unknown,
+                "sent" => idem_core::KeyState::Sent,
                 _ => idem_core::KeyState::Expired,
             }),
             older_than_ms: self
@@ -651,6 +652,11 @@ async fn run(args: Args) -> Result<(), Failure> {
             tenant,
             admin_listen,
         } => {
+            #[cfg(feature = "fault-injection")]
+            if std::env::var_os("IDEM_FAULT_SKIP_SENT_MARK").is_some() {
+                tracing::warn!("fault injection: the sent mark is off; keys of killed requests are sent again");
+                idem_http::fault::set_skip_sent_mark(true);
+            }
             let mut cfg = match &config {
                 Some(path) => idem_gateway::Config::from_file(path).map_err(|e| Failure(2, e.to_string()))?,
                 None => idem_gateway::Config::default(),
@@ -826,6 +832,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 "completed": st.completed,
                 "rejected": st.rejected,
                 "unknown": st.unknown,
+                "sent": st.sent,
                 "expired": st.expired,
             });
             if let Some(t) = s.table() {
@@ -835,9 +842,11 @@ async fn run(args: Args) -> Result<(), Failure> {
                 json,
                 v,
                 format!(
-                    "{}: {} in progress, {} completed, {} rejected, {} unknown (held for an operator), {} expired (to sweep)",
+                    "{}: {} in progress, {} sent (may have reached the other side), {} completed, {} rejected, {} unknown \
+                     (held for an operator), {} expired (to sweep)",
                     s.kind(),
                     st.in_progress,
+                    st.sent,
                     st.completed,
                     st.rejected,
                     st.unknown,

@@ -91,8 +91,10 @@ pub async fn lease_release_leaves_key_unused<S: Subject>(s: S) {
     engine.release(&again).await.unwrap();
 }
 
-/// An error or a panic in the work releases the key, so a retry runs.
-pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
+/// An error in the work releases the key, so a retry runs; a panic holds
+/// it as an unknown outcome (the work was marked sent and may have acted),
+/// so nothing runs again until it is resolved.
+pub async fn lease_error_releases_and_panic_holds_the_key<S: Subject>(s: S) {
     let engine = lease_engine(&s);
     let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(20_000));
     let err = engine
@@ -117,9 +119,17 @@ pub async fn lease_error_and_panic_release_the_key<S: Subject>(s: S) {
         .await
     };
     assert!(panicked.is_err_and(|e| e.is_panic()));
+    engine.detached().idle().await;
     let runs = Runs::default();
+    let held = run_receipt::<S>(&engine, &call, &runs).await;
+    assert!(
+        matches!(held, Err(TestError::Idem(Error::OutcomeUnknown))),
+        "a panicked work's key is held: {held:?}"
+    );
+    assert_eq!(runs.get(), 0);
+    assert!(engine.resolve_unknown(call.scope(), call.key(), None).await.unwrap());
     let ok = run_receipt::<S>(&engine, &call, &runs).await.unwrap();
-    assert!(!ok.is_replayed(), "the key was released after the panic");
+    assert!(!ok.is_replayed(), "resolved not applied, the key runs again");
     assert_eq!(runs.get(), 1);
 }
 

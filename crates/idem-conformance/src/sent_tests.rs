@@ -129,13 +129,15 @@ pub async fn sent_mark_of_a_new_claim_starts_afresh<S: Subject>(s: S) {
     clock.advance(Duration::from_secs(61));
     let new = held(engine.acquire(&call).await.unwrap());
     assert!(new.token > old.token);
+    let fresh = row::<S>(&engine, &new).await;
     assert_eq!(
-        row::<S>(&engine, &new).await.state,
+        fresh.state,
         RowState::InProgress {
             token: new.token,
             lease_expires_at_ms: new.lease_expires_at_ms
         }
     );
+    assert_eq!(fresh.sent_at_ms, None, "the expired claim's mark is gone");
     let marked_at = idem_core::Clock::now_ms(&clock);
     engine.mark_sent(&new).await.unwrap();
     assert_eq!(row::<S>(&engine, &new).await.sent_at_ms, Some(marked_at));

@@ -628,6 +628,20 @@ impl DeadLetter {
         Ok(Some(token))
     }
 
+    /// [`take`](Self::take), answering the hold: the letter as taken, the
+    /// token, and until when an earlier redrive held it.
+    pub fn take_hold(&mut self, now_ms: i64, hold_ms: i64) -> Result<Option<RedriveHold>> {
+        let earlier_hold_until_ms = match self.state {
+            DeadLetterState::Redriving => self.redrive_until_ms,
+            _ => None,
+        };
+        Ok(self.take(now_ms, hold_ms)?.map(|token| RedriveHold {
+            dead_letter: self.clone(),
+            token,
+            earlier_hold_until_ms,
+        }))
+    }
+
     /// Whether the redrive with `token` holds it.
     pub fn held_by(&self, token: u32) -> bool {
         self.state == DeadLetterState::Redriving && self.redrives == token
@@ -959,6 +973,11 @@ pub struct RedriveHold {
     pub dead_letter: DeadLetter,
     /// The hold's token (the redrive count after taking it).
     pub token: u32,
+    /// When the taken letter was still held by an earlier redrive whose
+    /// hold has since run out: that redrive may have sent until then, so a
+    /// vendor's "not applied" is trusted only once a send started then has
+    /// settled. `None` when the letter was not being redriven.
+    pub earlier_hold_until_ms: Option<i64>,
 }
 
 /// A store of dead letters. Store crates also offer recording inside the

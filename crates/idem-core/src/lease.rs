@@ -265,13 +265,24 @@ impl<S: LeaseStore> LeaseEngine<S> {
         let mut backoff = std::time::Duration::from_millis(50);
         let mut refused = false;
         loop {
-            let attempt = match &record {
-                Some(record) if record.status == crate::RecordStatus::Unknown => {
-                    self.mark_unknown(lease, record.payload.clone()).await
+            // Each try is bounded: a store that hangs is a store that refused
+            // (the write may still land; the next try recognises it).
+            let attempt = tokio::time::timeout(SETTLE_TRY_TIMEOUT, async {
+                match &record {
+                    Some(record) if record.status == crate::RecordStatus::Unknown => {
+                        self.mark_unknown(lease, record.payload.clone()).await
+                    }
+                    Some(record) => self.complete(lease, record.clone()).await,
+                    None => self.release(lease).await,
                 }
-                Some(record) => self.complete(lease, record.clone()).await,
-                None => self.release(lease).await,
-            };
+            })
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::store(
+                    crate::StoreErrorKind::Unavailable,
+                    "the store did not answer the outcome's write in time",
+                ))
+            });
             let e = match attempt {
                 Ok(()) => return Ok(()),
                 Err(Error::Fenced) if refused => match self.settled_by_earlier_try(lease, record.as_ref()).await {
@@ -280,8 +291,10 @@ impl<S: LeaseStore> LeaseEngine<S> {
                     Err(e) => e,
                 },
                 Err(Error::Fenced) => return Err(Error::Fenced),
-                Err(e @ (Error::Config(_) | Error::Corrupt(_))) => return Err(e),
-                Err(e) => e,
+                // Only the store's failures pass; anything else would fail
+                // the same way every time.
+                Err(e @ Error::Store { .. }) => e,
+                Err(e) => return Err(e),
             };
             refused = true;
             metrics::count(metrics::SETTLE_RETRIES, lease.scope.operation());
@@ -293,6 +306,14 @@ impl<S: LeaseStore> LeaseEngine<S> {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
         }
+    }
+
+    /// Gives back a claim whose sent mark the store refused: nothing was
+    /// sent. Tried again for a few seconds, since the mark may have been
+    /// applied and reported as failed, and a key left marked would be held
+    /// as an unknown outcome once its lease ran out.
+    pub async fn release_unsent(&self, lease: &Lease) -> Result<()> {
+        self.settle_retrying(lease, None, UNSENT_RELEASE_WINDOW).await
     }
 
     /// After a refused write and then a fenced one: whether the refused one
@@ -420,12 +441,18 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// lives. `work` receives the [`HeldLease`], whose fencing token it can
     /// pass downstream.
     ///
-    /// An `Err` or a panic in `work` releases the key. Once `work` has
-    /// returned, the outcome is recorded (or the key released) in a task that
-    /// outlives this future, so dropping it then changes nothing. If this
-    /// future is dropped while `work` runs, the work may already have taken
-    /// effect: the key is not released, the heartbeat stops, and the claim
-    /// expires after one lease length.
+    /// Before `work` runs, the key is marked sent
+    /// ([`mark_sent`](Self::mark_sent)); a mark the store refuses runs
+    /// nothing and gives the key back. An `Err` from `work` says it did not
+    /// take effect and releases the key; a panic holds it as an unknown
+    /// outcome (the work may have acted). Once `work` has returned, the
+    /// outcome is recorded (or the key released) in a task that outlives
+    /// this future, tried again while the store refuses it, so dropping the
+    /// future then changes nothing. If this future is dropped while `work`
+    /// runs, the work may already have taken effect: the key is not
+    /// released, the heartbeat stops, and once the lease runs out the key is
+    /// held as an unknown outcome — never taken over and run again — until
+    /// [`resolve_unknown`](Self::resolve_unknown) or its expiry.
     pub async fn run<T, E, F, Fut>(&self, call: &Call, work: F) -> Result<Outcome<T>, E>
     where
         F: FnOnce(HeldLease) -> Fut,
@@ -464,13 +491,15 @@ impl<S: LeaseStore> LeaseEngine<S> {
         // that dies in the work leaves an unknown outcome, never a key a
         // twin takes over and runs again.
         if let Err(e) = self.mark_sent(&lease).await {
-            if !matches!(e, Error::Fenced) {
-                release_abandoned(&*self.store, lease).await;
+            if !matches!(e, Error::Fenced)
+                && let Err(release) = self.release_unsent(&lease).await
+            {
+                tracing::warn!(error = %release, "could not give back a claim whose sent mark was refused");
             }
             return Err(e.into());
         }
         let beat = self.heartbeat(&lease, call.policy().effective_lease_ms());
-        let mut guard = ReleaseOnPanic {
+        let mut guard = HoldOnPanic {
             store: Some(self.store.clone()),
             detached: self.detached.clone(),
             lease: lease.clone(),
@@ -482,8 +511,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
             Ok(Ok(value)) => match engine::encode(&value, limit) {
                 Ok(payload) => (Settle::Complete(Record::completed(payload)), Ok(Ok(value))),
                 // The effect happened but cannot be recorded: keep the claim
-                // (it expires with its lease) rather than let a retry run the
-                // effect again at once.
+                // (held as an unknown outcome once its lease runs out) rather
+                // than let a retry run the effect again.
                 Err(e) => return Err(e.into()),
             },
             Ok(Err(rejection)) => {
@@ -528,6 +557,14 @@ impl<S: LeaseStore> LeaseEngine<S> {
 /// as an unknown outcome, never released.
 pub const SETTLE_RETRY_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The longest one try of an outcome's write may take before it counts as
+/// refused.
+const SETTLE_TRY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a claim whose sent mark was refused is tried to be given back:
+/// nothing was sent, and a retry should find the key free.
+const UNSENT_RELEASE_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How a lease is given back once the work is done.
 #[derive(Debug)]
 pub(crate) enum Settle {
@@ -537,35 +574,42 @@ pub(crate) enum Settle {
     Release,
 }
 
-/// Releases a lease if the work panicked. A future dropped while the work
-/// ran does not release it: the work may have taken effect, so the claim is
-/// left to expire.
-struct ReleaseOnPanic<S: LeaseStore> {
+/// Holds the outcome of a lease whose work panicked as unknown (the work
+/// was marked sent and may have acted). A future dropped while the work
+/// ran changes nothing: the sent mark holds the key once its lease runs out.
+struct HoldOnPanic<S: LeaseStore> {
     store: Option<Arc<S>>,
     detached: Detached,
     lease: Lease,
 }
 
-impl<S: LeaseStore> ReleaseOnPanic<S> {
+impl<S: LeaseStore> HoldOnPanic<S> {
     fn disarm(&mut self) {
         self.store = None;
     }
 }
 
-impl<S: LeaseStore> Drop for ReleaseOnPanic<S> {
+impl<S: LeaseStore> Drop for HoldOnPanic<S> {
     fn drop(&mut self) {
         let Some(store) = self.store.take() else { return };
         if !std::thread::panicking() {
-            tracing::debug!("lease-mode work dropped before it finished; the claim expires with its lease");
+            tracing::debug!(
+                "lease-mode work dropped before it finished; the key is held as an unknown outcome once its lease runs out"
+            );
             return;
         }
+        // The work was marked sent and may have acted before it panicked: its
+        // outcome is unknown, never released for a blind second run.
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             self.detached.spawn_on(&handle, async move {
-                if let Err(e) = store.release(&lease).await {
-                    tracing::warn!(error = %e, "could not release a lease after a panic; it will expire");
-                } else {
-                    metrics::count(metrics::RELEASES, lease.scope.operation());
+                let note = Record::unknown(b"the work panicked after the request was marked sent".to_vec());
+                match store.complete(&lease, &note).await {
+                    Ok(()) => metrics::count(metrics::UNKNOWN, lease.scope.operation()),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "could not hold the outcome of a panicked work; its sent mark holds it once the lease runs out"
+                    ),
                 }
             });
         }

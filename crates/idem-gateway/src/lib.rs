@@ -244,8 +244,8 @@ impl Gateway {
         if tokio::time::timeout_at(deadline, self.detached.idle()).await.is_err() {
             tracing::warn!(
                 running = self.detached.running(),
-                "recordings still running after the grace period are abandoned; their keys stay in progress \
-                 until their leases expire"
+                "recordings still running after the grace period are abandoned; their keys were marked sent, \
+                 and are held as unknown outcomes once their leases expire"
             );
         }
         Ok(())

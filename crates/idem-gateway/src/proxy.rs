@@ -293,12 +293,13 @@ impl Proxy {
             .send()
             .await;
         // The upstream may have applied the request once it had all of it.
-        let unknown =
-            |what: String| (holds && whole.load(Ordering::SeqCst)).then_some(idem_http::OutcomeUnknown { note: what });
+        let unknown = |what: String, answered: bool| {
+            (holds && whole.load(Ordering::SeqCst)).then_some(idem_http::OutcomeUnknown { note: what, answered })
+        };
         let sent = match sent {
             // A request that never got a connection never reached the upstream.
             Err(e) if !is_slow_body(&e) && !e.is_connect() => {
-                match unknown(format!("the upstream did not answer: {e}")) {
+                match unknown(format!("the upstream did not answer: {e}"), false) {
                     Some(held) => return held_failure(&e, held),
                     None => Err(e),
                 }
@@ -318,7 +319,7 @@ impl Proxy {
                 *response.status_mut() = status;
                 *response.headers_mut() = head.headers;
                 if status.is_server_error()
-                    && let Some(unknown) = unknown(format!("the upstream answered {}", status.as_u16()))
+                    && let Some(unknown) = unknown(format!("the upstream answered {}", status.as_u16()), true)
                 {
                     response.extensions_mut().insert(unknown);
                 }

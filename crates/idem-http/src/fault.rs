@@ -38,6 +38,7 @@ type Hook = Box<dyn Fn(Point) + Send + Sync>;
 
 static HOOK: OnceLock<Hook> = OnceLock::new();
 static BYPASS: AtomicBool = AtomicBool::new(false);
+static SKIP_SENT_MARK: AtomicBool = AtomicBool::new(false);
 
 /// Installs the hook called at every fault point (once per process).
 pub fn set_hook(hook: impl Fn(Point) + Send + Sync + 'static) -> bool {
@@ -49,6 +50,18 @@ pub fn set_hook(hook: impl Fn(Point) + Send + Sync + 'static) -> bool {
 /// applications.
 pub fn set_bypass(on: bool) {
     BYPASS.store(on, Ordering::SeqCst);
+}
+
+/// Switches the lease-mode sent mark off (`true`): a lease then reaches the
+/// handler unmarked, and a holder that dies mid-request leaves a key the
+/// next claimer takes over and sends again. Only for proving that a checker
+/// detects the double applications the mark prevents.
+pub fn set_skip_sent_mark(on: bool) {
+    SKIP_SENT_MARK.store(on, Ordering::SeqCst);
+}
+
+pub(crate) fn skips_sent_mark() -> bool {
+    SKIP_SENT_MARK.load(Ordering::SeqCst)
 }
 
 pub(crate) fn hit(point: Point) {

@@ -86,4 +86,32 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLease {
 pub struct OutcomeUnknown {
     /// What was seen, for the operator.
     pub note: String,
+    /// Whether the other side answered (a 5xx): nothing of the request is
+    /// still in flight there, so a reconcile lookup's "not applied" is
+    /// trusted at once. Without an answer (a timeout, a dropped
+    /// connection) it is trusted only once the send has settled
+    /// ([`Reconcile::settle_after`](crate::Reconcile::settle_after)).
+    pub answered: bool,
+}
+
+/// How the note of an unknown outcome whose send was answered starts, as
+/// stored: a reconciliation trusts "not applied" for it at once.
+pub(crate) const ANSWERED: &str = "answered: ";
+
+impl OutcomeUnknown {
+    /// The note as stored: prefixed with [`ANSWERED`] when the other side
+    /// answered, and never mistaken for such a note when it did not.
+    pub(crate) fn stored_note(&self) -> Vec<u8> {
+        match (self.answered, self.note.starts_with(ANSWERED)) {
+            (true, _) => format!("{ANSWERED}{}", self.note).into_bytes(),
+            (false, true) => format!(" {}", self.note).into_bytes(),
+            (false, false) => self.note.clone().into_bytes(),
+        }
+    }
+}
+
+/// Whether a stored unknown outcome's send was answered (see
+/// [`OutcomeUnknown::answered`]).
+pub(crate) fn was_answered(record: &idem_core::Record) -> bool {
+    record.status == idem_core::RecordStatus::Unknown && record.payload.starts_with(ANSWERED.as_bytes())
 }

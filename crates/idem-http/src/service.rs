@@ -140,6 +140,17 @@ fn bypassed() -> bool {
     false
 }
 
+#[cfg(feature = "fault-injection")]
+fn skips_sent_mark() -> bool {
+    crate::fault::skips_sent_mark()
+}
+
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+fn skips_sent_mark() -> bool {
+    false
+}
+
 fn is_safe(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE)
 }
@@ -662,30 +673,39 @@ impl<B: TxBackend + Clone> Transactional<B> {
     }
 }
 
-/// Releases a lease if the handler panics. Nothing else releases it once the
-/// handler may have run.
-struct ReleaseOnPanic<L: LeaseStore> {
+/// Holds a lease's outcome as unknown if the handler panics: it ran after
+/// the key was marked sent and may have acted.
+struct HoldOnPanic<L: LeaseStore> {
     engine: Option<idem_core::LeaseEngine<L>>,
     lease: idem_core::Lease,
 }
 
-impl<L: LeaseStore> ReleaseOnPanic<L> {
+impl<L: LeaseStore> HoldOnPanic<L> {
     fn disarm(&mut self) {
         self.engine = None;
     }
 }
 
-impl<L: LeaseStore> Drop for ReleaseOnPanic<L> {
+impl<L: LeaseStore> Drop for HoldOnPanic<L> {
     fn drop(&mut self) {
         let Some(engine) = self.engine.take() else { return };
         if !std::thread::panicking() {
             return;
         }
+        // The handler ran after the key was marked sent and may have acted
+        // before it panicked: its outcome is unknown, never released for a
+        // blind second run.
         let lease = self.lease.clone();
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let detached = engine.detached().clone();
             detached.spawn_on(&handle, async move {
-                let _ = engine.release(&lease).await;
+                let _ = engine
+                    .settle_retrying(
+                        &lease,
+                        Some(idem_core::Record::unknown(b"the handler panicked".to_vec())),
+                        idem_core::SETTLE_RETRY_WINDOW,
+                    )
+                    .await;
             });
         }
     }
@@ -774,8 +794,13 @@ impl<L: LeaseStore> Leased<L> {
             }
             // When the held request was sent: a "not applied" asked before it
             // has settled may only mean the other side has not finished yet.
+            // (An unknown outcome recorded from the other side's answer has
+            // settled already: nothing of it is in flight there.)
             let sent_at_ms = match self.engine.lookup(call.scope(), call.key()).await {
-                Ok(row) => row.and_then(|row| row.sent_at_ms),
+                Ok(row) => row.and_then(|row| match &row.state {
+                    idem_core::RowState::Done(record) if crate::lease::was_answered(record) => None,
+                    _ => row.sent_at_ms,
+                }),
                 Err(e) => return Err(error_response(cfg, call, e)),
             };
             let answer = reconcile.ask(parts, call).await;
@@ -965,7 +990,12 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 // other side, before the key is marked sent: a holder that dies
                 // from here on leaves an unknown outcome (reconciled or held),
                 // never a key that a twin takes over and sends again.
-                if let Err(e) = engine.mark_sent(&lease).await {
+                let marked = if skips_sent_mark() {
+                    Ok(())
+                } else {
+                    engine.mark_sent(&lease).await
+                };
+                if let Err(e) = marked {
                     let unsent = match e {
                         Error::Fenced => Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
                             .with_detail(
@@ -983,10 +1013,10 @@ impl<L: LeaseStore> Mode for Leased<L> {
                             .with_retry_after_secs(1)
                         }
                     };
-                    let settled = engine.release(&lease).await;
+                    let settled = engine.release_unsent(&lease).await;
                     return (settled, Some((answer, Ok(unsent.into_response(&recording.problem_base)))), None);
                 }
-                let mut guard = ReleaseOnPanic {
+                let mut guard = HoldOnPanic {
                     engine: Some(engine.clone()),
                     lease: lease.clone(),
                 };
@@ -1284,7 +1314,7 @@ where
             let unknown = rparts
                 .extensions
                 .remove::<crate::lease::OutcomeUnknown>()
-                .map(|u| Record::unknown(u.note.into_bytes()));
+                .map(|u| Record::unknown(u.stored_note()));
             return (unknown, Ok(first(rparts, Body::new(rbody))));
         }
         Decision::Record => false,

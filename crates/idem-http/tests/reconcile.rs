@@ -39,10 +39,6 @@ impl Reconcile for FirstAskHangs {
             Reconciled::NotApplied
         })
     }
-
-    fn settle_after(&self, _parts: &http::request::Parts, _call: &Call) -> Duration {
-        Duration::ZERO
-    }
 }
 
 /// A retry dropped while it asks frees the reconcile lock: the next retry
@@ -71,6 +67,7 @@ async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
                         let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
                         response.extensions_mut().insert(OutcomeUnknown {
                             note: "failed after the effect".into(),
+                            answered: true,
                         });
                         response
                     } else {
@@ -144,6 +141,7 @@ async fn an_answer_heard_after_the_lock_ran_out_is_not_acted_on() {
                     let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
                     response.extensions_mut().insert(OutcomeUnknown {
                         note: "failed after the effect".into(),
+                        answered: true,
                     });
                     response
                 }
@@ -210,6 +208,7 @@ async fn a_not_applied_heard_before_the_send_settled_keeps_the_key_held() {
                         let mut response = (StatusCode::GATEWAY_TIMEOUT, "timed out").into_response();
                         response.extensions_mut().insert(OutcomeUnknown {
                             note: "no answer in time".into(),
+                            answered: false,
                         });
                         response
                     } else {

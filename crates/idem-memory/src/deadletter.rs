@@ -178,12 +178,7 @@ impl DeadLetterStore for MemoryDeadLetters {
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
             idem_core::redrive_hold_ms(hold_ms)?;
-            let taken = self.with_letter(id, |row, now| {
-                Ok::<_, Error>(row.take(now, hold_ms)?.map(|token| RedriveHold {
-                    dead_letter: row.clone(),
-                    token,
-                }))
-            });
+            let taken = self.with_letter(id, |row, now| row.take_hold(now, hold_ms));
             Ok(taken.transpose()?.flatten())
         })
     }

@@ -74,7 +74,18 @@ pub struct Earlier {
     /// The operator's override: send even past the horizon without asking
     /// (the operator has checked the vendor).
     pub past_horizon_override: bool,
+    /// The latest time an earlier send may have started, when it is later
+    /// than the first reach (an earlier redrive's hold): a vendor's "not
+    /// applied" is trusted only once a send started then has settled.
+    pub last_sent_at_ms: Option<i64>,
 }
+
+/// What is added to the attempt timeout to make the settle time of a send:
+/// a vendor's "not applied" (its lookup found nothing) is trusted only once
+/// the attempt timeout plus this has passed since the last send that may
+/// have reached it started. Before it the vendor is asked again after the
+/// next wait, as for a vendor that says the call is in flight.
+pub const SETTLE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Sends logical calls with one idempotency key across every retry, behind
 /// a per-host circuit breaker. Clones are cheap and share the connection
@@ -282,6 +293,10 @@ impl Iterator for Schedule {
 pub(crate) struct CallState {
     /// When the first send that may have reached the vendor started.
     pub(crate) reached_at_ms: Option<i64>,
+    /// When the last send that may have reached the vendor started (at
+    /// least the first one known): a vendor's "not applied" is trusted only
+    /// once that send has settled.
+    pub(crate) last_sent_at_ms: Option<i64>,
     /// When the vendor said it had not applied the call, if nothing may
     /// have reached it since.
     pub(crate) not_applied_at_ms: Option<i64>,
@@ -356,6 +371,7 @@ where
     let CallState {
         reached_at_ms: first_reached_at_ms,
         not_applied_at_ms,
+        ..
     } = *state.lock().unwrap_or_else(PoisonError::into_inner);
     match result {
         Ok(response) => Ok(OutboundResponse { attempts, ..response }),
@@ -585,6 +601,7 @@ impl OutboundClient {
         );
         let state = Mutex::new(CallState {
             reached_at_ms: earlier.first_reached_at_ms,
+            last_sent_at_ms: earlier.first_reached_at_ms.max(earlier.last_sent_at_ms),
             not_applied_at_ms: None,
         });
         let must_reconcile = std::sync::atomic::AtomicBool::new(earlier.must_reconcile);
@@ -697,6 +714,22 @@ impl OutboundClient {
                     )));
                 }
                 Ok(Ok(Reconciled::NotApplied)) => {
+                    // A vendor may still be working on a send whose caller gave
+                    // up (an attempt that timed out), and its lookup says "not
+                    // found" until it commits: the answer is trusted only once
+                    // the last send has settled, its attempt timeout and a
+                    // margin after it started.
+                    let last_sent = state.lock().unwrap_or_else(PoisonError::into_inner).last_sent_at_ms;
+                    let settle_ms = i64::try_from((self.inner.config.attempt_timeout + SETTLE_MARGIN).as_millis())
+                        .unwrap_or(i64::MAX);
+                    if last_sent.is_some_and(|at| now < at.saturating_add(settle_ms)) {
+                        labels.reconcile("not_settled");
+                        tracing::info!(
+                            key = %key,
+                            "the vendor has no record of it yet, but its last send may still be in flight; asking again later"
+                        );
+                        return Err(Failure::VendorBusy);
+                    }
                     labels.reconcile("not_applied");
                     must_reconcile.store(false, Ordering::SeqCst);
                     let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -718,6 +751,7 @@ impl OutboundClient {
         {
             let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
             s.reached_at_ms.get_or_insert(started);
+            s.last_sent_at_ms = Some(s.last_sent_at_ms.map_or(started, |at| at.max(started)));
             s.not_applied_at_ms = None;
         }
         result

@@ -172,7 +172,7 @@ mod redrive;
 mod retry_after;
 
 pub use breaker::BreakerState;
-pub use client::{Earlier, OutboundClient, OutboundResponse};
+pub use client::{Earlier, OutboundClient, OutboundResponse, SETTLE_MARGIN};
 pub use config::{BreakerConfig, Jitter, MAX_DEADLINE, MAX_RESPONSE_BODY_LIMIT, MAX_RETRIES, OutboundConfig};
 pub use error::{OutboundError, Result};
 pub use reconcile::{KeyHorizon, Reconcile, Reconciled};

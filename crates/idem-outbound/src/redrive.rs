@@ -271,6 +271,8 @@ impl<S: DeadLetterStore> Redriver<S> {
             // An outcome held as unknown is never sent on the operator's
             // horizon override: only a verdict releases it.
             past_horizon_override: self.past_horizon_override && !held_unknown,
+            // A redrive whose hold ran out may have sent until its hold's end.
+            last_sent_at_ms: hold.earlier_hold_until_ms,
         };
         let span = tracing::info_span!("redrive", id, key = %letter.key, scope = %letter.scope);
         // Right before each send the hold must still be this redrive's for

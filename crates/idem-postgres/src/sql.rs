@@ -211,7 +211,7 @@ pub(crate) const CLAIM_COLUMNS: usize = 8;
 const TAKEOVER: &str = "ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET \
      fingerprint = EXCLUDED.fingerprint, status = 0, token = GREATEST(k.token + 1, EXCLUDED.token), \
      payload = NULL, created_at_ms = EXCLUDED.created_at_ms, expires_at_ms = EXCLUDED.expires_at_ms, \
-     lease_expires_at_ms = EXCLUDED.lease_expires_at_ms \
+     lease_expires_at_ms = EXCLUDED.lease_expires_at_ms, sent_at_ms = NULL \
      WHERE k.expires_at_ms <= $6 OR (k.status = 0 AND k.lease_expires_at_ms <= $6) \
      RETURNING k.token";
 

@@ -113,7 +113,7 @@ fn main() {
         lease_claim_complete_replay,
         lease_mismatch,
         lease_release_leaves_key_unused,
-        lease_error_and_panic_release_the_key,
+        lease_error_releases_and_panic_holds_the_key,
         lease_live_claim_is_in_flight,
         lease_twin_waits_then_replays,
         lease_takeover_after_expiry,

@@ -433,13 +433,7 @@ impl DeadLetterStore for SqliteDeadLetters {
     fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
         Box::pin(async move {
             idem_core::redrive_hold_ms(hold_ms)?;
-            self.change(id, |l, now| {
-                Ok(l.take(now, hold_ms)?.map(|token| RedriveHold {
-                    dead_letter: l.clone(),
-                    token,
-                }))
-            })
-            .await
+            self.change(id, |l, now| l.take_hold(now, hold_ms)).await
         })
     }
 

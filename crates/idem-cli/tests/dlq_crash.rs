@@ -1,0 +1,303 @@
+//! `idem dlq redrive` killed (SIGKILL) after the vendor paid, before it
+//! stored the answer. The redrive's take is its sent mark, so:
+//!
+//! - a later redrive of the letter whose hold ran out, past the vendor's
+//!   key horizon, does not send it blindly (the vendor, past its memory,
+//!   would pay again): without a way to ask the vendor it is held as
+//!   unknown, and the vendor paid once;
+//! - a later redrive inside the horizon that meets only refused
+//!   connections does not forget the crashed send: the operator's older
+//!   "not applied" no longer lets the service cancel (refund) a payout the
+//!   vendor made.
+//!
+//! On SQLite and PostgreSQL.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+
+/// The fake vendor, remembering keys for 3 s, on its own runtime and thread.
+fn start_vendor() -> (String, Arc<fake_vendor::Vendor>) {
+    let vendor = Arc::new(fake_vendor::Vendor::new(fake_vendor::Options {
+        key_horizon: Duration::from_secs(3),
+        idempotency: true,
+    }));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let served = vendor.clone();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fake_vendor::serve(addr, served, std::future::pending()))
+            .unwrap();
+    });
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return (format!("http://{addr}"), vendor);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the fake vendor did not start on {addr}");
+}
+
+fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .expect("idem runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// A redrive process, killed when the test ends.
+struct Redrive(Child);
+
+impl Drop for Redrive {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A dead letter of a payout the vendor refused (nothing reached it), with
+/// the operator's "not applied" on record; answers its id.
+async fn dead_payout<S: DeadLetterStore>(store: &S, store_url: &str, base: &str) -> i64 {
+    let key = format!("payout-{}", uuid::Uuid::now_v7());
+    let letter = NewDeadLetter::new(
+        Scope::parse("dlq-crash", "payout").unwrap(),
+        IdempotencyKey::new(&key).unwrap(),
+        OutboundRequest::new(
+            "POST",
+            format!("{base}/v1/payouts"),
+            vec![("content-type".into(), "application/json".into())],
+            br#"{"amount":25}"#.to_vec(),
+        )
+        .unwrap(),
+        5,
+        "HTTP 503: down",
+    );
+    let id = store.record(&letter).await.unwrap();
+    let (code, _, out) = idem(&[
+        "dlq",
+        "resolve",
+        "--store",
+        store_url,
+        "--id",
+        &id.to_string(),
+        "--not-applied",
+        "--note",
+        "the vendor's dashboard shows nothing",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    id
+}
+
+/// Starts `idem dlq redrive --id`, kills it (SIGKILL) while the vendor
+/// works on its send, and waits until the vendor has paid.
+async fn redrive_killed_after_the_vendor_paid(store_url: &str, id: i64, vendor: &fake_vendor::Vendor) {
+    vendor
+        .set_faults(fake_vendor::Faults {
+            slow_ms: 1_500,
+            ..fake_vendor::Faults::default()
+        })
+        .await;
+    let mut redrive = Redrive(
+        Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["dlq", "redrive", "--store", store_url, "--id", &id.to_string()])
+            .args(["--key-horizon-secs", "3", "--deadline-secs", "10"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("idem runs"),
+    );
+    for _ in 0..1_000 {
+        if vendor.in_process() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(vendor.in_process(), 1, "the redrive's send reached the vendor");
+    redrive.0.kill().unwrap();
+    redrive.0.wait().unwrap();
+    for _ in 0..400 {
+        if vendor.paid() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(vendor.paid(), 1, "the vendor paid the killed redrive's send");
+    vendor.set_faults(fake_vendor::Faults::default()).await;
+}
+
+/// The killed redrive's hold runs out (moved into the past, as time would).
+async fn hold_runs_out(store_url: &str, id: i64) {
+    let sql = format!("UPDATE idem_dead_letters SET redrive_until_ms = 1 WHERE id = {id}");
+    if store_url.starts_with("postgres") {
+        let pool = sqlx::PgPool::connect(store_url).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+    } else {
+        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{store_url}"))
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+    }
+}
+
+async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, store_url: &str) {
+    let (base, vendor) = start_vendor();
+    let id = dead_payout(&store, store_url, &base).await;
+    redrive_killed_after_the_vendor_paid(store_url, id, &vendor).await;
+    let left = store.get(id).await.unwrap().unwrap();
+    assert_eq!(left.state, DeadLetterState::Redriving);
+    assert!(left.first_reached_at_ms.is_some(), "the take marked the send: {left:?}");
+    hold_runs_out(store_url, id).await;
+    // Past the vendor's memory (3 s on its clock and, for the redrive, since the mark).
+    vendor.advance(Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(3_100)).await;
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        store_url,
+        "--state",
+        "redriving",
+        "--key-horizon-secs",
+        "3",
+        "--deadline-secs",
+        "5",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "unknown", "{json}");
+    assert_eq!(vendor.paid(), 1, "the vendor paid once: {out}");
+    assert_eq!(store.get(id).await.unwrap().unwrap().state, DeadLetterState::Unknown);
+}
+
+async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_url: &str) {
+    let (base, vendor) = start_vendor();
+    let id = dead_payout(&store, store_url, &base).await;
+    redrive_killed_after_the_vendor_paid(store_url, id, &vendor).await;
+    hold_runs_out(store_url, id).await;
+    // Inside the horizon, a redrive that meets only refused connections.
+    vendor
+        .set_faults(fake_vendor::Faults {
+            refuse_ms: 60_000,
+            ..fake_vendor::Faults::default()
+        })
+        .await;
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        store_url,
+        "--state",
+        "redriving",
+        "--key-horizon-secs",
+        "3",
+        "--deadline-secs",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "failed", "{json}");
+    let letter = store.get(id).await.unwrap().unwrap();
+    assert_eq!(letter.state, DeadLetterState::Dead);
+    assert!(
+        letter.first_reached_at_ms.is_some(),
+        "the crashed send is remembered: {letter:?}"
+    );
+    assert!(!letter.known_not_applied());
+    assert!(
+        !store.cancel(id).await.unwrap(),
+        "a payout the vendor may have made is never cancelled"
+    );
+    assert_eq!(vendor.paid(), 1);
+}
+
+fn sqlite_file() -> String {
+    std::env::temp_dir()
+        .join(format!("idem-dlq-crash-{}.db", uuid::Uuid::now_v7()))
+        .display()
+        .to_string()
+}
+
+async fn sqlite_store(path: &str) -> idem_sqlite::SqliteDeadLetters {
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{path}?mode=rwc"))
+        .await
+        .unwrap();
+    let store = idem_sqlite::SqliteDeadLetters::new(pool);
+    store.migrate().await.unwrap();
+    store
+}
+
+/// A database of the test's own, so the table's ids and letters are its own.
+async fn postgres_db() -> String {
+    let admin_url =
+        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let admin = sqlx::PgPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
+    let db = format!("idem_dlq_crash_{}", uuid::Uuid::now_v7().simple());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    format!("{base}/{db}")
+}
+
+async fn postgres_store(url: &str) -> idem_postgres::PgDeadLetters {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let store = idem_postgres::PgDeadLetters::new(pool);
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_sqlite() {
+    let path = sqlite_file();
+    crashed_redrive_then_past_the_horizon(sqlite_store(&path).await, &path).await;
+}
+
+async fn drop_postgres_db(url: &str) {
+    let (base, db) = url.rsplit_once('/').unwrap();
+    let admin = sqlx::PgPool::connect(&format!("{base}/postgres")).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_postgres() {
+    let url = postgres_db().await;
+    crashed_redrive_then_past_the_horizon(postgres_store(&url).await, &url).await;
+    drop_postgres_db(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_never_refunded_on_sqlite() {
+    let path = sqlite_file();
+    crashed_redrive_is_never_refunded(sqlite_store(&path).await, &path).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_never_refunded_on_postgres() {
+    let url = postgres_db().await;
+    crashed_redrive_is_never_refunded(postgres_store(&url).await, &url).await;
+    drop_postgres_db(&url).await;
+}
