@@ -588,6 +588,10 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         gateways.wait_exit(i, Duration::from_secs(15)).await;
     }
     let _ = std::fs::remove_file(&config_path);
+    if config.idem_bin.is_none() || config.break_sent_mark {
+        // The run's own copy of the binary.
+        let _ = std::fs::remove_file(&gateways.bin);
+    }
     if let Some(redis) = own_redis.and_then(|r| Arc::try_unwrap(r).ok()) {
         redis.stop().await;
     }

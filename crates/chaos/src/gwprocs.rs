@@ -16,22 +16,31 @@ use axum::response::IntoResponse;
 
 use crate::Error;
 
-/// Finds or builds the `idem` binary.
+/// Finds or builds the `idem` binary, and runs a copy of its own, so that
+/// a build made meanwhile (another run's) never changes what a restarted
+/// gateway runs.
 pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
     if let Some(p) = explicit {
         return Ok(p.clone());
     }
-    build_idem(&[])
+    own_copy(&build_idem(&[])?, "idem-chaos")
 }
 
 /// Builds `idem` with fault injection (`IDEM_FAULT_SKIP_SENT_MARK`) and
 /// keeps a copy under a name of its own, then builds the ordinary binary
 /// again so that `target/…/idem` stays the one everything else runs.
 pub fn idem_fault_binary() -> Result<PathBuf, Error> {
-    let built = build_idem(&["--features", "fault-injection"])?;
-    let copy = built.with_file_name(format!("idem-fault-injection-{}", std::process::id()));
-    std::fs::copy(&built, &copy)?;
+    let copy = own_copy(
+        &build_idem(&["--features", "fault-injection"])?,
+        "idem-fault-injection",
+    )?;
     build_idem(&[])?;
+    Ok(copy)
+}
+
+fn own_copy(built: &std::path::Path, name: &str) -> Result<PathBuf, Error> {
+    let copy = built.with_file_name(format!("{name}-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::copy(built, &copy)?;
     Ok(copy)
 }
 

@@ -124,7 +124,7 @@ async fn redrive_killed_after_the_vendor_paid(store_url: &str, id: i64, vendor: 
             .spawn()
             .expect("idem runs"),
     );
-    for _ in 0..1_000 {
+    for _ in 0..4_000 {
         if vendor.in_process() == 1 {
             break;
         }
@@ -181,7 +181,7 @@ async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, sto
         "5",
         "--json",
     ]);
-    assert_eq!(code, 0, "{out}");
+    assert_eq!(code, 1, "a letter held as unknown is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     assert_eq!(vendor.paid(), 1, "the vendor paid once: {out}");
     assert_eq!(store.get(id).await.unwrap().unwrap().state, DeadLetterState::Unknown);
@@ -199,6 +199,14 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
             ..fake_vendor::Faults::default()
         })
         .await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(&addr).is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(std::net::TcpStream::connect(&addr).is_err(), "the vendor refuses connections");
     let (code, json, out) = idem(&[
         "dlq",
         "redrive",
@@ -207,12 +215,12 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
         "--state",
         "redriving",
         "--key-horizon-secs",
-        "3",
+        "3600",
         "--deadline-secs",
         "1",
         "--json",
     ]);
-    assert_eq!(code, 0, "{out}");
+    assert_eq!(code, 1, "a letter that failed again is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "failed", "{json}");
     let letter = store.get(id).await.unwrap().unwrap();
     assert_eq!(letter.state, DeadLetterState::Dead);

@@ -239,7 +239,8 @@ macro_rules! tx_conformance {
                 concurrent_64_tasks_distinct_keys,
                 oversized_record_rolls_back,
                 work_contention_runs_again,
-                contention_retries_are_bounded
+                contention_retries_are_bounded,
+                tx_commit_refused_or_lost_applies_once
             );
         }
     };

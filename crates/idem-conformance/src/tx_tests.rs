@@ -673,3 +673,47 @@ pub async fn contention_retries_are_bounded<S: Subject>(s: S) {
     let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
     assert!(!ok.is_replayed(), "the key was left unused");
 }
+
+/// A commit the store refuses, times out on, or applies and reports as
+/// failed: the caller retries with the same key and the effect is applied
+/// exactly once — run again after a refusal (nothing committed), replayed
+/// after a commit that was applied although the caller heard a failure.
+pub async fn tx_commit_refused_or_lost_applies_once<S: Subject>(s: S) {
+    use idem_faults::{Fault, FaultPlan, Faulty, Op};
+    let store = Faulty::new(s.backend(), FaultPlan::none());
+    let engine = TxEngine::new(store.clone());
+    for fault in [Fault::Refused, Fault::TimedOut, Fault::AppliedThenRefused] {
+        let call = call_for(
+            &unique_scope("POST /v1/transfers"),
+            &IdempotencyKey::generate(),
+            r#"{"amount":5}"#,
+            Policy::default(),
+        );
+        let (eid, runs) = (effect_id(), Runs::default());
+        store.faults().fail_next(Op::Commit, fault);
+        let run = || {
+            let (eid, runs) = (eid.clone(), runs.clone());
+            engine.execute(&call, move |tx| {
+                let (eid, runs) = (eid.clone(), runs.clone());
+                Box::pin(async move {
+                    runs.hit();
+                    S::write_effect(tx, eid).await?;
+                    Ok::<_, TestError>(Receipt::new(5))
+                })
+            })
+        };
+        let first = run().await;
+        assert!(first.is_err(), "{fault:?}: the caller hears the commit fail: {first:?}");
+        let again = run().await.unwrap();
+        assert_eq!(
+            again.is_replayed(),
+            fault == Fault::AppliedThenRefused,
+            "{fault:?}: a commit that was applied is replayed, one that was not runs again"
+        );
+        assert_eq!(effects(&s, &eid).await, 1, "{fault:?}: the effect was applied once");
+        let expected_runs = if fault == Fault::AppliedThenRefused { 1 } else { 2 };
+        assert_eq!(runs.get(), expected_runs, "{fault:?}");
+        assert!(run().await.unwrap().is_replayed());
+    }
+    assert_eq!(store.faults().total(), 3);
+}

@@ -32,10 +32,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+mod deadletter;
+mod tx;
+
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyStats, Lease, LeaseClaim,
     LeaseStore, Record, Result, Scope, StoreErrorKind, StoredRow, Sweep, SweepBatch, TimeSource,
 };
+
+/// How many kinds of call there are.
+const OPS: usize = 12;
 
 /// A way for one store call to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -62,7 +68,8 @@ impl Fault {
 /// The store calls a fault can hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
-    /// [`LeaseStore::try_claim`].
+    /// [`LeaseStore::try_claim`], and a transactional claim
+    /// ([`TxBackend::claim`](idem_core::TxBackend::claim), `begin_claim`).
     Claim,
     /// [`LeaseStore::mark_sent`].
     MarkSent,
@@ -76,10 +83,22 @@ pub enum Op {
     Resolve,
     /// [`LeaseStore::lookup`].
     Lookup,
+    /// A transaction's commit ([`TxBackend::commit`](idem_core::TxBackend::commit),
+    /// `record_commit`): the claim, the caller's writes and the outcome.
+    Commit,
+    /// [`DeadLetterStore::record`](idem_core::DeadLetterStore::record).
+    LetterRecord,
+    /// [`DeadLetterStore::begin_redrive`](idem_core::DeadLetterStore::begin_redrive).
+    LetterTake,
+    /// [`DeadLetterStore::finish_redrive`](idem_core::DeadLetterStore::finish_redrive).
+    LetterFinish,
+    /// [`DeadLetterStore::settle`](idem_core::DeadLetterStore::settle) and
+    /// [`cancel`](idem_core::DeadLetterStore::cancel).
+    LetterSettle,
 }
 
 impl Op {
-    const ALL: [Op; 7] = [
+    const ALL: [Op; OPS] = [
         Op::Claim,
         Op::MarkSent,
         Op::Complete,
@@ -87,6 +106,11 @@ impl Op {
         Op::Extend,
         Op::Resolve,
         Op::Lookup,
+        Op::Commit,
+        Op::LetterRecord,
+        Op::LetterTake,
+        Op::LetterFinish,
+        Op::LetterSettle,
     ];
 
     /// Its name in reports.
@@ -99,6 +123,11 @@ impl Op {
             Op::Extend => "extend",
             Op::Resolve => "resolve",
             Op::Lookup => "lookup",
+            Op::Commit => "commit",
+            Op::LetterRecord => "letter_record",
+            Op::LetterTake => "letter_take",
+            Op::LetterFinish => "letter_finish",
+            Op::LetterSettle => "letter_settle",
         }
     }
 
@@ -165,8 +194,8 @@ pub struct Faults {
     plan: Mutex<FaultPlan>,
     state: Mutex<u64>,
     queued: Mutex<VecDeque<(Op, Fault)>>,
-    counts: [[AtomicU64; 3]; 7],
-    calls: [AtomicU64; 7],
+    counts: [[AtomicU64; 3]; OPS],
+    calls: [AtomicU64; OPS],
 }
 
 impl fmt::Debug for Faults {
@@ -338,7 +367,7 @@ impl<S> Faulty<S> {
     }
 
     /// Runs `call` on the wrapped store under this call's fault, if any.
-    async fn faulty<T>(&self, op: Op, call: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    pub(crate) async fn faulty<T>(&self, op: Op, call: impl std::future::Future<Output = Result<T>>) -> Result<T> {
         match self.faults.draw(op) {
             None => call.await,
             Some(Fault::Refused) => Err(injected(Fault::Refused, op)),

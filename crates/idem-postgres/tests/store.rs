@@ -885,17 +885,26 @@ async fn version_2_table_is_upgraded_to_sent_claims() {
         vec![3],
         "only version 3 is pending on a version-2 table"
     );
-    // A lease claimed before the upgrade, by a process of the old version.
+    // A lease claimed before the upgrade, by a process of the old version
+    // (the row as that version writes it).
     let k = Key::new();
     let now = now_ms();
-    let req = ClaimRequest {
-        lease_expires_at_ms: Some(now + 1_000),
-        ..k.at(now)
-    };
-    let token = match store.try_claim(&req).await.unwrap() {
-        LeaseClaim::Acquired(token) => token,
-        other => panic!("expected a lease, got {other:?}"),
-    };
+    let token = Token::fresh(now);
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, operation, idem_key, fingerprint, status, token, payload, created_at_ms, \
+         expires_at_ms, lease_expires_at_ms) VALUES ($1, $2, $3, $4, 0, $5, NULL, $6, $7, $8)"
+    )))
+    .bind(k.scope.tenant().as_str())
+    .bind(k.scope.operation().as_str())
+    .bind(k.key.as_str())
+    .bind(k.fingerprint.as_bytes().as_slice())
+    .bind(token.0)
+    .bind(now)
+    .bind(now + 60_000)
+    .bind(now + 1_000)
+    .execute(&pool)
+    .await
+    .unwrap();
     store.migrate().await.expect("upgrade");
     let after: bool = sqlx::query_scalar(AssertSqlSafe(has_sent_at))
         .fetch_one(&pool)
