@@ -30,10 +30,7 @@ pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
 /// keeps a copy under a name of its own, then builds the ordinary binary
 /// again so that `target/…/idem` stays the one everything else runs.
 pub fn idem_fault_binary() -> Result<PathBuf, Error> {
-    let copy = own_copy(
-        &build_idem(&["--features", "fault-injection"])?,
-        "idem-fault-injection",
-    )?;
+    let copy = own_copy(&build_idem(&["--features", "fault-injection"])?, "idem-fault-injection")?;
     build_idem(&[])?;
     Ok(copy)
 }

@@ -12,9 +12,13 @@
 //!
 //! On SQLite and PostgreSQL.
 
+mod support;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
+
+use support::idem_out as idem;
 
 use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
 
@@ -47,20 +51,6 @@ fn start_vendor() -> (String, Arc<fake_vendor::Vendor>) {
         std::thread::sleep(Duration::from_millis(10));
     }
     panic!("the fake vendor did not start on {addr}");
-}
-
-fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .output()
-        .expect("idem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
-    (
-        out.status.code().unwrap_or(-1),
-        json,
-        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
-    )
 }
 
 /// A redrive process, killed when the test ends.
@@ -206,7 +196,10 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(std::net::TcpStream::connect(&addr).is_err(), "the vendor refuses connections");
+    assert!(
+        std::net::TcpStream::connect(&addr).is_err(),
+        "the vendor refuses connections"
+    );
     let (code, json, out) = idem(&[
         "dlq",
         "redrive",

@@ -5,7 +5,8 @@
 //! processes), then takes the lock over, asks, and replays the applied
 //! answer; the upstream's payout was called once.
 
-use std::process::{Child, Command, Stdio};
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,29 +14,10 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-
-/// A gateway process, killed when the test ends.
-struct Gateway(Child);
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use support::start_gateway;
 
 fn temp(name: &str) -> String {
-    std::env::temp_dir()
-        .join(format!("idem-reconcile-{}-{name}", uuid::Uuid::now_v7()))
-        .display()
-        .to_string()
+    support::temp("reconcile", name)
 }
 
 #[derive(Clone, Default)]
@@ -98,30 +80,6 @@ applied_status = 201
 timeout_ms = 60000
 "#;
 
-async fn start(upstream: &str, store: &str, config: &str) -> (Gateway, String) {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["gateway", "--upstream", upstream, "--store", store, "--config", config])
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("idem runs");
-    let g = Gateway(child);
-    let base = format!("http://127.0.0.1:{port}");
-    for _ in 0..800 {
-        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return (g, base);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway on {store} did not become healthy");
-}
-
 /// Status, whether replayed, and body; `None` when the connection failed.
 async fn pay(base: &str, token: &str, key: &str) -> Option<(u16, bool, String)> {
     let r = idem_tls::test_pki::http_client()
@@ -144,9 +102,9 @@ async fn a_gateway_killed_while_asking_holds_the_key_only_until_its_lock_lease_e
     std::fs::write(&config, CONFIG).unwrap();
     let (token, key) = (uuid::Uuid::now_v7().to_string(), uuid::Uuid::now_v7().to_string());
 
-    let (mut first, base) = start(&up, &store, &config).await;
+    let (mut first, base) = start_gateway(&up, &store, &config).await;
     // Another gateway on the store, up before the first one dies.
-    let (_second, other) = start(&up, &store, &config).await;
+    let (_second, other) = start_gateway(&up, &store, &config).await;
     let (status, _, body) = pay(&base, &token, &key).await.expect("an answer");
     assert_eq!(status, 500, "{body}");
     // A retry asks, and the upstream never answers it; its gateway is killed.
@@ -161,8 +119,7 @@ async fn a_gateway_killed_while_asking_holds_the_key_only_until_its_lock_lease_e
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert_eq!(counts.lookups.load(Ordering::SeqCst), 1, "the retry asked");
-    first.0.kill().unwrap();
-    first.0.wait().unwrap();
+    first.kill();
     assert!(
         asking.await.unwrap().is_none(),
         "the asking retry's connection died with its gateway"

@@ -7,45 +7,18 @@
 //! more). With `release` the retry reaches the upstream again. On SQLite,
 //! PostgreSQL and Redis.
 
-use std::process::{Child, Command, Stdio};
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-
-/// A gateway process, killed when the test ends.
-struct Gateway(Child);
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use support::{Gateway, idem_json, postgres_url, redis_url, start_gateway};
 
 fn temp(name: &str) -> String {
-    std::env::temp_dir()
-        .join(format!("idem-unknown-{}-{name}", uuid::Uuid::now_v7()))
-        .display()
-        .to_string()
-}
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+    support::temp("unknown", name)
 }
 
 /// What the upstream applied, per route.
@@ -134,27 +107,7 @@ on_unknown_outcome = "release"
 async fn start(upstream: &str, store: &str) -> (Gateway, String) {
     let config = temp("gateway.toml");
     std::fs::write(&config, CONFIG).unwrap();
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["gateway", "--upstream", upstream, "--store", store, "--config", &config])
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("idem runs");
-    let g = Gateway(child);
-    let base = format!("http://127.0.0.1:{port}");
-    for _ in 0..800 {
-        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return (g, base);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway on {store} did not become healthy");
+    start_gateway(upstream, store, &config).await
 }
 
 struct Answer {
@@ -190,19 +143,6 @@ async fn send(base: &str, path: &str, token: &str, key: &str) -> Answer {
     }
 }
 
-/// Runs `idem --json <args>`: exit code and stdout as JSON.
-fn idem(args: &[&str]) -> (i32, serde_json::Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .arg("--json")
-        .args(args)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("idem runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let json = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {text}"));
-    (out.status.code().unwrap_or(-1), json)
-}
-
 /// The retries of a held key: a 409 problem each, naming the key and how
 /// to resolve it; the upstream is not called.
 async fn assert_held(base: &str, path: &str, token: &str, key: &str, calls: &AtomicUsize) {
@@ -227,7 +167,7 @@ async fn assert_held(base: &str, path: &str, token: &str, key: &str, calls: &Ato
 /// The tenant the gateway scoped `key` by, as `idem keys list` shows it,
 /// with the key's state there.
 fn listed(store: &str, key: &str, operation: &str) -> (String, String) {
-    let (code, list) = idem(&[
+    let (code, list) = idem_json(&[
         "keys",
         "list",
         "--store",
@@ -262,7 +202,7 @@ async fn hold_and_resolve(store: &str) {
     assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
     let (tenant, state) = listed(store, &key, "POST /v1/fail");
     assert_eq!(state, "unknown");
-    let (code, shown) = idem(&[
+    let (code, shown) = idem_json(&[
         "keys",
         "show",
         "--store",
@@ -277,7 +217,7 @@ async fn hold_and_resolve(store: &str) {
     assert_eq!((code, shown["state"].as_str()), (0, Some("unknown")), "{shown}");
     // Bad input changes nothing: a 5xx is no answer, a key not held is refused.
     let scope = ["--store", store, "--tenant", &tenant, "--operation", "POST /v1/fail"];
-    let (code, e) = idem(
+    let (code, e) = idem_json(
         &[
             &["keys", "resolve"][..],
             &scope,
@@ -286,7 +226,7 @@ async fn hold_and_resolve(store: &str) {
         .concat(),
     );
     assert_eq!(code, 2, "{e}");
-    let (code, e) = idem(
+    let (code, e) = idem_json(
         &[
             &["keys", "resolve"][..],
             &scope,
@@ -299,7 +239,7 @@ async fn hold_and_resolve(store: &str) {
     assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
     let body = temp("answer.json");
     std::fs::write(&body, r#"{"id":"pay_1","status":"paid"}"#).unwrap();
-    let (code, done) = idem(
+    let (code, done) = idem_json(
         &[
             &["keys", "resolve"][..],
             &scope,
@@ -316,7 +256,7 @@ async fn hold_and_resolve(store: &str) {
     }
     assert_eq!(applied.fail.load(Ordering::SeqCst), 1, "one upstream call in all");
     // Resolved once: a second resolution is refused and changes nothing.
-    let (code, _) = idem(&[&["keys", "resolve"][..], &scope, &["--key", &key, "--not-applied"]].concat());
+    let (code, _) = idem_json(&[&["keys", "resolve"][..], &scope, &["--key", &key, "--not-applied"]].concat());
     assert_eq!(code, 1);
     assert!(send(&base, "/v1/fail", &token, &key).await.replayed);
 
@@ -329,7 +269,7 @@ async fn hold_and_resolve(store: &str) {
     assert_held(&base, "/v1/drop", &token, &key, &applied.drop).await;
     let (tenant, state) = listed(store, &key, "POST /v1/drop");
     assert_eq!(state, "unknown");
-    let (code, done) = idem(&[
+    let (code, done) = idem_json(&[
         "keys",
         "resolve",
         "--store",

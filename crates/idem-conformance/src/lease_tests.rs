@@ -22,7 +22,7 @@ async fn run_receipt<S: Subject>(
         .await
 }
 
-fn held(acquire: Acquire) -> Lease {
+pub(crate) fn held(acquire: Acquire) -> Lease {
     match acquire {
         Acquire::Claimed(lease) => lease,
         Acquire::Replay(r) => panic!("expected a claim, got a replay of {r:?}"),
@@ -33,7 +33,7 @@ fn record_of(r: &Receipt) -> Record {
     Record::completed(serde_json::to_vec(r).unwrap())
 }
 
-fn assert_in_flight<T: std::fmt::Debug>(r: Result<T, Error>) {
+pub(crate) fn assert_in_flight<T: std::fmt::Debug>(r: Result<T, Error>) {
     match r {
         Err(Error::InFlight { .. }) => {}
         other => panic!("expected in-flight, got {other:?}"),
@@ -587,7 +587,7 @@ pub async fn lease_extend_outlives_the_key_ttl<S: Subject>(s: S) {
     assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
 }
 
-fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
+pub(crate) fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
     match r {
         Err(Error::OutcomeUnknown) => {}
         other => panic!("expected an unknown outcome, got {other:?}"),

@@ -5,30 +5,11 @@
 use std::time::Duration;
 
 use idem_core::{Acquire, Error, IdempotencyKey, Lease, LeaseEngine, Outcome, Record, RowState, StoredRow};
+
+use crate::lease_tests::{assert_in_flight, assert_unknown, held};
 use idem_faults::{Fault, FaultPlan, Faulty, Op};
 
 use crate::*;
-
-fn held(acquire: Acquire) -> Lease {
-    match acquire {
-        Acquire::Claimed(lease) => lease,
-        Acquire::Replay(r) => panic!("expected a claim, got a replay of {r:?}"),
-    }
-}
-
-fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
-    match r {
-        Err(Error::OutcomeUnknown) => {}
-        other => panic!("expected an unknown outcome, got {other:?}"),
-    }
-}
-
-fn assert_in_flight<T: std::fmt::Debug>(r: Result<T, Error>) {
-    match r {
-        Err(Error::InFlight { .. }) => {}
-        other => panic!("expected in-flight, got {other:?}"),
-    }
-}
 
 async fn row<S: Subject>(engine: &LeaseEngine<S::Lease>, lease: &Lease) -> StoredRow {
     engine

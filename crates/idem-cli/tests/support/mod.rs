@@ -119,6 +119,22 @@ pub(crate) async fn post_keyed(base: &str, path: &str, token: &str, key: &str) -
     })
 }
 
+/// Runs `idem <args>`: exit code, stdout as JSON (null when it is not),
+/// and everything it printed.
+pub(crate) fn idem_out(args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .output()
+        .expect("idem runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        json,
+        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
 /// Runs `idem --json <args>`: exit code and stdout as JSON.
 pub(crate) fn idem_json(args: &[&str]) -> (i32, serde_json::Value) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
