@@ -134,17 +134,20 @@ async fn retry_past_in_flight(base: &str, token: &str, key: &str) -> Answer {
     panic!("the key stayed in flight");
 }
 
-fn listed_state(store: &str, key: &str) -> String {
+/// The key's state and tenant, as `idem keys list` shows them.
+fn listed(store: &str, key: &str) -> (String, String) {
     let (code, list) = idem_json(&["keys", "list", "--store", store, "--key-prefix", key]);
     assert_eq!(code, 0, "{list}");
-    list.as_array()
+    let k = list
+        .as_array()
         .unwrap()
         .iter()
         .find(|k| k["key"] == key)
-        .unwrap_or_else(|| panic!("{key} not listed: {list}"))["state"]
-        .as_str()
-        .unwrap()
-        .to_owned()
+        .unwrap_or_else(|| panic!("{key} not listed: {list}"));
+    (
+        k["state"].as_str().unwrap().to_owned(),
+        k["tenant"].as_str().unwrap().to_owned(),
+    )
 }
 
 /// A gateway killed while its request is at the upstream: the retry through
@@ -179,7 +182,33 @@ async fn killed_mid_request(store: &str) {
         );
     }
     assert_eq!(upstream.calls(), 1, "{store}: the upstream was called once");
-    assert_eq!(listed_state(store, &key), "sent", "the key is listed as sent");
+    let (state, tenant) = listed(store, &key);
+    assert_eq!(state, "sent", "the key is listed as sent");
+    // The operator, having checked the upstream, records what it did.
+    let answer = temp("sent", "answer.json");
+    std::fs::write(&answer, r#"{"status":"paid"}"#).unwrap();
+    let (code, done) = idem_json(&[
+        "keys",
+        "resolve",
+        "--store",
+        store,
+        "--tenant",
+        &tenant,
+        "--operation",
+        "POST /v1/pay",
+        "--key",
+        &key,
+        "--applied",
+        "--status",
+        "201",
+        "--body",
+        &answer,
+    ]);
+    assert_eq!((code, &done["resolved"]), (0, &serde_json::json!("applied")), "{done}");
+    let replay = post_keyed(&b, "/v1/pay", &token, &key).await.unwrap();
+    assert_eq!((replay.status, replay.replayed), (201, true), "{replay:?}");
+    assert_eq!(replay.body, r#"{"status":"paid"}"#);
+    assert_eq!(upstream.calls(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
