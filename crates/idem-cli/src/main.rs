@@ -456,6 +456,18 @@ fn resolved_answer(
             .map_err(|e| Failure(2, format!("--header {h:?}: {e}")))?;
         let value =
             http::HeaderValue::from_str(value.trim()).map_err(|e| Failure(2, format!("--header {h:?}: {e}")))?;
+        // What the layer never records, an operator does not record either:
+        // a private header would be replayed to every retry, a hop-by-hop
+        // one describes a connection that is gone.
+        if name == http::header::SET_COOKIE || idem_http::is_hop_by_hop(&name) {
+            return Err(Failure(
+                2,
+                format!(
+                    "--header {name}: never recorded (a private or hop-by-hop header would be replayed to every \
+                     retry); leave it out"
+                ),
+            ));
+        }
         map.append(name, value);
     }
     let body = match body {

@@ -374,6 +374,65 @@ async fn empty_filter_values_are_refused() {
     remove_db(&path);
 }
 
+/// `keys resolve --applied` refuses headers that are never recorded
+/// (`Set-Cookie` would be replayed to every retry; hop-by-hop headers),
+/// before it opens the store.
+#[test]
+fn resolve_refuses_headers_that_are_never_recorded() {
+    let path = temp_db();
+    let p = path.display().to_string();
+    for header in [
+        "Set-Cookie: session=abc",
+        "set-cookie: a=b",
+        "Connection: close",
+        "Transfer-Encoding: chunked",
+    ] {
+        let run = idem(&[
+            "keys",
+            "resolve",
+            "--store",
+            &p,
+            "--tenant",
+            "t",
+            "--operation",
+            "POST /v1/pay",
+            "--key",
+            "k",
+            "--applied",
+            "--status",
+            "201",
+            "--header",
+            header,
+        ]);
+        assert_eq!(run.code, 2, "{header}: {}", run.all());
+        assert!(run.stderr.contains("never recorded"), "{header}: {}", run.all());
+        assert!(!path.exists(), "{header}: the store was opened");
+    }
+    let run = idem(&[
+        "keys",
+        "resolve",
+        "--store",
+        &p,
+        "--tenant",
+        "t",
+        "--operation",
+        "POST /v1/pay",
+        "--key",
+        "k",
+        "--applied",
+        "--status",
+        "201",
+        "--header",
+        "Location: /v1/pay/1",
+    ]);
+    assert_eq!(
+        run.code,
+        3,
+        "an ordinary header passes, then the missing store is reported: {}",
+        run.all()
+    );
+}
+
 /// With `--json`, every failure prints one JSON object with the error and
 /// the exit code on stdout, whatever failed: a bad argument, a bad URL, an
 /// unreachable store, an absent key.
