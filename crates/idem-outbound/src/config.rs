@@ -190,11 +190,14 @@ impl OutboundConfig {
         Ok(self)
     }
 
-    /// The horizon of `host` (`scheme://host:port`).
+    /// The horizon of `host` (`scheme://host:port`, as the client names a
+    /// target). An entry of `host_key_horizons` matches whatever way it is
+    /// written: the port may be left out when it is the scheme's own, a
+    /// trailing `/` is allowed, letters may be of either case.
     pub fn horizon_of(&self, host: &str) -> KeyHorizon {
         self.host_key_horizons
             .iter()
-            .find(|(h, _)| h.eq_ignore_ascii_case(host))
+            .find(|(h, _)| canonical_host(h).is_some_and(|h| h.eq_ignore_ascii_case(host)))
             .map_or(self.key_horizon, |(_, k)| *k)
     }
 
@@ -220,6 +223,14 @@ impl OutboundConfig {
                 "the deadline and the attempt timeout are at most {} s",
                 MAX_DEADLINE.as_secs()
             ));
+        }
+        for (host, _) in &self.host_key_horizons {
+            if canonical_host(host).is_none() {
+                return bad(format!(
+                    "host_key_horizons: {host:?} names no target: write scheme://host[:port], as \
+                     https://api.vendor.example (no path, query or credentials)"
+                ));
+            }
         }
         for (host, k) in std::iter::once(&("key_horizon".to_owned(), self.key_horizon)).chain(&self.host_key_horizons) {
             if !k.horizon.is_zero() && k.margin >= k.horizon {
@@ -247,9 +258,66 @@ impl OutboundConfig {
     }
 }
 
+/// `scheme://host:port` of a configured target, the port filled in when it
+/// is the scheme's own; `None` for anything that is not just a target
+/// (no scheme, a path, a query, credentials).
+fn canonical_host(target: &str) -> Option<String> {
+    let url = reqwest::Url::parse(target.trim()).ok()?;
+    let plain = matches!(url.scheme(), "http" | "https")
+        && url.username().is_empty()
+        && url.password().is_none()
+        && matches!(url.path(), "" | "/")
+        && url.query().is_none()
+        && url.fragment().is_none();
+    match (plain, url.host_str(), url.port_or_known_default()) {
+        (true, Some(host), Some(port)) => Some(format!("{}://{host}:{port}", url.scheme())),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every way of writing a target names it; anything else is refused.
+    #[test]
+    fn host_key_horizons_match_however_written() {
+        let keyless = KeyHorizon::NONE;
+        for written in [
+            "https://vendor.example",
+            "https://vendor.example/",
+            "https://Vendor.Example:443",
+            "HTTPS://vendor.example:443/",
+        ] {
+            let c = OutboundConfig {
+                host_key_horizons: vec![(written.to_owned(), keyless)],
+                ..OutboundConfig::default()
+            };
+            c.validate().unwrap_or_else(|e| panic!("{written}: {e}"));
+            assert_eq!(c.horizon_of("https://vendor.example:443"), keyless, "{written}");
+            assert_eq!(
+                c.horizon_of("https://vendor.example:8443"),
+                c.key_horizon,
+                "{written}: another port is another target"
+            );
+        }
+        for bad in [
+            "vendor.example",
+            "vendor.example:443",
+            "https://vendor.example/v1/payouts",
+            "https://vendor.example?x=1",
+            "https://user:pw@vendor.example",
+            "ftp://vendor.example",
+            "",
+        ] {
+            let c = OutboundConfig {
+                host_key_horizons: vec![(bad.to_owned(), keyless)],
+                ..OutboundConfig::default()
+            };
+            let e = c.validate().expect_err(bad).to_string();
+            assert!(e.contains("host_key_horizons"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn defaults_follow_the_product_schedule_and_validate() {

@@ -201,6 +201,32 @@ async fn a_vendor_without_keys_is_asked_before_every_resend() {
     assert_eq!(lookup.asked(), 1, "nothing to ask about a send that never left");
 }
 
+/// A vendor declared keyless in `host_key_horizons` with a trailing `/`
+/// is keyless: its answer dropped after paying is looked up, not sent
+/// again blindly under the default horizon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_horizon_written_with_a_slash_applies() {
+    let (base, _) = vendor_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    })
+    .await;
+    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
+    let lookup = Lookup::new(&base);
+    let client = OutboundClient::new(OutboundConfig {
+        host_key_horizons: vec![(format!("{base}/"), KeyHorizon::NONE)],
+        ..config(&[10, 10])
+    })
+    .unwrap()
+    .with_reconcile(lookup.clone());
+    let answer = client
+        .send(&key("k"), &payout(&base, r#"{"amount":3,"reference":"po-slash"}"#))
+        .await
+        .unwrap();
+    assert!(answer.reconciled, "{answer:?}");
+    assert_eq!(ledger(&base).await.0, 1, "paid once");
+}
+
 /// A 409 idempotency_key_in_use without Retry-After (the key still being processed at the vendor) is waited out and asked again, not taken as final.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_flight_409_without_retry_after_is_asked_again() {
