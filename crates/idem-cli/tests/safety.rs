@@ -381,13 +381,8 @@ async fn empty_filter_values_are_refused() {
 fn resolve_refuses_headers_that_are_never_recorded() {
     let path = temp_db();
     let p = path.display().to_string();
-    for header in [
-        "Set-Cookie: session=abc",
-        "set-cookie: a=b",
-        "Connection: close",
-        "Transfer-Encoding: chunked",
-    ] {
-        let run = idem(&[
+    let resolve_with = |header: &str| {
+        idem(&[
             "keys",
             "resolve",
             "--store",
@@ -403,28 +398,20 @@ fn resolve_refuses_headers_that_are_never_recorded() {
             "201",
             "--header",
             header,
-        ]);
+        ])
+    };
+    for header in [
+        "Set-Cookie: session=abc",
+        "set-cookie: a=b",
+        "Connection: close",
+        "Transfer-Encoding: chunked",
+    ] {
+        let run = resolve_with(header);
         assert_eq!(run.code, 2, "{header}: {}", run.all());
         assert!(run.stderr.contains("never recorded"), "{header}: {}", run.all());
         assert!(!path.exists(), "{header}: the store was opened");
     }
-    let run = idem(&[
-        "keys",
-        "resolve",
-        "--store",
-        &p,
-        "--tenant",
-        "t",
-        "--operation",
-        "POST /v1/pay",
-        "--key",
-        "k",
-        "--applied",
-        "--status",
-        "201",
-        "--header",
-        "Location: /v1/pay/1",
-    ]);
+    let run = resolve_with("Location: /v1/pay/1");
     assert_eq!(
         run.code,
         3,
