@@ -189,21 +189,24 @@ pub async fn sent_claim_holder_extends_and_releases<S: Subject>(s: S) {
 /// leaves an unknown outcome once its lease runs out, never a key a twin
 /// takes over and runs again.
 pub async fn sent_dropped_run_is_held_not_taken_over<S: Subject>(s: S) {
-    let engine = lease_engine(&s);
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(&s).with_clock(shared);
     let scope = unique_scope("op");
     let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(300));
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(100),
-        engine.run(&call, |_lease| async {
-            tokio::time::sleep(Duration::from_secs(3600)).await;
+    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000));
+    // The run is dropped once its work has started, however long the claim
+    // and the mark took to get there.
+    let (started, mut working) = tokio::sync::mpsc::channel::<()>(1);
+    tokio::select! {
+        done = engine.run(&call, move |_lease| async move {
+            let _ = started.send(()).await;
+            std::future::pending::<()>().await;
             Ok::<_, TestError>(Receipt::new(1))
-        }),
-    )
-    .await;
-    assert!(dropped.is_err(), "the run was dropped mid-work");
+        }) => panic!("the work never ends, yet the run returned {done:?}"),
+        _ = working.recv() => {}
+    }
     assert_in_flight(engine.acquire(&call).await);
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    clock.advance(Duration::from_millis(1_001));
     assert_unknown(engine.acquire(&call).await);
     let runs = Runs::default();
     let again = {
