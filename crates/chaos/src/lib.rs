@@ -23,6 +23,7 @@
 
 mod check;
 mod db;
+pub mod dlqkill;
 pub mod events;
 pub mod gateway;
 mod gwprocs;
@@ -35,7 +36,7 @@ pub mod storefaults;
 mod workload;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -80,7 +81,19 @@ pub struct Faults {
     pub bursts: bool,
     /// SIGSTOP/SIGCONT pauses of the service.
     pub pauses: bool,
+    /// Store calls of the service and the payout workers failing on
+    /// purpose (`LEDGER_STORE_FAULTS`): refused, timed out, or applied and
+    /// reported as failed.
+    pub store: bool,
 }
+
+/// The odds of each store fault per call of the service (three kinds:
+/// about 1 % of its store calls fail one way or another).
+pub const STORE_FAULT_RATE: f64 = 0.003;
+
+/// The odds of each store fault per call of a payout worker (about 3 % of
+/// its calls fail: it makes far fewer of them).
+pub const WORKER_STORE_FAULT_RATE: f64 = 0.01;
 
 impl Default for Faults {
     fn default() -> Self {
@@ -91,6 +104,7 @@ impl Default for Faults {
             db_sessions: true,
             bursts: true,
             pauses: true,
+            store: true,
         }
     }
 }
@@ -202,6 +216,10 @@ pub struct FaultCounts {
     pub pauses: u64,
     /// Service restarts.
     pub restarts: u64,
+    /// Store faults injected into the service and the payout workers, by
+    /// `call/fault` (`claim`, `commit`, `mark_sent`, … / `refused`,
+    /// `timed_out`, `applied_then_refused`).
+    pub store_faults: BTreeMap<String, u64>,
 }
 
 impl FaultCounts {
@@ -315,6 +333,14 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if config.break_idempotency {
         env.push(("LEDGER_BREAK_IDEMPOTENCY".to_owned(), "1".to_owned()));
     }
+    let store_env = |rate: f64| -> Vec<(String, String)> {
+        if config.faults.store {
+            vec![("LEDGER_STORE_FAULTS".to_owned(), rate.to_string())]
+        } else {
+            Vec::new()
+        }
+    };
+    env.extend(store_env(STORE_FAULT_RATE));
     let log = std::env::temp_dir().join(format!("chaos-ledger-{}-{}.log", config.seed, std::process::id()));
     let service = Service::start(&bin, port, &database.url, env, log).await?;
     let mut rng = Rng::new(config.seed);
@@ -361,10 +387,23 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     // Payouts: the ledger server runs no payout worker; two `ledger payouts`
     // processes do, so their kills and pauses are their own.
     let mut payout_side = None;
+    // `idem`, whose `dlq redrive` the payouts' settling kills mid-send.
+    let idem_bin = match (config.payouts, std::env::var("CHAOS_IDEM_BIN")) {
+        (false, _) => None,
+        (true, Ok(p)) => Some((PathBuf::from(p), false)),
+        (true, Err(_)) => Some((gwprocs::idem_binary(None)?, true)),
+    };
     if config.payouts {
         let vendor = payouts::Vendor::start(free_port().await?).await?;
         let log = std::env::temp_dir().join(format!("chaos-payouts-{}-{}", config.seed, std::process::id()));
-        let workers = payouts::start_workers(&bin, &database.url, &vendor.url, &log).await?;
+        let workers = payouts::start_workers(
+            &bin,
+            &database.url,
+            &vendor.url,
+            &log,
+            &store_env(WORKER_STORE_FAULT_RATE),
+        )
+        .await?;
         let (w, v, c, r, f) = (
             workers.clone(),
             vendor.clone(),
@@ -471,9 +510,12 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let mut violations = outcome.violations.clone();
     let mut payout_counts = payouts::PayoutCounts::default();
     if let Some((vendor, _)) = &payout_side {
+        let idem = idem_bin.as_ref().map(|(p, _)| p.as_path()).unwrap_or(Path::new("idem"));
         payout_counts = payouts::settle_and_check(
             &database,
             vendor,
+            idem,
+            &format!("http://127.0.0.1:{port}"),
             &token,
             &outcome,
             Duration::from_secs(180),
@@ -494,16 +536,23 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         nats.stop().await;
     }
 
+    let mut store_faults = BTreeMap::new();
     if let Some((vendor, workers)) = &payout_side {
         let mut f = payout_faults.lock().await;
         for w in workers {
             w.stop().await;
             f.worker_restarts += w.counts.restarts.load(Ordering::SeqCst);
+            for (fault, n) in w.counts.store_faults.lock().await.iter() {
+                *store_faults.entry(fault.clone()).or_default() += n;
+            }
         }
         vendor.stop();
     }
     phase("events_and_stop");
     service.stop().await;
+    for (fault, n) in service.counts.store_faults.lock().await.iter() {
+        *store_faults.entry(fault.clone()).or_default() += n;
+    }
     let pc = &proxy.counts;
     let faults = FaultCounts {
         responses_dropped: pc.responses_dropped.load(Ordering::SeqCst),
@@ -515,6 +564,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         sessions_killed: sessions_killed.load(Ordering::SeqCst),
         pauses: service.counts.pauses.load(Ordering::SeqCst),
         restarts: service.counts.restarts.load(Ordering::SeqCst),
+        store_faults,
     };
     if !config.keep_db {
         database.drop_database().await;
@@ -522,6 +572,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     phase("teardown");
     if config.ledger_bin.is_none() && std::env::var("CHAOS_LEDGER_BIN").is_err() {
         let _ = std::fs::remove_file(&bin);
+    }
+    if let Some((idem, true)) = &idem_bin {
+        let _ = std::fs::remove_file(idem);
     }
     let logs = process_logs(config.seed);
     // A run told to break idempotency is meant to find violations.

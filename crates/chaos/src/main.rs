@@ -49,6 +49,10 @@ struct Args {
     /// No SIGSTOP pauses.
     #[arg(long)]
     no_pauses: bool,
+    /// No store faults (refused, timed-out, applied-then-refused store
+    /// calls in the service and the payout workers).
+    #[arg(long)]
+    no_store_faults: bool,
     /// Mean milliseconds between random kills.
     #[arg(long, default_value_t = 1_500, value_parser = clap::value_parser!(u64).range(100..))]
     kill_interval_ms: u64,
@@ -149,6 +153,7 @@ async fn main() -> std::process::ExitCode {
         db_sessions: !args.no_db_kills,
         bursts: !args.no_bursts,
         pauses: !args.no_pauses,
+        store: !args.no_store_faults,
     };
     let report = match chaos::run(config).await {
         Ok(r) => r,
@@ -166,7 +171,8 @@ async fn main() -> std::process::ExitCode {
     println!("{json}");
     println!(
         "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed, \
-         {} payouts committed ({} paid, {} dead-lettered then redriven), {} payout worker kills: {} violation(s)",
+         {} store faults, {} payouts committed ({} paid, {} cancelled, {} dead-lettered then redriven), \
+         {} payout worker kills, {} dlq redrives killed mid-send ({} refunds refused): {} violation(s)",
         report.counts.ops,
         report.counts.ok,
         report.counts.rejected,
@@ -174,10 +180,14 @@ async fn main() -> std::process::ExitCode {
         report.faults.kills(),
         report.faults.responses_dropped,
         report.faults.sessions_killed,
+        report.faults.store_faults.values().sum::<u64>(),
         report.payouts.committed,
         report.payouts.paid,
+        report.payouts.cancelled,
         report.payouts.redriven,
         report.payout_faults.worker_kills,
+        report.payouts.redrive_kills.killed,
+        report.payouts.redrive_kills.cancels_refused,
         report.violations.len()
     );
     if report.violations.is_empty() {

@@ -114,6 +114,11 @@ pub struct PayoutCounts {
     /// Payouts whose outcome was held as unknown at some point (dead
     /// letters in state `unknown` before the final redrive).
     pub held_unknown: u64,
+    /// Payouts cancelled (their amount refunded): only ever ones the vendor
+    /// never paid.
+    pub cancelled: u64,
+    /// `idem dlq redrive` killed mid-send, and the cancels that followed.
+    pub redrive_kills: crate::dlqkill::RedriveKills,
     /// Seconds from the end of the faults until every payout was settled,
     /// redriven and reconciled.
     pub settle_secs: f64,
@@ -128,6 +133,8 @@ pub(crate) struct Vendor {
     /// Whether a window of [`attack_vendor`]'s is held: while it is, the
     /// other attacks leave the vendor's faults alone.
     held: Mutex<bool>,
+    /// The vendor itself (what it is working on right now).
+    pub(crate) inner: Arc<fake_vendor::Vendor>,
 }
 
 /// The vendor's own ledger (`GET /v1/ledger`).
@@ -151,6 +158,7 @@ impl Vendor {
             key_horizon: Duration::from_secs(VENDOR_KEY_HORIZON_SECS),
             idempotency: true,
         }));
+        let inner = vendor.clone();
         tokio::spawn(async move {
             let shutdown = async move {
                 let _ = stopped.await;
@@ -164,6 +172,7 @@ impl Vendor {
             http: ledger::http_builder().timeout(Duration::from_secs(10)).build()?,
             stop: std::sync::Mutex::new(Some(stop)),
             held: Mutex::new(false),
+            inner,
         });
         me.wait_up(Duration::from_secs(20)).await?;
         Ok(me)
@@ -189,7 +198,7 @@ impl Vendor {
     }
 
     /// Sets the vendor's faults.
-    async fn set(&self, faults: &fake_vendor::Faults) -> Result<(), Error> {
+    pub(crate) async fn set(&self, faults: &fake_vendor::Faults) -> Result<(), Error> {
         let r = self
             .http
             .put(format!("{}/_faults", self.url))
@@ -230,7 +239,7 @@ impl Vendor {
         Ok(())
     }
 
-    async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, Error> {
+    pub(crate) async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, Error> {
         let bytes = self
             .http
             .get(format!("{}{path}", self.url))
@@ -276,6 +285,7 @@ pub(crate) async fn start_workers(
     database_url: &str,
     vendor_url: &str,
     log: &Path,
+    env: &[(String, String)],
 ) -> Result<Vec<Arc<Service>>, Error> {
     let mut workers = Vec::new();
     for i in 0..2 {
@@ -300,7 +310,7 @@ pub(crate) async fn start_workers(
                     "--vendor-horizon-margin-secs".into(),
                     VENDOR_HORIZON_MARGIN_SECS.to_string(),
                 ],
-                Vec::new(),
+                env.to_vec(),
                 log.with_extension(format!("payouts{i}.log")),
             )
             .await?,
@@ -628,9 +638,12 @@ pub(crate) struct PayoutRows {
 /// Stops the vendor's faults, lets the workers settle every requested
 /// payout, redrives every dead letter against the fault-free vendor, lets
 /// the workers reconcile them, then checks; answers what it saw.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn settle_and_check(
     database: &Database,
     vendor: &Vendor,
+    idem: &Path,
+    api: &str,
     token: &str,
     outcome: &Outcome,
     within: Duration,
@@ -695,13 +708,31 @@ pub(crate) async fn settle_and_check(
         limit: idem_core::MAX_DEAD_LETTER_PAGE,
         ..Default::default()
     };
+    // `idem dlq redrive` killed mid-send; no refund of what it paid.
+    let redrive_kills = crate::dlqkill::run(
+        &crate::dlqkill::Target {
+            idem,
+            store_url: &database.url,
+            api,
+            token,
+            tenant: &tenant,
+        },
+        vendor,
+        &letters,
+        violations,
+    )
+    .await?;
     let held_unknown = letters
         .list(&of_state(DeadLetterState::Unknown))
         .await
         .map_err(|e| Error::Service(format!("dead letters: {e}")))?
         .len() as u64;
     let mut redriven = 0u64;
-    for state in [DeadLetterState::Unknown, DeadLetterState::Dead] {
+    for state in [
+        DeadLetterState::Redriving,
+        DeadLetterState::Unknown,
+        DeadLetterState::Dead,
+    ] {
         let selection = of_state(state);
         loop {
             let left = letters
@@ -805,6 +836,7 @@ pub(crate) async fn settle_and_check(
     judge(&rows, &at_vendor, &acknowledged, violations);
     counts.committed = rows.payouts.len() as u64;
     counts.paid = rows.payouts.values().filter(|(_, s)| s == "paid").count() as u64;
+    counts.cancelled = rows.payouts.values().filter(|(_, s)| s == "cancelled").count() as u64;
     counts.dead_lettered = rows.dead_letters.len() as u64;
     counts.redriven = redriven;
     counts.vendor_payouts = at_vendor.payouts;
@@ -816,6 +848,7 @@ pub(crate) async fn settle_and_check(
     counts.vendor_lookups = stats["lookups"].as_u64().unwrap_or(0);
     counts.vendor_in_use = stats["in_use"].as_u64().unwrap_or(0);
     counts.held_unknown = held_unknown;
+    counts.redrive_kills = redrive_kills;
     counts.settle_secs = settle_secs;
     Ok(counts)
 }
@@ -842,8 +875,14 @@ pub(crate) fn judge(
 
     let mut by_state: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (id, (_, state)) in &rows.payouts {
-        if state != "paid" {
-            by_state.entry(state.as_str()).or_default().push(id.as_str());
+        match state.as_str() {
+            "paid" => {}
+            // A cancel refunds the amount: right only if the vendor never paid.
+            "cancelled" if keys.contains(id.as_str()) => violations.push(format!(
+                "payouts: payout {id} was cancelled (its amount refunded) but the vendor paid it"
+            )),
+            "cancelled" => {}
+            _ => by_state.entry(state.as_str()).or_default().push(id.as_str()),
         }
     }
     for (state, ids) in &by_state {
@@ -920,7 +959,7 @@ pub(crate) fn judge(
         if !committed.contains(key.as_str()) {
             violations.push(format!("payouts: a dead letter of no committed payout ({key})"));
         }
-        if *state != DeadLetterState::Resolved {
+        if !matches!(state, DeadLetterState::Resolved | DeadLetterState::Cancelled) {
             violations.push(format!(
                 "payouts: the dead letter of payout {key} is left {}",
                 state.as_str()
@@ -972,6 +1011,11 @@ mod tests {
             r.payouts.get_mut(id).unwrap().1 = state.to_owned();
             r
         };
+        // A payout the vendor never paid may be cancelled (refunded).
+        let mut v = Vec::new();
+        judge(&with_state("b", "cancelled"), &vendor(1, 10, &["a"]), &acked(), &mut v);
+        assert!(v.is_empty(), "a cancelled unpaid payout: {v:?}");
+
         type Case = (&'static str, PayoutRows, VendorLedger, Vec<(String, i64)>);
         let cases: Vec<Case> = vec![
             // One key paid twice (a vendor without deduplication).
@@ -1008,6 +1052,13 @@ mod tests {
                 acked(),
             ),
             ("the vendor never paid", rows(), vendor(1, 10, &["a"]), acked()),
+            // Refunded although the vendor paid it.
+            (
+                "but the vendor paid it",
+                with_state("b", "cancelled"),
+                vendor(2, 30, &["a", "b"]),
+                acked(),
+            ),
             // Paid at the vendor but not recorded as paid.
             (
                 "does not record as paid",

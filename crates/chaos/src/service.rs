@@ -26,6 +26,24 @@ pub struct ServiceCounts {
     pub pauses: AtomicU64,
     /// Times the service was started after the first.
     pub restarts: AtomicU64,
+    /// Store faults the process injected (`IDEM_STORE_FAULT` lines), by
+    /// `call/fault`.
+    pub store_faults: Mutex<BTreeMap<String, u64>>,
+}
+
+/// The `call/fault` of an `IDEM_STORE_FAULT call=<call> fault=<fault>` line.
+fn store_fault(line: &str) -> Option<String> {
+    let rest = line.strip_prefix("IDEM_STORE_FAULT ")?;
+    let mut call = None;
+    let mut fault = None;
+    for part in rest.split_whitespace() {
+        if let Some(c) = part.strip_prefix("call=") {
+            call = Some(c);
+        } else if let Some(f) = part.strip_prefix("fault=") {
+            fault = Some(f);
+        }
+    }
+    Some(format!("{}/{}", call?, fault?))
 }
 
 /// A supervised ledger process.
@@ -170,6 +188,10 @@ impl Service {
                                     .entry(point.trim().to_owned())
                                     .or_default() += 1;
                             }
+                        }
+                        if let Some(fault) = store_fault(&line) {
+                            *me.counts.store_faults.lock().await.entry(fault).or_default() += 1;
+                            continue;
                         }
                         if let Some(f) = log.as_mut() {
                             use std::io::Write;

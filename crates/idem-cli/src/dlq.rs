@@ -138,6 +138,12 @@ pub(crate) struct ResendArgs {
     /// (a letter held as unknown still needs `idem dlq resolve`).
     #[arg(long)]
     past_horizon: bool,
+    /// How long each letter is held against other redrives once taken, in
+    /// seconds (default: the deadline plus 30 s). A redrive that dies
+    /// leaves its letters `redriving` until their hold runs out; no send is
+    /// started with less than a third of the hold left.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    hold_secs: Option<u64>,
     /// A header to send with every redrive but never store (the vendor's
     /// credentials), as NAME:ENV_VAR: the value is read from that
     /// environment variable, never from the command line. Repeatable.
@@ -189,7 +195,10 @@ impl ResendArgs {
         client: idem_outbound::OutboundClient,
         store: S,
     ) -> std::result::Result<idem_outbound::Redriver<S>, crate::Failure> {
-        let redriver = idem_outbound::Redriver::new(client, store).with_past_horizon_override(self.past_horizon);
+        let mut redriver = idem_outbound::Redriver::new(client, store).with_past_horizon_override(self.past_horizon);
+        if let Some(secs) = self.hold_secs {
+            redriver = redriver.with_hold(Duration::from_secs(secs));
+        }
         match &self.url {
             Some(url) => redriver
                 .with_target(url)

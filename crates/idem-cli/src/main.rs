@@ -1260,8 +1260,12 @@ async fn main() -> std::process::ExitCode {
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(Failure(code, message)) => {
-            // Whatever the failure, no credential reaches the output.
-            let message = idem_core::redact_credentials(&message);
+            // Whatever the failure, no credential reaches the output: the
+            // passwords of the URLs given on the command line and in the
+            // environment are known whole, whatever characters they hold.
+            let passwords = given_passwords(&raw);
+            let passwords: Vec<&str> = passwords.iter().map(String::as_str).collect();
+            let message = idem_core::redact_known(&message, &passwords);
             if json && !STDOUT_USED.load(std::sync::atomic::Ordering::Relaxed) {
                 say!("{}", serde_json::json!({ "error": message, "exit_code": code }));
             } else {
@@ -1270,6 +1274,28 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(code)
         }
     }
+}
+
+/// The passwords of every URL among the arguments (`--store URL`,
+/// `--store=URL`) and the environment's values (`IDEM_STORE`…).
+fn given_passwords(raw: &[std::ffi::OsString]) -> Vec<String> {
+    let mut texts: Vec<String> = raw.iter().filter_map(|a| a.to_str()).map(str::to_owned).collect();
+    texts.extend(std::env::vars_os().filter_map(|(_, v)| v.into_string().ok()));
+    let mut found = Vec::new();
+    for text in texts {
+        // `--flag=URL` and the URL itself.
+        for candidate in [Some(text.as_str()), text.split_once('=').map(|(_, v)| v)]
+            .into_iter()
+            .flatten()
+        {
+            if let Some(password) = idem_core::url_password(candidate) {
+                found.push(password.to_owned());
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
 }
 
 async fn shutdown() {

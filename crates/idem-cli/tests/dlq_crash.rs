@@ -108,7 +108,7 @@ async fn redrive_killed_after_the_vendor_paid(store_url: &str, id: i64, vendor: 
     let mut redrive = Redrive(
         Command::new(env!("CARGO_BIN_EXE_idem"))
             .args(["dlq", "redrive", "--store", store_url, "--id", &id.to_string()])
-            .args(["--key-horizon-secs", "3", "--deadline-secs", "10"])
+            .args(["--key-horizon-secs", "3", "--deadline-secs", "10", "--hold-secs", "2"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -133,18 +133,19 @@ async fn redrive_killed_after_the_vendor_paid(store_url: &str, id: i64, vendor: 
     vendor.set_faults(fake_vendor::Faults::default()).await;
 }
 
-/// The killed redrive's hold runs out (moved into the past, as time would).
-async fn hold_runs_out(store_url: &str, id: i64) {
-    let sql = format!("UPDATE idem_dead_letters SET redrive_until_ms = 1 WHERE id = {id}");
-    if store_url.starts_with("postgres") {
-        let pool = sqlx::PgPool::connect(store_url).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-    } else {
-        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{store_url}"))
-            .await
-            .unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-    }
+/// The killed redrive's hold (`--hold-secs 2`) runs out.
+async fn hold_runs_out<S: DeadLetterStore>(store: &S, id: i64) {
+    let letter = store.get(id).await.unwrap().unwrap();
+    let until = letter.redrive_until_ms.expect("the killed redrive holds the letter");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    assert!(
+        until - now <= 2_000,
+        "held for --hold-secs 2, not the default: {letter:?}"
+    );
+    tokio::time::sleep(Duration::from_millis((until - now).max(0) as u64 + 100)).await;
 }
 
 async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, store_url: &str) {
@@ -154,7 +155,7 @@ async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, sto
     let left = store.get(id).await.unwrap().unwrap();
     assert_eq!(left.state, DeadLetterState::Redriving);
     assert!(left.first_reached_at_ms.is_some(), "the take marked the send: {left:?}");
-    hold_runs_out(store_url, id).await;
+    hold_runs_out(&store, id).await;
     // Past the vendor's memory (3 s on its clock and, for the redrive, since the mark).
     vendor.advance(Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(3_100)).await;
@@ -181,7 +182,7 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
     let (base, vendor) = start_vendor();
     let id = dead_payout(&store, store_url, &base).await;
     redrive_killed_after_the_vendor_paid(store_url, id, &vendor).await;
-    hold_runs_out(store_url, id).await;
+    hold_runs_out(&store, id).await;
     // Inside the horizon, a redrive that meets only refused connections.
     vendor
         .set_faults(fake_vendor::Faults {

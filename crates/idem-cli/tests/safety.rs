@@ -282,6 +282,54 @@ fn store_passwords_never_reach_the_output() {
     }
 }
 
+/// A password holding any printable character (a space, `"`, `'`, `<`,
+/// `>`, a backtick, `@`, `%`…) never reaches a failed command's output, as
+/// text or JSON, whether the URL is an argument or `IDEM_STORE`: the
+/// command knows the password whole from where it was given.
+#[test]
+fn passwords_of_every_printable_character_never_reach_the_output() {
+    let cases: Vec<(String, bool, bool)> = (0x20u8..=0x7e)
+        .map(|c| format!("Pw{}x9", c as char))
+        .enumerate()
+        .map(|(i, pw)| (pw, i % 2 == 0, i % 3 == 0))
+        .collect();
+    // A few processes at a time: each waits on a refused connection.
+    for chunk in cases.chunks(16) {
+        let runs: Vec<_> = chunk
+            .iter()
+            .cloned()
+            .map(|(password, json, from_env)| {
+                std::thread::spawn(move || {
+                    let url = format!("postgres://app:{password}@127.0.0.1:1/db");
+                    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+                    cmd.arg("stats");
+                    if from_env {
+                        cmd.env("IDEM_STORE", &url);
+                    } else {
+                        cmd.args(["--store", &url]);
+                    }
+                    if json {
+                        cmd.arg("--json");
+                    }
+                    let out = cmd.output().unwrap();
+                    let all = format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    (password, out.status.code(), all)
+                })
+            })
+            .collect();
+        for run in runs {
+            let (password, code, all) = run.join().unwrap();
+            assert_ne!(code, Some(0), "{password:?}: {all}");
+            assert!(!all.contains(&password), "{password:?} leaked: {all}");
+            assert!(all.contains("***"), "{password:?}: the URL is shown redacted: {all}");
+        }
+    }
+}
+
 /// Store URLs that can never work are refused with exit 2 before anything
 /// runs: an empty `--store`, and SQLite without a file (every pooled
 /// connection would get a private database of its own).

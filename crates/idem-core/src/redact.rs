@@ -42,6 +42,75 @@ pub fn redact_credentials(text: &str) -> String {
     redact_pairs(&redact_userinfo(text))
 }
 
+/// The password of one URL given whole (a command-line argument, an
+/// environment variable): everything between its scheme's `://` and its
+/// last `@`, after the first `:`. Unlike free text, a URL given whole has
+/// known ends, so a password holding spaces, quotes, `<`, `>` or
+/// backticks is found whole. `None` without one (or when empty).
+///
+/// ```
+/// use idem_core::url_password;
+/// assert_eq!(url_password("postgres://app:pa ss\"w@db/app"), Some("pa ss\"w"));
+/// assert_eq!(url_password("redis://:s3cret@cache:6379"), Some("s3cret"));
+/// assert_eq!(url_password("postgres://app@db/app"), None);
+/// assert_eq!(url_password("./idem.db"), None);
+/// ```
+pub fn url_password(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let (userinfo, _) = rest.rsplit_once('@')?;
+    let (_, password) = userinfo.split_once(':')?;
+    (!password.is_empty()).then_some(password)
+}
+
+/// [`redact_credentials`], and besides every occurrence of each of
+/// `secrets` (passwords known from where they were given, as
+/// [`url_password`] finds them), as written and percent-decoded, masked:
+/// a password a driver quotes back in any form never reaches the output.
+///
+/// ```
+/// use idem_core::redact_known;
+/// let url = "postgres://app:pa ss@db/app";
+/// let secret = idem_core::url_password(url).unwrap();
+/// let out = redact_known(&format!("store {url}: refused"), &[secret]);
+/// assert!(!out.contains("pa ss"));
+/// ```
+pub fn redact_known(text: &str, secrets: &[&str]) -> String {
+    let mut out = text.to_owned();
+    for secret in secrets.iter().filter(|s| !s.is_empty()) {
+        let decoded = percent_decoded(secret);
+        for form in [Some(secret.to_string()), decoded].into_iter().flatten() {
+            if !form.is_empty() && form != MASK {
+                out = out.replace(&form, MASK);
+            }
+        }
+    }
+    redact_credentials(&out)
+}
+
+/// `%XX` escapes decoded, if there are any and the result is text.
+fn percent_decoded(s: &str) -> Option<String> {
+    if !s.contains('%') {
+        return None;
+    }
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 fn is_scheme_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'+' | b'.' | b'-')
 }
@@ -128,6 +197,31 @@ fn redact_pairs(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::redact_credentials as r;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever printable characters a password holds (spaces, quotes,
+        /// `<`, `>`, backticks, `@`, `/`, `%`…), a message naming its URL,
+        /// as written or quoted, never shows it once redacted with the
+        /// password its URL was given with.
+        #[test]
+        fn a_known_password_never_survives(password in "[ -~]{1,24}", user in "[a-z]{0,8}") {
+            let url = format!("postgres://{user}:{password}@127.0.0.1:1/db");
+            let secret = super::url_password(&url);
+            prop_assert_eq!(secret, Some(password.as_str()));
+            for message in [
+                format!("store {url}: connection refused"),
+                format!("store {url:?}: invalid"),
+                format!("{{\"error\":\"store {url}: refused\"}}"),
+            ] {
+                let out = super::redact_known(&message, &[&password]);
+                prop_assert!(
+                    !out.replace(super::MASK, "\u{0}").contains(&password),
+                    "{} -> {}", message, out
+                );
+            }
+        }
+    }
 
     /// Every form of URL credentials is masked, and the rest of the text
     /// (user names, hosts, paths, other parameters) survives.

@@ -196,7 +196,11 @@ pub struct Faults {
     queued: Mutex<VecDeque<(Op, Fault)>>,
     counts: [[AtomicU64; 3]; OPS],
     calls: [AtomicU64; OPS],
+    on_fault: Mutex<Option<FaultHook>>,
 }
+
+/// What [`Faults::on_fault`] calls with each injected fault.
+type FaultHook = Arc<dyn Fn(Op, Fault) + Send + Sync>;
 
 impl fmt::Debug for Faults {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -215,7 +219,15 @@ impl Faults {
             queued: Mutex::new(VecDeque::new()),
             counts: Default::default(),
             calls: Default::default(),
+            on_fault: Mutex::new(None),
         }
+    }
+
+    /// Calls `hook` with every fault injected from now on, as it is
+    /// injected (before the call fails): a process that may be killed at
+    /// any moment can report each fault as it happens.
+    pub fn on_fault(&self, hook: impl Fn(Op, Fault) + Send + Sync + 'static) {
+        *self.on_fault.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hook));
     }
 
     /// Replaces the plan (the draws go on from where they were).
@@ -294,6 +306,10 @@ impl Faults {
         };
         self.counts[op.index()][i].fetch_add(1, Ordering::Relaxed);
         tracing::debug!(call = op.name(), fault = fault.name(), "injected a store fault");
+        let hook = self.on_fault.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if let Some(hook) = hook {
+            hook(op, fault);
+        }
         Some(fault)
     }
 
@@ -366,19 +382,36 @@ impl<S> Faulty<S> {
         &self.inner
     }
 
-    /// Runs `call` on the wrapped store under this call's fault, if any.
-    pub(crate) async fn faulty<T>(&self, op: Op, call: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    /// `other` wrapped with these very faults: one plan, one sequence of
+    /// draws and one set of counts for every store of a process (its keys,
+    /// its dead letters, its other tables).
+    pub fn beside<T>(&self, other: T) -> Faulty<T> {
+        Faulty {
+            inner: Arc::new(other),
+            faults: self.faults.clone(),
+        }
+    }
+
+    /// Runs `call` under this call's fault, if any: the wrapped store's own
+    /// calls, and a caller's writes beside them (an application's own
+    /// statement on the same database, failing as a store call of kind
+    /// `op` would).
+    pub async fn faulty<T, E: From<Error>>(
+        &self,
+        op: Op,
+        call: impl std::future::Future<Output = std::result::Result<T, E>>,
+    ) -> std::result::Result<T, E> {
         match self.faults.draw(op) {
             None => call.await,
-            Some(Fault::Refused) => Err(injected(Fault::Refused, op)),
+            Some(Fault::Refused) => Err(injected(Fault::Refused, op).into()),
             Some(Fault::TimedOut) => {
                 tokio::time::sleep(self.faults.timeout()).await;
-                Err(injected(Fault::TimedOut, op))
+                Err(injected(Fault::TimedOut, op).into())
             }
             Some(Fault::AppliedThenRefused) => {
                 // Whatever the store answered, the caller hears a failure.
                 let _ = call.await;
-                Err(injected(Fault::AppliedThenRefused, op))
+                Err(injected(Fault::AppliedThenRefused, op).into())
             }
         }
     }
@@ -488,6 +521,32 @@ mod tests {
         assert_eq!(f.draw(Op::Complete), Some(Fault::Refused));
         assert_eq!(f.draw(Op::Complete), None);
         assert_eq!(f.injected(), vec![("complete", "refused", 1)]);
+    }
+
+    /// Stores wrapped beside one another share one plan and one count, and
+    /// the hook hears every injected fault as it happens.
+    #[test]
+    fn stores_beside_share_their_faults_and_the_hook_hears_each() {
+        let first = Faulty::new((), FaultPlan::each_at(0.2, 7));
+        let second = first.beside("letters");
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        {
+            let heard = heard.clone();
+            first
+                .faults()
+                .on_fault(move |op, fault| heard.lock().unwrap().push((op, fault)));
+        }
+        for _ in 0..500 {
+            first.faults().draw(Op::Claim);
+            second.faults().draw(Op::LetterTake);
+        }
+        assert_eq!(second.faults().calls(Op::Claim), 500);
+        assert_eq!(first.faults().calls(Op::LetterTake), 500);
+        let heard = heard.lock().unwrap();
+        assert_eq!(heard.len() as u64, first.faults().total());
+        assert!(heard.iter().any(|(op, _)| *op == Op::Claim));
+        assert!(heard.iter().any(|(op, _)| *op == Op::LetterTake));
+        assert_eq!(*second.inner(), "letters");
     }
 
     /// A write applied and reported as failed is really applied; a refused

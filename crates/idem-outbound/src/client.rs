@@ -717,11 +717,11 @@ impl OutboundClient {
                     // A vendor may still be working on a send whose caller gave
                     // up (an attempt that timed out), and its lookup says "not
                     // found" until it commits: the answer is trusted only once
-                    // the last send has settled, its attempt timeout and a
-                    // margin after it started.
+                    // the last send has settled (by default its attempt
+                    // timeout and a margin after it started).
                     let last_sent = state.lock().unwrap_or_else(PoisonError::into_inner).last_sent_at_ms;
-                    let settle_ms = i64::try_from((self.inner.config.attempt_timeout + SETTLE_MARGIN).as_millis())
-                        .unwrap_or(i64::MAX);
+                    let settle_ms =
+                        i64::try_from(self.inner.config.settle_after_send().as_millis()).unwrap_or(i64::MAX);
                     if last_sent.is_some_and(|at| now < at.saturating_add(settle_ms)) {
                         labels.reconcile("not_settled");
                         tracing::info!(

@@ -105,6 +105,14 @@ pub struct OutboundConfig {
     pub key_horizon: KeyHorizon,
     /// Per-host horizons (`scheme://host:port`), in place of `key_horizon`.
     pub host_key_horizons: Vec<(String, KeyHorizon)>,
+    /// How long after the last send that may have reached the vendor its
+    /// lookup's "not applied" is trusted (a vendor may still be working on
+    /// a send whose caller gave up, and answer "not found" until it
+    /// commits). `None` (the default): the attempt timeout plus
+    /// [`SETTLE_MARGIN`](crate::SETTLE_MARGIN). Never shorter than the
+    /// attempt timeout. Before it, the vendor is asked again after the
+    /// next wait, as for a vendor that says the call is in flight.
+    pub reconcile_settle: Option<Duration>,
     /// Headers sent with every attempt but never part of a stored request
     /// (vendor credentials): a dead letter, a listing or a log never holds
     /// them, and a redrive's client sends them again from its own
@@ -147,6 +155,7 @@ impl Default for OutboundConfig {
             max_host_labels: 64,
             key_horizon: KeyHorizon::new(Duration::from_secs(24 * 3600), Duration::from_secs(3600)),
             host_key_horizons: Vec::new(),
+            reconcile_settle: None,
             secret_headers: Vec::new(),
             in_flight_codes: vec!["idempotency_key_in_use".into(), "idempotency-key-in-flight".into()],
             ca_file: None,
@@ -190,6 +199,13 @@ impl OutboundConfig {
         Ok(self)
     }
 
+    /// How long after the last send a lookup's "not applied" is trusted
+    /// (see [`reconcile_settle`](Self::reconcile_settle)).
+    pub fn settle_after_send(&self) -> Duration {
+        self.reconcile_settle
+            .unwrap_or(self.attempt_timeout + crate::SETTLE_MARGIN)
+    }
+
     /// The horizon of `host` (`scheme://host:port`, as the client names a
     /// target). An entry of `host_key_horizons` matches whatever way it is
     /// written: the port may be left out when it is the scheme's own, a
@@ -221,6 +237,17 @@ impl OutboundConfig {
         if self.deadline > MAX_DEADLINE || self.attempt_timeout > MAX_DEADLINE {
             return bad(format!(
                 "the deadline and the attempt timeout are at most {} s",
+                MAX_DEADLINE.as_secs()
+            ));
+        }
+        if let Some(settle) = self.reconcile_settle
+            && (settle < self.attempt_timeout || settle > MAX_DEADLINE)
+        {
+            return bad(format!(
+                "reconcile_settle ({} ms) must be at least the attempt timeout ({} ms) and at most {} s: \
+                 a lookup asked before a send could have finished proves nothing",
+                settle.as_millis(),
+                self.attempt_timeout.as_millis(),
                 MAX_DEADLINE.as_secs()
             ));
         }

@@ -450,3 +450,59 @@ async fn a_redrive_whose_hold_ran_out_sends_nothing() {
     );
     assert_eq!(ledger(&base).await.0, 1);
 }
+
+/// A lookup's "not applied" is trusted only once the last send has settled:
+/// by default its attempt timeout plus `SETTLE_MARGIN` after it started, or
+/// the client's `reconcile_settle`. Before it nothing is sent; after it the
+/// call is sent once. A settle time shorter than the attempt timeout is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_applied_is_trusted_only_once_the_last_send_settled() {
+    let (base, _) = vendor_with(short_horizon()).await;
+    let clock = ManualClock::starting_now();
+    let client = |settle: Option<Duration>| {
+        OutboundClient::new(OutboundConfig {
+            attempt_timeout: Duration::from_secs(1),
+            reconcile_settle: settle,
+            deadline: Duration::from_secs(2),
+            ..config(&[10, 10])
+        })
+        .unwrap()
+        .with_clock(Arc::new(clock.clone()))
+        .with_reconcile(Lookup::new(&base))
+    };
+    let earlier = |last_sent_secs_ago: i64| Earlier {
+        first_reached_at_ms: Some(clock.now_ms() - 2 * HOUR.as_millis() as i64),
+        must_reconcile: true,
+        last_sent_at_ms: Some(clock.now_ms() - last_sent_secs_ago * 1_000),
+        ..Earlier::default()
+    };
+    let request = payout(&base, r#"{"amount":3,"reference":"po-settle"}"#);
+    // Default: 1 s + 5 s. A send 3 s ago may still be in flight.
+    let busy = client(None).resend(&key("po-settle"), &request, earlier(3)).await;
+    assert!(busy.is_err(), "{busy:?}");
+    assert_eq!(ledger(&base).await.0, 0, "nothing sent before the last send settled");
+    // A longer settle holds a send 10 s ago that the default would trust.
+    let busy = client(Some(Duration::from_secs(60)))
+        .resend(&key("po-settle"), &request, earlier(10))
+        .await;
+    assert!(busy.is_err(), "{busy:?}");
+    assert_eq!(ledger(&base).await.0, 0);
+    // A shorter one trusts a send 3 s ago: sent once.
+    let sent = client(Some(Duration::from_secs(2)))
+        .resend(&key("po-settle"), &request, earlier(3))
+        .await
+        .unwrap();
+    assert_eq!((sent.status, sent.reconciled), (201, false));
+    assert_eq!(ledger(&base).await.0, 1);
+    // Shorter than the attempt timeout: refused.
+    let refused = OutboundClient::new(OutboundConfig {
+        attempt_timeout: Duration::from_secs(1),
+        reconcile_settle: Some(Duration::from_millis(500)),
+        ..config(&[])
+    });
+    assert!(
+        matches!(&refused, Err(OutboundError::InvalidConfig(why)) if why.contains("reconcile_settle")),
+        "{refused:?}"
+    );
+}

@@ -26,6 +26,8 @@ pub mod db;
 pub mod events;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(feature = "fault-injection")]
+pub mod faulty;
 pub mod openapi;
 pub mod payouts;
 pub mod sweeper;
@@ -148,42 +150,7 @@ impl Store {
 
     /// The ledger's router on this store.
     pub fn router(&self, clock: SharedClock, options: Options) -> axum::Router {
-        let metrics = metrics_handle();
-        match self.clone() {
-            Store::Postgres(db) => app(
-                AppState {
-                    outbox: db.outbox(),
-                    namespace: options.events_namespace.clone(),
-                    events_health: options.events_health.clone(),
-                    db,
-                    clock,
-                    metrics,
-                },
-                options,
-            ),
-            Store::MySql(db) => app(
-                AppState {
-                    outbox: db.outbox(),
-                    namespace: options.events_namespace.clone(),
-                    events_health: options.events_health.clone(),
-                    db,
-                    clock,
-                    metrics,
-                },
-                options,
-            ),
-            Store::Sqlite(db) => app(
-                AppState {
-                    outbox: db.outbox(),
-                    namespace: options.events_namespace.clone(),
-                    events_health: options.events_health.clone(),
-                    db,
-                    clock,
-                    metrics,
-                },
-                options,
-            ),
-        }
+        with_db!(self.clone(), db => routed(db, clock, options))
     }
 
     /// The engine's name.
@@ -208,6 +175,33 @@ impl Store {
             Store::Sqlite(s) => DeadLetters::Sqlite(s.dead_letters()),
         }
     }
+}
+
+/// The ledger's router on `db` (on `db` failing on purpose, with the
+/// `fault-injection` feature and `LEDGER_STORE_FAULTS` set).
+fn routed<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> axum::Router
+where
+    D::DeadLetters: Send + Sync + 'static,
+{
+    #[cfg(feature = "fault-injection")]
+    if let Some(faults) = faulty::store_faults() {
+        return routed_on(faults.beside(db), clock, options);
+    }
+    routed_on(db, clock, options)
+}
+
+fn routed_on<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> axum::Router {
+    app(
+        AppState {
+            outbox: db.outbox(),
+            namespace: options.events_namespace.clone(),
+            events_health: options.events_health.clone(),
+            db,
+            clock,
+            metrics: metrics_handle(),
+        },
+        options,
+    )
 }
 
 /// The dead letters of vendor calls on the ledger's engine.

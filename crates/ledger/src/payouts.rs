@@ -601,7 +601,13 @@ pub async fn pass(
     client: OutboundClient,
     config: PayoutConfig,
 ) -> Result<PassReport, DbError> {
-    with_db!(store, db => Arc::new(PayoutWorker::new(db.clone(), clock, client, config)?).pass().await)
+    with_db!(store, db => {
+        #[cfg(feature = "fault-injection")]
+        if let Some(faults) = crate::faulty::store_faults() {
+            return Arc::new(PayoutWorker::new(faults.beside(db.clone()), clock, client, config)?).pass().await;
+        }
+        Arc::new(PayoutWorker::new(db.clone(), clock, client, config)?).pass().await
+    })
 }
 
 /// Runs a payout worker on `store` until `shutdown` turns true.
@@ -612,13 +618,28 @@ pub async fn run(
     config: PayoutConfig,
     shutdown: watch::Receiver<bool>,
 ) {
-    let started = with_db!(store, db => match PayoutWorker::new(db.clone(), clock, client, config) {
-        Ok(worker) => {
-            worker.run(shutdown).await;
-            Ok(())
+    let started = with_db!(store, db => {
+        #[cfg(feature = "fault-injection")]
+        if let Some(faults) = crate::faulty::store_faults() {
+            return report_start(run_worker(faults.beside(db.clone()), clock, client, config, shutdown).await);
         }
-        Err(e) => Err(e),
+        run_worker(db.clone(), clock, client, config, shutdown).await
     });
+    report_start(started);
+}
+
+async fn run_worker<D: LedgerDb + LeaseStore>(
+    db: D,
+    clock: SharedClock,
+    client: OutboundClient,
+    config: PayoutConfig,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), DbError> {
+    PayoutWorker::new(db, clock, client, config)?.run(shutdown).await;
+    Ok(())
+}
+
+fn report_start(started: Result<(), DbError>) {
     if let Err(e) = started {
         tracing::error!(error = %e, "the payout worker did not start");
     }
