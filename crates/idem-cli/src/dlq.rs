@@ -156,6 +156,11 @@ pub(crate) struct ResendArgs {
 }
 
 impl ResendArgs {
+    /// Whether `--url` sends the letters to another target.
+    pub(crate) fn retargets(&self) -> bool {
+        self.url.is_some()
+    }
+
     /// `base` with the horizon and the secret headers.
     pub(crate) fn config(
         &self,

@@ -1159,6 +1159,14 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
             deadline_secs,
             resend,
         } => {
+            if resend.retargets() && id.is_none() && selection.operation.is_none() {
+                return Err(Failure(
+                    2,
+                    "--url sends every selected letter to one target and stores it in each: \
+                     name the letters' --operation (or one --id)"
+                        .into(),
+                ));
+            }
             let filter = selection.filter(Some(&state), 100)?;
             let config = resend.config(idem_outbound::OutboundConfig {
                 name: "idem-cli".into(),

@@ -334,6 +334,12 @@ async fn dead_letter_commands(url: &str) {
     assert_eq!(payouts(&base).await, paid_before + 1);
     let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--url", "http://vendor#"]);
     assert_eq!(code, 2, "a bad target is refused: {out}");
+    // A new target for letters of every operation is refused: nothing sent,
+    // nothing rewritten.
+    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--url", &format!("{base}/v1/payouts")]);
+    assert_eq!(code, 2, "--url needs --operation or --id: {out}");
+    assert!(out.contains("--operation"), "{out}");
+    assert_eq!(payouts(&base).await, paid_before + 1);
     let (code, _, out) = idem(&[
         "dlq",
         "resolve",

@@ -777,16 +777,28 @@ impl VendorLookup {
             .await
             .map_err(|e| format!("lookup failed: {e}"))?;
         let status = response.status();
-        let body = response.bytes().await.map_err(|e| format!("lookup failed: {e}"))?;
         if !status.is_success() {
             return Err(format!("lookup answered HTTP {status}"));
         }
+        let body = read_bounded(response, MAX_LOOKUP_BYTES).await?;
         let found: serde_json::Value =
             serde_json::from_slice(&body).map_err(|e| format!("lookup answer is not JSON: {e}"))?;
-        let Some(data) = found["data"].as_array() else {
-            return Err("lookup answer has no data list".into());
+        // A list object, as the vendor's list endpoints answer: an empty
+        // body, `{}` or a bare `[]` (a wrong URL, a proxy's page) says
+        // nothing, and is never taken for "not applied".
+        let (true, Some(listed)) = (found["object"] == "list", found["data"].as_array()) else {
+            return Err("lookup answer is not a list (object \"list\" with a data array)".into());
         };
-        let paid: Vec<&serde_json::Value> = data.iter().filter(|p| p["status"] == "paid").collect();
+        // Only records of this very reference count: a vendor that ignored
+        // the filter lists other payouts, which say nothing of this one.
+        let data: Vec<&serde_json::Value> = listed.iter().filter(|p| p["reference"] == reference).collect();
+        if data.is_empty() && found["has_more"] == true {
+            // A first page without it proves nothing.
+            return Ok(Reconciled::Unknown(format!(
+                "the vendor's answer for reference {reference} has more pages and none of this one"
+            )));
+        }
+        let paid: Vec<&serde_json::Value> = data.iter().copied().filter(|p| p["status"] == "paid").collect();
         Ok(match paid.as_slice() {
             [one] if one["amount"].as_i64() == Some(amount) => Reconciled::Applied {
                 status: 201,
@@ -802,6 +814,24 @@ impl VendorLookup {
             many => Reconciled::Unknown(format!("the vendor paid reference {reference} {} times", many.len())),
         })
     }
+}
+
+/// The most bytes of a lookup's answer read; a longer one is an error.
+pub const MAX_LOOKUP_BYTES: usize = 1024 * 1024;
+
+/// `response`'s body, refused past `max` bytes (never buffered whole).
+async fn read_bounded(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
+    if response.content_length().is_some_and(|n| n > max as u64) {
+        return Err(format!("lookup answer over {max} bytes"));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| format!("lookup failed: {e}"))? {
+        if body.len() + chunk.len() > max {
+            return Err(format!("lookup answer over {max} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 impl Reconcile for VendorLookup {

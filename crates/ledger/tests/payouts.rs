@@ -1415,3 +1415,62 @@ worker_tests!(
     a_dead_lettered_payout_has_a_way_out,
     a_large_vendor_answer_keeps_its_id
 );
+
+/// A lookup server answering `GET /v1/payouts` with `body` (status 200).
+async fn lookup_answering(body: String) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/v1/payouts",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { ([("content-type", "application/json")], body) }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// The payout lookup says "not applied" only from a list answer that
+/// covers the reference: an empty answer (`{}`, `[]`, nothing, a list
+/// without `object: list`), a first page of others with more to come, or
+/// an answer over `MAX_LOOKUP_BYTES` is never "not applied"; records of
+/// other references are not this payout's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vendor_lookup_never_takes_an_empty_answer_for_not_applied() {
+    use idem_outbound::{Reconcile, Reconciled};
+    let request = idem_core::OutboundRequest::new(
+        "POST",
+        "http://127.0.0.1:9/v1/payouts",
+        vec![("content-type".into(), "application/json".into())],
+        br#"{"amount":25,"reference":"po-77"}"#.to_vec(),
+    )
+    .unwrap();
+    let key = idem_core::IdempotencyKey::new("po-77").unwrap();
+    let ask = |body: String| {
+        let (request, key) = (request.clone(), key.clone());
+        async move {
+            let url = lookup_answering(body).await;
+            let lookup = ledger::payouts::VendorLookup::new(&url).unwrap();
+            lookup.reconcile(&key, &request, Duration::from_secs(5)).await
+        }
+    };
+    for empty in ["", "{}", "[]", r#"{"data":[]}"#, r#"{"object":"list"}"#, "null"] {
+        let answer = ask(empty.to_owned()).await;
+        assert!(answer.is_err(), "{empty:?}: {answer:?}");
+    }
+    let more =
+        ask(r#"{"object":"list","has_more":true,"data":[{"reference":"po-1","amount":25,"status":"paid"}]}"#.into())
+            .await;
+    assert!(matches!(more, Ok(Reconciled::Unknown(_))), "{more:?}");
+    let others = ask(r#"{"object":"list","data":[{"reference":"po-1","amount":25,"status":"paid"}]}"#.into()).await;
+    assert_eq!(others, Ok(Reconciled::NotApplied));
+    let ours = ask(r#"{"object":"list","data":[{"reference":"po-77","amount":25,"status":"paid"}]}"#.into()).await;
+    assert!(matches!(ours, Ok(Reconciled::Applied { .. })), "{ours:?}");
+    let huge = format!(
+        r#"{{"object":"list","data":[],"pad":"{}"}}"#,
+        "x".repeat(ledger::payouts::MAX_LOOKUP_BYTES)
+    );
+    let huge = ask(huge).await;
+    assert!(matches!(&huge, Err(why) if why.contains("bytes")), "{huge:?}");
+}
