@@ -600,3 +600,62 @@ async fn stats_and_sweep_work_on_an_inbox_table() {
     assert_eq!(run.code, 2, "{}", run.all());
     remove_db(&path);
 }
+
+/// A table whose schema is newer than this idem knows is refused by every
+/// command that reads or changes it (`stats`, `sweep`, `keys list`,
+/// `migrate` and its dry run), on SQLite, PostgreSQL and MariaDB: nothing is
+/// read with rules the schema has outgrown, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_schema_is_refused_by_every_command() {
+    let table = format!("ns_{}", tag());
+    let path = temp_db();
+    let sqlite = path.display().to_string();
+    let stores = [sqlite.clone(), postgres_admin_url(), mysql_admin_url()];
+    for store in &stores {
+        let run = idem(&["migrate", "--store", store, "--table", &table]);
+        assert_eq!(run.code, 0, "{store}: {}", run.all());
+        let future =
+            format!("INSERT INTO {table}_schema (version, description, applied_at_ms) VALUES (99, 'future', 0)");
+        if store.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(store).await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
+        } else if store.starts_with("mysql") {
+            let pool = sqlx::MySqlPool::connect(store).await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
+        } else {
+            let pool = sqlx::SqlitePool::connect(&format!("sqlite://{store}")).await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
+        }
+        for command in [
+            vec!["stats"],
+            vec!["sweep"],
+            vec!["keys", "list"],
+            vec!["migrate"],
+            vec!["migrate", "--dry-run"],
+        ] {
+            let mut args = command.clone();
+            args.extend(["--store", store.as_str(), "--table", table.as_str()]);
+            let run = idem(&args);
+            assert_ne!(run.code, 0, "{store} {command:?}: {}", run.all());
+            assert!(
+                run.all().contains("schema version 99, newer than"),
+                "{store} {command:?}: {}",
+                run.all()
+            );
+        }
+        let drop = format!("DROP TABLE {table}");
+        let drop_schema = format!("DROP TABLE {table}_schema");
+        if store.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(store).await.unwrap();
+            for sql in [drop, drop_schema] {
+                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+            }
+        } else if store.starts_with("mysql") {
+            let pool = sqlx::MySqlPool::connect(store).await.unwrap();
+            for sql in [drop, drop_schema] {
+                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+            }
+        }
+    }
+    remove_db(&path);
+}

@@ -218,6 +218,22 @@ pub struct PendingMigration {
     pub statements: Vec<String>,
 }
 
+impl PendingMigration {
+    /// Refuses a table whose schema is at `current`, newer than the
+    /// `latest` this store knows: a binary older than the schema would
+    /// read (and write) rows it does not understand. Every command that
+    /// reads or changes a table checks it first.
+    pub fn refuse_newer(store: &str, table: &str, current: i64, latest: i64) -> crate::Result<()> {
+        if current > latest {
+            return Err(crate::Error::Config(format!(
+                "table {table} is at schema version {current}, newer than the {latest} this {store} knows: \
+                 run a newer idem"
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;

@@ -155,6 +155,7 @@ async fn apply(conn: &mut PoolConnection<MySql>, table: &TableName, schema: &str
     .fetch_one(&mut **conn)
     .await
     .map_err(store_error)?;
+    idem_core::PendingMigration::refuse_newer("idem-mysql", table.as_str(), current, LATEST_VERSION)?;
     for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
         for statement in (migration.statements)(table.as_str()) {
             match sqlx::raw_sql(AssertSqlSafe(statement)).execute(&mut **conn).await {
@@ -215,6 +216,7 @@ pub(crate) async fn pending(pool: &MySqlPool, table: &TableName) -> Result<Vec<i
     } else {
         0
     };
+    idem_core::PendingMigration::refuse_newer("idem-mysql", table.as_str(), current, LATEST_VERSION)?;
     Ok(MIGRATIONS
         .iter()
         .filter(|m| m.version > current)

@@ -136,14 +136,12 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName, expiry: ExpiryIndex) -
     .await
     .and_then(|row| row.try_get(0))
     .map_err(store_error)?;
-    if current > LATEST_VERSION {
-        tracing::warn!(
-            table = table.as_str(),
-            current,
-            known = LATEST_VERSION,
-            "schema is newer than this version of idem-postgres knows"
-        );
-    }
+    idem_core::PendingMigration::refuse_newer(
+        "idem-postgres",
+        table.as_str(),
+        i64::from(current),
+        i64::from(LATEST_VERSION),
+    )?;
     for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
         for statement in migration.statements {
             let sql = statement
@@ -249,6 +247,12 @@ pub(crate) async fn pending(pool: &PgPool, table: &TableName) -> Result<Vec<idem
     } else {
         0
     };
+    idem_core::PendingMigration::refuse_newer(
+        "idem-postgres",
+        table.as_str(),
+        i64::from(current),
+        i64::from(LATEST_VERSION),
+    )?;
     Ok(MIGRATIONS
         .iter()
         .filter(|m| m.version > current)

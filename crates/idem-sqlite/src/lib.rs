@@ -398,6 +398,7 @@ impl SqliteStore {
         } else {
             0
         };
+        idem_core::PendingMigration::refuse_newer("idem-sqlite", self.table.as_str(), current, latest_version())?;
         Ok(MIGRATIONS
             .iter()
             .filter(|m| m.version > current)
@@ -428,13 +429,7 @@ impl SqliteStore {
             .await
             .and_then(|row| row.try_get(0))
             .map_err(store_error)?;
-        let latest = latest_version();
-        if current > latest {
-            return Err(idem_core::Error::Config(format!(
-                "table {} is at schema version {current}, newer than the {latest} this idem-sqlite knows",
-                self.table
-            )));
-        }
+        idem_core::PendingMigration::refuse_newer("idem-sqlite", self.table.as_str(), current, latest_version())?;
         for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
             for statement in (migration.statements)(self.table.as_str()) {
                 sqlx::query(AssertSqlSafe(statement))
