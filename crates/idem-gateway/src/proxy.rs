@@ -22,6 +22,20 @@ use crate::{Config, ConfigError};
 const X_FORWARDED_FOR: &str = "x-forwarded-for";
 const X_FORWARDED_PROTO: &str = "x-forwarded-proto";
 const X_FORWARDED_HOST: &str = "x-forwarded-host";
+const X_REAL_IP: &str = "x-real-ip";
+
+/// Headers other proxies and CDNs use to name the client's address: each
+/// follows `forwarded_headers` as `X-Forwarded-For` does (an untrusted
+/// caller's are removed), so an upstream that reads one never takes a
+/// caller's word for its own address.
+const CLIENT_ADDRESS_HEADERS: [&str; 6] = [
+    X_REAL_IP,
+    "x-client-ip",
+    "true-client-ip",
+    "cf-connecting-ip",
+    "x-cluster-client-ip",
+    "fastly-client-ip",
+];
 
 /// Which forwarding headers to add, and whose to believe.
 #[derive(Clone)]
@@ -48,12 +62,23 @@ impl Forwarding {
         }
         let trusted = self.trusted.trusts(peer);
         if !trusted {
-            for name in ["forwarded", X_FORWARDED_FOR, X_FORWARDED_PROTO, X_FORWARDED_HOST] {
+            for name in ["forwarded", X_FORWARDED_FOR, X_FORWARDED_PROTO, X_FORWARDED_HOST]
+                .into_iter()
+                .chain(CLIENT_ADDRESS_HEADERS)
+            {
                 headers.remove(name);
             }
         }
         let ip = peer.map(|p| p.0.ip().to_canonical());
         if matches!(self.mode, ForwardedHeaders::XForwarded | ForwardedHeaders::Both) {
+            // The client's address as nginx names it, unless a trusted
+            // proxy already did.
+            if !headers.contains_key(X_REAL_IP)
+                && let Some(ip) = ip
+                && let Ok(v) = HeaderValue::from_str(&ip.to_string())
+            {
+                headers.insert(X_REAL_IP, v);
+            }
             let mut chain: Vec<String> = headers
                 .get_all(X_FORWARDED_FOR)
                 .iter()
@@ -423,6 +448,9 @@ mod tests {
         h.insert(X_FORWARDED_FOR, "6.6.6.6".parse().unwrap());
         h.insert(X_FORWARDED_PROTO, "https".parse().unwrap());
         h.insert("forwarded", "for=6.6.6.6".parse().unwrap());
+        for name in CLIENT_ADDRESS_HEADERS {
+            h.insert(name, "6.6.6.6".parse().unwrap());
+        }
         h
     }
 
@@ -437,10 +465,21 @@ mod tests {
         assert_eq!(h[X_FORWARDED_PROTO], "http");
         assert_eq!(h[X_FORWARDED_HOST], "api.example:8000");
         assert_eq!(h["forwarded"], "for=192.0.2.1;proto=http;host=\"api.example:8000\"");
+        assert_eq!(h[X_REAL_IP], "192.0.2.1", "the caller's X-Real-IP replaced");
+        for name in &CLIENT_ADDRESS_HEADERS[1..] {
+            assert!(!h.contains_key(*name), "the caller's {name} removed");
+        }
+        let mut h = spoofed();
+        forwarding(ForwardedHeaders::Forwarded, &[]).apply(&mut h, Some(&peer("192.0.2.1")), None);
+        assert!(
+            CLIENT_ADDRESS_HEADERS.iter().all(|name| !h.contains_key(*name)),
+            "Forwarded mode: removed, none added: {h:?}"
+        );
         let mut h = spoofed();
         f.apply(&mut h, Some(&peer("10.0.0.5")), host.clone());
         assert_eq!(h[X_FORWARDED_FOR], "6.6.6.6, 10.0.0.5");
         assert_eq!(h[X_FORWARDED_PROTO], "https");
+        assert_eq!(h[X_REAL_IP], "6.6.6.6", "a trusted proxy's X-Real-IP is kept");
         assert_eq!(
             h["forwarded"],
             "for=6.6.6.6, for=10.0.0.5;proto=http;host=\"api.example:8000\""
