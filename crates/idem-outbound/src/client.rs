@@ -200,7 +200,8 @@ impl Failure {
         match self {
             Failure::Status { status: 408, .. } => ("http_408", false),
             Failure::Status { status: 425, .. } => ("http_425", false),
-            Failure::Status { status: 429, .. } => ("http_429", false),
+            // The vendor's flow control: the host works, it asks for less.
+            Failure::Status { status: 429, .. } => ("http_429", true),
             Failure::Status {
                 status: 409,
                 retry_after: Some(_),
@@ -341,6 +342,11 @@ where
     .adjust(|failure, next| {
         let Some(scheduled) = next else {
             gave_up = Some(format!("no retries left ({} configured)", config.retry_delays.len()));
+            // A breaker's refusal sent nothing: the call is for later, never
+            // a dead letter.
+            if let Failure::CircuitOpen { retry_in, .. } = failure {
+                retry_later = Some(*retry_in);
+            }
             return None;
         };
         let wait = failure.wait_hint().map_or(scheduled, |hint| hint.max(scheduled));
@@ -350,13 +356,14 @@ where
                 wait.as_millis(),
                 config.deadline.as_millis()
             ));
-            if let Failure::Status {
-                status: 429 | 503,
-                retry_after: Some(after),
-                ..
-            } = failure
-            {
-                retry_later = Some(*after);
+            match failure {
+                Failure::Status {
+                    status: 429 | 503,
+                    retry_after: Some(after),
+                    ..
+                } => retry_later = Some(*after),
+                Failure::CircuitOpen { retry_in, .. } => retry_later = Some(*retry_in),
+                _ => {}
             }
             return None;
         }

@@ -56,9 +56,10 @@ fn outcomes_and_transitions_are_counted_with_bounded_hosts() {
             .unwrap();
             assert_eq!(c.send(&key("a"), &a.request("/")).await.unwrap().attempts, 2);
             // Two 503s open the breaker; the third attempt is refused and
-            // the schedule is used up.
+            // the schedule is used up: the call is for later (a breaker's
+            // refusal sent nothing), never a dead letter.
             let e = c.send(&key("b"), &b.request("/")).await.unwrap_err();
-            assert!(matches!(e, OutboundError::Exhausted { attempts: 3, .. }), "{e}");
+            assert!(matches!(e, OutboundError::RetryLater { attempts: 3, .. }), "{e}");
             assert_eq!(b.count(), 2);
             // The host label: scheme://host:port, as in the base URL.
             a.base.clone()
@@ -109,7 +110,7 @@ fn outcomes_and_transitions_are_counted_with_bounded_hosts() {
     assert_eq!(
         v(
             "idem_outbound_calls_total",
-            &[client, ("host", "other"), ("result", "exhausted")]
+            &[client, ("host", "other"), ("result", "retry_later")]
         ),
         Some(1.0)
     );

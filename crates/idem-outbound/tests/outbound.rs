@@ -388,9 +388,11 @@ async fn the_breaker_opens_probes_once_and_closes() {
         exhausted(c.send(&key(&format!("f{i}")), &server.request("/")).await);
     }
     assert_eq!(c.breaker_state(&url).unwrap(), BreakerState::Open);
-    // Open: refused, not sent.
-    let (attempts, error) = exhausted(c.send(&key("while-open"), &server.request("/")).await);
+    // Open: refused, not sent; the call is for later (it sent nothing),
+    // never a dead letter.
+    let (attempts, error, after) = retry_later(c.send(&key("while-open"), &server.request("/")).await);
     assert_eq!(attempts, 1);
+    assert!(after <= Duration::from_millis(300), "{after:?}");
     assert!(error.contains("circuit breaker of http://127.0.0.1:"), "{error}");
     assert!(error.contains("is open for"), "{error}");
     assert_eq!(server.count(), 3);
@@ -421,7 +423,7 @@ async fn the_breaker_opens_probes_once_and_closes() {
                 assert_eq!(answer.status, 200);
                 ok += 1;
             }
-            Err(OutboundError::Exhausted {
+            Err(OutboundError::RetryLater {
                 attempts: 1,
                 last_error,
                 ..
@@ -451,7 +453,7 @@ async fn a_failed_probe_reopens_the_breaker() {
     assert!(error.starts_with("HTTP 503"), "{error}");
     assert_eq!(server.count(), 4);
     assert_eq!(c.breaker_state(&url).unwrap(), BreakerState::Open);
-    let (_, error) = exhausted(c.send(&key("refused"), &server.request("/")).await);
+    let (_, error, _) = retry_later(c.send(&key("refused"), &server.request("/")).await);
     assert!(error.contains("is open for"), "{error}");
     assert_eq!(server.count(), 4);
 }
@@ -508,8 +510,24 @@ async fn an_open_period_past_the_deadline_ends_the_call_at_once() {
     });
     exhausted(c.send(&key("trip"), &server.request("/")).await);
     assert_eq!(server.count(), 3);
-    let (attempts, error) = exhausted(c.send(&key("late"), &server.request("/")).await);
+    let (attempts, error, _) = retry_later(c.send(&key("late"), &server.request("/")).await);
     assert_eq!((attempts, server.count()), (1, 3));
     assert!(error.contains("is open for"), "{error}");
     assert!(error.contains("past the 200 ms deadline"), "{error}");
+}
+
+/// A vendor's 429s are its flow control, not a failure of the host: however
+/// many, they never open the breaker, and later calls are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_keep_the_breaker_closed() {
+    let server = Scripted::start(vec![Answer::status(429)]).await;
+    let c = client(breaker_config(&[]));
+    for i in 0..6 {
+        exhausted(c.send(&key(&format!("busy{i}")), &server.request("/")).await);
+    }
+    assert_eq!(
+        c.breaker_state(&format!("{}/", server.base)).unwrap(),
+        BreakerState::Closed
+    );
+    assert_eq!(server.count(), 6, "every call was sent");
 }

@@ -227,6 +227,26 @@ fn fast_client() -> idem_outbound::OutboundClient {
     idem_outbound::OutboundClient::new(config).expect("a valid configuration")
 }
 
+/// [`fast_client`] whose breaker never opens: for tests that need every
+/// call to really fail (an open breaker defers payouts instead).
+fn unguarded_client() -> idem_outbound::OutboundClient {
+    let config = idem_outbound::OutboundConfig {
+        retry_delays: vec![
+            Duration::from_millis(20),
+            Duration::from_millis(40),
+            Duration::from_millis(80),
+        ],
+        deadline: Duration::from_secs(20),
+        attempt_timeout: Duration::from_secs(5),
+        breaker: idem_outbound::BreakerConfig {
+            failure_threshold: 1_000_000,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    idem_outbound::OutboundClient::new(config).expect("a valid configuration")
+}
+
 fn config(vendor: &FakeVendor) -> PayoutConfig {
     PayoutConfig::new(&vendor.url, ledger::events::Namespace::default())
 }
@@ -596,6 +616,11 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
             retry_delays: vec![],
             deadline: Duration::from_secs(20),
             attempt_timeout: Duration::from_secs(5),
+            // Every payout really fails (an open breaker would defer them).
+            breaker: idem_outbound::BreakerConfig {
+                failure_threshold: 1_000_000,
+                ..Default::default()
+            },
             ..Default::default()
         })
         .unwrap()
@@ -1110,6 +1135,61 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     l.stop().await;
 }
 
+/// A vendor's 429s are flow control: they never open the breaker, and
+/// twelve rate-limited payouts are all deferred, none dead-lettered. A
+/// breaker opened by real failures refuses later calls without sending
+/// them: those payouts are deferred too, never dead-lettered.
+async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 100_000).await.status, 201);
+    vendor
+        .faults(&Faults {
+            rate_limit_429: 1.0,
+            retry_after_secs: 3600,
+            ..Default::default()
+        })
+        .await;
+    for _ in 0..12 {
+        assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
+    }
+    let report = ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config(&vendor))
+        .await
+        .unwrap();
+    assert_eq!((report.deferred, report.dead_lettered), (12, 0), "{report:?}");
+    assert_eq!(stats(&vendor).await["rate_limited"], 12, "every payout was sent");
+    // The vendor fails for real: the first payout's four 500s and the
+    // second's first open the breaker (five failures); the rest are refused
+    // unsent and deferred.
+    let l2 = start(engine).await;
+    let a2 = l2.account(&t, "a").await;
+    assert_eq!(l2.top_up(&t, &a2, 100_000).await.status, 201);
+    vendor
+        .faults(&Faults {
+            error_500: 1.0,
+            ..Default::default()
+        })
+        .await;
+    for _ in 0..4 {
+        assert_eq!(payout(&l2, &t, &a2, 10).await.status, 201);
+    }
+    let before = stats(&vendor).await["errors_500"].as_u64().unwrap();
+    // One payout at a time, so the failures come in order.
+    let one_at_a_time = PayoutConfig {
+        concurrency: 1,
+        ..config(&vendor)
+    };
+    let report = ledger::payouts::pass(&l2.store, l2.clock.clone(), fast_client(), one_at_a_time)
+        .await
+        .unwrap();
+    assert_eq!((report.dead_lettered, report.deferred), (1, 3), "{report:?}");
+    assert_eq!(stats(&vendor).await["errors_500"].as_u64().unwrap() - before, 5);
+    l.stop().await;
+    l2.stop().await;
+}
+
 /// A 429 whose Retry-After is past the call's deadline defers the payout to that time, still requested, instead of dead-lettering it; it is paid once the time has come.
 async fn a_long_retry_after_defers_the_payout(engine: Engine) {
     let vendor = FakeVendor::start().await;
@@ -1251,7 +1331,7 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     let report = ledger::payouts::pass(
         &l.store,
         l.clock.clone(),
-        fast_client(),
+        unguarded_client(),
         PayoutConfig::new(&wrong, Default::default()),
     )
     .await
@@ -1411,6 +1491,7 @@ worker_tests!(
     a_takeover_at_a_vendor_without_keys_pays_once,
     a_worker_paused_past_its_lease_sends_nothing_when_it_wakes,
     a_long_retry_after_defers_the_payout,
+    rate_limits_and_an_open_breaker_defer_never_dead_letter,
     an_answer_without_what_the_vendor_promises_is_not_paid,
     a_dead_lettered_payout_has_a_way_out,
     a_large_vendor_answer_keeps_its_id
