@@ -151,6 +151,14 @@ async fn killed_mid_send(target: &Target<'_>, vendor: &Vendor, id: i64) -> Resul
         .args(["--key-horizon-secs", &VENDOR_KEY_HORIZON_SECS.to_string()])
         .args(["--horizon-margin-secs", "1", "--deadline-secs", "5"])
         .args(["--hold-secs", &HOLD_SECS.to_string()])
+        .args([
+            "--answer-field",
+            "id",
+            "--answer-echo",
+            "amount",
+            "--answer-echo",
+            "reference",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -700,7 +700,8 @@ pub(crate) async fn settle_and_check(
     let lookup =
         ledger::payouts::VendorLookup::new(&vendor.url).map_err(|e| Error::Service(format!("vendor lookup: {e}")))?;
     let client = client.with_reconcile(Arc::new(lookup));
-    let redriver = idem_outbound::Redriver::new(client, letters.clone());
+    let redriver =
+        idem_outbound::Redriver::new(client, letters.clone()).with_answer_check(ledger::payouts::answer_check());
     let of_state = |state| DeadLetterFilter {
         tenant: Some(tenant.clone()),
         operation: Some(ledger::payouts::PAYOUT_OPERATION.to_owned()),

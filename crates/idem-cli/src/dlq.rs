@@ -144,6 +144,16 @@ pub(crate) struct ResendArgs {
     /// started with less than a third of the hold left.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     hold_secs: Option<u64>,
+    /// A field the vendor's 2xx answer must hold (non-empty), as its
+    /// contract promises (`id`). Repeatable. An answer without it holds the
+    /// letter as unknown, for `idem dlq resolve`, instead of resolving it.
+    #[arg(long = "answer-field", value_name = "NAME")]
+    answer_fields: Vec<String>,
+    /// A field of the request's JSON body the 2xx answer must repeat with
+    /// the same value (`amount`, `reference`). Repeatable; as
+    /// `--answer-field`, an answer that does not holds the letter as unknown.
+    #[arg(long = "answer-echo", value_name = "NAME")]
+    answer_echoes: Vec<String>,
     /// A header to send with every redrive but never store (the vendor's
     /// credentials), as NAME:ENV_VAR: the value is read from that
     /// environment variable, never from the command line. Repeatable.
@@ -203,6 +213,12 @@ impl ResendArgs {
         let mut redriver = idem_outbound::Redriver::new(client, store).with_past_horizon_override(self.past_horizon);
         if let Some(secs) = self.hold_secs {
             redriver = redriver.with_hold(Duration::from_secs(secs));
+        }
+        if !self.answer_fields.is_empty() || !self.answer_echoes.is_empty() {
+            let (fields, echoes) = (self.answer_fields.clone(), self.answer_echoes.clone());
+            redriver = redriver.with_answer_check(std::sync::Arc::new(move |request, body| {
+                check_answer(&fields, &echoes, request.body(), body)
+            }));
         }
         match &self.url {
             Some(url) => redriver
@@ -351,4 +367,37 @@ pub(crate) fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
         "errors": r.errors,
         "items": r.items.iter().map(|i| result_json(i.id, &i.result)).collect::<Vec<_>>(),
     })
+}
+
+/// Whether a 2xx `answer` holds each of `fields` (non-null, non-empty) and
+/// repeats each of `echoes` of the `sent` JSON body.
+fn check_answer(fields: &[String], echoes: &[String], sent: &[u8], answer: &[u8]) -> std::result::Result<(), String> {
+    let answer: serde_json::Value =
+        serde_json::from_slice(answer).map_err(|e| format!("the answer is not JSON ({e})"))?;
+    if !answer.is_object() {
+        return Err("the answer is not a JSON object".into());
+    }
+    for field in fields {
+        match answer.get(field) {
+            None | Some(serde_json::Value::Null) => return Err(format!("the answer has no {field:?}")),
+            Some(serde_json::Value::String(s)) if s.is_empty() => {
+                return Err(format!("the answer's {field:?} is empty"));
+            }
+            Some(_) => {}
+        }
+    }
+    if !echoes.is_empty() {
+        let sent: serde_json::Value =
+            serde_json::from_slice(sent).map_err(|e| format!("the request is not JSON ({e})"))?;
+        for field in echoes {
+            if sent.get(field).is_none() || answer.get(field) != sent.get(field) {
+                return Err(format!(
+                    "the answer's {field:?} is {}, the request's {}",
+                    answer.get(field).unwrap_or(&serde_json::Value::Null),
+                    sent.get(field).unwrap_or(&serde_json::Value::Null)
+                ));
+            }
+        }
+    }
+    Ok(())
 }

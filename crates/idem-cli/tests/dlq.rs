@@ -462,3 +462,80 @@ fn redis_keeps_no_dead_letters() {
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("Redis keeps no dead letters"), "{out}");
 }
+
+/// A redrive answered `200 {"error": …}` (a default backend, a wrong
+/// endpoint) resolves its letter only without a contract to check: with
+/// `--answer-field`/`--answer-echo` the letter is held as unknown (exit 1),
+/// and `idem dlq resolve` is its way out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2xx_that_is_not_the_call_holds_the_letter_as_unknown() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/v1/payouts",
+        axum::routing::post(|| async { ([("content-type", "application/json")], r#"{"error":"not here"}"#) }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let path = std::env::temp_dir().join(format!("idem-cli-dlq-answer-{}.db", tag()));
+    let url = path.display().to_string();
+    let (code, _, out) = idem(&["migrate", "--store", &url, "--dead-letters"]);
+    assert_eq!(code, 0, "{out}");
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{url}")).await.unwrap();
+    let letters = idem_sqlite::SqliteDeadLetters::new(pool);
+    let checked = letters
+        .record(&letter(&base, "po-a", r#"{"amount":5,"reference":"po-a"}"#))
+        .await
+        .unwrap();
+    let unchecked = letters
+        .record(&letter(&base, "po-b", r#"{"amount":6,"reference":"po-b"}"#))
+        .await
+        .unwrap();
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        &url,
+        "--id",
+        &checked.to_string(),
+        "--answer-field",
+        "id",
+        "--answer-echo",
+        "amount",
+        "--answer-echo",
+        "reference",
+        "--json",
+    ]);
+    assert_eq!(code, 1, "held as unknown is a failure to redrive: {out}");
+    assert_eq!(json["items"][0]["result"], "unknown", "{json}");
+    let held = letters.get(checked).await.unwrap().unwrap();
+    assert_eq!(held.state, idem_core::DeadLetterState::Unknown, "{held:?}");
+    assert!(held.last_error.contains("contract"), "{held:?}");
+    // The way out: the operator records what the vendor says.
+    let (code, _, out) = idem(&[
+        "dlq",
+        "resolve",
+        "--store",
+        &url,
+        "--id",
+        &checked.to_string(),
+        "--not-applied",
+        "--note",
+        "the vendor has no such payout",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    // Without a contract, any 2xx resolves the letter.
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        &url,
+        "--id",
+        &unchecked.to_string(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "resolved", "{json}");
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{url}{suffix}"));
+    }
+}

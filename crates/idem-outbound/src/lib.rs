@@ -176,5 +176,7 @@ pub use client::{Earlier, OutboundClient, OutboundResponse, SETTLE_MARGIN};
 pub use config::{BreakerConfig, Jitter, MAX_DEADLINE, MAX_RESPONSE_BODY_LIMIT, MAX_RETRIES, OutboundConfig};
 pub use error::{OutboundError, Result};
 pub use reconcile::{KeyHorizon, Reconcile, Reconciled};
-pub use redrive::{MAX_REDRIVES_PER_SECOND, RedriveItem, RedriveOptions, RedriveReport, RedriveResult, Redriver};
+pub use redrive::{
+    AnswerCheck, MAX_REDRIVES_PER_SECOND, RedriveItem, RedriveOptions, RedriveReport, RedriveResult, Redriver,
+};
 pub use retry_after::{MAX_RETRY_AFTER, parse_retry_after};

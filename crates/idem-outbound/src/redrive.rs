@@ -1,8 +1,9 @@
 //! Redrive: dead letters sent again with their own key, capped and paced.
 
+use std::fmt;
 use std::time::Duration;
 
-use idem_core::{DeadLetterFilter, DeadLetterStore, MAX_DEAD_LETTER_PAGE, RedriveOutcome, Verdict};
+use idem_core::{DeadLetterFilter, DeadLetterStore, MAX_DEAD_LETTER_PAGE, OutboundRequest, RedriveOutcome, Verdict};
 use tokio::time::{Interval, MissedTickBehavior};
 
 use crate::client::{Earlier, OutboundClient};
@@ -142,13 +143,33 @@ impl Pacer {
 /// first reach, so past the vendor's key horizon (or for a letter held as
 /// unknown) the vendor is asked first, and without a reconcile hook the
 /// letter is held as unknown rather than sent on a guess.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Redriver<S> {
     client: OutboundClient,
     store: S,
     hold: Duration,
     target: Option<String>,
     past_horizon_override: bool,
+    answer_check: Option<AnswerCheck>,
+}
+
+/// What a vendor's 2xx answer to a redrive must hold to count as the call
+/// applied (its contract: an id, the amount sent back…): `Err(why)` holds
+/// the letter as unknown, for an operator, rather than resolving it with an
+/// answer that is not the call's (a default backend's `200 {"error": …}`).
+pub type AnswerCheck = std::sync::Arc<dyn Fn(&OutboundRequest, &[u8]) -> std::result::Result<(), String> + Send + Sync>;
+
+impl<S: fmt::Debug> fmt::Debug for Redriver<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redriver")
+            .field("client", &self.client)
+            .field("store", &self.store)
+            .field("hold", &self.hold)
+            .field("target", &self.target)
+            .field("past_horizon_override", &self.past_horizon_override)
+            .field("answer_check", &self.answer_check.is_some())
+            .finish()
+    }
 }
 
 impl<S: DeadLetterStore> Redriver<S> {
@@ -162,7 +183,16 @@ impl<S: DeadLetterStore> Redriver<S> {
             hold,
             target: None,
             past_horizon_override: false,
+            answer_check: None,
         }
+    }
+
+    /// Checks every 2xx answer (and every record a reconcile found) with
+    /// `check` before a letter is resolved with it; one that fails is held
+    /// as unknown (see [`AnswerCheck`]).
+    pub fn with_answer_check(mut self, check: AnswerCheck) -> Self {
+        self.answer_check = Some(check);
+        self
     }
 
     /// Sends every letter to `url` instead of its stored URL (a target
@@ -298,7 +328,25 @@ impl<S: DeadLetterStore> Redriver<S> {
             span,
         )
         .await;
+        let checked = match (&sent, &self.answer_check) {
+            (Ok(response), Some(check)) => check(&request, &response.body)
+                .err()
+                .map(|why| (response.attempts, why)),
+            _ => None,
+        };
         let (result, outcome) = match sent {
+            Ok(_) if let Some((attempts, why)) = checked => {
+                let reason = format!("the vendor's answer does not hold what its contract promises: {why}");
+                (
+                    RedriveResult::Unknown { reason: reason.clone() },
+                    RedriveOutcome::Unknown {
+                        attempts,
+                        reason,
+                        // It answered: the send reached it.
+                        first_reached_at_ms: Some(letter.first_reached_at_ms.unwrap_or(taken_at_ms).min(taken_at_ms)),
+                    },
+                )
+            }
             Ok(response) => (
                 RedriveResult::Resolved {
                     status: response.status,

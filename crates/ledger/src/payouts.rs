@@ -679,15 +679,34 @@ pub fn vendor_request(vendor_url: &str, task: &PayoutTask) -> Result<OutboundReq
 /// characters, storable on every engine), the payout's `amount` and its
 /// id as `reference`. Answers the vendor's id.
 pub fn check_answer(task: &PayoutTask, body: &[u8]) -> Result<Option<String>, String> {
+    check_promise(task.amount, &task.id, body)
+}
+
+/// [`check_answer`] for a redrive (`idem_outbound::Redriver::with_answer_check`):
+/// the amount and reference are the ones the request sent. A redrive's 2xx
+/// that is not the payout (`200 {"error": …}`) then holds the dead letter
+/// as unknown, for `idem dlq resolve`, instead of resolving it.
+pub fn answer_check() -> idem_outbound::AnswerCheck {
+    Arc::new(|request: &OutboundRequest, body: &[u8]| {
+        let sent: serde_json::Value =
+            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
+        let (Some(amount), Some(reference)) = (sent["amount"].as_i64(), sent["reference"].as_str()) else {
+            return Err("the request has no amount or reference to check the answer against".into());
+        };
+        check_promise(amount, reference, body).map(|_| ())
+    })
+}
+
+fn check_promise(amount: i64, reference: &str, body: &[u8]) -> Result<Option<String>, String> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("not a JSON object ({e})"))?;
     if !value.is_object() {
         return Err("not a JSON object".into());
     }
-    if value.get("amount").and_then(serde_json::Value::as_i64) != Some(task.amount) {
-        return Err(format!("its amount is {}, not {}", value["amount"], task.amount));
+    if value.get("amount").and_then(serde_json::Value::as_i64) != Some(amount) {
+        return Err(format!("its amount is {}, not {amount}", value["amount"]));
     }
-    if value.get("reference").and_then(serde_json::Value::as_str) != Some(task.id.as_str()) {
-        return Err(format!("its reference is {}, not {}", value["reference"], task.id));
+    if value.get("reference").and_then(serde_json::Value::as_str) != Some(reference) {
+        return Err(format!("its reference is {}, not {reference}", value["reference"]));
     }
     match value.get("id").and_then(serde_json::Value::as_str) {
         None | Some("") => Err("it has no vendor id".into()),

@@ -1412,6 +1412,83 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     l.stop().await;
 }
 
+/// A redrive answered by a 2xx that is not the payout (`200 {"error": …}`)
+/// does not resolve its dead letter: with the ledger's answer check the
+/// letter is held as unknown, the payout becomes `unknown`, and the
+/// operator's verdict is its way out (not applied: dead-lettered again,
+/// then cancelled with its debit reversed).
+async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engine: Engine) {
+    let wrong = vendor_answering(|_, _| (200, r#"{"error":"no such route"}"#.to_owned())).await;
+    let l = start(engine).await;
+    let t = token();
+    let a = l.account(&t, "a").await;
+    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let p = payout(&l, &t, &a, 300).await.json()["id"].as_str().unwrap().to_owned();
+    let nowhere = format!("http://127.0.0.1:{}", {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    });
+    let report = ledger::payouts::pass(
+        &l.store,
+        l.clock.clone(),
+        unguarded_client(),
+        PayoutConfig::new(&nowhere, Default::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let letters = l.store.dead_letters();
+    let scope =
+        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let letter = letters
+        .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let redriven = idem_outbound::Redriver::new(fast_client(), letters.clone())
+        .with_target(&format!("{wrong}/v1/payouts"))
+        .unwrap()
+        .with_answer_check(ledger::payouts::answer_check())
+        .redrive_one(letter.id)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&redriven, idem_outbound::RedriveResult::Unknown { reason } if reason.contains("contract")),
+        "{redriven:?}"
+    );
+    let reconcile = ledger::payouts::pass(
+        &l.store,
+        l.clock.clone(),
+        fast_client(),
+        PayoutConfig::new(&wrong, Default::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reconcile.paid + reconcile.reconciled, 0, "{reconcile:?}");
+    assert_eq!(status(&l, &t, &p).await["status"], "unknown");
+    assert!(
+        letters
+            .settle(
+                letter.id,
+                &idem_core::Settlement {
+                    verdict: idem_core::Verdict::NotApplied,
+                    by: idem_core::VerdictSource::Operator,
+                    status: None,
+                    body: vec![],
+                    note: "the vendor has no such payout".into(),
+                }
+            )
+            .await
+            .unwrap(),
+        "an unknown letter takes the operator's verdict"
+    );
+    let done = l.post(&format!("/v1/payouts/{p}/cancel"), &t, Some(&key()), "").await;
+    assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
+    assert_eq!(l.balance(&t, &a).await, 1_000, "the debit reversed");
+    assert_eq!(l.audit(&t).await["conserved"], true);
+    l.stop().await;
+}
+
 /// A redrive's answer over 4 KiB keeps what the ledger needs: the redriven payout is marked paid with the vendor's id.
 async fn a_large_vendor_answer_keeps_its_id(engine: Engine) {
     let url = vendor_answering(|r, call| {
@@ -1494,6 +1571,7 @@ worker_tests!(
     rate_limits_and_an_open_breaker_defer_never_dead_letter,
     an_answer_without_what_the_vendor_promises_is_not_paid,
     a_dead_lettered_payout_has_a_way_out,
+    a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out,
     a_large_vendor_answer_keeps_its_id
 );
 
