@@ -2,8 +2,8 @@
 //! happen.
 //!
 //! Once the workload is quiet, the harness takes dead-lettered payouts the
-//! vendor has no payment for (no send of theirs ever reached it) and does
-//! what an operator would: records the vendor's "not applied"
+//! vendor has no payment for (those no send of which reached it first, then
+//! those it answered without paying) and does what an operator would: records the vendor's "not applied"
 //! (`idem dlq resolve --not-applied`), which would let the service cancel
 //! the payout and refund its amount. Then, for up to two of them, it starts
 //! `idem dlq redrive --id N` against a slow vendor and kills it (SIGKILL)
@@ -64,7 +64,7 @@ pub(crate) async fn run(
     let mut done = RedriveKills::default();
     let paid: VendorLedger = vendor.get_json("/v1/ledger").await?;
     let paid: BTreeSet<String> = paid.keys.into_iter().collect();
-    let candidates: Vec<(i64, String)> = letters
+    let (unreached, reached): (Vec<_>, Vec<_>) = letters
         .list(&DeadLetterFilter {
             tenant: Some(target.tenant.to_owned()),
             operation: Some(ledger::payouts::PAYOUT_OPERATION.to_owned()),
@@ -75,7 +75,16 @@ pub(crate) async fn run(
         .await
         .map_err(|e| Error::Service(format!("dead letters: {e}")))?
         .into_iter()
-        .filter(|l| l.first_reached_at_ms.is_none() && !paid.contains(l.key.as_str()))
+        .filter(|l| !paid.contains(l.key.as_str()))
+        .partition(|l| l.first_reached_at_ms.is_none());
+    // Letters no send of which reached the vendor first; then those whose
+    // sends it answered without paying (a 500), all but one: the final
+    // redrive must still find a reached letter to look up past the
+    // vendor's horizon.
+    let spare = reached.len().saturating_sub(1);
+    let candidates: Vec<(i64, String)> = unreached
+        .into_iter()
+        .chain(reached.into_iter().take(spare))
         .map(|l| (l.id, l.key.as_str().to_owned()))
         .take(3)
         .collect();
