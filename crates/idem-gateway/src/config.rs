@@ -420,6 +420,17 @@ pub struct Config {
     /// The largest request body accepted (413 above), bytes.
     #[serde(default = "default_request_bytes")]
     pub max_request_bytes: usize,
+    /// The most connections served at once; a connection past it is
+    /// answered 503 (`gateway-busy`) and closed.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// The most request-body bytes held at once, all requests together: a
+    /// request whose body (its `Content-Length`, or `max_request_bytes`
+    /// when chunked) would go past it is answered 503 (`gateway-busy`,
+    /// `Retry-After: 1`) before any of it is read. At least
+    /// `max_request_bytes`.
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
     /// The largest upstream answer recorded, bytes (a larger 2xx is
     /// answered with a problem and its key kept, never half-recorded).
     #[serde(default = "default_response_bytes")]
@@ -475,6 +486,14 @@ fn default_request_bytes() -> usize {
     1024 * 1024
 }
 
+fn default_max_connections() -> usize {
+    1024
+}
+
+fn default_max_buffered_bytes() -> usize {
+    64 * 1024 * 1024
+}
+
 fn default_response_bytes() -> usize {
     1024 * 1024
 }
@@ -504,6 +523,8 @@ impl Default for Config {
             tenant: None,
             tenant_header: None,
             max_request_bytes: default_request_bytes(),
+            max_connections: default_max_connections(),
+            max_buffered_bytes: default_max_buffered_bytes(),
             max_response_bytes: default_response_bytes(),
             upstream_timeout_secs: default_upstream_timeout(),
             header_read_timeout_secs: default_header_read_timeout(),
@@ -579,6 +600,19 @@ impl Config {
             if secs == 0 || secs > 3600 {
                 return Err(ConfigError(format!("{name} must be between 1 and 3600, not {secs}")));
             }
+        }
+        if self.max_connections == 0 || self.max_connections > 1_000_000 {
+            return Err(ConfigError(format!(
+                "max_connections must be between 1 and 1000000, not {}",
+                self.max_connections
+            )));
+        }
+        if self.max_buffered_bytes < self.max_request_bytes {
+            return Err(ConfigError(format!(
+                "max_buffered_bytes ({}) must be at least max_request_bytes ({}): a request of the largest \
+                 accepted size could never be served",
+                self.max_buffered_bytes, self.max_request_bytes
+            )));
         }
         if let Some(addr) = &self.admin_listen {
             addr.parse::<std::net::SocketAddr>().map_err(|e| {
@@ -938,6 +972,8 @@ mod tests {
             ("trusted_proxies = [\"10.0.0.0/33\"]", "trusted_proxies"),
             ("header_read_timeout_secs = 0", "header_read_timeout_secs"),
             ("admin_listen = \"nowhere\"", "admin_listen"),
+            ("max_connections = 0", "max_connections"),
+            ("max_buffered_bytes = 1000", "max_buffered_bytes"),
         ] {
             let e = valid(&format!("{extra}\n{TENANT}")).unwrap_err().to_string();
             assert!(e.contains(named), "{extra}: {e}");

@@ -208,6 +208,11 @@ impl Gateway {
                 handler: self.proxy_handler(listeners.admin.is_some()),
                 header_read_timeout,
                 body,
+                limits: serve::Limits::new(
+                    self.config.max_connections,
+                    self.config.max_buffered_bytes,
+                    self.config.max_request_bytes,
+                ),
             },
             stopped.clone(),
             grace,
@@ -219,6 +224,9 @@ impl Gateway {
                     handler: self.admin_handler(),
                     header_read_timeout,
                     body,
+                    // The admin listener's own, small: an attack on the
+                    // proxy's never starves the health check.
+                    limits: serve::Limits::new(64, self.config.max_request_bytes, self.config.max_request_bytes),
                 },
                 stopped.clone(),
                 grace,

@@ -148,3 +148,98 @@ async fn forwarding_headers_believe_only_trusted_proxies() {
         );
     }
 }
+
+/// `max_connections` bounds the connections served at once: past it a
+/// connection is answered 503 `gateway-busy` (with `Retry-After`) and
+/// closed, and once connections close new ones are served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_past_the_limit_are_answered_503() {
+    use tokio::io::AsyncWriteExt;
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(
+        &upstream,
+        &sqlite_store(),
+        &format!("max_connections = 3\nheader_read_timeout_secs = 30\n{BEARER}"),
+    )
+    .await;
+    // Three callers that connect and send half a head: each holds a slot.
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        tcp.write_all(b"GET /v1/thing HTTP/1.1\r\nHo").await.unwrap();
+        idle.push(tcp);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = raw(g.addr, b"GET /v1/thing HTTP/1.1\r\nHost: gateway\r\n\r\n").await;
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(refused.contains("gateway-busy"), "{refused}");
+    assert!(refused.to_ascii_lowercase().contains("retry-after: 1"), "{refused}");
+    assert_eq!(state.calls(), 0, "nothing forwarded");
+    drop(idle);
+    let mut served = String::new();
+    for _ in 0..100 {
+        served = raw(
+            g.addr,
+            b"GET /v1/thing HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer t\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        if !served.starts_with("HTTP/1.1 503") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(served.starts_with("HTTP/1.1 2"), "{served}");
+}
+
+/// `max_buffered_bytes` bounds the request-body bytes held at once: two
+/// slow 60 KB bodies hold most of a 128 KiB budget, a third is answered 503
+/// before any of its body is read (nothing forwarded), a small one still
+/// passes, and once a slow body is whole and answered the budget is free
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn request_bytes_past_the_budget_are_answered_503() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(
+        &upstream,
+        &sqlite_store(),
+        &format!(
+            "max_request_bytes = 65536\nmax_buffered_bytes = 131072\nbody_read_timeout_secs = 30\n\
+             body_total_timeout_secs = 60\n{BEARER}[defaults]\nkey = \"optional\"\n"
+        ),
+    )
+    .await;
+    let head = |length: usize| {
+        format!(
+            "POST /v1/upload HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer t\r\nConnection: close\r\n\
+             Content-Length: {length}\r\n\r\n"
+        )
+    };
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        tcp.write_all(head(60_000).as_bytes()).await.unwrap();
+        tcp.write_all(&[b'x'; 1_000]).await.unwrap();
+        slow.push(tcp);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = raw(g.addr, format!("{}{}", head(60_000), "y".repeat(60_000)).as_bytes()).await;
+    assert!(
+        refused.starts_with("HTTP/1.1 503"),
+        "{}",
+        &refused[..refused.len().min(400)]
+    );
+    assert!(refused.contains("gateway-busy"), "{refused}");
+    let small = raw(g.addr, format!("{}{}", head(100), "z".repeat(100)).as_bytes()).await;
+    assert!(small.starts_with("HTTP/1.1 2"), "{small}");
+    assert_eq!(state.calls(), 1, "only the small one was forwarded");
+    // One slow body completes: answered, its bytes given back.
+    let mut first = slow.remove(0);
+    first.write_all(&[b'x'; 59_000]).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), first.read_to_end(&mut answer)).await;
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 2"));
+    let again = raw(g.addr, format!("{}{}", head(60_000), "y".repeat(60_000)).as_bytes()).await;
+    assert!(again.starts_with("HTTP/1.1 2"), "{}", &again[..again.len().min(400)]);
+    drop(slow);
+}
