@@ -102,6 +102,8 @@ pub struct Gateway {
     admin: Router,
     detached: Detached,
     config: Config,
+    store: AnyLease,
+    deployment: store::DeploymentHealth,
 }
 
 impl Gateway {
@@ -141,7 +143,8 @@ impl Gateway {
             layer = layer.reconcile(reconciler);
         }
         let proxy = proxy::Proxy::new(config, client)?;
-        let admin = admin_router(store);
+        let deployment = store::DeploymentHealth::default();
+        let admin = admin_router(store.clone(), deployment.clone());
         let door = door::Door {
             protected: tower_layer::Layer::layer(&layer, proxy),
             admin: Some(admin.clone()),
@@ -154,6 +157,8 @@ impl Gateway {
             admin,
             detached,
             config: config.clone(),
+            store,
+            deployment,
         })
     }
 
@@ -201,6 +206,8 @@ impl Gateway {
         };
         let header_read_timeout = std::time::Duration::from_secs(self.config.header_read_timeout_secs);
         let (stop, stopped) = tokio::sync::watch::channel(false);
+        // The Redis deployment checked again while serving.
+        let watch = self.deployment.watch(self.store.clone(), &self.config.redis);
         let mut servers = Vec::new();
         servers.push(tokio::spawn(serve::serve(
             serve::Listener {
@@ -242,6 +249,9 @@ impl Gateway {
         for server in servers {
             let _ = server.await;
         }
+        if let Some(watch) = watch {
+            watch.abort();
+        }
         // A caller that went away left its request's recording running on
         // its own: the upstream may have acted, so its outcome is recorded
         // before the process ends, or the caller's retry would act again.
@@ -277,17 +287,26 @@ impl From<TcpListener> for Listeners {
 }
 
 /// `/_idem/healthz` (the store answers) and `/_idem/metrics` (Prometheus).
-fn admin_router(store: AnyLease) -> Router {
+fn admin_router(store: AnyLease, deployment: store::DeploymentHealth) -> Router {
     let metrics = metrics_handle();
     Router::new()
         .route(
             "/_idem/healthz",
             axum::routing::get(move || {
-                let store = store.clone();
+                let (store, deployment) = (store.clone(), deployment.clone());
                 async move {
+                    if let Some(problem) = deployment.problem() {
+                        return (
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            format!("store deployment refused: {problem}"),
+                        );
+                    }
                     match store.source_now_ms().await {
-                        Ok(_) => (axum::http::StatusCode::OK, "ok"),
-                        Err(_) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, "store unavailable"),
+                        Ok(_) => (axum::http::StatusCode::OK, "ok".to_owned()),
+                        Err(_) => (
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            "store unavailable".to_owned(),
+                        ),
                     }
                 }
             }),

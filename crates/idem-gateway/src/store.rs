@@ -43,6 +43,10 @@ pub struct RedisSettings {
     /// see [`idem_redis::RedisStore::check_deployment`]), for a deployment
     /// that knows better than the check.
     pub skip_deployment_checks: bool,
+    /// How often the deployment is checked again while the gateway serves,
+    /// seconds (default 60; 0: only at start): a policy switched to
+    /// eviction later marks `/_idem/healthz` unhealthy and is logged.
+    pub deployment_check_secs: u64,
 }
 
 impl Default for RedisSettings {
@@ -50,7 +54,65 @@ impl Default for RedisSettings {
         Self {
             prefix: idem_redis::DEFAULT_PREFIX.to_owned(),
             skip_deployment_checks: false,
+            deployment_check_secs: 60,
         }
+    }
+}
+
+/// What the periodic deployment check last found wrong, if anything
+/// (`/_idem/healthz` answers 503 with it).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DeploymentHealth(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl DeploymentHealth {
+    /// The problem found, if any.
+    pub(crate) fn problem(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn set(&self, problem: Option<String>) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = problem;
+    }
+
+    /// Checks `store`'s deployment every `redis.deployment_check_secs`
+    /// until the returned task is aborted (nothing to check on the SQL
+    /// stores, or when the checks are skipped or their period is 0).
+    pub(crate) fn watch(&self, store: AnyLease, redis: &RedisSettings) -> Option<tokio::task::JoinHandle<()>> {
+        if redis.skip_deployment_checks || redis.deployment_check_secs == 0 {
+            return None;
+        }
+        let AnyLease::Redis(redis_store) = store else {
+            return None;
+        };
+        let (health, every) = (
+            self.clone(),
+            std::time::Duration::from_secs(redis.deployment_check_secs),
+        );
+        Some(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                ticks.tick().await;
+                match redis_store.check_deployment().await {
+                    Ok(_) => {
+                        if health.problem().is_some() {
+                            tracing::info!("the Redis deployment passes its check again");
+                        }
+                        health.set(None);
+                        metrics::gauge!("idem_gateway_store_deployment_ok").set(1.0);
+                    }
+                    Err(idem_core::Error::Config(why)) => {
+                        tracing::error!(problem = %why, "the Redis deployment no longer passes its check");
+                        health.set(Some(why));
+                        metrics::gauge!("idem_gateway_store_deployment_ok").set(0.0);
+                    }
+                    // Unreachable for a moment: the health check's own
+                    // store probe says so.
+                    Err(e) => tracing::warn!(error = %e, "cannot check the Redis deployment"),
+                }
+            }
+        }))
     }
 }
 
