@@ -158,7 +158,7 @@ async fn killed_mid_send(target: &Target<'_>, vendor: &Vendor, id: i64) -> Resul
     let mut redrive = tokio::process::Command::new(target.idem)
         .args(["dlq", "redrive", "--store", target.store_url, "--id", &id.to_string()])
         .args(["--key-horizon-secs", &VENDOR_KEY_HORIZON_SECS.to_string()])
-        .args(["--horizon-margin-secs", "1", "--deadline-secs", "5"])
+        .args(["--horizon-margin-secs", "1", "--deadline-secs", &HOLD_SECS.to_string()])
         .args(["--hold-secs", &HOLD_SECS.to_string()])
         .args([
             "--answer-field",

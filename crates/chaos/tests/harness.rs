@@ -88,6 +88,10 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         p.vendor_keys == p.paid && p.vendor_payouts == p.paid,
         "seed {seed}: the vendor's payouts differ from the paid ones: {p:?}"
     );
+    // A redrive killed mid-send counts as a send that may have reached the
+    // vendor: the service refuses to cancel (refund) every such payout.
+    let rk = &p.redrive_kills;
+    assert_eq!(rk.cancels_refused, rk.killed, "seed {seed}: {rk:?}");
     let sf = &report.faults.store_faults;
     for fault in ["refused", "timed_out", "applied_then_refused"] {
         assert!(

@@ -144,8 +144,8 @@ pub(crate) struct ResendArgs {
     /// started with less than a third of the hold left.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     hold_secs: Option<u64>,
-    /// A field the vendor's 2xx answer must hold (non-empty), as its
-    /// contract promises (`id`). Repeatable. An answer without it holds the
+    /// A field the vendor's 2xx answer must hold as a non-empty string, as
+    /// its contract promises (`id`). Repeatable. An answer without it holds the
     /// letter as unknown, for `idem dlq resolve`, instead of resolving it.
     #[arg(long = "answer-field", value_name = "NAME")]
     answer_fields: Vec<String>,
@@ -166,6 +166,11 @@ pub(crate) struct ResendArgs {
 }
 
 impl ResendArgs {
+    /// `--hold-secs`, if given.
+    pub(crate) fn hold_secs(&self) -> Option<u64> {
+        self.hold_secs
+    }
+
     /// Whether `--url` sends the letters to another target.
     pub(crate) fn retargets(&self) -> bool {
         self.url.is_some()
@@ -378,12 +383,12 @@ fn check_answer(fields: &[String], echoes: &[String], sent: &[u8], answer: &[u8]
         return Err("the answer is not a JSON object".into());
     }
     for field in fields {
+        // An identifier: a non-empty string, as a service storing it
+        // expects (a number or an object is not one).
         match answer.get(field) {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => {}
             None | Some(serde_json::Value::Null) => return Err(format!("the answer has no {field:?}")),
-            Some(serde_json::Value::String(s)) if s.is_empty() => {
-                return Err(format!("the answer's {field:?} is empty"));
-            }
-            Some(_) => {}
+            Some(other) => return Err(format!("the answer's {field:?} is {other}, not a non-empty string")),
         }
     }
     if !echoes.is_empty() {

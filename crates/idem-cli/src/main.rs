@@ -1159,6 +1159,17 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
             deadline_secs,
             resend,
         } => {
+            if let Some(hold) = resend.hold_secs()
+                && hold < deadline_secs
+            {
+                return Err(Failure(
+                    2,
+                    format!(
+                        "--hold-secs ({hold}) must be at least --deadline-secs ({deadline_secs}): a hold that runs \
+                         out mid-send cuts the send's retries off and lets another redrive take the letter"
+                    ),
+                ));
+            }
             if resend.retargets() && id.is_none() && selection.operation.is_none() {
                 return Err(Failure(
                     2,
@@ -1296,9 +1307,7 @@ fn given_passwords(raw: &[std::ffi::OsString]) -> Vec<String> {
             .into_iter()
             .flatten()
         {
-            if let Some(password) = idem_core::url_password(candidate) {
-                found.push(password.to_owned());
-            }
+            found.extend(idem_core::url_passwords(candidate).into_iter().map(str::to_owned));
         }
     }
     found.sort();

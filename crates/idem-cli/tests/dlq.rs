@@ -339,6 +339,20 @@ async fn dead_letter_commands(url: &str) {
     let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--url", &format!("{base}/v1/payouts")]);
     assert_eq!(code, 2, "--url needs --operation or --id: {out}");
     assert!(out.contains("--operation"), "{out}");
+    let (code, _, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        url,
+        "--id",
+        "1",
+        "--deadline-secs",
+        "30",
+        "--hold-secs",
+        "5",
+    ]);
+    assert_eq!(code, 2, "a hold shorter than the deadline: {out}");
+    assert!(out.contains("--hold-secs"), "{out}");
     assert_eq!(payouts(&base).await, paid_before + 1);
     let (code, _, out) = idem(&[
         "dlq",

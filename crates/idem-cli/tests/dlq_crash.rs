@@ -108,7 +108,7 @@ async fn redrive_killed_after_the_vendor_paid(store_url: &str, id: i64, vendor: 
     let mut redrive = Redrive(
         Command::new(env!("CARGO_BIN_EXE_idem"))
             .args(["dlq", "redrive", "--store", store_url, "--id", &id.to_string()])
-            .args(["--key-horizon-secs", "3", "--deadline-secs", "10", "--hold-secs", "2"])
+            .args(["--key-horizon-secs", "3", "--deadline-secs", "2", "--hold-secs", "2"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -83,7 +83,7 @@ pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
     STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, StoredRow, Token,
 };
-pub use redact::{redact_credentials, redact_known, url_password};
+pub use redact::{redact_credentials, redact_known, url_passwords};
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};

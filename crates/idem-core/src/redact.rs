@@ -43,46 +43,81 @@ pub fn redact_credentials(text: &str) -> String {
 }
 
 /// The password of one URL given whole (a command-line argument, an
-/// environment variable): everything between its scheme's `://` and its
-/// last `@`, after the first `:`. Unlike free text, a URL given whole has
-/// known ends, so a password holding spaces, quotes, `<`, `>` or
-/// backticks is found whole. `None` without one (or when empty).
+/// environment variable): what follows the first `:` of its user part.
+/// Unlike free text, a URL given whole has known ends, so a password
+/// holding spaces, quotes, `<`, `>` or backticks is found whole. The user
+/// part ends at the last `@` of the URL, or at the last `@` before its path
+/// or query (a password holding `@`, or a query holding one): both
+/// readings are answered, longest first. Empty without one.
 ///
 /// ```
-/// use idem_core::url_password;
-/// assert_eq!(url_password("postgres://app:pa ss\"w@db/app"), Some("pa ss\"w"));
-/// assert_eq!(url_password("redis://:s3cret@cache:6379"), Some("s3cret"));
-/// assert_eq!(url_password("postgres://app@db/app"), None);
-/// assert_eq!(url_password("./idem.db"), None);
+/// use idem_core::url_passwords;
+/// assert_eq!(url_passwords("postgres://app:pa ss\"w@db/app"), vec!["pa ss\"w"]);
+/// assert_eq!(url_passwords("redis://:s3cret@cache:6379"), vec!["s3cret"]);
+/// assert_eq!(
+///     url_passwords("postgres://app:pw@db/app?application_name=a@b"),
+///     vec!["pw@db/app?application_name=a", "pw"]
+/// );
+/// assert!(url_passwords("postgres://app@db/app").is_empty());
+/// assert!(url_passwords("./idem.db").is_empty());
 /// ```
-pub fn url_password(url: &str) -> Option<&str> {
-    let (_, rest) = url.split_once("://")?;
-    let (userinfo, _) = rest.rsplit_once('@')?;
-    let (_, password) = userinfo.split_once(':')?;
-    (!password.is_empty()).then_some(password)
+pub fn url_passwords(url: &str) -> Vec<&str> {
+    let Some((_, rest)) = url.split_once("://") else {
+        return Vec::new();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let mut found = Vec::new();
+    for userinfo in [
+        rest.rsplit_once('@').map(|(u, _)| u),
+        rest[..authority_end].rsplit_once('@').map(|(u, _)| u),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if let Some((_, password)) = userinfo.split_once(':')
+            && !password.is_empty()
+            && !found.contains(&password)
+        {
+            found.push(password);
+        }
+    }
+    found.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    found
 }
 
 /// [`redact_credentials`], and besides every occurrence of each of
 /// `secrets` (passwords known from where they were given, as
-/// [`url_password`] finds them), as written and percent-decoded, masked:
-/// a password a driver quotes back in any form never reaches the output.
+/// [`url_passwords`] finds them) masked: as written, percent-decoded, and
+/// escaped as `{:?}` and JSON print it (`\"`, `\\`), longest first so a
+/// password that begins another is never left half-masked.
 ///
 /// ```
 /// use idem_core::redact_known;
 /// let url = "postgres://app:pa ss@db/app";
-/// let secret = idem_core::url_password(url).unwrap();
-/// let out = redact_known(&format!("store {url}: refused"), &[secret]);
+/// let secrets = idem_core::url_passwords(url);
+/// let out = redact_known(&format!("store {url}: refused"), &secrets);
 /// assert!(!out.contains("pa ss"));
 /// ```
 pub fn redact_known(text: &str, secrets: &[&str]) -> String {
-    let mut out = text.to_owned();
+    let mut forms: Vec<String> = Vec::new();
     for secret in secrets.iter().filter(|s| !s.is_empty()) {
-        let decoded = percent_decoded(secret);
-        for form in [Some(secret.to_string()), decoded].into_iter().flatten() {
-            if !form.is_empty() && form != MASK {
-                out = out.replace(&form, MASK);
+        // As `{:?}` prints it, without its quotes (JSON escapes printable
+        // text the same way).
+        let debug = format!("{secret:?}");
+        let escaped = debug[1..debug.len() - 1].to_owned();
+        for form in [Some(secret.to_string()), percent_decoded(secret), Some(escaped)]
+            .into_iter()
+            .flatten()
+        {
+            if !form.is_empty() && form != MASK && !forms.contains(&form) {
+                forms.push(form);
             }
         }
+    }
+    forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
+    let mut out = text.to_owned();
+    for form in &forms {
+        out = out.replace(form.as_str(), MASK);
     }
     redact_credentials(&out)
 }
@@ -207,18 +242,21 @@ mod tests {
         #[test]
         fn a_known_password_never_survives(password in "[ -~]{1,24}", user in "[a-z]{0,8}") {
             let url = format!("postgres://{user}:{password}@127.0.0.1:1/db");
-            let secret = super::url_password(&url);
-            prop_assert_eq!(secret, Some(password.as_str()));
+            let secrets = super::url_passwords(&url);
+            prop_assert!(secrets.contains(&password.as_str()), "{:?}", secrets);
+            let debug = format!("{password:?}");
+            let escaped = debug[1..debug.len() - 1].to_owned();
+            let json = serde_json::to_string(&password).unwrap();
+            let json = &json[1..json.len() - 1];
             for message in [
                 format!("store {url}: connection refused"),
                 format!("store {url:?}: invalid"),
-                format!("{{\"error\":\"store {url}: refused\"}}"),
+                serde_json::json!({ "error": format!("store {url}: refused") }).to_string(),
             ] {
-                let out = super::redact_known(&message, &[&password]);
-                prop_assert!(
-                    !out.replace(super::MASK, "\u{0}").contains(&password),
-                    "{} -> {}", message, out
-                );
+                let out = super::redact_known(&message, &secrets).replace(super::MASK, "\u{0}");
+                for form in [password.as_str(), escaped.as_str(), json] {
+                    prop_assert!(!out.contains(form), "{:?} in {} -> {}", form, message, out);
+                }
             }
         }
     }
@@ -258,6 +296,14 @@ mod tests {
         for (url, want) in cases {
             assert_eq!(r(url), want, "{url}");
         }
+    }
+
+    /// Two known passwords, one the start of the other: the longer is
+    /// masked whole, never left half-shown.
+    #[test]
+    fn the_longest_known_password_is_masked_first() {
+        let out = super::redact_known("password secret123 rejected", &["secret", "secret123"]);
+        assert_eq!(out, "password *** rejected");
     }
 
     /// URLs that do not parse are masked too: passwords holding `@`, `/`,

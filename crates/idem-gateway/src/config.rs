@@ -601,6 +601,12 @@ impl Config {
                 return Err(ConfigError(format!("{name} must be between 1 and 3600, not {secs}")));
             }
         }
+        if self.redis.deployment_check_secs > 86_400 {
+            return Err(ConfigError(format!(
+                "[redis] deployment_check_secs must be at most 86400 (0: only at start), not {}",
+                self.redis.deployment_check_secs
+            )));
+        }
         if self.max_connections == 0 || self.max_connections > 1_000_000 {
             return Err(ConfigError(format!(
                 "max_connections must be between 1 and 1000000, not {}",
@@ -974,6 +980,10 @@ mod tests {
             ("admin_listen = \"nowhere\"", "admin_listen"),
             ("max_connections = 0", "max_connections"),
             ("max_buffered_bytes = 1000", "max_buffered_bytes"),
+            (
+                "[redis]\ndeployment_check_secs = 18446744073709551615",
+                "deployment_check_secs",
+            ),
         ] {
             let e = valid(&format!("{extra}\n{TENANT}")).unwrap_err().to_string();
             assert!(e.contains(named), "{extra}: {e}");

@@ -249,9 +249,7 @@ impl Gateway {
         for server in servers {
             let _ = server.await;
         }
-        if let Some(watch) = watch {
-            watch.abort();
-        }
+        drop(watch);
         // A caller that went away left its request's recording running on
         // its own: the upstream may have acted, so its outcome is recorded
         // before the process ends, or the caller's retry would act again.

@@ -79,6 +79,11 @@ impl Limits {
     }
 }
 
+/// A request's share of `max_buffered_bytes`, held as long as the request
+/// (its parts) lives.
+#[derive(Clone)]
+struct Reserved(#[allow(dead_code)] Arc<tokio::sync::OwnedSemaphorePermit>);
+
 fn kib(bytes: usize) -> usize {
     bytes.div_ceil(1024)
 }
@@ -215,6 +220,12 @@ fn service(
             };
             let mut req = req.map(|b| Body::new(TimedBody::new(b, body)));
             req.extensions_mut().insert(Peer(addr));
+            // The reservation travels with the request: work that goes on
+            // after its caller left (a recording) still holds its bytes.
+            let reserved = reserved.map(Arc::new);
+            if let Some(reserved) = &reserved {
+                req.extensions_mut().insert(Reserved(reserved.clone()));
+            }
             let response = handler(req).await;
             drop(reserved);
             Ok::<_, Infallible>(response)

@@ -77,7 +77,7 @@ impl DeploymentHealth {
     /// Checks `store`'s deployment every `redis.deployment_check_secs`
     /// until the returned task is aborted (nothing to check on the SQL
     /// stores, or when the checks are skipped or their period is 0).
-    pub(crate) fn watch(&self, store: AnyLease, redis: &RedisSettings) -> Option<tokio::task::JoinHandle<()>> {
+    pub(crate) fn watch(&self, store: AnyLease, redis: &RedisSettings) -> Option<AbortOnDrop> {
         if redis.skip_deployment_checks || redis.deployment_check_secs == 0 {
             return None;
         }
@@ -88,13 +88,19 @@ impl DeploymentHealth {
             self.clone(),
             std::time::Duration::from_secs(redis.deployment_check_secs),
         );
-        Some(tokio::spawn(async move {
+        Some(AbortOnDrop(tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticks.tick().await;
             loop {
                 ticks.tick().await;
                 match redis_store.check_deployment().await {
+                    // Settings it could not read (Redis unreachable for a
+                    // moment, a refused command) prove nothing: the last
+                    // verdict stands.
+                    Ok(warnings) if warnings.iter().any(|w| w.contains("cannot read")) => {
+                        tracing::debug!(?warnings, "the Redis deployment check was inconclusive");
+                    }
                     Ok(_) => {
                         if health.problem().is_some() {
                             tracing::info!("the Redis deployment passes its check again");
@@ -112,7 +118,17 @@ impl DeploymentHealth {
                     Err(e) => tracing::warn!(error = %e, "cannot check the Redis deployment"),
                 }
             }
-        }))
+        })))
+    }
+}
+
+/// A task that ends when its handle is dropped (the gateway's serving
+/// future dropped, or done).
+pub(crate) struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -243,3 +243,38 @@ async fn request_bytes_past_the_budget_are_answered_503() {
     assert!(again.starts_with("HTTP/1.1 2"), "{}", &again[..again.len().min(400)]);
     drop(slow);
 }
+
+/// A caller that sends a keyed body and hangs up leaves its request's
+/// recording running (the upstream may act): that work still holds its
+/// bytes, so callers that hang up cannot push more bodies through at once
+/// than `max_buffered_bytes` allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn callers_that_hang_up_still_count_against_the_budget() {
+    use tokio::io::AsyncWriteExt;
+    let (upstream, state) = start_upstream().await;
+    let g = start_gateway(
+        &upstream,
+        &sqlite_store(),
+        &format!("max_request_bytes = 65536\nmax_buffered_bytes = 131072\n{BEARER}"),
+    )
+    .await;
+    for _ in 0..5 {
+        let body = format!("{{\"pad\":\"{}\"}}", "p".repeat(59_000));
+        let request = format!(
+            "POST /v1/slow HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer t\r\nIdempotency-Key: \"{}\"\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            fresh(),
+            body.len()
+        );
+        let mut tcp = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        tcp.write_all(request.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(tcp);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let calls = state.calls();
+    assert!(
+        (1..=2).contains(&calls),
+        "{calls} slow calls at once from callers that hung up: the budget holds two bodies"
+    );
+}

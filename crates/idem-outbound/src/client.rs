@@ -87,6 +87,10 @@ pub struct Earlier {
 /// next wait, as for a vendor that says the call is in flight.
 pub const SETTLE_MARGIN: Duration = Duration::from_secs(5);
 
+/// The shortest wait a call the breaker refused is deferred by (a probe in
+/// flight says "now" until it ends).
+const MIN_BREAKER_WAIT: Duration = Duration::from_secs(1);
+
 /// Sends logical calls with one idempotency key across every retry, behind
 /// a per-host circuit breaker. Clones are cheap and share the connection
 /// pool and the breakers.
@@ -200,7 +204,7 @@ impl Failure {
         match self {
             Failure::Status { status: 408, .. } => ("http_408", false),
             Failure::Status { status: 425, .. } => ("http_425", false),
-            // The vendor's flow control: the host works, it asks for less.
+            // The vendor's flow control: neutral for the breaker (see `attempt`).
             Failure::Status { status: 429, .. } => ("http_429", true),
             Failure::Status {
                 status: 409,
@@ -345,7 +349,7 @@ where
             // A breaker's refusal sent nothing: the call is for later, never
             // a dead letter.
             if let Failure::CircuitOpen { retry_in, .. } = failure {
-                retry_later = Some(*retry_in);
+                retry_later = Some((*retry_in).max(MIN_BREAKER_WAIT));
             }
             return None;
         };
@@ -362,7 +366,7 @@ where
                     retry_after: Some(after),
                     ..
                 } => retry_later = Some(*after),
-                Failure::CircuitOpen { retry_in, .. } => retry_later = Some(*retry_in),
+                Failure::CircuitOpen { retry_in, .. } => retry_later = Some((*retry_in).max(MIN_BREAKER_WAIT)),
                 _ => {}
             }
             return None;
@@ -828,8 +832,10 @@ impl OutboundClient {
             Ok(_) => ("success", true),
             Err(failure) => failure.outcome(),
         };
-        if matches!(result, Err(Failure::Invalid(_))) {
-            // Says nothing about the host: a probe hands its turn on.
+        if matches!(result, Err(Failure::Invalid(_) | Failure::Status { status: 429, .. })) {
+            // Says nothing of the host's health (a 429 is its flow control,
+            // not a failure, nor a sign it works): no count moves, and a
+            // probe hands its turn on.
             drop(permit);
         } else {
             permit.finish(healthy);

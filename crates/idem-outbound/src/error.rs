@@ -39,11 +39,12 @@ pub enum OutboundError {
         /// asked and no send reached it after.
         not_applied_at_ms: Option<i64>,
     },
-    /// The vendor asked to be called again later than the deadline allows
-    /// (`Retry-After` on a 429 or 503): nothing was applied by that answer;
-    /// call again at `after` from now (a worker defers the call, rather
-    /// than dead-letter it).
-    #[error("the vendor asks to retry in {} s, past the deadline, after {attempts} attempt(s): {last_error}", .after.as_secs())]
+    /// The call is for later than the deadline allows: the vendor asked
+    /// (`Retry-After` on a 429 or 503: nothing was applied by that answer),
+    /// or the host's circuit breaker refused it (nothing sent): call again
+    /// at `after` from now (a worker defers the call, rather than
+    /// dead-letter it).
+    #[error("to be called again in {} s, past the deadline, after {attempts} attempt(s): {last_error}", .after.as_secs())]
     RetryLater {
         /// How long the vendor asked to wait.
         after: std::time::Duration,

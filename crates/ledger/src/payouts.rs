@@ -808,6 +808,13 @@ impl VendorLookup {
         let (true, Some(listed)) = (found["object"] == "list", found["data"].as_array()) else {
             return Err("lookup answer is not a list (object \"list\" with a data array)".into());
         };
+        // A record without a reference cannot be told apart: it may be
+        // this payout under another field's name.
+        if listed.iter().any(|p| !p["reference"].is_string()) {
+            return Ok(Reconciled::Unknown(format!(
+                "the vendor's answer for reference {reference} lists a record without a reference"
+            )));
+        }
         // Only records of this very reference count: a vendor that ignored
         // the filter lists other payouts, which say nothing of this one.
         let data: Vec<&serde_json::Value> = listed.iter().filter(|p| p["reference"] == reference).collect();

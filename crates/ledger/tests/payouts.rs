@@ -1622,6 +1622,8 @@ async fn the_vendor_lookup_never_takes_an_empty_answer_for_not_applied() {
         ask(r#"{"object":"list","has_more":true,"data":[{"reference":"po-1","amount":25,"status":"paid"}]}"#.into())
             .await;
     assert!(matches!(more, Ok(Reconciled::Unknown(_))), "{more:?}");
+    let unnamed = ask(r#"{"object":"list","data":[{"amount":25,"status":"paid"}]}"#.into()).await;
+    assert!(matches!(unnamed, Ok(Reconciled::Unknown(_))), "{unnamed:?}");
     let others = ask(r#"{"object":"list","data":[{"reference":"po-1","amount":25,"status":"paid"}]}"#.into()).await;
     assert_eq!(others, Ok(Reconciled::NotApplied));
     let ours = ask(r#"{"object":"list","data":[{"reference":"po-77","amount":25,"status":"paid"}]}"#.into()).await;
