@@ -10,7 +10,7 @@
 //!   "not applied" no longer lets the service cancel (refund) a payout the
 //!   vendor made.
 //!
-//! On SQLite and PostgreSQL.
+//! On SQLite, PostgreSQL and MariaDB.
 
 mod support;
 
@@ -302,4 +302,49 @@ async fn a_killed_redrive_is_never_refunded_on_postgres() {
     let url = postgres_db().await;
     crashed_redrive_is_never_refunded(postgres_store(&url).await, &url).await;
     drop_postgres_db(&url).await;
+}
+
+/// A MariaDB database of the test's own.
+async fn mysql_db() -> String {
+    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let admin = sqlx::MySqlPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
+    let db = format!("idem_dlq_crash_{}", uuid::Uuid::now_v7().simple());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    format!("{base}/{db}")
+}
+
+async fn mysql_store(url: &str) -> idem_mysql::MySqlDeadLetters {
+    let pool = sqlx::MySqlPool::connect(url).await.unwrap();
+    let store = idem_mysql::MySqlDeadLetters::new(pool);
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn drop_mysql_db(url: &str) {
+    let (base, db) = url.rsplit_once('/').unwrap();
+    let admin = sqlx::MySqlPool::connect(&format!("{base}/mysql")).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_mariadb() {
+    let url = mysql_db().await;
+    crashed_redrive_then_past_the_horizon(mysql_store(&url).await, &url).await;
+    drop_mysql_db(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redrive_is_never_refunded_on_mariadb() {
+    let url = mysql_db().await;
+    crashed_redrive_is_never_refunded(mysql_store(&url).await, &url).await;
+    drop_mysql_db(&url).await;
 }
