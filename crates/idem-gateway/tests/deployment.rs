@@ -3,43 +3,14 @@
 //! (naming the setting) until it is switched off again. On a Redis server
 //! of the test's own, so changing its policy harms nobody.
 
+#[path = "../../idem-redis/tests/support/servers.rs"]
+mod servers;
 mod support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use servers::RedisServer;
 use support::{BEARER, start_gateway, start_upstream};
-
-struct PrivateRedis(Child, u16);
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn private_redis() -> PrivateRedis {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("redis-server")
-        .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server runs");
-    let server = PrivateRedis(child, port);
-    for _ in 0..400 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return server;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the private Redis did not start");
-}
 
 async fn set_policy(port: u16, policy: &str) {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
@@ -66,16 +37,16 @@ async fn health(base: &str) -> (u16, String) {
 /// answers 503 naming `maxmemory-policy`; back on `noeviction` it is 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_eviction_policy_switched_on_later_marks_the_gateway_unhealthy() {
-    let redis = private_redis();
+    let redis = RedisServer::start(&["--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"]);
     let (upstream, _) = start_upstream().await;
     let g = start_gateway(
         &upstream,
-        &format!("redis://127.0.0.1:{}", redis.1),
+        &format!("redis://127.0.0.1:{}", redis.port),
         &format!("{BEARER}[redis]\ndeployment_check_secs = 1\n"),
     )
     .await;
     assert_eq!(health(&g.base).await.0, 200);
-    set_policy(redis.1, "allkeys-lru").await;
+    set_policy(redis.port, "allkeys-lru").await;
     let mut seen = (0, String::new());
     for _ in 0..100 {
         seen = health(&g.base).await;
@@ -86,7 +57,7 @@ async fn an_eviction_policy_switched_on_later_marks_the_gateway_unhealthy() {
     }
     assert_eq!(seen.0, 503, "{seen:?}");
     assert!(seen.1.contains("maxmemory-policy"), "{seen:?}");
-    set_policy(redis.1, "noeviction").await;
+    set_policy(redis.port, "noeviction").await;
     for _ in 0..100 {
         seen = health(&g.base).await;
         if seen.0 == 200 {

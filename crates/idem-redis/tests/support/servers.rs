@@ -47,14 +47,64 @@ fn spawn(port: u16, dir: &std::path::Path, args: &[&str]) -> Child {
         .unwrap_or_else(|e| panic!("cannot start redis-server (install redis-server): {e}"))
 }
 
-fn wait_listening(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "redis-server on {port} did not listen");
-        std::thread::sleep(Duration::from_millis(20));
+/// Starts redis-server with `args` on a free port and waits until it
+/// answers itself (its `INFO` names its process): a port another process took between the choice
+/// and the bind (the server then exits), or a server still loading, is not
+/// taken for ready; another port is tried instead.
+fn spawn_ready(dir: &std::path::Path, args: &[&str]) -> (Child, u16) {
+    for _ in 0..10 {
+        let port = free_port();
+        let mut child = spawn(port, dir, args);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if child.try_wait().ok().flatten().is_some() {
+                break; // it could not bind: try another port
+            }
+            if serves(port, child.id()) {
+                return (child, port);
+            }
+            assert!(Instant::now() < deadline, "redis-server on {port} did not answer PING");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
+    panic!("redis-server did not start on any of 10 free ports");
 }
 
+/// Whether the server answering on `port` is the process `pid` (its
+/// `INFO server` says so): not another test's server on a port taken first.
+fn serves(port: u16, pid: u32) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut tcp) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = tcp.set_read_timeout(Some(Duration::from_secs(1)));
+    if tcp.write_all(b"INFO server\r\n").is_err() {
+        return false;
+    }
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = tcp.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        if let Some(line) = text.lines().find(|l| l.starts_with("process_id:")) {
+            return line.trim_start_matches("process_id:").trim() == pid.to_string();
+        }
+        if text.starts_with("-LOADING") || seen.len() > 64 * 1024 {
+            return false; // still loading, or not a Redis we know
+        }
+        if text.starts_with('-') {
+            // INFO renamed away (a test's own setting): a server that
+            // answers and whose process is still alive a moment later (it
+            // bound the port) is ours.
+            std::thread::sleep(Duration::from_millis(200));
+            return alive(pid);
+        }
+    }
+    false
+}
 /// One redis-server of the test's own.
 pub(crate) struct RedisServer {
     child: Child,
@@ -67,10 +117,8 @@ impl RedisServer {
     /// Starts a server with `args` added to its command line (for example
     /// `["--maxmemory-policy", "allkeys-lru"]`), and waits until it listens.
     pub(crate) fn start(args: &[&str]) -> Self {
-        let port = free_port();
         let dir = scratch_dir("redis");
-        let child = spawn(port, &dir, args);
-        wait_listening(port);
+        let (child, port) = spawn_ready(&dir, args);
         Self { child, port, dir }
     }
 
@@ -117,11 +165,9 @@ impl RedisCluster {
             dir: dir.clone(),
         };
         for i in 0..3 {
-            let port = free_port();
             let node_dir = dir.join(format!("n{i}"));
             std::fs::create_dir_all(&node_dir).unwrap();
-            let child = spawn(
-                port,
+            let (child, port) = spawn_ready(
                 &node_dir,
                 &[
                     "--cluster-enabled",
@@ -138,9 +184,6 @@ impl RedisCluster {
             );
             cluster.nodes.push(child);
             cluster.ports.push(port);
-        }
-        for port in &cluster.ports {
-            wait_listening(*port);
         }
         let addrs: Vec<String> = cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let out = Command::new("redis-cli")
@@ -191,4 +234,9 @@ impl RedisCluster {
             })
             .collect()
     }
+}
+
+/// Whether the process `pid` still runs (Linux).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
 }
