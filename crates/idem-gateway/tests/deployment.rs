@@ -48,7 +48,7 @@ async fn an_eviction_policy_switched_on_later_marks_the_gateway_unhealthy() {
     assert_eq!(health(&g.base).await.0, 200);
     set_policy(redis.port, "allkeys-lru").await;
     let mut seen = (0, String::new());
-    for _ in 0..100 {
+    for _ in 0..300 {
         seen = health(&g.base).await;
         if seen.0 == 503 {
             break;
@@ -58,7 +58,7 @@ async fn an_eviction_policy_switched_on_later_marks_the_gateway_unhealthy() {
     assert_eq!(seen.0, 503, "{seen:?}");
     assert!(seen.1.contains("maxmemory-policy"), "{seen:?}");
     set_policy(redis.port, "noeviction").await;
-    for _ in 0..100 {
+    for _ in 0..300 {
         seen = health(&g.base).await;
         if seen.0 == 200 {
             break;
