@@ -94,6 +94,16 @@ pub(crate) const LATEST_VERSION: i32 = 3;
 /// Applies every migration newer than the recorded version, in one READ
 /// COMMITTED transaction serialised by an advisory lock on the table's name,
 /// whatever the default isolation level of the database or session.
+/// Refuses a table whose schema is newer than this crate knows.
+fn refuse_newer(table: &TableName, current: i32) -> Result<()> {
+    idem_core::PendingMigration::refuse_newer(
+        "idem-postgres",
+        table.as_str(),
+        i64::from(current),
+        i64::from(LATEST_VERSION),
+    )
+}
+
 pub(crate) async fn run(pool: &PgPool, table: &TableName, expiry: ExpiryIndex) -> Result<()> {
     let version_table = derived_name(table, "schema");
     let expires_index = derived_name(table, "expires_at_ms_idx");
@@ -136,12 +146,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName, expiry: ExpiryIndex) -
     .await
     .and_then(|row| row.try_get(0))
     .map_err(store_error)?;
-    idem_core::PendingMigration::refuse_newer(
-        "idem-postgres",
-        table.as_str(),
-        i64::from(current),
-        i64::from(LATEST_VERSION),
-    )?;
+    refuse_newer(table, current)?;
     for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
         for statement in migration.statements {
             let sql = statement
@@ -247,12 +252,7 @@ pub(crate) async fn pending(pool: &PgPool, table: &TableName) -> Result<Vec<idem
     } else {
         0
     };
-    idem_core::PendingMigration::refuse_newer(
-        "idem-postgres",
-        table.as_str(),
-        i64::from(current),
-        i64::from(LATEST_VERSION),
-    )?;
+    refuse_newer(table, current)?;
     Ok(MIGRATIONS
         .iter()
         .filter(|m| m.version > current)
