@@ -4,10 +4,13 @@
 //! `idem dlq redrive` has no way to ask a vendor what became of a call (a
 //! reconcile hook is the service's: it knows the vendor's lookup). So a
 //! letter whose first send may have reached the vendor longer ago than the
-//! vendor remembers keys (`--key-horizon-secs`, 24 h by default), or whose
-//! outcome is held as unknown, is not sent: it is held as unknown, and the
-//! operator checks the vendor and records what it says with `idem dlq
-//! resolve`, or sends it anyway with `--past-horizon`.
+//! vendor remembers keys (the horizon the letter's sends were made under,
+//! kept with it, or a shorter `--key-horizon-secs`), or whose outcome is
+//! held as unknown, is not sent: it is held as unknown, and the operator
+//! checks the vendor and records what it says with `idem dlq resolve`, or
+//! sends it anyway with `--past-horizon`. A letter that does not say its
+//! terms is refused unless `--key-horizon-secs` is given: they are never
+//! guessed.
 
 use std::time::Duration;
 
@@ -117,6 +120,9 @@ impl DeadLetterStore for AnyDeadLetters {
     }
 }
 
+/// The longest key horizon `--key-horizon-secs` takes (366 days).
+const MAX_HORIZON_SECS: u64 = 31_622_400;
+
 /// How `dlq redrive` sends: the target, the vendor's key horizon, the
 /// operator's override and the secret headers.
 #[derive(Debug, clap::Args)]
@@ -126,14 +132,23 @@ pub(crate) struct ResendArgs {
     #[arg(long)]
     url: Option<String>,
     /// How long the vendor remembers idempotency keys, in seconds (0: it
-    /// has none). A letter whose first send may have reached the vendor
-    /// longer ago is held as unknown, not sent.
-    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
-    key_horizon_secs: u64,
-    /// Kept from the horizon, in seconds (default an hour, at most a tenth
-    /// of a horizon shorter than ten hours).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
+    /// has none). By default each letter's own: the horizon its sends were
+    /// made under, kept with it; a letter that does not say is refused, not
+    /// sent. Given, the shorter of this and the letter's applies. A letter
+    /// whose first send may have reached the vendor longer ago is held as
+    /// unknown, not sent.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_HORIZON_SECS))]
+    key_horizon_secs: Option<u64>,
+    /// Kept from the horizon, in seconds (default the letter's; with
+    /// `--key-horizon-secs`, an hour, at most a tenth of a horizon shorter
+    /// than ten hours). The longer of this and the letter's applies.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_HORIZON_SECS))]
     horizon_margin_secs: Option<u64>,
+    /// How long after a send started the vendor's "not found" is trusted,
+    /// in seconds (default the attempt timeout plus 5 s). The longer of
+    /// this and the letter's applies.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    settle_secs: Option<u64>,
     /// Send letters past the horizon anyway: you have checked the vendor
     /// (a letter held as unknown still needs `idem dlq resolve`).
     #[arg(long)]
@@ -176,19 +191,32 @@ impl ResendArgs {
         self.url.is_some()
     }
 
-    /// `base` with the horizon and the secret headers.
+    /// `base` with the horizon, the settle time and the secret headers.
+    /// Without `--key-horizon-secs` the client has no horizon of its own
+    /// (the longest there is, no margin): each letter's terms apply, as the
+    /// strictest of both always does.
     pub(crate) fn config(
         &self,
         base: idem_outbound::OutboundConfig,
     ) -> std::result::Result<idem_outbound::OutboundConfig, crate::Failure> {
         let bad = |why: String| crate::Failure(2, why);
-        let horizon = Duration::from_secs(self.key_horizon_secs);
-        let margin = self
-            .horizon_margin_secs
-            .map(Duration::from_secs)
-            .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
+        let key_horizon = match self.key_horizon_secs {
+            Some(secs) => {
+                let horizon = Duration::from_secs(secs);
+                let margin = self
+                    .horizon_margin_secs
+                    .map(Duration::from_secs)
+                    .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
+                idem_outbound::KeyHorizon::new(horizon, margin)
+            }
+            None => idem_outbound::KeyHorizon::new(
+                Duration::from_secs(MAX_HORIZON_SECS),
+                Duration::from_secs(self.horizon_margin_secs.unwrap_or(0)),
+            ),
+        };
         let mut config = idem_outbound::OutboundConfig {
-            key_horizon: idem_outbound::KeyHorizon::new(horizon, margin),
+            key_horizon,
+            reconcile_settle: self.settle_secs.map(Duration::from_secs),
             ca_file: self.ca_file.clone(),
             ..base
         };
@@ -215,7 +243,9 @@ impl ResendArgs {
         client: idem_outbound::OutboundClient,
         store: S,
     ) -> std::result::Result<idem_outbound::Redriver<S>, crate::Failure> {
-        let mut redriver = idem_outbound::Redriver::new(client, store).with_past_horizon_override(self.past_horizon);
+        let mut redriver = idem_outbound::Redriver::new(client, store)
+            .with_past_horizon_override(self.past_horizon)
+            .with_terms_required(self.key_horizon_secs.is_none());
         if let Some(secs) = self.hold_secs {
             redriver = redriver.with_hold(Duration::from_secs(secs));
         }
@@ -290,6 +320,11 @@ pub(crate) fn summary_json(l: &DeadLetter) -> serde_json::Value {
         "redrive_until_ms": l.redrive_until_ms,
         "response_status": l.response_status,
         "first_reached_at_ms": l.first_reached_at_ms,
+        "sent_under": l.sent_under.map(|t| serde_json::json!({
+            "key_horizon_secs": t.key_horizon.as_secs_f64(),
+            "horizon_margin_secs": t.horizon_margin.as_secs_f64(),
+            "settle_secs": t.settle.as_secs_f64(),
+        })),
         "verdict": l.reconciliation.as_ref().map(|r| serde_json::json!({
             "verdict": r.verdict.as_str(),
             "by": r.by.as_str(),
@@ -342,6 +377,7 @@ pub(crate) fn result_json(id: i64, result: &RedriveResult) -> serde_json::Value 
         }
         RedriveResult::Unknown { reason } => serde_json::json!({ "id": id, "result": "unknown", "reason": reason }),
         RedriveResult::Skipped => serde_json::json!({ "id": id, "result": "skipped" }),
+        RedriveResult::Refused { reason } => serde_json::json!({ "id": id, "result": "refused", "reason": reason }),
         RedriveResult::HoldLost => serde_json::json!({ "id": id, "result": "hold_lost" }),
         RedriveResult::StoreError(e) => serde_json::json!({ "id": id, "result": "store_error", "error": e }),
     }
@@ -356,6 +392,7 @@ pub(crate) fn result_line(id: i64, result: &RedriveResult) -> String {
         RedriveResult::Failed { attempts, error } => format!("{id}\tfailed\t{attempts} attempt(s): {error}"),
         RedriveResult::Unknown { reason } => format!("{id}\tunknown\tnot sent, held for an operator: {reason}"),
         RedriveResult::Skipped => format!("{id}\tskipped\t(resolved, cancelled, or held by another redrive)"),
+        RedriveResult::Refused { reason } => format!("{id}\trefused\tnot sent: {reason}"),
         RedriveResult::HoldLost => format!("{id}\thold lost\t(another redrive took it over)"),
         RedriveResult::StoreError(e) => format!("{id}\tstore error\t{e}"),
     }
@@ -369,6 +406,7 @@ pub(crate) fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
         "failed": r.failed,
         "unknown": r.unknown,
         "skipped": r.skipped,
+        "refused": r.refused,
         "errors": r.errors,
         "items": r.items.iter().map(|i| result_json(i.id, &i.result)).collect::<Vec<_>>(),
     })

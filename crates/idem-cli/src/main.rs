@@ -1203,14 +1203,7 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
                         other => other.into(),
                     })?;
                     let mut report = idem_outbound::RedriveReport::default();
-                    match &result {
-                        idem_outbound::RedriveResult::Resolved { .. } => report.resolved += 1,
-                        idem_outbound::RedriveResult::Failed { .. } => report.failed += 1,
-                        idem_outbound::RedriveResult::Skipped => report.skipped += 1,
-                        idem_outbound::RedriveResult::Unknown { .. } => report.unknown += 1,
-                        _ => report.errors += 1,
-                    }
-                    report.items.push(idem_outbound::RedriveItem { id, result });
+                    report.add(id, result);
                     report
                 }
                 None => redriver
@@ -1228,14 +1221,25 @@ async fn dlq(command: DlqCommand, json: bool) -> Result<(), Failure> {
                     say!("{}", dlq::result_line(item.id, &item.result));
                 }
                 say!(
-                    "{}: {} resolved, {} failed, {} held as unknown, {} skipped, {} error(s)",
+                    "{}: {} resolved, {} failed, {} held as unknown, {} skipped, {} refused, {} error(s)",
                     store.kind(),
                     report.resolved,
                     report.failed,
                     report.unknown,
                     report.skipped,
+                    report.refused,
                     report.errors
                 );
+            }
+            if report.refused > 0 {
+                return Err(Failure(
+                    2,
+                    format!(
+                        "{} dead letter(s) do not say the key horizon their sends were made under: nothing sent for \
+                         them; give --key-horizon-secs (and --settle-secs) to judge them by",
+                        report.refused
+                    ),
+                ));
             }
             if report.failed > 0 || report.errors > 0 || report.unknown > 0 {
                 return Err(Failure(

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
 
 fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
@@ -27,6 +27,10 @@ fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
 fn start_vendor() -> String {
+    start_vendor_with(fake_vendor::Options::default())
+}
+
+fn start_vendor_with(options: fake_vendor::Options) -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -41,7 +45,7 @@ fn start_vendor() -> String {
             .unwrap()
             .block_on(fake_vendor::serve(
                 addr,
-                Arc::new(fake_vendor::Vendor::default()),
+                Arc::new(fake_vendor::Vendor::new(options)),
                 std::future::pending(),
             ))
             .unwrap();
@@ -78,7 +82,18 @@ async fn payouts(base: &str) -> u64 {
     l["payouts"].as_u64().unwrap()
 }
 
+/// A letter as the service writes it: sent under the vendor's terms (a
+/// 24 h key horizon).
 fn letter(base: &str, key: &str, body: &str) -> NewDeadLetter {
+    bare_letter(base, key, body).sent_under(SentUnder {
+        key_horizon: Duration::from_secs(86_400),
+        horizon_margin: Duration::from_secs(3_600),
+        settle: Duration::from_secs(35),
+    })
+}
+
+/// A letter as written before the send terms were kept.
+fn bare_letter(base: &str, key: &str, body: &str) -> NewDeadLetter {
     NewDeadLetter::new(
         Scope::parse("dlq-test", "payout").unwrap(),
         IdempotencyKey::new(key).unwrap(),
@@ -366,6 +381,87 @@ async fn dead_letter_commands(url: &str) {
         "again",
     ]);
     assert_eq!(code, 1, "a resolved letter is final: {out}");
+
+    // A letter of a vendor without keys (the service ran with a 0 s key
+    // horizon), paid before its answer was lost: a redrive with the
+    // command's defaults keeps to the horizon the letter was sent under.
+    // Held as unknown, not paid again.
+    let keyless_base = start_vendor_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    });
+    assert_eq!(pay(&keyless_base, "keyless", r#"{"amount":50}"#).await, 201);
+    let a_minute_ago = now_ms() - 60_000;
+    let keyless = record_on(
+        &store,
+        &letter(&keyless_base, "keyless", r#"{"amount":50}"#)
+            .reached_at(Some(a_minute_ago))
+            .sent_under(KEYLESS),
+    )
+    .await;
+    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &keyless.to_string(), "--json"]);
+    assert_eq!(json["sent_under"]["key_horizon_secs"], 0.0, "{json}");
+    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &keyless.to_string(), "--json"]);
+    assert_eq!(code, 1, "held, not sent: {out}");
+    assert_eq!(json["items"][0]["result"], "unknown", "{json}");
+    assert_eq!(payouts(&keyless_base).await, 1, "paid once");
+    // A letter written before the terms were kept: refused (exit 2),
+    // neither taken nor sent, until the operator says the horizon.
+    let bare = record_on(&store, &bare_letter(&base, "bare", r#"{"amount":60}"#)).await;
+    let paid_before = payouts(&base).await;
+    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &bare.to_string(), "--json"]);
+    assert_eq!(code, 2, "{out}");
+    assert_eq!(json["items"][0]["result"], "refused", "{json}");
+    assert_eq!(json["refused"], 1, "{json}");
+    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &bare.to_string(), "--json"]);
+    assert_eq!(
+        (json["state"].as_str(), json["redrives"].as_u64()),
+        (Some("dead"), Some(0)),
+        "{json}"
+    );
+    assert_eq!(payouts(&base).await, paid_before, "nothing sent");
+    let (code, json, out) = idem(&[
+        "dlq",
+        "redrive",
+        "--store",
+        url,
+        "--id",
+        &bare.to_string(),
+        "--key-horizon-secs",
+        "86400",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(json["items"][0]["result"], "resolved", "{json}");
+    assert_eq!(payouts(&base).await, paid_before + 1);
+}
+
+/// The terms of a vendor without idempotency keys.
+const KEYLESS: SentUnder = SentUnder {
+    key_horizon: Duration::ZERO,
+    horizon_margin: Duration::ZERO,
+    settle: Duration::from_secs(35),
+};
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+async fn record_on(store: &AnyLease, letter: &NewDeadLetter) -> i64 {
+    match store {
+        AnyLease::Sqlite(s) => {
+            idem_sqlite::SqliteDeadLetters::new(s.pool().clone())
+                .record(letter)
+                .await
+        }
+        AnyLease::Postgres(s) => idem_postgres::PgDeadLetters::new(s.pool().clone()).record(letter).await,
+        AnyLease::MySql(s) => idem_mysql::MySqlDeadLetters::new(s.pool().clone()).record(letter).await,
+        AnyLease::Redis(_) => unreachable!(),
+    }
+    .unwrap()
 }
 
 /// Records a letter whose first send may have reached the vendor at `reached_at_ms`.

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use idem_core::{
     DeadLetter, DeadLetterFilter, DeadLetterState, DeadLetterStore, IdempotencyKey, MAX_DEAD_LETTER_PAGE,
     MAX_DEAD_LETTER_RESPONSE, MAX_DEAD_LETTER_TEXT, MAX_KEY_LEN, NewDeadLetter, OutboundRequest, RedriveHold,
-    RedriveOutcome, Scope, Settlement, Verdict, VerdictSource, clip_response, clip_text,
+    RedriveOutcome, Scope, SentUnder, Settlement, Verdict, VerdictSource, clip_response, clip_text,
 };
+use std::time::Duration;
 use tokio::sync::Barrier;
 
 use crate::DeadLetterSubject;
@@ -115,7 +116,12 @@ pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
         7,
         long_error.clone(),
     )
-    .reached_at(Some(1_700_000_000_123));
+    .reached_at(Some(1_700_000_000_123))
+    .sent_under(SentUnder {
+        key_horizon: Duration::from_millis(86_400_001),
+        horizon_margin: Duration::from_millis(3_600_002),
+        settle: Duration::from_millis(35_003),
+    });
     let id = store.record(&new).await.expect("record");
     let got = fetch(&store, id).await;
     assert_eq!(got.id, id);
@@ -148,6 +154,7 @@ pub async fn dead_letter_round_trips_every_field<S: DeadLetterSubject>(s: S) {
     assert_eq!(got.response_body, None);
     assert_eq!(got.first_reached_at_ms, Some(1_700_000_000_123));
     assert_eq!(got.reconciliation, None);
+    assert_eq!(got.sent_under, new.sent_under, "the send terms, to the millisecond");
     let found = store
         .find(&scope, &new.key)
         .await
@@ -176,6 +183,47 @@ pub async fn recording_twice_updates_one_row<S: DeadLetterSubject>(s: S) {
     let listed = store.list(&of_tenant(scope.tenant().as_str())).await.unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].id, first);
+}
+
+/// A letter records the terms its sends were made under; recorded again under other terms (a keyless vendor now) it keeps the strictest of both; a letter recorded without terms is kept without, and takes them from a later record.
+pub async fn recording_again_keeps_the_strictest_send_terms<S: DeadLetterSubject>(s: S) {
+    let store = s.store();
+    let scope = scope_of(&fresh_tenant(), "payout");
+    let day = SentUnder {
+        key_horizon: Duration::from_secs(86_400),
+        horizon_margin: Duration::from_secs(3_600),
+        settle: Duration::from_secs(35),
+    };
+    let keyless = SentUnder {
+        key_horizon: Duration::ZERO,
+        horizon_margin: Duration::ZERO,
+        settle: Duration::from_secs(90),
+    };
+    let id = store
+        .record(&letter(&scope, "k", 1, "timeout").sent_under(day))
+        .await
+        .unwrap();
+    assert_eq!(fetch(&store, id).await.sent_under, Some(day));
+    store
+        .record(&letter(&scope, "k", 1, "timeout").sent_under(keyless))
+        .await
+        .unwrap();
+    assert_eq!(
+        fetch(&store, id).await.sent_under,
+        Some(SentUnder {
+            key_horizon: Duration::ZERO,
+            horizon_margin: Duration::from_secs(3_600),
+            settle: Duration::from_secs(90),
+        }),
+        "the shorter horizon, the longer margin and settle time"
+    );
+    let bare = store.record(&letter(&scope, "bare", 1, "timeout")).await.unwrap();
+    assert_eq!(fetch(&store, bare).await.sent_under, None, "a sender that did not say");
+    store
+        .record(&letter(&scope, "bare", 1, "timeout").sent_under(day))
+        .await
+        .unwrap();
+    assert_eq!(fetch(&store, bare).await.sent_under, Some(day));
 }
 
 /// A letter being redriven that is recorded again keeps its state and its hold: the redrive still finishes it, and no second redrive takes it meanwhile.

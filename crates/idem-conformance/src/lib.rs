@@ -340,6 +340,7 @@ macro_rules! deadletter_conformance {
             $crate::__deadletter_test!($make;
                 dead_letter_round_trips_every_field,
                 recording_twice_updates_one_row,
+                recording_again_keeps_the_strictest_send_terms,
                 recording_a_held_letter_keeps_its_hold,
                 unknown_outcomes_are_held_until_settled,
                 first_reach_is_kept_and_a_redrive_replaces_it,

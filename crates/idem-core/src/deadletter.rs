@@ -41,6 +41,8 @@
 //! the store's clock; a store reads the row under a lock, applies one, and
 //! writes the row back, so every engine makes the same decisions.
 
+use std::time::Duration;
+
 use crate::error::{Error, Result, StoreErrorKind};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
@@ -355,6 +357,45 @@ pub struct NewDeadLetter {
     /// (state [`Unknown`](DeadLetterState::Unknown)) rather than be
     /// redriven.
     pub unknown: bool,
+    /// The terms its sends were made under (the vendor's key horizon and
+    /// the settle time), kept so a redrive judges them by the same facts;
+    /// `None` when the sender did not say.
+    pub sent_under: Option<SentUnder>,
+}
+
+/// The terms a call's sends were made under, kept with its dead letter: a
+/// redrive run by another process (an operator's `idem dlq redrive`, with
+/// its own defaults) judges the earlier sends by the facts they were sent
+/// under, never by a guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SentUnder {
+    /// How long the vendor remembers an idempotency key; zero when it has
+    /// none (a send after one that may have reached it is never blind).
+    pub key_horizon: Duration,
+    /// Kept from the horizon: a send is blind only while the first one
+    /// that may have reached the vendor is younger than the horizon minus
+    /// this margin.
+    pub horizon_margin: Duration,
+    /// How long after a send started the vendor's "not applied" is
+    /// trusted (its attempt timeout plus the time a request can take to
+    /// arrive).
+    pub settle: Duration,
+}
+
+impl SentUnder {
+    /// The terms that are safe under both `self` and `other`: the shorter
+    /// horizon, the longer margin, the longer settle time.
+    pub fn strictest(self, other: Self) -> Self {
+        Self {
+            key_horizon: self.key_horizon.min(other.key_horizon),
+            horizon_margin: self.horizon_margin.max(other.horizon_margin),
+            settle: self.settle.max(other.settle),
+        }
+    }
+
+    fn millis(d: Duration) -> i64 {
+        i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    }
 }
 
 impl NewDeadLetter {
@@ -375,7 +416,14 @@ impl NewDeadLetter {
             last_error: last_error.into(),
             first_reached_at_ms: None,
             unknown: false,
+            sent_under: None,
         }
+    }
+
+    /// Its sends were made under `terms` (see [`SentUnder`]).
+    pub fn sent_under(mut self, terms: SentUnder) -> Self {
+        self.sent_under = Some(terms);
+        self
     }
 
     /// The first send that may have reached the vendor started at
@@ -479,6 +527,9 @@ pub struct DeadLetter {
     pub first_reached_at_ms: Option<i64>,
     /// The last verdict on the call, if any.
     pub reconciliation: Option<Reconciliation>,
+    /// The terms its sends were made under (`None`: a letter written
+    /// before they were kept, or by a sender that did not say).
+    pub sent_under: Option<SentUnder>,
 }
 
 /// How a redrive ended.
@@ -569,6 +620,7 @@ impl DeadLetter {
                 at_ms: now_ms,
                 note: clip_text(&new.last_error).to_owned(),
             }),
+            sent_under: new.sent_under,
         }
     }
 
@@ -585,6 +637,12 @@ impl DeadLetter {
         self.attempts = self.attempts.saturating_add(new.attempts);
         self.last_error = clip_text(&new.last_error).to_owned();
         self.first_reached_at_ms = earliest(self.first_reached_at_ms, new.first_reached_at_ms);
+        // Sends under other terms (a changed setting): the letter keeps
+        // the terms that are safe for all of them.
+        self.sent_under = match (self.sent_under, new.sent_under) {
+            (Some(a), Some(b)) => Some(a.strictest(b)),
+            (a, b) => a.or(b),
+        };
         if new.unknown && self.state == DeadLetterState::Dead {
             self.state = DeadLetterState::Unknown;
             self.reconciliation = Some(Reconciliation {
@@ -842,6 +900,12 @@ pub struct DeadLetterRow {
     pub verdict_at_ms: Option<i64>,
     /// `verdict_note`.
     pub verdict_note: Option<String>,
+    /// `key_horizon_ms` (with the next two: all set, or none).
+    pub key_horizon_ms: Option<i64>,
+    /// `horizon_margin_ms`.
+    pub horizon_margin_ms: Option<i64>,
+    /// `settle_ms`.
+    pub settle_ms: Option<i64>,
 }
 
 impl DeadLetterRow {
@@ -871,6 +935,9 @@ impl DeadLetterRow {
             verdict_by: r.map(|r| r.by.as_str().to_owned()),
             verdict_at_ms: r.map(|r| r.at_ms),
             verdict_note: r.map(|r| clip_text(&r.note).to_owned()),
+            key_horizon_ms: letter.sent_under.map(|t| SentUnder::millis(t.key_horizon)),
+            horizon_margin_ms: letter.sent_under.map(|t| SentUnder::millis(t.horizon_margin)),
+            settle_ms: letter.sent_under.map(|t| SentUnder::millis(t.settle)),
         })
     }
 
@@ -893,6 +960,20 @@ impl DeadLetterRow {
             (None, _, _) => None,
             _ => return Err(corrupt("a verdict without its source or time".into())),
         };
+        let millis = |name: &str, ms: i64| {
+            u64::try_from(ms)
+                .map(Duration::from_millis)
+                .map_err(|_| corrupt(format!("{name} {ms}")))
+        };
+        let sent_under = match (self.key_horizon_ms, self.horizon_margin_ms, self.settle_ms) {
+            (Some(h), Some(m), Some(s)) => Some(SentUnder {
+                key_horizon: millis("key horizon", h)?,
+                horizon_margin: millis("horizon margin", m)?,
+                settle: millis("settle time", s)?,
+            }),
+            (None, None, None) => None,
+            _ => return Err(corrupt("send terms only in part".into())),
+        };
         Ok(DeadLetter {
             id,
             scope: Scope::parse(&self.tenant, &self.operation).map_err(|e| corrupt(e.to_string()))?,
@@ -912,6 +993,7 @@ impl DeadLetterRow {
             response_body: self.response_body,
             first_reached_at_ms: self.first_reached_at_ms,
             reconciliation,
+            sent_under,
         })
     }
 }
@@ -1038,8 +1120,47 @@ mod tests {
             2,
             "timeout",
         )
-        .reached_at(reached);
+        .reached_at(reached)
+        .sent_under(SentUnder {
+            key_horizon: Duration::from_secs(86_400),
+            horizon_margin: Duration::from_secs(3_600),
+            settle: Duration::from_secs(35),
+        });
         if unknown { letter.outcome_unknown() } else { letter }
+    }
+
+    /// Proves a letter recorded again under other terms keeps the terms
+    /// safe for every send: the shortest horizon, the longest margin and
+    /// settle time; a letter without terms takes the new ones.
+    #[test]
+    fn recording_again_keeps_the_strictest_terms() {
+        let mut l = DeadLetter::created(&new(false, Some(5)), 100);
+        let keyless = SentUnder {
+            key_horizon: Duration::ZERO,
+            horizon_margin: Duration::ZERO,
+            settle: Duration::from_secs(10),
+        };
+        assert!(l.on_record(&new(false, None).sent_under(keyless), 110));
+        assert_eq!(
+            l.sent_under,
+            Some(SentUnder {
+                key_horizon: Duration::ZERO,
+                horizon_margin: Duration::from_secs(3_600),
+                settle: Duration::from_secs(35),
+            })
+        );
+        let mut bare = new(false, None);
+        bare.sent_under = None;
+        let mut old = DeadLetter::created(&bare, 100);
+        assert_eq!(old.sent_under, None);
+        assert!(old.on_record(&new(false, None).sent_under(keyless), 110));
+        assert_eq!(old.sent_under, Some(keyless));
+        let before = old.sent_under;
+        assert!(old.on_record(&bare, 120));
+        assert_eq!(
+            old.sent_under, before,
+            "a record that does not say keeps the known terms"
+        );
     }
 
     /// A redrive killed after its send (its hold runs out, nothing stored)
@@ -1282,6 +1403,14 @@ mod tests {
             },
             DeadLetterRow {
                 verdict_by: None,
+                ..row.clone()
+            },
+            DeadLetterRow {
+                settle_ms: None,
+                ..row.clone()
+            },
+            DeadLetterRow {
+                key_horizon_ms: Some(-1),
                 ..row.clone()
             },
         ] {

@@ -64,8 +64,8 @@ pub use deadletter::{
     CREDENTIAL_HEADERS, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterState, DeadLetterStore,
     MAX_DEAD_LETTER_BODY, MAX_DEAD_LETTER_HEADER, MAX_DEAD_LETTER_HEADERS, MAX_DEAD_LETTER_PAGE,
     MAX_DEAD_LETTER_RESPONSE, MAX_DEAD_LETTER_TEXT, MAX_DEAD_LETTER_URL, NewDeadLetter, OutboundRequest,
-    Reconciliation, RedriveHold, RedriveOutcome, Settlement, Verdict, VerdictSource, clip_body, clip_response,
-    clip_text, encode_headers, is_credential, redrive_hold_ms,
+    Reconciliation, RedriveHold, RedriveOutcome, SentUnder, Settlement, Verdict, VerdictSource, clip_body,
+    clip_response, clip_text, encode_headers, is_credential, redrive_hold_ms,
 };
 pub use detached::Detached;
 pub use error::{BoxError, Error, Result, StoreErrorKind};

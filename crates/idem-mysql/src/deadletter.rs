@@ -33,7 +33,8 @@ const NOW_MS: &str = "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC
 /// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
                        redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                       horizon_margin_ms, settle_ms";
 
 struct Sql {
     now: String,
@@ -95,8 +96,9 @@ impl MySqlDeadLetters {
             insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
                  state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                 horizon_margin_ms, settle_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             ),
             get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ?"),
             get_for_update: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ? FOR UPDATE"),
@@ -110,7 +112,8 @@ impl MySqlDeadLetters {
             update: format!(
                 "UPDATE {t} SET url = ?, attempts = ?, last_error = ?, state = ?, redrives = ?, updated_at_ms = ?, \
                  redrive_until_ms = ?, response_status = ?, response_body = ?, first_reached_at_ms = ?, \
-                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ? WHERE id = ?"
+                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ?, key_horizon_ms = ?, \
+                 horizon_margin_ms = ?, settle_ms = ? WHERE id = ?"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE state IN ('resolved', 'cancelled') AND updated_at_ms < {NOW_MS} - ? \
@@ -165,6 +168,9 @@ impl MySqlDeadLetters {
                 verdict_by VARBINARY(16) NULL,
                 verdict_at_ms BIGINT NULL,
                 verdict_note BLOB NULL,
+                key_horizon_ms BIGINT NULL,
+                horizon_margin_ms BIGINT NULL,
+                settle_ms BIGINT NULL,
                 UNIQUE KEY scope_key (tenant, operation, idem_key),
                 KEY state_idx (state, id)
             ) ENGINE=InnoDB"
@@ -183,6 +189,19 @@ impl MySqlDeadLetters {
         )]
     }
 
+    /// Version 3 from version 2: the terms the sends were made under.
+    fn terms_migration(&self) -> PendingMigration {
+        let t = self.table.as_str();
+        PendingMigration {
+            version: 3,
+            description: "dead letters: the terms the sends were made under (key horizon, settle time)".into(),
+            statements: vec![format!(
+                "ALTER TABLE {t} ADD COLUMN key_horizon_ms BIGINT NULL, ADD COLUMN horizon_margin_ms BIGINT NULL, \
+                 ADD COLUMN settle_ms BIGINT NULL"
+            )],
+        }
+    }
+
     /// The schema version of the table: 0 when it does not exist.
     async fn version(&self, conn: &mut MySqlConnection) -> Result<u32> {
         let columns: Vec<String> = sqlx::query_scalar(
@@ -195,6 +214,7 @@ impl MySqlDeadLetters {
         .map_err(store_error)?;
         Ok(match () {
             _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "settle_ms") => 3,
             _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
             _ => 1,
         })
@@ -203,15 +223,19 @@ impl MySqlDeadLetters {
     fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
         match version {
             0 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                version: 3,
+                description: "dead letters table (states, first reach, verdicts, send terms) and state index".into(),
                 statements: vec![self.create()],
             }],
-            1 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
-                statements: self.upgrade(),
-            }],
+            1 => vec![
+                PendingMigration {
+                    version: 2,
+                    description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                    statements: self.upgrade(),
+                },
+                self.terms_migration(),
+            ],
+            2 => vec![self.terms_migration()],
             _ => Vec::new(),
         }
     }
@@ -296,6 +320,9 @@ impl MySqlDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(&row.verdict_note)
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .execute(&mut *conn)
             .await;
         match inserted {
@@ -350,6 +377,9 @@ impl MySqlDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(&row.verdict_note)
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .bind(row.id)
             .execute(conn)
             .await
@@ -574,6 +604,9 @@ fn read(row: &MySqlRow) -> Result<(DeadLetter, i64)> {
         verdict_by: opt_bytes("verdict_by")?.map(lossy),
         verdict_at_ms: opt("verdict_at_ms")?,
         verdict_note: opt_bytes("verdict_note")?.map(lossy),
+        key_horizon_ms: opt("key_horizon_ms")?,
+        horizon_margin_ms: opt("horizon_margin_ms")?,
+        settle_ms: opt("settle_ms")?,
     }
     .decode()?;
     Ok((letter, get("now_ms")?))

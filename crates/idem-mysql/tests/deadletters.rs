@@ -12,7 +12,8 @@ use std::time::Duration;
 use common::{ISOLATED_PREFIX, Isolation, connect, connect_at};
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
 use idem_core::{
-    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName,
+    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder,
+    TableName,
 };
 use idem_mysql::{MySqlDeadLetters, store_error};
 
@@ -230,4 +231,53 @@ async fn a_version_1_table_is_upgraded_with_its_rows() {
     };
     assert!(letters.finish_redrive(41, hold.token, &resolved).await.unwrap());
     assert_eq!(letters.get(41).await.unwrap().unwrap().response_body, Some(answer));
+}
+
+/// A table of schema version 2 (no send terms) is upgraded in place: its rows kept without terms, and letters recorded after keep theirs.
+#[tokio::test]
+async fn a_version_2_table_is_upgraded_with_its_rows() {
+    let pool = connect().await;
+    let table = isolated_name();
+    let t = table.as_str();
+    let letters = MySqlDeadLetters::with_table(pool.clone(), table.clone());
+    letters.migrate().await.unwrap();
+    for column in ["key_horizon_ms", "horizon_margin_ms", "settle_ms"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("ALTER TABLE {t} DROP COLUMN {column}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+         created_at_ms, updated_at_ms, first_reached_at_ms) VALUES ('t', 'payout', 'old', 'POST', \
+         'http://v/v1/payouts', '[]', '{{}}', 3, 'timeout', 'dead', 1, 1, 1)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let pending = letters.pending_migrations().await.unwrap();
+    assert_eq!(
+        pending.iter().map(|m| m.version).collect::<Vec<_>>(),
+        vec![3],
+        "{pending:?}"
+    );
+    letters.migrate().await.unwrap();
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let scope = Scope::parse("t", "payout").unwrap();
+    let old = letters
+        .find(&scope, &IdempotencyKey::new("old").unwrap())
+        .await
+        .unwrap()
+        .expect("the row survives");
+    assert_eq!(
+        (old.attempts, old.first_reached_at_ms, old.sent_under),
+        (3, Some(1), None)
+    );
+    let terms = SentUnder {
+        key_horizon: Duration::ZERO,
+        horizon_margin: Duration::ZERO,
+        settle: Duration::from_secs(35),
+    };
+    let id = letters.record(&letter("t", "new").sent_under(terms)).await.unwrap();
+    assert_eq!(letters.get(id).await.unwrap().unwrap().sent_under, Some(terms));
 }

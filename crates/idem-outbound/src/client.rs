@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use backon::Retryable;
-use idem_core::{IdempotencyKey, OutboundRequest, Retryable as Transience, SharedClock, http_status_retryable};
+use idem_core::{
+    IdempotencyKey, OutboundRequest, Retryable as Transience, SentUnder, SharedClock, http_status_retryable,
+};
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -78,6 +80,12 @@ pub struct Earlier {
     /// than the first reach (an earlier redrive's hold): a vendor's "not
     /// applied" is trusted only once a send started then has settled.
     pub last_sent_at_ms: Option<i64>,
+    /// The terms the earlier sends were made under (a dead letter's): the
+    /// re-send keeps to the strictest of them and this client's own (the
+    /// shorter key horizon, the longer margin and settle time), so a
+    /// process with other defaults never sends blindly what was sent to a
+    /// vendor that forgets sooner.
+    pub sent_under: Option<SentUnder>,
 }
 
 /// What is added to the attempt timeout to make the settle time of a send:
@@ -391,6 +399,7 @@ where
             attempts,
             reason,
             first_reached_at_ms,
+            sent_under: None,
         }),
         Err(Failure::Stopped(reason)) => Err(OutboundError::Stopped {
             // The attempt the guard stopped was not made.
@@ -420,12 +429,14 @@ where
                     attempts,
                     last_error,
                     first_reached_at_ms,
+                    sent_under: None,
                 }),
                 None => Err(OutboundError::Exhausted {
                     attempts,
                     last_error,
                     first_reached_at_ms,
                     not_applied_at_ms,
+                    sent_under: None,
                 }),
             }
         }
@@ -602,7 +613,8 @@ impl OutboundClient {
         let prepared = self.prepare(key, request)?;
         let host: Arc<str> = host_of(prepared.url())?.into();
         let host_label = self.inner.labels.host(&host);
-        let horizon = self.inner.config.horizon_of(&host);
+        let terms = self.terms_for(&host, earlier.sent_under);
+        let horizon = KeyHorizon::new(terms.key_horizon, terms.horizon_margin);
         let span = tracing::info_span!(
             "outbound_call",
             key = %key,
@@ -623,7 +635,7 @@ impl OutboundClient {
                     key,
                     request,
                     &prepared,
-                    (&host, &host_label, horizon),
+                    (&host, &host_label, horizon, terms.settle),
                     (&state, &must_reconcile, earlier.past_horizon_override, may_send),
                     timeout,
                 )
@@ -644,10 +656,33 @@ impl OutboundClient {
                 Ok(r) => tracing::debug!(status = r.status, reconciled = r.reconciled, "outbound call succeeded"),
                 Err(e) => tracing::warn!(error = %e, "outbound call failed"),
             }
-            result
+            result.map_err(|e| e.sent_under_terms(terms))
         }
         .instrument(span)
         .await
+    }
+
+    /// The terms a send of `request` is made under (its target's key
+    /// horizon and this client's settle time), to keep with a dead letter
+    /// the caller writes itself.
+    pub fn terms_of(&self, request: &OutboundRequest) -> SentUnder {
+        let host = reqwest::Url::parse(request.url())
+            .ok()
+            .and_then(|url| host_of(&url).ok())
+            .unwrap_or_default();
+        self.terms_for(&host, None)
+    }
+
+    /// The terms a send to `host` is made under: the target's key horizon
+    /// and this client's settle time, made strict by `earlier` terms.
+    fn terms_for(&self, host: &str, earlier: Option<SentUnder>) -> SentUnder {
+        let horizon = self.inner.config.horizon_of(host);
+        let own = SentUnder {
+            key_horizon: horizon.horizon,
+            horizon_margin: horizon.margin,
+            settle: self.inner.config.settle_after_send(),
+        };
+        earlier.map_or(own, |t| own.strictest(t))
     }
 
     /// One step of a call: the reconcile its state asks for, then (unless
@@ -658,7 +693,7 @@ impl OutboundClient {
         key: &IdempotencyKey,
         request: &OutboundRequest,
         prepared: &reqwest::Request,
-        (host, host_label, horizon): (&Arc<str>, &str, KeyHorizon),
+        (host, host_label, horizon, settle): (&Arc<str>, &str, KeyHorizon, Duration),
         (state, must_reconcile, past_horizon_override, may_send): (
             &Mutex<CallState>,
             &std::sync::atomic::AtomicBool,
@@ -731,8 +766,7 @@ impl OutboundClient {
                     // the last send has settled (by default its attempt
                     // timeout and a margin after it started).
                     let last_sent = state.lock().unwrap_or_else(PoisonError::into_inner).last_sent_at_ms;
-                    let settle_ms =
-                        i64::try_from(self.inner.config.settle_after_send().as_millis()).unwrap_or(i64::MAX);
+                    let settle_ms = i64::try_from(settle.as_millis()).unwrap_or(i64::MAX);
                     if last_sent.is_some_and(|at| now < at.saturating_add(settle_ms)) {
                         labels.reconcile("not_settled");
                         tracing::info!(

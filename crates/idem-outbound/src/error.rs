@@ -1,6 +1,6 @@
 //! How an outbound call fails.
 
-use idem_core::{IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
+use idem_core::{IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 
 /// The result of this crate's operations.
 pub type Result<T, E = OutboundError> = std::result::Result<T, E>;
@@ -38,6 +38,8 @@ pub enum OutboundError {
         /// When the vendor said it had not applied the call, if it was
         /// asked and no send reached it after.
         not_applied_at_ms: Option<i64>,
+        /// The terms its sends were made under (kept with its dead letter).
+        sent_under: Option<SentUnder>,
     },
     /// The call is for later than the deadline allows: the vendor asked
     /// (`Retry-After` on a 429 or 503: nothing was applied by that answer),
@@ -54,6 +56,8 @@ pub enum OutboundError {
         last_error: String,
         /// As in [`Exhausted`](Self::Exhausted).
         first_reached_at_ms: Option<i64>,
+        /// As in [`Exhausted`](Self::Exhausted).
+        sent_under: Option<SentUnder>,
     },
     /// Whether the vendor applied the call cannot be established, and it is
     /// not sent on a guess: a send that may have reached the vendor is past
@@ -68,6 +72,8 @@ pub enum OutboundError {
         reason: String,
         /// When the first send that may have reached the vendor started.
         first_reached_at_ms: Option<i64>,
+        /// As in [`Exhausted`](Self::Exhausted).
+        sent_under: Option<SentUnder>,
     },
     /// The caller's guard stopped the call before a send (the caller no
     /// longer holds the right to send: a lease lost or run out). Nothing was
@@ -129,15 +135,43 @@ impl OutboundError {
         }
     }
 
+    /// The terms the call's sends were made under (the target's key
+    /// horizon and settle time, made strict by any a redrive's letter
+    /// carried), for the errors that keep a dead letter.
+    pub fn sent_under(&self) -> Option<SentUnder> {
+        match self {
+            Self::Exhausted { sent_under, .. }
+            | Self::RetryLater { sent_under, .. }
+            | Self::Unknown { sent_under, .. } => *sent_under,
+            _ => None,
+        }
+    }
+
+    /// The same error, saying the call was sent under `terms`.
+    pub(crate) fn sent_under_terms(mut self, terms: SentUnder) -> Self {
+        if let Self::Exhausted { sent_under, .. }
+        | Self::RetryLater { sent_under, .. }
+        | Self::Unknown { sent_under, .. } = &mut self
+        {
+            *sent_under = Some(terms);
+        }
+        self
+    }
+
     /// The dead letter to keep for a call that gave up
     /// ([`Exhausted`](Self::Exhausted), [`RetryLater`](Self::RetryLater)) or
     /// whose outcome is unknown (kept in state `unknown`), to be redriven or
-    /// settled later with the same key; `None` for any other error (a
-    /// rejection will not change by sending it again).
+    /// settled later with the same key, under the terms its sends were made
+    /// under ([`sent_under`](Self::sent_under)); `None` for any other error
+    /// (a rejection will not change by sending it again).
     pub fn dead_letter(&self, scope: &Scope, key: &IdempotencyKey, request: &OutboundRequest) -> Option<NewDeadLetter> {
         let letter = |error: &str| {
-            NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), self.attempts(), error)
-                .reached_at(self.first_reached_at_ms())
+            let letter = NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), self.attempts(), error)
+                .reached_at(self.first_reached_at_ms());
+            match self.sent_under() {
+                Some(terms) => letter.sent_under(terms),
+                None => letter,
+            }
         };
         match self {
             Self::Exhausted { last_error, .. } => Some(letter(idem_core::clip_text(last_error))),
@@ -184,6 +218,7 @@ mod tests {
             last_error: "HTTP 503".into(),
             first_reached_at_ms: None,
             not_applied_at_ms: None,
+            sent_under: None,
         };
         assert_eq!(e.to_string(), "gave up after 5 attempt(s): HTTP 503");
         assert_eq!(e.attempts(), 5);
@@ -198,13 +233,21 @@ mod tests {
         let scope = Scope::parse("acme", "payout").unwrap();
         let key = IdempotencyKey::new("k").unwrap();
         let request = OutboundRequest::new("POST", "http://v/", vec![], vec![]).unwrap();
+        let terms = idem_core::SentUnder {
+            key_horizon: std::time::Duration::ZERO,
+            horizon_margin: std::time::Duration::ZERO,
+            settle: std::time::Duration::from_secs(35),
+        };
         let exhausted = OutboundError::Exhausted {
             attempts: 5,
             last_error: "x".repeat(10_000),
             first_reached_at_ms: Some(77),
             not_applied_at_ms: None,
-        };
+            sent_under: None,
+        }
+        .sent_under_terms(terms);
         let letter = exhausted.dead_letter(&scope, &key, &request).unwrap();
+        assert_eq!(letter.sent_under, Some(terms), "the terms travel with the letter");
         assert_eq!(letter.attempts, 5);
         assert_eq!(letter.last_error.len(), idem_core::MAX_DEAD_LETTER_TEXT);
         assert_eq!(letter.first_reached_at_ms, Some(77));
@@ -213,6 +256,7 @@ mod tests {
             attempts: 1,
             reason: "no reconcile hook".into(),
             first_reached_at_ms: Some(5),
+            sent_under: Some(terms),
         };
         assert!(unknown.dead_letter(&scope, &key, &request).unwrap().unknown);
         let rejected = OutboundError::Rejected {

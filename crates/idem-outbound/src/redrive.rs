@@ -61,6 +61,14 @@ pub enum RedriveResult {
     },
     /// Not sent: it is resolved, cancelled, or another redrive holds it.
     Skipped,
+    /// Not sent, not taken: the letter does not say the terms its sends
+    /// were made under (a letter written before they were kept) and the
+    /// redriver was told not to guess them (see
+    /// [`Redriver::with_terms_required`]).
+    Refused {
+        /// Why.
+        reason: String,
+    },
     /// This redrive's hold ran out (another redrive may hold the letter
     /// now): either it was sent and its outcome could not be stored, or it
     /// was stopped before a send. The other redrive's outcome stands.
@@ -89,6 +97,8 @@ pub struct RedriveReport {
     pub unknown: u32,
     /// Dead letters not sent (resolved, gone, or held by another redrive).
     pub skipped: u32,
+    /// Dead letters not sent because their send terms are not known.
+    pub refused: u32,
     /// Store failures and holds lost.
     pub errors: u32,
     /// Each dead letter considered, in id order.
@@ -96,12 +106,14 @@ pub struct RedriveReport {
 }
 
 impl RedriveReport {
-    fn add(&mut self, id: i64, result: RedriveResult) {
+    /// Counts `result` and keeps it as dead letter `id`'s item.
+    pub fn add(&mut self, id: i64, result: RedriveResult) {
         match result {
             RedriveResult::Resolved { .. } => self.resolved += 1,
             RedriveResult::Failed { .. } => self.failed += 1,
             RedriveResult::Unknown { .. } => self.unknown += 1,
             RedriveResult::Skipped => self.skipped += 1,
+            RedriveResult::Refused { .. } => self.refused += 1,
             RedriveResult::HoldLost | RedriveResult::StoreError(_) => self.errors += 1,
         }
         self.items.push(RedriveItem { id, result });
@@ -151,6 +163,7 @@ pub struct Redriver<S> {
     target: Option<String>,
     past_horizon_override: bool,
     answer_check: Option<AnswerCheck>,
+    terms_required: bool,
 }
 
 /// What a vendor's 2xx answer to a redrive must hold to count as the call
@@ -168,6 +181,7 @@ impl<S: fmt::Debug> fmt::Debug for Redriver<S> {
             .field("target", &self.target)
             .field("past_horizon_override", &self.past_horizon_override)
             .field("answer_check", &self.answer_check.is_some())
+            .field("terms_required", &self.terms_required)
             .finish()
     }
 }
@@ -184,7 +198,21 @@ impl<S: DeadLetterStore> Redriver<S> {
             target: None,
             past_horizon_override: false,
             answer_check: None,
+            terms_required: false,
         }
+    }
+
+    /// With `required`, a letter that does not say the terms its sends
+    /// were made under (its vendor's key horizon and settle time: a letter
+    /// written before they were kept) is refused, neither taken nor sent
+    /// ([`RedriveResult::Refused`]), instead of judged by this client's
+    /// configuration. A process whose configuration is not the sender's
+    /// (an operator's `idem dlq redrive` with its defaults) sets it.
+    /// Letters that say their terms are always judged by the strictest of
+    /// theirs and this client's.
+    pub fn with_terms_required(mut self, required: bool) -> Self {
+        self.terms_required = required;
+        self
     }
 
     /// Checks every 2xx answer (and every record a reconcile found) with
@@ -272,6 +300,20 @@ impl<S: DeadLetterStore> Redriver<S> {
     async fn redrive_paced(&self, id: i64, pacer: Option<&mut Pacer>) -> Result<RedriveResult> {
         let labels = self.client.labels();
         let hold_ms = i64::try_from(self.hold.as_millis()).unwrap_or(i64::MAX);
+        if self.terms_required
+            && let Some(letter) = self.store.get(id).await?
+            && letter.sent_under.is_none()
+            && !letter.state.is_final()
+        {
+            labels.redrive("refused");
+            return Ok(RedriveResult::Refused {
+                reason: format!(
+                    "dead letter {id} does not say the vendor's key horizon or settle time its sends were made \
+                     under (it was written before they were kept): give them (--key-horizon-secs, \
+                     --settle-secs) rather than have them guessed"
+                ),
+            });
+        }
         // Taken before the hold is asked for: the hold lasts at least until
         // then plus its length.
         let taken_at_ms = self.client.clock().now_ms();
@@ -303,6 +345,7 @@ impl<S: DeadLetterStore> Redriver<S> {
             past_horizon_override: self.past_horizon_override && !held_unknown,
             // A redrive whose hold ran out may have sent until its hold's end.
             last_sent_at_ms: hold.earlier_hold_until_ms,
+            sent_under: letter.sent_under,
         };
         let span = tracing::info_span!("redrive", id, key = %letter.key, scope = %letter.scope);
         // Right before each send the hold must still be this redrive's for
@@ -368,6 +411,7 @@ impl<S: DeadLetterStore> Redriver<S> {
                 attempts,
                 reason,
                 first_reached_at_ms,
+                ..
             }) => (
                 RedriveResult::Unknown { reason: reason.clone() },
                 RedriveOutcome::Unknown {

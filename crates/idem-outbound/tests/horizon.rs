@@ -72,6 +72,7 @@ async fn past_the_horizon_the_vendor_is_asked_before_any_send() {
             attempts,
             reason,
             first_reached_at_ms,
+            ..
         }) => {
             assert_eq!(attempts, 1);
             assert!(reason.contains("past the vendor's key horizon"), "{reason}");
@@ -505,4 +506,64 @@ async fn not_applied_is_trusted_only_once_the_last_send_settled() {
         matches!(&refused, Err(OutboundError::InvalidConfig(why)) if why.contains("reconcile_settle")),
         "{refused:?}"
     );
+}
+
+/// A dead letter keeps the key horizon its sends were made under: a call to a vendor without keys, paid but its answer lost, is dead-lettered by a keyless client; a redriver configured with a 24 h horizon (an operator's defaults) does not send it blindly (held as unknown, nothing sent, paid once). A letter that does not say its terms is refused by a redriver told not to guess, neither taken nor sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_keeps_to_the_horizon_the_letter_was_sent_under() {
+    let (base, _) = vendor_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    })
+    .await;
+    let clock = ManualClock::starting_now();
+    let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
+    let scope = Scope::parse("t", "payout").unwrap();
+    let request = payout(&base, r#"{"amount":7,"reference":"po-keyless"}"#);
+    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
+    // No retries: the call gives up after its one send (a dead letter,
+    // not an unknown outcome).
+    let keyless = OutboundClient::new(OutboundConfig {
+        key_horizon: KeyHorizon::NONE,
+        ..config(&[])
+    })
+    .unwrap()
+    .with_clock(Arc::new(clock.clone()));
+    let failed = keyless.send(&key("po-keyless"), &request).await.unwrap_err();
+    assert!(matches!(failed, OutboundError::Exhausted { .. }), "{failed:?}");
+    set_faults(&base, serde_json::json!({})).await;
+    assert_eq!(ledger(&base).await.0, 1, "the vendor paid; its answer was lost");
+    let letter = failed.dead_letter(&scope, &key("po-keyless"), &request).expect("kept");
+    let terms = letter.sent_under.expect("the letter says its terms");
+    assert_eq!(terms.key_horizon, Duration::ZERO);
+    let id = letters.record(&letter).await.unwrap();
+    assert_eq!(letters.get(id).await.unwrap().unwrap().sent_under, Some(terms));
+    clock.advance(Duration::from_secs(60));
+    let day = KeyHorizon::new(Duration::from_secs(86_400), Duration::from_secs(3_600));
+    let result = Redriver::new(client_at(&clock, day), letters.clone())
+        .redrive_one(id)
+        .await
+        .unwrap();
+    assert!(matches!(result, RedriveResult::Unknown { .. }), "{result:?}");
+    assert_eq!(ledger(&base).await.0, 1, "never sent blindly to a vendor without keys");
+    // A letter written before terms were kept: refused, not guessed.
+    let old = idem_core::NewDeadLetter::new(
+        scope,
+        key("po-old"),
+        payout(&base, r#"{"amount":7,"reference":"po-old"}"#),
+        2,
+        "timeout",
+    )
+    .reached_at(Some(clock.now_ms()));
+    let old_id = letters.record(&old).await.unwrap();
+    let careful = Redriver::new(client_at(&clock, day), letters.clone()).with_terms_required(true);
+    let result = careful.redrive_one(old_id).await.unwrap();
+    assert!(matches!(result, RedriveResult::Refused { .. }), "{result:?}");
+    let kept = letters.get(old_id).await.unwrap().unwrap();
+    assert_eq!(
+        (kept.state, kept.redrives),
+        (idem_core::DeadLetterState::Dead, 0),
+        "neither taken nor sent"
+    );
+    assert_eq!(ledger(&base).await.0, 1);
 }

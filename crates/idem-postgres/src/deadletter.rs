@@ -32,7 +32,8 @@ const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint";
 /// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
                        redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                       horizon_margin_ms, settle_ms";
 
 struct Sql {
     now: String,
@@ -94,8 +95,10 @@ impl PgDeadLetters {
             insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
                  state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                 horizon_margin_ms, settle_ms) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, \
+                 $22, $23, $24) \
                  ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING id"
             ),
             get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = $1"),
@@ -110,7 +113,8 @@ impl PgDeadLetters {
             update: format!(
                 "UPDATE {t} SET url = $1, attempts = $2, last_error = $3, state = $4, redrives = $5, updated_at_ms = $6, \
                  redrive_until_ms = $7, response_status = $8, response_body = $9, first_reached_at_ms = $10, \
-                 verdict = $11, verdict_by = $12, verdict_at_ms = $13, verdict_note = $14 WHERE id = $15"
+                 verdict = $11, verdict_by = $12, verdict_at_ms = $13, verdict_note = $14, key_horizon_ms = $15, \
+                 horizon_margin_ms = $16, settle_ms = $17 WHERE id = $18"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} \
@@ -166,6 +170,9 @@ impl PgDeadLetters {
                 verdict_by TEXT NULL,
                 verdict_at_ms BIGINT NULL,
                 verdict_note BYTEA NULL,
+                key_horizon_ms BIGINT NULL,
+                horizon_margin_ms BIGINT NULL,
+                settle_ms BIGINT NULL,
                 CONSTRAINT {unique} UNIQUE (tenant, operation, idem_key),
                 CONSTRAINT {check} CHECK (state IN ('dead', 'redriving', 'resolved', 'unknown', 'cancelled'))
             )"
@@ -203,6 +210,15 @@ impl PgDeadLetters {
         ]
     }
 
+    /// Version 3 from version 2: the terms the sends were made under.
+    fn upgrade_terms(&self) -> String {
+        let t = self.table.as_str();
+        format!(
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS key_horizon_ms BIGINT NULL, \
+             ADD COLUMN IF NOT EXISTS horizon_margin_ms BIGINT NULL, ADD COLUMN IF NOT EXISTS settle_ms BIGINT NULL"
+        )
+    }
+
     /// The schema version of the table: 0 when it does not exist.
     async fn version(&self, conn: &mut PgConnection) -> Result<u32> {
         let columns: Vec<String> = sqlx::query_scalar(
@@ -214,6 +230,7 @@ impl PgDeadLetters {
             .map_err(store_error)?;
         Ok(match () {
             _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "settle_ms") => 3,
             _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
             _ => 1,
         })
@@ -222,16 +239,28 @@ impl PgDeadLetters {
     fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
         match version {
             0 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                version: 3,
+                description: "dead letters table (states, first reach, verdicts, send terms) and state index".into(),
                 statements: vec![self.create(), self.index()],
             }],
-            1 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
-                statements: self.upgrade(),
-            }],
+            1 => vec![
+                PendingMigration {
+                    version: 2,
+                    description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                    statements: self.upgrade(),
+                },
+                self.terms_migration(),
+            ],
+            2 => vec![self.terms_migration()],
             _ => Vec::new(),
+        }
+    }
+
+    fn terms_migration(&self) -> PendingMigration {
+        PendingMigration {
+            version: 3,
+            description: "dead letters: the terms the sends were made under (key horizon, settle time)".into(),
+            statements: vec![self.upgrade_terms()],
         }
     }
 
@@ -296,6 +325,9 @@ impl PgDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(row.verdict_note.as_deref().map(str::as_bytes))
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
@@ -342,6 +374,9 @@ impl PgDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(row.verdict_note.as_deref().map(str::as_bytes))
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .bind(row.id)
             .execute(conn)
             .await
@@ -562,6 +597,9 @@ fn read(row: &PgRow) -> Result<(DeadLetter, i64)> {
         verdict_by: row.try_get("verdict_by").map_err(store_error)?,
         verdict_at_ms: opt("verdict_at_ms")?,
         verdict_note: note.map(utf8),
+        key_horizon_ms: opt("key_horizon_ms")?,
+        horizon_margin_ms: opt("horizon_margin_ms")?,
+        settle_ms: opt("settle_ms")?,
     }
     .decode()?;
     Ok((letter, get("now_ms")?))

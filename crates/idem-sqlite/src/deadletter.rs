@@ -29,7 +29,8 @@ const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGE
 /// The columns every read selects, in [`DeadLetterRow`]'s names.
 const COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
                        redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note";
+                       first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                       horizon_margin_ms, settle_ms";
 
 /// The columns of the first schema version, which an upgrade copies.
 const V1_COLUMNS: &str = "id, tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
@@ -93,8 +94,9 @@ impl SqliteDeadLetters {
             insert: format!(
                 "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, \
                  state, redrives, created_at_ms, updated_at_ms, redrive_until_ms, response_status, response_body, \
-                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+                 first_reached_at_ms, verdict, verdict_by, verdict_at_ms, verdict_note, key_horizon_ms, \
+                 horizon_margin_ms, settle_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
                  ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING id"
             ),
             get: format!("SELECT {COLUMNS}, {NOW_MS} AS now_ms FROM {t} WHERE id = ?"),
@@ -104,7 +106,8 @@ impl SqliteDeadLetters {
             update: format!(
                 "UPDATE {t} SET url = ?, attempts = ?, last_error = ?, state = ?, redrives = ?, updated_at_ms = ?, \
                  redrive_until_ms = ?, response_status = ?, response_body = ?, first_reached_at_ms = ?, \
-                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ? WHERE id = ?"
+                 verdict = ?, verdict_by = ?, verdict_at_ms = ?, verdict_note = ?, key_horizon_ms = ?, \
+                 horizon_margin_ms = ?, settle_ms = ? WHERE id = ?"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} \
@@ -155,6 +158,9 @@ impl SqliteDeadLetters {
                 verdict_by TEXT NULL,
                 verdict_at_ms INTEGER NULL,
                 verdict_note TEXT NULL,
+                key_horizon_ms INTEGER NULL,
+                horizon_margin_ms INTEGER NULL,
+                settle_ms INTEGER NULL,
                 UNIQUE (tenant, operation, idem_key)
             )"
         )
@@ -166,9 +172,9 @@ impl SqliteDeadLetters {
         format!("CREATE INDEX IF NOT EXISTS {t}_state_idx ON {t} (state, id)")
     }
 
-    /// Version 2 from version 1: SQLite cannot change a CHECK constraint
-    /// (the new states), so the table is rebuilt under the same name, rows,
-    /// ids and id sequence kept.
+    /// The latest version from version 1: SQLite cannot change a CHECK
+    /// constraint (the new states), so the table is rebuilt under the same
+    /// name, rows, ids and id sequence kept.
     fn upgrade(&self) -> Vec<String> {
         let t = self.table.as_str();
         let new = format!("{t}_v2");
@@ -191,6 +197,7 @@ impl SqliteDeadLetters {
             .map_err(store_error)?;
         Ok(match () {
             _ if columns.is_empty() => 0,
+            _ if columns.iter().any(|c| c == "settle_ms") => 3,
             _ if columns.iter().any(|c| c == "first_reached_at_ms") => 2,
             _ => 1,
         })
@@ -199,14 +206,23 @@ impl SqliteDeadLetters {
     fn pending_for(&self, version: u32) -> Vec<PendingMigration> {
         match version {
             0 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters table (states, first reach, verdicts) and state index".into(),
+                version: 3,
+                description: "dead letters table (states, first reach, verdicts, send terms) and state index".into(),
                 statements: vec![self.create(self.table.as_str()), self.index()],
             }],
+            // The rebuild makes the latest table at once.
             1 => vec![PendingMigration {
-                version: 2,
-                description: "dead letters: unknown and cancelled states, first reach, verdicts".into(),
+                version: 3,
+                description: "dead letters: unknown and cancelled states, first reach, verdicts, send terms".into(),
                 statements: self.upgrade(),
+            }],
+            2 => vec![PendingMigration {
+                version: 3,
+                description: "dead letters: the terms the sends were made under (key horizon, settle time)".into(),
+                statements: ["key_horizon_ms", "horizon_margin_ms", "settle_ms"]
+                    .iter()
+                    .map(|c| format!("ALTER TABLE {} ADD COLUMN {c} INTEGER NULL", self.table))
+                    .collect(),
             }],
             _ => Vec::new(),
         }
@@ -267,6 +283,9 @@ impl SqliteDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(&row.verdict_note)
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
@@ -313,6 +332,9 @@ impl SqliteDeadLetters {
             .bind(&row.verdict_by)
             .bind(row.verdict_at_ms)
             .bind(&row.verdict_note)
+            .bind(row.key_horizon_ms)
+            .bind(row.horizon_margin_ms)
+            .bind(row.settle_ms)
             .bind(row.id)
             .execute(conn)
             .await
@@ -511,6 +533,9 @@ fn read(row: &SqliteRow) -> Result<(DeadLetter, i64)> {
         verdict_by: row.try_get("verdict_by").map_err(store_error)?,
         verdict_at_ms: opt("verdict_at_ms")?,
         verdict_note: row.try_get("verdict_note").map_err(store_error)?,
+        key_horizon_ms: opt("key_horizon_ms")?,
+        horizon_margin_ms: opt("horizon_margin_ms")?,
+        settle_ms: opt("settle_ms")?,
     }
     .decode()?;
     Ok((letter, get("now_ms")?))

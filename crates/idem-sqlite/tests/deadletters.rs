@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
 use idem_core::{
-    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, TableName,
+    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder,
+    TableName,
 };
 use idem_sqlite::{SqliteDeadLetters, SqliteStore, store_error};
 
@@ -163,7 +164,7 @@ async fn a_version_1_table_is_upgraded_with_its_rows() {
     let letters = SqliteDeadLetters::with_table(pool.clone(), TableName::new(t).unwrap());
     let pending = letters.pending_migrations().await.unwrap();
     assert_eq!(pending.len(), 1);
-    assert_eq!(pending[0].version, 2);
+    assert_eq!(pending[0].version, 3, "the rebuild makes the latest table");
     letters.migrate().await.unwrap();
     assert!(letters.pending_migrations().await.unwrap().is_empty());
     let old = letters.get(41).await.unwrap().expect("the row survives");
@@ -185,4 +186,53 @@ async fn a_version_1_table_is_upgraded_with_its_rows() {
         Some(old),
         "migrating again changes nothing"
     );
+}
+
+/// A table of schema version 2 (no send terms) is upgraded in place: its rows kept without terms, and letters recorded after keep theirs.
+#[tokio::test]
+async fn a_version_2_table_is_upgraded_with_its_rows() {
+    let s = SqliteLetters::new().await;
+    let pool = s.letters.pool().clone();
+    let t = "idem_dead_letters_v2";
+    let letters = SqliteDeadLetters::with_table(pool.clone(), TableName::new(t).unwrap());
+    letters.migrate().await.unwrap();
+    for column in ["key_horizon_ms", "horizon_margin_ms", "settle_ms"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("ALTER TABLE {t} DROP COLUMN {column}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
+         created_at_ms, updated_at_ms, first_reached_at_ms) VALUES ('t', 'payout', 'old', 'POST', \
+         'http://v/v1/payouts', '[]', X'7B7D', 3, 'timeout', 'dead', 1, 1, 1)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let pending = letters.pending_migrations().await.unwrap();
+    assert_eq!(
+        pending.iter().map(|m| m.version).collect::<Vec<_>>(),
+        vec![3],
+        "{pending:?}"
+    );
+    letters.migrate().await.unwrap();
+    assert!(letters.pending_migrations().await.unwrap().is_empty());
+    let scope = Scope::parse("t", "payout").unwrap();
+    let old = letters
+        .find(&scope, &IdempotencyKey::new("old").unwrap())
+        .await
+        .unwrap()
+        .expect("the row survives");
+    assert_eq!(
+        (old.attempts, old.first_reached_at_ms, old.sent_under),
+        (3, Some(1), None)
+    );
+    let terms = SentUnder {
+        key_horizon: Duration::ZERO,
+        horizon_margin: Duration::ZERO,
+        settle: Duration::from_secs(35),
+    };
+    let id = letters.record(&letter("new").sent_under(terms)).await.unwrap();
+    assert_eq!(letters.get(id).await.unwrap().unwrap().sent_under, Some(terms));
 }

@@ -377,6 +377,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                     let letter =
                         NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), answer.attempts, &reason)
                             .reached_at(Some(payout.first_sent_at_ms.unwrap_or(now_ms)))
+                            .sent_under(self.client.terms_of(request))
                             .outcome_unknown();
                     self.hold_unknown(&mut tx, task, &letter, answer.attempts, &reason, now_ms)
                         .await?
@@ -430,7 +431,8 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                     };
                     let letter =
                         NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), failed.attempts(), &error)
-                            .reached_at(reached);
+                            .reached_at(reached)
+                            .sent_under(failed.sent_under().unwrap_or_else(|| self.client.terms_of(request)));
                     D::record_dead_letter(&self.db.dead_letters(), &mut tx, &letter).await?;
                     self.event(
                         &mut tx,

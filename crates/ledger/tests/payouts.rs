@@ -499,6 +499,24 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
     // The vendor is back: the redrive replays its answer.
     let letters = l.store.dead_letters();
+    // The letter keeps the terms the worker sent under, for a redrive run
+    // elsewhere (`idem dlq redrive`) to keep to.
+    let kept = letters
+        .list(&DeadLetterFilter {
+            tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        kept[0].sent_under,
+        Some(idem_core::SentUnder {
+            key_horizon: Duration::from_secs(86_400),
+            horizon_margin: Duration::from_secs(3_600),
+            settle: Duration::from_secs(10),
+        }),
+        "{kept:?}"
+    );
     let redriver = idem_outbound::Redriver::new(slow_retries(), letters.clone());
     let report = redriver
         .redrive(
