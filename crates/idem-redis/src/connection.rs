@@ -79,6 +79,27 @@ impl RedisConnection {
     }
 }
 
+impl RedisConnection {
+    /// The addresses (`host:port`) of the deployment's replicas, as the
+    /// deployment reports them: a server's `INFO replication`, a cluster's
+    /// `CLUSTER NODES`.
+    pub(crate) async fn replicas(&self) -> redis::RedisResult<Vec<String>> {
+        match self {
+            Self::Single(c) => {
+                let mut c = c.clone();
+                let info: Value = redis::cmd("INFO").arg("replication").query_async(&mut c).await?;
+                Ok(crate::deployment::replicas_of_info(&crate::text(&info).unwrap_or_default()))
+            }
+            Self::Cluster(c) => {
+                let mut c = c.clone();
+                let routing = RoutingInfo::SingleNode(redis::cluster_routing::SingleNodeRoutingInfo::Random);
+                let nodes = c.route_command(redis::cmd("CLUSTER").arg("NODES").clone(), routing).await?;
+                Ok(crate::deployment::replicas_of_cluster(&crate::text(&nodes).unwrap_or_default()))
+            }
+        }
+    }
+}
+
 impl RedisStore<RedisConnection> {
     /// Connects to what `urls` names: one `redis://` URL (a server, or a
     /// node of a cluster: a node with `cluster_enabled:1` in `INFO` makes
@@ -92,14 +113,18 @@ impl RedisStore<RedisConnection> {
                 let single = RedisStore::connect(one).await?;
                 if is_cluster_node(&single.conn).await {
                     let cluster = RedisStore::connect_cluster(&[one]).await?;
-                    Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)).on_cluster())
+                    Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn))
+                        .on_cluster()
+                        .with_dialer(cluster.dialer))
                 } else {
-                    Ok(RedisStore::new(RedisConnection::Single(single.conn)))
+                    Ok(RedisStore::new(RedisConnection::Single(single.conn)).with_dialer(single.dialer))
                 }
             }
             many => {
                 let cluster = RedisStore::connect_cluster(many).await?;
-                Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn)).on_cluster())
+                Ok(RedisStore::new(RedisConnection::Cluster(cluster.conn))
+                    .on_cluster()
+                    .with_dialer(cluster.dialer))
             }
         }
     }

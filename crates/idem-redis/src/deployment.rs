@@ -16,7 +16,15 @@
 //!   (`--skip-redis-checks`, or `skip_deployment_checks` in the gateway's
 //!   `[redis]` settings).
 //!
-//! On a cluster every master is read.
+//! On a cluster every master is read. Replicas are read too (a server's
+//! from its `INFO replication`, a cluster's from `CLUSTER NODES`), for
+//! their eviction policy: a replica promoted by a failover brings its own
+//! policy with it, and one that evicts is refused as a master would be. A
+//! replica that cannot be reached at the address it is known by (another
+//! network, credentials of its own) is a warning.
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use idem_core::{Error, Result};
 use redis::Value;
@@ -31,6 +39,110 @@ struct Settings {
     aof: Option<bool>,
     appendfsync: Option<String>,
     save: Option<String>,
+    /// A replica: only its eviction policy is judged.
+    replica: bool,
+}
+
+/// How long reaching and reading one replica may take.
+const REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How the deployment's other nodes are reached: the connection's own
+/// settings (credentials, database, TLS and its CA) at another address.
+pub(crate) struct Dialer {
+    info: redis::ConnectionInfo,
+    ca: Option<PathBuf>,
+    url: String,
+}
+
+impl Dialer {
+    pub(crate) fn new(info: redis::ConnectionInfo, ca: Option<PathBuf>, url: &str) -> Self {
+        Self {
+            info,
+            ca,
+            url: url.to_owned(),
+        }
+    }
+
+    /// A connection to `addr` (`host:port`), as the store's own.
+    async fn dial(&self, addr: &str) -> std::result::Result<redis::aio::MultiplexedConnection, String> {
+        let (host, port) = addr
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.trim_start_matches('[').trim_end_matches(']'), p.parse::<u16>().ok()?)))
+            .ok_or_else(|| format!("{addr:?} is no host:port"))?;
+        let to = match self.info.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure, tls_params, ..
+            } => redis::ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+        };
+        let client = crate::tls::client(self.info.clone().set_addr(to), self.ca.as_deref(), &self.url)
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(REPLICA_TIMEOUT, client.get_multiplexed_async_connection()).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(crate::store_error(e).to_string()),
+            Err(_) => Err(format!("no connection within {} s", REPLICA_TIMEOUT.as_secs())),
+        }
+    }
+}
+
+/// The replicas a server's `INFO replication` lists
+/// (`slave0:ip=10.0.0.2,port=6380,state=online,…`), as `host:port`.
+pub(crate) fn replicas_of_info(text: &str) -> Vec<String> {
+    info_fields(text)
+        .filter(|(name, _)| name.starts_with("slave") && name[5..].chars().all(|c| c.is_ascii_digit()))
+        .filter_map(|(_, value)| {
+            let field = |key: &str| {
+                value
+                    .split(',')
+                    .find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == key).map(|(_, v)| v))
+            };
+            Some(format!("{}:{}", field("ip")?, field("port")?))
+        })
+        .collect()
+}
+
+/// The replicas a cluster's `CLUSTER NODES` lists (flags `slave`), as
+/// `host:port`.
+pub(crate) fn replicas_of_cluster(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_id, addr, flags) = (fields.next()?, fields.next()?, fields.next()?);
+            let replica = flags.split(',').any(|f| f == "slave" || f == "replica");
+            let addr = addr.split(['@', ',']).next()?;
+            (replica && !addr.starts_with(':')).then(|| addr.to_owned())
+        })
+        .collect()
+}
+
+/// What a replica says of its eviction policy (`INFO memory`, then `CONFIG
+/// GET`), or why it could not be asked.
+async fn replica_policy(dialer: &Dialer, addr: &str) -> std::result::Result<Option<String>, String> {
+    let mut conn = dialer.dial(addr).await?;
+    let read = async {
+        let info: redis::RedisResult<Value> = redis::cmd("INFO").arg("memory").query_async(&mut conn).await;
+        if let Some(policy) = info
+            .ok()
+            .and_then(|v| crate::text(&v))
+            .and_then(|t| info_fields(&t).find(|(n, _)| *n == "maxmemory_policy").map(|(_, v)| v.to_owned()))
+        {
+            return Some(policy);
+        }
+        let config: redis::RedisResult<Value> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        config.ok().and_then(|v| config_value(&v, "maxmemory-policy"))
+    };
+    tokio::time::timeout(REPLICA_TIMEOUT, read)
+        .await
+        .map_err(|_| format!("no answer within {} s", REPLICA_TIMEOUT.as_secs()))
 }
 
 /// The `INFO` fields as name/value pairs.
@@ -115,6 +227,30 @@ impl RedisStore<RedisConnection> {
                 }
             }
         }
+        match self.conn.replicas().await {
+            Ok(replicas) => {
+                for addr in replicas {
+                    let node = format!("replica {addr}");
+                    let policy = match &self.dialer {
+                        Some(dialer) => replica_policy(dialer, &addr).await,
+                        None => Err("no way to reach it".into()),
+                    };
+                    let policy = policy.unwrap_or_else(|why| {
+                        tracing::debug!(replica = %addr, why, "cannot read a replica's eviction policy");
+                        None
+                    });
+                    nodes.push((
+                        node,
+                        Settings {
+                            policy,
+                            replica: true,
+                            ..Settings::default()
+                        },
+                    ));
+                }
+            }
+            Err(e) => tracing::debug!(error = %crate::store_error(e), "cannot list the replicas"),
+        }
         judge(&nodes)
     }
 }
@@ -133,10 +269,18 @@ fn judge(nodes: &[(String, Settings)]) -> Result<Vec<String>> {
                      configuration)"
                 )));
             }
+            None if s.replica => warnings.push(format!(
+                "cannot read the maxmemory-policy of Redis ({node}): it cannot be reached at that address, or \
+                 refuses INFO and CONFIG GET; make sure it is noeviction, or once a failover promotes it an \
+                 evicted key runs its effect again"
+            )),
             None => warnings.push(format!(
                 "cannot read the maxmemory-policy of Redis ({node}): INFO and CONFIG GET are refused; make sure \
                  it is noeviction, or an evicted key runs its effect again"
             )),
+        }
+        if s.replica {
+            continue;
         }
         let rdb = s.save.as_deref().map(|save| !save.trim().is_empty());
         match (s.aof, rdb) {
@@ -181,8 +325,48 @@ mod tests {
                 aof,
                 appendfsync: None,
                 save: save.map(str::to_owned),
+                replica: false,
             },
         )
+    }
+
+    /// A replica that evicts is refused; one that cannot be read is a
+    /// warning; a replica's persistence is not judged.
+    #[test]
+    fn replicas_are_judged_for_eviction_only() {
+        let replica = |policy: Option<&str>| {
+            (
+                "replica 10.0.0.2:6380".to_owned(),
+                Settings {
+                    policy: policy.map(str::to_owned),
+                    replica: true,
+                    ..Settings::default()
+                },
+            )
+        };
+        let sound = node(Some("noeviction"), Some(true), None);
+        let e = judge(&[node(Some("noeviction"), Some(true), None), replica(Some("allkeys-lru"))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("replica 10.0.0.2:6380") && e.contains("allkeys-lru"), "{e}");
+        assert_eq!(judge(&[sound, replica(Some("noeviction"))]).unwrap(), Vec::<String>::new());
+        let w = judge(&[node(Some("noeviction"), Some(true), None), replica(None)]).unwrap();
+        assert!(w.len() == 1 && w[0].contains("replica 10.0.0.2:6380"), "{w:?}");
+    }
+
+    /// Replicas are found in both listings, whatever else they hold.
+    #[test]
+    fn replicas_are_listed() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n\
+                    slave0:ip=127.0.0.1,port=6380,state=online,offset=42,lag=0\r\n\
+                    slave1:ip=::1,port=6381,state=wait_bgsave,offset=0,lag=0\r\nmaster_repl_offset:42\r\n";
+        assert_eq!(replicas_of_info(info), ["127.0.0.1:6380", "::1:6381"]);
+        assert!(replicas_of_info("role:slave\r\nmaster_host:127.0.0.1\r\n").is_empty());
+        let nodes = "a1 127.0.0.1:30001@40001 myself,master - 0 0 1 connected 0-5460\n\
+                     b2 127.0.0.1:30004@40004,replica-host slave a1 0 1 4 connected\n\
+                     c3 :0@0 slave,noaddr a1 0 1 4 disconnected\n\
+                     d4 10.0.0.9:30005@40005 replica a1 0 1 4 connected\n";
+        assert_eq!(replicas_of_cluster(nodes), ["127.0.0.1:30004", "10.0.0.9:30005"]);
     }
 
     /// Every eviction policy but noeviction is refused, naming the setting;

@@ -137,6 +137,9 @@ pub struct RedisStore<C = ConnectionManager> {
     pipelines: bool,
     scripts: Arc<Scripts>,
     index: Arc<index::IndexQueue>,
+    /// How to reach the deployment's other nodes (its replicas) with the
+    /// same credentials and TLS, for the deployment check.
+    dialer: Option<Arc<deployment::Dialer>>,
 }
 
 impl<C> fmt::Debug for RedisStore<C> {
@@ -186,6 +189,7 @@ impl RedisStore<ConnectionManager> {
         let info = redis::IntoConnectionInfo::into_connection_info(url)
             .map_err(bad)?
             .set_tcp_settings(tcp_settings());
+        let dialer = deployment::Dialer::new(info.clone(), ca.clone(), url);
         let client = tls::client(info, ca.as_deref(), url)?;
         // One plain connection first: the manager below retries a refused
         // connection for seconds, which helps a running service through a
@@ -200,7 +204,7 @@ impl RedisStore<ConnectionManager> {
         let conn = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(store_error)?;
-        Ok(Self::new(conn))
+        Ok(Self::new(conn).with_dialer(Some(Arc::new(dialer))))
     }
 }
 
@@ -227,7 +231,12 @@ impl RedisStore<ClusterConnection> {
             .get_async_connection()
             .await
             .map_err(|e| tls::connect_error(&plain.join(","), e))?;
-        Ok(Self::new(conn).on_cluster())
+        let dialer = plain.first().and_then(|first| {
+            redis::IntoConnectionInfo::into_connection_info(first.as_str())
+                .ok()
+                .map(|info| Arc::new(deployment::Dialer::new(info.set_tcp_settings(tcp_settings()), ca.clone(), first)))
+        });
+        Ok(Self::new(conn).on_cluster().with_dialer(dialer))
     }
 }
 
@@ -258,7 +267,14 @@ impl<C> RedisStore<C> {
                 purge_one: Script::new(scripts::PURGE_ONE),
             }),
             index: Arc::default(),
+            dialer: None,
         }
+    }
+
+    /// Keeps how the deployment's other nodes are reached.
+    pub(crate) fn with_dialer(mut self, dialer: Option<Arc<deployment::Dialer>>) -> Self {
+        self.dialer = dialer;
+        self
     }
 
     /// Uses another key prefix (1 to 64 of `[A-Za-z0-9_.:-]`): one per

@@ -216,6 +216,48 @@ impl RedisCluster {
         cluster
     }
 
+    /// Adds a replica of the first master with `args` added to its
+    /// command line, and waits until the cluster lists it as a replica.
+    /// Answers its port.
+    #[allow(dead_code)]
+    pub(crate) fn add_replica(&mut self, args: &[&str]) -> u16 {
+        let node_dir = self.dir.join(format!("r{}", self.nodes.len()));
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let mut all = vec!["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--save", ""];
+        all.extend_from_slice(args);
+        let (child, port) = spawn_ready(&node_dir, &all);
+        self.nodes.push(child);
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "add-node"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("127.0.0.1:{}", self.ports[0]))
+            .arg("--cluster-slave")
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster add-node failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let listed = Command::new("redis-cli")
+                .args(["-p", &self.ports[0].to_string(), "cluster", "nodes"])
+                .output()
+                .is_ok_and(|o| {
+                    String::from_utf8_lossy(&o.stdout)
+                        .lines()
+                        .any(|l| l.contains(&format!(":{port}@")) && l.contains("slave"))
+                });
+            if listed {
+                return port;
+            }
+            assert!(Instant::now() < deadline, "the replica on {port} did not join the cluster");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// The masters' URLs.
     pub(crate) fn urls(&self) -> Vec<String> {
         self.ports.iter().map(|p| format!("redis://127.0.0.1:{p}")).collect()
