@@ -34,7 +34,7 @@
 mod classify;
 mod clock;
 mod contention;
-mod deadletter;
+pub mod deadletter;
 mod detached;
 mod engine;
 mod error;
@@ -61,10 +61,10 @@ pub use clock::{
 };
 pub use contention::{Contention, ContentionRetries};
 pub use deadletter::{
-    CREDENTIAL_HEADERS, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterState, DeadLetterStore,
+    CREDENTIAL_HEADERS, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterState, DeadLetterStore, DeadLetterTable,
     MAX_DEAD_LETTER_BODY, MAX_DEAD_LETTER_HEADER, MAX_DEAD_LETTER_HEADERS, MAX_DEAD_LETTER_PAGE,
     MAX_DEAD_LETTER_RESPONSE, MAX_DEAD_LETTER_TEXT, MAX_DEAD_LETTER_URL, NewDeadLetter, OutboundRequest,
-    Reconciliation, RedriveHold, RedriveOutcome, SentUnder, Settlement, Verdict, VerdictSource, clip_body,
+    Reconciliation, RedriveHold, RedriveOutcome, RowAt, SentUnder, Settlement, Verdict, VerdictSource, clip_body,
     clip_response, clip_text, encode_headers, is_credential, redrive_hold_ms,
 };
 pub use detached::Detached;

@@ -12,11 +12,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterRow, DeadLetterStore, IdempotencyKey, NewDeadLetter,
-    PendingMigration, RedriveHold, RedriveOutcome, Result, Scope, Settlement, TableName,
+    BoxFuture, DeadLetterFilter, DeadLetterRow, DeadLetterTable, NewDeadLetter, PendingMigration, Result, RowAt,
+    TableName,
 };
 use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Row, Sqlite, Transaction};
 
 use crate::store_error;
 
@@ -253,150 +253,134 @@ impl SqliteDeadLetters {
     }
 
     /// Records `letter` in the caller's open transaction (see
-    /// [`DeadLetterStore::record`]): it is kept if and only if that
-    /// transaction commits. Answers the letter's id.
+    /// [`DeadLetterStore::record`](idem_core::DeadLetterStore::record)): it is
+    /// kept if and only if that transaction commits. Answers the letter's id.
     pub async fn record_in(&self, conn: &mut SqliteConnection, letter: &NewDeadLetter) -> Result<i64> {
-        let now: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        let row = DeadLetterRow::of(&DeadLetter::created(letter, now))?;
-        let inserted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.insert.as_str()))
-            .bind(&row.tenant)
-            .bind(&row.operation)
-            .bind(&row.idem_key)
-            .bind(&row.method)
-            .bind(&row.url)
-            .bind(&row.headers)
-            .bind(&row.body)
-            .bind(row.attempts)
-            .bind(&row.last_error)
-            .bind(&row.state)
-            .bind(row.redrives)
-            .bind(row.created_at_ms)
-            .bind(row.updated_at_ms)
-            .bind(row.redrive_until_ms)
-            .bind(row.response_status)
-            .bind(&row.response_body)
-            .bind(row.first_reached_at_ms)
-            .bind(&row.verdict)
-            .bind(&row.verdict_by)
-            .bind(row.verdict_at_ms)
-            .bind(&row.verdict_note)
-            .bind(row.key_horizon_ms)
-            .bind(row.horizon_margin_ms)
-            .bind(row.settle_ms)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        if let Some(id) = inserted {
-            return Ok(id);
-        }
-        let found = sqlx::query(AssertSqlSafe(self.sql.find.as_str()))
-            .bind(letter.scope.tenant().as_str())
-            .bind(letter.scope.operation().as_str())
-            .bind(letter.key.as_str())
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        let (mut existing, now) = read(&found)?;
-        if existing.on_record(letter, now) {
-            self.write(conn, &existing).await?;
-        }
-        Ok(existing.id)
+        idem_core::deadletter::record_in(self, conn, letter).await
     }
 
     /// Cancels letter `id` in the caller's open transaction, if it is known
-    /// not to have been applied (see [`DeadLetterStore::cancel`]).
+    /// not to have been applied (see
+    /// [`DeadLetterStore::cancel`](idem_core::DeadLetterStore::cancel)).
     pub async fn cancel_in(&self, conn: &mut SqliteConnection, id: i64) -> Result<bool> {
-        Ok(self
-            .change_in(conn, id, |l, now| Ok(l.cancel(now).then_some(())))
-            .await?
-            .is_some())
-    }
-
-    async fn write(&self, conn: &mut SqliteConnection, letter: &DeadLetter) -> Result<()> {
-        let row = DeadLetterRow::of(letter)?;
-        sqlx::query(AssertSqlSafe(self.sql.update.as_str()))
-            .bind(&row.url)
-            .bind(row.attempts)
-            .bind(&row.last_error)
-            .bind(&row.state)
-            .bind(row.redrives)
-            .bind(row.updated_at_ms)
-            .bind(row.redrive_until_ms)
-            .bind(row.response_status)
-            .bind(&row.response_body)
-            .bind(row.first_reached_at_ms)
-            .bind(&row.verdict)
-            .bind(&row.verdict_by)
-            .bind(row.verdict_at_ms)
-            .bind(&row.verdict_note)
-            .bind(row.key_horizon_ms)
-            .bind(row.horizon_margin_ms)
-            .bind(row.settle_ms)
-            .bind(row.id)
-            .execute(conn)
-            .await
-            .map_err(store_error)?;
-        Ok(())
-    }
-
-    /// Reads letter `id` on `conn`, applies `change` (which answers `Some`
-    /// when it changed the letter) and writes it back.
-    async fn change_in<T>(
-        &self,
-        conn: &mut SqliteConnection,
-        id: i64,
-        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
-    ) -> Result<Option<T>> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.get.as_str()))
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        let Some(row) = row else { return Ok(None) };
-        let (mut letter, now) = read(&row)?;
-        let out = change(&mut letter, now)?;
-        if out.is_some() {
-            self.write(conn, &letter).await?;
-        }
-        Ok(out)
-    }
-
-    /// [`change_in`](Self::change_in) in a transaction of its own that holds
-    /// the write lock from its first statement.
-    async fn change<T>(
-        &self,
-        id: i64,
-        change: impl FnOnce(&mut DeadLetter, i64) -> Result<Option<T>>,
-    ) -> Result<Option<T>> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        let out = self.change_in(&mut tx, id, change).await?;
-        if out.is_some() {
-            tx.commit().await.map_err(store_error)?;
-        } else {
-            tx.rollback().await.map_err(store_error)?;
-        }
-        Ok(out)
+        idem_core::deadletter::cancel_in(self, conn, id).await
     }
 }
 
-impl DeadLetterStore for SqliteDeadLetters {
-    fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
-        let letter = letter.clone();
+impl DeadLetterTable for SqliteDeadLetters {
+    type Conn = SqliteConnection;
+    type Tx = Transaction<'static, Sqlite>;
+
+    fn begin(&self) -> BoxFuture<'_, Result<Self::Tx>> {
+        Box::pin(async move { self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error) })
+    }
+
+    fn commit(tx: Self::Tx) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async move { tx.commit().await.map_err(store_error) })
+    }
+
+    fn rollback(tx: Self::Tx) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+    }
+
+    fn now<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
-            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-            let id = self.record_in(&mut tx, &letter).await?;
-            tx.commit().await.map_err(store_error)?;
-            Ok(id)
+            sqlx::query_scalar(AssertSqlSafe(self.sql.now.as_str()))
+                .fetch_one(conn)
+                .await
+                .map_err(store_error)
         })
     }
 
-    fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
-        let filter = filter.clone();
+    fn insert<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<Option<i64>>> {
         Box::pin(async move {
-            filter.check()?;
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(self.sql.insert.as_str()))
+                .bind(&row.tenant)
+                .bind(&row.operation)
+                .bind(&row.idem_key)
+                .bind(&row.method)
+                .bind(&row.url)
+                .bind(&row.headers)
+                .bind(&row.body)
+                .bind(row.attempts)
+                .bind(&row.last_error)
+                .bind(&row.state)
+                .bind(row.redrives)
+                .bind(row.created_at_ms)
+                .bind(row.updated_at_ms)
+                .bind(row.redrive_until_ms)
+                .bind(row.response_status)
+                .bind(&row.response_body)
+                .bind(row.first_reached_at_ms)
+                .bind(&row.verdict)
+                .bind(&row.verdict_by)
+                .bind(row.verdict_at_ms)
+                .bind(&row.verdict_note)
+                .bind(row.key_horizon_ms)
+                .bind(row.horizon_margin_ms)
+                .bind(row.settle_ms)
+            .fetch_optional(conn)
+            .await
+            .map_err(store_error)
+        })
+    }
+
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        at: RowAt<'a>,
+    ) -> BoxFuture<'a, Result<Option<(DeadLetterRow, i64)>>> {
+        Box::pin(async move {
+            let row = self
+                .query(at, &self.sql.get, &self.sql.find)
+                .fetch_optional(conn)
+                .await
+                .map_err(store_error)?;
+            row.as_ref().map(read).transpose()
+        })
+    }
+
+    fn update<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(self.sql.update.as_str()))
+                .bind(&row.url)
+                .bind(row.attempts)
+                .bind(&row.last_error)
+                .bind(&row.state)
+                .bind(row.redrives)
+                .bind(row.updated_at_ms)
+                .bind(row.redrive_until_ms)
+                .bind(row.response_status)
+                .bind(&row.response_body)
+                .bind(row.first_reached_at_ms)
+                .bind(&row.verdict)
+                .bind(&row.verdict_by)
+                .bind(row.verdict_at_ms)
+                .bind(&row.verdict_note)
+                .bind(row.key_horizon_ms)
+                .bind(row.horizon_margin_ms)
+                .bind(row.settle_ms)
+                .bind(row.id)
+                .execute(conn)
+                .await
+                .map_err(store_error)?;
+            Ok(())
+        })
+    }
+
+    fn read<'a>(&'a self, at: RowAt<'a>) -> BoxFuture<'a, Result<Option<DeadLetterRow>>> {
+        Box::pin(async move {
+            let row = self
+                .query(at, &self.sql.get, &self.sql.find)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(store_error)?;
+            Ok(row.as_ref().map(read).transpose()?.map(|(row, _)| row))
+        })
+    }
+
+    fn select<'a>(&'a self, filter: &'a DeadLetterFilter) -> BoxFuture<'a, Result<Vec<DeadLetterRow>>> {
+        Box::pin(async move {
             let mut sql = format!("SELECT {COLUMNS}, 0 AS now_ms FROM {} WHERE id > ?", self.table);
             for (set, clause) in [
                 (filter.tenant.is_some(), " AND tenant = ?"),
@@ -423,76 +407,11 @@ impl DeadLetterStore for SqliteDeadLetters {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(store_error)?;
-            rows.iter().map(|r| read(r).map(|(l, _)| l)).collect()
+            rows.iter().map(|r| read(r).map(|(row, _)| row)).collect()
         })
     }
 
-    fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        Box::pin(async move {
-            let row = sqlx::query(AssertSqlSafe(self.sql.get.as_str()))
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(store_error)?;
-            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
-        })
-    }
-
-    fn find(&self, scope: &Scope, key: &IdempotencyKey) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        let (scope, key) = (scope.clone(), key.clone());
-        Box::pin(async move {
-            let row = sqlx::query(AssertSqlSafe(self.sql.find.as_str()))
-                .bind(scope.tenant().as_str())
-                .bind(scope.operation().as_str())
-                .bind(key.as_str())
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(store_error)?;
-            row.as_ref().map(|r| read(r).map(|(l, _)| l)).transpose()
-        })
-    }
-
-    fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
-        Box::pin(async move {
-            idem_core::redrive_hold_ms(hold_ms)?;
-            self.change(id, |l, now| l.take_hold(now, hold_ms)).await
-        })
-    }
-
-    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
-        let url = url.to_owned();
-        Box::pin(async move {
-            let changed = self.change(id, |l, now| Ok(l.retarget(token, &url, now)?.then_some(())));
-            Ok(changed.await?.is_some())
-        })
-    }
-
-    fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
-        let outcome = outcome.clone();
-        Box::pin(async move {
-            let changed = self.change(id, |l, now| Ok(l.finish(token, &outcome, now).then_some(())));
-            Ok(changed.await?.is_some())
-        })
-    }
-
-    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
-        let settlement = settlement.clone();
-        Box::pin(async move {
-            let changed = self.change(id, |l, now| Ok(l.settle(&settlement, now).then_some(())));
-            Ok(changed.await?.is_some())
-        })
-    }
-
-    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
-        Box::pin(async move {
-            Ok(self
-                .change(id, |l, now| Ok(l.cancel(now).then_some(())))
-                .await?
-                .is_some())
-        })
-    }
-
-    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+    fn purge_final(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
             let done = sqlx::query(AssertSqlSafe(self.sql.purge.as_str()))
                 .bind(older_than_ms.max(0))
@@ -505,8 +424,26 @@ impl DeadLetterStore for SqliteDeadLetters {
     }
 }
 
+impl SqliteDeadLetters {
+    /// The statement reading the row `at` names: `by_id` or `by_call`.
+    fn query<'q>(
+        &self,
+        at: RowAt<'q>,
+        by_id: &'q str,
+        by_call: &'q str,
+    ) -> sqlx::query::Query<'q, Sqlite, <Sqlite as sqlx::Database>::Arguments> {
+        match at {
+            RowAt::Id(id) => sqlx::query(AssertSqlSafe(by_id)).bind(id),
+            RowAt::Call(scope, key) => sqlx::query(AssertSqlSafe(by_call))
+                .bind(scope.tenant().as_str())
+                .bind(scope.operation().as_str())
+                .bind(key.as_str()),
+        }
+    }
+}
+
 /// A row and the database's clock read with it.
-fn read(row: &SqliteRow) -> Result<(DeadLetter, i64)> {
+fn read(row: &SqliteRow) -> Result<(DeadLetterRow, i64)> {
     let get = |name: &str| -> Result<i64> { row.try_get(name).map_err(store_error) };
     let text = |name: &str| -> Result<String> { row.try_get(name).map_err(store_error) };
     let opt = |name: &str| -> Result<Option<i64>> { row.try_get(name).map_err(store_error) };
@@ -536,7 +473,6 @@ fn read(row: &SqliteRow) -> Result<(DeadLetter, i64)> {
         key_horizon_ms: opt("key_horizon_ms")?,
         horizon_margin_ms: opt("horizon_margin_ms")?,
         settle_ms: opt("settle_ms")?,
-    }
-    .decode()?;
+    };
     Ok((letter, get("now_ms")?))
 }
