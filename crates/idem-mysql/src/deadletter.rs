@@ -368,8 +368,8 @@ impl DeadLetterTable for MySqlDeadLetters {
                 .bind(row.key_horizon_ms)
                 .bind(row.horizon_margin_ms)
                 .bind(row.settle_ms)
-            .execute(conn)
-            .await;
+                .execute(conn)
+                .await;
             match inserted {
                 Ok(done) => Ok(i64::try_from(done.last_insert_id()).ok().filter(|id| *id > 0)),
                 // Another writer of the same call made the row first: this

@@ -1,0 +1,505 @@
+//! How a claim is made: the placeholder row, the named lock, a takeover
+//! of a stale lease.
+
+use super::*;
+
+/// What one claim attempt found.
+pub(crate) enum Claim {
+    Claimed(Token),
+    Found(StoredRow),
+    Busy,
+}
+
+/// A stored row with the raw columns a takeover needs.
+pub(crate) struct RawRow {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) status: i16,
+    pub(crate) token: i64,
+    pub(crate) payload: Option<Vec<u8>>,
+    pub(crate) lease_expires_at_ms: Option<i64>,
+    pub(crate) expires_at_ms: i64,
+}
+
+impl RawRow {
+    pub(crate) fn decode(row: &MySqlRow) -> Result<Self> {
+        Ok(Self {
+            fingerprint: row.try_get(0).map_err(store_error)?,
+            status: row.try_get(1).map_err(store_error)?,
+            token: row.try_get(2).map_err(store_error)?,
+            payload: row.try_get(3).map_err(store_error)?,
+            lease_expires_at_ms: row.try_get(4).map_err(store_error)?,
+            expires_at_ms: row.try_get(5).map_err(store_error)?,
+        })
+    }
+
+    /// The staleness rule of the store traits: an expired key, or an
+    /// in-progress lease whose holder's lease ran out. A sent claim
+    /// (status 4) is not stale until the key expires, however long ago its
+    /// lease ran out: it is found, and the engine answers it as an unknown
+    /// outcome. The takeover statement repeats this rule in SQL.
+    pub(crate) fn is_stale(&self, now_ms: i64) -> bool {
+        self.expires_at_ms <= now_ms
+            || (self.status == STATUS_IN_PROGRESS && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
+    }
+
+    /// Decodes the key's row from the columns after the first of the
+    /// named-lock read (`None`: no row, the join found nothing).
+    pub(crate) fn decode_joined(row: &MySqlRow) -> Result<Option<Self>> {
+        let fingerprint: Option<Vec<u8>> = row.try_get(1).map_err(store_error)?;
+        let Some(fingerprint) = fingerprint else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
+            fingerprint,
+            status: row.try_get(2).map_err(store_error)?,
+            token: row.try_get(3).map_err(store_error)?,
+            payload: row.try_get(4).map_err(store_error)?,
+            lease_expires_at_ms: row.try_get(5).map_err(store_error)?,
+            expires_at_ms: row.try_get(6).map_err(store_error)?,
+        }))
+    }
+
+    pub(crate) fn into_stored(self) -> Result<StoredRow> {
+        StoredRow::from_columns(
+            &self.fingerprint,
+            self.status,
+            self.token,
+            self.payload,
+            self.lease_expires_at_ms,
+            self.expires_at_ms,
+        )
+    }
+}
+
+impl MySqlStore {
+    pub(crate) async fn flavor(&self, conn: &mut MySqlConnection) -> Result<Flavor> {
+        if let Some(flavor) = self.flavor.get() {
+            return Ok(*flavor);
+        }
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let flavor = if version.to_ascii_lowercase().contains("mariadb") {
+            Flavor::MariaDb
+        } else {
+            Flavor::MySql
+        };
+        tracing::debug!(%version, ?flavor, "detected the server flavour");
+        Ok(*self.flavor.get_or_init(|| flavor))
+    }
+
+    /// Claims the key on `conn`, inside the caller's open transaction,
+    /// waiting at most `lock_wait_secs` on a concurrent uncommitted claim.
+    pub(crate) async fn claim_on(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        lock_wait_secs: u64,
+    ) -> Result<Claim> {
+        match self.flavor(conn).await? {
+            Flavor::MariaDb => {
+                let prefix = format!("SET STATEMENT innodb_lock_wait_timeout = {lock_wait_secs} FOR ");
+                self.claim_steps(conn, req, &prefix).await
+            }
+            Flavor::MySql => self.claim_with_session_wait(conn, req, lock_wait_secs).await,
+        }
+    }
+
+    /// MySQL has no per-statement form of the lock wait, so the session's
+    /// value is saved, set for the claim's statements and restored, whether
+    /// the claim succeeded or not. MySQL's smallest lock wait is one second.
+    pub(crate) async fn claim_with_session_wait(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        lock_wait_secs: u64,
+    ) -> Result<Claim> {
+        let secs = lock_wait_secs.max(1);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET @idem_saved_lock_wait = @@SESSION.innodb_lock_wait_timeout, SESSION innodb_lock_wait_timeout = {secs}"
+        )))
+        .execute(&mut *conn)
+        .await
+        .map_err(store_error)?;
+        let claim = self.claim_steps(conn, req, "").await;
+        let restored = sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @idem_saved_lock_wait")
+            .execute(&mut *conn)
+            .await
+            .map_err(store_error);
+        let claim = claim?;
+        restored?;
+        Ok(claim)
+    }
+
+    /// The claim itself: insert the placeholder; on a duplicate, read the
+    /// committed row under a shared lock and either answer it or take it
+    /// over if it is stale. `prefix` bounds each statement's lock wait.
+    pub(crate) async fn claim_steps(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        prefix: &str,
+    ) -> Result<Claim> {
+        let tenant = req.scope.tenant().as_str().as_bytes();
+        let operation = req.scope.operation().as_str().as_bytes();
+        let key = req.key.as_str().as_bytes();
+        let inserted = sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.insert)))
+            .bind(tenant)
+            .bind(operation)
+            .bind(key)
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(req.fresh_token.0)
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .bind(req.lease_expires_at_ms)
+            .execute(&mut *conn)
+            .await;
+        match inserted {
+            Ok(_) => return Ok(Claim::Claimed(req.fresh_token)),
+            Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => {}
+            Err(e) => return busy_or_error(e),
+        }
+        // The duplicate-key check left this transaction holding a shared lock
+        // on the committed row. Under REPEATABLE READ a plain SELECT could
+        // still answer from an older snapshot (taken before the twin
+        // committed), so the row is read with a locking read, which always
+        // sees the latest committed version.
+        let row = match sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.select_locked)))
+            .bind(tenant)
+            .bind(operation)
+            .bind(key)
+            .fetch_optional(&mut *conn)
+            .await
+        {
+            Ok(row) => row,
+            Err(e) => return busy_or_error(e),
+        };
+        let Some(row) = row else {
+            // The shared lock from the duplicate-key check keeps the row from
+            // being deleted, so this is a concurrency anomaly (for example a
+            // non-default isolation level); the engine retries the claim.
+            return Err(Error::store(
+                StoreErrorKind::Serialization,
+                "the key's row vanished between the duplicate-key error and its locking read",
+            ));
+        };
+        let row = RawRow::decode(&row)?;
+        if !row.is_stale(req.now_ms) {
+            return Ok(Claim::Found(row.into_stored()?));
+        }
+        self.take_over(conn, req, &row, prefix).await
+    }
+
+    /// Takes over a stale row (expired, or a lease whose holder's lease ran
+    /// out) in place, as an in-progress row the record updates, never
+    /// marked sent (an expired key's old mark goes with it). The token
+    /// only grows, so a fenced holder's old token can never match again; the
+    /// `token = ?` guard and the repeated staleness test (on the row's
+    /// newest version) make the update a no-op if the row changed since it
+    /// was read.
+    pub(crate) async fn take_over(
+        &self,
+        conn: &mut MySqlConnection,
+        req: &ClaimRequest<'_>,
+        row: &RawRow,
+        prefix: &str,
+    ) -> Result<Claim> {
+        let tenant = req.scope.tenant().as_str().as_bytes();
+        let operation = req.scope.operation().as_str().as_bytes();
+        let key = req.key.as_str().as_bytes();
+        let token = req.fresh_token.0.max(row.token.saturating_add(1));
+        let updated = sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.takeover)))
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(token)
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .bind(req.lease_expires_at_ms)
+            .bind(tenant)
+            .bind(operation)
+            .bind(key)
+            .bind(row.token)
+            .bind(req.now_ms)
+            .bind(req.now_ms)
+            .execute(&mut *conn)
+            .await;
+        match updated {
+            Ok(done) if done.rows_affected() == 1 => {
+                tracing::debug!(old_token = row.token, token, "took over a stale idempotency key");
+                Ok(Claim::Claimed(Token(token)))
+            }
+            Ok(_) => Err(Error::store(
+                StoreErrorKind::Serialization,
+                "the stale row changed while it was being taken over",
+            )),
+            Err(e) => busy_or_error(e),
+        }
+    }
+
+    /// The server-wide name of the key's named lock: a hash of the table,
+    /// tenant, operation and key (names are limited to 64 characters).
+    pub(crate) fn lock_name(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        let mut hash = Sha256::new();
+        for part in [
+            self.table.as_str(),
+            scope.tenant().as_str(),
+            scope.operation().as_str(),
+            key.as_str(),
+        ] {
+            hash.update((part.len() as u64).to_be_bytes());
+            hash.update(part.as_bytes());
+        }
+        let digest = hash.finalize();
+        let mut name = String::with_capacity(5 + 48);
+        name.push_str("idem:");
+        for b in &digest[..24] {
+            name.push_str(&format!("{b:02x}"));
+        }
+        name
+    }
+
+    /// The claim of [`ClaimStrategy::NamedLock`] on `tx`: the key's named
+    /// lock first (unless this transaction holds it), then a plain read of
+    /// the row. An absent key is noted on `tx` as claimed with no row; the
+    /// record inserts it.
+    pub(crate) async fn claim_named(&self, tx: &mut MySqlTx, req: &ClaimRequest<'_>, wait: Duration) -> Result<Claim> {
+        let flavor = self.flavor(tx).await?;
+        let name = self.lock_name(req.scope, req.key);
+        if !tx.holds_lock(&name) {
+            let statement = match flavor {
+                Flavor::MariaDb => &self.sql.named_lock_mariadb,
+                Flavor::MySql => &self.sql.named_lock_mysql,
+            };
+            // GET_LOCK takes fractions of a second; the cap keeps a long
+            // wait in steps, as the placeholder claim's row-lock wait is.
+            let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+            // Noted before it is asked for: a caller that goes away while
+            // the server waits drops the transaction, whose session may be
+            // granted the lock later, so it must be closed, not pooled.
+            tx.note_lock(name.clone());
+            let answer: Option<i64> = sqlx::query_scalar(statement.clone())
+                .bind(name.as_str())
+                .bind(secs)
+                .fetch_one(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            if answer != Some(1) {
+                tx.forget_lock(&name);
+                return self.not_locked(tx, req, wait, answer).await;
+            }
+        }
+        // The lock was taken before this transaction read anything, so at
+        // REPEATABLE READ the snapshot begins here, after the twin that held
+        // the lock committed and released it.
+        let row = sqlx::query(self.sql.select.clone())
+            .bind(req.scope.tenant().as_str().as_bytes())
+            .bind(req.scope.operation().as_str().as_bytes())
+            .bind(req.key.as_str().as_bytes())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let row = row.map(|row| RawRow::decode(&row)).transpose()?;
+        self.decide_named(tx, req, wait, flavor, row).await
+    }
+
+    /// The answer of a named-lock statement that did not take the lock:
+    /// busy when its wait ran out, the placeholder claim under
+    /// SERIALIZABLE.
+    pub(crate) async fn not_locked(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+        answer: Option<i64>,
+    ) -> Result<Claim> {
+        match answer {
+            Some(0) => {
+                tracing::debug!("a concurrent claim still holds the key's named lock; answering busy");
+                Ok(Claim::Busy)
+            }
+            Some(NAMED_LOCK_SERIALIZABLE) => self.claim_on(tx, req, lock_wait_secs(wait)).await,
+            other => Err(Error::store(
+                StoreErrorKind::Other,
+                format!("GET_LOCK of the key's named lock answered {other:?}"),
+            )),
+        }
+    }
+
+    /// Decides a named-lock claim from the key's row read under the lock:
+    /// an absent key is claimed with no row written (noted on `tx`), a live
+    /// row is found, a stale one taken over.
+    pub(crate) async fn decide_named(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+        flavor: Flavor,
+        row: Option<RawRow>,
+    ) -> Result<Claim> {
+        let Some(row) = row else {
+            tx.note_unwritten(req, req.fresh_token.0);
+            return Ok(Claim::Claimed(req.fresh_token));
+        };
+        if !row.is_stale(req.now_ms) {
+            return Ok(Claim::Found(row.into_stored()?));
+        }
+        // A lease-mode claim commits at once, so the takeover's row lock is
+        // normally free; on MariaDB its wait is bounded as the placeholder
+        // claim's, on MySQL it is the session's own.
+        let prefix = match flavor {
+            Flavor::MariaDb => format!("SET STATEMENT innodb_lock_wait_timeout = {} FOR ", lock_wait_secs(wait)),
+            Flavor::MySql => String::new(),
+        };
+        self.take_over(tx, req, &row, &prefix).await
+    }
+
+    /// The named-lock claim as the engine opens it, in one round trip
+    /// before `BEGIN`: a text of two statements takes the lock
+    /// (`SET @idem_named_lock = GET_LOCK(…)`) and then reads the key's row
+    /// with the lock's answer. Outside a transaction the read is a
+    /// consistent read in a snapshot of its own, taken after the lock was
+    /// granted, and it locks nothing at any isolation level. Values are
+    /// written as literals whose meaning no setting changes: the lock name in
+    /// hexadecimal digits, the wait in decimal, the key's columns (binary)
+    /// as `X'…'`.
+    ///
+    /// `BEGIN` follows only when the claim writes (a fresh key, a takeover,
+    /// the placeholder claim under SERIALIZABLE). A found row or a busy key
+    /// answers a transaction that never began: rolling it back only releases
+    /// the lock, so a replay costs two round trips.
+    pub(crate) async fn begin_named(&self, req: &ClaimRequest<'_>, wait: Duration) -> Result<(MySqlTx, Claim)> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let flavor = self.flavor(&mut conn).await?;
+        let isolation = match flavor {
+            Flavor::MariaDb => "@@tx_isolation",
+            Flavor::MySql => "@@transaction_isolation",
+        };
+        let name = self.lock_name(req.scope, req.key);
+        let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+        let mut text = format!(
+            "SET @{LOCK_VARIABLE} = IF({isolation} = 'SERIALIZABLE', {NAMED_LOCK_SERIALIZABLE}, \
+             GET_LOCK('{name}', {secs:.3})); \
+             SELECT CAST(@{LOCK_VARIABLE} AS SIGNED), k.fingerprint, k.status, k.token, k.payload, \
+             k.lease_expires_at_ms, k.expires_at_ms FROM (SELECT 1) AS one LEFT JOIN `{}` AS k ON ",
+            self.table.as_str()
+        );
+        for (column, value) in [
+            ("tenant", req.scope.tenant().as_str()),
+            ("operation", req.scope.operation().as_str()),
+            ("idem_key", req.key.as_str()),
+        ] {
+            if column != "tenant" {
+                text.push_str(" AND ");
+            }
+            text.push_str(&format!("k.{column} = X'"));
+            for b in value.as_bytes() {
+                text.push_str(&format!("{b:02X}"));
+            }
+            text.push('\'');
+        }
+        // Until its answer is read, the lock counts as held: ending the
+        // transaction releases it, or closes the connection if the text
+        // failed or the caller went away while the server waits (releasing
+        // a lock not held does nothing).
+        let mut tx = MySqlTx::idle(conn, name.clone());
+        let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(&mut *tx).await;
+        let claim = async {
+            let rows = rows.map_err(store_error)?;
+            let [row] = &rows[..] else {
+                return Err(Error::store(
+                    StoreErrorKind::Other,
+                    format!("the named-lock read answered {} rows, not 1", rows.len()),
+                ));
+            };
+            let answer: Option<i64> = row.try_get(0).map_err(store_error)?;
+            if answer != Some(1) {
+                tx.forget_lock(&name);
+                if answer == Some(NAMED_LOCK_SERIALIZABLE) {
+                    tx.start().await?;
+                }
+                return self.not_locked(&mut tx, req, wait, answer).await;
+            }
+            match RawRow::decode_joined(row)? {
+                Some(found) if !found.is_stale(req.now_ms) => Ok(Claim::Found(found.into_stored()?)),
+                found => {
+                    tx.start().await?;
+                    self.decide_named(&mut tx, req, wait, flavor, found).await
+                }
+            }
+        }
+        .await;
+        match claim {
+            Ok(claim) => Ok((tx, claim)),
+            Err(e) => {
+                if let Err(rollback) = tx.rollback().await {
+                    tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The named-lock record: one `INSERT` of the completed row. A
+    /// duplicate key means another claim's row committed after this claim
+    /// read the key: a serialisation failure, so the engine rolls back and
+    /// runs the call again.
+    pub(crate) async fn insert_completed(
+        &self,
+        tx: &mut MySqlTx,
+        req: &ClaimRequest<'_>,
+        record: &Record,
+        token: i64,
+    ) -> Result<()> {
+        let inserted = sqlx::query(self.sql.insert_completed.clone())
+            .bind(req.scope.tenant().as_str().as_bytes())
+            .bind(req.scope.operation().as_str().as_bytes())
+            .bind(req.key.as_str().as_bytes())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(record.status.code())
+            .bind(token)
+            .bind(&record.payload[..])
+            .bind(req.now_ms)
+            .bind(req.expires_at_ms)
+            .execute(&mut **tx)
+            .await;
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => Err(Error::store(
+                StoreErrorKind::Serialization,
+                format!("the key's row was written by another claim before this record: {e}"),
+            )),
+            Err(e) => Err(store_error(e)),
+        }
+    }
+}
+
+/// Judges an UPDATE or DELETE guarded by a lease's token: no matching row
+/// means the lease was taken over or already finished.
+pub(crate) fn fenced(affected: u64, lease: &Lease) -> Result<()> {
+    if affected == 1 {
+        Ok(())
+    } else {
+        tracing::debug!(token = lease.token.0, "lease is no longer current");
+        Err(Error::Fenced)
+    }
+}
+
+/// A lock-wait timeout while claiming means a twin still holds the key:
+/// the engine polls again until its deadline. Everything else is mapped.
+pub(crate) fn busy_or_error(e: sqlx::Error) -> Result<Claim> {
+    if error_number(&e) == Some(ER_LOCK_WAIT_TIMEOUT) {
+        tracing::debug!("a concurrent claim still holds the key; answering busy");
+        Ok(Claim::Busy)
+    } else {
+        let e = store_error(e);
+        if e.store_kind() == Some(StoreErrorKind::Deadlock) {
+            tracing::debug!("claim chosen as a deadlock victim; the engine retries it");
+        }
+        Err(e)
+    }
+}
+
+/// The whole seconds of `wait` an attempt may block, capped.
+pub(crate) fn lock_wait_secs(wait: Duration) -> u64 {
+    wait.as_secs().min(MAX_LOCK_WAIT_SECS)
+}
