@@ -78,12 +78,15 @@ mod headers;
 mod key;
 mod layer;
 mod lease;
+mod lease_mode;
 mod problem;
 mod reconcile;
 mod recorded;
 mod retry;
 mod service;
+mod stream;
 mod tx;
+mod tx_mode;
 
 pub use future::ResponseFuture;
 pub use headers::{HOP_BY_HOP, is_hop_by_hop, strip_hop_by_hop};
