@@ -1,0 +1,352 @@
+//! The store's modes: the transactional backend, the lease store and the
+//! sweeper.
+
+use super::*;
+
+impl TxBackend for PgStore {
+    type Tx = PgTx;
+
+    fn begin(&self) -> BoxFuture<'_, Result<PgTx>> {
+        Box::pin(PgTx::begin(&self.pool))
+    }
+
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut PgTx,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<TxClaim>> {
+        Box::pin(async move {
+            if let Some(one_write) = &self.sql.one_write {
+                return self.claim_one_write(tx, one_write, req, wait).await;
+            }
+            let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
+            for _ in 0..VANISHED_ROW_ATTEMPTS {
+                let answered = self
+                    .claim_query(&self.sql.claim_tx, req, wait, advisory)
+                    .fetch_one(&mut **tx)
+                    .await;
+                let row = match answered {
+                    Ok(row) => row,
+                    // The twin that holds the key did not finish within `wait`.
+                    // The failed statement aborted this transaction; the engine
+                    // rolls it back and decides whether to try again.
+                    Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
+                    Err(e) => return Err(store_error(e)),
+                };
+                if let Some(answer) = decide_claim(&row)? {
+                    return Ok(answer);
+                }
+                if let Some(answer) = self.reread(tx, req).await? {
+                    return Ok(answer);
+                }
+            }
+            Err(vanished())
+        })
+    }
+
+    /// `BEGIN` and the claim in one round trip (see [`PgTx`]); a claim that
+    /// must read a row committed after its snapshot takes one more.
+    fn begin_claim<'a>(&'a self, req: &'a ClaimRequest<'a>, wait: Duration) -> BoxFuture<'a, Result<(PgTx, TxClaim)>> {
+        Box::pin(async move {
+            let conn = self.pool.acquire().await.map_err(store_error)?;
+            let advisory =
+                (self.strategy == ClaimStrategy::AdvisoryLock).then(|| self.advisory_key(req.scope, req.key));
+            let lock_timeout = lock_timeout_setting(wait);
+            let mut execute = tx::execute_claim(&self.sql.claim_tx_name, req, &lock_timeout, advisory);
+            let mut prepared = vec![
+                (&*self.sql.record_tx_name, &*self.sql.prepare_record_tx),
+                (&*self.sql.claim_tx_name, &*self.sql.prepare_claim_tx),
+            ];
+            if let Some(one_write) = &self.sql.one_write {
+                let lock = tx::execute_lock(
+                    &one_write.lock_name,
+                    req,
+                    &lock_timeout,
+                    self.advisory_key(req.scope, req.key),
+                );
+                execute = format!("{lock}; {execute}");
+                prepared.push((&one_write.lock_name, &one_write.prepare_lock));
+                prepared.push((&one_write.insert_name, &one_write.prepare_insert));
+            }
+            let (mut tx, row) = match tx::begin_claim(conn, &prepared, execute).await {
+                Ok(claimed) => claimed,
+                Err((tx, e)) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                    return Ok((tx, self.busy(wait)));
+                }
+                Err((tx, e)) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                    }
+                    return Err(store_error(e));
+                }
+            };
+            let decided = match &row {
+                tx::ClaimRows::Claim(row) => decide_claim(row),
+                tx::ClaimRows::LockThenClaim(lock, row) => self.decide_one_write(&mut tx, req, lock, row),
+            };
+            let answer = match decided {
+                Ok(Some(answer)) => Ok(answer),
+                Ok(None) => match self.reread(&mut tx, req).await {
+                    Ok(Some(answer)) => Ok(answer),
+                    Ok(None) => self.claim(&mut tx, req, wait).await,
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(answer) => {
+                    if answer == TxClaim::Claimed {
+                        tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
+                    }
+                    Ok((tx, answer))
+                }
+                Err(e) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn record<'a>(
+        &'a self,
+        tx: &'a mut PgTx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
+                sqlx::query(AssertSqlSafe(one_write.insert.clone()))
+                    .bind(req.scope.tenant().as_str())
+                    .bind(req.scope.operation().as_str())
+                    .bind(req.key.as_str())
+                    .bind(&req.fingerprint.as_bytes()[..])
+                    .bind(record.status.code())
+                    .bind(token)
+                    .bind(&record.payload[..])
+                    .bind(req.now_ms)
+                    .bind(req.expires_at_ms)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(tx::record_error)?;
+                return Ok(());
+            }
+            let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
+                .bind(req.scope.tenant().as_str())
+                .bind(req.scope.operation().as_str())
+                .bind(req.key.as_str())
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .execute(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            if done.rows_affected() != 1 {
+                return Err(Error::Config(
+                    "record called on a transaction that holds no claim of this key".into(),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    /// The record and `COMMIT` in one round trip (see [`PgTx`]).
+    fn record_commit<'a>(
+        &'a self,
+        tx: PgTx,
+        req: &'a ClaimRequest<'a>,
+        record: &'a Record,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if !tx.has_prepared_record() {
+                // A transaction opened with `begin` and claimed with `claim`:
+                // its connection may not have the prepared record.
+                let mut tx = tx;
+                if let Err(e) = self.record(&mut tx, req, record).await {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback, "rollback after a failed record failed");
+                    }
+                    return Err(e);
+                }
+                return tx.commit().await;
+            }
+            if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
+                return tx::record_commit(
+                    tx,
+                    &one_write.prepare_insert,
+                    tx::execute_insert(&one_write.insert_name, req, record, token),
+                )
+                .await;
+            }
+            tx::record_commit(
+                tx,
+                &self.sql.prepare_record_tx,
+                tx::execute_record(&self.sql.record_tx_name, req, record),
+            )
+            .await
+        })
+    }
+
+    fn commit(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(tx.commit())
+    }
+
+    fn rollback(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
+        Box::pin(tx.rollback())
+    }
+}
+
+impl LeaseStore for PgStore {
+    fn try_claim<'a>(&'a self, req: &'a ClaimRequest<'a>) -> BoxFuture<'a, Result<LeaseClaim>> {
+        Box::pin(async move {
+            for _ in 0..VANISHED_ROW_ATTEMPTS {
+                // Autocommit: the claim is durable when this statement returns.
+                let inserted = self
+                    .claim_query(&self.sql.claim_lease, req, LEASE_CLAIM_LOCK_TIMEOUT, false)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(store_error)?;
+                if let Some(row) = inserted {
+                    let token = Token(row.try_get(0).map_err(store_error)?);
+                    tracing::debug!(table = self.table.as_str(), token = token.0, "acquired lease");
+                    return Ok(LeaseClaim::Acquired(token));
+                }
+                let found = self.get(req.scope, req.key).await?;
+                if let Some(row) = found {
+                    return Ok(LeaseClaim::Found(row));
+                }
+                // Released or swept between the two statements: the key is free again.
+                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
+            }
+            Err(vanished())
+        })
+    }
+
+    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            // Autocommit: the mark is durable before anything is sent.
+            let done = sqlx::query(AssertSqlSafe(self.sql.mark_sent.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(now_ms)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "mark sent")
+        })
+    }
+
+    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
+        Box::pin(self.get(scope, key))
+    }
+
+    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(record.status.code())
+                .bind(&record.payload[..])
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "complete")
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "release")
+        })
+    }
+
+    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.extend.clone()))
+                .bind(lease.scope.tenant().as_str())
+                .bind(lease.scope.operation().as_str())
+                .bind(lease.key.as_str())
+                .bind(lease.token.0)
+                .bind(lease_expires_at_ms)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            self.fenced_unless_one(done.rows_affected(), lease, "extend")
+        })
+    }
+
+    fn resolve_unknown<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&'a Record>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let sql = match resolution {
+                Some(_) => self.sql.resolve_record.clone(),
+                None => self.sql.resolve_release.clone(),
+            };
+            let mut query = sqlx::query(AssertSqlSafe(sql))
+                .bind(scope.tenant().as_str())
+                .bind(scope.operation().as_str())
+                .bind(key.as_str())
+                .bind(now_ms);
+            if let Some(record) = resolution {
+                query = query.bind(record.status.code()).bind(record.payload.clone());
+            }
+            let done = query.execute(&self.pool).await.map_err(store_error)?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
+}
+
+impl PgStore {
+    /// A lease statement changed its row only if the lease is still current.
+    pub(crate) fn fenced_unless_one(&self, rows: u64, lease: &Lease, action: &'static str) -> Result<()> {
+        if rows == 1 {
+            return Ok(());
+        }
+        tracing::debug!(
+            table = self.table.as_str(),
+            token = lease.token.0,
+            action,
+            "lease fenced"
+        );
+        Err(Error::Fenced)
+    }
+}
+
+impl Sweep for PgStore {
+    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.sql.sweep.clone()))
+                .bind(now_ms)
+                .bind(i64::from(limit))
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            tracing::debug!(
+                table = self.table.as_str(),
+                deleted = done.rows_affected(),
+                limit,
+                "swept expired keys"
+            );
+            Ok(done.rows_affected())
+        })
+    }
+}

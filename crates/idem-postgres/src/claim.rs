@@ -1,0 +1,193 @@
+//! How a claim is made: the row read or inserted on conflict, the
+//! advisory-lock strategies, a takeover of a stale lease.
+
+use super::*;
+
+/// `lock_timeout` in milliseconds, as the text `set_config` takes: at least
+/// 1 ms (0 would mean "wait forever"), rounded up, and at most PostgreSQL's
+/// largest value.
+pub(crate) fn lock_timeout_setting(wait: Duration) -> String {
+    let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128);
+    ms.to_string()
+}
+
+/// How many columns [`decode_row`] reads.
+pub(crate) const ROW_COLUMN_COUNT: usize = 6;
+
+/// Decodes the row columns every row-reading statement selects, starting at
+/// column `first`.
+pub(crate) fn decode_row(row: &PgRow, first: usize) -> Result<StoredRow> {
+    // Rows of a text query arrive in the text format, which decodes to owned
+    // bytes only.
+    let fingerprint: Vec<u8> = row.try_get(first).map_err(store_error)?;
+    let status: i16 = row.try_get(first + 1).map_err(store_error)?;
+    let token: i64 = row.try_get(first + 2).map_err(store_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(first + 3).map_err(store_error)?;
+    let lease_expires_at_ms: Option<i64> = row.try_get(first + 4).map_err(store_error)?;
+    let expires_at_ms: i64 = row.try_get(first + 5).map_err(store_error)?;
+    StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
+}
+
+/// Reads the transactional claim's answer (see [`sql::CLAIM_COLUMNS`]):
+/// `Claimed`, `Found` with the live row it saw, or `None` when a live row
+/// was committed after its snapshot and must be read again.
+pub(crate) fn decide_claim(row: &PgRow) -> Result<Option<TxClaim>> {
+    if row.len() < CLAIM_COLUMNS {
+        return Err(Error::store(
+            StoreErrorKind::Other,
+            format!("the claim answered {} columns, fewer than {CLAIM_COLUMNS}", row.len()),
+        ));
+    }
+    let token: Option<i64> = row.try_get(0).map_err(store_error)?;
+    if token.is_some() {
+        return Ok(Some(TxClaim::Claimed));
+    }
+    let live: bool = row.try_get(1).map_err(store_error)?;
+    if live {
+        return Ok(Some(TxClaim::Found(decode_row(row, 2)?)));
+    }
+    Ok(None)
+}
+
+/// The lock statement's state when it took the lock at once.
+pub(crate) const LOCK_TAKEN: i32 = 0;
+
+/// The lock statement's state when it took the lock after a twin released it.
+pub(crate) const LOCK_AFTER_WAIT: i32 = 1;
+
+pub(crate) fn vanished() -> Error {
+    Error::store(
+        StoreErrorKind::Serialization,
+        "the key's row was deleted repeatedly while it was being claimed",
+    )
+}
+
+impl PgStore {
+    /// After a claim that neither claimed the key nor saw a live row: reads
+    /// the row committed since in a new snapshot, or, if it vanished (a
+    /// release or a sweep), claims again, in `tx`.
+    pub(crate) async fn reread(&self, tx: &mut PgTx, req: &ClaimRequest<'_>) -> Result<Option<TxClaim>> {
+        let found = sqlx::query(AssertSqlSafe(self.sql.select_row.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        match found {
+            Some(row) => {
+                tracing::debug!(table = self.table.as_str(), "key found committed");
+                Ok(Some(TxClaim::Found(decode_row(&row, 0)?)))
+            }
+            None => {
+                tracing::debug!(table = self.table.as_str(), "conflicting row vanished; claiming again");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Reads the answers of the one-write lock and claim (see
+    /// [`ClaimStrategy::OneWrite`]); on the one-write path a claim is noted
+    /// on `tx`, with the token the record will insert.
+    pub(crate) fn decide_one_write(
+        &self,
+        tx: &mut PgTx,
+        req: &ClaimRequest<'_>,
+        lock: &PgRow,
+        row: &PgRow,
+    ) -> Result<Option<TxClaim>> {
+        if row.len() != ONE_WRITE_COLUMNS || lock.len() != 2 {
+            return Err(Error::store(
+                StoreErrorKind::Other,
+                format!(
+                    "the one-write claim answered {} and {} columns, not 2 and {ONE_WRITE_COLUMNS}",
+                    lock.len(),
+                    row.len()
+                ),
+            ));
+        }
+        let one_write: bool = row.try_get(CLAIM_COLUMNS).map_err(store_error)?;
+        if !one_write {
+            // SERIALIZABLE: the insert-first claim ran.
+            return decide_claim(row);
+        }
+        let live: bool = row.try_get(1).map_err(store_error)?;
+        if live {
+            return Ok(Some(TxClaim::Found(decode_row(row, 2)?)));
+        }
+        let state: i32 = lock.try_get(0).map_err(store_error)?;
+        let snapshot_held: bool = lock.try_get(1).map_err(store_error)?;
+        match state {
+            LOCK_TAKEN => {}
+            LOCK_AFTER_WAIT if !snapshot_held => {}
+            LOCK_AFTER_WAIT => {
+                // The snapshot was taken before the twin we waited for
+                // committed: a new transaction reads what it wrote.
+                return Err(Error::store(
+                    StoreErrorKind::Serialization,
+                    "the key's twin ended while this claim waited, after its snapshot was taken",
+                ));
+            }
+            _ => {
+                // A live row seen by the lock statement was gone for the
+                // claim (purged between the two): the lock is not held.
+                return Err(Error::store(
+                    StoreErrorKind::Serialization,
+                    "the key's row was deleted while it was being claimed",
+                ));
+            }
+        }
+        let gone: Option<i64> = row.try_get(CLAIM_COLUMNS + 1).map_err(store_error)?;
+        let fresh = req.fresh_token.0;
+        let token = gone.map_or(fresh, |old| fresh.max(old.saturating_add(1)));
+        tx.hold_one_write(req, token);
+        Ok(Some(TxClaim::Claimed))
+    }
+
+    /// The one-write claim on a transaction opened with `begin`: the lock
+    /// and the claim as bound statements.
+    pub(crate) async fn claim_one_write(
+        &self,
+        tx: &mut PgTx,
+        one_write: &sql::OneWriteStatements,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+    ) -> Result<TxClaim> {
+        let lock = sqlx::query(AssertSqlSafe(one_write.lock.clone()))
+            .bind(req.scope.tenant().as_str())
+            .bind(req.scope.operation().as_str())
+            .bind(req.key.as_str())
+            .bind(req.now_ms)
+            .bind(lock_timeout_setting(wait))
+            .bind(self.advisory_key(req.scope, req.key))
+            .fetch_one(&mut **tx)
+            .await;
+        let lock = match lock {
+            Ok(lock) => lock,
+            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
+            Err(e) => return Err(store_error(e)),
+        };
+        let row = match self
+            .claim_query(&self.sql.claim_tx, req, wait, false)
+            .fetch_one(&mut **tx)
+            .await
+        {
+            Ok(row) => row,
+            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
+            Err(e) => return Err(store_error(e)),
+        };
+        if let Some(answer) = self.decide_one_write(tx, req, &lock, &row)? {
+            return Ok(answer);
+        }
+        self.reread(tx, req).await?.ok_or_else(vanished)
+    }
+
+    pub(crate) fn busy(&self, wait: Duration) -> TxClaim {
+        tracing::debug!(
+            table = self.table.as_str(),
+            wait_ms = wait.as_millis() as u64,
+            "key busy"
+        );
+        TxClaim::Busy
+    }
+}
