@@ -12,11 +12,14 @@ use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
-use idem_core::{BoxFuture, Contention, Tenant, TxBackend};
+use idem_core::{BoxFuture, Tenant, TxBackend};
 use idem_inbox::{Delivery, Inbox};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+
+use crate::checks;
+use crate::error::{ConsumerError, HandlerError};
 
 /// The header that carries the event id (set by the outbox relay).
 pub const MSG_ID: &str = "Nats-Msg-Id";
@@ -28,15 +31,23 @@ pub const REDRIVE: &str = "Idem-Redrive";
 
 /// What the consumer records in the inbox for an event: `None` (JSON
 /// `null`) when the handler's writes committed, `Some` when the event was
-/// kept as a dead letter instead. Either way an ordinary redelivery does not
-/// run the handler; only a redrive ([`redrive`](crate::redrive())) runs a dead-lettered
-/// event, once.
+/// kept as a dead letter instead (recorded before the dead letter is
+/// published). Either way an ordinary redelivery does not run the handler;
+/// only a redrive ([`redrive`](crate::redrive())) runs a dead-lettered
+/// event, once, under its redrive key.
 pub type Recorded = Option<DeadLettered>;
 
-/// The inbox's record of an event kept as a dead letter.
+/// How long a redrive key's record is kept: ten years, the longest TTL the
+/// core allows, whatever the inbox's own TTL. A dead letter is kept until it
+/// is handled, so a redriven copy of it can come at any time.
+pub const REDRIVE_KEY_TTL_SECS: u64 = 10 * 365 * 86_400;
+
+/// The inbox's record of an event kept as a dead letter: its own key is
+/// closed, and the handler runs it only through a redrive.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadLettered {
-    /// Deliveries made before it was kept.
+    /// Deliveries made before it was kept; 0 when a redrive closed the key
+    /// (the key had no record when a redriven copy came).
     pub dead_lettered_after: i64,
     /// Why (the last failure).
     pub error: String,
@@ -53,79 +64,6 @@ pub struct Event {
     pub payload: Bytes,
     /// Which delivery of the message this is (1 for the first).
     pub delivered: i64,
-}
-
-/// How a handler failed.
-#[derive(Debug, thiserror::Error)]
-pub enum HandlerError {
-    /// It may succeed later (a dependency is down): the message is
-    /// delivered again after a delay, up to the delivery bound.
-    #[error("transient failure: {0}")]
-    Retry(String),
-    /// It can never succeed (a malformed payload): the message becomes a
-    /// dead letter at once.
-    #[error("permanent failure: {0}")]
-    Reject(String),
-    /// idem or the database failed: contention is retried inside the
-    /// transaction; a mismatched redelivery (same id, other payload) is
-    /// permanent; anything else is transient.
-    #[error(transparent)]
-    Idem(#[from] idem_core::Error),
-    /// The handler panicked: a transient failure, counted toward
-    /// `max_deliveries` like any other, so a handler that always panics
-    /// ends as a dead letter.
-    #[error("the handler panicked: {0}")]
-    Panicked(String),
-}
-
-impl HandlerError {
-    /// A transient failure.
-    pub fn retry(e: impl std::fmt::Display) -> Self {
-        Self::Retry(e.to_string())
-    }
-
-    /// A permanent failure.
-    pub fn reject(e: impl std::fmt::Display) -> Self {
-        Self::Reject(e.to_string())
-    }
-
-    fn is_permanent(&self) -> bool {
-        match self {
-            Self::Retry(_) | Self::Panicked(_) => false,
-            Self::Reject(_) => true,
-            Self::Idem(e) => matches!(
-                e,
-                idem_core::Error::Mismatch
-                    | idem_core::Error::InvalidKey(_)
-                    | idem_core::Error::InvalidScope(_)
-                    | idem_core::Error::RecordTooLarge { .. }
-            ),
-        }
-    }
-
-    /// Another delivery of the same event is being handled right now: this
-    /// delivery did not run the handler, so it never makes a dead letter.
-    fn is_in_flight(&self) -> bool {
-        matches!(self, Self::Idem(idem_core::Error::InFlight { .. }))
-    }
-}
-
-impl Contention for HandlerError {
-    fn is_contention(&self) -> bool {
-        matches!(self, Self::Idem(e) if e.is_contention())
-    }
-}
-
-/// Why a consumer could not start or stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum ConsumerError {
-    /// Its settings cannot give exactly-once effects (see
-    /// [`InboxConsumer::start`]).
-    #[error("consumer configuration: {0}")]
-    Config(String),
-    /// The server did not answer.
-    #[error("jetstream: {0}")]
-    Nats(String),
 }
 
 /// How an [`InboxConsumer`] runs.
@@ -181,7 +119,7 @@ impl ConsumerOptions {
         }
     }
 
-    fn retry_delay(&self, delivered: i64) -> Duration {
+    pub(crate) fn retry_delay(&self, delivered: i64) -> Duration {
         let i = usize::try_from(delivered.saturating_sub(1)).unwrap_or(0);
         self.retry_delays
             .get(i)
@@ -221,7 +159,12 @@ struct Inner<B: TxBackend> {
     progress_every: Duration,
     pull_batch: usize,
     pull_expires: Duration,
-    redrive_tenant: Tenant,
+    /// The inbox under the redrive tenant, keeping keys
+    /// [`REDRIVE_KEY_TTL_SECS`].
+    redrive_inbox: Inbox<B>,
+    /// The largest dead letter the server and the dead-letter stream
+    /// accept, headers included.
+    dead_letter_bytes: usize,
     handler: Box<Handler<B>>,
 }
 
@@ -247,6 +190,14 @@ enum Handled {
     DeadLettered,
 }
 
+/// What running a message through the inbox came to.
+#[derive(Debug)]
+enum Ran {
+    Done(Handled),
+    /// The event's own key is closed as a dead letter: nothing ran.
+    Closed(DeadLettered),
+}
+
 impl Handled {
     fn label(self) -> &'static str {
         match self {
@@ -264,9 +215,11 @@ impl Handled {
 impl<B: TxBackend + Clone> InboxConsumer<B> {
     /// Checks the settings and builds the consumer.
     ///
-    /// Refuses ([`ConsumerError::Config`]) when a redelivery could reach the
-    /// handler after the inbox forgot the event, or when the server would
-    /// stop delivering before the consumer could keep a dead letter:
+    /// Refuses ([`ConsumerError::Config`], naming the stream and the
+    /// setting) when a redelivery could reach the handler after the inbox
+    /// forgot the event, when a message could be removed before it is
+    /// applied or kept as a dead letter, or when a dead letter could not be
+    /// stored or kept:
     ///
     /// - the consumer must acknowledge explicitly;
     /// - its `max_deliver` must be unlimited (-1): this consumer bounds
@@ -284,7 +237,20 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
     /// - `max_age` must outlast the delivery schedule of a message that
     ///   keeps failing, `max_deliveries` × the longest of the consumer's ack
     ///   wait (or server-side `backoff` step) and the retry delay, so that
-    ///   it becomes a dead letter before the stream drops it.
+    ///   it becomes a dead letter before the stream drops it;
+    /// - no count or size limit of the stream may evict a message waiting
+    ///   for its retry: `max_messages` and `max_bytes` only under discard
+    ///   policy `New` (a full stream refuses new messages, and their
+    ///   publisher tries again), `max_messages_per_subject` only with
+    ///   `discard_new_per_subject` too; any retention policy (`Interest` and
+    ///   `WorkQueue` remove only messages acknowledged or terminated);
+    /// - a dead letter lives until it is handled: the dead-letter stream
+    ///   must have no `max_age`, no evicting limit (as above) and `Limits`
+    ///   retention, so dead letters need a stream of their own;
+    /// - a dead letter must always fit: the stream's `max_msg_size` must be
+    ///   set, at most the server's `max_payload` (and the dead-letter
+    ///   stream's `max_msg_size`) less
+    ///   [`DEAD_LETTER_HEADROOM`](crate::DEAD_LETTER_HEADROOM).
     ///
     /// A relay that republishes an event after a crash (between the
     /// server's PubAck and marking the row sent) stores a new copy once the
@@ -319,44 +285,7 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
             .map_err(|e| ConsumerError::Nats(e.to_string()))?
             .clone();
         let config = &info.config;
-        if config.ack_policy != async_nats::jetstream::consumer::AckPolicy::Explicit {
-            return Err(ConsumerError::Config(format!(
-                "consumer {:?} must use AckPolicy::Explicit (acknowledged after the commit), not {:?}",
-                info.name, config.ack_policy
-            )));
-        }
-        if config.max_deliver != -1 {
-            return Err(ConsumerError::Config(format!(
-                "consumer {:?} stops after {} deliveries: set its max_deliver to -1, so that a message \
-                 whose dead letter could not be stored is delivered again instead of dropped (this consumer \
-                 bounds deliveries itself, {} by default)",
-                info.name, config.max_deliver, options.max_deliveries
-            )));
-        }
-        idem_core::OutboxEvent::new(options.dead_letter_subject.as_str(), Vec::new()).map_err(|e| {
-            ConsumerError::Config(format!("dead-letter subject {:?}: {e}", options.dead_letter_subject))
-        })?;
-        let dead_stream = js
-            .stream_by_subject(options.dead_letter_subject.clone())
-            .await
-            .map_err(|e| match e.kind() {
-                async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound => ConsumerError::Config(format!(
-                    "no stream captures the dead-letter subject {:?}: create one that does, or no dead letter \
-                     could be stored and a message that cannot succeed would be delivered for ever",
-                    options.dead_letter_subject
-                )),
-                _ => ConsumerError::Nats(e.to_string()),
-            })?;
-        if dead_stream == info.stream_name
-            && (config.filter_subject.is_empty()
-                || subject_matches(&config.filter_subject, &options.dead_letter_subject))
-        {
-            return Err(ConsumerError::Config(format!(
-                "the dead-letter subject {:?} is in the consumer's own stream {:?} and its filter: dead letters \
-                 would be delivered to the handler again",
-                options.dead_letter_subject, info.stream_name
-            )));
-        }
+        let checked = checks::check(&js, &info, &options, Duration::from_secs(inbox.ttl_secs())).await?;
         // The server refuses pull requests over the consumer's own limits.
         let mut pull_batch = options.batch.min(options.concurrency);
         if config.max_batch > 0 {
@@ -366,27 +295,16 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
         if !config.max_expires.is_zero() {
             pull_expires = pull_expires.min(config.max_expires);
         }
-        let mut stream = js
-            .get_stream(&info.stream_name)
-            .await
-            .map_err(|e| ConsumerError::Nats(e.to_string()))?;
-        let stream_config = stream
-            .info()
-            .await
-            .map_err(|e| ConsumerError::Nats(e.to_string()))?
-            .config
-            .clone();
-        let duplicate_window = stream_config.duplicate_window;
-        let ttl = Duration::from_secs(inbox.ttl_secs());
-        check_horizon(&options, config, &info.stream_name, stream_config.max_age, ttl)?;
-        if duplicate_window < Duration::from_secs(120) {
-            tracing::warn!(
-                stream = %info.stream_name,
-                duplicate_window_s = duplicate_window.as_secs(),
-                "the stream's duplicate window is under two minutes: an event a relay publishes again after a \
-                 crash may be stored twice (the inbox still applies it once)"
-            );
-        }
+        // The redrive keys: the inbox's policy, kept for the longest TTL the
+        // core allows (see `Inner::redrive`).
+        let policy = *inbox
+            .call(&options.handler, "redrive", b"")
+            .map_err(|e| ConsumerError::Config(format!("handler name: {e}")))?
+            .policy();
+        let redrive_inbox = inbox
+            .clone()
+            .with_tenant(redrive_tenant)
+            .with_policy(policy.with_ttl_secs(REDRIVE_KEY_TTL_SECS));
         let progress_every = options
             .progress_every
             .unwrap_or(config.ack_wait / 3)
@@ -399,7 +317,8 @@ impl<B: TxBackend + Clone> InboxConsumer<B> {
                 progress_every,
                 pull_batch,
                 pull_expires,
-                redrive_tenant,
+                redrive_inbox,
+                dead_letter_bytes: checked.dead_letter_bytes,
                 handler: Box::new(handler),
             }),
             consumer,
@@ -527,7 +446,19 @@ impl<B: TxBackend + Clone> Inner<B> {
             }
         };
         let handled = match outcome {
-            Ok(handled) => self.ack(&message, AckKind::Ack, handled).await,
+            Ok(Ran::Done(handled)) => self.ack(&message, AckKind::Ack, handled).await,
+            // The event's key was closed as dead-lettered before its dead
+            // letter was published, so a redelivery of the message that
+            // closed it may come because that publish failed: it publishes
+            // the dead letter again (the dead-letter stream drops a copy
+            // within its duplicate window) and terminates. A first delivery
+            // is another copy of the event, whose dead letter the message
+            // that closed the key stores; so is any copy of an event whose
+            // key a redrive closed.
+            Ok(Ran::Closed(mark)) if delivered > 1 && mark.dead_lettered_after > 0 => {
+                self.dead_letter(&message, false, delivered, &mark).await
+            }
+            Ok(Ran::Closed(_)) => self.ack(&message, AckKind::Ack, Handled::DuplicateDeadLetter).await,
             // Another delivery of the event is running the handler: this one
             // ran nothing, so it does not count toward a dead letter.
             Err(e) if e.is_in_flight() => {
@@ -540,7 +471,13 @@ impl<B: TxBackend + Clone> Inner<B> {
                 tracing::warn!(handler, delivered, error = %e, delay_ms = delay.as_millis() as u64, "handler failed; redelivering later");
                 self.ack(&message, AckKind::Nak(Some(delay)), Handled::Retried).await
             }
-            Err(e) => self.dead_letter(&message, redrive.is_some(), delivered, &e).await,
+            Err(e) => {
+                let mark = DeadLettered {
+                    dead_lettered_after: delivered,
+                    error: e.to_string().chars().filter(|c| !c.is_control()).take(500).collect(),
+                };
+                self.dead_letter(&message, redrive.is_some(), delivered, &mark).await
+            }
         };
         self.count(handled);
     }
@@ -565,8 +502,22 @@ impl<B: TxBackend + Clone> Inner<B> {
         }
     }
 
-    /// Runs the handler through the inbox, once per event.
-    async fn apply(&self, event: Arc<Event>) -> Result<Handled, HandlerError> {
+    /// Closes the event's own key as dead-lettered with `mark`, unless it
+    /// has a record already: answers the record it has now.
+    async fn close(&self, id: &str, payload: &[u8], mark: &DeadLettered) -> Result<Recorded, HandlerError> {
+        let delivery = self
+            .inbox
+            .process(&self.options.handler, id, payload, |_tx: &mut B::Tx| {
+                let mark = mark.clone();
+                Box::pin(async move { Ok::<Recorded, HandlerError>(Some(mark)) })
+            })
+            .await?;
+        Ok(delivery.into_inner())
+    }
+
+    /// Runs the handler through the inbox, once per event, under the
+    /// event's own key.
+    async fn apply(&self, event: Arc<Event>) -> Result<Ran, HandlerError> {
         let delivery = self
             .inbox
             .process(&self.options.handler, &event.id, &event.payload, |tx: &mut B::Tx| {
@@ -574,48 +525,52 @@ impl<B: TxBackend + Clone> Inner<B> {
             })
             .await?;
         Ok(match delivery {
-            Delivery::Applied(_) => Handled::Applied,
-            Delivery::Duplicate(None) => Handled::Duplicate,
-            Delivery::Duplicate(Some(_)) => Handled::DuplicateDeadLetter,
+            Delivery::Applied(_) => Ran::Done(Handled::Applied),
+            Delivery::Duplicate(None) => Ran::Done(Handled::Duplicate),
+            Delivery::Duplicate(Some(mark)) => Ran::Closed(mark),
         })
     }
 
-    /// Runs a redriven event: through its own inbox key when the inbox has
-    /// no record of it (its dead letter could not be closed there), through
-    /// the redrive key (tenant `<inbox tenant>.redrive`) when it was kept
-    /// as a dead letter, and not at all when it was applied. Each key is
-    /// claimed once, so however many copies are redriven, the handler's
-    /// writes commit once.
-    async fn redrive(&self, event: Arc<Event>) -> Result<Handled, HandlerError> {
+    /// Runs a redriven event under its redrive key (tenant `<inbox
+    /// tenant>.redrive`), never under its own key, so that the handler's
+    /// writes commit at most once by construction:
+    ///
+    /// - ordinary deliveries run only under the event's own key, redriven
+    ///   copies only under its redrive key, and each key is claimed once;
+    /// - the two never both run: before a dead letter is stored, and again
+    ///   here before a redriven copy runs, the own key is closed as
+    ///   dead-lettered (or found applied, and then the copy runs nothing).
+    ///   A closed own key outlives every ordinary copy of the event (the
+    ///   stream's `max_age` is within its TTL, checked at start);
+    /// - the redrive key's record is kept ten years, the longest TTL the
+    ///   core allows, whatever the inbox's TTL: a dead letter is kept until
+    ///   it is handled, so a copy of it can be published at any time (a
+    ///   redrive run again after the dead letter's deletion failed, a
+    ///   second dead letter of the event, a consumer that committed a copy
+    ///   and died before its ack, back after the own key's record expired),
+    ///   and every such copy finds the record.
+    async fn redrive(&self, event: Arc<Event>) -> Result<Ran, HandlerError> {
         let handler = self.options.handler.as_str();
-        let first = self
-            .inbox
+        let guard = DeadLettered {
+            dead_lettered_after: 0,
+            error: "closed by a redrive: the event runs under its redrive key".into(),
+        };
+        if self.close(&event.id, &event.payload, &guard).await?.is_none() {
+            return Ok(Ran::Done(Handled::Duplicate));
+        }
+        let delivery = self
+            .redrive_inbox
             .process(handler, &event.id, &event.payload, |tx: &mut B::Tx| {
                 self.guarded(tx, event.clone())
             })
             .await?;
-        match first {
-            Delivery::Applied(_) => return Ok(Handled::Redriven),
-            Delivery::Duplicate(None) => return Ok(Handled::Duplicate),
-            Delivery::Duplicate(Some(_)) => {}
-        }
-        let delivery = self
-            .inbox
-            .process_in(
-                &self.redrive_tenant,
-                handler,
-                &event.id,
-                &event.payload,
-                |tx: &mut B::Tx| self.guarded(tx, event.clone()),
-            )
-            .await?;
-        Ok(match delivery {
+        Ok(Ran::Done(match delivery {
             Delivery::Applied(_) => {
                 tracing::info!(handler, event_id = %event.id, "dead letter redriven and applied");
                 Handled::Redriven
             }
             Delivery::Duplicate(_) => Handled::Duplicate,
-        })
+        }))
     }
 
     /// Awaits `work` while a ticker tells the server the message is still
@@ -652,23 +607,31 @@ impl<B: TxBackend + Clone> Inner<B> {
         handled
     }
 
-    /// Keeps a message that will not succeed: publishes a copy to the
-    /// dead-letter subject (with why and how many deliveries), and only once
-    /// the server stored it, terminates the original. If the copy cannot be
-    /// stored, the original is delivered again later instead of being lost.
+    /// Keeps a message that will not succeed: closes the event's own key as
+    /// dead-lettered ([`DeadLettered`]) in the inbox, then publishes a copy
+    /// to the dead-letter subject (with why and how many deliveries), and
+    /// only once the server stored it, terminates the original. If the key
+    /// cannot be closed or the copy cannot be stored, the original is
+    /// delivered again later instead of being lost; its redelivery finds the
+    /// key closed and publishes the copy again.
     ///
-    /// The inbox records the event as dead-lettered ([`DeadLettered`]), not
-    /// as applied: a redelivery still runs nothing, and a redrive can tell
-    /// the two apart. A redriven copy that fails again leaves its redrive
-    /// key unused, so its new dead letter can be redriven again.
+    /// The key is closed first so that a stored dead letter always means
+    /// the event never ran under its own key: it can then run only through
+    /// a redrive (see [`redrive`](Self::redrive)). A redriven copy that fails
+    /// again leaves its redrive key unused, so its new dead letter can be
+    /// redriven again.
+    ///
+    /// The copy always fits: its error text is cut to the room the server's
+    /// and the dead-letter stream's limits leave (see
+    /// [`DEAD_LETTER_HEADROOM`](crate::DEAD_LETTER_HEADROOM)).
     async fn dead_letter(
         &self,
         message: &async_nats::jetstream::Message,
         redriven: bool,
         delivered: i64,
-        error: &HandlerError,
+        mark: &DeadLettered,
     ) -> Handled {
-        let mut headers = HeaderMap::new();
+        let handler = self.options.handler.as_str();
         let header = |name: &str| {
             message
                 .headers
@@ -678,28 +641,58 @@ impl<B: TxBackend + Clone> Inner<B> {
         };
         let message_id = header(MSG_ID);
         let original_id = if redriven { header(EVENT_ID) } else { message_id.clone() };
+        let delay = self.options.retry_delay(delivered);
         if let Some(id) = &original_id {
-            headers.insert(EVENT_ID, id.as_str());
+            match self.close(id, &message.payload, mark).await {
+                // Another copy applied the event meanwhile: nothing to keep.
+                Ok(None) => {
+                    tracing::info!(handler, event_id = %id, "event applied by another delivery; no dead letter");
+                    return self.ack(message, AckKind::Ack, Handled::Duplicate).await;
+                }
+                Ok(Some(_)) => {}
+                // The event can never run under this id (not a valid key,
+                // or another payload has it): there is nothing to close.
+                Err(e) if e.is_permanent() => {}
+                Err(e) => {
+                    tracing::warn!(handler, error = %e, "the event's inbox key not closed; its dead letter is kept on a later delivery");
+                    return self.ack(message, AckKind::Nak(Some(delay)), Handled::Retried).await;
+                }
+            }
         }
-        headers.insert("Idem-Handler", self.options.handler.as_str());
-        headers.insert("Idem-Subject", message.subject.as_str());
-        headers.insert("Idem-Deliveries", delivered.to_string().as_str());
-        let reason: String = error
-            .to_string()
-            .chars()
-            .filter(|c| !c.is_control())
-            .take(500)
-            .collect();
-        headers.insert("Idem-Error", reason.as_str());
-        if redriven {
-            headers.insert("Idem-Redriven", "true");
-        }
-        let mut publish = Publish::build().headers(headers).payload(message.payload.clone());
+        let mut fields: Vec<(&str, String)> = Vec::new();
         // Deduplicated on the copy's own id: a redriven copy that fails
         // again is a new dead letter, not a duplicate of the first.
         if let Some(id) = &message_id {
-            publish = publish.message_id(format!("{}:{id}", self.options.handler));
+            fields.push((MSG_ID, format!("{handler}:{id}")));
         }
+        // An id longer than any inbox key is no event's: it could never run,
+        // and would only take the room of the dead letter's other headers.
+        if let Some(id) = original_id.as_ref().filter(|id| id.len() <= idem_core::MAX_KEY_LEN) {
+            fields.push((EVENT_ID, id.clone()));
+        }
+        fields.push(("Idem-Handler", handler.to_owned()));
+        fields.push(("Idem-Subject", message.subject.to_string()));
+        fields.push(("Idem-Deliveries", mark.dead_lettered_after.to_string()));
+        if redriven {
+            fields.push(("Idem-Redriven", "true".into()));
+        }
+        let without_error = message.payload.len() + headers_len(&fields) + "Idem-Error: \r\n".len();
+        let Some(room) = self.dead_letter_bytes.checked_sub(without_error) else {
+            tracing::error!(
+                handler,
+                subject = %message.subject,
+                bytes = without_error,
+                limit = self.dead_letter_bytes,
+                "the dead letter cannot fit the server's limits (its subject or ids are beyond the headroom); the message will be delivered again"
+            );
+            return self.ack(message, AckKind::Nak(Some(delay)), Handled::Retried).await;
+        };
+        fields.push(("Idem-Error", cut(&mark.error, room).to_owned()));
+        let mut headers = HeaderMap::new();
+        for (name, value) in &fields {
+            headers.insert(*name, value.as_str());
+        }
+        let publish = Publish::build().headers(headers).payload(message.payload.clone());
         let stored = match self
             .js
             .send_publish(self.options.dead_letter_subject.clone(), publish)
@@ -710,28 +703,7 @@ impl<B: TxBackend + Clone> Inner<B> {
         };
         match stored {
             Ok(()) => {
-                tracing::error!(handler = %self.options.handler, delivered, error = %error, "message kept as a dead letter");
-                // Record the event as dead-lettered in the inbox, so that if
-                // the termination below is lost and the message comes back,
-                // the handler does not run after its dead letter was kept
-                // (best effort: with the database down, the termination
-                // alone stands, and a redrive runs it through its own key).
-                if let (Some(id), false) = (&original_id, redriven) {
-                    let mark = DeadLettered {
-                        dead_lettered_after: delivered,
-                        error: reason.clone(),
-                    };
-                    let closed = self
-                        .inbox
-                        .process(&self.options.handler, id, &message.payload, |_tx: &mut B::Tx| {
-                            let mark = mark.clone();
-                            Box::pin(async move { Ok::<Recorded, HandlerError>(Some(mark)) })
-                        })
-                        .await;
-                    if let Err(e) = closed {
-                        tracing::debug!(error = %e, "dead letter not recorded in the inbox");
-                    }
-                }
+                tracing::error!(handler, delivered, error = %mark.error, "message kept as a dead letter");
                 if let Err(e) = message.double_ack_with(AckKind::Term).await {
                     tracing::warn!(error = %e, "termination not confirmed; the message may be delivered again");
                 }
@@ -739,30 +711,36 @@ impl<B: TxBackend + Clone> Inner<B> {
             }
             Err(e) => {
                 tracing::error!(
-                    handler = %self.options.handler,
+                    handler,
                     error = %e,
                     "dead letter not stored; the message will be delivered again"
                 );
-                let delay = self.options.retry_delay(delivered);
                 self.ack(message, AckKind::Nak(Some(delay)), Handled::Retried).await
             }
         }
     }
 }
 
-/// Whether `subject` is one the NATS subject `filter` (`*` one token, `>`
-/// the rest) selects.
-fn subject_matches(filter: &str, subject: &str) -> bool {
-    let mut subject = subject.split('.');
-    for token in filter.split('.') {
-        match (token, subject.next()) {
-            (">", Some(_)) => return true,
-            ("*", Some(_)) => {}
-            (t, Some(s)) if t == s => {}
-            _ => return false,
-        }
+/// The bytes a header block of `fields` takes on the wire: `NATS/1.0`, one
+/// `name: value` line each, and the empty line.
+fn headers_len(fields: &[(&str, String)]) -> usize {
+    "NATS/1.0\r\n\r\n".len()
+        + fields
+            .iter()
+            .map(|(name, value)| name.len() + ": \r\n".len() + value.len())
+            .sum::<usize>()
+}
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
     }
-    subject.next().is_none()
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// The text of a panic's payload.
@@ -773,74 +751,4 @@ fn panicked(panic: &(dyn std::any::Any + Send)) -> HandlerError {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a non-text payload".into());
     HandlerError::Panicked(text)
-}
-
-/// Refuses an inbox that could forget an event while the stream can still
-/// deliver it, and a stream that could drop a failing message before it
-/// becomes a dead letter.
-fn check_horizon(
-    options: &ConsumerOptions,
-    config: &async_nats::jetstream::consumer::Config,
-    stream: &str,
-    max_age: Duration,
-    ttl: Duration,
-) -> Result<(), ConsumerError> {
-    if max_age.is_zero() {
-        return Err(ConsumerError::Config(format!(
-            "the stream {stream:?} keeps messages for ever (max_age unlimited), but the inbox forgets event ids \
-             after {} s: a message redelivered later would run the handler again; set the stream's max_age to \
-             at most the inbox TTL",
-            ttl.as_secs()
-        )));
-    }
-    if ttl < max_age {
-        return Err(ConsumerError::Config(format!(
-            "the inbox keeps event ids for {} s, but the stream {stream:?} can deliver a message again up to \
-             {} s (its max_age) after it was stored: raise the inbox TTL or lower the stream's max_age",
-            ttl.as_secs(),
-            max_age.as_secs()
-        )));
-    }
-    let schedule = delivery_schedule(options, config);
-    if max_age < schedule {
-        return Err(ConsumerError::Config(format!(
-            "a message that keeps failing is delivered {} times over up to {} s (ack wait or backoff, and the \
-             retry delays), but the stream {stream:?} drops it after {} s (max_age), before its dead letter is \
-             kept: raise max_age or lower the bounds",
-            options.max_deliveries,
-            schedule.as_secs(),
-            max_age.as_secs()
-        )));
-    }
-    Ok(())
-}
-
-/// How long a message that keeps failing can take to reach its last
-/// delivery: per delivery, the longer of the server's redelivery wait (the
-/// consumer's `backoff` step for that delivery, else its `ack_wait`) and
-/// the retry delay the consumer asks for.
-fn delivery_schedule(options: &ConsumerOptions, config: &async_nats::jetstream::consumer::Config) -> Duration {
-    let mut total = Duration::ZERO;
-    for delivered in 1..=options.max_deliveries.min(10_000) {
-        let i = usize::try_from(delivered - 1).unwrap_or(usize::MAX);
-        let server = config
-            .backoff
-            .get(i)
-            .or(config.backoff.last())
-            .copied()
-            .unwrap_or(config.ack_wait);
-        total = total.saturating_add(server.max(options.retry_delay(delivered)));
-    }
-    total
-}
-
-#[cfg(test)]
-mod tests {
-    /// NATS wildcards, as the dead-letter check reads a consumer's filter.
-    #[test]
-    fn subjects_match_filters_with_wildcards() {
-        use super::subject_matches as m;
-        assert!(m("a.>", "a.b.c") && m("a.*.c", "a.b.c") && m("a.b", "a.b") && m(">", "a"));
-        assert!(!m("a.>", "a") && !m("a.*", "a.b.c") && !m("a.b", "a.c") && !m("a.b.c", "a.b"));
-    }
 }

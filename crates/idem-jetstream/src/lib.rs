@@ -17,19 +17,27 @@
 //!   dead-letter subject and terminated. Long handlers send progress acks.
 //!   A panicking handler is a failing one. At start the consumer checks
 //!   that the stream's `max_age` bounds the redelivery horizon within the
-//!   inbox's key TTL, and that a stream captures its dead letters.
+//!   inbox's key TTL, that no limit of the stream evicts a message waiting
+//!   for its retry, that a stream captures its dead letters and keeps them
+//!   until they are handled, and that a dead letter always fits
+//!   ([`DEAD_LETTER_HEADROOM`]).
 //! - [`dead_letters`] and [`redrive()`]: a dead-lettered event is recorded
-//!   as such in the inbox (an ordinary redelivery still runs nothing); a
-//!   redrive publishes it again for its handler alone, which runs it once.
+//!   as such in the inbox before its dead letter is published (an ordinary
+//!   redelivery still runs nothing); a redrive publishes it again for its
+//!   handler alone, which runs it at most once, under its redrive key.
 
+mod checks;
 mod consumer;
+mod error;
 mod publisher;
 mod redrive;
 
+pub use checks::DEAD_LETTER_HEADROOM;
 pub use consumer::{
-    ConsumerError, ConsumerOptions, DeadLettered, EVENT_ID, Event, HandlerError, InboxConsumer, MSG_ID, REDRIVE,
-    Recorded, handler,
+    ConsumerOptions, DeadLettered, EVENT_ID, Event, InboxConsumer, MSG_ID, REDRIVE, REDRIVE_KEY_TTL_SECS, Recorded,
+    handler,
 };
+pub use error::{ConsumerError, HandlerError};
 pub use publisher::JetStreamPublisher;
 pub use redrive::{DeadLetterFilter, RedriveOptions, RedriveReport, StoredDeadLetter, dead_letters, redrive};
 

@@ -4,12 +4,15 @@
 //! A redrive publishes a copy of the dead letter to the event's original
 //! subject with [`REDRIVE`] = the handler that kept it and [`EVENT_ID`] =
 //! the event id. Only that handler's consumer runs it (any other consumer
-//! of the subject acknowledges it untouched), and through the inbox: an
-//! event recorded as dead-lettered runs once under its redrive key, an
-//! event recorded as applied does not run. Once the server stored the copy,
-//! the dead letter is deleted from its stream; a redrive interrupted before
-//! that publishes the same copy again, which the stream (within its
-//! duplicate window) or the inbox drops.
+//! of the subject acknowledges it untouched), and through the inbox, under
+//! the event's redrive key only: the consumer first closes the event's own
+//! key (or finds it applied, and then runs nothing), so ordinary deliveries
+//! and redriven copies never both run, and the redrive key is claimed once.
+//! Its record is kept for [`REDRIVE_KEY_TTL_SECS`] (ten years), not the
+//! inbox's TTL, because a dead letter has no horizon: once the server
+//! stored the copy, the dead letter is deleted from its stream, and a
+//! redrive interrupted before that, or whose delete failed, publishes
+//! another copy whenever it runs again, which that record drops.
 
 use std::time::Duration;
 
@@ -20,7 +23,10 @@ use async_nats::jetstream::message::PublishMessage as Publish;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use bytes::Bytes;
 
-use crate::consumer::{ConsumerError, EVENT_ID, REDRIVE};
+#[cfg(doc)]
+use crate::consumer::REDRIVE_KEY_TTL_SECS;
+use crate::consumer::{EVENT_ID, REDRIVE};
+use crate::error::ConsumerError;
 
 /// One dead letter in a dead-letter stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,7 +154,13 @@ pub struct RedriveReport {
 /// paced at `options.per_second`) to its original subject, for its handler
 /// only, and deletes it from `stream` once the copy is stored. A dead
 /// letter without its handler, event id or subject cannot be redriven and
-/// stays.
+/// stays. A dead letter whose delete failed is reported and stays too; a
+/// later redrive of it publishes another copy, which the handler's redrive
+/// key drops (the event is applied at most once).
+///
+/// The copy carries two headers more than the event (its handler and event
+/// id): an event within a few hundred bytes of its stream's `max_msg_size`
+/// is refused there and stays a dead letter until that limit is raised.
 pub async fn redrive(
     js: &Context,
     stream: &str,
@@ -202,7 +214,9 @@ pub async fn redrive(
             Ok(_) => report.redriven.push(letter.seq),
             Err(e) => report.failed.push((
                 letter.seq,
-                format!("copy stored, but the dead letter was not deleted (a second redrive is dropped): {e}"),
+                format!(
+                    "copy stored, but the dead letter was not deleted (a second redrive of it applies nothing): {e}"
+                ),
             )),
         }
         metrics::counter!("idem_consumer_dead_letters_redriven_total", "handler" => handler.clone()).increment(1);

@@ -31,6 +31,13 @@ fn mysql_url() -> String {
     std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
+/// The largest `max_msg_size` the consumer accepts on this server (a
+/// dead-letter stream without a limit of its own).
+fn largest_event(js: &jetstream::Context) -> i32 {
+    let max_payload = js.client().server_info().max_payload;
+    i32::try_from(max_payload - idem_jetstream::DEAD_LETTER_HEADROOM).expect("a size that fits an i32")
+}
+
 fn tag() -> String {
     let t = uuid::Uuid::now_v7().simple().to_string();
     t[t.len() - 12..].to_owned()
@@ -53,7 +60,7 @@ impl Broker {
             .unwrap_or_else(|e| panic!("cannot reach NATS at {url} (set IDEM_TEST_NATS_URL): {e}"));
         let js = jetstream::new(client);
         let b = Self {
-            js,
+            js: js.clone(),
             stream: format!("EVENTS_{tag}"),
             subjects: format!("events_{tag}"),
             dead_stream: format!("DEAD_{tag}"),
@@ -65,6 +72,8 @@ impl Broker {
             duplicate_window,
             // Within the inbox's TTL: only max_age bounds a redelivery.
             max_age: Duration::from_secs(3_600),
+            // Room for a dead letter's headers under the server's max_payload.
+            max_message_size: largest_event(&js),
             storage: stream::StorageType::Memory,
             ..Default::default()
         })
@@ -1074,6 +1083,7 @@ async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
                 subjects: vec![subjects],
                 duplicate_window: Duration::from_secs(1),
                 max_age,
+                max_message_size: largest_event(&js),
                 storage: stream::StorageType::Memory,
                 ..Default::default()
             })
@@ -1161,7 +1171,8 @@ async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
 }
 
 /// A dead-letter subject that no stream captures could never keep a dead
-/// letter (every permanent failure would loop): refused at start.
+/// letter (every permanent failure would loop), and one in the consumer's
+/// own stream would be delivered to it or aged out: refused at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     let tag = tag();
@@ -1199,7 +1210,9 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     .await
     .expect_err("refused");
     assert!(err.to_string().contains("own stream"), "{err}");
-    // In the own stream but outside the consumer's filter: accepted.
+    // In the own stream but outside the consumer's filter: not delivered
+    // to the handler, but deleted by the max_age that bounds redeliveries,
+    // while a dead letter must be kept until it is handled: refused.
     let stream = broker.js.get_stream(&broker.stream).await.unwrap();
     let filtered = stream
         .create_consumer(pull::Config {
@@ -1214,9 +1227,13 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     let mut options = ConsumerOptions::new("filtered");
     options.dead_letter_subject = broker.subject("dead");
     let inbox = Inbox::new(TxEngine::new(open_sqlite(&tag).await.0));
-    InboxConsumer::start(broker.js.clone(), filtered, inbox, options, work())
+    let err = InboxConsumer::start(broker.js.clone(), filtered, inbox, options, work())
         .await
-        .expect("dead letters outside the consumer's filter");
+        .expect_err("dead letters in a stream with max_age");
+    assert!(
+        err.to_string().contains("max_age") && err.to_string().contains("stream of their own"),
+        "{err}"
+    );
     broker.cleanup().await;
 }
 

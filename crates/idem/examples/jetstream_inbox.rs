@@ -25,16 +25,29 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let js = jetstream::new(async_nats::connect(&url).await?);
     let run = std::process::id();
     let (name, subjects) = (format!("EXAMPLE_{run}"), format!("example_{run}"));
+    let max_payload = js.client().server_info().max_payload;
     let events = js
         .create_stream(stream::Config {
             name: name.clone(),
-            subjects: vec![format!("{subjects}.>"), format!("{subjects}_dead.>")],
+            subjects: vec![format!("{subjects}.>")],
             max_age: Duration::from_secs(24 * 3600), // the inbox keeps keys 7 days: longer than any redelivery
+            // Room for a dead letter's headers under the server's max_payload.
+            max_message_size: i32::try_from(max_payload - idem::jetstream::DEAD_LETTER_HEADROOM)?,
             duplicate_window: Duration::from_millis(100), // short, so that the example can show a duplicate
             storage: stream::StorageType::Memory,
             ..Default::default()
         })
         .await?;
+    // Dead letters in a stream of their own, kept until they are handled
+    // (no max_age, no limit).
+    let dead = format!("{name}_DEAD");
+    js.create_stream(stream::Config {
+        name: dead.clone(),
+        subjects: vec![format!("{subjects}_dead.>")],
+        storage: stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await?;
     let pull = events
         .get_or_create_consumer(
             "statements",
@@ -108,6 +121,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     println!("published 3 messages for 2 events; applied {applied} (one row per event)");
     js.delete_stream(&name).await?;
+    js.delete_stream(&dead).await?;
     let _ = std::fs::remove_file(&path);
     Ok(())
 }

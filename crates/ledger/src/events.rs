@@ -58,9 +58,11 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub const DEFAULT_NAMESPACE: &str = "ledger";
 /// The projection's inbox handler name.
 pub const PROJECTION: &str = "ledger-statements";
-/// How long the streams keep a message: a day under the projection inbox's
-/// seven-day TTL, so a redelivery always finds its event id, and a relay
-/// that starts with rows unsent for longer than that day says so.
+/// How long the events stream keeps a message: a day under the projection
+/// inbox's seven-day TTL, so a redelivery always finds its event id, and a
+/// relay that starts with rows unsent for longer than that day says so. The
+/// dead-letter stream keeps its messages until they are handled (no
+/// `max_age`).
 pub const STREAM_MAX_AGE: Duration = Duration::from_secs(6 * 86_400);
 
 /// The names of one ledger deployment's streams, subjects and consumers,
@@ -259,9 +261,10 @@ pub struct EventsConfig {
 
 /// Connects to NATS (`nats://`, or `tls://` and any URL with `ca_file`:
 /// TLS verified against the platform's roots or only `ca_file`'s
-/// certificates) and makes sure the streams exist. A server that is not
-/// there yet is waited for; one whose TLS handshake fails is an error at
-/// once ([`StartError::Handshake`]), never retried.
+/// certificates) and makes sure the streams exist with the settings the
+/// projection's start checks ask for ([`stream_configs`]). A server that is
+/// not there yet is waited for; one whose TLS handshake fails is an error
+/// at once ([`StartError::Handshake`]), never retried.
 pub async fn connect(url: &str, ca_file: Option<&Path>, ns: &Namespace) -> Result<jetstream::Context, StartError> {
     let options = || -> Result<async_nats::ConnectOptions, StartError> {
         let options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
@@ -287,36 +290,97 @@ pub async fn connect(url: &str, ca_file: Option<&Path>, ns: &Namespace) -> Resul
             .map_err(|e| StartError::Config(format!("cannot connect to NATS at {url}: {e}")))?,
     };
     let js = jetstream::new(client);
-    for (name, subjects) in [
-        (ns.stream(), format!("{}.>", ns.subjects())),
-        (ns.dead_stream(), ns.dead_subject()),
-    ] {
-        // Retried: a NATS server that is starting answers "no responders"
-        // for a moment.
-        let mut attempt = 0;
+    // Retried: a NATS server that is starting answers "no responders" for
+    // a moment, and a client still connecting knows no max_payload yet.
+    let mut attempt = 0;
+    let mut retry = |e: String| {
+        attempt += 1;
+        if attempt > 50 {
+            return Err(StartError::Config(e));
+        }
+        tracing::debug!(error = %e, "stream not ready; retrying");
+        Ok(())
+    };
+    let max_payload = loop {
+        match js.client().server_info().max_payload {
+            0 => retry("the NATS server has not told its max_payload".into())?,
+            max_payload => break max_payload,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for config in stream_configs(ns, max_payload) {
+        let name = config.name.clone();
         loop {
-            let created = js
-                .get_or_create_stream(stream::Config {
-                    name: name.clone(),
-                    subjects: vec![subjects.clone()],
-                    duplicate_window: Duration::from_secs(120),
-                    storage: stream::StorageType::File,
-                    max_age: STREAM_MAX_AGE,
-                    ..Default::default()
-                })
-                .await;
-            match created {
-                Ok(_) => break,
-                Err(e) if attempt < 50 => {
-                    attempt += 1;
-                    tracing::debug!(error = %e, "stream not ready; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+            match js.get_or_create_stream(config.clone()).await {
+                Ok(stream) => {
+                    if let Some(updated) = brought_in_line(&stream.cached_info().config, &config) {
+                        js.update_stream(&updated)
+                            .await
+                            .map_err(|e| StartError::Config(format!("cannot update the stream {name}: {e}")))?;
+                        tracing::info!(
+                            stream = %name,
+                            max_age_s = updated.max_age.as_secs(),
+                            max_msg_size = updated.max_message_size,
+                            "stream settings brought in line with what the projection needs"
+                        );
+                    }
+                    break;
                 }
-                Err(e) => return Err(StartError::Config(format!("cannot create the stream {name}: {e}"))),
+                Err(e) => retry(format!("cannot create the stream {name}: {e}"))?,
             }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
     Ok(js)
+}
+
+/// The streams of `ns` as the ledger creates them, on a server whose
+/// `max_payload` is `max_payload`:
+///
+/// - the events stream keeps a message [`STREAM_MAX_AGE`], and takes
+///   messages of at most `max_payload` less
+///   [`idem_jetstream::DEAD_LETTER_HEADROOM`], so that any of them fits in
+///   a dead letter (every outbox event does: its payload is at most
+///   [`idem_core::MAX_OUTBOX_PAYLOAD`], 8 KiB under NATS's default);
+/// - the dead-letter stream keeps a dead letter until it is redriven or
+///   resolved: no `max_age` and no limit.
+pub fn stream_configs(ns: &Namespace, max_payload: usize) -> [stream::Config; 2] {
+    let largest = max_payload.saturating_sub(idem_jetstream::DEAD_LETTER_HEADROOM);
+    [
+        stream::Config {
+            name: ns.stream(),
+            subjects: vec![format!("{}.>", ns.subjects())],
+            duplicate_window: Duration::from_secs(120),
+            storage: stream::StorageType::File,
+            max_age: STREAM_MAX_AGE,
+            max_message_size: i32::try_from(largest).unwrap_or(i32::MAX),
+            ..Default::default()
+        },
+        stream::Config {
+            name: ns.dead_stream(),
+            subjects: vec![ns.dead_subject()],
+            duplicate_window: Duration::from_secs(120),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        },
+    ]
+}
+
+/// The settings an existing stream of the ledger's needs changed to be
+/// `wanted`'s, as earlier versions created them: the dead letters kept six
+/// days (now until they are handled), events of any size (now at most
+/// `wanted`'s `max_msg_size`). Other settings are the operator's.
+fn brought_in_line(current: &stream::Config, wanted: &stream::Config) -> Option<stream::Config> {
+    let mut updated = current.clone();
+    if wanted.max_age.is_zero() {
+        updated.max_age = Duration::ZERO;
+    }
+    if wanted.max_message_size > 0
+        && (current.max_message_size <= 0 || current.max_message_size > wanted.max_message_size)
+    {
+        updated.max_message_size = wanted.max_message_size;
+    }
+    (updated != *current).then_some(updated)
 }
 
 /// Enqueues a version-1 event of `kind` in the open transaction: it is

@@ -364,6 +364,102 @@ async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
     let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
 }
 
+/// Waits until the projection has applied every event in its stream (its
+/// durable consumer delivered at least one and has nothing pending).
+async fn projected(js: &async_nats::jetstream::Context, ns: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(std::time::Instant::now() < deadline, "the projection applied nothing");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The ledger makes its stream and its consumer once it is up.
+        let Ok(stream) = js.get_stream(format!("{}_EVENTS", ns.to_ascii_uppercase())).await else {
+            continue;
+        };
+        let Ok(mut c) = stream
+            .get_consumer::<async_nats::jetstream::consumer::pull::Config>(&format!("{ns}-statements"))
+            .await
+        else {
+            continue;
+        };
+        let info = c.info().await.unwrap().clone();
+        if info.delivered.stream_sequence >= 1 && info.num_pending == 0 && info.num_ack_pending == 0 {
+            return;
+        }
+    }
+}
+
+/// The dead-letter stream keeps a dead letter until it is handled (no
+/// max_age, no limit), and the events stream's messages always fit in a
+/// dead letter: so the ledger creates them, and so it brings in line the
+/// streams an earlier version created (dead letters kept six days, events
+/// of any size); the projection starts on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
+    use async_nats::jetstream::stream;
+    let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
+    let largest = i64::try_from(js.client().server_info().max_payload - idem_jetstream::DEAD_LETTER_HEADROOM).unwrap();
+    let fresh = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let earlier = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    for (name, subjects) in [
+        (
+            format!("{}_EVENTS", earlier.to_ascii_uppercase()),
+            format!("{earlier}.events.>"),
+        ),
+        (
+            format!("{}_DEAD", earlier.to_ascii_uppercase()),
+            format!("{earlier}.dead.statements"),
+        ),
+    ] {
+        js.create_stream(stream::Config {
+            name,
+            subjects: vec![subjects],
+            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_secs(6 * 86_400),
+            ..Default::default()
+        })
+        .await
+        .expect("a stream as an earlier ledger created it");
+    }
+    let url = database_url(Engine::Sqlite);
+    for ns in [&fresh, &earlier] {
+        let ledger = Instance::start_with(&url, &["--nats-url", &nats_url(), "--events-namespace", ns]);
+        let c = Client {
+            http: idem_tls::test_pki::http_client(),
+            base: ledger.base.clone(),
+            token: token(),
+        };
+        let (status, _) = c.post("/v1/accounts", serde_json::json!({ "name": "a" })).await;
+        assert_eq!(status, 201);
+        projected(&js, ns).await;
+        let (status, body) = health(&ledger.base).await;
+        assert_eq!(status, 200, "{ns}: {body}");
+        let up = ns.to_ascii_uppercase();
+        let mut dead = js.get_stream(format!("{up}_DEAD")).await.unwrap();
+        let dead = dead.info().await.unwrap().config.clone();
+        assert_eq!(
+            dead.max_age,
+            Duration::ZERO,
+            "{ns}: dead letters are kept until handled"
+        );
+        assert_eq!(dead.retention, stream::RetentionPolicy::Limits, "{ns}");
+        assert!(
+            dead.max_messages <= 0 && dead.max_bytes <= 0 && dead.max_messages_per_subject <= 0,
+            "{ns}: no limit evicts a dead letter: {dead:?}"
+        );
+        let mut events = js.get_stream(format!("{up}_EVENTS")).await.unwrap();
+        let events = events.info().await.unwrap().config.clone();
+        assert_eq!(
+            i64::from(events.max_message_size),
+            largest,
+            "{ns}: every event fits in a dead letter"
+        );
+        assert_eq!(events.max_age, Duration::from_secs(6 * 86_400), "{ns}");
+        drop(ledger);
+        let _ = js.delete_stream(format!("{up}_EVENTS")).await;
+        let _ = js.delete_stream(format!("{up}_DEAD")).await;
+    }
+}
+
 macro_rules! per_engine {
     ($($engine:ident => $variant:expr),*) => {
         $(mod $engine {

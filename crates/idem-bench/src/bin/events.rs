@@ -87,16 +87,21 @@ macro_rules! engine_bench {
                 // Within the inbox's TTL (seven days): the consumer refuses
                 // a stream that keeps messages longer.
                 max_age: Duration::from_secs(86_400),
+                // Room for a dead letter's headers under the server's max_payload.
+                max_message_size: i32::try_from(
+                    js.client().server_info().max_payload - idem_jetstream::DEAD_LETTER_HEADROOM,
+                )
+                .unwrap(),
                 ..Default::default()
             })
             .await
             .unwrap();
-            // Dead letters go to a stream of their own (none is expected).
+            // Dead letters go to a stream of their own (none is expected),
+            // kept until they are handled: no max_age.
             js.create_stream(stream::Config {
                 name: format!("{stream_name}_DEAD"),
                 subjects: vec![format!("{subjects}_dead")],
                 storage: stream::StorageType::File,
-                max_age: Duration::from_secs(86_400),
                 ..Default::default()
             })
             .await
