@@ -51,19 +51,28 @@
 //!   operator, and nothing was sent since) can be cancelled:
 //!   `POST /v1/payouts/{id}/cancel` reverses the debit (a `payout_reversal`
 //!   journal entry) and cancels the dead letter in one transaction, once.
+//!
+//! The vendor's side (the request, its contract, the lookup by reference)
+//! is in `vendor`; payouts held as unknown and those settled from their
+//! dead letters are in `dead_letters`.
+
+mod dead_letters;
+mod vendor;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, Call, DeadLetterState, DeadLetterStore, Error as IdemError, Fingerprint, HeldLease, IdempotencyKey,
-    InFlight, LeaseEngine, LeaseStore, NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock, VerdictSource,
+    Acquire, Call, Error as IdemError, Fingerprint, HeldLease, IdempotencyKey, InFlight, LeaseEngine, LeaseStore,
+    NewDeadLetter, OutboundRequest, Policy, Scope, SharedClock,
 };
-use idem_outbound::{Earlier, OutboundClient, OutboundError, Reconcile, Reconciled};
+use idem_outbound::{Earlier, OutboundClient, OutboundError};
 use tokio::sync::watch;
 
 use crate::db::{DbError, LedgerDb, PayoutChange, PayoutState, PayoutTask};
 use crate::events::Namespace;
+
+pub use vendor::{MAX_LOOKUP_BYTES, VendorLookup, answer_check, check_answer, vendor_request};
 
 /// The operation of payout leases and dead letters.
 pub const PAYOUT_OPERATION: &str = "payout";
@@ -354,17 +363,10 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                         last_error: None,
                         now_ms,
                     };
-                    let moved = D::change_payout(&mut tx, &task.tenant, &task.id, &change).await?;
-                    if moved {
-                        self.event(
-                            &mut tx,
-                            task,
-                            "payout.paid",
-                            serde_json::json!({ "vendor_payout_id": vendor_id }),
-                            now_ms,
-                        )
+                    let extra = serde_json::json!({ "vendor_payout_id": vendor_id });
+                    let moved = self
+                        .move_payout(&mut tx, task, &change, None, "payout.paid", extra)
                         .await?;
-                    }
                     moved.then_some(Settled::Paid)
                 }
                 // A success that does not say what the vendor promises (a
@@ -421,27 +423,20 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                     last_error: Some(idem_core::clip_text(&error)),
                     now_ms,
                 };
-                let moved = D::change_payout(&mut tx, &task.tenant, &task.id, &change).await?;
-                if moved {
-                    // The first call that may have reached the vendor is
-                    // the earliest of this worker's and any before it.
-                    let reached = match (failed.first_reached_at_ms(), payout.first_sent_at_ms) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
-                    let letter =
-                        NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), failed.attempts(), &error)
-                            .reached_at(reached)
-                            .sent_under(failed.sent_under().unwrap_or_else(|| self.client.terms_of(request)));
-                    D::record_dead_letter(&self.db.dead_letters(), &mut tx, &letter).await?;
-                    self.event(
-                        &mut tx,
-                        task,
-                        "payout.dead_lettered",
-                        serde_json::json!({ "error": error }),
-                        now_ms,
-                    )
+                // The first call that may have reached the vendor is the
+                // earliest of this worker's and any before it.
+                let reached = match (failed.first_reached_at_ms(), payout.first_sent_at_ms) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let letter = NewDeadLetter::new(scope.clone(), key.clone(), request.clone(), failed.attempts(), &error)
+                    .reached_at(reached)
+                    .sent_under(failed.sent_under().unwrap_or_else(|| self.client.terms_of(request)));
+                let extra = serde_json::json!({ "error": error });
+                let moved = self
+                    .move_payout(&mut tx, task, &change, Some(&letter), "payout.dead_lettered", extra)
                     .await?;
+                if moved {
                     tracing::warn!(payout = %task.id, error = %failed, "payout dead-lettered");
                 }
                 moved.then_some(Settled::DeadLettered)
@@ -451,119 +446,26 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         Ok(settled.unwrap_or(Settled::Skipped))
     }
 
-    /// Moves a requested payout to `unknown` with its dead letter held as
-    /// unknown, in `tx`.
-    async fn hold_unknown(
+    /// Applies `change` to the payout in `tx` and, if it moved, records
+    /// `letter` and enqueues the event `kind` (the payout and `extra`);
+    /// false, and nothing written, when it was not in `change.from`.
+    async fn move_payout(
         &self,
         tx: &mut D::Tx,
         task: &PayoutTask,
-        letter: &NewDeadLetter,
-        attempts: u32,
-        reason: &str,
-        now_ms: i64,
-    ) -> Result<Option<Settled>, DbError> {
-        let change = PayoutChange {
-            from: PayoutState::Requested,
-            to: PayoutState::Unknown,
-            vendor_payout_id: None,
-            attempts: i64::from(attempts),
-            last_error: Some(idem_core::clip_text(reason)),
-            now_ms,
-        };
-        let moved = D::change_payout(tx, &task.tenant, &task.id, &change).await?;
-        if moved {
+        change: &PayoutChange<'_>,
+        letter: Option<&NewDeadLetter>,
+        kind: &str,
+        extra: serde_json::Value,
+    ) -> Result<bool, DbError> {
+        if !D::change_payout(tx, &task.tenant, &task.id, change).await? {
+            return Ok(false);
+        }
+        if let Some(letter) = letter {
             D::record_dead_letter(&self.db.dead_letters(), tx, letter).await?;
-            self.event(
-                tx,
-                task,
-                "payout.outcome_unknown",
-                serde_json::json!({ "error": reason }),
-                now_ms,
-            )
-            .await?;
-            metrics::counter!("ledger_payouts_unknown_total").increment(1);
-            tracing::error!(payout = %task.id, reason, "payout outcome unknown: held for an operator (idem dlq resolve)");
         }
-        Ok(moved.then_some(Settled::Unknown))
-    }
-
-    /// Settles the dead-lettered and unknown payouts whose dead letter was
-    /// settled elsewhere (up to a batch, oldest first): resolved → paid
-    /// (when the answer holds what the vendor promises; otherwise unknown);
-    /// held as unknown → unknown; found not applied by an operator (dead
-    /// again) → dead-lettered. Answers how many became paid.
-    pub async fn reconcile(&self) -> Result<u64, DbError> {
-        let dead = self.db.payouts_redriven(PAYOUT_OPERATION, 100).await?;
-        let letters = self.db.dead_letters();
-        let mut reconciled = 0;
-        for task in dead {
-            let scope = Scope::parse(&task.tenant, PAYOUT_OPERATION)?;
-            let key = IdempotencyKey::new(&task.id)?;
-            let Some(letter) = letters.find(&scope, &key).await? else {
-                continue;
-            };
-            let Some(payout) = self.db.payout(&task.tenant, &task.id).await? else {
-                continue;
-            };
-            let now_ms = self.clock.now_ms();
-            let (to, vendor_id, last_error, kind) = match letter.state {
-                DeadLetterState::Resolved => {
-                    let body = letter.response_body.as_deref().unwrap_or_default();
-                    let by_operator = letter
-                        .reconciliation
-                        .as_ref()
-                        .is_some_and(|r| r.by == VerdictSource::Operator);
-                    match check_answer(&task, body) {
-                        Ok(id) => (PayoutState::Paid, id, None, "payout.paid"),
-                        // An operator's word stands, with whatever id it gave.
-                        Err(_) if by_operator => (PayoutState::Paid, vendor_payout_id(body), None, "payout.paid"),
-                        Err(why) => (
-                            PayoutState::Unknown,
-                            None,
-                            Some(format!(
-                                "the vendor's answer to a redrive does not match its contract: {why}"
-                            )),
-                            "payout.outcome_unknown",
-                        ),
-                    }
-                }
-                DeadLetterState::Unknown => (
-                    PayoutState::Unknown,
-                    None,
-                    Some(letter.last_error.clone()),
-                    "payout.outcome_unknown",
-                ),
-                DeadLetterState::Dead => (
-                    PayoutState::DeadLettered,
-                    None,
-                    Some(letter.last_error.clone()),
-                    "payout.dead_lettered",
-                ),
-                _ => continue,
-            };
-            if to == payout.status {
-                continue;
-            }
-            let change = PayoutChange {
-                from: payout.status,
-                to,
-                vendor_payout_id: vendor_id.as_deref(),
-                attempts: 0,
-                last_error: last_error.as_deref().map(idem_core::clip_text),
-                now_ms,
-            };
-            let mut tx = self.db.begin().await?;
-            if D::change_payout(&mut tx, &task.tenant, &task.id, &change).await? {
-                let extra = match &last_error {
-                    None => serde_json::json!({ "vendor_payout_id": vendor_id }),
-                    Some(e) => serde_json::json!({ "error": e }),
-                };
-                self.event(&mut tx, &task, kind, extra, now_ms).await?;
-                reconciled += u64::from(to == PayoutState::Paid);
-            }
-            self.db.commit(tx).await?;
-        }
-        Ok(reconciled)
+        self.event(tx, task, kind, extra, change.now_ms).await?;
+        Ok(true)
     }
 
     async fn event(
@@ -661,214 +563,4 @@ fn idem_outbound_instant_after(by: Duration) -> tokio::time::Instant {
     let now = tokio::time::Instant::now();
     now.checked_add(by)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
-}
-
-/// The vendor call of a payout: `POST {vendor}/v1/payouts` with the amount
-/// and the payout id as the reference.
-pub fn vendor_request(vendor_url: &str, task: &PayoutTask) -> Result<OutboundRequest, DbError> {
-    let body = serde_json::to_vec(&serde_json::json!({ "amount": task.amount, "reference": task.id }))
-        .map_err(|e| DbError::Idem(IdemError::Encode(e.to_string())))?;
-    Ok(OutboundRequest::new(
-        "POST",
-        format!("{vendor_url}/v1/payouts"),
-        vec![("content-type".to_owned(), "application/json".to_owned())],
-        body,
-    )?)
-}
-
-/// What the vendor's success answer promises, checked against the payout:
-/// a JSON object with the vendor's `id` (1 to 200 bytes without control
-/// characters, storable on every engine), the payout's `amount` and its
-/// id as `reference`. Answers the vendor's id.
-pub fn check_answer(task: &PayoutTask, body: &[u8]) -> Result<Option<String>, String> {
-    check_promise(task.amount, &task.id, body)
-}
-
-/// [`check_answer`] for a redrive (`idem_outbound::Redriver::with_answer_check`):
-/// the amount and reference are the ones the request sent. A redrive's 2xx
-/// that is not the payout (`200 {"error": …}`) then holds the dead letter
-/// as unknown, for `idem dlq resolve`, instead of resolving it.
-pub fn answer_check() -> idem_outbound::AnswerCheck {
-    Arc::new(|request: &OutboundRequest, body: &[u8]| {
-        let sent: serde_json::Value =
-            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
-        let (Some(amount), Some(reference)) = (sent["amount"].as_i64(), sent["reference"].as_str()) else {
-            return Err("the request has no amount or reference to check the answer against".into());
-        };
-        check_promise(amount, reference, body).map(|_| ())
-    })
-}
-
-fn check_promise(amount: i64, reference: &str, body: &[u8]) -> Result<Option<String>, String> {
-    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("not a JSON object ({e})"))?;
-    if !value.is_object() {
-        return Err("not a JSON object".into());
-    }
-    if value.get("amount").and_then(serde_json::Value::as_i64) != Some(amount) {
-        return Err(format!("its amount is {}, not {amount}", value["amount"]));
-    }
-    if value.get("reference").and_then(serde_json::Value::as_str) != Some(reference) {
-        return Err(format!("its reference is {}, not {reference}", value["reference"]));
-    }
-    match value.get("id").and_then(serde_json::Value::as_str) {
-        None | Some("") => Err("it has no vendor id".into()),
-        // An id the database cannot store (a NUL) does not keep a paid
-        // payout requested, called again on every pass: paid, without it.
-        Some(_) => Ok(vendor_payout_id(body)),
-    }
-}
-
-/// The vendor's id in its answer (`{"id": …}`), if it has one that every
-/// engine can store: 1 to 200 bytes without control characters (PostgreSQL
-/// refuses a NUL, and a payout whose result cannot be stored would stay
-/// requested and be sent again on every pass).
-fn vendor_payout_id(body: &[u8]) -> Option<String> {
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let id = value.get("id")?.as_str()?;
-    (!id.is_empty() && id.len() <= 200 && !id.chars().any(char::is_control)).then(|| id.to_owned())
-}
-
-/// The ledger's reconcile hook: asks the vendor for its record of a payout,
-/// by the payout id it was sent as `reference` —
-/// `GET {vendor}/v1/payouts?reference={payout id}`, answering `{"data":
-/// [{"id", "amount", "reference", "status"}, …]}`.
-///
-/// - one record `paid`, for the payout's amount → applied (its record is
-///   the answer; nothing is sent);
-/// - none → not applied (the vendor keeps every payout it made, forever);
-/// - a request still `processing` → in flight (asked again later);
-/// - several paid, or a record that does not match → unknown.
-#[derive(Debug, Clone)]
-pub struct VendorLookup {
-    http: reqwest::Client,
-    url: reqwest::Url,
-    headers: reqwest::header::HeaderMap,
-}
-
-impl VendorLookup {
-    /// The lookup of the vendor at `vendor_url`.
-    pub fn new(vendor_url: &str) -> Result<Self, DbError> {
-        let bad = |why: String| DbError::Idem(IdemError::Config(why));
-        let url = reqwest::Url::parse(&format!("{}/v1/payouts", vendor_url.trim_end_matches('/')))
-            .map_err(|e| bad(format!("vendor URL {vendor_url:?}: {e}")))?;
-        let http = crate::http_builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| bad(format!("the vendor lookup's HTTP client: {e}")))?;
-        Ok(Self {
-            http,
-            url,
-            headers: reqwest::header::HeaderMap::new(),
-        })
-    }
-
-    /// Asks through `http` (its TLS roots and pool; redirects must be
-    /// off), in place of a client of its own.
-    pub fn with_http_client(mut self, http: reqwest::Client) -> Self {
-        self.http = http;
-        self
-    }
-
-    /// Sends `headers` with every lookup (the vendor's credentials, kept
-    /// sensitive).
-    pub fn with_headers(mut self, headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>) -> Self {
-        for (name, mut value) in headers {
-            value.set_sensitive(true);
-            self.headers.insert(name, value);
-        }
-        self
-    }
-
-    async fn ask(&self, request: &OutboundRequest, timeout: Duration) -> Result<Reconciled, String> {
-        let sent: serde_json::Value =
-            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
-        let (Some(reference), Some(amount)) = (sent["reference"].as_str(), sent["amount"].as_i64()) else {
-            return Ok(Reconciled::Unknown(
-                "the request has no reference or amount to look up".into(),
-            ));
-        };
-        let mut url = self.url.clone();
-        url.query_pairs_mut().append_pair("reference", reference);
-        let response = self
-            .http
-            .get(url)
-            .headers(self.headers.clone())
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| format!("lookup failed: {e}"))?;
-        let status = response.status();
-        if !status.is_success() {
-            return Err(format!("lookup answered HTTP {status}"));
-        }
-        let body = read_bounded(response, MAX_LOOKUP_BYTES).await?;
-        let found: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| format!("lookup answer is not JSON: {e}"))?;
-        // A list object, as the vendor's list endpoints answer: an empty
-        // body, `{}` or a bare `[]` (a wrong URL, a proxy's page) says
-        // nothing, and is never taken for "not applied".
-        let (true, Some(listed)) = (found["object"] == "list", found["data"].as_array()) else {
-            return Err("lookup answer is not a list (object \"list\" with a data array)".into());
-        };
-        // A record without a reference cannot be told apart: it may be
-        // this payout under another field's name.
-        if listed.iter().any(|p| !p["reference"].is_string()) {
-            return Ok(Reconciled::Unknown(format!(
-                "the vendor's answer for reference {reference} lists a record without a reference"
-            )));
-        }
-        // Only records of this very reference count: a vendor that ignored
-        // the filter lists other payouts, which say nothing of this one.
-        let data: Vec<&serde_json::Value> = listed.iter().filter(|p| p["reference"] == reference).collect();
-        if data.is_empty() && found["has_more"] == true {
-            // A first page without it proves nothing.
-            return Ok(Reconciled::Unknown(format!(
-                "the vendor's answer for reference {reference} has more pages and none of this one"
-            )));
-        }
-        let paid: Vec<&serde_json::Value> = data.iter().copied().filter(|p| p["status"] == "paid").collect();
-        Ok(match paid.as_slice() {
-            [one] if one["amount"].as_i64() == Some(amount) => Reconciled::Applied {
-                status: 201,
-                body: serde_json::to_vec(one).map_err(|e| e.to_string())?,
-            },
-            [one] => Reconciled::Unknown(format!(
-                "the vendor paid reference {reference} for {}, not {amount}",
-                one["amount"]
-            )),
-            [] if data.iter().any(|p| p["status"] == "processing") => Reconciled::InFlight,
-            [] if data.is_empty() => Reconciled::NotApplied,
-            [] => Reconciled::Unknown(format!("the vendor's records of {reference} are in no known state")),
-            many => Reconciled::Unknown(format!("the vendor paid reference {reference} {} times", many.len())),
-        })
-    }
-}
-
-/// The most bytes of a lookup's answer read; a longer one is an error.
-pub const MAX_LOOKUP_BYTES: usize = 1024 * 1024;
-
-/// `response`'s body, refused past `max` bytes (never buffered whole).
-async fn read_bounded(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
-    if response.content_length().is_some_and(|n| n > max as u64) {
-        return Err(format!("lookup answer over {max} bytes"));
-    }
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| format!("lookup failed: {e}"))? {
-        if body.len() + chunk.len() > max {
-            return Err(format!("lookup answer over {max} bytes"));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
-
-impl Reconcile for VendorLookup {
-    fn reconcile<'a>(
-        &'a self,
-        _key: &'a IdempotencyKey,
-        request: &'a OutboundRequest,
-        timeout: Duration,
-    ) -> idem_core::BoxFuture<'a, Result<Reconciled, String>> {
-        Box::pin(self.ask(request, timeout))
-    }
 }

@@ -1,0 +1,374 @@
+//! Accounts and the money that moves between them: top-ups, transfers and
+//! the double-entry rows every movement writes (payouts and their
+//! reversals write theirs here too), and the audit that proves
+//! conservation from those rows.
+
+use sqlx::SqlStr;
+
+use super::{Dialect, WORLD};
+
+/// An account as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Account {
+    /// Its id (a UUIDv7).
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// Its balance in minor units.
+    pub balance: i64,
+}
+
+/// Conservation figures of one tenant, all computed from stored rows.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Audit {
+    /// Sum of the entries of the tenant's accounts.
+    pub balances_total: i64,
+    /// Sum of top-ups (API and webhook).
+    pub top_ups_total: i64,
+    /// Sum of payouts.
+    pub payouts_total: i64,
+    /// Whether every figure below agrees.
+    pub conserved: bool,
+    /// Accounts whose balance is negative.
+    pub negative_balances: i64,
+    /// Whether all entries (including `@world`) sum to zero.
+    pub entries_balanced: bool,
+    /// Accounts whose stored balance differs from the sum of their entries.
+    pub balance_mismatches: i64,
+    /// How many journal rows the tenant has.
+    pub journal_rows: i64,
+}
+
+impl Audit {
+    pub(super) fn new(
+        balances_total: i64,
+        world_total: i64,
+        top_ups_total: i64,
+        payouts_total: i64,
+        negative_balances: i64,
+        balance_mismatches: i64,
+        journal_rows: i64,
+    ) -> Self {
+        let entries_balanced = balances_total.checked_add(world_total) == Some(0);
+        let conserved = top_ups_total.checked_sub(payouts_total) == Some(balances_total)
+            && entries_balanced
+            && negative_balances == 0
+            && balance_mismatches == 0;
+        Self {
+            balances_total,
+            top_ups_total,
+            payouts_total,
+            conserved,
+            negative_balances,
+            entries_balanced,
+            balance_mismatches,
+            journal_rows,
+        }
+    }
+}
+
+/// Which way a guarded balance update goes.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Change {
+    Credit,
+    Debit,
+}
+
+/// The statements of accounts, their money and the audit.
+pub(super) struct Sql {
+    pub(super) insert_account: SqlStr,
+    pub(super) select_account: SqlStr,
+    pub(super) balance: SqlStr,
+    pub(super) credit: SqlStr,
+    pub(super) debit: SqlStr,
+    pub(super) insert_journal: SqlStr,
+    pub(super) insert_entry: SqlStr,
+    pub(super) audit_balances: SqlStr,
+    pub(super) audit_world: SqlStr,
+    pub(super) audit_kind: SqlStr,
+    pub(super) audit_negative: SqlStr,
+    pub(super) audit_mismatch: SqlStr,
+    pub(super) audit_journal: SqlStr,
+}
+
+impl Sql {
+    pub(super) fn new(dialect: Dialect) -> Self {
+        let p = |s: &str| dialect.prepare(s);
+        Self {
+            insert_account: p(
+                "INSERT INTO ledger_accounts (tenant, id, name, balance, created_at_ms) VALUES (?, ?, ?, 0, ?)",
+            ),
+            select_account: p("SELECT id, name, balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+            balance: p("SELECT balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+            credit: p("UPDATE ledger_accounts SET balance = balance + ? WHERE tenant = ? AND id = ? AND balance <= ?"),
+            debit: p("UPDATE ledger_accounts SET balance = balance - ? WHERE tenant = ? AND id = ? AND balance >= ?"),
+            insert_journal: p(
+                "INSERT INTO ledger_journal (tenant, id, kind, amount, from_account, to_account, created_at_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?)",
+            ),
+            insert_entry: p(
+                "INSERT INTO ledger_entries (tenant, journal_id, account_id, delta) VALUES (?, ?, ?, ?), (?, ?, ?, ?)",
+            ),
+            audit_balances: p(&format!(
+                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id <> '{WORLD}'",
+                dialect.sum("delta")
+            )),
+            audit_world: p(&format!(
+                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id = '{WORLD}'",
+                dialect.sum("delta")
+            )),
+            audit_kind: p(&format!(
+                "SELECT {} FROM ledger_journal WHERE tenant = ? AND kind = ?",
+                dialect.sum("amount")
+            )),
+            audit_negative: p(
+                "SELECT COUNT(*) FROM (SELECT account_id FROM ledger_entries WHERE tenant = ? AND account_id <> '@world' \
+                 GROUP BY account_id HAVING SUM(delta) < 0) neg",
+            ),
+            audit_mismatch: p(
+                "SELECT COUNT(*) FROM ledger_accounts a WHERE a.tenant = ? AND (a.balance < 0 OR a.balance <> \
+                 (SELECT COALESCE(SUM(e.delta), 0) FROM ledger_entries e WHERE e.tenant = a.tenant AND e.account_id = a.id))",
+            ),
+            audit_journal: p("SELECT COUNT(*) FROM ledger_journal WHERE tenant = ?"),
+        }
+    }
+}
+
+/// The [`LedgerDb`](super::LedgerDb) methods of accounts, top-ups,
+/// transfers and the audit, for `$store`.
+macro_rules! account_methods {
+    ($store:ty) => {
+        fn insert_account<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            id: &'c str,
+            name: &'c str,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<(), DbError>> {
+            Box::pin(async move {
+                sqlx::query(queries().accounts.insert_account.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .bind(name)
+                    .bind(now_ms)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>> {
+            Box::pin(async move {
+                let row: Option<(String, String, i64)> = sqlx::query_as(queries().accounts.select_account.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .fetch_optional(self.pool())
+                    .await?;
+                Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
+            })
+        }
+
+        fn top_up<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            journal_id: &'c str,
+            kind: &'static str,
+            account_id: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<i64, DbError>> {
+            Box::pin(async move {
+                let q = queries();
+                let movement = crate::db::accounts::Movement {
+                    journal_id,
+                    kind,
+                    amount,
+                    from: None,
+                    to: Some(account_id),
+                };
+                move_money(&mut **tx, q, tenant, &movement, now_ms).await?;
+                balance(&mut **tx, q, tenant, account_id).await
+            })
+        }
+
+        fn transfer<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            journal_id: &'c str,
+            from: &'c str,
+            to: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<(), DbError>> {
+            Box::pin(async move {
+                let movement = crate::db::accounts::Movement {
+                    journal_id,
+                    kind: "transfer",
+                    amount,
+                    from: Some(from),
+                    to: Some(to),
+                };
+                move_money(&mut **tx, queries(), tenant, &movement, now_ms).await
+            })
+        }
+
+        fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>> {
+            Box::pin(async move {
+                let (q, dialect) = (&queries().accounts, queries().dialect);
+                let mut tx = self.pool().begin_with(dialect.snapshot()).await?;
+                let one = |sql: &sqlx::SqlStr| sqlx::query_as::<_, (i64,)>(sql.clone()).bind(tenant);
+                let (balances_total,) = one(&q.audit_balances).fetch_one(&mut *tx).await?;
+                let (world_total,) = one(&q.audit_world).fetch_one(&mut *tx).await?;
+                let mut top_ups_total = 0i64;
+                for kind in ["top_up", "webhook_top_up"] {
+                    let (t,): (i64,) = one(&q.audit_kind).bind(kind).fetch_one(&mut *tx).await?;
+                    top_ups_total = top_ups_total.saturating_add(t);
+                }
+                let (paid_out,) = one(&q.audit_kind).bind("payout").fetch_one(&mut *tx).await?;
+                // A cancelled payout's reversal gives its amount back.
+                let (reversed,) = one(&q.audit_kind)
+                    .bind("payout_reversal")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let payouts_total = paid_out.saturating_sub(reversed);
+                let (negative_balances,) = one(&q.audit_negative).fetch_one(&mut *tx).await?;
+                let (balance_mismatches,) = one(&q.audit_mismatch).fetch_one(&mut *tx).await?;
+                let (journal_rows,) = one(&q.audit_journal).fetch_one(&mut *tx).await?;
+                tx.rollback().await?;
+                Ok(Audit::new(
+                    balances_total,
+                    world_total,
+                    top_ups_total,
+                    payouts_total,
+                    negative_balances,
+                    balance_mismatches,
+                    journal_rows,
+                ))
+            })
+        }
+    };
+}
+pub(super) use account_methods;
+
+/// One movement of money as the journal records it: `amount` from `from`
+/// to `to`, `None` standing for `@world` (money entering or leaving the
+/// ledger).
+pub(super) struct Movement<'a> {
+    pub(super) journal_id: &'a str,
+    pub(super) kind: &'a str,
+    pub(super) amount: i64,
+    pub(super) from: Option<&'a str>,
+    pub(super) to: Option<&'a str>,
+}
+
+/// The functions on a connection of `$db` that move money and read a
+/// balance, shared by the account and payout methods.
+macro_rules! money_rows {
+    ($db:ty) => {
+        /// Applies `m`: the guarded balance updates, then its journal row and
+        /// its two entries, whose deltas sum to zero.
+        async fn move_money(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            m: &crate::db::accounts::Movement<'_>,
+            now_ms: i64,
+        ) -> Result<(), DbError> {
+            use crate::db::accounts::Change;
+            match (m.from, m.to) {
+                // Lock the two rows in a fixed order, so two opposite
+                // transfers cannot deadlock each other.
+                (Some(from), Some(to)) if from < to => {
+                    adjust(conn, q, Change::Debit, tenant, from, m.amount).await?;
+                    adjust(conn, q, Change::Credit, tenant, to, m.amount).await?;
+                }
+                (Some(from), Some(to)) => {
+                    adjust(conn, q, Change::Credit, tenant, to, m.amount).await?;
+                    adjust(conn, q, Change::Debit, tenant, from, m.amount).await?;
+                }
+                (Some(from), None) => adjust(conn, q, Change::Debit, tenant, from, m.amount).await?,
+                (None, Some(to)) => adjust(conn, q, Change::Credit, tenant, to, m.amount).await?,
+                (None, None) => {}
+            }
+            let sql = &q.accounts;
+            sqlx::query(sql.insert_journal.clone())
+                .bind(tenant)
+                .bind(m.journal_id)
+                .bind(m.kind)
+                .bind(m.amount)
+                .bind(m.from)
+                .bind(m.to)
+                .bind(now_ms)
+                .execute(&mut *conn)
+                .await?;
+            sqlx::query(sql.insert_entry.clone())
+                .bind(tenant)
+                .bind(m.journal_id)
+                .bind(m.from.unwrap_or(WORLD))
+                .bind(-m.amount)
+                .bind(tenant)
+                .bind(m.journal_id)
+                .bind(m.to.unwrap_or(WORLD))
+                .bind(m.amount)
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        }
+
+        /// One guarded balance update: the guard is part of the UPDATE, so a
+        /// refused change writes nothing; the account is then read to say why.
+        async fn adjust(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            change: crate::db::accounts::Change,
+            tenant: &str,
+            id: &str,
+            amount: i64,
+        ) -> Result<(), DbError> {
+            use crate::db::accounts::Change;
+            let (statement, guard) = match change {
+                Change::Credit => (q.accounts.credit.clone(), MAX_BALANCE - amount),
+                Change::Debit => (q.accounts.debit.clone(), amount),
+            };
+            let done = sqlx::query(statement)
+                .bind(amount)
+                .bind(tenant)
+                .bind(id)
+                .bind(guard)
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() == 1 {
+                return Ok(());
+            }
+            let exists: Option<(i64,)> = sqlx::query_as(q.accounts.balance.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_optional(&mut *conn)
+                .await?;
+            Err(match (exists, change) {
+                (None, _) => DbError::AccountNotFound(id.to_owned()),
+                (Some(_), Change::Credit) => DbError::BalanceLimit,
+                (Some((balance,)), Change::Debit) => DbError::InsufficientFunds {
+                    balance,
+                    requested: amount,
+                },
+            })
+        }
+
+        /// An account's balance, as the open transaction sees it.
+        async fn balance(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            id: &str,
+        ) -> Result<i64, DbError> {
+            let (balance,): (i64,) = sqlx::query_as(q.accounts.balance.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_one(&mut *conn)
+                .await?;
+            Ok(balance)
+        }
+    };
+}
+pub(super) use money_rows;

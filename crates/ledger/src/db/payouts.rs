@@ -1,0 +1,441 @@
+//! Payouts: debited at their request, then paid at the vendor by the
+//! payout worker, dead-lettered, held as unknown, or cancelled with the
+//! debit reversed.
+
+use sqlx::SqlStr;
+
+use super::{DEAD_LETTERS_TABLE, DbError, Dialect};
+
+/// Where a payout stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PayoutState {
+    /// Debited; the vendor has not confirmed it yet.
+    Requested,
+    /// The vendor paid it.
+    Paid,
+    /// The vendor call used up its retries or was refused; kept as a dead
+    /// letter until it is redriven. The debit stands.
+    DeadLettered,
+    /// Whether the vendor paid it cannot be established (its dead letter is
+    /// held as unknown): never sent again on a guess, settled by an
+    /// operator (`idem dlq resolve`). The debit stands.
+    Unknown,
+    /// Cancelled after the vendor was found not to have paid it: the debit
+    /// was reversed.
+    Cancelled,
+}
+
+impl PayoutState {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Requested => "requested",
+            Self::Paid => "paid",
+            Self::DeadLettered => "dead_lettered",
+            Self::Unknown => "unknown",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, DbError> {
+        match s {
+            "requested" => Ok(Self::Requested),
+            "paid" => Ok(Self::Paid),
+            "dead_lettered" => Ok(Self::DeadLettered),
+            "unknown" => Ok(Self::Unknown),
+            "cancelled" => Ok(Self::Cancelled),
+            other => Err(DbError::Corrupt(format!("unknown payout state {other:?}"))),
+        }
+    }
+}
+
+/// A payout as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Payout {
+    /// Its id (a UUIDv7), also the idempotency key the vendor sees.
+    pub id: String,
+    /// The account debited.
+    pub account_id: String,
+    /// Minor units.
+    pub amount: i64,
+    /// Where it stands.
+    pub status: PayoutState,
+    /// The vendor's id of the payment, once paid.
+    pub vendor_payout_id: Option<String>,
+    /// Vendor calls tried.
+    pub attempts: i64,
+    /// Why the last vendor call failed.
+    pub last_error: Option<String>,
+    /// When it was requested (ms since the epoch).
+    pub created_at_ms: i64,
+    /// When it last changed.
+    pub updated_at_ms: i64,
+    /// When the first vendor call that may have reached the vendor started
+    /// (a worker that takes the payout over judges the vendor's memory by
+    /// it).
+    pub first_sent_at_ms: Option<i64>,
+    /// Not sent again before this time (the vendor asked to wait).
+    pub not_before_ms: Option<i64>,
+}
+
+/// A payout row as `Sql::select_payout` reads it, in its column order.
+pub(super) type PayoutRow = (
+    String,
+    String,
+    i64,
+    String,
+    Option<String>,
+    i64,
+    Option<String>,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
+
+impl Payout {
+    /// Decodes a row of `Sql::select_payout`.
+    pub(super) fn from_row(
+        (
+            id,
+            account_id,
+            amount,
+            state,
+            vendor_payout_id,
+            attempts,
+            last_error,
+            created_at_ms,
+            updated_at_ms,
+            first_sent_at_ms,
+            not_before_ms,
+        ): PayoutRow,
+    ) -> Result<Self, DbError> {
+        Ok(Self {
+            id,
+            account_id,
+            amount,
+            status: PayoutState::parse(&state)?,
+            vendor_payout_id,
+            attempts,
+            last_error,
+            created_at_ms,
+            updated_at_ms,
+            first_sent_at_ms,
+            not_before_ms,
+        })
+    }
+}
+
+/// A payout for the worker: whose, which, how much.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutTask {
+    /// The tenant.
+    pub tenant: String,
+    /// The payout id.
+    pub id: String,
+    /// The account debited.
+    pub account_id: String,
+    /// Minor units.
+    pub amount: i64,
+}
+
+/// Rows of the statements that list payouts for the worker: tenant, id,
+/// account, amount.
+pub(super) type TaskRow = (String, String, String, i64);
+
+impl PayoutTask {
+    /// Decodes the rows of a listing.
+    pub(super) fn from_rows(rows: Vec<TaskRow>) -> Vec<Self> {
+        rows.into_iter()
+            .map(|(tenant, id, account_id, amount)| Self {
+                tenant,
+                id,
+                account_id,
+                amount,
+            })
+            .collect()
+    }
+}
+
+/// A payout's move from one state to another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutChange<'a> {
+    /// The state it must be in (otherwise nothing changes).
+    pub from: PayoutState,
+    /// The state it moves to.
+    pub to: PayoutState,
+    /// The vendor's id, when paid.
+    pub vendor_payout_id: Option<&'a str>,
+    /// Vendor calls to add.
+    pub attempts: i64,
+    /// The last error (replaces the stored one; `None` clears it).
+    pub last_error: Option<&'a str>,
+    /// Now, ms since the epoch.
+    pub now_ms: i64,
+}
+
+/// The statements of payouts.
+pub(super) struct Sql {
+    pub(super) insert_payout: SqlStr,
+    pub(super) select_payout: SqlStr,
+    pub(super) payouts_in: SqlStr,
+    pub(super) payouts_redriven: SqlStr,
+    pub(super) change_payout: SqlStr,
+    pub(super) payouts_due: SqlStr,
+    pub(super) mark_sent: SqlStr,
+    pub(super) defer_payout: SqlStr,
+    pub(super) select_payout_for_cancel: SqlStr,
+    pub(super) cancel_payout: SqlStr,
+}
+
+impl Sql {
+    pub(super) fn new(dialect: Dialect) -> Self {
+        let p = |s: &str| dialect.prepare(s);
+        Self {
+            insert_payout: p(
+                "INSERT INTO ledger_payouts (tenant, id, account_id, amount, state, attempts, created_at_ms, updated_at_ms) \
+                 VALUES (?, ?, ?, ?, 'requested', 0, ?, ?)",
+            ),
+            select_payout: p(
+                "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms, \
+                 first_sent_at_ms, not_before_ms FROM ledger_payouts WHERE tenant = ? AND id = ?",
+            ),
+            payouts_due: p(
+                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = 'requested' \
+                 AND (not_before_ms IS NULL OR not_before_ms <= ?) ORDER BY created_at_ms LIMIT ?",
+            ),
+            mark_sent: p(
+                "UPDATE ledger_payouts SET first_sent_at_ms = COALESCE(first_sent_at_ms, ?) \
+                 WHERE tenant = ? AND id = ? AND state = 'requested'",
+            ),
+            defer_payout: p(
+                "UPDATE ledger_payouts SET not_before_ms = ?, attempts = attempts + ?, last_error = ?, updated_at_ms = ? \
+                 WHERE tenant = ? AND id = ? AND state = 'requested'",
+            ),
+            select_payout_for_cancel: p(&format!(
+                "SELECT account_id, amount, state FROM ledger_payouts WHERE tenant = ? AND id = ?{}",
+                match dialect {
+                    Dialect::Sqlite => "",
+                    Dialect::Postgres | Dialect::MySql => " FOR UPDATE",
+                }
+            )),
+            cancel_payout: p("UPDATE ledger_payouts SET state = 'cancelled', updated_at_ms = ? \
+                 WHERE tenant = ? AND id = ? AND state IN ('dead_lettered', 'unknown')"),
+            payouts_in: p(
+                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
+            ),
+            // Dead-lettered or unknown payouts whose dead letter was settled
+            // elsewhere (a redrive resolved it, an operator settled it, a
+            // redrive held it as unknown), however many older ones are still
+            // waiting. The keys compare as bytes, as the dead letters store
+            // them.
+            payouts_redriven: p(&format!(
+                "SELECT p.tenant, p.id, p.account_id, p.amount FROM ledger_payouts p \
+                 WHERE p.state IN ('dead_lettered', 'unknown') AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
+                 WHERE d.tenant = p.tenant{bytes} AND d.operation = ? AND d.idem_key = p.id{bytes} \
+                 AND (d.state = 'resolved' OR (p.state = 'unknown' AND d.state = 'dead') \
+                 OR (p.state = 'dead_lettered' AND d.state = 'unknown'))) ORDER BY p.created_at_ms LIMIT ?",
+                bytes = match dialect {
+                    Dialect::Postgres => " COLLATE \"C\"",
+                    Dialect::MySql | Dialect::Sqlite => "",
+                }
+            )),
+            change_payout: p(
+                "UPDATE ledger_payouts SET state = ?, vendor_payout_id = COALESCE(?, vendor_payout_id), \
+                 attempts = attempts + ?, last_error = ?, updated_at_ms = ? WHERE tenant = ? AND id = ? AND state = ?",
+            ),
+        }
+    }
+}
+
+/// The [`LedgerDb`](super::LedgerDb) methods of payouts, for `$store`.
+macro_rules! payout_methods {
+    ($store:ty) => {
+        fn request_payout<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            id: &'c str,
+            account_id: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<i64, DbError>> {
+            Box::pin(async move {
+                let q = queries();
+                let movement = crate::db::accounts::Movement {
+                    journal_id: id,
+                    kind: "payout",
+                    amount,
+                    from: Some(account_id),
+                    to: None,
+                };
+                move_money(&mut **tx, q, tenant, &movement, now_ms).await?;
+                sqlx::query(q.payouts.insert_payout.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .bind(account_id)
+                    .bind(amount)
+                    .bind(now_ms)
+                    .bind(now_ms)
+                    .execute(&mut **tx)
+                    .await?;
+                balance(&mut **tx, q, tenant, account_id).await
+            })
+        }
+
+        fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
+            Box::pin(async move {
+                let row: Option<crate::db::payouts::PayoutRow> =
+                    sqlx::query_as(queries().payouts.select_payout.clone())
+                        .bind(tenant)
+                        .bind(id)
+                        .fetch_optional(self.pool())
+                        .await?;
+                row.map(Payout::from_row).transpose()
+            })
+        }
+
+        fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
+            Box::pin(async move {
+                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_in.clone())
+                    .bind(state.as_str())
+                    .bind(i64::from(limit))
+                    .fetch_all(self.pool())
+                    .await?;
+                Ok(PayoutTask::from_rows(rows))
+            })
+        }
+
+        fn payouts_redriven<'a>(
+            &'a self,
+            operation: &'a str,
+            limit: u32,
+        ) -> BoxFuture<'a, Result<Vec<PayoutTask>, DbError>> {
+            Box::pin(async move {
+                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_redriven.clone())
+                    .bind(operation)
+                    .bind(i64::from(limit))
+                    .fetch_all(self.pool())
+                    .await?;
+                Ok(PayoutTask::from_rows(rows))
+            })
+        }
+
+        fn payouts_due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
+            Box::pin(async move {
+                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_due.clone())
+                    .bind(now_ms)
+                    .bind(i64::from(limit))
+                    .fetch_all(self.pool())
+                    .await?;
+                Ok(PayoutTask::from_rows(rows))
+            })
+        }
+
+        fn mark_payout_sent<'a>(
+            &'a self,
+            tenant: &'a str,
+            id: &'a str,
+            now_ms: i64,
+        ) -> BoxFuture<'a, Result<(), DbError>> {
+            Box::pin(async move {
+                sqlx::query(queries().payouts.mark_sent.clone())
+                    .bind(now_ms)
+                    .bind(tenant)
+                    .bind(id)
+                    .execute(self.pool())
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn defer_payout<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            id: &'c str,
+            not_before_ms: i64,
+            attempts: i64,
+            last_error: &'c str,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<bool, DbError>> {
+            Box::pin(async move {
+                let done = sqlx::query(queries().payouts.defer_payout.clone())
+                    .bind(not_before_ms)
+                    .bind(attempts)
+                    .bind(last_error)
+                    .bind(now_ms)
+                    .bind(tenant)
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        }
+
+        fn change_payout<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            id: &'c str,
+            change: &'c PayoutChange<'c>,
+        ) -> BoxFuture<'c, Result<bool, DbError>> {
+            Box::pin(async move {
+                let done = sqlx::query(queries().payouts.change_payout.clone())
+                    .bind(change.to.as_str())
+                    .bind(change.vendor_payout_id)
+                    .bind(change.attempts)
+                    .bind(change.last_error)
+                    .bind(change.now_ms)
+                    .bind(tenant)
+                    .bind(id)
+                    .bind(change.from.as_str())
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            })
+        }
+
+        fn cancel_payout<'c>(
+            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            tenant: &'c str,
+            id: &'c str,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<bool, DbError>> {
+            Box::pin(async move {
+                let q = queries();
+                let row: Option<(String, i64, String)> = sqlx::query_as(q.payouts.select_payout_for_cancel.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+                let Some((account_id, amount, state)) = row else {
+                    return Ok(false);
+                };
+                if !(state == "dead_lettered" || state == "unknown") {
+                    return Ok(false);
+                }
+                let moved = sqlx::query(q.payouts.cancel_payout.clone())
+                    .bind(now_ms)
+                    .bind(tenant)
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await?;
+                if moved.rows_affected() != 1 {
+                    return Ok(false);
+                }
+                // The reversal: the money comes back from `@world`, under
+                // a journal id of its own.
+                let journal_id = format!("{id}:reversal");
+                let reversal = crate::db::accounts::Movement {
+                    journal_id: &journal_id,
+                    kind: "payout_reversal",
+                    amount,
+                    from: None,
+                    to: Some(&account_id),
+                };
+                move_money(&mut **tx, q, tenant, &reversal, now_ms).await?;
+                Ok(true)
+            })
+        }
+    };
+}
+pub(super) use payout_methods;
