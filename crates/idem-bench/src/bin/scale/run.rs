@@ -1,0 +1,173 @@
+//! One engine's run: the seed rows, the claims at the small and the large
+//! number of stored keys, the bytes per key, and the sweep under live
+//! traffic; its tables dropped whatever happened.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_core::{BoxError, IdempotencyKey, SweepOptions, SystemClock, TxEngine, sweep_expired};
+use serde_json::{Value, json};
+
+use crate::claims::{Window, claim, measure, print_figures, ratio, scope_of};
+use crate::db::{Engine, ScaleDb, drop_all, fresh_effects, settle};
+use crate::load::load;
+use crate::size::{bytes, server};
+use crate::{Args, KEYS_TABLE, SEEDS, WARMUP};
+
+/// Measures one engine, and drops its tables whatever happened.
+pub(crate) async fn scale_engine<D: ScaleDb>(db: D, args: &Args) -> Result<Value, BoxError> {
+    let result = measure_engine(&db, args).await;
+    let dropped = drop_all(&db).await;
+    let result = result?;
+    dropped?;
+    Ok(result)
+}
+
+async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxError> {
+    let db = db.clone();
+    let engine = D::ENGINE;
+    let name = engine.name();
+    println!("\n== {name} ==");
+    drop_all(&db).await?;
+    db.migrate_keys().await?;
+    db.exec(engine.create_effects()).await?;
+    let server = server(&db).await?;
+
+    // Seed rows: written by the store itself, one per (tenant, operation).
+    let tx_engine = TxEngine::new(db.clone());
+    for seed in 0..SEEDS {
+        claim(
+            &tx_engine,
+            &scope_of(seed)?,
+            IdempotencyKey::new(format!("seed-{seed}"))?,
+        )
+        .await?;
+    }
+    db.exec(engine.copy_seeds()).await?;
+    let columns = db.texts(engine.columns()).await?;
+    if !["idem_key", "created_at_ms", "expires_at_ms"]
+        .iter()
+        .all(|c| columns.iter().any(|k| k == c))
+    {
+        return Err(format!("{name}: unexpected columns {columns:?}").into());
+    }
+
+    // 1. Claims with the small number of stored keys.
+    let small_keys = args.small_keys.saturating_sub(SEEDS as u64);
+    load(&db, &columns, small_keys, "small", None).await?;
+    settle(&db).await?;
+    fresh_effects(&db).await?;
+    let small = measure(&db, args, Window::Timed).await?;
+    print_figures(engine, &format!("claims at {} keys", args.small_keys), &small);
+
+    // ... and with the large number: the table is emptied and loaded again,
+    // so that its pages are filled as the large number's own traffic would
+    // have filled them.
+    let keys_table = engine.quote(KEYS_TABLE);
+    db.exec(match engine {
+        Engine::Sqlite => format!("DELETE FROM {keys_table}"),
+        Engine::Postgres | Engine::MySql => format!("TRUNCATE TABLE {keys_table}"),
+    })
+    .await?;
+    let load_seconds = load(&db, &columns, args.keys, "large", None).await?;
+    if engine == Engine::Postgres {
+        // A table that grew over time has been vacuumed and analysed by
+        // autovacuum; a fresh bulk load has not.
+        db.exec(format!("VACUUM ANALYZE {}", engine.quote(KEYS_TABLE))).await?;
+    } else if engine == Engine::MySql {
+        db.exec(format!("ANALYZE TABLE {}", engine.quote(KEYS_TABLE))).await?;
+    } else {
+        db.exec("ANALYZE".to_owned()).await?;
+    }
+    settle(&db).await?;
+    fresh_effects(&db).await?;
+    let large = measure(&db, args, Window::Timed).await?;
+    print_figures(engine, &format!("claims at {} keys", args.keys), &large);
+    let p99_ratio = ratio(large.p99_ms, small.p99_ms);
+    println!(
+        "  {name:<8} p99 at {} keys / at {} keys = {p99_ratio:.3} (target <= 1.1)",
+        args.keys, args.small_keys
+    );
+
+    // 2. Bytes per key.
+    let bytes = bytes(&db).await?;
+
+    // 3. Sweeping expired rows under live traffic.
+    let now_ms = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis(),
+    )?;
+    let expired_load_seconds = load(&db, &columns, args.sweep_rows, "expired", Some(now_ms - 60_000)).await?;
+    let expired = db
+        .int(format!(
+            "SELECT COUNT(*) FROM {} WHERE expires_at_ms <= {now_ms}",
+            engine.quote(KEYS_TABLE)
+        ))
+        .await?;
+    println!("  {name:<8} {expired} expired rows in the table");
+    settle(&db).await?;
+    fresh_effects(&db).await?;
+    let live_without = measure(&db, args, Window::Timed).await?;
+    print_figures(engine, "live claims, no sweep", &live_without);
+
+    fresh_effects(&db).await?;
+    // The sweep starts when the live traffic's warm-up ends, and the live
+    // claims are counted until it is done.
+    let done = Arc::new(AtomicBool::new(false));
+    let options = SweepOptions {
+        batch_size: args.sweep_batch,
+        pause: Duration::from_millis(args.sweep_pause_ms),
+        ..SweepOptions::default()
+    };
+    let sweeper = {
+        let (db, done) = (db.clone(), done.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(WARMUP).await;
+            let start = Instant::now();
+            let report = sweep_expired(&db, &SystemClock, options).await;
+            done.store(true, Ordering::SeqCst);
+            report.map(|r| (r, start.elapsed()))
+        })
+    };
+    let live_during = measure(&db, args, Window::Until(done.clone())).await;
+    done.store(true, Ordering::SeqCst);
+    let live_during = live_during?;
+    let (report, swept_in) = sweeper.await??;
+    let sweep_secs = swept_in.as_secs_f64();
+    print_figures(engine, "live claims during the sweep", &live_during);
+    let sweep_ratio = ratio(live_during.p99_ms, live_without.p99_ms);
+    let rows_per_sec = report.deleted as f64 / sweep_secs.max(1e-9);
+    println!(
+        "  {name:<8} sweep: {} rows in {} batches, {sweep_secs:.1} s, {rows_per_sec:.0} rows/s; \
+         live p99 during / without = {sweep_ratio:.3} (target <= 1.2)",
+        report.deleted, report.batches
+    );
+
+    Ok(json!({
+        "engine": name,
+        "keys_small": args.small_keys,
+        "keys_large": args.keys,
+        "small": small.json(),
+        "large": large.json(),
+        "p99_ratio": p99_ratio,
+        "p99_target": 1.1,
+        "p99_met": p99_ratio <= 1.1,
+        "sweep": {
+            "rows": report.deleted,
+            "seconds": sweep_secs,
+            "rows_per_sec": rows_per_sec,
+            "batches": report.batches,
+            "live_without": live_without.json(),
+            "live_during": live_during.json(),
+            "p99_ratio": sweep_ratio,
+            "p99_target": 1.2,
+            "p99_met": sweep_ratio <= 1.2,
+        },
+        "bytes": bytes,
+        "load_seconds": load_seconds,
+        "expired_load_seconds": expired_load_seconds,
+        "server": server,
+    }))
+}
