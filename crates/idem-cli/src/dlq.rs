@@ -12,267 +12,331 @@
 //! terms is refused unless `--key-horizon-secs` is given: they are never
 //! guessed.
 
+mod letters;
+mod resend;
+
 use std::time::Duration;
 
-use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter, RedriveHold,
-    RedriveOutcome, Result, Scope, Settlement, TableName, Verdict, VerdictSource,
-};
-use idem_gateway::AnyLease;
+use idem_core::{DeadLetter, DeadLetterStore, Settlement, TableName, Verdict, VerdictSource};
 use idem_outbound::{RedriveReport, RedriveResult};
 
-/// The dead letters of one of the SQL stores, chosen by URL.
-#[derive(Clone, Debug)]
-pub(crate) enum AnyDeadLetters {
-    /// A SQLite file.
-    Sqlite(idem_sqlite::SqliteDeadLetters),
-    /// PostgreSQL.
-    Postgres(idem_postgres::PgDeadLetters),
-    /// MySQL or MariaDB.
-    MySql(idem_mysql::MySqlDeadLetters),
+pub(crate) use self::letters::AnyDeadLetters;
+use crate::output::{Failure, print, print_document, say, store_failure};
+
+/// The dead-letter table and which of its rows a command selects.
+#[derive(Debug, clap::Args)]
+pub(crate) struct DlqSelection {
+    /// The service's database URL (SQLite path, postgres:// or mysql://).
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
+    /// The dead-letter table.
+    #[arg(long, default_value = "idem_dead_letters")]
+    table: String,
+    /// Only this tenant.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this operation.
+    #[arg(long)]
+    operation: Option<String>,
+    /// Only ids greater than this (the last id of the previous page).
+    #[arg(long)]
+    after_id: Option<i64>,
 }
 
-macro_rules! each {
-    ($self:expr, $s:ident => $body:expr) => {
-        match $self {
-            AnyDeadLetters::Sqlite($s) => $body,
-            AnyDeadLetters::Postgres($s) => $body,
-            AnyDeadLetters::MySql($s) => $body,
-        }
-    };
-}
-
-impl AnyDeadLetters {
-    /// The dead letters in `table` of the store at `url` (the URLs of
-    /// [`AnyLease::open`]); nothing is created. Redis keeps none.
-    pub(crate) async fn open(url: &str, table: TableName) -> Result<Self> {
-        Ok(match AnyLease::open(url).await? {
-            AnyLease::Sqlite(s) => Self::Sqlite(idem_sqlite::SqliteDeadLetters::with_table(s.pool().clone(), table)),
-            AnyLease::Postgres(s) => Self::Postgres(idem_postgres::PgDeadLetters::with_table(s.pool().clone(), table)),
-            AnyLease::MySql(s) => Self::MySql(idem_mysql::MySqlDeadLetters::with_table(s.pool().clone(), table)),
-            AnyLease::Redis(_) => {
-                return Err(Error::Config(
-                    "Redis keeps no dead letters: use the service's SQL database".into(),
-                ));
-            }
+impl DlqSelection {
+    fn filter(&self, state: Option<&str>, limit: u32) -> Result<idem_core::DeadLetterFilter, Failure> {
+        Ok(idem_core::DeadLetterFilter {
+            tenant: self.tenant.clone(),
+            operation: self.operation.clone(),
+            state: state
+                .map(idem_core::DeadLetterState::parse)
+                .transpose()
+                .map_err(|e| Failure(2, e.to_string()))?,
+            after_id: self.after_id,
+            limit,
         })
     }
-
-    /// The schema versions the dead-letter table has not had yet.
-    pub(crate) async fn pending_migrations(&self) -> Result<Vec<idem_core::PendingMigration>> {
-        each!(self, s => s.pending_migrations().await)
-    }
-
-    /// Creates or upgrades the dead-letter table.
-    pub(crate) async fn migrate(&self) -> Result<()> {
-        each!(self, s => s.migrate().await)
-    }
-
-    /// The store's kind.
-    pub(crate) fn kind(&self) -> &'static str {
-        match self {
-            Self::Sqlite(_) => "sqlite",
-            Self::Postgres(_) => "postgres",
-            Self::MySql(_) => "mysql",
-        }
-    }
 }
 
-impl DeadLetterStore for AnyDeadLetters {
-    fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
-        each!(self, s => s.record(letter))
-    }
-
-    fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
-        each!(self, s => s.list(filter))
-    }
-
-    fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        each!(self, s => s.get(id))
-    }
-
-    fn find(&self, scope: &Scope, key: &IdempotencyKey) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        each!(self, s => s.find(scope, key))
-    }
-
-    fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
-        each!(self, s => s.begin_redrive(id, hold_ms))
-    }
-
-    fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.finish_redrive(id, token, outcome))
-    }
-
-    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        each!(self, s => s.purge_resolved(older_than_ms, limit))
-    }
-
-    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.retarget(id, token, url))
-    }
-
-    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.settle(id, settlement))
-    }
-
-    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.cancel(id))
-    }
-}
-
-/// The longest key horizon `--key-horizon-secs` takes (366 days).
-const MAX_HORIZON_SECS: u64 = 31_622_400;
-
-/// How `dlq redrive` sends: the target, the vendor's key horizon, the
-/// operator's override and the secret headers.
+/// One dead letter, by its id.
 #[derive(Debug, clap::Args)]
-pub(crate) struct ResendArgs {
-    /// Send to this URL instead of each letter's own (a vendor URL fixed
-    /// since), and keep it in each letter sent.
+pub(crate) struct OneLetter {
+    /// The service's database URL.
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
+    /// The dead-letter table.
+    #[arg(long, default_value = "idem_dead_letters")]
+    table: String,
+    /// The dead letter's id.
     #[arg(long)]
-    url: Option<String>,
-    /// How long the vendor remembers idempotency keys, in seconds (0: it
-    /// has none). By default each letter's own: the horizon its sends were
-    /// made under, kept with it; a letter that does not say is refused, not
-    /// sent. Given, the shorter of this and the letter's applies. A letter
-    /// whose first send may have reached the vendor longer ago is held as
-    /// unknown, not sent.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_HORIZON_SECS))]
-    key_horizon_secs: Option<u64>,
-    /// Kept from the horizon, in seconds (default the letter's; with
-    /// `--key-horizon-secs`, an hour, at most a tenth of a horizon shorter
-    /// than ten hours). The longer of this and the letter's applies.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_HORIZON_SECS))]
-    horizon_margin_secs: Option<u64>,
-    /// How long after a send started the vendor's "not found" is trusted,
-    /// in seconds (default the attempt timeout plus 5 s). The longer of
-    /// this and the letter's applies.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600))]
-    settle_secs: Option<u64>,
-    /// Send letters past the horizon anyway: you have checked the vendor
-    /// (a letter held as unknown still needs `idem dlq resolve`).
-    #[arg(long)]
-    past_horizon: bool,
-    /// How long each letter is held against other redrives once taken, in
-    /// seconds (default: the deadline plus 30 s). A redrive that dies
-    /// leaves its letters `redriving` until their hold runs out; no send is
-    /// started with less than a third of the hold left.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    hold_secs: Option<u64>,
-    /// A field the vendor's 2xx answer must hold as a non-empty string, as
-    /// its contract promises (`id`). Repeatable. An answer without it holds the
-    /// letter as unknown, for `idem dlq resolve`, instead of resolving it.
-    #[arg(long = "answer-field", value_name = "NAME")]
-    answer_fields: Vec<String>,
-    /// A field of the request's JSON body the 2xx answer must repeat with
-    /// the same value (`amount`, `reference`). Repeatable; as
-    /// `--answer-field`, an answer that does not holds the letter as unknown.
-    #[arg(long = "answer-echo", value_name = "NAME")]
-    answer_echoes: Vec<String>,
-    /// A header to send with every redrive but never store (the vendor's
-    /// credentials), as NAME:ENV_VAR: the value is read from that
-    /// environment variable, never from the command line. Repeatable.
-    #[arg(long = "secret-header")]
-    secret_headers: Vec<String>,
-    /// The CA certificates (PEM) an https vendor must be signed by, in
-    /// place of the platform's roots.
-    #[arg(long)]
-    ca_file: Option<std::path::PathBuf>,
+    id: i64,
 }
 
-impl ResendArgs {
-    /// `--hold-secs`, if given.
-    pub(crate) fn hold_secs(&self) -> Option<u64> {
-        self.hold_secs
-    }
+/// What `idem dlq resolve` records.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ResolveArgs {
+    #[command(flatten)]
+    letter: OneLetter,
+    /// The vendor applied it.
+    #[arg(long, conflicts_with = "not_applied", required_unless_present = "not_applied")]
+    applied: bool,
+    /// The vendor did not apply it.
+    #[arg(long)]
+    not_applied: bool,
+    /// With --applied: the vendor's success status.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u16).range(200..=299), requires = "applied")]
+    status: u16,
+    /// With --applied: the vendor's record of it (its answer), as text.
+    #[arg(long, default_value = "", requires = "applied")]
+    body: String,
+    /// Where it was checked, or why (kept with the letter).
+    #[arg(long)]
+    note: String,
+}
 
-    /// Whether `--url` sends the letters to another target.
-    pub(crate) fn retargets(&self) -> bool {
-        self.url.is_some()
-    }
+/// Which dead letters `idem dlq redrive` sends again, and how.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RedriveArgs {
+    #[command(flatten)]
+    selection: DlqSelection,
+    /// Only this dead letter.
+    #[arg(long, conflicts_with_all = ["tenant", "operation", "after_id", "state"])]
+    id: Option<i64>,
+    /// Which state to take them from (`redriving`: holds that ran out).
+    #[arg(long, default_value = "dead", value_parser = ["dead", "redriving"])]
+    state: String,
+    /// At most this many dead letters considered.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max: u32,
+    /// At most this many sends started per second.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    per_second: u32,
+    /// Each send's deadline, retries included, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    deadline_secs: u64,
+    #[command(flatten)]
+    resend: resend::ResendArgs,
+}
 
-    /// `base` with the horizon, the settle time and the secret headers.
-    /// Without `--key-horizon-secs` the client has no horizon of its own
-    /// (the longest there is, no margin): each letter's terms apply, as the
-    /// strictest of both always does.
-    pub(crate) fn config(
-        &self,
-        base: idem_outbound::OutboundConfig,
-    ) -> std::result::Result<idem_outbound::OutboundConfig, crate::Failure> {
-        let bad = |why: String| crate::Failure(2, why);
-        let key_horizon = match self.key_horizon_secs {
-            Some(secs) => {
-                let horizon = Duration::from_secs(secs);
-                let margin = self
-                    .horizon_margin_secs
-                    .map(Duration::from_secs)
-                    .unwrap_or_else(|| Duration::from_secs(3600).min(horizon / 10));
-                idem_outbound::KeyHorizon::new(horizon, margin)
-            }
-            None => idem_outbound::KeyHorizon::new(
-                Duration::from_secs(MAX_HORIZON_SECS),
-                Duration::from_secs(self.horizon_margin_secs.unwrap_or(0)),
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum DlqCommand {
+    /// Dead letters matching the filters, oldest first.
+    List {
+        #[command(flatten)]
+        selection: DlqSelection,
+        /// Only in this state.
+        #[arg(long, value_parser = ["dead", "redriving", "resolved", "unknown", "cancelled"])]
+        state: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+        limit: u32,
+    },
+    /// One dead letter, with its request and the answer that resolved it.
+    Show(OneLetter),
+    /// Sends dead letters again with their own idempotency key (a vendor
+    /// that applied one answers with its recorded result), one at a time,
+    /// capped and paced; each is resolved or dead again.
+    Redrive(Box<RedriveArgs>),
+    /// Records what the vendor says of a dead or unknown letter, checked by
+    /// the operator: `--applied` resolves it with the vendor's answer;
+    /// `--not-applied` makes it dead again with nothing counted as sent, so a
+    /// redrive sends it (even past the vendor's key horizon) and the service
+    /// may cancel it.
+    Resolve(ResolveArgs),
+}
+
+/// The dead letters in `table` of the store at `url`, as they are.
+async fn open(url: &str, table: &str) -> Result<AnyDeadLetters, Failure> {
+    let table = TableName::new(table.to_owned())?;
+    AnyDeadLetters::open(url, table)
+        .await
+        .map_err(|e| store_failure(url, e))
+}
+
+/// A dead-letter store error, with a hint when the table is missing.
+fn dlq_failure(table: &str, e: idem_core::Error) -> Failure {
+    let Failure(code, message) = e.into();
+    if code == 1 {
+        Failure(1, format!("dead letters {table}: {message} (is the table there?)"))
+    } else {
+        Failure(code, message)
+    }
+}
+
+/// The dead letter `id` of `table`, or exit 1: a mistyped id is an error,
+/// not a quiet "skipped".
+async fn existing(s: &AnyDeadLetters, table: &str, id: i64) -> Result<DeadLetter, Failure> {
+    let letter = s.get(id).await.map_err(|e| dlq_failure(table, e))?;
+    letter.ok_or_else(|| Failure(1, format!("no dead letter {id} in {table}")))
+}
+
+/// Runs one `idem dlq` command.
+pub(crate) async fn run(command: DlqCommand, json: bool) -> Result<(), Failure> {
+    match command {
+        DlqCommand::List {
+            selection,
+            state,
+            limit,
+        } => list(&selection, state.as_deref(), limit, json).await,
+        DlqCommand::Show(letter) => show(&letter, json).await,
+        DlqCommand::Redrive(args) => redrive(*args, json).await,
+        DlqCommand::Resolve(args) => resolve(args, json).await,
+    }
+}
+
+async fn list(selection: &DlqSelection, state: Option<&str>, limit: u32, json: bool) -> Result<(), Failure> {
+    let filter = selection.filter(state, limit)?;
+    let store = open(&selection.store, &selection.table).await?;
+    let letters = store
+        .list(&filter)
+        .await
+        .map_err(|e| dlq_failure(&selection.table, e))?;
+    if json {
+        say!(
+            "{}",
+            serde_json::Value::Array(letters.iter().map(summary_json).collect::<Vec<_>>())
+        );
+    } else {
+        for l in &letters {
+            say!("{}", summary_line(l));
+        }
+        eprintln!("{} dead letter(s)", letters.len());
+    }
+    Ok(())
+}
+
+async fn show(letter: &OneLetter, json: bool) -> Result<(), Failure> {
+    let s = open(&letter.store, &letter.table).await?;
+    let found = existing(&s, &letter.table, letter.id).await?;
+    print_document(json, &detail_json(&found));
+    Ok(())
+}
+
+async fn resolve(args: ResolveArgs, json: bool) -> Result<(), Failure> {
+    let ResolveArgs {
+        letter: OneLetter { store, table, id },
+        applied,
+        not_applied: _,
+        status,
+        body,
+        note,
+    } = args;
+    let s = open(&store, &table).await?;
+    let settlement = settlement(applied, status, body, note)?;
+    let letter = existing(&s, &table, id).await?;
+    if !s.settle(id, &settlement).await.map_err(|e| dlq_failure(&table, e))? {
+        return Err(Failure(
+            1,
+            format!(
+                "dead letter {id} is {}: only a dead or unknown letter is resolved",
+                letter.state.as_str()
             ),
-        };
-        let mut config = idem_outbound::OutboundConfig {
-            key_horizon,
-            reconcile_settle: self.settle_secs.map(Duration::from_secs),
-            ca_file: self.ca_file.clone(),
-            ..base
-        };
-        for spec in &self.secret_headers {
-            let Some((name, var)) = spec.split_once(':') else {
-                return Err(bad(format!("--secret-header {spec:?}: expected NAME:ENV_VAR")));
-            };
-            let value = std::env::var(var).map_err(|_| {
-                bad(format!(
-                    "--secret-header {name}: the environment variable {var} is not set"
-                ))
-            })?;
-            config = config
-                .with_secret_header(name, &value)
-                .map_err(|e| bad(format!("--secret-header {name}: {e}")))?;
-        }
-        config.validate().map_err(|e| bad(e.to_string()))?;
-        Ok(config)
+        ));
     }
+    let after = s.get(id).await.map_err(|e| dlq_failure(&table, e))?;
+    let v = after.as_ref().map(detail_json).unwrap_or_default();
+    print(json, v, format!("{id}\t{}", after.map_or("gone", |l| l.state.as_str())));
+    Ok(())
+}
 
-    /// The redriver, with the target override checked.
-    pub(crate) fn redriver<S: DeadLetterStore>(
-        &self,
-        client: idem_outbound::OutboundClient,
-        store: S,
-    ) -> std::result::Result<idem_outbound::Redriver<S>, crate::Failure> {
-        let mut redriver = idem_outbound::Redriver::new(client, store)
-            .with_past_horizon_override(self.past_horizon)
-            .with_terms_required(self.key_horizon_secs.is_none());
-        if let Some(secs) = self.hold_secs {
-            redriver = redriver.with_hold(Duration::from_secs(secs));
-        }
-        if !self.answer_fields.is_empty() || !self.answer_echoes.is_empty() {
-            let (fields, echoes) = (self.answer_fields.clone(), self.answer_echoes.clone());
-            redriver = redriver.with_answer_check(std::sync::Arc::new(move |request, body| {
-                check_answer(&fields, &echoes, request.body(), body)
-            }));
-        }
-        match &self.url {
-            Some(url) => redriver
-                .with_target(url)
-                .map_err(|e| crate::Failure(2, format!("--url: {e}"))),
-            None => Ok(redriver),
-        }
+async fn redrive(args: RedriveArgs, json: bool) -> Result<(), Failure> {
+    let RedriveArgs {
+        selection,
+        id,
+        state,
+        max,
+        per_second,
+        deadline_secs,
+        resend,
+    } = args;
+    if let Some(hold) = resend.hold_secs()
+        && hold < deadline_secs
+    {
+        return Err(Failure(
+            2,
+            format!(
+                "--hold-secs ({hold}) must be at least --deadline-secs ({deadline_secs}): a hold that runs \
+                 out mid-send cuts the send's retries off and lets another redrive take the letter"
+            ),
+        ));
     }
+    if resend.retargets() && id.is_none() && selection.operation.is_none() {
+        return Err(Failure(
+            2,
+            "--url sends every selected letter to one target and stores it in each: \
+             name the letters' --operation (or one --id)"
+                .into(),
+        ));
+    }
+    let filter = selection.filter(Some(&state), 100)?;
+    let config = resend.config(idem_outbound::OutboundConfig {
+        name: "idem-cli".into(),
+        deadline: Duration::from_secs(deadline_secs),
+        ..idem_outbound::OutboundConfig::default()
+    })?;
+    let client = idem_outbound::OutboundClient::new(config)?;
+    let store = open(&selection.store, &selection.table).await?;
+    let redriver = resend.redriver(client, store.clone())?;
+    let failure = |e| match e {
+        idem_outbound::OutboundError::Store(e) => dlq_failure(&selection.table, e),
+        other => other.into(),
+    };
+    let report = match id {
+        Some(id) => {
+            existing(&store, &selection.table, id).await?;
+            let result = redriver.redrive_one(id).await.map_err(failure)?;
+            let mut report = RedriveReport::default();
+            report.add(id, result);
+            report
+        }
+        None => redriver
+            .redrive(&filter, idem_outbound::RedriveOptions { max, per_second })
+            .await
+            .map_err(failure)?,
+    };
+    if json {
+        say!("{}", report_json(store.kind(), &report));
+    } else {
+        for item in &report.items {
+            say!("{}", result_line(item.id, &item.result));
+        }
+        say!(
+            "{}: {} resolved, {} failed, {} held as unknown, {} skipped, {} refused, {} error(s)",
+            store.kind(),
+            report.resolved,
+            report.failed,
+            report.unknown,
+            report.skipped,
+            report.refused,
+            report.errors
+        );
+    }
+    if report.refused > 0 {
+        return Err(Failure(
+            2,
+            format!(
+                "{} dead letter(s) do not say the key horizon their sends were made under: nothing sent for \
+                 them; give --key-horizon-secs (and --settle-secs) to judge them by",
+                report.refused
+            ),
+        ));
+    }
+    if report.failed > 0 || report.errors > 0 || report.unknown > 0 {
+        return Err(Failure(
+            1,
+            format!(
+                "{} dead letter(s) failed again, {} held as unknown (see `idem dlq resolve`), {} error(s)",
+                report.failed, report.unknown, report.errors
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The operator's settlement of `dlq resolve`.
-pub(crate) fn settlement(
-    applied: bool,
-    status: u16,
-    body: String,
-    note: String,
-) -> std::result::Result<Settlement, crate::Failure> {
+fn settlement(applied: bool, status: u16, body: String, note: String) -> Result<Settlement, Failure> {
     if note.trim().is_empty() || note.len() > idem_core::MAX_DEAD_LETTER_TEXT {
-        return Err(crate::Failure(
+        return Err(Failure(
             2,
             format!(
                 "--note: say where it was checked (1 to {} bytes)",
@@ -281,7 +345,7 @@ pub(crate) fn settlement(
         ));
     }
     if body.len() > idem_core::MAX_DEAD_LETTER_RESPONSE {
-        return Err(crate::Failure(
+        return Err(Failure(
             2,
             format!("--body: at most {} bytes", idem_core::MAX_DEAD_LETTER_RESPONSE),
         ));
@@ -303,7 +367,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 /// A dead letter's summary (`list`).
-pub(crate) fn summary_json(l: &DeadLetter) -> serde_json::Value {
+fn summary_json(l: &DeadLetter) -> serde_json::Value {
     serde_json::json!({
         "id": l.id,
         "tenant": l.scope.tenant().as_str(),
@@ -336,7 +400,7 @@ pub(crate) fn summary_json(l: &DeadLetter) -> serde_json::Value {
 
 /// A dead letter in full (`show`): the request's headers and body, and the
 /// answer of a redrive that resolved it.
-pub(crate) fn detail_json(l: &DeadLetter) -> serde_json::Value {
+fn detail_json(l: &DeadLetter) -> serde_json::Value {
     let mut v = summary_json(l);
     v["headers"] = l
         .request
@@ -351,7 +415,7 @@ pub(crate) fn detail_json(l: &DeadLetter) -> serde_json::Value {
 }
 
 /// One line of `list`.
-pub(crate) fn summary_line(l: &DeadLetter) -> String {
+fn summary_line(l: &DeadLetter) -> String {
     format!(
         "{}\t{}\t{}\t{}\t{}\t{} {}\t{} attempt(s)\t{}",
         l.id,
@@ -367,7 +431,7 @@ pub(crate) fn summary_line(l: &DeadLetter) -> String {
 }
 
 /// One redrive's result as JSON.
-pub(crate) fn result_json(id: i64, result: &RedriveResult) -> serde_json::Value {
+fn result_json(id: i64, result: &RedriveResult) -> serde_json::Value {
     match result {
         RedriveResult::Resolved { status, attempts } => {
             serde_json::json!({ "id": id, "result": "resolved", "status": status, "attempts": attempts })
@@ -384,7 +448,7 @@ pub(crate) fn result_json(id: i64, result: &RedriveResult) -> serde_json::Value 
 }
 
 /// One redrive's result as a line.
-pub(crate) fn result_line(id: i64, result: &RedriveResult) -> String {
+fn result_line(id: i64, result: &RedriveResult) -> String {
     match result {
         RedriveResult::Resolved { status, attempts } => {
             format!("{id}\tresolved\tHTTP {status} after {attempts} attempt(s)")
@@ -399,7 +463,7 @@ pub(crate) fn result_line(id: i64, result: &RedriveResult) -> String {
 }
 
 /// A run's report as JSON.
-pub(crate) fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
+fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
     serde_json::json!({
         "store": kind,
         "resolved": r.resolved,
@@ -410,37 +474,4 @@ pub(crate) fn report_json(kind: &str, r: &RedriveReport) -> serde_json::Value {
         "errors": r.errors,
         "items": r.items.iter().map(|i| result_json(i.id, &i.result)).collect::<Vec<_>>(),
     })
-}
-
-/// Whether a 2xx `answer` holds each of `fields` (non-null, non-empty) and
-/// repeats each of `echoes` of the `sent` JSON body.
-fn check_answer(fields: &[String], echoes: &[String], sent: &[u8], answer: &[u8]) -> std::result::Result<(), String> {
-    let answer: serde_json::Value =
-        serde_json::from_slice(answer).map_err(|e| format!("the answer is not JSON ({e})"))?;
-    if !answer.is_object() {
-        return Err("the answer is not a JSON object".into());
-    }
-    for field in fields {
-        // An identifier: a non-empty string, as a service storing it
-        // expects (a number or an object is not one).
-        match answer.get(field) {
-            Some(serde_json::Value::String(s)) if !s.is_empty() => {}
-            None | Some(serde_json::Value::Null) => return Err(format!("the answer has no {field:?}")),
-            Some(other) => return Err(format!("the answer's {field:?} is {other}, not a non-empty string")),
-        }
-    }
-    if !echoes.is_empty() {
-        let sent: serde_json::Value =
-            serde_json::from_slice(sent).map_err(|e| format!("the request is not JSON ({e})"))?;
-        for field in echoes {
-            if sent.get(field).is_none() || answer.get(field) != sent.get(field) {
-                return Err(format!(
-                    "the answer's {field:?} is {}, the request's {}",
-                    answer.get(field).unwrap_or(&serde_json::Value::Null),
-                    sent.get(field).unwrap_or(&serde_json::Value::Null)
-                ));
-            }
-        }
-    }
-    Ok(())
 }

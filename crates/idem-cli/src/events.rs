@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::Subcommand;
 use idem_jetstream::{ConsumerError, DeadLetterFilter, RedriveOptions, StoredDeadLetter};
 
-use crate::{Failure, STDOUT_USED, print};
+use crate::output::{Failure, print, say};
 
 /// The NATS server, the dead-letter stream and which letters to select.
 #[derive(Debug, clap::Args)]

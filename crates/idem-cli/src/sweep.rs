@@ -1,0 +1,86 @@
+//! `idem sweep`: deletes expired keys in bounded batches, paced for live
+//! traffic, with a progress bar on a terminal.
+
+use std::time::Duration;
+
+use idem_core::{KeyAdmin, Sweep, TimeSource};
+use idem_gateway::AnyLease;
+
+use crate::output::{Failure, print};
+use crate::store::{KeysTable, with_table};
+
+/// The flags of `idem sweep`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct SweepArgs {
+    #[command(flatten)]
+    at: KeysTable,
+    /// Keys deleted per batch.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    batch: u32,
+    /// Pause between batches, in ms (room for live traffic).
+    #[arg(long, default_value_t = 10)]
+    pause_ms: u64,
+    /// Stop after this many batches.
+    #[arg(long)]
+    max_batches: Option<u64>,
+}
+
+/// Sweeps until a batch finds less than it could take (or `--max-batches`).
+pub(crate) async fn run(args: SweepArgs, redis: &idem_gateway::RedisSettings, json: bool) -> Result<(), Failure> {
+    let SweepArgs {
+        at,
+        batch,
+        pause_ms,
+        max_batches,
+    } = args;
+    let s = at.open_to_write(redis).await?;
+    let now = s.source_now_ms().await?;
+    let bar = if !json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let expired = s.stats(now).await?.expired;
+        let bar = indicatif::ProgressBar::new(expired);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} expired keys deleted ({per_sec})")
+                .expect("a valid template"),
+        );
+        Some(bar)
+    } else {
+        None
+    };
+    let mut report = idem_core::SweepReport::default();
+    loop {
+        if max_batches.is_some_and(|m| report.batches >= m) {
+            break;
+        }
+        let done = s.sweep_batch(now, batch).await?;
+        report.batches += 1;
+        report.deleted += done.deleted;
+        report.ghosts += done.ghosts;
+        if let Some(bar) = &bar {
+            bar.inc(done.deleted);
+        }
+        // Entries whose rows were already gone are work done too:
+        // only a batch that found less than it could take is the last.
+        if done.examined < u64::from(batch) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let (deleted, ghosts, batches) = (report.deleted, report.ghosts, report.batches);
+    let v = with_table(
+        &s,
+        serde_json::json!({ "store": s.kind(), "deleted": deleted, "ghosts": ghosts, "batches": batches }),
+    );
+    let text = if matches!(s, AnyLease::Redis(_)) {
+        format!(
+            "{}: {deleted} expired keys deleted, {ghosts} index entries of keys Redis had expired removed, in {batches} batches",
+            s.kind()
+        )
+    } else {
+        format!("{}: {deleted} expired keys deleted in {batches} batches", s.kind())
+    };
+    print(json, v, text);
+    Ok(())
+}
