@@ -5,7 +5,7 @@
 //! `SELECT … FOR UPDATE` in a READ COMMITTED transaction (no gap locks: a
 //! redrive of a missing id never holds up new letters; a concurrent redrive
 //! waits for the row's lock, re-reads it and no longer finds it free),
-//! applies one of the core's transitions ([`DeadLetter`]'s methods: the
+//! applies one of the core's transitions ([`DeadLetter`](idem_core::DeadLetter)'s methods: the
 //! same decisions on every engine), and writes the row back. A first record
 //! is a plain `INSERT`; a duplicate key (another writer of the same call got
 //! there first) turns it into an update of that row. Timestamps and holds

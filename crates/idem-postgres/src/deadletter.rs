@@ -5,7 +5,7 @@
 //! transaction (a concurrent redrive waits for the row's lock, re-reads it
 //! and no longer finds it free: `None`, never a serialisation failure,
 //! whatever the database's default level), applies one of the core's
-//! transitions ([`DeadLetter`]'s methods: the same decisions on every
+//! transitions ([`DeadLetter`](idem_core::DeadLetter)'s methods: the same decisions on every
 //! engine), and writes the row back. A first record is an
 //! `INSERT … ON CONFLICT DO NOTHING`, so two writers of one call make one
 //! row. Timestamps and holds are on the database's clock.

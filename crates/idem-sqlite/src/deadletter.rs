@@ -3,7 +3,7 @@
 //! One row per (tenant, operation, key). Every write reads the row with the
 //! database's clock inside a `BEGIN IMMEDIATE` transaction (SQLite's single
 //! writer lock, so two redrives never both take one letter), applies one of
-//! the core's transitions ([`DeadLetter`]'s methods: the same decisions on
+//! the core's transitions ([`DeadLetter`](idem_core::DeadLetter)'s methods: the same decisions on
 //! every engine), and writes the row back. A first record is an
 //! `INSERT … ON CONFLICT DO NOTHING`, so two writers of one call make one
 //! row. Timestamps and holds are on the database's clock.
