@@ -88,13 +88,19 @@ impl RedisConnection {
             Self::Single(c) => {
                 let mut c = c.clone();
                 let info: Value = redis::cmd("INFO").arg("replication").query_async(&mut c).await?;
-                Ok(crate::deployment::replicas_of_info(&crate::text(&info).unwrap_or_default()))
+                Ok(crate::deployment::replicas_of_info(
+                    &crate::text(&info).unwrap_or_default(),
+                ))
             }
             Self::Cluster(c) => {
                 let mut c = c.clone();
                 let routing = RoutingInfo::SingleNode(redis::cluster_routing::SingleNodeRoutingInfo::Random);
-                let nodes = c.route_command(redis::cmd("CLUSTER").arg("NODES").clone(), routing).await?;
-                Ok(crate::deployment::replicas_of_cluster(&crate::text(&nodes).unwrap_or_default()))
+                let nodes = c
+                    .route_command(redis::cmd("CLUSTER").arg("NODES").clone(), routing)
+                    .await?;
+                Ok(crate::deployment::replicas_of_cluster(
+                    &crate::text(&nodes).unwrap_or_default(),
+                ))
             }
         }
     }

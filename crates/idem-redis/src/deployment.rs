@@ -126,11 +126,11 @@ async fn replica_policy(dialer: &Dialer, addr: &str) -> std::result::Result<Opti
     let mut conn = dialer.dial(addr).await?;
     let read = async {
         let info: redis::RedisResult<Value> = redis::cmd("INFO").arg("memory").query_async(&mut conn).await;
-        if let Some(policy) = info
-            .ok()
-            .and_then(|v| crate::text(&v))
-            .and_then(|t| info_fields(&t).find(|(n, _)| *n == "maxmemory_policy").map(|(_, v)| v.to_owned()))
-        {
+        if let Some(policy) = info.ok().and_then(|v| crate::text(&v)).and_then(|t| {
+            info_fields(&t)
+                .find(|(n, _)| *n == "maxmemory_policy")
+                .map(|(_, v)| v.to_owned())
+        }) {
             return Some(policy);
         }
         let config: redis::RedisResult<Value> = redis::cmd("CONFIG")
@@ -349,7 +349,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("replica 10.0.0.2:6380") && e.contains("allkeys-lru"), "{e}");
-        assert_eq!(judge(&[sound, replica(Some("noeviction"))]).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            judge(&[sound, replica(Some("noeviction"))]).unwrap(),
+            Vec::<String>::new()
+        );
         let w = judge(&[node(Some("noeviction"), Some(true), None), replica(None)]).unwrap();
         assert!(w.len() == 1 && w[0].contains("replica 10.0.0.2:6380"), "{w:?}");
     }

@@ -234,7 +234,13 @@ impl RedisStore<ClusterConnection> {
         let dialer = plain.first().and_then(|first| {
             redis::IntoConnectionInfo::into_connection_info(first.as_str())
                 .ok()
-                .map(|info| Arc::new(deployment::Dialer::new(info.set_tcp_settings(tcp_settings()), ca.clone(), first)))
+                .map(|info| {
+                    Arc::new(deployment::Dialer::new(
+                        info.set_tcp_settings(tcp_settings()),
+                        ca.clone(),
+                        first,
+                    ))
+                })
         });
         Ok(Self::new(conn).on_cluster().with_dialer(dialer))
     }

@@ -319,9 +319,9 @@ impl DeadLetterTable for SqliteDeadLetters {
                 .bind(row.key_horizon_ms)
                 .bind(row.horizon_margin_ms)
                 .bind(row.settle_ms)
-            .fetch_optional(conn)
-            .await
-            .map_err(store_error)
+                .fetch_optional(conn)
+                .await
+                .map_err(store_error)
         })
     }
 

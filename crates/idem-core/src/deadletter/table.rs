@@ -51,7 +51,11 @@ pub trait DeadLetterTable: Clone + Send + Sync + 'static {
     fn insert<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<Option<i64>>>;
 
     /// Reads a row under the transaction's lock, with the database's clock.
-    fn lock<'a>(&'a self, conn: &'a mut Self::Conn, at: RowAt<'a>) -> BoxFuture<'a, Result<Option<(DeadLetterRow, i64)>>>;
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        at: RowAt<'a>,
+    ) -> BoxFuture<'a, Result<Option<(DeadLetterRow, i64)>>>;
 
     /// Writes back every changing column of `row` (found by its id).
     fn update<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<()>>;

@@ -223,7 +223,14 @@ impl RedisCluster {
     pub(crate) fn add_replica(&mut self, args: &[&str]) -> u16 {
         let node_dir = self.dir.join(format!("r{}", self.nodes.len()));
         std::fs::create_dir_all(&node_dir).unwrap();
-        let mut all = vec!["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--save", ""];
+        let mut all = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--save",
+            "",
+        ];
         all.extend_from_slice(args);
         let (child, port) = spawn_ready(&node_dir, &all);
         self.nodes.push(child);
@@ -253,7 +260,10 @@ impl RedisCluster {
             if listed {
                 return port;
             }
-            assert!(Instant::now() < deadline, "the replica on {port} did not join the cluster");
+            assert!(
+                Instant::now() < deadline,
+                "the replica on {port} did not join the cluster"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
