@@ -92,15 +92,28 @@ impl RedisConnection {
                     &crate::text(&info).unwrap_or_default(),
                 ))
             }
-            Self::Cluster(c) => {
-                let mut c = c.clone();
-                let routing = RoutingInfo::SingleNode(redis::cluster_routing::SingleNodeRoutingInfo::Random);
-                let nodes = c
-                    .route_command(redis::cmd("CLUSTER").arg("NODES").clone(), routing)
-                    .await?;
-                Ok(crate::deployment::replicas_of_cluster(
-                    &crate::text(&nodes).unwrap_or_default(),
-                ))
+            Self::Cluster(_) => {
+                // Every master's view, joined: a node that joined a moment
+                // ago is known to some masters before the others.
+                let mut replicas = Vec::new();
+                let mut first_error = None;
+                for (_, reply) in self.on_every_master(redis::cmd("CLUSTER").arg("NODES").clone()).await {
+                    match reply {
+                        Ok(nodes) => {
+                            let text = crate::text(&nodes).unwrap_or_default();
+                            for replica in crate::deployment::replicas_of_cluster(&text) {
+                                if !replicas.contains(&replica) {
+                                    replicas.push(replica);
+                                }
+                            }
+                        }
+                        Err(e) => first_error = first_error.or(Some(e)),
+                    }
+                }
+                match first_error {
+                    Some(e) if replicas.is_empty() => Err(e),
+                    _ => Ok(replicas),
+                }
             }
         }
     }

@@ -249,14 +249,18 @@ impl RedisCluster {
         );
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let listed = Command::new("redis-cli")
-                .args(["-p", &self.ports[0].to_string(), "cluster", "nodes"])
-                .output()
-                .is_ok_and(|o| {
-                    String::from_utf8_lossy(&o.stdout)
-                        .lines()
-                        .any(|l| l.contains(&format!(":{port}@")) && l.contains("slave"))
-                });
+            // Every master knows it as a replica (gossip reaches them one
+            // after the other).
+            let listed = self.ports.iter().all(|master| {
+                Command::new("redis-cli")
+                    .args(["-p", &master.to_string(), "cluster", "nodes"])
+                    .output()
+                    .is_ok_and(|o| {
+                        String::from_utf8_lossy(&o.stdout)
+                            .lines()
+                            .any(|l| l.contains(&format!(":{port}@")) && l.contains("slave"))
+                    })
+            });
             if listed {
                 return port;
             }
