@@ -30,6 +30,11 @@ pub(super) const BASE_FAULTS: fake_vendor::Faults = fake_vendor::Faults {
 const DROP_WINDOW_AT: f64 = 1.0 / 6.0;
 const OUTAGE_WINDOW_AT: f64 = 1.0 / 3.0;
 
+/// How long past `calm` the held outage still waits for its dead letter: past
+/// a breaker's open period (30 s), so a call deferred by a breaker opened just
+/// before the outage comes back and is throttled to a dead letter.
+const OUTAGE_PAST_CALM: Duration = Duration::from_secs(45);
+
 /// What the held windows of [`attack_vendor`] need: the workload's
 /// progress (they open at fixed fractions of it), and the ledger's database
 /// and tenant (the outage is held until they show a dead letter).
@@ -44,11 +49,11 @@ pub(crate) struct HeldWindows {
 /// often a window of slow answers, and 3–6 s in then every 60–120 s an
 /// outage longer than the workers' retries: new connections refused for
 /// 1.5–3 s, and every request answered 500 until 1–3 s later (their calls
-/// are dead-lettered, and their circuit breaker opens for a while).
+/// are dead-lettered, or deferred once a worker's circuit breaker opens).
 ///
 /// The faults whose effects the run promises are not left to chance: at a
 /// sixth of the workload every answer is dropped after paying until one
-/// dropped payment was replayed, and at a third every call is answered 500
+/// dropped payment was replayed, and at a third every call is throttled
 /// until a payout called in that outage was dead-lettered. Outages are held:
 /// no other attack changes the vendor's faults while one is on.
 pub(crate) async fn attack_vendor(
@@ -160,9 +165,14 @@ async fn hold_drop_window(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<Pay
     }
 }
 
-/// Answers every call 500 until a payout called in this outage has been
-/// dead-lettered after reaching the vendor (the workers' retries run out
-/// within a second), or `calm`.
+/// Throttles every call (429 with `Retry-After: 0`) until a payout called in
+/// this outage has been dead-lettered after reaching the vendor: the
+/// workers' retries run out within a second. A 429 is neutral for the
+/// workers' circuit breakers, so the letter comes by construction; 500s
+/// would open them, and a call refused by an open breaker is deferred, never
+/// dead-lettered. The outage is held past `calm` until the letter comes (a
+/// breaker opened before it lets a call through within its open period),
+/// but at most [`OUTAGE_PAST_CALM`].
 async fn hold_outage(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<PayoutFaults>, windows: &HeldWindows) {
     let store = match ledger::Store::connect(&windows.database_url, 2).await {
         Ok(store) => store,
@@ -173,7 +183,10 @@ async fn hold_outage(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<PayoutFa
     };
     let letters = store.dead_letters();
     let failing = fake_vendor::Faults {
-        error_500: 1.0,
+        apply_then_drop: 0.0,
+        error_500: 0.0,
+        rate_limit_429: 1.0,
+        retry_after_secs: 0,
         ..BASE_FAULTS
     };
     if !hold_until_set(vendor, &failing, calm).await {
@@ -192,13 +205,21 @@ async fn hold_outage(vendor: &Vendor, calm: &AtomicBool, faults: &Mutex<PayoutFa
             }
         }
     };
-    while !calm.load(Ordering::SeqCst) {
+    let mut calm_since = None;
+    loop {
         if reached_letters(&letters, &windows.tenant)
             .await
             .is_ok_and(|n| n > before)
         {
             faults.lock().await.outage_letter_seen_at = Some(tokio::time::Instant::now());
             break;
+        }
+        if calm.load(Ordering::SeqCst) {
+            let since = *calm_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= OUTAGE_PAST_CALM {
+                eprintln!("chaos: the held outage saw no dead letter");
+                break;
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
