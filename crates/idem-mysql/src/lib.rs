@@ -132,6 +132,7 @@ mod backend;
 mod claim;
 mod clock;
 pub mod deadletter;
+mod dialect;
 mod error;
 mod migrate;
 pub mod outbox;
@@ -152,6 +153,7 @@ use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr};
 
 use crate::claim::*;
 pub use crate::deadletter::MySqlDeadLetters;
+pub use crate::dialect::MySqlDialect;
 use crate::error::{ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT, error_number};
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::MySqlOutbox;

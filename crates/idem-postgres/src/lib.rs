@@ -151,6 +151,7 @@ mod backend;
 mod claim;
 mod clock;
 pub mod deadletter;
+mod dialect;
 mod error;
 mod migrate;
 pub mod outbox;
@@ -160,6 +161,7 @@ mod tx;
 use crate::claim::*;
 
 pub use deadletter::PgDeadLetters;
+pub use dialect::PgDialect;
 pub use error::{is_contention, store_error};
 pub use outbox::PgOutbox;
 pub use tx::PgTx;

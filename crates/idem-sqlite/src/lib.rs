@@ -164,6 +164,7 @@
 mod backend;
 mod clock;
 pub mod deadletter;
+mod dialect;
 mod error;
 mod keylock;
 pub mod outbox;
@@ -187,6 +188,7 @@ pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements, latest_version};
 pub use crate::tx::SqliteTx;
+pub use dialect::SqliteDialect;
 
 /// The longest busy timeout SQLite takes, in ms (`i32::MAX`, about 24 days).
 pub const MAX_BUSY_TIMEOUT_MS: u64 = i32::MAX as u64;

@@ -1,0 +1,312 @@
+//! The machinery idem's SQL stores share, written once.
+//!
+//! As sqlx keeps what every driver shares in `sqlx-core` and only the wire
+//! protocol per driver, the PostgreSQL, MySQL/MariaDB and SQLite stores keep
+//! here what they share around the core's row transitions: which columns a
+//! kind of table has, the order its statements bind them in, how a row is
+//! read back, the paging of a listing, and the read–transition–write of a
+//! row under its lock. An engine crate gives a [`Dialect`]: its SQL text
+//! where it differs (the clock, the lock clause, placeholders, how a twin
+//! insert is ignored), how its columns are typed, how it begins a
+//! transaction that locks what it reads, its error mapping, and its
+//! migrations.
+//!
+//! No driver is compiled here: the code is generic over sqlx's
+//! [`Database`], and [`SqlDb`] names, once, the values it binds and reads
+//! (every engine sqlx drives has them).
+//!
+//! | kind of table | shared here | the engine's part |
+//! | --- | --- | --- |
+//! | dead letters | [`SqlDeadLetters`]: statements, binds, row reading, listing, purging | [`Dialect`], [`DeadLetterSchema`] (its `CREATE TABLE` and upgrades) |
+//! | outbox | [`SqlOutbox`]: enqueue, a relay's take and finish (held or leased), lag, purging | [`Dialect`], [`OutboxSchema`] (its `CREATE TABLE`, how relays hold rows, how it names a set of rows) |
+
+use idem_core::{BoxFuture, Result, TableName};
+use sqlx::{Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type};
+
+mod deadletter;
+
+pub use deadletter::{DEFAULT_DEAD_LETTER_TABLE, DeadLetterSchema, SqlDeadLetters};
+
+mod migrate;
+pub mod outbox;
+
+pub use migrate::{migrate, pending};
+pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
+
+/// A statement and its arguments on engine `DB`.
+pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
+
+/// Work run on a connection that holds an engine's migration lock (see
+/// [`Dialect::under_migration_lock`]).
+pub type Migrations<'a, DB> =
+    Box<dyn for<'c> FnOnce(&'c mut <DB as Database>::Connection) -> BoxFuture<'c, Result<()>> + Send + 'a>;
+
+/// A value the shared code binds, in the Rust type every engine takes.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg<'a> {
+    /// A `BIGINT`.
+    Int(i64),
+    /// A `BIGINT` or NULL.
+    OptInt(Option<i64>),
+    /// An `INTEGER` or NULL.
+    OptInt32(Option<i32>),
+    /// Text.
+    Text(&'a str),
+    /// Text or NULL.
+    OptText(Option<&'a str>),
+    /// Bytes.
+    Bytes(&'a [u8]),
+    /// Bytes or NULL.
+    OptBytes(Option<&'a [u8]>),
+}
+
+/// An engine sqlx drives, seen through the values the shared code binds and
+/// reads. Every such engine is one: the bounds are written here, once.
+pub trait SqlDb: Database {
+    /// `statement` with `arg` bound next.
+    fn bind<'q>(statement: Statement<'q, Self>, arg: Arg<'_>) -> Statement<'q, Self>;
+    /// A `BIGINT` column.
+    fn int(row: &Self::Row, column: &str) -> sqlx::Result<i64>;
+    /// A `BIGINT` column that may be NULL.
+    fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>>;
+    /// An `INTEGER` column.
+    fn int32(row: &Self::Row, column: &str) -> sqlx::Result<i32>;
+    /// An `INTEGER` column that may be NULL.
+    fn opt_int32(row: &Self::Row, column: &str) -> sqlx::Result<Option<i32>>;
+    /// A text column.
+    fn text(row: &Self::Row, column: &str) -> sqlx::Result<String>;
+    /// A text column that may be NULL.
+    fn opt_text(row: &Self::Row, column: &str) -> sqlx::Result<Option<String>>;
+    /// A bytes column.
+    fn bytes(row: &Self::Row, column: &str) -> sqlx::Result<Vec<u8>>;
+    /// A bytes column that may be NULL.
+    fn opt_bytes(row: &Self::Row, column: &str) -> sqlx::Result<Option<Vec<u8>>>;
+    /// Runs `statement` on `conn`: its first row, if any.
+    fn fetch_optional<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<Self::Row>>>;
+    /// Runs `statement` on `conn`: all its rows.
+    fn fetch_all<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<Self::Row>>>;
+    /// Runs `statement` on a connection of `pool`: its first row, if any.
+    fn fetch_optional_pooled<'c>(
+        statement: Statement<'c, Self>,
+        pool: &'c Pool<Self>,
+    ) -> BoxFuture<'c, sqlx::Result<Option<Self::Row>>>;
+    /// Runs `statement` on a connection of `pool`: all its rows.
+    fn fetch_all_pooled<'c>(
+        statement: Statement<'c, Self>,
+        pool: &'c Pool<Self>,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<Self::Row>>>;
+    /// Runs `statement` on `conn`.
+    fn execute<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Self::QueryResult>>;
+}
+
+impl<DB> SqlDb for DB
+where
+    DB: Database,
+    <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'r> i64: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
+    for<'r> i32: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> &'r str: Encode<'r, DB> + Type<DB>,
+    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
+    for<'r> &'r [u8]: Encode<'r, DB> + Type<DB>,
+    for<'r> Option<i64>: Encode<'r, DB>,
+    for<'r> Option<i32>: Encode<'r, DB>,
+    for<'r> Option<&'r str>: Encode<'r, DB>,
+    for<'r> Option<&'r [u8]>: Encode<'r, DB>,
+    for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
+{
+    fn bind<'q>(statement: Statement<'q, Self>, arg: Arg<'_>) -> Statement<'q, Self> {
+        match arg {
+            Arg::Int(v) => statement.bind(v),
+            Arg::OptInt(v) => statement.bind(v),
+            Arg::OptInt32(v) => statement.bind(v),
+            Arg::Text(v) => statement.bind(v),
+            Arg::OptText(v) => statement.bind(v),
+            Arg::Bytes(v) => statement.bind(v),
+            Arg::OptBytes(v) => statement.bind(v),
+        }
+    }
+
+    fn int(row: &Self::Row, column: &str) -> sqlx::Result<i64> {
+        row.try_get(column)
+    }
+
+    fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>> {
+        row.try_get(column)
+    }
+
+    fn int32(row: &Self::Row, column: &str) -> sqlx::Result<i32> {
+        row.try_get(column)
+    }
+
+    fn opt_int32(row: &Self::Row, column: &str) -> sqlx::Result<Option<i32>> {
+        row.try_get(column)
+    }
+
+    fn text(row: &Self::Row, column: &str) -> sqlx::Result<String> {
+        row.try_get(column)
+    }
+
+    fn opt_text(row: &Self::Row, column: &str) -> sqlx::Result<Option<String>> {
+        row.try_get(column)
+    }
+
+    fn bytes(row: &Self::Row, column: &str) -> sqlx::Result<Vec<u8>> {
+        row.try_get(column)
+    }
+
+    fn opt_bytes(row: &Self::Row, column: &str) -> sqlx::Result<Option<Vec<u8>>> {
+        row.try_get(column)
+    }
+
+    fn fetch_optional<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<Self::Row>>> {
+        Box::pin(statement.fetch_optional(conn))
+    }
+
+    fn fetch_all<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<Self::Row>>> {
+        Box::pin(statement.fetch_all(conn))
+    }
+
+    fn fetch_optional_pooled<'c>(
+        statement: Statement<'c, Self>,
+        pool: &'c Pool<Self>,
+    ) -> BoxFuture<'c, sqlx::Result<Option<Self::Row>>> {
+        Box::pin(statement.fetch_optional(pool))
+    }
+
+    fn fetch_all_pooled<'c>(
+        statement: Statement<'c, Self>,
+        pool: &'c Pool<Self>,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<Self::Row>>> {
+        Box::pin(statement.fetch_all(pool))
+    }
+
+    fn execute<'c>(
+        statement: Statement<'c, Self>,
+        conn: &'c mut Self::Connection,
+    ) -> BoxFuture<'c, sqlx::Result<Self::QueryResult>> {
+        Box::pin(statement.execute(conn))
+    }
+}
+
+/// How an engine's columns are typed where engines differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextColumns {
+    /// Text columns hold text (SQLite).
+    Text,
+    /// Text columns hold text, but free text (errors, notes), which may hold
+    /// a NUL, is kept as bytes (PostgreSQL's `text` refuses NUL).
+    FreeTextAsBytes,
+    /// Every text column is binary, compared byte for byte (MySQL and
+    /// MariaDB `VARBINARY`/`BLOB`): read as bytes, checked to be UTF-8.
+    Binary,
+}
+
+/// What an engine gives the shared code: the SQL text where it differs,
+/// how its columns are typed, how it begins a transaction that locks what
+/// it reads, and its error mapping.
+pub trait Dialect: Send + Sync + 'static {
+    /// The engine.
+    type Db: SqlDb;
+    /// The engine's name, in `Debug` output.
+    const NAME: &'static str;
+    /// The database's clock in milliseconds, as an SQL expression.
+    const NOW_MS: &'static str;
+    /// What a read that locks its row ends with (`" FOR UPDATE"`, or empty
+    /// where the transaction already holds the database's write lock).
+    const FOR_UPDATE: &'static str;
+    /// A `BIGINT` zero, as an SQL expression.
+    const ZERO: &'static str;
+    /// The type a `CAST` to a 64-bit integer names (`BIGINT`, MySQL's
+    /// `SIGNED`).
+    const BIGINT: &'static str;
+    /// The function that answers the least of its arguments (`LEAST`,
+    /// SQLite's `MIN`).
+    const LEAST: &'static str;
+    /// How text columns are typed.
+    const TEXT: TextColumns;
+
+    /// The `n`th placeholder of a statement (from 1).
+    fn placeholder(n: usize) -> String;
+
+    /// The engine's error, as the core's.
+    fn error(e: sqlx::Error) -> idem_core::Error;
+
+    /// A transaction at READ COMMITTED whatever the database's default (a
+    /// statement that waited for a row re-reads it), or one that holds the
+    /// database's write lock from its start.
+    fn begin(pool: &Pool<Self::Db>) -> BoxFuture<'_, Result<Transaction<'static, Self::Db>>>;
+
+    /// What an `INSERT` ends with so that a row already there under
+    /// `unique` makes no row and no error, and the new row's id is
+    /// returned (`ON CONFLICT (…) DO NOTHING RETURNING id`); `None` where
+    /// the engine has no such clause: the duplicate fails
+    /// ([`is_duplicate`](Self::is_duplicate)) and the id is read with
+    /// [`inserted_id`](Self::inserted_id).
+    fn ignore_twin(unique: &str) -> Option<String>;
+
+    /// Whether `e` is a duplicate-key error (only asked where
+    /// [`ignore_twin`](Self::ignore_twin) is `None`).
+    fn is_duplicate(e: &sqlx::Error) -> bool;
+
+    /// The id an `INSERT` made (only asked where
+    /// [`ignore_twin`](Self::ignore_twin) is `None`).
+    fn inserted_id(done: &<Self::Db as Database>::QueryResult) -> Option<i64>;
+
+    /// How many rows a statement changed.
+    fn rows_affected(done: &<Self::Db as Database>::QueryResult) -> u64;
+
+    /// A query of the names (as `name`) of the columns of the table its
+    /// one argument names: no row when there is no such table.
+    const COLUMNS_OF: &'static str;
+
+    /// Runs `work` on a connection that holds the engine's lock on
+    /// migrating this `kind` of table named `table`: processes that migrate
+    /// at once take turns, and each reads the table's version under the
+    /// lock.
+    fn under_migration_lock<'a>(
+        pool: &'a Pool<Self::Db>,
+        kind: &'a str,
+        table: &'a TableName,
+        work: Migrations<'a, Self::Db>,
+    ) -> BoxFuture<'a, Result<()>>;
+
+    /// A statement deleting the first `limit` rows of `table` by `order`
+    /// that match `filter`; `key` is the table's primary key.
+    fn delete_first(table: &str, key: &str, filter: &str, order: &str, limit: &str) -> String {
+        format!(
+            "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {filter} ORDER BY {order} LIMIT {limit})"
+        )
+    }
+}
+
+/// The placeholders from `from` to `to` (both included), comma-separated.
+fn placeholders<D: Dialect + ?Sized>(from: usize, to: usize) -> String {
+    (from..=to).map(D::placeholder).collect::<Vec<_>>().join(", ")
+}
+
+/// `column = <placeholder>, …` for `columns`, numbered from `from`.
+fn assignments<D: Dialect>(columns: &[&str], from: usize) -> String {
+    columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("{c} = {}", D::placeholder(from + i)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

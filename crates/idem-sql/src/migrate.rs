@@ -1,0 +1,59 @@
+//! Running an engine's migrations of a kind of table, once for every kind.
+
+use idem_core::{PendingMigration, Result, TableName};
+use sqlx::{AssertSqlSafe, Database, Pool};
+
+use crate::{Arg, Dialect, SqlDb};
+
+/// The names of `table`'s columns; none when it does not exist.
+async fn columns<D: Dialect>(conn: &mut <D::Db as Database>::Connection, table: &TableName) -> Result<Vec<String>> {
+    let statement = D::Db::bind(sqlx::query(D::COLUMNS_OF), Arg::Text(table.as_str()));
+    let rows = D::Db::fetch_all(statement, conn).await.map_err(D::error)?;
+    rows.iter()
+        .map(|row| D::Db::text(row, "name").map_err(D::error))
+        .collect()
+}
+
+/// What would bring `table` to its latest version: `plan` maps the
+/// table's columns (none when it does not exist) to the migrations from its
+/// version on.
+pub async fn pending<D: Dialect>(
+    pool: &Pool<D::Db>,
+    table: &TableName,
+    plan: fn(&TableName, &[String]) -> Vec<PendingMigration>,
+) -> Result<Vec<PendingMigration>> {
+    let mut conn = pool.acquire().await.map_err(D::error)?;
+    let columns = columns::<D>(&mut conn, table).await?;
+    Ok(plan(table, &columns))
+}
+
+/// Brings `table`, a `kind` of table, to its latest version under the
+/// engine's migration lock (see [`pending`] for `plan`). Safe to run again
+/// and from several processes at once.
+pub async fn migrate<D: Dialect>(
+    pool: &Pool<D::Db>,
+    kind: &str,
+    table: &TableName,
+    plan: fn(&TableName, &[String]) -> Vec<PendingMigration>,
+) -> Result<()> {
+    let owned = table.clone();
+    D::under_migration_lock(
+        pool,
+        kind,
+        table,
+        Box::new(move |conn| {
+            Box::pin(async move {
+                let columns = columns::<D>(conn, &owned).await?;
+                for migration in plan(&owned, &columns) {
+                    for statement in migration.statements {
+                        D::Db::execute(sqlx::query(AssertSqlSafe(statement)), conn)
+                            .await
+                            .map_err(D::error)?;
+                    }
+                }
+                Ok(())
+            })
+        }),
+    )
+    .await
+}

@@ -1,0 +1,74 @@
+//! What SQLite gives the SQL stores' shared machinery (`idem-sql`).
+
+use idem_core::{BoxFuture, Result, TableName};
+use idem_sql::{Dialect, Migrations, TextColumns};
+use sqlx::sqlite::SqliteQueryResult;
+use sqlx::{Sqlite, SqlitePool, Transaction};
+
+use crate::store_error;
+
+/// SQLite's extended code for a UNIQUE constraint that failed.
+const SQLITE_CONSTRAINT_UNIQUE: &str = "2067";
+
+/// SQLite, as the shared machinery of `idem-sql` sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct SqliteDialect;
+
+impl Dialect for SqliteDialect {
+    type Db = Sqlite;
+    const NAME: &'static str = "SQLite";
+    const NOW_MS: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+    /// Nothing: the transaction holds the database's write lock from its
+    /// start (`BEGIN IMMEDIATE`).
+    const FOR_UPDATE: &'static str = "";
+    const ZERO: &'static str = "0";
+    const BIGINT: &'static str = "INTEGER";
+    const LEAST: &'static str = "MIN";
+    const COLUMNS_OF: &'static str = "SELECT name FROM pragma_table_info(?)";
+    const TEXT: TextColumns = TextColumns::Text;
+
+    fn placeholder(_: usize) -> String {
+        "?".into()
+    }
+
+    fn error(e: sqlx::Error) -> idem_core::Error {
+        store_error(e)
+    }
+
+    /// `BEGIN IMMEDIATE`: SQLite's single writer lock from the start, so
+    /// two writers never both read a row free.
+    fn begin(pool: &SqlitePool) -> BoxFuture<'_, Result<Transaction<'static, Sqlite>>> {
+        Box::pin(async move { pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error) })
+    }
+
+    fn ignore_twin(unique: &str) -> Option<String> {
+        Some(format!("ON CONFLICT ({unique}) DO NOTHING RETURNING id"))
+    }
+
+    fn is_duplicate(e: &sqlx::Error) -> bool {
+        matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(SQLITE_CONSTRAINT_UNIQUE))
+    }
+
+    fn inserted_id(done: &SqliteQueryResult) -> Option<i64> {
+        Some(done.last_insert_rowid())
+    }
+
+    fn rows_affected(done: &SqliteQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    /// The database's write lock, in one `BEGIN IMMEDIATE` transaction: the
+    /// migration commits or rolls back whole.
+    fn under_migration_lock<'a>(
+        pool: &'a SqlitePool,
+        _: &'a str,
+        _: &'a TableName,
+        work: Migrations<'a, Sqlite>,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut tx = Self::begin(pool).await?;
+            work(&mut tx).await?;
+            tx.commit().await.map_err(store_error)
+        })
+    }
+}
