@@ -33,6 +33,11 @@ impl Dialect for MySqlDialect {
         store_error(e)
     }
 
+    /// In backquotes: `KEYS`, `ORDER` and the like are reserved words.
+    fn quoted(table: &TableName) -> String {
+        format!("`{table}`")
+    }
+
     /// READ COMMITTED whatever the server's default: REPEATABLE READ would
     /// lock gaps in the indexes, and writers of new rows would wait for it.
     fn begin(pool: &MySqlPool) -> BoxFuture<'_, Result<Transaction<'static, MySql>>> {

@@ -1,111 +1,26 @@
-//! The operator's view of the keys table: stats, listing, lookups and
-//! purges.
+//! The operator's view of the keys table: stats, listing, lookups (the
+//! shared `idem_sql::keys`) and purges.
+
+use idem_sql::SqlDb;
+use idem_sql::keys::{self, key_filter};
+use sqlx::Postgres;
 
 use super::*;
+use crate::dialect::PgDialect;
 
 impl PgStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
-        let t = self.table.as_str();
-        let (in_progress, completed, rejected, unknown, sent, expired): (i64, i64, i64, i64, i64, i64) =
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT COUNT(*) FILTER (WHERE status = 0 AND expires_at_ms > $1), \
-                    COUNT(*) FILTER (WHERE status = 1 AND expires_at_ms > $1), \
-                    COUNT(*) FILTER (WHERE status = 2 AND expires_at_ms > $1), \
-                    COUNT(*) FILTER (WHERE status = 3 AND expires_at_ms > $1), \
-                    COUNT(*) FILTER (WHERE status = 4 AND expires_at_ms > $1), \
-                    COUNT(*) FILTER (WHERE expires_at_ms <= $1) FROM {t}"
-            )))
-            .bind(now_ms)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(idem_core::KeyStats {
-            in_progress: in_progress as u64,
-            completed: completed as u64,
-            rejected: rejected as u64,
-            unknown: unknown as u64,
-            sent: sent as u64,
-            expired: expired as u64,
-        })
+        keys::stats::<PgDialect>(&self.pool, &self.table, now_ms).await
     }
 
     /// Whether `table` exists where this store's connections look for it
     /// (their `search_path`), so the operator's commands can name a missing
     /// table as such.
     pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
-        sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(table.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)
+        keys::table_exists::<PgDialect>(&self.pool, table).await
     }
-}
 
-/// The WHERE clause of a [`KeyFilter`] and its binds, numbered from `$2`
-/// (`$1` is the time).
-pub(crate) fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
-    let mut conds = Vec::new();
-    let mut binds = Vec::new();
-    let mut n = 1;
-    let mut next = |b: KeyBind, binds: &mut Vec<KeyBind>| {
-        n += 1;
-        binds.push(b);
-        format!("${n}")
-    };
-    if let Some(t) = &filter.tenant {
-        conds.push(format!("tenant = {}", next(KeyBind::Text(t.clone()), &mut binds)));
-    }
-    if let Some(o) = &filter.operation {
-        conds.push(format!("operation = {}", next(KeyBind::Text(o.clone()), &mut binds)));
-    }
-    if let Some(p) = &filter.key_prefix {
-        let len = next(KeyBind::Int(p.len() as i64), &mut binds);
-        let value = next(KeyBind::Text(p.clone()), &mut binds);
-        conds.push(format!("left(idem_key, {len}::int) = {value}"));
-    }
-    if let Some(age) = filter.older_than_ms {
-        conds.push(format!("created_at_ms <= $1 - {}", next(KeyBind::Int(age), &mut binds)));
-    }
-    match filter.state {
-        Some(idem_core::KeyState::InProgress) => conds.push("status = 0 AND expires_at_ms > $1".into()),
-        Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > $1".into()),
-        Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > $1".into()),
-        Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > $1".into()),
-        Some(idem_core::KeyState::Sent) => conds.push("status = 4 AND expires_at_ms > $1".into()),
-        Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= $1".into()),
-        None => conds.push("$1 = $1".into()),
-    }
-    (conds.join(" AND "), binds)
-}
-
-pub(crate) enum KeyBind {
-    Text(String),
-    Int(i64),
-}
-
-/// The columns an operator sees, in the order of [`KeyRow`].
-pub(crate) const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
-
-/// A row of [`KEY_COLUMNS`].
-type KeyRow = (String, String, String, i16, i64, i64, Option<Vec<u8>>);
-
-pub(crate) fn key_info(
-    (tenant, operation, key, status, created_at_ms, expires_at_ms, payload): KeyRow,
-    now_ms: i64,
-) -> idem_core::KeyInfo {
-    idem_core::KeyInfo {
-        tenant,
-        operation,
-        key,
-        state: idem_core::KeyState::of(status, expires_at_ms, now_ms),
-        created_at_ms,
-        expires_at_ms,
-        payload: payload.unwrap_or_default(),
-    }
-}
-
-impl PgStore {
     /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
     pub async fn list_keys(
         &self,
@@ -113,20 +28,7 @@ impl PgStore {
         now_ms: i64,
         limit: u32,
     ) -> Result<Vec<idem_core::KeyInfo>> {
-        let (conds, binds) = key_filter_sql(filter);
-        let sql = format!(
-            "SELECT {KEY_COLUMNS} FROM {} WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
-            self.table.as_str()
-        );
-        let mut q = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql)).bind(now_ms);
-        for b in binds {
-            q = match b {
-                KeyBind::Text(t) => q.bind(t),
-                KeyBind::Int(i) => q.bind(i),
-            };
-        }
-        let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
-        Ok(rows.into_iter().map(|row| key_info(row, now_ms)).collect())
+        keys::list_keys::<PgDialect>(&self.pool, &self.table, filter, now_ms, limit).await
     }
 
     /// The key `key` of `scope`, by its exact value, as it is at `now_ms`.
@@ -136,18 +38,7 @@ impl PgStore {
         key: &IdempotencyKey,
         now_ms: i64,
     ) -> Result<Option<idem_core::KeyInfo>> {
-        let sql = format!(
-            "SELECT {KEY_COLUMNS} FROM {} WHERE tenant = $1 AND operation = $2 AND idem_key = $3",
-            self.table.as_str()
-        );
-        let row = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql))
-            .bind(scope.tenant().as_str())
-            .bind(scope.operation().as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(row.map(|row| key_info(row, now_ms)))
+        keys::find_key::<PgDialect>(&self.pool, &self.table, scope, key, now_ms).await
     }
 
     /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
@@ -161,7 +52,7 @@ impl PgStore {
     /// the limit), and the delete repeats the filter, so no row that
     /// stopped matching is deleted whatever the plan.
     pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
-        let (conds, binds) = key_filter_sql(filter);
+        let (conds, args) = key_filter::<PgDialect>(filter, now_ms, 1);
         let t = self.table.as_str();
         let sql = format!(
             "WITH batch (b_tenant, b_operation, b_key) AS (\
@@ -169,13 +60,8 @@ impl PgStore {
              DELETE FROM {t} USING batch \
              WHERE tenant = b_tenant AND operation = b_operation AND idem_key = b_key AND {conds}"
         );
-        let mut q = sqlx::query(AssertSqlSafe(sql)).bind(now_ms);
-        for b in binds {
-            q = match b {
-                KeyBind::Text(t) => q.bind(t),
-                KeyBind::Int(i) => q.bind(i),
-            };
-        }
+        // The clause is written twice; its numbered placeholders bind once.
+        let q = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), Postgres::bind);
         Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
     }
 }

@@ -34,6 +34,11 @@ impl Dialect for PgDialect {
         store_error(e)
     }
 
+    /// `left(…, $n::int)`: the length's placeholder is typed.
+    fn prefix(column: &str, len: &str) -> String {
+        format!("left({column}, {len}::int)")
+    }
+
     /// READ COMMITTED whatever the database's default: a statement that
     /// waited for a row re-reads it instead of failing to serialise.
     fn begin(pool: &PgPool) -> BoxFuture<'_, Result<Transaction<'static, Postgres>>> {

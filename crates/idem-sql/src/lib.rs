@@ -18,6 +18,7 @@
 //! | kind of table | shared here | the engine's part |
 //! | --- | --- | --- |
 //! | dead letters | [`SqlDeadLetters`]: statements, binds, row reading, listing, purging | [`Dialect`], [`DeadLetterSchema`] (its `CREATE TABLE` and upgrades) |
+//! | keys (the operator's view) | [`keys`]: stats, listing, lookups, the filter purges delete by | [`Dialect`] (and each engine's purge) |
 //! | outbox | [`SqlOutbox`]: enqueue, a relay's take and finish (held or leased), lag, purging | [`Dialect`], [`OutboxSchema`] (its `CREATE TABLE`, how relays hold rows, how it names a set of rows) |
 
 use idem_core::{BoxFuture, Result, TableName};
@@ -27,6 +28,7 @@ mod deadletter;
 
 pub use deadletter::{DEFAULT_DEAD_LETTER_TABLE, DeadLetterSchema, SqlDeadLetters};
 
+pub mod keys;
 mod migrate;
 pub mod outbox;
 
@@ -69,6 +71,8 @@ pub trait SqlDb: Database {
     fn int(row: &Self::Row, column: &str) -> sqlx::Result<i64>;
     /// A `BIGINT` column that may be NULL.
     fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>>;
+    /// A `SMALLINT` column.
+    fn int16(row: &Self::Row, column: &str) -> sqlx::Result<i16>;
     /// An `INTEGER` column.
     fn int32(row: &Self::Row, column: &str) -> sqlx::Result<i32>;
     /// An `INTEGER` column that may be NULL.
@@ -115,6 +119,7 @@ where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'r> i64: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
     for<'r> i32: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
+    for<'r> i16: Decode<'r, DB> + Type<DB>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
     for<'r> &'r str: Encode<'r, DB> + Type<DB>,
     for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
@@ -142,6 +147,10 @@ where
     }
 
     fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>> {
+        row.try_get(column)
+    }
+
+    fn int16(row: &Self::Row, column: &str) -> sqlx::Result<i16> {
         row.try_get(column)
     }
 
@@ -244,6 +253,18 @@ pub trait Dialect: Send + Sync + 'static {
 
     /// The `n`th placeholder of a statement (from 1).
     fn placeholder(n: usize) -> String;
+
+    /// `table` as a statement names it: quoted where the engine's reserved
+    /// words could clash with it. (By default as it is: a [`TableName`] is
+    /// a plain identifier.)
+    fn quoted(table: &TableName) -> String {
+        table.as_str().to_owned()
+    }
+
+    /// An expression: the first `len` characters of `column`.
+    fn prefix(column: &str, len: &str) -> String {
+        format!("LEFT({column}, {len})")
+    }
 
     /// The engine's error, as the core's.
     fn error(e: sqlx::Error) -> idem_core::Error;

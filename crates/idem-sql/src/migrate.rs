@@ -6,7 +6,10 @@ use sqlx::{AssertSqlSafe, Database, Pool};
 use crate::{Arg, Dialect, SqlDb};
 
 /// The names of `table`'s columns; none when it does not exist.
-async fn columns<D: Dialect>(conn: &mut <D::Db as Database>::Connection, table: &TableName) -> Result<Vec<String>> {
+pub(crate) async fn columns<D: Dialect>(
+    conn: &mut <D::Db as Database>::Connection,
+    table: &TableName,
+) -> Result<Vec<String>> {
     let statement = D::Db::bind(sqlx::query(D::COLUMNS_OF), Arg::Text(table.as_str()));
     let rows = D::Db::fetch_all(statement, conn).await.map_err(D::error)?;
     rows.iter()

@@ -35,6 +35,15 @@ impl Dialect for SqliteDialect {
         store_error(e)
     }
 
+    /// In double quotes, the standard's way.
+    fn quoted(table: &TableName) -> String {
+        format!("\"{table}\"")
+    }
+
+    fn prefix(column: &str, len: &str) -> String {
+        format!("substr({column}, 1, {len})")
+    }
+
     /// `BEGIN IMMEDIATE`: SQLite's single writer lock from the start, so
     /// two writers never both read a row free.
     fn begin(pool: &SqlitePool) -> BoxFuture<'_, Result<Transaction<'static, Sqlite>>> {

@@ -471,105 +471,15 @@ fn wall_clock_ms() -> i64 {
 impl SqliteStore {
     /// How many keys the table holds, by state, at `now_ms`.
     pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
-        let t = self.table.as_str();
-        let (in_progress, completed, rejected, unknown, sent, expired): (i64, i64, i64, i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT CAST(COALESCE(SUM(CASE WHEN status = 0 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN status = 1 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN status = 2 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN status = 3 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN status = 4 AND expires_at_ms > ?1 THEN 1 ELSE 0 END), 0) AS INTEGER), \
-                    CAST(COALESCE(SUM(CASE WHEN expires_at_ms <= ?1 THEN 1 ELSE 0 END), 0) AS INTEGER) FROM \"{t}\""
-        )))
-        .bind(now_ms)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(store_error)?;
-        Ok(idem_core::KeyStats {
-            in_progress: in_progress as u64,
-            completed: completed as u64,
-            rejected: rejected as u64,
-            unknown: unknown as u64,
-            sent: sent as u64,
-            expired: expired as u64,
-        })
+        idem_sql::keys::stats::<SqliteDialect>(&self.pool, &self.table, now_ms).await
     }
 
     /// Whether `table` exists in the database (the operator's commands look
     /// before they read, so that a missing table is named as such).
     pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?1")
-            .bind(table.as_str())
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(n > 0)
+        idem_sql::keys::table_exists::<SqliteDialect>(&self.pool, table).await
     }
-}
 
-/// The WHERE clause of a [`KeyFilter`] and its binds, in order after the
-/// time (bound once per use: `?` placeholders are positional).
-fn key_filter_sql(filter: &idem_core::KeyFilter) -> (String, Vec<KeyBind>) {
-    let mut conds = Vec::new();
-    let mut binds = Vec::new();
-    let mut n = 1;
-    let mut next = |b: KeyBind, binds: &mut Vec<KeyBind>| {
-        n += 1;
-        binds.push(b);
-        format!("?{n}")
-    };
-    if let Some(t) = &filter.tenant {
-        conds.push(format!("tenant = {}", next(KeyBind::Text(t.clone()), &mut binds)));
-    }
-    if let Some(o) = &filter.operation {
-        conds.push(format!("operation = {}", next(KeyBind::Text(o.clone()), &mut binds)));
-    }
-    if let Some(p) = &filter.key_prefix {
-        let len = next(KeyBind::Int(p.len() as i64), &mut binds);
-        let value = next(KeyBind::Text(p.clone()), &mut binds);
-        conds.push(format!("substr(idem_key, 1, {len}) = {value}"));
-    }
-    if let Some(age) = filter.older_than_ms {
-        conds.push(format!("created_at_ms <= ?1 - {}", next(KeyBind::Int(age), &mut binds)));
-    }
-    match filter.state {
-        Some(idem_core::KeyState::InProgress) => conds.push("status = 0 AND expires_at_ms > ?1".into()),
-        Some(idem_core::KeyState::Completed) => conds.push("status = 1 AND expires_at_ms > ?1".into()),
-        Some(idem_core::KeyState::Rejected) => conds.push("status = 2 AND expires_at_ms > ?1".into()),
-        Some(idem_core::KeyState::Unknown) => conds.push("status = 3 AND expires_at_ms > ?1".into()),
-        Some(idem_core::KeyState::Sent) => conds.push("status = 4 AND expires_at_ms > ?1".into()),
-        Some(idem_core::KeyState::Expired) => conds.push("expires_at_ms <= ?1".into()),
-        None => conds.push("?1 = ?1".into()),
-    }
-    (conds.join(" AND "), binds)
-}
-
-enum KeyBind {
-    Text(String),
-    Int(i64),
-}
-
-/// The columns an operator sees, in the order of [`KeyRow`].
-const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
-
-/// A row of [`KEY_COLUMNS`].
-type KeyRow = (String, String, String, i64, i64, i64, Option<Vec<u8>>);
-
-fn key_info(
-    (tenant, operation, key, status, created_at_ms, expires_at_ms, payload): KeyRow,
-    now_ms: i64,
-) -> idem_core::KeyInfo {
-    idem_core::KeyInfo {
-        tenant,
-        operation,
-        key,
-        state: idem_core::KeyState::of(i16::try_from(status).unwrap_or(-1), expires_at_ms, now_ms),
-        created_at_ms,
-        expires_at_ms,
-        payload: payload.unwrap_or_default(),
-    }
-}
-
-impl SqliteStore {
     /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
     pub async fn list_keys(
         &self,
@@ -577,20 +487,7 @@ impl SqliteStore {
         now_ms: i64,
         limit: u32,
     ) -> Result<Vec<idem_core::KeyInfo>> {
-        let (conds, binds) = key_filter_sql(filter);
-        let sql = format!(
-            r#"SELECT {KEY_COLUMNS} FROM "{}" WHERE {conds} ORDER BY created_at_ms LIMIT {limit}"#,
-            self.table.as_str()
-        );
-        let mut q = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql)).bind(now_ms);
-        for b in binds {
-            q = match b {
-                KeyBind::Text(t) => q.bind(t),
-                KeyBind::Int(i) => q.bind(i),
-            };
-        }
-        let rows = q.fetch_all(&self.pool).await.map_err(store_error)?;
-        Ok(rows.into_iter().map(|row| key_info(row, now_ms)).collect())
+        idem_sql::keys::list_keys::<SqliteDialect>(&self.pool, &self.table, filter, now_ms, limit).await
     }
 
     /// The key `key` of `scope`, by its exact value, as it is at `now_ms`.
@@ -600,18 +497,7 @@ impl SqliteStore {
         key: &IdempotencyKey,
         now_ms: i64,
     ) -> Result<Option<idem_core::KeyInfo>> {
-        let sql = format!(
-            r#"SELECT {KEY_COLUMNS} FROM "{}" WHERE tenant = ?1 AND operation = ?2 AND idem_key = ?3"#,
-            self.table.as_str()
-        );
-        let row = sqlx::query_as::<_, KeyRow>(AssertSqlSafe(sql))
-            .bind(scope.tenant().as_str())
-            .bind(scope.operation().as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(row.map(|row| key_info(row, now_ms)))
+        idem_sql::keys::find_key::<SqliteDialect>(&self.pool, &self.table, scope, key, now_ms).await
     }
 
     /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
@@ -622,18 +508,18 @@ impl SqliteStore {
     /// and the repeated filter says so in the text rather than in a
     /// property of the engine.
     pub async fn purge_keys(&self, filter: &idem_core::KeyFilter, now_ms: i64, limit: u32) -> Result<u64> {
-        let (conds, binds) = key_filter_sql(filter);
+        let (conds, args) = idem_sql::keys::key_filter::<SqliteDialect>(filter, now_ms, 1);
         let t = self.table.as_str();
         let sql = format!(
             r#"DELETE FROM "{t}" WHERE rowid IN (SELECT rowid FROM "{t}" WHERE {conds} LIMIT {limit}) AND {conds}"#
         );
-        let mut q = sqlx::query(AssertSqlSafe(sql)).bind(now_ms);
-        for b in binds {
-            q = match b {
-                KeyBind::Text(t) => q.bind(t),
-                KeyBind::Int(i) => q.bind(i),
-            };
-        }
+        // The clause is written twice, and its placeholders are positional:
+        // its values are bound twice.
+        let q = args
+            .iter()
+            .chain(&args)
+            .copied()
+            .fold(sqlx::query(AssertSqlSafe(sql)), <sqlx::Sqlite as idem_sql::SqlDb>::bind);
         Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
     }
 }

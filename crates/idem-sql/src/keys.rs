@@ -1,0 +1,176 @@
+//! The operator's view of a keys table, on any SQL engine: stats, listing,
+//! lookups and the filter a purge deletes by. How a purge deletes under
+//! concurrent claims differs by engine, and stays in each engine crate.
+
+use idem_core::{IdempotencyKey, KeyFilter, KeyInfo, KeyState, KeyStats, Result, Scope, TableName};
+use sqlx::{AssertSqlSafe, Database, Pool};
+
+use crate::{Arg, Dialect, SqlDb, TextColumns};
+
+/// The columns an operator sees.
+const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
+
+/// The `WHERE` clause of `filter` at `now_ms`, its placeholders numbered
+/// from `first`, and what it binds, in order (the time once per use, as
+/// positional placeholders need).
+pub fn key_filter<'f, D: Dialect>(filter: &'f KeyFilter, now_ms: i64, first: usize) -> (String, Vec<Arg<'f>>) {
+    let mut conds = Vec::new();
+    let mut args = Vec::new();
+    let next = |arg: Arg<'f>, args: &mut Vec<Arg<'f>>| {
+        args.push(arg);
+        D::placeholder(first + args.len() - 1)
+    };
+    if let Some(t) = &filter.tenant {
+        conds.push(format!("tenant = {}", next(Arg::Text(t), &mut args)));
+    }
+    if let Some(o) = &filter.operation {
+        conds.push(format!("operation = {}", next(Arg::Text(o), &mut args)));
+    }
+    if let Some(p) = &filter.key_prefix {
+        let len = next(Arg::Int(p.len() as i64), &mut args);
+        let value = next(Arg::Text(p), &mut args);
+        conds.push(format!("{} = {value}", D::prefix("idem_key", &len)));
+    }
+    if let Some(age) = filter.older_than_ms {
+        let now = next(Arg::Int(now_ms), &mut args);
+        conds.push(format!("created_at_ms <= {now} - {}", next(Arg::Int(age), &mut args)));
+    }
+    let live = |status: u8, args: &mut Vec<Arg<'f>>| {
+        let now = next(Arg::Int(now_ms), args);
+        format!("status = {status} AND expires_at_ms > {now}")
+    };
+    match filter.state {
+        Some(KeyState::InProgress) => conds.push(live(0, &mut args)),
+        Some(KeyState::Completed) => conds.push(live(1, &mut args)),
+        Some(KeyState::Rejected) => conds.push(live(2, &mut args)),
+        Some(KeyState::Unknown) => conds.push(live(3, &mut args)),
+        Some(KeyState::Sent) => conds.push(live(4, &mut args)),
+        Some(KeyState::Expired) => {
+            let now = next(Arg::Int(now_ms), &mut args);
+            conds.push(format!("expires_at_ms <= {now}"));
+        }
+        None => {}
+    }
+    if conds.is_empty() {
+        conds.push("1 = 1".into());
+    }
+    (conds.join(" AND "), args)
+}
+
+/// How many keys `table` holds, by state, at `now_ms`.
+pub async fn stats<D: Dialect>(pool: &Pool<D::Db>, table: &TableName, now_ms: i64) -> Result<KeyStats> {
+    let states = [
+        ("in_progress", "status = 0 AND expires_at_ms >"),
+        ("completed", "status = 1 AND expires_at_ms >"),
+        ("rejected", "status = 2 AND expires_at_ms >"),
+        ("unknown", "status = 3 AND expires_at_ms >"),
+        ("sent", "status = 4 AND expires_at_ms >"),
+        ("expired", "expires_at_ms <="),
+    ];
+    let counts = states
+        .iter()
+        .enumerate()
+        .map(|(i, (name, cond))| {
+            format!(
+                "CAST(COALESCE(SUM(CASE WHEN {cond} {} THEN 1 ELSE 0 END), 0) AS {}) AS {name}",
+                D::placeholder(i + 1),
+                D::BIGINT
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let sql = format!("SELECT {counts} FROM {}", D::quoted(table));
+    let statement = states
+        .iter()
+        .fold(sqlx::query(AssertSqlSafe(sql)), |q, _| D::Db::bind(q, Arg::Int(now_ms)));
+    let row = D::Db::fetch_optional_pooled(statement, pool)
+        .await
+        .map_err(D::error)?
+        .ok_or_else(|| idem_core::Error::store(idem_core::StoreErrorKind::Other, "the counts read no row"))?;
+    let count = |name: &str| -> Result<u64> { Ok(D::Db::int(&row, name).map_err(D::error)?.max(0) as u64) };
+    Ok(KeyStats {
+        in_progress: count("in_progress")?,
+        completed: count("completed")?,
+        rejected: count("rejected")?,
+        unknown: count("unknown")?,
+        sent: count("sent")?,
+        expired: count("expired")?,
+    })
+}
+
+/// Keys of `table` matching `filter` at `now_ms`, oldest first, at most
+/// `limit`.
+pub async fn list_keys<D: Dialect>(
+    pool: &Pool<D::Db>,
+    table: &TableName,
+    filter: &KeyFilter,
+    now_ms: i64,
+    limit: u32,
+) -> Result<Vec<KeyInfo>> {
+    let (conds, args) = key_filter::<D>(filter, now_ms, 1);
+    let sql = format!(
+        "SELECT {KEY_COLUMNS} FROM {} WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
+        D::quoted(table)
+    );
+    let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+    let rows = D::Db::fetch_all_pooled(statement, pool).await.map_err(D::error)?;
+    rows.iter().map(|row| key_info::<D>(row, now_ms)).collect()
+}
+
+/// The key `key` of `scope` in `table`, by its exact value, as it is at
+/// `now_ms`.
+pub async fn find_key<D: Dialect>(
+    pool: &Pool<D::Db>,
+    table: &TableName,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    now_ms: i64,
+) -> Result<Option<KeyInfo>> {
+    let sql = format!(
+        "SELECT {KEY_COLUMNS} FROM {} WHERE tenant = {} AND operation = {} AND idem_key = {}",
+        D::quoted(table),
+        D::placeholder(1),
+        D::placeholder(2),
+        D::placeholder(3)
+    );
+    let statement = [
+        Arg::Text(scope.tenant().as_str()),
+        Arg::Text(scope.operation().as_str()),
+        Arg::Text(key.as_str()),
+    ]
+    .into_iter()
+    .fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+    let row = D::Db::fetch_optional_pooled(statement, pool).await.map_err(D::error)?;
+    row.map(|row| key_info::<D>(&row, now_ms)).transpose()
+}
+
+/// Whether `table` exists where the pool's connections look for it, so
+/// the operator's commands can name a missing table as such.
+pub async fn table_exists<D: Dialect>(pool: &Pool<D::Db>, table: &TableName) -> Result<bool> {
+    let mut conn = pool.acquire().await.map_err(D::error)?;
+    Ok(!crate::migrate::columns::<D>(&mut conn, table).await?.is_empty())
+}
+
+fn key_info<D: Dialect>(row: &<D::Db as Database>::Row, now_ms: i64) -> Result<KeyInfo> {
+    // Keys, scopes and operations are validated ASCII: binary columns are
+    // shown as they are.
+    let text = |name: &str| -> Result<String> {
+        match D::TEXT {
+            TextColumns::Binary => {
+                Ok(String::from_utf8_lossy(&D::Db::bytes(row, name).map_err(D::error)?).into_owned())
+            }
+            TextColumns::Text | TextColumns::FreeTextAsBytes => D::Db::text(row, name).map_err(D::error),
+        }
+    };
+    let int = |name: &str| D::Db::int(row, name).map_err(D::error);
+    let expires_at_ms = int("expires_at_ms")?;
+    Ok(KeyInfo {
+        tenant: text("tenant")?,
+        operation: text("operation")?,
+        key: text("idem_key")?,
+        state: KeyState::of(D::Db::int16(row, "status").map_err(D::error)?, expires_at_ms, now_ms),
+        created_at_ms: int("created_at_ms")?,
+        expires_at_ms,
+        payload: D::Db::opt_bytes(row, "payload").map_err(D::error)?.unwrap_or_default(),
+    })
+}
