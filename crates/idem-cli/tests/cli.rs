@@ -5,26 +5,13 @@
 
 #[path = "../../idem-redis/tests/support/servers.rs"]
 mod servers;
+mod support;
 
-use std::process::Command;
 use std::sync::Arc;
 
 use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, OutboxEvent, Policy, Scope};
 use idem_gateway::AnyLease;
-
-fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .output()
-        .expect("idem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
-    (
-        out.status.code().unwrap_or(-1),
-        json,
-        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
-    )
-}
+use support::{idem_out as idem, tag};
 
 /// Five keys that expired an hour ago and two live ones, all completed.
 async fn seed(url: &str) {
@@ -224,11 +211,6 @@ async fn operator_commands(url: &str, outbox: bool) {
     }
 }
 
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 10..].to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite() {
     let path = std::env::temp_dir().join(format!("idem-cli-{}.db", tag()));
@@ -237,41 +219,16 @@ async fn on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
-    let admin_url =
-        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let admin = sqlx::PgPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
-    let db = format!("idem_cli_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    operator_commands(&format!("{base}/{db}"), true).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
-        .execute(&admin)
-        .await
-        .unwrap();
+    let url = support::postgres_db("idem_cli").await;
+    operator_commands(&url, true).await;
+    support::drop_postgres_db(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql() {
-    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let admin = sqlx::MySqlPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
-    let db = format!("idem_cli_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    operator_commands(&format!("{base}/{db}"), true).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
+    let url = support::mysql_db("idem_cli").await;
+    operator_commands(&url, true).await;
+    support::drop_mysql_db(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

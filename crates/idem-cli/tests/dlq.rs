@@ -3,26 +3,14 @@
 //! pays what it had not, fails what it refuses; caps, filters, `--json` and
 //! exit codes. PostgreSQL and MariaDB get a database of their own.
 
-use std::process::Command;
+mod support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
-
-fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .output()
-        .expect("idem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
-    (
-        out.status.code().unwrap_or(-1),
-        json,
-        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
-    )
-}
+use support::{idem_out as idem, tag};
 
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
@@ -31,32 +19,7 @@ fn start_vendor() -> String {
 }
 
 fn start_vendor_with(options: fake_vendor::Options) -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(fake_vendor::serve(
-                addr,
-                Arc::new(fake_vendor::Vendor::new(options)),
-                std::future::pending(),
-            ))
-            .unwrap();
-    });
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(addr).is_ok() {
-            return format!("http://{addr}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the fake vendor did not start on {addr}");
+    support::serve_vendor(Arc::new(fake_vendor::Vendor::new(options)))
 }
 
 async fn pay(base: &str, key: &str, body: &str) -> u16 {
@@ -511,11 +474,6 @@ impl Migrate for idem_mysql::MySqlDeadLetters {
     }
 }
 
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 10..].to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite() {
     let path = std::env::temp_dir().join(format!("idem-cli-dlq-{}.db", tag()));
@@ -524,41 +482,16 @@ async fn on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
-    let admin_url =
-        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let admin = sqlx::PgPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
-    let db = format!("idem_cli_dlq_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    dead_letter_commands(&format!("{base}/{db}")).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
-        .execute(&admin)
-        .await
-        .unwrap();
+    let url = support::postgres_db("idem_cli_dlq").await;
+    dead_letter_commands(&url).await;
+    support::drop_postgres_db(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql() {
-    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let admin = sqlx::MySqlPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
-    let db = format!("idem_cli_dlq_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    dead_letter_commands(&format!("{base}/{db}")).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
+    let url = support::mysql_db("idem_cli_dlq").await;
+    dead_letter_commands(&url).await;
+    support::drop_mysql_db(&url).await;
 }
 
 #[test]

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::idem_out as idem;
+use support::{drop_mysql_db, drop_postgres_db, idem_out as idem};
 
 use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
 
@@ -28,29 +28,8 @@ fn start_vendor() -> (String, Arc<fake_vendor::Vendor>) {
         key_horizon: Duration::from_secs(3),
         idempotency: true,
     }));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let served = vendor.clone();
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(fake_vendor::serve(addr, served, std::future::pending()))
-            .unwrap();
-    });
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(addr).is_ok() {
-            return (format!("http://{addr}"), vendor);
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the fake vendor did not start on {addr}");
+    let base = support::serve_vendor(vendor.clone());
+    (base, vendor)
 }
 
 /// A redrive process, killed when the test ends.
@@ -248,18 +227,7 @@ async fn sqlite_store(path: &str) -> idem_sqlite::SqliteDeadLetters {
 
 /// A database of the test's own, so the table's ids and letters are its own.
 async fn postgres_db() -> String {
-    let admin_url =
-        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let admin = sqlx::PgPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));
-    let db = format!("idem_dlq_crash_{}", uuid::Uuid::now_v7().simple());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    format!("{base}/{db}")
+    support::postgres_db("idem_dlq_crash").await
 }
 
 async fn postgres_store(url: &str) -> idem_postgres::PgDeadLetters {
@@ -273,15 +241,6 @@ async fn postgres_store(url: &str) -> idem_postgres::PgDeadLetters {
 async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_sqlite() {
     let path = sqlite_file();
     crashed_redrive_then_past_the_horizon(sqlite_store(&path).await, &path).await;
-}
-
-async fn drop_postgres_db(url: &str) {
-    let (base, db) = url.rsplit_once('/').unwrap();
-    let admin = sqlx::PgPool::connect(&format!("{base}/postgres")).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
-        .execute(&admin)
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,17 +265,7 @@ async fn a_killed_redrive_is_never_refunded_on_postgres() {
 
 /// A MariaDB database of the test's own.
 async fn mysql_db() -> String {
-    let admin_url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let admin = sqlx::MySqlPool::connect(&admin_url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"));
-    let db = format!("idem_dlq_crash_{}", uuid::Uuid::now_v7().simple());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let (base, _) = admin_url.rsplit_once('/').unwrap();
-    format!("{base}/{db}")
+    support::mysql_db("idem_dlq_crash").await
 }
 
 async fn mysql_store(url: &str) -> idem_mysql::MySqlDeadLetters {
@@ -324,15 +273,6 @@ async fn mysql_store(url: &str) -> idem_mysql::MySqlDeadLetters {
     let store = idem_mysql::MySqlDeadLetters::new(pool);
     store.migrate().await.unwrap();
     store
-}
-
-async fn drop_mysql_db(url: &str) {
-    let (base, db) = url.rsplit_once('/').unwrap();
-    let admin = sqlx::MySqlPool::connect(&format!("{base}/mysql")).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
-        .execute(&admin)
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,27 +2,15 @@
 //! NATS JetStream server (`IDEM_TEST_NATS_URL`, default
 //! `nats://127.0.0.1:4222`), on streams of the test's own.
 
-use std::process::Command;
+mod support;
+
 use std::time::Duration;
 
 use idem_jetstream::async_nats::{self, jetstream, jetstream::stream};
+use support::idem_out as idem;
 
 fn nats_url() -> String {
     std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-fn idem(args: &[&str]) -> (i32, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .output()
-        .expect("idem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let json = serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::Null);
-    (
-        out.status.code().unwrap_or(-1),
-        json,
-        format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)),
-    )
 }
 
 /// Lists dead letters by handler, redrives them capped at `--max` (the copy

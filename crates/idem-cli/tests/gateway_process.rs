@@ -3,7 +3,9 @@
 //! `--upstream-ca-file`, and SIGTERM waits for the recording of a caller
 //! that went away, so its retry after a restart replays.
 
-use std::process::{Child, Command, ExitStatus, Stdio};
+mod support;
+
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -11,16 +13,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-
-/// A gateway process, killed if a test leaves it running.
-struct Gateway(Child);
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use support::{Gateway, free_port};
 
 impl Gateway {
     /// Waits up to `limit` for the process to exit.
@@ -61,18 +54,8 @@ fn gateway(args: &[&str]) -> Gateway {
 /// The tenant source of the tests' gateways.
 const TENANT: &[&str] = &["--tenant", "authorization"];
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 fn temp(name: &str) -> String {
-    std::env::temp_dir()
-        .join(format!("idem-gw-process-{}-{name}", uuid::Uuid::now_v7()))
-        .display()
-        .to_string()
+    support::temp("gw-process", name)
 }
 
 /// Configurations that can never work are refused at start with exit 2 and a message naming what is wrong.

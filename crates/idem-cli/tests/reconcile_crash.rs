@@ -82,17 +82,8 @@ timeout_ms = 60000
 
 /// Status, whether replayed, and body; `None` when the connection failed.
 async fn pay(base: &str, token: &str, key: &str) -> Option<(u16, bool, String)> {
-    let r = idem_tls::test_pki::http_client()
-        .post(format!("{base}/v1/pay"))
-        .bearer_auth(token)
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(r#"{"amount":5}"#)
-        .send()
-        .await
-        .ok()?;
-    let replayed = r.headers().contains_key("idempotent-replayed");
-    Some((r.status().as_u16(), replayed, r.text().await.ok()?))
+    let a = support::post_keyed(base, "/v1/pay", token, key).await?;
+    Some((a.status, a.replayed, a.body))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

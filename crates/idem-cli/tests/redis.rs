@@ -5,6 +5,7 @@
 
 #[path = "../../idem-redis/tests/support/servers.rs"]
 mod servers;
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -15,36 +16,10 @@ use std::time::{Duration, Instant};
 use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, Policy, Scope};
 use idem_gateway::AnyLease;
 use servers::{RedisCluster, RedisServer};
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn all(&self) -> String {
-        format!("{}{}", self.stdout, self.stderr)
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(self.stdout.trim())
-            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {}", self.all()))
-    }
-}
+use support::{Gateway, Run};
 
 fn idem(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .env_remove("IDEM_STORE")
-        .env_remove("IDEM_SKIP_REDIS_CHECKS")
-        .output()
-        .expect("idem runs");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    support::idem_run(args, &["IDEM_STORE", "IDEM_SKIP_REDIS_CHECKS"])
 }
 
 async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
@@ -316,15 +291,6 @@ fn counting_upstream() -> (String, Arc<AtomicUsize>) {
         }
     });
     (format!("http://{addr}"), calls)
-}
-
-struct Gateway(Child);
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn start_gateway(upstream: &str, store: &str) -> (Gateway, String) {

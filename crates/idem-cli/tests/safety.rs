@@ -5,46 +5,18 @@
 //! exactly, `--json` runs print JSON errors, and `sweep`/`stats` work on the
 //! other tables that share the keys table's schema (an inbox).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, Policy, Scope, TableName};
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn all(&self) -> String {
-        format!("{}{}", self.stdout, self.stderr)
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(self.stdout.trim())
-            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {}", self.all()))
-    }
-}
+use support::{Run, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .env_remove("IDEM_STORE")
-        .output()
-        .expect("idem runs");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 12..].to_owned()
+    support::idem_run(args, &["IDEM_STORE"])
 }
 
 fn temp_db() -> PathBuf {
@@ -55,14 +27,6 @@ fn remove_db(path: &Path) {
     for suffix in ["", "-wal", "-shm", "-idem.lock"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
-}
-
-fn postgres_admin_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_admin_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
 /// Every command that only reads (or deletes rows) on a mistyped SQLite path
@@ -115,28 +79,13 @@ fn read_only_commands_never_create_a_sqlite_file() {
 /// create no table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_commands_never_create_a_table() {
-    let pg_admin = sqlx::PgPool::connect(&postgres_admin_url())
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}", postgres_admin_url()));
-    let my_admin = sqlx::MySqlPool::connect(&mysql_admin_url())
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {}: {e}", mysql_admin_url()));
-    let db = format!("idem_cli_ro_{}", tag());
-    for (admin, url) in [(Some(&pg_admin), postgres_admin_url()), (None, mysql_admin_url())] {
-        match admin {
-            Some(pg) => sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-                .execute(pg)
-                .await
-                .map(|_| ())
-                .unwrap(),
-            None => sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-                .execute(&my_admin)
-                .await
-                .map(|_| ())
-                .unwrap(),
-        }
-        let (base, _) = url.rsplit_once('/').unwrap();
-        let url = format!("{base}/{db}");
+    for postgres in [true, false] {
+        let url = if postgres {
+            support::postgres_db("idem_cli_ro").await
+        } else {
+            support::mysql_db("idem_cli_ro").await
+        };
+        let db = support::database_of(&url).to_owned();
         for args in [
             vec!["stats", "--store", url.as_str()],
             vec!["sweep", "--store", url.as_str()],
@@ -155,7 +104,7 @@ async fn read_only_commands_never_create_a_table() {
         let run = idem(&["outbox", "status", "--store", &url]);
         assert_eq!(run.code, 3, "{}", run.all());
         assert!(run.stderr.contains("table idem_outbox does not exist"), "{}", run.all());
-        let tables: i64 = if admin.is_some() {
+        let tables: i64 = if postgres {
             let pool = sqlx::PgPool::connect(&url).await.unwrap();
             let n = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')",
@@ -166,24 +115,20 @@ async fn read_only_commands_never_create_a_table() {
             pool.close().await;
             n
         } else {
-            sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ?")
+            let admin = sqlx::MySqlPool::connect(&mysql_url()).await.unwrap();
+            let n = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ?")
                 .bind(&db)
-                .fetch_one(&my_admin)
+                .fetch_one(&admin)
                 .await
-                .unwrap()
+                .unwrap();
+            admin.close().await;
+            n
         };
         assert_eq!(tables, 0, "a read-only command created a table in {url}");
-        match admin {
-            Some(pg) => sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
-                .execute(pg)
-                .await
-                .map(|_| ())
-                .unwrap(),
-            None => sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db}")))
-                .execute(&my_admin)
-                .await
-                .map(|_| ())
-                .unwrap(),
+        if postgres {
+            support::drop_postgres_db(&url).await;
+        } else {
+            support::drop_mysql_db(&url).await;
         }
     }
 }
@@ -610,7 +555,7 @@ async fn a_newer_schema_is_refused_by_every_command() {
     let table = format!("ns_{}", tag());
     let path = temp_db();
     let sqlite = path.display().to_string();
-    let stores = [sqlite.clone(), postgres_admin_url(), mysql_admin_url()];
+    let stores = [sqlite.clone(), postgres_url(), mysql_url()];
     for store in &stores {
         let run = idem(&["migrate", "--store", store, "--table", &table]);
         assert_eq!(run.code, 0, "{store}: {}", run.all());

@@ -27,7 +27,7 @@ use axum::Router;
 use axum::extract::Path;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
-use support::{Answer, idem_json, mysql_url, post_keyed, postgres_url, redis_url, start_gateway, temp};
+use support::{Answer, idem_json, listed_key, mysql_url, post_keyed, postgres_url, redis_url, start_gateway, temp};
 
 /// The upstream: `POST /v1/pay` counts the call, applies it after `work`
 /// in a task of its own (so it is applied even when its caller hung up,
@@ -136,14 +136,7 @@ async fn retry_past_in_flight(base: &str, token: &str, key: &str) -> Answer {
 
 /// The key's state and tenant, as `idem keys list` shows them.
 fn listed(store: &str, key: &str) -> (String, String) {
-    let (code, list) = idem_json(&["keys", "list", "--store", store, "--key-prefix", key]);
-    assert_eq!(code, 0, "{list}");
-    let k = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["key"] == key)
-        .unwrap_or_else(|| panic!("{key} not listed: {list}"));
+    let k = listed_key(store, key, &[]);
     (
         k["state"].as_str().unwrap().to_owned(),
         k["tenant"].as_str().unwrap().to_owned(),

@@ -4,46 +4,15 @@
 //! refused (exit 2), and a table that exists but is not an idem table is
 //! refused (exit 3) before any query touches it.
 
-use std::process::Command;
+mod support;
+
 use std::sync::Arc;
 
 use idem_core::{Call, Clock, Fingerprint, IdempotencyKey, LeaseEngine, LeaseStore, ManualClock, Policy, Scope};
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 12..].to_owned()
-}
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
+use support::{Run, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(args)
-        .output()
-        .expect("idem runs");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-impl Run {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("{e}: {}{}", self.stdout, self.stderr))
-    }
+    support::idem_run(args, &[])
 }
 
 /// `live` rows kept a day and `expired` rows claimed an hour ago, kept a minute.
@@ -111,6 +80,37 @@ fn sweeps_an_inbox_table_and_refuses_other_tables(url: &str, inbox: &str, plain:
     }
 }
 
+/// The tables' names for `tag`: an inbox and a plain table.
+fn tables(tag: &str) -> (String, String) {
+    (format!("inbox_{tag}"), format!("plain_{tag}"))
+}
+
+/// With `store` on the inbox table of [`tables`] (migrated), over the server
+/// at `url`: seeds the inbox, creates the plain table with one row, runs
+/// the commands, checks the plain table is untouched, and drops both.
+/// `execute` runs a statement, `count` answers a `COUNT(*)`.
+async fn inbox_table<S: LeaseStore + Clone>(
+    url: &str,
+    store: S,
+    tag: &str,
+    execute: impl AsyncFn(String),
+    count: impl AsyncFn(String) -> i64,
+) {
+    let (inbox, plain) = tables(tag);
+    seed(store, &format!("t{tag}"), 2, 5).await;
+    execute(format!("CREATE TABLE {plain} (expires_at_ms BIGINT NOT NULL)")).await;
+    execute(format!("INSERT INTO {plain} VALUES (0)")).await;
+    let (u, i, p) = (url.to_owned(), inbox.clone(), plain.clone());
+    tokio::task::spawn_blocking(move || sweeps_an_inbox_table_and_refuses_other_tables(&u, &i, &p))
+        .await
+        .unwrap();
+    let n = count(format!("SELECT COUNT(*) FROM {plain}")).await;
+    assert_eq!(n, 1, "the plain table is untouched");
+    for t in [&inbox, &plain] {
+        execute(format!("DROP TABLE {t}")).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_inbox_table() {
     let url = postgres_url();
@@ -118,35 +118,19 @@ async fn postgres_inbox_table() {
         .await
         .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}"));
     let tag = tag();
-    let (inbox, plain) = (format!("inbox_{tag}"), format!("plain_{tag}"));
-    let store = idem_postgres::PgStore::new(pool.clone()).with_table(idem_core::TableName::new(&inbox).unwrap());
+    let store =
+        idem_postgres::PgStore::new(pool.clone()).with_table(idem_core::TableName::new(&tables(&tag).0).unwrap());
     store.migrate().await.unwrap();
-    seed(store, &format!("t{tag}"), 2, 5).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {plain} (expires_at_ms BIGINT NOT NULL)"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {plain} VALUES (0)")))
-        .execute(&pool)
-        .await
-        .unwrap();
-    let (u, i, p) = (url.clone(), inbox.clone(), plain.clone());
-    tokio::task::spawn_blocking(move || sweeps_an_inbox_table_and_refuses_other_tables(&u, &i, &p))
-        .await
-        .unwrap();
-    let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {plain}")))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(n, 1, "the plain table is untouched");
-    for t in [&inbox, &plain] {
-        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
-            .execute(&pool)
+    let execute = async |sql: String| {
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+    };
+    let count = async |sql: String| -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&pool)
             .await
-            .unwrap();
-    }
+            .unwrap()
+    };
+    inbox_table(&url, store, &tag, execute, count).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,33 +140,17 @@ async fn mysql_inbox_table() {
         .await
         .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url}: {e}"));
     let tag = tag();
-    let (inbox, plain) = (format!("inbox_{tag}"), format!("plain_{tag}"));
-    let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(idem_core::TableName::new(&inbox).unwrap());
+    let store =
+        idem_mysql::MySqlStore::new(pool.clone()).with_table(idem_core::TableName::new(&tables(&tag).0).unwrap());
     store.migrate().await.unwrap();
-    seed(store, &format!("t{tag}"), 2, 5).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {plain} (expires_at_ms BIGINT NOT NULL)"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {plain} VALUES (0)")))
-        .execute(&pool)
-        .await
-        .unwrap();
-    let (u, i, p) = (url.clone(), inbox.clone(), plain.clone());
-    tokio::task::spawn_blocking(move || sweeps_an_inbox_table_and_refuses_other_tables(&u, &i, &p))
-        .await
-        .unwrap();
-    let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {plain}")))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(n, 1, "the plain table is untouched");
-    for t in [&inbox, &plain] {
-        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
-            .execute(&pool)
+    let execute = async |sql: String| {
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+    };
+    let count = async |sql: String| -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&pool)
             .await
-            .unwrap();
-    }
+            .unwrap()
+    };
+    inbox_table(&url, store, &tag, execute, count).await;
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use support::{Gateway, idem_json, postgres_url, redis_url, start_gateway};
+use support::{Answer, Gateway, idem_json, listed_key, post_keyed, postgres_url, redis_url, start_gateway};
 
 fn temp(name: &str) -> String {
     support::temp("unknown", name)
@@ -110,37 +110,8 @@ async fn start(upstream: &str, store: &str) -> (Gateway, String) {
     start_gateway(upstream, store, &config).await
 }
 
-struct Answer {
-    status: u16,
-    content_type: String,
-    replayed: bool,
-    body: String,
-}
-
 async fn send(base: &str, path: &str, token: &str, key: &str) -> Answer {
-    let r = idem_tls::test_pki::http_client()
-        .post(format!("{base}{path}"))
-        .bearer_auth(token)
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(r#"{"amount":5}"#)
-        .send()
-        .await
-        .expect("the gateway answers");
-    let header = |n: &str| {
-        r.headers()
-            .get(n)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned()
-    };
-    let (content_type, replayed) = (header("content-type"), header("idempotent-replayed") == "true");
-    Answer {
-        status: r.status().as_u16(),
-        content_type,
-        replayed,
-        body: r.text().await.unwrap(),
-    }
+    post_keyed(base, path, token, key).await.expect("the gateway answers")
 }
 
 /// The retries of a held key: a 409 problem each, naming the key and how
@@ -167,23 +138,7 @@ async fn assert_held(base: &str, path: &str, token: &str, key: &str, calls: &Ato
 /// The tenant the gateway scoped `key` by, as `idem keys list` shows it,
 /// with the key's state there.
 fn listed(store: &str, key: &str, operation: &str) -> (String, String) {
-    let (code, list) = idem_json(&[
-        "keys",
-        "list",
-        "--store",
-        store,
-        "--operation",
-        operation,
-        "--key-prefix",
-        key,
-    ]);
-    assert_eq!(code, 0, "{list}");
-    let k = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| k["key"] == key)
-        .unwrap_or_else(|| panic!("{key} not listed: {list}"));
+    let k = listed_key(store, key, &["--operation", operation]);
     (
         k["tenant"].as_str().unwrap().to_owned(),
         k["state"].as_str().unwrap().to_owned(),

@@ -23,11 +23,46 @@ async fn payout(l: &Ledger, t: &str, account: &str, amount: i64) -> Resp {
         .await
 }
 
-async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
+/// Requests a payout of `amount` from `account`: its id.
+async fn payout_id(l: &Ledger, t: &str, account: &str, amount: i64) -> String {
+    payout(l, t, account, amount).await.json()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A new tenant's account "a", topped up with `amount`: the tenant's token
+/// and the account.
+async fn funded(l: &Ledger, amount: i64) -> (String, String) {
     let t = token();
     let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    assert_eq!(l.top_up(&t, &a, amount).await.status, 201);
+    (t, a)
+}
+
+/// The fake vendor, a ledger on `engine` (see [`start`]) and a new
+/// tenant's account "a" topped up with `amount`.
+async fn vendor_and_funded(engine: Engine, amount: i64) -> (FakeVendor, Ledger, String, String) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine).await;
+    let (t, a) = funded(&l, amount).await;
+    (vendor, l, t, a)
+}
+
+/// Checks the tenant's books still balance, and stops the ledger.
+async fn stop_conserved(l: Ledger, t: &str) {
+    assert_eq!(l.audit(t).await["conserved"], true);
+    l.stop().await;
+}
+
+/// The scope of the tenant's payouts (of their dead letters).
+fn payout_scope(t: &str) -> idem_core::Scope {
+    idem_core::Scope::parse(ledger::tenant_for_token(t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap()
+}
+
+async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
+    let l = Ledger::start(engine, transport).await;
+    let (t, a) = funded(&l, 1_000).await;
     let k = key();
     let first = l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 300)).await;
     assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
@@ -61,9 +96,7 @@ async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
 
 async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
     let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 100).await.status, 201);
+    let (t, a) = funded(&l, 100).await;
     let k = key();
     l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 101))
         .await
@@ -213,8 +246,8 @@ impl Drop for FakeVendor {
 }
 
 /// Quick retries for tests: 20, 40, 80 ms, then a dead letter.
-fn fast_client() -> idem_outbound::OutboundClient {
-    let config = idem_outbound::OutboundConfig {
+fn fast_config() -> idem_outbound::OutboundConfig {
+    idem_outbound::OutboundConfig {
         retry_delays: vec![
             Duration::from_millis(20),
             Duration::from_millis(40),
@@ -223,26 +256,23 @@ fn fast_client() -> idem_outbound::OutboundClient {
         deadline: Duration::from_secs(20),
         attempt_timeout: Duration::from_secs(5),
         ..Default::default()
-    };
-    idem_outbound::OutboundClient::new(config).expect("a valid configuration")
+    }
+}
+
+/// A client of [`fast_config`].
+fn fast_client() -> idem_outbound::OutboundClient {
+    idem_outbound::OutboundClient::new(fast_config()).expect("a valid configuration")
 }
 
 /// [`fast_client`] whose breaker never opens: for tests that need every
 /// call to really fail (an open breaker defers payouts instead).
 fn unguarded_client() -> idem_outbound::OutboundClient {
     let config = idem_outbound::OutboundConfig {
-        retry_delays: vec![
-            Duration::from_millis(20),
-            Duration::from_millis(40),
-            Duration::from_millis(80),
-        ],
-        deadline: Duration::from_secs(20),
-        attempt_timeout: Duration::from_secs(5),
         breaker: idem_outbound::BreakerConfig {
             failure_threshold: 1_000_000,
             ..Default::default()
         },
-        ..Default::default()
+        ..fast_config()
     };
     idem_outbound::OutboundClient::new(config).expect("a valid configuration")
 }
@@ -280,15 +310,8 @@ async fn own_database(engine: Engine) -> String {
                     .fetch_all(&mut conn)
                     .await
                     .unwrap();
-            for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                    .execute(&mut conn)
-                    .await;
-            }
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                .execute(&mut conn)
-                .await
-                .unwrap();
+            let execute = async |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map(drop);
+            drop_stale_then_create(old, &name, execute).await;
             with_database(&admin, &name)
         }
         Engine::Mysql => {
@@ -302,18 +325,24 @@ async fn own_database(engine: Engine) -> String {
             .fetch_all(&mut conn)
             .await
             .unwrap();
-            for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                    .execute(&mut conn)
-                    .await;
-            }
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                .execute(&mut conn)
-                .await
-                .unwrap();
+            let execute = async |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map(drop);
+            drop_stale_then_create(old, &name, execute).await;
             with_database(&admin, &name)
         }
     }
+}
+
+/// Drops the stale test databases among `old` (see [`stale`]), then
+/// creates `name`; `execute` runs a statement on the server.
+async fn drop_stale_then_create(
+    old: Vec<(String,)>,
+    name: &str,
+    mut execute: impl AsyncFnMut(String) -> Result<(), sqlx::Error>,
+) {
+    for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
+        let _ = execute(format!("DROP DATABASE IF EXISTS {db}")).await;
+    }
+    execute(format!("CREATE DATABASE {name}")).await.unwrap();
 }
 
 /// Whether a test database was made more than an hour ago (its name ends in
@@ -362,11 +391,7 @@ async fn stats(vendor: &FakeVendor) -> serde_json::Value {
 }
 
 async fn the_worker_pays_once_through_faults(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 10_000).await.status, 201);
+    let (vendor, l, t, a) = vendor_and_funded(engine, 10_000).await;
 
     // Every new payment's answer is lost after the vendor applied it: the
     // retry, with the same key, gets the vendor's recorded answer.
@@ -376,7 +401,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
             ..Default::default()
         })
         .await;
-    let dropped = payout(&l, &t, &a, 100).await.json()["id"].as_str().unwrap().to_owned();
+    let dropped = payout_id(&l, &t, &a, 100).await;
     let report = pass(&l, &vendor).await;
     assert_eq!(report.paid, 1, "{report:?}");
     let settled = status(&l, &t, &dropped).await;
@@ -392,7 +417,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
             ..Default::default()
         })
         .await;
-    let p = payout(&l, &t, &a, 250).await.json()["id"].as_str().unwrap().to_owned();
+    let p = payout_id(&l, &t, &a, 250).await;
     let report = pass(&l, &vendor).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     let dead = status(&l, &t, &p).await;
@@ -437,26 +462,21 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
     assert_eq!(paid["payouts"], 2, "{paid}");
     assert_eq!(paid["total"], 350);
     assert_eq!(pass(&l, &vendor).await, PassReport::default());
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// The vendor applied the payout, but every answer was lost and the payout
 /// was dead-lettered: the redrive, with the same key, gets the vendor's
 /// recorded answer and the vendor pays nothing more.
 async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let (vendor, l, t, a) = vendor_and_funded(engine, 1_000).await;
     vendor
         .faults(&Faults {
             apply_then_drop: 1.0,
             ..Default::default()
         })
         .await;
-    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    let p = payout_id(&l, &t, &a, 400).await;
     let slow_retries = || {
         idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
             retry_delays: vec![Duration::from_millis(700); 3],
@@ -534,8 +554,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     let paid = vendor.ledger().await;
     assert_eq!(paid["payouts"], 1, "paid once: {paid}");
     assert_eq!(stats(&vendor).await["replayed"], 1);
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 async fn many_workers_pay_each_payout_once(engine: Engine) {
@@ -548,9 +567,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
         })
         .await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000_000).await.status, 201);
+    let (t, a) = funded(&l, 1_000_000).await;
     let mut ids = Vec::new();
     for i in 0..40 {
         let r = payout(&l, &t, &a, 100 + i).await;
@@ -606,8 +623,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
     }
     assert!(keys.iter().all(|k| ids.contains(k)));
     assert!(paid > 0);
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A redriven payout is reconciled however many older dead-lettered payouts
@@ -622,15 +638,13 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
         })
         .await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000_000).await.status, 201);
+    let (t, a) = funded(&l, 1_000_000).await;
     for _ in 0..100 {
         assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
     }
     // Requested strictly later than the hundred before it.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let last = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let last = payout_id(&l, &t, &a, 10).await;
     let once = || {
         idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
             retry_delays: vec![],
@@ -657,8 +671,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     // Only the newest one is redriven.
     vendor.faults(&Faults::default()).await;
     let letters = l.store.dead_letters();
-    let scope =
-        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let scope = payout_scope(&t);
     let letter = letters
         .find(&scope, &idem_core::IdempotencyKey::new(&last).unwrap())
         .await
@@ -674,8 +687,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     assert_eq!(report.reconciled, 1, "{report:?}");
     assert_eq!(status(&l, &t, &last).await["status"], "paid");
     assert_eq!(vendor.ledger().await["payouts"], 1);
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A vendor that answers each call with `answer(request body, call
@@ -716,10 +728,8 @@ fn promised(request: &serde_json::Value, id: &str) -> String {
 async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine) {
     let url = vendor_answering(|r, _| (201, promised(r, "po_\u{0}x"))).await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let p = payout_id(&l, &t, &a, 10).await;
     let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
     let report = ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config)
         .await
@@ -768,10 +778,8 @@ async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::s
 async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     let (url, arrived, release) = vendor_holding_999().await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 100_000).await.status, 201);
-    let slow = payout(&l, &t, &a, 999).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 100_000).await;
+    let slow = payout_id(&l, &t, &a, 999).await;
     let mut config = PayoutConfig::new(&url, ledger::events::Namespace::default());
     config.concurrency = 2;
     config.poll = Duration::from_millis(20);
@@ -823,8 +831,7 @@ async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     }
     let _ = stop.send(true);
     worker.await.unwrap();
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -875,24 +882,21 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     .await;
     let clock = idem_core::ManualClock::starting_now();
     let l = start_on(engine, &clock).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let (t, a) = funded(&l, 1_000).await;
     vendor
         .faults(&Faults {
             apply_then_drop: 1.0,
             ..Default::default()
         })
         .await;
-    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    let p = payout_id(&l, &t, &a, 400).await;
     let report = pass_with(&l, hour_client(&[]), config(&vendor)).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
     vendor.faults(&Faults::default()).await;
     advance(&clock, &vendor, 2 * HOUR);
     let letters = l.store.dead_letters();
-    let scope =
-        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let scope = payout_scope(&t);
     let id = letters
         .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
         .await
@@ -930,8 +934,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     assert_eq!(paid["status"], "paid");
     assert!(paid["vendor_payout_id"].as_str().unwrap().starts_with("po_"));
     assert_eq!(vendor.ledger().await["payouts"], 1, "paid once");
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A worker dies while the vendor pays; the payout is taken over past the vendor's key horizon: paid once (the new worker asks the vendor first), or, without a way to ask, held as unknown and not sent.
@@ -962,11 +965,9 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     let vendor = FakeVendor::start_with(options).await;
     let clock = idem_core::ManualClock::starting_now();
     let l = start_on(engine, &clock).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let held = payout(&l, &t, &a, 300).await.json()["id"].as_str().unwrap().to_owned();
-    let asked = payout(&l, &t, &a, 200).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let held = payout_id(&l, &t, &a, 300).await;
+    let asked = payout_id(&l, &t, &a, 200).await;
     let horizon = if options.idempotency {
         idem_outbound::KeyHorizon::new(HOUR, Duration::from_secs(60))
     } else {
@@ -1026,8 +1027,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     advance(&clock, &vendor, 2 * HOUR);
     let mut blind = short.clone();
     blind.reconcile = false;
-    let scope =
-        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let scope = payout_scope(&t);
     // Without a way to ask: not sent, held for an operator.
     let report = pass_with(&l, client(), blind).await;
     assert_eq!(report.unknown, 2, "{report:?}");
@@ -1085,8 +1085,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     let paid = vendor.ledger().await;
     assert_eq!(paid["payouts"], 2, "each paid once: {paid}");
     assert_eq!(paid["references"].as_array().unwrap().len(), 2);
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A worker stopped past its lease between two attempts (its first found the vendor refusing connections) wakes up after another worker took the payout over, asked the vendor, paid it, and the vendor has since forgotten the key: it sends nothing, so the payout is paid once.
@@ -1098,10 +1097,8 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     .await;
     let clock = idem_core::ManualClock::starting_now();
     let l = start_on(engine, &clock).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let p = payout(&l, &t, &a, 400).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let p = payout_id(&l, &t, &a, 400).await;
     // An hour-long lease on the test's clock: no heartbeat beats within the
     // test, as if the worker's process were stopped.
     let mut hour_lease = config(&vendor);
@@ -1151,8 +1148,7 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     let paid = vendor.ledger().await;
     assert_eq!(paid["payouts"], 1, "paid once: {paid}");
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A vendor's 429s are flow control: they never open the breaker, and
@@ -1160,11 +1156,7 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
 /// breaker opened by real failures refuses later calls without sending
 /// them: those payouts are deferred too, never dead-lettered.
 async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 100_000).await.status, 201);
+    let (vendor, l, t, a) = vendor_and_funded(engine, 100_000).await;
     vendor
         .faults(&Faults {
             rate_limit_429: 1.0,
@@ -1215,9 +1207,7 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
     let vendor = FakeVendor::start().await;
     let clock = idem_core::ManualClock::starting_now();
     let l = start_on(engine, &clock).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let (t, a) = funded(&l, 1_000).await;
     vendor
         .faults(&Faults {
             rate_limit_429: 1.0,
@@ -1225,7 +1215,7 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
             ..Default::default()
         })
         .await;
-    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let p = payout_id(&l, &t, &a, 10).await;
     let report = pass_with(&l, hour_client(&[20]), config(&vendor)).await;
     assert_eq!((report.deferred, report.dead_lettered), (1, 0), "{report:?}");
     let got = status(&l, &t, &p).await;
@@ -1251,10 +1241,8 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
 async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) {
     let url = vendor_answering(|_, _| (200, "ok".to_owned())).await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let p = payout_id(&l, &t, &a, 10).await;
     let report = ledger::payouts::pass(
         &l.store,
         l.clock.clone(),
@@ -1280,7 +1268,7 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
         (201, wrong.to_string())
     })
     .await;
-    let p2 = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let p2 = payout_id(&l, &t, &a, 10).await;
     ledger::payouts::pass(
         &l.store,
         l.clock.clone(),
@@ -1290,8 +1278,7 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
     .await
     .unwrap();
     assert_eq!(status(&l, &t, &p2).await["status"], "unknown");
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
     // At start: the binary refuses the URL, naming the setting.
     for bad in [
         "http://127.0.0.1:9#",
@@ -1336,18 +1323,14 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
 
 /// A dead-lettered payout has a way out: a redrive to a corrected vendor URL pays it; one the vendor did not pay is cancelled, once, its debit reversed, only after a verdict that it was not applied.
 async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
+    let (vendor, l, t, a) = vendor_and_funded(engine, 1_000).await;
     // A wrong vendor URL (nothing listens): both payouts are dead-lettered.
     let wrong = format!("http://127.0.0.1:{}", {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     });
-    let fixed = payout(&l, &t, &a, 100).await.json()["id"].as_str().unwrap().to_owned();
-    let cancelled = payout(&l, &t, &a, 250).await.json()["id"].as_str().unwrap().to_owned();
+    let fixed = payout_id(&l, &t, &a, 100).await;
+    let cancelled = payout_id(&l, &t, &a, 250).await;
     let report = ledger::payouts::pass(
         &l.store,
         l.clock.clone(),
@@ -1359,8 +1342,7 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     assert_eq!(report.dead_lettered, 2, "{report:?}");
     assert_eq!(l.balance(&t, &a).await, 650);
     let letters = l.store.dead_letters();
-    let scope =
-        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let scope = payout_scope(&t);
     let letter_of = |id: &str| {
         let (letters, scope, key) = (
             letters.clone(),
@@ -1440,10 +1422,8 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
 async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engine: Engine) {
     let wrong = vendor_answering(|_, _| (200, r#"{"error":"no such route"}"#.to_owned())).await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let p = payout(&l, &t, &a, 300).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let p = payout_id(&l, &t, &a, 300).await;
     let nowhere = format!("http://127.0.0.1:{}", {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -1458,8 +1438,7 @@ async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engi
     .unwrap();
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     let letters = l.store.dead_letters();
-    let scope =
-        idem_core::Scope::parse(ledger::tenant_for_token(&t).as_str(), ledger::payouts::PAYOUT_OPERATION).unwrap();
+    let scope = payout_scope(&t);
     let letter = letters
         .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
         .await
@@ -1505,8 +1484,7 @@ async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engi
     let done = l.post(&format!("/v1/payouts/{p}/cancel"), &t, Some(&key()), "").await;
     assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
     assert_eq!(l.balance(&t, &a).await, 1_000, "the debit reversed");
-    assert_eq!(l.audit(&t).await["conserved"], true);
-    l.stop().await;
+    stop_conserved(l, &t).await;
 }
 
 /// A redrive's answer over 4 KiB keeps what the ledger needs: the redriven payout is marked paid with the vendor's id.
@@ -1521,10 +1499,8 @@ async fn a_large_vendor_answer_keeps_its_id(engine: Engine) {
     })
     .await;
     let l = start(engine).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
-    let p = payout(&l, &t, &a, 10).await.json()["id"].as_str().unwrap().to_owned();
+    let (t, a) = funded(&l, 1_000).await;
+    let p = payout_id(&l, &t, &a, 10).await;
     let once = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
         retry_delays: vec![],
         ..Default::default()

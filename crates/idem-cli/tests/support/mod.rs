@@ -1,9 +1,11 @@
-//! What the gateway-process tests share: a gateway process killed when the
-//! test ends, free ports, temporary paths, engine URLs and keyed requests.
+//! What the `idem` process tests share: a gateway process killed when the
+//! test ends, free ports, temporary paths and names, engine URLs, databases
+//! of a test's own, the fake vendor, keyed requests and `idem` runs.
 
 #![allow(dead_code)]
 
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A gateway process, killed when the test ends.
@@ -39,6 +41,12 @@ pub(crate) fn temp(prefix: &str, name: &str) -> String {
         .to_string()
 }
 
+/// A short name no other test uses: the last 12 characters of a UUIDv7.
+pub(crate) fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 12..].to_owned()
+}
+
 pub(crate) fn postgres_url() -> String {
     std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
@@ -49,6 +57,97 @@ pub(crate) fn mysql_url() -> String {
 
 pub(crate) fn redis_url() -> String {
     std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+async fn postgres_admin() -> sqlx::PgPool {
+    let admin_url = postgres_url();
+    sqlx::PgPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"))
+}
+
+async fn mysql_admin() -> sqlx::MySqlPool {
+    let admin_url = mysql_url();
+    sqlx::MySqlPool::connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin_url}: {e}"))
+}
+
+/// The URL of `admin_url`'s server with the database `db`.
+fn with_database(admin_url: &str, db: &str) -> String {
+    let (base, _) = admin_url.rsplit_once('/').unwrap();
+    format!("{base}/{db}")
+}
+
+/// The database a URL names.
+pub(crate) fn database_of(url: &str) -> &str {
+    url.rsplit_once('/').unwrap().1
+}
+
+/// A PostgreSQL database of the test's own, named `{prefix}_{tag}`: its URL.
+pub(crate) async fn postgres_db(prefix: &str) -> String {
+    let db = format!("{prefix}_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&postgres_admin().await)
+        .await
+        .unwrap();
+    with_database(&postgres_url(), &db)
+}
+
+/// Drops the database of [`postgres_db`], even while connections are open.
+pub(crate) async fn drop_postgres_db(url: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {} WITH (FORCE)",
+        database_of(url)
+    )))
+    .execute(&postgres_admin().await)
+    .await
+    .unwrap();
+}
+
+/// A MariaDB database of the test's own, named `{prefix}_{tag}`: its URL.
+pub(crate) async fn mysql_db(prefix: &str) -> String {
+    let db = format!("{prefix}_{}", tag());
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&mysql_admin().await)
+        .await
+        .unwrap();
+    with_database(&mysql_url(), &db)
+}
+
+/// Drops the database of [`mysql_db`].
+pub(crate) async fn drop_mysql_db(url: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {}", database_of(url))))
+        .execute(&mysql_admin().await)
+        .await
+        .unwrap();
+}
+
+/// Serves `vendor` (the fake vendor) on its own runtime and thread, so the
+/// test's runtime can block on an `idem` process meanwhile; its base URL.
+pub(crate) fn serve_vendor(vendor: Arc<fake_vendor::Vendor>) -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(fake_vendor::serve(addr, vendor, std::future::pending()))
+            .unwrap();
+    });
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return format!("http://{addr}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the fake vendor did not start on {addr}");
 }
 
 /// Starts `idem gateway` in front of `upstream` on `store` with the
@@ -83,6 +182,8 @@ pub(crate) struct Answer {
     pub(crate) status: u16,
     pub(crate) replayed: bool,
     pub(crate) retry_after: Option<u64>,
+    /// The `content-type` header, empty when there is none.
+    pub(crate) content_type: String,
     /// The problem type's last segment, for a problem.
     pub(crate) problem: Option<String>,
     pub(crate) body: String,
@@ -103,7 +204,8 @@ pub(crate) async fn post_keyed(base: &str, path: &str, token: &str, key: &str) -
     let header = |n: &str| r.headers().get(n).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let replayed = header("idempotent-replayed").as_deref() == Some("true");
     let retry_after = header("retry-after").and_then(|v| v.parse().ok());
-    let is_problem = header("content-type").as_deref() == Some("application/problem+json");
+    let content_type = header("content-type").unwrap_or_default();
+    let is_problem = content_type == "application/problem+json";
     let status = r.status().as_u16();
     let body = r.text().await.ok()?;
     let problem = is_problem
@@ -114,9 +216,26 @@ pub(crate) async fn post_keyed(base: &str, path: &str, token: &str, key: &str) -
         status,
         replayed,
         retry_after,
+        content_type,
         problem,
         body,
     })
+}
+
+/// The entry of `key` in `idem keys list --store {store} {filters}
+/// --key-prefix {key}`; fails the test when it is not listed.
+pub(crate) fn listed_key(store: &str, key: &str, filters: &[&str]) -> serde_json::Value {
+    let mut args = vec!["keys", "list", "--store", store];
+    args.extend_from_slice(filters);
+    args.extend(["--key-prefix", key]);
+    let (code, list) = idem_json(&args);
+    assert_eq!(code, 0, "{list}");
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["key"] == key)
+        .unwrap_or_else(|| panic!("{key} not listed: {list}"))
+        .clone()
 }
 
 /// Runs `idem <args>`: exit code, stdout as JSON (null when it is not),
@@ -146,4 +265,39 @@ pub(crate) fn idem_json(args: &[&str]) -> (i32, serde_json::Value) {
     let text = String::from_utf8_lossy(&out.stdout);
     let json = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {text}"));
     (out.status.code().unwrap_or(-1), json)
+}
+
+/// A finished `idem` run.
+pub(crate) struct Run {
+    pub(crate) code: i32,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
+}
+
+impl Run {
+    /// Everything it printed.
+    pub(crate) fn all(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+
+    /// Stdout as one JSON document.
+    pub(crate) fn json(&self) -> serde_json::Value {
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {}", self.all()))
+    }
+}
+
+/// Runs `idem <args>` without the environment variables `unset`.
+pub(crate) fn idem_run(args: &[&str], unset: &[&str]) -> Run {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command.args(args);
+    for name in unset {
+        command.env_remove(name);
+    }
+    let out = command.output().expect("idem runs");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
 }
