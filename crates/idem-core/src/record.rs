@@ -353,6 +353,20 @@ pub struct Lease {
     pub lease_expires_at_ms: i64,
 }
 
+impl Lease {
+    /// Judges a statement guarded by this lease's token that changed `rows`
+    /// rows (a SQL store's update or delete of its row): none means the key
+    /// was taken over, finished or released, and the lease is no longer
+    /// current ([`Error::Fenced`]). `action` names the statement in the log.
+    pub fn fenced_unless_one(&self, rows: u64, action: &'static str) -> Result<()> {
+        if rows == 1 {
+            return Ok(());
+        }
+        tracing::debug!(action, token = self.token.0, "lease fenced: no longer current");
+        Err(Error::Fenced)
+    }
+}
+
 /// Whether the caller's work ran now or its recorded outcome was replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome<T> {

@@ -146,7 +146,7 @@ impl LeaseStore for MySqlStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced(done.rows_affected(), lease)
+            lease.fenced_unless_one(done.rows_affected(), "mark sent")
         })
     }
 
@@ -166,7 +166,7 @@ impl LeaseStore for MySqlStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced(done.rows_affected(), lease)
+            lease.fenced_unless_one(done.rows_affected(), "complete")
         })
     }
 
@@ -180,7 +180,7 @@ impl LeaseStore for MySqlStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced(done.rows_affected(), lease)
+            lease.fenced_unless_one(done.rows_affected(), "release")
         })
     }
 
@@ -200,7 +200,7 @@ impl LeaseStore for MySqlStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced(done.rows_affected(), lease)
+            lease.fenced_unless_one(done.rows_affected(), "extend")
         })
     }
 

@@ -473,17 +473,6 @@ impl MySqlStore {
     }
 }
 
-/// Judges an UPDATE or DELETE guarded by a lease's token: no matching row
-/// means the lease was taken over or already finished.
-pub(crate) fn fenced(affected: u64, lease: &Lease) -> Result<()> {
-    if affected == 1 {
-        Ok(())
-    } else {
-        tracing::debug!(token = lease.token.0, "lease is no longer current");
-        Err(Error::Fenced)
-    }
-}
-
 /// A lock-wait timeout while claiming means a twin still holds the key:
 /// the engine polls again until its deadline. Everything else is mapped.
 pub(crate) fn busy_or_error(e: sqlx::Error) -> Result<Claim> {

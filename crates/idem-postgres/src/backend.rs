@@ -236,7 +236,7 @@ impl LeaseStore for PgStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            self.fenced_unless_one(done.rows_affected(), lease, "mark sent")
+            lease.fenced_unless_one(done.rows_affected(), "mark sent")
         })
     }
 
@@ -256,7 +256,7 @@ impl LeaseStore for PgStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            self.fenced_unless_one(done.rows_affected(), lease, "complete")
+            lease.fenced_unless_one(done.rows_affected(), "complete")
         })
     }
 
@@ -270,7 +270,7 @@ impl LeaseStore for PgStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            self.fenced_unless_one(done.rows_affected(), lease, "release")
+            lease.fenced_unless_one(done.rows_affected(), "release")
         })
     }
 
@@ -285,7 +285,7 @@ impl LeaseStore for PgStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            self.fenced_unless_one(done.rows_affected(), lease, "extend")
+            lease.fenced_unless_one(done.rows_affected(), "extend")
         })
     }
 
@@ -312,22 +312,6 @@ impl LeaseStore for PgStore {
             let done = query.execute(&self.pool).await.map_err(store_error)?;
             Ok(done.rows_affected() == 1)
         })
-    }
-}
-
-impl PgStore {
-    /// A lease statement changed its row only if the lease is still current.
-    pub(crate) fn fenced_unless_one(&self, rows: u64, lease: &Lease, action: &'static str) -> Result<()> {
-        if rows == 1 {
-            return Ok(());
-        }
-        tracing::debug!(
-            table = self.table.as_str(),
-            token = lease.token.0,
-            action,
-            "lease fenced"
-        );
-        Err(Error::Fenced)
     }
 }
 

@@ -174,3 +174,88 @@ fn key_info<D: Dialect>(row: &<D::Db as Database>::Row, now_ms: i64) -> Result<K
         payload: D::Db::opt_bytes(row, "payload").map_err(D::error)?.unwrap_or_default(),
     })
 }
+
+/// The operator's view of a SQL keys store: its inherent `stats`,
+/// `table_exists`, `list_keys` and `find_key` (from this module, over the
+/// store's `pool` and `table` fields and the engine's dialect) and its
+/// [`KeyAdmin`](idem_core::KeyAdmin), whose `purge_keys` is the store's own
+/// inherent one (how a purge deletes under concurrent claims is the
+/// engine's).
+///
+/// ```ignore
+/// idem_sql::key_admin!(PgStore, PgDialect);
+/// ```
+#[macro_export]
+macro_rules! key_admin {
+    ($store:ty, $dialect:ty) => {
+        impl $store {
+            /// How many keys the table holds, by state, at `now_ms`.
+            pub async fn stats(&self, now_ms: i64) -> ::idem_core::Result<::idem_core::KeyStats> {
+                $crate::keys::stats::<$dialect>(&self.pool, &self.table, now_ms).await
+            }
+
+            /// Whether `table` exists where this store's connections look for
+            /// it, so the operator's commands can name a missing table as such.
+            pub async fn table_exists(&self, table: &::idem_core::TableName) -> ::idem_core::Result<bool> {
+                $crate::keys::table_exists::<$dialect>(&self.pool, table).await
+            }
+
+            /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
+            pub async fn list_keys(
+                &self,
+                filter: &::idem_core::KeyFilter,
+                now_ms: i64,
+                limit: u32,
+            ) -> ::idem_core::Result<Vec<::idem_core::KeyInfo>> {
+                $crate::keys::list_keys::<$dialect>(&self.pool, &self.table, filter, now_ms, limit).await
+            }
+
+            /// The key `key` of `scope`, by its exact value (byte for byte), as
+            /// it is at `now_ms`.
+            pub async fn find_key(
+                &self,
+                scope: &::idem_core::Scope,
+                key: &::idem_core::IdempotencyKey,
+                now_ms: i64,
+            ) -> ::idem_core::Result<Option<::idem_core::KeyInfo>> {
+                $crate::keys::find_key::<$dialect>(&self.pool, &self.table, scope, key, now_ms).await
+            }
+        }
+
+        /// The operator's commands go through the inherent methods (the
+        /// same names: inherent methods are found first, so these never call
+        /// themselves).
+        impl ::idem_core::KeyAdmin for $store {
+            fn stats(&self, now_ms: i64) -> ::idem_core::BoxFuture<'_, ::idem_core::Result<::idem_core::KeyStats>> {
+                Box::pin(<$store>::stats(self, now_ms))
+            }
+
+            fn list_keys<'a>(
+                &'a self,
+                filter: &'a ::idem_core::KeyFilter,
+                now_ms: i64,
+                limit: u32,
+            ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<Vec<::idem_core::KeyInfo>>> {
+                Box::pin(<$store>::list_keys(self, filter, now_ms, limit))
+            }
+
+            fn find_key<'a>(
+                &'a self,
+                scope: &'a ::idem_core::Scope,
+                key: &'a ::idem_core::IdempotencyKey,
+                now_ms: i64,
+            ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<Option<::idem_core::KeyInfo>>> {
+                Box::pin(<$store>::find_key(self, scope, key, now_ms))
+            }
+
+            fn purge_keys<'a>(
+                &'a self,
+                filter: &'a ::idem_core::KeyFilter,
+                now_ms: i64,
+                limit: u32,
+            ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<u64>> {
+                Box::pin(<$store>::purge_keys(self, filter, now_ms, limit))
+            }
+        }
+    };
+}

@@ -238,7 +238,7 @@ impl LeaseStore for SqliteStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced_unless_one(done.rows_affected(), lease, "complete")
+            lease.fenced_unless_one(done.rows_affected(), "complete")
         })
     }
 
@@ -253,7 +253,7 @@ impl LeaseStore for SqliteStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced_unless_one(done.rows_affected(), lease, "mark_sent")
+            lease.fenced_unless_one(done.rows_affected(), "mark sent")
         })
     }
 
@@ -271,7 +271,7 @@ impl LeaseStore for SqliteStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced_unless_one(done.rows_affected(), lease, "release")
+            lease.fenced_unless_one(done.rows_affected(), "release")
         })
     }
 
@@ -286,7 +286,7 @@ impl LeaseStore for SqliteStore {
                 .execute(&self.pool)
                 .await
                 .map_err(store_error)?;
-            fenced_unless_one(done.rows_affected(), lease, "extend")
+            lease.fenced_unless_one(done.rows_affected(), "extend")
         })
     }
 
@@ -315,17 +315,6 @@ impl LeaseStore for SqliteStore {
             let done = query.execute(&self.pool).await.map_err(store_error)?;
             Ok(done.rows_affected() == 1)
         })
-    }
-}
-
-/// A lease operation that matched no row found the key taken over, finished
-/// or released: the holder's token is no longer current.
-fn fenced_unless_one(rows_affected: u64, lease: &Lease, action: &'static str) -> Result<()> {
-    if rows_affected == 1 {
-        Ok(())
-    } else {
-        tracing::debug!(action, token = lease.token.0, "lease fenced");
-        Err(Error::Fenced)
     }
 }
 

@@ -468,38 +468,9 @@ fn wall_clock_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
+idem_sql::key_admin!(SqliteStore, SqliteDialect);
+
 impl SqliteStore {
-    /// How many keys the table holds, by state, at `now_ms`.
-    pub async fn stats(&self, now_ms: i64) -> Result<idem_core::KeyStats> {
-        idem_sql::keys::stats::<SqliteDialect>(&self.pool, &self.table, now_ms).await
-    }
-
-    /// Whether `table` exists in the database (the operator's commands look
-    /// before they read, so that a missing table is named as such).
-    pub async fn table_exists(&self, table: &TableName) -> Result<bool> {
-        idem_sql::keys::table_exists::<SqliteDialect>(&self.pool, table).await
-    }
-
-    /// Keys matching `filter` at `now_ms`, oldest first, at most `limit`.
-    pub async fn list_keys(
-        &self,
-        filter: &idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<idem_core::KeyInfo>> {
-        idem_sql::keys::list_keys::<SqliteDialect>(&self.pool, &self.table, filter, now_ms, limit).await
-    }
-
-    /// The key `key` of `scope`, by its exact value, as it is at `now_ms`.
-    pub async fn find_key(
-        &self,
-        scope: &Scope,
-        key: &IdempotencyKey,
-        now_ms: i64,
-    ) -> Result<Option<idem_core::KeyInfo>> {
-        idem_sql::keys::find_key::<SqliteDialect>(&self.pool, &self.table, scope, key, now_ms).await
-    }
-
     /// Deletes at most `limit` keys matching `filter` at `now_ms`; answers how many.
     ///
     /// One statement, and the filter is checked again on each row it
@@ -521,39 +492,5 @@ impl SqliteStore {
             .copied()
             .fold(sqlx::query(AssertSqlSafe(sql)), <sqlx::Sqlite as idem_sql::SqlDb>::bind);
         Ok(q.execute(&self.pool).await.map_err(store_error)?.rows_affected())
-    }
-}
-/// The operator's commands go through the inherent methods above (the same
-/// names: inherent methods are found first, so these never call themselves).
-impl idem_core::KeyAdmin for SqliteStore {
-    fn stats(&self, now_ms: i64) -> idem_core::BoxFuture<'_, Result<idem_core::KeyStats>> {
-        Box::pin(SqliteStore::stats(self, now_ms))
-    }
-
-    fn list_keys<'a>(
-        &'a self,
-        filter: &'a idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> idem_core::BoxFuture<'a, Result<Vec<idem_core::KeyInfo>>> {
-        Box::pin(SqliteStore::list_keys(self, filter, now_ms, limit))
-    }
-
-    fn find_key<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::KeyInfo>>> {
-        Box::pin(SqliteStore::find_key(self, scope, key, now_ms))
-    }
-
-    fn purge_keys<'a>(
-        &'a self,
-        filter: &'a idem_core::KeyFilter,
-        now_ms: i64,
-        limit: u32,
-    ) -> idem_core::BoxFuture<'a, Result<u64>> {
-        Box::pin(SqliteStore::purge_keys(self, filter, now_ms, limit))
     }
 }
