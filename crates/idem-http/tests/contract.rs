@@ -1,6 +1,8 @@
 //! The Idempotency-Key HTTP contract, point by point, on the in-memory store
 //! in both modes. (The ledger's tests repeat it on PostgreSQL, MariaDB and SQLite.)
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -15,13 +17,8 @@ use http_body_util::BodyExt;
 use idem_core::{Consume, InFlight, LeaseEngine, Policy, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, Problem, RoutePolicy, Tx};
 use idem_memory::MemoryStore;
+use support::Counters;
 use tower::ServiceExt;
-
-#[derive(Clone, Default)]
-struct Counters {
-    runs: Arc<AtomicUsize>,
-    committed: Arc<AtomicUsize>,
-}
 
 fn tenant(parts: &http::request::Parts) -> Result<Tenant, Problem> {
     parts
@@ -50,11 +47,7 @@ fn tx_app(store: MemoryStore, c: Counters, gate: Arc<tokio::sync::Notify>) -> Ro
     let handler = move |mut tx: Tx<MemoryStore>, body: String| {
         let c = c.clone();
         async move {
-            c.runs.fetch_add(1, Ordering::SeqCst);
-            let committed = c.committed.clone();
-            tx.on_commit(move || {
-                committed.fetch_add(1, Ordering::SeqCst);
-            });
+            c.run_in(&mut tx);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             let status = v.get("status").and_then(|s| s.as_u64()).unwrap_or(201) as u16;
             let size = v.get("size").and_then(|s| s.as_u64()).unwrap_or(0) as usize;

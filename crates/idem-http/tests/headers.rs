@@ -2,19 +2,18 @@
 //! caller only, and hop-by-hop headers (with those `Connection` names) are
 //! never recorded, in both modes.
 
+mod support;
+
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderName, Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use idem_core::{LeaseEngine, Tenant, TxEngine};
-use idem_http::{IdempotencyLayer, Problem, Tx};
+use idem_core::{LeaseEngine, TxEngine};
+use idem_http::{IdempotencyLayer, Leased, Tx};
 use idem_memory::MemoryStore;
+use support::tenant;
 use tower::ServiceExt;
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("a valid tenant"))
-}
 
 fn private() -> [HeaderName; 2] {
     [
@@ -70,29 +69,30 @@ async fn check(app: Router) {
     }
 }
 
+/// A lease-mode layer that keeps [`private`] headers from replays.
+fn lease_layer() -> IdempotencyLayer<Leased<MemoryStore>> {
+    IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant).private_headers(private())
+}
+
+/// `POST /orders` answering [`answer`] behind `layer`.
+fn leased(layer: IdempotencyLayer<Leased<MemoryStore>>) -> Router {
+    Router::new()
+        .route("/orders", post(|| async { answer() }))
+        .route_layer(layer)
+}
+
 /// Lease mode: a replay carries neither private nor hop-by-hop headers.
 #[tokio::test]
 async fn lease_mode_replays_no_private_header() {
-    let layer = IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant).private_headers(private());
-    check(
-        Router::new()
-            .route("/orders", post(|| async { answer() }))
-            .route_layer(layer),
-    )
-    .await;
+    check(leased(lease_layer())).await;
 }
 
 /// Lease mode with streamed responses: the same.
 #[tokio::test]
 async fn streamed_lease_mode_replays_no_private_header() {
-    let layer = IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
-        .private_headers(private())
-        .stream_responses(std::time::Duration::from_secs(5));
-    check(
-        Router::new()
-            .route("/orders", post(|| async { answer() }))
-            .route_layer(layer),
-    )
+    check(leased(
+        lease_layer().stream_responses(std::time::Duration::from_secs(5)),
+    ))
     .await;
 }
 

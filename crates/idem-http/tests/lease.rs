@@ -1,6 +1,8 @@
 //! Lease mode under slow handlers, cancelled requests and responses that
 //! must not be recorded.
 
+mod support;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,41 +11,20 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::IntoResponse;
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use idem_core::{InFlight, LeaseEngine, Policy, Tenant};
-use idem_http::{HeldLease, IdempotencyLayer, Problem, RoutePolicy};
+use idem_core::{InFlight, LeaseEngine, Policy};
+use idem_http::{HeldLease, IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
+use support::{counted_pay, failing_body, post_to, post_with_key, send, tenant};
 use tower::ServiceExt;
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("valid tenant"))
-}
 
 fn layer(policy: Policy) -> IdempotencyLayer<idem_http::Leased<MemoryStore>> {
     IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
         .default_route(RoutePolicy::required().with_policy(policy))
         .max_response_bytes(1024)
-}
-
-fn post_with_key(path: &str, key: &str) -> Request<Body> {
-    Request::builder()
-        .method("POST")
-        .uri(path)
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(Body::from("{}"))
-        .expect("valid request")
-}
-
-async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
-    let response = app.clone().oneshot(req).await.expect("infallible");
-    let status = response.status();
-    let replayed = response.headers().contains_key("idempotent-replayed");
-    let body = response.into_body().collect().await.expect("body").to_bytes();
-    (status, replayed, body)
 }
 
 fn counter() -> Arc<AtomicUsize> {
@@ -58,16 +39,7 @@ where
     Fut: Future<Output = R> + Send + 'static,
     R: IntoResponse + 'static,
 {
-    let runs = runs.clone();
-    Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let (runs, handler) = (runs.clone(), handler.clone());
-                async move { handler(runs.fetch_add(1, Ordering::SeqCst)).await }
-            }),
-        )
-        .route_layer(layer(policy))
+    counted_pay(runs, handler).route_layer(layer(policy))
 }
 
 /// A handler three times slower than its lease: twins sent while it runs
@@ -86,11 +58,11 @@ async fn a_handler_slower_than_its_lease_runs_once() {
     );
     let first = tokio::spawn({
         let app = app.clone();
-        async move { send(&app, post_with_key("/pay", "slow")).await }
+        async move { send(&app, post_with_key("slow")).await }
     });
     for at in [50u64, 200, 200] {
         tokio::time::sleep(Duration::from_millis(at)).await;
-        let (status, _, _) = send(&app, post_with_key("/pay", "slow")).await;
+        let (status, _, _) = send(&app, post_with_key("slow")).await;
         assert_eq!(
             status,
             StatusCode::CONFLICT,
@@ -99,7 +71,7 @@ async fn a_handler_slower_than_its_lease_runs_once() {
     }
     let (status, replayed, body) = first.await.expect("first request");
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
-    let again = send(&app, post_with_key("/pay", "slow")).await;
+    let again = send(&app, post_with_key("slow")).await;
     assert_eq!(again, (StatusCode::CREATED, true, body));
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
@@ -120,10 +92,10 @@ async fn a_waiting_twin_replays_the_slow_holder() {
     );
     let first = tokio::spawn({
         let app = app.clone();
-        async move { send(&app, post_with_key("/pay", "wait")).await }
+        async move { send(&app, post_with_key("wait")).await }
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let twin = send(&app, post_with_key("/pay", "wait")).await;
+    let twin = send(&app, post_with_key("wait")).await;
     assert_eq!(first.await.expect("first").0, StatusCode::CREATED);
     assert_eq!((twin.0, twin.1), (StatusCode::CREATED, true));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -160,10 +132,10 @@ async fn a_request_dropped_after_the_handler_still_records() {
             )
         },
     );
-    let dropped = tokio::time::timeout(Duration::from_millis(100), send(&app, post_with_key("/pay", "gone"))).await;
+    let dropped = tokio::time::timeout(Duration::from_millis(100), send(&app, post_with_key("gone"))).await;
     assert!(dropped.is_err(), "the request was dropped mid-response");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler had run");
-    let retry = send(&app, post_with_key("/pay", "gone")).await;
+    let retry = send(&app, post_with_key("gone")).await;
     assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from_static(b"paid once")));
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run again");
 }
@@ -181,10 +153,10 @@ async fn a_large_5xx_is_not_recorded() {
             (StatusCode::CREATED, "paid").into_response()
         }
     });
-    let (status, replayed, body) = send(&app, post_with_key("/pay", "503")).await;
+    let (status, replayed, body) = send(&app, post_with_key("503")).await;
     assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
     assert_eq!(body.len(), 10_000, "the 503 reaches the client whole");
-    let retry = send(&app, post_with_key("/pay", "503")).await;
+    let retry = send(&app, post_with_key("503")).await;
     assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
@@ -196,26 +168,15 @@ async fn a_5xx_with_a_failing_body_is_not_recorded() {
     let app = pay_app(&runs, Policy::default(), |run| async move {
         let n = run;
         if n == 0 {
-            let stream = futures_util::stream::iter([
-                Ok(Bytes::from_static(b"partial")),
-                Err(std::io::Error::other("upstream reset")),
-            ]);
-            Response::builder()
-                .status(StatusCode::BAD_GATEWAY)
-                .body(Body::from_stream(stream))
-                .expect("response")
+            (StatusCode::BAD_GATEWAY, failing_body(b"partial", "upstream reset")).into_response()
         } else {
             (StatusCode::CREATED, "paid").into_response()
         }
     });
-    let response = app
-        .clone()
-        .oneshot(post_with_key("/pay", "502"))
-        .await
-        .expect("infallible");
+    let response = app.clone().oneshot(post_with_key("502")).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
     assert!(response.into_body().collect().await.is_err(), "the body fails");
-    let retry = send(&app, post_with_key("/pay", "502")).await;
+    let retry = send(&app, post_with_key("502")).await;
     assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
@@ -227,19 +188,12 @@ async fn a_5xx_with_a_failing_body_is_not_recorded() {
 async fn a_2xx_with_a_failing_body_is_reported_as_failed() {
     let runs = counter();
     let app = pay_app(&runs, Policy::default(), |_run| async move {
-        let stream = futures_util::stream::iter([
-            Ok(Bytes::from_static(b"partial")),
-            Err(std::io::Error::other("serialiser failed")),
-        ]);
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .body(Body::from_stream(stream))
-            .expect("response")
+        (StatusCode::CREATED, failing_body(b"partial", "serialiser failed"))
     });
-    let (status, replayed, body) = send(&app, post_with_key("/pay", "failed")).await;
+    let (status, replayed, body) = send(&app, post_with_key("failed")).await;
     assert_eq!((status, replayed), (StatusCode::INTERNAL_SERVER_ERROR, false));
     assert!(String::from_utf8_lossy(&body).contains("idempotency-response-failed"));
-    let (status, replayed, again) = send(&app, post_with_key("/pay", "failed")).await;
+    let (status, replayed, again) = send(&app, post_with_key("failed")).await;
     assert_eq!((status, replayed), (StatusCode::INTERNAL_SERVER_ERROR, true));
     let text = String::from_utf8_lossy(&again);
     assert!(
@@ -271,13 +225,13 @@ async fn the_handler_gets_its_lease() {
             IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
                 .route("POST /maybe", RoutePolicy::optional()),
         );
-    let (status, _, body) = send(&app, post_with_key("/pay", "lease-1")).await;
+    let (status, _, body) = send(&app, post_with_key("lease-1")).await;
     assert_eq!(status, StatusCode::CREATED);
     let text = String::from_utf8_lossy(&body).into_owned();
     let (key, token) = text.split_once(' ').expect("key and token");
     assert_eq!(key, "lease-1");
     assert!(token.parse::<i64>().expect("a token") > 0);
-    let (_, _, with_key) = send(&app, post_with_key("/maybe", "lease-2")).await;
+    let (_, _, with_key) = send(&app, post_to("/maybe", "lease-2")).await;
     assert_eq!(&with_key[..], b"true");
     let unkeyed = Request::builder()
         .method("POST")

@@ -9,16 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
 use axum::http::StatusCode;
-use axum::routing::post;
 use idem_core::{
     BoxFuture, ClaimRequest, IdempotencyKey, Lease, LeaseClaim, LeaseEngine, LeaseStore, ManualClock, Policy, Record,
     Scope,
 };
 use idem_http::{IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
-use support::{post_with_key, tenant};
+use support::{counted_pay, post_with_key, tenant};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 
@@ -102,19 +100,10 @@ async fn a_holder_stopped_past_its_lease_before_its_handler_runs_nothing() {
         .default_route(RoutePolicy::required().with_policy(Policy::default().with_lease_ms(LEASE.as_millis() as u64)));
     let detached = layer.detached().clone();
     let runs = Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
-    let app = Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let runs = counted.clone();
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    (StatusCode::CREATED, format!("payment {n}"))
-                }
-            }),
-        )
-        .route_layer(layer);
+    let app = counted_pay(&runs, |run| async move {
+        (StatusCode::CREATED, format!("payment {}", run + 1))
+    })
+    .route_layer(layer);
 
     let stopped = tokio::spawn(app.clone().oneshot(post_with_key("k")));
     store.paused.notified().await;

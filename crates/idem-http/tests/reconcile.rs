@@ -11,14 +11,78 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
-use axum::routing::post;
+use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
-use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, Policy};
-use idem_http::{IdempotencyLayer, OutcomeUnknown, Reconcile, Reconciled, RoutePolicy};
+use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, ManualClock, Policy};
+use idem_http::{IdempotencyLayer, Leased, OutcomeUnknown, Reconcile, Reconciled, RoutePolicy};
 use idem_memory::MemoryStore;
-use support::{post_with_key, tenant};
+use support::{counted_pay, post_with_key, send, tenant};
 use tower::ServiceExt;
+
+/// A lease-mode layer over a new in-memory store (on `clock`, if given)
+/// under `policy`, asking `reconcile` about keys held as unknown outcomes.
+fn layer(
+    clock: Option<&ManualClock>,
+    policy: Policy,
+    reconcile: impl Reconcile,
+) -> IdempotencyLayer<Leased<MemoryStore>> {
+    let mut engine = LeaseEngine::new(MemoryStore::new());
+    if let Some(clock) = clock {
+        engine = engine.with_clock(Arc::new(clock.clone()));
+    }
+    IdempotencyLayer::lease(engine, tenant)
+        .default_route(RoutePolicy::required().with_policy(policy))
+        .reconcile(reconcile)
+}
+
+/// What a run answers, held as an unknown outcome.
+#[derive(Clone, Copy)]
+struct Held {
+    status: StatusCode,
+    body: &'static str,
+    note: &'static str,
+    answered: bool,
+}
+
+/// It may have taken effect: the key is held.
+const FAILED: Held = Held {
+    status: StatusCode::INTERNAL_SERVER_ERROR,
+    body: "failed",
+    note: "failed after the effect",
+    answered: true,
+};
+
+/// No answer in time: the key is held.
+const TIMED_OUT: Held = Held {
+    status: StatusCode::GATEWAY_TIMEOUT,
+    body: "timed out",
+    note: "no answer in time",
+    answered: false,
+};
+
+impl IntoResponse for Held {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.body).into_response();
+        response.extensions_mut().insert(OutcomeUnknown {
+            note: self.note.into(),
+            answered: self.answered,
+        });
+        response
+    }
+}
+
+/// `POST /pay` behind `layer`, counting its runs in `runs`: its first run
+/// (every run, if `every_run`) answers `held`; later runs answer 201 "paid".
+fn app(layer: IdempotencyLayer<Leased<MemoryStore>>, runs: &Arc<AtomicUsize>, held: Held, every_run: bool) -> Router {
+    counted_pay(runs, move |run| async move {
+        if run == 0 || every_run {
+            held.into_response()
+        } else {
+            (StatusCode::CREATED, "paid").into_response()
+        }
+    })
+    .route_layer(layer)
+}
 
 /// Says "not applied", except to its first asker, who never hears back.
 struct FirstAskHangs {
@@ -48,35 +112,13 @@ impl Reconcile for FirstAskHangs {
 async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
     let runs = Arc::new(AtomicUsize::new(0));
     let asks = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
-        .default_route(
-            RoutePolicy::required()
-                .with_policy(Policy::default().with_lease_ms(60_000).with_in_flight(InFlight::Reject)),
-        )
-        .reconcile(FirstAskHangs { asks: asks.clone() });
+    let layer = layer(
+        None,
+        Policy::default().with_lease_ms(60_000).with_in_flight(InFlight::Reject),
+        FirstAskHangs { asks: asks.clone() },
+    );
     let detached = layer.detached().clone();
-    let counted = runs.clone();
-    let app = Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let runs = counted.clone();
-                async move {
-                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
-                        // It may have taken effect: the key is held.
-                        let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
-                        response.extensions_mut().insert(OutcomeUnknown {
-                            note: "failed after the effect".into(),
-                            answered: true,
-                        });
-                        response
-                    } else {
-                        (StatusCode::CREATED, "paid").into_response()
-                    }
-                }
-            }),
-        )
-        .route_layer(layer);
+    let app = app(layer, &runs, FAILED, false);
 
     let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
     assert_eq!(first.status(), 500);
@@ -86,10 +128,7 @@ async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
     assert_eq!(asks.load(Ordering::SeqCst), 1);
     detached.idle().await;
 
-    let retry = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
-    let status = retry.status();
-    let replayed = retry.headers().contains_key("idempotent-replayed");
-    let body = retry.into_body().collect().await.expect("body").to_bytes();
+    let (status, replayed, body) = send(&app, post_with_key("k")).await;
     assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"paid"[..]), "{body:?}");
     assert!(!replayed);
     assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
@@ -98,7 +137,7 @@ async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
 /// Says "not applied" after moving the engine's clock past the reconcile
 /// lock's lease, as a process paused while it asked would find it.
 struct AsksPastTheLease {
-    clock: idem_core::ManualClock,
+    clock: ManualClock,
     asks: Arc<AtomicUsize>,
 }
 
@@ -121,40 +160,22 @@ impl Reconcile for AsksPastTheLease {
 async fn an_answer_heard_after_the_lock_ran_out_is_not_acted_on() {
     let runs = Arc::new(AtomicUsize::new(0));
     let asks = Arc::new(AtomicUsize::new(0));
-    let clock = idem_core::ManualClock::starting_now();
-    let engine = LeaseEngine::new(MemoryStore::new()).with_clock(Arc::new(clock.clone()));
-    let layer = IdempotencyLayer::lease(engine, tenant)
-        .default_route(RoutePolicy::required().with_policy(Policy::default().with_lease_ms(60_000)))
-        .reconcile(AsksPastTheLease {
-            clock,
+    let clock = ManualClock::starting_now();
+    let layer = layer(
+        Some(&clock),
+        Policy::default().with_lease_ms(60_000),
+        AsksPastTheLease {
+            clock: clock.clone(),
             asks: asks.clone(),
-        });
+        },
+    );
     let detached = layer.detached().clone();
-    let counted = runs.clone();
-    let app = Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let runs = counted.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    let mut response = (StatusCode::INTERNAL_SERVER_ERROR, "failed").into_response();
-                    response.extensions_mut().insert(OutcomeUnknown {
-                        note: "failed after the effect".into(),
-                        answered: true,
-                    });
-                    response
-                }
-            }),
-        )
-        .route_layer(layer);
+    let app = app(layer, &runs, FAILED, true);
 
     let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
     assert_eq!(first.status(), 500);
     detached.idle().await;
-    let retry = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
-    let status = retry.status();
-    let body = retry.into_body().collect().await.expect("body").to_bytes();
+    let (status, _, body) = send(&app, post_with_key("k")).await;
     assert_eq!(status, StatusCode::CONFLICT, "{body:?}");
     assert!(
         String::from_utf8_lossy(&body).contains("idempotency-outcome-unknown"),
@@ -191,33 +212,14 @@ impl Reconcile for NotYet {
 async fn a_not_applied_heard_before_the_send_settled_keeps_the_key_held() {
     let runs = Arc::new(AtomicUsize::new(0));
     let asks = Arc::new(AtomicUsize::new(0));
-    let clock = idem_core::ManualClock::starting_now();
-    let engine = LeaseEngine::new(MemoryStore::new()).with_clock(Arc::new(clock.clone()));
-    let layer = IdempotencyLayer::lease(engine, tenant)
-        .default_route(RoutePolicy::required().with_policy(Policy::default().with_lease_ms(60_000)))
-        .reconcile(NotYet { asks: asks.clone() });
+    let clock = ManualClock::starting_now();
+    let layer = layer(
+        Some(&clock),
+        Policy::default().with_lease_ms(60_000),
+        NotYet { asks: asks.clone() },
+    );
     let detached = layer.detached().clone();
-    let counted = runs.clone();
-    let app = Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let runs = counted.clone();
-                async move {
-                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
-                        let mut response = (StatusCode::GATEWAY_TIMEOUT, "timed out").into_response();
-                        response.extensions_mut().insert(OutcomeUnknown {
-                            note: "no answer in time".into(),
-                            answered: false,
-                        });
-                        response
-                    } else {
-                        (StatusCode::CREATED, "paid").into_response()
-                    }
-                }
-            }),
-        )
-        .route_layer(layer);
+    let app = app(layer, &runs, TIMED_OUT, false);
 
     assert_eq!(app.clone().oneshot(post_with_key("k")).await.unwrap().status(), 504);
     detached.idle().await;

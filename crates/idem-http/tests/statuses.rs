@@ -1,7 +1,8 @@
 //! Which answers consume a key, in both modes: every 2xx and 3xx; a final
 //! 4xx only when the policy records rejections; 408, 425, 429 and 5xx never.
 
-use std::sync::Arc;
+mod support;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
@@ -10,21 +11,11 @@ use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idem_core::{Consume, LeaseEngine, Policy, Tenant, TxEngine};
-use idem_http::{IdempotencyLayer, Problem, RoutePolicy, Tx};
+use idem_core::{Consume, LeaseEngine, Policy, TxEngine};
+use idem_http::{IdempotencyLayer, RoutePolicy, Tx};
 use idem_memory::MemoryStore;
+use support::{Counters, tenant};
 use tower::ServiceExt;
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("a valid tenant"))
-}
-
-/// Counts handler runs and committed effects (transactional mode only).
-#[derive(Clone, Default)]
-struct Counters {
-    runs: Arc<AtomicUsize>,
-    committed: Arc<AtomicUsize>,
-}
 
 /// The answer of status `status`, with a `Location` as a create's redirect has.
 fn answer(status: u16, run: usize) -> Response {
@@ -49,14 +40,7 @@ fn transactional(c: &Counters, record_rejections: bool) -> Router {
     let c = c.clone();
     let handler = move |axum::extract::Path(status): axum::extract::Path<u16>, mut tx: Tx<MemoryStore>| {
         let c = c.clone();
-        async move {
-            let run = c.runs.fetch_add(1, Ordering::SeqCst) + 1;
-            let committed = c.committed.clone();
-            tx.on_commit(move || {
-                committed.fetch_add(1, Ordering::SeqCst);
-            });
-            answer(status, run)
-        }
+        async move { answer(status, c.run_in(&mut tx)) }
     };
     Router::new()
         .route("/orders/{status}", post(handler))

@@ -1,61 +1,64 @@
 //! Lease mode with `stream_responses`: the first caller gets the response as
 //! the handler produces it, while it is recorded.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use idem_core::{InFlight, LeaseEngine, Policy, Tenant};
-use idem_http::{IdempotencyLayer, Problem, RoutePolicy};
+use idem_core::{InFlight, LeaseEngine, Policy};
+use idem_http::{IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
+use support::{counted_pay, failing_body, post_with_key, send, tenant};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 const LIMIT: usize = 1024;
 
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("valid tenant"))
-}
-
-fn post_with_key(key: &str) -> Request<Body> {
-    Request::builder()
-        .method("POST")
-        .uri("/pay")
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .body(Body::from("{}"))
-        .expect("valid request")
-}
-
-/// `POST /pay` behind a streaming lease-mode layer; counts its runs.
-fn app<F>(runs: &Arc<AtomicUsize>, limit: usize, stall: Duration, policy: Policy, handler: F) -> Router
+/// `POST /pay` behind a streaming lease-mode layer, and the count of its
+/// runs.
+fn app<F>(limit: usize, stall: Duration, policy: Policy, handler: F) -> (Arc<AtomicUsize>, Router)
 where
     F: Fn() -> Response + Clone + Send + Sync + 'static,
 {
-    let runs = runs.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::lease(LeaseEngine::new(MemoryStore::new()), tenant)
         .default_route(RoutePolicy::required().with_policy(policy))
         .max_response_bytes(limit)
         .stream_responses(stall);
-    Router::new()
-        .route(
-            "/pay",
-            post(move || {
-                let (runs, handler) = (runs.clone(), handler.clone());
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    handler()
-                }
-            }),
-        )
-        .route_layer(layer)
+    let app = counted_pay(&runs, move |_| {
+        let handler = handler.clone();
+        async move { handler() }
+    })
+    .route_layer(layer);
+    (runs, app)
+}
+
+/// [`app`] with the test record limit, a ten-second stall and the default
+/// policy.
+fn limited_app<F>(handler: F) -> (Arc<AtomicUsize>, Router)
+where
+    F: Fn() -> Response + Clone + Send + Sync + 'static,
+{
+    app(LIMIT, Duration::from_secs(10), Policy::default(), handler)
+}
+
+/// [`app`] under `policy` answering 201 "paid " at once and "once" when a
+/// permit of the gate it returns is added.
+fn gated_app(policy: Policy) -> (Arc<AtomicUsize>, Arc<Semaphore>, Router) {
+    let gate = Arc::new(Semaphore::new(0));
+    let handler_gate = gate.clone();
+    let (runs, app) = app(LIMIT, Duration::from_secs(10), policy, move || {
+        (StatusCode::CREATED, gated_body("paid ", "once", handler_gate.clone())).into_response()
+    });
+    (runs, gate, app)
 }
 
 /// A body that yields `first`, then waits for a permit of `gate` before
@@ -77,20 +80,11 @@ fn gated_body(first: &'static str, rest: &'static str, gate: Arc<Semaphore>) -> 
     Body::from_stream(stream)
 }
 
-async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
-    let response = app.clone().oneshot(req).await.expect("infallible");
-    let status = response.status();
-    let replayed = response.headers().contains_key("idempotent-replayed");
-    let body = response.into_body().collect().await.expect("body").to_bytes();
-    (status, replayed, body)
-}
-
 /// `POST /pay` answering `n` small numbered chunks at once, with a 1 MiB
 /// record limit, `stall` and a twin waiting up to `wait_ms`; and the whole
 /// body it answers.
-fn numbered_app(runs: &Arc<AtomicUsize>, n: u32, stall: Duration, wait_ms: u64) -> (Router, String) {
-    let app = app(
-        runs,
+fn numbered_app(n: u32, stall: Duration, wait_ms: u64) -> (Arc<AtomicUsize>, Router, String) {
+    let (runs, app) = app(
         1 << 20,
         stall,
         Policy::default().with_in_flight(InFlight::Wait { max_ms: wait_ms }),
@@ -103,7 +97,16 @@ fn numbered_app(runs: &Arc<AtomicUsize>, n: u32, stall: Duration, wait_ms: u64) 
                 .into_response()
         },
     );
-    (app, (0..n).map(|i| format!("{i:05}")).collect())
+    (runs, app, (0..n).map(|i| format!("{i:05}")).collect())
+}
+
+/// Sends `key` to `app` and reads none of the answer; a twin meanwhile
+/// replays `expected` whole. The unread answer.
+async fn unread_while_a_twin_replays(app: &Router, key: &str, expected: &str) -> Response {
+    let stalled = app.clone().oneshot(post_with_key(key)).await.expect("infallible");
+    let twin = send(app, post_with_key(key)).await;
+    assert_eq!(twin, (StatusCode::CREATED, true, Bytes::from(expected.to_owned())));
+    stalled
 }
 
 /// A retry of `key` replays the 500 problem `slug` recorded in place of a
@@ -120,16 +123,7 @@ async fn replays_stand_in(app: &Router, key: &str, slug: &str) {
 /// once the caller has read the whole body, the key replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_first_caller_reads_the_response_as_it_is_produced() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(0));
-    let handler_gate = gate.clone();
-    let app = app(
-        &runs,
-        LIMIT,
-        Duration::from_secs(10),
-        Policy::default().with_in_flight(InFlight::Reject),
-        move || (StatusCode::CREATED, gated_body("paid ", "once", handler_gate.clone())).into_response(),
-    );
+    let (runs, gate, app) = gated_app(Policy::default().with_in_flight(InFlight::Reject));
     let response = tokio::time::timeout(Duration::from_secs(10), app.clone().oneshot(post_with_key("k")))
         .await
         .expect("the head arrives before the body is finished")
@@ -164,16 +158,7 @@ async fn the_first_caller_reads_the_response_as_it_is_produced() {
 /// end and recorded, and the retry replays all of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_caller_gone_mid_stream_leaves_the_whole_response_recorded() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(0));
-    let handler_gate = gate.clone();
-    let app = app(
-        &runs,
-        LIMIT,
-        Duration::from_secs(10),
-        Policy::default().with_in_flight(InFlight::Wait { max_ms: 10_000 }),
-        move || (StatusCode::CREATED, gated_body("paid ", "once", handler_gate.clone())).into_response(),
-    );
+    let (runs, gate, app) = gated_app(Policy::default().with_in_flight(InFlight::Wait { max_ms: 10_000 }));
     let response = app.clone().oneshot(post_with_key("gone")).await.expect("infallible");
     let mut body = response.into_body();
     let first = body.frame().await.expect("a frame").expect("data");
@@ -189,8 +174,7 @@ async fn a_caller_gone_mid_stream_leaves_the_whole_response_recorded() {
 /// retry replays the problem naming the original status.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_streamed_response_over_the_limit_reaches_the_first_caller_whole() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(&runs, LIMIT, Duration::from_secs(10), Policy::default(), || {
+    let (runs, app) = limited_app(|| {
         let chunks = (0..6).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 500])));
         (
             StatusCode::CREATED,
@@ -208,14 +192,8 @@ async fn a_streamed_response_over_the_limit_reaches_the_first_caller_whole() {
 /// error (never taken for a whole one), and the retry replays the problem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_streamed_body_that_fails_cuts_the_first_caller_off() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(&runs, LIMIT, Duration::from_secs(10), Policy::default(), || {
-        let stream = futures_util::stream::iter([
-            Ok(Bytes::from_static(b"partial")),
-            Err(std::io::Error::other("serialiser failed")),
-        ]);
-        (StatusCode::CREATED, Body::from_stream(stream)).into_response()
-    });
+    let (runs, app) =
+        limited_app(|| (StatusCode::CREATED, failing_body(b"partial", "serialiser failed")).into_response());
     let response = app.clone().oneshot(post_with_key("failed")).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::CREATED, "the status was sent first");
     assert!(response.into_body().collect().await.is_err(), "the body fails");
@@ -227,11 +205,8 @@ async fn a_streamed_body_that_fails_cuts_the_first_caller_off() {
 /// body ends in an error, and the response is recorded whole all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_first_caller_is_left_behind_and_the_record_completes() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (app, expected) = numbered_app(&runs, 200, Duration::from_millis(200), 10_000);
-    let stalled = app.clone().oneshot(post_with_key("slow")).await.expect("infallible");
-    let retry = send(&app, post_with_key("slow")).await;
-    assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from(expected)));
+    let (runs, app, expected) = numbered_app(200, Duration::from_millis(200), 10_000);
+    let stalled = unread_while_a_twin_replays(&app, "slow", &expected).await;
     // The caller reads nothing for longer than the stall.
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(
@@ -245,10 +220,9 @@ async fn a_stalled_first_caller_is_left_behind_and_the_record_completes() {
 /// usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_streamed_5xx_is_not_recorded() {
-    let runs = Arc::new(AtomicUsize::new(0));
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = calls.clone();
-    let app = app(&runs, LIMIT, Duration::from_secs(10), Policy::default(), move || {
+    let (runs, app) = limited_app(move || {
         if seen.fetch_add(1, Ordering::SeqCst) == 0 {
             (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(5_000)).into_response()
         } else {
@@ -272,11 +246,8 @@ async fn a_streamed_5xx_is_not_recorded() {
 /// twin replays it long before the caller would be cut off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_caller_does_not_hold_up_the_record() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (app, expected) = numbered_app(&runs, 500, Duration::from_secs(30), 5_000);
-    let stalled = app.clone().oneshot(post_with_key("stalled")).await.expect("infallible");
-    let twin = send(&app, post_with_key("stalled")).await;
-    assert_eq!(twin, (StatusCode::CREATED, true, Bytes::from(expected.clone())));
+    let (runs, app, expected) = numbered_app(500, Duration::from_secs(30), 5_000);
+    let stalled = unread_while_a_twin_replays(&app, "stalled", &expected).await;
     // The stalled caller still gets the whole response when it reads.
     let body = stalled.into_body().collect().await.expect("whole").to_bytes();
     assert_eq!(body, Bytes::from(expected));

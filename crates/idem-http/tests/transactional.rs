@@ -1,8 +1,9 @@
 //! Transactional mode's own behaviours: handler re-runs on contention, and
 //! which responses the record limit applies to.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod support;
+
+use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::body::Body;
@@ -14,16 +15,11 @@ use http_body_util::BodyExt;
 use idem_core::{ContentionRetries, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, Problem, RetryTransaction, Tx, slugs};
 use idem_memory::MemoryStore;
+use support::{Counters, failing_body};
 use tower::ServiceExt;
 
 /// The record limit of the test app.
 const LIMIT: usize = 1024;
-
-#[derive(Clone, Default)]
-struct Counters {
-    runs: Arc<AtomicUsize>,
-    committed: Arc<AtomicUsize>,
-}
 
 fn tenant(parts: &http::request::Parts) -> Result<Tenant, Problem> {
     Ok(Tenant::new(
@@ -42,14 +38,7 @@ fn app(c: Counters, respond: fn(usize) -> Response) -> Router {
     let layer = IdempotencyLayer::transactional(TxEngine::new(MemoryStore::new()), tenant).max_response_bytes(LIMIT);
     let handler = move |mut tx: Tx<MemoryStore>| {
         let c = c.clone();
-        async move {
-            let run = c.runs.fetch_add(1, Ordering::SeqCst) + 1;
-            let committed = c.committed.clone();
-            tx.on_commit(move || {
-                committed.fetch_add(1, Ordering::SeqCst);
-            });
-            respond(run)
-        }
+        async move { respond(c.run_in(&mut tx)) }
     };
     Router::new().route("/things", post(handler)).layer(layer)
 }
@@ -155,13 +144,9 @@ async fn recorded_response_over_the_limit_is_too_large() {
 async fn failing_body_is_reported_as_failed() {
     let c = Counters::default();
     let app = app(c.clone(), |_| {
-        let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
-            Ok(Bytes::from_static(b"{\"partial\":")),
-            Err(std::io::Error::other("the upstream stream broke")),
-        ];
         (
             StatusCode::CREATED,
-            Body::from_stream(futures_util::stream::iter(chunks)),
+            failing_body(b"{\"partial\":", "the upstream stream broke"),
         )
             .into_response()
     });

@@ -15,6 +15,33 @@ fn nats_url() -> String {
     std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
+/// A namespace of the test's own.
+fn namespace() -> String {
+    format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..])
+}
+
+/// The ledger on `url`, publishing its events to NATS under namespace `ns`,
+/// with the further arguments `args`.
+fn start_with_nats(url: &str, ns: &str, args: &[&str]) -> Instance {
+    let nats = nats_url();
+    let all: Vec<&str> = ["--nats-url", &nats, "--events-namespace", ns]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    Instance::start_with(url, &all)
+}
+
+/// The name of namespace `ns`'s stream `kind` (`EVENTS`, `DEAD`).
+fn stream_name(ns: &str, kind: &str) -> String {
+    format!("{}_{kind}", ns.to_ascii_uppercase())
+}
+
+/// Deletes namespace `ns`'s streams.
+async fn delete_streams(js: &async_nats::jetstream::Context, ns: &str) {
+    let _ = js.delete_stream(stream_name(ns, "EVENTS")).await;
+    let _ = js.delete_stream(stream_name(ns, "DEAD")).await;
+}
+
 struct Client {
     http: reqwest::Client,
     base: String,
@@ -22,6 +49,15 @@ struct Client {
 }
 
 impl Client {
+    /// A client of `ledger`, with a new tenant's token.
+    fn of(ledger: &Instance) -> Self {
+        Self {
+            http: idem_tls::test_pki::http_client(),
+            base: ledger.base.clone(),
+            token: token(),
+        }
+    }
+
     async fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
         let r = self
             .http
@@ -95,26 +131,10 @@ async fn stream_types(js: &async_nats::jetstream::Context, stream: &str) -> Vec<
 }
 
 async fn events_reach_the_projection(engine: Engine) {
-    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let ns = namespace();
     let url = database_url(engine);
-    let ledger = Instance::start_with(
-        &url,
-        &[
-            "--nats-url",
-            &nats_url(),
-            "--events-namespace",
-            &ns,
-            "--relays",
-            "2",
-            "--projectors",
-            "2",
-        ],
-    );
-    let c = Client {
-        http: idem_tls::test_pki::http_client(),
-        base: ledger.base.clone(),
-        token: token(),
-    };
+    let ledger = start_with_nats(&url, &ns, &["--relays", "2", "--projectors", "2"]);
+    let c = Client::of(&ledger);
     let mut accounts = Vec::new();
     for name in ["a", "b", "c"] {
         let (status, v) = c.post("/v1/accounts", serde_json::json!({ "name": name })).await;
@@ -183,7 +203,7 @@ async fn events_reach_the_projection(engine: Engine) {
     // Every committed mutation published exactly one event, the refused one none.
     let client = async_nats::connect(nats_url()).await.expect("NATS");
     let js = async_nats::jetstream::new(client);
-    let stream = format!("{}_EVENTS", ns.to_ascii_uppercase());
+    let stream = stream_name(&ns, "EVENTS");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let types = loop {
         let types = stream_types(&js, &stream).await;
@@ -202,8 +222,7 @@ async fn events_reach_the_projection(engine: Engine) {
     assert_eq!(counts.get("transfer.created"), Some(&10));
     assert_eq!(counts.get("webhook_top_up.created"), Some(&1));
     drop(ledger);
-    let _ = js.delete_stream(&stream).await;
-    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+    delete_streams(&js, &ns).await;
 }
 
 /// `ledger job snapshots --run-id X` twice: the second run does nothing.
@@ -234,10 +253,9 @@ async fn the_snapshot_job_runs_once_per_run_id(engine: Engine) {
 async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Config) -> async_nats::jetstream::Context {
     use async_nats::jetstream::stream;
     let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
-    let up = ns.to_ascii_uppercase();
     let events = js
         .create_stream(stream::Config {
-            name: format!("{up}_EVENTS"),
+            name: stream_name(ns, "EVENTS"),
             subjects: vec![format!("{ns}.events.>")],
             duplicate_window: Duration::from_secs(120),
             max_age: Duration::from_secs(6 * 86_400),
@@ -266,7 +284,7 @@ async fn health(base: &str) -> (u16, serde_json::Value) {
 /// refusal is in `/healthz` (503) and the metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_refused_projection_setting_does_not_stop_the_relays() {
-    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let ns = namespace();
     let js = prepare(
         &ns,
         async_nats::jetstream::consumer::pull::Config {
@@ -277,15 +295,11 @@ async fn a_refused_projection_setting_does_not_stop_the_relays() {
     )
     .await;
     let url = database_url(Engine::Sqlite);
-    let ledger = Instance::start_with(&url, &["--nats-url", &nats_url(), "--events-namespace", &ns]);
-    let c = Client {
-        http: idem_tls::test_pki::http_client(),
-        base: ledger.base.clone(),
-        token: token(),
-    };
+    let ledger = start_with_nats(&url, &ns, &[]);
+    let c = Client::of(&ledger);
     let (status, _) = c.post("/v1/accounts", serde_json::json!({ "name": "a" })).await;
     assert_eq!(status, 201);
-    let stream = format!("{}_EVENTS", ns.to_ascii_uppercase());
+    let stream = stream_name(&ns, "EVENTS");
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while stream_types(&js, &stream).await.is_empty() {
         assert!(std::time::Instant::now() < deadline, "the relay published nothing");
@@ -312,15 +326,14 @@ async fn a_refused_projection_setting_does_not_stop_the_relays() {
         .unwrap();
     assert!(metrics.contains("ledger_events_config_refused_total"), "{metrics}");
     drop(ledger);
-    let _ = js.delete_stream(&stream).await;
-    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+    delete_streams(&js, &ns).await;
 }
 
 /// `--projection-ack-wait-secs` is in force on a durable consumer that
 /// already exists with another ack wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
-    let ns = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let ns = namespace();
     let js = prepare(
         &ns,
         async_nats::jetstream::consumer::pull::Config {
@@ -332,21 +345,8 @@ async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
     )
     .await;
     let url = database_url(Engine::Sqlite);
-    let ledger = Instance::start_with(
-        &url,
-        &[
-            "--nats-url",
-            &nats_url(),
-            "--events-namespace",
-            &ns,
-            "--projection-ack-wait-secs",
-            "300",
-        ],
-    );
-    let stream = js
-        .get_stream(format!("{}_EVENTS", ns.to_ascii_uppercase()))
-        .await
-        .unwrap();
+    let ledger = start_with_nats(&url, &ns, &["--projection-ack-wait-secs", "300"]);
+    let stream = js.get_stream(stream_name(&ns, "EVENTS")).await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     loop {
         let mut c: async_nats::jetstream::consumer::PullConsumer =
@@ -360,8 +360,7 @@ async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
     let (status, body) = health(&ledger.base).await;
     assert_eq!(status, 200, "{body}");
     drop(ledger);
-    let _ = js.delete_stream(format!("{}_EVENTS", ns.to_ascii_uppercase())).await;
-    let _ = js.delete_stream(format!("{}_DEAD", ns.to_ascii_uppercase())).await;
+    delete_streams(&js, &ns).await;
 }
 
 /// Waits until the projection has applied every event in its stream (its
@@ -372,7 +371,7 @@ async fn projected(js: &async_nats::jetstream::Context, ns: &str) {
         assert!(std::time::Instant::now() < deadline, "the projection applied nothing");
         tokio::time::sleep(Duration::from_millis(100)).await;
         // The ledger makes its stream and its consumer once it is up.
-        let Ok(stream) = js.get_stream(format!("{}_EVENTS", ns.to_ascii_uppercase())).await else {
+        let Ok(stream) = js.get_stream(stream_name(ns, "EVENTS")).await else {
             continue;
         };
         let Ok(mut c) = stream
@@ -398,17 +397,11 @@ async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
     use async_nats::jetstream::stream;
     let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
     let largest = i64::try_from(js.client().server_info().max_payload - idem_jetstream::DEAD_LETTER_HEADROOM).unwrap();
-    let fresh = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
-    let earlier = format!("t{}", &uuid::Uuid::now_v7().simple().to_string()[20..]);
+    let fresh = namespace();
+    let earlier = namespace();
     for (name, subjects) in [
-        (
-            format!("{}_EVENTS", earlier.to_ascii_uppercase()),
-            format!("{earlier}.events.>"),
-        ),
-        (
-            format!("{}_DEAD", earlier.to_ascii_uppercase()),
-            format!("{earlier}.dead.statements"),
-        ),
+        (stream_name(&earlier, "EVENTS"), format!("{earlier}.events.>")),
+        (stream_name(&earlier, "DEAD"), format!("{earlier}.dead.statements")),
     ] {
         js.create_stream(stream::Config {
             name,
@@ -422,19 +415,14 @@ async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
     }
     let url = database_url(Engine::Sqlite);
     for ns in [&fresh, &earlier] {
-        let ledger = Instance::start_with(&url, &["--nats-url", &nats_url(), "--events-namespace", ns]);
-        let c = Client {
-            http: idem_tls::test_pki::http_client(),
-            base: ledger.base.clone(),
-            token: token(),
-        };
+        let ledger = start_with_nats(&url, ns, &[]);
+        let c = Client::of(&ledger);
         let (status, _) = c.post("/v1/accounts", serde_json::json!({ "name": "a" })).await;
         assert_eq!(status, 201);
         projected(&js, ns).await;
         let (status, body) = health(&ledger.base).await;
         assert_eq!(status, 200, "{ns}: {body}");
-        let up = ns.to_ascii_uppercase();
-        let mut dead = js.get_stream(format!("{up}_DEAD")).await.unwrap();
+        let mut dead = js.get_stream(stream_name(ns, "DEAD")).await.unwrap();
         let dead = dead.info().await.unwrap().config.clone();
         assert_eq!(
             dead.max_age,
@@ -446,7 +434,7 @@ async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
             dead.max_messages <= 0 && dead.max_bytes <= 0 && dead.max_messages_per_subject <= 0,
             "{ns}: no limit evicts a dead letter: {dead:?}"
         );
-        let mut events = js.get_stream(format!("{up}_EVENTS")).await.unwrap();
+        let mut events = js.get_stream(stream_name(ns, "EVENTS")).await.unwrap();
         let events = events.info().await.unwrap().config.clone();
         assert_eq!(
             i64::from(events.max_message_size),
@@ -455,8 +443,7 @@ async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
         );
         assert_eq!(events.max_age, Duration::from_secs(6 * 86_400), "{ns}");
         drop(ledger);
-        let _ = js.delete_stream(format!("{up}_EVENTS")).await;
-        let _ = js.delete_stream(format!("{up}_DEAD")).await;
+        delete_streams(&js, ns).await;
     }
 }
 

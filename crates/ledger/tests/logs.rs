@@ -1,6 +1,7 @@
 //! Logs written to a pipe or a file carry no ANSI colour codes.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,15 +17,7 @@ fn piped_logs_are_plain_text() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("the ledger starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let rx = common::stdout_lines(&mut child);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = Vec::new();
     while Instant::now() < deadline {

@@ -23,6 +23,13 @@ async fn payout(l: &Ledger, t: &str, account: &str, amount: i64) -> Resp {
         .await
 }
 
+/// Moves `amount` (as written in the JSON) from `from` to `to`, with a new
+/// key.
+async fn transfer(l: &Ledger, t: &str, from: &str, to: &str, amount: &str) -> Resp {
+    let body = format!(r#"{{"from":"{from}","to":"{to}","amount":{amount}}}"#);
+    l.post("/v1/transfers", t, Some(&key()), &body).await
+}
+
 /// Requests a payout of `amount` from `account`: its id.
 async fn payout_id(l: &Ledger, t: &str, account: &str, amount: i64) -> String {
     payout(l, t, account, amount).await.json()["id"]
@@ -53,6 +60,14 @@ async fn vendor_and_funded(engine: Engine, amount: i64) -> (FakeVendor, Ledger, 
 async fn stop_conserved(l: Ledger, t: &str) {
     assert_eq!(l.audit(t).await["conserved"], true);
     l.stop().await;
+}
+
+/// The tenant's dead letters.
+fn tenant_letters(t: &str) -> DeadLetterFilter {
+    DeadLetterFilter {
+        tenant: Some(ledger::tenant_for_token(t).as_str().to_owned()),
+        ..Default::default()
+    }
 }
 
 /// The scope of the tenant's payouts (of their dead letters).
@@ -128,31 +143,16 @@ async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
         l.post("/v1/top-ups", &t, Some(&key()), &top_up)
             .await
             .assert_problem(400, "invalid-request");
-        let transfer = format!(r#"{{"from":"{a}","to":"{b}","amount":{amount}}}"#);
-        l.post("/v1/transfers", &t, Some(&key()), &transfer)
+        transfer(&l, &t, &a, &b, amount)
             .await
             .assert_problem(400, "invalid-request");
     }
     for amount in ["5.0", "5e0", "50e-1"] {
-        let r = l
-            .post(
-                "/v1/transfers",
-                &t,
-                Some(&key()),
-                &format!(r#"{{"from":"{a}","to":"{b}","amount":{amount}}}"#),
-            )
-            .await;
+        let r = transfer(&l, &t, &a, &b, amount).await;
         assert_eq!(r.status, 201, "{amount}: {}", String::from_utf8_lossy(&r.body));
         assert_eq!(r.json()["amount"], 5);
     }
-    let r = l
-        .post(
-            "/v1/transfers",
-            &t,
-            Some(&key()),
-            &format!(r#"{{"from":"{b}","to":"{a}","amount":15}}"#),
-        )
-        .await;
+    let r = transfer(&l, &t, &b, &a, "15").await;
     assert_eq!(r.status, 201);
     l.post(
         "/v1/payouts",
@@ -227,6 +227,13 @@ impl FakeVendor {
         assert!(r.status().is_success(), "the vendor takes the faults");
     }
 
+    /// The default faults as `set` changes them.
+    async fn fault(&self, set: impl FnOnce(&mut Faults)) {
+        let mut faults = Faults::default();
+        set(&mut faults);
+        self.faults(&faults).await;
+    }
+
     async fn ledger(&self) -> serde_json::Value {
         idem_tls::test_pki::get(format!("{}/v1/ledger", self.url))
             .await
@@ -277,14 +284,55 @@ fn unguarded_client() -> idem_outbound::OutboundClient {
     idem_outbound::OutboundClient::new(config).expect("a valid configuration")
 }
 
+/// Payouts paid at `url`.
+fn config_at(url: &str) -> PayoutConfig {
+    PayoutConfig::new(url, ledger::events::Namespace::default())
+}
+
 fn config(vendor: &FakeVendor) -> PayoutConfig {
-    PayoutConfig::new(&vendor.url, ledger::events::Namespace::default())
+    config_at(&vendor.url)
 }
 
 async fn pass(l: &Ledger, vendor: &FakeVendor) -> PassReport {
     ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config(vendor))
         .await
         .expect("a payout pass")
+}
+
+/// The dead letter of the tenant's payout `id`.
+async fn dead_letter(letters: &ledger::DeadLetters, t: &str, id: &str) -> idem_core::DeadLetter {
+    letters
+        .find(&payout_scope(t), &idem_core::IdempotencyKey::new(id).unwrap())
+        .await
+        .unwrap()
+        .expect("its dead letter")
+}
+
+/// An operator's verdict on a dead letter.
+fn operator_says(verdict: idem_core::Verdict, status: Option<u16>, body: Vec<u8>, note: &str) -> idem_core::Settlement {
+    idem_core::Settlement {
+        verdict,
+        by: idem_core::VerdictSource::Operator,
+        status,
+        body,
+        note: note.into(),
+    }
+}
+
+/// A URL nothing listens at.
+fn nowhere_url() -> String {
+    format!("http://127.0.0.1:{}", {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    })
+}
+
+/// Asserts a redrive settled its dead letter.
+fn assert_resolved(result: &idem_outbound::RedriveResult) {
+    assert!(
+        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
+        "{result:?}"
+    );
 }
 
 async fn status(l: &Ledger, t: &str, id: &str) -> serde_json::Value {
@@ -395,12 +443,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
 
     // Every new payment's answer is lost after the vendor applied it: the
     // retry, with the same key, gets the vendor's recorded answer.
-    vendor
-        .faults(&Faults {
-            apply_then_drop: 1.0,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let dropped = payout_id(&l, &t, &a, 100).await;
     let report = pass(&l, &vendor).await;
     assert_eq!(report.paid, 1, "{report:?}");
@@ -411,12 +454,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
 
     // The vendor fails every call: dead-lettered after four attempts, the
     // debit stands and conservation holds.
-    vendor
-        .faults(&Faults {
-            error_500: 1.0,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.error_500 = 1.0).await;
     let p = payout_id(&l, &t, &a, 250).await;
     let report = pass(&l, &vendor).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
@@ -445,10 +483,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
     vendor.faults(&Faults::default()).await;
     let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone());
     let redriven = redriver.redrive_one(listed[0].id).await.unwrap();
-    assert!(
-        matches!(redriven, idem_outbound::RedriveResult::Resolved { .. }),
-        "{redriven:?}"
-    );
+    assert_resolved(&redriven);
     assert_eq!(
         letters.get(listed[0].id).await.unwrap().unwrap().state,
         DeadLetterState::Resolved
@@ -470,12 +505,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
 /// recorded answer and the vendor pays nothing more.
 async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(engine: Engine) {
     let (vendor, l, t, a) = vendor_and_funded(engine, 1_000).await;
-    vendor
-        .faults(&Faults {
-            apply_then_drop: 1.0,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let p = payout_id(&l, &t, &a, 400).await;
     let slow_retries = || {
         idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
@@ -498,12 +528,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
         assert!(tokio::time::Instant::now() < dropped_by, "the vendor dropped an answer");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    vendor
-        .faults(&Faults {
-            refuse_ms: 4_000,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.refuse_ms = 4_000).await;
     let report = worker.await.unwrap().unwrap();
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     assert_eq!(status(&l, &t, &p).await["status"], "dead_lettered");
@@ -521,13 +546,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     let letters = l.store.dead_letters();
     // The letter keeps the terms the worker sent under, for a redrive run
     // elsewhere (`idem dlq redrive`) to keep to.
-    let kept = letters
-        .list(&DeadLetterFilter {
-            tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let kept = letters.list(&tenant_letters(&t)).await.unwrap();
     assert_eq!(
         kept[0].sent_under,
         Some(idem_core::SentUnder {
@@ -539,13 +558,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     );
     let redriver = idem_outbound::Redriver::new(slow_retries(), letters.clone());
     let report = redriver
-        .redrive(
-            &DeadLetterFilter {
-                tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
-                ..Default::default()
-            },
-            idem_outbound::RedriveOptions::default(),
-        )
+        .redrive(&tenant_letters(&t), idem_outbound::RedriveOptions::default())
         .await
         .unwrap();
     assert_eq!(report.resolved, 1, "{report:?}");
@@ -560,10 +573,9 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
 async fn many_workers_pay_each_payout_once(engine: Engine) {
     let vendor = FakeVendor::start().await;
     vendor
-        .faults(&Faults {
-            apply_then_drop: 0.2,
-            error_500: 0.2,
-            ..Default::default()
+        .fault(|f| {
+            f.apply_then_drop = 0.2;
+            f.error_500 = 0.2;
         })
         .await;
     let l = start(engine).await;
@@ -581,7 +593,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
             tokio::spawn(async move {
                 let mut total = PassReport::default();
                 for _ in 0..2 {
-                    let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
+                    let config = config_at(&url);
                     // No breaker: an open one would defer a payout (rightly),
                     // and this test counts settlements.
                     let r = ledger::payouts::pass(&store, clock.clone(), unguarded_client(), config)
@@ -631,12 +643,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
 /// hundred-and-first.
 async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engine) {
     let vendor = FakeVendor::start().await;
-    vendor
-        .faults(&Faults {
-            error_500: 1.0,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.error_500 = 1.0).await;
     let l = start(engine).await;
     let (t, a) = funded(&l, 1_000_000).await;
     for _ in 0..100 {
@@ -661,9 +668,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     };
     let mut dead = 0;
     for _ in 0..3 {
-        let r = ledger::payouts::pass(&l.store, l.clock.clone(), once(), config(&vendor))
-            .await
-            .unwrap();
+        let r = pass_with(&l, once(), config(&vendor)).await;
         dead += r.dead_lettered;
     }
     assert_eq!(dead, 101);
@@ -671,18 +676,10 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     // Only the newest one is redriven.
     vendor.faults(&Faults::default()).await;
     let letters = l.store.dead_letters();
-    let scope = payout_scope(&t);
-    let letter = letters
-        .find(&scope, &idem_core::IdempotencyKey::new(&last).unwrap())
-        .await
-        .unwrap()
-        .expect("its dead letter");
+    let letter = dead_letter(&letters, &t, &last).await;
     let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone());
     let redriven = redriver.redrive_one(letter.id).await.unwrap();
-    assert!(
-        matches!(redriven, idem_outbound::RedriveResult::Resolved { .. }),
-        "{redriven:?}"
-    );
+    assert_resolved(&redriven);
     let report = pass(&l, &vendor).await;
     assert_eq!(report.reconciled, 1, "{report:?}");
     assert_eq!(status(&l, &t, &last).await["status"], "paid");
@@ -730,10 +727,8 @@ async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine)
     let l = start(engine).await;
     let (t, a) = funded(&l, 1_000).await;
     let p = payout_id(&l, &t, &a, 10).await;
-    let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
-    let report = ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config)
-        .await
-        .unwrap();
+    let config = config_at(&url);
+    let report = pass_with(&l, fast_client(), config).await;
     assert_eq!(report.paid, 1, "{report:?}");
     let paid = status(&l, &t, &p).await;
     assert_eq!(paid["status"], "paid");
@@ -780,7 +775,7 @@ async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     let l = start(engine).await;
     let (t, a) = funded(&l, 100_000).await;
     let slow = payout_id(&l, &t, &a, 999).await;
-    let mut config = PayoutConfig::new(&url, ledger::events::Namespace::default());
+    let mut config = config_at(&url);
     config.concurrency = 2;
     config.poll = Duration::from_millis(20);
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -847,6 +842,28 @@ async fn start_on(engine: Engine, clock: &idem_core::ManualClock) -> Ledger {
     .await
 }
 
+/// A vendor that forgets its keys after an hour.
+fn horizon_vendor() -> fake_vendor::Options {
+    fake_vendor::Options {
+        key_horizon: HOUR,
+        ..Default::default()
+    }
+}
+
+/// The fake vendor with `options`, a ledger on `engine` on a clock the test
+/// moves (see [`start_on`]), and a new tenant's account "a" topped up with
+/// 1 000.
+async fn vendor_and_funded_on_clock(
+    engine: Engine,
+    options: fake_vendor::Options,
+) -> (FakeVendor, idem_core::ManualClock, Ledger, String, String) {
+    let vendor = FakeVendor::start_with(options).await;
+    let clock = idem_core::ManualClock::starting_now();
+    let l = start_on(engine, &clock).await;
+    let (t, a) = funded(&l, 1_000).await;
+    (vendor, clock, l, t, a)
+}
+
 /// A client that trusts the vendor's keys for an hour less a minute.
 fn hour_client(retries: &[u64]) -> idem_outbound::OutboundClient {
     idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
@@ -875,20 +892,8 @@ async fn pass_with(l: &Ledger, client: idem_outbound::OutboundClient, config: Pa
 
 /// A payout the vendor paid whose every answer was lost, dead-lettered, then redriven past the vendor's one-hour key horizon: pays once. Without a way to ask the vendor (`idem dlq redrive`) nothing is sent and it is held as unknown; with the ledger's lookup it is found paid.
 async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
-    let vendor = FakeVendor::start_with(fake_vendor::Options {
-        key_horizon: HOUR,
-        ..Default::default()
-    })
-    .await;
-    let clock = idem_core::ManualClock::starting_now();
-    let l = start_on(engine, &clock).await;
-    let (t, a) = funded(&l, 1_000).await;
-    vendor
-        .faults(&Faults {
-            apply_then_drop: 1.0,
-            ..Default::default()
-        })
-        .await;
+    let (vendor, clock, l, t, a) = vendor_and_funded_on_clock(engine, horizon_vendor()).await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let p = payout_id(&l, &t, &a, 400).await;
     let report = pass_with(&l, hour_client(&[]), config(&vendor)).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
@@ -896,13 +901,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     vendor.faults(&Faults::default()).await;
     advance(&clock, &vendor, 2 * HOUR);
     let letters = l.store.dead_letters();
-    let scope = payout_scope(&t);
-    let id = letters
-        .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
-        .await
-        .unwrap()
-        .expect("its dead letter")
-        .id;
+    let id = dead_letter(&letters, &t, &p).await.id;
     // `idem dlq redrive`: a redriver with no way to ask the vendor.
     let blind = idem_outbound::Redriver::new(hour_client(&[]).with_clock(l.clock.clone()), letters.clone());
     let result = blind.redrive_one(id).await.unwrap();
@@ -925,10 +924,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
         letters.clone(),
     );
     let result = asking.redrive_one(id).await.unwrap();
-    assert!(
-        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
-        "{result:?}"
-    );
+    assert_resolved(&result);
     assert_eq!(pass(&l, &vendor).await.reconciled, 1);
     let paid = status(&l, &t, &p).await;
     assert_eq!(paid["status"], "paid");
@@ -939,14 +935,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
 
 /// A worker dies while the vendor pays; the payout is taken over past the vendor's key horizon: paid once (the new worker asks the vendor first), or, without a way to ask, held as unknown and not sent.
 async fn a_takeover_past_the_vendors_horizon_pays_once(engine: Engine) {
-    takeover(
-        engine,
-        fake_vendor::Options {
-            key_horizon: HOUR,
-            ..Default::default()
-        },
-    )
-    .await;
+    takeover(engine, horizon_vendor()).await;
 }
 
 /// The same against a vendor without idempotency keys: every re-send is asked about first.
@@ -962,10 +951,7 @@ async fn a_takeover_at_a_vendor_without_keys_pays_once(engine: Engine) {
 }
 
 async fn takeover(engine: Engine, options: fake_vendor::Options) {
-    let vendor = FakeVendor::start_with(options).await;
-    let clock = idem_core::ManualClock::starting_now();
-    let l = start_on(engine, &clock).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (vendor, clock, l, t, a) = vendor_and_funded_on_clock(engine, options).await;
     let held = payout_id(&l, &t, &a, 300).await;
     let asked = payout_id(&l, &t, &a, 200).await;
     let horizon = if options.idempotency {
@@ -986,12 +972,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     let mut short = config(&vendor);
     short.lease = Duration::from_secs(1);
     // The vendor works slowly; the worker dies mid-call; the vendor pays anyway.
-    vendor
-        .faults(&Faults {
-            slow_ms: 400,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.slow_ms = 400).await;
     let worker = {
         let (store, clock, config, client) = (l.store.clone(), l.clock.clone(), short.clone(), client());
         tokio::spawn(async move { ledger::payouts::pass(&store, clock, client, config).await })
@@ -1027,42 +1008,30 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     advance(&clock, &vendor, 2 * HOUR);
     let mut blind = short.clone();
     blind.reconcile = false;
-    let scope = payout_scope(&t);
     // Without a way to ask: not sent, held for an operator.
     let report = pass_with(&l, client(), blind).await;
     assert_eq!(report.unknown, 2, "{report:?}");
     assert_eq!(vendor.ledger().await["payouts"], 2, "nothing sent on a guess");
     let got = status(&l, &t, &held).await;
     assert_eq!(got["status"], "unknown", "{got}");
-    let letter = l
-        .store
-        .dead_letters()
-        .find(&scope, &idem_core::IdempotencyKey::new(&held).unwrap())
-        .await
-        .unwrap()
-        .expect("held in the dead letters");
+    let letter = dead_letter(&l.store.dead_letters(), &t, &held).await;
     assert_eq!(letter.state, idem_core::DeadLetterState::Unknown);
     // An operator (who checked the vendor) says the second was paid: it is
     // marked paid with no send; the first is asked about by a redrive with
     // the ledger's lookup.
     let letters = l.store.dead_letters();
-    let other = letters
-        .find(&scope, &idem_core::IdempotencyKey::new(&asked).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    let other = dead_letter(&letters, &t, &asked).await;
     let record = promised(&serde_json::json!({ "amount": 200, "reference": asked }), "po_checked");
     assert!(
         letters
             .settle(
                 other.id,
-                &idem_core::Settlement {
-                    verdict: idem_core::Verdict::Applied,
-                    by: idem_core::VerdictSource::Operator,
-                    status: Some(201),
-                    body: record.into_bytes(),
-                    note: "seen on the vendor's dashboard".into(),
-                }
+                &operator_says(
+                    idem_core::Verdict::Applied,
+                    Some(201),
+                    record.into_bytes(),
+                    "seen on the vendor's dashboard"
+                )
             )
             .await
             .unwrap()
@@ -1074,10 +1043,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
         letters.clone(),
     );
     let result = asking.redrive_one(letter.id).await.unwrap();
-    assert!(
-        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
-        "{result:?}"
-    );
+    assert_resolved(&result);
     assert_eq!(pass(&l, &vendor).await.reconciled, 2);
     for id in [&held, &asked] {
         assert_eq!(status(&l, &t, id).await["status"], "paid", "{id}");
@@ -1090,26 +1056,14 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
 
 /// A worker stopped past its lease between two attempts (its first found the vendor refusing connections) wakes up after another worker took the payout over, asked the vendor, paid it, and the vendor has since forgotten the key: it sends nothing, so the payout is paid once.
 async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engine) {
-    let vendor = FakeVendor::start_with(fake_vendor::Options {
-        key_horizon: HOUR,
-        ..Default::default()
-    })
-    .await;
-    let clock = idem_core::ManualClock::starting_now();
-    let l = start_on(engine, &clock).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (vendor, clock, l, t, a) = vendor_and_funded_on_clock(engine, horizon_vendor()).await;
     let p = payout_id(&l, &t, &a, 400).await;
     // An hour-long lease on the test's clock: no heartbeat beats within the
     // test, as if the worker's process were stopped.
     let mut hour_lease = config(&vendor);
     hour_lease.lease = HOUR;
     // Connections are refused until the test says otherwise.
-    vendor
-        .faults(&Faults {
-            refuse_ms: 600_000,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.refuse_ms = 600_000).await;
     let by = tokio::time::Instant::now() + Duration::from_secs(30);
     while idem_tls::test_pki::get(format!("{}/_stats", vendor.url)).await.is_ok() {
         assert!(tokio::time::Instant::now() < by, "the vendor never stopped listening");
@@ -1158,18 +1112,15 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
 async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine) {
     let (vendor, l, t, a) = vendor_and_funded(engine, 100_000).await;
     vendor
-        .faults(&Faults {
-            rate_limit_429: 1.0,
-            retry_after_secs: 3600,
-            ..Default::default()
+        .fault(|f| {
+            f.rate_limit_429 = 1.0;
+            f.retry_after_secs = 3600;
         })
         .await;
     for _ in 0..12 {
         assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
     }
-    let report = ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config(&vendor))
-        .await
-        .unwrap();
+    let report = pass_with(&l, fast_client(), config(&vendor)).await;
     assert_eq!((report.deferred, report.dead_lettered), (12, 0), "{report:?}");
     assert_eq!(stats(&vendor).await["rate_limited"], 12, "every payout was sent");
     // The vendor fails for real: the first payout's four 500s and the
@@ -1178,12 +1129,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
     let l2 = start(engine).await;
     let a2 = l2.account(&t, "a").await;
     assert_eq!(l2.top_up(&t, &a2, 100_000).await.status, 201);
-    vendor
-        .faults(&Faults {
-            error_500: 1.0,
-            ..Default::default()
-        })
-        .await;
+    vendor.fault(|f| f.error_500 = 1.0).await;
     for _ in 0..4 {
         assert_eq!(payout(&l2, &t, &a2, 10).await.status, 201);
     }
@@ -1193,9 +1139,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
         concurrency: 1,
         ..config(&vendor)
     };
-    let report = ledger::payouts::pass(&l2.store, l2.clock.clone(), fast_client(), one_at_a_time)
-        .await
-        .unwrap();
+    let report = pass_with(&l2, fast_client(), one_at_a_time).await;
     assert_eq!((report.dead_lettered, report.deferred), (1, 3), "{report:?}");
     assert_eq!(stats(&vendor).await["errors_500"].as_u64().unwrap() - before, 5);
     l.stop().await;
@@ -1204,15 +1148,11 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
 
 /// A 429 whose Retry-After is past the call's deadline defers the payout to that time, still requested, instead of dead-lettering it; it is paid once the time has come.
 async fn a_long_retry_after_defers_the_payout(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let clock = idem_core::ManualClock::starting_now();
-    let l = start_on(engine, &clock).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (vendor, clock, l, t, a) = vendor_and_funded_on_clock(engine, Default::default()).await;
     vendor
-        .faults(&Faults {
-            rate_limit_429: 1.0,
-            retry_after_secs: 3600,
-            ..Default::default()
+        .fault(|f| {
+            f.rate_limit_429 = 1.0;
+            f.retry_after_secs = 3600;
         })
         .await;
     let p = payout_id(&l, &t, &a, 10).await;
@@ -1243,14 +1183,7 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
     let l = start(engine).await;
     let (t, a) = funded(&l, 1_000).await;
     let p = payout_id(&l, &t, &a, 10).await;
-    let report = ledger::payouts::pass(
-        &l.store,
-        l.clock.clone(),
-        fast_client(),
-        PayoutConfig::new(&url, Default::default()),
-    )
-    .await
-    .unwrap();
+    let report = pass_with(&l, fast_client(), config_at(&url)).await;
     assert_eq!((report.paid, report.unknown), (0, 1), "{report:?}");
     let got = status(&l, &t, &p).await;
     assert_eq!(got["status"], "unknown", "{got}");
@@ -1269,14 +1202,7 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
     })
     .await;
     let p2 = payout_id(&l, &t, &a, 10).await;
-    ledger::payouts::pass(
-        &l.store,
-        l.clock.clone(),
-        fast_client(),
-        PayoutConfig::new(&url, Default::default()),
-    )
-    .await
-    .unwrap();
+    pass_with(&l, fast_client(), config_at(&url)).await;
     assert_eq!(status(&l, &t, &p2).await["status"], "unknown");
     stop_conserved(l, &t).await;
     // At start: the binary refuses the URL, naming the setting.
@@ -1325,32 +1251,13 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
 async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     let (vendor, l, t, a) = vendor_and_funded(engine, 1_000).await;
     // A wrong vendor URL (nothing listens): both payouts are dead-lettered.
-    let wrong = format!("http://127.0.0.1:{}", {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    });
+    let wrong = nowhere_url();
     let fixed = payout_id(&l, &t, &a, 100).await;
     let cancelled = payout_id(&l, &t, &a, 250).await;
-    let report = ledger::payouts::pass(
-        &l.store,
-        l.clock.clone(),
-        unguarded_client(),
-        PayoutConfig::new(&wrong, Default::default()),
-    )
-    .await
-    .unwrap();
+    let report = pass_with(&l, unguarded_client(), config_at(&wrong)).await;
     assert_eq!(report.dead_lettered, 2, "{report:?}");
     assert_eq!(l.balance(&t, &a).await, 650);
     let letters = l.store.dead_letters();
-    let scope = payout_scope(&t);
-    let letter_of = |id: &str| {
-        let (letters, scope, key) = (
-            letters.clone(),
-            scope.clone(),
-            idem_core::IdempotencyKey::new(id).unwrap(),
-        );
-        async move { letters.find(&scope, &key).await.unwrap().unwrap() }
-    };
     // The target override: the letter goes to the right vendor, and keeps it.
     let redriver = idem_outbound::Redriver::new(fast_client(), letters.clone())
         .with_target(&format!("{}/v1/payouts", vendor.url))
@@ -1360,13 +1267,16 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
             .with_target("http://v#")
             .is_err()
     );
-    let id = letter_of(&fixed).await.id;
+    let id = dead_letter(&letters, &t, &fixed).await.id;
     let result = redriver.redrive_one(id).await.unwrap();
+    assert_resolved(&result);
     assert!(
-        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
-        "{result:?}"
+        dead_letter(&letters, &t, &fixed)
+            .await
+            .request
+            .url()
+            .starts_with(&vendor.url)
     );
-    assert!(letter_of(&fixed).await.request.url().starts_with(&vendor.url));
     assert_eq!(pass(&l, &vendor).await.reconciled, 1);
     assert_eq!(status(&l, &t, &fixed).await["status"], "paid");
     // The other: cancelling is refused until the vendor is known not to have paid it.
@@ -1375,18 +1285,17 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
         async move { l.post(&format!("/v1/payouts/{id}/cancel"), &t, Some(&k), "").await }
     };
     cancel(key()).await.assert_problem(409, "payout-not-reconciled");
-    let letter = letter_of(&cancelled).await;
+    let letter = dead_letter(&letters, &t, &cancelled).await;
     assert!(
         letters
             .settle(
                 letter.id,
-                &idem_core::Settlement {
-                    verdict: idem_core::Verdict::NotApplied,
-                    by: idem_core::VerdictSource::Operator,
-                    status: None,
-                    body: vec![],
-                    note: "the vendor URL was wrong: nothing reached the vendor".into(),
-                }
+                &operator_says(
+                    idem_core::Verdict::NotApplied,
+                    None,
+                    vec![],
+                    "the vendor URL was wrong: nothing reached the vendor"
+                )
             )
             .await
             .unwrap()
@@ -1398,7 +1307,10 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     assert!(cancel(k).await.replayed(), "the same key replays");
     cancel(key()).await.assert_problem(409, "payout-not-cancellable");
     assert_eq!(status(&l, &t, &cancelled).await["status"], "cancelled");
-    assert_eq!(letter_of(&cancelled).await.state, idem_core::DeadLetterState::Cancelled);
+    assert_eq!(
+        dead_letter(&letters, &t, &cancelled).await.state,
+        idem_core::DeadLetterState::Cancelled
+    );
     assert_eq!(l.balance(&t, &a).await, 900, "the 250 came back, once");
     let audit = l.audit(&t).await;
     assert_eq!(
@@ -1424,26 +1336,11 @@ async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engi
     let l = start(engine).await;
     let (t, a) = funded(&l, 1_000).await;
     let p = payout_id(&l, &t, &a, 300).await;
-    let nowhere = format!("http://127.0.0.1:{}", {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    });
-    let report = ledger::payouts::pass(
-        &l.store,
-        l.clock.clone(),
-        unguarded_client(),
-        PayoutConfig::new(&nowhere, Default::default()),
-    )
-    .await
-    .unwrap();
+    let nowhere = nowhere_url();
+    let report = pass_with(&l, unguarded_client(), config_at(&nowhere)).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     let letters = l.store.dead_letters();
-    let scope = payout_scope(&t);
-    let letter = letters
-        .find(&scope, &idem_core::IdempotencyKey::new(&p).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    let letter = dead_letter(&letters, &t, &p).await;
     let redriven = idem_outbound::Redriver::new(fast_client(), letters.clone())
         .with_target(&format!("{wrong}/v1/payouts"))
         .unwrap()
@@ -1455,27 +1352,19 @@ async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engi
         matches!(&redriven, idem_outbound::RedriveResult::Unknown { reason } if reason.contains("contract")),
         "{redriven:?}"
     );
-    let reconcile = ledger::payouts::pass(
-        &l.store,
-        l.clock.clone(),
-        fast_client(),
-        PayoutConfig::new(&wrong, Default::default()),
-    )
-    .await
-    .unwrap();
+    let reconcile = pass_with(&l, fast_client(), config_at(&wrong)).await;
     assert_eq!(reconcile.paid + reconcile.reconciled, 0, "{reconcile:?}");
     assert_eq!(status(&l, &t, &p).await["status"], "unknown");
     assert!(
         letters
             .settle(
                 letter.id,
-                &idem_core::Settlement {
-                    verdict: idem_core::Verdict::NotApplied,
-                    by: idem_core::VerdictSource::Operator,
-                    status: None,
-                    body: vec![],
-                    note: "the vendor has no such payout".into(),
-                }
+                &operator_says(
+                    idem_core::Verdict::NotApplied,
+                    None,
+                    vec![],
+                    "the vendor has no such payout"
+                )
             )
             .await
             .unwrap(),
@@ -1506,31 +1395,17 @@ async fn a_large_vendor_answer_keeps_its_id(engine: Engine) {
         ..Default::default()
     })
     .unwrap();
-    let config = PayoutConfig::new(&url, Default::default());
-    let report = ledger::payouts::pass(&l.store, l.clock.clone(), once, config.clone())
-        .await
-        .unwrap();
+    let config = config_at(&url);
+    let report = pass_with(&l, once, config.clone()).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     let letters = l.store.dead_letters();
-    let id = letters
-        .list(&DeadLetterFilter {
-            tenant: Some(ledger::tenant_for_token(&t).as_str().to_owned()),
-            ..Default::default()
-        })
-        .await
-        .unwrap()[0]
-        .id;
+    let id = letters.list(&tenant_letters(&t)).await.unwrap()[0].id;
     let result = idem_outbound::Redriver::new(fast_client(), letters.clone())
         .redrive_one(id)
         .await
         .unwrap();
-    assert!(
-        matches!(result, idem_outbound::RedriveResult::Resolved { .. }),
-        "{result:?}"
-    );
-    ledger::payouts::pass(&l.store, l.clock.clone(), fast_client(), config)
-        .await
-        .unwrap();
+    assert_resolved(&result);
+    pass_with(&l, fast_client(), config).await;
     let got = status(&l, &t, &p).await;
     assert_eq!(
         (got["status"].as_str(), got["vendor_payout_id"].as_str()),

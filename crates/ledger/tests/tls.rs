@@ -45,6 +45,21 @@ fn outbound(ca: Option<&TestPki>) -> idem_outbound::OutboundClient {
     .expect("a valid configuration")
 }
 
+/// Why the ledger's store cannot connect to `url`; `expect` says that it
+/// must not.
+async fn refused(url: &str, expect: &str) -> String {
+    ledger::Store::connect(url, 2)
+        .await
+        .map(|_| ())
+        .expect_err(expect)
+        .to_string()
+}
+
+/// The refusal of the database at `url` whose certificate another CA issued.
+fn unknown_issuer(url: &str) -> String {
+    format!("database {url}: TLS handshake failed: invalid peer certificate: UnknownIssuer")
+}
+
 /// A payout requested at the ledger is paid once at an https vendor verified against the CA file, and marked paid; a worker that does not trust the vendor pays nothing and dead-letters it with the handshake's reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payout_is_paid_at_an_https_vendor() {
@@ -115,22 +130,11 @@ async fn postgres_over_tls() {
         "sslmode=verify-full&sslrootcert={}",
         other.ca_file().display()
     ));
-    let e = ledger::Store::connect(&wrong, 2)
-        .await
-        .map(|_| ())
-        .expect_err("a wrong CA is refused")
-        .to_string();
-    let expected = format!(
-        "database postgres://postgres@127.0.0.1:{}/postgres: TLS handshake failed: invalid peer certificate: UnknownIssuer",
-        pg.port
-    );
+    let e = refused(&wrong, "a wrong CA is refused").await;
+    let expected = unknown_issuer(&format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port));
     assert_eq!(e, expected);
     let plain = pg.url("sslmode=disable");
-    let e = ledger::Store::connect(&plain, 2)
-        .await
-        .map(|_| ())
-        .expect_err("plain is refused")
-        .to_string();
+    let e = refused(&plain, "plain is refused").await;
     assert!(e.contains("pg_hba.conf") && e.contains("no encryption"), "{e}");
 }
 
@@ -158,15 +162,8 @@ async fn mariadb_over_tls() {
         "ssl-mode=VERIFY_IDENTITY&ssl-ca={}",
         other.ca_file().display()
     ));
-    let e = ledger::Store::connect(&wrong, 2)
-        .await
-        .map(|_| ())
-        .expect_err("a wrong CA is refused")
-        .to_string();
-    let expected = format!(
-        "database mysql://root@127.0.0.1:{}/mysql: TLS handshake failed: invalid peer certificate: UnknownIssuer",
-        maria.port
-    );
+    let e = refused(&wrong, "a wrong CA is refused").await;
+    let expected = unknown_issuer(&format!("mysql://root@127.0.0.1:{}/mysql", maria.port));
     assert_eq!(e, expected);
     let e = sqlx::MySqlPool::connect(&url("ssl-mode=DISABLED"))
         .await

@@ -1,10 +1,23 @@
-//! What several lease-mode test files share: one tenant for every request,
-//! and a keyed JSON `POST /pay`.
+//! What several test files share: one tenant for every request, keyed JSON
+//! `POST`s, a `POST /pay` that counts its runs, a request sent with its
+//! whole answer read, and counters of runs and commits.
 
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
 use axum::body::Body;
-use axum::http::Request;
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::BodyExt;
 use idem_core::Tenant;
-use idem_http::Problem;
+use idem_http::{Problem, Tx};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
 
 /// Every request is tenant `t`.
 pub(crate) fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
@@ -13,11 +26,72 @@ pub(crate) fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
 
 /// `POST /pay` with `{}` and the key `key`.
 pub(crate) fn post_with_key(key: &str) -> Request<Body> {
+    post_to("/pay", key)
+}
+
+/// `POST path` with `{}` and the key `key`.
+pub(crate) fn post_to(path: &str, key: &str) -> Request<Body> {
     Request::builder()
         .method("POST")
-        .uri("/pay")
+        .uri(path)
         .header("idempotency-key", format!("\"{key}\""))
         .header("content-type", "application/json")
         .body(Body::from("{}"))
         .expect("valid request")
+}
+
+/// Sends `req` and reads the whole answer: its status, whether it is marked
+/// replayed, and its body.
+pub(crate) async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
+    let response = app.clone().oneshot(req).await.expect("infallible");
+    let status = response.status();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let body = response.into_body().collect().await.expect("body").to_bytes();
+    (status, replayed, body)
+}
+
+/// A router whose `POST /pay` counts its runs in `runs` and answers with
+/// `handler(run)`, where `run` counts from 0; the caller adds the layer.
+pub(crate) fn counted_pay<F, Fut, R>(runs: &Arc<AtomicUsize>, handler: F) -> Router
+where
+    F: Fn(usize) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse + 'static,
+{
+    let runs = runs.clone();
+    Router::new().route(
+        "/pay",
+        post(move || {
+            let (runs, handler) = (runs.clone(), handler.clone());
+            async move { handler(runs.fetch_add(1, Ordering::SeqCst)).await }
+        }),
+    )
+}
+
+/// A body that yields `first`, then fails with `error`.
+pub(crate) fn failing_body(first: &'static [u8], error: &'static str) -> Body {
+    Body::from_stream(futures_util::stream::iter([
+        Ok(Bytes::from_static(first)),
+        Err(std::io::Error::other(error)),
+    ]))
+}
+
+/// Counts handler runs and committed effects (transactional mode only).
+#[derive(Clone, Default)]
+pub(crate) struct Counters {
+    pub(crate) runs: Arc<AtomicUsize>,
+    pub(crate) committed: Arc<AtomicUsize>,
+}
+
+impl Counters {
+    /// Counts a run, and the effect of `tx` once it commits: the run's
+    /// number, from 1.
+    pub(crate) fn run_in(&self, tx: &mut Tx<MemoryStore>) -> usize {
+        let run = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let committed = self.committed.clone();
+        tx.on_commit(move || {
+            committed.fetch_add(1, Ordering::SeqCst);
+        });
+        run
+    }
 }

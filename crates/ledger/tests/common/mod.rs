@@ -294,7 +294,6 @@ impl Instance {
 
     /// Starts the ledger binary with extra arguments.
     pub fn start_with(database_url: &str, args: &[&str]) -> Self {
-        use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         use std::time::Instant;
         let mut child = Command::new(env!("CARGO_BIN_EXE_ledger"))
@@ -313,13 +312,7 @@ impl Instance {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the ledger starts");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        let rx = stdout_lines(&mut child);
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
@@ -343,6 +336,21 @@ impl Instance {
         let _ = child.wait();
         panic!("the ledger on {database_url} did not start listening within 60 s");
     }
+}
+
+/// The lines `child` writes to its piped stdout, taken from it, as they
+/// come. They are read to the pipe's end, whether or not anyone still
+/// listens, so the child never blocks on a full pipe.
+pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::{BufRead, BufReader};
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
 }
 
 impl Drop for Instance {
