@@ -9,14 +9,16 @@
 //! Dead-letter stores implement [`DeadLetterSubject`] and expand
 //! [`deadletter_conformance!`] the same way. A store whose lease store is
 //! also an operator's view of its keys ([`KeyAdmin`](idem_core::KeyAdmin))
-//! expands [`admin_conformance!`] with its lease [`Subject`].
+//! expands [`admin_conformance!`] with its lease [`Subject`]. A SQL
+//! dead-letter store also runs the migration tests of [`sql_deadletters`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idem_core::{
     BoxError, BoxFuture, Call, Classify, Consume, Contention, DeadLetterStore, Error, Fingerprint, IdempotencyKey,
-    InFlight, LeaseEngine, LeaseStore, ManualClock, Policy, Retryable, Scope, SharedClock, Sweep, TxBackend, TxEngine,
+    InFlight, LeaseEngine, LeaseStore, ManualClock, PendingMigration, Policy, Retryable, Scope, SharedClock, Sweep,
+    TxBackend, TxEngine,
 };
 use serde::{Deserialize, Serialize};
 
@@ -24,6 +26,7 @@ pub mod admin_tests;
 pub mod deadletter_tests;
 pub mod lease_tests;
 pub mod sent_tests;
+pub mod sql_deadletters;
 pub mod tx_tests;
 
 /// A store under test.
@@ -71,6 +74,11 @@ pub trait DeadLetterSubject: Clone + Send + Sync + 'static {
     /// Lets at least `ms` pass on the store's clock: advances a manual
     /// clock, or sleeps when the store reads its database's clock.
     fn elapse(&self, ms: u64) -> BoxFuture<'_, ()>;
+}
+
+/// The versions of `pending` migrations, in order.
+pub fn versions(pending: &[PendingMigration]) -> Vec<i64> {
+    pending.iter().map(|m| m.version).collect()
 }
 
 /// A value with bytes that must survive storage exactly.
@@ -254,43 +262,14 @@ macro_rules! lease_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
+            $crate::lease_behaviours!([$crate::__lease_test] $make);
             $crate::__lease_test!($make;
-                lease_claim_complete_replay,
-                lease_mismatch,
-                lease_release_leaves_key_unused,
-                lease_error_releases_and_panic_holds_the_key,
-                lease_live_claim_is_in_flight,
-                lease_twin_waits_then_replays,
-                lease_takeover_after_expiry,
-                lease_stale_holder_is_fenced,
-                lease_extend_keeps_the_claim,
-                lease_extend_outlives_the_key_ttl,
-                lease_final_rejection_recorded_when_policy_says,
-                lease_tenant_and_operation_isolation,
-                lease_expired_key_executes_anew,
-                lease_sweep_deletes_expired,
-                lease_concurrent_64_tasks_one_key_one_effect,
-                lease_heartbeat_keeps_a_slow_holder,
-                lease_lost_heartbeat_is_reported,
-                lease_outcome_recorded_after_a_drop,
-                lease_skewed_host_cannot_take_over,
-                lease_abandoned_claim_is_released,
                 lease_unknown_outcome_is_held,
                 lease_unknown_outcome_resolved_applied,
                 lease_unknown_outcome_resolved_not_applied,
                 lease_unknown_outcome_resolved_once_under_concurrency
             );
-            $crate::__sent_test!($make;
-                sent_claim_is_never_taken_over,
-                sent_mark_keeps_the_earliest_time,
-                sent_mark_of_a_new_claim_starts_afresh,
-                sent_claim_resolved_like_unknown,
-                sent_claim_holder_extends_and_releases,
-                sent_dropped_run_is_held_not_taken_over,
-                sent_refused_completion_is_retried,
-                sent_refused_release_is_retried,
-                sent_refused_mark_runs_nothing
-            );
+            $crate::sent_behaviours!([$crate::__sent_test] $make);
         }
     };
 }
@@ -304,12 +283,7 @@ macro_rules! admin_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__admin_test!($make;
-                purge_spares_keys_claimed_during_the_purge,
-                find_key_is_exact,
-                stats_count_keys_by_state,
-                list_and_purge_follow_every_filter
-            );
+            $crate::admin_behaviours!([$crate::__admin_test] $make);
         }
     };
 }
@@ -356,6 +330,95 @@ macro_rules! deadletter_conformance {
                 purge_resolved_deletes_only_old_resolved,
                 missing_letters_and_bad_holds
             );
+        }
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the lease-mode
+/// behaviours of [`lease_tests`] that every lease store passes, on one
+/// server or a cluster (all but those of unknown outcomes), so a harness
+/// of its own runs the same list as [`lease_conformance!`].
+#[macro_export]
+macro_rules! lease_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            lease_claim_complete_replay,
+            lease_mismatch,
+            lease_release_leaves_key_unused,
+            lease_error_releases_and_panic_holds_the_key,
+            lease_live_claim_is_in_flight,
+            lease_twin_waits_then_replays,
+            lease_takeover_after_expiry,
+            lease_stale_holder_is_fenced,
+            lease_extend_keeps_the_claim,
+            lease_extend_outlives_the_key_ttl,
+            lease_final_rejection_recorded_when_policy_says,
+            lease_tenant_and_operation_isolation,
+            lease_expired_key_executes_anew,
+            lease_sweep_deletes_expired,
+            lease_concurrent_64_tasks_one_key_one_effect,
+            lease_heartbeat_keeps_a_slow_holder,
+            lease_lost_heartbeat_is_reported,
+            lease_outcome_recorded_after_a_drop,
+            lease_skewed_host_cannot_take_over,
+            lease_abandoned_claim_is_released
+        );
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the behaviours of
+/// sent claims in [`sent_tests`].
+#[macro_export]
+macro_rules! sent_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            sent_claim_is_never_taken_over,
+            sent_mark_keeps_the_earliest_time,
+            sent_mark_of_a_new_claim_starts_afresh,
+            sent_claim_resolved_like_unknown,
+            sent_claim_holder_extends_and_releases,
+            sent_dropped_run_is_held_not_taken_over,
+            sent_refused_completion_is_retried,
+            sent_refused_release_is_retried,
+            sent_refused_mark_runs_nothing
+        );
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the operator
+/// behaviours of [`admin_tests`].
+#[macro_export]
+macro_rules! admin_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            purge_spares_keys_claimed_during_the_purge,
+            find_key_is_exact,
+            stats_count_keys_by_state,
+            list_and_purge_follow_every_filter
+        );
+    };
+}
+
+/// Expands, inside `impl Subject for …`, to the associated types and
+/// getters of a subject whose field `store`, of type `$store`, is at once
+/// its backend, its lease store and its sweeper.
+#[macro_export]
+macro_rules! one_store_subject {
+    ($store:ty) => {
+        type Backend = $store;
+        type Lease = $store;
+        type Sweeper = $store;
+
+        fn backend(&self) -> $store {
+            self.store.clone()
+        }
+
+        fn lease_store(&self) -> $store {
+            self.store.clone()
+        }
+
+        fn sweeper(&self) -> $store {
+            self.store.clone()
         }
     };
 }

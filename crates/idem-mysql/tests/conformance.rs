@@ -39,21 +39,7 @@ impl MySqlSubject {
 }
 
 impl Subject for MySqlSubject {
-    type Backend = MySqlStore;
-    type Lease = MySqlStore;
-    type Sweeper = MySqlStore;
-
-    fn backend(&self) -> MySqlStore {
-        self.store.clone()
-    }
-
-    fn lease_store(&self) -> MySqlStore {
-        self.store.clone()
-    }
-
-    fn sweeper(&self) -> MySqlStore {
-        self.store.clone()
-    }
+    idem_conformance::one_store_subject!(MySqlStore);
 
     fn write_effect<'c>(tx: &'c mut MySqlTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
         Box::pin(async move {

@@ -11,14 +11,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{EFFECTS_TABLE, connect, now_ms, request_at, shared_store};
+use common::{connect, effects, now_ms, request_at, shared_store, write_effect};
 use idem_conformance::{Runs, call_for, unique_scope, waiting};
 use idem_core::{
     Call, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind,
     TxBackend, TxClaim, TxEngine,
 };
 use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
-use sqlx::MySqlPool;
 
 /// The shared keys table under the named-lock strategy, on a pool of its own.
 async fn named_store() -> MySqlStore {
@@ -70,26 +69,41 @@ async fn open_claim(
     }
 }
 
-const OPENINGS: [Opening; 2] = [Opening::BeginThenClaim, Opening::BeginClaim];
-
-async fn write_effect(tx: &mut MySqlTx, id: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
-    )))
-    .bind(id)
-    .execute(&mut **tx)
-    .await
-    .unwrap();
+/// Opens a claim of `req`'s fresh key on `store` without waiting, which
+/// must claim it.
+async fn claimed(store: &MySqlStore, req: &ClaimRequest<'_>, opening: Opening) -> MySqlTx {
+    let (tx, claim) = open_claim(store, req, Duration::ZERO, opening).await;
+    assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+    tx
 }
 
-async fn effects(pool: &MySqlPool, id: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
-    )))
-    .bind(id)
-    .fetch_one(pool)
-    .await
-    .unwrap()
+/// The first answer but busy of up to four claims of `req` on `store`,
+/// each waiting up to five seconds and rolled back (`None`: busy each
+/// time).
+async fn claim_once_freed(store: &MySqlStore, req: &ClaimRequest<'_>, opening: Opening) -> Option<TxClaim> {
+    for _ in 0..4 {
+        let (theirs, answer) = open_claim(store, req, Duration::from_secs(5), opening).await;
+        store.rollback(theirs).await.unwrap();
+        if answer != TxClaim::Busy {
+            return Some(answer);
+        }
+    }
+    None
+}
+
+const OPENINGS: [Opening; 2] = [Opening::BeginThenClaim, Opening::BeginClaim];
+
+/// Takes a lease on `call`'s fresh key at `now`, running out a second
+/// later; answers its token.
+async fn leased(store: &MySqlStore, call: &Call, now: i64) -> idem_core::Token {
+    let lease_req = ClaimRequest {
+        lease_expires_at_ms: Some(now + 1_000),
+        ..request_at(call, now)
+    };
+    let LeaseClaim::Acquired(lease_token) = store.try_claim(&lease_req).await.unwrap() else {
+        panic!("a fresh key is acquired");
+    };
+    lease_token
 }
 
 /// The key's row as another session sees it at READ UNCOMMITTED: its status,
@@ -138,8 +152,7 @@ async fn fresh_claim_writes_only_the_completed_row() {
     for opening in OPENINGS {
         let call = new_call("POST /named/one-row");
         let req = request_at(&call, now_ms());
-        let (mut tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
-        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let mut tx = claimed(&store, &req, opening).await;
         assert_eq!(
             uncommitted_status(&store, &call).await,
             None,
@@ -171,8 +184,7 @@ async fn lock_is_released_after_commit() {
     for opening in OPENINGS {
         let call = new_call("POST /named/commit");
         let req = request_at(&call, now_ms());
-        let (tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
-        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let tx = claimed(&store, &req, opening).await;
         let record = Record::completed(b"r".to_vec());
         store.record_commit(tx, &req, &record).await.unwrap();
 
@@ -196,8 +208,7 @@ async fn lock_is_released_after_rollback() {
     for opening in OPENINGS {
         let call = new_call("POST /named/rollback");
         let req = request_at(&call, now_ms());
-        let (tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
-        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let tx = claimed(&store, &req, opening).await;
         store.rollback(tx).await.unwrap();
 
         let (theirs, answer) = open_claim(&other, &req, Duration::ZERO, opening).await;
@@ -215,8 +226,7 @@ async fn dropped_transaction_does_not_keep_the_key_locked() {
         let call = new_call("POST /named/dropped");
         let req = request_at(&call, now_ms());
         let effect = format!("dropped-{}", call.key().as_str());
-        let (mut tx, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
-        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let mut tx = claimed(&store, &req, opening).await;
         write_effect(&mut tx, &effect).await;
         drop(tx);
 
@@ -224,17 +234,8 @@ async fn dropped_transaction_does_not_keep_the_key_locked() {
         // waiting (up to five seconds per attempt) gets the key as soon as
         // it is freed. A session returned to the pool would hold the lock
         // for good.
-        let mut claimed = None;
-        for _ in 0..4 {
-            let (theirs, answer) = open_claim(&other, &req, Duration::from_secs(5), opening).await;
-            other.rollback(theirs).await.unwrap();
-            if answer != TxClaim::Busy {
-                claimed = Some(answer);
-                break;
-            }
-        }
         assert_eq!(
-            claimed,
+            claim_once_freed(&other, &req, opening).await,
             Some(TxClaim::Claimed),
             "{opening:?}: the dropped transaction's lock was freed"
         );
@@ -262,8 +263,7 @@ async fn claim_cancelled_while_waiting_does_not_keep_the_key_locked() {
     for opening in OPENINGS {
         let call = new_call("POST /named/cancelled");
         let req = request_at(&call, now_ms());
-        let (held, claim) = open_claim(&store, &req, Duration::ZERO, opening).await;
-        assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
+        let held = claimed(&store, &req, opening).await;
 
         let cancelled = tokio::time::timeout(
             Duration::from_millis(500),
@@ -276,17 +276,8 @@ async fn claim_cancelled_while_waiting_does_not_keep_the_key_locked() {
         // The waiting session is granted the lock when the holder ends,
         // unless its connection is already closed; a claim from elsewhere
         // must get the key within a few waits either way.
-        let mut claimed = None;
-        for _ in 0..4 {
-            let (theirs, answer) = open_claim(&third, &req, Duration::from_secs(5), opening).await;
-            third.rollback(theirs).await.unwrap();
-            if answer != TxClaim::Busy {
-                claimed = Some(answer);
-                break;
-            }
-        }
         assert_eq!(
-            claimed,
+            claim_once_freed(&third, &req, opening).await,
             Some(TxClaim::Claimed),
             "{opening:?}: the cancelled claim's session kept the key locked"
         );
@@ -368,13 +359,7 @@ async fn lease_rows_are_found_and_taken_over() {
     let store = named_store().await;
     let call = new_call("POST /named/lease");
     let now = now_ms();
-    let lease_req = ClaimRequest {
-        lease_expires_at_ms: Some(now + 1_000),
-        ..request_at(&call, now)
-    };
-    let LeaseClaim::Acquired(lease_token) = store.try_claim(&lease_req).await.unwrap() else {
-        panic!("a fresh key is acquired");
-    };
+    let lease_token = leased(&store, &call, now).await;
 
     let live = request_at(&call, now + 500);
     let mut tx = store.begin().await.unwrap();
@@ -409,13 +394,7 @@ async fn sent_lease_rows_are_held_until_the_key_expires() {
     let store = named_store().await;
     let call = new_call("POST /named/sent");
     let now = now_ms();
-    let lease_req = ClaimRequest {
-        lease_expires_at_ms: Some(now + 1_000),
-        ..request_at(&call, now)
-    };
-    let LeaseClaim::Acquired(lease_token) = store.try_claim(&lease_req).await.unwrap() else {
-        panic!("a fresh key is acquired");
-    };
+    let lease_token = leased(&store, &call, now).await;
     let lease = Lease {
         scope: call.scope().clone(),
         key: call.key().clone(),

@@ -42,6 +42,38 @@ async fn claim(
     store.claim(tx, &req, wait).await
 }
 
+/// A call of a fresh key in a scope of its own, with the default policy.
+fn fresh_call() -> idem_core::Call {
+    call_for(
+        &unique_scope("op"),
+        &IdempotencyKey::generate(),
+        "{}",
+        Policy::default(),
+    )
+}
+
+/// A fresh call, claimed without waiting in a transaction the caller ends.
+async fn claimed(store: &MySqlStore) -> (idem_core::Call, MySqlTx) {
+    let call = fresh_call();
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        claim(store, &mut first, &call, Duration::ZERO).await.unwrap(),
+        TxClaim::Claimed
+    );
+    (call, first)
+}
+
+/// How long a twin of `call` allowed to wait `wait` took to be answered
+/// busy (in a transaction of its own, rolled back).
+async fn busy_after(store: &MySqlStore, call: &idem_core::Call, wait: Duration) -> Duration {
+    let mut twin = store.begin().await.unwrap();
+    let started = Instant::now();
+    assert_eq!(claim(store, &mut twin, call, wait).await.unwrap(), TxClaim::Busy);
+    let elapsed = started.elapsed();
+    store.rollback(twin).await.unwrap();
+    elapsed
+}
+
 /// How many statements are inserting into the store's table right now
 /// (each test that counts uses a table of its own). While a claim holds the
 /// key, such an insert can only be a twin blocked on its row lock. The
@@ -194,6 +226,27 @@ async fn concurrent_migrations_at_serializable() {
     concurrent_migrations_at(Isolation::Serializable).await;
 }
 
+/// The lease `req` (a lease claim of `call`'s fresh key) takes.
+async fn leased(store: &MySqlStore, call: &idem_core::Call, req: &ClaimRequest<'_>) -> Lease {
+    let LeaseClaim::Acquired(token) = store.try_claim(req).await.unwrap() else {
+        panic!("a fresh key is acquired")
+    };
+    Lease {
+        scope: call.scope().clone(),
+        key: call.key().clone(),
+        token,
+        lease_expires_at_ms: req.lease_expires_at_ms.expect("a lease claim"),
+    }
+}
+
+/// Drops the keys table `table` and its version table.
+async fn drop_keys_table(pool: &sqlx::MySqlPool, table: &TableName) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_schema`")))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// A keys table of schema version 1 (no `sent_at_ms`), as a release before sent claims left it, with rows of its own.
 async fn version_1_table(pool: &sqlx::MySqlPool) -> TableName {
     let table = TableName::new(format!("{}{}", common::ISOLATED_PREFIX, uuid::Uuid::new_v4().simple())).unwrap();
@@ -226,12 +279,7 @@ async fn a_version_1_keys_table_is_upgraded_for_sent_claims() {
     let pool = connect().await;
     let table = version_1_table(&pool).await;
     let store = MySqlStore::new(pool.clone()).with_table(table.clone());
-    let old = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
+    let old = fresh_call();
     let old_req = request(&old, Some(now_ms() + 60_000));
     assert!(matches!(
         store.try_claim(&old_req).await.unwrap(),
@@ -268,27 +316,15 @@ async fn a_version_1_keys_table_is_upgraded_for_sent_claims() {
     assert!(matches!(kept.state, idem_core::RowState::InProgress { .. }), "{kept:?}");
     assert_eq!(kept.sent_at_ms, None);
 
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
+    let call = fresh_call();
     let now = now_ms();
     let lease_end = now + 1_000;
     let req = ClaimRequest {
         lease_expires_at_ms: Some(lease_end),
         ..request(&call, None)
     };
-    let LeaseClaim::Acquired(token) = store.try_claim(&req).await.unwrap() else {
-        panic!("a fresh key is acquired")
-    };
-    let lease = Lease {
-        scope: call.scope().clone(),
-        key: call.key().clone(),
-        token,
-        lease_expires_at_ms: lease_end,
-    };
+    let lease = leased(&store, &call, &req).await;
+    let token = lease.token;
     store.mark_sent(&lease, now).await.unwrap();
     let after_lease = ClaimRequest {
         now_ms: lease_end + 1,
@@ -307,10 +343,7 @@ async fn a_version_1_keys_table_is_upgraded_for_sent_claims() {
     let row = store.lookup(call.scope(), call.key()).await.unwrap().expect("the row");
     assert_eq!(row.state, idem_core::RowState::Done(record));
     assert_eq!(row.sent_at_ms, Some(now), "the outcome keeps the mark's time");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_schema`")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_keys_table(&pool, &table).await;
 }
 
 /// A migration whose column was added by a run that died before recording it runs again without failing.
@@ -328,10 +361,7 @@ async fn an_unrecorded_column_migration_runs_again() {
     assert_eq!(store.pending_migrations().await.unwrap().len(), 1);
     store.migrate().await.expect("the column already there counts as added");
     assert!(store.pending_migrations().await.unwrap().is_empty());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_schema`")))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_keys_table(&pool, &table).await;
 }
 
 /// A table name whose version table would exceed MySQL's identifier limit is refused before touching the server.
@@ -384,23 +414,11 @@ async fn keys_are_case_sensitive() {
 #[tokio::test]
 async fn extend_with_unchanged_expiry_is_not_fenced() {
     let store = shared_store(connect().await).await;
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
+    let call = fresh_call();
     let until = now_ms() + 30_000;
     let req = request(&call, Some(until));
-    let LeaseClaim::Acquired(token) = store.try_claim(&req).await.unwrap() else {
-        panic!("a fresh key is acquired")
-    };
-    let lease = Lease {
-        scope: call.scope().clone(),
-        key: call.key().clone(),
-        token,
-        lease_expires_at_ms: until,
-    };
+    let lease = leased(&store, &call, &req).await;
+    let token = lease.token;
     store.extend(&lease, until).await.expect("same expiry: still held");
     store.extend(&lease, until).await.expect("and again");
     store.extend(&lease, until + 1_000).await.expect("a later expiry");
@@ -426,43 +444,15 @@ async fn extend_with_unchanged_expiry_is_not_fenced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twin_wait_is_bounded_and_answers_busy() {
     let store = shared_store(connect().await).await;
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
-    let mut first = store.begin().await.unwrap();
-    assert_eq!(
-        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let (call, first) = claimed(&store).await;
 
-    let mut twin = store.begin().await.unwrap();
-    let started = Instant::now();
-    assert_eq!(
-        claim(&store, &mut twin, &call, Duration::from_millis(900))
-            .await
-            .unwrap(),
-        TxClaim::Busy
-    );
-    let no_wait = started.elapsed();
-    store.rollback(twin).await.unwrap();
+    let no_wait = busy_after(&store, &call, Duration::from_millis(900)).await;
     assert!(
         no_wait < Duration::from_millis(500),
         "a sub-second wait does not block: {no_wait:?}"
     );
 
-    let mut twin = store.begin().await.unwrap();
-    let started = Instant::now();
-    assert_eq!(
-        claim(&store, &mut twin, &call, Duration::from_millis(1_700))
-            .await
-            .unwrap(),
-        TxClaim::Busy
-    );
-    let blocked = started.elapsed();
-    store.rollback(twin).await.unwrap();
+    let blocked = busy_after(&store, &call, Duration::from_millis(1_700)).await;
     assert!(
         blocked >= Duration::from_millis(900),
         "a 1.7 s wait blocks for one whole second: {blocked:?}"
@@ -478,17 +468,7 @@ async fn twin_wait_is_bounded_and_answers_busy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn blocked_twin_wakes_on_commit() {
     let store = isolated_store(connect().await).await;
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
-    let mut first = store.begin().await.unwrap();
-    assert_eq!(
-        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let (call, mut first) = claimed(&store).await;
     let twin = {
         let (store, call) = (store.clone(), call.clone());
         tokio::spawn(async move {
@@ -519,18 +499,8 @@ async fn blocked_twin_wakes_on_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rollback_under_blocked_twins_maps_deadlocks() {
     let store = isolated_store(connect().await).await;
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
     let before = deadlocks(&store).await;
-    let mut first = store.begin().await.unwrap();
-    assert_eq!(
-        claim(&store, &mut first, &call, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let (call, first) = claimed(&store).await;
     let answered = Arc::new(tokio::sync::Barrier::new(4));
     let twins: Vec<_> = (0..4)
         .map(|_| {
@@ -624,12 +594,7 @@ async fn engine_retries_deadlocked_twins() {
 #[tokio::test]
 async fn killed_connection_is_unavailable() {
     let store = shared_store(connect().await).await;
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default(),
-    );
+    let call = fresh_call();
     let mut tx = store.begin().await.unwrap();
     let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
         .fetch_one(&mut *tx)

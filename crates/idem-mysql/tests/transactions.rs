@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{EFFECTS_TABLE, URL_VAR, isolated_store, shared_store, url};
+use common::{URL_VAR, effects, isolated_store, shared_store, url, write_effect};
 use idem_conformance::{call_for, rejecting, unique_scope};
 use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, TxBackend, TxClaim, TxEngine};
 use idem_mysql::{ClaimStrategy, MySqlStore};
@@ -41,26 +41,6 @@ async fn session_state(pool: &MySqlPool) -> (i64, i64) {
         .fetch_one(pool)
         .await
         .expect("read the session's transaction state")
-}
-
-async fn effects(pool: &MySqlPool, id: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
-    )))
-    .bind(id)
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
-async fn write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
-    )))
-    .bind(id)
-    .execute(&mut **tx)
-    .await
-    .unwrap();
 }
 
 /// A claim answered Found, and one answered Busy, leave the single pooled connection out of any transaction.
@@ -130,6 +110,26 @@ async fn dropped_claimed_transaction_rolls_back() {
     assert!(!again.is_replayed(), "the key is claimed afresh");
 }
 
+/// Recording `req` in `tx`, which holds no claim of its key, fails; the
+/// connection leaves the transaction, and neither the business row
+/// `effect` nor the key's row commits.
+async fn record_is_refused(
+    store: &MySqlStore,
+    pool: &MySqlPool,
+    tx: idem_mysql::MySqlTx,
+    req: &idem_core::ClaimRequest<'_>,
+    effect: &str,
+) {
+    let err = store
+        .record_commit(tx, req, &Record::completed(b"r".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert_eq!(session_state(pool).await, (0, 1));
+    assert_eq!(effects(pool, effect).await, 0);
+    assert!(store.get(req.scope, req.key).await.unwrap().is_none());
+}
+
 /// A record in a transaction that holds no claim of its key fails, and the caller's write in it never commits.
 #[tokio::test]
 async fn record_without_claim_commits_nothing() {
@@ -141,14 +141,7 @@ async fn record_without_claim_commits_nothing() {
 
     let mut tx = store.begin().await.unwrap();
     write_effect(&mut tx, &effect).await;
-    let err = store
-        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::Config(_)), "{err:?}");
-    assert_eq!(session_state(&pool).await, (0, 1));
-    assert_eq!(effects(&pool, &effect).await, 0);
-    assert!(store.get(call.scope(), call.key()).await.unwrap().is_none());
+    record_is_refused(&store, &pool, tx, &req, &effect).await;
 
     // A claim deleted by the caller's own work is no claim either.
     let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
@@ -162,14 +155,7 @@ async fn record_without_claim_commits_nothing() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let err = store
-        .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::Config(_)), "{err:?}");
-    assert_eq!(session_state(&pool).await, (0, 1));
-    assert_eq!(effects(&pool, &effect).await, 0);
-    assert!(store.get(call.scope(), call.key()).await.unwrap().is_none());
+    record_is_refused(&store, &pool, tx, &req, &effect).await;
 }
 
 /// Tenants, operations and keys with quotes, backslashes and non-ASCII text are stored and matched exactly, whether or not backslashes escape, under each claim strategy.

@@ -82,21 +82,7 @@ async fn create_effects_table(pool: &PgPool) {
 }
 
 impl Subject for Postgres {
-    type Backend = PgStore;
-    type Lease = PgStore;
-    type Sweeper = PgStore;
-
-    fn backend(&self) -> PgStore {
-        self.store.clone()
-    }
-
-    fn lease_store(&self) -> PgStore {
-        self.store.clone()
-    }
-
-    fn sweeper(&self) -> PgStore {
-        self.store.clone()
-    }
+    idem_conformance::one_store_subject!(PgStore);
 
     fn write_effect<'c>(tx: &'c mut PgTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
         Box::pin(async move {

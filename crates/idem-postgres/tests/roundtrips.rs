@@ -109,6 +109,22 @@ async fn write_effect(store: &PgStore, tx: &mut idem_postgres::PgTx, id: &str) {
     .unwrap();
 }
 
+/// The claim `engine` takes of `call`'s fresh key.
+async fn fresh_claim(engine: &TxEngine<PgStore>, call: &Call) -> idem_core::Claimed<idem_postgres::PgTx> {
+    let Begin::Claimed(claimed) = engine.begin(call).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    claimed
+}
+
+/// How committing `claimed` with an empty outcome fails.
+async fn commit_err(engine: &TxEngine<PgStore>, claimed: idem_core::Claimed<idem_postgres::PgTx>) -> Error {
+    engine
+        .commit(claimed, Record::completed(b"{}".to_vec()))
+        .await
+        .unwrap_err()
+}
+
 async fn effects(store: &PgStore, id: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {}_effects WHERE id = $1",
@@ -200,9 +216,7 @@ async fn a_dropped_claim_rolls_back_and_returns_a_clean_connection() {
     let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
-    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
-        panic!("a fresh key is claimed")
-    };
+    let mut claimed = fresh_claim(&engine, &call).await;
     write_effect(&store, &mut claimed.tx, call.key().as_str()).await;
     drop(claimed);
     // The pool's only connection comes back once the rollback ran.
@@ -227,9 +241,7 @@ async fn a_record_that_finds_no_claim_commits_nothing() {
     // The connection has the prepared statements once a call ran on it.
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let call = fresh_call();
-    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
-        panic!("a fresh key is claimed")
-    };
+    let mut claimed = fresh_claim(&engine, &call).await;
     // The caller's work writes, and deletes the claim under the engine's feet.
     write_effect(&store, &mut claimed.tx, call.key().as_str()).await;
     sqlx::query(AssertSqlSafe(format!(
@@ -240,10 +252,7 @@ async fn a_record_that_finds_no_claim_commits_nothing() {
     .execute(&mut *claimed.tx)
     .await
     .unwrap();
-    let err = engine
-        .commit(claimed, Record::completed(b"{}".to_vec()))
-        .await
-        .unwrap_err();
+    let err = commit_err(&engine, claimed).await;
     assert!(matches!(err, Error::Config(_)), "got {err:?}");
     assert_eq!(effects(&store, call.key().as_str()).await, 0, "nothing committed");
     assert!(connection_is_clean(store.pool()).await);
@@ -348,9 +357,7 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
     .await;
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
-    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
-        panic!("a fresh key is claimed")
-    };
+    let mut claimed = fresh_claim(&engine, &call).await;
     let inside: String = sqlx::query_scalar("SHOW lock_timeout")
         .fetch_one(&mut *claimed.tx)
         .await
@@ -382,9 +389,7 @@ async fn lost_record_rolls_back_and_recovers(strategy: ClaimStrategy, lost: &str
     let engine = TxEngine::new(store.clone());
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let call = fresh_call();
-    let Begin::Claimed(mut claimed) = engine.begin(&call).await.unwrap() else {
-        panic!("a fresh key is claimed")
-    };
+    let mut claimed = fresh_claim(&engine, &call).await;
     let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE $1")
         .bind(format!("idem\\_{lost}\\_%"))
         .fetch_one(&mut *claimed.tx)
@@ -394,10 +399,7 @@ async fn lost_record_rolls_back_and_recovers(strategy: ClaimStrategy, lost: &str
         .execute(&mut *claimed.tx)
         .await
         .unwrap();
-    let err = engine
-        .commit(claimed, Record::completed(b"{}".to_vec()))
-        .await
-        .unwrap_err();
+    let err = commit_err(&engine, claimed).await;
     assert!(err.is_retryable(), "a retryable failure: {err:?}");
     assert!(
         store.get(call.scope(), call.key()).await.unwrap().is_none(),

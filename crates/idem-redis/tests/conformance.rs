@@ -3,87 +3,41 @@
 //! gets its own key prefix; the transactional side (the suite's business
 //! writes) is the in-memory store.
 
-use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
+#[path = "support/subject.rs"]
+mod subject;
 
-use idem_conformance::{Subject, admin_conformance, lease_conformance};
-use idem_core::{BoxError, BoxFuture};
-use idem_memory::{MemoryStore, MemoryTx};
+use idem_conformance::{admin_conformance, lease_conformance};
+use idem_core::BoxFuture;
 use idem_redis::RedisStore;
+use redis::aio::ConnectionManager;
+use subject::{Reach, RedisSubject};
 
 fn redis_url() -> String {
     std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
-#[derive(Clone)]
-struct Redis {
-    memory: MemoryStore,
-    store: RedisStore,
-}
+/// The local Redis, through a connection manager.
+type Redis = RedisSubject<ConnectionManager>;
 
-impl Redis {
-    async fn connect() -> Self {
-        let url = redis_url();
-        let store = RedisStore::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("cannot reach Redis at {url} (set IDEM_TEST_REDIS_URL): {e}"));
-        let prefix = format!("idemtest:{}", uuid::Uuid::now_v7().simple());
-        Self {
-            memory: MemoryStore::default(),
-            store: store.with_prefix(&prefix).unwrap(),
-        }
-    }
-}
-
-static EFFECTS: LazyLock<Arc<Mutex<HashMap<String, u64>>>> = LazyLock::new(Default::default);
-
-impl Subject for Redis {
-    type Backend = MemoryStore;
-    type Lease = RedisStore;
-    type Sweeper = RedisStore;
-
-    fn backend(&self) -> MemoryStore {
-        self.memory.clone()
-    }
-    fn lease_store(&self) -> RedisStore {
-        self.store.clone()
-    }
-    fn sweeper(&self) -> RedisStore {
-        self.store.clone()
-    }
-    fn write_effect<'c>(tx: &'c mut MemoryTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
-        Box::pin(async move {
-            let effects = EFFECTS.clone();
-            tx.on_commit(move || *effects.lock().unwrap().entry(effect_id).or_default() += 1);
-            Ok(())
+impl Reach for ConnectionManager {
+    fn open() -> BoxFuture<'static, RedisStore<Self>> {
+        Box::pin(async {
+            let url = redis_url();
+            RedisStore::connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("cannot reach Redis at {url} (set IDEM_TEST_REDIS_URL): {e}"))
         })
     }
-    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
-        Box::pin(async move { Ok(EFFECTS.lock().unwrap().get(&effect_id).copied().unwrap_or(0)) })
-    }
-    fn another(&self) -> BoxFuture<'_, Self> {
-        Box::pin(async move {
-            // Its own connection, the same keys.
-            let other = Redis::connect().await;
-            Self {
-                memory: self.memory.clone(),
-                store: other.store.with_prefix(self.store.prefix()).unwrap(),
-            }
-        })
-    }
-    fn isolated(&self) -> BoxFuture<'_, Self> {
-        Box::pin(Redis::connect())
-    }
 }
 
-lease_conformance!(redis_lease, Redis::connect());
-admin_conformance!(redis_admin, Redis::connect());
+lease_conformance!(redis_lease, Redis::connect(None));
+admin_conformance!(redis_admin, Redis::connect(None));
 
 /// A prefix that could break out of the key layout (a hash tag, spaces)
 /// is refused.
 #[tokio::test]
 async fn prefixes_are_validated() {
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     for bad in ["", "a{b}", "with space", &"x".repeat(65)] {
         assert!(store.clone().with_prefix(bad).is_err(), "{bad:?}");
     }
@@ -95,7 +49,7 @@ async fn prefixes_are_validated() {
 #[tokio::test]
 async fn tokens_past_two_to_the_53_stay_exact() {
     use idem_core::{ClaimRequest, Fingerprint, IdempotencyKey, LeaseClaim, LeaseStore, Scope, Token};
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     let scope = Scope::parse("t", "op").unwrap();
     let key = IdempotencyKey::generate();
     let fingerprint = Fingerprint::of_json(scope.operation(), b"{}").unwrap();
@@ -124,7 +78,7 @@ async fn tokens_past_two_to_the_53_stay_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_reach_the_expiry_index_once_flushed() {
     use idem_core::{ClaimRequest, Fingerprint, IdempotencyKey, KeyAdmin, LeaseClaim, LeaseStore, Scope, Token};
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     let scope = Scope::parse("t", "op").unwrap();
     let fingerprint = Fingerprint::of_json(scope.operation(), b"{}").unwrap();
     let now_ms = idem_core::Clock::now_ms(&idem_core::SystemClock);
@@ -210,7 +164,7 @@ async fn index_len(store: &RedisStore) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ghost_entries_are_swept_and_never_counted() {
     use idem_core::{KeyAdmin, SweepOptions, SystemClock};
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     let now = idem_core::Clock::now_ms(&SystemClock);
     for _ in 0..30 {
         claim_for(&store, now, 50).await;
@@ -244,7 +198,7 @@ async fn ghost_entries_are_swept_and_never_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_extension_moves_the_ttl_and_the_index_entry() {
     use idem_core::{KeyAdmin, LeaseStore, Sweep, SystemClock};
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     let now = idem_core::Clock::now_ms(&SystemClock);
     let lease = claim_for(&store, now, 200).await;
     store.extend(&lease, now + 60_000).await.unwrap();
@@ -270,7 +224,7 @@ async fn an_extension_moves_the_ttl_and_the_index_entry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_sent_state_deletes_sent_claims_only() {
     use idem_core::{KeyAdmin, KeyFilter, KeyState, LeaseStore, SystemClock};
-    let store = Redis::connect().await.store;
+    let store = Redis::connect(None).await.store;
     let now = idem_core::Clock::now_ms(&SystemClock);
     let sent = claim_for(&store, now, 60_000).await;
     let running = claim_for(&store, now, 60_000).await;

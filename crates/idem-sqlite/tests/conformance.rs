@@ -34,19 +34,8 @@ impl Sqlite {
 }
 
 impl Subject for Sqlite {
-    type Backend = SqliteStore;
-    type Lease = SqliteStore;
-    type Sweeper = SqliteStore;
+    idem_conformance::one_store_subject!(SqliteStore);
 
-    fn backend(&self) -> SqliteStore {
-        self.store.clone()
-    }
-    fn lease_store(&self) -> SqliteStore {
-        self.store.clone()
-    }
-    fn sweeper(&self) -> SqliteStore {
-        self.store.clone()
-    }
     fn write_effect<'c>(tx: &'c mut SqliteTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
         Box::pin(async move {
             sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES (?1)")

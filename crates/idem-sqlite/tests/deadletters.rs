@@ -8,12 +8,10 @@ use common::TempDb;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_conformance::sql_deadletters;
 use idem_conformance::{DeadLetterSubject, deadletter_conformance};
-use idem_core::{
-    BoxFuture, DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder,
-    TableName,
-};
-use idem_sqlite::{SqliteDeadLetters, SqliteStore, store_error};
+use idem_core::{BoxFuture, DeadLetterState, DeadLetterStore, NewDeadLetter, TableName};
+use idem_sqlite::{SqliteDeadLetters, SqliteStore};
 
 #[derive(Clone)]
 struct SqliteLetters {
@@ -59,62 +57,32 @@ impl DeadLetterSubject for SqliteLetters {
 
 deadletter_conformance!(sqlite_deadletters, SqliteLetters::new());
 
+idem_conformance::sql_letters!(Sqlite, SqliteDeadLetters, sqlx::Sqlite, new_pool: |engine| {
+    let path = engine.pool.connect_options().get_filename().to_owned();
+    SqliteStore::open(&path).await.expect("open the test database again").pool().clone()
+});
+
+/// The letter these tests record: `key` of the tenant `tenant`.
 fn letter(key: &str) -> NewDeadLetter {
-    NewDeadLetter::new(
-        Scope::parse("tenant", "payout").unwrap(),
-        IdempotencyKey::new(key).unwrap(),
-        OutboundRequest::new("POST", "http://vendor/v1/payouts", vec![], b"{}".to_vec()).unwrap(),
-        2,
-        "timeout",
-    )
+    sql_deadletters::letter("tenant", key)
 }
 
 /// A dead letter recorded in the caller's transaction commits with the business row, and vanishes with it on rollback.
 #[tokio::test]
 async fn record_in_commits_and_rolls_back_with_the_transaction() {
     let s = SqliteLetters::new().await;
-    let pool = s.letters.pool().clone();
-    sqlx::query("CREATE TABLE payouts (name TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-
-    let mut tx = pool.begin().await.map_err(store_error).unwrap();
-    sqlx::query("INSERT INTO payouts (name) VALUES ('kept')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    let kept = s.letters.record_in(&mut tx, &letter("kept")).await.unwrap();
-    tx.commit().await.unwrap();
-
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO payouts (name) VALUES ('dropped')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    let dropped = s.letters.record_in(&mut tx, &letter("dropped")).await.unwrap();
-    tx.rollback().await.unwrap();
-
-    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM payouts")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    assert_eq!(names, vec!["kept".to_owned()]);
-    let found = s
-        .letters
-        .get(kept)
-        .await
-        .unwrap()
-        .expect("committed with the transaction");
-    assert_eq!(found.key.as_str(), "kept");
-    assert!(s.letters.get(dropped).await.unwrap().is_none(), "rolled back");
-    assert!(
-        s.letters
-            .find(&letter("dropped").scope, &letter("dropped").key)
-            .await
-            .unwrap()
-            .is_none()
-    );
+    let engine = Sqlite {
+        pool: s.letters.pool().clone(),
+    };
+    sql_deadletters::record_in_follows_the_transaction(
+        &engine,
+        &s.letters,
+        "payouts",
+        "CREATE TABLE payouts (name TEXT NOT NULL)".to_owned(),
+        &[],
+        letter,
+    )
+    .await;
 }
 
 /// Migrating twice is harmless, and the pending list names the table's DDL until it exists.
@@ -192,47 +160,15 @@ async fn a_version_1_table_is_upgraded_with_its_rows() {
 #[tokio::test]
 async fn a_version_2_table_is_upgraded_with_its_rows() {
     let s = SqliteLetters::new().await;
-    let pool = s.letters.pool().clone();
-    let t = "idem_dead_letters_v2";
-    let letters = SqliteDeadLetters::with_table(pool.clone(), TableName::new(t).unwrap());
-    letters.migrate().await.unwrap();
-    for column in ["key_horizon_ms", "horizon_margin_ms", "settle_ms"] {
-        sqlx::query(sqlx::AssertSqlSafe(format!("ALTER TABLE {t} DROP COLUMN {column}")))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {t} (tenant, operation, idem_key, method, url, headers, body, attempts, last_error, state, \
-         created_at_ms, updated_at_ms, first_reached_at_ms) VALUES ('t', 'payout', 'old', 'POST', \
-         'http://v/v1/payouts', '[]', X'7B7D', 3, 'timeout', 'dead', 1, 1, 1)"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let pending = letters.pending_migrations().await.unwrap();
-    assert_eq!(
-        pending.iter().map(|m| m.version).collect::<Vec<_>>(),
-        vec![3],
-        "{pending:?}"
-    );
-    letters.migrate().await.unwrap();
-    assert!(letters.pending_migrations().await.unwrap().is_empty());
-    let scope = Scope::parse("t", "payout").unwrap();
-    let old = letters
-        .find(&scope, &IdempotencyKey::new("old").unwrap())
-        .await
-        .unwrap()
-        .expect("the row survives");
-    assert_eq!(
-        (old.attempts, old.first_reached_at_ms, old.sent_under),
-        (3, Some(1), None)
-    );
-    let terms = SentUnder {
-        key_horizon: Duration::ZERO,
-        horizon_margin: Duration::ZERO,
-        settle: Duration::from_secs(35),
+    let engine = Sqlite {
+        pool: s.letters.pool().clone(),
     };
-    let id = letters.record(&letter("new").sent_under(terms)).await.unwrap();
-    assert_eq!(letters.get(id).await.unwrap().unwrap().sent_under, Some(terms));
+    sql_deadletters::version_2_table_is_upgraded(
+        &engine,
+        "idem_dead_letters_v2",
+        "X'7B7D'",
+        "'timeout'",
+        letter("new"),
+    )
+    .await;
 }

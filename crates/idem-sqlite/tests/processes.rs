@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::TempDb;
+use common::{TempDb, count_effects, migrated_with, write_effect};
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use idem_core::{
     Acquire, Call, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine, Outcome, Policy, Scope, TxEngine,
 };
-use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
+use idem_sqlite::{SqliteOptions, SqliteStore};
 
 /// Selects the child's role; its absence makes the binary the parent.
 const CHILD_ENV: &str = "IDEM_SQLITE_CHILD";
@@ -78,15 +78,7 @@ async fn run(name: &str, db: PathBuf) {
 }
 
 async fn open(path: &Path) -> SqliteStore {
-    let store = SqliteStore::open_with(path, SqliteOptions::new().busy_timeout_ms(BUSY_TIMEOUT_MS))
-        .await
-        .expect("open");
-    store.migrate().await.expect("migrate");
-    sqlx::query("CREATE TABLE IF NOT EXISTS effects (effect_id TEXT NOT NULL)")
-        .execute(store.pool())
-        .await
-        .expect("effects table");
-    store
+    migrated_with(path, SqliteOptions::new().busy_timeout_ms(BUSY_TIMEOUT_MS)).await
 }
 
 fn call(tenant: &str, key: &str, in_flight: InFlight) -> Call {
@@ -94,14 +86,6 @@ fn call(tenant: &str, key: &str, in_flight: InFlight) -> Call {
     let key = IdempotencyKey::new(key).expect("key");
     Call::new(scope.clone(), key, Fingerprint::of_bytes(scope.operation(), b"body"))
         .with_policy(Policy::default().with_in_flight(in_flight))
-}
-
-async fn count_effects(store: &SqliteStore, effect_id: &str) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
-        .bind(effect_id)
-        .fetch_one(store.pool())
-        .await
-        .expect("count")
 }
 
 /// Runs the transactional work of every test: one effect row, answered
@@ -116,17 +100,26 @@ async fn execute(
         .execute(call, |tx| {
             let (effect, who) = (effect.to_owned(), who.to_owned());
             Box::pin(async move {
-                sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
-                    .bind(effect)
-                    .execute(&mut **tx)
-                    .await
-                    .map_err(store_error)?;
+                write_effect(tx, &effect).await?;
                 // Long enough for the twins of both processes to pile up.
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 Ok::<_, Error>(who)
             })
         })
         .await
+}
+
+/// Runs `twin`'s transactional work as `B`, which must answer within
+/// [`GENEROUS`] (`expect` says what a timeout means).
+async fn execute_in_time(
+    engine: &TxEngine<SqliteStore>,
+    twin: &Call,
+    effect: &str,
+    expect: &str,
+) -> Result<Outcome<String>, Error> {
+    tokio::time::timeout(GENEROUS, execute(engine, twin, effect, "B"))
+        .await
+        .expect(expect)
 }
 
 fn assert_in_flight<T: std::fmt::Debug>(result: Result<T, Error>) {
@@ -172,6 +165,13 @@ impl Peer {
         self.stdin.flush().expect("flush");
     }
 
+    /// Tells a `hold-tx` process to commit, and waits for it to end well.
+    async fn commit(mut self) {
+        self.say("commit");
+        assert_eq!(self.line().await, "committed");
+        self.wait_ok();
+    }
+
     fn wait_ok(mut self) {
         let status = self.child.wait().expect("wait for the other process");
         assert!(status.success(), "the other process failed: {status}");
@@ -190,29 +190,38 @@ fn unique_tenant() -> String {
     format!("tenant-{}", uuid::Uuid::new_v4().simple())
 }
 
+/// Opens `db`, and starts the other process as `role` on `key` of a tenant
+/// of its own, once it says `ready`. Answers the store, the tenant and the
+/// other process.
+async fn with_peer(db: &Path, role: &str, key: &str, ready: &str) -> (SqliteStore, String, Peer) {
+    let store = open(db).await;
+    let tenant = unique_tenant();
+    let mut peer = Peer::spawn(role, db, &tenant, key);
+    assert_eq!(peer.line().await, ready);
+    (store, tenant, peer)
+}
+
 /// The other process claims the key in a transaction and holds it open: a
 /// `Reject` twin here is told at once that the key is in flight (not after
 /// the busy timeout, not with a lock timeout), and after the holder commits,
 /// the twin replays its outcome.
 async fn reject_twin_in_other_process_is_busy_then_replays(db: PathBuf) {
-    let store = open(&db).await;
+    let (store, tenant, peer) = with_peer(&db, "hold-tx", "k-reject", "held").await;
     let engine = TxEngine::new(store.clone());
-    let tenant = unique_tenant();
-    let mut peer = Peer::spawn("hold-tx", &db, &tenant, "k-reject");
-    assert_eq!(peer.line().await, "held");
 
     let twin = call(&tenant, "k-reject", InFlight::Reject);
-    let answer = tokio::time::timeout(GENEROUS, execute(&engine, &twin, "k-reject", "B"))
-        .await
-        .expect("a Reject twin must answer at once, not wait on the database's write lock");
+    let answer = execute_in_time(
+        &engine,
+        &twin,
+        "k-reject",
+        "a Reject twin must answer at once, not wait on the database's write lock",
+    )
+    .await;
     assert_in_flight(answer);
 
-    peer.say("commit");
-    assert_eq!(peer.line().await, "committed");
-    peer.wait_ok();
-    let again = tokio::time::timeout(GENEROUS, execute(&engine, &twin, "k-reject", "B"))
+    peer.commit().await;
+    let again = execute_in_time(&engine, &twin, "k-reject", "answer")
         .await
-        .expect("answer")
         .expect("replay");
     assert_eq!(again, Outcome::Replayed("A".to_owned()));
     assert_eq!(count_effects(&store, "k-reject").await, 1);
@@ -221,17 +230,12 @@ async fn reject_twin_in_other_process_is_busy_then_replays(db: PathBuf) {
 /// A `Wait { max_ms }` twin of a key held in another process waits about
 /// its bound and then reports the key in flight.
 async fn wait_twin_in_other_process_keeps_to_its_bound(db: PathBuf) {
-    let store = open(&db).await;
+    let (store, tenant, peer) = with_peer(&db, "hold-tx", "k-wait", "held").await;
     let engine = TxEngine::new(store.clone());
-    let tenant = unique_tenant();
-    let mut peer = Peer::spawn("hold-tx", &db, &tenant, "k-wait");
-    assert_eq!(peer.line().await, "held");
 
     let twin = call(&tenant, "k-wait", InFlight::Wait { max_ms: 300 });
     let started = Instant::now();
-    let answer = tokio::time::timeout(GENEROUS, execute(&engine, &twin, "k-wait", "B"))
-        .await
-        .expect("a Wait twin must answer after its bound");
+    let answer = execute_in_time(&engine, &twin, "k-wait", "a Wait twin must answer after its bound").await;
     let waited = started.elapsed();
     assert_in_flight(answer);
     assert!(
@@ -239,9 +243,7 @@ async fn wait_twin_in_other_process_keeps_to_its_bound(db: PathBuf) {
         "answered before the bound: {waited:?}"
     );
 
-    peer.say("commit");
-    assert_eq!(peer.line().await, "committed");
-    peer.wait_ok();
+    peer.commit().await;
     assert_eq!(count_effects(&store, "k-wait").await, 1);
 }
 
@@ -249,31 +251,18 @@ async fn wait_twin_in_other_process_keeps_to_its_bound(db: PathBuf) {
 /// drops its locks, its open transaction never committed, and a twin
 /// claims the key and runs the effect.
 async fn killed_holder_releases_the_key(db: PathBuf) {
-    let store = open(&db).await;
+    let (store, tenant, mut peer) = with_peer(&db, "hold-tx", "k-kill", "held").await;
     let engine = TxEngine::new(store.clone());
-    let tenant = unique_tenant();
-    let mut peer = Peer::spawn("hold-tx", &db, &tenant, "k-kill");
-    assert_eq!(peer.line().await, "held");
     let twin = call(&tenant, "k-kill", InFlight::Reject);
-    let answer = tokio::time::timeout(GENEROUS, execute(&engine, &twin, "k-kill", "B"))
-        .await
-        .expect("a Reject twin must answer at once");
+    let answer = execute_in_time(&engine, &twin, "k-kill", "a Reject twin must answer at once").await;
     assert_in_flight(answer);
 
     peer.child.kill().expect("SIGKILL the holder");
     peer.child.wait().expect("reap the holder");
-    let answer = tokio::time::timeout(
-        GENEROUS,
-        execute(
-            &engine,
-            &call(&tenant, "k-kill", InFlight::Wait { max_ms: 5_000 }),
-            "k-kill",
-            "B",
-        ),
-    )
-    .await
-    .expect("answer")
-    .expect("the key is free again");
+    let free = call(&tenant, "k-kill", InFlight::Wait { max_ms: 5_000 });
+    let answer = execute_in_time(&engine, &free, "k-kill", "answer")
+        .await
+        .expect("the key is free again");
     assert_eq!(answer, Outcome::Executed("B".to_owned()));
     assert_eq!(count_effects(&store, "k-kill").await, 1);
 }
@@ -281,11 +270,8 @@ async fn killed_holder_releases_the_key(db: PathBuf) {
 /// Many tasks in each of two processes on one key: exactly one effect,
 /// every other task replays it.
 async fn many_tasks_in_two_processes_one_effect(db: PathBuf) {
-    let store = open(&db).await;
+    let (store, tenant, mut peer) = with_peer(&db, "hammer", "k-many", "ready").await;
     let engine = TxEngine::new(store.clone());
-    let tenant = unique_tenant();
-    let mut peer = Peer::spawn("hammer", &db, &tenant, "k-many");
-    assert_eq!(peer.line().await, "ready");
     peer.say("go");
     let executed = hammer(&engine, &tenant, "k-many", "B").await;
     let theirs: usize = peer.line().await.parse().expect("the other process's count");
@@ -325,11 +311,8 @@ async fn hammer(engine: &TxEngine<SqliteStore>, tenant: &str, key: &str, who: &s
 /// Lease mode: the other process holds a lease on the key; a `Reject` twin
 /// here is told at once that the key is in flight.
 async fn lease_twin_in_other_process_is_busy(db: PathBuf) {
-    let store = open(&db).await;
+    let (store, tenant, mut peer) = with_peer(&db, "hold-lease", "k-lease", "held").await;
     let engine = LeaseEngine::new(store.clone());
-    let tenant = unique_tenant();
-    let mut peer = Peer::spawn("hold-lease", &db, &tenant, "k-lease");
-    assert_eq!(peer.line().await, "held");
     let twin = call(&tenant, "k-lease", InFlight::Reject);
     let answer = tokio::time::timeout(GENEROUS, engine.acquire(&twin))
         .await
@@ -363,11 +346,7 @@ async fn child(role: &str) {
                     let effect = key.clone();
                     let read = read.take().expect("the work runs once");
                     Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
-                            .bind(effect)
-                            .execute(&mut **tx)
-                            .await
-                            .map_err(store_error)?;
+                        write_effect(tx, &effect).await?;
                         println!("held");
                         assert_eq!(read(), "commit");
                         Ok::<_, Error>("A".to_owned())

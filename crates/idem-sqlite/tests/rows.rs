@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::TempDb;
+use common::{TempDb, count_effects, migrated_with, write_effect};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,15 +20,7 @@ use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
 /// A migrated store on one connection, so that `total_changes()` counts
 /// every row any of its statements wrote.
 async fn one_connection(db: &TempDb) -> SqliteStore {
-    let store = SqliteStore::open_with(&db.path, SqliteOptions::new().max_connections(1))
-        .await
-        .expect("open");
-    store.migrate().await.expect("migrate");
-    sqlx::query("CREATE TABLE effects (effect_id TEXT NOT NULL)")
-        .execute(store.pool())
-        .await
-        .expect("effects table");
-    store
+    migrated_with(&db.path, SqliteOptions::new().max_connections(1)).await
 }
 
 /// Rows inserted, updated or deleted on the store's connection since it opened.
@@ -37,14 +29,6 @@ async fn changes(store: &SqliteStore) -> i64 {
         .fetch_one(store.pool())
         .await
         .expect("total_changes")
-}
-
-async fn effects(store: &SqliteStore, effect_id: &str) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
-        .bind(effect_id)
-        .fetch_one(store.pool())
-        .await
-        .expect("count")
 }
 
 async fn token_of(store: &SqliteStore, key: &IdempotencyKey) -> i64 {
@@ -82,13 +66,19 @@ fn request<'a>(
     }
 }
 
-async fn write_effect(tx: &mut idem_sqlite::SqliteTx, effect_id: &str) -> Result<(), Error> {
-    sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
-        .bind(effect_id)
-        .execute(&mut **tx)
-        .await
-        .map_err(store_error)?;
-    Ok(())
+/// Takes a lease on `key` at 1 s with token 7, running out at 2 s.
+async fn lease_from_1s_to_2s(store: &SqliteStore, scope: &Scope, key: &IdempotencyKey, fp: &Fingerprint) -> Lease {
+    let lease_req = request(scope, key, fp, 1_000, 7, Some(2_000));
+    assert_eq!(
+        store.try_claim(&lease_req).await.expect("lease claim"),
+        LeaseClaim::Acquired(Token(7))
+    );
+    Lease {
+        scope: scope.clone(),
+        key: key.clone(),
+        token: Token(7),
+        lease_expires_at_ms: 2_000,
+    }
 }
 
 /// A fresh transactional call writes its work's rows plus exactly one (the completed record), and a replay writes none.
@@ -140,7 +130,7 @@ async fn fresh_call_writes_one_row_beyond_its_work() {
         .expect("replay");
     assert_eq!(again.into_inner(), 42);
     assert_eq!(changes(&store).await - before, 0, "a replay writes nothing");
-    assert_eq!(effects(&store, "fresh").await, 1);
+    assert_eq!(count_effects(&store, "fresh").await, 1);
 }
 
 /// A transactional claim of a stale row (a lease that ran out, or an expired outcome) replaces it with one row write and a larger token, and the stale lease holder is fenced.
@@ -152,17 +142,7 @@ async fn stale_row_is_replaced_with_one_write() {
         let scope = scope();
         let key = IdempotencyKey::generate();
         let fp = fingerprint(&scope);
-        let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000));
-        assert_eq!(
-            store.try_claim(&lease_req).await.expect("lease claim"),
-            LeaseClaim::Acquired(Token(7))
-        );
-        let lease = Lease {
-            scope: scope.clone(),
-            key: key.clone(),
-            token: Token(7),
-            lease_expires_at_ms: 2_000,
-        };
+        let lease = lease_from_1s_to_2s(&store, &scope, &key, &fp).await;
         // An expired outcome: completed, then past its TTL (100 s after 1 s).
         let now_ms = if stale == "outcome expired" {
             store
@@ -204,17 +184,7 @@ async fn sent_row_is_taken_over_only_once_expired() {
         let scope = scope();
         let key = IdempotencyKey::generate();
         let fp = fingerprint(&scope);
-        let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000));
-        assert_eq!(
-            store.try_claim(&lease_req).await.expect("lease claim"),
-            LeaseClaim::Acquired(Token(7))
-        );
-        let lease = Lease {
-            scope: scope.clone(),
-            key: key.clone(),
-            token: Token(7),
-            lease_expires_at_ms: 2_000,
-        };
+        let lease = lease_from_1s_to_2s(&store, &scope, &key, &fp).await;
         let before = changes(&store).await;
         store.mark_sent(&lease, 1_500).await.expect("mark sent");
         assert_eq!(changes(&store).await - before, 1, "the mark writes one row");
@@ -302,7 +272,7 @@ async fn live_lease_row_is_in_flight() {
         .await;
     assert!(matches!(answer, Err(Error::InFlight { .. })), "{answer:?}");
     assert_eq!(changes(&store).await - before, 0, "nothing written");
-    assert_eq!(effects(&store, "twin").await, 0);
+    assert_eq!(count_effects(&store, "twin").await, 0);
     assert_eq!(token_of(&store, &key).await, 7, "the lease row is untouched");
 }
 
@@ -328,7 +298,7 @@ async fn record_without_claim_touches_no_row() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err:?}");
-    assert_eq!(effects(&store, "unclaimed").await, 0, "the work did not commit");
+    assert_eq!(count_effects(&store, "unclaimed").await, 0, "the work did not commit");
     let row = store.get(&scope, &key).await.expect("get").expect("row");
     assert_eq!(
         row.state,
@@ -378,7 +348,7 @@ async fn row_written_by_the_work_fails_the_record() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err:?}");
-    assert_eq!(effects(&store, "meddling").await, 0, "the work did not commit");
+    assert_eq!(count_effects(&store, "meddling").await, 0, "the work did not commit");
     assert!(
         store.get(&scope, &key).await.expect("get").is_none(),
         "no row committed"
@@ -449,7 +419,7 @@ async fn transactional_and_lease_twins_run_the_effect_once() {
         outcomes.push(task.await.expect("task").expect("every task gets an outcome"));
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
-    assert_eq!(effects(&store, "mixed").await, 1, "the effect exists once");
+    assert_eq!(count_effects(&store, "mixed").await, 1, "the effect exists once");
     assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
     assert!(
         outcomes.iter().all(|o| o.value() == outcomes[0].value()),

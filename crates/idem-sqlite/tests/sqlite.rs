@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::TempDb;
+use common::{TempDb, count_effects, migrated_with, write_effect};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,16 +18,8 @@ use idem_core::{
 use idem_sqlite::{SqliteOptions, SqliteStore, store_error};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
-const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS effects (effect_id TEXT NOT NULL)";
-
 async fn migrated(path: &Path) -> SqliteStore {
-    let store = SqliteStore::open(path).await.expect("open");
-    store.migrate().await.expect("migrate");
-    sqlx::query(EFFECTS_TABLE)
-        .execute(store.pool())
-        .await
-        .expect("effects table");
-    store
+    migrated_with(path, SqliteOptions::default()).await
 }
 
 /// A pool built by hand, as an application with its own pool would.
@@ -55,14 +47,6 @@ fn call(scope: &Scope, key: &IdempotencyKey, policy: Policy) -> Call {
 
 fn unique_scope() -> Scope {
     Scope::parse(&format!("tenant-{}", uuid::Uuid::new_v4()), "POST /v1/transfers").expect("scope")
-}
-
-async fn count_effects(store: &SqliteStore, effect_id: &str) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
-        .bind(effect_id)
-        .fetch_one(store.pool())
-        .await
-        .expect("count")
 }
 
 fn assert_kind(result: Result<impl std::fmt::Debug, Error>, kind: StoreErrorKind) {
@@ -130,11 +114,7 @@ async fn separate_registries_64_tasks_one_effect() {
                         let (runs, effect_id) = (runs.clone(), effect_id.clone());
                         Box::pin(async move {
                             runs.fetch_add(1, Ordering::SeqCst);
-                            sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
-                                .bind(effect_id)
-                                .execute(&mut **tx)
-                                .await
-                                .map_err(store_error)?;
+                            write_effect(tx, &effect_id).await?;
                             // Hold the claim so twins of the other store meet it uncommitted.
                             tokio::time::sleep(Duration::from_millis(20)).await;
                             Ok::<_, Error>(uuid::Uuid::new_v4().to_string())
@@ -427,14 +407,38 @@ async fn concurrent_first_opens_succeed() {
     }
 }
 
+/// A store on `db` opened without migrating, after running `statements`
+/// (an older version's tables and rows).
+async fn seeded(db: &TempDb, statements: &[&'static str]) -> SqliteStore {
+    let store = SqliteStore::open(&db.path).await.expect("open");
+    for &statement in statements {
+        sqlx::query(statement).execute(store.pool()).await.expect(statement);
+    }
+    store
+}
+
+/// The versions `migrate` would apply.
+async fn pending_versions(store: &SqliteStore) -> Vec<i64> {
+    idem_conformance::versions(&store.pending_migrations().await.unwrap())
+}
+
+/// How many indexes of the keys table are on `expires_at_ms`.
+async fn expiry_indexes(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'idem_keys' AND sql LIKE '%expires_at_ms%'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
 /// A version-1 keys table (status 0 to 2 only) is upgraded to the newest
 /// version in place: its rows and expiry index are kept, and status 3 (an
 /// unknown outcome) is then accepted.
 #[tokio::test]
 async fn version_1_table_is_upgraded_keeping_its_rows() {
     let db = TempDb::new("test");
-    let store = SqliteStore::open(&db.path).await.expect("open");
-    for statement in [
+    let store = seeded(&db, &[
         "CREATE TABLE idem_keys_schema (version INTEGER PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at_ms INTEGER NOT NULL) STRICT",
         "INSERT INTO idem_keys_schema VALUES (1, 'keys table and expiry index', 0)",
         "CREATE TABLE idem_keys (tenant TEXT NOT NULL, operation TEXT NOT NULL, idem_key TEXT NOT NULL,
@@ -444,16 +448,9 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
             PRIMARY KEY (tenant, operation, idem_key)) STRICT",
         "CREATE INDEX idem_keys_expires_at_ms_idx ON idem_keys (expires_at_ms)",
         "INSERT INTO idem_keys VALUES ('t', 'o', 'k', zeroblob(32), 1, 7, x'6f6b', 1, 99, NULL)",
-    ] {
-        sqlx::query(statement).execute(store.pool()).await.expect(statement);
-    }
-    let pending: Vec<i64> = store
-        .pending_migrations()
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| m.version)
-        .collect();
+    ])
+    .await;
+    let pending = pending_versions(&store).await;
     assert_eq!(pending, vec![2, 3]);
     store.migrate().await.expect("upgrade");
     let row: (i64, i64, Vec<u8>, i64) =
@@ -462,13 +459,7 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
             .await
             .expect("the row is kept");
     assert_eq!(row, (1, 7, b"ok".to_vec(), 99));
-    let index: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'idem_keys' AND sql LIKE '%expires_at_ms%'",
-    )
-    .fetch_one(store.pool())
-    .await
-    .unwrap();
-    assert_eq!(index, 1, "the expiry index exists");
+    assert_eq!(expiry_indexes(&store).await, 1, "the expiry index exists");
     sqlx::query(
         "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
         VALUES ('t', 'o', 'k2', zeroblob(32), 3, 8, 1, 99)",
@@ -483,8 +474,7 @@ async fn version_1_table_is_upgraded_keeping_its_rows() {
 #[tokio::test]
 async fn version_2_table_is_upgraded_and_takes_sent_claims() {
     let db = TempDb::new("test");
-    let store = SqliteStore::open(&db.path).await.expect("open");
-    for statement in [
+    let store = seeded(&db, &[
         "CREATE TABLE idem_keys_schema (version INTEGER PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at_ms INTEGER NOT NULL) STRICT",
         "INSERT INTO idem_keys_schema VALUES (1, 'keys table and expiry index', 0)",
         "INSERT INTO idem_keys_schema VALUES (2, 'status 3: unknown outcomes', 0)",
@@ -497,16 +487,9 @@ async fn version_2_table_is_upgraded_and_takes_sent_claims() {
         // A lease that ran out at 500, and an unknown outcome.
         "INSERT INTO idem_keys VALUES ('t', 'POST /pay', 'k', zeroblob(32), 0, 7, NULL, 1, 100000, 500)",
         "INSERT INTO idem_keys VALUES ('t', 'POST /pay', 'u', zeroblob(32), 3, 3, x'3f', 1, 100000, NULL)",
-    ] {
-        sqlx::query(statement).execute(store.pool()).await.expect(statement);
-    }
-    let pending: Vec<i64> = store
-        .pending_migrations()
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| m.version)
-        .collect();
+    ])
+    .await;
+    let pending = pending_versions(&store).await;
     assert_eq!(pending, vec![3]);
     store.migrate().await.expect("upgrade");
     assert!(store.pending_migrations().await.unwrap().is_empty());
@@ -522,13 +505,7 @@ async fn version_2_table_is_upgraded_and_takes_sent_claims() {
         rows,
         vec![("k".into(), 0, 7, Some(500), None), ("u".into(), 3, 3, None, None)]
     );
-    let index: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'idem_keys' AND sql LIKE '%expires_at_ms%'",
-    )
-    .fetch_one(store.pool())
-    .await
-    .unwrap();
-    assert_eq!(index, 1, "the expiry index exists");
+    assert_eq!(expiry_indexes(&store).await, 1, "the expiry index exists");
 
     let scope = Scope::parse("t", "POST /pay").expect("scope");
     let key = IdempotencyKey::new("k").expect("key");

@@ -476,6 +476,10 @@ pub async fn run(
     background: Background,
     payouts: Option<(payouts::PayoutConfig, idem_outbound::OutboundConfig)>,
 ) -> Result<(), StartError> {
+    // The recorder first: what the background tasks count before the
+    // router is built (an events setting refused at start) would otherwise
+    // go to no recorder and never show in `/metrics`.
+    let _ = metrics_handle();
     #[cfg(feature = "fault-injection")]
     fault::install_from_env().map_err(StartError::Config)?;
     let store = Store::connect(database_url, max_connections).await?;

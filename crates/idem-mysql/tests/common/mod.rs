@@ -148,3 +148,25 @@ pub fn request_at(call: &idem_core::Call, now: i64) -> idem_core::ClaimRequest<'
         lease_expires_at_ms: None,
     }
 }
+
+/// Writes the business row `id` inside `tx`.
+pub async fn write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
+    )))
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+}
+
+/// How many committed business rows are named `id`.
+pub async fn effects(pool: &MySqlPool, id: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
+    )))
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
