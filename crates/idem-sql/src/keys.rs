@@ -5,7 +5,7 @@
 use idem_core::{IdempotencyKey, KeyFilter, KeyInfo, KeyState, KeyStats, Result, Scope, TableName};
 use sqlx::{AssertSqlSafe, Database, Pool};
 
-use crate::{Arg, Dialect, SqlDb, TextColumns};
+use crate::{Arg, Dialect, SqlDb};
 
 /// The columns an operator sees.
 const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
@@ -152,16 +152,8 @@ pub async fn table_exists<D: Dialect>(pool: &Pool<D::Db>, table: &TableName) -> 
 }
 
 fn key_info<D: Dialect>(row: &<D::Db as Database>::Row, now_ms: i64) -> Result<KeyInfo> {
-    // Keys, scopes and operations are validated ASCII: binary columns are
-    // shown as they are.
-    let text = |name: &str| -> Result<String> {
-        match D::TEXT {
-            TextColumns::Binary => {
-                Ok(String::from_utf8_lossy(&D::Db::bytes(row, name).map_err(D::error)?).into_owned())
-            }
-            TextColumns::Text | TextColumns::FreeTextAsBytes => D::Db::text(row, name).map_err(D::error),
-        }
-    };
+    // Keys, scopes and operations are validated ASCII.
+    let text = |name: &str| crate::shown_text::<D>(row, name);
     let int = |name: &str| D::Db::int(row, name).map_err(D::error);
     let expires_at_ms = int("expires_at_ms")?;
     Ok(KeyInfo {

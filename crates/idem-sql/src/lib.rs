@@ -331,3 +331,12 @@ fn assignments<D: Dialect>(columns: &[&str], from: usize) -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// A text column of a row written from validated ASCII, as the engine keeps
+/// it: binary columns are shown as they are (lossy), never refused.
+pub(crate) fn shown_text<D: Dialect>(row: &<D::Db as Database>::Row, name: &str) -> Result<String> {
+    match D::TEXT {
+        TextColumns::Binary => Ok(String::from_utf8_lossy(&D::Db::bytes(row, name).map_err(D::error)?).into_owned()),
+        TextColumns::Text | TextColumns::FreeTextAsBytes => D::Db::text(row, name).map_err(D::error),
+    }
+}

@@ -32,7 +32,7 @@ use idem_core::{
 };
 use sqlx::{AssertSqlSafe, Database, Pool, Transaction};
 
-use crate::{Arg, Dialect, SqlDb, TextColumns};
+use crate::{Arg, Dialect, SqlDb};
 
 /// The default outbox table.
 pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
@@ -361,20 +361,11 @@ impl<D: OutboxSchema> OutboxBatch for SqlOutboxBatch<D> {
     }
 }
 
-/// A row's text as the engine keeps it: written from validated ASCII, so
-/// binary columns are shown as they are.
-fn text<D: Dialect>(row: &<D::Db as Database>::Row, name: &str) -> Result<String> {
-    match D::TEXT {
-        TextColumns::Binary => Ok(String::from_utf8_lossy(&D::Db::bytes(row, name).map_err(D::error)?).into_owned()),
-        TextColumns::Text | TextColumns::FreeTextAsBytes => D::Db::text(row, name).map_err(D::error),
-    }
-}
-
 fn message<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<OutboxMessage> {
     Ok(OutboxMessage {
         seq: D::Db::int(row, "seq").map_err(D::error)?,
-        id: text::<D>(row, "event_id")?,
-        subject: text::<D>(row, "subject")?,
+        id: crate::shown_text::<D>(row, "event_id")?,
+        subject: crate::shown_text::<D>(row, "subject")?,
         payload: D::Db::bytes(row, "payload").map_err(D::error)?,
         created_at_ms: D::Db::int(row, "created_at_ms").map_err(D::error)?,
         attempts: D::Db::int32(row, "attempts").map_err(D::error)?,
