@@ -130,123 +130,12 @@ impl LeaseStore for MySqlStore {
         })
     }
 
-    /// One `UPDATE` guarded by the token: a row still held (in progress or
-    /// already sent) becomes sent, keeping the earliest mark's time.
-    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            // Marking a row already sent at an earlier time changes nothing,
-            // but CLIENT_FOUND_ROWS counts it as matched (see `extend`).
-            let done = sqlx::query(self.sql.mark_sent.clone())
-                .bind(now_ms)
-                .bind(now_ms)
-                .bind(lease.scope.tenant().as_str().as_bytes())
-                .bind(lease.scope.operation().as_str().as_bytes())
-                .bind(lease.key.as_str().as_bytes())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "mark sent")
-        })
-    }
-
-    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
-        Box::pin(self.get(scope, key))
-    }
-
-    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(self.sql.complete.clone())
-                .bind(record.status.code())
-                .bind(&record.payload[..])
-                .bind(lease.scope.tenant().as_str().as_bytes())
-                .bind(lease.scope.operation().as_str().as_bytes())
-                .bind(lease.key.as_str().as_bytes())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "complete")
-        })
-    }
-
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(self.sql.release.clone())
-                .bind(lease.scope.tenant().as_str().as_bytes())
-                .bind(lease.scope.operation().as_str().as_bytes())
-                .bind(lease.key.as_str().as_bytes())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "release")
-        })
-    }
-
-    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            // sqlx connects with CLIENT_FOUND_ROWS, so the affected-row count
-            // is the number of rows matched, not changed: extending a lease to
-            // the expiry it already has still counts one row and is not
-            // mistaken for a fenced lease.
-            let done = sqlx::query(self.sql.extend.clone())
-                .bind(lease_expires_at_ms)
-                .bind(lease_expires_at_ms)
-                .bind(lease.scope.tenant().as_str().as_bytes())
-                .bind(lease.scope.operation().as_str().as_bytes())
-                .bind(lease.key.as_str().as_bytes())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "extend")
-        })
-    }
-
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let mut query = match resolution {
-                Some(record) => sqlx::query(self.sql.resolve_record.clone())
-                    .bind(record.status.code())
-                    .bind(record.payload.clone()),
-                None => sqlx::query(self.sql.resolve_release.clone()),
-            };
-            // The key's expiry, then the end of a sent claim's lease.
-            query = query
-                .bind(scope.tenant().as_str().as_bytes())
-                .bind(scope.operation().as_str().as_bytes())
-                .bind(key.as_str().as_bytes())
-                .bind(now_ms)
-                .bind(now_ms);
-            let done = query.execute(&self.pool).await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
+    idem_sql::lease_writes!(rows);
 }
 
 impl Sweep for MySqlStore {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            let done = sqlx::query(self.sql.sweep.clone())
-                .bind(now_ms)
-                .bind(limit)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            tracing::debug!(
-                table = self.table.as_str(),
-                deleted = done.rows_affected(),
-                "swept expired keys"
-            );
-            Ok(done.rows_affected())
-        })
+        Box::pin(self.rows.sweep_expired(now_ms, limit))
     }
 }
 

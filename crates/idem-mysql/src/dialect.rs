@@ -21,6 +21,7 @@ impl Dialect for MySqlDialect {
     const ZERO: &'static str = "0";
     const BIGINT: &'static str = "SIGNED";
     const LEAST: &'static str = "LEAST";
+    const GREATEST: &'static str = "GREATEST";
     const COLUMNS_OF: &'static str = "SELECT CAST(column_name AS CHAR) AS name FROM information_schema.columns \
          WHERE table_schema = DATABASE() AND table_name = ?";
     const TEXT: TextColumns = TextColumns::Binary;

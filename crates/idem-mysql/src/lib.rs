@@ -144,8 +144,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS,
-    STATUS_SENT, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS, Scope,
+    StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
 };
 use sha2::{Digest, Sha256};
 use sqlx::mysql::MySqlRow;
@@ -159,6 +159,7 @@ pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::MySqlOutbox;
 use crate::statements::*;
 pub use crate::tx::MySqlTx;
+use idem_sql::SqlKeyRows;
 
 /// How a transactional claim excludes a concurrent twin.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -217,6 +218,7 @@ pub struct MySqlStore {
     table: TableName,
     strategy: ClaimStrategy,
     sql: Arc<Statements>,
+    rows: SqlKeyRows<MySqlDialect>,
     flavor: Arc<OnceLock<Flavor>>,
 }
 
@@ -236,6 +238,7 @@ impl MySqlStore {
         let table = TableName::default();
         Self {
             sql: Arc::new(Statements::new(&table)),
+            rows: SqlKeyRows::new(pool.clone(), table.clone(), sweep(&table)),
             pool,
             table,
             strategy: ClaimStrategy::default(),
@@ -259,6 +262,7 @@ impl MySqlStore {
     /// version), so several key spaces can share one database.
     pub fn with_table(mut self, table: TableName) -> Self {
         self.sql = Arc::new(Statements::new(&table));
+        self.rows = SqlKeyRows::new(self.pool.clone(), table.clone(), sweep(&table));
         self.table = table;
         self
     }
@@ -292,18 +296,7 @@ impl MySqlStore {
     /// The stored row of a key, if any (expired rows not swept yet included),
     /// with the time it was marked sent, read without locking.
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        let row = sqlx::query(self.sql.lookup.clone())
-            .bind(scope.tenant().as_str().as_bytes())
-            .bind(scope.operation().as_str().as_bytes())
-            .bind(key.as_str().as_bytes())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(store_error)?;
-        row.map(|r| {
-            let sent_at_ms: Option<i64> = r.try_get(6).map_err(store_error)?;
-            Ok(RawRow::decode(&r)?.into_stored()?.with_sent_at_ms(sent_at_ms))
-        })
-        .transpose()
+        self.rows.get(scope, key).await
     }
 }
 

@@ -57,15 +57,7 @@ pub(crate) struct Statements {
     pub(crate) select_locked: String,
     pub(crate) takeover: String,
     pub(crate) select: SqlStr,
-    pub(crate) lookup: SqlStr,
     pub(crate) record: SqlStr,
-    pub(crate) mark_sent: SqlStr,
-    pub(crate) complete: SqlStr,
-    pub(crate) release: SqlStr,
-    pub(crate) extend: SqlStr,
-    pub(crate) resolve_record: SqlStr,
-    pub(crate) resolve_release: SqlStr,
-    pub(crate) sweep: SqlStr,
 }
 
 pub(crate) const COLUMNS: &str = "fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms";
@@ -74,13 +66,6 @@ pub(crate) const WHERE_KEY: &str = "tenant = ? AND operation = ? AND idem_key = 
 impl Statements {
     pub(crate) fn new(table: &TableName) -> Self {
         let fixed = |sql: String| AssertSqlSafe(sql).into_sql_str();
-        // A lease-mode row its holder still holds: in progress, or sent
-        // (lease run out or not: only the token says who holds it).
-        let held = format!("status IN ({STATUS_IN_PROGRESS}, {STATUS_SENT})");
-        // A row holding an unknown outcome at the time bound to its `?`:
-        // recorded as unknown, or sent with its lease run out.
-        let unknown_at =
-            format!("(status = {STATUS_UNKNOWN} OR (status = {STATUS_SENT} AND lease_expires_at_ms <= ?))");
         Self {
             insert: format!(
                 "INSERT INTO `{table}` (tenant, operation, idem_key, fingerprint, status, token, payload, \
@@ -102,41 +87,18 @@ impl Statements {
                  AND (expires_at_ms <= ? OR (status = {STATUS_IN_PROGRESS} AND lease_expires_at_ms <= ?))"
             ),
             select: fixed(format!("SELECT {COLUMNS} FROM `{table}` WHERE {WHERE_KEY}")),
-            lookup: fixed(format!("SELECT {COLUMNS}, sent_at_ms FROM `{table}` WHERE {WHERE_KEY}")),
             record: fixed(format!(
                 "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
                  WHERE {WHERE_KEY} AND status = {STATUS_IN_PROGRESS}"
             )),
-            // The earliest mark is kept: `LEAST` of the stored time and
-            // this one, the stored one being absent the first time.
-            mark_sent: fixed(format!(
-                "UPDATE `{table}` SET status = {STATUS_SENT}, sent_at_ms = LEAST(COALESCE(sent_at_ms, ?), ?) \
-                 WHERE {WHERE_KEY} AND token = ? AND {held}"
-            )),
-            // `sent_at_ms` is left as it is: the outcome keeps the mark's time.
-            complete: fixed(format!(
-                "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
-                 WHERE {WHERE_KEY} AND token = ? AND {held}"
-            )),
-            release: fixed(format!(
-                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND token = ? AND {held}"
-            )),
-            extend: fixed(format!(
-                "UPDATE `{table}` SET lease_expires_at_ms = ?, expires_at_ms = GREATEST(expires_at_ms, ?) \
-                 WHERE {WHERE_KEY} AND token = ? AND {held}"
-            )),
-            resolve_record: fixed(format!(
-                "UPDATE `{table}` SET status = ?, payload = ?, lease_expires_at_ms = NULL \
-                 WHERE {WHERE_KEY} AND expires_at_ms > ? AND {unknown_at}"
-            )),
-            resolve_release: fixed(format!(
-                "DELETE FROM `{table}` WHERE {WHERE_KEY} AND expires_at_ms > ? AND {unknown_at}"
-            )),
-            sweep: fixed(format!(
-                "DELETE FROM `{table}` WHERE expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
-            )),
         }
     }
+}
+
+/// Deletes at most `?` (the second) rows expired at `?` (the first), oldest
+/// first.
+pub(crate) fn sweep(table: &TableName) -> String {
+    format!("DELETE FROM `{table}` WHERE expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?")
 }
 
 /// The session variable the named lock's answer is kept in between the two

@@ -224,113 +224,11 @@ impl LeaseStore for PgStore {
         })
     }
 
-    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            // Autocommit: the mark is durable before anything is sent.
-            let done = sqlx::query(AssertSqlSafe(self.sql.mark_sent.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease.token.0)
-                .bind(now_ms)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "mark sent")
-        })
-    }
-
-    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
-        Box::pin(self.get(scope, key))
-    }
-
-    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease.token.0)
-                .bind(record.status.code())
-                .bind(&record.payload[..])
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "complete")
-        })
-    }
-
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.release.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "release")
-        })
-    }
-
-    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.extend.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease.token.0)
-                .bind(lease_expires_at_ms)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "extend")
-        })
-    }
-
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let sql = match resolution {
-                Some(_) => self.sql.resolve_record.clone(),
-                None => self.sql.resolve_release.clone(),
-            };
-            let mut query = sqlx::query(AssertSqlSafe(sql))
-                .bind(scope.tenant().as_str())
-                .bind(scope.operation().as_str())
-                .bind(key.as_str())
-                .bind(now_ms);
-            if let Some(record) = resolution {
-                query = query.bind(record.status.code()).bind(record.payload.clone());
-            }
-            let done = query.execute(&self.pool).await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
+    idem_sql::lease_writes!(rows);
 }
 
 impl Sweep for PgStore {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.sweep.clone()))
-                .bind(now_ms)
-                .bind(i64::from(limit))
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            tracing::debug!(
-                table = self.table.as_str(),
-                deleted = done.rows_affected(),
-                limit,
-                "swept expired keys"
-            );
-            Ok(done.rows_affected())
-        })
+        Box::pin(self.rows.sweep_expired(now_ms, limit))
     }
 }

@@ -11,9 +11,6 @@ pub(crate) fn lock_timeout_setting(wait: Duration) -> String {
     ms.to_string()
 }
 
-/// How many columns [`decode_row`] reads.
-pub(crate) const ROW_COLUMN_COUNT: usize = 6;
-
 /// Decodes the row columns every row-reading statement selects, starting at
 /// column `first`.
 pub(crate) fn decode_row(row: &PgRow, first: usize) -> Result<StoredRow> {

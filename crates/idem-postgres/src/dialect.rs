@@ -22,6 +22,7 @@ impl Dialect for PgDialect {
     const ZERO: &'static str = "0::bigint";
     const BIGINT: &'static str = "BIGINT";
     const LEAST: &'static str = "LEAST";
+    const GREATEST: &'static str = "GREATEST";
     const COLUMNS_OF: &'static str = "SELECT attname::text AS name FROM pg_attribute \
          WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped";
     const TEXT: TextColumns = TextColumns::FreeTextAsBytes;

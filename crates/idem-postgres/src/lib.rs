@@ -138,8 +138,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
-    StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Record, Result, Scope, StoreErrorKind,
+    StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
@@ -167,6 +167,7 @@ pub use outbox::PgOutbox;
 pub use tx::PgTx;
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
+use idem_sql::SqlKeyRows;
 use sql::Statements;
 
 /// How many times a claim is attempted when the conflicting row disappears
@@ -265,6 +266,7 @@ pub struct PgStore {
     strategy: ClaimStrategy,
     expiry_index: ExpiryIndex,
     sql: Arc<Statements>,
+    rows: SqlKeyRows<PgDialect>,
 }
 
 impl fmt::Debug for PgStore {
@@ -285,17 +287,20 @@ impl PgStore {
         let table = TableName::default();
         let strategy = ClaimStrategy::default();
         let sql = Arc::new(Statements::new(&table, strategy));
+        let rows = SqlKeyRows::new(pool.clone(), table.clone(), sql::sweep(&table));
         Self {
             pool,
             table,
             strategy,
             expiry_index: ExpiryIndex::default(),
             sql,
+            rows,
         }
     }
 
     /// Uses another keys table (one per service, or per kind of key).
     pub fn with_table(mut self, table: TableName) -> Self {
+        self.rows = SqlKeyRows::new(self.pool.clone(), table.clone(), sql::sweep(&table));
         self.table = table;
         self.sql = Arc::new(Statements::new(&self.table, self.strategy));
         self
@@ -358,16 +363,7 @@ impl PgStore {
     /// The stored row of a key, if any (expired rows not yet swept
     /// included), with its [`sent_at_ms`](StoredRow::sent_at_ms).
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.lookup.clone()))
-            .bind(scope.tenant().as_str())
-            .bind(scope.operation().as_str())
-            .bind(key.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(store_error)?;
-        let Some(row) = row else { return Ok(None) };
-        let sent_at_ms: Option<i64> = row.try_get(ROW_COLUMN_COUNT).map_err(store_error)?;
-        Ok(Some(decode_row(&row, 0)?.with_sent_at_ms(sent_at_ms)))
+        self.rows.get(scope, key).await
     }
 
     /// The claim upsert with its parameters bound.

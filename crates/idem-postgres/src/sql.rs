@@ -43,25 +43,8 @@ pub(crate) struct Statements {
     pub(crate) claim_lease: Arc<str>,
     /// Reads a row.
     pub(crate) select_row: Arc<str>,
-    /// Reads a row with its `sent_at_ms` after the [`ROW_COLUMNS`].
-    pub(crate) lookup: Arc<str>,
     /// Records an outcome on the row claimed in the same transaction.
     pub(crate) record: Arc<str>,
-    /// Records an outcome on a held lease (keeping its `sent_at_ms`).
-    pub(crate) complete: Arc<str>,
-    /// Marks a held lease sent, keeping the earliest `sent_at_ms`.
-    pub(crate) mark_sent: Arc<str>,
-    /// Deletes a held lease's row.
-    pub(crate) release: Arc<str>,
-    /// Moves a held lease's expiry.
-    pub(crate) extend: Arc<str>,
-    /// Records the outcome of a key whose outcome is unknown (recorded as
-    /// unknown, or sent with its lease run out).
-    pub(crate) resolve_record: Arc<str>,
-    /// Deletes a key whose outcome is unknown (as for `resolve_record`).
-    pub(crate) resolve_release: Arc<str>,
-    /// Deletes a bounded batch of expired rows.
-    pub(crate) sweep: Arc<str>,
     /// Under [`ClaimStrategy::OneWrite`], the statements that take the
     /// advisory lock before the claim and insert the completed row at
     /// commit; `None` under the other strategies.
@@ -136,7 +119,6 @@ impl Statements {
             claim_tx_name: claim_tx_name.into(),
             claim_lease: lease_claim(t).into(),
             select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),
-            lookup: format!("SELECT {ROW_COLUMNS}, sent_at_ms FROM {t} WHERE {key}").into(),
             // Only columns outside every index change here, so PostgreSQL can
             // make this a heap-only (HOT) update on the claim's own page.
             record: format!(
@@ -144,54 +126,25 @@ impl Statements {
                  WHERE {key} AND status = 0"
             )
             .into(),
-            // A held lease is in progress (status 0) or sent (status 4),
-            // with its token, whether or not its lease has run out.
-            complete: format!(
-                "UPDATE {t} SET status = $5, payload = $6, lease_expires_at_ms = NULL \
-                 WHERE {key} AND token = $4 AND status IN (0, 4)"
-            )
-            .into(),
-            // The first mark of a claim (status 0) sets the time, whatever a
-            // row taken over from an expired key still carries; later marks
-            // only move it earlier (LEAST ignores a NULL argument).
-            mark_sent: format!(
-                "UPDATE {t} SET sent_at_ms = CASE WHEN status = 0 THEN $5 ELSE LEAST(sent_at_ms, $5) END, \
-                 status = 4 WHERE {key} AND token = $4 AND status IN (0, 4)"
-            )
-            .into(),
-            release: format!("DELETE FROM {t} WHERE {key} AND token = $4 AND status IN (0, 4)").into(),
-            extend: format!(
-                "UPDATE {t} SET lease_expires_at_ms = $5, expires_at_ms = GREATEST(expires_at_ms, $5) \
-                 WHERE {key} AND token = $4 AND status IN (0, 4)"
-            )
-            .into(),
-            resolve_record: format!(
-                "UPDATE {t} SET status = $5, payload = $6, lease_expires_at_ms = NULL \
-                 WHERE {key} AND {HOLDS_UNKNOWN}"
-            )
-            .into(),
-            resolve_release: format!("DELETE FROM {t} WHERE {key} AND {HOLDS_UNKNOWN}").into(),
-            // SKIP LOCKED leaves rows that a claim is taking over right now to
-            // that claim, so the sweeper never waits on live traffic. The rows
-            // the subquery locked still qualify (PostgreSQL rechecks the filter
-            // on the newest row version when it locks it) and cannot change
-            // before the delete, so the outer statement needs no filter of its
-            // own; without one the planner looks the batch up by primary key.
-            sweep: format!(
-                "DELETE FROM {t} WHERE (tenant, operation, idem_key) IN (\
-                 SELECT tenant, operation, idem_key FROM {t} WHERE expires_at_ms <= $1 \
-                 LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            )
-            .into(),
             one_write: (strategy == ClaimStrategy::OneWrite).then(|| OneWriteStatements::new(t)),
         }
     }
 }
 
-/// An unexpired row that holds an unknown outcome at `$4` (the time): recorded as
-/// unknown (status 3), or sent (status 4) by a holder whose lease has run
-/// out. A sent row whose lease still runs is in flight, not unknown.
-const HOLDS_UNKNOWN: &str = "expires_at_ms > $4 AND (status = 3 OR (status = 4 AND lease_expires_at_ms <= $4))";
+/// Deletes at most `$2` rows expired at `$1`. SKIP LOCKED leaves rows that a
+/// claim is taking over right now to that claim, so the sweeper never waits
+/// on live traffic. The rows the subquery locked still qualify (PostgreSQL
+/// rechecks the filter on the newest row version when it locks it) and
+/// cannot change before the delete, so the outer statement needs no filter
+/// of its own; without one the planner looks the batch up by primary key.
+pub(crate) fn sweep(table: &TableName) -> String {
+    let t = table.as_str();
+    format!(
+        "DELETE FROM {t} WHERE (tenant, operation, idem_key) IN (\
+         SELECT tenant, operation, idem_key FROM {t} WHERE expires_at_ms <= $1 \
+         LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    )
+}
 
 /// The parameter types of the transactional claim, in order (the advisory
 /// strategy adds a tenth, the lock key).

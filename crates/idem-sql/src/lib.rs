@@ -19,6 +19,7 @@
 //! | --- | --- | --- |
 //! | dead letters | [`SqlDeadLetters`]: statements, binds, row reading, listing, purging | [`Dialect`], [`DeadLetterSchema`] (its `CREATE TABLE` and upgrades) |
 //! | keys (the operator's view) | [`keys`]: stats, listing, lookups, the filter purges delete by | [`Dialect`] (and each engine's purge) |
+//! | keys (a row outside its claim) | [`SqlKeyRows`]: the lookup, the lease holder's writes, resolving an unknown outcome, the sweep's bookkeeping | the claim, and the sweep's statement |
 //! | outbox | [`SqlOutbox`]: enqueue, a relay's take and finish (held or leased), lag, purging | [`Dialect`], [`OutboxSchema`] (its `CREATE TABLE`, how relays hold rows, how it names a set of rows) |
 
 use idem_core::{BoxFuture, Result, TableName};
@@ -31,9 +32,11 @@ pub use deadletter::{DEFAULT_DEAD_LETTER_TABLE, DeadLetterSchema, SqlDeadLetters
 pub mod keys;
 mod migrate;
 pub mod outbox;
+mod rows;
 
 pub use migrate::{migrate, pending};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
+pub use rows::{ROW_COLUMNS, SqlKeyRows};
 
 /// A statement and its arguments on engine `DB`.
 pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
@@ -48,6 +51,8 @@ pub type Migrations<'a, DB> =
 pub enum Arg<'a> {
     /// A `BIGINT`.
     Int(i64),
+    /// A `SMALLINT`.
+    Int16(i16),
     /// A `BIGINT` or NULL.
     OptInt(Option<i64>),
     /// An `INTEGER` or NULL.
@@ -119,7 +124,7 @@ where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'r> i64: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
     for<'r> i32: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
-    for<'r> i16: Decode<'r, DB> + Type<DB>,
+    for<'r> i16: Decode<'r, DB> + Encode<'r, DB> + Type<DB>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
     for<'r> &'r str: Encode<'r, DB> + Type<DB>,
     for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
@@ -133,6 +138,7 @@ where
     fn bind<'q>(statement: Statement<'q, Self>, arg: Arg<'_>) -> Statement<'q, Self> {
         match arg {
             Arg::Int(v) => statement.bind(v),
+            Arg::Int16(v) => statement.bind(v),
             Arg::OptInt(v) => statement.bind(v),
             Arg::OptInt32(v) => statement.bind(v),
             Arg::Text(v) => statement.bind(v),
@@ -248,6 +254,9 @@ pub trait Dialect: Send + Sync + 'static {
     /// The function that answers the least of its arguments (`LEAST`,
     /// SQLite's `MIN`).
     const LEAST: &'static str;
+    /// The function that answers the greatest of its arguments
+    /// (`GREATEST`, SQLite's `MAX`).
+    const GREATEST: &'static str;
     /// How text columns are typed.
     const TEXT: TextColumns;
 

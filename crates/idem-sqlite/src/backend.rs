@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
-    StoreErrorKind, StoredRow, Sweep, Token, TxBackend, TxClaim,
+    BoxFuture, ClaimRequest, Error, KeyRegistry, LeaseClaim, LeaseStore, Record, Result, StoreErrorKind, StoredRow,
+    Sweep, Token, TxBackend, TxClaim,
 };
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
@@ -38,27 +38,6 @@ impl SqliteStore {
             .await
             .map_err(store_error)?;
         row.map(|r| r.try_get::<i64, _>(0)).transpose().map_err(store_error)
-    }
-
-    pub(crate) async fn select(
-        &self,
-        conn: &mut SqliteConnection,
-        scope: &Scope,
-        key: &IdempotencyKey,
-    ) -> Result<Option<StoredRow>> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.select.clone()))
-            .bind(scope.tenant().as_str())
-            .bind(scope.operation().as_str())
-            .bind(key.as_str())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        row.as_ref()
-            .map(|row| {
-                let sent_at_ms: Option<i64> = row.try_get(6).map_err(store_error)?;
-                decode(row).map(|stored| stored.with_sent_at_ms(sent_at_ms))
-            })
-            .transpose()
     }
 
     /// The transactional claim: reads the key's row and writes nothing. A
@@ -96,7 +75,7 @@ impl SqliteStore {
     /// Reads the row that made a claim attempt fail. The caller holds the
     /// write lock, so the row cannot vanish between the claim and this read.
     async fn found(&self, conn: &mut SqliteConnection, req: &ClaimRequest<'_>) -> Result<StoredRow> {
-        match self.select(conn, req.scope, req.key).await? {
+        match self.rows.get_in(conn, req.scope, req.key).await? {
             Some(row) => Ok(row),
             None => Err(Error::store(
                 StoreErrorKind::Other,
@@ -226,110 +205,12 @@ impl LeaseStore for SqliteStore {
         })
     }
 
-    fn complete<'a>(&'a self, lease: &'a Lease, record: &'a Record) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(record.status.code())
-                .bind(&record.payload[..])
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "complete")
-        })
-    }
-
-    fn mark_sent<'a>(&'a self, lease: &'a Lease, now_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.mark_sent.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(now_ms)
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "mark sent")
-        })
-    }
-
-    fn lookup<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<StoredRow>>> {
-        Box::pin(self.get(scope, key))
-    }
-
-    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.release.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "release")
-        })
-    }
-
-    fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.extend.clone()))
-                .bind(lease.scope.tenant().as_str())
-                .bind(lease.scope.operation().as_str())
-                .bind(lease.key.as_str())
-                .bind(lease_expires_at_ms)
-                .bind(lease.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            lease.fenced_unless_one(done.rows_affected(), "extend")
-        })
-    }
-
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let query = match resolution {
-                Some(record) => sqlx::query(AssertSqlSafe(self.sql.resolve_record.clone()))
-                    .bind(scope.tenant().as_str())
-                    .bind(scope.operation().as_str())
-                    .bind(key.as_str())
-                    .bind(record.status.code())
-                    .bind(record.payload.clone())
-                    .bind(now_ms),
-                None => sqlx::query(AssertSqlSafe(self.sql.resolve_release.clone()))
-                    .bind(scope.tenant().as_str())
-                    .bind(scope.operation().as_str())
-                    .bind(key.as_str())
-                    .bind(now_ms),
-            };
-            let done = query.execute(&self.pool).await.map_err(store_error)?;
-            Ok(done.rows_affected() == 1)
-        })
-    }
+    idem_sql::lease_writes!(rows);
 }
 
 /// Sweeping: one short statement deletes at most `limit` expired rows.
 impl Sweep for SqliteStore {
     fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(self.sql.sweep.clone()))
-                .bind(now_ms)
-                .bind(i64::from(limit))
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            tracing::debug!(table = %self.table, deleted = done.rows_affected(), "swept expired keys");
-            Ok(done.rows_affected())
-        })
+        Box::pin(self.rows.sweep_expired(now_ms, limit))
     }
 }

@@ -24,6 +24,7 @@ impl Dialect for SqliteDialect {
     const ZERO: &'static str = "0";
     const BIGINT: &'static str = "INTEGER";
     const LEAST: &'static str = "MIN";
+    const GREATEST: &'static str = "MAX";
     const COLUMNS_OF: &'static str = "SELECT name FROM pragma_table_info(?)";
     const TEXT: TextColumns = TextColumns::Text;
 

@@ -189,6 +189,7 @@ pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements, latest_version};
 pub use crate::tx::SqliteTx;
 pub use dialect::SqliteDialect;
+use idem_sql::SqlKeyRows;
 
 /// The longest busy timeout SQLite takes, in ms (`i32::MAX`, about 24 days).
 pub const MAX_BUSY_TIMEOUT_MS: u64 = i32::MAX as u64;
@@ -262,6 +263,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     table: TableName,
     sql: Arc<Statements>,
+    rows: SqlKeyRows<SqliteDialect>,
     registry: KeyRegistry,
 }
 
@@ -339,10 +341,12 @@ impl SqliteStore {
         let registry = shared::registry_for(pool.connect_options().get_filename());
         let table = TableName::default();
         let sql = Arc::new(Statements::new(&table));
+        let rows = SqlKeyRows::new(pool.clone(), table.clone(), sql::sweep(&table));
         Self {
             pool,
             table,
             sql,
+            rows,
             registry,
         }
     }
@@ -350,6 +354,7 @@ impl SqliteStore {
     /// Uses the keys table `table` (default `idem_keys`).
     pub fn with_table(mut self, table: TableName) -> Self {
         self.sql = Arc::new(Statements::new(&table));
+        self.rows = SqlKeyRows::new(self.pool.clone(), table.clone(), sql::sweep(&table));
         self.table = table;
         self
     }
@@ -455,8 +460,7 @@ impl SqliteStore {
     /// The stored row of a key, if any (expired rows included until swept),
     /// with its [`sent_at_ms`](StoredRow::sent_at_ms).
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        self.select(&mut conn, scope, key).await
+        self.rows.get(scope, key).await
     }
 }
 

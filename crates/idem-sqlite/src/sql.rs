@@ -154,16 +154,8 @@ pub(crate) struct Statements {
     pub(crate) schema_version: Arc<str>,
     pub(crate) insert_schema_version: Arc<str>,
     pub(crate) claim: Arc<str>,
-    pub(crate) select: Arc<str>,
     pub(crate) claim_read: Arc<str>,
     pub(crate) record: Arc<str>,
-    pub(crate) complete: Arc<str>,
-    pub(crate) mark_sent: Arc<str>,
-    pub(crate) release: Arc<str>,
-    pub(crate) extend: Arc<str>,
-    pub(crate) resolve_record: Arc<str>,
-    pub(crate) resolve_release: Arc<str>,
-    pub(crate) sweep: Arc<str>,
 }
 
 /// Whether the key's row in table `t` is stale at the time bound to the
@@ -181,16 +173,6 @@ impl Statements {
     pub(crate) fn new(table: &TableName) -> Self {
         let t = table.as_str();
         let key = "tenant = ?1 AND operation = ?2 AND idem_key = ?3";
-        let in_progress = STATUS_IN_PROGRESS;
-        let sent = STATUS_SENT;
-        // A row its lease holder may still write: in progress or sent.
-        let held = format!("status IN ({in_progress}, {sent})");
-        // An unknown outcome at the time bound to `now`: recorded as
-        // unknown, or sent with its lease run out.
-        let unknown_at =
-            |now: &str| format!("(status = {STATUS_UNKNOWN} OR (status = {sent} AND lease_expires_at_ms <= {now}))");
-        let unknown_at_4 = unknown_at("?4");
-        let unknown_at_6 = unknown_at("?6");
         let stale_at_4 = stale(t, "?4");
         let stale_at_6 = stale(t, "?6");
         let stale_at_8 = stale(t, "?8");
@@ -217,10 +199,10 @@ impl Statements {
             claim: format!(
                 r#"INSERT INTO "{t}" (tenant, operation, idem_key, fingerprint, status, token, payload,
     created_at_ms, expires_at_ms, lease_expires_at_ms)
-VALUES (?1, ?2, ?3, ?4, {in_progress}, ?5, NULL, ?6, ?7, ?8)
+VALUES (?1, ?2, ?3, ?4, {STATUS_IN_PROGRESS}, ?5, NULL, ?6, ?7, ?8)
 ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
     fingerprint = excluded.fingerprint,
-    status = {in_progress},
+    status = {STATUS_IN_PROGRESS},
     token = max(CASE WHEN "{t}".token < 9223372036854775807 THEN "{t}".token + 1 ELSE "{t}".token END, excluded.token),
     payload = NULL,
     created_at_ms = excluded.created_at_ms,
@@ -229,11 +211,6 @@ ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
     sent_at_ms = NULL
 WHERE {stale_at_6}
 RETURNING token"#
-            )
-            .into(),
-            select: format!(
-                r#"SELECT fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms, sent_at_ms
-FROM "{t}" WHERE {key}"#
             )
             .into(),
             // The transactional claim reads the key's row and writes
@@ -270,46 +247,17 @@ ON CONFLICT (tenant, operation, idem_key) DO UPDATE SET
 WHERE "{t}".token = ?10 AND {stale_at_8}"#
             )
             .into(),
-            // The lease holder's writes match its token on a row in progress
-            // or sent, whether or not the lease has run out. Completing
-            // keeps `sent_at_ms`: the outcome still says when the request
-            // may first have reached the other side.
-            complete: format!(
-                r#"UPDATE "{t}" SET status = ?4, payload = ?5, lease_expires_at_ms = NULL
-WHERE {key} AND token = ?6 AND {held}"#
-            )
-            .into(),
-            // ?4 is the holder's `now_ms`; the earliest mark's time stays.
-            mark_sent: format!(
-                r#"UPDATE "{t}" SET status = {sent}, sent_at_ms = min(COALESCE(sent_at_ms, ?4), ?4)
-WHERE {key} AND token = ?5 AND {held}"#
-            )
-            .into(),
-            release: format!(r#"DELETE FROM "{t}" WHERE {key} AND token = ?4 AND {held}"#).into(),
-            extend: format!(
-                r#"UPDATE "{t}" SET lease_expires_at_ms = ?4, expires_at_ms = max(expires_at_ms, ?4)
-WHERE {key} AND token = ?5 AND {held}"#
-            )
-            .into(),
-            // An operator's or a reconciliation's answer for an unknown
-            // outcome (?6 and ?4 are `now_ms`): the expiry and `sent_at_ms`
-            // are kept, and a sent claim's lease is cleared with its status.
-            resolve_record: format!(
-                r#"UPDATE "{t}" SET status = ?4, payload = ?5, lease_expires_at_ms = NULL
-WHERE {key} AND {unknown_at_6} AND expires_at_ms > ?6"#
-            )
-            .into(),
-            resolve_release: format!(r#"DELETE FROM "{t}" WHERE {key} AND {unknown_at_4} AND expires_at_ms > ?4"#)
-                .into(),
-            // The oldest expired rows first, through the expiry index; the
-            // subquery bounds the batch because SQLite's `DELETE … LIMIT`
-            // needs a compile-time option the bundled library lacks.
-            sweep: format!(
-                r#"DELETE FROM "{t}" WHERE rowid IN (
-    SELECT rowid FROM "{t}" WHERE expires_at_ms <= ?1 ORDER BY expires_at_ms LIMIT ?2
-)"#
-            )
-            .into(),
         }
     }
+}
+
+/// Deletes at most `?2` rows expired at `?1`: the oldest first, through the
+/// expiry index; the subquery bounds the batch because SQLite's
+/// `DELETE … LIMIT` needs a compile-time option the bundled library lacks.
+pub(crate) fn sweep(table: &TableName) -> String {
+    format!(
+        r#"DELETE FROM "{table}" WHERE rowid IN (
+    SELECT rowid FROM "{table}" WHERE expires_at_ms <= ?1 ORDER BY expires_at_ms LIMIT ?2
+)"#
+    )
 }

@@ -1,0 +1,367 @@
+//! A key's row outside its claim, the same on every engine: the lookup, the
+//! lease holder's writes (mark sent, complete, release, extend), the
+//! resolution of an unknown outcome and the sweep.
+//!
+//! How a key is claimed is each engine's own (PostgreSQL's upsert or
+//! advisory lock, MySQL's placeholder row or named lock, SQLite's write
+//! lock); once a row exists, every write to it is one statement matched by
+//! the key, the holder's token and the row's status, and those statements
+//! are written here once. Their placeholders stand in the order they are
+//! bound, each once, so the same text serves numbered placeholders
+//! (`$1`, `?1`) and positional ones (`?`).
+//!
+//! Invariant: a holder's write changes exactly one row or none, and none
+//! means the lease was fenced ([`Lease::fenced_unless_one`]); a row is
+//! held (in progress or sent) whether or not its lease has run out, and
+//! only its token says by whom.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use idem_core::{
+    IdempotencyKey, Lease, Record, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope, StoredRow, TableName,
+};
+use sqlx::{AssertSqlSafe, Database, Pool};
+
+use crate::{Arg, Dialect, SqlDb, Statement, TextColumns};
+
+/// The columns a key's row is read back with, in [`StoredRow`]'s order,
+/// then the sent mark.
+pub const ROW_COLUMNS: &str = "fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms, sent_at_ms";
+
+/// The statements of a key's row outside its claim, on one table.
+#[derive(Debug)]
+struct Statements {
+    lookup: Arc<str>,
+    mark_sent: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
+    extend: Arc<str>,
+    resolve_record: Arc<str>,
+    resolve_release: Arc<str>,
+    sweep: Arc<str>,
+}
+
+impl Statements {
+    fn new<D: Dialect>(table: &TableName, sweep: String) -> Self {
+        let t = D::quoted(table);
+        let p = D::placeholder;
+        // The key, at placeholders `from`, `from + 1` and `from + 2`.
+        let key = |from: usize| {
+            format!(
+                "tenant = {} AND operation = {} AND idem_key = {}",
+                p(from),
+                p(from + 1),
+                p(from + 2)
+            )
+        };
+        // A row its holder still holds: in progress, or sent (lease run out
+        // or not: only the token says who holds it).
+        let held = format!("status IN ({STATUS_IN_PROGRESS}, {STATUS_SENT})");
+        // An unexpired row holding an unknown outcome at the time bound at
+        // `at` and `at + 1`: recorded as unknown, or sent by a holder whose
+        // lease has run out. A sent row whose lease still runs is in flight.
+        let unknown = |at: usize| {
+            format!(
+                "expires_at_ms > {} AND (status = {STATUS_UNKNOWN} OR (status = {STATUS_SENT} AND lease_expires_at_ms <= {}))",
+                p(at),
+                p(at + 1)
+            )
+        };
+        let (least, greatest) = (D::LEAST, D::GREATEST);
+        Self {
+            lookup: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {}", key(1)).into(),
+            // The first mark of a claim (in progress) sets the time, whatever
+            // a row taken over from an expired key still carries; later marks
+            // only move it earlier. `sent_at_ms` is assigned before `status`:
+            // MySQL's assignments see the columns assigned before them.
+            mark_sent: format!(
+                "UPDATE {t} SET sent_at_ms = CASE WHEN status = {STATUS_IN_PROGRESS} THEN {} \
+                 ELSE {least}(COALESCE(sent_at_ms, {}), {}) END, status = {STATUS_SENT} \
+                 WHERE {} AND token = {} AND {held}",
+                p(1),
+                p(2),
+                p(3),
+                key(4),
+                p(7)
+            )
+            .into(),
+            // The outcome keeps `sent_at_ms`: it still says when the request
+            // may first have reached the other side.
+            complete: format!(
+                "UPDATE {t} SET status = {}, payload = {}, lease_expires_at_ms = NULL \
+                 WHERE {} AND token = {} AND {held}",
+                p(1),
+                p(2),
+                key(3),
+                p(6)
+            )
+            .into(),
+            release: format!("DELETE FROM {t} WHERE {} AND token = {} AND {held}", key(1), p(4)).into(),
+            extend: format!(
+                "UPDATE {t} SET lease_expires_at_ms = {}, expires_at_ms = {greatest}(expires_at_ms, {}) \
+                 WHERE {} AND token = {} AND {held}",
+                p(1),
+                p(2),
+                key(3),
+                p(6)
+            )
+            .into(),
+            // An operator's or a reconciliation's answer: the expiry and the
+            // sent mark are kept, and a sent claim's lease is cleared.
+            resolve_record: format!(
+                "UPDATE {t} SET status = {}, payload = {}, lease_expires_at_ms = NULL WHERE {} AND {}",
+                p(1),
+                p(2),
+                key(3),
+                unknown(6)
+            )
+            .into(),
+            resolve_release: format!("DELETE FROM {t} WHERE {} AND {}", key(1), unknown(4)).into(),
+            sweep: sweep.into(),
+        }
+    }
+}
+
+/// A key's row outside its claim on engine `D`, over one table (see the
+/// [module](self)).
+pub struct SqlKeyRows<D: Dialect> {
+    pool: Pool<D::Db>,
+    table: TableName,
+    sql: Arc<Statements>,
+    _dialect: PhantomData<fn() -> D>,
+}
+
+impl<D: Dialect> Clone for SqlKeyRows<D> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: Arc::clone(&self.sql),
+            _dialect: PhantomData,
+        }
+    }
+}
+
+impl<D: Dialect> fmt::Debug for SqlKeyRows<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlKeyRows")
+            .field("engine", &D::NAME)
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A key's columns as engine `D` types them.
+fn key_args<'a, D: Dialect>(scope: &'a Scope, key: &'a IdempotencyKey) -> [Arg<'a>; 3] {
+    let text = |s: &'a str| match D::TEXT {
+        TextColumns::Binary => Arg::Bytes(s.as_bytes()),
+        TextColumns::Text | TextColumns::FreeTextAsBytes => Arg::Text(s),
+    };
+    [
+        text(scope.tenant().as_str()),
+        text(scope.operation().as_str()),
+        text(key.as_str()),
+    ]
+}
+
+impl<D: Dialect> SqlKeyRows<D> {
+    /// The rows of `table` on `pool`; `sweep` is the engine's statement
+    /// deleting at most its second argument of the rows expired at its
+    /// first, oldest first.
+    pub fn new(pool: Pool<D::Db>, table: TableName, sweep: String) -> Self {
+        let sql = Arc::new(Statements::new::<D>(&table, sweep));
+        Self {
+            pool,
+            table,
+            sql,
+            _dialect: PhantomData,
+        }
+    }
+
+    fn statement<'q>(sql: &Arc<str>, args: impl IntoIterator<Item = Arg<'q>>) -> Statement<'q, D::Db> {
+        args.into_iter()
+            .fold(sqlx::query(AssertSqlSafe(Arc::clone(sql))), D::Db::bind)
+    }
+
+    fn lookup_statement<'q>(&self, scope: &'q Scope, key: &'q IdempotencyKey) -> Statement<'q, D::Db> {
+        Self::statement(&self.sql.lookup, key_args::<D>(scope, key))
+    }
+
+    /// The key's row as it is now, with its sent mark.
+    pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
+        let row = D::Db::fetch_optional_pooled(self.lookup_statement(scope, key), &self.pool)
+            .await
+            .map_err(D::error)?;
+        row.as_ref().map(stored::<D>).transpose()
+    }
+
+    /// The key's row as `conn` sees it (in its transaction, if it has one).
+    pub async fn get_in(
+        &self,
+        conn: &mut <D::Db as Database>::Connection,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<StoredRow>> {
+        let row = D::Db::fetch_optional(self.lookup_statement(scope, key), conn)
+            .await
+            .map_err(D::error)?;
+        row.as_ref().map(stored::<D>).transpose()
+    }
+
+    /// Runs `statement` in autocommit: durable when this returns.
+    async fn changed(&self, statement: Statement<'_, D::Db>) -> Result<u64> {
+        let mut conn = self.pool.acquire().await.map_err(D::error)?;
+        let done = D::Db::execute(statement, &mut conn).await.map_err(D::error)?;
+        Ok(D::rows_affected(&done))
+    }
+
+    /// The holder's own row, in flight or sent, becomes sent; the earliest
+    /// mark's time stays.
+    pub async fn mark_sent(&self, lease: &Lease, now_ms: i64) -> Result<()> {
+        let args = [Arg::Int(now_ms), Arg::Int(now_ms), Arg::Int(now_ms)]
+            .into_iter()
+            .chain(key_args::<D>(&lease.scope, &lease.key))
+            .chain([Arg::Int(lease.token.0)]);
+        let done = self.changed(Self::statement(&self.sql.mark_sent, args)).await?;
+        lease.fenced_unless_one(done, "mark sent")
+    }
+
+    /// The holder's row takes its outcome.
+    pub async fn complete(&self, lease: &Lease, record: &Record) -> Result<()> {
+        let args = [Arg::Int16(record.status.code()), Arg::Bytes(&record.payload)]
+            .into_iter()
+            .chain(key_args::<D>(&lease.scope, &lease.key))
+            .chain([Arg::Int(lease.token.0)]);
+        let done = self.changed(Self::statement(&self.sql.complete, args)).await?;
+        lease.fenced_unless_one(done, "complete")
+    }
+
+    /// The holder's row is deleted: the key is free again.
+    pub async fn release(&self, lease: &Lease) -> Result<()> {
+        let args = key_args::<D>(&lease.scope, &lease.key)
+            .into_iter()
+            .chain([Arg::Int(lease.token.0)]);
+        let done = self.changed(Self::statement(&self.sql.release, args)).await?;
+        lease.fenced_unless_one(done, "release")
+    }
+
+    /// The holder's lease runs to `lease_expires_at_ms`; the key lives at
+    /// least as long.
+    pub async fn extend(&self, lease: &Lease, lease_expires_at_ms: i64) -> Result<()> {
+        let args = [Arg::Int(lease_expires_at_ms), Arg::Int(lease_expires_at_ms)]
+            .into_iter()
+            .chain(key_args::<D>(&lease.scope, &lease.key))
+            .chain([Arg::Int(lease.token.0)]);
+        let done = self.changed(Self::statement(&self.sql.extend, args)).await?;
+        lease.fenced_unless_one(done, "extend")
+    }
+
+    /// A row holding an unknown outcome at `now_ms` takes `resolution`, or
+    /// is deleted without one; whether there was such a row.
+    pub async fn resolve_unknown(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        now_ms: i64,
+        resolution: Option<&Record>,
+    ) -> Result<bool> {
+        let (sql, outcome) = match resolution {
+            Some(record) => (
+                &self.sql.resolve_record,
+                Some([Arg::Int16(record.status.code()), Arg::Bytes(&record.payload)]),
+            ),
+            None => (&self.sql.resolve_release, None),
+        };
+        let args = outcome
+            .into_iter()
+            .flatten()
+            .chain(key_args::<D>(scope, key))
+            .chain([Arg::Int(now_ms), Arg::Int(now_ms)]);
+        Ok(self.changed(Self::statement(sql, args)).await? == 1)
+    }
+
+    /// Deletes at most `limit` rows expired at `now_ms`; how many.
+    pub async fn sweep_expired(&self, now_ms: i64, limit: u32) -> Result<u64> {
+        let args = [Arg::Int(now_ms), Arg::Int(i64::from(limit))];
+        let deleted = self.changed(Self::statement(&self.sql.sweep, args)).await?;
+        tracing::debug!(
+            engine = D::NAME,
+            table = self.table.as_str(),
+            deleted,
+            limit,
+            "swept expired keys"
+        );
+        Ok(deleted)
+    }
+}
+
+/// A key's row read with [`ROW_COLUMNS`].
+fn stored<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<StoredRow> {
+    let e = D::error;
+    let fingerprint = D::Db::bytes(row, "fingerprint").map_err(e)?;
+    let stored = StoredRow::from_columns(
+        &fingerprint,
+        D::Db::int16(row, "status").map_err(e)?,
+        D::Db::int(row, "token").map_err(e)?,
+        D::Db::opt_bytes(row, "payload").map_err(e)?,
+        D::Db::opt_int(row, "lease_expires_at_ms").map_err(e)?,
+        D::Db::int(row, "expires_at_ms").map_err(e)?,
+    )?;
+    Ok(stored.with_sent_at_ms(D::Db::opt_int(row, "sent_at_ms").map_err(e)?))
+}
+
+/// The lease holder's writes and the resolution of an unknown outcome of a
+/// [`LeaseStore`](idem_core::LeaseStore) impl, given by the store's field of
+/// type [`SqlKeyRows`] (written inside the `impl` block).
+#[macro_export]
+macro_rules! lease_writes {
+    ($rows:ident) => {
+        fn mark_sent<'a>(
+            &'a self,
+            lease: &'a ::idem_core::Lease,
+            now_ms: i64,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(self.$rows.mark_sent(lease, now_ms))
+        }
+
+        fn lookup<'a>(
+            &'a self,
+            scope: &'a ::idem_core::Scope,
+            key: &'a ::idem_core::IdempotencyKey,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<Option<::idem_core::StoredRow>>> {
+            ::std::boxed::Box::pin(self.$rows.get(scope, key))
+        }
+
+        fn complete<'a>(
+            &'a self,
+            lease: &'a ::idem_core::Lease,
+            record: &'a ::idem_core::Record,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(self.$rows.complete(lease, record))
+        }
+
+        fn release<'a>(&'a self, lease: &'a ::idem_core::Lease) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(self.$rows.release(lease))
+        }
+
+        fn extend<'a>(
+            &'a self,
+            lease: &'a ::idem_core::Lease,
+            lease_expires_at_ms: i64,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(self.$rows.extend(lease, lease_expires_at_ms))
+        }
+
+        fn resolve_unknown<'a>(
+            &'a self,
+            scope: &'a ::idem_core::Scope,
+            key: &'a ::idem_core::IdempotencyKey,
+            now_ms: i64,
+            resolution: Option<&'a ::idem_core::Record>,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<bool>> {
+            ::std::boxed::Box::pin(self.$rows.resolve_unknown(scope, key, now_ms, resolution))
+        }
+    };
+}
