@@ -144,17 +144,12 @@ impl MySqlStore {
         let tenant = req.scope.tenant().as_str().as_bytes();
         let operation = req.scope.operation().as_str().as_bytes();
         let key = req.key.as_str().as_bytes();
-        let inserted = sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.insert)))
-            .bind(tenant)
-            .bind(operation)
-            .bind(key)
-            .bind(&req.fingerprint.as_bytes()[..])
-            .bind(req.fresh_token.0)
-            .bind(req.now_ms)
-            .bind(req.expires_at_ms)
-            .bind(req.lease_expires_at_ms)
-            .execute(&mut *conn)
-            .await;
+        let inserted = idem_sql::bound::<MySqlDialect>(
+            AssertSqlSafe(format!("{prefix}{}", self.sql.insert)),
+            idem_sql::claim_args::<MySqlDialect>(req, req.fresh_token.0),
+        )
+        .execute(&mut *conn)
+        .await;
         match inserted {
             Ok(_) => return Ok(Claim::Claimed(req.fresh_token)),
             Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => {}
@@ -450,18 +445,12 @@ impl MySqlStore {
         record: &Record,
         token: i64,
     ) -> Result<()> {
-        let inserted = sqlx::query(self.sql.insert_completed.clone())
-            .bind(req.scope.tenant().as_str().as_bytes())
-            .bind(req.scope.operation().as_str().as_bytes())
-            .bind(req.key.as_str().as_bytes())
-            .bind(&req.fingerprint.as_bytes()[..])
-            .bind(record.status.code())
-            .bind(token)
-            .bind(&record.payload[..])
-            .bind(req.now_ms)
-            .bind(req.expires_at_ms)
-            .execute(&mut **tx)
-            .await;
+        let inserted = idem_sql::bound::<MySqlDialect>(
+            self.sql.insert_completed.clone(),
+            idem_sql::completed_args::<MySqlDialect>(req, record, token),
+        )
+        .execute(&mut **tx)
+        .await;
         match inserted {
             Ok(_) => Ok(()),
             Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => Err(Error::store(

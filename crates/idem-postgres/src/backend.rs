@@ -119,19 +119,13 @@ impl TxBackend for PgStore {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
-                sqlx::query(AssertSqlSafe(one_write.insert.clone()))
-                    .bind(req.scope.tenant().as_str())
-                    .bind(req.scope.operation().as_str())
-                    .bind(req.key.as_str())
-                    .bind(&req.fingerprint.as_bytes()[..])
-                    .bind(record.status.code())
-                    .bind(token)
-                    .bind(&record.payload[..])
-                    .bind(req.now_ms)
-                    .bind(req.expires_at_ms)
-                    .execute(&mut **tx)
-                    .await
-                    .map_err(tx::record_error)?;
+                idem_sql::bound::<PgDialect>(
+                    AssertSqlSafe(one_write.insert.clone()),
+                    idem_sql::completed_args::<PgDialect>(req, record, token),
+                )
+                .execute(&mut **tx)
+                .await
+                .map_err(tx::record_error)?;
                 return Ok(());
             }
             let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))

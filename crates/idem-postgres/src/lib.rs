@@ -374,16 +374,11 @@ impl PgStore {
         lock_timeout: Duration,
         advisory: bool,
     ) -> sqlx::query::Query<'static, Postgres, <Postgres as sqlx::Database>::Arguments> {
-        let query = sqlx::query(AssertSqlSafe(sql.clone()))
-            .bind(req.scope.tenant().as_str())
-            .bind(req.scope.operation().as_str())
-            .bind(req.key.as_str())
-            .bind(&req.fingerprint.as_bytes()[..])
-            .bind(req.fresh_token.0)
-            .bind(req.now_ms)
-            .bind(req.expires_at_ms)
-            .bind(req.lease_expires_at_ms)
-            .bind(lock_timeout_setting(lock_timeout));
+        let query = idem_sql::bound::<PgDialect>(
+            AssertSqlSafe(sql.clone()),
+            idem_sql::claim_args::<PgDialect>(req, req.fresh_token.0),
+        )
+        .bind(lock_timeout_setting(lock_timeout));
         if advisory {
             query.bind(self.advisory_key(req.scope, req.key))
         } else {

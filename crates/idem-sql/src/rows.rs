@@ -20,7 +20,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use idem_core::{
-    IdempotencyKey, Lease, Record, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope, StoredRow, TableName,
+    ClaimRequest, IdempotencyKey, Lease, Record, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope,
+    StoredRow, TableName,
 };
 use sqlx::{AssertSqlSafe, Database, Pool};
 
@@ -153,8 +154,9 @@ impl<D: Dialect> fmt::Debug for SqlKeyRows<D> {
     }
 }
 
-/// A key's columns as engine `D` types them.
-fn key_args<'a, D: Dialect>(scope: &'a Scope, key: &'a IdempotencyKey) -> [Arg<'a>; 3] {
+/// A key's columns (`tenant, operation, idem_key`) as engine `D` types
+/// them: text, or bytes where its text columns are binary.
+pub fn key_args<'a, D: Dialect>(scope: &'a Scope, key: &'a IdempotencyKey) -> [Arg<'a>; 3] {
     let text = |s: &'a str| match D::TEXT {
         TextColumns::Binary => Arg::Bytes(s.as_bytes()),
         TextColumns::Text | TextColumns::FreeTextAsBytes => Arg::Text(s),
@@ -164,6 +166,46 @@ fn key_args<'a, D: Dialect>(scope: &'a Scope, key: &'a IdempotencyKey) -> [Arg<'
         text(scope.operation().as_str()),
         text(key.as_str()),
     ]
+}
+
+/// A claim's new row, in the order every engine's claim binds it:
+/// `tenant, operation, idem_key, fingerprint, token, created_at_ms,
+/// expires_at_ms, lease_expires_at_ms` (in progress, no payload).
+pub fn claim_args<'a, D: Dialect>(req: &'a ClaimRequest<'a>, token: i64) -> impl Iterator<Item = Arg<'a>> {
+    key_args::<D>(req.scope, req.key).into_iter().chain([
+        Arg::Bytes(req.fingerprint.as_bytes()),
+        Arg::Int(token),
+        Arg::Int(req.now_ms),
+        Arg::Int(req.expires_at_ms),
+        Arg::OptInt(req.lease_expires_at_ms),
+    ])
+}
+
+/// A completed row written whole at the record (where the claim wrote
+/// nothing), in the order every engine binds it: `tenant, operation,
+/// idem_key, fingerprint, status, token, payload, created_at_ms,
+/// expires_at_ms`.
+pub fn completed_args<'a, D: Dialect>(
+    req: &'a ClaimRequest<'a>,
+    record: &'a Record,
+    token: i64,
+) -> impl Iterator<Item = Arg<'a>> {
+    key_args::<D>(req.scope, req.key).into_iter().chain([
+        Arg::Bytes(req.fingerprint.as_bytes()),
+        Arg::Int16(record.status.code()),
+        Arg::Int(token),
+        Arg::Bytes(&record.payload),
+        Arg::Int(req.now_ms),
+        Arg::Int(req.expires_at_ms),
+    ])
+}
+
+/// `sql` with `args` bound in order, on engine `D`.
+pub fn bound<'a, 'q, D: Dialect>(
+    sql: impl sqlx::SqlSafeStr,
+    args: impl IntoIterator<Item = Arg<'a>>,
+) -> Statement<'q, D::Db> {
+    args.into_iter().fold(sqlx::query(sql), D::Db::bind)
 }
 
 impl<D: Dialect> SqlKeyRows<D> {

@@ -10,7 +10,7 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::error::store_error;
-use crate::{SqliteStore, SqliteTx};
+use crate::{SqliteDialect, SqliteStore, SqliteTx};
 
 /// Starts every write transaction: the write lock is taken at once, waiting
 /// up to the busy timeout, so a transaction never fails half-way because a
@@ -25,18 +25,13 @@ impl SqliteStore {
     /// Claims a free or stale key in lease mode; answers the new token, or
     /// `None` if a live row holds the key.
     async fn upsert(&self, conn: &mut SqliteConnection, req: &ClaimRequest<'_>) -> Result<Option<i64>> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
-            .bind(req.scope.tenant().as_str())
-            .bind(req.scope.operation().as_str())
-            .bind(req.key.as_str())
-            .bind(&req.fingerprint.as_bytes()[..])
-            .bind(req.fresh_token.0)
-            .bind(req.now_ms)
-            .bind(req.expires_at_ms)
-            .bind(req.lease_expires_at_ms)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
+        let row = idem_sql::bound::<SqliteDialect>(
+            AssertSqlSafe(self.sql.claim.clone()),
+            idem_sql::claim_args::<SqliteDialect>(req, req.fresh_token.0),
+        )
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(store_error)?;
         row.map(|r| r.try_get::<i64, _>(0)).transpose().map_err(store_error)
     }
 
@@ -141,20 +136,14 @@ impl TxBackend for SqliteStore {
                 ));
             };
             let (token, replaces) = (held.token, held.replaces);
-            let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
-                .bind(req.scope.tenant().as_str())
-                .bind(req.scope.operation().as_str())
-                .bind(req.key.as_str())
-                .bind(&req.fingerprint.as_bytes()[..])
-                .bind(record.status.code())
-                .bind(token)
-                .bind(&record.payload[..])
-                .bind(req.now_ms)
-                .bind(req.expires_at_ms)
-                .bind(replaces)
-                .execute(&mut **tx)
-                .await
-                .map_err(store_error)?;
+            let done = idem_sql::bound::<SqliteDialect>(
+                AssertSqlSafe(self.sql.record.clone()),
+                idem_sql::completed_args::<SqliteDialect>(req, record, token),
+            )
+            .bind(replaces)
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
             if done.rows_affected() != 1 {
                 // No other writer could have touched the row under the
                 // write lock: the caller's own work did, in this transaction.
