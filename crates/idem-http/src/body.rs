@@ -10,6 +10,8 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 use idem_core::BoxError;
 
+use crate::service::ByteBody;
+
 /// A response body read up to a limit.
 pub(crate) enum Collected {
     /// The whole body, and its trailers if it had any.
@@ -22,8 +24,7 @@ pub(crate) enum Collected {
 
 pub(crate) async fn collect_response<B>(body: B, limit: usize) -> Collected
 where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+    B: ByteBody,
 {
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();

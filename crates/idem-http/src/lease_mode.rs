@@ -9,13 +9,13 @@ use std::sync::Arc;
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header, request::Parts};
-use idem_core::{Acquire, BoxError, Call, Error, LeaseStore, Record, Scope};
-use tower_service::Service;
+use idem_core::{Acquire, Call, Error, LeaseStore, Record, Scope};
 
 use crate::body::{Chunk, Collected, collect_response};
 use crate::layer::{Config, Leased};
 use crate::problem::{Problem, slugs};
 use crate::recorded::RecordedResponse;
+use crate::service::{ByteBody, InnerService};
 use crate::service::{
     Decision, Mode, Point, decide, error_response, first, hit, passthrough, replay, skips_sent_mark, store_unavailable,
     whole_record,
@@ -275,11 +275,8 @@ impl<L: LeaseStore> Mode for Leased<L> {
         call: Call,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send + 'static,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: InnerService<ResBody>,
+        ResBody: ByteBody,
     {
         let lease = match self.claim(cfg, &parts, &call).await {
             Ok(lease) => lease,
@@ -456,11 +453,8 @@ impl<L: LeaseStore> Mode for Leased<L> {
 
     async fn unkeyed<S, ResBody>(&self, _cfg: &Config, inner: S, req: Request<Body>) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send + 'static,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: InnerService<ResBody>,
+        ResBody: ByteBody,
     {
         passthrough(inner, req).await
     }
@@ -478,8 +472,7 @@ async fn settle_response<ResBody, E>(
     response: Response<ResBody>,
 ) -> (Option<Record>, Result<Response<Body>, E>)
 where
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: ByteBody,
 {
     let (mut rparts, rbody) = response.into_parts();
     let rejected = match decide(rparts.status, call) {

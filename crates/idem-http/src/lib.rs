@@ -100,7 +100,7 @@ pub use problem::{DEFAULT_PROBLEM_BASE, PROBLEM_JSON, Problem, slugs};
 pub use reconcile::{DEFAULT_SETTLE, Reconcile, Reconciled};
 pub use recorded::RecordedResponse;
 pub use retry::RetryTransaction;
-pub use service::{Idempotency, Mode};
+pub use service::{ByteBody, Idempotency, InnerService, Mode};
 pub use tx::{Tx, TxCell, TxRejection};
 
 /// The header that marks a replayed response.

@@ -52,6 +52,25 @@ impl<S, M> Idempotency<S, M> {
     }
 }
 
+/// The service the layer wraps, as a [`Mode`] calls it: it answers a
+/// buffered request, and its future and error can cross tasks. Every axum
+/// router and tower service of that shape is one (a blanket impl).
+pub trait InnerService<ResBody>:
+    Service<Request<Body>, Response = Response<ResBody>, Future: Send, Error: Send + 'static> + Send + 'static
+{
+}
+
+impl<S, ResBody> InnerService<ResBody> for S where
+    S: Service<Request<Body>, Response = Response<ResBody>, Future: Send, Error: Send + 'static> + Send + 'static
+{
+}
+
+/// A body the layer reads, buffers or streams: bytes, with an error it can
+/// box (a blanket impl).
+pub trait ByteBody: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+impl<B> ByteBody for B where B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
 /// How a mode handles requests (implemented by [`Transactional`](crate::Transactional) and
 /// [`Leased`](crate::Leased)).
 pub trait Mode: Clone + Send + Sync + 'static {
@@ -65,11 +84,8 @@ pub trait Mode: Clone + Send + Sync + 'static {
         call: Call,
     ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send + 'static,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>;
+        S: InnerService<ResBody>,
+        ResBody: ByteBody;
 
     #[doc(hidden)]
     fn unkeyed<S, ResBody>(
@@ -79,23 +95,16 @@ pub trait Mode: Clone + Send + Sync + 'static {
         req: Request<Body>,
     ) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send + 'static,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>;
+        S: InnerService<ResBody>,
+        ResBody: ByteBody;
 }
 
 impl<S, M, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, M>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
+    S: Service<Request<Body>, Response = Response<ResBody>> + InnerService<ResBody> + Clone,
     M: Mode,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ByteBody,
+    ResBody: ByteBody,
 {
     type Response = Response<Body>;
     type Error = S::Error;
@@ -181,14 +190,10 @@ async fn handle<S, M, ReqBody, ResBody>(
     req: Request<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
+    S: InnerService<ResBody>,
     M: Mode,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ByteBody,
+    ResBody: ByteBody,
 {
     let cfg = &shared.config;
     let started = Instant::now();
@@ -315,8 +320,7 @@ fn body_fingerprint(base: FingerprintBuilder, json: bool, body: &Bytes) -> Finge
 pub(crate) async fn passthrough<S, ResBody>(mut inner: S, req: Request<Body>) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: ByteBody,
 {
     let response = inner.call(req).await?;
     Ok(response.map(Body::new))

@@ -6,10 +6,11 @@
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::Response;
-use idem_core::{BoxError, Call, Record};
+use idem_core::{Call, Record};
 
 use crate::body::Chunk;
 use crate::lease_mode::{Recording, StandIn, stand_in};
+use crate::service::ByteBody;
 use crate::service::{Decision, decide, first, whole_record};
 
 /// The most bytes a declared body length may have for the body to be read
@@ -89,8 +90,7 @@ pub(crate) async fn stream_and_record<ResBody, E>(
     answer: tokio::sync::oneshot::Sender<Result<Response<Body>, E>>,
 ) -> (Record, Option<Behind>)
 where
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: ByteBody,
 {
     use http_body_util::BodyExt;
 

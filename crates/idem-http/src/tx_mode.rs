@@ -7,13 +7,13 @@ use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, request::Parts};
 use idem_core::metrics::Stage;
-use idem_core::{Begin, BoxError, Call, ContentionRetries, Ticket, TxBackend};
-use tower_service::Service;
+use idem_core::{Begin, Call, ContentionRetries, Ticket, TxBackend};
 
 use crate::body::{Collected, collect_response};
 use crate::layer::{Config, Transactional};
 use crate::problem::{Problem, slugs};
 use crate::retry::RetryTransaction;
+use crate::service::{ByteBody, InnerService};
 use crate::service::{Decision, Mode, Point, applies, decide, error_response, first, hit, replay, whole_record};
 use crate::tx::{Taken, TxCell};
 
@@ -27,10 +27,8 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         call: Call,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
-        S::Future: Send,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: InnerService<ResBody>,
+        ResBody: ByteBody,
     {
         // The request is buffered, so a run that lost a race with concurrent
         // transactions (nothing of it committed) can be run again from the
@@ -66,10 +64,8 @@ impl<B: TxBackend + Clone> Mode for Transactional<B> {
         mut req: Request<Body>,
     ) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
-        S::Future: Send,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: InnerService<ResBody>,
+        ResBody: ByteBody,
     {
         let backend = self.engine.backend().clone();
         let cell = TxCell::lazy(backend.clone());
@@ -126,10 +122,8 @@ impl<B: TxBackend + Clone> Transactional<B> {
         call: &Call,
     ) -> Result<Settled, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>> + Send,
-        S::Future: Send,
-        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
+        S: InnerService<ResBody>,
+        ResBody: ByteBody,
     {
         let done = |response| Ok(Settled::Done(response));
         let claimed = match self.engine.begin(call).await {
