@@ -18,11 +18,14 @@ pm=$(head -1 "$(psql -Atq "$url" -c 'SHOW data_directory')/postmaster.pid")
 tck=$(getconf CLK_TCK)
 children_cpu() { awk '{print $16 + $17}' "/proc/$pm/stat"; }
 psql -q "$url" -f setup.sql
+scripts=$(mktemp -d)
+trap 'rm -rf "$scripts"' EXIT
+bash scripts.sh "$scripts"
 printf '%-18s %10s %16s\n' option latency_ms server_cpu_us/tx
 for round in $(seq "$rounds"); do
     for option in "${options[@]}"; do
         before=$(children_cpu)
-        latency=$(pgbench -n -M prepared -c 1 -t "$n" -f "$option.sql" "$url" 2>/dev/null |
+        latency=$(pgbench -n -M prepared -c 1 -t "$n" -f "$scripts/$option.sql" "$url" 2>/dev/null |
             awk '/^latency average/ {print $4}')
         sleep 0.3 # the backend's exit reaches the postmaster
         after=$(children_cpu)

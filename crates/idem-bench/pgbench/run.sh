@@ -16,9 +16,12 @@ clients=${2:-16}
 rounds=${3:-2}
 url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 psql -q "$url" -f setup.sql
+scripts=$(mktemp -d)
+trap 'rm -rf "$scripts"' EXIT
+bash scripts.sh "$scripts"
 options=(separate paired store store-lean paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
 tps() {
-    pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$1.sql" "$url" 2>/dev/null |
+    pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$scripts/$1.sql" "$url" 2>/dev/null |
         awk '/^tps/ {print int($3)}'
 }
 printf '%-14s %8s %8s %7s\n' option tps bare ratio

@@ -1,6 +1,8 @@
 //! The statement-level PostgreSQL scripts of `crates/idem-bench/pgbench`
-//! (docs/benchmarks.md): each runs, and `store.sql` holds the statements the
-//! store really sends, so its figures stay the store's as the store changes.
+//! (docs/benchmarks.md), as `scripts.sh` writes them: each runs, `store.sql`
+//! holds the statements the store really sends, so its figures stay the
+//! store's as the store changes, and each variant is its base with its one
+//! part changed.
 //!
 //! Needs PostgreSQL (`IDEM_TEST_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`) and its `pgbench` and `psql`.
@@ -19,6 +21,14 @@ fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("pgbench")
 }
 
+/// Every script, as `scripts.sh` writes them, in a folder of `test`'s own.
+fn scripts(test: &str) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("idem-pgbench-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    run("bash", &["scripts.sh", out.to_str().unwrap()]);
+    out
+}
+
 fn run(program: &str, args: &[&str]) -> String {
     let out = Command::new(program)
         .args(args)
@@ -34,18 +44,31 @@ fn run(program: &str, args: &[&str]) -> String {
 #[test]
 fn every_script_runs_and_store_sql_commits_its_records() {
     let url = url();
-    let scripts: Vec<String> = std::fs::read_dir(dir())
+    let folder = scripts("runs");
+    let scripts: Vec<String> = std::fs::read_dir(&folder)
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.ends_with(".sql") && n != "setup.sql")
+        .filter(|n| n.ends_with(".sql"))
         .collect();
-    assert!(scripts.len() >= 10, "{scripts:?}");
+    assert_eq!(scripts.len(), 13, "{scripts:?}");
     for script in &scripts {
         run("psql", &["-q", &url, "-f", "setup.sql"]);
+        let path = folder.join(script);
         let out = run(
             "pgbench",
-            &["-n", "-M", "prepared", "-c", "1", "-t", "3", "-f", script, &url],
+            &[
+                "-n",
+                "-M",
+                "prepared",
+                "-c",
+                "1",
+                "-t",
+                "3",
+                "-f",
+                path.to_str().unwrap(),
+                &url,
+            ],
         );
         assert!(
             out.contains("number of transactions actually processed: 3/3"),
@@ -75,6 +98,7 @@ fn every_script_runs_and_store_sql_commits_its_records() {
             "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects",
         ],
     );
+    std::fs::remove_dir_all(folder).unwrap();
 }
 
 /// `$n` parameters of `sql` replaced by `values[n - 1]`.
@@ -171,10 +195,10 @@ async fn store_sql_holds_the_statements_the_store_sends() {
     );
 }
 
-/// A script's statements: its lines from the first `\set` on (the comment
-/// at its head says what it is, and differs between scripts).
-fn body(script: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(dir().join(script)).unwrap();
+/// A script of `folder`'s statements: its lines from the first `\set` on
+/// (the comment at its head says what it is, and differs between scripts).
+fn body(folder: &Path, script: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(folder.join(script)).unwrap();
     let lines: Vec<String> = text.lines().map(str::to_owned).collect();
     let start = lines.iter().position(|l| l.starts_with("\\set")).expect("a \\set line");
     lines[start..].to_vec()
@@ -187,11 +211,13 @@ fn line_starting<'a>(lines: &'a [String], prefix: &str) -> &'a str {
     found[0]
 }
 
-/// Each variant of `store.sql` is `store.sql` with its one part changed, so
-/// the variants follow the store's statements as `store.sql` does (which the
-/// test above holds to the store).
+/// Each variant `scripts.sh` writes is its base with its one part changed,
+/// so the variants of `store.sql` follow the store's statements as
+/// `store.sql` does (which the test above holds to the store).
 #[test]
-fn store_variants_differ_from_store_sql_in_their_one_part() {
+fn every_variant_differs_from_its_base_in_its_one_part() {
+    let folder = scripts("variants");
+    let body = |script: &str| body(&folder, script);
     let store = body("store.sql");
     let paired = body("paired.sql");
     let claim = line_starting(&store, "WITH saved").to_owned();
@@ -229,4 +255,21 @@ fn store_variants_differ_from_store_sql_in_their_one_part() {
     let lean = body("store-lean.sql");
     let lean_claim = line_starting(&lean, "WITH existing").to_owned();
     assert_eq!(lean, with(&claim, &lean_claim));
+
+    // The same script on another keys table of setup.sql.
+    let on = |base: &str, table: &str| -> Vec<String> {
+        body(base)
+            .iter()
+            .map(|l| l.replace("pgb_keys ", &format!("{table} ")))
+            .collect()
+    };
+    assert_eq!(body("paired-noexp.sql"), on("paired.sql", "pgb_keys_noexp"));
+    assert_eq!(body("onewrite-noexp.sql"), on("onewrite.sql", "pgb_keys_noexp"));
+    assert_eq!(body("onewrite-brin.sql"), on("onewrite.sql", "pgb_keys_brin"));
+    assert!(
+        body("onewrite-brin.sql")
+            .iter()
+            .any(|l| l.contains("INSERT INTO pgb_keys_brin "))
+    );
+    std::fs::remove_dir_all(folder).unwrap();
 }
