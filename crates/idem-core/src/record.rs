@@ -340,6 +340,26 @@ pub struct ClaimRequest<'a> {
     pub lease_expires_at_ms: Option<i64>,
 }
 
+impl ClaimRequest<'_> {
+    /// The token this claim holds the key under: its fresh token on a free
+    /// key; over a stale row whose token was `previous`, the larger of the
+    /// fresh token and `previous + 1`, so the previous holder is fenced
+    /// however the clocks that made the tokens stood.
+    pub fn token_over(&self, previous: Option<i64>) -> i64 {
+        let fresh = self.fresh_token.0;
+        previous.map_or(fresh, |old| fresh.max(old.saturating_add(1)))
+    }
+}
+
+/// Whether a key's row may be taken over at `now_ms` (the rule every store
+/// applies; the SQL stores write it in their claim statements): the key
+/// has expired, or a lease still in progress ran out. A sent claim
+/// ([`STATUS_SENT`]) is never stale before its key expires: its lease's end
+/// makes it an unknown outcome, not a key to claim again.
+pub fn is_stale(status: i16, lease_expires_at_ms: Option<i64>, expires_at_ms: i64, now_ms: i64) -> bool {
+    expires_at_ms <= now_ms || (status == STATUS_IN_PROGRESS && lease_expires_at_ms.is_some_and(|l| l <= now_ms))
+}
+
 /// A held lease-mode claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -452,5 +472,49 @@ mod tests {
         assert_eq!(computed.load(Ordering::SeqCst), 1, "computed more than once");
         let strict = Call::new(scope, IdempotencyKey::new("k").unwrap(), v2);
         assert!(strict.accepts(&v2) && !strict.accepts(&v1));
+    }
+
+    // A takeover's token is above the previous holder's, whichever clock made either.
+    #[test]
+    fn a_takeover_fences_the_previous_holder() {
+        let scope = Scope::parse("t", "POST /x").unwrap();
+        let key = IdempotencyKey::new("k").unwrap();
+        let fingerprint = Fingerprint::of_json(scope.operation(), b"{}").unwrap();
+        let req = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            fingerprint: &fingerprint,
+            now_ms: 10,
+            expires_at_ms: 100,
+            fresh_token: Token(50),
+            lease_expires_at_ms: Some(20),
+        };
+        assert_eq!(req.token_over(None), 50);
+        assert_eq!(req.token_over(Some(7)), 50);
+        assert_eq!(req.token_over(Some(50)), 51);
+        assert_eq!(req.token_over(Some(900)), 901);
+        assert_eq!(req.token_over(Some(i64::MAX)), i64::MAX);
+    }
+
+    // Expired keys and run-out leases in progress are stale; a sent claim only once its key expires.
+    #[test]
+    fn staleness_of_each_status() {
+        for status in [
+            STATUS_IN_PROGRESS,
+            STATUS_SENT,
+            STATUS_COMPLETED,
+            STATUS_REJECTED,
+            STATUS_UNKNOWN,
+        ] {
+            assert!(is_stale(status, None, 10, 10), "{status} expired");
+            assert!(!is_stale(status, None, 11, 10), "{status} live");
+        }
+        assert!(is_stale(STATUS_IN_PROGRESS, Some(10), 100, 10));
+        assert!(!is_stale(STATUS_IN_PROGRESS, Some(11), 100, 10));
+        assert!(
+            !is_stale(STATUS_SENT, Some(5), 100, 10),
+            "a sent claim is an unknown outcome, never stale"
+        );
+        assert!(!is_stale(STATUS_COMPLETED, Some(5), 100, 10));
     }
 }

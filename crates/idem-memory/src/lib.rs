@@ -49,8 +49,7 @@ struct Row {
 
 impl Row {
     fn is_stale(&self, now_ms: i64) -> bool {
-        self.expires_at_ms <= now_ms
-            || (self.status == STATUS_IN_PROGRESS && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
+        idem_core::is_stale(self.status, self.lease_expires_at_ms, self.expires_at_ms, now_ms)
     }
 
     fn stored(&self) -> Result<StoredRow> {
@@ -73,10 +72,7 @@ impl Row {
     }
 
     fn fresh(req: &ClaimRequest<'_>, previous: Option<&Row>) -> Row {
-        let token = match previous {
-            Some(p) => req.fresh_token.0.max(p.token.saturating_add(1)),
-            None => req.fresh_token.0,
-        };
+        let token = req.token_over(previous.map(|p| p.token));
         Row {
             fingerprint: *req.fingerprint,
             status: STATUS_IN_PROGRESS,

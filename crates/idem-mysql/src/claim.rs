@@ -38,8 +38,7 @@ impl RawRow {
     /// lease ran out: it is found, and the engine answers it as an unknown
     /// outcome. The takeover statement repeats this rule in SQL.
     pub(crate) fn is_stale(&self, now_ms: i64) -> bool {
-        self.expires_at_ms <= now_ms
-            || (self.status == STATUS_IN_PROGRESS && self.lease_expires_at_ms.is_some_and(|l| l <= now_ms))
+        idem_core::is_stale(self.status, self.lease_expires_at_ms, self.expires_at_ms, now_ms)
     }
 
     /// Decodes the key's row from the columns after the first of the
@@ -203,7 +202,7 @@ impl MySqlStore {
         let tenant = req.scope.tenant().as_str().as_bytes();
         let operation = req.scope.operation().as_str().as_bytes();
         let key = req.key.as_str().as_bytes();
-        let token = req.fresh_token.0.max(row.token.saturating_add(1));
+        let token = req.token_over(Some(row.token));
         let updated = sqlx::query(AssertSqlSafe(format!("{prefix}{}", self.sql.takeover)))
             .bind(&req.fingerprint.as_bytes()[..])
             .bind(token)

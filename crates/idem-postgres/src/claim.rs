@@ -135,9 +135,7 @@ impl PgStore {
             }
         }
         let gone: Option<i64> = row.try_get(CLAIM_COLUMNS + 1).map_err(store_error)?;
-        let fresh = req.fresh_token.0;
-        let token = gone.map_or(fresh, |old| fresh.max(old.saturating_add(1)));
-        tx.hold_one_write(req, token);
+        tx.hold_one_write(req, req.token_over(gone));
         Ok(Some(TxClaim::Claimed))
     }
 

@@ -58,7 +58,7 @@ impl SqliteStore {
             // A takeover's token is larger than the stale row's, so that
             // row's lease holder is fenced once this transaction commits.
             let old: i64 = row.try_get(2).map_err(store_error)?;
-            let token = fresh.max(old.saturating_add(1));
+            let token = req.token_over(Some(old));
             tx.hold(req, token, Some(old));
             tracing::debug!(table = %self.table, token, "stale key taken over in transaction");
             return Ok(TxClaim::Claimed);
