@@ -125,8 +125,10 @@ impl Statements {
     }
 }
 
-/// A key's row outside its claim on engine `D`, over one table (see the
-/// [module](self)).
+/// A key's row outside its claim on engine `D`, over one table: the lookup,
+/// the lease holder's writes (each matched by the key, the holder's token
+/// and a held status, so none means fenced), the resolution of an unknown
+/// outcome and the sweep around the engine's own delete.
 pub struct SqlKeyRows<D: Dialect> {
     pool: Pool<D::Db>,
     table: TableName,
