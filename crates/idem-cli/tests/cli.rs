@@ -7,32 +7,15 @@
 mod servers;
 mod support;
 
-use std::sync::Arc;
-
-use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, OutboxEvent, Policy, Scope};
+use idem_core::OutboxEvent;
 use idem_gateway::AnyLease;
 use support::{idem_out as idem, tag};
 
 /// Five keys that expired an hour ago and two live ones, all completed.
 async fn seed(url: &str) {
     let store = AnyLease::connect(url).await.expect("connect");
-    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
     for (ttl_secs, count, ago_ms) in [(60u64, 5, 3_600_000i64), (86_400, 2, 0)] {
-        let clock = ManualClock::new(now - ago_ms);
-        let engine = LeaseEngine::new(store.clone()).with_clock(Arc::new(clock));
-        for _ in 0..count {
-            let scope = Scope::parse("cli-test", "POST /x").unwrap();
-            let call = Call::new(
-                scope.clone(),
-                IdempotencyKey::generate(),
-                Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
-            )
-            .with_policy(Policy::default().with_ttl_secs(ttl_secs));
-            engine
-                .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
-                .await
-                .unwrap();
-        }
+        support::completed_keys(&store, "cli-test", "POST /x", count, ttl_secs, ago_ms).await;
     }
     // Redis indexes claims off their path; the commands below run in another
     // process, which sees only what is indexed.

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, Policy, Scope};
 use idem_gateway::AnyLease;
 use servers::{RedisCluster, RedisServer};
 use support::{Gateway, Run};
@@ -33,20 +32,7 @@ async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
 /// `count` completed keys of tenant `cli-test` with a TTL of `ttl_secs`, on
 /// the real clock (Redis expires rows by their TTL on its own clock).
 async fn seed(store: &AnyLease, count: usize, ttl_secs: u64) {
-    let engine = LeaseEngine::new(store.clone());
-    for _ in 0..count {
-        let scope = Scope::parse("cli-test", "POST /x").unwrap();
-        let call = Call::new(
-            scope.clone(),
-            IdempotencyKey::generate(),
-            Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
-        )
-        .with_policy(Policy::default().with_ttl_secs(ttl_secs));
-        engine
-            .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
-            .await
-            .unwrap();
-    }
+    support::completed_keys(store, "cli-test", "POST /x", count, ttl_secs, 0).await;
     if let AnyLease::Redis(redis) = store {
         redis.flush_index().await;
     }

@@ -9,10 +9,9 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::{Call, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, Policy, Scope, TableName};
+use idem_core::TableName;
 use support::{Run, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
@@ -465,22 +464,8 @@ async fn seed_sqlite(path: &str, table: Option<&str>, live: usize, expired: usiz
         store = store.with_table(TableName::new(t).unwrap());
     }
     store.migrate().await.unwrap();
-    let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
     for (ttl_secs, count, ago_ms) in [(60u64, expired, 3_600_000i64), (86_400, live, 0)] {
-        let engine = LeaseEngine::new(store.clone()).with_clock(Arc::new(ManualClock::new(now - ago_ms)));
-        for _ in 0..count {
-            let scope = Scope::parse("cli-test", "POST /x").unwrap();
-            let call = Call::new(
-                scope.clone(),
-                IdempotencyKey::generate(),
-                Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
-            )
-            .with_policy(Policy::default().with_ttl_secs(ttl_secs));
-            engine
-                .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
-                .await
-                .unwrap();
-        }
+        support::completed_keys(&store, "cli-test", "POST /x", count, ttl_secs, ago_ms).await;
     }
     store.pool().close().await;
 }

@@ -6,9 +6,7 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use idem_core::{Call, Clock, Fingerprint, IdempotencyKey, LeaseEngine, LeaseStore, ManualClock, Policy, Scope};
+use idem_core::LeaseStore;
 use support::{Run, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
@@ -17,22 +15,8 @@ fn idem(args: &[&str]) -> Run {
 
 /// `live` rows kept a day and `expired` rows claimed an hour ago, kept a minute.
 async fn seed<S: LeaseStore + Clone>(store: S, tenant: &str, live: usize, expired: usize) {
-    let now = idem_core::SystemClock.now_ms();
     for (ttl_secs, count, ago_ms) in [(60u64, expired, 3_600_000i64), (86_400, live, 0)] {
-        let engine = LeaseEngine::new(store.clone()).with_clock(Arc::new(ManualClock::new(now - ago_ms)));
-        for _ in 0..count {
-            let scope = Scope::parse(tenant, "inbox-handler").unwrap();
-            let call = Call::new(
-                scope.clone(),
-                IdempotencyKey::generate(),
-                Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
-            )
-            .with_policy(Policy::default().with_ttl_secs(ttl_secs));
-            engine
-                .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
-                .await
-                .unwrap();
-        }
+        support::completed_keys(&store, tenant, "inbox-handler", count, ttl_secs, ago_ms).await;
     }
 }
 

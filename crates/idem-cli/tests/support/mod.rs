@@ -301,3 +301,37 @@ pub(crate) fn idem_run(args: &[&str], unset: &[&str]) -> Run {
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
+
+/// `count` completed lease-mode keys of (`tenant`, `operation`) in `store`,
+/// each with a TTL of `ttl_secs`, claimed `ago_ms` before now (0: on the
+/// real clock, which Redis expires its rows by).
+pub(crate) async fn completed_keys<S>(
+    store: &S,
+    tenant: &str,
+    operation: &str,
+    count: usize,
+    ttl_secs: u64,
+    ago_ms: i64,
+) where
+    S: idem_core::LeaseStore + Clone + 'static,
+{
+    use idem_core::{Call, Clock, Fingerprint, IdempotencyKey, LeaseEngine, ManualClock, Policy, Scope};
+    let mut engine = LeaseEngine::new(store.clone());
+    if ago_ms != 0 {
+        let then = idem_core::SystemClock.now_ms() - ago_ms;
+        engine = engine.with_clock(Arc::new(ManualClock::new(then)));
+    }
+    let scope = Scope::parse(tenant, operation).unwrap();
+    for _ in 0..count {
+        let call = Call::new(
+            scope.clone(),
+            IdempotencyKey::generate(),
+            Fingerprint::of_json(scope.operation(), b"{}").unwrap(),
+        )
+        .with_policy(Policy::default().with_ttl_secs(ttl_secs));
+        engine
+            .run(&call, |_lease| async { Ok::<_, idem_core::Error>(1u8) })
+            .await
+            .unwrap();
+    }
+}
