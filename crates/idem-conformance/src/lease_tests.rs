@@ -201,14 +201,7 @@ pub async fn lease_takeover_after_expiry<S: Subject>(s: S) {
 
 /// A holder whose lease was taken over can neither complete, release nor extend.
 pub async fn lease_stale_holder_is_fenced<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(1_000),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000));
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(1_500));
     let b = held(engine.acquire(&call).await.unwrap());
@@ -224,14 +217,7 @@ pub async fn lease_stale_holder_is_fenced<S: Subject>(s: S) {
 
 /// Extending a lease keeps the claim past its original expiry.
 pub async fn lease_extend_keeps_the_claim<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(1_000),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000));
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(800));
     let a = engine.extend(&a, 1_000).await.unwrap();
@@ -293,14 +279,7 @@ pub async fn lease_tenant_and_operation_isolation<S: Subject>(s: S) {
 
 /// A completed key past its TTL executes anew.
 pub async fn lease_expired_key_executes_anew<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default().with_ttl_secs(60),
-    );
+    let (clock, engine, call) = clocked_lease(&s, Policy::default().with_ttl_secs(60));
     let runs = Runs::default();
     run_receipt::<S>(&engine, &call, &runs).await.unwrap();
     clock.advance(Duration::from_secs(30));
@@ -427,14 +406,7 @@ pub async fn lease_heartbeat_keeps_a_slow_holder<S: Subject>(s: S) {
 /// A heartbeat whose lease was taken over stops, says the lease is no longer
 /// held, and the old holder's outcome is never recorded over the new one's.
 pub async fn lease_lost_heartbeat_is_reported<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(300),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(300));
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(500));
     let b = held(engine.acquire(&call).await.unwrap());

@@ -217,6 +217,15 @@ pub(crate) fn lease_engine<S: Subject>(s: &S) -> LeaseEngine<S::Lease> {
     LeaseEngine::new(s.lease_store())
 }
 
+/// The start of most lease tests: a lease engine of `s` on a manual clock,
+/// and a call of a fresh key in a scope of its own under `policy`.
+pub(crate) fn clocked_lease<S: Subject>(s: &S, policy: Policy) -> (ManualClock, LeaseEngine<S::Lease>, Call) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(s).with_clock(shared);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
+    (clock, engine, call)
+}
+
 /// Generates the transactional-mode conformance tests for a store, in a
 /// module named `$engine`. `$make` is an async expression producing the
 /// [`Subject`].

@@ -23,14 +23,7 @@ async fn row<S: Subject>(engine: &LeaseEngine<S::Lease>, lease: &Lease) -> Store
 /// taken over, however long after; its holder can still complete it with
 /// its token, and that outcome is replayed.
 pub async fn sent_claim_is_never_taken_over<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(1_000).with_ttl_secs(600),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000).with_ttl_secs(600));
     let lease = held(engine.acquire(&call).await.unwrap());
     let sent_at = idem_core::Clock::now_ms(&clock);
     engine.mark_sent(&lease).await.unwrap();
@@ -96,14 +89,7 @@ pub async fn sent_mark_keeps_the_earliest_time<S: Subject>(s: S) {
 /// claim is not held, and its own mark's time is the one kept, not the
 /// expired claim's.
 pub async fn sent_mark_of_a_new_claim_starts_afresh<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(1_000).with_ttl_secs(60),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000).with_ttl_secs(60));
     let old = held(engine.acquire(&call).await.unwrap());
     engine.mark_sent(&old).await.unwrap();
     engine.mark_unknown(&old, b"timed out".to_vec()).await.unwrap();
@@ -166,14 +152,7 @@ pub async fn sent_claim_resolved_like_unknown<S: Subject>(s: S) {
 /// The holder of a sent claim extends and releases it like any claim (it
 /// knows the answer: nothing is in flight any more).
 pub async fn sent_claim_holder_extends_and_releases<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let call = call_for(
-        &unique_scope("op"),
-        &IdempotencyKey::generate(),
-        "{}",
-        rejecting().with_lease_ms(1_000),
-    );
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000));
     let lease = held(engine.acquire(&call).await.unwrap());
     engine.mark_sent(&lease).await.unwrap();
     clock.advance(Duration::from_millis(800));
