@@ -394,6 +394,22 @@ macro_rules! events_suite {
                 async fn unsent(&self) -> u64 {
                     self.outbox.lag().await.expect("lag").unsent
                 }
+
+                /// Publishes every committed event with one relay, then stops it.
+                async fn publish_all(&self) {
+                    let relays = Relays::start(1, &self.outbox, &self.broker.js);
+                    eventually("sent", || async { self.unsent().await == 0 }).await;
+                    relays.stop().await;
+                }
+
+                /// The dead-letter stream's events, by event id.
+                async fn dead_letters(&self) -> BTreeMap<String, String> {
+                    self.broker
+                        .stored(&self.broker.dead_stream, "Idem-Event-Id")
+                        .await
+                        .into_iter()
+                        .collect()
+                }
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -564,9 +580,7 @@ macro_rules! events_suite {
             async fn a_handler_slower_than_ack_wait_keeps_its_message_with_progress_acks() {
                 let s = subject(Duration::from_secs(120)).await;
                 let id = s.enqueue("created", true).await;
-                let relays = Relays::start(1, &s.outbox, &s.broker.js);
-                eventually("sent", || async { s.unsent().await == 0 }).await;
-                relays.stop().await;
+                s.publish_all().await;
                 // The server redelivers after 1 s without news; the handler takes 3 s.
                 let consumer = s.broker.consumer("slow", Duration::from_secs(1)).await;
                 let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -608,9 +622,7 @@ macro_rules! events_suite {
                 // again and delivered again.
                 let s = subject(Duration::from_secs(1)).await;
                 let id = s.enqueue("created", true).await;
-                let relays = Relays::start(1, &s.outbox, &s.broker.js);
-                eventually("sent", || async { s.unsent().await == 0 }).await;
-                relays.stop().await;
+                s.publish_all().await;
                 let consumer = Running::start(s.consumer("projection", s.options("projection")).await);
                 eventually("applied", || async { s.effects("projection", &id).await == 1 }).await;
                 tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -675,9 +687,7 @@ macro_rules! events_suite {
                 let s = subject(Duration::from_secs(120)).await;
                 let id = s.enqueue("created", true).await;
                 let poison = s.enqueue("poison", true).await;
-                let relays = Relays::start(1, &s.outbox, &s.broker.js);
-                eventually("sent", || async { s.unsent().await == 0 }).await;
-                relays.stop().await;
+                s.publish_all().await;
                 let mut options = s.options("flaky");
                 options.max_deliveries = 3;
                 options.retry_delays = vec![Duration::from_millis(50)];
@@ -699,20 +709,11 @@ macro_rules! events_suite {
                     .expect("start");
                 let running = Running::start(consumer);
                 eventually("both are dead letters", || async {
-                    s.broker
-                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                        .await
-                        .len()
-                        == 2
+                    s.dead_letters().await.len() == 2
                 })
                 .await;
                 running.stop().await;
-                let dead: BTreeMap<String, String> = s
-                    .broker
-                    .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                    .await
-                    .into_iter()
-                    .collect();
+                let dead = s.dead_letters().await;
                 assert!(dead.contains_key(&id) && dead.contains_key(&poison), "{dead:?}");
                 let seen = deliveries.lock().unwrap().clone();
                 assert_eq!(
@@ -741,9 +742,7 @@ macro_rules! events_suite {
                 let s = subject(Duration::from_secs(120)).await;
                 let late = s.enqueue("late", true).await;
                 let early = s.enqueue("early", true).await;
-                let relays = Relays::start(1, &s.outbox, &s.broker.js);
-                eventually("sent", || async { s.unsent().await == 0 }).await;
-                relays.stop().await;
+                s.publish_all().await;
                 let mut options = s.options("panicky");
                 options.max_deliveries = 2;
                 options.retry_delays = vec![Duration::from_millis(50)];
@@ -768,11 +767,7 @@ macro_rules! events_suite {
                     .expect("start");
                 let running = Running::start(consumer);
                 eventually("both are dead letters", || async {
-                    s.broker
-                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                        .await
-                        .len()
-                        == 2
+                    s.dead_letters().await.len() == 2
                 })
                 .await;
                 // Longer than the ack wait: nothing comes back.
@@ -781,13 +776,7 @@ macro_rules! events_suite {
                 let runs = runs.lock().unwrap().clone();
                 assert_eq!(runs.get(&late), Some(&2), "{runs:?}");
                 assert_eq!(runs.get(&early), Some(&2), "{runs:?}");
-                assert_eq!(
-                    s.broker
-                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                        .await
-                        .len(),
-                    2
-                );
+                assert_eq!(s.dead_letters().await.len(), 2);
                 assert!(s.broker.settled("panicky").await, "both were terminated");
                 for id in [&late, &early] {
                     let mark = s
@@ -806,9 +795,7 @@ macro_rules! events_suite {
                 // by a redrive (however many copies), and by no other handler.
                 let s = subject(Duration::from_secs(1)).await;
                 let id = s.enqueue("created", true).await;
-                let relays = Relays::start(1, &s.outbox, &s.broker.js);
-                eventually("sent", || async { s.unsent().await == 0 }).await;
-                relays.stop().await;
+                s.publish_all().await;
                 let broken = Arc::new(std::sync::atomic::AtomicBool::new(true));
                 let mut options = s.options("projection");
                 options.max_deliveries = 2;
@@ -835,14 +822,7 @@ macro_rules! events_suite {
                     .expect("start");
                 let running = Running::start(consumer);
                 let notifier = Running::start(s.consumer("notifier", s.options("notifier")).await);
-                eventually("a dead letter", || async {
-                    s.broker
-                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                        .await
-                        .len()
-                        == 1
-                })
-                .await;
+                eventually("a dead letter", || async { s.dead_letters().await.len() == 1 }).await;
                 eventually("the other handler applied it", || async {
                     s.effects("notifier", &id).await == 1
                 })
@@ -931,10 +911,7 @@ macro_rules! events_suite {
                         .is_empty()
                 );
                 assert_eq!(
-                    s.broker
-                        .stored(&s.broker.dead_stream, "Idem-Event-Id")
-                        .await
-                        .len(),
+                    s.dead_letters().await.len(),
                     0,
                     "the redriven letter left the dead-letter stream"
                 );
