@@ -36,7 +36,7 @@ mod rows;
 
 pub use migrate::{migrate, pending};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
-pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, key_args};
+pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args};
 
 /// A statement and its arguments on engine `DB`.
 pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;

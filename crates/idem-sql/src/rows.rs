@@ -341,19 +341,26 @@ impl<D: Dialect> SqlKeyRows<D> {
     }
 }
 
-/// A key's row read with [`ROW_COLUMNS`].
-fn stored<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<StoredRow> {
+/// A key's row from a row of engine `D` with the columns `fingerprint,
+/// status, token, payload, lease_expires_at_ms, expires_at_ms` (by name,
+/// wherever they stand), without its sent mark.
+pub fn decode_row<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<StoredRow> {
     let e = D::error;
     let fingerprint = D::Db::bytes(row, "fingerprint").map_err(e)?;
-    let stored = StoredRow::from_columns(
+    StoredRow::from_columns(
         &fingerprint,
         D::Db::int16(row, "status").map_err(e)?,
         D::Db::int(row, "token").map_err(e)?,
         D::Db::opt_bytes(row, "payload").map_err(e)?,
         D::Db::opt_int(row, "lease_expires_at_ms").map_err(e)?,
         D::Db::int(row, "expires_at_ms").map_err(e)?,
-    )?;
-    Ok(stored.with_sent_at_ms(D::Db::opt_int(row, "sent_at_ms").map_err(e)?))
+    )
+}
+
+/// A key's row read with [`ROW_COLUMNS`].
+fn stored<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<StoredRow> {
+    let sent_at_ms = D::Db::opt_int(row, "sent_at_ms").map_err(D::error)?;
+    Ok(decode_row::<D>(row)?.with_sent_at_ms(sent_at_ms))
 }
 
 /// The lease holder's writes and the resolution of an unknown outcome of a

@@ -6,7 +6,6 @@ use idem_core::{
     BoxFuture, ClaimRequest, Error, KeyRegistry, LeaseClaim, LeaseStore, Record, Result, StoreErrorKind, StoredRow,
     Sweep, Token, TxBackend, TxClaim,
 };
-use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::error::store_error;
@@ -64,7 +63,7 @@ impl SqliteStore {
             return Ok(TxClaim::Claimed);
         }
         tracing::debug!(table = %self.table, "key held by a committed row");
-        decode(&row).map(TxClaim::Found)
+        idem_sql::decode_row::<SqliteDialect>(&row).map(TxClaim::Found)
     }
 
     /// Reads the row that made a claim attempt fail. The caller holds the
@@ -78,20 +77,6 @@ impl SqliteStore {
             )),
         }
     }
-}
-
-/// The key's row from the columns `fingerprint, status, token, payload,
-/// lease_expires_at_ms, expires_at_ms`, in this order. Its
-/// [`sent_at_ms`](StoredRow::sent_at_ms) is left `None`: a reader that
-/// selected that column sets it.
-fn decode(row: &SqliteRow) -> Result<StoredRow> {
-    let fingerprint: Vec<u8> = row.try_get(0).map_err(store_error)?;
-    let status: i16 = row.try_get(1).map_err(store_error)?;
-    let token: i64 = row.try_get(2).map_err(store_error)?;
-    let payload: Option<Vec<u8>> = row.try_get(3).map_err(store_error)?;
-    let lease_expires_at_ms: Option<i64> = row.try_get(4).map_err(store_error)?;
-    let expires_at_ms: i64 = row.try_get(5).map_err(store_error)?;
-    StoredRow::from_columns(&fingerprint, status, token, payload, lease_expires_at_ms, expires_at_ms)
 }
 
 /// Transactional mode. Each transaction begins with `BEGIN IMMEDIATE`, so
