@@ -63,6 +63,24 @@ fn drop_statement(engine: Engine, name: &str) -> String {
     }
 }
 
+/// An administrator's pool on the server at `server_url`, and the database
+/// `name` on it created afresh (dropped first if a run left one).
+async fn fresh<DB>(engine: Engine, server_url: &str, name: &str) -> Result<sqlx::Pool<DB>, Error>
+where
+    DB: sqlx::Database,
+    <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let admin = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(2)
+        .connect(server_url)
+        .await?;
+    for statement in [drop_statement(engine, name), format!("CREATE DATABASE {name}")] {
+        sqlx::query(AssertSqlSafe(statement)).execute(&admin).await?;
+    }
+    Ok(admin)
+}
+
 fn with_database(server_url: &str, name: &str) -> String {
     let (scheme, rest) = server_url.split_once("://").unwrap_or(("", server_url));
     let authority = rest.split('/').next().unwrap_or(rest);
@@ -81,40 +99,16 @@ impl Database {
     pub(crate) async fn create(config: &Config) -> Result<Self, Error> {
         let name = format!("chaos_{}_{}", config.seed % 1_000_000_007, std::process::id());
         Ok(match config.engine {
-            Engine::Postgres => {
-                let admin = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(2)
-                    .connect(&config.postgres_url)
-                    .await?;
-                sqlx::query(AssertSqlSafe(drop_statement(Engine::Postgres, &name)))
-                    .execute(&admin)
-                    .await?;
-                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                    .execute(&admin)
-                    .await?;
-                Database {
-                    url: with_database(&config.postgres_url, &name),
-                    name,
-                    admin: Admin::Postgres(admin),
-                }
-            }
-            Engine::Mysql => {
-                let admin = sqlx::mysql::MySqlPoolOptions::new()
-                    .max_connections(2)
-                    .connect(&config.mysql_url)
-                    .await?;
-                sqlx::query(AssertSqlSafe(drop_statement(Engine::Mysql, &name)))
-                    .execute(&admin)
-                    .await?;
-                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                    .execute(&admin)
-                    .await?;
-                Database {
-                    url: with_database(&config.mysql_url, &name),
-                    name,
-                    admin: Admin::Mysql(admin),
-                }
-            }
+            Engine::Postgres => Database {
+                url: with_database(&config.postgres_url, &name),
+                admin: Admin::Postgres(fresh(Engine::Postgres, &config.postgres_url, &name).await?),
+                name,
+            },
+            Engine::Mysql => Database {
+                url: with_database(&config.mysql_url, &name),
+                admin: Admin::Mysql(fresh(Engine::Mysql, &config.mysql_url, &name).await?),
+                name,
+            },
             Engine::Sqlite => {
                 let path = std::env::temp_dir().join(format!("{name}.db"));
                 for suffix in ["", "-wal", "-shm", "-idem.lock"] {
