@@ -6,7 +6,7 @@
 //! | workload | baseline | idem |
 //! |---|---|---|
 //! | micro (one insert) | `BEGIN; INSERT; COMMIT` | `TxEngine::execute` with a new key; replays; the three-commit pattern (`LeaseEngine`) |
-//! | transfer (`LedgerDb::transfer`) | the same statements in a plain transaction | `TxEngine::execute`; the three-commit pattern |
+//! | transfer (`LedgerTx::transfer`) | the same statements in a plain transaction | `TxEngine::execute`; the three-commit pattern |
 //! | http (`POST /v1/transfers`) | the ledger's route without a key (no claim, no record) | with a new key; replays |
 //!
 //! Beside the throughput ratios, the cost meter ([`cost`], [`meter`])

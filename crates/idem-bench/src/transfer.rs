@@ -1,11 +1,11 @@
 //! The ledger's transfer as a unit of work: exactly the ledger's SQL
-//! (`LedgerDb::transfer`: two guarded balance updates in a fixed order, a
+//! (`LedgerTx::transfer`: two guarded balance updates in a fixed order, a
 //! journal row and two entries), between random pairs of funded accounts.
 
 use std::sync::Arc;
 
 use idem_core::{BoxError, BoxFuture};
-use ledger::db::{DbError, LedgerDb, MAX_AMOUNT};
+use ledger::db::{DbError, LedgerDb, LedgerTx, MAX_AMOUNT};
 
 use crate::txpaths::Work;
 
@@ -23,9 +23,9 @@ pub async fn fund_accounts<D: LedgerDb>(db: &D, tenant: &str, count: usize) -> R
     let mut ids = Vec::with_capacity(count);
     for i in 0..count {
         let id = uuid::Uuid::now_v7().to_string();
-        D::insert_account(&mut tx, tenant, &id, &format!("bench {i}"), now_ms).await?;
+        tx.insert_account(tenant, &id, &format!("bench {i}"), now_ms).await?;
         let journal = uuid::Uuid::now_v7().to_string();
-        D::top_up(&mut tx, tenant, &journal, "top_up", &id, MAX_AMOUNT, now_ms).await?;
+        tx.top_up(tenant, &journal, "top_up", &id, MAX_AMOUNT, now_ms).await?;
         ids.push(id);
     }
     db.commit(tx).await?;
@@ -77,7 +77,7 @@ impl<D: LedgerDb> Work<D> for Transfer {
         Box::pin(async move {
             let (from, to) = pair(&accounts, worker, n);
             let journal = uuid::Uuid::now_v7().to_string();
-            D::transfer(tx, TENANT, &journal, from, to, AMOUNT, now_ms()).await
+            tx.transfer(TENANT, &journal, from, to, AMOUNT, now_ms()).await
         })
     }
 }

@@ -224,7 +224,13 @@ async fn resolve(args: &ResolveArgs, redis: &idem_gateway::RedisSettings, json: 
     let s = which.at.open_to_write(redis).await?;
     // The store's clock, as the gateway's keys are timed by it.
     let now = s.source_now_ms().await?;
-    let resolved = s.resolve_unknown(&scope, &key, now, record.as_ref()).await?;
+    let req = idem_core::Resolution {
+        scope: &scope,
+        key: &key,
+        now_ms: now,
+        record: record.as_ref(),
+    };
+    let resolved = s.resolve_unknown(&req).await?;
     if !resolved {
         let state = s
             .find_key(&scope, &key, now)

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::heartbeat::{Heartbeat, HeldLease};
 use crate::key::IdempotencyKey;
 use crate::metrics;
-use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Token};
+use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Resolution, Token};
 use crate::scope::Scope;
 use crate::store::{LeaseClaim, LeaseStore};
 use crate::tx::status_label;
@@ -385,7 +385,13 @@ impl<S: LeaseStore> LeaseEngine<S> {
             return Err(Error::Config("an unknown outcome is resolved with a known one".into()));
         }
         let now_ms = self.clock.now_ms();
-        let resolved = self.store.resolve_unknown(scope, key, now_ms, resolution).await?;
+        let req = Resolution {
+            scope,
+            key,
+            now_ms,
+            record: resolution,
+        };
+        let resolved = self.store.resolve_unknown(&req).await?;
         if resolved {
             let label = if resolution.is_some() { "applied" } else { "not_applied" };
             metrics::unknown_resolved(scope.operation(), label);

@@ -80,8 +80,8 @@ pub use outbox::{
 };
 pub use policy::{Consume, InFlight, Policy};
 pub use record::{
-    Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, RowState, STATUS_COMPLETED, STATUS_IN_PROGRESS,
-    STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, StoredRow, Token, is_stale,
+    Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, Resolution, RowState, STATUS_COMPLETED,
+    STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, StoredRow, Token, is_stale,
 };
 pub use redact::{redact_credentials, redact_known, url_passwords};
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};

@@ -351,6 +351,21 @@ impl ClaimRequest<'_> {
     }
 }
 
+/// What a store is asked to settle: the unknown outcome of `key` in `scope`
+/// ([`LeaseStore::resolve_unknown`](crate::LeaseStore::resolve_unknown)).
+#[derive(Debug, Clone, Copy)]
+pub struct Resolution<'a> {
+    /// The scope of the key.
+    pub scope: &'a Scope,
+    /// The key.
+    pub key: &'a IdempotencyKey,
+    /// The current time (ms since the epoch), from the engine's clock.
+    pub now_ms: i64,
+    /// The outcome the work had (it took effect), or `None` (it did not:
+    /// the key is freed).
+    pub record: Option<&'a Record>,
+}
+
 /// Whether a key's row may be taken over at `now_ms` (the rule every store
 /// applies; the SQL stores write it in their claim statements): the key
 /// has expired, or a lease still in progress ran out. A sent claim

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::key::IdempotencyKey;
-use crate::record::{ClaimRequest, Lease, Record, StoredRow, Token};
+use crate::record::{ClaimRequest, Lease, Record, Resolution, StoredRow, Token};
 use crate::registry::KeyRegistry;
 use crate::scope::Scope;
 use crate::sweep::{KeyFilter, KeyInfo, KeyStats};
@@ -184,23 +184,17 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// Moves a held lease's expiry to `lease_expires_at_ms`.
     fn extend<'a>(&'a self, lease: &'a Lease, lease_expires_at_ms: i64) -> BoxFuture<'a, Result<()>>;
 
-    /// Resolves the unknown outcome of `key` in `scope` (a row whose status
-    /// is [`STATUS_UNKNOWN`](crate::STATUS_UNKNOWN), recorded by
+    /// Resolves the unknown outcome of `req.key` in `req.scope` (a row whose
+    /// status is [`STATUS_UNKNOWN`](crate::STATUS_UNKNOWN), recorded by
     /// [`complete`](Self::complete) with an unknown [`Record`]): with
     /// `Some(record)`, records it as the key's outcome (expiry unchanged);
     /// with `None`, deletes the row so the next claim runs the work.
     ///
-    /// Only a row that still holds an unknown outcome at `now_ms` (status
-    /// unknown, or sent with its lease run out) and has not expired is
-    /// changed, in one atomic step; anything else (no row, a live claim, a
-    /// recorded outcome) is left alone and the answer is `false`.
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>>;
+    /// Only a row that still holds an unknown outcome at `req.now_ms`
+    /// (status unknown, or sent with its lease run out) and has not expired
+    /// is changed, in one atomic step; anything else (no row, a live claim,
+    /// a recorded outcome) is left alone and the answer is `false`.
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>>;
 }
 
 /// A store whose expired rows can be deleted in bounded batches.

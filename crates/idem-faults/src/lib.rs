@@ -37,7 +37,7 @@ mod tx;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyStats, Lease, LeaseClaim,
-    LeaseStore, Record, Result, Scope, StoreErrorKind, StoredRow, Sweep, SweepBatch, TimeSource,
+    LeaseStore, Record, Resolution, Result, Scope, StoreErrorKind, StoredRow, Sweep, SweepBatch, TimeSource,
 };
 
 /// How many kinds of call there are.
@@ -442,14 +442,8 @@ impl<S: LeaseStore> LeaseStore for Faulty<S> {
         Box::pin(self.faulty(Op::Extend, self.inner.extend(lease, lease_expires_at_ms)))
     }
 
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(self.faulty(Op::Resolve, self.inner.resolve_unknown(scope, key, now_ms, resolution)))
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(self.faulty(Op::Resolve, self.inner.resolve_unknown(req)))
     }
 }
 

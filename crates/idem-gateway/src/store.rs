@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, KeyAdmin, KeyFilter, KeyInfo, KeyStats, Lease, LeaseClaim,
-    LeaseStore, OutboxLag, OutboxStore, Record, Result, Scope, StoreErrorKind, StoredRow, Sweep, SweepBatch, TableName,
-    TimeSource,
+    LeaseStore, OutboxLag, OutboxStore, Record, Resolution, Result, Scope, StoreErrorKind, StoredRow, Sweep,
+    SweepBatch, TableName, TimeSource,
 };
 use idem_redis::RedisConnection;
 use serde::Deserialize;
@@ -493,14 +493,8 @@ impl LeaseStore for AnyLease {
         each!(self, s => s.extend(lease, lease_expires_at_ms))
     }
 
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
-        each!(self, s => s.resolve_unknown(scope, key, now_ms, resolution))
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
+        each!(self, s => s.resolve_unknown(req))
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use idem_core::{
     BoxFuture, ClaimRequest, IdempotencyKey, Lease, LeaseClaim, LeaseEngine, LeaseStore, ManualClock, Policy, Record,
-    Scope,
+    Resolution, Scope,
 };
 use idem_http::{IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
@@ -70,14 +70,8 @@ impl LeaseStore for PausingStore {
         self.inner.extend(lease, until)
     }
 
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, idem_core::Result<bool>> {
-        self.inner.resolve_unknown(scope, key, now_ms, resolution)
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, idem_core::Result<bool>> {
+        self.inner.resolve_unknown(req)
     }
 }
 

@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, Fingerprint, IdempotencyKey, KeyRegistry, Lease, LeaseClaim, LeaseStore, Record,
-    Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep, Token, TxBackend,
-    TxClaim,
+    Resolution, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope, StoreErrorKind, StoredRow, Sweep,
+    Token, TxBackend, TxClaim,
 };
 
 type Slot = (Scope, IdempotencyKey);
@@ -289,13 +289,13 @@ impl LeaseStore for MemoryStore {
         })
     }
 
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
+        let Resolution {
+            scope,
+            key,
+            now_ms,
+            record: resolution,
+        } = *req;
         Box::pin(async move {
             let mut rows = self.lock();
             let slot = (scope.clone(), key.clone());

@@ -92,7 +92,7 @@ use std::sync::Arc;
 
 use futures_util::{StreamExt, TryStreamExt};
 use idem_core::{
-    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Result, Scope,
+    BoxFuture, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, Resolution, Result, Scope,
     StoreErrorKind, StoredRow, Sweep, SweepBatch, TimeSource, Token,
 };
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -535,13 +535,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
         })
     }
 
-    fn resolve_unknown<'a>(
-        &'a self,
-        scope: &'a Scope,
-        key: &'a IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&'a Record>,
-    ) -> BoxFuture<'a, Result<bool>> {
+    fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
+        let Resolution {
+            scope,
+            key,
+            now_ms,
+            record: resolution,
+        } = *req;
         Box::pin(async move {
             let tag = Self::tag(scope, key);
             let mut conn = self.conn.clone();

@@ -20,8 +20,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use idem_core::{
-    ClaimRequest, IdempotencyKey, Lease, Record, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN, Scope,
-    StoredRow, TableName,
+    ClaimRequest, IdempotencyKey, Lease, Record, Resolution, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN,
+    Scope, StoredRow, TableName,
 };
 use sqlx::{AssertSqlSafe, Database, Pool};
 
@@ -304,14 +304,8 @@ impl<D: Dialect> SqlKeyRows<D> {
 
     /// A row holding an unknown outcome at `now_ms` takes `resolution`, or
     /// is deleted without one; whether there was such a row.
-    pub async fn resolve_unknown(
-        &self,
-        scope: &Scope,
-        key: &IdempotencyKey,
-        now_ms: i64,
-        resolution: Option<&Record>,
-    ) -> Result<bool> {
-        let (sql, outcome) = match resolution {
+    pub async fn resolve_unknown(&self, req: &Resolution<'_>) -> Result<bool> {
+        let (sql, outcome) = match req.record {
             Some(record) => (
                 &self.sql.resolve_record,
                 Some([Arg::Int16(record.status.code()), Arg::Bytes(&record.payload)]),
@@ -321,8 +315,8 @@ impl<D: Dialect> SqlKeyRows<D> {
         let args = outcome
             .into_iter()
             .flatten()
-            .chain(key_args::<D>(scope, key))
-            .chain([Arg::Int(now_ms), Arg::Int(now_ms)]);
+            .chain(key_args::<D>(req.scope, req.key))
+            .chain([Arg::Int(req.now_ms), Arg::Int(req.now_ms)]);
         Ok(self.changed(Self::statement(sql, args)).await? == 1)
     }
 
@@ -407,12 +401,9 @@ macro_rules! lease_writes {
 
         fn resolve_unknown<'a>(
             &'a self,
-            scope: &'a ::idem_core::Scope,
-            key: &'a ::idem_core::IdempotencyKey,
-            now_ms: i64,
-            resolution: Option<&'a ::idem_core::Record>,
+            req: &'a ::idem_core::Resolution<'a>,
         ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<bool>> {
-            ::std::boxed::Box::pin(self.$rows.resolve_unknown(scope, key, now_ms, resolution))
+            ::std::boxed::Box::pin(self.$rows.resolve_unknown(req))
         }
     };
 }

@@ -48,7 +48,7 @@ use idem_outbox::{Relay, RelayOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::StartError;
-use crate::db::{LedgerDb, PROJECTION_INBOX_TABLE, StatementChange};
+use crate::db::{LedgerDb, LedgerTx, PROJECTION_INBOX_TABLE, StatementChange};
 
 /// The version of the event schema this ledger writes and reads.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -545,8 +545,7 @@ pub async fn projector<D: LedgerDb>(
                 return Err(HandlerError::reject("the payload's id differs from Nats-Msg-Id"));
             }
             let changes = envelope.statement_changes().map_err(HandlerError::reject)?;
-            D::apply_statement(
-                tx,
+            tx.apply_statement(
                 &envelope.tenant,
                 &envelope.id,
                 &changes,

@@ -14,9 +14,7 @@ use std::sync::OnceLock;
 use idem_core::{BoxFuture, NewDeadLetter, OutboxEvent, TableName};
 use idem_faults::{FaultPlan, Faulty};
 
-use crate::db::{
-    Account, Audit, DbError, LedgerDb, Payout, PayoutChange, PayoutState, PayoutTask, Statement, StatementChange,
-};
+use crate::db::{Account, Audit, DbError, LedgerDb, Payout, PayoutState, PayoutTask, Statement};
 
 /// The process's faults, if `LEDGER_STORE_FAULTS` asks for any: a holder
 /// whose [`Faulty::beside`] wraps each store with the one shared plan.
@@ -56,39 +54,8 @@ where
     fn ping(&self) -> BoxFuture<'_, Result<(), DbError>> {
         self.inner().ping()
     }
-    fn insert_account<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        name: &'c str,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>> {
-        S::insert_account(tx, tenant, id, name, now_ms)
-    }
     fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>> {
         self.inner().account(tenant, id)
-    }
-    fn top_up<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        journal_id: &'c str,
-        kind: &'static str,
-        account_id: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<i64, DbError>> {
-        S::top_up(tx, tenant, journal_id, kind, account_id, amount, now_ms)
-    }
-    fn transfer<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        journal_id: &'c str,
-        from: &'c str,
-        to: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>> {
-        S::transfer(tx, tenant, journal_id, from, to, amount, now_ms)
     }
     fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>> {
         self.inner().audit(tenant)
@@ -107,39 +74,12 @@ where
     fn keyed(&self, table: TableName) -> Self {
         self.beside(self.inner().keyed(table))
     }
-    fn apply_statement<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        event_id: &'c str,
-        changes: &'c [StatementChange],
-        occurred_at_ms: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>> {
-        S::apply_statement(tx, tenant, event_id, changes, occurred_at_ms, now_ms)
-    }
     fn statement<'a>(
         &'a self,
         tenant: &'a str,
         account_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<Statement>, DbError>> {
         self.inner().statement(tenant, account_id)
-    }
-    fn snapshot_balances<'c>(
-        tx: &'c mut Self::Tx,
-        run_id: &'c str,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<u64, DbError>> {
-        S::snapshot_balances(tx, run_id, now_ms)
-    }
-    fn request_payout<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        account_id: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<i64, DbError>> {
-        S::request_payout(tx, tenant, id, account_id, amount, now_ms)
     }
     fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
         self.inner().payout(tenant, id)
@@ -177,38 +117,11 @@ where
             self.inner().mark_payout_sent(tenant, id, now_ms),
         ))
     }
-    fn defer_payout<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        not_before_ms: i64,
-        attempts: i64,
-        last_error: &'c str,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<bool, DbError>> {
-        S::defer_payout(tx, tenant, id, not_before_ms, attempts, last_error, now_ms)
-    }
-    fn cancel_payout<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<bool, DbError>> {
-        S::cancel_payout(tx, tenant, id, now_ms)
-    }
     fn cancel_dead_letter<'c>(
         letters: &'c Self::DeadLetters,
         tx: &'c mut Self::Tx,
         id: i64,
     ) -> BoxFuture<'c, Result<bool, DbError>> {
         S::cancel_dead_letter(letters.inner(), tx, id)
-    }
-    fn change_payout<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        change: &'c PayoutChange<'c>,
-    ) -> BoxFuture<'c, Result<bool, DbError>> {
-        S::change_payout(tx, tenant, id, change)
     }
 }

@@ -37,7 +37,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use api::{AppState, Options, app, tenant_for_token};
-pub use db::{Audit, DbError, LedgerDb};
+pub use db::{Audit, DbError, LedgerDb, LedgerTx};
 use idem_core::{SharedClock, TableName};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
@@ -341,7 +341,7 @@ pub async fn snapshot<D: LedgerDb>(
     let delivery = scheduler
         .run(job, run_id, |tx| {
             let (run, clock) = (run.clone(), clock.clone());
-            Box::pin(async move { D::snapshot_balances(tx, &run, clock.now_ms()).await })
+            Box::pin(async move { tx.snapshot_balances(&run, clock.now_ms()).await })
         })
         .await?;
     Ok(match delivery {
@@ -380,7 +380,7 @@ async fn run_snapshots<D: LedgerDb>(
         let clock = clock.clone();
         snapshot_work::<D, _>(move |tx| {
             let (run_id, clock) = (run_id.clone(), clock.clone());
-            Box::pin(async move { D::snapshot_balances(tx, &run_id, clock.now_ms()).await })
+            Box::pin(async move { tx.snapshot_balances(&run_id, clock.now_ms()).await })
         })
     };
     scheduler.run_every(&job, Duration::from_secs(30), make, shutdown).await;

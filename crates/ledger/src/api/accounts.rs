@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::body::{JsonBody, account_id};
 use super::{ApiError, AppState, Principal};
-use crate::db::{Account, Audit, DbError, LedgerDb, Statement};
+use crate::db::{Account, Audit, DbError, LedgerDb, LedgerTx, Statement};
 
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -38,7 +38,7 @@ pub(super) async fn create_account<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let tenant = who.tenant.as_str();
-    D::insert_account(&mut tx, tenant, &id, name, now_ms).await?;
+    tx.insert_account(tenant, &id, name, now_ms).await?;
     let data = serde_json::json!({ "account_id": id, "name": name });
     st.enqueue(&mut tx, "account.created", tenant, now_ms, data).await?;
     Ok((

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::body::{JsonBody, account_id, amount, whole_number};
 use super::problem::problem;
 use super::{ApiError, AppState, Principal};
-use crate::db::{DbError, LedgerDb, Payout, PayoutState};
+use crate::db::{DbError, LedgerDb, LedgerTx, Payout, PayoutState};
 
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -50,7 +50,7 @@ pub(super) async fn request_payout<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let tenant = who.tenant.as_str();
-    let balance = D::request_payout(&mut tx, tenant, &id, &req.account_id, amount, now_ms).await?;
+    let balance = tx.request_payout(tenant, &id, &req.account_id, amount, now_ms).await?;
     let data = serde_json::json!({ "payout_id": id, "account_id": req.account_id, "amount": amount });
     st.enqueue(&mut tx, "payout.requested", tenant, now_ms, data).await?;
     Ok((
@@ -160,7 +160,7 @@ pub(super) async fn cancel_payout<D: LedgerDb>(
         )));
     }
     let now_ms = st.clock.now_ms();
-    if !D::cancel_payout(&mut tx, tenant, &id, now_ms).await.map_err(db_error)? {
+    if !tx.cancel_payout(tenant, &id, now_ms).await.map_err(db_error)? {
         return Err(not_cancellable("no longer dead-lettered or unknown"));
     }
     let data = serde_json::json!({ "payout_id": id, "account_id": payout.account_id, "amount": payout.amount });

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::body::{JsonBody, account_id, amount, whole_number};
 use super::{ApiError, AppState, Principal};
-use crate::db::LedgerDb;
+use crate::db::{LedgerDb, LedgerTx};
 
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -65,7 +65,9 @@ pub(super) async fn top_up<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let tenant = who.tenant.as_str();
-    let balance = D::top_up(&mut tx, tenant, &id, "top_up", &req.account_id, amount, now_ms).await?;
+    let balance = tx
+        .top_up(tenant, &id, "top_up", &req.account_id, amount, now_ms)
+        .await?;
     let data = serde_json::json!({ "journal_id": id, "account_id": req.account_id, "amount": amount });
     st.enqueue(&mut tx, "top_up.created", tenant, now_ms, data).await?;
     Ok((
@@ -95,7 +97,7 @@ pub(super) async fn transfer<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let tenant = who.tenant.as_str();
-    D::transfer(&mut tx, tenant, &id, &req.from, &req.to, amount, now_ms).await?;
+    tx.transfer(tenant, &id, &req.from, &req.to, amount, now_ms).await?;
     let data = serde_json::json!({ "journal_id": id, "from": req.from, "to": req.to, "amount": amount });
     st.enqueue(&mut tx, "transfer.created", tenant, now_ms, data).await?;
     Ok((

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use super::body::{account_id, amount, json_object, media_type, whole_number};
 use super::problem::{problem, retry_soon, unsupported_media_type};
 use super::{ApiError, AppState, MAX_BODY_BYTES, Options, Principal, auth};
-use crate::db::{DbError, LedgerDb, WEBHOOK_INBOX_TABLE};
+use crate::db::{DbError, LedgerDb, LedgerTx, WEBHOOK_INBOX_TABLE};
 
 /// The webhook inbox, if webhooks are configured.
 #[derive(Clone)]
@@ -178,7 +178,7 @@ async fn payment_webhook<D: LedgerDb>(
             Box::pin(async move {
                 let id = uuid::Uuid::now_v7().to_string();
                 let now_ms = clock.now_ms();
-                let balance = D::top_up(tx, tenant.as_str(), &id, "webhook_top_up", &account, amount, now_ms).await?;
+                let balance = tx.top_up(tenant.as_str(), &id, "webhook_top_up", &account, amount, now_ms).await?;
                 crate::events::enqueue::<D>(
                     &outbox,
                     tx,

@@ -138,25 +138,6 @@ impl Sql {
 /// transfers and the audit, for `$store`.
 macro_rules! account_methods {
     ($store:ty) => {
-        fn insert_account<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            tenant: &'c str,
-            id: &'c str,
-            name: &'c str,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<(), DbError>> {
-            Box::pin(async move {
-                sqlx::query(queries().accounts.insert_account.clone())
-                    .bind(tenant)
-                    .bind(id)
-                    .bind(name)
-                    .bind(now_ms)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            })
-        }
-
         fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>> {
             Box::pin(async move {
                 let row: Option<(String, String, i64)> = sqlx::query_as(queries().accounts.select_account.clone())
@@ -165,50 +146,6 @@ macro_rules! account_methods {
                     .fetch_optional(self.pool())
                     .await?;
                 Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
-            })
-        }
-
-        fn top_up<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            tenant: &'c str,
-            journal_id: &'c str,
-            kind: &'static str,
-            account_id: &'c str,
-            amount: i64,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<i64, DbError>> {
-            Box::pin(async move {
-                let q = queries();
-                let movement = crate::db::accounts::Movement {
-                    journal_id,
-                    kind,
-                    amount,
-                    from: None,
-                    to: Some(account_id),
-                };
-                move_money(&mut **tx, q, tenant, &movement, now_ms).await?;
-                balance(&mut **tx, q, tenant, account_id).await
-            })
-        }
-
-        fn transfer<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            tenant: &'c str,
-            journal_id: &'c str,
-            from: &'c str,
-            to: &'c str,
-            amount: i64,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<(), DbError>> {
-            Box::pin(async move {
-                let movement = crate::db::accounts::Movement {
-                    journal_id,
-                    kind: "transfer",
-                    amount,
-                    from: Some(from),
-                    to: Some(to),
-                };
-                move_money(&mut **tx, queries(), tenant, &movement, now_ms).await
             })
         }
 
@@ -249,6 +186,76 @@ macro_rules! account_methods {
     };
 }
 pub(super) use account_methods;
+
+/// The [`LedgerTx`](super::LedgerTx) methods of accounts, for a transaction
+/// of the engine whose `queries` and money functions are in scope.
+macro_rules! account_tx_methods {
+    () => {
+        fn insert_account<'c>(
+            &'c mut self,
+            tenant: &'c str,
+            id: &'c str,
+            name: &'c str,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<(), DbError>> {
+            Box::pin(async move {
+                sqlx::query(queries().accounts.insert_account.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .bind(name)
+                    .bind(now_ms)
+                    .execute(&mut **self)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn top_up<'c>(
+            &'c mut self,
+            tenant: &'c str,
+            journal_id: &'c str,
+            kind: &'static str,
+            account_id: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<i64, DbError>> {
+            Box::pin(async move {
+                let q = queries();
+                let movement = crate::db::accounts::Movement {
+                    journal_id,
+                    kind,
+                    amount,
+                    from: None,
+                    to: Some(account_id),
+                };
+                move_money(&mut **self, q, tenant, &movement, now_ms).await?;
+                balance(&mut **self, q, tenant, account_id).await
+            })
+        }
+
+        fn transfer<'c>(
+            &'c mut self,
+            tenant: &'c str,
+            journal_id: &'c str,
+            from: &'c str,
+            to: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<(), DbError>> {
+            Box::pin(async move {
+                let movement = crate::db::accounts::Movement {
+                    journal_id,
+                    kind: "transfer",
+                    amount,
+                    from: Some(from),
+                    to: Some(to),
+                };
+                move_money(&mut **self, queries(), tenant, &movement, now_ms).await
+            })
+        }
+    };
+}
+pub(super) use account_tx_methods;
 
 /// One movement of money as the journal records it: `amount` from `from`
 /// to `to`, `None` standing for `@world` (money entering or leaving the
@@ -368,6 +375,21 @@ macro_rules! money_rows {
                 .fetch_one(&mut *conn)
                 .await?;
             Ok(balance)
+        }
+
+        /// The payout tasks `sql` selects by `arg`, at most `limit`.
+        async fn payout_tasks<'q, T: 'q + Send + sqlx::Encode<'q, $db> + sqlx::Type<$db>>(
+            pool: &sqlx::Pool<$db>,
+            sql: &sqlx::SqlStr,
+            arg: T,
+            limit: u32,
+        ) -> Result<Vec<PayoutTask>, DbError> {
+            let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(sql.clone())
+                .bind(arg)
+                .bind(i64::from(limit))
+                .fetch_all(pool)
+                .await?;
+            Ok(PayoutTask::from_rows(rows))
         }
     };
 }

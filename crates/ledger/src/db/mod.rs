@@ -99,44 +99,13 @@ impl idem_core::Contention for DbError {
 /// What the ledger needs of a store: the idempotency backend plus the
 /// ledger's own statements. Implemented for the PostgreSQL, MySQL/MariaDB and
 /// SQLite stores.
-pub trait LedgerDb: TxBackend + Clone {
+pub trait LedgerDb: TxBackend<Tx: LedgerTx> + Clone {
     /// Creates the ledger's tables (the idempotency tables too).
     fn migrate(&self) -> BoxFuture<'_, Result<(), DbError>>;
     /// Whether the database answers.
     fn ping(&self) -> BoxFuture<'_, Result<(), DbError>>;
-    /// Inserts an account.
-    fn insert_account<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        name: &'c str,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>>;
     /// Reads an account of `tenant`.
     fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>>;
-    /// Credits `amount` from `@world` to an account (kind `top_up`, or
-    /// `webhook_top_up`); answers the new balance.
-    #[allow(clippy::too_many_arguments)]
-    fn top_up<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        journal_id: &'c str,
-        kind: &'static str,
-        account_id: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<i64, DbError>>;
-    /// Moves `amount` between two accounts of `tenant`.
-    #[allow(clippy::too_many_arguments)]
-    fn transfer<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        journal_id: &'c str,
-        from: &'c str,
-        to: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>>;
     /// The tenant's conservation figures, read from one consistent snapshot.
     fn audit<'a>(&'a self, tenant: &'a str) -> BoxFuture<'a, Result<Audit, DbError>>;
     /// The outbox of this engine.
@@ -151,34 +120,12 @@ pub trait LedgerDb: TxBackend + Clone {
     ) -> BoxFuture<'c, Result<(), DbError>>;
     /// The same database with idempotency keys in `table`.
     fn keyed(&self, table: TableName) -> Self;
-    /// Applies one event to the statement projection and logs the application.
-    fn apply_statement<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        event_id: &'c str,
-        changes: &'c [StatementChange],
-        occurred_at_ms: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<(), DbError>>;
     /// An account's statement, if the projection has seen it.
     fn statement<'a>(
         &'a self,
         tenant: &'a str,
         account_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<Statement>, DbError>>;
-    /// Writes one balance snapshot row per account under `run_id`; answers how many.
-    fn snapshot_balances<'c>(tx: &'c mut Self::Tx, run_id: &'c str, now_ms: i64)
-    -> BoxFuture<'c, Result<u64, DbError>>;
-    /// Debits `amount` from an account to `@world` (kind `payout`) and
-    /// records the payout as requested; answers the new balance.
-    fn request_payout<'c>(
-        tx: &'c mut Self::Tx,
-        tenant: &'c str,
-        id: &'c str,
-        account_id: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<i64, DbError>>;
     /// A payout of `tenant`.
     fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>>;
     /// Up to `limit` payouts in `state`, oldest first, of every tenant.
@@ -208,11 +155,76 @@ pub trait LedgerDb: TxBackend + Clone {
     /// started before (committed before the call, so a worker that takes
     /// the payout over knows a call may have reached the vendor).
     fn mark_payout_sent<'a>(&'a self, tenant: &'a str, id: &'a str, now_ms: i64) -> BoxFuture<'a, Result<(), DbError>>;
+    /// Cancels the dead letter `id` in the open transaction, if it is known
+    /// not to have been applied.
+    fn cancel_dead_letter<'c>(
+        letters: &'c Self::DeadLetters,
+        tx: &'c mut Self::Tx,
+        id: i64,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
+}
+
+/// What the ledger writes in an open transaction of its store
+/// ([`LedgerDb::Tx`](idem_core::TxBackend::Tx)): its statements run on the
+/// transaction's connection, and commit or roll back with it. Implemented
+/// for the PostgreSQL, MySQL/MariaDB and SQLite transactions; a store
+/// wrapped by another (the fault-injecting one) keeps its transactions and
+/// so these methods.
+pub trait LedgerTx: Send {
+    /// Writes one balance snapshot row per account under `run_id`; answers how many.
+    fn snapshot_balances<'c>(&'c mut self, run_id: &'c str, now_ms: i64) -> BoxFuture<'c, Result<u64, DbError>>;
+    /// Inserts an account.
+    fn insert_account<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        id: &'c str,
+        name: &'c str,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// Credits `amount` from `@world` to an account (kind `top_up`, or
+    /// `webhook_top_up`); answers the new balance.
+    fn top_up<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        journal_id: &'c str,
+        kind: &'static str,
+        account_id: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// Moves `amount` between two accounts of `tenant`.
+    fn transfer<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        journal_id: &'c str,
+        from: &'c str,
+        to: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// Applies one event to the statement projection and logs the application.
+    fn apply_statement<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        event_id: &'c str,
+        changes: &'c [StatementChange],
+        occurred_at_ms: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<(), DbError>>;
+    /// Debits `amount` from an account to `@world` (kind `payout`) and
+    /// records the payout as requested; answers the new balance.
+    fn request_payout<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        id: &'c str,
+        account_id: &'c str,
+        amount: i64,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
     /// Leaves a requested payout alone until `not_before_ms` (the vendor
     /// asked to wait); false when it is no longer requested.
-    #[allow(clippy::too_many_arguments)]
     fn defer_payout<'c>(
-        tx: &'c mut Self::Tx,
+        &'c mut self,
         tenant: &'c str,
         id: &'c str,
         not_before_ms: i64,
@@ -225,22 +237,15 @@ pub trait LedgerDb: TxBackend + Clone {
     /// `@world` back to the account), in the open transaction; false
     /// (nothing written) when it is in another state.
     fn cancel_payout<'c>(
-        tx: &'c mut Self::Tx,
+        &'c mut self,
         tenant: &'c str,
         id: &'c str,
         now_ms: i64,
     ) -> BoxFuture<'c, Result<bool, DbError>>;
-    /// Cancels the dead letter `id` in the open transaction, if it is known
-    /// not to have been applied.
-    fn cancel_dead_letter<'c>(
-        letters: &'c Self::DeadLetters,
-        tx: &'c mut Self::Tx,
-        id: i64,
-    ) -> BoxFuture<'c, Result<bool, DbError>>;
     /// Moves a payout from `change.from` to `change.to`; false (nothing
     /// written) when it was not in `change.from`.
     fn change_payout<'c>(
-        tx: &'c mut Self::Tx,
+        &'c mut self,
         tenant: &'c str,
         id: &'c str,
         change: &'c PayoutChange<'c>,
@@ -252,7 +257,7 @@ pub trait LedgerDb: TxBackend + Clone {
 /// kind of the ledger's own rows from its module, and the statements of
 /// `$dialect`, prepared once.
 macro_rules! ledger_db {
-    ($store:ty, $db:ty, $outbox:ty, $letters:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
+    ($store:ty, $tx:ty, $db:ty, $outbox:ty, $letters:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
         impl LedgerDb for $store {
             crate::db::schema::migrate_method!($dialect, $lock, $unlock);
 
@@ -314,6 +319,12 @@ macro_rules! ledger_db {
             crate::db::payouts::payout_methods!($store);
         }
 
+        impl LedgerTx for $tx {
+            crate::db::accounts::account_tx_methods!();
+            crate::db::statements::statement_tx_methods!();
+            crate::db::payouts::payout_tx_methods!();
+        }
+
         fn queries() -> &'static Queries {
             static Q: std::sync::OnceLock<Queries> = std::sync::OnceLock::new();
             Q.get_or_init(|| Queries::new($dialect))
@@ -327,6 +338,7 @@ mod postgres {
     use super::*;
     ledger_db!(
         idem_postgres::PgStore,
+        idem_postgres::PgTx,
         sqlx::Postgres,
         idem_postgres::PgOutbox,
         idem_postgres::PgDeadLetters,
@@ -340,6 +352,7 @@ mod mysql {
     use super::*;
     ledger_db!(
         idem_mysql::MySqlStore,
+        idem_mysql::MySqlTx,
         sqlx::MySql,
         idem_mysql::MySqlOutbox,
         idem_mysql::MySqlDeadLetters,
@@ -353,6 +366,7 @@ mod sqlite {
     use super::*;
     ledger_db!(
         idem_sqlite::SqliteStore,
+        idem_sqlite::SqliteTx,
         sqlx::Sqlite,
         idem_sqlite::SqliteOutbox,
         idem_sqlite::SqliteDeadLetters,

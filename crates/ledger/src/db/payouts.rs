@@ -252,37 +252,6 @@ impl Sql {
 /// The [`LedgerDb`](super::LedgerDb) methods of payouts, for `$store`.
 macro_rules! payout_methods {
     ($store:ty) => {
-        fn request_payout<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            tenant: &'c str,
-            id: &'c str,
-            account_id: &'c str,
-            amount: i64,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<i64, DbError>> {
-            Box::pin(async move {
-                let q = queries();
-                let movement = crate::db::accounts::Movement {
-                    journal_id: id,
-                    kind: "payout",
-                    amount,
-                    from: Some(account_id),
-                    to: None,
-                };
-                move_money(&mut **tx, q, tenant, &movement, now_ms).await?;
-                sqlx::query(q.payouts.insert_payout.clone())
-                    .bind(tenant)
-                    .bind(id)
-                    .bind(account_id)
-                    .bind(amount)
-                    .bind(now_ms)
-                    .bind(now_ms)
-                    .execute(&mut **tx)
-                    .await?;
-                balance(&mut **tx, q, tenant, account_id).await
-            })
-        }
-
         fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
             Box::pin(async move {
                 let row: Option<crate::db::payouts::PayoutRow> =
@@ -296,14 +265,12 @@ macro_rules! payout_methods {
         }
 
         fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
-            Box::pin(async move {
-                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_in.clone())
-                    .bind(state.as_str())
-                    .bind(i64::from(limit))
-                    .fetch_all(self.pool())
-                    .await?;
-                Ok(PayoutTask::from_rows(rows))
-            })
+            Box::pin(payout_tasks(
+                self.pool(),
+                &queries().payouts.payouts_in,
+                state.as_str(),
+                limit,
+            ))
         }
 
         fn payouts_redriven<'a>(
@@ -311,25 +278,21 @@ macro_rules! payout_methods {
             operation: &'a str,
             limit: u32,
         ) -> BoxFuture<'a, Result<Vec<PayoutTask>, DbError>> {
-            Box::pin(async move {
-                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_redriven.clone())
-                    .bind(operation)
-                    .bind(i64::from(limit))
-                    .fetch_all(self.pool())
-                    .await?;
-                Ok(PayoutTask::from_rows(rows))
-            })
+            Box::pin(payout_tasks(
+                self.pool(),
+                &queries().payouts.payouts_redriven,
+                operation,
+                limit,
+            ))
         }
 
         fn payouts_due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {
-            Box::pin(async move {
-                let rows: Vec<crate::db::payouts::TaskRow> = sqlx::query_as(queries().payouts.payouts_due.clone())
-                    .bind(now_ms)
-                    .bind(i64::from(limit))
-                    .fetch_all(self.pool())
-                    .await?;
-                Ok(PayoutTask::from_rows(rows))
-            })
+            Box::pin(payout_tasks(
+                self.pool(),
+                &queries().payouts.payouts_due,
+                now_ms,
+                limit,
+            ))
         }
 
         fn mark_payout_sent<'a>(
@@ -348,9 +311,47 @@ macro_rules! payout_methods {
                 Ok(())
             })
         }
+    };
+}
+pub(super) use payout_methods;
+
+/// The [`LedgerTx`](super::LedgerTx) methods of payouts, for a transaction
+/// of the engine whose `queries` and money functions are in scope.
+macro_rules! payout_tx_methods {
+    () => {
+        fn request_payout<'c>(
+            &'c mut self,
+            tenant: &'c str,
+            id: &'c str,
+            account_id: &'c str,
+            amount: i64,
+            now_ms: i64,
+        ) -> BoxFuture<'c, Result<i64, DbError>> {
+            Box::pin(async move {
+                let q = queries();
+                let movement = crate::db::accounts::Movement {
+                    journal_id: id,
+                    kind: "payout",
+                    amount,
+                    from: Some(account_id),
+                    to: None,
+                };
+                move_money(&mut **self, q, tenant, &movement, now_ms).await?;
+                sqlx::query(q.payouts.insert_payout.clone())
+                    .bind(tenant)
+                    .bind(id)
+                    .bind(account_id)
+                    .bind(amount)
+                    .bind(now_ms)
+                    .bind(now_ms)
+                    .execute(&mut **self)
+                    .await?;
+                balance(&mut **self, q, tenant, account_id).await
+            })
+        }
 
         fn defer_payout<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            &'c mut self,
             tenant: &'c str,
             id: &'c str,
             not_before_ms: i64,
@@ -366,14 +367,14 @@ macro_rules! payout_methods {
                     .bind(now_ms)
                     .bind(tenant)
                     .bind(id)
-                    .execute(&mut **tx)
+                    .execute(&mut **self)
                     .await?;
                 Ok(done.rows_affected() == 1)
             })
         }
 
         fn change_payout<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            &'c mut self,
             tenant: &'c str,
             id: &'c str,
             change: &'c PayoutChange<'c>,
@@ -388,14 +389,14 @@ macro_rules! payout_methods {
                     .bind(tenant)
                     .bind(id)
                     .bind(change.from.as_str())
-                    .execute(&mut **tx)
+                    .execute(&mut **self)
                     .await?;
                 Ok(done.rows_affected() == 1)
             })
         }
 
         fn cancel_payout<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
+            &'c mut self,
             tenant: &'c str,
             id: &'c str,
             now_ms: i64,
@@ -405,7 +406,7 @@ macro_rules! payout_methods {
                 let row: Option<(String, i64, String)> = sqlx::query_as(q.payouts.select_payout_for_cancel.clone())
                     .bind(tenant)
                     .bind(id)
-                    .fetch_optional(&mut **tx)
+                    .fetch_optional(&mut **self)
                     .await?;
                 let Some((account_id, amount, state)) = row else {
                     return Ok(false);
@@ -417,7 +418,7 @@ macro_rules! payout_methods {
                     .bind(now_ms)
                     .bind(tenant)
                     .bind(id)
-                    .execute(&mut **tx)
+                    .execute(&mut **self)
                     .await?;
                 if moved.rows_affected() != 1 {
                     return Ok(false);
@@ -432,10 +433,10 @@ macro_rules! payout_methods {
                     from: None,
                     to: Some(&account_id),
                 };
-                move_money(&mut **tx, q, tenant, &reversal, now_ms).await?;
+                move_money(&mut **self, q, tenant, &reversal, now_ms).await?;
                 Ok(true)
             })
         }
     };
 }
-pub(super) use payout_methods;
+pub(super) use payout_tx_methods;

@@ -73,40 +73,6 @@ impl Sql {
 /// snapshots, for `$store`.
 macro_rules! statement_methods {
     ($store:ty) => {
-        fn apply_statement<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            tenant: &'c str,
-            event_id: &'c str,
-            changes: &'c [StatementChange],
-            occurred_at_ms: i64,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<(), DbError>> {
-            Box::pin(async move {
-                let q = &queries().statements;
-                // A fixed order of rows, so two projections of opposite
-                // transfers cannot deadlock each other.
-                let mut changes: Vec<&StatementChange> = changes.iter().collect();
-                changes.sort_by(|a, b| a.account_id.cmp(&b.account_id));
-                for c in changes {
-                    sqlx::query(q.upsert_statement.clone())
-                        .bind(tenant)
-                        .bind(&c.account_id)
-                        .bind(c.credit)
-                        .bind(c.debit)
-                        .execute(&mut **tx)
-                        .await?;
-                }
-                sqlx::query(q.insert_projection_log.clone())
-                    .bind(tenant)
-                    .bind(event_id)
-                    .bind(occurred_at_ms)
-                    .bind(now_ms)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            })
-        }
-
         fn statement<'a>(
             &'a self,
             tenant: &'a str,
@@ -127,21 +93,58 @@ macro_rules! statement_methods {
                 }))
             })
         }
+    };
+}
+pub(super) use statement_methods;
 
-        fn snapshot_balances<'c>(
-            tx: &'c mut <$store as idem_core::TxBackend>::Tx,
-            run_id: &'c str,
+/// The [`LedgerTx`](super::LedgerTx) methods of statements, for a transaction
+/// of the engine whose `queries` and money functions are in scope.
+macro_rules! statement_tx_methods {
+    () => {
+        fn apply_statement<'c>(
+            &'c mut self,
+            tenant: &'c str,
+            event_id: &'c str,
+            changes: &'c [StatementChange],
+            occurred_at_ms: i64,
             now_ms: i64,
-        ) -> BoxFuture<'c, Result<u64, DbError>> {
+        ) -> BoxFuture<'c, Result<(), DbError>> {
+            Box::pin(async move {
+                let q = &queries().statements;
+                // A fixed order of rows, so two projections of opposite
+                // transfers cannot deadlock each other.
+                let mut changes: Vec<&StatementChange> = changes.iter().collect();
+                changes.sort_by(|a, b| a.account_id.cmp(&b.account_id));
+                for c in changes {
+                    sqlx::query(q.upsert_statement.clone())
+                        .bind(tenant)
+                        .bind(&c.account_id)
+                        .bind(c.credit)
+                        .bind(c.debit)
+                        .execute(&mut **self)
+                        .await?;
+                }
+                sqlx::query(q.insert_projection_log.clone())
+                    .bind(tenant)
+                    .bind(event_id)
+                    .bind(occurred_at_ms)
+                    .bind(now_ms)
+                    .execute(&mut **self)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn snapshot_balances<'c>(&'c mut self, run_id: &'c str, now_ms: i64) -> BoxFuture<'c, Result<u64, DbError>> {
             Box::pin(async move {
                 let done = sqlx::query(queries().statements.snapshot_balances.clone())
                     .bind(run_id)
                     .bind(now_ms)
-                    .execute(&mut **tx)
+                    .execute(&mut **self)
                     .await?;
                 Ok(done.rows_affected())
             })
         }
     };
 }
-pub(super) use statement_methods;
+pub(super) use statement_tx_methods;

@@ -69,7 +69,7 @@ use idem_core::{
 use idem_outbound::{Earlier, OutboundClient, OutboundError};
 use tokio::sync::watch;
 
-use crate::db::{DbError, LedgerDb, PayoutChange, PayoutState, PayoutTask};
+use crate::db::{DbError, LedgerDb, LedgerTx, PayoutChange, PayoutState, PayoutTask};
 use crate::events::Namespace;
 
 pub use vendor::{MAX_LOOKUP_BYTES, VendorLookup, answer_check, check_answer, vendor_request};
@@ -392,16 +392,16 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                 ..
             }) => {
                 let not_before = now_ms.saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX));
-                let deferred = D::defer_payout(
-                    &mut tx,
-                    &task.tenant,
-                    &task.id,
-                    not_before,
-                    i64::from(attempts),
-                    idem_core::clip_text(&last_error),
-                    now_ms,
-                )
-                .await?;
+                let deferred = tx
+                    .defer_payout(
+                        &task.tenant,
+                        &task.id,
+                        not_before,
+                        i64::from(attempts),
+                        idem_core::clip_text(&last_error),
+                        now_ms,
+                    )
+                    .await?;
                 tracing::info!(payout = %task.id, retry_in_s = after.as_secs(), "the vendor asked to wait; payout deferred");
                 deferred.then_some(Settled::Deferred)
             }
@@ -458,7 +458,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         kind: &str,
         extra: serde_json::Value,
     ) -> Result<bool, DbError> {
-        if !D::change_payout(tx, &task.tenant, &task.id, change).await? {
+        if !tx.change_payout(&task.tenant, &task.id, change).await? {
             return Ok(false);
         }
         if let Some(letter) = letter {
