@@ -55,15 +55,10 @@ async fn short_run(store: GatewayStore) -> GatewayReport {
     report
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn gateway_chaos_on_postgres() {
-    short_run(GatewayStore::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn gateway_chaos_on_redis() {
-    short_run(GatewayStore::Redis).await;
-}
+idem_conformance::cases!(short_run, 4 => {
+    gateway_chaos_on_postgres(GatewayStore::Postgres);
+    gateway_chaos_on_redis(GatewayStore::Redis);
+});
 
 /// The checker can fail: gateways that scope nobody's keys (an anonymous
 /// tenant for every caller) replay one tenant's answer to another, and the

@@ -204,25 +204,12 @@ async fn killed_mid_request(store: &str) {
     assert_eq!(upstream.calls(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_killed_mid_request_is_never_sent_again_on_sqlite() {
-    killed_mid_request(&temp("sent", "keys.db")).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_killed_mid_request_is_never_sent_again_on_postgres() {
-    killed_mid_request(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_killed_mid_request_is_never_sent_again_on_mariadb() {
-    killed_mid_request(&mysql_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_killed_mid_request_is_never_sent_again_on_redis() {
-    killed_mid_request(&redis_url()).await;
-}
+idem_conformance::cases!(killed_mid_request, 2 => {
+    a_gateway_killed_mid_request_is_never_sent_again_on_sqlite(&temp("sent", "keys.db"));
+    a_gateway_killed_mid_request_is_never_sent_again_on_postgres(&postgres_url());
+    a_gateway_killed_mid_request_is_never_sent_again_on_mariadb(&mysql_url());
+    a_gateway_killed_mid_request_is_never_sent_again_on_redis(&redis_url());
+});
 
 /// The store refuses writes from `refuse()` until `allow()` while the
 /// upstream works: the first caller still gets its answer once the store
@@ -380,22 +367,9 @@ async fn early_lookup(store: &str) {
     assert_eq!(upstream.applied.lock().unwrap().len(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lookup_asked_before_the_send_settled_holds_the_retry_on_sqlite() {
-    early_lookup(&temp("sent", "reconcile.db")).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lookup_asked_before_the_send_settled_holds_the_retry_on_postgres() {
-    early_lookup(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lookup_asked_before_the_send_settled_holds_the_retry_on_mariadb() {
-    early_lookup(&mysql_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lookup_asked_before_the_send_settled_holds_the_retry_on_redis() {
-    early_lookup(&redis_url()).await;
-}
+idem_conformance::cases!(early_lookup, 2 => {
+    a_lookup_asked_before_the_send_settled_holds_the_retry_on_sqlite(&temp("sent", "reconcile.db"));
+    a_lookup_asked_before_the_send_settled_holds_the_retry_on_postgres(&postgres_url());
+    a_lookup_asked_before_the_send_settled_holds_the_retry_on_mariadb(&mysql_url());
+    a_lookup_asked_before_the_send_settled_holds_the_retry_on_redis(&redis_url());
+});

@@ -253,17 +253,8 @@ async fn hold_and_resolve(store: &str) {
     assert_eq!(applied.released.load(Ordering::SeqCst), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hold_turns_apply_then_fail_into_one_call_on_sqlite() {
-    hold_and_resolve(&temp("keys.db")).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hold_turns_apply_then_fail_into_one_call_on_postgres() {
-    hold_and_resolve(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hold_turns_apply_then_fail_into_one_call_on_redis() {
-    hold_and_resolve(&redis_url()).await;
-}
+idem_conformance::cases!(hold_and_resolve, 2 => {
+    hold_turns_apply_then_fail_into_one_call_on_sqlite(&temp("keys.db"));
+    hold_turns_apply_then_fail_into_one_call_on_postgres(&postgres_url());
+    hold_turns_apply_then_fail_into_one_call_on_redis(&redis_url());
+});

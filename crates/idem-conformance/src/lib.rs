@@ -226,6 +226,32 @@ pub(crate) fn clocked_lease<S: Subject>(s: &S, policy: Policy) -> (ManualClock, 
     (clock, engine, call)
 }
 
+/// One test per case of a scenario: each case is a
+/// `#[tokio::test]` on a multi-threaded runtime of `$threads` workers,
+/// named as listed and awaiting `$scenario` with the case's arguments. A
+/// scenario run on several engines or settings is written once, and its
+/// cases read as a table.
+///
+/// ```text
+/// idem_conformance::cases!(two_instances_one_effect, 4 => {
+///     two_instances_on_postgres(Engine::Postgres);
+///     /// One file, shared by the two processes.
+///     two_instances_on_one_sqlite_file(Engine::Sqlite);
+/// });
+/// ```
+#[macro_export]
+macro_rules! cases {
+    ($scenario:path, $threads:literal => { $( $(#[$attr:meta])* $name:ident($($arg:expr),* $(,)?); )+ }) => {
+        $(
+            $(#[$attr])*
+            #[::tokio::test(flavor = "multi_thread", worker_threads = $threads)]
+            async fn $name() {
+                $scenario($($arg),*).await;
+            }
+        )+
+    };
+}
+
 /// Generates the transactional-mode conformance tests for a store, in a
 /// module named `$engine`. `$make` is an async expression producing the
 /// [`Subject`].

@@ -153,15 +153,10 @@ async fn twins_through_two_instances(store: &str) {
     assert_eq!(state.calls(), 1, "the upstream saw one call");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn twins_through_two_instances_sharing_postgres() {
-    twins_through_two_instances(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn twins_through_two_instances_sharing_redis() {
-    twins_through_two_instances(&redis_url()).await;
-}
+idem_conformance::cases!(twins_through_two_instances, 4 => {
+    twins_through_two_instances_sharing_postgres(&postgres_url());
+    twins_through_two_instances_sharing_redis(&redis_url());
+});
 
 /// The upstream takes 2.5 s; the lease is 1 s. The heartbeat keeps the
 /// lease, so twins arriving during the call wait and replay.

@@ -340,45 +340,19 @@ async fn concurrent_retries(store: &str) {
     assert_eq!(s.paid(), 2, "each key paid once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reconcile_answers_on_sqlite() {
-    answers(&sqlite_store()).await;
-}
+idem_conformance::cases!(answers, 4 => {
+    reconcile_answers_on_sqlite(&sqlite_store());
+    reconcile_answers_on_postgres(&postgres_url());
+    reconcile_answers_on_mariadb(&mysql_url());
+    reconcile_answers_on_redis(&redis_url());
+});
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reconcile_answers_on_postgres() {
-    answers(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reconcile_answers_on_mariadb() {
-    answers(&mysql_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reconcile_answers_on_redis() {
-    answers(&redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_retries_on_sqlite() {
-    concurrent_retries(&sqlite_store()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_retries_on_postgres() {
-    concurrent_retries(&postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_retries_on_mariadb() {
-    concurrent_retries(&mysql_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_retries_on_redis() {
-    concurrent_retries(&redis_url()).await;
-}
+idem_conformance::cases!(concurrent_retries, 4 => {
+    concurrent_retries_on_sqlite(&sqlite_store());
+    concurrent_retries_on_postgres(&postgres_url());
+    concurrent_retries_on_mariadb(&mysql_url());
+    concurrent_retries_on_redis(&redis_url());
+});
 
 /// Without a reconcile request the key stays held: 409, no lookup.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -93,17 +93,8 @@ async fn nine_times(key: &'static str, chunked: bool, status: &'static str, slug
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_too_large_body_gets_its_413() {
-    nine_times("idempotency-key: \"k\"\r\n", false, "413", "request-body-too-large").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_too_large_chunked_body_gets_its_413() {
-    nine_times("idempotency-key: \"k\"\r\n", true, "413", "request-body-too-large").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bad_key_with_a_body_gets_its_400() {
-    nine_times("idempotency-key: {}\r\n", false, "400", "idempotency-key-invalid").await;
-}
+idem_conformance::cases!(nine_times, 2 => {
+    a_too_large_body_gets_its_413("idempotency-key: \"k\"\r\n", false, "413", "request-body-too-large");
+    a_too_large_chunked_body_gets_its_413("idempotency-key: \"k\"\r\n", true, "413", "request-body-too-large");
+    a_bad_key_with_a_body_gets_its_400("idempotency-key: {}\r\n", false, "400", "idempotency-key-invalid");
+});

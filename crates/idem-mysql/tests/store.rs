@@ -208,23 +208,14 @@ async fn concurrent_migrations_at(isolation: Isolation) {
     assert_eq!(versions, [1, 2], "each version is recorded exactly once");
 }
 
-/// Concurrent migrations at REPEATABLE READ (InnoDB's default).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_apply_once() {
-    concurrent_migrations_at(Isolation::RepeatableRead).await;
-}
-
-/// Concurrent migrations on connections that default to READ COMMITTED.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_at_read_committed() {
-    concurrent_migrations_at(Isolation::ReadCommitted).await;
-}
-
-/// Concurrent migrations on connections that default to SERIALIZABLE.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_at_serializable() {
-    concurrent_migrations_at(Isolation::Serializable).await;
-}
+idem_conformance::cases!(concurrent_migrations_at, 4 => {
+    /// Concurrent migrations at REPEATABLE READ (InnoDB's default).
+    concurrent_migrations_apply_once(Isolation::RepeatableRead);
+    /// Concurrent migrations on connections that default to READ COMMITTED.
+    concurrent_migrations_at_read_committed(Isolation::ReadCommitted);
+    /// Concurrent migrations on connections that default to SERIALIZABLE.
+    concurrent_migrations_at_serializable(Isolation::Serializable);
+});
 
 /// The lease `req` (a lease claim of `call`'s fresh key) takes.
 async fn leased(store: &MySqlStore, call: &idem_core::Call, req: &ClaimRequest<'_>) -> Lease {

@@ -372,15 +372,10 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
     assert_eq!(after, "7s");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_that_lost_its_prepared_record_rolls_back_and_recovers() {
-    lost_record_rolls_back_and_recovers(ClaimStrategy::InsertOnConflict, "record").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_that_lost_its_prepared_one_write_insert_rolls_back_and_recovers() {
-    lost_record_rolls_back_and_recovers(ClaimStrategy::OneWrite, "insert").await;
-}
+idem_conformance::cases!(lost_record_rolls_back_and_recovers, 2 => {
+    a_connection_that_lost_its_prepared_record_rolls_back_and_recovers(ClaimStrategy::InsertOnConflict, "record");
+    a_connection_that_lost_its_prepared_one_write_insert_rolls_back_and_recovers(ClaimStrategy::OneWrite, "insert");
+});
 
 /// Deallocates the record statement `idem_<lost>_…` inside a claimed transaction: the commit fails,
 /// retryably, with nothing committed, and the connection prepares it again.

@@ -162,23 +162,14 @@ async fn twin_wait_is_bounded(strategy: ClaimStrategy, expected_wait_event: &str
     store.rollback(first).await.unwrap();
 }
 
-/// A twin under the insert-on-conflict strategy waits on the first claimer's transaction id, and only up to its wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twin_waits_on_the_row_for_at_most_its_wait() {
-    twin_wait_is_bounded(ClaimStrategy::InsertOnConflict, "transactionid").await;
-}
-
-/// A twin under the advisory strategy waits on the key's advisory lock, and only up to its wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twin_waits_on_the_advisory_lock_for_at_most_its_wait() {
-    twin_wait_is_bounded(ClaimStrategy::AdvisoryLock, "advisory").await;
-}
-
-/// A twin under the one-write strategy waits on the key's advisory lock, and only up to its wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_write_twin_waits_on_the_advisory_lock_for_at_most_its_wait() {
-    twin_wait_is_bounded(ClaimStrategy::OneWrite, "advisory").await;
-}
+idem_conformance::cases!(twin_wait_is_bounded, 2 => {
+    /// A twin under the insert-on-conflict strategy waits on the first claimer's transaction id, and only up to its wait.
+    twin_waits_on_the_row_for_at_most_its_wait(ClaimStrategy::InsertOnConflict, "transactionid");
+    /// A twin under the advisory strategy waits on the key's advisory lock, and only up to its wait.
+    twin_waits_on_the_advisory_lock_for_at_most_its_wait(ClaimStrategy::AdvisoryLock, "advisory");
+    /// A twin under the one-write strategy waits on the key's advisory lock, and only up to its wait.
+    one_write_twin_waits_on_the_advisory_lock_for_at_most_its_wait(ClaimStrategy::OneWrite, "advisory");
+});
 
 /// After a claim, the caller's own `lock_timeout` is back in force for the rest of its transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -516,23 +507,14 @@ async fn concurrent_migrations_at(isolation: Isolation) {
     );
 }
 
-/// Concurrent migrations at READ COMMITTED.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_are_serialised() {
-    concurrent_migrations_at(Isolation::ReadCommitted).await;
-}
-
-/// Concurrent migrations on connections that default to REPEATABLE READ.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_at_repeatable_read() {
-    concurrent_migrations_at(Isolation::RepeatableRead).await;
-}
-
-/// Concurrent migrations on connections that default to SERIALIZABLE.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_migrations_at_serializable() {
-    concurrent_migrations_at(Isolation::Serializable).await;
-}
+idem_conformance::cases!(concurrent_migrations_at, 4 => {
+    /// Concurrent migrations at READ COMMITTED.
+    concurrent_migrations_are_serialised(Isolation::ReadCommitted);
+    /// Concurrent migrations on connections that default to REPEATABLE READ.
+    concurrent_migrations_at_repeatable_read(Isolation::RepeatableRead);
+    /// Concurrent migrations on connections that default to SERIALIZABLE.
+    concurrent_migrations_at_serializable(Isolation::Serializable);
+});
 
 /// A lease claim of a key held by an open transaction fails with a retryable lock timeout instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

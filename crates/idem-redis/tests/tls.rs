@@ -136,17 +136,12 @@ async fn over_tls(cluster: bool) {
     assert!(!e.is_empty());
 }
 
-/// One server, TLS only.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_server_over_tls() {
-    over_tls(false).await;
-}
-
-/// A cluster (one master holding every slot), TLS only, found from one rediss URL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cluster_over_tls() {
-    over_tls(true).await;
-}
+idem_conformance::cases!(over_tls, 2 => {
+    /// One server, TLS only.
+    one_server_over_tls(false);
+    /// A cluster (one master holding every slot), TLS only, found from one rediss URL.
+    a_cluster_over_tls(true);
+});
 
 /// A ca_file on a plain redis:// URL, or one that cannot be read, is refused before connecting.
 #[tokio::test]

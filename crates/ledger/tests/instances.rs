@@ -136,17 +136,8 @@ async fn two_instances_one_effect(engine: Engine) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_instances_on_postgres() {
-    two_instances_one_effect(Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_instances_on_mariadb() {
-    two_instances_one_effect(Engine::Mysql).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_instances_on_one_sqlite_file() {
-    two_instances_one_effect(Engine::Sqlite).await;
-}
+idem_conformance::cases!(two_instances_one_effect, 4 => {
+    two_instances_on_postgres(Engine::Postgres);
+    two_instances_on_mariadb(Engine::Mysql);
+    two_instances_on_one_sqlite_file(Engine::Sqlite);
+});

@@ -113,17 +113,8 @@ async fn the_server_sweeps_every_keyed_table(engine: Engine) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sqlite() {
-    the_server_sweeps_every_keyed_table(Engine::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres() {
-    the_server_sweeps_every_keyed_table(Engine::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mysql() {
-    the_server_sweeps_every_keyed_table(Engine::Mysql).await;
-}
+idem_conformance::cases!(the_server_sweeps_every_keyed_table, 4 => {
+    sqlite(Engine::Sqlite);
+    postgres(Engine::Postgres);
+    mysql(Engine::Mysql);
+});
