@@ -494,6 +494,30 @@ pub async fn serve(
     serve_with_tls(addr, vendor, None, shutdown).await
 }
 
+/// Starts a vendor treating keys by `options` on a free loopback port, over
+/// TLS with `tls` when given, and answers its base URL (`http://` or
+/// `https://`) once it accepts connections; it serves until the runtime
+/// ends. Fails if it does not accept within two seconds.
+pub async fn start(
+    options: Options,
+    tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
+) -> std::io::Result<(String, Arc<Vendor>)> {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let vendor = Arc::new(Vendor::new(options));
+    tokio::spawn(serve_with_tls(addr, vendor.clone(), tls, std::future::pending()));
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return Ok((format!("{scheme}://{addr}"), vendor));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("the fake vendor did not start on {addr}"),
+    ))
+}
+
 /// [`serve`], over TLS with `tls` when given (`https://`).
 pub async fn serve_with_tls(
     addr: std::net::SocketAddr,

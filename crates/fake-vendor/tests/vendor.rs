@@ -9,22 +9,7 @@ async fn start() -> (String, Arc<fake_vendor::Vendor>) {
 }
 
 async fn start_with(options: fake_vendor::Options) -> (String, Arc<fake_vendor::Vendor>) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let vendor = Arc::new(fake_vendor::Vendor::new(options));
-    tokio::spawn(fake_vendor::serve(addr, vendor.clone(), std::future::pending()));
-    let base = format!("http://{addr}");
-    for _ in 0..100 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    (base, vendor)
+    fake_vendor::start(options, None).await.unwrap()
 }
 
 async fn pay(base: &str, key: Option<&str>, body: &str) -> reqwest::Result<reqwest::Response> {

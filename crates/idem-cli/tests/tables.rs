@@ -95,46 +95,36 @@ async fn inbox_table<S: LeaseStore + Clone>(
     }
 }
 
+/// [`inbox_table`] on a server of `$pool`, reached at `$url`, with the
+/// store `$store` (named `$engine` in the failure to connect).
+macro_rules! inbox_table_on {
+    ($pool:ty, $store:ty, $url:expr, $engine:literal) => {{
+        let url = $url;
+        let pool = <$pool>::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach {} at {url}: {e}", $engine));
+        let tag = tag();
+        let store = <$store>::new(pool.clone()).with_table(idem_core::TableName::new(&tables(&tag).0).unwrap());
+        store.migrate().await.unwrap();
+        let execute = async |sql: String| {
+            sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+        };
+        let count = async |sql: String| -> i64 {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+        inbox_table(&url, store, &tag, execute, count).await;
+    }};
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_inbox_table() {
-    let url = postgres_url();
-    let pool = sqlx::PgPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}"));
-    let tag = tag();
-    let store =
-        idem_postgres::PgStore::new(pool.clone()).with_table(idem_core::TableName::new(&tables(&tag).0).unwrap());
-    store.migrate().await.unwrap();
-    let execute = async |sql: String| {
-        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-    };
-    let count = async |sql: String| -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    inbox_table(&url, store, &tag, execute, count).await;
+    inbox_table_on!(sqlx::PgPool, idem_postgres::PgStore, postgres_url(), "PostgreSQL");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_inbox_table() {
-    let url = mysql_url();
-    let pool = sqlx::MySqlPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url}: {e}"));
-    let tag = tag();
-    let store =
-        idem_mysql::MySqlStore::new(pool.clone()).with_table(idem_core::TableName::new(&tables(&tag).0).unwrap());
-    store.migrate().await.unwrap();
-    let execute = async |sql: String| {
-        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-    };
-    let count = async |sql: String| -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    inbox_table(&url, store, &tag, execute, count).await;
+    inbox_table_on!(sqlx::MySqlPool, idem_mysql::MySqlStore, mysql_url(), "MariaDB");
 }

@@ -10,32 +10,12 @@ use std::time::Duration;
 use idem_client::{Client, ClientBuilder, Error, Operation};
 use idem_tls::test_pki::TestPki;
 
-fn free_addr() -> std::net::SocketAddr {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    ([127, 0, 0, 1], port).into()
-}
-
-/// The fake vendor on loopback, over TLS with `pki`'s certificate if given.
+/// The fake vendor on loopback, over TLS with `pki`'s certificate if given
+/// (`https://`, else `http://`).
 async fn vendor(pki: Option<&TestPki>) -> (String, Arc<fake_vendor::Vendor>) {
-    let addr = free_addr();
-    let vendor = Arc::new(fake_vendor::Vendor::new(fake_vendor::Options::default()));
-    tokio::spawn(fake_vendor::serve_with_tls(
-        addr,
-        vendor.clone(),
-        pki.map(TestPki::server_config),
-        std::future::pending(),
-    ));
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            return (format!("https://{addr}"), vendor);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the vendor did not start on {addr}");
+    fake_vendor::start(fake_vendor::Options::default(), pki.map(TestPki::server_config))
+        .await
+        .unwrap()
 }
 
 fn fast() -> ClientBuilder {
@@ -95,6 +75,7 @@ async fn plain_and_tls_do_not_mix() {
     let pki = TestPki::new("client-plain");
     let client = fast().ca_file(pki.ca_file()).build().unwrap();
     let (plain_base, plain_vendor) = vendor(None).await;
+    let plain_base = plain_base.replace("http://", "https://");
     let failed = client.send(&payout(&plain_base, "c-3")).await.unwrap_err();
     assert!(
         failed

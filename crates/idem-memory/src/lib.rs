@@ -290,22 +290,16 @@ impl LeaseStore for MemoryStore {
     }
 
     fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
-        let Resolution {
-            scope,
-            key,
-            now_ms,
-            record: resolution,
-        } = *req;
         Box::pin(async move {
             let mut rows = self.lock();
-            let slot = (scope.clone(), key.clone());
+            let slot = (req.scope.clone(), req.key.clone());
             let Some(row) = rows
                 .get_mut(&slot)
-                .filter(|r| r.is_unknown(now_ms) && r.expires_at_ms > now_ms)
+                .filter(|r| r.is_unknown(req.now_ms) && r.expires_at_ms > req.now_ms)
             else {
                 return Ok(false);
             };
-            match resolution {
+            match req.record {
                 Some(record) => {
                     row.status = record.status.code();
                     row.payload = Some(record.payload.clone());

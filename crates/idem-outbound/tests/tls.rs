@@ -6,31 +6,18 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_core::{DeadLetterFilter, DeadLetterStore, Scope};
 use idem_memory::MemoryDeadLetters;
 use idem_outbound::{OutboundClient, OutboundConfig, OutboundError, RedriveOptions, Redriver};
 use idem_tls::test_pki::TestPki;
-use support::{config, free_addr, key, payout};
+use support::{config, key, payout};
 
 /// The fake vendor serving https with `pki`'s certificate.
 async fn https_vendor(pki: &TestPki) -> (String, Arc<fake_vendor::Vendor>) {
-    let addr = free_addr();
-    let vendor = Arc::new(fake_vendor::Vendor::new(fake_vendor::Options::default()));
-    tokio::spawn(fake_vendor::serve_with_tls(
-        addr,
-        vendor.clone(),
-        Some(pki.server_config()),
-        std::future::pending(),
-    ));
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            return (format!("https://{addr}"), vendor);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the https vendor did not start on {addr}");
+    fake_vendor::start(fake_vendor::Options::default(), Some(pki.server_config()))
+        .await
+        .unwrap()
 }
 
 fn with_ca(pki: Option<&TestPki>) -> OutboundConfig {

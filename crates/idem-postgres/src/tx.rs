@@ -386,15 +386,24 @@ mod literal {
     }
 }
 
+/// `EXECUTE <name>(` and the key's tenant, operation and key, each
+/// followed by `, `: the start of every keyed statement's execution.
+fn execute_keyed(name: &str, req: &ClaimRequest<'_>) -> String {
+    let mut sql = format!("EXECUTE {name}(");
+    for text in [
+        req.scope.tenant().as_str(),
+        req.scope.operation().as_str(),
+        req.key.as_str(),
+    ] {
+        literal::text(&mut sql, text);
+        sql.push_str(", ");
+    }
+    sql
+}
+
 /// `EXECUTE <name>(…)` of the transactional claim with `req`'s values.
 pub(crate) fn execute_claim(name: &str, req: &ClaimRequest<'_>, lock_timeout: &str, advisory: Option<i64>) -> String {
-    let mut sql = format!("EXECUTE {name}(");
-    literal::text(&mut sql, req.scope.tenant().as_str());
-    sql.push_str(", ");
-    literal::text(&mut sql, req.scope.operation().as_str());
-    sql.push_str(", ");
-    literal::text(&mut sql, req.key.as_str());
-    sql.push_str(", ");
+    let mut sql = execute_keyed(name, req);
     literal::bytes(&mut sql, &req.fingerprint.as_bytes()[..]);
     for value in [
         Some(req.fresh_token.0),
@@ -417,15 +426,7 @@ pub(crate) fn execute_claim(name: &str, req: &ClaimRequest<'_>, lock_timeout: &s
 
 /// `EXECUTE <name>(…)` of the one-write lock statement with `req`'s values.
 pub(crate) fn execute_lock(name: &str, req: &ClaimRequest<'_>, lock_timeout: &str, advisory: i64) -> String {
-    let mut sql = format!("EXECUTE {name}(");
-    for text in [
-        req.scope.tenant().as_str(),
-        req.scope.operation().as_str(),
-        req.key.as_str(),
-    ] {
-        literal::text(&mut sql, text);
-        sql.push_str(", ");
-    }
+    let mut sql = execute_keyed(name, req);
     literal::int(&mut sql, Some(req.now_ms));
     sql.push_str(", ");
     literal::text(&mut sql, lock_timeout);
@@ -437,15 +438,7 @@ pub(crate) fn execute_lock(name: &str, req: &ClaimRequest<'_>, lock_timeout: &st
 
 /// `EXECUTE <name>(…)` of the one-write insert of the completed row.
 pub(crate) fn execute_insert(name: &str, req: &ClaimRequest<'_>, record: &Record, token: i64) -> String {
-    let mut sql = format!("EXECUTE {name}(");
-    for text in [
-        req.scope.tenant().as_str(),
-        req.scope.operation().as_str(),
-        req.key.as_str(),
-    ] {
-        literal::text(&mut sql, text);
-        sql.push_str(", ");
-    }
+    let mut sql = execute_keyed(name, req);
     literal::bytes(&mut sql, &req.fingerprint.as_bytes()[..]);
     sql.push_str(", ");
     literal::int(&mut sql, Some(i64::from(record.status.code())));

@@ -536,18 +536,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
     }
 
     fn resolve_unknown<'a>(&'a self, req: &'a Resolution<'a>) -> BoxFuture<'a, Result<bool>> {
-        let Resolution {
-            scope,
-            key,
-            now_ms,
-            record: resolution,
-        } = *req;
         Box::pin(async move {
-            let tag = Self::tag(scope, key);
+            let tag = Self::tag(req.scope, req.key);
             let mut conn = self.conn.clone();
             let mut invocation = self.scripts.resolve.key(self.row_key(&tag));
-            invocation.arg(now_ms);
-            match resolution {
+            invocation.arg(req.now_ms);
+            match req.record {
                 Some(record) => {
                     invocation
                         .arg("r")

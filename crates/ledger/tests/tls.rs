@@ -17,22 +17,9 @@ use ledger::payouts::PayoutConfig;
 
 /// The fake vendor serving https with `pki`'s certificate.
 async fn https_vendor(pki: &TestPki) -> (String, Arc<fake_vendor::Vendor>) {
-    let port = servers::free_port();
-    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let vendor = Arc::new(fake_vendor::Vendor::new(fake_vendor::Options::default()));
-    tokio::spawn(fake_vendor::serve_with_tls(
-        addr,
-        vendor.clone(),
-        Some(pki.server_config()),
-        std::future::pending(),
-    ));
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            return (format!("https://{addr}"), vendor);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the https vendor did not start on {addr}");
+    fake_vendor::start(fake_vendor::Options::default(), Some(pki.server_config()))
+        .await
+        .unwrap()
 }
 
 fn outbound(ca: Option<&TestPki>) -> idem_outbound::OutboundClient {

@@ -61,16 +61,7 @@ pub async fn vendor() -> (String, Arc<fake_vendor::Vendor>) {
 
 /// Starts the fake vendor on loopback, treating keys by `options`.
 pub async fn vendor_with(options: fake_vendor::Options) -> (String, Arc<fake_vendor::Vendor>) {
-    let addr = free_addr();
-    let vendor = Arc::new(fake_vendor::Vendor::new(options));
-    tokio::spawn(fake_vendor::serve(addr, vendor.clone(), std::future::pending()));
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            return (format!("http://{addr}"), vendor);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the fake vendor did not start on {addr}");
+    fake_vendor::start(options, None).await.unwrap()
 }
 
 pub async fn set_faults(base: &str, faults: serde_json::Value) {
