@@ -75,21 +75,22 @@ fn signal(pid: u32, sig: &str) -> bool {
 }
 
 impl Service {
-    /// Starts the ledger and keeps it running (restarting it whenever it
-    /// dies) until [`Service::stop`].
-    pub async fn start(
+    /// A service of `bin` (the server on `port`, or the worker `worker`),
+    /// with its supervisor started.
+    fn supervised(
         bin: &Path,
         port: u16,
         database_url: &str,
         env: Vec<(String, String)>,
+        worker: Option<Vec<String>>,
         log: PathBuf,
-    ) -> Result<Arc<Self>, Error> {
+    ) -> Arc<Self> {
         let service = Arc::new(Service {
             bin: bin.to_owned(),
             port,
             database_url: database_url.to_owned(),
             env,
-            worker: None,
+            worker,
             pid: AtomicU32::new(0),
             stopping: AtomicBool::new(false),
             ready: Notify::new(),
@@ -99,6 +100,19 @@ impl Service {
             log,
         });
         tokio::spawn(service.clone().supervise());
+        service
+    }
+
+    /// Starts the ledger and keeps it running (restarting it whenever it
+    /// dies) until [`Service::stop`].
+    pub async fn start(
+        bin: &Path,
+        port: u16,
+        database_url: &str,
+        env: Vec<(String, String)>,
+        log: PathBuf,
+    ) -> Result<Arc<Self>, Error> {
+        let service = Self::supervised(bin, port, database_url, env, None, log);
         service.wait_healthy(Duration::from_secs(120)).await?;
         Ok(service)
     }
@@ -112,21 +126,7 @@ impl Service {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
-        let service = Arc::new(Service {
-            bin: bin.to_owned(),
-            port: 0,
-            database_url: database_url.to_owned(),
-            env,
-            worker: Some(args),
-            pid: AtomicU32::new(0),
-            stopping: AtomicBool::new(false),
-            ready: Notify::new(),
-            up: AtomicBool::new(false),
-            spawn_failures: AtomicU64::new(0),
-            counts: ServiceCounts::default(),
-            log,
-        });
-        tokio::spawn(service.clone().supervise());
+        let service = Self::supervised(bin, 0, database_url, env, Some(args), log);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while service.pid.load(Ordering::SeqCst) == 0 {
             if service.broken() || tokio::time::Instant::now() > deadline {

@@ -4,6 +4,26 @@ use idem_core::{BoxError, BoxFuture, LeaseStore, TableName};
 use ledger::db::{DbError, LedgerDb};
 use sqlx::{AssertSqlSafe, Executor};
 
+/// The servers a benchmark runs on (`--postgres-url`, `--mysql-url`, or
+/// `IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL`, as the tests read them).
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineUrls {
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "IDEM_TEST_POSTGRES_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    pub postgres_url: String,
+    /// MySQL/MariaDB URL.
+    #[arg(
+        long,
+        env = "IDEM_TEST_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    pub mysql_url: String,
+}
+
 /// The table of the suite's idempotency keys (emptied before each engine runs).
 pub const KEYS_TABLE: &str = "idem_bench_keys";
 

@@ -74,22 +74,10 @@ pub struct Args {
     /// Runs nothing: renders the README's tables (`--readme`) from this results file.
     #[arg(long, requires = "readme")]
     pub from_json: Option<PathBuf>,
-    /// PostgreSQL URL.
-    #[arg(
-        long,
-        env = "IDEM_TEST_POSTGRES_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
+    /// The servers.
+    #[command(flatten)]
     #[serde(skip)]
-    pub postgres_url: String,
-    /// MySQL/MariaDB URL.
-    #[arg(
-        long,
-        env = "IDEM_TEST_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    #[serde(skip)]
-    pub mysql_url: String,
+    pub urls: crate::engines::EngineUrls,
 }
 
 /// The micro-benchmark's and the transfer's idem/bare targets (at 16 workers).
@@ -239,11 +227,11 @@ async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> 
     match engine {
         "postgres" => {
             let strategy = engines::claim_strategy(&args.pg_claim_strategy)?;
-            meter::postgres(&args.postgres_url, strategy, &workloads, args.cost_ops).await
+            meter::postgres(&args.urls.postgres_url, strategy, &workloads, args.cost_ops).await
         }
         "mysql" => {
             let strategy = engines::mysql_claim_strategy(&args.mysql_claim_strategy)?;
-            meter::mysql(&args.mysql_url, strategy, &workloads, args.cost_ops).await
+            meter::mysql(&args.urls.mysql_url, strategy, &workloads, args.cost_ops).await
         }
         _ => meter::sqlite(&workloads, args.cost_ops).await,
     }
@@ -255,7 +243,7 @@ async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) ->
         "postgres" => {
             let strategy = engines::claim_strategy(&args.pg_claim_strategy)?;
             measure_store(engine, args, out, |n| async move {
-                Ok(engines::postgres(&args.postgres_url, n)
+                Ok(engines::postgres(&args.urls.postgres_url, n)
                     .await?
                     .with_claim_strategy(strategy))
             })
@@ -264,7 +252,9 @@ async fn measure_engine(engine: &str, args: &Args, out: &mut Vec<Comparison>) ->
         "mysql" => {
             let strategy = engines::mysql_claim_strategy(&args.mysql_claim_strategy)?;
             measure_store(engine, args, out, |n| async move {
-                Ok(engines::mysql(&args.mysql_url, n).await?.with_claim_strategy(strategy))
+                Ok(engines::mysql(&args.urls.mysql_url, n)
+                    .await?
+                    .with_claim_strategy(strategy))
             })
             .await
         }

@@ -9,7 +9,9 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::{BEARER, fresh, postgres_url, redis_url, send, send_with, sqlite_store, start_gateway, start_upstream};
+use support::{
+    BEARER, fresh, one_answer, postgres_url, redis_url, send, send_with, sqlite_store, start_gateway, start_upstream,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_contract_in_front_of_any_api() {
@@ -143,13 +145,7 @@ async fn twins_through_two_instances(store: &str) {
             tokio::spawn(async move { send(&base, "/v1/payments", &t, Some(&k), r#"{"amount":7}"#).await })
         })
         .collect();
-    let mut bodies = Vec::new();
-    for task in tasks {
-        let (status, _, body) = task.await.unwrap();
-        assert_eq!(status, 201, "{body}");
-        bodies.push(body);
-    }
-    assert!(bodies.iter().all(|b| b == &bodies[0]), "one answer for every twin");
+    one_answer(tasks, 201).await;
     assert_eq!(state.calls(), 1, "the upstream saw one call");
 }
 

@@ -7,7 +7,7 @@ mod support;
 
 use std::sync::atomic::Ordering;
 
-use support::{Answer, fresh, json, send, send_with, sqlite_store, start_gateway, start_upstream};
+use support::{Answer, fresh, json, one_answer, send, send_with, sqlite_store, start_gateway, start_upstream};
 
 fn replayed(a: &Answer) -> bool {
     a.1.get("idempotent-replayed").is_some_and(|v| v == "true")
@@ -144,13 +144,7 @@ async fn concurrent_attempts_with_refreshed_tokens_reach_the_upstream_once() {
             )
         })
         .collect();
-    let mut bodies = Vec::new();
-    for task in tasks {
-        let (status, _, body) = task.await.unwrap();
-        assert_eq!(status, 201, "{body}");
-        bodies.push(body);
-    }
-    assert!(bodies.iter().all(|b| b == &bodies[0]), "one answer for every attempt");
+    one_answer(tasks, 201).await;
     assert_eq!(state.calls(), 1, "the upstream was called once");
 }
 

@@ -18,6 +18,18 @@ struct Migration {
     statements: &'static [&'static str],
 }
 
+/// Drops every check constraint of the table on `status`, whatever its
+/// name: the version-1 check's name is the one PostgreSQL chose, and a
+/// renamed table keeps its old constraint names.
+const DROP_STATUS_CHECKS: &str = "DO $idem$ DECLARE c text; BEGIN
+                FOR c IN SELECT conname FROM pg_constraint
+                    WHERE conrelid = '{table}'::regclass AND contype = 'c'
+                      AND pg_get_constraintdef(oid) LIKE '%status%'
+                LOOP
+                    EXECUTE format('ALTER TABLE {table} DROP CONSTRAINT %I', c);
+                END LOOP;
+            END $idem$";
+
 /// Every migration, oldest first. Applied versions are never edited; a
 /// schema change is a new entry.
 const MIGRATIONS: &[Migration] = &[
@@ -54,14 +66,7 @@ const MIGRATIONS: &[Migration] = &[
         statements: &[
             // The version-1 check's name is the one PostgreSQL chose; it is
             // found by what it checks.
-            "DO $idem$ DECLARE c text; BEGIN
-                FOR c IN SELECT conname FROM pg_constraint
-                    WHERE conrelid = '{table}'::regclass AND contype = 'c'
-                      AND pg_get_constraintdef(oid) LIKE '%status%'
-                LOOP
-                    EXECUTE format('ALTER TABLE {table} DROP CONSTRAINT %I', c);
-                END LOOP;
-            END $idem$",
+            DROP_STATUS_CHECKS,
             "ALTER TABLE {table} ADD CONSTRAINT {status_check} CHECK (status IN (0, 1, 2, 3))",
         ],
     },
@@ -75,14 +80,7 @@ const MIGRATIONS: &[Migration] = &[
             // Dropped by what it checks, as in version 2, so a table whose
             // check was named otherwise (a renamed table keeps its old
             // constraint names) is upgraded too.
-            "DO $idem$ DECLARE c text; BEGIN
-                FOR c IN SELECT conname FROM pg_constraint
-                    WHERE conrelid = '{table}'::regclass AND contype = 'c'
-                      AND pg_get_constraintdef(oid) LIKE '%status%'
-                LOOP
-                    EXECUTE format('ALTER TABLE {table} DROP CONSTRAINT %I', c);
-                END LOOP;
-            END $idem$",
+            DROP_STATUS_CHECKS,
             "ALTER TABLE {table} ADD CONSTRAINT {status_check} CHECK (status IN (0, 1, 2, 3, 4))",
         ],
     },

@@ -19,20 +19,9 @@ struct Args {
     /// The engine: `postgres` or `mysql` (MariaDB or MySQL).
     #[arg(long, default_value = "postgres", value_parser = ["postgres", "mysql"])]
     engine: String,
-    /// The PostgreSQL server (its `test` database).
-    #[arg(
-        long,
-        env = "IDEM_BENCH_POSTGRES_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    postgres_url: String,
-    /// The MySQL/MariaDB server (its `test` database).
-    #[arg(
-        long,
-        env = "IDEM_BENCH_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    urls: idem_bench::engines::EngineUrls,
     /// Requests counted per path and strategy (one connection, one after another).
     #[arg(long, default_value_t = 300)]
     ops: u64,
@@ -69,7 +58,7 @@ async fn main() -> Result<(), BoxError> {
     if args.engine == "mysql" {
         for name in &args.strategies {
             let strategy = engines::mysql_claim_strategy(name)?;
-            for cost in meter::mysql(&args.mysql_url, strategy, &workloads, args.ops).await? {
+            for cost in meter::mysql(&args.urls.mysql_url, strategy, &workloads, args.ops).await? {
                 rows.push((name.clone(), cost));
             }
         }
@@ -85,13 +74,13 @@ async fn main() -> Result<(), BoxError> {
             } else {
                 name.clone()
             };
-            for cost in meter::postgres_with(&args.postgres_url, strategy, index, &workloads, args.ops).await? {
+            for cost in meter::postgres_with(&args.urls.postgres_url, strategy, index, &workloads, args.ops).await? {
                 rows.push((label.clone(), cost));
             }
         }
     }
     // The suite's table keeps the default index afterwards.
-    engines::postgres(&args.postgres_url, 1).await?.migrate().await?;
+    engines::postgres(&args.urls.postgres_url, 1).await?.migrate().await?;
     print_table(&rows, "WAL records", "WAL bytes");
     write_json(&args, &rows)
 }

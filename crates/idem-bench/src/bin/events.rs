@@ -31,18 +31,9 @@ struct Args {
     /// Engines.
     #[arg(long, value_delimiter = ',', default_value = "postgres,mysql,sqlite")]
     engines: Vec<String>,
-    #[arg(
-        long,
-        env = "IDEM_TEST_POSTGRES_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    postgres_url: String,
-    #[arg(
-        long,
-        env = "IDEM_TEST_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    urls: idem_bench::engines::EngineUrls,
     #[arg(long, env = "IDEM_TEST_NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
     /// Where to write the figures.
@@ -342,7 +333,7 @@ async fn main() {
             "postgres" => {
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(24)
-                    .connect(&args.postgres_url)
+                    .connect(&args.urls.postgres_url)
                     .await
                     .unwrap();
                 let store = idem_postgres::PgStore::new(pool.clone()).with_table(table("bench_inbox"));
@@ -352,7 +343,7 @@ async fn main() {
             "mysql" => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(24)
-                    .connect(&args.mysql_url)
+                    .connect(&args.urls.mysql_url)
                     .await
                     .unwrap();
                 let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(table("bench_inbox"));

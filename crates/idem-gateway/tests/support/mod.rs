@@ -288,6 +288,21 @@ pub fn fresh() -> String {
 /// An answer: status, headers, body.
 pub type Answer = (u16, HeaderMap, String);
 
+/// Awaits each task's answer and checks that every one is `status` with
+/// the same body: the twins of one key got one answer.
+pub async fn one_answer(tasks: Vec<tokio::task::JoinHandle<Answer>>, status: u16) {
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let (got, _, body) = task.await.unwrap();
+        assert_eq!(got, status, "{body}");
+        bodies.push(body);
+    }
+    assert!(
+        bodies.iter().all(|b| b == &bodies[0]),
+        "one answer for every twin: {bodies:?}"
+    );
+}
+
 /// Sends `POST base+path` with a bearer token, an optional key and a JSON
 /// body (and a hop-by-hop header the gateway must drop).
 pub async fn send(base: &str, path: &str, token: &str, key: Option<&str>, body: &str) -> Answer {

@@ -161,20 +161,9 @@ struct Args {
     /// Where to write the figures.
     #[arg(long, default_value = "target/bench/scale.json")]
     out: String,
-    /// PostgreSQL URL.
-    #[arg(
-        long,
-        env = "IDEM_TEST_POSTGRES_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    postgres_url: String,
-    /// MySQL/MariaDB URL.
-    #[arg(
-        long,
-        env = "IDEM_TEST_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    urls: idem_bench::engines::EngineUrls,
 }
 
 const KEYS_TABLE: &str = "idem_scale_keys";
@@ -206,7 +195,7 @@ async fn main() -> Result<(), BoxError> {
             "postgres" => {
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(pool_size)
-                    .connect(&args.postgres_url)
+                    .connect(&args.urls.postgres_url)
                     .await?;
                 let store = idem_postgres::PgStore::new(pool)
                     .with_table(table.clone())
@@ -217,7 +206,7 @@ async fn main() -> Result<(), BoxError> {
             "mysql" => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(pool_size)
-                    .connect(&args.mysql_url)
+                    .connect(&args.urls.mysql_url)
                     .await?;
                 scale_engine(idem_mysql::MySqlStore::new(pool).with_table(table.clone()), &args).await?
             }
