@@ -91,18 +91,9 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     }
     let report = match chaos::gateway::run_gateway(config).await {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("chaos: {e}");
-            return std::process::ExitCode::from(2);
-        }
+        Err(e) => return failed(e),
     };
-    let json = serde_json::to_string_pretty(&report).unwrap_or_default();
-    if let Some(path) = &args.report
-        && let Err(e) = std::fs::write(path, &json)
-    {
-        eprintln!("chaos: cannot write {}: {e}", path.display());
-    }
-    println!("{json}");
+    publish(&report, args.report.as_deref());
     println!(
         "chaos: gateway on {}: seed {seed}: {} ops ({} answered, {} held, {} unanswered), {} effects, {} kills, \
          {} SIGTERMs, store: {} refusal windows ({} ms), {} sessions killed; {} keys applied twice, {} held keys \
@@ -127,6 +118,23 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     } else {
         std::process::ExitCode::FAILURE
     }
+}
+
+/// A run that could not be made (exit code 2, not a verdict).
+fn failed(e: impl std::fmt::Display) -> std::process::ExitCode {
+    eprintln!("chaos: {e}");
+    std::process::ExitCode::from(2)
+}
+
+/// Writes `report` as JSON to `path` (if given) and to stdout.
+fn publish(report: &impl serde::Serialize, path: Option<&std::path::Path>) {
+    let json = serde_json::to_string_pretty(report).unwrap_or_default();
+    if let Some(path) = path
+        && let Err(e) = std::fs::write(path, &json)
+    {
+        eprintln!("chaos: cannot write {}: {e}", path.display());
+    }
+    println!("{json}");
 }
 
 #[tokio::main]
@@ -157,18 +165,9 @@ async fn main() -> std::process::ExitCode {
     };
     let report = match chaos::run(config).await {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("chaos: {e}");
-            return std::process::ExitCode::from(2);
-        }
+        Err(e) => return failed(e),
     };
-    let json = serde_json::to_string_pretty(&report).unwrap_or_default();
-    if let Some(path) = &args.report
-        && let Err(e) = std::fs::write(path, &json)
-    {
-        eprintln!("chaos: cannot write {}: {e}", path.display());
-    }
-    println!("{json}");
+    publish(&report, args.report.as_deref());
     println!(
         "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed, \
          {} store faults, {} payouts committed ({} paid, {} cancelled, {} dead-lettered then redriven), \

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use support::{Gateway, free_port};
+use support::{Gateway, free_port, healthy};
 
 impl Gateway {
     /// Waits up to `limit` for the process to exit.
@@ -121,19 +121,6 @@ async fn slow_upstream() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (format!("http://{addr}"), calls, finished)
-}
-
-async fn healthy(base: &str) {
-    for _ in 0..400 {
-        if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway at {base} did not become healthy");
 }
 
 fn order(base: &str, key: &str) -> reqwest::RequestBuilder {

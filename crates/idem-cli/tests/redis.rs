@@ -292,19 +292,8 @@ async fn start_gateway(upstream: &str, store: &str) -> (Gateway, String) {
         .unwrap();
     let gateway = Gateway(child);
     let base = format!("http://{listen}");
-    let client = idem_tls::test_pki::http_client();
-    for _ in 0..400 {
-        if client
-            .get(format!("{base}/_idem/healthz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return (gateway, base);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the gateway on {store} did not become healthy");
+    support::healthy(&base).await;
+    (gateway, base)
 }
 
 /// The gateway and `stats`, `keys list/show/purge` and `sweep` run on a

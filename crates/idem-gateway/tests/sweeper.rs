@@ -5,6 +5,7 @@
 
 #[path = "../../idem-redis/tests/support/servers.rs"]
 mod servers;
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -65,19 +66,8 @@ async fn start_gateway(upstream: &str, store: &str) -> Gateway {
         .await
         .unwrap_or_else(|e| panic!("the gateway failed: {e}"));
     });
-    let client = idem_tls::test_pki::http_client();
-    for _ in 0..400 {
-        if client
-            .get(format!("{base}/_idem/healthz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            return Gateway { base, stop: Some(stop) };
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway on {store} did not become healthy");
+    support::wait_healthy(&base).await;
+    Gateway { base, stop: Some(stop) }
 }
 
 /// Sends `n` requests with fresh keys, 16 at a time.

@@ -164,16 +164,23 @@ pub(crate) async fn start_gateway(upstream: &str, store: &str, config: &str) -> 
         .expect("idem runs");
     let g = Gateway(child);
     let base = format!("http://127.0.0.1:{port}");
+    healthy(&base).await;
+    (g, base)
+}
+
+/// Waits until the gateway at `base` answers `/_idem/healthz` with 200 (at
+/// most 20 s).
+pub(crate) async fn healthy(base: &str) {
     for _ in 0..800 {
         if idem_tls::test_pki::get(format!("{base}/_idem/healthz"))
             .await
             .is_ok_and(|r| r.status() == 200)
         {
-            return (g, base);
+            return;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    panic!("the gateway on {store} did not become healthy");
+    panic!("the gateway at {base} did not become healthy");
 }
 
 /// A gateway's answer.
