@@ -95,6 +95,22 @@ pub(crate) struct Stored {
     pub(crate) in_progress: i64,
 }
 
+/// Runs the function's own macro `$read!(pool, text)` on a fresh pool of
+/// the run's engine, with the engine's `text` (`$pg`, `$my` or `$lite`:
+/// a placeholder, a column's cast).
+macro_rules! on_pool {
+    ($db:expr, $read:ident, $pg:literal, $my:literal, $lite:literal) => {
+        match &$db.admin {
+            Admin::Postgres(_) => $read!(sqlx::PgPool::connect(&$db.url).await?, $pg),
+            Admin::Mysql(_) => $read!(sqlx::MySqlPool::connect(&$db.url).await?, $my),
+            Admin::Sqlite(path) => $read!(
+                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
+                $lite
+            ),
+        }
+    };
+}
+
 impl Database {
     pub(crate) async fn create(config: &Config) -> Result<Self, Error> {
         let name = format!("chaos_{}_{}", config.seed % 1_000_000_007, std::process::id());
@@ -199,14 +215,7 @@ impl Database {
                 }
             }};
         }
-        Ok(match &self.admin {
-            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "$1"),
-            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "?"),
-            Admin::Sqlite(path) => read!(
-                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
-                "?"
-            ),
-        })
+        Ok(on_pool!(self, read, "$1", "?", "?"))
     }
 
     /// Reads back the tenant's payouts: per id, the amount and the state.
@@ -230,14 +239,7 @@ impl Database {
                     .collect()
             }};
         }
-        Ok(match &self.admin {
-            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "$1"),
-            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "?"),
-            Admin::Sqlite(path) => read!(
-                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
-                "?"
-            ),
-        })
+        Ok(on_pool!(self, read, "$1", "?", "?"))
     }
 
     /// Reads back the events: the outbox, the projection's applications,
@@ -274,14 +276,7 @@ impl Database {
                 }
             }};
         }
-        Ok(match &self.admin {
-            Admin::Postgres(_) => read!(sqlx::PgPool::connect(&self.url).await?, "event_id"),
-            Admin::Mysql(_) => read!(sqlx::MySqlPool::connect(&self.url).await?, "CAST(event_id AS CHAR)"),
-            Admin::Sqlite(path) => read!(
-                sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
-                "event_id"
-            ),
-        })
+        Ok(on_pool!(self, read, "event_id", "CAST(event_id AS CHAR)", "event_id"))
     }
 
     pub(crate) async fn drop_database(&self) {

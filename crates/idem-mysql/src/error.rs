@@ -62,12 +62,7 @@ pub(crate) fn kind_of(e: &sqlx::Error) -> StoreErrorKind {
             Some(n) if UNAVAILABLE.contains(&n) => StoreErrorKind::Unavailable,
             _ => StoreErrorKind::Other,
         },
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => StoreErrorKind::Unavailable,
-        _ => StoreErrorKind::Other,
+        _ => idem_sql::transport_kind(e),
     }
 }
 

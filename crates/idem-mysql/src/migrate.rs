@@ -12,6 +12,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use idem_core::{Error, Result, StoreErrorKind, TableName};
+use idem_sql::KeyMigration;
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool};
 
@@ -23,22 +24,15 @@ const LOCK_TIMEOUT_SECS: i64 = 60;
 /// MySQL's longest identifier, in characters.
 const MAX_IDENTIFIER_LEN: usize = 64;
 
-/// One schema version.
-struct Migration {
-    version: i64,
-    description: &'static str,
-    statements: fn(&str) -> Vec<String>,
-}
-
 /// Every migration, in version order. Released migrations never change;
 /// a schema change is a new entry.
-const MIGRATIONS: &[Migration] = &[
-    Migration {
+const MIGRATIONS: &[KeyMigration] = &[
+    KeyMigration {
         version: 1,
         description: "create the keys table",
         statements: v1_keys_table,
     },
-    Migration {
+    KeyMigration {
         version: 2,
         description: "sent claims: the sent_at_ms column",
         statements: v2_sent_at_ms,
@@ -155,8 +149,7 @@ async fn apply(conn: &mut PoolConnection<MySql>, table: &TableName, schema: &str
     .fetch_one(&mut **conn)
     .await
     .map_err(store_error)?;
-    idem_core::PendingMigration::refuse_newer("idem-mysql", table.as_str(), current, LATEST_VERSION)?;
-    for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
+    for migration in KeyMigration::after(MIGRATIONS, "idem-mysql", table.as_str(), current)? {
         for statement in (migration.statements)(table.as_str()) {
             match sqlx::raw_sql(AssertSqlSafe(statement)).execute(&mut **conn).await {
                 Ok(_) => {}
@@ -216,14 +209,5 @@ pub(crate) async fn pending(pool: &MySqlPool, table: &TableName) -> Result<Vec<i
     } else {
         0
     };
-    idem_core::PendingMigration::refuse_newer("idem-mysql", table.as_str(), current, LATEST_VERSION)?;
-    Ok(MIGRATIONS
-        .iter()
-        .filter(|m| m.version > current)
-        .map(|m| idem_core::PendingMigration {
-            version: m.version,
-            description: m.description.to_owned(),
-            statements: (m.statements)(table.as_str()),
-        })
-        .collect())
+    KeyMigration::pending(MIGRATIONS, "idem-mysql", table.as_str(), current)
 }

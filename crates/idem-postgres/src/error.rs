@@ -64,12 +64,7 @@ fn kind_of(error: &sqlx::Error) -> StoreErrorKind {
             Some(code) if code.starts_with("08") => StoreErrorKind::Unavailable,
             _ => StoreErrorKind::Other,
         },
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => StoreErrorKind::Unavailable,
-        _ => StoreErrorKind::Other,
+        _ => idem_sql::transport_kind(error),
     }
 }
 

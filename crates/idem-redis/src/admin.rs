@@ -300,13 +300,7 @@ mod tests {
     }
 
     fn answer(cmd: &Cmd) -> Value {
-        let args: Vec<Vec<u8>> = cmd
-            .args_iter()
-            .filter_map(|a| match a {
-                redis::Arg::Simple(b) => Some(b.to_vec()),
-                _ => None,
-            })
-            .collect();
+        let args = crate::index::tests::command_args(cmd);
         match args[0].as_slice() {
             b"ZRANGE" if args[2] == b"0" => Value::Array(
                 (0..ROWS)

@@ -119,7 +119,7 @@ async fn zadd<C: ConnectionLike + Send>(conn: &mut C, expiry_key: &str, adds: Ve
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
@@ -127,6 +127,16 @@ mod tests {
     use redis::{Cmd, Pipeline, RedisFuture, Value};
 
     use super::*;
+
+    /// A command's plain arguments, its name first.
+    pub(crate) fn command_args(cmd: &Cmd) -> Vec<Vec<u8>> {
+        cmd.args_iter()
+            .filter_map(|a| match a {
+                redis::Arg::Simple(b) => Some(b.to_vec()),
+                _ => None,
+            })
+            .collect()
+    }
 
     /// A connection that answers every command and counts the `ZADD`s.
     #[derive(Clone, Default)]
@@ -137,13 +147,7 @@ mod tests {
 
     impl ConnectionLike for Counting {
         fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-            let args: Vec<Vec<u8>> = cmd
-                .args_iter()
-                .filter_map(|a| match a {
-                    redis::Arg::Simple(b) => Some(b.to_vec()),
-                    _ => None,
-                })
-                .collect();
+            let args = command_args(cmd);
             if args.first().is_some_and(|a| a.as_slice() == b"ZADD") {
                 self.zadds.fetch_add(1, Ordering::SeqCst);
                 self.entries.fetch_add((args.len() - 2) / 2, Ordering::SeqCst);

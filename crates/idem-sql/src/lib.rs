@@ -34,7 +34,7 @@ mod migrate;
 pub mod outbox;
 mod rows;
 
-pub use migrate::{migrate, pending};
+pub use migrate::{KeyMigration, migrate, pending};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
 pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args};
 
@@ -347,5 +347,22 @@ pub(crate) fn shown_text<D: Dialect>(row: &<D::Db as Database>::Row, name: &str)
     match D::TEXT {
         TextColumns::Binary => Ok(String::from_utf8_lossy(&D::Db::bytes(row, name).map_err(D::error)?).into_owned()),
         TextColumns::Text | TextColumns::FreeTextAsBytes => D::Db::text(row, name).map_err(D::error),
+    }
+}
+
+/// The kind of a sqlx error that did not come from the database's own
+/// answer: a connection that failed (I/O, TLS), a pool that timed out or
+/// closed, a driver worker that crashed are
+/// [`Unavailable`](idem_core::StoreErrorKind::Unavailable); anything else is
+/// [`Other`](idem_core::StoreErrorKind::Other). Each engine classifies its
+/// database errors by its own codes and the rest by this.
+pub fn transport_kind(e: &sqlx::Error) -> idem_core::StoreErrorKind {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => idem_core::StoreErrorKind::Unavailable,
+        _ => idem_core::StoreErrorKind::Other,
     }
 }

@@ -60,3 +60,44 @@ pub async fn migrate<D: Dialect>(
     )
     .await
 }
+
+/// One schema version of an engine's keys table: the statements that bring
+/// a table from the previous version to this one, rendered for its name.
+/// An engine lists its versions oldest first, and never edits a released
+/// one: a schema change is a new entry.
+pub struct KeyMigration {
+    /// The version number recorded in the `{table}_schema` table.
+    pub version: i64,
+    /// A short description, recorded next to the version.
+    pub description: &'static str,
+    /// Renders the statements for a keys table name.
+    pub statements: fn(&str) -> Vec<String>,
+}
+
+impl KeyMigration {
+    /// The versions of `all` after `current`, rendered for `table`; refuses
+    /// a table at a version newer than the last of `all` (written by a newer
+    /// `store`), as every command that reads or changes it does.
+    pub fn after<'a>(
+        all: &'a [KeyMigration],
+        store: &str,
+        table: &str,
+        current: i64,
+    ) -> Result<impl Iterator<Item = &'a KeyMigration>> {
+        let latest = all.last().map_or(0, |m| m.version);
+        PendingMigration::refuse_newer(store, table, current, latest)?;
+        Ok(all.iter().filter(move |m| m.version > current))
+    }
+
+    /// [`after`](Self::after), as the pending migrations an operator is
+    /// shown.
+    pub fn pending(all: &[KeyMigration], store: &str, table: &str, current: i64) -> Result<Vec<PendingMigration>> {
+        Ok(Self::after(all, store, table, current)?
+            .map(|m| PendingMigration {
+                version: m.version,
+                description: m.description.to_owned(),
+                statements: (m.statements)(table),
+            })
+            .collect())
+    }
+}

@@ -28,10 +28,7 @@ pub(crate) fn kind_of(e: &sqlx::Error) -> StoreErrorKind {
                 _ => StoreErrorKind::Other,
             }
         }
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
-            StoreErrorKind::Unavailable
-        }
-        _ => StoreErrorKind::Other,
+        _ => idem_sql::transport_kind(e),
     }
 }
 

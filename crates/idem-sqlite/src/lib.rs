@@ -186,7 +186,7 @@ pub use sqlx::sqlite::SqliteSynchronous;
 pub use crate::deadletter::SqliteDeadLetters;
 pub use crate::error::{is_contention, store_error};
 pub use crate::outbox::SqliteOutbox;
-use crate::sql::{MIGRATIONS, Statements, latest_version};
+use crate::sql::{MIGRATIONS, Statements};
 pub use crate::tx::SqliteTx;
 pub use dialect::SqliteDialect;
 use idem_sql::SqlKeyRows;
@@ -405,16 +405,7 @@ impl SqliteStore {
         } else {
             0
         };
-        idem_core::PendingMigration::refuse_newer("idem-sqlite", self.table.as_str(), current, latest_version())?;
-        Ok(MIGRATIONS
-            .iter()
-            .filter(|m| m.version > current)
-            .map(|m| idem_core::PendingMigration {
-                version: m.version,
-                description: m.description.to_owned(),
-                statements: (m.statements)(self.table.as_str()),
-            })
-            .collect())
+        idem_sql::KeyMigration::pending(MIGRATIONS, "idem-sqlite", self.table.as_str(), current)
     }
 
     /// Creates or upgrades the keys table to the newest schema version.
@@ -436,8 +427,7 @@ impl SqliteStore {
             .await
             .and_then(|row| row.try_get(0))
             .map_err(store_error)?;
-        idem_core::PendingMigration::refuse_newer("idem-sqlite", self.table.as_str(), current, latest_version())?;
-        for migration in MIGRATIONS.iter().filter(|m| m.version > current) {
+        for migration in idem_sql::KeyMigration::after(MIGRATIONS, "idem-sqlite", self.table.as_str(), current)? {
             for statement in (migration.statements)(self.table.as_str()) {
                 sqlx::query(AssertSqlSafe(statement))
                     .execute(&mut *tx)

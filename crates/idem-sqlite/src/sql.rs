@@ -8,43 +8,28 @@
 use std::sync::Arc;
 
 use idem_core::{STATUS_COMPLETED, STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, TableName};
-
-/// One schema version: the statements that bring a database from the
-/// previous version to this one.
-pub(crate) struct Migration {
-    /// The version number recorded in the `{table}_schema` table.
-    pub(crate) version: i64,
-    /// A short description, recorded next to the version.
-    pub(crate) description: &'static str,
-    /// Renders the statements for a keys table name.
-    pub(crate) statements: fn(&str) -> Vec<String>,
-}
+use idem_sql::KeyMigration;
 
 /// Every migration, in order. A new schema version is appended here and
 /// never edits an earlier entry, because databases in the field have
 /// already run those.
-pub(crate) const MIGRATIONS: &[Migration] = &[
-    Migration {
+pub(crate) const MIGRATIONS: &[KeyMigration] = &[
+    KeyMigration {
         version: 1,
         description: "keys table and expiry index",
         statements: v1_keys_table,
     },
-    Migration {
+    KeyMigration {
         version: 2,
         description: "status 3: unknown outcomes",
         statements: v2_unknown_status,
     },
-    Migration {
+    KeyMigration {
         version: 3,
         description: "status 4 and sent_at_ms: sent claims",
         statements: v3_sent_status,
     },
 ];
-
-/// The newest schema version this crate knows.
-pub(crate) fn latest_version() -> i64 {
-    MIGRATIONS.last().map_or(0, |m| m.version)
-}
 
 /// Version 1: the keys table and the index the sweeper scans.
 ///
