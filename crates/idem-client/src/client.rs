@@ -104,6 +104,11 @@ pub struct ClientBuilder {
     store: Option<Arc<dyn PendingStore>>,
     default_headers: HeaderMap,
     error: Option<Error>,
+    settings: Settings,
+}
+
+/// How a client sends: what the builder sets and the client keeps.
+struct Settings {
     attempt_timeout: Duration,
     deadline: Duration,
     min_delay: Duration,
@@ -116,16 +121,33 @@ pub struct ClientBuilder {
     resume_concurrency: usize,
 }
 
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            attempt_timeout: Duration::from_secs(30),
+            deadline: Duration::from_secs(120),
+            min_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(10),
+            max_attempts: None,
+            max_retry_after: Duration::from_secs(60),
+            max_response_bytes: 16 * 1024 * 1024,
+            jitter_seed: None,
+            observer: None,
+            resume_concurrency: 8,
+        }
+    }
+}
+
 impl fmt::Debug for ClientBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientBuilder")
-            .field("attempt_timeout", &self.attempt_timeout)
-            .field("deadline", &self.deadline)
-            .field("min_delay", &self.min_delay)
-            .field("max_delay", &self.max_delay)
-            .field("max_attempts", &self.max_attempts)
-            .field("max_retry_after", &self.max_retry_after)
-            .field("max_response_bytes", &self.max_response_bytes)
+            .field("attempt_timeout", &self.settings.attempt_timeout)
+            .field("deadline", &self.settings.deadline)
+            .field("min_delay", &self.settings.min_delay)
+            .field("max_delay", &self.settings.max_delay)
+            .field("max_attempts", &self.settings.max_attempts)
+            .field("max_retry_after", &self.settings.max_retry_after)
+            .field("max_response_bytes", &self.settings.max_response_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -138,16 +160,7 @@ impl Default for ClientBuilder {
             store: None,
             default_headers: HeaderMap::new(),
             error: None,
-            attempt_timeout: Duration::from_secs(30),
-            deadline: Duration::from_secs(120),
-            min_delay: Duration::from_millis(200),
-            max_delay: Duration::from_secs(10),
-            max_attempts: None,
-            max_retry_after: Duration::from_secs(60),
-            max_response_bytes: 16 * 1024 * 1024,
-            jitter_seed: None,
-            observer: None,
-            resume_concurrency: 8,
+            settings: Settings::default(),
         }
     }
 }
@@ -220,7 +233,7 @@ impl ClientBuilder {
     /// How long one attempt may take, connection to the end of the body
     /// (default 30 s; never past the deadline).
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        self.attempt_timeout = timeout;
+        self.settings.attempt_timeout = timeout;
         self
     }
 
@@ -228,7 +241,7 @@ impl ClientBuilder {
     /// [`Client::resume`]) may keep trying: no attempt starts after it
     /// (default 120 s).
     pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.deadline = deadline;
+        self.settings.deadline = deadline;
         self
     }
 
@@ -236,22 +249,22 @@ impl ClientBuilder {
     /// exponential from `min` to `max`, doubling, each wait plus a random
     /// jitter of up to itself (defaults 200 ms and 10 s).
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.min_delay = min;
-        self.max_delay = max.max(min);
+        self.settings.min_delay = min;
+        self.settings.max_delay = max.max(min);
         self
     }
 
     /// Seeds the jitter, so one seed gives one schedule per key (default:
     /// random).
     pub fn jitter_seed(mut self, seed: u64) -> Self {
-        self.jitter_seed = Some(seed);
+        self.settings.jitter_seed = Some(seed);
         self
     }
 
     /// Gives up after this many attempts, even before the deadline (default:
     /// only the deadline bounds them).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = Some(attempts.max(1));
+        self.settings.max_attempts = Some(attempts.max(1));
         self
     }
 
@@ -259,13 +272,13 @@ impl ClientBuilder {
     /// it (default 60 s). Shorter ones than the backoff's minimum wait the
     /// minimum.
     pub fn max_retry_after(mut self, max: Duration) -> Self {
-        self.max_retry_after = max;
+        self.settings.max_retry_after = max;
         self
     }
 
     /// The largest response body read (default 16 MiB).
     pub fn max_response_bytes(mut self, max: usize) -> Self {
-        self.max_response_bytes = max;
+        self.settings.max_response_bytes = max;
         self
     }
 
@@ -273,7 +286,7 @@ impl ClientBuilder {
     /// (default 8, at least 1): one unreachable host holds up only its own
     /// operations.
     pub fn resume_concurrency(mut self, concurrency: usize) -> Self {
-        self.resume_concurrency = concurrency.max(1);
+        self.settings.resume_concurrency = concurrency.max(1);
         self
     }
 
@@ -281,7 +294,7 @@ impl ClientBuilder {
     /// client does next: for metrics, logs, or a harness that counts
     /// retries and replays.
     pub fn on_attempt(mut self, observer: impl Fn(&AttemptEvent<'_>) + Send + Sync + 'static) -> Self {
-        self.observer = Some(Arc::new(observer));
+        self.settings.observer = Some(Arc::new(observer));
         self
     }
 
@@ -301,8 +314,8 @@ impl ClientBuilder {
             None => default_http(self.ca_file.as_deref())?,
         };
         let backoff = ExponentialBuilder::new()
-            .with_min_delay(self.min_delay)
-            .with_max_delay(self.max_delay)
+            .with_min_delay(self.settings.min_delay)
+            .with_max_delay(self.settings.max_delay)
             .with_factor(2.0)
             .with_jitter()
             .without_max_times();
@@ -312,17 +325,8 @@ impl ClientBuilder {
                 http,
                 store: self.store.unwrap_or_else(|| Arc::new(MemoryPending::new())),
                 default_headers: self.default_headers,
-                attempt_timeout: self.attempt_timeout,
-                deadline: self.deadline,
                 backoff,
-                min_delay: self.min_delay,
-                max_delay: self.max_delay,
-                max_attempts: self.max_attempts,
-                max_retry_after: self.max_retry_after,
-                max_response_bytes: self.max_response_bytes,
-                jitter_seed: self.jitter_seed,
-                observer: self.observer,
-                resume_concurrency: self.resume_concurrency,
+                settings: self.settings,
             }),
         })
     }
@@ -355,24 +359,15 @@ struct Inner {
     http: reqwest::Client,
     store: Arc<dyn PendingStore>,
     default_headers: HeaderMap,
-    attempt_timeout: Duration,
-    deadline: Duration,
     backoff: ExponentialBuilder,
-    min_delay: Duration,
-    max_delay: Duration,
-    max_attempts: Option<u32>,
-    max_retry_after: Duration,
-    max_response_bytes: usize,
-    jitter_seed: Option<u64>,
-    observer: Option<Observer>,
-    resume_concurrency: usize,
+    settings: Settings,
 }
 
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Client")
-            .field("deadline", &self.inner.deadline)
-            .field("attempt_timeout", &self.inner.attempt_timeout)
+            .field("deadline", &self.inner.settings.deadline)
+            .field("attempt_timeout", &self.inner.settings.attempt_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -438,7 +433,7 @@ impl Client {
     /// its own deadline, so an unreachable host holds up only its own.
     pub async fn resume(&self) -> Result<Vec<Resumed>> {
         let ops = self.inner.store.list().await?;
-        let slots = Arc::new(tokio::sync::Semaphore::new(self.inner.resume_concurrency));
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.inner.settings.resume_concurrency));
         let mut running = tokio::task::JoinSet::new();
         for (index, operation) in ops.into_iter().enumerate() {
             // Taken here, in order: the oldest operations start first.
@@ -481,9 +476,9 @@ impl Client {
     async fn attempts(&self, op: &Operation) -> Result<Response> {
         let inner = &self.inner;
         // A deadline too far away to represent is no deadline at all.
-        let deadline = instant_after(inner.deadline);
+        let deadline = instant_after(inner.settings.deadline);
         let mut builder = inner.backoff;
-        if let Some(seed) = inner.jitter_seed {
+        if let Some(seed) = inner.settings.jitter_seed {
             builder = builder.with_jitter_seed(seed ^ fnv1a(op.key().as_str().as_bytes()));
         }
         let mut backoff = builder.build();
@@ -491,7 +486,9 @@ impl Client {
         loop {
             attempt += 1;
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let got = self.attempt(op, attempt, inner.attempt_timeout.min(remaining)).await?;
+            let got = self
+                .attempt(op, attempt, inner.settings.attempt_timeout.min(remaining))
+                .await?;
             let (after, last) = match got {
                 Got::Answer(response) => match decide(response.status(), response.headers(), response.problem()) {
                     Decision::Retry { after } => (after, LastFailure::Response(Box::new(response))),
@@ -511,7 +508,7 @@ impl Client {
                             kind: TransportKind::Body,
                             message: format!(
                                 "the {status} answer's body is over the limit of {} bytes",
-                                inner.max_response_bytes
+                                inner.settings.max_response_bytes
                             ),
                         }),
                     ),
@@ -520,14 +517,14 @@ impl Client {
                             kind: TransportKind::Body,
                             message: format!(
                                 "the final {status} answer's body is over the limit of {} bytes",
-                                inner.max_response_bytes
+                                inner.settings.max_response_bytes
                             ),
                         };
                         self.observe(op, attempt, AttemptOutcome::Failed(&e), Next::Done);
                         return Err(Error::ResponseTooLarge {
                             key: op.key().clone(),
                             status: status.as_u16(),
-                            max_bytes: inner.max_response_bytes,
+                            max_bytes: inner.settings.max_response_bytes,
                         });
                     }
                 },
@@ -535,10 +532,10 @@ impl Client {
             };
             let wait = match after {
                 // `Retry-After: 0` must not turn into a busy loop.
-                Some(after) => after.min(inner.max_retry_after).max(inner.min_delay),
-                None => backoff.next().unwrap_or(inner.max_delay),
+                Some(after) => after.min(inner.settings.max_retry_after).max(inner.settings.min_delay),
+                None => backoff.next().unwrap_or(inner.settings.max_delay),
             };
-            let out_of_attempts = inner.max_attempts.is_some_and(|max| attempt >= max);
+            let out_of_attempts = inner.settings.max_attempts.is_some_and(|max| attempt >= max);
             let past_deadline = Instant::now().checked_add(wait).is_none_or(|at| at >= deadline);
             let next = if out_of_attempts || past_deadline {
                 Next::GiveUp
@@ -564,7 +561,7 @@ impl Client {
     }
 
     fn observe(&self, op: &Operation, attempt: u32, outcome: AttemptOutcome<'_>, next: Next) {
-        if let Some(observer) = &self.inner.observer {
+        if let Some(observer) = &self.inner.settings.observer {
             observer(&AttemptEvent {
                 key: op.key(),
                 attempt,
@@ -600,7 +597,7 @@ impl Client {
             };
             let status = res.status();
             let headers = std::mem::take(res.headers_mut());
-            let max = inner.max_response_bytes;
+            let max = inner.settings.max_response_bytes;
             if res.content_length().is_some_and(|n| n > max as u64) {
                 return Ok(Got::TooLarge(status, headers));
             }
