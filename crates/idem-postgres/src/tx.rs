@@ -492,4 +492,37 @@ mod tests {
         literal::int(&mut s, None);
         assert_eq!(s, "decode('00ff10', 'hex')-9223372036854775808NULL");
     }
+
+    /// The `EXECUTE` texts, argument by argument in the prepared
+    /// statements' order.
+    #[test]
+    fn execute_texts() {
+        use idem_core::{ClaimRequest, Fingerprint, IdempotencyKey, Operation, Record, Scope, Tenant, Token};
+        let scope = Scope::new(Tenant::new("t1").unwrap(), Operation::new("op").unwrap());
+        let key = IdempotencyKey::new("k-1").unwrap();
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let req = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            fingerprint: &fingerprint,
+            now_ms: 1_000,
+            expires_at_ms: 2_000,
+            fresh_token: Token(5),
+            lease_expires_at_ms: None,
+        };
+        let fp = format!("decode('{}', 'hex')", "07".repeat(32));
+        assert_eq!(
+            super::execute_claim("c", &req, "1s", Some(9)),
+            format!("EXECUTE c(E't1', E'op', E'k-1', {fp}, 5, 1000, 2000, NULL, E'1s', 9)")
+        );
+        assert_eq!(
+            super::execute_lock("l", &req, "1s", 9),
+            "EXECUTE l(E't1', E'op', E'k-1', 1000, E'1s', 9)"
+        );
+        let record = Record::completed(b"ok".to_vec());
+        assert_eq!(
+            super::execute_insert("i", &req, &record, 6),
+            format!("EXECUTE i(E't1', E'op', E'k-1', {fp}, 1, 6, decode('6f6b', 'hex'), 1000, 2000)")
+        );
+    }
 }
