@@ -2,24 +2,15 @@
 //! and by a second scheduler instance (its own pool) runs once; a failed
 //! attempt leaves the slot to its retry; an explicit run id runs once.
 
+#[macro_use]
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tag;
 use idem_core::{Error, StoreErrorKind, TableName, TxEngine};
 use idem_jobs::{Job, Scheduler};
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 12..].to_owned()
-}
 
 macro_rules! jobs_suite {
     ($engine:ident, $store:ty, $pool:ty, $open:expr, $create:literal, $insert:literal, $count:literal) => {
@@ -146,58 +137,4 @@ macro_rules! jobs_suite {
     };
 }
 
-async fn open_postgres(_tag: &str, table: TableName) -> (idem_postgres::PgStore, sqlx::PgPool) {
-    let url = postgres_url();
-    let pool = sqlx::PgPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
-    (idem_postgres::PgStore::new(pool.clone()).with_table(table), pool)
-}
-
-async fn open_mysql(_tag: &str, table: TableName) -> (idem_mysql::MySqlStore, sqlx::MySqlPool) {
-    let url = mysql_url();
-    let pool = sqlx::MySqlPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
-    (idem_mysql::MySqlStore::new(pool.clone()).with_table(table), pool)
-}
-
-async fn open_sqlite(tag: &str, table: TableName) -> (idem_sqlite::SqliteStore, sqlx::SqlitePool) {
-    let path = std::env::temp_dir().join(format!("idem-jobs-{tag}.db"));
-    let store = idem_sqlite::SqliteStore::open(&path)
-        .await
-        .expect("open")
-        .with_table(table);
-    let pool = store.pool().clone();
-    (store, pool)
-}
-
-jobs_suite!(
-    postgres,
-    idem_postgres::PgStore,
-    sqlx::PgPool,
-    open_postgres,
-    "CREATE TABLE {} (run_id TEXT NOT NULL)",
-    "INSERT INTO {} (run_id) VALUES ($1)",
-    "SELECT COUNT(*) FROM {} WHERE run_id = $1"
-);
-
-jobs_suite!(
-    mysql,
-    idem_mysql::MySqlStore,
-    sqlx::MySqlPool,
-    open_mysql,
-    "CREATE TABLE {} (run_id VARCHAR(100) NOT NULL)",
-    "INSERT INTO {} (run_id) VALUES (?)",
-    "SELECT COUNT(*) FROM {} WHERE run_id = ?"
-);
-
-jobs_suite!(
-    sqlite,
-    idem_sqlite::SqliteStore,
-    sqlx::SqlitePool,
-    open_sqlite,
-    "CREATE TABLE {} (run_id TEXT NOT NULL)",
-    "INSERT INTO {} (run_id) VALUES (?1)",
-    "SELECT COUNT(*) FROM {} WHERE run_id = ?1"
-);
+on_every_engine!(jobs_suite);

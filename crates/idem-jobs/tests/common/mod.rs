@@ -1,0 +1,85 @@
+//! What the jobs tests share: the servers, the stores they open, and the
+//! three engines a suite runs on.
+
+#![allow(dead_code, unreachable_pub)]
+
+use idem_core::TableName;
+
+pub fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+pub fn mysql_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// A short unique tag for the tables and files of one test.
+pub fn tag() -> String {
+    let t = uuid::Uuid::now_v7().simple().to_string();
+    t[t.len() - 12..].to_owned()
+}
+
+pub async fn open_postgres(_tag: &str, table: TableName) -> (idem_postgres::PgStore, sqlx::PgPool) {
+    let url = postgres_url();
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
+    (idem_postgres::PgStore::new(pool.clone()).with_table(table), pool)
+}
+
+pub async fn open_mysql(_tag: &str, table: TableName) -> (idem_mysql::MySqlStore, sqlx::MySqlPool) {
+    let url = mysql_url();
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
+    (idem_mysql::MySqlStore::new(pool.clone()).with_table(table), pool)
+}
+
+/// A SQLite store on a file of `tag`'s own (every instance of one test
+/// opens the same file).
+pub async fn open_sqlite(tag: &str, table: TableName) -> (idem_sqlite::SqliteStore, sqlx::SqlitePool) {
+    let path = std::env::temp_dir().join(format!("idem-jobs-{tag}.db"));
+    let store = idem_sqlite::SqliteStore::open(&path)
+        .await
+        .expect("open")
+        .with_table(table);
+    let pool = store.pool().clone();
+    (store, pool)
+}
+
+/// Runs `$suite!` on PostgreSQL, MariaDB and SQLite, each with its store,
+/// pool, opener and the SQL of an effects table (create, insert a run id,
+/// count a run id's rows).
+macro_rules! on_every_engine {
+    ($suite:ident) => {
+        $suite!(
+            postgres,
+            idem_postgres::PgStore,
+            sqlx::PgPool,
+            common::open_postgres,
+            "CREATE TABLE {} (run_id TEXT NOT NULL)",
+            "INSERT INTO {} (run_id) VALUES ($1)",
+            "SELECT COUNT(*) FROM {} WHERE run_id = $1"
+        );
+
+        $suite!(
+            mysql,
+            idem_mysql::MySqlStore,
+            sqlx::MySqlPool,
+            common::open_mysql,
+            "CREATE TABLE {} (run_id VARCHAR(100) NOT NULL)",
+            "INSERT INTO {} (run_id) VALUES (?)",
+            "SELECT COUNT(*) FROM {} WHERE run_id = ?"
+        );
+
+        $suite!(
+            sqlite,
+            idem_sqlite::SqliteStore,
+            sqlx::SqlitePool,
+            common::open_sqlite,
+            "CREATE TABLE {} (run_id TEXT NOT NULL)",
+            "INSERT INTO {} (run_id) VALUES (?1)",
+            "SELECT COUNT(*) FROM {} WHERE run_id = ?1"
+        );
+    };
+}
