@@ -12,6 +12,17 @@ use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest,
 use idem_gateway::AnyLease;
 use support::{idem_out as idem, tag};
 
+/// `idem dlq <sub> --store <url> <rest…>`, with its exit code, its JSON
+/// (if any) and its whole output.
+fn dlq(url: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, String) {
+    let (sub, rest) = sub_and_rest.split_first().expect("a subcommand");
+    let args: Vec<&str> = ["dlq", sub, "--store", url]
+        .into_iter()
+        .chain(rest.iter().copied())
+        .collect();
+    idem(&args)
+}
+
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
 fn start_vendor() -> String {
@@ -98,7 +109,7 @@ async fn dead_letter_commands(url: &str) {
     let (code, v, out) = idem(&["migrate", "--store", url, "--dead-letters", "--dry-run", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(v["pending"], serde_json::json!([]), "{out}");
-    let (code, v, out) = idem(&["dlq", "list", "--store", url, "--json"]);
+    let (code, v, out) = dlq(url, &["list", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(v, serde_json::json!([]), "{out}");
 
@@ -114,7 +125,7 @@ async fn dead_letter_commands(url: &str) {
     assert_eq!(pay(&base, "applied", r#"{"amount":10}"#).await, 201);
     assert_eq!(pay(&base, "mismatched", r#"{"amount":30}"#).await, 201);
 
-    let (code, json, out) = idem(&["dlq", "list", "--store", url, "--json"]);
+    let (code, json, out) = dlq(url, &["list", "--json"]);
     assert_eq!(code, 0, "{out}");
     let listed = json.as_array().expect("an array").clone();
     let listed_ids: Vec<_> = listed.iter().map(|l| l["id"].as_i64().unwrap()).collect();
@@ -123,26 +134,19 @@ async fn dead_letter_commands(url: &str) {
         listed.iter().all(|l| l["state"] == "dead" && l["attempts"] == 5),
         "{json}"
     );
-    let (_, json, _) = idem(&[
-        "dlq",
-        "list",
-        "--store",
+    let (_, json, _) = dlq(
         url,
-        "--limit",
-        "1",
-        "--after-id",
-        &applied.to_string(),
-        "--json",
-    ]);
+        &["list", "--limit", "1", "--after-id", &applied.to_string(), "--json"],
+    );
     assert_eq!(json.as_array().unwrap().len(), 1);
     assert_eq!(json[0]["id"], fresh);
-    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--tenant", "nobody", "--json"]);
+    let (_, json, _) = dlq(url, &["list", "--tenant", "nobody", "--json"]);
     assert_eq!(json, serde_json::json!([]));
     let (code, text, out) = idem(&["dlq", "list", "--store", url]);
     assert_eq!((code, text), (0, serde_json::Value::Null), "plain text: {out}");
     assert!(out.contains("3 dead letter(s)"), "{out}");
 
-    let (code, json, out) = idem(&["dlq", "show", "--store", url, "--id", &applied.to_string(), "--json"]);
+    let (code, json, out) = dlq(url, &["show", "--id", &applied.to_string(), "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["key"], "applied");
     assert_eq!(json["body"], r#"{"amount":10}"#);
@@ -150,22 +154,12 @@ async fn dead_letter_commands(url: &str) {
         json["headers"],
         serde_json::json!([["content-type", "application/json"]])
     );
-    let (code, _, out) = idem(&["dlq", "show", "--store", url, "--id", "999999"]);
+    let (code, _, out) = dlq(url, &["show", "--id", "999999"]);
     assert_eq!(code, 1, "{out}");
 
     // Capped at two: the applied one is replayed (not paid again), the fresh
     // one paid; the third is left alone.
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
-        url,
-        "--max",
-        "2",
-        "--per-second",
-        "50",
-        "--json",
-    ]);
+    let (code, json, out) = dlq(url, &["redrive", "--max", "2", "--per-second", "50", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(
         (json["resolved"].as_u64(), json["failed"].as_u64()),
@@ -175,9 +169,9 @@ async fn dead_letter_commands(url: &str) {
     assert_eq!(json["items"][0]["id"], applied);
     assert_eq!(json["items"][0]["status"], 201);
     assert_eq!(payouts(&base).await, 3);
-    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--state", "dead", "--json"]);
+    let (_, json, _) = dlq(url, &["list", "--state", "dead", "--json"]);
     assert_eq!(json.as_array().unwrap().len(), 1, "{json}");
-    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &applied.to_string(), "--json"]);
+    let (_, json, _) = dlq(url, &["show", "--id", &applied.to_string(), "--json"]);
     assert_eq!(
         (json["state"].as_str(), json["response_status"].as_u64()),
         (Some("resolved"), Some(201))
@@ -187,7 +181,7 @@ async fn dead_letter_commands(url: &str) {
 
     // The vendor refuses the third (its key went with another body): it
     // fails again, exit 1, and stays dead.
-    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--json"]);
+    let (code, json, out) = dlq(url, &["redrive", "--json"]);
     assert_eq!(code, 1, "{out}");
     assert_eq!(
         (json["failed"].as_u64(), json["resolved"].as_u64()),
@@ -198,7 +192,7 @@ async fn dead_letter_commands(url: &str) {
         json["items"][0]["error"].as_str().unwrap().contains("HTTP 422"),
         "{json}"
     );
-    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &mismatched.to_string(), "--json"]);
+    let (_, json, _) = dlq(url, &["show", "--id", &mismatched.to_string(), "--json"]);
     assert_eq!(
         (json["state"].as_str(), json["attempts"].as_u64()),
         (Some("dead"), Some(6)),
@@ -207,13 +201,13 @@ async fn dead_letter_commands(url: &str) {
     assert_eq!(payouts(&base).await, 3);
 
     // One by id: a resolved one is skipped.
-    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &fresh.to_string(), "--json"]);
+    let (code, json, out) = dlq(url, &["redrive", "--id", &fresh.to_string(), "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["items"][0]["result"], "skipped");
-    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--tenant", "x"]);
+    let (code, _, out) = dlq(url, &["redrive", "--id", "1", "--tenant", "x"]);
     assert_eq!(code, 2, "--id takes no filters: {out}");
     // A mistyped id fails, clearly.
-    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "987654321"]);
+    let (code, _, out) = dlq(url, &["redrive", "--id", "987654321"]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("no dead letter 987654321"), "{out}");
 
@@ -243,7 +237,7 @@ async fn dead_letter_commands(url: &str) {
         AnyLease::Redis(_) => unreachable!(),
     };
     let paid_before = payouts(&base).await;
-    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &old.to_string(), "--json"]);
+    let (code, json, out) = dlq(url, &["redrive", "--id", &old.to_string(), "--json"]);
     assert_eq!(code, 1, "held, not sent: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     assert!(
@@ -251,43 +245,27 @@ async fn dead_letter_commands(url: &str) {
         "{json}"
     );
     assert_eq!(payouts(&base).await, paid_before, "nothing sent on a guess");
-    let (_, json, _) = idem(&["dlq", "list", "--store", url, "--state", "unknown", "--json"]);
+    let (_, json, _) = dlq(url, &["list", "--state", "unknown", "--json"]);
     assert_eq!(json[0]["id"], old, "{json}");
     // Still held: a second redrive sends nothing either, override or not.
-    let (code, _, _) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
-        url,
-        "--id",
-        &old.to_string(),
-        "--past-horizon",
-    ]);
+    let (code, _, _) = dlq(url, &["redrive", "--id", &old.to_string(), "--past-horizon"]);
     assert_eq!(code, 1);
     assert_eq!(payouts(&base).await, paid_before);
     // The operator checks the vendor and records it: not applied.
-    let (code, _, out) = idem(&[
-        "dlq",
-        "resolve",
-        "--store",
-        url,
-        "--id",
-        &old.to_string(),
-        "--not-applied",
-    ]);
+    let (code, _, out) = dlq(url, &["resolve", "--id", &old.to_string(), "--not-applied"]);
     assert_eq!(code, 2, "a note is required: {out}");
-    let (code, json, out) = idem(&[
-        "dlq",
-        "resolve",
-        "--store",
+    let (code, json, out) = dlq(
         url,
-        "--id",
-        &old.to_string(),
-        "--not-applied",
-        "--note",
-        "not on the vendor's dashboard",
-        "--json",
-    ]);
+        &[
+            "resolve",
+            "--id",
+            &old.to_string(),
+            "--not-applied",
+            "--note",
+            "not on the vendor's dashboard",
+            "--json",
+        ],
+    );
     assert_eq!(code, 0, "{out}");
     assert_eq!(
         (json["state"].as_str(), json["verdict"]["verdict"].as_str()),
@@ -296,53 +274,38 @@ async fn dead_letter_commands(url: &str) {
     );
     assert_eq!(json["first_reached_at_ms"], serde_json::Value::Null);
     // Now it is sent, to the URL given.
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, json, out) = dlq(
         url,
-        "--id",
-        &old.to_string(),
-        "--url",
-        &format!("{base}/v1/payouts"),
-        "--json",
-    ]);
+        &[
+            "redrive",
+            "--id",
+            &old.to_string(),
+            "--url",
+            &format!("{base}/v1/payouts"),
+            "--json",
+        ],
+    );
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["items"][0]["result"], "resolved", "{json}");
     assert_eq!(payouts(&base).await, paid_before + 1);
-    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--id", "1", "--url", "http://vendor#"]);
+    let (code, _, out) = dlq(url, &["redrive", "--id", "1", "--url", "http://vendor#"]);
     assert_eq!(code, 2, "a bad target is refused: {out}");
     // A new target for letters of every operation is refused: nothing sent,
     // nothing rewritten.
-    let (code, _, out) = idem(&["dlq", "redrive", "--store", url, "--url", &format!("{base}/v1/payouts")]);
+    let (code, _, out) = dlq(url, &["redrive", "--url", &format!("{base}/v1/payouts")]);
     assert_eq!(code, 2, "--url needs --operation or --id: {out}");
     assert!(out.contains("--operation"), "{out}");
-    let (code, _, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, _, out) = dlq(
         url,
-        "--id",
-        "1",
-        "--deadline-secs",
-        "30",
-        "--hold-secs",
-        "5",
-    ]);
+        &["redrive", "--id", "1", "--deadline-secs", "30", "--hold-secs", "5"],
+    );
     assert_eq!(code, 2, "a hold shorter than the deadline: {out}");
     assert!(out.contains("--hold-secs"), "{out}");
     assert_eq!(payouts(&base).await, paid_before + 1);
-    let (code, _, out) = idem(&[
-        "dlq",
-        "resolve",
-        "--store",
+    let (code, _, out) = dlq(
         url,
-        "--id",
-        &old.to_string(),
-        "--applied",
-        "--note",
-        "again",
-    ]);
+        &["resolve", "--id", &old.to_string(), "--applied", "--note", "again"],
+    );
     assert_eq!(code, 1, "a resolved letter is final: {out}");
 
     // A letter of a vendor without keys (the service ran with a 0 s key
@@ -362,9 +325,9 @@ async fn dead_letter_commands(url: &str) {
             .sent_under(KEYLESS),
     )
     .await;
-    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &keyless.to_string(), "--json"]);
+    let (_, json, _) = dlq(url, &["show", "--id", &keyless.to_string(), "--json"]);
     assert_eq!(json["sent_under"]["key_horizon_secs"], 0.0, "{json}");
-    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &keyless.to_string(), "--json"]);
+    let (code, json, out) = dlq(url, &["redrive", "--id", &keyless.to_string(), "--json"]);
     assert_eq!(code, 1, "held, not sent: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     assert_eq!(payouts(&keyless_base).await, 1, "paid once");
@@ -372,28 +335,28 @@ async fn dead_letter_commands(url: &str) {
     // neither taken nor sent, until the operator says the horizon.
     let bare = record_on(&store, &bare_letter(&base, "bare", r#"{"amount":60}"#)).await;
     let paid_before = payouts(&base).await;
-    let (code, json, out) = idem(&["dlq", "redrive", "--store", url, "--id", &bare.to_string(), "--json"]);
+    let (code, json, out) = dlq(url, &["redrive", "--id", &bare.to_string(), "--json"]);
     assert_eq!(code, 2, "{out}");
     assert_eq!(json["items"][0]["result"], "refused", "{json}");
     assert_eq!(json["refused"], 1, "{json}");
-    let (_, json, _) = idem(&["dlq", "show", "--store", url, "--id", &bare.to_string(), "--json"]);
+    let (_, json, _) = dlq(url, &["show", "--id", &bare.to_string(), "--json"]);
     assert_eq!(
         (json["state"].as_str(), json["redrives"].as_u64()),
         (Some("dead"), Some(0)),
         "{json}"
     );
     assert_eq!(payouts(&base).await, paid_before, "nothing sent");
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, json, out) = dlq(
         url,
-        "--id",
-        &bare.to_string(),
-        "--key-horizon-secs",
-        "86400",
-        "--json",
-    ]);
+        &[
+            "redrive",
+            "--id",
+            &bare.to_string(),
+            "--key-horizon-secs",
+            "86400",
+            "--json",
+        ],
+    );
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["items"][0]["result"], "resolved", "{json}");
     assert_eq!(payouts(&base).await, paid_before + 1);
@@ -533,49 +496,41 @@ async fn a_2xx_that_is_not_the_call_holds_the_letter_as_unknown() {
         .record(&letter(&base, "po-b", r#"{"amount":6,"reference":"po-b"}"#))
         .await
         .unwrap();
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, json, out) = dlq(
         &url,
-        "--id",
-        &checked.to_string(),
-        "--answer-field",
-        "id",
-        "--answer-echo",
-        "amount",
-        "--answer-echo",
-        "reference",
-        "--json",
-    ]);
+        &[
+            "redrive",
+            "--id",
+            &checked.to_string(),
+            "--answer-field",
+            "id",
+            "--answer-echo",
+            "amount",
+            "--answer-echo",
+            "reference",
+            "--json",
+        ],
+    );
     assert_eq!(code, 1, "held as unknown is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     let held = letters.get(checked).await.unwrap().unwrap();
     assert_eq!(held.state, idem_core::DeadLetterState::Unknown, "{held:?}");
     assert!(held.last_error.contains("contract"), "{held:?}");
     // The way out: the operator records what the vendor says.
-    let (code, _, out) = idem(&[
-        "dlq",
-        "resolve",
-        "--store",
+    let (code, _, out) = dlq(
         &url,
-        "--id",
-        &checked.to_string(),
-        "--not-applied",
-        "--note",
-        "the vendor has no such payout",
-    ]);
+        &[
+            "resolve",
+            "--id",
+            &checked.to_string(),
+            "--not-applied",
+            "--note",
+            "the vendor has no such payout",
+        ],
+    );
     assert_eq!(code, 0, "{out}");
     // Without a contract, any 2xx resolves the letter.
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
-        &url,
-        "--id",
-        &unchecked.to_string(),
-        "--json",
-    ]);
+    let (code, json, out) = dlq(&url, &["redrive", "--id", &unchecked.to_string(), "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["items"][0]["result"], "resolved", "{json}");
     for suffix in ["", "-wal", "-shm"] {
