@@ -10,18 +10,7 @@ use std::time::Duration;
 
 use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
-use support::{idem_out as idem, tag};
-
-/// `idem dlq <sub> --store <url> <rest…>`, with its exit code, its JSON
-/// (if any) and its whole output.
-fn dlq(url: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, String) {
-    let (sub, rest) = sub_and_rest.split_first().expect("a subcommand");
-    let args: Vec<&str> = ["dlq", sub, "--store", url]
-        .into_iter()
-        .chain(rest.iter().copied())
-        .collect();
-    idem(&args)
-}
+use support::{dlq, idem_out as idem, tag};
 
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{drop_mysql_db, drop_postgres_db, idem_out as idem};
+use support::{dlq, drop_mysql_db, drop_postgres_db};
 
 use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
 
@@ -60,17 +60,17 @@ async fn dead_payout<S: DeadLetterStore>(store: &S, store_url: &str, base: &str)
         "HTTP 503: down",
     );
     let id = store.record(&letter).await.unwrap();
-    let (code, _, out) = idem(&[
-        "dlq",
-        "resolve",
-        "--store",
+    let (code, _, out) = dlq(
         store_url,
-        "--id",
-        &id.to_string(),
-        "--not-applied",
-        "--note",
-        "the vendor's dashboard shows nothing",
-    ]);
+        &[
+            "resolve",
+            "--id",
+            &id.to_string(),
+            "--not-applied",
+            "--note",
+            "the vendor's dashboard shows nothing",
+        ],
+    );
     assert_eq!(code, 0, "{out}");
     id
 }
@@ -138,19 +138,19 @@ async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, sto
     // Past the vendor's memory (3 s on its clock and, for the redrive, since the mark).
     vendor.advance(Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(3_100)).await;
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, json, out) = dlq(
         store_url,
-        "--state",
-        "redriving",
-        "--key-horizon-secs",
-        "3",
-        "--deadline-secs",
-        "5",
-        "--json",
-    ]);
+        &[
+            "redrive",
+            "--state",
+            "redriving",
+            "--key-horizon-secs",
+            "3",
+            "--deadline-secs",
+            "5",
+            "--json",
+        ],
+    );
     assert_eq!(code, 1, "a letter held as unknown is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     assert_eq!(vendor.paid(), 1, "the vendor paid once: {out}");
@@ -180,19 +180,19 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
         std::net::TcpStream::connect(&addr).is_err(),
         "the vendor refuses connections"
     );
-    let (code, json, out) = idem(&[
-        "dlq",
-        "redrive",
-        "--store",
+    let (code, json, out) = dlq(
         store_url,
-        "--state",
-        "redriving",
-        "--key-horizon-secs",
-        "3600",
-        "--deadline-secs",
-        "1",
-        "--json",
-    ]);
+        &[
+            "redrive",
+            "--state",
+            "redriving",
+            "--key-horizon-secs",
+            "3600",
+            "--deadline-secs",
+            "1",
+            "--json",
+        ],
+    );
     assert_eq!(code, 1, "a letter that failed again is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "failed", "{json}");
     let letter = store.get(id).await.unwrap().unwrap();

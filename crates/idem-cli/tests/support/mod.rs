@@ -247,6 +247,16 @@ pub(crate) fn listed_key(store: &str, key: &str, filters: &[&str]) -> serde_json
 
 /// Runs `idem <args>`: exit code, stdout as JSON (null when it is not),
 /// and everything it printed.
+/// `idem dlq <sub> --store <url> <rest…>`, as [`idem_out`] answers.
+pub(crate) fn dlq(url: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, String) {
+    let (sub, rest) = sub_and_rest.split_first().expect("a subcommand");
+    let args: Vec<&str> = ["dlq", sub, "--store", url]
+        .into_iter()
+        .chain(rest.iter().copied())
+        .collect();
+    idem_out(&args)
+}
+
 pub(crate) fn idem_out(args: &[&str]) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(args)
