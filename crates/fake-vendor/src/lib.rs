@@ -502,10 +502,13 @@ pub async fn start(
     options: Options,
     tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
 ) -> std::io::Result<(String, Arc<Vendor>)> {
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    // The listener is bound here and served as it is: no other server can
+    // take the port between its choice and its use.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let vendor = Arc::new(Vendor::new(options));
-    tokio::spawn(serve_with_tls(addr, vendor.clone(), tls, std::future::pending()));
+    tokio::spawn(serve_listener(listener, vendor.clone(), tls, std::future::pending()));
     for _ in 0..200 {
         if tokio::net::TcpStream::connect(addr).await.is_ok() {
             return Ok((format!("{scheme}://{addr}"), vendor));
@@ -525,9 +528,20 @@ pub async fn serve_with_tls(
     tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_listener(tokio::net::TcpListener::bind(addr).await?, vendor, tls, shutdown).await
+}
+
+/// [`serve_with_tls`] on a bound `listener`; a refusal fault closes it and
+/// binds its address again when the fault ends.
+async fn serve_listener(
+    mut listener: tokio::net::TcpListener,
+    vendor: Arc<Vendor>,
+    tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
     tokio::pin!(shutdown);
     loop {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
         let v = vendor.clone();
         let refused = async move {
             loop {
@@ -554,6 +568,7 @@ pub async fn serve_with_tls(
         while vendor.refuse_until_ms.load(Ordering::SeqCst) > now_ms() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        listener = tokio::net::TcpListener::bind(addr).await?;
     }
 }
 
