@@ -161,28 +161,20 @@ async fn operator_commands(url: &str, outbox: bool) {
         assert_eq!(json["exit_code"], 3, "{out}");
         let store = AnyLease::connect(url).await.unwrap();
         let event = OutboxEvent::new("cli.test", b"{}".to_vec()).unwrap();
+        // One event in the engine's outbox table, committed.
+        macro_rules! enqueue {
+            ($outbox:ty, $s:expr) => {{
+                let o = <$outbox>::new($s.pool().clone());
+                o.migrate().await.unwrap();
+                let mut tx = $s.pool().begin().await.unwrap();
+                o.enqueue(&mut tx, &event).await.unwrap();
+                tx.commit().await.unwrap();
+            }};
+        }
         match &store {
-            AnyLease::Sqlite(s) => {
-                let o = idem_sqlite::SqliteOutbox::new(s.pool().clone());
-                o.migrate().await.unwrap();
-                let mut tx = s.pool().begin().await.unwrap();
-                o.enqueue(&mut tx, &event).await.unwrap();
-                tx.commit().await.unwrap();
-            }
-            AnyLease::Postgres(s) => {
-                let o = idem_postgres::PgOutbox::new(s.pool().clone());
-                o.migrate().await.unwrap();
-                let mut tx = s.pool().begin().await.unwrap();
-                o.enqueue(&mut tx, &event).await.unwrap();
-                tx.commit().await.unwrap();
-            }
-            AnyLease::MySql(s) => {
-                let o = idem_mysql::MySqlOutbox::new(s.pool().clone());
-                o.migrate().await.unwrap();
-                let mut tx = s.pool().begin().await.unwrap();
-                o.enqueue(&mut tx, &event).await.unwrap();
-                tx.commit().await.unwrap();
-            }
+            AnyLease::Sqlite(s) => enqueue!(idem_sqlite::SqliteOutbox, s),
+            AnyLease::Postgres(s) => enqueue!(idem_postgres::PgOutbox, s),
+            AnyLease::MySql(s) => enqueue!(idem_mysql::MySqlOutbox, s),
             AnyLease::Redis(_) => unreachable!(),
         }
         let (code, json, out) = idem(&["outbox", "status", "--store", url, "--json"]);

@@ -9,6 +9,17 @@ use std::time::Duration;
 use idem_jetstream::async_nats::{self, jetstream, jetstream::stream};
 use support::idem_out as idem;
 
+/// `idem events <sub> --nats-url <url> --stream <stream> <rest…>`, as
+/// `idem_out` answers.
+fn idem_events(url: &str, stream: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, String) {
+    let (sub, rest) = sub_and_rest.split_first().expect("a subcommand");
+    let args: Vec<&str> = ["events", sub, "--nats-url", url, "--stream", stream]
+        .into_iter()
+        .chain(rest.iter().copied())
+        .collect();
+    idem(&args)
+}
+
 fn nats_url() -> String {
     std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
@@ -56,36 +67,14 @@ async fn dead_letters_are_listed_and_redriven_for_their_handler() {
             .unwrap();
     }
 
-    let (code, v, out) = idem(&[
-        "events",
-        "dead-letters",
-        "--nats-url",
-        &url,
-        "--stream",
-        &dead,
-        "--handler",
-        "a",
-        "--json",
-    ]);
+    let (code, v, out) = idem_events(&url, &dead, &["dead-letters", "--handler", "a", "--json"]);
     assert_eq!(code, 0, "{out}");
     let letters = v["dead_letters"].as_array().expect("a list");
     assert_eq!(letters.len(), 2, "{v}");
     assert_eq!(letters[0]["event_id"], "e0");
     assert_eq!(letters[0]["deliveries"], 5);
 
-    let (code, v, out) = idem(&[
-        "events",
-        "redrive",
-        "--nats-url",
-        &url,
-        "--stream",
-        &dead,
-        "--handler",
-        "a",
-        "--max",
-        "1",
-        "--json",
-    ]);
+    let (code, v, out) = idem_events(&url, &dead, &["redrive", "--handler", "a", "--max", "1", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(v["redriven"].as_array().map(Vec::len), Some(1), "capped at --max: {v}");
     let mut s = js.get_stream(&events).await.unwrap();
@@ -101,15 +90,7 @@ async fn dead_letters_are_listed_and_redriven_for_their_handler() {
     );
     assert_eq!(copy.payload.as_ref(), br#"{"n":0}"#);
 
-    let (code, v, out) = idem(&[
-        "events",
-        "dead-letters",
-        "--nats-url",
-        &url,
-        "--stream",
-        &dead,
-        "--json",
-    ]);
+    let (code, v, out) = idem_events(&url, &dead, &["dead-letters", "--json"]);
     assert_eq!(code, 0, "{out}");
     let left: Vec<_> = v["dead_letters"]
         .as_array()
@@ -134,18 +115,9 @@ async fn dead_letters_are_listed_and_redriven_for_their_handler() {
         v["error"].as_str().unwrap_or_default().contains("NO_SUCH_STREAM_x"),
         "{v}"
     );
-    let (code, _, _) = idem(&[
-        "events",
-        "redrive",
-        "--nats-url",
-        &url,
-        "--stream",
-        &dead,
-        "--handler",
-        "",
-    ]);
+    let (code, _, _) = idem_events(&url, &dead, &["redrive", "--handler", ""]);
     assert_eq!(code, 2);
-    let (code, _, _) = idem(&["events", "redrive", "--nats-url", &url, "--stream", &dead, "--max", "0"]);
+    let (code, _, _) = idem_events(&url, &dead, &["redrive", "--max", "0"]);
     assert_eq!(code, 2);
     let (code, _, out) = idem(&[
         "events",
