@@ -174,7 +174,7 @@ fn key_info<D: Dialect>(row: &<D::Db as Database>::Row, now_ms: i64) -> Result<K
 /// inherent one (how a purge deletes under concurrent claims is the
 /// engine's).
 ///
-/// ```ignore
+/// ```text
 /// idem_sql::key_admin!(PgStore, PgDialect);
 /// ```
 #[macro_export]
