@@ -261,7 +261,7 @@ macro_rules! tx_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__tx_test!($make;
+            $crate::__suite_test!(tx_tests, $make;
                 replay_is_verbatim,
                 raw_record_bytes_replay_exactly,
                 mismatch_is_an_error_and_runs_nothing,
@@ -297,14 +297,14 @@ macro_rules! lease_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::lease_behaviours!([$crate::__lease_test] $make);
-            $crate::__lease_test!($make;
+            $crate::lease_behaviours!([$crate::__suite_test] lease_tests, $make);
+            $crate::__suite_test!(lease_tests, $make;
                 lease_unknown_outcome_is_held,
                 lease_unknown_outcome_resolved_applied,
                 lease_unknown_outcome_resolved_not_applied,
                 lease_unknown_outcome_resolved_once_under_concurrency
             );
-            $crate::sent_behaviours!([$crate::__sent_test] $make);
+            $crate::sent_behaviours!([$crate::__suite_test] sent_tests, $make);
         }
     };
 }
@@ -318,22 +318,8 @@ macro_rules! admin_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::admin_behaviours!([$crate::__admin_test] $make);
+            $crate::admin_behaviours!([$crate::__suite_test] admin_tests, $make);
         }
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __admin_test {
-    ($make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() {
-                let subject = $make.await;
-                $crate::admin_tests::$name(subject).await;
-            }
-        )*
     };
 }
 
@@ -346,7 +332,7 @@ macro_rules! deadletter_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__deadletter_test!($make;
+            $crate::__suite_test!(deadletter_tests, $make;
                 dead_letter_round_trips_every_field,
                 recording_twice_updates_one_row,
                 recording_again_keeps_the_strictest_send_terms,
@@ -458,57 +444,17 @@ macro_rules! one_store_subject {
     };
 }
 
+/// One `#[tokio::test]` a name, each running `$module::$name` on the
+/// subject `$make` gives.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __deadletter_test {
-    ($make:expr; $($name:ident),* $(,)?) => {
+macro_rules! __suite_test {
+    ($module:ident, $make:expr; $($name:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
                 let subject = $make.await;
-                $crate::deadletter_tests::$name(subject).await;
-            }
-        )*
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __tx_test {
-    ($make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() {
-                let subject = $make.await;
-                $crate::tx_tests::$name(subject).await;
-            }
-        )*
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __sent_test {
-    ($make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() {
-                let subject = $make.await;
-                $crate::sent_tests::$name(subject).await;
-            }
-        )*
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __lease_test {
-    ($make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() {
-                let subject = $make.await;
-                $crate::lease_tests::$name(subject).await;
+                $crate::$module::$name(subject).await;
             }
         )*
     };

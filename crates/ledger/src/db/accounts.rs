@@ -3,7 +3,7 @@
 //! reversals write theirs here too), and the audit that proves
 //! conservation from those rows.
 
-use sqlx::SqlStr;
+use super::dialect::sql_statements;
 
 use super::{Dialect, WORLD};
 
@@ -74,63 +74,44 @@ pub(super) enum Change {
     Debit,
 }
 
-/// The statements of accounts, their money and the audit.
-pub(super) struct Sql {
-    pub(super) insert_account: SqlStr,
-    pub(super) select_account: SqlStr,
-    pub(super) balance: SqlStr,
-    pub(super) credit: SqlStr,
-    pub(super) debit: SqlStr,
-    pub(super) insert_journal: SqlStr,
-    pub(super) insert_entry: SqlStr,
-    pub(super) audit_balances: SqlStr,
-    pub(super) audit_world: SqlStr,
-    pub(super) audit_kind: SqlStr,
-    pub(super) audit_negative: SqlStr,
-    pub(super) audit_mismatch: SqlStr,
-    pub(super) audit_journal: SqlStr,
-}
-
-impl Sql {
-    pub(super) fn new(dialect: Dialect) -> Self {
-        let p = |s: &str| dialect.prepare(s);
-        Self {
-            insert_account: p(
-                "INSERT INTO ledger_accounts (tenant, id, name, balance, created_at_ms) VALUES (?, ?, ?, 0, ?)",
-            ),
-            select_account: p("SELECT id, name, balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
-            balance: p("SELECT balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
-            credit: p("UPDATE ledger_accounts SET balance = balance + ? WHERE tenant = ? AND id = ? AND balance <= ?"),
-            debit: p("UPDATE ledger_accounts SET balance = balance - ? WHERE tenant = ? AND id = ? AND balance >= ?"),
-            insert_journal: p(
-                "INSERT INTO ledger_journal (tenant, id, kind, amount, from_account, to_account, created_at_ms) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?)",
-            ),
-            insert_entry: p(
-                "INSERT INTO ledger_entries (tenant, journal_id, account_id, delta) VALUES (?, ?, ?, ?), (?, ?, ?, ?)",
-            ),
-            audit_balances: p(&format!(
-                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id <> '{WORLD}'",
-                dialect.sum("delta")
-            )),
-            audit_world: p(&format!(
-                "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id = '{WORLD}'",
-                dialect.sum("delta")
-            )),
-            audit_kind: p(&format!(
-                "SELECT {} FROM ledger_journal WHERE tenant = ? AND kind = ?",
-                dialect.sum("amount")
-            )),
-            audit_negative: p(
-                "SELECT COUNT(*) FROM (SELECT account_id FROM ledger_entries WHERE tenant = ? AND account_id <> '@world' \
-                 GROUP BY account_id HAVING SUM(delta) < 0) neg",
-            ),
-            audit_mismatch: p(
-                "SELECT COUNT(*) FROM ledger_accounts a WHERE a.tenant = ? AND (a.balance < 0 OR a.balance <> \
-                 (SELECT COALESCE(SUM(e.delta), 0) FROM ledger_entries e WHERE e.tenant = a.tenant AND e.account_id = a.id))",
-            ),
-            audit_journal: p("SELECT COUNT(*) FROM ledger_journal WHERE tenant = ?"),
-        }
+sql_statements! {
+    /// The statements of accounts, their money and the audit.
+    |dialect, p| {
+        insert_account: p(
+            "INSERT INTO ledger_accounts (tenant, id, name, balance, created_at_ms) VALUES (?, ?, ?, 0, ?)",
+        ),
+        select_account: p("SELECT id, name, balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+        balance: p("SELECT balance FROM ledger_accounts WHERE tenant = ? AND id = ?"),
+        credit: p("UPDATE ledger_accounts SET balance = balance + ? WHERE tenant = ? AND id = ? AND balance <= ?"),
+        debit: p("UPDATE ledger_accounts SET balance = balance - ? WHERE tenant = ? AND id = ? AND balance >= ?"),
+        insert_journal: p(
+            "INSERT INTO ledger_journal (tenant, id, kind, amount, from_account, to_account, created_at_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        ),
+        insert_entry: p(
+            "INSERT INTO ledger_entries (tenant, journal_id, account_id, delta) VALUES (?, ?, ?, ?), (?, ?, ?, ?)",
+        ),
+        audit_balances: p(&format!(
+            "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id <> '{WORLD}'",
+            dialect.sum("delta")
+        )),
+        audit_world: p(&format!(
+            "SELECT {} FROM ledger_entries WHERE tenant = ? AND account_id = '{WORLD}'",
+            dialect.sum("delta")
+        )),
+        audit_kind: p(&format!(
+            "SELECT {} FROM ledger_journal WHERE tenant = ? AND kind = ?",
+            dialect.sum("amount")
+        )),
+        audit_negative: p(
+            "SELECT COUNT(*) FROM (SELECT account_id FROM ledger_entries WHERE tenant = ? AND account_id <> '@world' \
+             GROUP BY account_id HAVING SUM(delta) < 0) neg",
+        ),
+        audit_mismatch: p(
+            "SELECT COUNT(*) FROM ledger_accounts a WHERE a.tenant = ? AND (a.balance < 0 OR a.balance <> \
+             (SELECT COALESCE(SUM(e.delta), 0) FROM ledger_entries e WHERE e.tenant = a.tenant AND e.account_id = a.id))",
+        ),
+        audit_journal: p("SELECT COUNT(*) FROM ledger_journal WHERE tenant = ?"),
     }
 }
 

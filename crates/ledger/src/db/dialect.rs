@@ -59,6 +59,29 @@ impl Dialect {
     }
 }
 
+/// Declares a module's statements, each named once: `struct Sql` with one
+/// [`SqlStr`] a statement, and `Sql::new(dialect)` preparing each for
+/// `dialect`, where `p` rewrites a text's `?` placeholders
+/// ([`Dialect::prepare`]).
+macro_rules! sql_statements {
+    ($(#[$doc:meta])* |$dialect:ident, $p:ident| {
+        $($(#[$field_doc:meta])* $name:ident: $sql:expr),* $(,)?
+    }) => {
+        $(#[$doc])*
+        pub(super) struct Sql {
+            $($(#[$field_doc])* pub(super) $name: sqlx::SqlStr,)*
+        }
+
+        impl Sql {
+            pub(super) fn new($dialect: Dialect) -> Self {
+                let $p = |s: &str| $dialect.prepare(s);
+                Self { $($name: $sql,)* }
+            }
+        }
+    };
+}
+pub(super) use sql_statements;
+
 /// The prepared statements of one dialect.
 pub struct Queries {
     pub(super) dialect: Dialect,

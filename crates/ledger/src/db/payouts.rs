@@ -2,7 +2,7 @@
 //! payout worker, dead-lettered, held as unknown, or cancelled with the
 //! debit reversed.
 
-use sqlx::SqlStr;
+use super::dialect::sql_statements;
 
 use super::{DEAD_LETTERS_TABLE, DbError, Dialect};
 
@@ -175,77 +175,61 @@ pub struct PayoutChange<'a> {
     pub now_ms: i64,
 }
 
-/// The statements of payouts.
-pub(super) struct Sql {
-    pub(super) insert_payout: SqlStr,
-    pub(super) select_payout: SqlStr,
-    pub(super) payouts_in: SqlStr,
-    pub(super) payouts_redriven: SqlStr,
-    pub(super) change_payout: SqlStr,
-    pub(super) payouts_due: SqlStr,
-    pub(super) mark_sent: SqlStr,
-    pub(super) defer_payout: SqlStr,
-    pub(super) select_payout_for_cancel: SqlStr,
-    pub(super) cancel_payout: SqlStr,
-}
-
-impl Sql {
-    pub(super) fn new(dialect: Dialect) -> Self {
-        let p = |s: &str| dialect.prepare(s);
-        Self {
-            insert_payout: p(
-                "INSERT INTO ledger_payouts (tenant, id, account_id, amount, state, attempts, created_at_ms, updated_at_ms) \
-                 VALUES (?, ?, ?, ?, 'requested', 0, ?, ?)",
-            ),
-            select_payout: p(
-                "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms, \
-                 first_sent_at_ms, not_before_ms FROM ledger_payouts WHERE tenant = ? AND id = ?",
-            ),
-            payouts_due: p(
-                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = 'requested' \
-                 AND (not_before_ms IS NULL OR not_before_ms <= ?) ORDER BY created_at_ms LIMIT ?",
-            ),
-            mark_sent: p(
-                "UPDATE ledger_payouts SET first_sent_at_ms = COALESCE(first_sent_at_ms, ?) \
-                 WHERE tenant = ? AND id = ? AND state = 'requested'",
-            ),
-            defer_payout: p(
-                "UPDATE ledger_payouts SET not_before_ms = ?, attempts = attempts + ?, last_error = ?, updated_at_ms = ? \
-                 WHERE tenant = ? AND id = ? AND state = 'requested'",
-            ),
-            select_payout_for_cancel: p(&format!(
-                "SELECT account_id, amount, state FROM ledger_payouts WHERE tenant = ? AND id = ?{}",
-                match dialect {
-                    Dialect::Sqlite => "",
-                    Dialect::Postgres | Dialect::MySql => " FOR UPDATE",
-                }
-            )),
-            cancel_payout: p("UPDATE ledger_payouts SET state = 'cancelled', updated_at_ms = ? \
-                 WHERE tenant = ? AND id = ? AND state IN ('dead_lettered', 'unknown')"),
-            payouts_in: p(
-                "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
-            ),
-            // Dead-lettered or unknown payouts whose dead letter was settled
-            // elsewhere (a redrive resolved it, an operator settled it, a
-            // redrive held it as unknown), however many older ones are still
-            // waiting. The keys compare as bytes, as the dead letters store
-            // them.
-            payouts_redriven: p(&format!(
-                "SELECT p.tenant, p.id, p.account_id, p.amount FROM ledger_payouts p \
-                 WHERE p.state IN ('dead_lettered', 'unknown') AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
-                 WHERE d.tenant = p.tenant{bytes} AND d.operation = ? AND d.idem_key = p.id{bytes} \
-                 AND (d.state = 'resolved' OR (p.state = 'unknown' AND d.state = 'dead') \
-                 OR (p.state = 'dead_lettered' AND d.state = 'unknown'))) ORDER BY p.created_at_ms LIMIT ?",
-                bytes = match dialect {
-                    Dialect::Postgres => " COLLATE \"C\"",
-                    Dialect::MySql | Dialect::Sqlite => "",
-                }
-            )),
-            change_payout: p(
-                "UPDATE ledger_payouts SET state = ?, vendor_payout_id = COALESCE(?, vendor_payout_id), \
-                 attempts = attempts + ?, last_error = ?, updated_at_ms = ? WHERE tenant = ? AND id = ? AND state = ?",
-            ),
-        }
+sql_statements! {
+    /// The statements of payouts.
+    |dialect, p| {
+        insert_payout: p(
+            "INSERT INTO ledger_payouts (tenant, id, account_id, amount, state, attempts, created_at_ms, updated_at_ms) \
+             VALUES (?, ?, ?, ?, 'requested', 0, ?, ?)",
+        ),
+        select_payout: p(
+            "SELECT id, account_id, amount, state, vendor_payout_id, attempts, last_error, created_at_ms, updated_at_ms, \
+             first_sent_at_ms, not_before_ms FROM ledger_payouts WHERE tenant = ? AND id = ?",
+        ),
+        payouts_due: p(
+            "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = 'requested' \
+             AND (not_before_ms IS NULL OR not_before_ms <= ?) ORDER BY created_at_ms LIMIT ?",
+        ),
+        mark_sent: p(
+            "UPDATE ledger_payouts SET first_sent_at_ms = COALESCE(first_sent_at_ms, ?) \
+             WHERE tenant = ? AND id = ? AND state = 'requested'",
+        ),
+        defer_payout: p(
+            "UPDATE ledger_payouts SET not_before_ms = ?, attempts = attempts + ?, last_error = ?, updated_at_ms = ? \
+             WHERE tenant = ? AND id = ? AND state = 'requested'",
+        ),
+        select_payout_for_cancel: p(&format!(
+            "SELECT account_id, amount, state FROM ledger_payouts WHERE tenant = ? AND id = ?{}",
+            match dialect {
+                Dialect::Sqlite => "",
+                Dialect::Postgres | Dialect::MySql => " FOR UPDATE",
+            }
+        )),
+        cancel_payout: p("UPDATE ledger_payouts SET state = 'cancelled', updated_at_ms = ? \
+             WHERE tenant = ? AND id = ? AND state IN ('dead_lettered', 'unknown')"),
+        payouts_in: p(
+            "SELECT tenant, id, account_id, amount FROM ledger_payouts WHERE state = ? ORDER BY created_at_ms LIMIT ?",
+        ),
+        // Dead-lettered or unknown payouts whose dead letter was settled
+        // elsewhere (a redrive resolved it, an operator settled it, a
+        // redrive held it as unknown), however many older ones are still
+        // waiting. The keys compare as bytes, as the dead letters store
+        // them.
+        payouts_redriven: p(&format!(
+            "SELECT p.tenant, p.id, p.account_id, p.amount FROM ledger_payouts p \
+             WHERE p.state IN ('dead_lettered', 'unknown') AND EXISTS (SELECT 1 FROM {DEAD_LETTERS_TABLE} d \
+             WHERE d.tenant = p.tenant{bytes} AND d.operation = ? AND d.idem_key = p.id{bytes} \
+             AND (d.state = 'resolved' OR (p.state = 'unknown' AND d.state = 'dead') \
+             OR (p.state = 'dead_lettered' AND d.state = 'unknown'))) ORDER BY p.created_at_ms LIMIT ?",
+            bytes = match dialect {
+                Dialect::Postgres => " COLLATE \"C\"",
+                Dialect::MySql | Dialect::Sqlite => "",
+            }
+        )),
+        change_payout: p(
+            "UPDATE ledger_payouts SET state = ?, vendor_payout_id = COALESCE(?, vendor_payout_id), \
+             attempts = attempts + ?, last_error = ?, updated_at_ms = ? WHERE tenant = ? AND id = ? AND state = ?",
+        ),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The ledger's tables, and the migration that creates them (with the idem
 //! tables the ledger uses) and adds the columns newer than a database.
 
-use sqlx::SqlStr;
+use super::dialect::sql_statements;
 
 use super::Dialect;
 
@@ -54,27 +54,21 @@ impl Dialect {
     }
 }
 
-/// The statements of the migration.
-pub(super) struct Sql {
-    /// The names of the columns `ledger_payouts` has.
-    pub(super) payout_columns: SqlStr,
-}
-
-impl Sql {
-    pub(super) fn new(dialect: Dialect) -> Self {
-        Self {
-            payout_columns: dialect.prepare(match dialect {
-                Dialect::Sqlite => "SELECT name FROM pragma_table_info('ledger_payouts')",
-                Dialect::Postgres => {
-                    "SELECT column_name::text FROM information_schema.columns \
-                     WHERE table_schema = current_schema() AND table_name = 'ledger_payouts'"
-                }
-                Dialect::MySql => {
-                    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
-                     WHERE table_schema = DATABASE() AND table_name = 'ledger_payouts'"
-                }
-            }),
-        }
+sql_statements! {
+    /// The statements of the migration.
+    |dialect, p| {
+        /// The names of the columns `ledger_payouts` has.
+        payout_columns: p(match dialect {
+            Dialect::Sqlite => "SELECT name FROM pragma_table_info('ledger_payouts')",
+            Dialect::Postgres => {
+                "SELECT column_name::text FROM information_schema.columns \
+                 WHERE table_schema = current_schema() AND table_name = 'ledger_payouts'"
+            }
+            Dialect::MySql => {
+                "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+                 WHERE table_schema = DATABASE() AND table_name = 'ledger_payouts'"
+            }
+        }),
     }
 }
 

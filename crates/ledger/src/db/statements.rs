@@ -1,7 +1,7 @@
 //! The statement projection, fed by the ledger's own events, and the
 //! balance snapshots of the scheduled job.
 
-use sqlx::SqlStr;
+use super::dialect::sql_statements;
 
 use super::Dialect;
 
@@ -31,41 +31,31 @@ pub struct Statement {
     pub events: i64,
 }
 
-/// The statements of the projection and the snapshots.
-pub(super) struct Sql {
-    pub(super) upsert_statement: SqlStr,
-    pub(super) insert_projection_log: SqlStr,
-    pub(super) select_statement: SqlStr,
-    pub(super) snapshot_balances: SqlStr,
-}
-
-impl Sql {
-    pub(super) fn new(dialect: Dialect) -> Self {
-        let p = |s: &str| dialect.prepare(s);
-        Self {
-            upsert_statement: p(match dialect {
-                Dialect::MySql => {
-                    "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
-                     ON DUPLICATE KEY UPDATE credits = credits + VALUES(credits), debits = debits + VALUES(debits), \
-                     events = events + 1"
-                }
-                _ => {
-                    "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
-                     ON CONFLICT (tenant, account_id) DO UPDATE SET credits = ledger_statements.credits + excluded.credits, \
-                     debits = ledger_statements.debits + excluded.debits, events = ledger_statements.events + 1"
-                }
-            }),
-            insert_projection_log: p(
-                "INSERT INTO ledger_projection_log (tenant, event_id, occurred_at_ms, applied_at_ms) VALUES (?, ?, ?, ?)",
-            ),
-            select_statement: p(
-                "SELECT credits, debits, events FROM ledger_statements WHERE tenant = ? AND account_id = ?",
-            ),
-            snapshot_balances: p(
-                "INSERT INTO ledger_balance_snapshots (run_id, tenant, account_id, balance, taken_at_ms) \
-                 SELECT ?, tenant, id, balance, ? FROM ledger_accounts",
-            ),
-        }
+sql_statements! {
+    /// The statements of the projection and the snapshots.
+    |dialect, p| {
+        upsert_statement: p(match dialect {
+            Dialect::MySql => {
+                "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
+                 ON DUPLICATE KEY UPDATE credits = credits + VALUES(credits), debits = debits + VALUES(debits), \
+                 events = events + 1"
+            }
+            _ => {
+                "INSERT INTO ledger_statements (tenant, account_id, credits, debits, events) VALUES (?, ?, ?, ?, 1) \
+                 ON CONFLICT (tenant, account_id) DO UPDATE SET credits = ledger_statements.credits + excluded.credits, \
+                 debits = ledger_statements.debits + excluded.debits, events = ledger_statements.events + 1"
+            }
+        }),
+        insert_projection_log: p(
+            "INSERT INTO ledger_projection_log (tenant, event_id, occurred_at_ms, applied_at_ms) VALUES (?, ?, ?, ?)",
+        ),
+        select_statement: p(
+            "SELECT credits, debits, events FROM ledger_statements WHERE tenant = ? AND account_id = ?",
+        ),
+        snapshot_balances: p(
+            "INSERT INTO ledger_balance_snapshots (run_id, tenant, account_id, balance, taken_at_ms) \
+             SELECT ?, tenant, id, balance, ? FROM ledger_accounts",
+        ),
     }
 }
 
