@@ -32,6 +32,12 @@
 //!   `{"error": {"type": "idempotency_error", "message":
 //!   "idempotency_key_in_use: …"}}` without `Retry-After`, as Stripe
 //!   answers.
+//! - `POST /v1/quotes`, `GET /v1/quotes?reference=R`, `POST
+//!   /v1/quotes/{id}/cancel`: a foreign-exchange quote API **without
+//!   idempotency keys** (every request books a new quote; a reconcile asks
+//!   by reference), with the same faults (see [`quotes`]).
+//!   `lookup_error_500` makes lookups by reference (of payouts and quotes)
+//!   answer 500.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -46,6 +52,8 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
+
+pub mod quotes;
 
 /// Switchable faults.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -63,6 +71,8 @@ pub struct Faults {
     pub slow_ms: u64,
     /// Refuse connections for this long from now, in ms (write-only).
     pub refuse_ms: u64,
+    /// Probability of a 500 for a lookup by reference (of payouts or quotes).
+    pub lookup_error_500: f64,
 }
 
 /// How the vendor treats idempotency keys.
@@ -104,6 +114,12 @@ pub struct Stats {
     pub in_use: u64,
     /// Lookups by reference.
     pub lookups: u64,
+    /// Lookups by reference answered 500 on purpose.
+    pub lookup_errors: u64,
+    /// Quotes booked.
+    pub quotes_booked: u64,
+    /// Quotes cancelled.
+    pub quotes_cancelled: u64,
 }
 
 #[derive(Clone)]
@@ -133,6 +149,8 @@ pub struct Vendor {
     forgotten: AtomicU64,
     in_use: AtomicU64,
     lookups: AtomicU64,
+    lookup_errors: AtomicU64,
+    quotes: quotes::QuoteBook,
     total: AtomicU64,
     paid: AtomicU64,
     replayed: AtomicU64,
@@ -157,6 +175,26 @@ impl Vendor {
     /// Payouts made so far.
     pub fn paid(&self) -> u64 {
         self.paid.load(Ordering::SeqCst)
+    }
+
+    /// Quotes booked so far (cancelled ones included).
+    pub async fn quotes_booked(&self) -> usize {
+        self.quotes.count().await
+    }
+
+    /// The `lookup_error_500` fault: a 500 for this lookup, or `None`.
+    async fn lookup_fault(&self) -> Option<Response> {
+        self.lookups.fetch_add(1, Ordering::SeqCst);
+        let p = self.faults.lock().await.lookup_error_500;
+        if p > 0.0 && chance(self.seq.fetch_add(1, Ordering::SeqCst) * 3) < p {
+            self.lookup_errors.fetch_add(1, Ordering::SeqCst);
+            return Some(error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "api_error",
+                "an injected failure of a lookup",
+            ));
+        }
+        None
     }
 
     /// Payout requests being processed right now (arrived, not yet answered).
@@ -410,8 +448,10 @@ struct Lookup {
 
 /// `GET /v1/payouts?reference=R`: the payments of that reference, and the
 /// requests with it still being processed.
-async fn lookup(State(v): State<Arc<Vendor>>, Query(q): Query<Lookup>) -> Json<serde_json::Value> {
-    v.lookups.fetch_add(1, Ordering::SeqCst);
+async fn lookup(State(v): State<Arc<Vendor>>, Query(q): Query<Lookup>) -> Response {
+    if let Some(failed) = v.lookup_fault().await {
+        return failed;
+    }
     let mut data: Vec<serde_json::Value> = v
         .payments
         .lock()
@@ -427,7 +467,7 @@ async fn lookup(State(v): State<Arc<Vendor>>, Query(q): Query<Lookup>) -> Json<s
     if let Some((amount, _)) = v.lock_processing().1.get(&q.reference) {
         data.push(serde_json::json!({ "reference": q.reference, "amount": amount, "status": "processing" }));
     }
-    Json(serde_json::json!({ "object": "list", "data": data }))
+    Json(serde_json::json!({ "object": "list", "data": data })).into_response()
 }
 
 #[derive(Deserialize)]
@@ -448,7 +488,7 @@ async fn get_faults(State(v): State<Arc<Vendor>>) -> Json<Faults> {
 
 async fn set_faults(State(v): State<Arc<Vendor>>, Json(f): Json<Faults>) -> Response {
     let bad = |p: f64| !(0.0..=1.0).contains(&p);
-    if bad(f.apply_then_drop) || bad(f.error_500) || bad(f.rate_limit_429) {
+    if bad(f.apply_then_drop) || bad(f.error_500) || bad(f.rate_limit_429) || bad(f.lookup_error_500) {
         return error(
             StatusCode::BAD_REQUEST,
             "invalid_request",
@@ -460,6 +500,7 @@ async fn set_faults(State(v): State<Arc<Vendor>>, Json(f): Json<Faults>) -> Resp
 }
 
 async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
+    let (quotes_booked, quotes_cancelled, _) = v.quotes.summary().await;
     Json(Stats {
         paid: v.paid.load(Ordering::SeqCst),
         replayed: v.replayed.load(Ordering::SeqCst),
@@ -470,6 +511,9 @@ async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
         forgotten: v.forgotten.load(Ordering::SeqCst),
         in_use: v.in_use.load(Ordering::SeqCst),
         lookups: v.lookups.load(Ordering::SeqCst),
+        lookup_errors: v.lookup_errors.load(Ordering::SeqCst),
+        quotes_booked: quotes_booked as u64,
+        quotes_cancelled: quotes_cancelled as u64,
     })
 }
 
@@ -477,6 +521,9 @@ async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
 pub fn router(vendor: Arc<Vendor>) -> Router {
     Router::new()
         .route("/v1/payouts", post(payout).get(lookup))
+        .route("/v1/quotes", post(quotes::book).get(quotes::lookup))
+        .route("/v1/quotes/ledger", get(quotes::ledger))
+        .route("/v1/quotes/{id}/cancel", post(quotes::cancel))
         .route("/_clock", axum::routing::put(move_clock))
         .route("/v1/ledger", get(ledger))
         .route("/_faults", get(get_faults).put(set_faults))
