@@ -9,7 +9,7 @@ mod support;
 
 use idem_core::OutboxEvent;
 use idem_gateway::AnyLease;
-use support::{idem_out as idem, tag};
+use support::{idem_out as idem, keys_command, tag};
 
 /// Five keys that expired an hour ago and two live ones, all completed.
 async fn seed(url: &str) {
@@ -94,34 +94,11 @@ async fn operator_commands(url: &str, outbox: bool) {
         "--json",
     ]);
     assert_eq!(json.as_array().map(Vec::len), Some(1), "{json}");
-    let (code, json, out) = idem(&[
-        "keys",
-        "show",
-        "--store",
-        url,
-        "--tenant",
-        "cli-test",
-        "--operation",
-        "POST /x",
-        "--key",
-        &key,
-        "--json",
-    ]);
+    let (code, json, out) = idem(&keys_command("show", url, "cli-test", "POST /x", &key, &["--json"]));
     assert_eq!(code, 0, "{out}");
     assert_eq!(json["key"], key.as_str());
     assert_eq!(json["state"], "completed");
-    let (code, _, _) = idem(&[
-        "keys",
-        "show",
-        "--store",
-        url,
-        "--tenant",
-        "cli-test",
-        "--operation",
-        "POST /x",
-        "--key",
-        "absent",
-    ]);
+    let (code, _, _) = idem(&keys_command("show", url, "cli-test", "POST /x", "absent", &[]));
     assert_eq!(code, 1);
     let (code, _, out) = idem(&["keys", "purge", "--store", url, "--tenant", "cli-test"]);
     assert_eq!(code, 2, "keys in progress need --force: {out}");

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
-use support::{dlq, idem_out as idem, tag};
+use support::{dlq, idem_out as idem, resolve_not_applied, tag};
 
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
@@ -464,13 +464,11 @@ fn redis_keeps_no_dead_letters() {
 /// and `idem dlq resolve` is its way out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_2xx_that_is_not_the_call_holds_the_letter_as_unknown() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
     let app = axum::Router::new().route(
         "/v1/payouts",
         axum::routing::post(|| async { ([("content-type", "application/json")], r#"{"error":"not here"}"#) }),
     );
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let base = support::serve(app).await;
     let path = std::env::temp_dir().join(format!("idem-cli-dlq-answer-{}.db", tag()));
     let url = path.display().to_string();
     let (code, _, out) = idem(&["migrate", "--store", &url, "--dead-letters"]);
@@ -485,39 +483,17 @@ async fn a_2xx_that_is_not_the_call_holds_the_letter_as_unknown() {
         .record(&letter(&base, "po-b", r#"{"amount":6,"reference":"po-b"}"#))
         .await
         .unwrap();
-    let (code, json, out) = dlq(
-        &url,
-        &[
-            "redrive",
-            "--id",
-            &checked.to_string(),
-            "--answer-field",
-            "id",
-            "--answer-echo",
-            "amount",
-            "--answer-echo",
-            "reference",
-            "--json",
-        ],
-    );
+    // The answer to a payout has an id and echoes its amount and reference.
+    let contract = ["--answer-field=id", "--answer-echo=amount", "--answer-echo=reference"];
+    let redrive = ["redrive", "--id", &checked.to_string(), "--json"];
+    let (code, json, out) = dlq(&url, &[&redrive[..], &contract].concat());
     assert_eq!(code, 1, "held as unknown is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     let held = letters.get(checked).await.unwrap().unwrap();
     assert_eq!(held.state, idem_core::DeadLetterState::Unknown, "{held:?}");
     assert!(held.last_error.contains("contract"), "{held:?}");
     // The way out: the operator records what the vendor says.
-    let (code, _, out) = dlq(
-        &url,
-        &[
-            "resolve",
-            "--id",
-            &checked.to_string(),
-            "--not-applied",
-            "--note",
-            "the vendor has no such payout",
-        ],
-    );
-    assert_eq!(code, 0, "{out}");
+    resolve_not_applied(&url, checked, "the vendor has no such payout");
     // Without a contract, any 2xx resolves the letter.
     let (code, json, out) = dlq(&url, &["redrive", "--id", &unchecked.to_string(), "--json"]);
     assert_eq!(code, 0, "{out}");

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{dlq, drop_mysql_db, drop_postgres_db};
+use support::{dlq, drop_mysql_db, drop_postgres_db, resolve_not_applied};
 
 use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
 
@@ -60,18 +60,7 @@ async fn dead_payout<S: DeadLetterStore>(store: &S, store_url: &str, base: &str)
         "HTTP 503: down",
     );
     let id = store.record(&letter).await.unwrap();
-    let (code, _, out) = dlq(
-        store_url,
-        &[
-            "resolve",
-            "--id",
-            &id.to_string(),
-            "--not-applied",
-            "--note",
-            "the vendor's dashboard shows nothing",
-        ],
-    );
-    assert_eq!(code, 0, "{out}");
+    resolve_not_applied(store_url, id, "the vendor's dashboard shows nothing");
     id
 }
 
@@ -127,6 +116,23 @@ async fn hold_runs_out<S: DeadLetterStore>(store: &S, id: i64) {
     tokio::time::sleep(Duration::from_millis((until - now).max(0) as u64 + 100)).await;
 }
 
+/// `idem dlq redrive --state redriving --json` (the letters a redrive
+/// holds) for a vendor of key horizon `horizon` s, with a deadline of
+/// `deadline` s; as [`dlq`] answers.
+fn redrive_held(store_url: &str, horizon: &str, deadline: &str) -> (i32, serde_json::Value, String) {
+    let args = [
+        "redrive",
+        "--state",
+        "redriving",
+        "--key-horizon-secs",
+        horizon,
+        "--deadline-secs",
+        deadline,
+        "--json",
+    ];
+    dlq(store_url, &args)
+}
+
 async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, store_url: &str) {
     let (base, vendor) = start_vendor();
     let id = dead_payout(&store, store_url, &base).await;
@@ -138,19 +144,7 @@ async fn crashed_redrive_then_past_the_horizon<S: DeadLetterStore>(store: S, sto
     // Past the vendor's memory (3 s on its clock and, for the redrive, since the mark).
     vendor.advance(Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(3_100)).await;
-    let (code, json, out) = dlq(
-        store_url,
-        &[
-            "redrive",
-            "--state",
-            "redriving",
-            "--key-horizon-secs",
-            "3",
-            "--deadline-secs",
-            "5",
-            "--json",
-        ],
-    );
+    let (code, json, out) = redrive_held(store_url, "3", "5");
     assert_eq!(code, 1, "a letter held as unknown is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "unknown", "{json}");
     assert_eq!(vendor.paid(), 1, "the vendor paid once: {out}");
@@ -180,19 +174,7 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
         std::net::TcpStream::connect(&addr).is_err(),
         "the vendor refuses connections"
     );
-    let (code, json, out) = dlq(
-        store_url,
-        &[
-            "redrive",
-            "--state",
-            "redriving",
-            "--key-horizon-secs",
-            "3600",
-            "--deadline-secs",
-            "1",
-            "--json",
-        ],
-    );
+    let (code, json, out) = redrive_held(store_url, "3600", "1");
     assert_eq!(code, 1, "a letter that failed again is a failure to redrive: {out}");
     assert_eq!(json["items"][0]["result"], "failed", "{json}");
     let letter = store.get(id).await.unwrap().unwrap();
@@ -209,13 +191,6 @@ async fn crashed_redrive_is_never_refunded<S: DeadLetterStore>(store: S, store_u
     assert_eq!(vendor.paid(), 1);
 }
 
-fn sqlite_file() -> String {
-    std::env::temp_dir()
-        .join(format!("idem-dlq-crash-{}.db", uuid::Uuid::now_v7()))
-        .display()
-        .to_string()
-}
-
 async fn sqlite_store(path: &str) -> idem_sqlite::SqliteDeadLetters {
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{path}?mode=rwc"))
         .await
@@ -225,47 +200,11 @@ async fn sqlite_store(path: &str) -> idem_sqlite::SqliteDeadLetters {
     store
 }
 
-/// A database of the test's own, so the table's ids and letters are its own.
-async fn postgres_db() -> String {
-    support::postgres_db("idem_dlq_crash").await
-}
-
 async fn postgres_store(url: &str) -> idem_postgres::PgDeadLetters {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
     let store = idem_postgres::PgDeadLetters::new(pool);
     store.migrate().await.unwrap();
     store
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_sqlite() {
-    let path = sqlite_file();
-    crashed_redrive_then_past_the_horizon(sqlite_store(&path).await, &path).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_postgres() {
-    let url = postgres_db().await;
-    crashed_redrive_then_past_the_horizon(postgres_store(&url).await, &url).await;
-    drop_postgres_db(&url).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_never_refunded_on_sqlite() {
-    let path = sqlite_file();
-    crashed_redrive_is_never_refunded(sqlite_store(&path).await, &path).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_never_refunded_on_postgres() {
-    let url = postgres_db().await;
-    crashed_redrive_is_never_refunded(postgres_store(&url).await, &url).await;
-    drop_postgres_db(&url).await;
-}
-
-/// A MariaDB database of the test's own.
-async fn mysql_db() -> String {
-    support::mysql_db("idem_dlq_crash").await
 }
 
 async fn mysql_store(url: &str) -> idem_mysql::MySqlDeadLetters {
@@ -275,16 +214,41 @@ async fn mysql_store(url: &str) -> idem_mysql::MySqlDeadLetters {
     store
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_not_sent_again_past_the_horizon_on_mariadb() {
-    let url = mysql_db().await;
-    crashed_redrive_then_past_the_horizon(mysql_store(&url).await, &url).await;
-    drop_mysql_db(&url).await;
+/// The tests of `$scenario` on SQLite, PostgreSQL and MariaDB, named as
+/// listed, each on a file or a database of its own (so the table's ids and
+/// letters are its own).
+macro_rules! on_each_engine {
+    ($scenario:ident => $sqlite:ident, $postgres:ident, $mariadb:ident $(,)?) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $sqlite() {
+            let path = support::temp("dlq-crash", "letters.db");
+            $scenario(sqlite_store(&path).await, &path).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            let url = support::postgres_db("idem_dlq_crash").await;
+            $scenario(postgres_store(&url).await, &url).await;
+            drop_postgres_db(&url).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $mariadb() {
+            let url = support::mysql_db("idem_dlq_crash").await;
+            $scenario(mysql_store(&url).await, &url).await;
+            drop_mysql_db(&url).await;
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_redrive_is_never_refunded_on_mariadb() {
-    let url = mysql_db().await;
-    crashed_redrive_is_never_refunded(mysql_store(&url).await, &url).await;
-    drop_mysql_db(&url).await;
-}
+on_each_engine!(crashed_redrive_then_past_the_horizon =>
+    a_killed_redrive_is_not_sent_again_past_the_horizon_on_sqlite,
+    a_killed_redrive_is_not_sent_again_past_the_horizon_on_postgres,
+    a_killed_redrive_is_not_sent_again_past_the_horizon_on_mariadb,
+);
+
+on_each_engine!(crashed_redrive_is_never_refunded =>
+    a_killed_redrive_is_never_refunded_on_sqlite,
+    a_killed_redrive_is_never_refunded_on_postgres,
+    a_killed_redrive_is_never_refunded_on_mariadb,
+);

@@ -5,38 +5,15 @@
 
 mod support;
 
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use support::{Gateway, free_port, healthy};
-
-impl Gateway {
-    /// Waits up to `limit` for the process to exit.
-    fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
-            if let Some(status) = self.0.try_wait().expect("the process can be waited for") {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn stderr(&mut self) -> String {
-        use std::io::Read;
-        let mut out = String::new();
-        if let Some(mut e) = self.0.stderr.take() {
-            let _ = e.read_to_string(&mut out);
-        }
-        out
-    }
-}
 
 fn gateway(args: &[&str]) -> Gateway {
     Gateway(
@@ -117,10 +94,7 @@ async fn slow_upstream() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), calls, finished)
+    (support::serve(app).await, calls, finished)
 }
 
 fn order(base: &str, key: &str) -> reqwest::RequestBuilder {

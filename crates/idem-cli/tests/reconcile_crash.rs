@@ -14,11 +14,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use support::start_gateway;
-
-fn temp(name: &str) -> String {
-    support::temp("reconcile", name)
-}
+use support::{gateway_config, start_gateway};
 
 #[derive(Clone, Default)]
 struct Counts {
@@ -58,17 +54,10 @@ async fn upstream() -> (String, Counts) {
                 }
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), counts)
+    (support::serve(app).await, counts)
 }
 
-const CONFIG: &str = r#"
-[tenant]
-source = "credentials"
-credentials = ["authorization"]
-
+const ROUTES: &str = r#"
 [[routes]]
 method = "POST"
 path = "/v1/pay"
@@ -89,8 +78,7 @@ async fn pay(base: &str, token: &str, key: &str) -> Option<(u16, bool, String)> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_gateway_killed_while_asking_holds_the_key_only_until_its_lock_lease_ends() {
     let (up, counts) = upstream().await;
-    let (store, config) = (temp("gateway.db"), temp("gateway.toml"));
-    std::fs::write(&config, CONFIG).unwrap();
+    let (store, config) = (support::temp("reconcile", "gateway.db"), gateway_config(ROUTES));
     let (token, key) = (uuid::Uuid::now_v7().to_string(), uuid::Uuid::now_v7().to_string());
 
     let (mut first, base) = start_gateway(&up, &store, &config).await;

@@ -8,14 +8,14 @@ mod servers;
 mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_gateway::AnyLease;
 use servers::{RedisCluster, RedisServer};
-use support::{Gateway, Run};
+use support::{Gateway, Run, keys_command};
 
 fn idem(args: &[&str]) -> Run {
     support::idem_run(args, &["IDEM_STORE", "IDEM_SKIP_REDIS_CHECKS"])
@@ -96,47 +96,6 @@ async fn sweep_removes_every_ghost_entry_and_stats_ignores_them() {
     assert_eq!(rows(&mut conn).await, 3);
 }
 
-fn wait_exit(mut child: Child, within: Duration) -> (Option<i32>, String) {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
-            return (status.code(), err);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (None, String::new());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn gateway_exit(store: &str, extra: &[&str]) -> (Option<i32>, String) {
-    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args([
-            "gateway",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--listen",
-            "127.0.0.1:0",
-            "--store",
-            store,
-        ])
-        .args(extra)
-        .env_remove("IDEM_SKIP_REDIS_CHECKS")
-        // Who the caller is, for gateways that ask (the store is the point here).
-        .env("IDEM_TENANT", "anonymous")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_exit(child, Duration::from_secs(20))
-}
-
 /// Before writing, the gateway and the writing commands read the server's
 /// eviction policy and persistence: an eviction policy (keys could vanish:
 /// double effects) is refused with exit 2 naming `maxmemory-policy`, a
@@ -169,7 +128,7 @@ fn the_redis_deployment_is_checked_before_writing() {
     assert_eq!(run.code, 0, "read-only commands do not check: {}", run.all());
     let run = idem(&["sweep", "--store", &url, "--skip-redis-checks"]);
     assert_eq!(run.code, 0, "{}", run.all());
-    let (code, err) = gateway_exit(&url, &[]);
+    let (code, err) = support::gateway_exit(&url, &[]);
     assert_eq!(code, Some(2), "the gateway refuses an evicting Redis at start: {err}");
     assert!(err.contains("maxmemory-policy"), "{err}");
 
@@ -355,19 +314,8 @@ async fn the_gateway_and_the_operator_commands_run_on_a_cluster() {
     let listed = run.json();
     assert_eq!(listed.as_array().map(Vec::len), Some(20), "{listed}");
     let tenant = listed[0]["tenant"].as_str().unwrap().to_owned();
-    let run = idem(&[
-        "keys",
-        "show",
-        "--store",
-        &store,
-        "--tenant",
-        &tenant,
-        "--operation",
-        "POST (unrouted)",
-        "--key",
-        "order-7",
-        "--json",
-    ]);
+    let show = keys_command("show", &store, &tenant, "POST (unrouted)", "order-7", &["--json"]);
+    let run = idem(&show);
     assert_eq!(run.code, 0, "{}", run.all());
     assert_eq!(run.json()["response"]["status"], 201, "{}", run.all());
 

@@ -8,11 +8,9 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use idem_core::TableName;
-use support::{Run, mysql_url, postgres_url, tag};
+use support::{Run, keys_command, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
     support::idem_run(args, &["IDEM_STORE"])
@@ -20,6 +18,15 @@ fn idem(args: &[&str]) -> Run {
 
 fn temp_db() -> PathBuf {
     std::env::temp_dir().join(format!("idem-cli-safety-{}.db", tag()))
+}
+
+/// A SQLite file of the test's own, migrated: its path, and that as text.
+fn migrated_db() -> (PathBuf, String) {
+    let path = temp_db();
+    let p = path.display().to_string();
+    let run = idem(&["migrate", "--store", &p]);
+    assert_eq!(run.code, 0, "{}", run.all());
+    (path, p)
 }
 
 fn remove_db(path: &Path) {
@@ -38,18 +45,7 @@ fn read_only_commands_never_create_a_sqlite_file() {
         vec!["stats", "--store", &p],
         vec!["sweep", "--store", &p],
         vec!["keys", "list", "--store", &p],
-        vec![
-            "keys",
-            "show",
-            "--store",
-            &p,
-            "--tenant",
-            "t",
-            "--operation",
-            "op",
-            "--key",
-            "k",
-        ],
+        keys_command("show", &p, "t", "op", "k", &[]),
         vec!["keys", "purge", "--store", &p, "--state", "expired"],
         vec!["outbox", "status", "--store", &p],
     ];
@@ -136,9 +132,7 @@ async fn read_only_commands_never_create_a_table() {
 /// keys of the same tenant and operation start with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_show_finds_the_exact_key_behind_a_thousand_longer_ones() {
-    let path = temp_db();
-    let p = path.display().to_string();
-    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let (path, p) = migrated_db();
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{p}")).await.unwrap();
     let now = idem_core::Clock::now_ms(&idem_core::SystemClock);
     let mut tx = pool.begin().await.unwrap();
@@ -163,19 +157,8 @@ async fn keys_show_finds_the_exact_key_behind_a_thousand_longer_ones() {
     }
     tx.commit().await.unwrap();
     pool.close().await;
-    let run = idem(&[
-        "keys",
-        "show",
-        "--store",
-        &p,
-        "--tenant",
-        "acme",
-        "--operation",
-        "POST /v1/orders",
-        "--key",
-        "order-1",
-        "--json",
-    ]);
+    let show = keys_command("show", &p, "acme", "POST /v1/orders", "order-1", &["--json"]);
+    let run = idem(&show);
     assert_eq!(run.code, 0, "{}", run.all());
     assert_eq!(run.json()["key"], "order-1");
     remove_db(&path);
@@ -279,16 +262,14 @@ fn passwords_of_every_printable_character_never_reach_the_output() {
 /// connection would get a private database of its own).
 #[test]
 fn unusable_store_urls_are_refused() {
-    for url in [
-        "",
-        "  ",
-        "sqlite://",
-        "sqlite:",
+    let no_file = ["", "  ", "sqlite://", "sqlite:"];
+    let in_memory = [
         "sqlite::memory:",
         ":memory:",
         "sqlite://:memory:",
         "file::memory:?cache=shared",
-    ] {
+    ];
+    for url in no_file.into_iter().chain(in_memory) {
         for args in [vec!["migrate", "--store", url], vec!["stats", "--store", url]] {
             let run = idem(&args);
             assert_eq!(run.code, 2, "{args:?}: {}", run.all());
@@ -306,38 +287,8 @@ fn unusable_store_urls_are_refused() {
 #[test]
 fn the_gateway_refuses_an_unusable_store() {
     for url in ["", "sqlite::memory:", "sqlite://"] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args([
-                "gateway",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--listen",
-                "127.0.0.1:0",
-                "--store",
-                url,
-            ])
-            // Who the caller is, for gateways that ask (the store is the point here).
-            .env("IDEM_TENANT", "anonymous")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let status = status.unwrap_or_else(|| panic!("the gateway kept running with --store {url:?}"));
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-        assert_eq!(status.code(), Some(2), "--store {url:?}: {err}");
+        let (code, err) = support::gateway_exit(url, &[]);
+        assert_eq!(code, Some(2), "the gateway exits at once with --store {url:?}: {err}");
         assert!(err.contains("--store"), "the refusal names the setting: {err}");
     }
 }
@@ -346,9 +297,7 @@ fn the_gateway_refuses_an_unusable_store() {
 /// match every key): it is refused with exit 2 and nothing is deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_filter_values_are_refused() {
-    let path = temp_db();
-    let p = path.display().to_string();
-    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let (path, p) = migrated_db();
     seed_sqlite(&p, None, 3, 0).await;
     for flag in ["--key-prefix", "--tenant", "--operation"] {
         for command in ["purge", "list"] {
@@ -374,23 +323,8 @@ fn resolve_refuses_headers_that_are_never_recorded() {
     let path = temp_db();
     let p = path.display().to_string();
     let resolve_with = |header: &str| {
-        idem(&[
-            "keys",
-            "resolve",
-            "--store",
-            &p,
-            "--tenant",
-            "t",
-            "--operation",
-            "POST /v1/pay",
-            "--key",
-            "k",
-            "--applied",
-            "--status",
-            "201",
-            "--header",
-            header,
-        ])
+        let applied = ["--applied", "--status", "201", "--header", header];
+        idem(&keys_command("resolve", &p, "t", "POST /v1/pay", "k", &applied))
     };
     for header in [
         "Set-Cookie: session=abc",
@@ -417,9 +351,7 @@ fn resolve_refuses_headers_that_are_never_recorded() {
 /// unreachable store, an absent key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_runs_print_json_errors() {
-    let path = temp_db();
-    let p = path.display().to_string();
-    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let (path, p) = migrated_db();
     let cases: Vec<(Vec<&str>, i32)> = vec![
         (vec!["stats", "--store", "ftp://example.com/x", "--json"], 2),
         (
@@ -429,22 +361,7 @@ async fn json_runs_print_json_errors() {
         (vec!["keys", "purge", "--store", &p, "--json"], 2),
         (vec!["keys", "list", "--store", &p, "--limit", "zero", "--json"], 2),
         (vec!["--json", "stats"], 2),
-        (
-            vec![
-                "keys",
-                "show",
-                "--store",
-                &p,
-                "--tenant",
-                "t",
-                "--operation",
-                "op",
-                "--key",
-                "absent",
-                "--json",
-            ],
-            1,
-        ),
+        (keys_command("show", &p, "t", "op", "absent", &["--json"]), 1),
     ];
     for (args, code) in cases {
         let run = idem(&args);
@@ -475,9 +392,7 @@ async fn seed_sqlite(path: &str, table: Option<&str>, live: usize, expired: usiz
 /// left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_and_sweep_work_on_an_inbox_table() {
-    let path = temp_db();
-    let p = path.display().to_string();
-    assert_eq!(idem(&["migrate", "--store", &p]).code, 0);
+    let (path, p) = migrated_db();
     seed_sqlite(&p, None, 1, 2).await;
     seed_sqlite(&p, Some("payments_inbox"), 2, 5).await;
     let run = idem(&["stats", "--store", &p, "--table", "payments_inbox", "--json"]);
@@ -546,16 +461,7 @@ async fn a_newer_schema_is_refused_by_every_command() {
         assert_eq!(run.code, 0, "{store}: {}", run.all());
         let future =
             format!("INSERT INTO {table}_schema (version, description, applied_at_ms) VALUES (99, 'future', 0)");
-        if store.starts_with("postgres") {
-            let pool = sqlx::PgPool::connect(store).await.unwrap();
-            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
-        } else if store.starts_with("mysql") {
-            let pool = sqlx::MySqlPool::connect(store).await.unwrap();
-            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
-        } else {
-            let pool = sqlx::SqlitePool::connect(&format!("sqlite://{store}")).await.unwrap();
-            sqlx::query(sqlx::AssertSqlSafe(future)).execute(&pool).await.unwrap();
-        }
+        execute(store, [future]).await;
         for command in [
             vec!["stats"],
             vec!["sweep"],
@@ -573,19 +479,28 @@ async fn a_newer_schema_is_refused_by_every_command() {
                 run.all()
             );
         }
-        let drop = format!("DROP TABLE {table}");
-        let drop_schema = format!("DROP TABLE {table}_schema");
-        if store.starts_with("postgres") {
-            let pool = sqlx::PgPool::connect(store).await.unwrap();
-            for sql in [drop, drop_schema] {
-                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-            }
-        } else if store.starts_with("mysql") {
-            let pool = sqlx::MySqlPool::connect(store).await.unwrap();
-            for sql in [drop, drop_schema] {
-                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
-            }
-        }
+        let drops = [format!("DROP TABLE {table}"), format!("DROP TABLE {table}_schema")];
+        execute(store, drops).await;
     }
     remove_db(&path);
+}
+
+/// Runs `statements` on `store`: a PostgreSQL or MariaDB URL, or the path
+/// of a SQLite file.
+async fn execute<const N: usize>(store: &str, statements: [String; N]) {
+    macro_rules! on {
+        ($pool:expr) => {{
+            let pool = $pool.await.unwrap();
+            for sql in statements {
+                sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+            }
+        }};
+    }
+    if store.starts_with("postgres") {
+        on!(sqlx::PgPool::connect(store))
+    } else if store.starts_with("mysql") {
+        on!(sqlx::MySqlPool::connect(store))
+    } else {
+        on!(sqlx::SqlitePool::connect(&format!("sqlite://{store}")))
+    }
 }

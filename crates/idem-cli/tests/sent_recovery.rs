@@ -27,7 +27,10 @@ use axum::Router;
 use axum::extract::Path;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
-use support::{Answer, idem_json, listed_key, mysql_url, post_keyed, postgres_url, redis_url, start_gateway, temp};
+use support::{
+    Answer, gateway_config, idem_json, keys_command, listed_tenant_and_state, mysql_url, post_keyed, postgres_url,
+    redis_url, start_gateway, temp,
+};
 
 /// The upstream: `POST /v1/pay` counts the call, applies it after `work`
 /// in a task of its own (so it is applied even when its caller hung up,
@@ -79,10 +82,7 @@ impl Upstream {
                     }
                 }),
             );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        (format!("http://{addr}"), up)
+        (support::serve(app).await, up)
     }
 
     fn calls(&self) -> usize {
@@ -100,17 +100,8 @@ impl Upstream {
     }
 }
 
-fn config(body: &str) -> String {
-    let path = temp("sent", "gateway.toml");
-    std::fs::write(&path, body).unwrap();
-    path
-}
-
+/// The pay route: a lease of 1 s, and retries while it lives turned away.
 const HOLD: &str = r#"
-[tenant]
-source = "credentials"
-credentials = ["authorization"]
-
 [[routes]]
 method = "POST"
 path = "/v1/pay"
@@ -134,20 +125,11 @@ async fn retry_past_in_flight(base: &str, token: &str, key: &str) -> Answer {
     panic!("the key stayed in flight");
 }
 
-/// The key's state and tenant, as `idem keys list` shows them.
-fn listed(store: &str, key: &str) -> (String, String) {
-    let k = listed_key(store, key, &[]);
-    (
-        k["state"].as_str().unwrap().to_owned(),
-        k["tenant"].as_str().unwrap().to_owned(),
-    )
-}
-
 /// A gateway killed while its request is at the upstream: the retry through
 /// another gateway is held, never sent again.
 async fn killed_mid_request(store: &str) {
     let (up, upstream) = Upstream::serve(Duration::from_secs(3)).await;
-    let config = config(HOLD);
+    let config = gateway_config(HOLD);
     let (mut first, a) = start_gateway(&up, store, &config).await;
     let (_second, b) = start_gateway(&up, store, &config).await;
     let (token, key) = ids();
@@ -175,28 +157,13 @@ async fn killed_mid_request(store: &str) {
         );
     }
     assert_eq!(upstream.calls(), 1, "{store}: the upstream was called once");
-    let (state, tenant) = listed(store, &key);
+    let (tenant, state) = listed_tenant_and_state(store, &key, &[]);
     assert_eq!(state, "sent", "the key is listed as sent");
     // The operator, having checked the upstream, records what it did.
     let answer = temp("sent", "answer.json");
     std::fs::write(&answer, r#"{"status":"paid"}"#).unwrap();
-    let (code, done) = idem_json(&[
-        "keys",
-        "resolve",
-        "--store",
-        store,
-        "--tenant",
-        &tenant,
-        "--operation",
-        "POST /v1/pay",
-        "--key",
-        &key,
-        "--applied",
-        "--status",
-        "201",
-        "--body",
-        &answer,
-    ]);
+    let applied = ["--applied", "--status", "201", "--body", &answer];
+    let (code, done) = idem_json(&keys_command("resolve", store, &tenant, "POST /v1/pay", &key, &applied));
     assert_eq!((code, &done["resolved"]), (0, &serde_json::json!("applied")), "{done}");
     let replay = post_keyed(&b, "/v1/pay", &token, &key).await.unwrap();
     assert_eq!((replay.status, replay.replayed), (201, true), "{replay:?}");
@@ -216,7 +183,7 @@ idem_conformance::cases!(killed_mid_request, 2 => {
 /// takes it, the retry replays it, and the upstream ran once.
 async fn refused_completion(store: &str, refuse: impl AsyncFnOnce(), allow: impl AsyncFnOnce()) {
     let (up, upstream) = Upstream::serve(Duration::from_secs(2)).await;
-    let (_g, base) = start_gateway(&up, store, &config(HOLD)).await;
+    let (_g, base) = start_gateway(&up, store, &gateway_config(HOLD)).await;
     let (token, key) = ids();
     let first = tokio::spawn({
         let (base, token, key) = (base.clone(), token.clone(), key.clone());
@@ -321,18 +288,8 @@ async fn a_completion_refused_by_a_full_redis_is_tried_again() {
     .await;
 }
 
+/// The lookup of [`HOLD`]'s route.
 const RECONCILE: &str = r#"
-upstream_timeout_secs = 1
-
-[tenant]
-source = "credentials"
-credentials = ["authorization"]
-
-[[routes]]
-method = "POST"
-path = "/v1/pay"
-lease_ms = 1000
-in_flight = "reject"
 [routes.reconcile]
 path = "/v1/pay/by-key/{key}"
 applied_status = 201
@@ -343,7 +300,9 @@ applied_status = 201
 /// never sent; after it, the lookup says "applied" and that is replayed.
 async fn early_lookup(store: &str) {
     let (up, upstream) = Upstream::serve(Duration::from_secs(3)).await;
-    let (_g, base) = start_gateway(&up, store, &config(RECONCILE)).await;
+    // The held route with its lookup, and an upstream timeout of 1 s.
+    let config = gateway_config(&format!("upstream_timeout_secs = 1\n{HOLD}{RECONCILE}"));
+    let (_g, base) = start_gateway(&up, store, &config).await;
     let (token, key) = ids();
     let sent = Instant::now();
     let first = post_keyed(&base, "/v1/pay", &token, &key).await.unwrap();

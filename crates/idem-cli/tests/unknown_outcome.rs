@@ -14,8 +14,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::http::StatusCode;
-use axum::routing::post;
-use support::{Answer, Gateway, idem_json, listed_key, post_keyed, postgres_url, redis_url, start_gateway};
+use axum::routing::{MethodRouter, post};
+use support::{
+    Answer, Gateway, gateway_config, idem_json, keys_command, listed_tenant_and_state, post_keyed, postgres_url,
+    redis_url, start_gateway,
+};
 
 fn temp(name: &str) -> String {
     support::temp("unknown", name)
@@ -36,34 +39,8 @@ async fn upstream() -> (String, Applied) {
     let applied = Applied::default();
     let a = applied.clone();
     let app = Router::new()
-        .route(
-            "/v1/fail",
-            post({
-                let c = a.fail.clone();
-                move || async move {
-                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-                    if n == 1 {
-                        (StatusCode::INTERNAL_SERVER_ERROR, "applied, then failed".to_owned())
-                    } else {
-                        (StatusCode::CREATED, format!("fail call {n}"))
-                    }
-                }
-            }),
-        )
-        .route(
-            "/v1/released",
-            post({
-                let c = a.released.clone();
-                move || async move {
-                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-                    if n == 1 {
-                        (StatusCode::INTERNAL_SERVER_ERROR, "applied, then failed".to_owned())
-                    } else {
-                        (StatusCode::CREATED, format!("released call {n}"))
-                    }
-                }
-            }),
-        )
+        .route("/v1/fail", fails_first(a.fail.clone(), "fail"))
+        .route("/v1/released", fails_first(a.released.clone(), "released"))
         .route(
             "/v1/drop",
             post({
@@ -79,17 +56,23 @@ async fn upstream() -> (String, Applied) {
                 }
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), applied)
+    (support::serve(app).await, applied)
 }
 
-const CONFIG: &str = r#"
-[tenant]
-source = "credentials"
-credentials = ["authorization"]
+/// A route that applies the request (counts it in `calls`), then answers
+/// 500 on its first call and 201 `{name} call {n}` on the n-th.
+fn fails_first(calls: Arc<AtomicUsize>, name: &'static str) -> MethodRouter {
+    post(move || async move {
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            (StatusCode::INTERNAL_SERVER_ERROR, "applied, then failed".to_owned())
+        } else {
+            (StatusCode::CREATED, format!("{name} call {n}"))
+        }
+    })
+}
 
+const ROUTES: &str = r#"
 [[routes]]
 method = "POST"
 path = "/v1/fail"
@@ -105,9 +88,7 @@ on_unknown_outcome = "release"
 "#;
 
 async fn start(upstream: &str, store: &str) -> (Gateway, String) {
-    let config = temp("gateway.toml");
-    std::fs::write(&config, CONFIG).unwrap();
-    start_gateway(upstream, store, &config).await
+    start_gateway(upstream, store, &gateway_config(ROUTES)).await
 }
 
 async fn send(base: &str, path: &str, token: &str, key: &str) -> Answer {
@@ -135,14 +116,10 @@ async fn assert_held(base: &str, path: &str, token: &str, key: &str, calls: &Ato
     assert_eq!(calls.load(Ordering::SeqCst), 1, "{path}: the upstream was called once");
 }
 
-/// The tenant the gateway scoped `key` by, as `idem keys list` shows it,
-/// with the key's state there.
+/// The tenant the gateway scoped `key` of `operation` by, as `idem keys
+/// list` shows it, with the key's state there.
 fn listed(store: &str, key: &str, operation: &str) -> (String, String) {
-    let k = listed_key(store, key, &["--operation", operation]);
-    (
-        k["tenant"].as_str().unwrap().to_owned(),
-        k["state"].as_str().unwrap().to_owned(),
-    )
+    listed_tenant_and_state(store, key, &["--operation", operation])
 }
 
 async fn hold_and_resolve(store: &str) {
@@ -157,51 +134,21 @@ async fn hold_and_resolve(store: &str) {
     assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
     let (tenant, state) = listed(store, &key, "POST /v1/fail");
     assert_eq!(state, "unknown");
-    let (code, shown) = idem_json(&[
-        "keys",
-        "show",
-        "--store",
-        store,
-        "--tenant",
-        &tenant,
-        "--operation",
-        "POST /v1/fail",
-        "--key",
-        &key,
-    ]);
+    let (code, shown) = idem_json(&keys_command("show", store, &tenant, "POST /v1/fail", &key, &[]));
     assert_eq!((code, shown["state"].as_str()), (0, Some("unknown")), "{shown}");
     // Bad input changes nothing: a 5xx is no answer, a key not held is refused.
-    let scope = ["--store", store, "--tenant", &tenant, "--operation", "POST /v1/fail"];
-    let (code, e) = idem_json(
-        &[
-            &["keys", "resolve"][..],
-            &scope,
-            &["--key", &key, "--applied", "--status", "500"],
-        ]
-        .concat(),
-    );
+    let resolve = |key: &str, verdict: &[&str]| {
+        idem_json(&keys_command("resolve", store, &tenant, "POST /v1/fail", key, verdict))
+    };
+    let (code, e) = resolve(&key, &["--applied", "--status", "500"]);
     assert_eq!(code, 2, "{e}");
-    let (code, e) = idem_json(
-        &[
-            &["keys", "resolve"][..],
-            &scope,
-            &["--key", "never-used", "--not-applied"],
-        ]
-        .concat(),
-    );
+    let (code, e) = resolve("never-used", &["--not-applied"]);
     assert_eq!(code, 1, "{e}");
     assert!(e["error"].as_str().unwrap().contains("no unknown outcome"), "{e}");
     assert_held(&base, "/v1/fail", &token, &key, &applied.fail).await;
     let body = temp("answer.json");
     std::fs::write(&body, r#"{"id":"pay_1","status":"paid"}"#).unwrap();
-    let (code, done) = idem_json(
-        &[
-            &["keys", "resolve"][..],
-            &scope,
-            &["--key", &key, "--applied", "--status", "201", "--body", &body],
-        ]
-        .concat(),
-    );
+    let (code, done) = resolve(&key, &["--applied", "--status", "201", "--body", &body]);
     assert_eq!((code, done["resolved"].as_str()), (0, Some("applied")), "{done}");
     for _ in 0..2 {
         let a = send(&base, "/v1/fail", &token, &key).await;
@@ -211,7 +158,7 @@ async fn hold_and_resolve(store: &str) {
     }
     assert_eq!(applied.fail.load(Ordering::SeqCst), 1, "one upstream call in all");
     // Resolved once: a second resolution is refused and changes nothing.
-    let (code, _) = idem_json(&[&["keys", "resolve"][..], &scope, &["--key", &key, "--not-applied"]].concat());
+    let (code, _) = resolve(&key, &["--not-applied"]);
     assert_eq!(code, 1);
     assert!(send(&base, "/v1/fail", &token, &key).await.replayed);
 
@@ -224,19 +171,14 @@ async fn hold_and_resolve(store: &str) {
     assert_held(&base, "/v1/drop", &token, &key, &applied.drop).await;
     let (tenant, state) = listed(store, &key, "POST /v1/drop");
     assert_eq!(state, "unknown");
-    let (code, done) = idem_json(&[
-        "keys",
+    let (code, done) = idem_json(&keys_command(
         "resolve",
-        "--store",
         store,
-        "--tenant",
         &tenant,
-        "--operation",
         "POST /v1/drop",
-        "--key",
         &key,
-        "--not-applied",
-    ]);
+        &["--not-applied"],
+    ));
     assert_eq!((code, done["resolved"].as_str()), (0, Some("not_applied")), "{done}");
     let a = send(&base, "/v1/drop", &token, &key).await;
     assert_eq!((a.status, a.body.as_str(), a.replayed), (201, "drop call 2", false));

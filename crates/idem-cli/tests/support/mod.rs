@@ -1,12 +1,13 @@
 //! What the `idem` process tests share: a gateway process killed when the
 //! test ends, free ports, temporary paths and names, engine URLs, databases
-//! of a test's own, the fake vendor, keyed requests and `idem` runs.
+//! of a test's own, the fake vendor and other upstreams, gateway
+//! configurations, keyed requests and `idem` runs.
 
 #![allow(dead_code)]
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A gateway process, killed when the test ends.
 pub(crate) struct Gateway(pub(crate) Child);
@@ -23,6 +24,51 @@ impl Gateway {
     pub(crate) fn kill(&mut self) {
         self.0.kill().expect("the gateway can be killed");
         self.0.wait().expect("the gateway can be reaped");
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub(crate) fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.0.try_wait().expect("the process can be waited for") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// What the process printed on its stderr, when that was piped.
+    pub(crate) fn stderr(&mut self) -> String {
+        use std::io::Read;
+        let mut out = String::new();
+        if let Some(mut e) = self.0.stderr.take() {
+            let _ = e.read_to_string(&mut out);
+        }
+        out
+    }
+}
+
+/// Starts `idem gateway` on `store` with the arguments `extra`, in front of
+/// a closed port, for callers of tenant `anonymous` (the store is the point)
+/// and without `IDEM_SKIP_REDIS_CHECKS`, and waits up to 20 s for it to
+/// exit: its exit code (`None` when it kept running) and its stderr.
+pub(crate) fn gateway_exit(store: &str, extra: &[&str]) -> (Option<i32>, String) {
+    let mut g = Gateway(
+        Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["gateway", "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0"])
+            .args(["--store", store])
+            .args(extra)
+            .env_remove("IDEM_SKIP_REDIS_CHECKS")
+            .env("IDEM_TENANT", "anonymous")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("idem runs"),
+    );
+    match g.wait_exit(Duration::from_secs(20)) {
+        Some(status) => (status.code(), g.stderr()),
+        None => (None, String::new()),
     }
 }
 
@@ -150,6 +196,24 @@ pub(crate) fn serve_vendor(vendor: Arc<fake_vendor::Vendor>) -> String {
     panic!("the fake vendor did not start on {addr}");
 }
 
+/// Serves `app` on a port of its own, on the test's runtime; its base URL.
+pub(crate) async fn serve(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+/// Writes a gateway configuration file of `settings` (top-level settings,
+/// then the routes) whose tenant is a digest of the `Authorization` header,
+/// which carries each test's bearer token; its path.
+pub(crate) fn gateway_config(settings: &str) -> String {
+    let path = temp("gateway", "gateway.toml");
+    let tenant = "[tenant]\nsource = \"credentials\"\ncredentials = [\"authorization\"]\n";
+    std::fs::write(&path, format!("{settings}\n{tenant}")).unwrap();
+    path
+}
+
 /// Starts `idem gateway` in front of `upstream` on `store` with the
 /// configuration file `config`, and waits until it is healthy.
 pub(crate) async fn start_gateway(upstream: &str, store: &str, config: &str) -> (Gateway, String) {
@@ -245,8 +309,30 @@ pub(crate) fn listed_key(store: &str, key: &str, filters: &[&str]) -> serde_json
         .clone()
 }
 
-/// Runs `idem <args>`: exit code, stdout as JSON (null when it is not),
-/// and everything it printed.
+/// The arguments `keys <command> --store <store> --tenant <tenant>
+/// --operation <operation> --key <key> <rest…>`: a command about one key.
+pub(crate) fn keys_command<'a>(
+    command: &'a str,
+    store: &'a str,
+    tenant: &'a str,
+    operation: &'a str,
+    key: &'a str,
+    rest: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec!["keys", command, "--store", store, "--tenant", tenant];
+    args.extend(["--operation", operation, "--key", key]);
+    args.extend_from_slice(rest);
+    args
+}
+
+/// The tenant the gateway scoped `key` by, as `idem keys list --store {store}
+/// {filters}` shows it, and the key's state there.
+pub(crate) fn listed_tenant_and_state(store: &str, key: &str, filters: &[&str]) -> (String, String) {
+    let k = listed_key(store, key, filters);
+    let field = |name: &str| k[name].as_str().unwrap().to_owned();
+    (field("tenant"), field("state"))
+}
+
 /// `idem dlq <sub> --store <url> <rest…>`, as [`idem_out`] answers.
 pub(crate) fn dlq(url: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, String) {
     let (sub, rest) = sub_and_rest.split_first().expect("a subcommand");
@@ -257,6 +343,18 @@ pub(crate) fn dlq(url: &str, sub_and_rest: &[&str]) -> (i32, serde_json::Value, 
     idem_out(&args)
 }
 
+/// `idem dlq resolve --id <id> --not-applied --note <note>`: the operator's
+/// word that the vendor did not apply letter `id`, which must be taken.
+pub(crate) fn resolve_not_applied(url: &str, id: i64, note: &str) {
+    let (code, _, out) = dlq(
+        url,
+        &["resolve", "--id", &id.to_string(), "--not-applied", "--note", note],
+    );
+    assert_eq!(code, 0, "{out}");
+}
+
+/// Runs `idem <args>`: exit code, stdout as JSON (null when it is not),
+/// and everything it printed.
 pub(crate) fn idem_out(args: &[&str]) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(args)
