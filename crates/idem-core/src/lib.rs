@@ -43,6 +43,7 @@ mod heartbeat;
 mod key;
 mod lease;
 pub mod metrics;
+pub mod multistep;
 mod outbox;
 mod policy;
 mod record;
