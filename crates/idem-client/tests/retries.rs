@@ -170,6 +170,20 @@ impl Events {
     }
 }
 
+/// A scripted server answering `replies`, a client built from `builder`
+/// sending to it, the client's observer events, and a top-up for the server.
+async fn observed(
+    replies: impl IntoIterator<Item = Reply>,
+    builder: ClientBuilder,
+) -> (Script, Client, Events, Operation) {
+    let script = Script::new(replies);
+    let base = server(&script).await;
+    let events = Events::default();
+    let client = events.install(builder).build().unwrap();
+    let op = top_up(&base);
+    (script, client, events, op)
+}
+
 fn top_up(base: &str) -> Operation {
     Operation::post(&format!("{base}/v1/top-ups"))
         .json(&serde_json::json!({"account_id": "a", "amount": 5}))
@@ -208,11 +222,8 @@ async fn every_retry_carries_the_same_key() {
 /// A 5xx then a success: the observer sees one retry on the backoff, then a final answer.
 #[tokio::test]
 async fn server_error_then_success() {
-    let script = Script::new([problem(503, "database-unavailable", vec![]), created("{}")]);
-    let base = server(&script).await;
-    let events = Events::default();
-    let client = events.install(fast()).build().unwrap();
-    let op = top_up(&base);
+    let (script, client, events, op) =
+        observed([problem(503, "database-unavailable", vec![]), created("{}")], fast()).await;
     let answer = client.send(&op).await.unwrap();
     assert_eq!(answer.status(), 201);
     let all = events.all();
@@ -242,14 +253,8 @@ async fn in_flight_conflict_honours_retry_after() {
         ],
         r#"{"id":7}"#.to_owned(),
     );
-    let script = Script::new([
-        problem(409, "idempotency-key-in-flight", vec![("retry-after", "1".to_owned())]),
-        replayed,
-    ]);
-    let base = server(&script).await;
-    let events = Events::default();
-    let client = events.install(fast()).build().unwrap();
-    let op = top_up(&base);
+    let in_flight = problem(409, "idempotency-key-in-flight", vec![("retry-after", "1".to_owned())]);
+    let (script, client, events, op) = observed([in_flight, replayed], fast()).await;
     let answer = client.send(&op).await.unwrap();
     assert_eq!(answer.status(), 201);
     assert!(answer.replayed());
@@ -455,14 +460,11 @@ async fn resets_and_cut_off_bodies_are_retried() {
 /// An attempt that outlives its timeout is retried with the same key.
 #[tokio::test]
 async fn timeouts_are_retried() {
-    let script = Script::new([Reply::Hang, created("{}")]);
-    let base = server(&script).await;
-    let events = Events::default();
-    let client = events
-        .install(fast().attempt_timeout(Duration::from_millis(300)))
-        .build()
-        .unwrap();
-    let op = top_up(&base);
+    let (script, client, events, op) = observed(
+        [Reply::Hang, created("{}")],
+        fast().attempt_timeout(Duration::from_millis(300)),
+    )
+    .await;
     assert_eq!(client.send(&op).await.unwrap().status(), 201);
     assert_eq!(events.all()[0].2, "failed Timeout");
     assert_same_key(&script.seen(), &op, 2);
@@ -509,11 +511,8 @@ async fn giving_up_keeps_the_operation_pending_for_resume() {
 /// A Retry-After longer than what is left of the deadline ends the send at once, still pending.
 #[tokio::test]
 async fn deadline_ends_retries() {
-    let script = Script::new([problem(503, "database-unavailable", vec![("retry-after", "30".into())])]);
-    let base = server(&script).await;
-    let events = Events::default();
-    let client = events.install(fast().deadline(Duration::from_secs(5))).build().unwrap();
-    let op = top_up(&base);
+    let wait = problem(503, "database-unavailable", vec![("retry-after", "30".into())]);
+    let (script, client, events, op) = observed([wait], fast().deadline(Duration::from_secs(5))).await;
     match client.send(&op).await {
         Err(Error::GaveUp { attempts: 1, .. }) => {}
         other => panic!("{other:?}"),
@@ -666,17 +665,11 @@ async fn one_key_per_operation() {
 /// `Retry-After: 0` waits the backoff's minimum, not zero; a Retry-After over the cap waits the cap.
 #[tokio::test]
 async fn retry_after_is_bounded_both_ways() {
-    let script = Script::new([
+    let replies = [
         problem(409, "idempotency-key-in-flight", vec![("retry-after", "0".to_owned())]),
         problem(503, "database-unavailable", vec![("retry-after", "3600".to_owned())]),
-    ]);
-    let base = server(&script).await;
-    let events = Events::default();
-    let client = events
-        .install(fast().max_retry_after(Duration::from_millis(50)))
-        .build()
-        .unwrap();
-    let op = top_up(&base);
+    ];
+    let (script, client, events, op) = observed(replies, fast().max_retry_after(Duration::from_millis(50))).await;
     assert_eq!(client.send(&op).await.unwrap().status(), 201);
     let nexts: Vec<Next> = events.all().into_iter().map(|e| e.3).collect();
     assert_eq!(

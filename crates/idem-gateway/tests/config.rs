@@ -3,20 +3,7 @@
 
 mod support;
 
-use support::{BEARER, sqlite_store};
-
-/// Starts a gateway on `toml` and returns why it refused to start.
-async fn refusal(toml: &str) -> String {
-    let config = idem_gateway::Config::from_toml(toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let served = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        idem_gateway::serve(&config, listener, std::future::ready(())),
-    )
-    .await
-    .expect("the gateway answers at once");
-    served.expect_err("the gateway started").to_string()
-}
+use support::{BEARER, refusal, sqlite_store};
 
 /// A key TTL no longer than the upstream timeout or the lease is refused, naming the route (or the defaults).
 #[tokio::test]

@@ -6,15 +6,16 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{BEARER, fresh, json, raw, send_with, sqlite_store, start_gateway, start_upstream, wait_healthy};
+use support::{
+    BEARER, fresh, gateway_on_sqlite, json, raw, send_with, sqlite_store, start_gateway, start_upstream, wait_healthy,
+};
 
 const TIMEOUTS: &str = "header_read_timeout_secs = 1\nbody_read_timeout_secs = 1\n";
 
 /// A caller that sends half a request head and waits has its connection closed after the header read timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_half_sent_head_is_closed() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &format!("{TIMEOUTS}{BEARER}")).await;
+    let (g, state) = gateway_on_sqlite(&format!("{TIMEOUTS}{BEARER}")).await;
     let started = Instant::now();
     let answer = raw(g.addr, b"POST /v1/payments HTTP/1.1\r\nHost: gateway\r\nContent-Ty").await;
     let waited = started.elapsed();
@@ -29,8 +30,7 @@ async fn a_half_sent_head_is_closed() {
 /// A keyed request whose body stops halfway is answered 408 and its connection closed; nothing is claimed or forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_half_sent_keyed_body_is_408() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &format!("{TIMEOUTS}{BEARER}")).await;
+    let (g, state) = gateway_on_sqlite(&format!("{TIMEOUTS}{BEARER}")).await;
     let key = fresh();
     let request = format!(
         "POST /v1/payments HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer t\r\nIdempotency-Key: \"{key}\"\r\n\
@@ -58,13 +58,7 @@ async fn a_half_sent_keyed_body_is_408() {
 /// An unkeyed request streamed to the upstream whose body stops halfway is answered 408 too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_half_sent_forwarded_body_is_408() {
-    let (upstream, _) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!("{TIMEOUTS}{BEARER}[defaults]\nkey = \"optional\"\n"),
-    )
-    .await;
+    let (g, _) = gateway_on_sqlite(&format!("{TIMEOUTS}{BEARER}[defaults]\nkey = \"optional\"\n")).await;
     let request = "POST /v1/upload HTTP/1.1\r\nHost: gateway\r\nContent-Length: 100\r\n\r\nhalf";
     let started = Instant::now();
     let answer = raw(g.addr, request.as_bytes()).await;
@@ -155,13 +149,7 @@ async fn forwarding_headers_believe_only_trusted_proxies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connections_past_the_limit_are_answered_503() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!("max_connections = 3\nheader_read_timeout_secs = 30\n{BEARER}"),
-    )
-    .await;
+    let (g, state) = gateway_on_sqlite(&format!("max_connections = 3\nheader_read_timeout_secs = 30\n{BEARER}")).await;
     // Three callers that connect and send half a head: each holds a slot.
     // A connection refused because an earlier one (the health check's) had
     // not closed yet is answered at once: it is replaced.
@@ -209,15 +197,10 @@ async fn connections_past_the_limit_are_answered_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn request_bytes_past_the_budget_are_answered_503() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!(
-            "max_request_bytes = 65536\nmax_buffered_bytes = 131072\nbody_read_timeout_secs = 30\n\
-             body_total_timeout_secs = 60\n{BEARER}[defaults]\nkey = \"optional\"\n"
-        ),
-    )
+    let (g, state) = gateway_on_sqlite(&format!(
+        "max_request_bytes = 65536\nmax_buffered_bytes = 131072\nbody_read_timeout_secs = 30\n\
+         body_total_timeout_secs = 60\n{BEARER}[defaults]\nkey = \"optional\"\n"
+    ))
     .await;
     let head = |length: usize| {
         format!(
@@ -262,12 +245,9 @@ async fn request_bytes_past_the_budget_are_answered_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn callers_that_hang_up_still_count_against_the_budget() {
     use tokio::io::AsyncWriteExt;
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!("max_request_bytes = 65536\nmax_buffered_bytes = 131072\n{BEARER}"),
-    )
+    let (g, state) = gateway_on_sqlite(&format!(
+        "max_request_bytes = 65536\nmax_buffered_bytes = 131072\n{BEARER}"
+    ))
     .await;
     for _ in 0..5 {
         let body = format!("{{\"pad\":\"{}\"}}", "p".repeat(59_000));

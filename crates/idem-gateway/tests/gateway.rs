@@ -9,18 +9,17 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use axum::http::HeaderMap;
 use support::{
-    BEARER, fresh, one_answer, postgres_url, redis_url, send, send_with, sqlite_store, start_gateway, start_upstream,
+    BEARER, fresh, gateway_on_sqlite, one_answer, postgres_url, redis_url, send, send_with, sqlite_store,
+    start_gateway, start_upstream,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_contract_in_front_of_any_api() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!("{BEARER}[[routes]]\nmethod = \"POST\"\npath = \"/v1/payments\""),
-    )
+    let (g, state) = gateway_on_sqlite(&format!(
+        "{BEARER}[[routes]]\nmethod = \"POST\"\npath = \"/v1/payments\""
+    ))
     .await;
     let (t, k) = (fresh(), fresh());
     // No key: refused before the upstream sees anything.
@@ -60,13 +59,7 @@ async fn the_contract_in_front_of_any_api() {
 /// as an unknown outcome: see `idem-cli`'s `unknown_outcome` tests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_5xx_is_never_recorded() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(
-        &upstream,
-        &sqlite_store(),
-        &format!("{BEARER}[defaults]\non_unknown_outcome = \"release\"\n"),
-    )
-    .await;
+    let (g, state) = gateway_on_sqlite(&format!("{BEARER}[defaults]\non_unknown_outcome = \"release\"\n")).await;
     let (t, k) = (fresh(), fresh());
     let (status, _, _) = send(&g.base, "/v1/flaky", &t, Some(&k), "{}").await;
     assert_eq!(status, 503);
@@ -89,29 +82,14 @@ async fn a_5xx_is_never_recorded() {
 /// request: its key stays free (502, then 502 again, never 409).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_empty_body_is_held_after_a_500_and_a_refused_connection_is_not() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (g, state) = gateway_on_sqlite(BEARER).await;
     let (t, k) = (fresh(), fresh());
     let auth = format!("Bearer {t}");
-    let (status, _, _) = send_with(
-        &g.base,
-        "DELETE",
-        "/v1/orders/1?status=500",
-        &[("authorization", &auth)],
-        Some(&k),
-        "",
-    )
-    .await;
+    let bearer = [("authorization", auth.as_str())];
+    let delete = || send_with(&g.base, "DELETE", "/v1/orders/1?status=500", &bearer, Some(&k), "");
+    let (status, _, _) = delete().await;
     assert_eq!(status, 500);
-    let (status, headers, body) = send_with(
-        &g.base,
-        "DELETE",
-        "/v1/orders/1?status=500",
-        &[("authorization", &auth)],
-        Some(&k),
-        "",
-    )
-    .await;
+    let (status, headers, body) = delete().await;
     assert_eq!(status, 409, "{body}");
     assert_eq!(headers["content-type"], "application/problem+json");
     assert!(body.contains("idempotency-outcome-unknown"), "{body}");
@@ -158,14 +136,7 @@ idem_conformance::cases!(twins_through_two_instances, 4 => {
 /// lease, so twins arriving during the call wait and replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_upstream_slower_than_the_lease_is_called_once() {
-    let (upstream, state) = start_upstream().await;
-    let store = sqlite_store();
-    let g = start_gateway(
-        &upstream,
-        &store,
-        &format!("{BEARER}[defaults]\nlease_ms = 1000\nwait_ms = 10000"),
-    )
-    .await;
+    let (g, state) = gateway_on_sqlite(&format!("{BEARER}[defaults]\nlease_ms = 1000\nwait_ms = 10000")).await;
     let (t, k) = (fresh(), fresh());
     let mut tasks = Vec::new();
     for delay in [0u64, 1_200, 2_000] {
@@ -187,9 +158,7 @@ async fn an_upstream_slower_than_the_lease_is_called_once() {
 /// the whole answer is recorded on the way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
-    let (upstream, state) = start_upstream().await;
-    let store = sqlite_store();
-    let g = start_gateway(&upstream, &store, BEARER).await;
+    let (g, state) = gateway_on_sqlite(BEARER).await;
     let (t, k) = (fresh(), fresh());
     let mut first = tokio::time::timeout(
         Duration::from_secs(10),
@@ -225,53 +194,48 @@ async fn the_answer_streams_to_the_first_caller_while_it_is_recorded() {
     assert_eq!(state.calls(), 1);
 }
 
-/// A `303 See Other` after a create consumes the key: the retry replays it, Location included, and the upstream ran once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_303_is_recorded_and_replayed() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+/// Sends a keyed `POST path` twice through a new gateway: both answers are
+/// `status`, the second is a replay, and the upstream ran once. Returns the
+/// first answer's headers and the replay's.
+async fn answered_then_replayed(path: &str, status: u16) -> (HeaderMap, HeaderMap) {
+    let (g, state) = gateway_on_sqlite(BEARER).await;
     let (t, k) = (fresh(), fresh());
-    let (status, first, _) = send(&g.base, "/v1/orders?status=303", &t, Some(&k), "{}").await;
-    assert_eq!(status, 303);
-    assert_eq!(first["location"], "/v1/orders/1");
-    let (status, again, _) = send(&g.base, "/v1/orders?status=303", &t, Some(&k), "{}").await;
-    assert_eq!(status, 303);
+    let (got, first, _) = send(&g.base, path, &t, Some(&k), "{}").await;
+    assert_eq!(got, status, "{path}: the first answer");
+    let (got, again, _) = send(&g.base, path, &t, Some(&k), "{}").await;
+    assert_eq!(got, status, "{path}: the retry");
     assert_eq!(
         again.get("idempotent-replayed").map(|v| v.as_bytes()),
         Some(&b"true"[..]),
-        "the retry is a replay"
+        "{path}: the retry is a replay"
     );
+    assert_eq!(state.calls(), 1, "{path}: the upstream ran once");
+    (first, again)
+}
+
+/// A `303 See Other` after a create consumes the key: the retry replays it, Location included, and the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_303_is_recorded_and_replayed() {
+    let (first, again) = answered_then_replayed("/v1/orders?status=303", 303).await;
+    assert_eq!(first["location"], "/v1/orders/1");
     assert_eq!(again["location"], "/v1/orders/1");
-    assert_eq!(state.calls(), 1, "one order created");
 }
 
 /// `Set-Cookie` reaches the first caller and is never replayed, even to the same caller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn set_cookie_reaches_the_first_caller_only() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
-    let (t, k) = (fresh(), fresh());
-    let (status, first, _) = send(&g.base, "/v1/login", &t, Some(&k), "{}").await;
-    assert_eq!(status, 201);
+    let (first, again) = answered_then_replayed("/v1/login", 201).await;
     assert_eq!(first["set-cookie"], "session=someone-1; HttpOnly");
-    let (status, again, _) = send(&g.base, "/v1/login", &t, Some(&k), "{}").await;
-    assert_eq!(status, 201);
-    assert_eq!(
-        again.get("idempotent-replayed").map(|v| v.as_bytes()),
-        Some(&b"true"[..])
-    );
     assert!(
         !again.contains_key("set-cookie"),
         "a replay carries no cookie: {again:?}"
     );
-    assert_eq!(state.calls(), 1);
 }
 
 /// `Proxy-Authenticate` is the upstream's challenge to the gateway: neither a first answer nor a replay passes it on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn proxy_authenticate_never_crosses() {
-    let (upstream, _) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (g, _) = gateway_on_sqlite(BEARER).await;
     let (t, k) = (fresh(), fresh());
     for attempt in ["first", "replay"] {
         let (status, headers, _) = send(&g.base, "/v1/orders", &t, Some(&k), "{}").await;
@@ -284,8 +248,7 @@ async fn proxy_authenticate_never_crosses() {
 /// A HEAD answer keeps the upstream's `Content-Length`, as the GET does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn head_keeps_its_content_length() {
-    let (upstream, _) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), BEARER).await;
+    let (g, _) = gateway_on_sqlite(BEARER).await;
     for method in ["HEAD", "GET"] {
         let (status, headers, body) = send_with(&g.base, method, "/v1/doc", &[], None, "").await;
         assert_eq!(status, 200, "{method}");

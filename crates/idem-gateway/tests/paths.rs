@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::{BEARER, fresh, json, raw, sqlite_store, start_gateway, start_upstream};
+use support::{BEARER, fresh, gateway_on_sqlite, json, raw};
 
 /// Keys optional by default, required on `POST /v1/payments`.
 fn routes() -> String {
@@ -33,8 +33,7 @@ async fn post(addr: std::net::SocketAddr, target: &str, key: Option<&str>) -> (u
 /// No spelling of `/v1/payments` reaches the upstream without a key: each is refused as not canonical or as missing its key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_spelling_bypasses_a_required_route() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &routes()).await;
+    let (g, state) = gateway_on_sqlite(&routes()).await;
     for target in [
         "/v1/x/../payments",
         "/v1/x/%2e%2e/payments",
@@ -73,8 +72,7 @@ async fn no_spelling_bypasses_a_required_route() {
 /// One key on spellings of one path reaches the upstream once: an equivalent spelling replays, a lenient one is refused as reused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_key_on_two_spellings_calls_the_upstream_once() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &routes()).await;
+    let (g, state) = gateway_on_sqlite(&routes()).await;
     let key = fresh();
     let (status, first) = post(g.addr, "/v1/payments", Some(&key)).await;
     assert_eq!(status, 201, "{first}");
@@ -111,8 +109,7 @@ async fn one_key_on_two_spellings_calls_the_upstream_once() {
 /// Sixteen concurrent requests with one key on four spellings of one path reach the upstream once: every answer is the first one, or refused as reused or in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_spellings_reach_the_upstream_once() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &routes()).await;
+    let (g, state) = gateway_on_sqlite(&routes()).await;
     let key = fresh();
     let spellings = ["/v1/payments", "/v1/p%61yments", "/V1/payments", "/v1/payments/"];
     let tasks: Vec<_> = (0..16)

@@ -114,6 +114,28 @@ where
     }
 }
 
+/// Starts a gateway on `store`, sends it 100 requests with fresh keys, waits
+/// until `pool` (the same database) has no row left in the keys table, and
+/// closes `pool`.
+async fn swept<DB: sqlx::Database>(store: &str, pool: sqlx::Pool<DB>)
+where
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    let (upstream, _) = start_upstream().await;
+    let g = start_gateway(&upstream, store).await;
+    send_fresh(&g.base, 100).await;
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap() as u64
+    };
+    eventually("rows in idem_keys", 0, rows).await;
+    pool.close().await;
+}
+
 /// On Redis, the expiry index first holds every claim, then, once Redis has
 /// expired the rows by their TTL, the gateway's sweeper empties it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -154,19 +176,9 @@ async fn the_redis_expiry_index_returns_to_zero() {
 async fn the_sqlite_keys_table_is_swept() {
     let path = std::env::temp_dir().join(format!("idem-gateway-sweeper-{}.db", uuid::Uuid::now_v7().simple()));
     let store = path.display().to_string();
-    let (upstream, _) = start_upstream().await;
-    let g = start_gateway(&upstream, &store).await;
-    send_fresh(&g.base, 100).await;
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{store}")).await.unwrap();
-    let rows = |pool: sqlx::SqlitePool| async move {
-        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_keys")
-            .fetch_one(&pool)
-            .await
-            .unwrap() as u64
-    };
-    eventually("rows in idem_keys", 0, || rows(pool.clone())).await;
-    pool.close().await;
-    drop(g);
+    // Connected at its first query, once the gateway has made the file.
+    let pool = sqlx::SqlitePool::connect_lazy(&format!("sqlite://{store}")).unwrap();
+    swept(&store, pool).await;
     for suffix in ["", "-wal", "-shm", "-idem.lock"] {
         let _ = std::fs::remove_file(format!("{store}{suffix}"));
     }
@@ -188,21 +200,7 @@ async fn the_postgres_keys_table_is_swept() {
         .unwrap();
     let (base, _) = admin_url.rsplit_once('/').unwrap();
     let url = format!("{base}/{db}");
-    {
-        let (upstream, _) = start_upstream().await;
-        let g = start_gateway(&upstream, &url).await;
-        send_fresh(&g.base, 100).await;
-        let pool = sqlx::PgPool::connect(&url).await.unwrap();
-        let rows = |pool: sqlx::PgPool| async move {
-            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_keys")
-                .fetch_one(&pool)
-                .await
-                .unwrap() as u64
-        };
-        eventually("rows in idem_keys", 0, || rows(pool.clone())).await;
-        pool.close().await;
-        drop(g);
-    }
+    swept(&url, sqlx::PgPool::connect(&url).await.unwrap()).await;
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
         .execute(&admin)
         .await

@@ -7,7 +7,10 @@ mod support;
 
 use std::sync::atomic::Ordering;
 
-use support::{Answer, fresh, json, one_answer, send, send_with, sqlite_store, start_gateway, start_upstream};
+use support::{
+    Answer, fresh, gateway_on_sqlite, json, one_answer, refusal, send, send_with, sqlite_store, start_gateway,
+    start_upstream,
+};
 
 fn replayed(a: &Answer) -> bool {
     a.1.get("idempotent-replayed").is_some_and(|v| v == "true")
@@ -15,9 +18,8 @@ fn replayed(a: &Answer) -> bool {
 
 /// Alice and Bob, told apart by `credential`, send one key and one body: each reaches the upstream, neither sees the other's answer or cookie, and each retry replays its own answer without a cookie.
 async fn callers_never_share(credential: &str, alice: (&str, &str), bob: (&str, &str)) {
-    let (upstream, state) = start_upstream().await;
     let tenant = format!("[tenant]\nsource = \"credentials\"\ncredentials = [\"{credential}\"]\n");
-    let g = start_gateway(&upstream, &sqlite_store(), &tenant).await;
+    let (g, state) = gateway_on_sqlite(&tenant).await;
     let key = fresh();
     let body = r#"{"amount":5}"#;
     let as_alice = [alice, ("x-login", "alice")];
@@ -68,9 +70,8 @@ async fn callers_by_api_key_never_share_keys() {
 /// A keyed request without any configured credential is refused with 401 before the upstream sees it; an unkeyed read still passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_keyed_request_without_credentials_is_refused() {
-    let (upstream, state) = start_upstream().await;
     let tenant = "[tenant]\nsource = \"credentials\"\ncredentials = [\"header:x-api-key\", \"cookie:session\"]\n";
-    let g = start_gateway(&upstream, &sqlite_store(), tenant).await;
+    let (g, state) = gateway_on_sqlite(tenant).await;
     let (status, headers, body) = send_with(
         &g.base,
         "POST",
@@ -101,8 +102,7 @@ fn identity(answer: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_refreshed_token_reaches_the_upstream_once() {
     for answer in ["header = \"x-user-id\"", "json_pointer = \"/user/id\""] {
-        let (upstream, state) = start_upstream().await;
-        let g = start_gateway(&upstream, &sqlite_store(), &identity(answer)).await;
+        let (g, state) = gateway_on_sqlite(&identity(answer)).await;
         let key = fresh();
         let first = send(&g.base, "/v1/payments", "alice.token-1", Some(&key), r#"{"amount":5}"#).await;
         assert_eq!(first.0, 201, "{answer}: {}", first.2);
@@ -133,8 +133,7 @@ async fn a_refreshed_token_reaches_the_upstream_once() {
 /// Sixteen concurrent attempts of one operation, each with a token of its own for one principal, reach the upstream once and all get its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_attempts_with_refreshed_tokens_reach_the_upstream_once() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &identity("header = \"x-user-id\"")).await;
+    let (g, state) = gateway_on_sqlite(&identity("header = \"x-user-id\"")).await;
     let key = fresh();
     let tasks: Vec<_> = (0..16)
         .map(|i| {
@@ -151,8 +150,7 @@ async fn concurrent_attempts_with_refreshed_tokens_reach_the_upstream_once() {
 /// Credentials the upstream rejects are answered with its 401 (and challenge) as a problem; nothing is claimed or forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rejected_credentials_are_a_401() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &identity("header = \"x-user-id\"")).await;
+    let (g, state) = gateway_on_sqlite(&identity("header = \"x-user-id\"")).await;
     let (status, headers, body) = send(&g.base, "/v1/payments", "bad.token", Some(&fresh()), "{}").await;
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("identity-rejected"), "{body}");
@@ -166,8 +164,7 @@ async fn rejected_credentials_are_a_401() {
 /// An identity answer that names nobody is a 502; nothing is claimed or forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_identity_answer_naming_nobody_is_a_502() {
-    let (upstream, state) = start_upstream().await;
-    let g = start_gateway(&upstream, &sqlite_store(), &identity("header = \"x-nobody\"")).await;
+    let (g, state) = gateway_on_sqlite(&identity("header = \"x-nobody\"")).await;
     let (status, _, body) = send(&g.base, "/v1/payments", "alice.1", Some(&fresh()), "{}").await;
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("identity-invalid"), "{body}");
@@ -234,20 +231,10 @@ async fn a_tenant_header_counts_only_from_trusted_proxies() {
 /// A gateway without a tenant source refuses to start, and says which setting is missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_gateway_without_a_tenant_source_does_not_start() {
-    let config = idem_gateway::Config::from_toml(&format!(
+    let e = refusal(&format!(
         "upstream = \"http://127.0.0.1:9\"\nstore = {:?}\n",
         sqlite_store()
     ))
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let served = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        idem_gateway::serve(&config, listener, std::future::ready(())),
-    )
-    .await
-    .expect("the gateway answers at once");
-    let e = served
-        .expect_err("a gateway without a tenant source started")
-        .to_string();
+    .await;
     assert!(e.contains("[tenant]"), "{e}");
 }

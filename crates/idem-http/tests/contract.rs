@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use idem_core::{Consume, InFlight, LeaseEngine, Policy, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, Problem, RoutePolicy, Tx};
 use idem_memory::MemoryStore;
-use support::Counters;
+use support::{Counters, counted_post};
 use tower::ServiceExt;
 
 fn tenant(parts: &http::request::Parts) -> Result<Tenant, Problem> {
@@ -336,25 +336,17 @@ async fn oversized_response_rolls_back_in_transactional_mode() {
 
 fn lease_app(store: MemoryStore, runs: Arc<AtomicUsize>) -> Router {
     let layer = IdempotencyLayer::lease(LeaseEngine::new(store), tenant).max_response_bytes(4096);
-    Router::new()
-        .route(
-            "/send",
-            post(move |body: String| {
-                let runs = runs.clone();
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-                    let status = v.get("status").and_then(|s| s.as_u64()).unwrap_or(202) as u16;
-                    let size = v.get("size").and_then(|s| s.as_u64()).unwrap_or(0) as usize;
-                    (
-                        StatusCode::from_u16(status).unwrap(),
-                        format!("sent {n} {}", "y".repeat(size)),
-                    )
-                }
-            }),
+    counted_post("/send", &runs, |n, body| async move {
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let status = v.get("status").and_then(|s| s.as_u64()).unwrap_or(202) as u16;
+        let size = v.get("size").and_then(|s| s.as_u64()).unwrap_or(0) as usize;
+        (
+            StatusCode::from_u16(status).unwrap(),
+            format!("sent {n} {}", "y".repeat(size)),
         )
-        .route("/read", get(|| async { "ok" }))
-        .layer(layer)
+    })
+    .route("/read", get(|| async { "ok" }))
+    .layer(layer)
 }
 
 /// Lease mode: claim, run, record, replay; mismatch; a failure releases the key; an oversized response is replayed as a problem naming the original status.

@@ -1,24 +1,22 @@
 //! Which requests the layer treats as the same: exact JSON, ignoring only
 //! spelling, and fingerprints recorded in the previous format.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use axum::routing::post;
 use idem_core::{
     Acquire, Call, FingerprintBuilder, FingerprintVersion, IdempotencyKey, InFlight, LeaseEngine, Operation, Policy,
     Scope, Tenant,
 };
-use idem_http::{IdempotencyLayer, Problem, RoutePolicy};
+use idem_http::{IdempotencyLayer, RoutePolicy};
 use idem_memory::MemoryStore;
+use support::{counted_post, tenant};
 use tower::ServiceExt;
-
-fn tenant(_: &http::request::Parts) -> Result<Tenant, Problem> {
-    Ok(Tenant::new("t").expect("valid tenant"))
-}
 
 fn app(store: MemoryStore, runs: Arc<AtomicUsize>, strict: bool) -> Router {
     let mut layer = IdempotencyLayer::lease(LeaseEngine::new(store), tenant)
@@ -26,18 +24,10 @@ fn app(store: MemoryStore, runs: Arc<AtomicUsize>, strict: bool) -> Router {
     if strict {
         layer = layer.strict_fingerprints();
     }
-    Router::new()
-        .route(
-            "/payouts",
-            post(move |body: String| {
-                let runs = runs.clone();
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    (StatusCode::CREATED, format!("run {n}: {body}"))
-                }
-            }),
-        )
-        .layer(layer)
+    counted_post("/payouts", &runs, |n, body| async move {
+        (StatusCode::CREATED, format!("run {n}: {body}"))
+    })
+    .layer(layer)
 }
 
 async fn post_json(app: &Router, key: &str, body: &str) -> (StatusCode, bool, String) {

@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
 use idem_core::{BoxFuture, Call, InFlight, LeaseEngine, ManualClock, Policy};
-use idem_http::{IdempotencyLayer, Leased, OutcomeUnknown, Reconcile, Reconciled, RoutePolicy};
+use idem_http::{DEFAULT_SETTLE, IdempotencyLayer, Leased, OutcomeUnknown, Reconcile, Reconciled, RoutePolicy};
 use idem_memory::MemoryStore;
 use support::{counted_pay, post_with_key, send, tenant};
 use tower::ServiceExt;
@@ -84,25 +84,65 @@ fn app(layer: IdempotencyLayer<Leased<MemoryStore>>, runs: &Arc<AtomicUsize>, he
     .route_layer(layer)
 }
 
-/// Says "not applied", except to its first asker, who never hears back.
-struct FirstAskHangs {
+/// Counts its asks in `asks` and answers ask `n` (from 0) with `answer(n)`;
+/// a "not applied" is trusted `settle` after the held request was sent.
+struct Asker<F> {
     asks: Arc<AtomicUsize>,
+    answer: F,
+    settle: Duration,
 }
 
-impl Reconcile for FirstAskHangs {
+impl<F> Asker<F>
+where
+    F: Fn(usize) -> BoxFuture<'static, Reconciled> + Send + Sync + 'static,
+{
+    /// Trusts a "not applied" after the default settle time.
+    fn new(asks: &Arc<AtomicUsize>, answer: F) -> Self {
+        Self {
+            asks: asks.clone(),
+            answer,
+            settle: DEFAULT_SETTLE,
+        }
+    }
+}
+
+impl<F> Reconcile for Asker<F>
+where
+    F: Fn(usize) -> BoxFuture<'static, Reconciled> + Send + Sync + 'static,
+{
     fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
         true
     }
 
     fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
-        let n = self.asks.fetch_add(1, Ordering::SeqCst);
-        Box::pin(async move {
-            if n == 0 {
-                std::future::pending::<()>().await;
-            }
-            Reconciled::NotApplied
-        })
+        (self.answer)(self.asks.fetch_add(1, Ordering::SeqCst))
     }
+
+    fn settle_after(&self, _parts: &http::request::Parts, _call: &Call) -> Duration {
+        self.settle
+    }
+}
+
+/// Counts the runs of `POST /pay` and the asks of its reconcile hook.
+#[derive(Default)]
+struct Counts {
+    runs: Arc<AtomicUsize>,
+    asks: Arc<AtomicUsize>,
+}
+
+impl Counts {
+    /// The runs and the asks so far.
+    fn get(&self) -> (usize, usize) {
+        (self.runs.load(Ordering::SeqCst), self.asks.load(Ordering::SeqCst))
+    }
+}
+
+/// Checks that `body` says the key is held as an unknown outcome.
+fn assert_held_as_unknown(body: &[u8]) {
+    assert!(
+        String::from_utf8_lossy(body).contains("idempotency-outcome-unknown"),
+        "{body:?}"
+    );
 }
 
 /// A retry dropped while it asks frees the reconcile lock: the next retry
@@ -110,47 +150,33 @@ impl Reconcile for FirstAskHangs {
 /// would answer 409 in flight) asks, hears "not applied" and runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_that_goes_away_while_asking_frees_the_lock() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let asks = Arc::new(AtomicUsize::new(0));
-    let layer = layer(
-        None,
-        Policy::default().with_lease_ms(60_000).with_in_flight(InFlight::Reject),
-        FirstAskHangs { asks: asks.clone() },
-    );
+    let c = Counts::default();
+    // "Not applied", except to the first asker, who never hears back.
+    let first_hangs = Asker::new(&c.asks, |n| {
+        Box::pin(async move {
+            if n == 0 {
+                std::future::pending::<()>().await;
+            }
+            Reconciled::NotApplied
+        })
+    });
+    let policy = Policy::default().with_lease_ms(60_000).with_in_flight(InFlight::Reject);
+    let layer = layer(None, policy, first_hangs);
     let detached = layer.detached().clone();
-    let app = app(layer, &runs, FAILED, false);
+    let app = app(layer, &c.runs, FAILED, false);
 
     let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
     assert_eq!(first.status(), 500);
     detached.idle().await;
     let gone = tokio::time::timeout(Duration::from_millis(300), app.clone().oneshot(post_with_key("k"))).await;
     assert!(gone.is_err(), "the first asker never hears back");
-    assert_eq!(asks.load(Ordering::SeqCst), 1);
+    assert_eq!(c.asks.load(Ordering::SeqCst), 1);
     detached.idle().await;
 
     let (status, replayed, body) = send(&app, post_with_key("k")).await;
     assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"paid"[..]), "{body:?}");
     assert!(!replayed);
-    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
-}
-
-/// Says "not applied" after moving the engine's clock past the reconcile
-/// lock's lease, as a process paused while it asked would find it.
-struct AsksPastTheLease {
-    clock: ManualClock,
-    asks: Arc<AtomicUsize>,
-}
-
-impl Reconcile for AsksPastTheLease {
-    fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
-        true
-    }
-
-    fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        self.clock.advance(Duration::from_secs(120));
-        Box::pin(async { Reconciled::NotApplied })
-    }
+    assert_eq!(c.get(), (2, 2));
 }
 
 /// An answer heard after the reconcile lock's lease ran out is not acted on:
@@ -158,50 +184,28 @@ impl Reconcile for AsksPastTheLease {
 /// (409) and the handler does not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_answer_heard_after_the_lock_ran_out_is_not_acted_on() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let asks = Arc::new(AtomicUsize::new(0));
+    let c = Counts::default();
     let clock = ManualClock::starting_now();
-    let layer = layer(
-        Some(&clock),
-        Policy::default().with_lease_ms(60_000),
-        AsksPastTheLease {
-            clock: clock.clone(),
-            asks: asks.clone(),
-        },
-    );
+    // "Not applied", after moving the engine's clock past the reconcile
+    // lock's lease, as a process paused while it asked would find it.
+    let paused = Asker::new(&c.asks, {
+        let clock = clock.clone();
+        move |_| {
+            clock.advance(Duration::from_secs(120));
+            Box::pin(async { Reconciled::NotApplied })
+        }
+    });
+    let layer = layer(Some(&clock), Policy::default().with_lease_ms(60_000), paused);
     let detached = layer.detached().clone();
-    let app = app(layer, &runs, FAILED, true);
+    let app = app(layer, &c.runs, FAILED, true);
 
     let first = app.clone().oneshot(post_with_key("k")).await.expect("infallible");
     assert_eq!(first.status(), 500);
     detached.idle().await;
     let (status, _, body) = send(&app, post_with_key("k")).await;
     assert_eq!(status, StatusCode::CONFLICT, "{body:?}");
-    assert!(
-        String::from_utf8_lossy(&body).contains("idempotency-outcome-unknown"),
-        "{body:?}"
-    );
-    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (1, 1));
-}
-
-/// Says "not applied" to every asker, with a settle time of ten seconds.
-struct NotYet {
-    asks: Arc<AtomicUsize>,
-}
-
-impl Reconcile for NotYet {
-    fn can_ask(&self, _parts: &http::request::Parts, _call: &Call) -> bool {
-        true
-    }
-
-    fn ask<'a>(&'a self, _parts: &'a http::request::Parts, _call: &'a Call) -> BoxFuture<'a, Reconciled> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        Box::pin(async { Reconciled::NotApplied })
-    }
-
-    fn settle_after(&self, _parts: &http::request::Parts, _call: &Call) -> Duration {
-        Duration::from_secs(10)
-    }
+    assert_held_as_unknown(&body);
+    assert_eq!(c.get(), (1, 1));
 }
 
 /// A "not applied" heard before the held request settled (the other side
@@ -210,16 +214,16 @@ impl Reconcile for NotYet {
 /// releases the key and the retry runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_not_applied_heard_before_the_send_settled_keeps_the_key_held() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let asks = Arc::new(AtomicUsize::new(0));
+    let c = Counts::default();
     let clock = ManualClock::starting_now();
-    let layer = layer(
-        Some(&clock),
-        Policy::default().with_lease_ms(60_000),
-        NotYet { asks: asks.clone() },
-    );
+    // "Not applied" to every asker, with a settle time of ten seconds.
+    let not_yet = Asker {
+        settle: Duration::from_secs(10),
+        ..Asker::new(&c.asks, |_| Box::pin(async { Reconciled::NotApplied }))
+    };
+    let layer = layer(Some(&clock), Policy::default().with_lease_ms(60_000), not_yet);
     let detached = layer.detached().clone();
-    let app = app(layer, &runs, TIMED_OUT, false);
+    let app = app(layer, &c.runs, TIMED_OUT, false);
 
     assert_eq!(app.clone().oneshot(post_with_key("k")).await.unwrap().status(), 504);
     detached.idle().await;
@@ -232,15 +236,12 @@ async fn a_not_applied_heard_before_the_send_settled_keeps_the_key_held() {
         .map(|v| v.to_str().unwrap().to_owned());
     assert_eq!(retry_after.as_deref(), Some("7"), "the settle time's remainder");
     let body = early.into_body().collect().await.unwrap().to_bytes();
-    assert!(
-        String::from_utf8_lossy(&body).contains("idempotency-outcome-unknown"),
-        "{body:?}"
-    );
-    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (1, 1));
+    assert_held_as_unknown(&body);
+    assert_eq!(c.get(), (1, 1));
     detached.idle().await;
 
     clock.advance(Duration::from_secs(8));
     let late = app.clone().oneshot(post_with_key("k")).await.unwrap();
     assert_eq!(late.status(), StatusCode::CREATED);
-    assert_eq!((runs.load(Ordering::SeqCst), asks.load(Ordering::SeqCst)), (2, 2));
+    assert_eq!(c.get(), (2, 2));
 }

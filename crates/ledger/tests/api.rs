@@ -18,6 +18,22 @@ fn transfer_body(from: &str, to: &str, amount: i64) -> String {
     format!("{{\"from\":\"{from}\",\"to\":\"{to}\",\"amount\":{amount}}}")
 }
 
+/// A ledger on `engine` over `transport`, a new tenant's token, and that
+/// tenant's accounts named `names`, created in order.
+async fn with_accounts<const N: usize>(
+    engine: Engine,
+    transport: Transport,
+    names: [&str; N],
+) -> (Ledger, String, [String; N]) {
+    let l = Ledger::start(engine, transport).await;
+    let t = token();
+    let mut ids = std::array::from_fn(|_| String::new());
+    for (id, name) in ids.iter_mut().zip(names) {
+        *id = l.account(&t, name).await;
+    }
+    (l, t, ids)
+}
+
 /// Accounts: create, read, 404 across tenants and for unknown ids, 401 without a token.
 async fn accounts(engine: Engine, transport: Transport) {
     let l = Ledger::start(engine, transport).await;
@@ -55,9 +71,7 @@ async fn accounts(engine: Engine, transport: Transport) {
 
 /// Top-ups and transfers move money; the audit proves conservation from the rows.
 async fn money_moves_and_is_conserved(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    let (l, t, [a, b]) = with_accounts(engine, transport, ["a", "b"]).await;
     let r = l.top_up(&t, &a, 100).await;
     assert_eq!(r.status, 201);
     let v = r.json();
@@ -97,9 +111,7 @@ async fn money_moves_and_is_conserved(engine: Engine, transport: Transport) {
 
 /// A retry replays the byte-identical response, marked, and applies nothing; a reused key with another body is 422.
 async fn replay_and_mismatch(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
+    let (l, t, [a]) = with_accounts(engine, transport, ["a"]).await;
     let k = key();
     let first = l.post("/v1/top-ups", &t, Some(&k), &top_up_body(&a, 40)).await;
     assert_eq!(first.status, 201);
@@ -122,9 +134,7 @@ async fn replay_and_mismatch(engine: Engine, transport: Transport) {
 
 /// Missing and malformed keys on mutating routes are 400 problems; nothing is written.
 async fn key_errors(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
+    let (l, t, [a]) = with_accounts(engine, transport, ["a"]).await;
     l.post("/v1/top-ups", &t, None, &top_up_body(&a, 5))
         .await
         .assert_problem(400, "idempotency-key-missing");
@@ -153,9 +163,7 @@ async fn key_errors(engine: Engine, transport: Transport) {
 
 /// Insufficient funds is a 422 problem that leaves the key unused: after a top-up, the same key succeeds.
 async fn rejection_leaves_key_unused(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    let (l, t, [a, b]) = with_accounts(engine, transport, ["a", "b"]).await;
     let k = key();
     let body = transfer_body(&a, &b, 50);
     let declined = l.post("/v1/transfers", &t, Some(&k), &body).await;
@@ -172,9 +180,7 @@ async fn rejection_leaves_key_unused(engine: Engine, transport: Transport) {
 
 /// Bad input is a 400 problem and writes nothing; the same key then works with a good body.
 async fn bad_input_writes_nothing(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    let (l, t, [a, b]) = with_accounts(engine, transport, ["a", "b"]).await;
     assert_eq!(l.top_up(&t, &a, 10).await.status, 201);
     let k = key();
     let cases = [
@@ -239,9 +245,7 @@ async fn bad_input_writes_nothing(engine: Engine, transport: Transport) {
 /// A JSON array in field order is not the object it mimics, and a body that
 /// is not sent as JSON is 415: both write nothing and leave the key usable.
 async fn wrong_types_and_media_write_nothing(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    let (l, t, [a, b]) = with_accounts(engine, transport, ["a", "b"]).await;
     assert_eq!(l.top_up(&t, &a, 10).await.status, 201);
     let k = key();
     let arrays = [
@@ -292,9 +296,7 @@ async fn wrong_types_and_media_write_nothing(engine: Engine, transport: Transpor
 
 /// The Bearer scheme is case-insensitive; a token must be a token68.
 async fn bearer_scheme_is_case_insensitive(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
+    let (l, t, [a]) = with_accounts(engine, transport, ["a"]).await;
     for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
         let headers = [("authorization".to_owned(), format!("{scheme} {t}"))];
         let r = l.send_raw("GET", &format!("/v1/accounts/{a}"), &headers, None).await;
@@ -413,9 +415,7 @@ async fn tenants_never_share_responses(engine: Engine, transport: Transport) {
 
 /// After a stop and restart on the same database, a replay is still byte-identical and marked.
 async fn replay_survives_restart(engine: Engine, transport: Transport) {
-    let l = Ledger::start(engine, transport).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
+    let (l, t, [a]) = with_accounts(engine, transport, ["a"]).await;
     let k = key();
     let first = l.post("/v1/top-ups", &t, Some(&k), &top_up_body(&a, 9)).await;
     assert_eq!(first.status, 201);

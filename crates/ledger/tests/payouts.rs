@@ -234,13 +234,24 @@ impl FakeVendor {
         self.faults(&faults).await;
     }
 
-    async fn ledger(&self) -> serde_json::Value {
-        idem_tls::test_pki::get(format!("{}/v1/ledger", self.url))
+    /// What the vendor answers to `GET path`, as JSON.
+    async fn get_json(&self, path: &str) -> serde_json::Value {
+        idem_tls::test_pki::get(format!("{}{path}", self.url))
             .await
             .unwrap()
             .json()
             .await
             .unwrap()
+    }
+
+    /// The payments the vendor made.
+    async fn ledger(&self) -> serde_json::Value {
+        self.get_json("/v1/ledger").await
+    }
+
+    /// What the vendor counted: answers dropped, replays, lookups, refusals.
+    async fn stats(&self) -> serde_json::Value {
+        self.get_json("/_stats").await
     }
 }
 
@@ -319,6 +330,20 @@ fn operator_says(verdict: idem_core::Verdict, status: Option<u16>, body: Vec<u8>
     }
 }
 
+/// An operator settles the dead letter `id` with `settlement`, which it
+/// takes.
+async fn operator_settles(letters: &ledger::DeadLetters, id: i64, settlement: idem_core::Settlement) {
+    assert!(
+        letters.settle(id, &settlement).await.unwrap(),
+        "the letter takes the operator's verdict: {settlement:?}"
+    );
+}
+
+/// An operator's verdict that the payout was not applied.
+fn operator_says_not_applied(note: &str) -> idem_core::Settlement {
+    operator_says(idem_core::Verdict::NotApplied, None, vec![], note)
+}
+
 /// A URL nothing listens at.
 fn nowhere_url() -> String {
     format!("http://127.0.0.1:{}", {
@@ -344,53 +369,48 @@ async fn status(l: &Ledger, t: &str, id: &str) -> serde_json::Value {
 /// A database of the test's own: a worker pays every requested payout in
 /// its database, so workers of tests running at once must not share one.
 async fn own_database(engine: Engine) -> String {
-    use sqlx::Connection as _;
     let name = format!("ledger_payouts_{}", uuid::Uuid::now_v7().simple());
-    match engine {
-        Engine::Sqlite => database_url(engine),
+    let admin = match engine {
+        Engine::Sqlite => return database_url(engine),
         Engine::Postgres => {
             let admin = postgres_url();
-            let mut conn = sqlx::PgConnection::connect(&admin)
-                .await
-                .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin}: {e}"));
-            let old: Vec<(String,)> =
-                sqlx::query_as("SELECT datname::text FROM pg_database WHERE datname LIKE 'ledger_payouts_%'")
-                    .fetch_all(&mut conn)
-                    .await
-                    .unwrap();
-            let execute = async |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map(drop);
-            drop_stale_then_create(old, &name, execute).await;
-            with_database(&admin, &name)
+            let list = "SELECT datname::text FROM pg_database WHERE datname LIKE 'ledger_payouts_%'";
+            drop_stale_then_create::<sqlx::PgConnection>(&admin, "PostgreSQL", list, &name).await;
+            admin
         }
         Engine::Mysql => {
             let admin = mysql_url();
-            let mut conn = sqlx::MySqlConnection::connect(&admin)
-                .await
-                .unwrap_or_else(|e| panic!("cannot reach MariaDB at {admin}: {e}"));
-            let old: Vec<(String,)> = sqlx::query_as(
-                "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata WHERE schema_name LIKE 'ledger_payouts_%'",
-            )
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
-            let execute = async |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.map(drop);
-            drop_stale_then_create(old, &name, execute).await;
-            with_database(&admin, &name)
+            let list = "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata \
+                        WHERE schema_name LIKE 'ledger_payouts_%'";
+            drop_stale_then_create::<sqlx::MySqlConnection>(&admin, "MariaDB", list, &name).await;
+            admin
         }
-    }
+    };
+    with_database(&admin, &name)
 }
 
-/// Drops the stale test databases among `old` (see [`stale`]), then
-/// creates `name`; `execute` runs a statement on the server.
-async fn drop_stale_then_create(
-    old: Vec<(String,)>,
-    name: &str,
-    mut execute: impl AsyncFnMut(String) -> Result<(), sqlx::Error>,
-) {
+/// Connects to the `server` at `admin`, drops the stale test databases
+/// among those `list` names (see [`stale`]), then creates `name`.
+async fn drop_stale_then_create<C>(admin: &str, server: &str, list: &'static str, name: &str)
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    (String,): for<'r> sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
+    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
+{
+    let mut conn = C::connect(admin)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach {server} at {admin}: {e}"));
+    let old: Vec<(String,)> = sqlx::query_as(list).fetch_all(&mut conn).await.unwrap();
     for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
-        let _ = execute(format!("DROP DATABASE IF EXISTS {db}")).await;
+        let drop = format!("DROP DATABASE IF EXISTS {db}");
+        let _ = sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut conn).await;
     }
-    execute(format!("CREATE DATABASE {name}")).await.unwrap();
+    let create = format!("CREATE DATABASE {name}");
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(&mut conn)
+        .await
+        .unwrap();
 }
 
 /// Whether a test database was made more than an hour ago (its name ends in
@@ -429,15 +449,6 @@ async fn start(engine: Engine) -> Ledger {
     .await
 }
 
-async fn stats(vendor: &FakeVendor) -> serde_json::Value {
-    idem_tls::test_pki::get(format!("{}/_stats", vendor.url))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 async fn the_worker_pays_once_through_faults(engine: Engine) {
     let (vendor, l, t, a) = vendor_and_funded(engine, 10_000).await;
 
@@ -450,7 +461,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
     let settled = status(&l, &t, &dropped).await;
     assert_eq!(settled["status"], "paid");
     assert_eq!(settled["attempts"], 2);
-    assert_eq!(stats(&vendor).await["dropped"], 1);
+    assert_eq!(vendor.stats().await["dropped"], 1);
 
     // The vendor fails every call: dead-lettered after four attempts, the
     // debit stands and conservation holds.
@@ -524,7 +535,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     // Once the first answer is lost, the vendor refuses connections for
     // longer than the retries last.
     let dropped_by = tokio::time::Instant::now() + Duration::from_secs(30);
-    while stats(&vendor).await["dropped"] != 1 {
+    while vendor.stats().await["dropped"] != 1 {
         assert!(tokio::time::Instant::now() < dropped_by, "the vendor dropped an answer");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -566,7 +577,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
     let paid = vendor.ledger().await;
     assert_eq!(paid["payouts"], 1, "paid once: {paid}");
-    assert_eq!(stats(&vendor).await["replayed"], 1);
+    assert_eq!(vendor.stats().await["replayed"], 1);
     stop_conserved(l, &t).await;
 }
 
@@ -687,14 +698,20 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     stop_conserved(l, &t).await;
 }
 
+/// Serves `app` on a loopback port: its URL.
+async fn serve(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
 /// A vendor that answers each call with `answer(request body, call
 /// number)`: a status and a body.
 async fn vendor_answering<F>(answer: F) -> String
 where
     F: Fn(&serde_json::Value, usize) -> (u16, String) + Clone + Send + Sync + 'static,
 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let app = axum::Router::new().route(
         "/v1/payouts",
@@ -711,8 +728,7 @@ where
             }
         }),
     );
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve(app).await
 }
 
 /// The vendor's promised answer to `request`, with `id`.
@@ -743,8 +759,6 @@ async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::s
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Notify::new()),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let (a, r) = (arrived.clone(), release.clone());
     let app = axum::Router::new().route(
         "/v1/payouts",
@@ -764,8 +778,7 @@ async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::s
             }
         }),
     );
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, arrived, release)
+    (serve(app).await, arrived, release)
 }
 
 /// The running worker refills a slot as soon as its payout settles: payouts
@@ -1022,20 +1035,13 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     let letters = l.store.dead_letters();
     let other = dead_letter(&letters, &t, &asked).await;
     let record = promised(&serde_json::json!({ "amount": 200, "reference": asked }), "po_checked");
-    assert!(
-        letters
-            .settle(
-                other.id,
-                &operator_says(
-                    idem_core::Verdict::Applied,
-                    Some(201),
-                    record.into_bytes(),
-                    "seen on the vendor's dashboard"
-                )
-            )
-            .await
-            .unwrap()
+    let seen = operator_says(
+        idem_core::Verdict::Applied,
+        Some(201),
+        record.into_bytes(),
+        "seen on the vendor's dashboard",
     );
+    operator_settles(&letters, other.id, seen).await;
     let asking = idem_outbound::Redriver::new(
         client()
             .with_clock(l.clock.clone())
@@ -1094,7 +1100,7 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     advance(&clock, &vendor, 2 * HOUR);
     let report = pass_with(&l, hour_client(&[]), hour_lease.clone()).await;
     assert_eq!(report.paid, 1, "{report:?}");
-    assert_eq!(stats(&vendor).await["lookups"], 1, "asked before the re-send");
+    assert_eq!(vendor.stats().await["lookups"], 1, "asked before the re-send");
     // The vendor forgets that key too before the first worker wakes up.
     advance(&clock, &vendor, 2 * HOUR);
     let woke = sleeper.await.unwrap().unwrap();
@@ -1122,7 +1128,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
     }
     let report = pass_with(&l, fast_client(), config(&vendor)).await;
     assert_eq!((report.deferred, report.dead_lettered), (12, 0), "{report:?}");
-    assert_eq!(stats(&vendor).await["rate_limited"], 12, "every payout was sent");
+    assert_eq!(vendor.stats().await["rate_limited"], 12, "every payout was sent");
     // The vendor fails for real: the first payout's four 500s and the
     // second's first open the breaker (five failures); the rest are refused
     // unsent and deferred.
@@ -1133,7 +1139,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
     for _ in 0..4 {
         assert_eq!(payout(&l2, &t, &a2, 10).await.status, 201);
     }
-    let before = stats(&vendor).await["errors_500"].as_u64().unwrap();
+    let before = vendor.stats().await["errors_500"].as_u64().unwrap();
     // One payout at a time, so the failures come in order.
     let one_at_a_time = PayoutConfig {
         concurrency: 1,
@@ -1141,7 +1147,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
     };
     let report = pass_with(&l2, fast_client(), one_at_a_time).await;
     assert_eq!((report.dead_lettered, report.deferred), (1, 3), "{report:?}");
-    assert_eq!(stats(&vendor).await["errors_500"].as_u64().unwrap() - before, 5);
+    assert_eq!(vendor.stats().await["errors_500"].as_u64().unwrap() - before, 5);
     l.stop().await;
     l2.stop().await;
 }
@@ -1169,7 +1175,7 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
         PassReport::default(),
         "not before its time"
     );
-    assert_eq!(stats(&vendor).await["rate_limited"], 1);
+    assert_eq!(vendor.stats().await["rate_limited"], 1);
     advance(&clock, &vendor, HOUR);
     assert_eq!(pass_with(&l, hour_client(&[20]), config(&vendor)).await.paid, 1);
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
@@ -1212,39 +1218,34 @@ async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) 
         "http://user:pw@127.0.0.1:9",
         "http://127.0.0.1:0",
     ] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
-            .args([
-                "--database-url",
-                "/nonexistent-dir/x.db",
-                "--vendor-url",
-                bad,
-                "payouts",
-            ])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{bad}: {err}");
+        let err = refused_worker_start(&["--vendor-url", bad]);
         assert!(err.contains("--vendor-url"), "{bad}: {err}");
     }
     // An https vendor's CA file that cannot be read stops the start, naming it.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
-        .args([
-            "--database-url",
-            "/nonexistent-dir/x.db",
-            "--vendor-url",
-            "https://127.0.0.1:9",
-            "--vendor-ca-file",
-            "/nonexistent/ca.pem",
-            "payouts",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let err = refused_worker_start(&[
+        "--vendor-url",
+        "https://127.0.0.1:9",
+        "--vendor-ca-file",
+        "/nonexistent/ca.pem",
+    ]);
     assert!(
         err.contains("--vendor-ca-file") && err.contains("CA file /nonexistent/ca.pem: cannot be read"),
         "{err}"
     );
+}
+
+/// Runs the ledger's payout worker with `vendor` (the vendor settings) on a
+/// database it could never open; it must refuse to start. Its stderr.
+fn refused_worker_start(vendor: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ledger"))
+        .args(["--database-url", "/nonexistent-dir/x.db"])
+        .args(vendor)
+        .arg("payouts")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{vendor:?}: {err}");
+    err
 }
 
 /// A dead-lettered payout has a way out: a redrive to a corrected vendor URL pays it; one the vendor did not pay is cancelled, once, its debit reversed, only after a verdict that it was not applied.
@@ -1286,20 +1287,8 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     };
     cancel(key()).await.assert_problem(409, "payout-not-reconciled");
     let letter = dead_letter(&letters, &t, &cancelled).await;
-    assert!(
-        letters
-            .settle(
-                letter.id,
-                &operator_says(
-                    idem_core::Verdict::NotApplied,
-                    None,
-                    vec![],
-                    "the vendor URL was wrong: nothing reached the vendor"
-                )
-            )
-            .await
-            .unwrap()
-    );
+    let nothing_reached = operator_says_not_applied("the vendor URL was wrong: nothing reached the vendor");
+    operator_settles(&letters, letter.id, nothing_reached).await;
     let k = key();
     let done = cancel(k.clone()).await;
     assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
@@ -1355,21 +1344,13 @@ async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engi
     let reconcile = pass_with(&l, fast_client(), config_at(&wrong)).await;
     assert_eq!(reconcile.paid + reconcile.reconciled, 0, "{reconcile:?}");
     assert_eq!(status(&l, &t, &p).await["status"], "unknown");
-    assert!(
-        letters
-            .settle(
-                letter.id,
-                &operator_says(
-                    idem_core::Verdict::NotApplied,
-                    None,
-                    vec![],
-                    "the vendor has no such payout"
-                )
-            )
-            .await
-            .unwrap(),
-        "an unknown letter takes the operator's verdict"
-    );
+    // An unknown letter takes the operator's verdict.
+    operator_settles(
+        &letters,
+        letter.id,
+        operator_says_not_applied("the vendor has no such payout"),
+    )
+    .await;
     let done = l.post(&format!("/v1/payouts/{p}/cancel"), &t, Some(&key()), "").await;
     assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
     assert_eq!(l.balance(&t, &a).await, 1_000, "the debit reversed");
@@ -1448,8 +1429,6 @@ worker_tests!(
 
 /// A lookup server answering `GET /v1/payouts` with `body` (status 200).
 async fn lookup_answering(body: String) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
     let app = axum::Router::new().route(
         "/v1/payouts",
         axum::routing::get(move || {
@@ -1457,8 +1436,7 @@ async fn lookup_answering(body: String) -> String {
             async move { ([("content-type", "application/json")], body) }
         }),
     );
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    serve(app).await
 }
 
 /// The payout lookup says "not applied" only from a list answer that

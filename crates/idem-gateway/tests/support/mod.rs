@@ -257,6 +257,26 @@ pub async fn start_gateway(upstream: &str, store: &str, extra: &str) -> Gateway 
     }
 }
 
+/// Starts the upstream and a gateway in front of it on a new SQLite store;
+/// `extra` as for [`start_gateway`].
+pub async fn gateway_on_sqlite(extra: &str) -> (Gateway, Upstream) {
+    let (upstream, state) = start_upstream().await;
+    (start_gateway(&upstream, &sqlite_store(), extra).await, state)
+}
+
+/// Starts a gateway on `toml` and returns why it refused to start.
+pub async fn refusal(toml: &str) -> String {
+    let config = idem_gateway::Config::from_toml(toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        idem_gateway::serve(&config, listener, std::future::ready(())),
+    )
+    .await
+    .expect("the gateway answers at once");
+    served.expect_err("the gateway started").to_string()
+}
+
 /// Waits until `base` answers `/_idem/healthz` with 200.
 pub async fn wait_healthy(base: &str) {
     let client = idem_tls::test_pki::http_client();

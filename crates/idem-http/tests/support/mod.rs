@@ -68,6 +68,25 @@ where
     )
 }
 
+/// A router whose `POST path` counts its runs in `runs` and answers with
+/// `handler(run, body)`, where `run` counts from 1 and `body` is the request
+/// body as text; the caller adds the layer.
+pub(crate) fn counted_post<F, Fut, R>(path: &str, runs: &Arc<AtomicUsize>, handler: F) -> Router
+where
+    F: Fn(usize, String) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+    R: IntoResponse + 'static,
+{
+    let runs = runs.clone();
+    Router::new().route(
+        path,
+        post(move |body: String| {
+            let (runs, handler) = (runs.clone(), handler.clone());
+            async move { handler(runs.fetch_add(1, Ordering::SeqCst) + 1, body).await }
+        }),
+    )
+}
+
 /// A body that yields `first`, then fails with `error`.
 pub(crate) fn failing_body(first: &'static [u8], error: &'static str) -> Body {
     Body::from_stream(futures_util::stream::iter([
