@@ -24,23 +24,26 @@ async fn pay(base: &str, key: Option<&str>, body: &str) -> reqwest::Result<reqwe
     r.send().await
 }
 
-async fn faults(base: &str, f: serde_json::Value) {
-    let r = idem_tls::test_pki::http_client()
-        .put(format!("{base}/_faults"))
-        .json(&f)
+/// PUTs `body` as JSON to `path` on the vendor.
+async fn put(base: &str, path: &str, body: serde_json::Value) -> reqwest::Response {
+    idem_tls::test_pki::http_client()
+        .put(format!("{base}{path}"))
+        .json(&body)
         .send()
         .await
-        .unwrap();
-    assert_eq!(r.status(), 204);
+        .unwrap()
+}
+
+async fn get_json(url: String) -> serde_json::Value {
+    idem_tls::test_pki::get(url).await.unwrap().json().await.unwrap()
+}
+
+async fn faults(base: &str, f: serde_json::Value) {
+    assert_eq!(put(base, "/_faults", f).await.status(), 204);
 }
 
 async fn ledger(base: &str) -> serde_json::Value {
-    idem_tls::test_pki::get(format!("{base}/v1/ledger"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(format!("{base}/v1/ledger")).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,22 +100,12 @@ async fn faults_do_what_they_say() {
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(pay(&base, Some("d"), r#"{"amount":1}"#).await.unwrap().status(), 201);
     assert!(vendor.refuse_until_ms.load(std::sync::atomic::Ordering::SeqCst) > 0);
-    let bad = idem_tls::test_pki::http_client()
-        .put(format!("{base}/_faults"))
-        .json(&serde_json::json!({ "error_500": 2.0 }))
-        .send()
-        .await
-        .unwrap();
+    let bad = put(&base, "/_faults", serde_json::json!({ "error_500": 2.0 })).await;
     assert_eq!(bad.status(), 400);
 }
 
 async fn lookup(base: &str, reference: &str) -> serde_json::Value {
-    idem_tls::test_pki::get(format!("{base}/v1/payouts?reference={reference}"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(format!("{base}/v1/payouts?reference={reference}")).await
 }
 
 /// A key older than the vendor's horizon is forgotten: the same request pays again, and the lookup by reference shows both payments.
@@ -129,12 +122,7 @@ async fn past_its_horizon_a_key_pays_again() {
     let within = pay(&base, Some("k"), body).await.unwrap();
     assert_eq!(within.headers()["idempotent-replayed"], "true");
     // Moved over HTTP too.
-    let r = idem_tls::test_pki::http_client()
-        .put(format!("{base}/_clock"))
-        .json(&serde_json::json!({ "advance_ms": 1000 }))
-        .send()
-        .await
-        .unwrap();
+    let r = put(&base, "/_clock", serde_json::json!({ "advance_ms": 1000 })).await;
     assert_eq!(r.status(), 204);
     let past = pay(&base, Some("k"), body).await.unwrap();
     assert_eq!(past.status(), 201);

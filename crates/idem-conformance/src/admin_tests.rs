@@ -19,11 +19,7 @@ fn held(acquire: Acquire) -> Lease {
 /// (taking the expired rows over): every claim made during the purge is
 /// still in progress afterwards, with its token. A purge deletes only rows
 /// that still match its filter when it deletes them.
-pub async fn purge_spares_keys_claimed_during_the_purge<S>(s: S)
-where
-    S: Subject,
-    S::Lease: KeyAdmin,
-{
+pub async fn purge_spares_keys_claimed_during_the_purge<S: Subject<Lease: KeyAdmin>>(s: S) {
     const KEYS: usize = 300;
     const CLAIMERS: usize = 8;
     let s = s.isolated().await;
@@ -92,6 +88,27 @@ where
     );
 }
 
+/// A lease engine on the keys table of `s` on a manual clock, the
+/// operator's view of the table, and a fresh scope of `operation`.
+fn admin_on<S: Subject>(
+    s: &S,
+    operation: &str,
+) -> (
+    ManualClock,
+    idem_core::LeaseEngine<S::Lease>,
+    S::Lease,
+    idem_core::Scope,
+) {
+    let (clock, shared) = manual_clock();
+    let engine = lease_engine(s).with_clock(shared);
+    (clock, engine, s.lease_store(), unique_scope(operation))
+}
+
+/// A completed outcome recording `payload`.
+fn completed(payload: &[u8]) -> Option<Record> {
+    Some(Record::completed(payload.to_vec()))
+}
+
 /// Claims `key` in `scope` at the engine's time and leaves it as `outcome`
 /// says: `Some(record)` recorded, `None` in progress.
 async fn put<S: Subject>(
@@ -116,33 +133,15 @@ async fn put<S: Subject>(
 /// A key is found by its exact value, with its state and recorded outcome,
 /// however many keys of its scope start with it; a prefix of it, another
 /// tenant or another operation find nothing.
-pub async fn find_key_is_exact<S>(s: S)
-where
-    S: Subject,
-    S::Lease: KeyAdmin,
-{
+pub async fn find_key_is_exact<S: Subject<Lease: KeyAdmin>>(s: S) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(&s).with_clock(shared);
     let admin = s.lease_store();
     let scope = unique_scope("POST /v1/orders");
     for i in 0..12 {
-        put::<S>(
-            &engine,
-            &scope,
-            &format!("order-1{i}"),
-            3600,
-            Some(Record::completed(b"longer".to_vec())),
-        )
-        .await;
+        put::<S>(&engine, &scope, &format!("order-1{i}"), 3600, completed(b"longer")).await;
     }
-    put::<S>(
-        &engine,
-        &scope,
-        "order-1",
-        3600,
-        Some(Record::completed(b"exact".to_vec())),
-    )
-    .await;
+    put::<S>(&engine, &scope, "order-1", 3600, completed(b"exact")).await;
     let now = clock.now_ms();
     let found = admin
         .find_key(&scope, &IdempotencyKey::new("order-1").unwrap(), now)
@@ -196,30 +195,17 @@ where
 
 /// `stats` counts the keys of a table by state: in progress, completed,
 /// rejected, and expired (whatever they held).
-pub async fn stats_count_keys_by_state<S>(s: S)
-where
-    S: Subject,
-    S::Lease: KeyAdmin,
-{
+pub async fn stats_count_keys_by_state<S: Subject<Lease: KeyAdmin>>(s: S) {
     let s = s.isolated().await;
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let admin = s.lease_store();
-    let scope = unique_scope("POST /v1/orders");
-    put::<S>(&engine, &scope, "old-done", 60, Some(Record::completed(b"1".to_vec()))).await;
+    let (clock, engine, admin, scope) = admin_on(&s, "POST /v1/orders");
+    put::<S>(&engine, &scope, "old-done", 60, completed(b"1")).await;
     put::<S>(&engine, &scope, "old-running", 60, None).await;
     clock.advance(Duration::from_secs(61));
     for key in ["done-1", "done-2"] {
-        put::<S>(&engine, &scope, key, 3600, Some(Record::completed(b"1".to_vec()))).await;
+        put::<S>(&engine, &scope, key, 3600, completed(b"1")).await;
     }
-    put::<S>(
-        &engine,
-        &scope,
-        "declined",
-        3600,
-        Some(Record::rejected(b"no".to_vec())),
-    )
-    .await;
+    let declined = Some(Record::rejected(b"no".to_vec()));
+    put::<S>(&engine, &scope, "declined", 3600, declined).await;
     put::<S>(&engine, &scope, "running", 3600, None).await;
     let sending = held(
         engine
@@ -267,22 +253,15 @@ where
 /// Listing and purging select by tenant, operation, key prefix, state and
 /// age, each alone and together, oldest first and at most the limit; a
 /// purge deletes exactly what the same filter lists.
-pub async fn list_and_purge_follow_every_filter<S>(s: S)
-where
-    S: Subject,
-    S::Lease: KeyAdmin,
-{
+pub async fn list_and_purge_follow_every_filter<S: Subject<Lease: KeyAdmin>>(s: S) {
     let s = s.isolated().await;
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let admin = s.lease_store();
-    let a = unique_scope("POST /v1/orders");
+    let (clock, engine, admin, a) = admin_on(&s, "POST /v1/orders");
     let a_refunds = idem_core::Scope::new(
         a.tenant().clone(),
         idem_core::Operation::new("POST /v1/refunds").unwrap(),
     );
     let b = unique_scope("POST /v1/orders");
-    let done = || Some(Record::completed(b"1".to_vec()));
+    let done = || completed(b"1");
     // One millisecond apart, so "oldest first" has one answer.
     let tick = || clock.advance(Duration::from_millis(1));
     put::<S>(&engine, &a, "old-1", 3600, done()).await;

@@ -22,6 +22,47 @@ async fn run_receipt<S: Subject>(
         .await
 }
 
+/// `n` tasks released together run `call`, on `engines` in turn; the work
+/// holds its claim 50 ms, long enough for every twin to find it running.
+/// Answers each task's outcome.
+async fn run_together<S: Subject>(
+    engines: &[Arc<LeaseEngine<S::Lease>>; 2],
+    call: &Call,
+    n: usize,
+    runs: &Runs,
+) -> Vec<Outcome<Receipt>> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                engine
+                    .run(&call, move |_lease| async move {
+                        runs.hit();
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, TestError>(Receipt::new(1))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
+    }
+    outcomes
+}
+
+/// A lease engine of `s`, a call of a fresh key in a scope of its own
+/// under `policy`, and the lease of its first claim.
+async fn claimed<S: Subject>(s: &S, policy: Policy) -> (LeaseEngine<S::Lease>, Call, Lease) {
+    let engine = lease_engine(s);
+    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
+    let lease = held(engine.acquire(&call).await.unwrap());
+    (engine, call, lease)
+}
+
 pub(crate) fn held(acquire: Acquire) -> Lease {
     match acquire {
         Acquire::Claimed(lease) => lease,
@@ -141,27 +182,16 @@ fn panics() -> bool {
 
 /// A live claim is reported in flight at once, or after a bounded wait.
 pub async fn lease_live_claim_is_in_flight<S: Subject>(s: S) {
-    let engine = lease_engine(&s);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let lease = held(
-        engine
-            .acquire(&call_for(&scope, &key, "{}", Policy::default()))
-            .await
-            .unwrap(),
-    );
-    assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", rejecting())).await);
-    assert_in_flight(engine.acquire(&call_for(&scope, &key, "{}", waiting(200))).await);
+    let (engine, call, lease) = claimed(&s, Policy::default()).await;
+    let (scope, key) = (call.scope(), call.key());
+    assert_in_flight(engine.acquire(&call_for(scope, key, "{}", rejecting())).await);
+    assert_in_flight(engine.acquire(&call_for(scope, key, "{}", waiting(200))).await);
     engine.release(&lease).await.unwrap();
 }
 
 /// A twin waits for a live claim to complete, then replays its outcome.
 pub async fn lease_twin_waits_then_replays<S: Subject>(s: S) {
-    let engine = lease_engine(&s);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", waiting(30_000));
-    let lease = held(engine.acquire(&call).await.unwrap());
+    let (engine, call, lease) = claimed(&s, waiting(30_000)).await;
     let twin = {
         let (engine, call) = (engine.clone(), call.clone());
         tokio::spawn(async move { engine.acquire(&call).await })
@@ -175,11 +205,7 @@ pub async fn lease_twin_waits_then_replays<S: Subject>(s: S) {
 
 /// After the lease expires, a new claimer takes the key over with a larger token, and its outcome stands.
 pub async fn lease_takeover_after_expiry<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000));
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000));
     let a = held(engine.acquire(&call).await.unwrap());
     clock.advance(Duration::from_millis(999));
     assert_in_flight(engine.acquire(&call).await);
@@ -295,22 +321,19 @@ pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(&s).with_clock(shared.clone());
     let scope = unique_scope("op");
-    let runs = Runs::default();
-    for _ in 0..5 {
-        let call = call_for(
+    let kept_for = |secs| {
+        call_for(
             &scope,
             &IdempotencyKey::generate(),
             "{}",
-            Policy::default().with_ttl_secs(10),
-        );
-        run_receipt::<S>(&engine, &call, &runs).await.unwrap();
+            Policy::default().with_ttl_secs(secs),
+        )
+    };
+    let runs = Runs::default();
+    for _ in 0..5 {
+        run_receipt::<S>(&engine, &kept_for(10), &runs).await.unwrap();
     }
-    let live = call_for(
-        &scope,
-        &IdempotencyKey::generate(),
-        "{}",
-        Policy::default().with_ttl_secs(3600),
-    );
+    let live = kept_for(3600);
     run_receipt::<S>(&engine, &live, &runs).await.unwrap();
     clock.advance(Duration::from_secs(11));
     let options = SweepOptions {
@@ -329,28 +352,7 @@ pub async fn lease_concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     let engines = [Arc::new(lease_engine(&s)), Arc::new(lease_engine(&other))];
     let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(120_000));
     let runs = Runs::default();
-    let barrier = Arc::new(tokio::sync::Barrier::new(64));
-    let tasks: Vec<_> = (0..64)
-        .map(|i| {
-            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let runs2 = runs.clone();
-                engine
-                    .run(&call, move |_lease| async move {
-                        runs2.hit();
-                        // Hold the claim long enough for every twin to find it running.
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        Ok::<_, TestError>(Receipt::new(1))
-                    })
-                    .await
-            })
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for t in tasks {
-        outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
-    }
+    let outcomes = run_together::<S>(&engines, &call, 64, &runs).await;
     assert_eq!(runs.get(), 1, "the effect ran once");
     assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1);
     assert!(outcomes.iter().all(|o| o.value() == outcomes[0].value()));
@@ -605,25 +607,22 @@ pub async fn lease_unknown_outcome_is_held<S: Subject>(s: S) {
 /// An unknown outcome resolved as applied records the operator's outcome:
 /// retries replay it, and resolving again changes nothing.
 pub async fn lease_unknown_outcome_resolved_applied<S: Subject>(s: S) {
-    let engine = lease_engine(&s);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting());
-    let lease = held(engine.acquire(&call).await.unwrap());
+    let (engine, call, lease) = claimed(&s, rejecting()).await;
+    let (scope, key) = (call.scope(), call.key());
     engine.mark_unknown(&lease, Vec::new()).await.unwrap();
     let record = record_of(&Receipt::new(7));
-    assert!(engine.resolve_unknown(&scope, &key, Some(&record)).await.unwrap());
+    assert!(engine.resolve_unknown(scope, key, Some(&record)).await.unwrap());
     assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record.clone()));
     let other = record_of(&Receipt::new(8));
     assert!(
-        !engine.resolve_unknown(&scope, &key, Some(&other)).await.unwrap(),
+        !engine.resolve_unknown(scope, key, Some(&other)).await.unwrap(),
         "a recorded outcome is not unknown"
     );
-    assert!(!engine.resolve_unknown(&scope, &key, None).await.unwrap());
+    assert!(!engine.resolve_unknown(scope, key, None).await.unwrap());
     assert_eq!(engine.acquire(&call).await.unwrap(), Acquire::Replay(record));
     assert!(matches!(
         engine
-            .resolve_unknown(&scope, &key, Some(&Record::unknown(Vec::new())))
+            .resolve_unknown(scope, key, Some(&Record::unknown(Vec::new())))
             .await,
         Err(Error::Config(_))
     ));
@@ -692,25 +691,6 @@ pub async fn lease_unknown_outcome_resolved_once_under_concurrency<S: Subject>(s
     }
     assert_eq!(taken, 1, "exactly one resolution took");
     let runs = Runs::default();
-    let barrier = Arc::new(tokio::sync::Barrier::new(32));
-    let tasks: Vec<_> = (0..32)
-        .map(|i| {
-            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let runs2 = runs.clone();
-                engine
-                    .run(&call, move |_lease| async move {
-                        runs2.hit();
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        Ok::<_, TestError>(Receipt::new(1))
-                    })
-                    .await
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap().expect("every task gets an outcome");
-    }
+    run_together::<S>(&engines, &call, 32, &runs).await;
     assert_eq!(runs.get(), 1, "the work ran once after the release");
 }

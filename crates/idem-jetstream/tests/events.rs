@@ -5,11 +5,14 @@
 //! Each test has its own tables, its own stream and subjects, and deletes
 //! its streams at the end.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
+use common::{Running, dead_stream, durable, events_stream, eventually, handler, headers, js, publish, tag};
 use idem_core::{BoxFuture, IdempotencyKey, OutboxBatch, OutboxEvent, OutboxStore, TableName, TxBackend, TxEngine};
 use idem_inbox::Delivery;
 use idem_inbox::Inbox;
@@ -19,33 +22,10 @@ use idem_jetstream::{
 };
 use idem_outbox::{Publisher, Relay, RelayOptions};
 
-fn nats_url() -> String {
-    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-/// The largest `max_msg_size` the consumer accepts on this server (a
-/// dead-letter stream without a limit of its own).
-fn largest_event(js: &jetstream::Context) -> i32 {
-    let max_payload = js.client().server_info().max_payload;
-    i32::try_from(max_payload - idem_jetstream::DEAD_LETTER_HEADROOM).expect("a size that fits an i32")
-}
-
-fn tag() -> String {
-    let t = uuid::Uuid::now_v7().simple().to_string();
-    t[t.len() - 12..].to_owned()
-}
-
 /// A stream of its own for one test.
 struct Broker {
     js: jetstream::Context,
+    events: stream::Stream,
     stream: String,
     subjects: String,
     dead_stream: String,
@@ -54,40 +34,21 @@ struct Broker {
 
 impl Broker {
     async fn new(tag: &str, duplicate_window: Duration) -> Self {
-        let url = nats_url();
-        let client = async_nats::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("cannot reach NATS at {url} (set IDEM_TEST_NATS_URL): {e}"));
-        let js = jetstream::new(client);
-        let b = Self {
-            js: js.clone(),
-            stream: format!("EVENTS_{tag}"),
-            subjects: format!("events_{tag}"),
-            dead_stream: format!("DEAD_{tag}"),
-            dead_subject: format!("dead_{tag}"),
-        };
-        b.js.create_stream(stream::Config {
-            name: b.stream.clone(),
-            subjects: vec![format!("{}.>", b.subjects)],
-            duplicate_window,
-            // Within the inbox's TTL: only max_age bounds a redelivery.
-            max_age: Duration::from_secs(3_600),
-            // Room for a dead letter's headers under the server's max_payload.
-            max_message_size: largest_event(&js),
-            storage: stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the stream");
-        b.js.create_stream(stream::Config {
-            name: b.dead_stream.clone(),
-            subjects: vec![format!("{}.>", b.dead_subject)],
-            storage: stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the dead-letter stream");
-        b
+        let js = js().await;
+        let (stream, subjects) = (format!("EVENTS_{tag}"), format!("events_{tag}"));
+        let (dead_stream_name, dead_subject) = (format!("DEAD_{tag}"), format!("dead_{tag}"));
+        // Kept within the inbox's TTL (only max_age bounds a redelivery),
+        // with room for a dead letter's headers under the server's max_payload.
+        let events = events_stream(&js, &stream, &subjects, |c| c.duplicate_window = duplicate_window).await;
+        dead_stream(&js, &dead_stream_name, &dead_subject, |_| {}).await;
+        Self {
+            js,
+            events,
+            stream,
+            subjects,
+            dead_stream: dead_stream_name,
+            dead_subject,
+        }
     }
 
     fn subject(&self, kind: &str) -> String {
@@ -95,48 +56,28 @@ impl Broker {
     }
 
     async fn consumer(&self, name: &str, ack_wait: Duration) -> jetstream::consumer::PullConsumer {
-        let stream = self.js.get_stream(&self.stream).await.expect("the stream");
-        stream
-            .get_or_create_consumer(
-                name,
-                pull::Config {
-                    durable_name: Some(name.into()),
-                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                    ack_wait,
-                    max_deliver: -1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .expect("create the consumer")
+        durable(&self.events, name, ack_wait).await
     }
 
     /// Every message of a stream: (event id, subject) per stored copy.
     async fn stored(&self, stream: &str, id_header: &str) -> Vec<(String, String)> {
-        let mut s = self.js.get_stream(stream).await.expect("the stream");
-        let state = s.info().await.expect("stream info").state.clone();
-        let mut out = Vec::new();
-        if state.messages == 0 {
-            return out;
-        }
-        for seq in state.first_sequence..=state.last_sequence {
-            if let Ok(m) = s.get_raw_message(seq).await {
+        common::stored(&self.js, stream)
+            .await
+            .into_iter()
+            .map(|m| {
                 let id = m
                     .headers
                     .get(id_header)
                     .map(|v| v.as_str().to_owned())
                     .unwrap_or_default();
-                out.push((id, m.subject.to_string()));
-            }
-        }
-        out
+                (id, m.subject.to_string())
+            })
+            .collect()
     }
 
     /// Whether a durable consumer has nothing pending or unacknowledged.
     async fn settled(&self, name: &str) -> bool {
-        let mut c = self.consumer(name, Duration::from_secs(5)).await;
-        let info = c.info().await.expect("consumer info");
-        info.num_pending == 0 && info.num_ack_pending == 0
+        common::settled(&self.events, name).await
     }
 
     /// Deliveries a durable consumer made, redeliveries included.
@@ -153,103 +94,92 @@ impl Broker {
             .collect()
     }
 
+    /// Publishes a copy of event `id` on the `created` subject under
+    /// `msg_id`, as a redrive for `redrive` when given.
+    async fn publish_copy(&self, id: &str, msg_id: &str, redrive: Option<&str>) {
+        let mut copy = headers(&[("Nats-Msg-Id", msg_id)]);
+        if let Some(handler) = redrive {
+            copy.insert(idem_jetstream::REDRIVE, handler);
+            copy.insert(idem_jetstream::EVENT_ID, id);
+        }
+        publish(&self.js, &self.subject("created"), copy, br#"{"v":1}"#.to_vec()).await;
+    }
+
+    /// Starts a consumer whose handler does nothing, which must be refused
+    /// (`why` says why).
+    async fn refused(
+        &self,
+        consumer: jetstream::consumer::PullConsumer,
+        inbox: Inbox<idem_sqlite::SqliteStore>,
+        options: ConsumerOptions,
+        why: &str,
+    ) -> ConsumerError {
+        let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+        InboxConsumer::start(self.js.clone(), consumer, inbox, options, work)
+            .await
+            .expect_err(why)
+    }
+
     async fn cleanup(&self) {
         let _ = self.js.delete_stream(&self.stream).await;
         let _ = self.js.delete_stream(&self.dead_stream).await;
     }
 }
 
-/// Waits for `check` to hold, up to 30 s.
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// A broker of its own and an SQLite inbox, for the start-up checks.
+async fn sqlite_broker(duplicate_window: Duration) -> (String, Broker, idem_sqlite::SqliteStore) {
+    let tag = tag();
+    let broker = Broker::new(&tag, duplicate_window).await;
+    let (store, _outbox, _pool) = open_sqlite(&tag).await;
+    store.migrate().await.unwrap();
+    (tag, broker, store)
 }
 
-/// Relays running in the background until dropped.
-struct Relays {
-    stop: Vec<tokio::sync::oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
+/// Relays running in the background until stopped.
+struct Relays(Vec<Running>);
 
 impl Relays {
     fn start<S: OutboxStore>(n: usize, store: &S, js: &jetstream::Context) -> Self {
-        let mut stop = Vec::new();
-        let mut tasks = Vec::new();
-        for i in 0..n {
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            let relay = Relay::new(
-                store.clone(),
-                JetStreamPublisher::new(js.clone()),
-                RelayOptions {
-                    name: format!("test{i}"),
-                    idle_wait: Duration::from_millis(10),
-                    batch_size: 20,
-                    backoff_min: Duration::from_millis(200),
-                    backoff_max: Duration::from_secs(2),
-                    ..Default::default()
-                },
-            );
-            stop.push(tx);
-            tasks.push(tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = rx.await;
-                    })
-                    .await
-            }));
-        }
-        Self { stop, tasks }
-    }
-
-    async fn stop(self) {
-        for s in self.stop {
-            let _ = s.send(());
-        }
-        for t in self.tasks {
-            t.await.expect("relay task");
-        }
-    }
-}
-
-/// A consumer running in the background.
-struct Running {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    fn start<B: TxBackend + Clone>(consumer: InboxConsumer<B>) -> Self {
-        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            consumer
-                .run(async move {
-                    let _ = rx.await;
+        Self(
+            (0..n)
+                .map(|i| {
+                    let relay = Relay::new(
+                        store.clone(),
+                        JetStreamPublisher::new(js.clone()),
+                        RelayOptions {
+                            name: format!("test{i}"),
+                            idle_wait: Duration::from_millis(10),
+                            batch_size: 20,
+                            backoff_min: Duration::from_millis(200),
+                            backoff_max: Duration::from_secs(2),
+                            ..Default::default()
+                        },
+                    );
+                    Running::spawn(move |stop| async move { relay.run(stop).await })
                 })
-                .await
-        });
-        Self { stop, task }
+                .collect(),
+        )
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("consumer task");
+        for relay in self.0 {
+            relay.stop().await;
+        }
     }
 }
 
-/// Forces a closure to the handler's higher-ranked signature.
-fn handler<B, F>(f: F) -> F
-where
-    B: TxBackend,
-    F: for<'c> Fn(&'c mut B::Tx, Arc<Event>) -> BoxFuture<'c, Result<(), HandlerError>> + Send + Sync + 'static,
-{
-    f
+/// How many times a handler ran, by event id.
+#[derive(Clone, Default)]
+struct Runs(Arc<std::sync::Mutex<BTreeMap<String, i64>>>);
+
+impl Runs {
+    fn count(&self, id: &str) {
+        *self.0.lock().unwrap().entry(id.to_owned()).or_default() += 1;
+    }
+
+    fn get(&self) -> BTreeMap<String, i64> {
+        self.0.lock().unwrap().clone()
+    }
 }
 
 macro_rules! events_suite {
@@ -309,31 +239,49 @@ macro_rules! events_suite {
                     Inbox::new(TxEngine::new(self.store.clone()))
                 }
 
-                /// A consumer whose handler records one effect row per application.
-                async fn consumer(&self, name: &str, options: ConsumerOptions) -> InboxConsumer<$store> {
+                /// A consumer of its own for `name`, running, whose handler
+                /// records one effect row per application.
+                async fn running(&self, name: &str) -> Running {
                     let effects = self.effects.clone();
-                    let handler_name = options.handler.clone();
-                    let consumer = self.broker.consumer(name, Duration::from_secs(5)).await;
+                    let handler_name = Arc::new(name.to_owned());
                     let work = handler::<$store, _>(move |tx, event| {
                         let (effects, handler_name) = (effects.clone(), handler_name.clone());
-                        Box::pin(async move {
-                            sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
-                                .bind(handler_name)
-                                .bind(event.id.clone())
-                                .execute(&mut **tx)
-                                .await
-                                .map_err(HandlerError::retry)?;
-                            Ok(())
-                        })
+                        Box::pin(async move { record_effect(tx, &effects, &handler_name, &event.id).await })
                     });
-                    InboxConsumer::start(self.broker.js.clone(), consumer, self.inbox(), options, work)
+                    self.run(Duration::from_secs(5), self.options(name), work).await
+                }
+
+                /// Starts `work` with `options` on the durable consumer named
+                /// after its handler, and runs it in the background.
+                async fn run<H>(&self, ack_wait: Duration, options: ConsumerOptions, work: H) -> Running
+                where
+                    H: for<'c> Fn(
+                            &'c mut <$store as TxBackend>::Tx,
+                            Arc<Event>,
+                        ) -> BoxFuture<'c, Result<(), HandlerError>>
+                        + Send
+                        + Sync
+                        + 'static,
+                {
+                    let consumer = self.broker.consumer(&options.handler, ack_wait).await;
+                    let consumer = InboxConsumer::start(self.broker.js.clone(), consumer, self.inbox(), options, work)
                         .await
-                        .expect("start the consumer")
+                        .expect("start the consumer");
+                    Running::start(consumer)
                 }
 
                 fn options(&self, handler: &str) -> ConsumerOptions {
                     let mut o = ConsumerOptions::new(handler);
                     o.dead_letter_subject = format!("{}.{handler}", self.broker.dead_subject);
+                    o
+                }
+
+                /// Options that make a dead letter of an event after
+                /// `max_deliveries`, 50 ms apart.
+                fn bounded(&self, handler: &str, max_deliveries: i64) -> ConsumerOptions {
+                    let mut o = self.options(handler);
+                    o.max_deliveries = max_deliveries;
+                    o.retry_delays = vec![Duration::from_millis(50)];
                     o
                 }
 
@@ -370,27 +318,6 @@ macro_rules! events_suite {
                     }
                 }
 
-                /// Publishes a copy of event `id` under `msg_id`, as a redrive
-                /// for `redrive` when given.
-                async fn publish_copy(&self, id: &str, msg_id: &str, redrive: Option<&str>) {
-                    let mut headers = async_nats::HeaderMap::new();
-                    if let Some(handler) = redrive {
-                        headers.insert(idem_jetstream::REDRIVE, handler);
-                        headers.insert(idem_jetstream::EVENT_ID, id);
-                    }
-                    let publish = async_nats::jetstream::message::PublishMessage::build()
-                        .headers(headers)
-                        .message_id(msg_id)
-                        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
-                    self.broker
-                        .js
-                        .send_publish(self.broker.subject("created"), publish)
-                        .await
-                        .unwrap()
-                        .await
-                        .unwrap();
-                }
-
                 async fn unsent(&self) -> u64 {
                     self.outbox.lag().await.expect("lag").unsent
                 }
@@ -402,6 +329,30 @@ macro_rules! events_suite {
                     relays.stop().await;
                 }
 
+                /// Enqueues one `created` event and publishes it; answers its id.
+                async fn publish_one(&self) -> String {
+                    let id = self.enqueue("created", true).await;
+                    self.publish_all().await;
+                    id
+                }
+
+                /// Enqueues `n` `created` events, each committed; answers their ids.
+                async fn enqueue_many(&self, n: usize) -> Vec<String> {
+                    let mut ids = Vec::new();
+                    for _ in 0..n {
+                        ids.push(self.enqueue("created", true).await);
+                    }
+                    ids
+                }
+
+                /// Waits until the dead-letter stream holds `n` events.
+                async fn wait_dead_letters(&self, n: usize) {
+                    eventually(&format!("{n} dead letters"), || async {
+                        self.dead_letters().await.len() == n
+                    })
+                    .await;
+                }
+
                 /// The dead-letter stream's events, by event id.
                 async fn dead_letters(&self) -> BTreeMap<String, String> {
                     self.broker
@@ -410,6 +361,22 @@ macro_rules! events_suite {
                         .into_iter()
                         .collect()
                 }
+            }
+
+            /// Records one application of `event` by `handler` in the effects table.
+            async fn record_effect(
+                tx: &mut <$store as TxBackend>::Tx,
+                effects: &str,
+                handler: &str,
+                event: &str,
+            ) -> Result<(), HandlerError> {
+                sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
+                    .bind(handler)
+                    .bind(event)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(HandlerError::retry)?;
+                Ok(())
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -510,10 +477,7 @@ macro_rules! events_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_relay_dying_between_publish_and_mark_sent_causes_no_duplicate_effect() {
                 let s = subject(Duration::from_secs(120)).await;
-                let mut ids = Vec::new();
-                for _ in 0..10 {
-                    ids.push(s.enqueue("created", true).await);
-                }
+                let ids = s.enqueue_many(10).await;
                 // A relay takes the rows, the broker confirms them, and the
                 // relay dies before marking them sent.
                 let batch = s.outbox.take(100).await.expect("take");
@@ -526,7 +490,7 @@ macro_rules! events_suite {
                 // SQLite holds taken rows by lease: let it run out.
                 tokio::time::sleep(Duration::from_millis(if $late_first { 0 } else { 1_200 })).await;
 
-                let consumer = Running::start(s.consumer("projection", s.options("projection")).await);
+                let consumer = s.running("projection").await;
                 let relays = Relays::start(2, &s.outbox, &s.broker.js);
                 eventually("every row is marked sent", || async { s.unsent().await == 0 }).await;
                 eventually("every event is applied", || async {
@@ -579,10 +543,8 @@ macro_rules! events_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_handler_slower_than_ack_wait_keeps_its_message_with_progress_acks() {
                 let s = subject(Duration::from_secs(120)).await;
-                let id = s.enqueue("created", true).await;
-                s.publish_all().await;
+                let id = s.publish_one().await;
                 // The server redelivers after 1 s without news; the handler takes 3 s.
-                let consumer = s.broker.consumer("slow", Duration::from_secs(1)).await;
                 let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 let seen = runs.clone();
                 let effects = s.effects.clone();
@@ -591,19 +553,10 @@ macro_rules! events_suite {
                     let effects = effects.clone();
                     Box::pin(async move {
                         tokio::time::sleep(Duration::from_secs(3)).await;
-                        sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
-                            .bind("slow")
-                            .bind(event.id.clone())
-                            .execute(&mut **tx)
-                            .await
-                            .map_err(HandlerError::retry)?;
-                        Ok(())
+                        record_effect(tx, &effects, "slow", &event.id).await
                     })
                 });
-                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), s.options("slow"), work)
-                    .await
-                    .expect("start");
-                let running = Running::start(consumer);
+                let running = s.run(Duration::from_secs(1), s.options("slow"), work).await;
                 eventually("applied", || async { s.effects("slow", &id).await == 1 }).await;
                 eventually("acknowledged", || s.broker.settled("slow")).await;
                 running.stop().await;
@@ -621,22 +574,12 @@ macro_rules! events_suite {
                 // A one-second window: a copy published after it is stored
                 // again and delivered again.
                 let s = subject(Duration::from_secs(1)).await;
-                let id = s.enqueue("created", true).await;
-                s.publish_all().await;
-                let consumer = Running::start(s.consumer("projection", s.options("projection")).await);
+                let id = s.publish_one().await;
+                let consumer = s.running("projection").await;
                 eventually("applied", || async { s.effects("projection", &id).await == 1 }).await;
                 tokio::time::sleep(Duration::from_millis(1_200)).await;
                 for _ in 0..3 {
-                    let publish = async_nats::jetstream::message::PublishMessage::build()
-                        .message_id(id.as_str())
-                        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
-                    s.broker
-                        .js
-                        .send_publish(s.broker.subject("created"), publish)
-                        .await
-                        .unwrap()
-                        .await
-                        .unwrap();
+                    s.broker.publish_copy(&id, &id, None).await;
                     tokio::time::sleep(Duration::from_millis(1_100)).await;
                 }
                 assert_eq!(
@@ -657,15 +600,12 @@ macro_rules! events_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn two_handlers_of_one_event_each_apply_it_once() {
                 let s = subject(Duration::from_secs(120)).await;
-                let mut ids = Vec::new();
-                for _ in 0..20 {
-                    ids.push(s.enqueue("created", true).await);
-                }
+                let ids = s.enqueue_many(20).await;
                 let relays = Relays::start(2, &s.outbox, &s.broker.js);
-                let a = Running::start(s.consumer("projection", s.options("projection")).await);
-                let b = Running::start(s.consumer("notifier", s.options("notifier")).await);
+                let a = s.running("projection").await;
+                let b = s.running("notifier").await;
                 // A second instance of each handler on the same durable consumer.
-                let a2 = Running::start(s.consumer("projection", s.options("projection")).await);
+                let a2 = s.running("projection").await;
                 eventually("both handlers applied every event", || async {
                     s.total_effects("projection").await == 20 && s.total_effects("notifier").await == 20
                 })
@@ -688,14 +628,10 @@ macro_rules! events_suite {
                 let id = s.enqueue("created", true).await;
                 let poison = s.enqueue("poison", true).await;
                 s.publish_all().await;
-                let mut options = s.options("flaky");
-                options.max_deliveries = 3;
-                options.retry_delays = vec![Duration::from_millis(50)];
-                let consumer = s.broker.consumer("flaky", Duration::from_secs(5)).await;
-                let deliveries = Arc::new(std::sync::Mutex::new(BTreeMap::<String, i64>::new()));
+                let deliveries = Runs::default();
                 let seen = deliveries.clone();
                 let work = handler::<$store, _>(move |_tx, event| {
-                    *seen.lock().unwrap().entry(event.id.clone()).or_default() += 1;
+                    seen.count(&event.id);
                     Box::pin(async move {
                         if event.subject.ends_with(".poison") {
                             Err(HandlerError::reject("malformed payload"))
@@ -704,18 +640,12 @@ macro_rules! events_suite {
                         }
                     })
                 });
-                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
-                    .await
-                    .expect("start");
-                let running = Running::start(consumer);
-                eventually("both are dead letters", || async {
-                    s.dead_letters().await.len() == 2
-                })
-                .await;
+                let running = s.run(Duration::from_secs(5), s.bounded("flaky", 3), work).await;
+                s.wait_dead_letters(2).await;
                 running.stop().await;
                 let dead = s.dead_letters().await;
                 assert!(dead.contains_key(&id) && dead.contains_key(&poison), "{dead:?}");
-                let seen = deliveries.lock().unwrap().clone();
+                let seen = deliveries.get();
                 assert_eq!(
                     seen.get(&id),
                     Some(&3),
@@ -740,17 +670,13 @@ macro_rules! events_suite {
                 // A panic, in the handler's future or before it, is a failure
                 // like any other: counted, then kept as a dead letter.
                 let s = subject(Duration::from_secs(120)).await;
+                let runs = Runs::default();
                 let late = s.enqueue("late", true).await;
                 let early = s.enqueue("early", true).await;
                 s.publish_all().await;
-                let mut options = s.options("panicky");
-                options.max_deliveries = 2;
-                options.retry_delays = vec![Duration::from_millis(50)];
-                let consumer = s.broker.consumer("panicky", Duration::from_secs(1)).await;
-                let runs = Arc::new(std::sync::Mutex::new(BTreeMap::<String, i64>::new()));
                 let seen = runs.clone();
                 let work = handler::<$store, _>(move |_tx, event| {
-                    *seen.lock().unwrap().entry(event.id.clone()).or_default() += 1;
+                    seen.count(&event.id);
                     if event.subject.ends_with(".early") {
                         panic!("the handler panicked before its future");
                     }
@@ -762,18 +688,12 @@ macro_rules! events_suite {
                         Ok(())
                     })
                 });
-                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
-                    .await
-                    .expect("start");
-                let running = Running::start(consumer);
-                eventually("both are dead letters", || async {
-                    s.dead_letters().await.len() == 2
-                })
-                .await;
+                let running = s.run(Duration::from_secs(1), s.bounded("panicky", 2), work).await;
+                s.wait_dead_letters(2).await;
                 // Longer than the ack wait: nothing comes back.
                 tokio::time::sleep(Duration::from_millis(2_500)).await;
                 running.stop().await;
-                let runs = runs.lock().unwrap().clone();
+                let runs = runs.get();
                 assert_eq!(runs.get(&late), Some(&2), "{runs:?}");
                 assert_eq!(runs.get(&early), Some(&2), "{runs:?}");
                 assert_eq!(s.dead_letters().await.len(), 2);
@@ -794,13 +714,8 @@ macro_rules! events_suite {
                 // redelivery even once its cause is fixed, run exactly once
                 // by a redrive (however many copies), and by no other handler.
                 let s = subject(Duration::from_secs(1)).await;
-                let id = s.enqueue("created", true).await;
-                s.publish_all().await;
+                let id = s.publish_one().await;
                 let broken = Arc::new(std::sync::atomic::AtomicBool::new(true));
-                let mut options = s.options("projection");
-                options.max_deliveries = 2;
-                options.retry_delays = vec![Duration::from_millis(50)];
-                let consumer = s.broker.consumer("projection", Duration::from_secs(5)).await;
                 let (effects, down) = (s.effects.clone(), broken.clone());
                 let work = handler::<$store, _>(move |tx, event| {
                     let (effects, down) = (effects.clone(), down.clone());
@@ -808,21 +723,14 @@ macro_rules! events_suite {
                         if down.load(std::sync::atomic::Ordering::SeqCst) {
                             return Err(HandlerError::retry("the database is down"));
                         }
-                        sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
-                            .bind("projection")
-                            .bind(event.id.clone())
-                            .execute(&mut **tx)
-                            .await
-                            .map_err(HandlerError::retry)?;
-                        Ok(())
+                        record_effect(tx, &effects, "projection", &event.id).await
                     })
                 });
-                let consumer = InboxConsumer::start(s.broker.js.clone(), consumer, s.inbox(), options, work)
-                    .await
-                    .expect("start");
-                let running = Running::start(consumer);
-                let notifier = Running::start(s.consumer("notifier", s.options("notifier")).await);
-                eventually("a dead letter", || async { s.dead_letters().await.len() == 1 }).await;
+                let running = s
+                    .run(Duration::from_secs(5), s.bounded("projection", 2), work)
+                    .await;
+                let notifier = s.running("notifier").await;
+                s.wait_dead_letters(1).await;
                 eventually("the other handler applied it", || async {
                     s.effects("notifier", &id).await == 1
                 })
@@ -837,7 +745,7 @@ macro_rules! events_suite {
                 // The cause is fixed; an ordinary redelivery still runs nothing.
                 broken.store(false, std::sync::atomic::Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(1_200)).await;
-                s.publish_copy(&id, &id, None).await;
+                s.broker.publish_copy(&id, &id, None).await;
                 eventually("the copy is acknowledged", || s.broker.settled("projection")).await;
                 assert_eq!(
                     s.effects("projection", &id).await,
@@ -884,10 +792,13 @@ macro_rules! events_suite {
                 // More copies of the redrive (a second operator, a retry of
                 // the command) and another ordinary redelivery.
                 tokio::time::sleep(Duration::from_millis(1_200)).await;
-                s.publish_copy(&id, "another-redrive", Some("projection")).await;
-                s.publish_copy(&id, "yet-another-redrive", Some("projection"))
+                s.broker
+                    .publish_copy(&id, "another-redrive", Some("projection"))
                     .await;
-                s.publish_copy(&id, &id, None).await;
+                s.broker
+                    .publish_copy(&id, "yet-another-redrive", Some("projection"))
+                    .await;
+                s.broker.publish_copy(&id, &id, None).await;
                 eventually("every copy is acknowledged", || async {
                     s.broker.settled("projection").await && s.broker.settled("notifier").await
                 })
@@ -921,28 +832,49 @@ macro_rules! events_suite {
     };
 }
 
-async fn open_postgres(tag: &str) -> (idem_postgres::PgStore, idem_postgres::PgOutbox, sqlx::PgPool) {
-    let url = postgres_url();
-    let pool = sqlx::postgres::PgPoolOptions::new()
+/// A pool of 20 on the server `var` names (`default` when unset).
+async fn connect<DB: sqlx::Database>(var: &str, default: &str) -> sqlx::Pool<DB> {
+    let url = std::env::var(var).unwrap_or_else(|_| default.into());
+    sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(20)
         .connect(&url)
         .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
-    let store = idem_postgres::PgStore::new(pool.clone()).with_table(TableName::new(format!("inbox_{tag}")).unwrap());
-    let outbox = idem_postgres::PgOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap());
-    (store, outbox, pool)
+        .unwrap_or_else(|e| panic!("cannot reach {url} (set {var}): {e}"))
+}
+
+/// The table `{prefix}_{tag}`.
+fn table(prefix: &str, tag: &str) -> TableName {
+    TableName::new(format!("{prefix}_{tag}")).unwrap()
+}
+
+/// An inbox and an outbox with tables of their own (`inbox_{tag}`,
+/// `outbox_{tag}`) on a pool of the server `$var` names.
+macro_rules! open_server {
+    ($store:ty, $outbox:ty, $var:literal, $default:literal, $tag:expr) => {{
+        let pool = connect($var, $default).await;
+        let store = <$store>::new(pool.clone()).with_table(table("inbox", $tag));
+        (store, <$outbox>::with_table(pool.clone(), table("outbox", $tag)), pool)
+    }};
+}
+
+async fn open_postgres(tag: &str) -> (idem_postgres::PgStore, idem_postgres::PgOutbox, sqlx::PgPool) {
+    open_server!(
+        idem_postgres::PgStore,
+        idem_postgres::PgOutbox,
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+        tag
+    )
 }
 
 async fn open_mysql(tag: &str) -> (idem_mysql::MySqlStore, idem_mysql::MySqlOutbox, sqlx::MySqlPool) {
-    let url = mysql_url();
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(20)
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
-    let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(TableName::new(format!("inbox_{tag}")).unwrap());
-    let outbox = idem_mysql::MySqlOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap());
-    (store, outbox, pool)
+    open_server!(
+        idem_mysql::MySqlStore,
+        idem_mysql::MySqlOutbox,
+        "IDEM_TEST_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+        tag
+    )
 }
 
 async fn open_sqlite(tag: &str) -> (idem_sqlite::SqliteStore, idem_sqlite::SqliteOutbox, sqlx::SqlitePool) {
@@ -950,10 +882,10 @@ async fn open_sqlite(tag: &str) -> (idem_sqlite::SqliteStore, idem_sqlite::Sqlit
     let store = idem_sqlite::SqliteStore::open(&path)
         .await
         .expect("open the SQLite file")
-        .with_table(TableName::new(format!("inbox_{tag}")).unwrap());
+        .with_table(table("inbox", tag));
     let pool = store.pool().clone();
-    let outbox = idem_sqlite::SqliteOutbox::with_table(pool.clone(), TableName::new(format!("outbox_{tag}")).unwrap())
-        .with_lease(Duration::from_secs(1));
+    let outbox =
+        idem_sqlite::SqliteOutbox::with_table(pool.clone(), table("outbox", tag)).with_lease(Duration::from_secs(1));
     (store, outbox, pool)
 }
 
@@ -988,18 +920,12 @@ events_suite!(
 /// reach the handler after the inbox forgot the event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
-    let tag = tag();
-    let broker = Broker::new(&tag, Duration::from_secs(120)).await;
-    let (store, _outbox, _pool) = open_sqlite(&tag).await;
-    store.migrate().await.unwrap();
+    let (_tag, broker, store) = sqlite_broker(Duration::from_secs(120)).await;
     let short = Inbox::new(TxEngine::new(store.clone())).with_policy(idem_core::Policy::default().with_ttl_secs(60));
     let consumer = broker.consumer("short", Duration::from_secs(30)).await;
-    let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
     let mut options = ConsumerOptions::new("short");
     options.dead_letter_subject = format!("{}.short", broker.dead_subject);
-    let err = InboxConsumer::start(broker.js.clone(), consumer, short, options, work)
-        .await
-        .expect_err("refused");
+    let err = broker.refused(consumer, short, options, "refused").await;
     let ConsumerError::Config(message) = err else {
         panic!("{err:?}")
     };
@@ -1007,8 +933,8 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
 
     // A server-side delivery bound below the consumer's is refused too: the
     // server would stop before the dead letter is kept.
-    let stream = broker.js.get_stream(&broker.stream).await.unwrap();
-    let bounded = stream
+    let bounded = broker
+        .events
         .get_or_create_consumer(
             "bounded",
             pull::Config {
@@ -1020,18 +946,11 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
         )
         .await
         .unwrap();
-    let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
     let mut options = ConsumerOptions::new("bounded");
     options.dead_letter_subject = format!("{}.bounded", broker.dead_subject);
-    let err = InboxConsumer::start(
-        broker.js.clone(),
-        bounded,
-        Inbox::new(TxEngine::new(store)),
-        options,
-        work,
-    )
-    .await
-    .expect_err("refused");
+    let err = broker
+        .refused(bounded, Inbox::new(TxEngine::new(store)), options, "refused")
+        .await;
     assert!(err.to_string().contains("max_deliver"), "{err}");
     broker.cleanup().await;
 }
@@ -1044,42 +963,16 @@ async fn start_refuses_an_inbox_ttl_shorter_than_the_redelivery_horizon() {
 /// counted, an empty list as the 1 s it waits).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
-    let tag = tag();
-    let broker = Broker::new(&tag, Duration::from_secs(1)).await;
-    let (store, _outbox, _pool) = open_sqlite(&tag).await;
-    store.migrate().await.unwrap();
+    let (tag, broker, store) = sqlite_broker(Duration::from_secs(1)).await;
     let inbox = |ttl_secs: u64| {
         Inbox::new(TxEngine::new(store.clone())).with_policy(idem_core::Policy::default().with_ttl_secs(ttl_secs))
     };
     let stream_with = |name: &str, max_age: Duration| {
         let js = broker.js.clone();
-        let (name, subjects) = (format!("{name}_{tag}"), format!("{}_{tag}.>", name.to_lowercase()));
-        async move {
-            js.create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![subjects],
-                duplicate_window: Duration::from_secs(1),
-                max_age,
-                max_message_size: largest_event(&js),
-                storage: stream::StorageType::Memory,
-                ..Default::default()
-            })
-            .await
-            .expect("create the stream")
-        }
+        let (name, subjects) = (format!("{name}_{tag}"), format!("{}_{tag}", name.to_lowercase()));
+        async move { events_stream(&js, &name, &subjects, |c| c.max_age = max_age).await }
     };
-    let consumer_on = |stream: stream::Stream| async move {
-        stream
-            .create_consumer(pull::Config {
-                durable_name: Some("c".into()),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(1),
-                max_deliver: -1,
-                ..Default::default()
-            })
-            .await
-            .expect("create the consumer")
-    };
+    let consumer_on = |stream: stream::Stream| async move { durable(&stream, "c", Duration::from_secs(1)).await };
     let options = |max_deliveries: i64, retry_delays: Vec<Duration>| {
         let mut o = ConsumerOptions::new("h");
         o.dead_letter_subject = format!("{}.h", broker.dead_subject);
@@ -1087,33 +980,33 @@ async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
         o.retry_delays = retry_delays;
         o
     };
-    let work = || handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
 
     // Kept for ever: a 3 s TTL (which the delivery bounds alone would
     // cover: 1 × (1 s + 0) + 1 s) and even seven days are refused.
     let forever = stream_with("FOREVER", Duration::ZERO).await;
     for ttl in [3, 7 * 86_400] {
         let c = consumer_on(forever.clone()).await;
-        let err = InboxConsumer::start(broker.js.clone(), c, inbox(ttl), options(1, vec![]), work())
-            .await
-            .expect_err("an unlimited max_age is refused");
+        let err = broker
+            .refused(c, inbox(ttl), options(1, vec![]), "an unlimited max_age is refused")
+            .await;
         assert!(err.to_string().contains("max_age unlimited"), "{err}");
     }
 
     // Kept a minute, ids kept 30 s: refused; kept two minutes: accepted.
     let minute = stream_with("MINUTE", Duration::from_secs(60)).await;
     let c = consumer_on(minute.clone()).await;
-    let err = InboxConsumer::start(broker.js.clone(), c, inbox(30), options(1, vec![]), work())
-        .await
-        .expect_err("a TTL under max_age is refused");
+    let err = broker
+        .refused(c, inbox(30), options(1, vec![]), "a TTL under max_age is refused")
+        .await;
     assert!(err.to_string().contains("keeps event ids for 30 s"), "{err}");
     let c = consumer_on(minute.clone()).await;
+    let work = handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
     InboxConsumer::start(
         broker.js.clone(),
         c,
         inbox(120),
         options(3, vec![Duration::from_secs(1)]),
-        work(),
+        work,
     )
     .await
     .expect("max_age within the TTL, and longer than the delivery schedule");
@@ -1122,24 +1015,24 @@ async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
     // same way, where the server accepts one with an unlimited
     // max_deliver; 2.9 does not), and an empty list counts as the 1 s it
     // waits.
-    minute.delete_consumer("c").await.unwrap();
-    let c = consumer_on(minute.clone()).await;
-    let err = InboxConsumer::start(
-        broker.js.clone(),
-        c,
-        inbox(120),
-        options(2, vec![Duration::from_secs(45)]),
-        work(),
-    )
-    .await
-    .expect_err("retry delays past max_age are refused");
-    assert!(err.to_string().contains("90 s"), "{err}");
-    minute.delete_consumer("c").await.unwrap();
-    let c = consumer_on(minute.clone()).await;
-    let err = InboxConsumer::start(broker.js.clone(), c, inbox(120), options(61, vec![]), work())
-        .await
-        .expect_err("61 deliveries of at least 1 s each outlast a 60 s max_age");
-    assert!(err.to_string().contains("61 s"), "{err}");
+    let cases = [
+        (
+            options(2, vec![Duration::from_secs(45)]),
+            "retry delays past max_age are refused",
+            "90 s",
+        ),
+        (
+            options(61, vec![]),
+            "61 deliveries of at least 1 s each outlast a 60 s max_age",
+            "61 s",
+        ),
+    ];
+    for (options, why, named) in cases {
+        minute.delete_consumer("c").await.unwrap();
+        let c = consumer_on(minute.clone()).await;
+        let err = broker.refused(c, inbox(120), options, why).await;
+        assert!(err.to_string().contains(named), "{err}");
+    }
 
     for name in ["FOREVER", "MINUTE"] {
         let _ = broker.js.delete_stream(format!("{name}_{tag}")).await;
@@ -1152,23 +1045,13 @@ async fn start_bounds_the_redelivery_horizon_by_the_streams_max_age() {
 /// own stream would be delivered to it or aged out: refused at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
-    let tag = tag();
-    let broker = Broker::new(&tag, Duration::from_secs(120)).await;
-    let (store, _outbox, _pool) = open_sqlite(&tag).await;
-    store.migrate().await.unwrap();
-    let work = || handler::<idem_sqlite::SqliteStore, _>(|_tx, _e| Box::pin(async { Ok(()) }));
+    let (tag, broker, store) = sqlite_broker(Duration::from_secs(120)).await;
     let mut options = ConsumerOptions::new("h");
     options.dead_letter_subject = format!("nowhere_{tag}.dead");
     let consumer = broker.consumer("h", Duration::from_secs(5)).await;
-    let err = InboxConsumer::start(
-        broker.js.clone(),
-        consumer,
-        Inbox::new(TxEngine::new(store.clone())),
-        options,
-        work(),
-    )
-    .await
-    .expect_err("refused");
+    let err = broker
+        .refused(consumer, Inbox::new(TxEngine::new(store.clone())), options, "refused")
+        .await;
     let ConsumerError::Config(message) = err else {
         panic!("{err:?}")
     };
@@ -1177,21 +1060,15 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     let mut options = ConsumerOptions::new("h");
     options.dead_letter_subject = broker.subject("dead");
     let consumer = broker.consumer("h", Duration::from_secs(5)).await;
-    let err = InboxConsumer::start(
-        broker.js.clone(),
-        consumer,
-        Inbox::new(TxEngine::new(store)),
-        options,
-        work(),
-    )
-    .await
-    .expect_err("refused");
+    let err = broker
+        .refused(consumer, Inbox::new(TxEngine::new(store)), options, "refused")
+        .await;
     assert!(err.to_string().contains("own stream"), "{err}");
     // In the own stream but outside the consumer's filter: not delivered
     // to the handler, but deleted by the max_age that bounds redeliveries,
     // while a dead letter must be kept until it is handled: refused.
-    let stream = broker.js.get_stream(&broker.stream).await.unwrap();
-    let filtered = stream
+    let filtered = broker
+        .events
         .create_consumer(pull::Config {
             durable_name: Some("filtered".into()),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
@@ -1204,9 +1081,9 @@ async fn start_refuses_a_dead_letter_subject_no_stream_captures() {
     let mut options = ConsumerOptions::new("filtered");
     options.dead_letter_subject = broker.subject("dead");
     let inbox = Inbox::new(TxEngine::new(open_sqlite(&tag).await.0));
-    let err = InboxConsumer::start(broker.js.clone(), filtered, inbox, options, work())
-        .await
-        .expect_err("dead letters in a stream with max_age");
+    let err = broker
+        .refused(filtered, inbox, options, "dead letters in a stream with max_age")
+        .await;
     assert!(
         err.to_string().contains("max_age") && err.to_string().contains("stream of their own"),
         "{err}"
@@ -1224,16 +1101,7 @@ async fn a_copy_that_finds_its_event_in_flight_never_makes_a_dead_letter() {
     let (store, _outbox, _pool) = open_postgres(&tag).await;
     store.migrate().await.unwrap();
     let id = format!("evt-{tag}");
-    let publish = async_nats::jetstream::message::PublishMessage::build()
-        .message_id(id.as_str())
-        .payload(bytes::Bytes::from_static(br#"{"v":1}"#));
-    broker
-        .js
-        .send_publish(broker.subject("created"), publish)
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    broker.publish_copy(&id, &id, None).await;
     // The server delivers a copy after 1 s without news (no progress acks);
     // the handler takes 3 s, and a twin is answered "in flight" at once.
     let consumer = broker.consumer("slow", Duration::from_secs(1)).await;
@@ -1257,10 +1125,11 @@ async fn a_copy_that_finds_its_event_in_flight_never_makes_a_dead_letter() {
             Ok(())
         })
     });
-    let consumer = InboxConsumer::start(broker.js.clone(), consumer, inbox, options, work)
-        .await
-        .expect("start");
-    let running = Running::start(consumer);
+    let running = Running::start(
+        InboxConsumer::start(broker.js.clone(), consumer, inbox, options, work)
+            .await
+            .expect("start"),
+    );
     tokio::time::sleep(Duration::from_millis(3_500)).await;
     eventually("acknowledged", || broker.settled("slow")).await;
     running.stop().await;
@@ -1274,6 +1143,25 @@ async fn a_copy_that_finds_its_event_in_flight_never_makes_a_dead_letter() {
         "no dead letter for an applied event"
     );
     broker.cleanup().await;
+}
+
+/// Takes every unsent row of `outbox` (`rows` of them) in one batch and
+/// marks them all sent.
+async fn send_all_in_one_batch(outbox: &impl OutboxStore, rows: usize) {
+    let batch = outbox.take(rows + 1_000).await.unwrap();
+    assert_eq!(batch.messages().len(), rows);
+    let sent: Vec<i64> = batch.messages().iter().map(|m| m.seq).collect();
+    batch
+        .finish(
+            sent,
+            idem_core::RetryBackoff {
+                min_ms: 100,
+                max_ms: 1_000,
+            },
+        )
+        .await
+        .expect("every row marked sent");
+    assert_eq!(outbox.lag().await.unwrap().unsent, 0);
 }
 
 /// A relay batch larger than the engine takes bound values in one statement
@@ -1292,20 +1180,7 @@ async fn a_relay_batch_over_the_engines_bound_values_is_marked_sent() {
     .execute(&pool)
     .await
     .expect("fill the MariaDB outbox (sequence engine)");
-    let batch = outbox.take(70_000).await.unwrap();
-    assert_eq!(batch.messages().len(), ROWS);
-    let sent: Vec<i64> = batch.messages().iter().map(|m| m.seq).collect();
-    batch
-        .finish(
-            sent,
-            idem_core::RetryBackoff {
-                min_ms: 100,
-                max_ms: 1_000,
-            },
-        )
-        .await
-        .expect("every row marked sent");
-    assert_eq!(outbox.lag().await.unwrap().unsent, 0);
+    send_all_in_one_batch(&outbox, ROWS).await;
     let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE outbox_{tag}")))
         .execute(&pool)
         .await;
@@ -1319,20 +1194,7 @@ async fn a_relay_batch_over_the_engines_bound_values_is_marked_sent() {
     .execute(&pool)
     .await
     .expect("fill the SQLite outbox");
-    let batch = outbox.take(50_000).await.unwrap();
-    assert_eq!(batch.messages().len(), 40_000);
-    let sent: Vec<i64> = batch.messages().iter().map(|m| m.seq).collect();
-    batch
-        .finish(
-            sent,
-            idem_core::RetryBackoff {
-                min_ms: 100,
-                max_ms: 1_000,
-            },
-        )
-        .await
-        .expect("every row marked sent");
-    assert_eq!(outbox.lag().await.unwrap().unsent, 0);
+    send_all_in_one_batch(&outbox, 40_000).await;
 }
 
 #[test]

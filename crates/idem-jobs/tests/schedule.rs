@@ -69,6 +69,10 @@ impl Outcome {
     }
 }
 
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
 /// Gives a closure the job work's higher-ranked signature.
 fn work<Tx, F>(f: F) -> F
 where
@@ -168,7 +172,8 @@ macro_rules! schedule_suite {
                     .unwrap()
             }
 
-            /// The first run takes 2.5 periods; the others are quick.
+            /// The first run takes `first_sleep` (longer than a period); the
+            /// others are quick.
             fn slow_first(first_sleep: Duration) -> Behaviour {
                 let first = Mutex::new(None);
                 Arc::new(move |slot, _| {
@@ -178,16 +183,20 @@ macro_rules! schedule_suite {
                 })
             }
 
+            /// The first slot's first `attempts` attempts fail; every other
+            /// attempt succeeds at once.
+            fn failing_first(attempts: u32) -> Behaviour {
+                let first = Mutex::new(None);
+                Arc::new(move |slot, attempt| {
+                    let fail = *first.lock().unwrap().get_or_insert(slot) == slot && attempt <= attempts;
+                    (Duration::ZERO, fail)
+                })
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_run_slower_than_its_period_skips_the_slots_it_overlapped_and_counts_them() {
                 let job = job("slow-skip", MissedSlots::Skip);
-                let out = schedule(
-                    job,
-                    Duration::from_millis(100),
-                    slow_first(Duration::from_millis(2_500)),
-                    Duration::from_millis(5_500),
-                )
-                .await;
+                let out = schedule(job, ms(100), slow_first(ms(2_500)), ms(5_500)).await;
                 assert_eq!(out.applied[0], out.first, "the first slot runs");
                 assert!(out.applied.windows(2).all(|w| w[0] < w[1]), "in order: {out:?}");
                 let span = out.span();
@@ -206,13 +215,7 @@ macro_rules! schedule_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn catch_up_runs_the_slots_a_slow_run_overlapped_in_order() {
                 let job = job("slow-catch-up", MissedSlots::CatchUp { max: 10 });
-                let out = schedule(
-                    job,
-                    Duration::from_millis(100),
-                    slow_first(Duration::from_millis(2_500)),
-                    Duration::from_millis(5_500),
-                )
-                .await;
+                let out = schedule(job, ms(100), slow_first(ms(2_500)), ms(5_500)).await;
                 assert_eq!(out.applied, out.span(), "every slot ran, in order: {out:?}");
                 assert!(out.applied.len() >= 4, "{out:?}");
                 assert_eq!(out.skipped, 0);
@@ -221,13 +224,7 @@ macro_rules! schedule_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn catch_up_runs_at_most_its_maximum_and_counts_the_rest() {
                 let job = job("slow-bounded", MissedSlots::CatchUp { max: 1 });
-                let out = schedule(
-                    job,
-                    Duration::from_millis(100),
-                    slow_first(Duration::from_millis(3_500)),
-                    Duration::from_millis(6_000),
-                )
-                .await;
+                let out = schedule(job, ms(100), slow_first(ms(3_500)), ms(6_000)).await;
                 assert!(out.applied.windows(2).all(|w| w[0] < w[1]), "in order: {out:?}");
                 let span = out.span();
                 let missing: Vec<_> = span.iter().filter(|s| !out.applied.contains(s)).collect();
@@ -246,18 +243,7 @@ macro_rules! schedule_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slot_failing_until_it_ends_is_counted_as_skipped() {
                 let job = job("failing-skip", MissedSlots::Skip);
-                let first = Mutex::new(None);
-                let behaviour: Behaviour = Arc::new(move |slot, _| {
-                    let fail = *first.lock().unwrap().get_or_insert(slot) == slot;
-                    (Duration::ZERO, fail)
-                });
-                let out = schedule(
-                    job,
-                    Duration::from_millis(150),
-                    behaviour,
-                    Duration::from_millis(3_500),
-                )
-                .await;
+                let out = schedule(job, ms(150), failing_first(u32::MAX), ms(3_500)).await;
                 assert!(
                     !out.applied.contains(&out.first),
                     "the failing slot never applied"
@@ -270,19 +256,8 @@ macro_rules! schedule_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn catch_up_retries_a_failing_slot_past_its_end_then_runs_the_rest_in_order() {
                 let job = job("failing-catch-up", MissedSlots::CatchUp { max: 10 });
-                let first = Mutex::new(None);
                 // The first slot's attempts fail for 1.6 periods (16 attempts 100 ms apart).
-                let behaviour: Behaviour = Arc::new(move |slot, attempt| {
-                    let fail = *first.lock().unwrap().get_or_insert(slot) == slot && attempt <= 16;
-                    (Duration::ZERO, fail)
-                });
-                let out = schedule(
-                    job,
-                    Duration::from_millis(100),
-                    behaviour,
-                    Duration::from_millis(4_500),
-                )
-                .await;
+                let out = schedule(job, ms(100), failing_first(16), ms(4_500)).await;
                 assert_eq!(out.applied[0], out.first, "{out:?}");
                 assert_eq!(out.applied, out.span(), "every slot ran, in order: {out:?}");
                 assert!(out.applied.len() >= 3, "{out:?}");

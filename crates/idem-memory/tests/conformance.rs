@@ -1,10 +1,13 @@
 //! The conformance suites against the in-memory stores.
 
+#[macro_use]
+#[path = "support/effects.rs"]
+mod effects;
+
 use idem_conformance::{DeadLetterSubject, Subject, deadletter_conformance, lease_conformance, tx_conformance};
-use idem_core::{BoxError, BoxFuture, ManualClock};
-use idem_memory::{MemoryDeadLetters, MemoryStore, MemoryTx};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use idem_core::{BoxFuture, ManualClock};
+use idem_memory::{MemoryDeadLetters, MemoryStore};
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Clone, Default)]
@@ -26,16 +29,7 @@ impl Subject for Memory {
     fn sweeper(&self) -> MemoryStore {
         self.store.clone()
     }
-    fn write_effect<'c>(tx: &'c mut MemoryTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
-        Box::pin(async move {
-            let effects = EFFECTS.clone();
-            tx.on_commit(move || *effects.lock().unwrap().entry(effect_id).or_default() += 1);
-            Ok(())
-        })
-    }
-    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
-        Box::pin(async move { Ok(EFFECTS.lock().unwrap().get(&effect_id).copied().unwrap_or(0)) })
-    }
+    memory_effects!();
     fn another(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move { self.clone() })
     }
@@ -43,9 +37,6 @@ impl Subject for Memory {
         Box::pin(async move { Memory::default() })
     }
 }
-
-/// Effects are keyed by unique ids, so one process-wide table serves every test.
-static EFFECTS: std::sync::LazyLock<Arc<Mutex<HashMap<String, u64>>>> = std::sync::LazyLock::new(Default::default);
 
 tx_conformance!(memory_tx, async { Memory::default() });
 lease_conformance!(memory_lease, async { Memory::default() });

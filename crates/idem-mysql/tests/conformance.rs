@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{EFFECTS_TABLE, Isolation, connect_at, isolated_store, shared_store_on};
+use common::{Isolation, connect_at, isolated_store, shared_store_on, try_effects, try_write_effect};
 use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture};
 use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
@@ -21,14 +21,11 @@ struct MySqlSubject {
 }
 
 impl MySqlSubject {
-    /// A subject whose connections default to `isolation`, on a keys table
-    /// of its own, so that the modules of each level never share keys.
-    async fn shared(isolation: Isolation, table: &str) -> Self {
-        Self::shared_with(ClaimStrategy::Placeholder, isolation, table).await
-    }
-
-    /// The same with the claim strategy `strategy`.
-    async fn shared_with(strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
+    /// A subject claiming with `strategy`, whose connections default to
+    /// `isolation`, on the keys table `table`: each module has a table of
+    /// its own unless it runs on the same settings as another, so that the
+    /// modules of each level never share keys.
+    async fn shared(strategy: ClaimStrategy, isolation: Isolation, table: &str) -> Self {
         Self {
             store: shared_store_on(connect_at(isolation).await, table)
                 .await
@@ -43,25 +40,16 @@ impl Subject for MySqlSubject {
 
     fn write_effect<'c>(tx: &'c mut MySqlTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
         Box::pin(async move {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
-            )))
-            .bind(effect_id)
-            .execute(&mut **tx)
-            .await
-            .map_err(idem_mysql::store_error)?;
+            try_write_effect(tx, &effect_id)
+                .await
+                .map_err(idem_mysql::store_error)?;
             Ok(())
         })
     }
 
     fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
         Box::pin(async move {
-            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
-            )))
-            .bind(effect_id)
-            .fetch_one(self.store.pool())
-            .await?;
+            let n = try_effects(self.store.pool(), &effect_id).await?;
             Ok(u64::try_from(n)?)
         })
     }
@@ -89,55 +77,22 @@ impl Subject for MySqlSubject {
     }
 }
 
-tx_conformance!(
-    mysql_tx,
-    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
-);
-tx_conformance!(
-    mysql_tx_read_committed,
-    MySqlSubject::shared(Isolation::ReadCommitted, "idem_conformance_keys_rc")
-);
-tx_conformance!(
-    mysql_tx_serializable,
-    MySqlSubject::shared(Isolation::Serializable, "idem_conformance_keys_ser")
-);
-tx_conformance!(
-    mysql_tx_named_lock,
-    MySqlSubject::shared_with(
-        ClaimStrategy::NamedLock,
-        Isolation::RepeatableRead,
-        "idem_conformance_keys_nl"
-    )
-);
-tx_conformance!(
-    mysql_tx_named_lock_read_committed,
-    MySqlSubject::shared_with(
-        ClaimStrategy::NamedLock,
-        Isolation::ReadCommitted,
-        "idem_conformance_keys_nl_rc"
-    )
-);
-tx_conformance!(
-    mysql_tx_named_lock_serializable,
-    MySqlSubject::shared_with(
-        ClaimStrategy::NamedLock,
-        Isolation::Serializable,
-        "idem_conformance_keys_nl_ser"
-    )
-);
-lease_conformance!(
-    mysql_lease_named_lock,
-    MySqlSubject::shared_with(
-        ClaimStrategy::NamedLock,
-        Isolation::RepeatableRead,
-        "idem_conformance_keys_nl"
-    )
-);
-lease_conformance!(
-    mysql_lease,
-    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
-);
-admin_conformance!(
-    mysql_admin,
-    MySqlSubject::shared(Isolation::RepeatableRead, "idem_conformance_keys")
-);
+/// Expands each suite into its module, on a subject with the claim
+/// strategy, the isolation level and the keys table listed.
+macro_rules! suites {
+    ($($suite:ident $module:ident: $strategy:ident, $isolation:ident, $table:literal;)*) => {
+        $($suite!($module, MySqlSubject::shared(ClaimStrategy::$strategy, Isolation::$isolation, $table));)*
+    };
+}
+
+suites! {
+    tx_conformance mysql_tx: Placeholder, RepeatableRead, "idem_conformance_keys";
+    tx_conformance mysql_tx_read_committed: Placeholder, ReadCommitted, "idem_conformance_keys_rc";
+    tx_conformance mysql_tx_serializable: Placeholder, Serializable, "idem_conformance_keys_ser";
+    tx_conformance mysql_tx_named_lock: NamedLock, RepeatableRead, "idem_conformance_keys_nl";
+    tx_conformance mysql_tx_named_lock_read_committed: NamedLock, ReadCommitted, "idem_conformance_keys_nl_rc";
+    tx_conformance mysql_tx_named_lock_serializable: NamedLock, Serializable, "idem_conformance_keys_nl_ser";
+    lease_conformance mysql_lease_named_lock: NamedLock, RepeatableRead, "idem_conformance_keys_nl";
+    lease_conformance mysql_lease: Placeholder, RepeatableRead, "idem_conformance_keys";
+    admin_conformance mysql_admin: Placeholder, RepeatableRead, "idem_conformance_keys";
+}

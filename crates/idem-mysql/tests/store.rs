@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Isolation, connect, connect_at, isolated_store, shared_store};
+use common::{Isolation, connect, connect_at, isolated_store, now_ms, shared_store};
 use idem_conformance::{Receipt, Runs, call_for, unique_scope, waiting};
 use idem_core::{
     Begin, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, StoreErrorKind,
@@ -14,21 +14,11 @@ use idem_core::{
 };
 use idem_mysql::{MySqlStore, MySqlTx};
 
-fn now_ms() -> i64 {
-    idem_core::Clock::now_ms(&idem_core::SystemClock)
-}
-
 /// A claim request for `call` at the current time, transactional or with a lease.
 fn request<'a>(call: &'a idem_core::Call, lease_expires_at_ms: Option<i64>) -> ClaimRequest<'a> {
-    let now = now_ms();
     ClaimRequest {
-        scope: call.scope(),
-        key: call.key(),
-        fingerprint: call.fingerprint(),
-        now_ms: now,
-        expires_at_ms: now + 60_000,
-        fresh_token: Token::fresh(now),
         lease_expires_at_ms,
+        ..common::request_at(call, now_ms())
     }
 }
 

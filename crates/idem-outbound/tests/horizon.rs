@@ -37,6 +37,39 @@ fn hour_horizon() -> KeyHorizon {
     KeyHorizon::new(HOUR, Duration::from_secs(60))
 }
 
+/// A vendor without idempotency keys that pays every call and then drops
+/// its answer, and a lookup of its records.
+async fn keyless_vendor_dropping_answers() -> (String, Arc<Lookup>) {
+    let (base, _) = vendor_with(fake_vendor::Options {
+        idempotency: false,
+        ..Default::default()
+    })
+    .await;
+    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
+    let lookup = Lookup::new(&base);
+    (base, lookup)
+}
+
+/// A client that asks `lookup` before a re-send it cannot make blindly,
+/// with `config(&[10, 10])` changed by `edit`.
+fn reconciling(lookup: &Arc<Lookup>, edit: impl FnOnce(&mut OutboundConfig)) -> OutboundClient {
+    let mut c = config(&[10, 10]);
+    edit(&mut c);
+    OutboundClient::new(c).unwrap().with_reconcile(lookup.clone())
+}
+
+/// Records the dead letter of a payout `reference` that timed out at the
+/// vendor's door, then lets two hours pass.
+async fn timed_out_letter(letters: &MemoryDeadLetters, clock: &ManualClock, base: &str, reference: &str) -> i64 {
+    let request = payout(base, &format!(r#"{{"amount":9,"reference":"{reference}"}}"#));
+    let scope = Scope::parse("t", "payout").unwrap();
+    let letter =
+        idem_core::NewDeadLetter::new(scope, key(reference), request, 4, "timeout").reached_at(Some(clock.now_ms()));
+    let id = letters.record(&letter).await.unwrap();
+    clock.advance(2 * HOUR);
+    id
+}
+
 /// A re-send within the horizon is sent blindly and the vendor replays; past it, without a reconcile hook, nothing is sent and the outcome is unknown; with one, the vendor's record is taken and nothing is paid twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_horizon_the_vendor_is_asked_before_any_send() {
@@ -125,13 +158,8 @@ async fn a_call_the_vendor_never_applied_is_sent_after_asking() {
     let (base, _) = vendor_with(short_horizon()).await;
     let clock = ManualClock::starting_now();
     let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
-    let request = payout(&base, r#"{"amount":9,"reference":"po-2"}"#);
-    let scope = Scope::parse("t", "payout").unwrap();
     // A send that timed out at the vendor's door, two hours ago.
-    let letter =
-        idem_core::NewDeadLetter::new(scope, key("po-2"), request, 4, "timeout").reached_at(Some(clock.now_ms()));
-    let id = letters.record(&letter).await.unwrap();
-    clock.advance(2 * HOUR);
+    let id = timed_out_letter(&letters, &clock, &base, "po-2").await;
     let lookup = Lookup::new(&base);
     let redriver = Redriver::new(
         client_at(&clock, hour_horizon()).with_reconcile(lookup.clone()),
@@ -148,12 +176,7 @@ async fn a_call_the_vendor_never_applied_is_sent_after_asking() {
     assert_eq!(stored.state, idem_core::DeadLetterState::Resolved);
     // Without a hook, the same redrive holds the letter as unknown, sends nothing.
     let (base2, _) = vendor_with(short_horizon()).await;
-    let request = payout(&base2, r#"{"amount":9,"reference":"po-3"}"#);
-    let scope = Scope::parse("t", "payout").unwrap();
-    let letter =
-        idem_core::NewDeadLetter::new(scope, key("po-3"), request, 4, "timeout").reached_at(Some(clock.now_ms()));
-    let id = letters.record(&letter).await.unwrap();
-    clock.advance(2 * HOUR);
+    let id = timed_out_letter(&letters, &clock, &base2, "po-3").await;
     let blind = Redriver::new(client_at(&clock, hour_horizon()), letters.clone());
     let result = blind.redrive_one(id).await.unwrap();
     assert!(matches!(result, RedriveResult::Unknown { .. }), "{result:?}");
@@ -174,19 +197,8 @@ async fn a_call_the_vendor_never_applied_is_sent_after_asking() {
 /// A vendor without idempotency is asked before every re-send, even within one call: an answer dropped after paying is found by the lookup, and paid once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vendor_without_keys_is_asked_before_every_resend() {
-    let (base, _) = vendor_with(fake_vendor::Options {
-        idempotency: false,
-        ..Default::default()
-    })
-    .await;
-    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
-    let lookup = Lookup::new(&base);
-    let client = OutboundClient::new(OutboundConfig {
-        key_horizon: KeyHorizon::NONE,
-        ..config(&[10, 10])
-    })
-    .unwrap()
-    .with_reconcile(lookup.clone());
+    let (base, lookup) = keyless_vendor_dropping_answers().await;
+    let client = reconciling(&lookup, |c| c.key_horizon = KeyHorizon::NONE);
     let answer = client
         .send(&key("k"), &payout(&base, r#"{"amount":3,"reference":"po-4"}"#))
         .await
@@ -207,19 +219,10 @@ async fn a_vendor_without_keys_is_asked_before_every_resend() {
 /// again blindly under the default horizon.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_horizon_written_with_a_slash_applies() {
-    let (base, _) = vendor_with(fake_vendor::Options {
-        idempotency: false,
-        ..Default::default()
-    })
-    .await;
-    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
-    let lookup = Lookup::new(&base);
-    let client = OutboundClient::new(OutboundConfig {
-        host_key_horizons: vec![(format!("{base}/"), KeyHorizon::NONE)],
-        ..config(&[10, 10])
-    })
-    .unwrap()
-    .with_reconcile(lookup.clone());
+    let (base, lookup) = keyless_vendor_dropping_answers().await;
+    let client = reconciling(&lookup, |c| {
+        c.host_key_horizons = vec![(format!("{base}/"), KeyHorizon::NONE)];
+    });
     let answer = client
         .send(&key("k"), &payout(&base, r#"{"amount":3,"reference":"po-slash"}"#))
         .await
@@ -511,16 +514,11 @@ async fn not_applied_is_trusted_only_once_the_last_send_settled() {
 /// A dead letter keeps the key horizon its sends were made under: a call to a vendor without keys, paid but its answer lost, is dead-lettered by a keyless client; a redriver configured with a 24 h horizon (an operator's defaults) does not send it blindly (held as unknown, nothing sent, paid once). A letter that does not say its terms is refused by a redriver told not to guess, neither taken nor sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_keeps_to_the_horizon_the_letter_was_sent_under() {
-    let (base, _) = vendor_with(fake_vendor::Options {
-        idempotency: false,
-        ..Default::default()
-    })
-    .await;
+    let (base, _) = keyless_vendor_dropping_answers().await;
     let clock = ManualClock::starting_now();
     let letters = MemoryDeadLetters::new().with_clock(Arc::new(clock.clone()));
     let scope = Scope::parse("t", "payout").unwrap();
     let request = payout(&base, r#"{"amount":7,"reference":"po-keyless"}"#);
-    set_faults(&base, serde_json::json!({ "apply_then_drop": 1.0 })).await;
     // No retries: the call gives up after its one send (a dead letter,
     // not an unknown outcome).
     let keyless = OutboundClient::new(OutboundConfig {

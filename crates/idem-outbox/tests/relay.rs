@@ -134,6 +134,36 @@ impl Publisher for Broker {
     }
 }
 
+/// A relay running in the background until stopped.
+struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    fn start(relay: Relay<Outbox, Broker>) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Self { stop, task }
+    }
+
+    fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops the relay; answers how its task ended.
+    async fn stop(self) -> Result<(), tokio::task::JoinError> {
+        let _ = self.stop.send(());
+        self.task.await
+    }
+}
+
 fn options() -> RelayOptions {
     RelayOptions {
         batch_size: 100,
@@ -153,14 +183,7 @@ async fn refused_rows_never_hold_up_the_rows_behind_them() {
     let last = outbox.enqueue("routable.x");
     let relay = Relay::new(outbox.clone(), Broker::default(), options());
     let started = Instant::now();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        relay
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let running = Running::start(relay);
     while !outbox.sent(last) {
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert!(
@@ -176,8 +199,7 @@ async fn refused_rows_never_hold_up_the_rows_behind_them() {
         "a backlog of refused rows paused the relay for {:?}",
         started.elapsed()
     );
-    let _ = stop.send(());
-    running.await.unwrap();
+    running.stop().await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]
@@ -192,17 +214,9 @@ async fn an_unavailable_broker_pauses_the_relay() {
     };
     let batches = broker.batches.clone();
     let relay = Relay::new(outbox.clone(), broker, options());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        relay
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let running = Running::start(relay);
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let _ = stop.send(());
-    running.await.unwrap();
+    running.stop().await.unwrap();
     // Exponential pauses from 100 ms: about seven batches in ten seconds,
     // not one per due row.
     let batches = *batches.lock().unwrap();
@@ -250,14 +264,7 @@ async fn a_housekeeping_interval_beyond_any_instant_still_relays() {
         ..options()
     };
     let relay = Relay::new(outbox.clone(), Broker::default(), options);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        relay
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let running = Running::start(relay);
     let started = Instant::now();
     while !outbox.sent(last) && !running.is_finished() {
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -266,7 +273,9 @@ async fn a_housekeeping_interval_beyond_any_instant_still_relays() {
             "the row was never published"
         );
     }
-    let _ = stop.send(());
-    running.await.expect("the relay runs with any housekeeping interval");
+    running
+        .stop()
+        .await
+        .expect("the relay runs with any housekeeping interval");
     assert!(outbox.sent(last));
 }

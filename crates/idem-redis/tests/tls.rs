@@ -5,6 +5,9 @@
 //! roots, is refused naming the server and the reason; plain `redis://` to
 //! the TLS port is refused.
 
+#[path = "support/servers.rs"]
+mod servers;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -27,17 +30,9 @@ impl Drop for TlsRedis {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl TlsRedis {
     fn start(pki: &TestPki, cluster: bool) -> Self {
-        let port = free_port();
+        let port = servers::free_port();
         let dir = std::env::temp_dir().join(format!("idem-redis-tls-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut command = Command::new("redis-server");

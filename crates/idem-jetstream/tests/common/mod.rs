@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, stream};
+use async_nats::jetstream::stream::{Config, Stream};
+use async_nats::jetstream::{self, Context, consumer::pull, stream};
 use idem_core::{BoxFuture, TableName, TxBackend};
 use idem_jetstream::{Event, HandlerError, InboxConsumer};
 
@@ -45,49 +46,43 @@ pub fn largest_event(js: &jetstream::Context) -> i32 {
 /// An events stream the consumer accepts: kept an hour (within the inbox
 /// TTL), messages at most [`largest_event`]. `edit` changes what a test is
 /// about.
-pub async fn events_stream(
-    js: &jetstream::Context,
-    name: &str,
-    subjects: &str,
-    edit: impl FnOnce(&mut stream::Config),
-) -> stream::Stream {
-    let mut config = stream::Config {
-        name: name.to_owned(),
-        subjects: vec![format!("{subjects}.>")],
+pub async fn events_stream(js: &Context, name: &str, subjects: &str, edit: impl FnOnce(&mut Config)) -> Stream {
+    let config = Config {
         max_age: Duration::from_secs(3_600),
         max_message_size: largest_event(js),
         duplicate_window: Duration::from_secs(1),
-        storage: stream::StorageType::Memory,
-        ..Default::default()
+        ..memory_stream(name, subjects)
     };
-    edit(&mut config);
-    js.create_stream(config)
-        .await
-        .unwrap_or_else(|e| panic!("create the stream {name}: {e}"))
+    create_stream(js, config, edit).await
 }
 
 /// A dead-letter stream the consumer accepts (no max_age, no limit), with
 /// `edit` applied.
-pub async fn dead_stream(
-    js: &jetstream::Context,
-    name: &str,
-    subjects: &str,
-    edit: impl FnOnce(&mut stream::Config),
-) -> stream::Stream {
-    let mut config = stream::Config {
+pub async fn dead_stream(js: &Context, name: &str, subjects: &str, edit: impl FnOnce(&mut Config)) -> Stream {
+    create_stream(js, memory_stream(name, subjects), edit).await
+}
+
+/// A stream in memory named `name` that captures `subjects.>`.
+fn memory_stream(name: &str, subjects: &str) -> Config {
+    Config {
         name: name.to_owned(),
         subjects: vec![format!("{subjects}.>")],
         storage: stream::StorageType::Memory,
         ..Default::default()
-    };
+    }
+}
+
+/// Creates the stream `config` describes, with `edit` applied.
+async fn create_stream(js: &Context, mut config: Config, edit: impl FnOnce(&mut Config)) -> Stream {
     edit(&mut config);
+    let name = config.name.clone();
     js.create_stream(config)
         .await
         .unwrap_or_else(|e| panic!("create the stream {name}: {e}"))
 }
 
 /// A durable pull consumer as the inbox consumer wants it.
-pub async fn durable(stream: &stream::Stream, name: &str, ack_wait: Duration) -> jetstream::consumer::PullConsumer {
+pub async fn durable(stream: &Stream, name: &str, ack_wait: Duration) -> jetstream::consumer::PullConsumer {
     stream
         .get_or_create_consumer(
             name,
@@ -141,7 +136,7 @@ pub async fn stored(js: &jetstream::Context, stream: &str) -> Vec<async_nats::je
 }
 
 /// Whether a durable consumer has nothing pending or unacknowledged.
-pub async fn settled(stream: &stream::Stream, name: &str) -> bool {
+pub async fn settled(stream: &Stream, name: &str) -> bool {
     let mut c: jetstream::consumer::PullConsumer = stream.get_consumer(name).await.expect("the consumer");
     let info = c.info().await.expect("consumer info");
     info.num_pending == 0 && info.num_ack_pending == 0
@@ -193,7 +188,7 @@ where
     f
 }
 
-/// A consumer running in the background.
+/// A consumer (or relay) running in the background until stopped.
 pub struct Running {
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
@@ -201,19 +196,25 @@ pub struct Running {
 
 impl Running {
     pub fn start<B: TxBackend + Clone>(consumer: InboxConsumer<B>) -> Self {
+        Self::spawn(move |stop| async move { consumer.run(stop).await })
+    }
+
+    /// Runs `task` in the background; it is handed the future that
+    /// completes when [`Running::stop`] is called.
+    pub fn spawn<F, Fut>(task: F) -> Self
+    where
+        F: FnOnce(BoxFuture<'static, ()>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            consumer
-                .run(async move {
-                    let _ = rx.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(task(Box::pin(async move {
+            let _ = rx.await;
+        })));
         Self { stop, task }
     }
 
     pub async fn stop(self) {
         let _ = self.stop.send(());
-        self.task.await.expect("consumer task");
+        self.task.await.expect("background task");
     }
 }

@@ -151,22 +151,32 @@ pub fn request_at(call: &idem_core::Call, now: i64) -> idem_core::ClaimRequest<'
 
 /// Writes the business row `id` inside `tx`.
 pub async fn write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) {
+    try_write_effect(tx, id).await.unwrap();
+}
+
+/// Writes the business row `id` inside `tx`, or says why not.
+pub async fn try_write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) -> Result<(), sqlx::Error> {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
     )))
     .bind(id)
     .execute(&mut **tx)
     .await
-    .unwrap();
+    .map(drop)
 }
 
 /// How many committed business rows are named `id`.
 pub async fn effects(pool: &MySqlPool, id: &str) -> i64 {
+    try_effects(pool, id).await.unwrap()
+}
+
+/// How many committed business rows are named `id`, or why they could
+/// not be counted.
+pub async fn try_effects(pool: &MySqlPool, id: &str) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT COUNT(*) FROM {EFFECTS_TABLE} WHERE effect_id = ?"
     )))
     .bind(id)
     .fetch_one(pool)
     .await
-    .unwrap()
 }

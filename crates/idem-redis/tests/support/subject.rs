@@ -3,17 +3,16 @@
 //! own, the transactional side (the suites' business writes) is the
 //! in-memory store.
 
-use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
-
 use idem_conformance::Subject;
-use idem_core::{BoxError, BoxFuture};
-use idem_memory::{MemoryStore, MemoryTx};
+use idem_core::BoxFuture;
+use idem_memory::MemoryStore;
 use idem_redis::RedisStore;
 use redis::aio::ConnectionLike;
 
-/// The business writes, counted when their transaction commits.
-static EFFECTS: LazyLock<Arc<Mutex<HashMap<String, u64>>>> = LazyLock::new(Default::default);
+/// The business writes, shared with the in-memory store's conformance tests.
+#[macro_use]
+#[path = "../../../idem-memory/tests/support/effects.rs"]
+mod effects;
 
 /// A Redis deployment the tests reach through connections of type `Self`.
 pub(crate) trait Reach: ConnectionLike + Clone + Send + Sync + 'static {
@@ -56,16 +55,7 @@ impl<C: Reach> Subject for RedisSubject<C> {
     fn sweeper(&self) -> Self::Sweeper {
         self.store.clone()
     }
-    fn write_effect<'c>(tx: &'c mut MemoryTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
-        Box::pin(async move {
-            let effects = EFFECTS.clone();
-            tx.on_commit(move || *effects.lock().unwrap().entry(effect_id).or_default() += 1);
-            Ok(())
-        })
-    }
-    fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
-        Box::pin(async move { Ok(EFFECTS.lock().unwrap().get(&effect_id).copied().unwrap_or(0)) })
-    }
+    memory_effects!();
     fn another(&self) -> BoxFuture<'_, Self> {
         Box::pin(async move {
             // Its own connection, the same keys.
