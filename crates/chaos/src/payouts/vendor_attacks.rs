@@ -23,6 +23,7 @@ pub(super) const BASE_FAULTS: fake_vendor::Faults = fake_vendor::Faults {
     retry_after_secs: 1,
     slow_ms: 0,
     refuse_ms: 0,
+    lookup_error_500: 0.0,
 };
 
 /// Where in the workload the held windows open (fractions of its
