@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 pub mod admin_tests;
 pub mod deadletter_tests;
 pub mod lease_tests;
+pub mod multistep_tests;
 pub mod sent_tests;
 pub mod sql_deadletters;
 pub mod tx_tests;
@@ -305,6 +306,27 @@ macro_rules! lease_conformance {
                 lease_unknown_outcome_resolved_once_under_concurrency
             );
             $crate::sent_behaviours!([$crate::__suite_test] sent_tests, $make);
+        }
+    };
+}
+
+/// Generates the conformance tests of a store of multi-step operations
+/// ([`multistep_tests`]) in a module named `$engine`. `$make` is an async
+/// expression producing the [`MultiStepSubject`](multistep_tests::MultiStepSubject).
+#[macro_export]
+macro_rules! multistep_conformance {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::__suite_test!(multistep_tests, $make;
+                multistep_insert_commits_with_the_step,
+                multistep_rolled_back_insert_leaves_nothing,
+                multistep_twin_insert_is_refused,
+                multistep_stale_write_writes_nothing,
+                multistep_one_of_concurrent_writers_wins,
+                multistep_due_lists_what_a_runner_may_take
+            );
         }
     };
 }

@@ -20,8 +20,10 @@
 //! ```
 
 mod deadletter;
+mod multistep;
 
 pub use deadletter::MemoryDeadLetters;
+pub use multistep::MemoryMultiSteps;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -127,11 +129,16 @@ impl MemoryStore {
     }
 }
 
+/// A staged write that checks what it writes over, and writes nothing if
+/// that fails.
+type CheckedWrite = Box<dyn FnOnce() -> Result<()> + Send>;
+
 /// A transaction of the in-memory store: the claim and any staged effects
 /// apply together on commit and vanish on rollback or drop.
 #[derive(Default)]
 pub struct MemoryTx {
     pending: Option<(Slot, Row, Option<i64>)>,
+    checked: Vec<CheckedWrite>,
     effects: Vec<Box<dyn FnOnce() + Send>>,
 }
 
@@ -147,6 +154,15 @@ impl MemoryTx {
     /// Stages an effect that runs only if the transaction commits.
     pub fn on_commit(&mut self, effect: impl FnOnce() + Send + 'static) {
         self.effects.push(Box::new(effect));
+    }
+
+    /// Stages a write that checks, atomically, what it writes over, and
+    /// writes nothing when that check fails: the commit then fails with its
+    /// error, and neither the claim nor any effect is applied. Checked
+    /// writes run first, in order, before the claim and the effects; keep
+    /// one to a transaction, as a failure leaves the ones before it applied.
+    pub fn on_commit_checked(&mut self, write: impl FnOnce() -> Result<()> + Send + 'static) {
+        self.checked.push(Box::new(write));
     }
 }
 
@@ -201,15 +217,20 @@ impl TxBackend for MemoryStore {
     fn commit(&self, tx: MemoryTx) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             let mut rows = self.lock();
-            if let Some((slot, row, seen_token)) = tx.pending {
+            if let Some((slot, _, seen_token)) = &tx.pending {
                 // A lease-mode claim may have slipped in since the claim was
                 // read; never overwrite it.
-                if rows.get(&slot).map(|r| r.token) != seen_token {
+                if rows.get(slot).map(|r| r.token) != *seen_token {
                     return Err(Error::store(
                         StoreErrorKind::Serialization,
                         "key was claimed concurrently",
                     ));
                 }
+            }
+            for write in tx.checked {
+                write()?;
+            }
+            if let Some((slot, row, _)) = tx.pending {
                 rows.insert(slot, row);
             }
             for effect in tx.effects {

@@ -4,15 +4,17 @@
 #[path = "support/effects.rs"]
 mod effects;
 
+use idem_conformance::multistep_tests::MultiStepSubject;
 use idem_conformance::{DeadLetterSubject, Subject, deadletter_conformance, lease_conformance, tx_conformance};
 use idem_core::{BoxFuture, ManualClock};
-use idem_memory::{MemoryDeadLetters, MemoryStore};
+use idem_memory::{MemoryDeadLetters, MemoryMultiSteps, MemoryStore};
 use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Clone, Default)]
 struct Memory {
     store: MemoryStore,
+    steps: MemoryMultiSteps,
 }
 
 impl Subject for Memory {
@@ -38,7 +40,19 @@ impl Subject for Memory {
     }
 }
 
+impl MultiStepSubject for Memory {
+    type Steps = MemoryMultiSteps;
+
+    fn steps(&self) -> MemoryMultiSteps {
+        self.steps.clone()
+    }
+    fn isolated_steps(&self) -> BoxFuture<'_, MemoryMultiSteps> {
+        Box::pin(async { MemoryMultiSteps::new() })
+    }
+}
+
 tx_conformance!(memory_tx, async { Memory::default() });
+idem_conformance::multistep_conformance!(memory_multistep, async { Memory::default() });
 lease_conformance!(memory_lease, async { Memory::default() });
 
 /// Dead letters on a manual clock that the tests move.

@@ -9,9 +9,10 @@
 mod common;
 
 use common::{Isolation, connect_at, isolated_store, shared_store_on, try_effects, try_write_effect};
-use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
-use idem_core::{BoxError, BoxFuture};
-use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
+use idem_conformance::multistep_tests::MultiStepSubject;
+use idem_conformance::{Subject, admin_conformance, lease_conformance, multistep_conformance, tx_conformance};
+use idem_core::{BoxError, BoxFuture, TableName};
+use idem_mysql::{ClaimStrategy, MySqlMultiSteps, MySqlStore, MySqlTx};
 
 /// A store under test: a keys table reached through one small pool.
 #[derive(Clone)]
@@ -76,6 +77,45 @@ impl Subject for MySqlSubject {
         })
     }
 }
+
+impl MultiStepSubject for MySqlSubject {
+    type Steps = MySqlMultiSteps;
+
+    fn steps(&self) -> MySqlMultiSteps {
+        MySqlMultiSteps::with_table(
+            self.store.pool().clone(),
+            TableName::new("idem_conformance_operations").unwrap(),
+        )
+    }
+
+    fn isolated_steps(&self) -> BoxFuture<'_, MySqlMultiSteps> {
+        Box::pin(async move {
+            // Named as the isolated keys tables are, so old ones are dropped with them.
+            let table = TableName::new(format!("idem_iso_ops_{}", uuid::Uuid::new_v4().simple())).unwrap();
+            let steps = MySqlMultiSteps::with_table(self.store.pool().clone(), table);
+            steps.migrate().await.expect("migrate an isolated operations table");
+            steps
+        })
+    }
+}
+
+/// The multi-step operations suite's subject, its operations table migrated.
+async fn with_steps() -> MySqlSubject {
+    let subject = MySqlSubject::shared(
+        ClaimStrategy::Placeholder,
+        Isolation::ReadCommitted,
+        "idem_conformance_keys_rc",
+    )
+    .await;
+    subject
+        .steps()
+        .migrate()
+        .await
+        .expect("migrate the shared operations table");
+    subject
+}
+
+multistep_conformance!(mysql_multistep, with_steps());
 
 /// Expands each suite into its module, on a subject with the claim
 /// strategy, the isolation level and the keys table listed.

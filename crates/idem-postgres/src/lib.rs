@@ -154,6 +154,7 @@ pub mod deadletter;
 mod dialect;
 mod error;
 mod migrate;
+pub mod multistep;
 pub mod outbox;
 mod sql;
 mod tx;
@@ -163,6 +164,7 @@ use crate::claim::*;
 pub use deadletter::PgDeadLetters;
 pub use dialect::PgDialect;
 pub use error::{is_contention, store_error};
+pub use multistep::PgMultiSteps;
 pub use outbox::PgOutbox;
 pub use tx::PgTx;
 

@@ -9,9 +9,10 @@
 mod common;
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at, serializable_database_url};
-use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
+use idem_conformance::multistep_tests::MultiStepSubject;
+use idem_conformance::{Subject, admin_conformance, lease_conformance, multistep_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
-use idem_postgres::{ClaimStrategy, ExpiryIndex, PgStore, PgTx};
+use idem_postgres::{ClaimStrategy, ExpiryIndex, PgMultiSteps, PgStore, PgTx};
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 
@@ -138,6 +139,39 @@ impl Subject for Postgres {
     }
 }
 
+/// The operations table every multi-step test shares.
+const SHARED_STEPS_TABLE: &str = "idem_conformance_operations";
+
+impl Postgres {
+    /// A subject whose operations table is migrated.
+    async fn with_steps() -> Self {
+        let subject = Self::connect(ClaimStrategy::InsertOnConflict).await;
+        subject
+            .steps()
+            .migrate()
+            .await
+            .expect("migrate the shared operations table");
+        subject
+    }
+}
+
+impl MultiStepSubject for Postgres {
+    type Steps = PgMultiSteps;
+
+    fn steps(&self) -> PgMultiSteps {
+        PgMultiSteps::with_table(self.store.pool().clone(), TableName::new(SHARED_STEPS_TABLE).unwrap())
+    }
+
+    fn isolated_steps(&self) -> BoxFuture<'_, PgMultiSteps> {
+        Box::pin(async move {
+            let steps = PgMultiSteps::with_table(self.store.pool().clone(), isolated_table(self.store.pool()).await);
+            steps.migrate().await.expect("migrate an isolated operations table");
+            steps
+        })
+    }
+}
+
+multistep_conformance!(postgres_multistep, Postgres::with_steps());
 tx_conformance!(postgres_tx, Postgres::connect(ClaimStrategy::InsertOnConflict));
 tx_conformance!(postgres_tx_advisory, Postgres::connect(ClaimStrategy::AdvisoryLock));
 tx_conformance!(postgres_tx_one_write, Postgres::connect(ClaimStrategy::OneWrite));

@@ -11,17 +11,15 @@
 //! where the engine cannot, fails on it), which then turns into an update
 //! of that row. Timestamps and holds are on the database's clock.
 
-use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use idem_core::{
     BoxFuture, DeadLetterFilter, DeadLetterRow, DeadLetterTable, NewDeadLetter, PendingMigration, Result, RowAt,
     StoreErrorKind, TableName,
 };
-use sqlx::{AssertSqlSafe, Database, Pool, Transaction};
+use sqlx::{AssertSqlSafe, Database, Transaction};
 
-use crate::{Arg, Dialect, SqlDb, Statement, TextColumns, assignments, placeholders};
+use crate::{Arg, Dialect, SqlDb, Statement, TextColumns, assignments, placeholders, table_store};
 
 /// The default dead-letter table.
 pub const DEFAULT_DEAD_LETTER_TABLE: &str = "idem_dead_letters";
@@ -198,82 +196,18 @@ impl Sql {
     }
 }
 
-/// Dead letters on the engine `D` speaks to: each engine crate names its
-/// own (`PgDeadLetters`, `MySqlDeadLetters`, `SqliteDeadLetters`).
-///
-/// Its writes are the core's [`DeadLetterStore`](idem_core::DeadLetterStore)
-/// (through [`DeadLetterTable`]); [`record_in`](Self::record_in) and
-/// [`cancel_in`](Self::cancel_in) write in the caller's transaction, with
-/// its business writes.
-pub struct SqlDeadLetters<D: DeadLetterSchema> {
-    pool: Pool<D::Db>,
-    table: TableName,
-    sql: Arc<Sql>,
-    dialect: PhantomData<fn() -> D>,
-}
-
-impl<D: DeadLetterSchema> Clone for SqlDeadLetters<D> {
-    fn clone(&self) -> Self {
-        Self {
-            pool: self.pool.clone(),
-            table: self.table.clone(),
-            sql: self.sql.clone(),
-            dialect: PhantomData,
-        }
-    }
-}
-
-impl<D: DeadLetterSchema> fmt::Debug for SqlDeadLetters<D> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlDeadLetters")
-            .field("engine", &D::NAME)
-            .field("table", &self.table)
-            .finish_non_exhaustive()
-    }
+table_store! {
+    /// Dead letters on the engine `D` speaks to: each engine crate names its
+    /// own (`PgDeadLetters`, `MySqlDeadLetters`, `SqliteDeadLetters`).
+    ///
+    /// Its writes are the core's [`DeadLetterStore`](idem_core::DeadLetterStore)
+    /// (through [`DeadLetterTable`]); [`record_in`](Self::record_in) and
+    /// [`cancel_in`](Self::cancel_in) write in the caller's transaction, with
+    /// its business writes.
+    SqlDeadLetters<D: DeadLetterSchema>, DEFAULT_DEAD_LETTER_TABLE, "dead letters", "dead letters"
 }
 
 impl<D: DeadLetterSchema> SqlDeadLetters<D> {
-    /// The dead letters in [`DEFAULT_DEAD_LETTER_TABLE`].
-    pub fn new(pool: Pool<D::Db>) -> Self {
-        Self::with_table(
-            pool,
-            TableName::new(DEFAULT_DEAD_LETTER_TABLE).expect("a valid table name"),
-        )
-    }
-
-    /// The dead letters in `table`.
-    pub fn with_table(pool: Pool<D::Db>, table: TableName) -> Self {
-        let sql = Arc::new(Sql::new::<D>(table.as_str()));
-        Self {
-            pool,
-            table,
-            sql,
-            dialect: PhantomData,
-        }
-    }
-
-    /// The table.
-    pub fn table(&self) -> &TableName {
-        &self.table
-    }
-
-    /// The pool.
-    pub fn pool(&self) -> &Pool<D::Db> {
-        &self.pool
-    }
-
-    /// Creates the table and its index, or upgrades an older table. Safe to
-    /// run again and from several processes at once (they take turns on the
-    /// engine's migration lock).
-    pub async fn migrate(&self) -> Result<()> {
-        crate::migrate::<D>(&self.pool, "dead letters", &self.table, plan::<D>).await
-    }
-
-    /// What [`migrate`](Self::migrate) would run, without running it.
-    pub async fn pending_migrations(&self) -> Result<Vec<PendingMigration>> {
-        crate::pending::<D>(&self.pool, &self.table, plan::<D>).await
-    }
-
     /// Records `letter` in the caller's open transaction (see
     /// [`DeadLetterStore::record`](idem_core::DeadLetterStore::record)): it is
     /// kept if and only if that transaction commits. Answers the letter's id.
@@ -447,7 +381,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
     type Tx = Transaction<'static, D::Db>;
 
     fn begin(&self) -> BoxFuture<'_, Result<Self::Tx>> {
-        D::begin(&self.pool)
+        D::begin(&self.t.pool)
     }
 
     fn commit(tx: Self::Tx) -> BoxFuture<'static, Result<()>> {
@@ -460,7 +394,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
 
     fn now<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
-            let row = D::Db::fetch_optional(sqlx::query(AssertSqlSafe(self.sql.now.clone())), conn)
+            let row = D::Db::fetch_optional(sqlx::query(AssertSqlSafe(self.t.sql.now.clone())), conn)
                 .await
                 .map_err(D::error)?
                 .ok_or_else(|| idem_core::Error::store(StoreErrorKind::Other, "the clock read no row"))?;
@@ -470,19 +404,10 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
 
     fn insert<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<Option<i64>>> {
         Box::pin(async move {
-            let statement = inserted::<D>(row).fold(sqlx::query(AssertSqlSafe(self.sql.insert.clone())), D::Db::bind);
-            if self.sql.returns_id {
-                let made = D::Db::fetch_optional(statement, conn).await.map_err(D::error)?;
-                return made.map(|r| D::Db::int(&r, "id").map_err(D::error)).transpose();
-            }
-            match D::Db::execute(statement, conn).await {
-                Ok(done) => Ok(D::inserted_id(&done).filter(|id| *id > 0)),
-                // Another writer of the same call made the row first: this
-                // record updates it. Only the statement failed, not the
-                // transaction.
-                Err(e) if D::is_duplicate(&e) => Ok(None),
-                Err(e) => Err(D::error(e)),
-            }
+            let statement = inserted::<D>(row).fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
+            // `None`: another writer of the same call made the row first, and
+            // this record updates it.
+            crate::insert_unless_twin::<D>(statement, self.t.sql.returns_id, conn).await
         })
     }
 
@@ -492,7 +417,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
         at: RowAt<'a>,
     ) -> BoxFuture<'a, Result<Option<(DeadLetterRow, i64)>>> {
         Box::pin(async move {
-            let statement = Self::at(at, &self.sql.get_locked, &self.sql.find_locked);
+            let statement = Self::at(at, &self.t.sql.get_locked, &self.t.sql.find_locked);
             let row = D::Db::fetch_optional(statement, conn).await.map_err(D::error)?;
             row.as_ref().map(letter::<D>).transpose()
         })
@@ -502,7 +427,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
         Box::pin(async move {
             let statement = updated::<D>(row)
                 .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.sql.update.clone())), D::Db::bind);
+                .fold(sqlx::query(AssertSqlSafe(self.t.sql.update.clone())), D::Db::bind);
             D::Db::execute(statement, conn).await.map_err(D::error)?;
             Ok(())
         })
@@ -510,8 +435,8 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
 
     fn read<'a>(&'a self, at: RowAt<'a>) -> BoxFuture<'a, Result<Option<DeadLetterRow>>> {
         Box::pin(async move {
-            let statement = Self::at(at, &self.sql.get, &self.sql.find);
-            let row = D::Db::fetch_optional_pooled(statement, &self.pool)
+            let statement = Self::at(at, &self.t.sql.get, &self.t.sql.find);
+            let row = D::Db::fetch_optional_pooled(statement, &self.t.pool)
                 .await
                 .map_err(D::error)?;
             Ok(row.as_ref().map(letter::<D>).transpose()?.map(|(row, _)| row))
@@ -523,7 +448,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
             let mut sql = format!(
                 "SELECT {COLUMNS}, {} AS now_ms FROM {} WHERE id > {}",
                 D::ZERO,
-                self.table,
+                self.t.name,
                 D::placeholder(1)
             );
             let mut args = vec![Arg::Int(filter.after_id.unwrap_or(i64::MIN))];
@@ -540,17 +465,19 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
             args.push(Arg::Int(i64::from(filter.limit)));
             sql.push_str(&format!(" ORDER BY id LIMIT {}", D::placeholder(args.len())));
             let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
-            let rows = D::Db::fetch_all_pooled(statement, &self.pool).await.map_err(D::error)?;
+            let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
+                .await
+                .map_err(D::error)?;
             rows.iter().map(|r| letter::<D>(r).map(|(row, _)| row)).collect()
         })
     }
 
     fn purge_final(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
-            let mut tx = D::begin(&self.pool).await?;
+            let mut tx = D::begin(&self.t.pool).await?;
             let statement = [Arg::Int(older_than_ms.max(0)), Arg::Int(i64::from(limit))]
                 .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.sql.purge.clone())), D::Db::bind);
+                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
             let done = D::Db::execute(statement, &mut *tx).await.map_err(D::error)?;
             tx.commit().await.map_err(D::error)?;
             Ok(D::rows_affected(&done))

@@ -31,10 +31,12 @@ pub use deadletter::{DEFAULT_DEAD_LETTER_TABLE, DeadLetterSchema, SqlDeadLetters
 
 pub mod keys;
 mod migrate;
+mod multistep;
 pub mod outbox;
 mod rows;
 
 pub use migrate::{KeyMigration, migrate, pending};
+pub use multistep::{DEFAULT_MULTISTEP_TABLE, MultiStepSchema, SqlMultiSteps};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
 pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args};
 
@@ -324,6 +326,132 @@ pub trait Dialect: Send + Sync + 'static {
             "DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {filter} ORDER BY {order} LIMIT {limit})"
         )
     }
+}
+
+/// A table of one kind on the engine `D` speaks to: its pool, its name, and
+/// its statements `S`, built once for the name. The stores of each kind of
+/// table (dead letters, outbox, multi-step operations) hold one.
+pub(crate) struct SqlTable<D: Dialect, S> {
+    pub(crate) pool: Pool<D::Db>,
+    pub(crate) name: TableName,
+    pub(crate) sql: std::sync::Arc<S>,
+    dialect: std::marker::PhantomData<fn() -> D>,
+}
+
+impl<D: Dialect, S> Clone for SqlTable<D, S> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            name: self.name.clone(),
+            sql: self.sql.clone(),
+            dialect: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<D: Dialect, S> SqlTable<D, S> {
+    /// The table `name` on `pool`, its statements built by `sql`.
+    pub(crate) fn new(pool: Pool<D::Db>, name: TableName, sql: impl FnOnce(&str) -> S) -> Self {
+        let sql = std::sync::Arc::new(sql(name.as_str()));
+        Self {
+            pool,
+            name,
+            sql,
+            dialect: std::marker::PhantomData,
+        }
+    }
+}
+
+/// Declares `$name<D: $schema>`, the store of one kind of table on the
+/// engine `D` speaks to: a [`SqlTable`] of the module's statements `Sql`,
+/// with `Clone`, `Debug`, `new` (on the table `$default`), `with_table`,
+/// `table`, `pool`, and `migrate` and `pending_migrations` by the module's
+/// `plan` (a `$kind` of table).
+macro_rules! table_store {
+    ($(#[$doc:meta])* $name:ident<D: $schema:ident>, $default:ident, $what:literal, $kind:literal) => {
+        $(#[$doc])*
+        pub struct $name<D: $schema> {
+            t: $crate::SqlTable<D, Sql>,
+        }
+
+        impl<D: $schema> Clone for $name<D> {
+            fn clone(&self) -> Self {
+                Self { t: self.t.clone() }
+            }
+        }
+
+        impl<D: $schema> std::fmt::Debug for $name<D> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("engine", &D::NAME)
+                    .field("table", &self.t.name)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        impl<D: $schema> $name<D> {
+            #[doc = concat!("The ", $what, " in [`", stringify!($default), "`].")]
+            pub fn new(pool: sqlx::Pool<D::Db>) -> Self {
+                Self::with_table(pool, $crate::default_table($default))
+            }
+
+            #[doc = concat!("The ", $what, " in `table`.")]
+            pub fn with_table(pool: sqlx::Pool<D::Db>, table: idem_core::TableName) -> Self {
+                Self {
+                    t: $crate::SqlTable::new(pool, table, Sql::new::<D>),
+                }
+            }
+
+            /// The table.
+            pub fn table(&self) -> &idem_core::TableName {
+                &self.t.name
+            }
+
+            /// The pool.
+            pub fn pool(&self) -> &sqlx::Pool<D::Db> {
+                &self.t.pool
+            }
+
+            /// Creates the table and its indexes, or upgrades an older one.
+            /// Safe to run again and from several processes at once (they
+            /// take turns on the engine's migration lock).
+            pub async fn migrate(&self) -> idem_core::Result<()> {
+                $crate::migrate::<D>(&self.t.pool, $kind, &self.t.name, plan::<D>).await
+            }
+
+            /// What [`migrate`](Self::migrate) would run, without running it.
+            pub async fn pending_migrations(&self) -> idem_core::Result<Vec<idem_core::PendingMigration>> {
+                $crate::pending::<D>(&self.t.pool, &self.t.name, plan::<D>).await
+            }
+        }
+    };
+}
+pub(crate) use table_store;
+
+/// Runs `statement`, an insert that ignores a twin's row (its text ends in
+/// the engine's [`Dialect::ignore_twin`] clause, which returns the id, when
+/// `returns_id`) or fails on one: the new row's id, or `None` when a twin of
+/// the same unique key was made first. Only the statement fails on a twin,
+/// never the transaction.
+pub(crate) async fn insert_unless_twin<D: Dialect>(
+    statement: Statement<'_, D::Db>,
+    returns_id: bool,
+    conn: &mut <D::Db as Database>::Connection,
+) -> Result<Option<i64>> {
+    if returns_id {
+        let made = D::Db::fetch_optional(statement, conn).await.map_err(D::error)?;
+        return made.map(|r| D::Db::int(&r, "id").map_err(D::error)).transpose();
+    }
+    match D::Db::execute(statement, conn).await {
+        Ok(done) => Ok(D::inserted_id(&done).filter(|id| *id > 0)),
+        Err(e) if D::is_duplicate(&e) => Ok(None),
+        Err(e) => Err(D::error(e)),
+    }
+}
+
+/// The table named `name`, one of this crate's valid default names.
+pub(crate) fn default_table(name: &str) -> TableName {
+    TableName::new(name).expect("a valid default table name")
 }
 
 /// The placeholders from `from` to `to` (both included), comma-separated.

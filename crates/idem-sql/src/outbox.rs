@@ -21,7 +21,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -32,7 +31,7 @@ use idem_core::{
 };
 use sqlx::{AssertSqlSafe, Database, Pool, Transaction};
 
-use crate::{Arg, Dialect, SqlDb};
+use crate::{Arg, Dialect, SqlDb, SqlTable, default_table};
 
 /// The default outbox table.
 pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
@@ -176,21 +175,15 @@ impl Sql {
 /// relays take rows through [`OutboxStore`]. Each engine crate names its
 /// own (`PgOutbox`, `MySqlOutbox`, `SqliteOutbox`).
 pub struct SqlOutbox<D: OutboxSchema> {
-    pool: Pool<D::Db>,
-    table: TableName,
+    t: SqlTable<D, Sql>,
     lease: Duration,
-    sql: Arc<Sql>,
-    dialect: PhantomData<fn() -> D>,
 }
 
 impl<D: OutboxSchema> Clone for SqlOutbox<D> {
     fn clone(&self) -> Self {
         Self {
-            pool: self.pool.clone(),
-            table: self.table.clone(),
+            t: self.t.clone(),
             lease: self.lease,
-            sql: self.sql.clone(),
-            dialect: PhantomData,
         }
     }
 }
@@ -198,7 +191,7 @@ impl<D: OutboxSchema> Clone for SqlOutbox<D> {
 impl<D: OutboxSchema> fmt::Debug for SqlOutbox<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut s = f.debug_struct("SqlOutbox");
-        s.field("engine", &D::NAME).field("table", &self.table);
+        s.field("engine", &D::NAME).field("table", &self.t.name);
         if D::RELAY == Relay::Leased {
             s.field("lease", &self.lease);
         }
@@ -209,18 +202,14 @@ impl<D: OutboxSchema> fmt::Debug for SqlOutbox<D> {
 impl<D: OutboxSchema> SqlOutbox<D> {
     /// The outbox in [`DEFAULT_OUTBOX_TABLE`].
     pub fn new(pool: Pool<D::Db>) -> Self {
-        Self::with_table(pool, TableName::new(DEFAULT_OUTBOX_TABLE).expect("a valid table name"))
+        Self::with_table(pool, default_table(DEFAULT_OUTBOX_TABLE))
     }
 
     /// The outbox in `table`.
     pub fn with_table(pool: Pool<D::Db>, table: TableName) -> Self {
-        let sql = Arc::new(Sql::new::<D>(table.as_str()));
         Self {
-            pool,
-            table,
+            t: SqlTable::new(pool, table, Sql::new::<D>),
             lease: DEFAULT_RELAY_LEASE,
-            sql,
-            dialect: PhantomData,
         }
     }
 
@@ -242,19 +231,19 @@ impl<D: OutboxSchema> SqlOutbox<D> {
 
     /// The table.
     pub fn table(&self) -> &TableName {
-        &self.table
+        &self.t.name
     }
 
     /// The pool.
     pub fn pool(&self) -> &Pool<D::Db> {
-        &self.pool
+        &self.t.pool
     }
 
     /// Creates the table and its indexes if they do not exist. Safe from
     /// several processes at once (they take turns on the engine's migration
     /// lock).
     pub async fn migrate(&self) -> Result<()> {
-        crate::migrate::<D>(&self.pool, "outbox", &self.table, plan::<D>).await
+        crate::migrate::<D>(&self.t.pool, "outbox", &self.t.name, plan::<D>).await
     }
 
     /// Enqueues `event` in the caller's open transaction: it is published if
@@ -266,7 +255,7 @@ impl<D: OutboxSchema> SqlOutbox<D> {
             Arg::Bytes(event.payload()),
         ]
         .into_iter()
-        .fold(sqlx::query(AssertSqlSafe(self.sql.insert.clone())), D::Db::bind);
+        .fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
         D::Db::execute(statement, conn).await.map_err(D::error)?;
         Ok(())
     }
@@ -378,7 +367,7 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
     fn take(&self, limit: usize) -> BoxFuture<'_, Result<SqlOutboxBatch<D>>> {
         Box::pin(async move {
             let limit = Arg::Int(i64::try_from(limit).unwrap_or(i64::MAX));
-            let statement = sqlx::query(AssertSqlSafe(self.sql.take.clone()));
+            let statement = sqlx::query(AssertSqlSafe(self.t.sql.take.clone()));
             let (hold, rows) = match D::RELAY {
                 Relay::Held => {
                     // READ COMMITTED whatever the database's default: a row
@@ -386,7 +375,7 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
                     // began is re-checked when it is locked, not reported
                     // as a serialisation failure, and no gap is locked
                     // against enqueuers.
-                    let mut tx = D::begin(&self.pool).await?;
+                    let mut tx = D::begin(&self.t.pool).await?;
                     let rows = D::Db::fetch_all(D::Db::bind(statement, limit), &mut tx)
                         .await
                         .map_err(D::error)?;
@@ -398,8 +387,10 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
                     let statement = [Arg::Int(token), Arg::Int(lease_ms), limit]
                         .into_iter()
                         .fold(statement, D::Db::bind);
-                    let rows = D::Db::fetch_all_pooled(statement, &self.pool).await.map_err(D::error)?;
-                    let pool = self.pool.clone();
+                    let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
+                        .await
+                        .map_err(D::error)?;
+                    let pool = self.t.pool.clone();
                     (Hold::Lease { pool, token }, rows)
                 }
             };
@@ -409,14 +400,14 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
             Ok(SqlOutboxBatch {
                 hold,
                 messages,
-                sql: self.sql.clone(),
+                sql: self.t.sql.clone(),
             })
         })
     }
 
     fn lag(&self) -> BoxFuture<'_, Result<OutboxLag>> {
         Box::pin(async move {
-            let row = D::Db::fetch_optional_pooled(sqlx::query(AssertSqlSafe(self.sql.lag.clone())), &self.pool)
+            let row = D::Db::fetch_optional_pooled(sqlx::query(AssertSqlSafe(self.t.sql.lag.clone())), &self.t.pool)
                 .await
                 .map_err(D::error)?;
             let Some(row) = row else {
@@ -439,10 +430,10 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
             // In a transaction of the engine's kind: at MySQL's REPEATABLE
             // READ the delete would lock the gap where new rows are
             // inserted, and enqueuers would wait.
-            let mut tx = D::begin(&self.pool).await?;
+            let mut tx = D::begin(&self.t.pool).await?;
             let statement = [Arg::Int(older_than_ms.max(0)), Arg::Int(i64::from(limit))]
                 .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.sql.purge.clone())), D::Db::bind);
+                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
             let done = D::Db::execute(statement, &mut tx).await.map_err(D::error)?;
             tx.commit().await.map_err(D::error)?;
             Ok(D::rows_affected(&done))

@@ -167,6 +167,7 @@ pub mod deadletter;
 mod dialect;
 mod error;
 mod keylock;
+pub mod multistep;
 pub mod outbox;
 mod shared;
 mod sql;
@@ -185,6 +186,7 @@ pub use sqlx::sqlite::SqliteSynchronous;
 
 pub use crate::deadletter::SqliteDeadLetters;
 pub use crate::error::{is_contention, store_error};
+pub use crate::multistep::SqliteMultiSteps;
 pub use crate::outbox::SqliteOutbox;
 use crate::sql::{MIGRATIONS, Statements};
 pub use crate::tx::SqliteTx;

@@ -6,9 +6,10 @@ use common::TempDb;
 
 use std::sync::Arc;
 
-use idem_conformance::{Subject, admin_conformance, lease_conformance, tx_conformance};
+use idem_conformance::multistep_tests::MultiStepSubject;
+use idem_conformance::{Subject, admin_conformance, lease_conformance, multistep_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
-use idem_sqlite::{SqliteStore, SqliteTx};
+use idem_sqlite::{SqliteMultiSteps, SqliteStore, SqliteTx};
 
 /// The business table of the suite: no unique constraint, so a double write
 /// would be counted rather than refused.
@@ -81,6 +82,33 @@ impl Subject for Sqlite {
     }
 }
 
+impl Sqlite {
+    /// A subject whose operations table is migrated.
+    async fn with_steps() -> Self {
+        let subject = Self::new().await;
+        subject.steps().migrate().await.expect("migrate the operations table");
+        subject
+    }
+}
+
+impl MultiStepSubject for Sqlite {
+    type Steps = SqliteMultiSteps;
+
+    fn steps(&self) -> SqliteMultiSteps {
+        SqliteMultiSteps::new(self.store.pool().clone())
+    }
+
+    fn isolated_steps(&self) -> BoxFuture<'_, SqliteMultiSteps> {
+        Box::pin(async move {
+            let table = TableName::new(format!("ops_{}", uuid::Uuid::new_v4().simple())).expect("valid table name");
+            let steps = SqliteMultiSteps::with_table(self.store.pool().clone(), table);
+            steps.migrate().await.expect("migrate an isolated operations table");
+            steps
+        })
+    }
+}
+
+multistep_conformance!(sqlite_multistep, Sqlite::with_steps());
 tx_conformance!(sqlite_tx, Sqlite::new());
 lease_conformance!(sqlite_lease, Sqlite::new());
 admin_conformance!(sqlite_admin, Sqlite::new());

@@ -41,11 +41,15 @@
 
 mod journal;
 mod op;
+mod row;
+mod store;
 #[cfg(test)]
 mod tests;
 
 pub use journal::{Journal, JournalEntry, StepKind, StepOutcome};
 pub use op::{Hold, MultiStep, NewMultiStep, OpenSend, SendVerdict};
+pub use row::MultiStepRow;
+pub use store::MultiStepStore;
 
 use sha2::{Digest, Sha256};
 

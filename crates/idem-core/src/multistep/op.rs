@@ -83,6 +83,10 @@ fn clip(note: &str) -> String {
 pub struct MultiStep {
     /// The store's id.
     pub id: i64,
+    /// The row's version: every write is made only over the version its
+    /// writer read, and the store then counts it up, so two writers never
+    /// both succeed from one read.
+    pub version: i64,
     /// Who asked and what.
     pub scope: Scope,
     /// The key of the request that started it.
@@ -142,6 +146,7 @@ impl MultiStep {
         }
         Ok(Self {
             id: 0,
+            version: 0,
             scope: new.scope.clone(),
             key: new.key.clone(),
             definition: new.definition.clone(),

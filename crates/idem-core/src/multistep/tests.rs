@@ -373,3 +373,44 @@ fn step_keys_are_derived_and_scoped() {
     let k2 = IdempotencyKey::new("a").unwrap();
     assert_ne!(step_key(&scope, &k1, "c"), step_key(&scope, &k2, "bc"));
 }
+
+/// Every field survives the stored form; a document that does not decode is a corrupt row.
+#[test]
+fn stored_row_round_trips() {
+    let mut op = started(1_000);
+    op.id = 7;
+    op.version = 3;
+    op.record(1, ok("debit", StepKind::Local), 1_001).unwrap();
+    op.mark_sent(1, "payout", 1_002, Some(terms(5_000))).unwrap();
+    op.hold(1, HoldKind::Unknown, "lost ✓ answer", 1_003).unwrap();
+    let fresh = op.clone();
+    op.settle(&settlement(Verdict::Applied), 1_004).unwrap();
+    let token = op.take(1_005, LEASE).unwrap();
+    op.record(
+        token,
+        step("payout", StepKind::External, StepOutcome::Failed(json!({"code": 7}))),
+        1_006,
+    )
+    .unwrap();
+    op.defer(token, 9_000, 1_007).unwrap();
+    for row in [fresh, op.clone()] {
+        let stored = MultiStepRow::from(&row);
+        assert_eq!(
+            (stored.step, stored.state.as_str()),
+            (row.journal.len() as i64, row.state.as_str())
+        );
+        assert_eq!(stored.decode().unwrap(), row);
+    }
+    let token = op.take(9_000, LEASE).unwrap();
+    op.record(token, undo("credit-back"), 9_001).unwrap();
+    op.finish(token, vec![0, 255, 1], 9_002).unwrap();
+    assert_eq!(MultiStepRow::from(&op).decode().unwrap(), op);
+    let mut bad = MultiStepRow::from(&op);
+    bad.document[0] = 9;
+    assert!(matches!(bad.decode(), Err(Error::Corrupt(_))));
+    bad.document = b"\x01{}".to_vec();
+    assert!(matches!(bad.decode(), Err(Error::Corrupt(_))));
+    let mut bad = MultiStepRow::from(&op);
+    bad.state = "done".into();
+    assert!(matches!(bad.decode(), Err(Error::Corrupt(_))));
+}

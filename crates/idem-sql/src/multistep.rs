@@ -1,0 +1,256 @@
+//! Multi-step operations on any SQL engine.
+//!
+//! One row per (tenant, operation, key). The columns are what statements
+//! use — uniqueness, the due scan, the conditional write, the purge — and
+//! the rest of the operation is one document the core encodes and decodes
+//! ([`MultiStepRow`]). A write is an `UPDATE … WHERE id = ? AND version = ?`
+//! that stores the next version: one that updates no row wrote over a
+//! version that moved, and is [`Error::Fenced`](idem_core::Error::Fenced).
+//! The writes of a local step join the caller's transaction, through the
+//! backend's transaction type, which derefs to the engine's connection.
+
+use std::ops::DerefMut;
+use std::sync::Arc;
+
+use idem_core::multistep::{MultiStep, MultiStepRow, MultiStepStore};
+use idem_core::{BoxFuture, Error, IdempotencyKey, PendingMigration, Result, Scope, TableName, TxBackend};
+use sqlx::{AssertSqlSafe, Database};
+
+use crate::{Arg, Dialect, SqlDb, Statement, assignments, placeholders, shown_text, table_store};
+
+/// The default table of multi-step operations.
+pub const DEFAULT_MULTISTEP_TABLE: &str = "idem_operations";
+
+/// The columns every read selects.
+const COLUMNS: &str = "id, tenant, operation, idem_key, state, version, token, step, lease_until_ms, \
+                       not_before_ms, updated_at_ms, expires_at_ms, document";
+
+/// The columns a first write stores that no write changes, in bind order.
+const FIXED: [&str; 3] = ["tenant", "operation", "idem_key"];
+
+/// The columns a write changes, in bind order (an update binds the id and
+/// the version it was read at after them).
+const UPDATED: [&str; 9] = [
+    "state",
+    "version",
+    "token",
+    "step",
+    "lease_until_ms",
+    "not_before_ms",
+    "updated_at_ms",
+    "expires_at_ms",
+    "document",
+];
+
+/// An engine's table of multi-step operations: its `CREATE TABLE` and
+/// indexes (version 1, the only one).
+pub trait MultiStepSchema: Dialect {
+    /// The table and its indexes.
+    fn create_multisteps(table: &TableName) -> Vec<String>;
+}
+
+/// What brings a table with these columns to the latest version.
+fn plan<D: MultiStepSchema>(table: &TableName, columns: &[String]) -> Vec<PendingMigration> {
+    if !columns.is_empty() {
+        return Vec::new();
+    }
+    vec![PendingMigration {
+        version: 1,
+        description: "multi-step operations table (recovery points) and due index".into(),
+        statements: D::create_multisteps(table),
+    }]
+}
+
+struct Sql {
+    returns_id: bool,
+    insert: Arc<str>,
+    update: Arc<str>,
+    get: Arc<str>,
+    find: Arc<str>,
+    due: Arc<str>,
+}
+
+impl Sql {
+    fn new<D: Dialect>(t: &str) -> Self {
+        let p = D::placeholder;
+        let twin = D::ignore_twin("tenant, operation, idem_key");
+        let columns = FIXED.iter().chain(&UPDATED).copied().collect::<Vec<_>>();
+        Self {
+            returns_id: twin.is_some(),
+            insert: format!(
+                "INSERT INTO {t} ({}) VALUES ({}){}",
+                columns.join(", "),
+                placeholders::<D>(1, columns.len()),
+                twin.map_or(String::new(), |clause| format!(" {clause}"))
+            )
+            .into(),
+            update: format!(
+                "UPDATE {t} SET {} WHERE id = {} AND version = {}",
+                assignments::<D>(&UPDATED, 1),
+                p(UPDATED.len() + 1),
+                p(UPDATED.len() + 2)
+            )
+            .into(),
+            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = {}", p(1)).into(),
+            find: format!(
+                "SELECT {COLUMNS} FROM {t} WHERE tenant = {} AND operation = {} AND idem_key = {}",
+                p(1),
+                p(2),
+                p(3)
+            )
+            .into(),
+            // A plain read: a runner takes what it found by a conditional
+            // write, so the scan locks nothing.
+            due: format!(
+                "SELECT id FROM {t} WHERE state IN ('running', 'compensating') \
+                 AND (lease_until_ms IS NULL OR lease_until_ms <= {}) \
+                 AND (not_before_ms IS NULL OR not_before_ms <= {}) \
+                 ORDER BY updated_at_ms, id LIMIT {}",
+                p(1),
+                p(2),
+                p(3)
+            )
+            .into(),
+        }
+    }
+}
+
+table_store! {
+    /// Multi-step operations on the engine `D` speaks to: each engine crate
+    /// names its own (`PgMultiSteps`, `MySqlMultiSteps`, `SqliteMultiSteps`).
+    /// Its writes join the transactions of any backend whose transaction
+    /// derefs to the engine's connection (each store's own transaction type).
+    SqlMultiSteps<D: MultiStepSchema>, DEFAULT_MULTISTEP_TABLE, "operations", "multi-step operations"
+}
+
+impl<D: MultiStepSchema> SqlMultiSteps<D> {
+    async fn insert(&self, conn: &mut <D::Db as Database>::Connection, op: &MultiStep) -> Result<Option<i64>> {
+        let row = MultiStepRow::from(&MultiStep {
+            version: 0,
+            ..op.clone()
+        });
+        let args = [
+            Arg::Text(&row.tenant),
+            Arg::Text(&row.operation),
+            Arg::Text(&row.idem_key),
+        ]
+        .into_iter()
+        .chain(changed(&row));
+        let statement = args.fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
+        crate::insert_unless_twin::<D>(statement, self.t.sql.returns_id, conn).await
+    }
+
+    async fn update(&self, conn: &mut <D::Db as Database>::Connection, op: &MultiStep) -> Result<()> {
+        let row = MultiStepRow::from(&MultiStep {
+            version: op.version + 1,
+            ..op.clone()
+        });
+        let statement = changed(&row)
+            .chain([Arg::Int(row.id), Arg::Int(op.version)])
+            .fold(sqlx::query(AssertSqlSafe(self.t.sql.update.clone())), D::Db::bind);
+        let done = D::Db::execute(statement, conn).await.map_err(D::error)?;
+        match D::rows_affected(&done) {
+            1 => Ok(()),
+            _ => Err(Error::Fenced),
+        }
+    }
+
+    async fn read(&self, statement: Statement<'_, D::Db>) -> Result<Option<MultiStep>> {
+        let row = D::Db::fetch_optional_pooled(statement, &self.t.pool)
+            .await
+            .map_err(D::error)?;
+        row.as_ref().map(decode::<D>).transpose()
+    }
+}
+
+/// What [`UPDATED`] binds, in its order.
+fn changed(row: &MultiStepRow) -> impl Iterator<Item = Arg<'_>> {
+    [
+        Arg::Text(&row.state),
+        Arg::Int(row.version),
+        Arg::Int(row.token),
+        Arg::Int(row.step),
+        Arg::OptInt(row.lease_until_ms),
+        Arg::OptInt(row.not_before_ms),
+        Arg::Int(row.updated_at_ms),
+        Arg::OptInt(row.expires_at_ms),
+        Arg::Bytes(&row.document),
+    ]
+    .into_iter()
+}
+
+fn decode<D: Dialect>(r: &<D::Db as Database>::Row) -> Result<MultiStep> {
+    let int = |name: &str| D::Db::int(r, name).map_err(D::error);
+    let opt_int = |name: &str| D::Db::opt_int(r, name).map_err(D::error);
+    MultiStepRow {
+        id: int("id")?,
+        tenant: shown_text::<D>(r, "tenant")?,
+        operation: shown_text::<D>(r, "operation")?,
+        idem_key: shown_text::<D>(r, "idem_key")?,
+        state: shown_text::<D>(r, "state")?,
+        version: int("version")?,
+        token: int("token")?,
+        step: int("step")?,
+        lease_until_ms: opt_int("lease_until_ms")?,
+        not_before_ms: opt_int("not_before_ms")?,
+        updated_at_ms: int("updated_at_ms")?,
+        expires_at_ms: opt_int("expires_at_ms")?,
+        document: D::Db::bytes(r, "document").map_err(D::error)?,
+    }
+    .decode()
+}
+
+impl<D, B> MultiStepStore<B> for SqlMultiSteps<D>
+where
+    D: MultiStepSchema,
+    B: TxBackend,
+    B::Tx: DerefMut<Target = <D::Db as Database>::Connection>,
+{
+    fn insert_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, Result<Option<i64>>> {
+        Box::pin(self.insert(&mut **tx, row))
+    }
+
+    fn write_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.update(&mut **tx, row))
+    }
+
+    fn write<'a>(&'a self, row: &'a MultiStep) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut conn = self.t.pool.acquire().await.map_err(D::error)?;
+            self.update(&mut conn, row).await
+        })
+    }
+
+    fn find<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<MultiStep>>> {
+        Box::pin(async move {
+            let statement = [
+                Arg::Text(scope.tenant().as_str()),
+                Arg::Text(scope.operation().as_str()),
+                Arg::Text(key.as_str()),
+            ]
+            .into_iter()
+            .fold(sqlx::query(AssertSqlSafe(self.t.sql.find.clone())), D::Db::bind);
+            self.read(statement).await
+        })
+    }
+
+    fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<MultiStep>>> {
+        Box::pin(async move {
+            let statement = D::Db::bind(sqlx::query(AssertSqlSafe(self.t.sql.get.clone())), Arg::Int(id));
+            self.read(statement).await
+        })
+    }
+
+    fn due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<i64>>> {
+        Box::pin(async move {
+            // The time twice: an engine's placeholders may be positional.
+            let statement = [Arg::Int(now_ms), Arg::Int(now_ms), Arg::Int(i64::from(limit))]
+                .into_iter()
+                .fold(sqlx::query(AssertSqlSafe(self.t.sql.due.clone())), D::Db::bind);
+            let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
+                .await
+                .map_err(D::error)?;
+            rows.iter().map(|r| D::Db::int(r, "id").map_err(D::error)).collect()
+        })
+    }
+}
