@@ -630,6 +630,5 @@ fn process_logs(seed: u64) -> Vec<PathBuf> {
 }
 
 async fn free_port() -> Result<u16, Error> {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    Ok(l.local_addr()?.port())
+    Ok(idem_conformance::free_port())
 }

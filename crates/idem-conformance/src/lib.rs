@@ -26,9 +26,12 @@ pub mod admin_tests;
 pub mod deadletter_tests;
 pub mod lease_tests;
 pub mod multistep_tests;
+mod ports;
 pub mod sent_tests;
 pub mod sql_deadletters;
 pub mod tx_tests;
+
+pub use ports::{free_port, free_port_beside};
 
 /// A store under test.
 pub trait Subject: Clone + Send + Sync + 'static {

@@ -467,11 +467,7 @@ cargo() {
 "#;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("a free port")
-        .local_addr()
-        .expect("addr")
-        .port()
+    idem_conformance::free_port()
 }
 
 /// A NATS server with JetStream of the test's own, killed on drop.

@@ -73,10 +73,7 @@ pub(crate) fn gateway_exit(store: &str, extra: &[&str]) -> (Option<i32>, String)
 }
 
 pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    idem_conformance::free_port()
 }
 
 /// A path in the temporary directory no other test uses.

@@ -9,21 +9,13 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A free loopback port whose cluster-bus port (+10000) is free as well.
 pub(crate) fn free_port() -> u16 {
-    loop {
-        let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
-        let port = l.local_addr().unwrap().port();
-        drop(l);
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return port;
-        }
-    }
+    idem_conformance::free_port_beside(10_000)
 }
 
 fn scratch_dir(what: &str) -> PathBuf {

@@ -14,11 +14,7 @@ use idem_tls::test_pki::TestPki;
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    idem_conformance::free_port()
 }
 
 fn scratch(name: &str) -> PathBuf {
