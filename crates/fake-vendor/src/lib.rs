@@ -197,6 +197,29 @@ impl Vendor {
         None
     }
 
+    /// The faults that answer a request before it applies anything, by
+    /// the request's sequence number `seq`: a 500 (`error_500`) or a 429
+    /// with `Retry-After` (`rate_limit_429`); `None` when neither fires.
+    /// `nothing` says what was not done ("paid", "booked").
+    fn refused_before_applying(&self, faults: &Faults, seq: u64, nothing: &str) -> Option<Response> {
+        if chance(seq * 3) < faults.error_500 {
+            self.errors_500.fetch_add(1, Ordering::SeqCst);
+            let message = format!("an injected failure; nothing was {nothing}");
+            return Some(error(StatusCode::INTERNAL_SERVER_ERROR, "api_error", &message));
+        }
+        if chance(seq * 3 + 1) < faults.rate_limit_429 {
+            self.rate_limited.fetch_add(1, Ordering::SeqCst);
+            let message = format!("slow down; nothing was {nothing}");
+            let mut res = error(StatusCode::TOO_MANY_REQUESTS, "rate_limit", &message);
+            res.headers_mut().insert(
+                header::RETRY_AFTER,
+                faults.retry_after_secs.to_string().parse().expect("digits"),
+            );
+            return Some(res);
+        }
+        None
+    }
+
     /// Payout requests being processed right now (arrived, not yet answered).
     pub fn in_process(&self) -> usize {
         self.lock_processing().0.len()
@@ -376,26 +399,8 @@ async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) ->
         }
     }
     let seq = v.seq.fetch_add(1, Ordering::SeqCst);
-    if chance(seq * 3) < faults.error_500 {
-        v.errors_500.fetch_add(1, Ordering::SeqCst);
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "api_error",
-            "an injected failure; nothing was paid",
-        );
-    }
-    if chance(seq * 3 + 1) < faults.rate_limit_429 {
-        v.rate_limited.fetch_add(1, Ordering::SeqCst);
-        let mut res = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit",
-            "slow down; nothing was paid",
-        );
-        res.headers_mut().insert(
-            header::RETRY_AFTER,
-            faults.retry_after_secs.to_string().parse().expect("digits"),
-        );
-        return res;
+    if let Some(refused) = v.refused_before_applying(&faults, seq, "paid") {
+        return refused;
     }
     let body = serde_json::json!({
         "id": format!("po_{}", uuid::Uuid::now_v7().simple()),

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use tokio::sync::Mutex;
@@ -185,26 +185,8 @@ async fn book_quote(v: Arc<Vendor>, body: axum::body::Bytes) -> Response {
         tokio::time::sleep(Duration::from_millis(faults.slow_ms)).await;
     }
     let seq = v.seq.fetch_add(1, Ordering::SeqCst);
-    if chance(seq * 3) < faults.error_500 {
-        v.errors_500.fetch_add(1, Ordering::SeqCst);
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "api_error",
-            "an injected failure; nothing was booked",
-        );
-    }
-    if chance(seq * 3 + 1) < faults.rate_limit_429 {
-        v.rate_limited.fetch_add(1, Ordering::SeqCst);
-        let mut res = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit",
-            "slow down; nothing was booked",
-        );
-        res.headers_mut().insert(
-            header::RETRY_AFTER,
-            faults.retry_after_secs.to_string().parse().expect("digits"),
-        );
-        return res;
+    if let Some(refused) = v.refused_before_applying(&faults, seq, "booked") {
+        return refused;
     }
     let quote = serde_json::json!({
         "id": format!("qt_{}", uuid::Uuid::now_v7().simple()),
