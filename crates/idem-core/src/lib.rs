@@ -84,7 +84,7 @@ pub use record::{
     Call, ClaimRequest, Lease, Outcome, Record, RecordStatus, Resolution, RowState, STATUS_COMPLETED,
     STATUS_IN_PROGRESS, STATUS_REJECTED, STATUS_SENT, STATUS_UNKNOWN, StoredRow, Token, is_stale,
 };
-pub use redact::{redact_credentials, redact_known, url_passwords};
+pub use redact::{cut_at_char_boundary, redact_credentials, redact_known, url_passwords};
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};

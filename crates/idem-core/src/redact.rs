@@ -229,6 +229,19 @@ fn redact_pairs(text: &str) -> String {
     out
 }
 
+/// `text` cut to at most `max` bytes, at a character boundary (the longest
+/// prefix that fits).
+pub fn cut_at_char_boundary(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 #[cfg(test)]
 mod tests {
     use super::redact_credentials as r;

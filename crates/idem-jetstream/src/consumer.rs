@@ -403,13 +403,7 @@ impl<B: TxBackend + Clone> Inner<B> {
     async fn handle(&self, message: async_nats::jetstream::Message) {
         let handler = self.options.handler.as_str();
         let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
-        let header = |name: &str| {
-            message
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_owned())
-        };
+        let header = |name: &str| header_of(&message, name);
         let redrive = header(REDRIVE);
         if redrive.as_deref().is_some_and(|h| h != handler) {
             let handled = self.ack(&message, AckKind::Ack, Handled::NotMine).await;
@@ -632,13 +626,7 @@ impl<B: TxBackend + Clone> Inner<B> {
         mark: &DeadLettered,
     ) -> Handled {
         let handler = self.options.handler.as_str();
-        let header = |name: &str| {
-            message
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_owned())
-        };
+        let header = |name: &str| header_of(message, name);
         let message_id = header(MSG_ID);
         let original_id = if redriven { header(EVENT_ID) } else { message_id.clone() };
         let delay = self.options.retry_delay(delivered);
@@ -687,7 +675,10 @@ impl<B: TxBackend + Clone> Inner<B> {
             );
             return self.ack(message, AckKind::Nak(Some(delay)), Handled::Retried).await;
         };
-        fields.push(("Idem-Error", cut(&mark.error, room).to_owned()));
+        fields.push((
+            "Idem-Error",
+            idem_core::cut_at_char_boundary(&mark.error, room).to_owned(),
+        ));
         let mut headers = HeaderMap::new();
         for (name, value) in &fields {
             headers.insert(*name, value.as_str());
@@ -731,16 +722,13 @@ fn headers_len(fields: &[(&str, String)]) -> usize {
             .sum::<usize>()
 }
 
-/// `text` cut to at most `max` bytes, at a character boundary.
-fn cut(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
+/// The value of `message`'s header `name`, if it has one.
+fn header_of(message: &async_nats::jetstream::Message, name: &str) -> Option<String> {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(name))
+        .map(|v| v.as_str().to_owned())
 }
 
 /// The text of a panic's payload.

@@ -162,18 +162,7 @@ fn is_tchar(b: u8) -> bool {
 /// Cuts `text` to at most [`MAX_DEAD_LETTER_TEXT`] bytes on a character
 /// boundary.
 pub fn clip_text(text: &str) -> &str {
-    clip_str(text, MAX_DEAD_LETTER_TEXT)
-}
-
-fn clip_str(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
+    crate::redact::cut_at_char_boundary(text, MAX_DEAD_LETTER_TEXT)
 }
 
 /// A body cut to [`MAX_DEAD_LETTER_TEXT`] bytes: on a character boundary
@@ -190,7 +179,7 @@ pub fn clip_response(body: &[u8]) -> &[u8] {
 
 fn clip_bytes(body: &[u8], max: usize) -> &[u8] {
     match std::str::from_utf8(body) {
-        Ok(text) => clip_str(text, max).as_bytes(),
+        Ok(text) => crate::redact::cut_at_char_boundary(text, max).as_bytes(),
         Err(_) => &body[..body.len().min(max)],
     }
 }

@@ -71,11 +71,7 @@ pub struct SendVerdict {
 const MAX_NOTE: usize = 1024;
 
 fn clip(note: &str) -> String {
-    let mut end = note.len().min(MAX_NOTE);
-    while !note.is_char_boundary(end) {
-        end -= 1;
-    }
-    note[..end].to_owned()
+    crate::redact::cut_at_char_boundary(note, MAX_NOTE).to_owned()
 }
 
 /// An operation's row.
