@@ -29,6 +29,7 @@ pub mod multistep_tests;
 mod ports;
 pub mod sent_tests;
 pub mod sql_deadletters;
+pub mod steps_tests;
 pub mod tx_tests;
 
 pub use ports::{free_port, free_port_beside};
@@ -314,7 +315,8 @@ macro_rules! lease_conformance {
 }
 
 /// Generates the conformance tests of a store of multi-step operations
-/// ([`multistep_tests`]) in a module named `$engine`. `$make` is an async
+/// ([`multistep_tests`], and [`steps_tests`]: operations run by
+/// `idem_steps::StepsEngine` on it) in a module named `$engine`. `$make` is an async
 /// expression producing the [`MultiStepSubject`](multistep_tests::MultiStepSubject).
 #[macro_export]
 macro_rules! multistep_conformance {
@@ -329,6 +331,15 @@ macro_rules! multistep_conformance {
                 multistep_stale_write_writes_nothing,
                 multistep_one_of_concurrent_writers_wins,
                 multistep_due_lists_what_a_runner_may_take
+            );
+            $crate::__suite_test!(steps_tests, $make;
+                steps_complete_once_and_replay,
+                steps_lost_answer_resends_the_same_key,
+                steps_dead_run_is_resumed_after_its_lease,
+                steps_declared_failure_is_compensated_once,
+                steps_unknown_outcome_is_held,
+                steps_twins_run_each_step_once,
+                steps_first_step_rejection_leaves_the_key_unused
             );
         }
     };

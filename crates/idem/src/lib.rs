@@ -37,6 +37,7 @@
 //! | `http` | `http::IdempotencyLayer`, the tower/axum layer, transactional and lease mode |
 //! | `redis` | `redis::RedisStore` (Redis and Redis Cluster, lease mode) |
 //! | `inbox` | `inbox::Inbox`: an event handler applied once per (handler, event id) |
+//! | `steps` | `steps::StepsEngine`: multi-step operations (local and external steps, compensation) resumed from their recovery points |
 //! | `webhooks` | `webhooks::Verifier` and `webhooks::WebhookInbox` (Standard Webhooks, Svix) |
 //! | `outbox` | `outbox::Relay`: the transactional outbox, published at least once |
 //! | `jetstream` | `jetstream::JetStreamPublisher` and `jetstream::InboxConsumer` (NATS JetStream) |
@@ -81,6 +82,12 @@ pub mod sqlite {
 #[cfg(feature = "http")]
 pub mod http {
     pub use idem_http::*;
+}
+
+/// Multi-step operations resumed from their recovery points.
+#[cfg(feature = "steps")]
+pub mod steps {
+    pub use idem_steps::*;
 }
 
 /// The inbox for event consumers and webhooks.

@@ -1,0 +1,399 @@
+//! Multi-step operations run by [`StepsEngine`] on a store: each step's
+//! effect happens once whatever stops a run, a resumed run replays what was
+//! recorded, an external step's resend carries the same key, a declared
+//! failure is compensated once, and an unknown outcome is held.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use idem_core::multistep::{HoldKind, MultiStepStore};
+use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy};
+use idem_steps::{Finished, Halt, Operation, Run, StepError, StepsEngine};
+use serde_json::{Value, json};
+
+use crate::multistep_tests::MultiStepSubject;
+use crate::{Subject, call_for, effect_id, unique_scope};
+
+/// What the vendor does with the next send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Applies it (once per key) and answers.
+    Answer,
+    /// Applies it, and the answer is lost: the step is tried again later.
+    LoseAnswer,
+    /// Declines it, applying nothing.
+    Decline,
+    /// Cannot say whether it applied it.
+    Unknown,
+}
+
+/// A vendor that applies a key once, counts every send, and follows a
+/// script.
+#[derive(Debug, Default)]
+struct Vendor {
+    applied: Mutex<HashMap<String, Value>>,
+    sends: AtomicUsize,
+    script: Mutex<VecDeque<Next>>,
+    /// Each send's key and whether the step said an earlier one may have
+    /// reached the vendor.
+    seen: Mutex<Vec<(String, bool)>>,
+}
+
+impl Vendor {
+    fn scripted(script: &[Next]) -> Arc<Self> {
+        Arc::new(Self {
+            script: Mutex::new(script.iter().copied().collect()),
+            ..Self::default()
+        })
+    }
+
+    fn applied(&self) -> usize {
+        self.applied.lock().unwrap().len()
+    }
+
+    fn send(&self, key: &IdempotencyKey, earlier: bool) -> Result<Value, StepError> {
+        self.sends.fetch_add(1, Ordering::SeqCst);
+        self.seen.lock().unwrap().push((key.as_str().to_owned(), earlier));
+        let next = self.script.lock().unwrap().pop_front().unwrap_or(Next::Answer);
+        let apply = || {
+            let mut applied = self.applied.lock().unwrap();
+            let n = applied.len();
+            applied
+                .entry(key.as_str().to_owned())
+                .or_insert_with(|| json!({ "payout": format!("po_{n}") }))
+                .clone()
+        };
+        match next {
+            Next::Answer => Ok(apply()),
+            Next::LoseAnswer => {
+                apply();
+                Err(StepError::Retry {
+                    why: "the answer was lost".into(),
+                    after_ms: 0,
+                })
+            }
+            Next::Decline => Err(StepError::Declared(json!({ "declined": "account closed" }))),
+            Next::Unknown => Err(StepError::Unknown("the vendor cannot say".into())),
+        }
+    }
+}
+
+/// A withdrawal: debit (local), pay (external), settle (local); a declined
+/// payment is compensated by a credit (local). Each local step writes one
+/// business row named after the operation's effect id and the step.
+struct Withdrawal<S: Subject> {
+    vendor: Arc<Vendor>,
+    /// A run stops with a store failure at this step's start (a crash),
+    /// once.
+    crash_at: Mutex<Option<&'static str>>,
+    subject: std::marker::PhantomData<fn() -> S>,
+}
+
+impl<S: Subject> Withdrawal<S> {
+    fn new(vendor: Arc<Vendor>) -> Self {
+        Self {
+            vendor,
+            crash_at: Mutex::new(None),
+            subject: std::marker::PhantomData,
+        }
+    }
+
+    fn crashing_at(self, step: &'static str) -> Self {
+        *self.crash_at.lock().unwrap() = Some(step);
+        self
+    }
+
+    fn crash(&self, step: &str) -> Result<(), Halt> {
+        let mut at = self.crash_at.lock().unwrap();
+        if *at == Some(step) {
+            *at = None;
+            return Err(Halt::Store(Error::store(
+                idem_core::StoreErrorKind::Unavailable,
+                "the process died",
+            )));
+        }
+        Ok(())
+    }
+
+    async fn write<'r>(run: &mut Run<'r, S::Backend>, step: &str, eid: &str) -> Result<String, Halt> {
+        let row = format!("{eid}-{step}");
+        run.local(step, move |tx| {
+            let row = row.clone();
+            Box::pin(async move {
+                S::write_effect(tx, row)
+                    .await
+                    .map_err(|e| StepError::Fatal(e.to_string()))?;
+                // A value the step makes: replayed, never made again.
+                Ok(uuid::Uuid::new_v4().to_string())
+            })
+        })
+        .await
+    }
+}
+
+impl<S: Subject> Operation<S::Backend> for Withdrawal<S> {
+    type Input = String;
+    type Output = Value;
+    const NAME: &'static str = "withdrawal@1";
+
+    fn run<'r>(&'r self, run: &'r mut Run<'_, S::Backend>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
+        Box::pin(async move {
+            self.crash("debit")?;
+            let debit = Self::write(run, "debit", eid).await?;
+            self.crash("pay")?;
+            let vendor = self.vendor.clone();
+            let paid: Value = run
+                .external("pay", |s| async move { vendor.send(&s.key, s.earlier.is_some()) })
+                .await?;
+            self.crash("settle")?;
+            Self::write(run, "settle", eid).await?;
+            Ok(json!({ "debit": debit, "paid": paid }))
+        })
+    }
+
+    fn compensate<'r>(
+        &'r self,
+        run: &'r mut Run<'_, S::Backend>,
+        eid: &'r String,
+        _failure: &'r Value,
+    ) -> BoxFuture<'r, Result<(), Halt>> {
+        Box::pin(async move {
+            self.crash("credit")?;
+            Self::write(run, "credit", eid).await.map(drop)
+        })
+    }
+}
+
+const LEASE_MS: i64 = 30_000;
+
+fn engine<S: MultiStepSubject>(s: &S, clock: &ManualClock) -> StepsEngine<S::Backend, S::Steps> {
+    StepsEngine::new(s.backend(), s.steps())
+        .with_clock(Arc::new(clock.clone()))
+        .with_lease_ms(LEASE_MS)
+}
+
+fn new_call(eid: &str) -> Call {
+    let body = json!({ "effect": eid }).to_string();
+    call_for(
+        &unique_scope("POST /v1/withdrawals"),
+        &IdempotencyKey::generate(),
+        &body,
+        Policy::default(),
+    )
+}
+
+async fn effects<S: Subject>(s: &S, eid: &str, step: &str) -> u64 {
+    s.count_effects(format!("{eid}-{step}")).await.unwrap()
+}
+
+/// An operation runs each step once; a retry answers the recorded output and runs nothing; another request under its key is refused.
+pub async fn steps_complete_once_and_replay<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[]), effect_id());
+    let op = Withdrawal::<S>::new(vendor.clone());
+    let call = new_call(&eid);
+    let first = engine.execute(&op, &call, &eid).await.unwrap();
+    let Finished::Completed {
+        output,
+        replayed: false,
+    } = first
+    else {
+        panic!("got {first:?}")
+    };
+    let again = engine.execute(&op, &call, &eid).await.unwrap();
+    assert_eq!(again, Finished::Completed { output, replayed: true });
+    assert_eq!(
+        (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+        (1, 1)
+    );
+    assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (1, 1));
+    let other = call_for(call.scope(), call.key(), r#"{"another":"request"}"#, Policy::default());
+    assert!(matches!(engine.execute(&op, &other, &eid).await, Err(Error::Mismatch)));
+}
+
+/// A send whose answer was lost is sent again with the same key, told an earlier send may have arrived; the vendor applies it once and the local steps before it are not run again.
+pub async fn steps_lost_answer_resends_the_same_key<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::LoseAnswer]), effect_id());
+    let op = Withdrawal::<S>::new(vendor.clone());
+    let call = new_call(&eid);
+    assert_eq!(engine.execute(&op, &call, &eid).await.unwrap(), Finished::InFlight);
+    let done = engine.execute(&op, &call, &eid).await.unwrap();
+    assert!(
+        matches!(done, Finished::Completed { replayed: false, .. }),
+        "got {done:?}"
+    );
+    let seen = vendor.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].0, seen[1].0, "one key for every send of the step");
+    assert_eq!((seen[0].1, seen[1].1), (false, true), "the resend knows of the first");
+    assert_eq!(vendor.applied(), 1);
+    assert_eq!(
+        (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+        (1, 1)
+    );
+}
+
+/// A run that died between steps is taken over once its lease ran out, resuming after its last recorded step: nothing recorded runs twice.
+pub async fn steps_dead_run_is_resumed_after_its_lease<S: MultiStepSubject>(s: S) {
+    for crash in ["pay", "settle"] {
+        let clock = ManualClock::starting_now();
+        let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[]), effect_id());
+        let op = Withdrawal::<S>::new(vendor.clone()).crashing_at(crash);
+        let call = new_call(&eid);
+        assert!(
+            engine.execute(&op, &call, &eid).await.is_err(),
+            "the run died at {crash}"
+        );
+        assert_eq!(
+            engine.execute(&op, &call, &eid).await.unwrap(),
+            Finished::InFlight,
+            "its lease is still live"
+        );
+        clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+        let done = engine.execute(&op, &call, &eid).await.unwrap();
+        assert!(
+            matches!(done, Finished::Completed { replayed: false, .. }),
+            "got {done:?}"
+        );
+        assert_eq!(
+            (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+            (1, 1)
+        );
+        assert_eq!(
+            (vendor.sends.load(Ordering::SeqCst), vendor.applied()),
+            (1, 1),
+            "after {crash}"
+        );
+    }
+}
+
+/// A declared failure runs the compensation once, even when a run dies inside it; its outcome is replayed.
+pub async fn steps_declared_failure_is_compensated_once<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::Decline]), effect_id());
+    let op = Withdrawal::<S>::new(vendor.clone()).crashing_at("credit");
+    let call = new_call(&eid);
+    assert!(
+        engine.execute(&op, &call, &eid).await.is_err(),
+        "the run died in its compensation"
+    );
+    clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+    let done = engine.execute(&op, &call, &eid).await.unwrap();
+    let failure = json!({ "declined": "account closed" });
+    assert_eq!(
+        done,
+        Finished::Compensated {
+            failure: failure.clone(),
+            replayed: false
+        }
+    );
+    let again = engine.execute(&op, &call, &eid).await.unwrap();
+    assert_eq!(
+        again,
+        Finished::Compensated {
+            failure,
+            replayed: true
+        }
+    );
+    assert_eq!(effects(&s, &eid, "debit").await, 1);
+    assert_eq!(effects(&s, &eid, "credit").await, 1, "credited back once");
+    assert_eq!(effects(&s, &eid, "settle").await, 0);
+    assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (1, 0));
+}
+
+/// An unknown outcome holds the operation: later calls answer held and send nothing.
+pub async fn steps_unknown_outcome_is_held<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::Unknown]), effect_id());
+    let op = Withdrawal::<S>::new(vendor.clone());
+    let call = new_call(&eid);
+    assert_eq!(
+        engine.execute(&op, &call, &eid).await.unwrap(),
+        Finished::Held(HoldKind::Unknown)
+    );
+    clock.advance(std::time::Duration::from_millis(10 * LEASE_MS as u64));
+    assert_eq!(
+        engine.execute(&op, &call, &eid).await.unwrap(),
+        Finished::Held(HoldKind::Unknown)
+    );
+    assert_eq!(vendor.sends.load(Ordering::SeqCst), 1);
+    let row = engine.store().find(call.scope(), call.key()).await.unwrap().unwrap();
+    assert_eq!(
+        row.open.map(|o| o.step),
+        Some("pay".to_owned()),
+        "the send stays open for a verdict"
+    );
+    assert_eq!(effects(&s, &eid, "settle").await, 0);
+}
+
+/// Twins of one operation at once: each step's effect happens once; the others answer in flight.
+pub async fn steps_twins_run_each_step_once<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (vendor, eid) = (Vendor::scripted(&[]), effect_id());
+    let call = new_call(&eid);
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (twin, barrier, vendor, call, eid) = (
+            s.another().await,
+            barrier.clone(),
+            vendor.clone(),
+            call.clone(),
+            eid.clone(),
+        );
+        let engine = engine(&twin, &clock);
+        tasks.push(tokio::spawn(async move {
+            let op = Withdrawal::<S>::new(vendor);
+            barrier.wait().await;
+            engine.execute(&op, &call, &eid).await
+        }));
+    }
+    let mut completed = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(Finished::Completed { .. }) => completed += 1,
+            Ok(Finished::InFlight) => {}
+            other => panic!("a twin got {other:?}"),
+        }
+    }
+    assert!(completed >= 1, "one twin completed it");
+    assert_eq!(
+        (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+        (1, 1)
+    );
+    assert_eq!(vendor.applied(), 1);
+    let op = Withdrawal::<S>::new(vendor.clone());
+    let last = engine(&s, &clock).execute(&op, &call, &eid).await.unwrap();
+    assert!(
+        matches!(last, Finished::Completed { replayed: true, .. }),
+        "got {last:?}"
+    );
+}
+
+/// A first step that declares a failure records nothing: the key stays unused.
+pub async fn steps_first_step_rejection_leaves_the_key_unused<S: MultiStepSubject>(s: S) {
+    struct Refused;
+    impl<B: idem_core::TxBackend> Operation<B> for Refused {
+        type Input = ();
+        type Output = ();
+        const NAME: &'static str = "refused@1";
+        fn run<'r>(&'r self, run: &'r mut Run<'_, B>, _: &'r ()) -> BoxFuture<'r, Result<(), Halt>> {
+            Box::pin(async move {
+                run.local::<(), _>("debit", |_tx| {
+                    Box::pin(async { Err(StepError::Declared(json!("insufficient funds"))) })
+                })
+                .await
+            })
+        }
+    }
+    let clock = ManualClock::starting_now();
+    let engine = engine(&s, &clock);
+    let call = new_call("{}");
+    assert_eq!(
+        engine.execute(&Refused, &call, &()).await.unwrap(),
+        Finished::Rejected(json!("insufficient funds"))
+    );
+    assert_eq!(engine.store().find(call.scope(), call.key()).await.unwrap(), None);
+}
