@@ -210,6 +210,21 @@ pub async fn steps_complete_once_and_replay<S: MultiStepSubject>(s: S) {
     assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (1, 1));
     let other = call_for(call.scope(), call.key(), r#"{"another":"request"}"#, Policy::default());
     assert!(matches!(engine.execute(&op, &other, &eid).await, Err(Error::Mismatch)));
+    struct Renamed<S: Subject>(Withdrawal<S>);
+    impl<S: Subject> Operation<S::Backend> for Renamed<S> {
+        type Input = String;
+        type Output = Value;
+        const NAME: &'static str = "withdrawal@2";
+        fn run<'r>(&'r self, run: &'r mut Run<'_, S::Backend>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
+            self.0.run(run, eid)
+        }
+    }
+    let renamed = Renamed(Withdrawal::<S>::new(vendor.clone()));
+    assert!(matches!(
+        engine.execute(&renamed, &call, &eid).await,
+        Err(Error::InvalidRequest(_))
+    ));
+    assert_eq!(vendor.sends.load(Ordering::SeqCst), 1, "nothing ran");
 }
 
 /// A send whose answer was lost is sent again with the same key, told an earlier send may have arrived; the vendor applies it once and the local steps before it are not run again.

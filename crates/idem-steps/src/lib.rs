@@ -204,7 +204,8 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
     /// Runs `op` for `call` with `input`, or resumes it from its last
     /// recovery point, or answers its recorded outcome. A call whose
     /// fingerprint differs from the one that started the operation is
-    /// [`Error::Mismatch`].
+    /// [`Error::Mismatch`]; one of another definition (or version) than the
+    /// operation under its key is [`Error::InvalidRequest`].
     pub async fn execute<O: Operation<B>>(&self, op: &O, call: &Call, input: &O::Input) -> Result<Finished<O::Output>> {
         let now = self.clock.now_ms();
         let row = match self.store.find(call.scope(), call.key()).await? {
@@ -223,6 +224,13 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
             Some(row) => {
                 if !call.accepts(&row.fingerprint) {
                     return Err(Error::Mismatch);
+                }
+                if row.definition != O::NAME {
+                    return Err(Error::InvalidRequest(format!(
+                        "the operation under this key runs {:?}, not {:?}",
+                        row.definition,
+                        O::NAME
+                    )));
                 }
                 if let Some(done) = replay::<O::Output>(&row)? {
                     return Ok(done);
