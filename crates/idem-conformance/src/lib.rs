@@ -339,7 +339,9 @@ macro_rules! multistep_conformance {
                 steps_declared_failure_is_compensated_once,
                 steps_unknown_outcome_is_held,
                 steps_twins_run_each_step_once,
-                steps_first_step_rejection_leaves_the_key_unused
+                steps_first_step_rejection_leaves_the_key_unused,
+                steps_completer_finishes_what_the_caller_left,
+                steps_completers_race_each_operation_once
             );
         }
     };

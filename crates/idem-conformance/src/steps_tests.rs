@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use idem_core::multistep::{HoldKind, MultiStepStore};
 use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy};
-use idem_steps::{Finished, Halt, Operation, Run, StepError, StepsEngine};
+use idem_steps::{Finished, Halt, Operation, Pass, Registry, Run, StepError, StepsEngine};
 use serde_json::{Value, json};
 
 use crate::multistep_tests::MultiStepSubject;
@@ -411,4 +411,82 @@ pub async fn steps_first_step_rejection_leaves_the_key_unused<S: MultiStepSubjec
         Finished::Rejected(json!("insufficient funds"))
     );
     assert_eq!(engine.store().find(call.scope(), call.key()).await.unwrap(), None);
+}
+
+/// An engine on an operations table of its own (a completer scans a whole table).
+async fn isolated_engine<S: MultiStepSubject>(s: &S, clock: &ManualClock) -> StepsEngine<S::Backend, S::Steps> {
+    StepsEngine::new(s.backend(), s.isolated_steps().await)
+        .with_clock(Arc::new(clock.clone()))
+        .with_lease_ms(LEASE_MS)
+}
+
+/// A completer finishes an operation whose caller went away, once its run's lease ran out; an operation of a definition it does not know is left alone.
+pub async fn steps_completer_finishes_what_the_caller_left<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, eid) = (isolated_engine(&s, &clock).await, Vendor::scripted(&[]), effect_id());
+    let call = new_call(&eid);
+    let op = Withdrawal::<S>::new(vendor.clone()).crashing_at("settle");
+    assert!(engine.execute(&op, &call, &eid).await.is_err(), "the caller's run died");
+    let registry = Registry::new().with(Withdrawal::<S>::new(vendor.clone()));
+    assert_eq!(
+        engine.complete_due(&registry, 10).await.unwrap(),
+        Pass::default(),
+        "its lease is live"
+    );
+    clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+    let strangers = Registry::<S::Backend, S::Steps>::new();
+    let skipped = engine.complete_due(&strangers, 10).await.unwrap();
+    assert_eq!((skipped.taken, skipped.unknown_definitions), (0, 1));
+    let pass = engine.complete_due(&registry, 10).await.unwrap();
+    assert_eq!((pass.taken, pass.completed), (1, 1), "{pass:?}");
+    let retry = engine.execute(&op, &call, &eid).await.unwrap();
+    assert!(
+        matches!(retry, Finished::Completed { replayed: true, .. }),
+        "got {retry:?}"
+    );
+    assert_eq!(
+        (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+        (1, 1)
+    );
+    assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (1, 1));
+}
+
+/// Completers racing over the same operations: each is taken and finished by one, and every step's effect happens once.
+pub async fn steps_completers_race_each_operation_once<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor) = (isolated_engine(&s, &clock).await, Vendor::scripted(&[]));
+    let eids: Vec<String> = (0..6).map(|_| effect_id()).collect();
+    for eid in &eids {
+        let op = Withdrawal::<S>::new(vendor.clone()).crashing_at("pay");
+        assert!(engine.execute(&op, &new_call(eid), eid).await.is_err());
+    }
+    clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+    let barrier = Arc::new(tokio::sync::Barrier::new(4));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let twin = s.another().await;
+        let completer = StepsEngine::new(twin.backend(), engine.store().clone())
+            .with_clock(Arc::new(clock.clone()))
+            .with_lease_ms(LEASE_MS);
+        let (registry, barrier) = (
+            Registry::new().with(Withdrawal::<S>::new(vendor.clone())),
+            barrier.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            completer.complete_due(&registry, 100).await.unwrap()
+        }));
+    }
+    let mut completed = 0;
+    for t in tasks {
+        completed += t.await.unwrap().completed;
+    }
+    assert_eq!(completed, 6, "each operation was finished by one completer");
+    for eid in &eids {
+        assert_eq!(
+            (effects(&s, eid, "debit").await, effects(&s, eid, "settle").await),
+            (1, 1)
+        );
+    }
+    assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (6, 6));
 }

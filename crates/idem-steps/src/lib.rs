@@ -68,8 +68,10 @@
 //! # Ok(()) }
 //! ```
 
+mod completer;
 mod run;
 
+pub use completer::{Pass, Registry};
 pub use run::{Halt, Run, Sending, StepError};
 
 use std::sync::Arc;
@@ -238,18 +240,35 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
                 if row.state == MultiStepState::Held {
                     return Ok(Finished::Held(row.hold.as_ref().map_or(HoldKind::Operator, |h| h.kind)));
                 }
-                let mut taken = row.clone();
-                if taken.take(now, self.lease_ms).is_none() {
-                    return Ok(Finished::InFlight);
+                match self.take(row, now).await? {
+                    Some(taken) => taken,
+                    None => return Ok(Finished::InFlight),
                 }
-                match self.store.write(&taken).await {
-                    Ok(()) => taken.version += 1,
-                    Err(Error::Fenced) => return Ok(Finished::InFlight),
-                    Err(e) => return Err(e),
-                }
-                taken
             }
         };
+        self.drive(op, row).await
+    }
+
+    /// Takes `row` for a run at `now` (a new token, a lease, written over
+    /// the version read); `None` when it is not due or another took it
+    /// first.
+    pub(crate) async fn take(&self, mut row: MultiStep, now: i64) -> Result<Option<MultiStep>> {
+        if row.take(now, self.lease_ms).is_none() {
+            return Ok(None);
+        }
+        match self.store.write(&row).await {
+            Ok(()) => {
+                row.version += 1;
+                Ok(Some(row))
+            }
+            Err(Error::Fenced) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs `op` on `row`, which this engine holds (new, or taken), from
+    /// its recovery point to its end or a halt.
+    pub(crate) async fn drive<O: Operation<B>>(&self, op: &O, row: MultiStep) -> Result<Finished<O::Output>> {
         // Every run reads the input as it was kept, the first one too.
         let input: O::Input =
             serde_json::from_slice(&row.input).map_err(|e| Error::Corrupt(format!("operation input: {e}")))?;
