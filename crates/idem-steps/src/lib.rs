@@ -69,9 +69,13 @@
 //! ```
 
 mod completer;
+#[cfg(feature = "outbound")]
+mod outbound;
 mod run;
 
 pub use completer::{Pass, Registry};
+#[cfg(feature = "outbound")]
+pub use outbound::Answer;
 pub use run::{Halt, Run, Sending, StepError};
 
 use std::sync::Arc;
