@@ -654,6 +654,11 @@ fn outbound() {
 }
 
 #[test]
+fn steps() {
+    run_document("docs/steps.md");
+}
+
+#[test]
 fn tls() {
     run_document("docs/tls.md");
 }
