@@ -341,7 +341,9 @@ macro_rules! multistep_conformance {
                 steps_twins_run_each_step_once,
                 steps_first_step_rejection_leaves_the_key_unused,
                 steps_completer_finishes_what_the_caller_left,
-                steps_completers_race_each_operation_once
+                steps_completers_race_each_operation_once,
+                steps_failure_returned_by_the_operation_is_compensated,
+                steps_no_send_starts_after_the_lease
             );
         }
     };

@@ -75,8 +75,37 @@ pub async fn multistep_insert_commits_with_the_step<S: MultiStepSubject>(s: S) {
     let found = s.steps().find(&r.scope, &r.key).await.unwrap().expect("committed");
     assert_eq!((found.id, found.version), (id, 0));
     assert_eq!(MultiStep { id, ..r.clone() }, found, "every field survives the store");
-    assert_eq!(s.steps().get(id).await.unwrap(), Some(found));
+    assert_eq!(s.steps().get(id).await.unwrap(), Some(found.clone()));
     assert_eq!(s.count_effects(eid).await.unwrap(), 1);
+    // A row with a journal, an open send and its terms, a hold and a verdict
+    // survives the store too.
+    let mut full = found;
+    full.record(1, local("debit"), 1_001).unwrap();
+    let terms = idem_core::SentUnder {
+        key_horizon: std::time::Duration::from_secs(3_600),
+        horizon_margin: std::time::Duration::from_secs(60),
+        settle: std::time::Duration::from_secs(15),
+    };
+    full.mark_sent(1, "pay", 1_002, Some(terms)).unwrap();
+    full.hold(1, idem_core::multistep::HoldKind::Unknown, "lost answer ✓", 1_003)
+        .unwrap();
+    let applied = idem_core::Settlement {
+        verdict: idem_core::Verdict::Applied,
+        by: idem_core::VerdictSource::Operator,
+        status: Some(201),
+        body: vec![0, 159, 146, 150],
+        note: "seen on the dashboard".into(),
+    };
+    full.settle(&applied, 1_004).unwrap();
+    s.steps().write(&full).await.unwrap();
+    let back = s.steps().get(id).await.unwrap().unwrap();
+    assert_eq!(
+        back,
+        MultiStep {
+            version: full.version + 1,
+            ..full
+        }
+    );
 }
 
 /// A rolled-back insert leaves neither the row nor the caller's write.

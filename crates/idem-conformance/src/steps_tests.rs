@@ -490,3 +490,88 @@ pub async fn steps_completers_race_each_operation_once<S: MultiStepSubject>(s: S
     }
     assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (6, 6));
 }
+
+/// A failure the operation's own code returns after a step committed starts its compensation, recorded so: retries replay it.
+pub async fn steps_failure_returned_by_the_operation_is_compensated<S: MultiStepSubject>(s: S) {
+    struct OverLimit<S: Subject>(std::marker::PhantomData<fn() -> S>);
+    impl<S: Subject> Operation<S::Backend> for OverLimit<S> {
+        type Input = String;
+        type Output = Value;
+        const NAME: &'static str = "over-limit@1";
+        fn run<'r>(&'r self, run: &'r mut Run<'_, S::Backend>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
+            Box::pin(async move {
+                Withdrawal::<S>::write(run, "debit", eid).await?;
+                Err(Halt::Failed(json!("over the daily limit")))
+            })
+        }
+        fn compensate<'r>(
+            &'r self,
+            run: &'r mut Run<'_, S::Backend>,
+            eid: &'r String,
+            _failure: &'r Value,
+        ) -> BoxFuture<'r, Result<(), Halt>> {
+            Box::pin(async move {
+                // Only what ran is undone.
+                assert!(run.forward::<String>("debit").is_some());
+                assert!(run.forward::<Value>("pay").is_none());
+                Withdrawal::<S>::write(run, "credit", eid).await.map(drop)
+            })
+        }
+    }
+    let clock = ManualClock::starting_now();
+    let (engine, eid) = (engine(&s, &clock), effect_id());
+    let (op, call) = (OverLimit::<S>(std::marker::PhantomData), new_call(&eid));
+    let failure = json!("over the daily limit");
+    let first = engine.execute(&op, &call, &eid).await.unwrap();
+    assert_eq!(
+        first,
+        Finished::Compensated {
+            failure: failure.clone(),
+            replayed: false
+        }
+    );
+    let again = engine.execute(&op, &call, &eid).await.unwrap();
+    assert_eq!(
+        again,
+        Finished::Compensated {
+            failure,
+            replayed: true
+        }
+    );
+    assert_eq!(
+        (effects(&s, &eid, "debit").await, effects(&s, &eid, "credit").await),
+        (1, 1)
+    );
+}
+
+/// An external step may start a send only while its run holds the operation.
+pub async fn steps_no_send_starts_after_the_lease<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, eid) = (engine(&s, &clock), effect_id());
+    struct Late(ManualClock);
+    impl<B: idem_core::TxBackend> Operation<B> for Late {
+        type Input = String;
+        type Output = Value;
+        const NAME: &'static str = "late@1";
+        fn run<'r>(&'r self, run: &'r mut Run<'_, B>, _: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
+            Box::pin(async move {
+                let clock = self.0.clone();
+                run.external("pay", |s| async move {
+                    let before = s.may_send();
+                    clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+                    let after = s.may_send();
+                    Ok(json!({ "before": before.is_ok(), "after": after.is_ok() }))
+                })
+                .await
+            })
+        }
+    }
+    let done = engine
+        .execute(&Late(clock.clone()), &new_call(&eid), &eid)
+        .await
+        .unwrap();
+    let Finished::Completed { output, .. } = done else {
+        panic!("got {done:?}")
+    };
+    assert_eq!(output, json!({ "before": true, "after": false }));
+}

@@ -94,9 +94,11 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
     /// completers may run at once: each operation is taken by one (the
     /// others' takes write nothing).
     pub async fn complete_due(&self, registry: &Registry<B, S>, limit: u32) -> Result<Pass> {
-        let now = self.clock.now_ms();
         let mut pass = Pass::default();
-        for id in self.store.due(now, limit).await? {
+        for id in self.store.due(self.clock.now_ms(), limit).await? {
+            // Each take reads the clock anew: the runs before it took time,
+            // and a lease counted from a stale time would end early.
+            let now = self.clock.now_ms();
             let Some(row) = self.store.get(id).await? else { continue };
             let Some(op) = registry.ops.get(row.definition.as_str()) else {
                 pass.unknown_definitions += 1;

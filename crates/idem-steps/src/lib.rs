@@ -69,14 +69,16 @@
 //! ```
 
 mod completer;
+mod halt;
 #[cfg(feature = "outbound")]
 mod outbound;
 mod run;
 
 pub use completer::{Pass, Registry};
+pub use halt::{Halt, Sending, StepError};
 #[cfg(feature = "outbound")]
 pub use outbound::Answer;
-pub use run::{Halt, Run, Sending, StepError};
+pub use run::Run;
 
 use std::sync::Arc;
 
@@ -151,6 +153,11 @@ pub const DEFAULT_LEASE_MS: i64 = 30_000;
 
 /// The default time a final operation's outcome is kept: 24 h.
 pub const DEFAULT_TTL_MS: i64 = 86_400_000;
+
+/// The most runs an operation gets: one taken more often than this (each
+/// run stopped by a crash, a lost lease or a step asking to wait) is held
+/// as [`HoldKind::Exhausted`] for an operator.
+pub const MAX_RUNS: u32 = 20;
 
 /// Runs [`Operation`]s over the caller's backend `B` and a store of
 /// operations `S`.
@@ -280,16 +287,39 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
         let mut run = Run {
             backend: &self.backend,
             rows: &self.store,
-            clock: self.clock.as_ref(),
+            clock: self.clock.clone(),
             row,
             token,
             lease_ms: self.lease_ms,
             cursor: 0,
         };
-        let forward = if run.row.state == MultiStepState::Compensating {
+        if run.row.id != 0 && run.row.runs > MAX_RUNS {
+            let why = format!("taken {} times without finishing", run.row.runs);
+            return Ok(match run.hold(HoldKind::Exhausted, &why).await {
+                Halt::Held(kind) => Finished::Held(kind),
+                Halt::Store(e) => return Err(e),
+                _ => Finished::InFlight,
+            });
+        }
+        let forward = if run.compensating() {
             Err(Halt::Failed(run.row.failure.clone().unwrap_or_default()))
         } else {
             op.run(&mut run, &input).await
+        };
+        // The row says what happened, not the value the code returned: a
+        // failure the operation itself returns starts its compensation, and
+        // an output returned after a step's declared failure was caught
+        // does not skip it.
+        let forward = match forward {
+            Ok(_) if run.compensating() => Err(Halt::Failed(run.row.failure.clone().unwrap_or_default())),
+            Err(Halt::Failed(failure)) if run.row.id != 0 && !run.compensating() => {
+                let declared = failure.clone();
+                match run.change(|next, token, now| next.fail(token, declared, now)).await {
+                    Ok(()) => Err(Halt::Failed(failure)),
+                    Err(h) => Err(h),
+                }
+            }
+            other => other,
         };
         let outcome = match forward {
             Ok(output) => {

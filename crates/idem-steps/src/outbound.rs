@@ -50,7 +50,8 @@ impl<B: TxBackend> Run<'_, B> {
         T: Serialize + DeserializeOwned + Send,
         D: FnOnce(Answer<'_>) -> Result<T, StepError>,
     {
-        self.external(name, |s| async move {
+        let terms = client.terms_of(request);
+        self.external_under(name, Some(terms), |s| async move {
             if let Some(v) = &s.verdict
                 && let Some(status) = v.status
             {
@@ -62,7 +63,9 @@ impl<B: TxBackend> Run<'_, B> {
                 sent_under: s.earlier.as_ref().and_then(|o| o.sent_under),
                 ..Earlier::default()
             };
-            match client.resend(&s.key, request, earlier).await {
+            // Each attempt starts only while the run holds the operation.
+            let may_send = || s.may_send();
+            match client.resend_while(&s.key, request, earlier, &may_send).await {
                 Ok(r) => decide(Answer::Applied {
                     status: r.status,
                     body: &r.body,

@@ -2,105 +2,21 @@
 //! recorded, run and recorded where not.
 
 use std::future::Future;
+use std::sync::Arc;
 
-use idem_core::multistep::{
-    HoldKind, JournalEntry, MultiStep, MultiStepStore, OpenSend, SendVerdict, StepKind, StepOutcome, step_key,
-};
-use idem_core::{BoxFuture, Clock, Error, IdempotencyKey, TxBackend};
+use idem_core::multistep::{HoldKind, JournalEntry, MultiStep, MultiStepState, StepKind, StepOutcome, step_key};
+use idem_core::{BoxFuture, Clock, Error, SentUnder, TxBackend};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-/// How a step failed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StepError {
-    /// A failure the operation declares (a declined payment, a refused
-    /// quote): it is recorded, and the operation's compensation runs.
-    Declared(serde_json::Value),
-    /// It may have had its effect and whether it did cannot be established:
-    /// the operation is held for an operator's verdict.
-    Unknown(String),
-    /// Worth trying again later (the vendor is down, it asked to wait, the
-    /// database refused a commit): nothing is recorded, and the operation
-    /// waits `after_ms` before any runner takes it again.
-    Retry {
-        /// Why.
-        why: String,
-        /// How long to wait.
-        after_ms: i64,
-    },
-    /// No retry fixes it (a broken contract): the operation is held.
-    Fatal(String),
-}
-
-impl From<Error> for StepError {
-    fn from(e: Error) -> Self {
-        StepError::Retry {
-            why: e.to_string(),
-            after_ms: 1_000,
-        }
-    }
-}
-
-/// Why a run stopped before its operation ended. Steps return it with `?`.
-#[derive(Debug)]
-pub enum Halt {
-    /// A step declared this failure: the compensation runs.
-    Failed(serde_json::Value),
-    /// The operation is held.
-    Held(HoldKind),
-    /// The operation waits before it is run again.
-    Deferred,
-    /// Another runner took the operation over: this one stops, having
-    /// written nothing more.
-    Fenced,
-    /// The store failed.
-    Store(Error),
-}
-
-impl From<Error> for Halt {
-    fn from(e: Error) -> Self {
-        match e {
-            Error::Fenced => Halt::Fenced,
-            e => Halt::Store(e),
-        }
-    }
-}
-
-/// What an external step's send is told.
-#[derive(Debug, Clone)]
-pub struct Sending {
-    /// The key every send of this step carries.
-    pub key: IdempotencyKey,
-    /// An earlier send of this step that may have reached the other side
-    /// (by this runner or one before it): a send past the vendor's memory
-    /// of keys asks it first.
-    pub earlier: Option<OpenSend>,
-    /// An operator's verdict on that earlier send: when it was applied,
-    /// the vendor's answer is here, to decide the step's output from.
-    pub verdict: Option<SendVerdict>,
-}
-
-/// The store a run writes to, whatever its type.
-pub(crate) trait Rows<B: TxBackend>: Send + Sync {
-    fn insert_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<Option<i64>>>;
-    fn write_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>>;
-    fn write<'a>(&'a self, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>>;
-}
-
-impl<B: TxBackend, S: MultiStepStore<B>> Rows<B> for S {
-    fn insert_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<Option<i64>>> {
-        MultiStepStore::insert_in(self, tx, row)
-    }
-    fn write_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>> {
-        MultiStepStore::write_in(self, tx, row)
-    }
-    fn write<'a>(&'a self, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>> {
-        MultiStepStore::write(self, row)
-    }
-}
+use crate::halt::Rows;
+use crate::{Halt, Sending, StepError};
 
 /// The most times a local step runs again after its commit met contention.
 const CONTENTION_RUNS: u32 = 10;
+
+/// The longest a step may ask to wait before it is run again: a day.
+const MAX_RETRY_AFTER_MS: i64 = 86_400_000;
 
 /// One run of an operation, holding it by its token. Its steps are called
 /// in order, the same way on every run: a step the journal recorded
@@ -108,7 +24,7 @@ const CONTENTION_RUNS: u32 = 10;
 pub struct Run<'e, B: TxBackend> {
     pub(crate) backend: &'e B,
     pub(crate) rows: &'e dyn Rows<B>,
-    pub(crate) clock: &'e dyn Clock,
+    pub(crate) clock: Arc<dyn Clock>,
     pub(crate) row: MultiStep,
     pub(crate) token: i64,
     pub(crate) lease_ms: i64,
@@ -126,15 +42,28 @@ impl<B: TxBackend> std::fmt::Debug for Run<'_, B> {
     }
 }
 
-impl<'e, B: TxBackend> Run<'e, B> {
-    fn compensating(&self) -> bool {
-        self.row.state == idem_core::multistep::MultiStepState::Compensating
+fn encode<T: Serialize>(output: &T) -> Result<serde_json::Value, Halt> {
+    serde_json::to_value(output).map_err(|e| Halt::Store(Error::Encode(e.to_string())))
+}
+
+impl<B: TxBackend> Run<'_, B> {
+    pub(crate) fn compensating(&self) -> bool {
+        self.row.state == MultiStepState::Compensating
+    }
+
+    /// The output a forward step recorded, if it finished: what a
+    /// compensation reads to decide what to undo.
+    pub fn forward<T: DeserializeOwned>(&self, name: &str) -> Option<T> {
+        match &self.row.journal.find(name, false)?.outcome {
+            StepOutcome::Output(v) => serde_json::from_value(v.clone()).ok(),
+            StepOutcome::Failed(_) => None,
+        }
     }
 
     /// The recorded output of the step at the cursor, if any; a step of
-    /// another name there means the definition changed under the
-    /// operation, which is held.
-    async fn recorded<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, Halt> {
+    /// another name or kind there, or an output that no longer decodes,
+    /// means the definition changed under the operation, which is held.
+    async fn recorded<T: DeserializeOwned>(&mut self, name: &str, kind: StepKind) -> Result<Option<T>, Halt> {
         let undo = self.compensating();
         let entry = self
             .row
@@ -144,8 +73,10 @@ impl<'e, B: TxBackend> Run<'e, B> {
             .filter(|e| e.undo == undo)
             .nth(self.cursor);
         let Some(entry) = entry else { return Ok(None) };
-        let value = match (&entry.outcome, entry.name == name) {
-            (StepOutcome::Output(v), true) => serde_json::from_value::<T>(v.clone()).ok(),
+        let value = match &entry.outcome {
+            StepOutcome::Output(v) if entry.name == name && entry.kind == kind => {
+                serde_json::from_value::<T>(v.clone()).ok()
+            }
             _ => None,
         };
         match value {
@@ -160,6 +91,21 @@ impl<'e, B: TxBackend> Run<'e, B> {
         }
     }
 
+    /// What a transition's refusal does: a fenced write stops the run; a
+    /// step the row cannot take (an output over the limit, a name used
+    /// twice or not allowed, a definition that changed under an open send)
+    /// holds the operation, as running it again would meet the same
+    /// refusal.
+    async fn refused(&mut self, e: Error) -> Halt {
+        match e {
+            Error::Fenced => Halt::Fenced,
+            e @ (Error::InvalidRequest(_) | Error::RecordTooLarge { .. }) => {
+                self.hold(HoldKind::Failed, &e.to_string()).await
+            }
+            e => Halt::Store(e),
+        }
+    }
+
     /// Holds the operation and answers the halt that says so.
     pub(crate) async fn hold(&mut self, kind: HoldKind, why: &str) -> Halt {
         let mut next = self.row.clone();
@@ -170,6 +116,20 @@ impl<'e, B: TxBackend> Run<'e, B> {
             Ok(()) => Halt::Held(kind),
             Err(e) => e,
         }
+    }
+
+    /// Applies `change` to a copy of the row and writes it in a transaction
+    /// of its own (see [`commit_alone`](Self::commit_alone)); a refused
+    /// change is [`refused`](Self::refused).
+    pub(crate) async fn change(
+        &mut self,
+        change: impl FnOnce(&mut MultiStep, i64, i64) -> idem_core::Result<()>,
+    ) -> Result<(), Halt> {
+        let mut next = self.row.clone();
+        if let Err(e) = change(&mut next, self.token, self.clock.now_ms()) {
+            return Err(self.refused(e).await);
+        }
+        self.commit_alone(next).await
     }
 
     /// Writes `next` in a transaction of its own (inserting the operation
@@ -195,7 +155,13 @@ impl<'e, B: TxBackend> Run<'e, B> {
     ) -> Result<(), Halt> {
         match inserted {
             Ok(Some(id)) => {
-                self.backend.commit(tx).await?;
+                match self.backend.commit(tx).await {
+                    Ok(()) => {}
+                    // A twin's insert committed first (a store that finds
+                    // out only at commit).
+                    Err(e) if e.is_contention() => return Err(Halt::Fenced),
+                    Err(e) => return Err(e.into()),
+                }
                 next.id = id;
                 next.version = 0;
                 Ok(())
@@ -224,14 +190,15 @@ impl<'e, B: TxBackend> Run<'e, B> {
 
     /// Runs the local step `name`: `work` gets a transaction of the
     /// backend, and its writes commit together with the step's recorded
-    /// output, or not at all. Recorded already: its output, and `work` does
-    /// not run. Contention runs `work` again, a bounded number of times.
+    /// output (and a renewed lease), or not at all. Recorded already: its
+    /// output, and `work` does not run. Contention runs `work` again, a
+    /// bounded number of times.
     pub async fn local<T, F>(&mut self, name: &str, mut work: F) -> Result<T, Halt>
     where
         T: Serialize + DeserializeOwned + Send,
         F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, StepError>> + Send,
     {
-        if let Some(v) = self.recorded::<T>(name).await? {
+        if let Some(v) = self.recorded::<T>(name, StepKind::Local).await? {
             return Ok(v);
         }
         let mut runs = 0;
@@ -245,13 +212,16 @@ impl<'e, B: TxBackend> Run<'e, B> {
                     return Err(self.failed(name, StepKind::Local, e).await);
                 }
             };
-            let value = serde_json::to_value(&output).map_err(|e| Halt::Store(Error::Encode(e.to_string())))?;
             let mut next = self.row.clone();
-            next.record(
-                self.token,
-                self.entry(name, StepKind::Local, StepOutcome::Output(value)),
-                self.clock.now_ms(),
-            )?;
+            let now = self.clock.now_ms();
+            let entry = self.entry(name, StepKind::Local, StepOutcome::Output(encode(&output)?));
+            let recorded = next
+                .extend(self.token, now, self.lease_ms)
+                .and_then(|()| next.record(self.token, entry, now));
+            if let Err(e) = recorded {
+                let _ = self.backend.rollback(tx).await;
+                return Err(self.refused(e).await);
+            }
             let committed = if self.row.id == 0 {
                 let inserted = self.rows.insert_in(&mut tx, &next).await;
                 self.finish_insert(tx, inserted, &mut next).await
@@ -278,39 +248,69 @@ impl<'e, B: TxBackend> Run<'e, B> {
     }
 
     /// Runs the external step `name`: the operation is marked sent (and
-    /// that mark committed) before `send` runs, and `send` gets the key
-    /// every send of this step carries, with any earlier send that may have
-    /// reached the other side. Recorded already: its output, and nothing is
-    /// sent.
+    /// that mark committed, with the run's lease renewed) before `send`
+    /// runs, and `send` gets the key every send of this step carries, any
+    /// earlier send that may have reached the other side, and the end of
+    /// the run's lease, after which it must not start a send
+    /// ([`Sending::may_send`]). Recorded already: its output, and nothing
+    /// is sent.
     pub async fn external<T, F, Fut>(&mut self, name: &str, send: F) -> Result<T, Halt>
     where
         T: Serialize + DeserializeOwned + Send,
         F: FnOnce(Sending) -> Fut,
         Fut: Future<Output = Result<T, StepError>>,
     {
-        if let Some(v) = self.recorded::<T>(name).await? {
+        self.external_under(name, None, send).await
+    }
+
+    /// [`external`](Self::external), its sends made under `terms` (the
+    /// vendor's key horizon and the settle time), kept with the mark.
+    pub(crate) async fn external_under<T, F, Fut>(
+        &mut self,
+        name: &str,
+        terms: Option<SentUnder>,
+        send: F,
+    ) -> Result<T, Halt>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        F: FnOnce(Sending) -> Fut,
+        Fut: Future<Output = Result<T, StepError>>,
+    {
+        if let Some(v) = self.recorded::<T>(name, StepKind::External).await? {
             return Ok(v);
         }
-        let now = self.clock.now_ms();
         let earlier = self.row.open.clone().filter(|o| o.step == name);
         let verdict = self.row.verdict.clone();
-        let mut next = self.row.clone();
-        next.extend(self.token, now, self.lease_ms)?;
-        next.mark_sent(self.token, name, now, None)?;
-        self.commit_alone(next).await?;
+        let lease_ms = self.lease_ms;
+        self.change(|next, token, now| {
+            next.extend(token, now, lease_ms)?;
+            next.mark_sent(token, name, now, terms)?;
+            // No send of this run starts after its lease: a run taking the
+            // operation over counts from then when it judges a "not
+            // applied".
+            let lease_until = next.lease_until_ms.unwrap_or(now);
+            if let Some(open) = next.open.as_mut() {
+                open.last_sent_at_ms = open.last_sent_at_ms.max(lease_until);
+            }
+            Ok(())
+        })
+        .await?;
         let key_name = if self.compensating() {
             format!("undo:{name}")
         } else {
             name.to_owned()
         };
-        let key = step_key(&self.row.scope, &self.row.key, &key_name);
-        match send(Sending { key, earlier, verdict }).await {
+        let sending = Sending {
+            key: step_key(&self.row.scope, &self.row.key, &key_name),
+            earlier,
+            verdict,
+            lease_until_ms: self.row.lease_until_ms.unwrap_or_default(),
+            clock: self.clock.clone(),
+        };
+        match send(sending).await {
             Ok(output) => {
-                let value = serde_json::to_value(&output).map_err(|e| Halt::Store(Error::Encode(e.to_string())))?;
-                let mut next = self.row.clone();
-                let entry = self.entry(name, StepKind::External, StepOutcome::Output(value));
-                next.record(self.token, entry, self.clock.now_ms())?;
-                self.commit_alone(next).await?;
+                let entry = self.entry(name, StepKind::External, StepOutcome::Output(encode(&output)?));
+                self.change(|next, token, now| next.record(token, entry, now)).await?;
                 self.cursor += 1;
                 Ok(output)
             }
@@ -320,6 +320,12 @@ impl<'e, B: TxBackend> Run<'e, B> {
 
     /// What a failed step does to the operation.
     async fn failed(&mut self, name: &str, kind: StepKind, e: StepError) -> Halt {
+        // A local step's transaction rolled back: nothing of it can have
+        // been applied, so its outcome is known, whatever it said.
+        let e = match (kind, e) {
+            (StepKind::Local, StepError::Unknown(why)) => StepError::Fatal(why),
+            (_, e) => e,
+        };
         if self.row.id == 0 {
             // Nothing of the operation was ever committed (its first step, a
             // local one, failed): nothing is recorded, and its key stays
@@ -335,12 +341,8 @@ impl<'e, B: TxBackend> Run<'e, B> {
         }
         match e {
             StepError::Declared(failure) if !self.compensating() => {
-                let mut next = self.row.clone();
                 let entry = self.entry(name, kind, StepOutcome::Failed(failure.clone()));
-                if let Err(e) = next.record(self.token, entry, self.clock.now_ms()) {
-                    return e.into();
-                }
-                match self.commit_alone(next).await {
+                match self.change(|next, token, now| next.record(token, entry, now)).await {
                     Ok(()) => {
                         self.cursor = 0;
                         Halt::Failed(failure)
@@ -349,22 +351,18 @@ impl<'e, B: TxBackend> Run<'e, B> {
                 }
             }
             StepError::Declared(failure) => {
-                self.hold(
-                    HoldKind::Failed,
-                    &format!("compensation step {name:?} failed: {failure}"),
-                )
-                .await
+                let why = format!("compensation step {name:?} failed: {failure}");
+                self.hold(HoldKind::Failed, &why).await
             }
             StepError::Unknown(why) => self.hold(HoldKind::Unknown, &why).await,
             StepError::Fatal(why) => self.hold(HoldKind::Failed, &why).await,
             StepError::Retry { why, after_ms } => {
+                let after_ms = after_ms.clamp(0, MAX_RETRY_AFTER_MS);
                 tracing::info!(step = name, error = %why, after_ms, "step deferred");
-                let now = self.clock.now_ms();
-                let mut next = self.row.clone();
-                if let Err(e) = next.defer(self.token, now.saturating_add(after_ms.max(0)), now) {
-                    return e.into();
-                }
-                match self.commit_alone(next).await {
+                match self
+                    .change(|next, token, now| next.defer(token, now.saturating_add(after_ms), now))
+                    .await
+                {
                     Ok(()) => Halt::Deferred,
                     Err(h) => h,
                 }

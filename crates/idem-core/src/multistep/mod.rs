@@ -168,11 +168,12 @@ pub const MAX_STEPS: usize = 256;
 /// The most bytes of an operation's input.
 pub const MAX_OPERATION_INPUT: usize = 64 * 1024;
 
-/// Checks a step's name: 1 to [`MAX_STEP_NAME`] bytes of visible ASCII.
+/// Checks a step's name: 1 to [`MAX_STEP_NAME`] bytes of visible ASCII
+/// other than `:` (which keys of compensation steps use).
 pub fn check_step_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > MAX_STEP_NAME || !name.bytes().all(|b| b.is_ascii_graphic()) {
+    if name.is_empty() || name.len() > MAX_STEP_NAME || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
         return Err(Error::InvalidRequest(format!(
-            "a step name is 1 to {MAX_STEP_NAME} visible ASCII characters, not {name:?}"
+            "a step name is 1 to {MAX_STEP_NAME} visible ASCII characters other than ':', not {name:?}"
         )));
     }
     Ok(())

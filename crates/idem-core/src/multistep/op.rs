@@ -301,6 +301,29 @@ impl MultiStep {
         Ok(())
     }
 
+    /// Starts the compensation of a running operation for `failure`,
+    /// declared by the operation itself rather than by a step. Refused while
+    /// a send is open, and once it compensates.
+    pub fn fail(&mut self, token: i64, failure: serde_json::Value, now_ms: i64) -> Result<()> {
+        self.fenced_unless(token)?;
+        if self.state != MultiStepState::Running {
+            return Err(Error::InvalidRequest(format!(
+                "only a running operation starts its compensation; this one is {}",
+                self.state.as_str()
+            )));
+        }
+        if let Some(open) = &self.open {
+            return Err(Error::InvalidRequest(format!(
+                "step {:?}'s send is open; it is answered before the operation fails",
+                open.step
+            )));
+        }
+        self.state = MultiStepState::Compensating;
+        self.failure = Some(failure);
+        self.updated_at_ms = now_ms;
+        Ok(())
+    }
+
     /// Holds it at its current step for `kind` (its runner gives it up).
     pub fn hold(&mut self, token: i64, kind: HoldKind, note: &str, now_ms: i64) -> Result<()> {
         self.fenced_unless(token)?;
@@ -365,7 +388,10 @@ impl MultiStep {
     /// lets go.
     pub fn resume(&mut self, now_ms: i64) -> Result<()> {
         match &self.hold {
-            Some(hold) if self.state == MultiStepState::Held && hold.kind != HoldKind::Unknown => {}
+            // An unknown outcome waits for a verdict on its open send; with
+            // no send open there is nothing to settle.
+            Some(hold)
+                if self.state == MultiStepState::Held && (hold.kind != HoldKind::Unknown || self.open.is_none()) => {}
             Some(_) if self.state == MultiStepState::Held => {
                 return Err(Error::InvalidRequest(
                     "held on an unknown outcome: give a verdict on its send first".into(),

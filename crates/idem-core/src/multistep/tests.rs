@@ -414,3 +414,39 @@ fn stored_row_round_trips() {
     bad.state = "done".into();
     assert!(matches!(bad.decode(), Err(Error::Corrupt(_))));
 }
+
+/// An operation that fails by itself compensates; a send still open refuses it; a compensating one cannot fail again.
+#[test]
+fn the_operation_itself_may_fail() {
+    let mut op = started(1_000);
+    op.record(1, ok("debit", StepKind::Local), 1_001).unwrap();
+    op.mark_sent(1, "pay", 1_002, None).unwrap();
+    assert!(matches!(op.fail(1, json!("x"), 1_003), Err(Error::InvalidRequest(_))));
+    op.record(1, ok("pay", StepKind::External), 1_004).unwrap();
+    assert!(matches!(op.fail(2, json!("x"), 1_005), Err(Error::Fenced)));
+    op.fail(1, json!("limit exceeded"), 1_005).unwrap();
+    assert_eq!(
+        (op.state, op.failure.clone()),
+        (MultiStepState::Compensating, Some(json!("limit exceeded")))
+    );
+    assert!(matches!(
+        op.fail(1, json!("again"), 1_006),
+        Err(Error::InvalidRequest(_))
+    ));
+}
+
+/// A hold of kind unknown with no send open (a local step cannot have reached anyone) resumes.
+#[test]
+fn unknown_hold_without_a_send_resumes() {
+    let mut op = started(1_000);
+    op.hold(1, HoldKind::Unknown, "odd", 1_001).unwrap();
+    op.resume(1_002).unwrap();
+    assert_eq!(op.state, MultiStepState::Running);
+}
+
+/// Step names cannot hold ':', so no forward step shares a compensation step's key.
+#[test]
+fn step_names_exclude_colons() {
+    assert!(check_step_name("undo:refund").is_err());
+    assert!(check_step_name("refund").is_ok());
+}
