@@ -356,10 +356,10 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
 }
 
 /// Records `response` and ends the operation.
+/// Records `response` and ends the operation; a response the row refuses
+/// (over its limit) holds it.
 async fn finish<B: TxBackend>(run: &mut Run<'_, B>, response: Vec<u8>) -> std::result::Result<(), Halt> {
-    let mut next = run.row.clone();
-    next.finish(run.token, response, run.clock.now_ms())?;
-    run.commit_alone(next).await
+    run.change(|next, token, now| next.finish(token, response, now)).await
 }
 
 /// The recorded outcome of a final operation.

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{MAX_STEP_OUTPUT, MAX_STEPS, check_step_name};
+use super::{MAX_JOURNAL_BYTES, MAX_STEP_OUTPUT, MAX_STEPS, check_step_name};
 use crate::error::{Error, Result};
 
 /// How a step runs.
@@ -101,7 +101,8 @@ impl Journal {
 
     /// Appends a finished step. Refuses a bad name, an output over
     /// [`MAX_STEP_OUTPUT`], a name already recorded in the same direction,
-    /// and a journal already holding [`MAX_STEPS`] steps.
+    /// a journal already holding [`MAX_STEPS`] steps, and one that would
+    /// grow past [`MAX_JOURNAL_BYTES`].
     pub fn push(&mut self, entry: JournalEntry) -> Result<()> {
         entry.check()?;
         if self.find(&entry.name, entry.undo).is_some() {
@@ -116,6 +117,14 @@ impl Journal {
             )));
         }
         self.entries.push(entry);
+        let size = self.encode().len();
+        if size > MAX_JOURNAL_BYTES {
+            self.entries.pop();
+            return Err(Error::RecordTooLarge {
+                size,
+                limit: MAX_JOURNAL_BYTES,
+            });
+        }
         Ok(())
     }
 

@@ -165,6 +165,14 @@ pub const MAX_STEP_OUTPUT: usize = 64 * 1024;
 /// The most steps (forward and compensating) one operation may record.
 pub const MAX_STEPS: usize = 256;
 
+/// The most bytes an operation's whole journal may take, stored: with its
+/// input and response, an operation's row stays well within what every
+/// engine sends in one statement (MariaDB's default packet is 16 MiB).
+pub const MAX_JOURNAL_BYTES: usize = 4 * 1024 * 1024;
+
+/// The most bytes of an operation's recorded response.
+pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
 /// The most bytes of an operation's input.
 pub const MAX_OPERATION_INPUT: usize = 64 * 1024;
 

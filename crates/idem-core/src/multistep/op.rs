@@ -7,7 +7,10 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
 
-use super::{HoldKind, Journal, JournalEntry, MAX_OPERATION_INPUT, MultiStepState, StepOutcome, check_step_name};
+use super::{
+    HoldKind, Journal, JournalEntry, MAX_OPERATION_INPUT, MAX_RESPONSE_BYTES, MultiStepState, StepOutcome,
+    check_step_name,
+};
 
 /// An operation to start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -353,6 +356,12 @@ impl MultiStep {
     /// open.
     pub fn finish(&mut self, token: i64, response: Vec<u8>, now_ms: i64) -> Result<()> {
         self.fenced_unless(token)?;
+        if response.len() > MAX_RESPONSE_BYTES {
+            return Err(Error::RecordTooLarge {
+                size: response.len(),
+                limit: MAX_RESPONSE_BYTES,
+            });
+        }
         if let Some(open) = &self.open {
             return Err(Error::InvalidRequest(format!(
                 "step {:?}'s send is open; an operation ends only with every send answered",

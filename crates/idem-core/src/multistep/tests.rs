@@ -450,3 +450,34 @@ fn step_names_exclude_colons() {
     assert!(check_step_name("undo:refund").is_err());
     assert!(check_step_name("refund").is_ok());
 }
+
+/// A journal stops growing at its byte limit, and a response over its limit is refused; neither changes the row.
+#[test]
+fn journal_and_response_are_bounded() {
+    let mut j = Journal::new();
+    let big = |i: usize| {
+        step(
+            &format!("s{i}"),
+            StepKind::Local,
+            StepOutcome::Output(json!("x".repeat(60 * 1024))),
+        )
+    };
+    let mut refused = None;
+    for i in 0..MAX_STEPS {
+        if let Err(e) = j.push(big(i)) {
+            refused = Some((i, e));
+            break;
+        }
+    }
+    let (at, e) = refused.expect("the byte limit comes before the step limit");
+    assert!(matches!(e, Error::RecordTooLarge { .. }));
+    assert_eq!(j.len(), at, "the refused step is not kept");
+    assert!(j.encode().len() <= MAX_JOURNAL_BYTES);
+    let mut op = started(1_000);
+    let before = op.clone();
+    assert!(matches!(
+        op.finish(1, vec![b'x'; MAX_RESPONSE_BYTES + 1], 1_001),
+        Err(Error::RecordTooLarge { .. })
+    ));
+    assert_eq!(op, before);
+}
