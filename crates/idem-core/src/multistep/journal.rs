@@ -63,6 +63,14 @@ impl JournalEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Journal {
     entries: Vec<JournalEntry>,
+    /// The JSON bytes of the entries, summed: the stored size, kept as the
+    /// journal grows rather than encoded again for every step.
+    entries_bytes: usize,
+}
+
+/// The JSON bytes of one entry, as the journal stores it.
+fn entry_bytes(entry: &JournalEntry) -> usize {
+    serde_json::to_vec(entry).map_or(usize::MAX, |b| b.len())
 }
 
 /// The first byte of an encoded journal: its format.
@@ -116,15 +124,19 @@ impl Journal {
                 "an operation records at most {MAX_STEPS} steps"
             )));
         }
-        self.entries.push(entry);
-        let size = self.encode().len();
+        let added = entry_bytes(&entry);
+        // The format byte, the brackets, the entries and a comma between two.
+        let size = (3 + self.entries.len())
+            .saturating_add(self.entries_bytes)
+            .saturating_add(added);
         if size > MAX_JOURNAL_BYTES {
-            self.entries.pop();
             return Err(Error::RecordTooLarge {
                 size,
                 limit: MAX_JOURNAL_BYTES,
             });
         }
+        self.entries.push(entry);
+        self.entries_bytes += added;
         Ok(())
     }
 
@@ -143,7 +155,8 @@ impl Journal {
             Some((&FORMAT_V1, json)) => {
                 let entries: Vec<JournalEntry> =
                     serde_json::from_slice(json).map_err(|e| Error::Corrupt(format!("journal: {e}")))?;
-                Ok(Self { entries })
+                let entries_bytes = entries.iter().map(entry_bytes).sum();
+                Ok(Self { entries, entries_bytes })
             }
             Some((format, _)) => Err(Error::Corrupt(format!("journal of unknown format {format:#04x}"))),
         }

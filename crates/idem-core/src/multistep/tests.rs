@@ -473,6 +473,15 @@ fn journal_and_response_are_bounded() {
     assert!(matches!(e, Error::RecordTooLarge { .. }));
     assert_eq!(j.len(), at, "the refused step is not kept");
     assert!(j.encode().len() <= MAX_JOURNAL_BYTES);
+    // The size kept as the journal grew is the stored size.
+    let stored = j.encode().len();
+    let mut one_more = Journal::decode(&j.encode()).unwrap();
+    assert_eq!(one_more, j);
+    let small = step("small", StepKind::Local, StepOutcome::Output(json!(1)));
+    let small_bytes = serde_json::to_vec(&small).unwrap().len();
+    assert!(stored + 1 + small_bytes <= MAX_JOURNAL_BYTES, "room for a small step");
+    one_more.push(small).unwrap();
+    assert_eq!(one_more.encode().len(), stored + 1 + small_bytes);
     let mut op = started(1_000);
     let before = op.clone();
     assert!(matches!(
