@@ -55,19 +55,26 @@ pub(crate) async fn history(
     // Cancelled payouts (the harness cancels some it knows the vendor
     // never paid): their debit reversed.
     let mut reversals = 0i128;
+    // Withdrawals (the ledger's audit counts them as money leaving), and the
+    // credit-backs of declined ones.
+    let mut withdrawals = 0i128;
+    let mut credited_back = 0i128;
     let mut journal: HashMap<(&str, i64), u64> = HashMap::new();
     for (kind, amount) in &stored.journal {
         match kind.as_str() {
             "top_up" | "webhook_top_up" => top_ups += i128::from(*amount),
             "payout" => payouts += i128::from(*amount),
             "payout_reversal" => reversals += i128::from(*amount),
+            "withdrawal" => withdrawals += i128::from(*amount),
+            "withdrawal_reversal" => credited_back += i128::from(*amount),
             _ => {}
         }
         *journal.entry((kind.as_str(), *amount)).or_default() += 1;
     }
-    if balances != top_ups - payouts + reversals {
+    if balances != top_ups - payouts + reversals - withdrawals + credited_back {
         violations.push(format!(
-            "rows: balances {balances} != top-ups {top_ups} - payouts {payouts} + reversals {reversals}"
+            "rows: balances {balances} != top-ups {top_ups} - payouts {payouts} + reversals {reversals} \
+             - withdrawals {withdrawals} + credit-backs {credited_back}"
         ));
     }
     for (id, balance) in &stored.accounts {

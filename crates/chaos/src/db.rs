@@ -242,6 +242,106 @@ impl Database {
         Ok(on_pool!(self, read, "$1", "?", "?"))
     }
 
+    /// The multi-step operations by state.
+    pub(crate) async fn operation_states(&self) -> Result<std::collections::BTreeMap<String, u64>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows: Vec<(String, i64)> = sqlx::query_as($p).fetch_all(&pool).await?;
+                pool.close().await;
+                rows.into_iter().map(|(s, n)| (s, n as u64)).collect()
+            }};
+        }
+        // MariaDB keeps the state as bytes.
+        Ok(on_pool!(
+            self,
+            read,
+            "SELECT state, COUNT(*) FROM idem_operations GROUP BY state",
+            "SELECT CAST(state AS CHAR), COUNT(*) FROM idem_operations GROUP BY state",
+            "SELECT state, COUNT(*) FROM idem_operations GROUP BY state"
+        ))
+    }
+
+    /// The multi-step operations: per key, the state.
+    pub(crate) async fn operations(&self) -> Result<Vec<(String, String)>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows = sqlx::query_as($p).fetch_all(&pool).await?;
+                pool.close().await;
+                rows
+            }};
+        }
+        Ok(on_pool!(
+            self,
+            read,
+            "SELECT idem_key, state FROM idem_operations",
+            "SELECT CAST(idem_key AS CHAR), CAST(state AS CHAR) FROM idem_operations",
+            "SELECT idem_key, state FROM idem_operations"
+        ))
+    }
+
+    /// The held multi-step operations: id and key.
+    pub(crate) async fn held_operations(&self) -> Result<Vec<(i64, String)>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows = sqlx::query_as($p).fetch_all(&pool).await?;
+                pool.close().await;
+                rows
+            }};
+        }
+        Ok(on_pool!(
+            self,
+            read,
+            "SELECT id, idem_key FROM idem_operations WHERE state = 'held' ORDER BY id",
+            "SELECT id, CAST(idem_key AS CHAR) FROM idem_operations WHERE state = 'held' ORDER BY id",
+            "SELECT id, idem_key FROM idem_operations WHERE state = 'held' ORDER BY id"
+        ))
+    }
+
+    /// The withdrawals: id, destination, state.
+    pub(crate) async fn withdrawals(&self) -> Result<Vec<(String, String, String)>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows = sqlx::query_as("SELECT id, destination, state FROM ledger_withdrawals ORDER BY id")
+                    .fetch_all(&pool)
+                    .await?;
+                pool.close().await;
+                rows
+            }};
+        }
+        Ok(on_pool!(self, read, "$1", "?", "?"))
+    }
+
+    /// The id of the withdrawal to `destination`, if one was debited.
+    pub(crate) async fn withdrawal_of(&self, destination: &str) -> Result<Option<String>, Error> {
+        Ok(self
+            .withdrawals()
+            .await?
+            .into_iter()
+            .find(|(_, d, _)| d == destination)
+            .map(|(id, _, _)| id))
+    }
+
+    /// The journal rows of withdrawals and their credit-backs: id, kind.
+    pub(crate) async fn withdrawal_journal(&self) -> Result<Vec<(String, String)>, Error> {
+        macro_rules! read {
+            ($pool:expr, $p:literal) => {{
+                let pool = $pool;
+                let rows = sqlx::query_as(
+                    "SELECT id, kind FROM ledger_journal WHERE kind IN ('withdrawal', 'withdrawal_reversal')",
+                )
+                .fetch_all(&pool)
+                .await?;
+                pool.close().await;
+                rows
+            }};
+        }
+        Ok(on_pool!(self, read, "$1", "?", "?"))
+    }
+
     /// Reads back the events: the outbox, the projection's applications,
     /// and each account's balance beside its statement.
     pub(crate) async fn events(&self) -> Result<crate::events::EventState, Error> {

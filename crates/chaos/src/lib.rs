@@ -33,6 +33,7 @@ pub mod proxy;
 pub mod rng;
 pub mod service;
 pub mod storefaults;
+pub mod withdrawals;
 mod workload;
 
 use std::collections::BTreeMap;

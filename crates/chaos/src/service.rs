@@ -55,6 +55,8 @@ pub struct Service {
     env: Vec<(String, String)>,
     /// Arguments of a worker (`relay`, `project`); `None`: the HTTP service.
     worker: Option<Vec<String>>,
+    /// Arguments after the database's (the vendors of withdrawals).
+    extra: Vec<String>,
     pid: AtomicU32,
     stopping: AtomicBool,
     ready: Notify,
@@ -85,12 +87,25 @@ impl Service {
         worker: Option<Vec<String>>,
         log: PathBuf,
     ) -> Arc<Self> {
+        Self::supervised_with(bin, port, database_url, env, worker, Vec::new(), log)
+    }
+
+    fn supervised_with(
+        bin: &Path,
+        port: u16,
+        database_url: &str,
+        env: Vec<(String, String)>,
+        worker: Option<Vec<String>>,
+        extra: Vec<String>,
+        log: PathBuf,
+    ) -> Arc<Self> {
         let service = Arc::new(Service {
             bin: bin.to_owned(),
             port,
             database_url: database_url.to_owned(),
             env,
             worker,
+            extra,
             pid: AtomicU32::new(0),
             stopping: AtomicBool::new(false),
             ready: Notify::new(),
@@ -113,6 +128,20 @@ impl Service {
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
         let service = Self::supervised(bin, port, database_url, env, None, log);
+        service.wait_healthy(Duration::from_secs(120)).await?;
+        Ok(service)
+    }
+
+    /// [`start`](Self::start), with `args` after the standard ones.
+    pub async fn start_with_args(
+        bin: &Path,
+        port: u16,
+        database_url: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        log: PathBuf,
+    ) -> Result<Arc<Self>, Error> {
+        let service = Self::supervised_with(bin, port, database_url, env, None, args, log);
         service.wait_healthy(Duration::from_secs(120)).await?;
         Ok(service)
     }
@@ -151,6 +180,7 @@ impl Service {
             };
             cmd.args(["--database-url", &self.database_url])
                 .args(["--max-connections", "16"])
+                .args(&self.extra)
                 .env("RUST_LOG", "warn")
                 .envs(self.env.iter().cloned())
                 .env("LEDGER_FAULT_SEED", generation.to_string())

@@ -2,12 +2,16 @@
 //!
 //! The guide, with examples: `docs/ledger.md` in the repository.
 //!
-//! - `POST /v1/payouts` `{"amount": n, "reference": "…"}` with an
-//!   `Idempotency-Key` header: a new key pays (201, `{"id", "amount",
-//!   "reference"}`) and records the answer; the same key with the same body
-//!   answers the recorded response (with `Idempotent-Replayed: true`) and
-//!   pays nothing; the same key with another body is 422
-//!   `idempotency_key_reused`; no key is 400.
+//! - `POST /v1/payouts` `{"amount": n, "reference": "…", "destination":
+//!   "…"}` (reference and destination optional) with an `Idempotency-Key`
+//!   header: a new key pays (201, `{"id", "amount", "reference"}`, plus
+//!   `"destination"` when one was sent) and records the answer; the same key
+//!   with the same body answers the recorded response (with
+//!   `Idempotent-Replayed: true`) and pays nothing; the same key with
+//!   another body is 422 `idempotency_key_reused`; no key is 400. A
+//!   destination starting with `closed-` is declined: 402
+//!   `destination_closed`, recorded under the key like a payment (its
+//!   replay is the same 402), and nothing is paid.
 //! - `GET /v1/ledger`: what it paid — `{"payouts": n, "total": sum, "keys": [...]}`.
 //! - `PUT /_faults` sets the faults (JSON, every field optional):
 //!   `apply_then_drop` (probability: pay, record, then drop the connection
@@ -120,6 +124,8 @@ pub struct Stats {
     pub quotes_booked: u64,
     /// Quotes cancelled.
     pub quotes_cancelled: u64,
+    /// Payouts declined (a closed destination).
+    pub declined: u64,
 }
 
 #[derive(Clone)]
@@ -158,6 +164,7 @@ pub struct Vendor {
     dropped: AtomicU64,
     errors_500: AtomicU64,
     rate_limited: AtomicU64,
+    declined: AtomicU64,
     seq: AtomicU64,
     /// Until when connections are refused (ms since the epoch).
     pub refuse_until_ms: AtomicU64,
@@ -180,6 +187,11 @@ impl Vendor {
     /// Quotes booked so far (cancelled ones included).
     pub async fn quotes_booked(&self) -> usize {
         self.quotes.count().await
+    }
+
+    /// Quote bookings being processed right now (arrived, not yet answered).
+    pub fn quotes_in_process(&self) -> usize {
+        self.quotes.in_process()
     }
 
     /// The `lookup_error_500` fault: a 500 for this lookup, or `None`.
@@ -293,7 +305,12 @@ struct NewPayout {
     amount: i64,
     #[serde(default)]
     reference: Option<String>,
+    #[serde(default)]
+    destination: Option<String>,
 }
+
+/// Destinations the vendor declines (an account closed at the bank).
+pub const CLOSED_DESTINATION_PREFIX: &str = "closed-";
 
 fn error(status: StatusCode, code: &str, message: &str) -> Response {
     (
@@ -339,7 +356,7 @@ async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) ->
         return error(
             StatusCode::BAD_REQUEST,
             "invalid_request",
-            "body: {\"amount\": positive integer, \"reference\"?}",
+            "body: {\"amount\": positive integer, \"reference\"?, \"destination\"?}",
         );
     };
     if req.amount <= 0 {
@@ -402,11 +419,39 @@ async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) ->
     if let Some(refused) = v.refused_before_applying(&faults, seq, "paid") {
         return refused;
     }
-    let body = serde_json::json!({
+    if let Some(destination) = req
+        .destination
+        .as_deref()
+        .filter(|d| d.starts_with(CLOSED_DESTINATION_PREFIX))
+    {
+        // Declined, and the decline recorded under the key: a retry is told
+        // the same, and nothing is paid.
+        let declined = serde_json::json!({ "error": {
+            "type": "destination_closed",
+            "message": format!("the destination {destination} is closed; nothing was paid"),
+        }});
+        if let Some(key) = &key {
+            keys.insert(
+                key.clone(),
+                Recorded {
+                    fingerprint,
+                    status: StatusCode::PAYMENT_REQUIRED,
+                    body: declined.clone(),
+                    at_ms: v.now_ms(),
+                },
+            );
+        }
+        v.declined.fetch_add(1, Ordering::SeqCst);
+        return (StatusCode::PAYMENT_REQUIRED, Json(declined)).into_response();
+    }
+    let mut body = serde_json::json!({
         "id": format!("po_{}", uuid::Uuid::now_v7().simple()),
         "amount": req.amount,
         "reference": req.reference,
     });
+    if let Some(destination) = &req.destination {
+        body["destination"] = destination.as_str().into();
+    }
     if let Some(key) = &key {
         keys.insert(
             key.clone(),
@@ -519,6 +564,7 @@ async fn stats(State(v): State<Arc<Vendor>>) -> Json<Stats> {
         lookup_errors: v.lookup_errors.load(Ordering::SeqCst),
         quotes_booked: quotes_booked as u64,
         quotes_cancelled: quotes_cancelled as u64,
+        declined: v.declined.load(Ordering::SeqCst),
     })
 }
 

@@ -54,6 +54,11 @@ impl QuoteBook {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Booking requests in progress.
+    pub(crate) fn in_process(&self) -> usize {
+        self.lock_processing().values().map(|n| *n as usize).sum()
+    }
+
     /// The quotes booked so far (cancelled ones included).
     pub(crate) async fn count(&self) -> usize {
         self.booked.lock().await.len()

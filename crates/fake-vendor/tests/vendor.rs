@@ -185,3 +185,28 @@ async fn a_key_in_flight_is_409_and_its_reference_processing() {
     assert_eq!(first.await.unwrap(), 201);
     assert_eq!(lookup(&base, "p-3").await["data"][0]["status"], "paid");
 }
+
+/// A closed destination is declined with 402, recorded under its key (its retry gets the same 402), and nothing is paid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_destination_is_declined_once_and_for_all() {
+    let (base, _) = start().await;
+    let body = r#"{"amount":9,"reference":"p-4","destination":"closed-acct-1"}"#;
+    let first = pay(&base, Some("k"), body).await.unwrap();
+    assert_eq!(first.status(), 402);
+    let first: serde_json::Value = first.json().await.unwrap();
+    assert_eq!(first["error"]["type"], "destination_closed");
+    let again = pay(&base, Some("k"), body).await.unwrap();
+    assert_eq!(again.status(), 402);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.json::<serde_json::Value>().await.unwrap(), first);
+    assert_eq!(ledger(&base).await["payouts"], 0, "nothing paid");
+    assert_eq!(lookup(&base, "p-4").await["data"], serde_json::json!([]));
+    let stats = get_json(format!("{base}/_stats")).await;
+    assert_eq!(stats["declined"], 1);
+    // An open destination pays, and its answer names it.
+    let open = r#"{"amount":9,"reference":"p-5","destination":"acct-2"}"#;
+    let paid = pay(&base, Some("k2"), open).await.unwrap();
+    assert_eq!(paid.status(), 201);
+    assert_eq!(paid.json::<serde_json::Value>().await.unwrap()["destination"], "acct-2");
+    assert_eq!(ledger(&base).await["payouts"], 1);
+}

@@ -1,5 +1,6 @@
 //! What the suite needs of each engine's store, and the store of each engine.
 
+use idem_core::multistep::MultiStepStore;
 use idem_core::{BoxError, BoxFuture, LeaseStore, TableName};
 use ledger::db::{DbError, LedgerDb};
 use sqlx::{AssertSqlSafe, Executor};
@@ -27,6 +28,10 @@ pub struct EngineUrls {
 /// The table of the suite's idempotency keys (emptied before each engine runs).
 pub const KEYS_TABLE: &str = "idem_bench_keys";
 
+/// The table of the suite's multi-step operations (emptied before each
+/// engine runs).
+pub const OPERATIONS_TABLE: &str = "idem_bench_operations";
+
 /// The events namespace of the ledger the suite serves over HTTP: its outbox
 /// rows (subjects `idem_bench.…`) are the suite's to delete.
 pub const EVENTS_NAMESPACE: &str = "idem_bench";
@@ -40,8 +45,13 @@ pub fn bench_tenants() -> [String; 2] {
 }
 
 /// A store the suite can measure: the ledger's statements, both idem modes,
-/// and the micro-benchmark's single insert.
+/// multi-step operations, and the micro-benchmark's single insert.
 pub trait BenchDb: LedgerDb + LeaseStore + Clone {
+    /// The engine's store of multi-step operations.
+    type Operations: MultiStepStore<Self>;
+    /// The suite's multi-step operations ([`OPERATIONS_TABLE`]), on this
+    /// store's pool.
+    fn operations(&self) -> Self::Operations;
     /// Migrates the ledger's and the suite's tables and empties what the
     /// suite wrote before.
     fn prepare(&self) -> BoxFuture<'_, Result<(), BoxError>>;
@@ -58,11 +68,18 @@ pub trait BenchDb: LedgerDb + LeaseStore + Clone {
 }
 
 macro_rules! bench_db {
-    ($store:ty, $variant:ident, $create:literal, $insert:literal, $version:literal) => {
+    ($store:ty, $multisteps:ty, $variant:ident, $create:literal, $insert:literal, $version:literal) => {
         impl BenchDb for $store {
+            type Operations = $multisteps;
+
+            fn operations(&self) -> $multisteps {
+                <$multisteps>::with_table(self.pool().clone(), operations_table())
+            }
+
             fn prepare(&self) -> BoxFuture<'_, Result<(), BoxError>> {
                 Box::pin(async move {
                     LedgerDb::migrate(self).await?;
+                    self.operations().migrate().await?;
                     self.pool().execute($create).await?;
                     self.clean_up().await
                 })
@@ -79,6 +96,9 @@ macro_rules! bench_db {
                         .await?;
                     self.pool()
                         .execute(AssertSqlSafe(format!("DELETE FROM {KEYS_TABLE}")))
+                        .await?;
+                    self.pool()
+                        .execute(AssertSqlSafe(format!("DELETE FROM {OPERATIONS_TABLE}")))
                         .await?;
                     let tenants = bench_tenants().map(|t| format!("'{t}'")).join(", ");
                     for table in ["ledger_entries", "ledger_journal", "ledger_accounts"] {
@@ -122,6 +142,7 @@ macro_rules! bench_db {
 
 bench_db!(
     idem_postgres::PgStore,
+    idem_postgres::PgMultiSteps,
     Postgres,
     "CREATE TABLE IF NOT EXISTS bench_effects (id VARCHAR(64) PRIMARY KEY, payload VARCHAR(200) NOT NULL)",
     "INSERT INTO bench_effects (id, payload) VALUES ($1, $2)",
@@ -129,6 +150,7 @@ bench_db!(
 );
 bench_db!(
     idem_mysql::MySqlStore,
+    idem_mysql::MySqlMultiSteps,
     MySql,
     "CREATE TABLE IF NOT EXISTS bench_effects (id VARCHAR(64) PRIMARY KEY, payload VARCHAR(200) NOT NULL) ENGINE=InnoDB",
     "INSERT INTO bench_effects (id, payload) VALUES (?, ?)",
@@ -136,6 +158,7 @@ bench_db!(
 );
 bench_db!(
     idem_sqlite::SqliteStore,
+    idem_sqlite::SqliteMultiSteps,
     Sqlite,
     "CREATE TABLE IF NOT EXISTS bench_effects (id TEXT PRIMARY KEY, payload TEXT NOT NULL)",
     "INSERT INTO bench_effects (id, payload) VALUES (?, ?)",
@@ -145,6 +168,11 @@ bench_db!(
 /// The suite's keys table.
 pub fn keys_table() -> TableName {
     TableName::new(KEYS_TABLE).expect("a valid table name")
+}
+
+/// The suite's table of multi-step operations.
+pub fn operations_table() -> TableName {
+    TableName::new(OPERATIONS_TABLE).expect("a valid table name")
 }
 
 /// Connects to PostgreSQL with a pool of `connections`.

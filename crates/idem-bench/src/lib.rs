@@ -8,6 +8,7 @@
 //! | micro (one insert) | `BEGIN; INSERT; COMMIT` | `TxEngine::execute` with a new key; replays; the three-commit pattern (`LeaseEngine`) |
 //! | transfer (`LedgerTx::transfer`) | the same statements in a plain transaction | `TxEngine::execute`; the three-commit pattern |
 //! | http (`POST /v1/transfers`) | the ledger's route without a key (no claim, no record) | with a new key; replays |
+//! | steps (a debit, then a payout) | two single-step calls: `TxEngine::execute`, then lease mode | one `idem-steps` operation of two steps |
 //!
 //! Beside the throughput ratios, the cost meter ([`cost`], [`meter`])
 //! counts what one request of each transactional path costs: round trips,
@@ -29,6 +30,7 @@ pub mod measure;
 pub mod meter;
 pub mod micro;
 pub mod report;
+pub mod steps;
 pub mod suite;
 pub mod transfer;
 pub mod txpaths;

@@ -6,8 +6,9 @@ use std::time::Duration;
 use idem_core::BoxError;
 
 use crate::cost::{self, Cost, Probe, Sample};
-use crate::engines::{self, BenchDb, KEYS_TABLE};
+use crate::engines::{self, BenchDb, KEYS_TABLE, OPERATIONS_TABLE};
 use crate::micro::Insert;
+use crate::steps::{StepsPaths, Vendor};
 use crate::transfer::{TENANT, Transfer, fund_accounts};
 use crate::txpaths::TxPaths;
 use crate::wire::{Wire, server_of, via};
@@ -23,6 +24,7 @@ const ACCOUNTS: usize = 100;
 fn suite_tables() -> Vec<String> {
     [
         KEYS_TABLE,
+        OPERATIONS_TABLE,
         "bench_effects",
         "ledger_accounts",
         "ledger_journal",
@@ -125,7 +127,7 @@ impl Probe for SqliteProbe {
     }
 }
 
-/// Meters `workloads` (micro, transfer) on `db`, whose only connection
+/// Meters `workloads` (micro, transfer, steps) on `db`, whose only connection
 /// `probe` reads and `wire` (if any) carries; `admin`, another store on the
 /// same tables, prepares and cleans up.
 async fn meter_store<D: BenchDb, R: Probe>(
@@ -147,6 +149,22 @@ async fn meter_store<D: BenchDb, R: Probe>(
         let accounts = fund_accounts(&admin, TENANT, ACCOUNTS).await?;
         let bench = TxPaths::new(&db, "POST /bench/transfer", Transfer::new(accounts))?;
         out.extend(cost::measure(&bench, probe, wire, engine, "transfer", &PATHS, ops).await?);
+    }
+    if workloads.iter().any(|w| w == "steps") {
+        let bench = StepsPaths::new(&db, std::sync::Arc::new(Vendor::new()))?;
+        let paths = crate::steps::PATHS;
+        out.extend(cost::measure(&bench, probe, wire, engine, "steps", &paths, ops).await?);
+        // Each path's operations, the one before the count included.
+        let expected = paths.len() as u64 * (ops + 1);
+        let vendor = bench.vendor();
+        if vendor.sends() != expected || vendor.payouts() != expected {
+            return Err(format!(
+                "steps: {} sends and {} payouts for {expected} operations",
+                vendor.sends(),
+                vendor.payouts()
+            )
+            .into());
+        }
     }
     admin.clean_up().await?;
     Ok(out)

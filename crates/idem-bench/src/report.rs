@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::cost::{Cost, CostTarget, cost_targets, show};
 use crate::machine::{Commit, Machine};
 use crate::measure::Comparison;
+use crate::steps::report::WORKLOAD;
 
 /// Where the generated tables start in the README.
 pub const BEGIN: &str = "<!-- bench:begin -->";
@@ -41,7 +42,7 @@ pub struct Results {
     pub scale: Option<serde_json::Value>,
 }
 
-fn engine_name(results: &Results, engine: &str) -> String {
+pub(crate) fn engine_name(results: &Results, engine: &str) -> String {
     match engine {
         "postgres" => "PostgreSQL".into(),
         "mysql" if results.servers.get("mysql").is_some_and(|v| v.contains("MariaDB")) => "MariaDB".into(),
@@ -52,7 +53,7 @@ fn engine_name(results: &Results, engine: &str) -> String {
 }
 
 /// `12345.6` as `12 346`.
-fn thousands(value: f64) -> String {
+pub(crate) fn thousands(value: f64) -> String {
     let digits = format!("{:.0}", value.max(0.0));
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -64,7 +65,7 @@ fn thousands(value: f64) -> String {
     out
 }
 
-fn summary(results: &Results) -> String {
+pub(crate) fn summary(results: &Results) -> String {
     let arg = |name: &str| {
         results
             .args
@@ -103,7 +104,7 @@ fn comparisons_table(results: &Results) -> String {
         "| engine | workload | workers | ratio | baseline ops/s | idem ops/s | ratio: median (min–max) | target | met |\n\
          |---|---|---|---|---|---|---|---|---|\n",
     );
-    for c in &results.comparisons {
+    for c in results.comparisons.iter().filter(|c| c.workload != WORKLOAD) {
         let rate = |path: &str| {
             c.paths
                 .iter()
@@ -138,10 +139,11 @@ fn comparisons_table(results: &Results) -> String {
 }
 
 fn costs_table(results: &Results) -> String {
-    if results.costs.is_empty() {
+    let costs: Vec<&Cost> = results.costs.iter().filter(|c| c.workload != WORKLOAD).collect();
+    if costs.is_empty() {
         return "Cost per request: not counted in this run (the suite counts it unless `--cost-ops 0`).\n".into();
     }
-    let ops = results.costs.first().map_or(0, |c| c.ops);
+    let ops = costs.first().map_or(0, |c| c.ops);
     let mut out = format!(
         "Cost per request ({ops} requests per path, one connection, one after another; round trips counted at the wire; \
          rows written: PostgreSQL `n_tup_ins + n_tup_upd + n_tup_del` of the suite's tables, MariaDB the session's \
@@ -151,7 +153,7 @@ fn costs_table(results: &Results) -> String {
          | engine | workload | path | round trips | rows written | log records | log bytes | server CPU µs | client CPU µs |\n\
          |---|---|---|---|---|---|---|---|---|\n"
     );
-    for c in &results.costs {
+    for c in costs {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -325,19 +327,46 @@ pub fn render(results: &Results) -> String {
 /// `readme` with everything between [`BEGIN`] and [`END`] replaced by
 /// `generated`; the markers and the rest are kept as they are.
 pub fn replace_generated(readme: &str, generated: &str) -> Result<String, String> {
+    replace_between(readme, BEGIN, END, generated)
+}
+
+/// `readme` with everything between `begin` and `end` replaced by
+/// `generated`; the markers and the rest are kept as they are.
+pub fn replace_between(readme: &str, begin: &str, end: &str, generated: &str) -> Result<String, String> {
     let start = readme
-        .find(BEGIN)
-        .ok_or_else(|| format!("no {BEGIN} marker in the page"))?
-        + BEGIN.len();
-    let end = readme[start..]
-        .find(END)
-        .ok_or_else(|| format!("no {END} marker after {BEGIN} in the page"))?
+        .find(begin)
+        .ok_or_else(|| format!("no {begin} marker in the page"))?
+        + begin.len();
+    let stop = readme[start..]
+        .find(end)
+        .ok_or_else(|| format!("no {end} marker after {begin} in the page"))?
         + start;
     let mut generated = generated.to_owned();
     if !generated.ends_with('\n') {
         generated.push('\n');
     }
-    Ok(format!("{}\n{generated}{}", &readme[..start], &readme[end..]))
+    Ok(format!("{}\n{generated}{}", &readme[..start], &readme[stop..]))
+}
+
+/// `readme` with the tables of what `results` measured regenerated: the
+/// suite's tables ([`BEGIN`]…[`END`], unless the results hold the `steps`
+/// workload alone) and the multi-step workload's
+/// ([`steps::report::BEGIN`](crate::steps::report::BEGIN)…, when they hold
+/// it). A block the results did not measure is kept as it is.
+pub fn update_page(readme: &str, results: &Results) -> Result<String, String> {
+    let steps = crate::steps::report::render(results);
+    let others = results.comparisons.iter().any(|c| c.workload != WORKLOAD)
+        || results.costs.iter().any(|c| c.workload != WORKLOAD)
+        || results.scale.is_some();
+    let mut page = readme.to_owned();
+    if others || steps.is_none() {
+        page = replace_generated(&page, &render(results))?;
+    }
+    if let Some(steps) = steps {
+        use crate::steps::report::{BEGIN, END};
+        page = replace_between(&page, BEGIN, END, &steps)?;
+    }
+    Ok(page)
 }
 
 #[cfg(test)]
@@ -442,6 +471,32 @@ mod tests {
         old.as_object_mut().unwrap().remove("costs");
         let old: Results = serde_json::from_value(old).unwrap();
         assert!(render(&old).contains("not counted in this run"));
+    }
+
+    /// Each block is regenerated from the results that measured it: a run
+    /// of the multi-step workload alone leaves the suite's tables as they
+    /// were, and a run without it leaves the workload's table.
+    #[test]
+    fn regenerates_only_what_the_results_measured() {
+        use crate::steps::report as steps;
+        let page = format!("{BEGIN}\nsuite\n{END}\n\n{}\nsteps\n{}\n", steps::BEGIN, steps::END);
+        let without = update_page(&page, &sample()).unwrap();
+        assert!(
+            !without.contains("\nsuite\n") && without.contains("\nsteps\n"),
+            "{without}"
+        );
+        let mut only_steps = sample();
+        only_steps.comparisons[0].workload = "steps".into();
+        only_steps.comparisons[0].paths[0].path = "two-calls".into();
+        only_steps.comparisons[0].paths[1].path = "two-step".into();
+        let with = update_page(&page, &only_steps).unwrap();
+        assert!(with.contains("\nsuite\n") && !with.contains("\nsteps\n"), "{with}");
+        assert!(
+            with.contains("| PostgreSQL | ops/s, 16 workers | 4 000 | 5 400 |"),
+            "{with}"
+        );
+        // A page without the workload's markers is refused for its figures.
+        assert!(update_page(&format!("{BEGIN}\n{END}\n"), &only_steps).is_err());
     }
 
     /// A README without the markers is refused, not rewritten.

@@ -17,7 +17,8 @@ use crate::machine::{Commit, Machine, now_rfc3339};
 use crate::measure::{Comparison, Paths, RatioSpec, Setting, compare, print_header};
 use crate::meter;
 use crate::micro::Insert;
-use crate::report::{Results, render, replace_generated};
+use crate::report::{Results, update_page};
+use crate::steps::{StepsPaths, Vendor};
 use crate::transfer::{TENANT, Transfer, fund_accounts};
 use crate::txpaths::TxPaths;
 
@@ -34,10 +35,10 @@ pub struct Args {
     /// Engines to measure.
     #[arg(long, value_delimiter = ',', default_value = "postgres,mysql,sqlite")]
     pub engines: Vec<String>,
-    /// Workloads to run: micro, transfer, http.
-    #[arg(long, value_delimiter = ',', default_value = "micro,transfer,http")]
+    /// Workloads to run: micro, transfer, http, steps.
+    #[arg(long, value_delimiter = ',', default_value = "micro,transfer,http,steps")]
     pub workloads: Vec<String>,
-    /// Worker counts of the micro and transfer workloads.
+    /// Worker counts of the micro, transfer and steps workloads.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pub workers: Vec<usize>,
     /// Concurrent clients of the HTTP workload.
@@ -102,6 +103,7 @@ fn paths_of(workload: &str) -> &'static [&'static str] {
     match workload {
         "micro" => &["bare", "fresh", "replay", "three-commit"],
         "transfer" => &["bare", "fresh", "three-commit"],
+        "steps" => &crate::steps::PATHS,
         _ => &["without", "with", "replay"],
     }
 }
@@ -115,6 +117,10 @@ fn ratios_of(engine: &str, workload: &str, workers: usize) -> Vec<RatioSpec> {
         target,
     };
     let paths = paths_of(workload);
+    if workload == "steps" {
+        // Its targets are counts (`crate::steps::report`), not throughput.
+        return vec![ratio("two-step/two-calls", "two-step", "two-calls", None)];
+    }
     if workload == "http" {
         let layer = (engine == "postgres" && workers == 16).then_some(HTTP_LAYER_TARGET);
         return vec![
@@ -180,6 +186,10 @@ async fn run_engine<D: BenchDb>(engine: &str, db: D, args: &Args, out: &mut Vec<
         let bench = Arc::new(TxPaths::new(&db, "POST /bench/transfer", Transfer::new(accounts))?);
         at_each(&bench, args, engine, "transfer", out).await?;
     }
+    if wants("steps") {
+        let bench = Arc::new(StepsPaths::new(&db, Arc::new(Vendor::new()))?);
+        at_each(&bench, args, engine, "steps", out).await?;
+    }
     Ok(())
 }
 
@@ -218,7 +228,7 @@ async fn meter_engine(engine: &str, args: &Args) -> Result<Vec<Cost>, BoxError> 
     let workloads: Vec<String> = args
         .workloads
         .iter()
-        .filter(|w| *w == "micro" || *w == "transfer")
+        .filter(|w| ["micro", "transfer", "steps"].contains(&w.as_str()))
         .cloned()
         .collect();
     if args.cost_ops == 0 || workloads.is_empty() {
@@ -313,7 +323,7 @@ fn retarget(results: &mut Results) {
 
 fn write_readme(path: &Path, results: &Results) -> Result<(), BoxError> {
     let readme = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let updated = replace_generated(&readme, &render(results)).map_err(|e| format!("{}: {e}", path.display()))?;
+    let updated = update_page(&readme, results).map_err(|e| format!("{}: {e}", path.display()))?;
     std::fs::write(path, updated)?;
     println!("tables regenerated in {}", path.display());
     Ok(())
@@ -345,6 +355,21 @@ pub async fn run(args: Args) -> Result<(), BoxError> {
         println!(
             "{:>8} {:>9} target {}: bare {:.2}, fresh {:.2}, measured {:.2}, target {}, met: {}",
             t.engine, t.workload, t.figure, t.bare, t.fresh, t.measured, t.target, t.met
+        );
+    }
+    for f in crate::steps::report::figures(&costs, &comparisons) {
+        println!(
+            "{:>8} {:>9} {}: two-step {:.2}, two calls {:.2}, ratio {:.2}{}",
+            f.engine,
+            crate::steps::report::WORKLOAD,
+            f.figure,
+            f.two_step,
+            f.two_calls,
+            f.ratio,
+            match (&f.target, f.met) {
+                (Some(t), Some(met)) => format!(", target {t}, met: {met}"),
+                _ => String::new(),
+            }
         );
     }
     let dir = args.out.parent().unwrap_or(Path::new(".")).to_path_buf();

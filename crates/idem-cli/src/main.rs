@@ -2,7 +2,8 @@
 //! contract, and the operator's commands.
 //!
 //! Exit codes: 0 done, 1 a failure while running (an absent key; for `dlq
-//! redrive`: a dead letter that failed again), 2 a bad argument or
+//! redrive`: a dead letter that failed again; for `ops`: a change the
+//! operation refuses, or one that changed meanwhile), 2 a bad argument or
 //! configuration (a bad store URL, an empty filter, a Redis that may evict
 //! keys), 3 the store is not there as asked: unreachable, no such database
 //! file, or its table does not exist (only `idem migrate` creates one).
@@ -18,6 +19,7 @@ mod events;
 mod gateway;
 mod keys;
 mod migrate;
+mod ops;
 mod outbox;
 mod output;
 mod stats;
@@ -99,6 +101,12 @@ enum Command {
         #[command(subcommand)]
         command: events::EventsCommand,
     },
+    /// Multi-step operations: list, show, resume, mark (a step's outcome),
+    /// cancel, hold.
+    Ops {
+        #[command(subcommand)]
+        command: ops::OpsCommand,
+    },
 }
 
 /// Runs the command the arguments name.
@@ -114,6 +122,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Outbox { command } => outbox::run(command, &redis, json).await,
         Command::Dlq { command } => dlq::run(command, json).await,
         Command::Events { command } => events::run(command, json).await,
+        Command::Ops { command } => ops::run(command, json).await,
     }
 }
 

@@ -1,10 +1,12 @@
-//! `idem migrate`: creates or upgrades the keys table, and with
-//! `--dead-letters` the dead-letter table of outbound calls; the only
-//! command that creates a database file or a table.
+//! `idem migrate`: creates or upgrades the keys table, with
+//! `--dead-letters` the dead-letter table of outbound calls, and with
+//! `--operations` the table of multi-step operations; the only command
+//! that creates a database file or a table.
 
 use idem_gateway::AnyLease;
 
 use crate::dlq::AnyDeadLetters;
+use crate::ops::AnyOperations;
 use crate::output::{Failure, print, say, store_failure};
 use crate::store::{KeysTable, table_flag};
 
@@ -26,6 +28,12 @@ pub(crate) struct MigrateArgs {
     /// The dead-letter table, with --dead-letters.
     #[arg(long, default_value = "idem_dead_letters")]
     dead_letter_table: String,
+    /// Also create the table of multi-step operations (SQL stores).
+    #[arg(long)]
+    operations: bool,
+    /// The table of multi-step operations, with --operations.
+    #[arg(long, default_value = crate::ops::DEFAULT_TABLE, requires = "operations")]
+    operations_table: String,
 }
 
 /// Migrates (or with `--dry-run` says what it would apply).
@@ -36,6 +44,8 @@ pub(crate) async fn run(args: MigrateArgs, redis: &idem_gateway::RedisSettings, 
         show_sql,
         dead_letters,
         dead_letter_table,
+        operations,
+        operations_table,
     } = args;
     // A dry run creates nothing: where no SQLite file is yet, an
     // empty in-memory database stands in for it.
@@ -65,9 +75,22 @@ pub(crate) async fn run(args: MigrateArgs, redis: &idem_gateway::RedisSettings, 
     } else {
         None
     };
+    let ops = if operations {
+        // The same pool (and SQLite file, or stand-in) as the keys table.
+        let table = table_flag("--operations-table", &operations_table)?;
+        Some(AnyOperations::beside(&s, table).map_err(|e| match e {
+            idem_core::Error::Config(why) => Failure(2, why),
+            e => store_failure(&store, e),
+        })?)
+    } else {
+        None
+    };
     let mut pending = s.pending_migrations().await?;
     if let Some(letters) = &letters {
         pending.extend(letters.pending_migrations().await?);
+    }
+    if let Some(ops) = &ops {
+        pending.extend(ops.pending_migrations().await?);
     }
     if show_sql && !json {
         for m in &pending {
@@ -82,6 +105,9 @@ pub(crate) async fn run(args: MigrateArgs, redis: &idem_gateway::RedisSettings, 
         if let Some(letters) = &letters {
             letters.migrate().await?;
         }
+        if let Some(ops) = &ops {
+            ops.migrate().await?;
+        }
     }
     let versions: Vec<i64> = pending.iter().map(|m| m.version).collect();
     let mut v = serde_json::json!({ "store": s.kind(), "pending": versions, "applied": !dry_run });
@@ -95,8 +121,15 @@ pub(crate) async fn run(args: MigrateArgs, redis: &idem_gateway::RedisSettings, 
     let what = s
         .table()
         .map_or_else(|| "the keys table".to_owned(), |t| format!("table {t}"));
+    let others: Vec<&str> = [
+        letters.as_ref().map(|_| "the dead-letter table"),
+        ops.as_ref().map(|_| "the operations table"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let text = match (pending.is_empty(), dry_run) {
-        (true, _) if letters.is_some() => format!("{}: {what} and the dead-letter table are current", s.kind()),
+        (true, _) if !others.is_empty() => format!("{}: {what} and {} are current", s.kind(), others.join(" and ")),
         (true, _) if s.table().is_none() => format!("{}: no schema to migrate", s.kind()),
         (true, _) => format!("{}: {what} is current", s.kind()),
         (false, true) => format!("{}: would apply version(s) {versions:?} (nothing applied)", s.kind()),

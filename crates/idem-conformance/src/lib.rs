@@ -330,7 +330,9 @@ macro_rules! multistep_conformance {
                 multistep_twin_insert_is_refused,
                 multistep_stale_write_writes_nothing,
                 multistep_one_of_concurrent_writers_wins,
-                multistep_due_lists_what_a_runner_may_take
+                multistep_due_lists_what_a_runner_may_take,
+                multistep_list_follows_every_filter,
+                multistep_list_pages_by_cursor
             );
             $crate::__suite_test!(steps_tests, $make;
                 steps_complete_once_and_replay,
@@ -343,7 +345,9 @@ macro_rules! multistep_conformance {
                 steps_completer_finishes_what_the_caller_left,
                 steps_completers_race_each_operation_once,
                 steps_failure_returned_by_the_operation_is_compensated,
-                steps_no_send_starts_after_the_lease
+                steps_no_send_starts_after_the_lease,
+                steps_run_killed_at_each_boundary_resumes_once,
+                steps_unknown_outcome_is_resolved_by_a_verdict
             );
         }
     };

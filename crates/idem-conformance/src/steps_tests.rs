@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use idem_core::multistep::{HoldKind, MultiStepStore};
-use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy};
+use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy, Settlement, Verdict, VerdictSource};
 use idem_steps::{Finished, Halt, Operation, Pass, Registry, Run, StepError, StepsEngine};
 use serde_json::{Value, json};
 
@@ -87,7 +87,34 @@ struct Withdrawal<S: Subject> {
     /// A run stops with a store failure at this step's start (a crash),
     /// once.
     crash_at: Mutex<Option<&'static str>>,
+    /// A run stops for good at this point (and its task is aborted: the
+    /// process died there), once.
+    stall: Arc<Stall>,
     subject: std::marker::PhantomData<fn() -> S>,
+}
+
+/// A point where a run waits forever, once, after saying it got there.
+#[derive(Debug, Default)]
+struct Stall {
+    at: Mutex<Option<&'static str>>,
+    reached: tokio::sync::Notify,
+}
+
+impl Stall {
+    async fn at(stall: &Stall, point: &str) {
+        let here = {
+            let mut at = stall.at.lock().unwrap();
+            let here = *at == Some(point);
+            if here {
+                *at = None;
+            }
+            here
+        };
+        if here {
+            stall.reached.notify_one();
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 impl<S: Subject> Withdrawal<S> {
@@ -95,6 +122,7 @@ impl<S: Subject> Withdrawal<S> {
         Self {
             vendor,
             crash_at: Mutex::new(None),
+            stall: Arc::default(),
             subject: std::marker::PhantomData,
         }
     }
@@ -117,13 +145,25 @@ impl<S: Subject> Withdrawal<S> {
     }
 
     async fn write<'r>(run: &mut Run<'r, S::Backend>, step: &str, eid: &str) -> Result<String, Halt> {
+        Self::write_stalling(run, step, eid, Arc::default()).await
+    }
+
+    async fn write_stalling<'r>(
+        run: &mut Run<'r, S::Backend>,
+        step: &str,
+        eid: &str,
+        stall: Arc<Stall>,
+    ) -> Result<String, Halt> {
         let row = format!("{eid}-{step}");
+        let point = format!("in-{step}");
         run.local(step, move |tx| {
-            let row = row.clone();
+            let (row, stall, point) = (row.clone(), stall.clone(), point.clone());
             Box::pin(async move {
                 S::write_effect(tx, row)
                     .await
                     .map_err(|e| StepError::Fatal(e.to_string()))?;
+                // Written, not committed.
+                Stall::at(&stall, &point).await;
                 // A value the step makes: replayed, never made again.
                 Ok(uuid::Uuid::new_v4().to_string())
             })
@@ -140,14 +180,26 @@ impl<S: Subject> Operation<S::Backend> for Withdrawal<S> {
     fn run<'r>(&'r self, run: &'r mut Run<'_, S::Backend>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
         Box::pin(async move {
             self.crash("debit")?;
-            let debit = Self::write(run, "debit", eid).await?;
+            let debit = Self::write_stalling(run, "debit", eid, self.stall.clone()).await?;
             self.crash("pay")?;
             let vendor = self.vendor.clone();
+            let stall = self.stall.clone();
             let paid: Value = run
-                .external("pay", |s| async move { vendor.send(&s.key, s.earlier.is_some()) })
+                .external("pay", |s| async move {
+                    // An operator said the vendor applied it: its answer.
+                    if let Some(v) = &s.verdict
+                        && v.status.is_some()
+                    {
+                        return serde_json::from_slice(&v.body).map_err(|e| StepError::Fatal(e.to_string()));
+                    }
+                    Stall::at(&stall, "before-send").await;
+                    let answer = vendor.send(&s.key, s.earlier.is_some());
+                    Stall::at(&stall, "after-send").await;
+                    answer
+                })
                 .await?;
             self.crash("settle")?;
-            Self::write(run, "settle", eid).await?;
+            Self::write_stalling(run, "settle", eid, self.stall.clone()).await?;
             Ok(json!({ "debit": debit, "paid": paid }))
         })
     }
@@ -160,7 +212,9 @@ impl<S: Subject> Operation<S::Backend> for Withdrawal<S> {
     ) -> BoxFuture<'r, Result<(), Halt>> {
         Box::pin(async move {
             self.crash("credit")?;
-            Self::write(run, "credit", eid).await.map(drop)
+            Self::write_stalling(run, "credit", eid, self.stall.clone())
+                .await
+                .map(drop)
         })
     }
 }
@@ -574,4 +628,91 @@ pub async fn steps_no_send_starts_after_the_lease<S: MultiStepSubject>(s: S) {
         panic!("got {done:?}")
     };
     assert_eq!(output, json!({ "before": true, "after": false }));
+}
+
+/// A run whose process dies at any point of any step (its task aborted
+/// there: a local step's transaction written and not committed, an external
+/// step marked and not sent, sent and its answer not recorded) is resumed
+/// after its lease from its recovery point: every step's effect happens
+/// once, and the vendor applies the payment once.
+pub async fn steps_run_killed_at_each_boundary_resumes_once<S: MultiStepSubject>(s: S) {
+    for point in ["in-debit", "before-send", "after-send", "in-settle"] {
+        let clock = ManualClock::starting_now();
+        let (engine, vendor, eid) = (Arc::new(engine(&s, &clock)), Vendor::scripted(&[]), effect_id());
+        let op = Arc::new(Withdrawal::<S>::new(vendor.clone()));
+        *op.stall.at.lock().unwrap() = Some(point);
+        let call = new_call(&eid);
+        let run = {
+            let (engine, op, call, eid) = (engine.clone(), op.clone(), call.clone(), eid.clone());
+            tokio::spawn(async move { engine.execute(&*op, &call, &eid).await })
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(30), op.stall.reached.notified())
+            .await
+            .unwrap_or_else(|_| panic!("the run reached {point}"));
+        run.abort();
+        assert!(run.await.unwrap_err().is_cancelled(), "the run died at {point}");
+        clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
+        let done = engine.execute(&*op, &call, &eid).await.unwrap();
+        assert!(
+            matches!(done, Finished::Completed { replayed: false, .. }),
+            "after a death at {point}: {done:?}"
+        );
+        assert_eq!(
+            (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+            (1, 1),
+            "after a death at {point}"
+        );
+        assert_eq!(vendor.applied(), 1, "after a death at {point}");
+        let again = engine.execute(&*op, &call, &eid).await.unwrap();
+        assert!(matches!(again, Finished::Completed { replayed: true, .. }), "{again:?}");
+    }
+}
+
+/// An operation held on an unknown outcome is let go by an operator's
+/// verdict and finished once: "applied" finishes the step from the answer
+/// the operator gave, sending nothing; "not applied" (once the send has
+/// settled) sends afresh with the same key.
+pub async fn steps_unknown_outcome_is_resolved_by_a_verdict<S: MultiStepSubject>(s: S) {
+    for verdict in [Verdict::Applied, Verdict::NotApplied] {
+        let clock = ManualClock::starting_now();
+        let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::Unknown]), effect_id());
+        let op = Withdrawal::<S>::new(vendor.clone());
+        let call = new_call(&eid);
+        assert_eq!(
+            engine.execute(&op, &call, &eid).await.unwrap(),
+            Finished::Held(HoldKind::Unknown)
+        );
+        clock.advance(std::time::Duration::from_millis(2 * LEASE_MS as u64));
+        let mut row = engine.store().find(call.scope(), call.key()).await.unwrap().unwrap();
+        let settlement = Settlement {
+            verdict,
+            by: VerdictSource::Operator,
+            status: (verdict == Verdict::Applied).then_some(200),
+            body: br#"{"payout":"po_operator"}"#.to_vec(),
+            note: "checked at the vendor".into(),
+        };
+        row.settle(&settlement, idem_core::Clock::now_ms(&clock)).unwrap();
+        engine.store().write(&row).await.unwrap();
+        let done = engine.execute(&op, &call, &eid).await.unwrap();
+        let Finished::Completed {
+            output,
+            replayed: false,
+        } = done
+        else {
+            panic!("{verdict:?}: got {done:?}")
+        };
+        assert_eq!(
+            (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
+            (1, 1)
+        );
+        if verdict == Verdict::Applied {
+            assert_eq!(output["paid"]["payout"], "po_operator");
+            assert_eq!(vendor.sends.load(Ordering::SeqCst), 1, "nothing sent again");
+        } else {
+            assert_eq!(vendor.sends.load(Ordering::SeqCst), 2, "sent afresh");
+            assert_eq!(vendor.applied(), 1);
+            let seen = vendor.seen.lock().unwrap().clone();
+            assert_eq!(seen[0].0, seen[1].0, "with the same key");
+        }
+    }
 }

@@ -84,6 +84,8 @@ mod reconcile;
 mod recorded;
 mod retry;
 mod service;
+#[cfg(feature = "steps")]
+pub mod steps;
 mod stream;
 mod tx;
 mod tx_mode;

@@ -28,6 +28,7 @@ pub struct Problem {
     title: String,
     detail: String,
     retry_after_secs: Option<u64>,
+    members: Vec<(&'static str, String)>,
 }
 
 impl Problem {
@@ -40,6 +41,7 @@ impl Problem {
             title: title.into(),
             detail: String::new(),
             retry_after_secs: None,
+            members: Vec::new(),
         }
     }
 
@@ -55,6 +57,17 @@ impl Problem {
         self
     }
 
+    /// Adds an extension member with a string value (RFC 9457 §3.2), such
+    /// as the step a multi-step operation stands at. A member named as one
+    /// of the standard ones (`type`, `title`, `status`, `detail`,
+    /// `instance`) is ignored.
+    pub fn with_member(mut self, name: &'static str, value: impl Into<String>) -> Self {
+        if !matches!(name, "type" | "title" | "status" | "detail" | "instance") {
+            self.members.push((name, value.into()));
+        }
+        self
+    }
+
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         self.status
@@ -67,12 +80,17 @@ impl Problem {
 
     /// Renders the problem with `type` = `base` + slug.
     pub fn into_response(self, base: &str) -> Response<Body> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "type": format!("{base}{}", self.slug),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": if self.detail.is_empty() { self.title.clone() } else { self.detail },
         });
+        if let Some(object) = body.as_object_mut() {
+            for (name, value) in self.members {
+                object.insert(name.to_owned(), serde_json::Value::String(value));
+            }
+        }
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mut response = Response::new(Body::from(bytes));
         *response.status_mut() = self.status;
@@ -124,6 +142,10 @@ pub mod slugs {
     pub const TRANSACTION_CONFLICT: &str = "idempotency-transaction-conflict";
     /// 503: the idempotency store failed; nothing was recorded.
     pub const STORE_UNAVAILABLE: &str = "idempotency-store-unavailable";
+    /// 409: a multi-step operation is held at a step (a failed
+    /// compensation, too many runs, a changed definition, an operator's
+    /// hold) until an operator acts (`idem ops`).
+    pub const OPERATION_HELD: &str = "idempotency-operation-held";
     /// 500: the handler kept the transaction past its response.
     pub const TRANSACTION_UNAVAILABLE: &str = "idempotency-transaction-unavailable";
 }

@@ -177,7 +177,7 @@ fn is_json(parts: &Parts) -> bool {
         })
 }
 
-fn outcome(operation: &Operation, result: &'static str, started: Instant) {
+pub(crate) fn outcome(operation: &Operation, result: &'static str, started: Instant) {
     metrics::counter!("idem_http_requests_total", "operation" => operation.metric_label(), "result" => result)
         .increment(1);
     metrics::histogram!("idem_http_request_duration_seconds", "operation" => operation.metric_label())
@@ -298,7 +298,12 @@ where
 /// The fingerprint covers the operation, the concrete path and query (two
 /// resources under one route template are different requests) and the body,
 /// in its canonical form when it is JSON that has one, else byte for byte.
-fn fingerprint(version: FingerprintVersion, operation: &Operation, parts: &Parts, body: &Bytes) -> Fingerprint {
+pub(crate) fn fingerprint(
+    version: FingerprintVersion,
+    operation: &Operation,
+    parts: &Parts,
+    body: &Bytes,
+) -> Fingerprint {
     let mut base = FingerprintBuilder::with_version(operation, version);
     if crate::layer::method_label(&parts.method) == "OTHER" {
         // An extension method is named `OTHER` in the operation.

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use idem_core::multistep::{MultiStep, MultiStepStore};
+use idem_core::multistep::{MultiStep, MultiStepCursor, MultiStepFilter, MultiStepStore};
 use idem_core::{BoxFuture, Error, IdempotencyKey, Result, Scope, StoreErrorKind};
 
 use crate::{MemoryStore, MemoryTx};
@@ -133,6 +133,16 @@ impl MultiStepStore<MemoryStore> for MemoryMultiSteps {
                 .collect();
             due.sort_unstable();
             Ok(due.into_iter().take(limit as usize).map(|(_, id)| id).collect())
+        })
+    }
+
+    fn list<'a>(&'a self, filter: &'a MultiStepFilter) -> BoxFuture<'a, Result<Vec<MultiStep>>> {
+        Box::pin(async move {
+            filter.check()?;
+            let t = self.lock();
+            let mut found: Vec<&MultiStep> = t.rows.values().filter(|r| filter.matches(r)).collect();
+            found.sort_unstable_by_key(|r| MultiStepCursor::of(r));
+            Ok(found.into_iter().take(filter.limit as usize).cloned().collect())
         })
     }
 }

@@ -1,9 +1,9 @@
 //! Multi-step operations on any SQL engine.
 //!
 //! One row per (tenant, operation, key). The columns are what statements
-//! use — uniqueness, the due scan, the conditional write, the purge — and
-//! the rest of the operation is one document the core encodes and decodes
-//! ([`MultiStepRow`]). A write is an `UPDATE … WHERE id = ? AND version = ?`
+//! use — uniqueness, the due scan, the conditional write, the operator's
+//! listing, the purge — and the rest of the operation is one document the
+//! core encodes and decodes ([`MultiStepRow`]). A write is an `UPDATE … WHERE id = ? AND version = ?`
 //! that stores the next version: one that updates no row wrote over a
 //! version that moved, and is [`Error::Fenced`](idem_core::Error::Fenced).
 //! The writes of a local step join the caller's transaction, through the
@@ -12,7 +12,7 @@
 use std::ops::DerefMut;
 use std::sync::Arc;
 
-use idem_core::multistep::{MultiStep, MultiStepRow, MultiStepStore};
+use idem_core::multistep::{MultiStep, MultiStepCursor, MultiStepFilter, MultiStepRow, MultiStepState, MultiStepStore};
 use idem_core::{BoxFuture, Error, IdempotencyKey, PendingMigration, Result, Scope, TableName, TxBackend};
 use sqlx::{AssertSqlSafe, Database};
 
@@ -155,6 +155,73 @@ impl<D: MultiStepSchema> SqlMultiSteps<D> {
         }
     }
 
+    /// At most `limit` operations in `states` matching the filter's columns
+    /// (tenant, operation, recovery point, age), after `after` in the
+    /// listing's order: one statement, served by the (state,
+    /// `updated_at_ms`) index.
+    async fn select(
+        &self,
+        filter: &MultiStepFilter,
+        states: &[MultiStepState],
+        after: Option<MultiStepCursor>,
+        limit: u32,
+    ) -> Result<Vec<MultiStep>> {
+        let p = D::placeholder;
+        let mut args: Vec<Arg<'_>> = Vec::new();
+        let mut conditions: Vec<String> = Vec::new();
+        // Every state scanned is no condition at all.
+        if states.len() < 5 {
+            let first = args.len() + 1;
+            args.extend(states.iter().map(|s| Arg::Text(s.as_str())));
+            conditions.push(format!("state IN ({})", placeholders::<D>(first, args.len())));
+        }
+        for (column, value) in [("tenant", &filter.tenant), ("operation", &filter.operation)] {
+            if let Some(value) = value {
+                args.push(Arg::Text(value));
+                conditions.push(format!("{column} = {}", p(args.len())));
+            }
+        }
+        if let Some(n) = filter.recovery_point {
+            args.push(Arg::Int(i64::from(n)));
+            conditions.push(format!("step = {}", p(args.len())));
+        }
+        if let Some(t) = filter.unchanged_since_ms {
+            args.push(Arg::Int(t));
+            conditions.push(format!("updated_at_ms <= {}", p(args.len())));
+        }
+        if let Some(after) = after {
+            // The time twice: an engine's placeholders may be positional.
+            args.extend([
+                Arg::Int(after.updated_at_ms),
+                Arg::Int(after.updated_at_ms),
+                Arg::Int(after.id),
+            ]);
+            let n = args.len();
+            conditions.push(format!(
+                "(updated_at_ms > {} OR (updated_at_ms = {} AND id > {}))",
+                p(n - 2),
+                p(n - 1),
+                p(n)
+            ));
+        }
+        args.push(Arg::Int(i64::from(limit)));
+        let sql = format!(
+            "SELECT {COLUMNS} FROM {} {} ORDER BY updated_at_ms, id LIMIT {}",
+            self.t.name,
+            if conditions.is_empty() {
+                String::new()
+            } else {
+                format!("WHERE {}", conditions.join(" AND "))
+            },
+            p(args.len())
+        );
+        let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+        let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
+            .await
+            .map_err(D::error)?;
+        rows.iter().map(decode::<D>).collect()
+    }
+
     async fn read(&self, statement: Statement<'_, D::Db>) -> Result<Option<MultiStep>> {
         let row = D::Db::fetch_optional_pooled(statement, &self.t.pool)
             .await
@@ -238,6 +305,38 @@ where
         Box::pin(async move {
             let statement = D::Db::bind(sqlx::query(AssertSqlSafe(self.t.sql.get.clone())), Arg::Int(id));
             self.read(statement).await
+        })
+    }
+
+    fn list<'a>(&'a self, filter: &'a MultiStepFilter) -> BoxFuture<'a, Result<Vec<MultiStep>>> {
+        Box::pin(async move {
+            filter.check()?;
+            let states = filter.scanned_states();
+            if states.is_empty() {
+                return Ok(Vec::new());
+            }
+            // The open step is in the document, not a column: pages of the
+            // rows the columns select are read until enough of them match
+            // (only rows not final, which an open send needs, are read for
+            // it). Without it, the first page is the answer.
+            let mut found = Vec::new();
+            let mut after = filter.after;
+            loop {
+                let page = self.select(filter, &states, after, filter.limit).await?;
+                let full = page.len() == filter.limit as usize;
+                for op in page {
+                    after = Some(MultiStepCursor::of(&op));
+                    if filter.matches(&op) {
+                        found.push(op);
+                        if found.len() == filter.limit as usize {
+                            return Ok(found);
+                        }
+                    }
+                }
+                if !full {
+                    return Ok(found);
+                }
+            }
         })
     }
 

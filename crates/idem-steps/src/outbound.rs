@@ -51,7 +51,7 @@ impl<B: TxBackend> Run<'_, B> {
         D: FnOnce(Answer<'_>) -> Result<T, StepError>,
     {
         let terms = client.terms_of(request);
-        self.external_under(name, Some(terms), |s| async move {
+        self.external_under(name, Some(terms), client.reconciles(), |s| async move {
             if let Some(v) = &s.verdict
                 && let Some(status) = v.status
             {

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::halt::Rows;
-use crate::{Halt, Sending, StepError};
+use crate::{Halt, Point, Sending, StepError, hit};
 
 /// The most times a local step runs again after its commit met contention.
 const CONTENTION_RUNS: u32 = 10;
@@ -89,6 +89,24 @@ impl<B: TxBackend> Run<'_, B> {
                 Err(self.hold(HoldKind::Nondeterministic, &why).await)
             }
         }
+    }
+
+    /// How many steps of the current direction the journal recorded that
+    /// this run has not asked for.
+    pub(crate) fn unasked(&self) -> usize {
+        let undo = self.compensating();
+        let recorded = self.row.journal.entries().iter().filter(|e| e.undo == undo).count();
+        recorded.saturating_sub(self.cursor)
+    }
+
+    /// Holds an operation whose run ended without asking for every step
+    /// the journal recorded: its definition changed under it.
+    pub(crate) async fn unasked_hold(&mut self) -> Halt {
+        let why = format!(
+            "the run ended with {} recorded step(s) it did not ask for",
+            self.unasked()
+        );
+        self.hold(HoldKind::Nondeterministic, &why).await
     }
 
     /// What a transition's refusal does: a fenced write stops the run; a
@@ -222,6 +240,7 @@ impl<B: TxBackend> Run<'_, B> {
                 let _ = self.backend.rollback(tx).await;
                 return Err(self.refused(e).await);
             }
+            hit(Point::BeforeStepCommit, name);
             let committed = if self.row.id == 0 {
                 let inserted = self.rows.insert_in(&mut tx, &next).await;
                 self.finish_insert(tx, inserted, &mut next).await
@@ -239,6 +258,7 @@ impl<B: TxBackend> Run<'_, B> {
                 Ok(()) => {
                     self.row = next;
                     self.cursor += 1;
+                    hit(Point::AfterStepCommit, name);
                     return Ok(output);
                 }
                 Err(Halt::Store(e)) if e.is_contention() && runs < CONTENTION_RUNS => continue,
@@ -260,15 +280,18 @@ impl<B: TxBackend> Run<'_, B> {
         F: FnOnce(Sending) -> Fut,
         Fut: Future<Output = Result<T, StepError>>,
     {
-        self.external_under(name, None, send).await
+        self.external_under(name, None, false, send).await
     }
 
     /// [`external`](Self::external), its sends made under `terms` (the
-    /// vendor's key horizon and the settle time), kept with the mark.
+    /// vendor's key horizon and the settle time), kept with the mark. With
+    /// `asks`, a resend that must ask the other side first waits until the
+    /// earlier send has settled (see `unsettled`).
     pub(crate) async fn external_under<T, F, Fut>(
         &mut self,
         name: &str,
         terms: Option<SentUnder>,
+        asks: bool,
         send: F,
     ) -> Result<T, Halt>
     where
@@ -281,6 +304,15 @@ impl<B: TxBackend> Run<'_, B> {
         }
         let earlier = self.row.open.clone().filter(|o| o.step == name);
         let verdict = self.row.verdict.clone();
+        if let Some(wait_ms) = self.unsettled(earlier.as_ref(), verdict.is_some()).filter(|_| asks) {
+            // An earlier send may still be on its way, and the other side
+            // must be asked before anything is sent again: nothing could be
+            // sent before it settles, and a mark now would move its end.
+            let why = format!("step {name:?}: an earlier send settles in {wait_ms} ms");
+            return Err(self
+                .failed(name, StepKind::External, StepError::Retry { why, after_ms: wait_ms })
+                .await);
+        }
         let lease_ms = self.lease_ms;
         self.change(|next, token, now| {
             next.extend(token, now, lease_ms)?;
@@ -295,6 +327,7 @@ impl<B: TxBackend> Run<'_, B> {
             Ok(())
         })
         .await?;
+        hit(Point::AfterSentMark, name);
         let key_name = if self.compensating() {
             format!("undo:{name}")
         } else {
@@ -309,13 +342,33 @@ impl<B: TxBackend> Run<'_, B> {
         };
         match send(sending).await {
             Ok(output) => {
+                hit(Point::AfterAnswer, name);
                 let entry = self.entry(name, StepKind::External, StepOutcome::Output(encode(&output)?));
                 self.change(|next, token, now| next.record(token, entry, now)).await?;
                 self.cursor += 1;
+                hit(Point::AfterStepCommit, name);
                 Ok(output)
             }
             Err(e) => Err(self.failed(name, StepKind::External, e).await),
         }
+    }
+
+    /// How long until `earlier` (the open send of the step about to run
+    /// again) has settled, when its vendor cannot be sent to blindly (no
+    /// keys, or past their horizon) and no verdict settles it: `None` when
+    /// the step may go on now.
+    fn unsettled(&self, earlier: Option<&idem_core::multistep::OpenSend>, verdict: bool) -> Option<i64> {
+        let open = earlier.filter(|_| !verdict)?;
+        let terms = open.sent_under?;
+        let now = self.clock.now_ms();
+        let millis = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let remembered_until = open
+            .first_sent_at_ms
+            .saturating_add(millis(terms.key_horizon))
+            .saturating_sub(millis(terms.horizon_margin));
+        let blind = !terms.key_horizon.is_zero() && now < remembered_until;
+        let settled_at = open.last_sent_at_ms.saturating_add(millis(terms.settle));
+        (!blind && now < settled_at).then(|| settled_at - now)
     }
 
     /// What a failed step does to the operation.

@@ -30,6 +30,9 @@
 //! | `payout.dead_lettered` | `{"payout_id", "account_id", "amount", "error"}` (the debit stands until a redrive pays it) |
 //! | `payout.outcome_unknown` | `{"payout_id", "account_id", "amount", "error"}` (held for an operator; the debit stands) |
 //! | `payout.cancelled` | `{"payout_id", "account_id", "amount"}` (the vendor did not pay it: the debit is reversed) |
+//! | `withdrawal.requested` | `{"withdrawal_id", "account_id", "amount"}` (debited now) |
+//! | `withdrawal.paid` | `{"withdrawal_id", "account_id", "amount", "vendor_payout_id"}` |
+//! | `withdrawal.declined` | `{"withdrawal_id", "account_id", "amount", "reason"}` (a vendor declined it: the debit is credited back) |
 //!
 //! A consumer must refuse a `version` it does not know (the projection keeps
 //! such an event as a dead letter). A new field is added without a new
@@ -155,6 +158,12 @@ struct PayoutData {
 }
 
 #[derive(Debug, Deserialize)]
+struct WithdrawalData {
+    #[allow(dead_code)]
+    withdrawal_id: String,
+}
+
+#[derive(Debug, Deserialize)]
 struct TransferData {
     from: String,
     to: String,
@@ -231,6 +240,20 @@ impl Envelope {
             }
             // The reversal of a cancelled payout gives the amount back.
             "payout.cancelled" => {
+                let d: CreditData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, d.amount, 0)]
+            }
+            // A withdrawal debits when it is requested, and its credit-back
+            // gives the amount back; being paid moves no money.
+            "withdrawal.requested" => {
+                let d: CreditData = serde_json::from_value(data).map_err(bad)?;
+                vec![change(d.account_id, 0, d.amount)]
+            }
+            "withdrawal.paid" => {
+                let _: WithdrawalData = serde_json::from_value(data).map_err(bad)?;
+                vec![]
+            }
+            "withdrawal.declined" => {
                 let d: CreditData = serde_json::from_value(data).map_err(bad)?;
                 vec![change(d.account_id, d.amount, 0)]
             }

@@ -6,6 +6,17 @@
 //!   At a chosen point the process prints `IDEM_FAULT point=<name>` on
 //!   stderr and freezes, so the harness can `kill -9` it exactly there (it
 //!   aborts by itself after 30 s if nobody does).
+//! - `LEDGER_STEP_FAULTS=debit:after_step_commit=1,payout:after_answer=0.5`:
+//!   the probability of stopping at each named point of a withdrawal's
+//!   steps (`idem_steps::fault`): a local step written and not committed
+//!   (`before_step_commit`), a step recorded (`after_step_commit`), an
+//!   external step marked sent and not sent (`after_sent_mark`), answered
+//!   and not recorded (`after_answer`). The process prints
+//!   `IDEM_FAULT point=<point> step=<step>` on stderr and freezes, as above.
+//! - `LEDGER_BREAK_RECOVERY_POINTS=1`: a withdrawal taken over forgets its
+//!   journal and its sent mark and runs from its first step, so the harness
+//!   can prove its checker sees the double debits and bookings recovery
+//!   points prevent.
 //! - `LEDGER_FAULT_SEED=<u64>`: seeds the choice.
 //! - `LEDGER_BREAK_IDEMPOTENCY=1`: switches the idempotency claim off, so the
 //!   harness can prove its checker sees double applications.
@@ -21,6 +32,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use idem_http::fault::{self, Point};
+use idem_steps::fault::Point as StepPoint;
 
 /// A small deterministic generator (SplitMix64).
 struct SplitMix(u64);
@@ -36,8 +48,90 @@ impl SplitMix {
     }
 }
 
+/// The local steps of a withdrawal (forward and compensating).
+const LOCAL_STEPS: [&str; 3] = ["debit", "settle", "credit-back"];
+/// Its external steps.
+const EXTERNAL_STEPS: [&str; 3] = ["fx-quote", "payout", "release-quote"];
+
+/// Whether `LEDGER_STEP_FAULTS` may name `point` of `step`: a local step
+/// written and not committed (`before_step_commit`) or committed
+/// (`after_step_commit`); an external step marked sent and not sent
+/// (`after_sent_mark`), answered and not recorded (`after_answer`), or
+/// recorded (`after_step_commit`).
+fn is_step_point(step: &str, point: StepPoint) -> bool {
+    match point {
+        StepPoint::BeforeStepCommit => LOCAL_STEPS.contains(&step),
+        StepPoint::AfterStepCommit => LOCAL_STEPS.contains(&step) || EXTERNAL_STEPS.contains(&step),
+        StepPoint::AfterSentMark | StepPoint::AfterAnswer => EXTERNAL_STEPS.contains(&step),
+    }
+}
+
+/// The odds of stopping at each point of each step.
+type StepOdds = Vec<((String, StepPoint), f64)>;
+
+/// Parses `LEDGER_STEP_FAULTS` (see the module).
+fn step_odds(spec: &str) -> Result<StepOdds, String> {
+    let mut odds = Vec::new();
+    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        let (at, p) = part
+            .split_once('=')
+            .ok_or_else(|| format!("bad LEDGER_STEP_FAULTS entry {part:?}"))?;
+        let p: f64 = p.trim().parse().map_err(|_| format!("bad probability in {part:?}"))?;
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("probability out of range in {part:?}"));
+        }
+        let (step, point) = at
+            .trim()
+            .split_once(':')
+            .ok_or_else(|| format!("LEDGER_STEP_FAULTS entry {part:?} is not <step>:<point>=<p>"))?;
+        match StepPoint::parse(point) {
+            Some(pt) if is_step_point(step, pt) => odds.push(((step.to_owned(), pt), p)),
+            _ => return Err(format!("unknown step fault point {step}:{point}")),
+        }
+    }
+    Ok(odds)
+}
+
+/// Arms the engine's fault points with `odds`: at a chosen one the process
+/// prints `IDEM_FAULT point=<point> step=<step>` and freezes until the
+/// harness kills it (it aborts by itself after 30 s).
+fn arm_steps(odds: StepOdds, seed: u64) {
+    let rng = Mutex::new(SplitMix(seed ^ 0x57E9));
+    idem_steps::fault::set_hook(move |point, step| {
+        let Some(p) = odds
+            .iter()
+            .find(|((s, pt), _)| s == step && *pt == point)
+            .map(|(_, p)| *p)
+        else {
+            return;
+        };
+        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
+        if roll < p {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "IDEM_FAULT point={} step={step}", point.name());
+            let _ = err.flush();
+            drop(err);
+            std::thread::sleep(Duration::from_secs(30));
+            std::process::abort();
+        }
+    });
+}
+
 /// Reads the environment and installs the hook and the switch.
 pub fn install_from_env() -> Result<(), String> {
+    if std::env::var("LEDGER_BREAK_RECOVERY_POINTS").is_ok_and(|v| v == "1") {
+        idem_steps::fault::set_skip_recovery_points(true);
+        tracing::warn!("LEDGER_BREAK_RECOVERY_POINTS=1: a withdrawal taken over runs from its first step");
+    }
+    if let Ok(spec) = std::env::var("LEDGER_STEP_FAULTS") {
+        let odds = step_odds(&spec)?;
+        let seed = std::env::var("LEDGER_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0u64);
+        arm_steps(odds, seed);
+        tracing::warn!(faults = %spec, seed, "step fault points armed");
+    }
     if std::env::var("LEDGER_BREAK_IDEMPOTENCY").is_ok_and(|v| v == "1") {
         fault::set_bypass(true);
         tracing::warn!("LEDGER_BREAK_IDEMPOTENCY=1: the idempotency claim is switched off");
@@ -118,6 +212,31 @@ pub fn projection_panic() {
         let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
         if roll < *p {
             panic!("injected projection panic");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Step faults name known points only, with probabilities in [0, 1].
+    #[test]
+    fn step_faults_name_known_points() {
+        let odds = step_odds("debit:before_step_commit=1, payout:after_answer=0.5").unwrap();
+        assert_eq!(odds.len(), 2);
+        assert_eq!(odds[1], (("payout".to_owned(), StepPoint::AfterAnswer), 0.5));
+        for bad in [
+            "debit=1",
+            "debit:after_answer=1",
+            "debit:after_sent_mark=1",
+            "payout:before_step_commit=1",
+            "nope:after_step_commit=1",
+            "debit:after_step_commit=2",
+            "debit:after_commit=1",
+            "x",
+        ] {
+            assert!(step_odds(bad).is_err(), "{bad}");
         }
     }
 }

@@ -31,14 +31,15 @@ pub mod faulty;
 pub mod openapi;
 pub mod payouts;
 pub mod sweeper;
+pub mod withdrawals;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-pub use api::{AppState, Options, app, tenant_for_token};
+pub use api::{AppState, Options, WithdrawalRoute, app, tenant_for_token};
 pub use db::{Audit, DbError, LedgerDb, LedgerTx};
-use idem_core::{SharedClock, TableName};
+use idem_core::{Detached, SharedClock, TableName};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 
@@ -150,7 +151,27 @@ impl Store {
 
     /// The ledger's router on this store.
     pub fn router(&self, clock: SharedClock, options: Options) -> axum::Router {
+        self.router_detached(clock, options).0
+    }
+
+    /// [`router`](Self::router), and the withdrawals still running after
+    /// their answers (with withdrawals on), which a server waits for before
+    /// it stops.
+    pub fn router_detached(&self, clock: SharedClock, options: Options) -> (axum::Router, Option<Detached>) {
         with_db!(self.clone(), db => routed(db, clock, options))
+    }
+
+    /// One completer pass of withdrawals on this store: at most `limit`
+    /// withdrawals whose run stopped resumed from their recovery points
+    /// (see [`withdrawals::complete_due`]).
+    pub async fn complete_withdrawals(
+        &self,
+        clock: SharedClock,
+        config: &withdrawals::WithdrawalsConfig,
+        namespace: &events::Namespace,
+        limit: u32,
+    ) -> Result<idem_steps::Pass, StartError> {
+        with_db!(self, db => withdrawals::complete_due(db, clock, config, namespace, limit).await)
     }
 
     /// The engine's name.
@@ -179,7 +200,7 @@ impl Store {
 
 /// The ledger's router on `db` (on `db` failing on purpose, with the
 /// `fault-injection` feature and `LEDGER_STORE_FAULTS` set).
-fn routed<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> axum::Router
+fn routed<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> (axum::Router, Option<Detached>)
 where
     D::DeadLetters: Send + Sync + 'static,
 {
@@ -190,8 +211,14 @@ where
     routed_on(db, clock, options)
 }
 
-fn routed_on<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> axum::Router {
-    app(
+fn routed_on<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> (axum::Router, Option<Detached>) {
+    let withdrawals = options.withdrawals.as_ref().and_then(|config| {
+        WithdrawalRoute::new(&db, clock.clone(), config, options.events_namespace.clone())
+            .inspect_err(|e| tracing::error!(error = %e, "withdrawals are unavailable"))
+            .ok()
+    });
+    let detached = withdrawals.as_ref().map(|w| w.steps.detached().clone());
+    let router = app(
         AppState {
             outbox: db.outbox(),
             namespace: options.events_namespace.clone(),
@@ -199,9 +226,11 @@ fn routed_on<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> axum::
             db,
             clock,
             metrics: metrics_handle(),
+            withdrawals,
         },
         options,
-    )
+    );
+    (router, detached)
 }
 
 /// The dead letters of vendor calls on the ledger's engine.
@@ -305,10 +334,23 @@ pub async fn serve(
     options: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let router = store.router(clock, options);
+    let (router, detached) = store.router_detached(clock, options);
     axum::serve(listener, router).with_graceful_shutdown(shutdown).await?;
+    // A withdrawal whose client went away runs on; a stop waits for it to
+    // reach its end or a recovery point.
+    if let Some(detached) = detached
+        && tokio::time::timeout(DETACHED_WAIT, detached.idle()).await.is_err()
+    {
+        tracing::warn!(
+            running = detached.running(),
+            "withdrawals still running at stop; a retry or a completer resumes them"
+        );
+    }
     Ok(())
 }
+
+/// How long a stopping server waits for the withdrawals still running.
+const DETACHED_WAIT: Duration = Duration::from_secs(30);
 
 /// The clock of every instance on one database: the database's, so a host
 /// whose clock is off cannot expire keys early.
@@ -425,6 +467,33 @@ pub async fn run_payouts(
     Ok(())
 }
 
+/// `ledger complete`: completers of withdrawals without the HTTP server
+/// (`config.completers` of them, at least one), until SIGTERM or Ctrl-C.
+pub async fn run_withdrawal_completers(
+    database_url: &str,
+    max_connections: u32,
+    config: withdrawals::WithdrawalsConfig,
+    namespace: events::Namespace,
+) -> Result<(), StartError> {
+    #[cfg(feature = "fault-injection")]
+    fault::install_from_env().map_err(StartError::Config)?;
+    let store = Store::connect(database_url, max_connections).await?;
+    let clock = anchored_clock(&store).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let completers = config.completers.max(1);
+    let task = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            with_db!(store, db => withdrawals::run_completers(db, clock, config, namespace, completers, stopped).await)
+        })
+    };
+    shutdown_signal().await;
+    let _ = stop.send(true);
+    task.await
+        .map_err(|e| StartError::Config(format!("withdrawal completers: {e}")))?;
+    Ok(())
+}
+
 /// `ledger relay` / `ledger project`: the events without the HTTP server,
 /// until SIGTERM or Ctrl-C.
 pub async fn run_events(
@@ -513,6 +582,18 @@ pub async fn run(
             };
             with_db!(store, db => run_snapshots(db, clock, job, shutdown).await)
         });
+    }
+    match options.withdrawals.clone() {
+        Some(config) if config.completers > 0 => {
+            let (store, clock, stopped) = (store.clone(), clock.clone(), stopped.clone());
+            let namespace = options.events_namespace.clone();
+            let completers = config.completers;
+            background_tasks.spawn(async move {
+                with_db!(store, db => withdrawals::run_completers(db, clock, config, namespace, completers, stopped).await)
+            });
+        }
+        Some(_) => tracing::info!("--completers 0: withdrawals whose client went away wait for its retry"),
+        None => tracing::info!("no --fx-url: POST /v1/withdrawals answers 503"),
     }
     if let Some((config, outbound)) = payouts {
         let client =

@@ -90,6 +90,19 @@ struct Args {
     /// environment variable, never from the command line. Repeatable.
     #[arg(long = "vendor-secret-header", global = true)]
     vendor_secret_headers: Vec<String>,
+    /// The FX vendor's base URL (quotes at `{url}/v1/quotes`; it has no
+    /// idempotency keys). With --vendor-url, `POST /v1/withdrawals` pays out
+    /// through both vendors. Unset: withdrawals answer 503.
+    #[arg(long, env = "LEDGER_FX_URL", global = true)]
+    fx_url: Option<String>,
+    /// The lease of a withdrawal's run, in seconds: a run stopped for longer
+    /// (a crash, a client gone) is taken over by a retry or a completer.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3_600), global = true)]
+    withdrawal_lease_secs: u64,
+    /// Completers of withdrawals in this process: they finish withdrawals
+    /// whose run stopped (0: none).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=64), global = true)]
+    completers: u16,
     /// The balance snapshots job's period in seconds (0: off).
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(0..=31_622_400))]
     snapshot_every_secs: u64,
@@ -120,6 +133,9 @@ enum Command {
     /// Pays requested payouts at the vendor (--vendor-url) without serving
     /// HTTP.
     Payouts,
+    /// Completes withdrawals whose run stopped (--fx-url, --vendor-url,
+    /// --completers) without serving HTTP.
+    Complete,
     /// Runs a job once and exits.
     Job {
         /// The job: `snapshots` (one balance row per account).
@@ -202,6 +218,15 @@ async fn main() -> std::process::ExitCode {
             )),
             Err(e) => Err(e),
         },
+        Some(Command::Complete) => match payouts(&args, &namespace).and_then(|p| withdrawals(&args, p.as_ref())) {
+            Ok(Some(config)) => {
+                ledger::run_withdrawal_completers(&args.database_url, args.max_connections, config, namespace).await
+            }
+            Ok(None) => Err(ledger::StartError::Config(
+                "complete needs --fx-url and --vendor-url (or LEDGER_FX_URL and LEDGER_VENDOR_URL)".into(),
+            )),
+            Err(e) => Err(e),
+        },
         Some(Command::Job {
             name: _,
             ref run_id,
@@ -248,6 +273,7 @@ async fn serve(
         events_namespace,
         require_keys: true,
         events_health: ledger::events::EventsHealth::default(),
+        withdrawals: None,
     };
     let snapshots = match args.snapshot_every_secs {
         0 => None,
@@ -266,6 +292,10 @@ async fn serve(
         sweep_every: (args.sweep_every_secs > 0).then(|| Duration::from_secs(args.sweep_every_secs)),
     };
     let payouts = payouts(args, &options.events_namespace)?;
+    let options = ledger::Options {
+        withdrawals: withdrawals(args, payouts.as_ref())?,
+        ..options
+    };
     ledger::run(
         &args.listen,
         &args.database_url,
@@ -339,4 +369,41 @@ fn payouts(
         .check_target(&config.payouts_url())
         .map_err(|e| bad(format!("--vendor-url: {e}")))?;
     Ok(Some((config, outbound)))
+}
+
+/// The withdrawals' settings, if an FX vendor is configured (the payout
+/// vendor's are `payouts`'s).
+fn withdrawals(
+    args: &Args,
+    payouts: Option<&(ledger::payouts::PayoutConfig, idem_outbound::OutboundConfig)>,
+) -> Result<Option<ledger::withdrawals::WithdrawalsConfig>, ledger::StartError> {
+    let Some(fx_url) = args.fx_url.as_deref().filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    let bad = |why: String| ledger::StartError::Config(why);
+    if fx_url.contains(char::is_whitespace) {
+        return Err(bad(format!(
+            "--fx-url {fx_url:?} must be an absolute http or https URL"
+        )));
+    }
+    let Some((payout, outbound)) = payouts else {
+        return Err(bad(
+            "--fx-url needs --vendor-url: withdrawals pay out at the payout vendor".into(),
+        ));
+    };
+    let mut config = ledger::withdrawals::WithdrawalsConfig::new(fx_url, &payout.vendor_url);
+    // The payout vendor's memory of keys, credentials and TLS roots are the
+    // payout worker's; the FX vendor is trusted by the same roots.
+    config.payout = idem_outbound::OutboundConfig {
+        name: config.payout.name.clone(),
+        retry_delays: config.payout.retry_delays.clone(),
+        deadline: config.payout.deadline,
+        attempt_timeout: config.payout.attempt_timeout,
+        ..outbound.clone()
+    };
+    config.fx.ca_file = args.vendor_ca_file.clone();
+    config.lease = Duration::from_secs(args.withdrawal_lease_secs);
+    config.completers = usize::from(args.completers);
+    config.validate()?;
+    Ok(Some(config))
 }

@@ -15,9 +15,11 @@ use utoipa::openapi::{
 };
 
 use crate::api::{
-    NewAccount, NewPayout, NewTopUp, NewTransfer, PaymentWebhook, PayoutRequested, TopUpDone, TransferDone, WebhookDone,
+    NewAccount, NewPayout, NewTopUp, NewTransfer, NewWithdrawal, PaymentWebhook, PayoutRequested, TopUpDone,
+    TransferDone, WebhookDone,
 };
-use crate::db::{Account, Audit, Payout, PayoutState, Statement};
+use crate::db::{Account, Audit, Payout, PayoutState, Statement, Withdrawal, WithdrawalState};
+use crate::withdrawals::Withdrawn;
 
 /// An RFC 9457 problem, the body of every error.
 #[derive(ToSchema)]
@@ -339,6 +341,74 @@ pub fn document() -> OpenApi {
             ),
         )
         .path(
+            "/v1/withdrawals",
+            item(
+                HttpMethod::Post,
+                mutation(
+                    "createWithdrawal",
+                    "Debits an account, quotes the amount at the FX vendor and pays it out at the payout vendor, \
+                     each once (the key is required)",
+                    "NewWithdrawal",
+                    true,
+                    ok("Created: debited, quoted and paid out", "Withdrawn")
+                        .link(
+                            "GetWithdrawal",
+                            LinkBuilder::new()
+                                .operation_id("getWithdrawal")
+                                .parameter("id", "$response.body#/id")
+                                .build(),
+                        )
+                        .build(),
+                )
+                .response("404", problem("No such account"))
+                .response(
+                    "409",
+                    problem(
+                        "The withdrawal under this key is still running (retry after Retry-After), or is held for \
+                         an operator (idempotency-outcome-unknown, idempotency-operation-held)",
+                    ),
+                )
+                .response(
+                    "422",
+                    problem(
+                        "Insufficient funds (nothing written, the key unused), a vendor declined it \
+                         (withdrawal-declined: the quote released, the amount credited back), or the key was used \
+                         for a different request",
+                    ),
+                )
+                .response(
+                    "500",
+                    problem("The withdrawal's run stopped unexpectedly; retry with the same key"),
+                )
+                .response(
+                    "503",
+                    problem("No vendors are configured, or the store is unavailable; retry with the same key"),
+                )
+                .build(),
+            ),
+        )
+        .path(
+            "/v1/withdrawals/{id}",
+            item(
+                HttpMethod::Get,
+                read(
+                    "getWithdrawal",
+                    "A withdrawal: pending, paid, or declined with its amount credited back",
+                    "Withdrawal",
+                )
+                .parameter(
+                    ParameterBuilder::new()
+                        .name("id")
+                        .parameter_in(ParameterIn::Path)
+                        .required(Required::True)
+                        .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                        .build(),
+                )
+                .response("404", problem("No such withdrawal for this tenant"))
+                .build(),
+            ),
+        )
+        .path(
             "/v1/audit",
             item(
                 HttpMethod::Get,
@@ -362,6 +432,10 @@ pub fn document() -> OpenApi {
         .schema_from::<PayoutRequested>()
         .schema_from::<Payout>()
         .schema_from::<PayoutState>()
+        .schema_from::<NewWithdrawal>()
+        .schema_from::<Withdrawn>()
+        .schema_from::<Withdrawal>()
+        .schema_from::<WithdrawalState>()
         .schema_from::<Audit>()
         .schema_from::<Statement>()
         .schema_from::<PaymentWebhook>()

@@ -23,6 +23,8 @@ async fn the_document_lists_every_route() {
         ("/v1/top-ups", "post"),
         ("/v1/transfers", "post"),
         ("/v1/audit", "get"),
+        ("/v1/withdrawals", "post"),
+        ("/v1/withdrawals/{id}", "get"),
     ] {
         let op = &paths[path][method];
         assert!(op.is_object(), "{method} {path} is documented");
@@ -42,7 +44,19 @@ async fn the_document_lists_every_route() {
         link["operationId"], "getAccount",
         "links use the specification's field names"
     );
-    for schema in ["NewAccount", "NewTopUp", "NewTransfer", "Account", "Audit", "Problem"] {
+    let link = &paths["/v1/withdrawals"]["post"]["responses"]["201"]["links"]["GetWithdrawal"];
+    assert_eq!(link["operationId"], "getWithdrawal");
+    for schema in [
+        "NewAccount",
+        "NewTopUp",
+        "NewTransfer",
+        "Account",
+        "Audit",
+        "Problem",
+        "NewWithdrawal",
+        "Withdrawn",
+        "Withdrawal",
+    ] {
         assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
     }
     drop(ledger);
@@ -98,6 +112,15 @@ fn schemathesis() -> std::process::Command {
 #[test]
 fn schemathesis_finds_nothing() {
     let url = database_url(Engine::Sqlite);
+    // Withdrawals and payouts go to a fake vendor of the test's own.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (vendor, _vendor) = runtime
+        .block_on(fake_vendor::start(fake_vendor::Options::default(), None))
+        .expect("the fake vendor starts");
     let ledger = Instance::start_with(
         &url,
         &[
@@ -105,6 +128,10 @@ fn schemathesis_finds_nothing() {
             "fuzz-token",
             "--webhook-secret",
             ledger::api::DEMO_WEBHOOK_SECRET,
+            "--vendor-url",
+            &vendor,
+            "--fx-url",
+            &vendor,
         ],
     );
     let output = schemathesis()

@@ -369,74 +369,7 @@ async fn status(l: &Ledger, t: &str, id: &str) -> serde_json::Value {
 /// A database of the test's own: a worker pays every requested payout in
 /// its database, so workers of tests running at once must not share one.
 async fn own_database(engine: Engine) -> String {
-    let name = format!("ledger_payouts_{}", uuid::Uuid::now_v7().simple());
-    let admin = match engine {
-        Engine::Sqlite => return database_url(engine),
-        Engine::Postgres => {
-            let admin = postgres_url();
-            let list = "SELECT datname::text FROM pg_database WHERE datname LIKE 'ledger_payouts_%'";
-            drop_stale_then_create::<sqlx::PgConnection>(&admin, "PostgreSQL", list, &name).await;
-            admin
-        }
-        Engine::Mysql => {
-            let admin = mysql_url();
-            let list = "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata \
-                        WHERE schema_name LIKE 'ledger_payouts_%'";
-            drop_stale_then_create::<sqlx::MySqlConnection>(&admin, "MariaDB", list, &name).await;
-            admin
-        }
-    };
-    with_database(&admin, &name)
-}
-
-/// Connects to the `server` at `admin`, drops the stale test databases
-/// among those `list` names (see [`stale`]), then creates `name`.
-async fn drop_stale_then_create<C>(admin: &str, server: &str, list: &'static str, name: &str)
-where
-    C: sqlx::Connection,
-    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
-    (String,): for<'r> sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
-    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
-{
-    let mut conn = C::connect(admin)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach {server} at {admin}: {e}"));
-    let old: Vec<(String,)> = sqlx::query_as(list).fetch_all(&mut conn).await.unwrap();
-    for (db,) in old.into_iter().filter(|(db,)| stale(db)) {
-        let drop = format!("DROP DATABASE IF EXISTS {db}");
-        let _ = sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut conn).await;
-    }
-    let create = format!("CREATE DATABASE {name}");
-    sqlx::query(sqlx::AssertSqlSafe(create))
-        .execute(&mut conn)
-        .await
-        .unwrap();
-}
-
-/// Whether a test database was made more than an hour ago (its name ends in
-/// a UUIDv7, which starts with the time in ms).
-fn stale(name: &str) -> bool {
-    let Some(id) = name.strip_prefix("ledger_payouts_") else {
-        return false;
-    };
-    let Some(ms) = id.get(..12).and_then(|h| u64::from_str_radix(h, 16).ok()) else {
-        return false;
-    };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    now.saturating_sub(ms) > 3_600_000
-}
-
-/// `url` with its database replaced by `name`.
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
-    let (server, _) = base.rsplit_once('/').expect("a database URL has a path");
-    match query {
-        Some(q) => format!("{server}/{name}?{q}"),
-        None => format!("{server}/{name}"),
-    }
+    common::own_database(engine, "ledger_payouts").await
 }
 
 async fn start(engine: Engine) -> Ledger {

@@ -39,6 +39,7 @@
 //! functions of the row and the store's clock, so every store makes the
 //! same decisions.
 
+mod filter;
 mod journal;
 mod op;
 mod row;
@@ -46,6 +47,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
+pub use filter::{MAX_MULTISTEP_PAGE, MultiStepCursor, MultiStepFilter};
 pub use journal::{Journal, JournalEntry, StepKind, StepOutcome};
 pub use op::{Hold, MultiStep, NewMultiStep, OpenSend, SendVerdict};
 pub use row::MultiStepRow;

@@ -5,7 +5,7 @@ use crate::key::IdempotencyKey;
 use crate::scope::Scope;
 use crate::store::{BoxFuture, TxBackend};
 
-use super::MultiStep;
+use super::{MultiStep, MultiStepFilter};
 
 /// A store of multi-step operations whose writes can join the transactions
 /// of the backend `B`, so that a local step's writes, its recorded output
@@ -38,4 +38,12 @@ pub trait MultiStepStore<B: TxBackend>: Clone + Send + Sync + 'static {
     /// The ids of at most `limit` operations [due](MultiStep::is_due) at
     /// `now_ms`, the longest unchanged first.
     fn due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<i64>>>;
+
+    /// At most `filter.limit` operations matching `filter`, as committed,
+    /// the longest unchanged first (by `updated_at_ms`, then id): an
+    /// operator's view of where operations stand. A filter that
+    /// [`check`](MultiStepFilter::check) refuses is
+    /// [`Error::InvalidRequest`](crate::Error::InvalidRequest), and nothing
+    /// is read.
+    fn list<'a>(&'a self, filter: &'a MultiStepFilter) -> BoxFuture<'a, Result<Vec<MultiStep>>>;
 }

@@ -490,3 +490,122 @@ fn journal_and_response_are_bounded() {
     ));
     assert_eq!(op, before);
 }
+
+/// A listing's filter refuses pages out of bounds, empty names and a bad step name, and reads no state it cannot match.
+#[test]
+fn a_filter_is_checked_before_anything_is_read() {
+    let ok = MultiStepFilter::default();
+    ok.check().unwrap();
+    for limit in [0, MAX_MULTISTEP_PAGE + 1] {
+        let f = MultiStepFilter { limit, ..ok.clone() };
+        assert!(matches!(f.check(), Err(Error::InvalidRequest(_))), "{limit}");
+    }
+    MultiStepFilter {
+        limit: MAX_MULTISTEP_PAGE,
+        ..ok.clone()
+    }
+    .check()
+    .unwrap();
+    for f in [
+        MultiStepFilter {
+            tenant: Some(String::new()),
+            ..ok.clone()
+        },
+        MultiStepFilter {
+            operation: Some(String::new()),
+            ..ok.clone()
+        },
+        MultiStepFilter {
+            open_step: Some("undo:pay".into()),
+            ..ok.clone()
+        },
+    ] {
+        assert!(matches!(f.check(), Err(Error::InvalidRequest(_))), "{f:?}");
+    }
+    assert_eq!(ok.scanned_states().len(), 5, "every state");
+    let open = MultiStepFilter {
+        open_step: Some("pay".into()),
+        ..ok.clone()
+    };
+    assert_eq!(
+        open.scanned_states(),
+        [
+            MultiStepState::Running,
+            MultiStepState::Held,
+            MultiStepState::Compensating
+        ],
+        "a final operation has no open send"
+    );
+    let none = MultiStepFilter {
+        states: vec![MultiStepState::Completed],
+        ..open
+    };
+    assert!(none.scanned_states().is_empty());
+}
+
+/// Each filter of a listing tests its own part of the row; the page starts after the cursor, ties broken by id.
+#[test]
+fn a_filter_matches_each_part_of_the_row() {
+    let mut running = started(1_000);
+    running.id = 1;
+    running.record(1, ok("debit", StepKind::Local), 1_001).unwrap();
+    let mut held = started(1_000);
+    held.id = 2;
+    held.record(1, ok("debit", StepKind::Local), 1_001).unwrap();
+    held.mark_sent(1, "payout", 1_001, None).unwrap();
+    held.hold(1, HoldKind::Unknown, "lost", 1_001).unwrap();
+    let all = MultiStepFilter::default();
+    let only = |f: MultiStepFilter| -> Vec<i64> {
+        [&running, &held]
+            .into_iter()
+            .filter(|op| f.matches(op))
+            .map(|op| op.id)
+            .collect()
+    };
+    assert_eq!(only(all.clone()), [1, 2]);
+    let states = MultiStepFilter {
+        states: vec![MultiStepState::Held, MultiStepState::Completed],
+        ..all.clone()
+    };
+    assert_eq!(only(states), [2]);
+    let tenant = MultiStepFilter {
+        tenant: Some("other".into()),
+        ..all.clone()
+    };
+    assert_eq!(only(tenant), [] as [i64; 0]);
+    let operation = MultiStepFilter {
+        tenant: Some("acme".into()),
+        operation: Some("POST /v1/withdrawals".into()),
+        ..all.clone()
+    };
+    assert_eq!(only(operation), [1, 2]);
+    let step = |n| MultiStepFilter {
+        recovery_point: Some(n),
+        ..all.clone()
+    };
+    assert_eq!((only(step(1)), only(step(0))), (vec![1, 2], vec![]));
+    let open = |s: &str| MultiStepFilter {
+        open_step: Some(s.into()),
+        ..all.clone()
+    };
+    assert_eq!((only(open("payout")), only(open("debit"))), (vec![2], vec![]));
+    let since = |t| MultiStepFilter {
+        unchanged_since_ms: Some(t),
+        ..all.clone()
+    };
+    assert_eq!((only(since(1_001)), only(since(1_000))), (vec![1, 2], vec![]));
+    // Both changed at 1 001: the id breaks the tie.
+    let after = MultiStepFilter {
+        after: Some(MultiStepCursor::of(&running)),
+        ..all.clone()
+    };
+    assert_eq!(only(after), [2]);
+    let past = MultiStepFilter {
+        after: Some(MultiStepCursor {
+            updated_at_ms: 1_001,
+            id: 2,
+        }),
+        ..all
+    };
+    assert_eq!(only(past), [] as [i64; 0]);
+}

@@ -196,6 +196,12 @@ impl OutboundClient {
         Self { inner: Arc::new(inner) }
     }
 
+    /// Whether the client asks the vendor (a reconcile hook) before it
+    /// sends again past the vendor's memory of keys.
+    pub fn reconciles(&self) -> bool {
+        self.inner.reconcile.is_some()
+    }
+
     /// Asks the vendor through `reconcile` before a re-send it may no
     /// longer recognise (see the crate docs). Without one, such a re-send
     /// ends as [`OutboundError::Unknown`], never sent.

@@ -2,7 +2,8 @@
 //!
 //! [`app`] holds the route table; each door has its module: `accounts`
 //! (accounts, statements, the audit), `transfers` (top-ups and transfers),
-//! `payouts`, `webhooks` (signed provider webhooks), `service` (health,
+//! `payouts`, `withdrawals` (a multi-step operation across two vendors),
+//! `webhooks` (signed provider webhooks), `service` (health,
 //! metrics, the OpenAPI document, unknown routes). The shared parts:
 //! `auth` (bearer tokens and tenants), `body` (request bodies and their
 //! validation) and `problem` (errors as problem responses).
@@ -15,13 +16,14 @@ mod problem;
 mod service;
 mod transfers;
 mod webhooks;
+mod withdrawals;
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::middleware;
-use axum::routing::{get, post};
+use axum::routing::{get, post, post_service};
 use idem_core::{Policy, SharedClock, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, RoutePolicy};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -38,6 +40,8 @@ pub(crate) use accounts::NewAccount;
 pub(crate) use payouts::{NewPayout, PayoutRequested};
 pub(crate) use transfers::{NewTopUp, NewTransfer, TopUpDone, TransferDone};
 pub(crate) use webhooks::{PaymentWebhook, WebhookDone};
+pub use withdrawals::MAX_DESTINATION;
+pub(crate) use withdrawals::NewWithdrawal;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -54,6 +58,37 @@ pub struct AppState<D: LedgerDb> {
     pub metrics: Option<PrometheusHandle>,
     /// Event settings refused at start, for `/healthz`.
     pub events_health: crate::events::EventsHealth,
+    /// `POST /v1/withdrawals`, when its vendors are configured.
+    pub withdrawals: Option<WithdrawalRoute<D>>,
+}
+
+/// What serves `POST /v1/withdrawals`: idem's steps service on the
+/// withdrawals engine, and the operation.
+#[derive(Clone)]
+pub struct WithdrawalRoute<D: LedgerDb> {
+    /// The steps service (its engine, and its runs still going on after
+    /// their answers).
+    pub steps: idem_http::steps::Steps<D, D::MultiSteps>,
+    /// The operation `withdrawal@1`.
+    pub op: crate::withdrawals::Withdraw<D>,
+}
+
+impl<D: LedgerDb> WithdrawalRoute<D> {
+    /// The route of withdrawals on `db` by `config`, reading `clock`; its
+    /// events named in `namespace`.
+    pub fn new(
+        db: &D,
+        clock: SharedClock,
+        config: &crate::withdrawals::WithdrawalsConfig,
+        namespace: Namespace,
+    ) -> Result<Self, crate::StartError> {
+        let op = crate::withdrawals::Withdraw::new(db, clock.clone(), config, namespace)?;
+        let engine = Arc::new(crate::withdrawals::engine(db, clock, config));
+        let steps = idem_http::steps::Steps::new(engine, auth::tenant_of)
+            .max_request_bytes(MAX_BODY_BYTES)
+            .respond_within(config.respond_within);
+        Ok(Self { steps, op })
+    }
 }
 
 /// Settings of the API.
@@ -77,6 +112,9 @@ pub struct Options {
     /// Where the events report settings refused at start (shown by
     /// `/healthz` as 503 `events-configuration-refused`).
     pub events_health: crate::events::EventsHealth,
+    /// Withdrawals' vendors and completers. `None`: `POST /v1/withdrawals`
+    /// answers 503 `withdrawals-unavailable`.
+    pub withdrawals: Option<crate::withdrawals::WithdrawalsConfig>,
 }
 
 /// The demo's webhook secret (`whsec_` + base64 of
@@ -93,6 +131,7 @@ impl Default for Options {
             events_namespace: Namespace::default(),
             require_keys: true,
             events_health: crate::events::EventsHealth::default(),
+            withdrawals: None,
         }
     }
 }
@@ -153,7 +192,17 @@ pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
         .route("/v1/payouts/{id}/cancel", post(payouts::cancel_payout::<D>))
         .route("/v1/accounts/{id}/statement", get(accounts::statement::<D>))
         .route("/v1/audit", get(accounts::audit::<D>))
+        .route("/v1/withdrawals/{id}", get(withdrawals::get_withdrawal::<D>))
         .route_layer(idempotency)
+        // After the layer, which wraps only the routes above it: the steps
+        // service checks the key itself, and a withdrawal is keyed once.
+        .route(
+            "/v1/withdrawals",
+            match &state.withdrawals {
+                Some(w) => post_service(w.steps.service(w.op.clone())),
+                None => post(withdrawals::unavailable),
+            },
+        )
         .route_layer(middleware::from_fn_with_state(
             options.tokens.clone(),
             auth::authenticate,

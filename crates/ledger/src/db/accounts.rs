@@ -1,6 +1,7 @@
 //! Accounts and the money that moves between them: top-ups, transfers and
 //! the double-entry rows every movement writes (payouts and their
-//! reversals write theirs here too), and the audit that proves
+//! reversals, withdrawals and their credit-backs write theirs here too),
+//! and the audit that proves
 //! conservation from those rows.
 
 use super::dialect::sql_statements;
@@ -25,9 +26,11 @@ pub struct Audit {
     pub balances_total: i64,
     /// Sum of top-ups (API and webhook).
     pub top_ups_total: i64,
-    /// Sum of payouts.
+    /// Sum of payouts, less those cancelled.
     pub payouts_total: i64,
-    /// Whether every figure below agrees.
+    /// Whether every figure below agrees: balances_total == top_ups_total −
+    /// payouts_total − withdrawals_total, the entries balance, nothing is
+    /// negative and every stored balance matches its entries.
     pub conserved: bool,
     /// Accounts whose balance is negative.
     pub negative_balances: i64,
@@ -37,20 +40,27 @@ pub struct Audit {
     pub balance_mismatches: i64,
     /// How many journal rows the tenant has.
     pub journal_rows: i64,
+    /// Sum of withdrawals, less those declined (credited back).
+    pub withdrawals_total: i64,
 }
 
 impl Audit {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         balances_total: i64,
         world_total: i64,
         top_ups_total: i64,
         payouts_total: i64,
+        withdrawals_total: i64,
         negative_balances: i64,
         balance_mismatches: i64,
         journal_rows: i64,
     ) -> Self {
         let entries_balanced = balances_total.checked_add(world_total) == Some(0);
-        let conserved = top_ups_total.checked_sub(payouts_total) == Some(balances_total)
+        let conserved = top_ups_total
+            .checked_sub(payouts_total)
+            .and_then(|t| t.checked_sub(withdrawals_total))
+            == Some(balances_total)
             && entries_balanced
             && negative_balances == 0
             && balance_mismatches == 0;
@@ -63,6 +73,7 @@ impl Audit {
             entries_balanced,
             balance_mismatches,
             journal_rows,
+            withdrawals_total,
         }
     }
 }
@@ -149,6 +160,13 @@ macro_rules! account_methods {
                     .fetch_one(&mut *tx)
                     .await?;
                 let payouts_total = paid_out.saturating_sub(reversed);
+                // A declined withdrawal's credit-back gives its amount back.
+                let (withdrawn,) = one(&q.audit_kind).bind("withdrawal").fetch_one(&mut *tx).await?;
+                let (credited_back,) = one(&q.audit_kind)
+                    .bind("withdrawal_reversal")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let withdrawals_total = withdrawn.saturating_sub(credited_back);
                 let (negative_balances,) = one(&q.audit_negative).fetch_one(&mut *tx).await?;
                 let (balance_mismatches,) = one(&q.audit_mismatch).fetch_one(&mut *tx).await?;
                 let (journal_rows,) = one(&q.audit_journal).fetch_one(&mut *tx).await?;
@@ -158,6 +176,7 @@ macro_rules! account_methods {
                     world_total,
                     top_ups_total,
                     payouts_total,
+                    withdrawals_total,
                     negative_balances,
                     balance_mismatches,
                     journal_rows,

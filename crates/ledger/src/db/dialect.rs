@@ -2,7 +2,7 @@
 
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
-use super::{accounts, payouts, schema, statements};
+use super::{accounts, payouts, schema, statements, withdrawals};
 
 /// SQL dialects, for the few places where they differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +88,7 @@ pub struct Queries {
     pub(super) accounts: accounts::Sql,
     pub(super) statements: statements::Sql,
     pub(super) payouts: payouts::Sql,
+    pub(super) withdrawals: withdrawals::Sql,
     pub(super) schema: schema::Sql,
 }
 
@@ -99,6 +100,7 @@ impl Queries {
             accounts: accounts::Sql::new(dialect),
             statements: statements::Sql::new(dialect),
             payouts: payouts::Sql::new(dialect),
+            withdrawals: withdrawals::Sql::new(dialect),
             schema: schema::Sql::new(dialect),
         }
     }

@@ -16,6 +16,8 @@
 //! - `statements`: the statement projection and the balance snapshots;
 //! - `payouts`: payouts, from their request to paid, dead-lettered,
 //!   unknown or cancelled;
+//! - `withdrawals`: withdrawals, debited, then paid or declined (the debit
+//!   credited back) by the multi-step operation `withdrawal@1`;
 //! - `schema`: the tables and their migration; `dialect`: the statements
 //!   of one engine.
 
@@ -24,13 +26,16 @@ mod dialect;
 mod payouts;
 mod schema;
 mod statements;
+mod withdrawals;
 
+use idem_core::multistep::MultiStepStore;
 use idem_core::{BoxFuture, DeadLetterStore, NewDeadLetter, OutboxEvent, OutboxStore, TableName, TxBackend};
 
 pub use accounts::{Account, Audit};
 pub use dialect::{Dialect, Queries};
 pub use payouts::{Payout, PayoutChange, PayoutState, PayoutTask};
 pub use statements::{Statement, StatementChange};
+pub use withdrawals::{MAX_DECLINE_REASON, NewWithdrawal, Withdrawal, WithdrawalPaid, WithdrawalState};
 
 /// The outbox of the ledger's events.
 pub const OUTBOX_TABLE: &str = "ledger_outbox";
@@ -45,6 +50,10 @@ pub const PAYOUT_LEASES_TABLE: &str = "ledger_payout_leases";
 /// The dead letters of vendor calls (the stores' default table, so
 /// `idem dlq` finds them).
 pub const DEAD_LETTERS_TABLE: &str = "idem_dead_letters";
+
+/// The multi-step operations (the stores' default table, so `idem` finds
+/// them).
+pub const OPERATIONS_TABLE: &str = "idem_operations";
 
 /// The pseudo-account money comes from (top-ups) and goes to (payouts).
 pub const WORLD: &str = "@world";
@@ -162,6 +171,13 @@ pub trait LedgerDb: TxBackend<Tx: LedgerTx> + Clone {
         tx: &'c mut Self::Tx,
         id: i64,
     ) -> BoxFuture<'c, Result<bool, DbError>>;
+    /// A withdrawal of `tenant`.
+    fn withdrawal<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Withdrawal>, DbError>>;
+    /// The store of multi-step operations of this engine.
+    type MultiSteps: MultiStepStore<Self> + std::fmt::Debug;
+    /// The multi-step operations (table [`OPERATIONS_TABLE`]), whose writes
+    /// join this store's transactions.
+    fn multi_steps(&self) -> Self::MultiSteps;
 }
 
 /// What the ledger writes in an open transaction of its store
@@ -250,6 +266,35 @@ pub trait LedgerTx: Send {
         id: &'c str,
         change: &'c PayoutChange<'c>,
     ) -> BoxFuture<'c, Result<bool, DbError>>;
+    /// Debits a withdrawal's amount from its account to `@world` (kind
+    /// `withdrawal`, journal id the withdrawal's) and records it as
+    /// pending; answers the new balance.
+    fn request_withdrawal<'c>(
+        &'c mut self,
+        w: &'c NewWithdrawal<'c>,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// Marks a pending withdrawal paid with the vendors' answers; false
+    /// (nothing written) when it is not pending.
+    fn settle_withdrawal<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        id: &'c str,
+        paid: &'c WithdrawalPaid<'c>,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<bool, DbError>>;
+    /// Declines a pending withdrawal for `reason` (cut at
+    /// [`MAX_DECLINE_REASON`] bytes) and credits its debit back (kind
+    /// `withdrawal_reversal`, from `@world` to the account), in the open
+    /// transaction: the account and amount credited, or `None` (nothing
+    /// written) when it is not pending.
+    fn decline_withdrawal<'c>(
+        &'c mut self,
+        tenant: &'c str,
+        id: &'c str,
+        reason: &'c str,
+        now_ms: i64,
+    ) -> BoxFuture<'c, Result<Option<(String, i64)>, DbError>>;
 }
 
 /// Implements [`LedgerDb`] for one engine's store: the idem tables the
@@ -257,7 +302,7 @@ pub trait LedgerTx: Send {
 /// kind of the ledger's own rows from its module, and the statements of
 /// `$dialect`, prepared once.
 macro_rules! ledger_db {
-    ($store:ty, $tx:ty, $db:ty, $outbox:ty, $letters:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
+    ($store:ty, $tx:ty, $db:ty, $outbox:ty, $letters:ty, $steps:ty, $dialect:expr, $lock:expr, $unlock:expr) => {
         impl LedgerDb for $store {
             crate::db::schema::migrate_method!($dialect, $lock, $unlock);
 
@@ -314,15 +359,26 @@ macro_rules! ledger_db {
                 Box::pin(async move { Ok(letters.cancel_in(&mut **tx, id).await?) })
             }
 
+            type MultiSteps = $steps;
+
+            fn multi_steps(&self) -> $steps {
+                <$steps>::with_table(
+                    self.pool().clone(),
+                    TableName::new(OPERATIONS_TABLE).expect("a valid table name"),
+                )
+            }
+
             crate::db::accounts::account_methods!($store);
             crate::db::statements::statement_methods!($store);
             crate::db::payouts::payout_methods!($store);
+            crate::db::withdrawals::withdrawal_methods!($store);
         }
 
         impl LedgerTx for $tx {
             crate::db::accounts::account_tx_methods!();
             crate::db::statements::statement_tx_methods!();
             crate::db::payouts::payout_tx_methods!();
+            crate::db::withdrawals::withdrawal_tx_methods!();
         }
 
         fn queries() -> &'static Queries {
@@ -342,6 +398,7 @@ mod postgres {
         sqlx::Postgres,
         idem_postgres::PgOutbox,
         idem_postgres::PgDeadLetters,
+        idem_postgres::PgMultiSteps,
         Dialect::Postgres,
         Some("SELECT pg_advisory_lock(7262687201)"),
         Some("SELECT pg_advisory_unlock(7262687201)")
@@ -356,6 +413,7 @@ mod mysql {
         sqlx::MySql,
         idem_mysql::MySqlOutbox,
         idem_mysql::MySqlDeadLetters,
+        idem_mysql::MySqlMultiSteps,
         Dialect::MySql,
         Some("SELECT GET_LOCK('ledger_migrate', 60)"),
         Some("SELECT RELEASE_LOCK('ledger_migrate')")
@@ -370,6 +428,7 @@ mod sqlite {
         sqlx::Sqlite,
         idem_sqlite::SqliteOutbox,
         idem_sqlite::SqliteDeadLetters,
+        idem_sqlite::SqliteMultiSteps,
         Dialect::Sqlite,
         None::<&'static str>,
         None::<&'static str>

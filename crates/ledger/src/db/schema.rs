@@ -35,6 +35,14 @@ impl Dialect {
              vendor_payout_id VARCHAR(200) NULL, attempts BIGINT NOT NULL, last_error TEXT NULL, \
              created_at_ms BIGINT NOT NULL, updated_at_ms BIGINT NOT NULL, first_sent_at_ms BIGINT NULL, \
              not_before_ms BIGINT NULL, PRIMARY KEY (tenant, id))",
+            // Withdrawals: debited by the first step of `withdrawal@1`, then
+            // paid or declined (the debit credited back) by its last ones.
+            "CREATE TABLE IF NOT EXISTS ledger_withdrawals (tenant VARCHAR(80) NOT NULL, id VARCHAR(80) NOT NULL, \
+             account_id VARCHAR(80) NOT NULL, amount BIGINT NOT NULL, currency VARCHAR(3) NOT NULL, \
+             payout_currency VARCHAR(3) NOT NULL, destination VARCHAR(100) NOT NULL, state VARCHAR(20) NOT NULL, \
+             quote_id VARCHAR(200) NULL, rate VARCHAR(40) NULL, amount_out BIGINT NULL, \
+             vendor_payout_id VARCHAR(200) NULL, reason TEXT NULL, created_at_ms BIGINT NOT NULL, \
+             updated_at_ms BIGINT NOT NULL, PRIMARY KEY (tenant, id))",
         ]
         .into_iter()
         .map(String::from)
@@ -139,6 +147,7 @@ macro_rules! migrate_method {
                 }
                 self.outbox().migrate().await?;
                 self.dead_letters().migrate().await?;
+                self.multi_steps().migrate().await?;
                 Ok(())
             })
         }

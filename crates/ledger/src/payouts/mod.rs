@@ -73,6 +73,7 @@ use crate::db::{DbError, LedgerDb, LedgerTx, PayoutChange, PayoutState, PayoutTa
 use crate::events::Namespace;
 
 pub use vendor::{MAX_LOOKUP_BYTES, VendorLookup, answer_check, check_answer, vendor_request};
+pub(crate) use vendor::{check_promise, read_bounded};
 
 /// The operation of payout leases and dead letters.
 pub const PAYOUT_OPERATION: &str = "payout";

@@ -45,7 +45,10 @@ pub fn answer_check() -> idem_outbound::AnswerCheck {
     })
 }
 
-fn check_promise(amount: i64, reference: &str, body: &[u8]) -> Result<Option<String>, String> {
+/// What a payout vendor's success answer promises for a payment of
+/// `amount` under `reference` (see [`check_answer`]): the vendor's id, if
+/// storable.
+pub(crate) fn check_promise(amount: i64, reference: &str, body: &[u8]) -> Result<Option<String>, String> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("not a JSON object ({e})"))?;
     if !value.is_object() {
         return Err("not a JSON object".into());
@@ -194,7 +197,7 @@ impl VendorLookup {
 pub const MAX_LOOKUP_BYTES: usize = 1024 * 1024;
 
 /// `response`'s body, refused past `max` bytes (never buffered whole).
-async fn read_bounded(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
+pub(crate) async fn read_bounded(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
     if response.content_length().is_some_and(|n| n > max as u64) {
         return Err(format!("lookup answer over {max} bytes"));
     }

@@ -359,3 +359,83 @@ impl Drop for Instance {
         let _ = self.child.wait();
     }
 }
+
+/// A database of the test's own, named `{prefix}_{uuid}` (a fresh SQLite
+/// file on SQLite): for tests whose workers or completers take every due
+/// row of their database, so tests running at once must not share one.
+/// Databases of the prefix left by runs over an hour ago are dropped first.
+pub async fn own_database(engine: Engine, prefix: &str) -> String {
+    let name = format!("{prefix}_{}", uuid::Uuid::now_v7().simple());
+    let admin = match engine {
+        Engine::Sqlite => return database_url(engine),
+        Engine::Postgres => {
+            let admin = postgres_url();
+            let list = format!("SELECT datname::text FROM pg_database WHERE datname LIKE '{prefix}\\_%'");
+            drop_stale_then_create::<sqlx::PgConnection>(&admin, "PostgreSQL", &list, prefix, &name).await;
+            admin
+        }
+        Engine::Mysql => {
+            let admin = mysql_url();
+            let list = format!(
+                "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata WHERE schema_name LIKE '{prefix}\\_%'"
+            );
+            drop_stale_then_create::<sqlx::MySqlConnection>(&admin, "MariaDB", &list, prefix, &name).await;
+            admin
+        }
+    };
+    with_database(&admin, &name)
+}
+
+/// Connects to the `server` at `admin`, drops the stale test databases
+/// of `prefix` among those `list` names (see [`stale`]), then creates
+/// `name`.
+async fn drop_stale_then_create<C>(admin: &str, server: &str, list: &str, prefix: &str, name: &str)
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    (String,): for<'r> sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
+    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
+{
+    let mut conn = C::connect(admin)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach {server} at {admin}: {e}"));
+    let old: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(list.to_owned()))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    for (db,) in old.into_iter().filter(|(db,)| stale(db, prefix)) {
+        let drop = format!("DROP DATABASE IF EXISTS {db}");
+        let _ = sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&mut conn).await;
+    }
+    let create = format!("CREATE DATABASE {name}");
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+}
+
+/// Whether a test database of `prefix` was made more than an hour ago (its
+/// name ends in a UUIDv7, which starts with the time in ms).
+fn stale(name: &str, prefix: &str) -> bool {
+    let Some(id) = name.strip_prefix(prefix).and_then(|n| n.strip_prefix('_')) else {
+        return false;
+    };
+    let Some(ms) = id.get(..12).and_then(|h| u64::from_str_radix(h, 16).ok()) else {
+        return false;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    now.saturating_sub(ms) > 3_600_000
+}
+
+/// `url` with its database replaced by `name`.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let (server, _) = base.rsplit_once('/').expect("a database URL has a path");
+    match query {
+        Some(q) => format!("{server}/{name}?{q}"),
+        None => format!("{server}/{name}"),
+    }
+}

@@ -1,0 +1,94 @@
+//! [`AnyOperations`]: the multi-step operations table of whichever SQL
+//! store a URL names.
+
+use idem_core::multistep::{MultiStep, MultiStepFilter, MultiStepStore};
+use idem_core::{Error, PendingMigration, Result, TableName};
+use idem_gateway::AnyLease;
+
+/// The multi-step operations of one of the SQL stores, chosen by URL.
+#[derive(Clone, Debug)]
+pub(crate) enum AnyOperations {
+    /// A SQLite file.
+    Sqlite(idem_sqlite::SqliteMultiSteps),
+    /// PostgreSQL.
+    Postgres(idem_postgres::PgMultiSteps),
+    /// MySQL or MariaDB.
+    MySql(idem_mysql::MySqlMultiSteps),
+}
+
+/// Runs `$body` with `$s` the store of whichever engine, and `$b` the
+/// backend whose transactions its writes would join (the trait is the
+/// same for every backend of an engine; the command only needs one).
+macro_rules! each {
+    ($self:expr, $s:ident, $b:ident => $body:expr) => {
+        match $self {
+            AnyOperations::Sqlite($s) => {
+                type $b = idem_sqlite::SqliteStore;
+                $body
+            }
+            AnyOperations::Postgres($s) => {
+                type $b = idem_postgres::PgStore;
+                $body
+            }
+            AnyOperations::MySql($s) => {
+                type $b = idem_mysql::MySqlStore;
+                $body
+            }
+        }
+    };
+}
+
+impl AnyOperations {
+    /// The operations in `table` beside `store`'s keys (its pool); Redis
+    /// keeps none.
+    pub(crate) fn beside(store: &AnyLease, table: TableName) -> Result<Self> {
+        Ok(match store {
+            AnyLease::Sqlite(s) => Self::Sqlite(idem_sqlite::SqliteMultiSteps::with_table(s.pool().clone(), table)),
+            AnyLease::Postgres(s) => Self::Postgres(idem_postgres::PgMultiSteps::with_table(s.pool().clone(), table)),
+            AnyLease::MySql(s) => Self::MySql(idem_mysql::MySqlMultiSteps::with_table(s.pool().clone(), table)),
+            AnyLease::Redis(_) => {
+                return Err(Error::Config(
+                    "Redis keeps no multi-step operations: use the service's SQL database".into(),
+                ));
+            }
+        })
+    }
+
+    /// The operations in `table` of the store at `url` (the URLs of
+    /// [`AnyLease::open`]); nothing is created.
+    pub(crate) async fn open(url: &str, table: TableName) -> Result<Self> {
+        Self::beside(&AnyLease::open(url).await?, table)
+    }
+
+    /// The table.
+    pub(crate) fn table(&self) -> &TableName {
+        each!(self, s, _B => s.table())
+    }
+
+    /// The schema versions the table has not had yet (all of them: it is
+    /// not there).
+    pub(crate) async fn pending_migrations(&self) -> Result<Vec<PendingMigration>> {
+        each!(self, s, _B => s.pending_migrations().await)
+    }
+
+    /// Creates the table.
+    pub(crate) async fn migrate(&self) -> Result<()> {
+        each!(self, s, _B => s.migrate().await)
+    }
+
+    /// The operation `id`, as committed.
+    pub(crate) async fn get(&self, id: i64) -> Result<Option<MultiStep>> {
+        each!(self, s, B => MultiStepStore::<B>::get(s, id).await)
+    }
+
+    /// Writes `row` over the version it was read at ([`Error::Fenced`] if
+    /// that version moved).
+    pub(crate) async fn write(&self, row: &MultiStep) -> Result<()> {
+        each!(self, s, B => MultiStepStore::<B>::write(s, row).await)
+    }
+
+    /// The operations `filter` selects.
+    pub(crate) async fn list(&self, filter: &MultiStepFilter) -> Result<Vec<MultiStep>> {
+        each!(self, s, B => MultiStepStore::<B>::list(s, filter).await)
+    }
+}
