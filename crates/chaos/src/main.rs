@@ -107,8 +107,8 @@ async fn withdrawals(seed: u64, args: &Args) -> std::process::ExitCode {
     let c = &report.clients;
     println!(
         "chaos: withdrawals on {}: seed {seed}: {} requested ({} paid, {} declined, {} held, {} unanswered), \
-         {} random kills, {} kills at named points, {} completer kills; {} debited, {} quotes, {} payouts; \
-         states {:?}; operator {:?}: {} violation(s)",
+         {} random kills, {} kills at named points, {} completer kills, {} store faults, {} sessions killed; \
+         {} debited, {} quotes, {} payouts; states {:?}; operator {:?}: {} violation(s)",
         report.engine,
         c.requested,
         c.paid,
@@ -118,6 +118,8 @@ async fn withdrawals(seed: u64, args: &Args) -> std::process::ExitCode {
         report.faults.random_kills,
         report.faults.point_kills.values().sum::<u64>(),
         report.faults.completer_kills,
+        report.faults.store_faults.values().sum::<u64>(),
+        report.faults.sessions_killed,
         report.counts.debited,
         report.counts.quotes_booked,
         report.counts.payouts_made,

@@ -1,6 +1,7 @@
 //! Short withdrawals runs on every engine: multi-step operations across
 //! two vendors, the ledger and a completer process killed at random and at
-//! the named points of runs, the vendors losing answers, forgetting keys and
+//! the named points of runs, their store failing on purpose and their
+//! database sessions killed, the vendors losing answers, forgetting keys and
 //! failing lookups, an operator's pass over what was held. Each must find
 //! no violation while the faults really happen; with the recovery points
 //! switched off, the judge must find the double effects they prevent.
@@ -61,6 +62,18 @@ fn assert_clean_and_attacked(report: &WithdrawalsReport) {
         report.faults.lost_answer_windows > 0 && report.faults.keys_forgotten > 0,
         "seed {seed}"
     );
+    let on_steps: u64 = (report.faults.store_faults.iter())
+        .filter(|(call, _)| call.starts_with("step_") || call.starts_with("commit/"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        on_steps > 0,
+        "seed {seed}: no store fault hit an operation: {:?}",
+        report.faults.store_faults
+    );
+    if report.engine != "sqlite" {
+        assert!(report.faults.sessions_killed > 0, "seed {seed}: no session killed");
+    }
     assert!(report.counts.replays_checked > 0, "seed {seed}: nothing replayed");
     let finals: u64 = ["completed", "compensated"]
         .iter()

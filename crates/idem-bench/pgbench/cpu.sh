@@ -13,14 +13,10 @@ rounds=${2:-2}
 shift 2 2>/dev/null || shift $#
 options=("$@")
 [ ${#options[@]} -gt 0 ] || options=(bare paired store store-nolt store-plainrecord store-plainclaim store-lean onewrite-brin)
-url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
+source ./prepare.sh
 pm=$(head -1 "$(psql -Atq "$url" -c 'SHOW data_directory')/postmaster.pid")
 tck=$(getconf CLK_TCK)
 children_cpu() { awk '{print $16 + $17}' "/proc/$pm/stat"; }
-psql -q "$url" -f setup.sql
-scripts=$(mktemp -d)
-trap 'rm -rf "$scripts"' EXIT
-bash scripts.sh "$scripts"
 printf '%-18s %10s %16s\n' option latency_ms server_cpu_us/tx
 for round in $(seq "$rounds"); do
     for option in "${options[@]}"; do
@@ -32,4 +28,4 @@ for round in $(seq "$rounds"); do
         printf '%-18s %10s %16.0f\n' "$option" "$latency" "$(echo "($after - $before) * 1000000 / $tck / $n" | bc -l)"
     done
 done
-psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects"
+drop_tables

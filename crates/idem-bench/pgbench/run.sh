@@ -14,11 +14,7 @@ cd "$(dirname "$0")"
 seconds=${1:-15}
 clients=${2:-16}
 rounds=${3:-2}
-url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
-psql -q "$url" -f setup.sql
-scripts=$(mktemp -d)
-trap 'rm -rf "$scripts"' EXIT
-bash scripts.sh "$scripts"
+source ./prepare.sh
 options=(separate paired store store-lean paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
 tps() {
     pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$scripts/$1.sql" "$url" 2>/dev/null |
@@ -32,4 +28,4 @@ for round in $(seq "$rounds"); do
         printf '%-14s %8s %8s %7.3f\n' "$option" "$t" "$bare" "$(echo "$t / $bare" | bc -l)"
     done
 done
-psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects"
+drop_tables

@@ -6,7 +6,8 @@
 #
 #   bash crates/idem-bench/pgbench/scripts.sh OUT
 #
-# run.sh, cpu.sh and wal.sh call it with a temporary folder.
+# prepare.sh (which run.sh, cpu.sh and wal.sh source) calls it with a
+# temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=$1

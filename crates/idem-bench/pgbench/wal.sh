@@ -7,11 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 n=${1:-2000}
-url=${IDEM_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
-psql -q "$url" -f setup.sql
-scripts=$(mktemp -d)
-trap 'rm -rf "$scripts"' EXIT
-bash scripts.sh "$scripts"
+source ./prepare.sh
 wal() { psql -Atq "$url" -c "SELECT wal_records || ' ' || wal_bytes FROM pg_stat_wal"; }
 printf '%-14s %12s %12s\n' option records/tx bytes/tx
 for option in bare separate paired store paired-noexp onewrite onewrite-noexp onewrite-brin threecommit; do
@@ -21,4 +17,4 @@ for option in bare separate paired store paired-noexp onewrite onewrite-noexp on
     read -r r1 b1 <<<"$(wal)"
     printf '%-14s %12.2f %12.1f\n' "$option" "$(echo "($r1 - $r0) / $n" | bc -l)" "$(echo "($b1 - $b0) / $n" | bc -l)"
 done
-psql -q "$url" -c "DROP TABLE IF EXISTS pgb_keys, pgb_keys_noexp, pgb_keys_brin, pgb_effects"
+drop_tables

@@ -127,11 +127,7 @@ fn comparisons_table(results: &Results) -> String {
                 r.min,
                 r.max,
                 r.target.map_or("—".into(), |t| format!("≥ {t}")),
-                match r.met {
-                    Some(true) => "yes",
-                    Some(false) => "**no**",
-                    None => "—",
-                },
+                met(r.met),
             );
         }
     }
@@ -171,6 +167,16 @@ fn costs_table(results: &Results) -> String {
     out
 }
 
+/// Whether a target was met: `yes`, `**no**`, or `—` when it was not
+/// judged.
+fn met(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "—",
+    }
+}
+
 /// A target's measured figure: a ratio as it is, a difference with its sign
 /// (`+0.00` for one that rounds to nothing, never `-0.00`).
 fn signed(t: &CostTarget) -> String {
@@ -208,7 +214,7 @@ fn cost_targets_table(results: &Results) -> String {
             t.fresh,
             signed(t),
             t.target,
-            if t.met { "yes" } else { "**no**" },
+            met(Some(t.met)),
         );
     }
     out + "\n"
@@ -261,12 +267,7 @@ fn scale_section(results: &Results) -> String {
             .and_then(serde_json::Value::as_f64)
     };
     let ms = |v: Option<f64>| v.map_or("—".into(), |v| format!("{v:.2} ms"));
-    let ratio = |v: Option<f64>| v.map_or("—".into(), |v| format!("{v:.2}"));
-    let met = |v: Option<&serde_json::Value>| match v.and_then(serde_json::Value::as_bool) {
-        Some(true) => "yes",
-        Some(false) => "**no**",
-        None => "—",
-    };
+    let met_in = |v: &serde_json::Value| met(v.get("p99_met").and_then(serde_json::Value::as_bool));
     let mut out = String::from(
         "Scale (`scale`: fresh claims with few and many stored keys; live claims without and during a sweep):\n\n\
          | engine | figure | without | with | ratio | target | met |\n|---|---|---|---|---|---|---|\n",
@@ -285,9 +286,9 @@ fn scale_section(results: &Results) -> String {
             keys("keys_large"),
             ms(num(e, &["small", "p99_ms"])),
             ms(num(e, &["large", "p99_ms"])),
-            ratio(num(e, &["p99_ratio"])),
-            ratio(num(e, &["p99_target"])),
-            met(e.get("p99_met")),
+            show(num(e, &["p99_ratio"])),
+            show(num(e, &["p99_target"])),
+            met_in(e),
         );
         let _ = writeln!(
             out,
@@ -295,9 +296,9 @@ fn scale_section(results: &Results) -> String {
             num(&sweep, &["rows"]).map_or("?".into(), thousands),
             ms(num(&sweep, &["live_without", "p99_ms"])),
             ms(num(&sweep, &["live_during", "p99_ms"])),
-            ratio(num(&sweep, &["p99_ratio"])),
-            ratio(num(&sweep, &["p99_target"])),
-            met(sweep.get("p99_met")),
+            show(num(&sweep, &["p99_ratio"])),
+            show(num(&sweep, &["p99_target"])),
+            met_in(&sweep),
         );
         let count = |path: &[&str]| num(e, path).map_or("—".into(), thousands);
         let _ = writeln!(

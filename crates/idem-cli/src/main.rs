@@ -102,7 +102,7 @@ enum Command {
         command: events::EventsCommand,
     },
     /// Multi-step operations: list, show, resume, mark (a step's outcome),
-    /// cancel, hold.
+    /// cancel, hold, purge (the final ones past their expiry).
     Ops {
         #[command(subcommand)]
         command: ops::OpsCommand,

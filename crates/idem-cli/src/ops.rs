@@ -1,6 +1,7 @@
 //! `idem ops`: multi-step operations on the SQL stores, listed, shown, and
 //! driven by an operator: resumed, given a verdict on a step's send,
-//! cancelled (their compensation runs) or held.
+//! cancelled (their compensation runs) or held; and the final ones past
+//! their expiry purged.
 //!
 //! The commands only write the operation's row, each change one of the
 //! row's own transitions ([`MultiStep::resume`], [`MultiStep::settle`],
@@ -15,6 +16,7 @@ mod hold;
 mod list;
 mod mark;
 mod operations;
+mod purge;
 mod resume;
 mod show;
 mod view;
@@ -151,6 +153,11 @@ pub(crate) enum OpsCommand {
     /// Holds a running or compensating operation no runner holds, until an
     /// operator resumes it.
     Hold(hold::HoldArgs),
+    /// Deletes final operations (completed or compensated) past their
+    /// expiry, in batches until none is left (or --limit): a retry of a
+    /// deleted one's key starts a new operation. Running, held and
+    /// compensating operations are never deleted.
+    Purge(purge::PurgeArgs),
 }
 
 /// Runs one `idem ops` command.
@@ -162,6 +169,7 @@ pub(crate) async fn run(command: OpsCommand, json: bool) -> Result<(), Failure> 
         OpsCommand::Mark(args) => mark::run(args, json).await,
         OpsCommand::Cancel(args) => cancel::run(&args, json).await,
         OpsCommand::Hold(args) => hold::run(&args, json).await,
+        OpsCommand::Purge(args) => purge::run(&args, json).await,
     }
 }
 

@@ -1,9 +1,10 @@
-//! `idem ops list | show | mark | resume | cancel | hold` on each SQL store:
-//! operations written by the store as a service's runs leave them (running,
-//! held on an unknown outcome with an open send, held failed or exhausted,
-//! completed), listed by every filter, and driven by the real `idem`
-//! binary; each change is checked on the row, and a refused one writes
-//! nothing. PostgreSQL and MariaDB get a database of their own. The end to
+//! `idem ops list | show | mark | resume | cancel | hold | purge` on each SQL
+//! store: operations written by the store as a service's runs leave them
+//! (running, held on an unknown outcome with an open send, held failed or
+//! exhausted, completed), listed by every filter, and driven by the real
+//! `idem` binary; each change is checked on the row, and a refused one
+//! writes nothing; a purge deletes only final operations past their expiry.
+//! PostgreSQL and MariaDB get a database of their own. The end to
 //! end run (an operation held on an unknown outcome, marked applied, then
 //! finished once by the service's completer) is in `ops_completer.rs`.
 
@@ -41,12 +42,32 @@ macro_rules! each {
 
 impl Ops {
     async fn open(url: &str) -> Self {
+        Self::open_table(url, "idem_operations").await
+    }
+
+    /// The operations in `table`.
+    async fn open_table(url: &str, table: &str) -> Self {
+        let table = idem_core::TableName::new(table).unwrap();
         match AnyLease::open(url).await.unwrap() {
-            AnyLease::Sqlite(s) => Self::Sqlite(s.clone(), idem_sqlite::SqliteMultiSteps::new(s.pool().clone())),
-            AnyLease::Postgres(s) => Self::Postgres(s.clone(), idem_postgres::PgMultiSteps::new(s.pool().clone())),
-            AnyLease::MySql(s) => Self::MySql(s.clone(), idem_mysql::MySqlMultiSteps::new(s.pool().clone())),
+            AnyLease::Sqlite(s) => Self::Sqlite(
+                s.clone(),
+                idem_sqlite::SqliteMultiSteps::with_table(s.pool().clone(), table),
+            ),
+            AnyLease::Postgres(s) => Self::Postgres(
+                s.clone(),
+                idem_postgres::PgMultiSteps::with_table(s.pool().clone(), table),
+            ),
+            AnyLease::MySql(s) => Self::MySql(
+                s.clone(),
+                idem_mysql::MySqlMultiSteps::with_table(s.pool().clone(), table),
+            ),
             AnyLease::Redis(_) => unreachable!(),
         }
+    }
+
+    /// The operation `id`, if it is still there.
+    async fn find(&self, id: i64) -> Option<MultiStep> {
+        each!(self, b, s => find_of(b, s, id).await)
     }
 
     /// Inserts `row` as a first step's transaction does: its id.
@@ -94,6 +115,11 @@ async fn insert_of<B: TxBackend, S: MultiStepStore<B>>(backend: &B, steps: &S, r
 /// The operation `id` of `steps`, beside the backend `_backend`.
 async fn get_of<B: TxBackend, S: MultiStepStore<B>>(_backend: &B, steps: &S, id: i64) -> MultiStep {
     steps.get(id).await.unwrap().expect("the operation is there")
+}
+
+/// The operation `id` of `steps` if it is there, beside the backend `_backend`.
+async fn find_of<B: TxBackend, S: MultiStepStore<B>>(_backend: &B, steps: &S, id: i64) -> Option<MultiStep> {
+    steps.get(id).await.unwrap()
 }
 
 /// Writes `row` to `steps`, beside the backend `_backend`.
@@ -551,12 +577,155 @@ async fn racing_operators(url: &str) {
     assert_eq!(after.state, MultiStepState::Running);
 }
 
+/// `idem ops purge` deletes the final operations past their expiry (by
+/// `--older-than`, at most `--limit`, in batches until none is left) and
+/// nothing else: not a final one before its expiry, nor a running, held or
+/// compensating one whatever its times. On a table of its own, so the
+/// counts are exact.
+async fn purging(url: &str) {
+    const TABLE: &str = "ops_purge";
+    let purge = |rest: &[&str]| {
+        let mut args = vec!["--table", TABLE];
+        args.extend_from_slice(rest);
+        ops(url, "purge", &args)
+    };
+    let (code, v, out) = purge(&["--json"]);
+    assert_eq!((code, v["exit_code"].as_i64()), (3, Some(3)), "no table yet: {out}");
+    assert!(out.contains("table ops_purge does not exist"), "{out}");
+    let (code, _, out) = idem(&["migrate", "--store", url, "--operations", "--operations-table", TABLE]);
+    assert_eq!(code, 0, "{out}");
+
+    let store = Ops::open_table(url, TABLE).await;
+    let now = SystemClock.now_ms();
+    let (day, hour) = (86_400_000, 3_600_000);
+    // Kept a day (the rows' TTL) after they ended ten days ago: expired
+    // nine days ago.
+    let long_ago = now - 10 * day;
+    let finished = |at: i64| move |r: &mut MultiStep| r.finish(1, br#"{"payout":"po_1"}"#.to_vec(), at).unwrap();
+    let mut expired = Vec::new();
+    for i in 0..3 {
+        expired.push(store.stored(long_ago + i, finished(long_ago + 10 + i)).await);
+    }
+    expired.push(
+        store
+            .stored(long_ago + 20, |r| {
+                r.record(1, debit(), long_ago + 21).unwrap();
+                r.fail(1, serde_json::json!({ "declined": true }), long_ago + 22)
+                    .unwrap();
+                r.finish(1, br#"{"declined":true}"#.to_vec(), long_ago + 23).unwrap();
+            })
+            .await,
+    );
+    assert_eq!(store.get(expired[3]).await.state, MultiStepState::Compensated);
+    // Expired an hour ago.
+    let lately = store.stored(now - day - hour - 10, finished(now - day - hour)).await;
+    // Ended a second ago: kept until tomorrow.
+    let recent = store.stored(now - 2_000, finished(now - 1_000)).await;
+    // Not final, each with an expiry (and a change) ten days old.
+    let very_old = |change: Box<dyn FnOnce(&mut MultiStep)>| {
+        move |r: &mut MultiStep| {
+            change(r);
+            r.expires_at_ms = Some(long_ago);
+            r.updated_at_ms = long_ago;
+        }
+    };
+    let running = store
+        .stored(
+            long_ago,
+            very_old(Box::new(|r| r.record(1, debit(), long_ago).unwrap())),
+        )
+        .await;
+    let held = store
+        .stored(
+            long_ago,
+            very_old(Box::new(|r| r.hold(1, HoldKind::Failed, "broken", long_ago).unwrap())),
+        )
+        .await;
+    let compensating = store
+        .stored(
+            long_ago,
+            very_old(Box::new(|r| {
+                r.fail(1, serde_json::json!("over the limit"), long_ago).unwrap()
+            })),
+        )
+        .await;
+    let mut kept = Vec::new();
+    for id in [recent, running, held, compensating] {
+        kept.push(store.get(id).await);
+    }
+    assert_eq!(
+        kept.iter().map(|r| r.state).collect::<Vec<_>>(),
+        [
+            MultiStepState::Completed,
+            MultiStepState::Running,
+            MultiStepState::Held,
+            MultiStepState::Compensating
+        ]
+    );
+
+    // At most --limit, in one batch.
+    let (code, v, out) = purge(&["--limit", "2", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        (v["deleted"].as_u64(), v["table"].as_str()),
+        (Some(2), Some(TABLE)),
+        "{v}"
+    );
+    // Expired at least two hours ago: the other two of ten days ago, not
+    // the one of an hour ago.
+    let (code, v, out) = purge(&["--older-than", "2h", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(v["deleted"].as_u64(), Some(2), "{v}");
+    for id in &expired {
+        assert_eq!(store.find(*id).await, None, "{id} purged");
+    }
+    assert!(
+        store.find(lately).await.is_some(),
+        "expired too lately for --older-than 2h"
+    );
+    // Every expired one (--older-than now, the default).
+    let (code, _, out) = purge(&[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("ops_purge: 1 final operation(s) past their expiry deleted"),
+        "{out}"
+    );
+    assert_eq!(store.find(lately).await, None);
+    let (code, v, out) = purge(&["--older-than", "now", "--json"]);
+    assert_eq!(
+        (code, v["deleted"].as_u64(), v["batches"].as_u64()),
+        (0, Some(0), Some(1)),
+        "{out}"
+    );
+    for row in &kept {
+        assert_eq!(
+            store.find(row.id).await.as_ref(),
+            Some(row),
+            "a {} operation is kept, unchanged",
+            row.state.as_str()
+        );
+    }
+
+    // Bad flags: exit 2, nothing deleted.
+    for (bad, why) in [
+        (&["--older-than", "soon"][..], "or now"),
+        (&["--older-than", "10 minutes"], "or now"),
+        (&["--limit", "0"], "0"),
+    ] {
+        let (code, _, out) = purge(bad);
+        assert_eq!(code, 2, "{bad:?}: {out}");
+        assert!(out.contains(why), "{bad:?}: {out}");
+    }
+    assert!(store.find(recent).await.is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite() {
     let path = std::env::temp_dir().join(format!("idem-cli-ops-{}.db", tag()));
     let url = path.display().to_string();
     operator_commands(&url).await;
     racing_operators(&url).await;
+    purging(&url).await;
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{url}{suffix}"));
     }
@@ -567,6 +736,7 @@ async fn on_postgres() {
     let url = support::postgres_db("idem_cli_ops").await;
     operator_commands(&url).await;
     racing_operators(&url).await;
+    purging(&url).await;
     support::drop_postgres_db(&url).await;
 }
 
@@ -575,6 +745,7 @@ async fn on_mysql() {
     let url = support::mysql_db("idem_cli_ops").await;
     operator_commands(&url).await;
     racing_operators(&url).await;
+    purging(&url).await;
     support::drop_mysql_db(&url).await;
 }
 

@@ -7,100 +7,29 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+#[path = "../examples/stuck_operations/shop.rs"]
+mod shop;
 
+use idem_core::Scope;
 use idem_core::multistep::{HoldKind, MultiStepState, MultiStepStore};
-use idem_core::{BoxFuture, Call, Fingerprint, IdempotencyKey, Scope};
 use idem_gateway::AnyLease;
 use idem_sqlite::{SqliteMultiSteps, SqliteStore};
-use idem_steps::{Finished, Halt, Operation, Registry, Run, StepError, StepsEngine};
+use idem_steps::{Finished, Registry, StepsEngine};
+use shop::{Withdrawal, count, create_tables, withdrawal};
 use support::{idem_out as idem, tag};
 
-/// A withdrawal: a local debit, then a payout whose answer is always lost
-/// (the vendor pays, counted in `paid`); amounts over the limit fail after
-/// the debit, in a way no retry fixes. Its compensation credits the debit
-/// back.
-struct Withdrawal {
-    paid: Arc<AtomicUsize>,
-}
-
-/// Writes one effect row (`debit`, `credit`) in the step's transaction.
-fn effect(
-    kind: &'static str,
-    amount: i64,
-) -> impl for<'c> FnMut(&'c mut idem_sqlite::SqliteTx) -> BoxFuture<'c, Result<(), StepError>> + Send {
-    move |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO ops_effects (kind, amount) VALUES (?, ?)")
-                .bind(kind)
-                .bind(amount)
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| StepError::Fatal(e.to_string()))?;
-            Ok(())
-        })
-    }
-}
-
-impl Operation<SqliteStore> for Withdrawal {
-    type Input = i64;
-    type Output = String;
-    const NAME: &'static str = "withdrawal@1";
-
-    fn run<'r>(&'r self, run: &'r mut Run<'_, SqliteStore>, amount: &'r i64) -> BoxFuture<'r, Result<String, Halt>> {
-        Box::pin(async move {
-            let amount = *amount;
-            run.local("debit", effect("debit", amount)).await?;
-            run.local("limits", move |_tx| {
-                Box::pin(async move {
-                    if amount > 1_000 {
-                        Err(StepError::Fatal("over the daily limit".into()))
-                    } else {
-                        Ok(())
-                    }
-                })
-            })
-            .await?;
-            let paid = self.paid.clone();
-            run.external("payout", move |sending| async move {
-                // An operator's verdict carries the vendor's record.
-                if let Some(verdict) = sending.verdict.as_ref().filter(|v| v.status.is_some()) {
-                    let record: serde_json::Value =
-                        serde_json::from_slice(&verdict.body).map_err(|e| StepError::Fatal(e.to_string()))?;
-                    return Ok(record["id"].as_str().unwrap_or_default().to_owned());
-                }
-                sending
-                    .may_send()
-                    .map_err(|why| StepError::Retry { why, after_ms: 1_000 })?;
-                paid.fetch_add(1, Ordering::SeqCst);
-                Err(StepError::Unknown("the vendor's answer was lost".into()))
-            })
-            .await
-        })
-    }
-
-    fn compensate<'r>(
-        &'r self,
-        run: &'r mut Run<'_, SqliteStore>,
-        amount: &'r i64,
-        _failure: &'r serde_json::Value,
-    ) -> BoxFuture<'r, Result<(), Halt>> {
-        Box::pin(async move {
-            if run.forward::<()>("debit").is_some() {
-                run.local("credit-back", effect("credit", *amount)).await?;
-            }
-            Ok(())
-        })
-    }
-}
-
+/// The account movements of `kind` (`debit`, `credit`).
 async fn effects(pool: &sqlx::SqlitePool, kind: &str) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM ops_effects WHERE kind = ?")
-        .bind(kind)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    count(
+        pool,
+        &format!("SELECT COUNT(*) FROM shop_movements WHERE kind = '{kind}'"),
+    )
+    .await
+}
+
+/// The payouts the vendor made (its answers were all lost).
+async fn paid(pool: &sqlx::SqlitePool) -> i64 {
+    count(pool, "SELECT COUNT(*) FROM vendor_payouts").await
 }
 
 /// One id of an operation `idem ops list <filters>` lists.
@@ -127,29 +56,19 @@ async fn marked_and_cancelled_operations_are_finished_by_the_completer_once() {
         unreachable!()
     };
     let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE ops_effects (kind TEXT NOT NULL, amount INTEGER NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    create_tables(&pool).await.unwrap();
     let steps = SqliteMultiSteps::new(pool.clone());
     let engine = StepsEngine::new(store.clone(), steps.clone());
-    let paid = Arc::new(AtomicUsize::new(0));
-    let op = Withdrawal { paid: paid.clone() };
-    let registry = Registry::new().with(Withdrawal { paid: paid.clone() });
+    let op = Withdrawal { pool: pool.clone() };
+    let registry = Registry::new().with(Withdrawal { pool: pool.clone() });
     let scope = Scope::parse("ops-e2e", "POST /v1/withdrawals").unwrap();
-    let call = |key: &str, amount: i64| {
-        Call::new(
-            scope.clone(),
-            IdempotencyKey::new(key).unwrap(),
-            Fingerprint::of_bytes(scope.operation(), amount.to_string().as_bytes()),
-        )
-    };
+    let call = |key: &str, amount: i64| withdrawal(&scope, key, amount).unwrap();
 
     // The vendor pays, its answer is lost: held on an unknown outcome.
     let lost = call("w-lost", 100);
     let first = engine.execute(&op, &lost, &100).await.unwrap();
     assert_eq!(first, Finished::Held(HoldKind::Unknown));
-    assert_eq!((paid.load(Ordering::SeqCst), effects(&pool, "debit").await), (1, 1));
+    assert_eq!((paid(&pool).await, effects(&pool, "debit").await), (1, 1));
     // Nothing finishes it on its own: not the completer, not a retry.
     assert_eq!(engine.complete_due(&registry, 10).await.unwrap().taken, 0);
     assert_eq!(
@@ -180,7 +99,7 @@ async fn marked_and_cancelled_operations_are_finished_by_the_completer_once() {
     let pass = engine.complete_due(&registry, 10).await.unwrap();
     assert_eq!((pass.taken, pass.completed), (1, 1), "{pass:?}");
     assert_eq!(
-        (paid.load(Ordering::SeqCst), effects(&pool, "debit").await),
+        (paid(&pool).await, effects(&pool, "debit").await),
         (1, 1),
         "paid once, debited once"
     );
@@ -223,7 +142,7 @@ async fn marked_and_cancelled_operations_are_finished_by_the_completer_once() {
         (2, 1),
         "credited back once"
     );
-    assert_eq!(paid.load(Ordering::SeqCst), 1, "nothing paid for it");
+    assert_eq!(paid(&pool).await, 1, "nothing paid for it");
     let again = engine.execute(&op, &over, &5_000).await.unwrap();
     assert_eq!(
         again,

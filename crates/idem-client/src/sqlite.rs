@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::Row;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 
-use crate::store::{BoxFuture, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING, PendingStore, check_body};
+use crate::store::{Bounds, BoxFuture, PendingStore, bounds_setters};
 use crate::{Error, Key, Operation, Result};
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_client_pending (
@@ -48,8 +48,7 @@ const INSERT: &str = "INSERT INTO idem_client_pending (key, method, url, headers
 #[derive(Debug, Clone)]
 pub struct SqlitePending {
     pool: SqlitePool,
-    max_body_bytes: usize,
-    max_pending: usize,
+    bounds: Bounds,
 }
 
 impl SqlitePending {
@@ -76,22 +75,11 @@ impl SqlitePending {
         sqlx::query(CREATE_TABLE).execute(&pool).await?;
         Ok(Self {
             pool,
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            max_pending: DEFAULT_MAX_PENDING,
+            bounds: Bounds::DEFAULT,
         })
     }
 
-    /// Bounds the body of an operation kept.
-    pub fn with_max_body_bytes(mut self, max_body_bytes: usize) -> Self {
-        self.max_body_bytes = max_body_bytes;
-        self
-    }
-
-    /// Bounds the number of pending operations.
-    pub fn with_max_pending(mut self, max_pending: usize) -> Self {
-        self.max_pending = max_pending;
-        self
-    }
+    bounds_setters!();
 
     /// Closes the file's connections.
     pub async fn close(&self) {
@@ -99,12 +87,12 @@ impl SqlitePending {
     }
 
     async fn save_op(&self, op: &Operation) -> Result<()> {
-        check_body(op, self.max_body_bytes)?;
+        self.bounds.check_body(op)?;
         let headers = op.header_lines();
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-        let max_pending = i64::try_from(self.max_pending).unwrap_or(i64::MAX);
+        let max_pending = i64::try_from(self.bounds.max_pending).unwrap_or(i64::MAX);
         let done = sqlx::query(INSERT)
             .bind(op.key().as_str())
             .bind(op.method().as_str())
@@ -135,9 +123,7 @@ impl SqlitePending {
                     Err(Error::KeyInUse(op.key().clone()))
                 }
             }
-            None => Err(Error::StoreFull {
-                max_pending: self.max_pending,
-            }),
+            None => Err(self.bounds.full()),
         }
     }
 

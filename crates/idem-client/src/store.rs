@@ -39,24 +39,70 @@ pub trait PendingStore: Send + Sync + 'static {
     fn list(&self) -> BoxFuture<'_, Result<Vec<Operation>>>;
 }
 
-/// Refuses a body over `max_body_bytes`.
-pub(crate) fn check_body(op: &Operation, max_body_bytes: usize) -> Result<()> {
-    if op.body().len() > max_body_bytes {
-        return Err(Error::InvalidOperation(format!(
-            "the body is {} bytes long; the pending store keeps at most {max_body_bytes}",
-            op.body().len()
-        )));
-    }
-    Ok(())
+/// What a pending store keeps at most: the body of an operation, and the
+/// number of operations.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_pending: usize,
 }
+
+impl Bounds {
+    /// [`DEFAULT_MAX_BODY_BYTES`] and [`DEFAULT_MAX_PENDING`].
+    pub(crate) const DEFAULT: Self = Self {
+        max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        max_pending: DEFAULT_MAX_PENDING,
+    };
+
+    /// Refuses a body over `max_body_bytes`.
+    pub(crate) fn check_body(&self, op: &Operation) -> Result<()> {
+        let max_body_bytes = self.max_body_bytes;
+        if op.body().len() > max_body_bytes {
+            return Err(Error::InvalidOperation(format!(
+                "the body is {} bytes long; the pending store keeps at most {max_body_bytes}",
+                op.body().len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The refusal of an operation by a store that holds `max_pending`.
+    pub(crate) fn full(&self) -> Error {
+        Error::StoreFull {
+            max_pending: self.max_pending,
+        }
+    }
+}
+
+/// The builder methods of a pending store's [`Bounds`], its field `bounds`
+/// (written inside the store's `impl` block).
+macro_rules! bounds_setters {
+    () => {
+        $crate::store::bounds_setters!(
+            /// Bounds the body of an operation kept.
+            with_max_body_bytes sets max_body_bytes
+        );
+        $crate::store::bounds_setters!(
+            /// Bounds the number of pending operations.
+            with_max_pending sets max_pending
+        );
+    };
+    ($(#[$doc:meta])* $setter:ident sets $bound:ident) => {
+        $(#[$doc])*
+        pub fn $setter(mut self, $bound: usize) -> Self {
+            self.bounds.$bound = $bound;
+            self
+        }
+    };
+}
+pub(crate) use bounds_setters;
 
 /// Pending operations in memory: for tests, and for clients that only need
 /// retries within one process (nothing survives a restart).
 #[derive(Debug)]
 pub struct MemoryPending {
     ops: Mutex<Pending>,
-    max_body_bytes: usize,
-    max_pending: usize,
+    bounds: Bounds,
 }
 
 #[derive(Debug, Default)]
@@ -77,22 +123,11 @@ impl MemoryPending {
     pub fn new() -> Self {
         Self {
             ops: Mutex::default(),
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            max_pending: DEFAULT_MAX_PENDING,
+            bounds: Bounds::DEFAULT,
         }
     }
 
-    /// Bounds the body of an operation kept.
-    pub fn with_max_body_bytes(mut self, max_body_bytes: usize) -> Self {
-        self.max_body_bytes = max_body_bytes;
-        self
-    }
-
-    /// Bounds the number of pending operations.
-    pub fn with_max_pending(mut self, max_pending: usize) -> Self {
-        self.max_pending = max_pending;
-        self
-    }
+    bounds_setters!();
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
         // A panic elsewhere cannot leave the map half-written: every
@@ -104,7 +139,7 @@ impl MemoryPending {
 impl PendingStore for MemoryPending {
     fn save<'a>(&'a self, op: &'a Operation) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            check_body(op, self.max_body_bytes)?;
+            self.bounds.check_body(op)?;
             let mut pending = self.lock();
             if let Some((_, existing)) = pending.by_key.get(op.key()) {
                 return if existing == op {
@@ -113,10 +148,8 @@ impl PendingStore for MemoryPending {
                     Err(Error::KeyInUse(op.key().clone()))
                 };
             }
-            if pending.by_key.len() >= self.max_pending {
-                return Err(Error::StoreFull {
-                    max_pending: self.max_pending,
-                });
+            if pending.by_key.len() >= self.bounds.max_pending {
+                return Err(self.bounds.full());
             }
             let seq = pending.next;
             pending.next += 1;

@@ -347,7 +347,9 @@ macro_rules! multistep_conformance {
                 steps_failure_returned_by_the_operation_is_compensated,
                 steps_no_send_starts_after_the_lease,
                 steps_run_killed_at_each_boundary_resumes_once,
-                steps_unknown_outcome_is_resolved_by_a_verdict
+                steps_unknown_outcome_is_resolved_by_a_verdict,
+                steps_store_faults_leave_each_effect_once,
+                steps_purge_deletes_only_expired_final_operations
             );
         }
     };

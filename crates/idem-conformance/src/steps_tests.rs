@@ -7,13 +7,18 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idem_core::multistep::{HoldKind, MultiStepStore};
+use idem_core::multistep::{HoldKind, MultiStepState, MultiStepStore};
 use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy, Settlement, Verdict, VerdictSource};
 use idem_steps::{Finished, Halt, Operation, Pass, Registry, Run, StepError, StepsEngine};
 use serde_json::{Value, json};
 
 use crate::multistep_tests::MultiStepSubject;
 use crate::{Subject, call_for, effect_id, unique_scope};
+
+mod faults;
+mod purge;
+pub use faults::steps_store_faults_leave_each_effect_once;
+pub use purge::steps_purge_deletes_only_expired_final_operations;
 
 /// What the vendor does with the next send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,12 +149,12 @@ impl<S: Subject> Withdrawal<S> {
         Ok(())
     }
 
-    async fn write<'r>(run: &mut Run<'r, S::Backend>, step: &str, eid: &str) -> Result<String, Halt> {
+    async fn write<'r, B: SubjectTx<S>>(run: &mut Run<'r, B>, step: &str, eid: &str) -> Result<String, Halt> {
         Self::write_stalling(run, step, eid, Arc::default()).await
     }
 
-    async fn write_stalling<'r>(
-        run: &mut Run<'r, S::Backend>,
+    async fn write_stalling<'r, B: SubjectTx<S>>(
+        run: &mut Run<'r, B>,
         step: &str,
         eid: &str,
         stall: Arc<Stall>,
@@ -172,12 +177,18 @@ impl<S: Subject> Withdrawal<S> {
     }
 }
 
-impl<S: Subject> Operation<S::Backend> for Withdrawal<S> {
+/// A backend whose transactions are those of the subject `S` (its own, or
+/// its own wrapped to fail on purpose).
+trait SubjectTx<S: Subject>: idem_core::TxBackend<Tx = <S::Backend as idem_core::TxBackend>::Tx> {}
+
+impl<S: Subject, B: idem_core::TxBackend<Tx = <S::Backend as idem_core::TxBackend>::Tx>> SubjectTx<S> for B {}
+
+impl<S: Subject, B: SubjectTx<S>> Operation<B> for Withdrawal<S> {
     type Input = String;
     type Output = Value;
     const NAME: &'static str = "withdrawal@1";
 
-    fn run<'r>(&'r self, run: &'r mut Run<'_, S::Backend>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
+    fn run<'r>(&'r self, run: &'r mut Run<'_, B>, eid: &'r String) -> BoxFuture<'r, Result<Value, Halt>> {
         Box::pin(async move {
             self.crash("debit")?;
             let debit = Self::write_stalling(run, "debit", eid, self.stall.clone()).await?;
@@ -206,7 +217,7 @@ impl<S: Subject> Operation<S::Backend> for Withdrawal<S> {
 
     fn compensate<'r>(
         &'r self,
-        run: &'r mut Run<'_, S::Backend>,
+        run: &'r mut Run<'_, B>,
         eid: &'r String,
         _failure: &'r Value,
     ) -> BoxFuture<'r, Result<(), Halt>> {

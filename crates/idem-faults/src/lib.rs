@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 mod deadletter;
+mod multistep;
 mod tx;
 
 use idem_core::{
@@ -41,7 +42,7 @@ use idem_core::{
 };
 
 /// How many kinds of call there are.
-const OPS: usize = 12;
+const OPS: usize = 15;
 
 /// A way for one store call to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -95,6 +96,18 @@ pub enum Op {
     /// [`DeadLetterStore::settle`](idem_core::DeadLetterStore::settle) and
     /// [`cancel`](idem_core::DeadLetterStore::cancel).
     LetterSettle,
+    /// [`MultiStepStore::insert_in`](idem_core::multistep::MultiStepStore::insert_in):
+    /// an operation's first write, in its first step's transaction.
+    StepInsert,
+    /// [`MultiStepStore::write_in`](idem_core::multistep::MultiStepStore::write_in)
+    /// (a recovery point, in its step's transaction) and
+    /// [`write`](idem_core::multistep::MultiStepStore::write) (a take, a
+    /// sent mark, an answer, a hold, the end, in a transaction of its own).
+    StepWrite,
+    /// [`MultiStepStore::find`](idem_core::multistep::MultiStepStore::find),
+    /// [`get`](idem_core::multistep::MultiStepStore::get) and
+    /// [`due`](idem_core::multistep::MultiStepStore::due).
+    StepRead,
 }
 
 impl Op {
@@ -111,6 +124,9 @@ impl Op {
         Op::LetterTake,
         Op::LetterFinish,
         Op::LetterSettle,
+        Op::StepInsert,
+        Op::StepWrite,
+        Op::StepRead,
     ];
 
     /// Its name in reports.
@@ -128,6 +144,9 @@ impl Op {
             Op::LetterTake => "letter_take",
             Op::LetterFinish => "letter_finish",
             Op::LetterSettle => "letter_settle",
+            Op::StepInsert => "step_insert",
+            Op::StepWrite => "step_write",
+            Op::StepRead => "step_read",
         }
     }
 
@@ -138,7 +157,7 @@ impl Op {
     /// Whether the call only reads: a read has nothing to apply, so
     /// [`Fault::AppliedThenRefused`] is a plain refusal there.
     fn reads(self) -> bool {
-        matches!(self, Op::Lookup)
+        matches!(self, Op::Lookup | Op::StepRead)
     }
 }
 
@@ -193,7 +212,7 @@ impl FaultPlan {
 pub struct Faults {
     plan: Mutex<FaultPlan>,
     state: Mutex<u64>,
-    queued: Mutex<VecDeque<(Op, Fault)>>,
+    queued: Mutex<VecDeque<(Op, u64, Fault)>>,
     counts: [[AtomicU64; 3]; OPS],
     calls: [AtomicU64; OPS],
     on_fault: Mutex<Option<FaultHook>>,
@@ -238,10 +257,18 @@ impl Faults {
     /// Makes the next call of `op` fail with `fault`, whatever the plan
     /// says. Several queued faults of one call kind happen in order.
     pub fn fail_next(&self, op: Op, fault: Fault) {
+        self.fail_nth(op, 0, fault);
+    }
+
+    /// Lets `n` calls of `op` pass (as the plan says) and makes the one
+    /// after them fail with `fault`: walking `n` up from 0 hits each call
+    /// of one kind a run makes, one run at a time. Queued after other
+    /// faults of the same kind, it counts its calls once they are done.
+    pub fn fail_nth(&self, op: Op, n: u64, fault: Fault) {
         self.queued
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push_back((op, fault));
+            .push_back((op, n, fault));
     }
 
     /// How many faults of each kind were injected into calls of each kind,
@@ -275,11 +302,14 @@ impl Faults {
         self.calls[op.index()].fetch_add(1, Ordering::Relaxed);
         let fault = {
             let mut queued = self.queued.lock().unwrap_or_else(PoisonError::into_inner);
-            queued
-                .iter()
-                .position(|(o, _)| *o == op)
-                .and_then(|i| queued.remove(i))
-                .map(|(_, f)| f)
+            match queued.iter().position(|(o, _, _)| *o == op) {
+                Some(i) if queued[i].1 > 0 => {
+                    queued[i].1 -= 1;
+                    None
+                }
+                Some(i) => queued.remove(i).map(|(_, _, f)| f),
+                None => None,
+            }
         }
         .or_else(|| {
             let plan = *self.plan.lock().unwrap_or_else(PoisonError::into_inner);
@@ -515,6 +545,24 @@ mod tests {
         assert_eq!(f.draw(Op::Complete), Some(Fault::Refused));
         assert_eq!(f.draw(Op::Complete), None);
         assert_eq!(f.injected(), vec![("complete", "refused", 1)]);
+    }
+
+    /// A fault asked for after `n` calls lets them pass and hits the next.
+    #[test]
+    fn nth_fault_waits_for_its_call() {
+        let f = Faults::new(FaultPlan::none());
+        f.fail_nth(Op::StepWrite, 2, Fault::AppliedThenRefused);
+        f.fail_next(Op::StepRead, Fault::AppliedThenRefused);
+        assert_eq!(f.draw(Op::StepWrite), None);
+        assert_eq!(
+            f.draw(Op::StepRead),
+            Some(Fault::Refused),
+            "a read has nothing to apply"
+        );
+        assert_eq!(f.draw(Op::StepWrite), None);
+        assert_eq!(f.draw(Op::StepWrite), Some(Fault::AppliedThenRefused));
+        assert_eq!(f.draw(Op::StepWrite), None);
+        assert_eq!(f.calls(Op::StepWrite), 4);
     }
 
     /// Stores wrapped beside one another share one plan and one count, and

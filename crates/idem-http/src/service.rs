@@ -334,16 +334,7 @@ where
 /// The problem for an error from the engine.
 pub(crate) fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Body> {
     let problem = match e {
-        Error::Mismatch => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            slugs::KEY_REUSED,
-            "Idempotency-Key reused",
-        )
-        .with_detail(format!(
-            "the key {:?} was already used for a different request to {}",
-            call.key().as_str(),
-            call.scope().operation()
-        )),
+        Error::Mismatch => key_reused(call),
         Error::InFlight { retry_after } => {
             let secs = retry_after.as_millis().div_ceil(1000).max(1) as u64;
             Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
@@ -370,26 +361,53 @@ pub(crate) fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Bo
         .with_detail(format!(
             "the response of {size} bytes exceeds the record limit of {limit} bytes; nothing was applied"
         )),
-        e if e.is_retryable() => {
-            tracing::warn!(error = %e, "idempotency store failed");
-            store_unavailable().with_retry_after_secs(1)
-        }
-        e => {
-            tracing::error!(error = %e, "idempotency store failed");
-            store_unavailable()
-        }
+        e => store_failed("idempotency", &e, store_unavailable()),
     };
     problem.into_response(&cfg.problem_base)
 }
 
+/// The problem for a key already used for a different request to the
+/// call's operation.
+pub(crate) fn key_reused(call: &Call) -> Problem {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        slugs::KEY_REUSED,
+        "Idempotency-Key reused",
+    )
+    .with_detail(format!(
+        "the key {:?} was already used for a different request to {}",
+        call.key().as_str(),
+        call.scope().operation()
+    ))
+}
+
+/// Answers `unavailable` to the failure `e` of the `what` store
+/// (`idempotency`, `multi-step`) and logs it: a retryable failure as a
+/// warning, and with a `Retry-After` of one second; any other as an error.
+pub(crate) fn store_failed(what: &str, e: &Error, unavailable: Problem) -> Problem {
+    if e.is_retryable() {
+        tracing::warn!(error = %e, "{what} store failed");
+        unavailable.with_retry_after_secs(1)
+    } else {
+        tracing::error!(error = %e, "{what} store failed");
+        unavailable
+    }
+}
+
 /// The problem for a store that failed before the request was applied.
 pub(crate) fn store_unavailable() -> Problem {
+    unavailable("the request was not applied; retry with the same Idempotency-Key")
+}
+
+/// The problem for a store that failed, saying with `detail` what became
+/// of the request.
+pub(crate) fn unavailable(detail: &str) -> Problem {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         slugs::STORE_UNAVAILABLE,
         "Idempotency store unavailable",
     )
-    .with_detail("the request was not applied; retry with the same Idempotency-Key")
+    .with_detail(detail)
 }
 
 /// The replay of a record; its body is the record's payload, not a copy.

@@ -65,7 +65,7 @@ use crate::drain::Drain;
 use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{TenantFn, matched_route_operation};
 use crate::problem::{DEFAULT_PROBLEM_BASE, Problem, slugs};
-use crate::service::{ByteBody, fingerprint, outcome};
+use crate::service::{ByteBody, fingerprint, key_reused, outcome, store_failed, unavailable};
 
 /// A multi-step operation served over HTTP: how a request becomes its
 /// input, and how its outcome becomes a response.
@@ -391,39 +391,18 @@ fn held(kind: HoldKind, row: Option<&MultiStep>) -> Problem {
 
 fn error(base: &str, call: &Call, e: Error) -> Response<Body> {
     let problem = match e {
-        Error::Mismatch => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            slugs::KEY_REUSED,
-            "Idempotency-Key reused",
-        )
-        .with_detail(format!(
-            "the key {:?} was already used for a different request to {}",
-            call.key().as_str(),
-            call.scope().operation()
-        )),
+        Error::Mismatch => key_reused(call),
         Error::InvalidRequest(why) => Problem::new(
             StatusCode::CONFLICT,
             slugs::OPERATION_HELD,
             "Operation of another definition",
         )
         .with_detail(why),
-        e if e.is_retryable() => {
-            tracing::warn!(error = %e, "multi-step store failed");
-            store_unavailable().with_retry_after_secs(1)
-        }
-        e => {
-            tracing::error!(error = %e, "multi-step store failed");
-            store_unavailable()
-        }
+        e => store_failed(
+            "multi-step",
+            &e,
+            unavailable("the operation may not have finished; retry with the same Idempotency-Key"),
+        ),
     };
     problem.into_response(base)
-}
-
-fn store_unavailable() -> Problem {
-    Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        slugs::STORE_UNAVAILABLE,
-        "Idempotency store unavailable",
-    )
-    .with_detail("the operation may not have finished; retry with the same Idempotency-Key")
 }

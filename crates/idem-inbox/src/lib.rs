@@ -147,10 +147,7 @@ impl<B: TxBackend> Inbox<B> {
         E: From<Error> + Contention,
     {
         let call = self.call_in(tenant, handler, event_id, payload)?;
-        Ok(match self.engine.execute(&call, work).await? {
-            Outcome::Executed(v) => Delivery::Applied(v),
-            Outcome::Replayed(v) => Delivery::Duplicate(v),
-        })
+        self.deliver(&call, work).await
     }
 
     /// Applies `payload` with `work` once per (handler, event id).
@@ -192,7 +189,18 @@ impl<B: TxBackend> Inbox<B> {
         E: From<Error> + Contention,
     {
         let call = self.call(handler, event_id, payload)?.with_policy(policy);
-        Ok(match self.engine.execute(&call, work).await? {
+        self.deliver(&call, work).await
+    }
+
+    /// Runs `work` once for `call`: applied now, or the duplicate of a
+    /// delivery applied before.
+    async fn deliver<T, E, F>(&self, call: &Call, work: F) -> Result<Delivery<T>, E>
+    where
+        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Contention,
+    {
+        Ok(match self.engine.execute(call, work).await? {
             Outcome::Executed(v) => Delivery::Applied(v),
             Outcome::Replayed(v) => Delivery::Duplicate(v),
         })

@@ -145,4 +145,24 @@ impl MultiStepStore<MemoryStore> for MemoryMultiSteps {
             Ok(found.into_iter().take(filter.limit as usize).cloned().collect())
         })
     }
+
+    fn purge_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let mut t = self.lock();
+            let mut expired: Vec<(i64, i64)> = t
+                .rows
+                .values()
+                .filter(|r| r.state.is_final())
+                .filter_map(|r| r.expires_at_ms.filter(|at| *at <= now_ms).map(|at| (at, r.id)))
+                .collect();
+            expired.sort_unstable();
+            expired.truncate(limit as usize);
+            for (_, id) in &expired {
+                if let Some(row) = t.rows.remove(id) {
+                    t.by_key.remove(&(row.scope, row.key));
+                }
+            }
+            Ok(expired.len() as u64)
+        })
+    }
 }

@@ -21,11 +21,7 @@ impl TxBackend for MySqlStore {
                 ClaimStrategy::Placeholder => self.claim_on(tx, req, lock_wait_secs(wait)).await?,
                 ClaimStrategy::NamedLock => self.claim_named(tx, req, wait).await?,
             };
-            Ok(match claim {
-                Claim::Claimed(_) => TxClaim::Claimed,
-                Claim::Found(row) => TxClaim::Found(row),
-                Claim::Busy => TxClaim::Busy,
-            })
+            Ok(claim.into())
         })
     }
 
@@ -53,14 +49,7 @@ impl TxBackend for MySqlStore {
                     }
                 }
             };
-            Ok((
-                tx,
-                match claim {
-                    Claim::Claimed(_) => TxClaim::Claimed,
-                    Claim::Found(row) => TxClaim::Found(row),
-                    Claim::Busy => TxClaim::Busy,
-                },
-            ))
+            Ok((tx, claim.into()))
         })
     }
 
@@ -84,21 +73,13 @@ impl TxBackend for MySqlStore {
                 .await
                 .map_err(store_error)?;
             if done.rows_affected() != 1 {
-                return Err(Error::Config(
-                    "record called on a transaction that holds no claim of this key".into(),
-                ));
+                return Err(idem_sql::unclaimed_record());
             }
             Ok(())
         })
     }
 
-    fn commit(&self, tx: MySqlTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.commit())
-    }
-
-    fn rollback(&self, tx: MySqlTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.rollback())
-    }
+    idem_sql::tx_ends!();
 }
 
 impl LeaseStore for MySqlStore {
@@ -133,11 +114,7 @@ impl LeaseStore for MySqlStore {
     idem_sql::lease_writes!(rows);
 }
 
-impl Sweep for MySqlStore {
-    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(self.rows.sweep_expired(now_ms, limit))
-    }
-}
+idem_sql::key_sweep!(MySqlStore, rows);
 
 async fn rollback_quietly(tx: sqlx::Transaction<'static, sqlx::MySql>) {
     if let Err(e) = tx.rollback().await {

@@ -10,6 +10,17 @@ pub(crate) enum Claim {
     Busy,
 }
 
+/// A transaction's claim: the token stays with the transaction.
+impl From<Claim> for TxClaim {
+    fn from(claim: Claim) -> Self {
+        match claim {
+            Claim::Claimed(_) => TxClaim::Claimed,
+            Claim::Found(row) => TxClaim::Found(row),
+            Claim::Busy => TxClaim::Busy,
+        }
+    }
+}
+
 /// A stored row with the raw columns a takeover needs.
 pub(crate) struct RawRow {
     pub(crate) fingerprint: Vec<u8>,

@@ -26,10 +26,6 @@ impl Dialect for MySqlDialect {
          WHERE table_schema = DATABASE() AND table_name = ?";
     const TEXT: TextColumns = TextColumns::Binary;
 
-    fn placeholder(_: usize) -> String {
-        "?".into()
-    }
-
     fn error(e: sqlx::Error) -> idem_core::Error {
         store_error(e)
     }

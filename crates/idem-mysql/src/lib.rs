@@ -10,7 +10,7 @@
 //! | --- | --- | --- |
 //! | transactional | [`TxBackend`] | an uncommitted placeholder row: a twin's duplicate `INSERT` blocks on it, then collides on the primary key; or, under [`ClaimStrategy::NamedLock`], the server's named lock on a hash of the key, with no row until the record inserts the completed one |
 //! | lease (check–claim–complete) | [`LeaseStore`] | a committed in-progress row with a lease and a fencing token; marked sent before the holder's request leaves, it is never taken over |
-//! | retention | [`Sweep`] | `DELETE … ORDER BY expires_at_ms LIMIT n` in short batches |
+//! | retention | [`Sweep`](idem_core::Sweep) | `DELETE … ORDER BY expires_at_ms LIMIT n` in short batches |
 //!
 //! Every time it stores or compares comes from the engine's clock (never the
 //! server's `NOW()`), so expiry and leases behave the same under a test clock.
@@ -146,7 +146,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Record, Result, STATUS_IN_PROGRESS, Scope,
-    StoreErrorKind, StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    StoreErrorKind, StoredRow, TableName, Token, TxBackend, TxClaim,
 };
 use sha2::{Digest, Sha256};
 use sqlx::mysql::MySqlRow;

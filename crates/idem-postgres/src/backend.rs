@@ -23,7 +23,7 @@ impl TxBackend for PgStore {
             let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
             for _ in 0..VANISHED_ROW_ATTEMPTS {
                 let answered = self
-                    .claim_query(&self.sql.claim_tx, req, wait, advisory)
+                    .claim_query(&self.sql.claim_tx.text, req, wait, advisory)
                     .fetch_one(&mut **tx)
                     .await;
                 let row = match answered {
@@ -53,21 +53,21 @@ impl TxBackend for PgStore {
             let advisory =
                 (self.strategy == ClaimStrategy::AdvisoryLock).then(|| self.advisory_key(req.scope, req.key));
             let lock_timeout = lock_timeout_setting(wait);
-            let mut execute = tx::execute_claim(&self.sql.claim_tx_name, req, &lock_timeout, advisory);
+            let mut execute = tx::execute_claim(&self.sql.claim_tx.name, req, &lock_timeout, advisory);
             let mut prepared = vec![
-                (&*self.sql.record_tx_name, &*self.sql.prepare_record_tx),
-                (&*self.sql.claim_tx_name, &*self.sql.prepare_claim_tx),
+                (&*self.sql.record_tx.name, &*self.sql.record_tx.prepare),
+                (&*self.sql.claim_tx.name, &*self.sql.claim_tx.prepare),
             ];
             if let Some(one_write) = &self.sql.one_write {
                 let lock = tx::execute_lock(
-                    &one_write.lock_name,
+                    &one_write.lock.name,
                     req,
                     &lock_timeout,
                     self.advisory_key(req.scope, req.key),
                 );
                 execute = format!("{lock}; {execute}");
-                prepared.push((&one_write.lock_name, &one_write.prepare_lock));
-                prepared.push((&one_write.insert_name, &one_write.prepare_insert));
+                prepared.push((&one_write.lock.name, &one_write.lock.prepare));
+                prepared.push((&one_write.insert.name, &one_write.insert.prepare));
             }
             let (mut tx, row) = match tx::begin_claim(conn, &prepared, execute).await {
                 Ok(claimed) => claimed,
@@ -120,7 +120,7 @@ impl TxBackend for PgStore {
         Box::pin(async move {
             if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
                 idem_sql::bound::<PgDialect>(
-                    AssertSqlSafe(one_write.insert.clone()),
+                    AssertSqlSafe(one_write.insert.text.clone()),
                     idem_sql::completed_args::<PgDialect>(req, record, token),
                 )
                 .execute(&mut **tx)
@@ -138,9 +138,7 @@ impl TxBackend for PgStore {
                 .await
                 .map_err(store_error)?;
             if done.rows_affected() != 1 {
-                return Err(Error::Config(
-                    "record called on a transaction that holds no claim of this key".into(),
-                ));
+                return Err(idem_sql::unclaimed_record());
             }
             Ok(())
         })
@@ -169,27 +167,21 @@ impl TxBackend for PgStore {
             if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
                 return tx::record_commit(
                     tx,
-                    &one_write.prepare_insert,
-                    tx::execute_insert(&one_write.insert_name, req, record, token),
+                    &one_write.insert.prepare,
+                    tx::execute_insert(&one_write.insert.name, req, record, token),
                 )
                 .await;
             }
             tx::record_commit(
                 tx,
-                &self.sql.prepare_record_tx,
-                tx::execute_record(&self.sql.record_tx_name, req, record),
+                &self.sql.record_tx.prepare,
+                tx::execute_record(&self.sql.record_tx.name, req, record),
             )
             .await
         })
     }
 
-    fn commit(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.commit())
-    }
-
-    fn rollback(&self, tx: PgTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.rollback())
-    }
+    idem_sql::tx_ends!();
 }
 
 impl LeaseStore for PgStore {
@@ -221,8 +213,4 @@ impl LeaseStore for PgStore {
     idem_sql::lease_writes!(rows);
 }
 
-impl Sweep for PgStore {
-    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(self.rows.sweep_expired(now_ms, limit))
-    }
-}
+idem_sql::key_sweep!(PgStore, rows);

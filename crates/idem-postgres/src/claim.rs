@@ -148,7 +148,7 @@ impl PgStore {
         req: &ClaimRequest<'_>,
         wait: Duration,
     ) -> Result<TxClaim> {
-        let lock = sqlx::query(AssertSqlSafe(one_write.lock.clone()))
+        let lock = sqlx::query(AssertSqlSafe(one_write.lock.text.clone()))
             .bind(req.scope.tenant().as_str())
             .bind(req.scope.operation().as_str())
             .bind(req.key.as_str())
@@ -163,7 +163,7 @@ impl PgStore {
             Err(e) => return Err(store_error(e)),
         };
         let row = match self
-            .claim_query(&self.sql.claim_tx, req, wait, false)
+            .claim_query(&self.sql.claim_tx.text, req, wait, false)
             .fetch_one(&mut **tx)
             .await
         {

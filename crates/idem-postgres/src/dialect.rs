@@ -75,17 +75,9 @@ impl Dialect for PgDialect {
         table: &'a TableName,
         work: Migrations<'a, Postgres>,
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let mut tx = Self::begin(pool).await?;
-            let name = format!("idem-postgres {kind} migrate");
-            let lock_key = fnv1a(&[name.as_bytes(), table.as_str().as_bytes()]) as i64;
-            sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                .bind(lock_key)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            work(&mut tx).await?;
-            tx.commit().await.map_err(store_error)
-        })
+        let name = format!("idem-postgres {kind} migrate");
+        let lock_key = fnv1a(&[name.as_bytes(), table.as_str().as_bytes()]) as i64;
+        let lock = sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key);
+        Box::pin(idem_sql::migrate_in_transaction::<Self>(pool, Some(lock), work))
     }
 }

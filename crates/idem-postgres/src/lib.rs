@@ -22,7 +22,7 @@
 //!   complete, release and extend succeed only with the current token. A
 //!   lease marked sent (status 4) is never taken over before the key
 //!   expires: once its lease has run out it is an unknown outcome.
-//! - [`Sweep`]: deletes expired keys in short, bounded batches that skip rows
+//! - [`Sweep`](idem_core::Sweep): deletes expired keys in short, bounded batches that skip rows
 //!   a claim holds.
 //!
 //! ## Round trips
@@ -139,7 +139,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, IdempotencyKey, LeaseClaim, LeaseStore, Record, Result, Scope, StoreErrorKind,
-    StoredRow, Sweep, TableName, Token, TxBackend, TxClaim,
+    StoredRow, TableName, Token, TxBackend, TxClaim,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};

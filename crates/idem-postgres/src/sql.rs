@@ -26,19 +26,12 @@ const SAVED_LOCK_TIMEOUT: &str = "idem.saved_lock_timeout";
 pub(crate) struct Statements {
     /// The transactional claim (with the advisory lock under that strategy),
     /// which also answers the key's visible row.
-    pub(crate) claim_tx: Arc<str>,
-    /// The name [`claim_tx`](Self::claim_tx) is prepared under on a
-    /// connection (with `PREPARE`), unique to its text.
-    pub(crate) claim_tx_name: Arc<str>,
-    /// `PREPARE {claim_tx_name} (…) AS {claim_tx}`.
-    pub(crate) prepare_claim_tx: Arc<str>,
-    /// The name the record-and-check statement is prepared under.
-    pub(crate) record_tx_name: Arc<str>,
-    /// `PREPARE {record_tx_name} (…) AS …`: records the outcome on the row
-    /// claimed in the same transaction and divides by the number of rows it
-    /// updated, so it fails unless that is exactly one. Parameters: `$1`
-    /// status, `$2` payload, `$3` tenant, `$4` operation, `$5` key.
-    pub(crate) prepare_record_tx: Arc<str>,
+    pub(crate) claim_tx: Prepared,
+    /// Records the outcome on the row claimed in the same transaction and
+    /// divides by the number of rows it updated, so it fails unless that is
+    /// exactly one. Parameters: `$1` status, `$2` payload, `$3` tenant, `$4`
+    /// operation, `$5` key.
+    pub(crate) record_tx: Prepared,
     /// The lease-mode claim: an upsert without an advisory lock.
     pub(crate) claim_lease: Arc<str>,
     /// Reads a row.
@@ -56,40 +49,51 @@ pub(crate) struct Statements {
 pub(crate) struct OneWriteStatements {
     /// Takes the key's transaction-scoped advisory lock unless a live row is
     /// visible (see [`one_write_lock`]).
-    pub(crate) lock: Arc<str>,
-    /// The name [`lock`](Self::lock) is prepared under.
-    pub(crate) lock_name: Arc<str>,
-    /// `PREPARE {lock_name} (…) AS {lock}`.
-    pub(crate) prepare_lock: Arc<str>,
+    pub(crate) lock: Prepared,
     /// The record: one plain `INSERT` of the completed row. Parameters: `$1`
     /// tenant, `$2` operation, `$3` key, `$4` fingerprint, `$5` status, `$6`
     /// token, `$7` payload, `$8` claim time, `$9` expiry.
-    pub(crate) insert: Arc<str>,
-    /// The name [`insert`](Self::insert) is prepared under.
-    pub(crate) insert_name: Arc<str>,
-    /// `PREPARE {insert_name} (…) AS {insert}`.
-    pub(crate) prepare_insert: Arc<str>,
+    pub(crate) insert: Prepared,
+}
+
+/// A statement a connection prepares (with `PREPARE`) before it is sent by
+/// name.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    /// The statement.
+    pub(crate) text: Arc<str>,
+    /// The name it is prepared under on a connection, unique to its text.
+    pub(crate) name: Arc<str>,
+    /// `PREPARE {name} (…) AS {text}`.
+    pub(crate) prepare: Arc<str>,
+}
+
+impl Prepared {
+    /// `text`, whose parameters are of `types`, prepared under `prefix`
+    /// and a hash of the text.
+    fn new(prefix: &str, types: &str, text: String) -> Self {
+        let name = format!("{prefix}_{:016x}", fnv1a(&[text.as_bytes()]));
+        Self {
+            prepare: format!("PREPARE {name} ({types}) AS {text}").into(),
+            name: name.into(),
+            text: text.into(),
+        }
+    }
 }
 
 impl OneWriteStatements {
     fn new(t: &str) -> Self {
-        let lock = one_write_lock(t);
-        let lock_name = format!("idem_lock_{:016x}", fnv1a(&[lock.as_bytes()]));
         let insert = format!(
             "INSERT INTO {t} (tenant, operation, idem_key, fingerprint, status, token, payload, \
              created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
         );
-        let insert_name = format!("idem_insert_{:016x}", fnv1a(&[insert.as_bytes()]));
         Self {
-            prepare_lock: format!("PREPARE {lock_name} (text, text, text, bigint, text, bigint) AS {lock}").into(),
-            prepare_insert: format!(
-                "PREPARE {insert_name} (text, text, text, bytea, smallint, bigint, bytea, bigint, bigint) AS {insert}"
-            )
-            .into(),
-            lock: lock.into(),
-            lock_name: lock_name.into(),
-            insert: insert.into(),
-            insert_name: insert_name.into(),
+            lock: Prepared::new("idem_lock", "text, text, text, bigint, text, bigint", one_write_lock(t)),
+            insert: Prepared::new(
+                "idem_insert",
+                "text, text, text, bytea, smallint, bigint, bytea, bigint, bigint",
+                insert,
+            ),
         }
     }
 }
@@ -98,8 +102,6 @@ impl Statements {
     pub(crate) fn new(table: &TableName, strategy: ClaimStrategy) -> Self {
         let t = table.as_str();
         let key = "tenant = $1 AND operation = $2 AND idem_key = $3";
-        let claim_tx = tx_claim(t, strategy);
-        let claim_tx_name = format!("idem_claim_{:016x}", fnv1a(&[claim_tx.as_bytes()]));
         let types = match strategy {
             ClaimStrategy::InsertOnConflict | ClaimStrategy::OneWrite => CLAIM_PARAM_TYPES.to_owned(),
             ClaimStrategy::AdvisoryLock => format!("{CLAIM_PARAM_TYPES}, bigint"),
@@ -109,14 +111,9 @@ impl Statements {
              WHERE tenant = $3 AND operation = $4 AND idem_key = $5 AND status = 0 RETURNING 1) \
              SELECT 1 / count(*)::int FROM done"
         );
-        let record_tx_name = format!("idem_record_{:016x}", fnv1a(&[record_tx.as_bytes()]));
         Self {
-            prepare_record_tx: format!("PREPARE {record_tx_name} (smallint, bytea, text, text, text) AS {record_tx}")
-                .into(),
-            record_tx_name: record_tx_name.into(),
-            prepare_claim_tx: format!("PREPARE {claim_tx_name} ({types}) AS {claim_tx}").into(),
-            claim_tx: claim_tx.into(),
-            claim_tx_name: claim_tx_name.into(),
+            claim_tx: Prepared::new("idem_claim", &types, tx_claim(t, strategy)),
+            record_tx: Prepared::new("idem_record", "smallint, bytea, text, text, text", record_tx),
             claim_lease: lease_claim(t).into(),
             select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),
             // Only columns outside every index change here, so PostgreSQL can
@@ -212,18 +209,7 @@ fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
         ),
     };
     format!(
-        "WITH saved AS MATERIALIZED (\
-             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
-         ), bounded AS MATERIALIZED (\
-             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
-         ){lock_cte}, inserted AS (\
-             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
-             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} WHERE {SERIALIZABLE} \
-             ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token\
-         ), existing AS MATERIALIZED (\
-             SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
-             AND (NOT {SERIALIZABLE} OR NOT EXISTS (SELECT 1 FROM inserted))\
-         ), claimed AS (\
+        "{head}, claimed AS (\
              INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
              SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} \
              WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
@@ -236,7 +222,8 @@ fn tx_claim(t: &str, strategy: ClaimStrategy) -> String {
          SELECT COALESCE(c.token, i.token), COALESCE({live}, false), \
                 e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms \
          FROM restored LEFT JOIN claimed c ON true LEFT JOIN inserted i ON true LEFT JOIN existing e ON true",
-        live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
+        head = claim_ctes(t, &lock_cte, source),
+        live = LIVE,
     )
 }
 
@@ -306,18 +293,7 @@ fn one_write_lock(t: &str) -> String {
 /// the statement, so the other arm's scans and writes do not run.
 fn one_write_claim(t: &str) -> String {
     format!(
-        "WITH saved AS MATERIALIZED (\
-             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
-         ), bounded AS MATERIALIZED (\
-             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
-         ), inserted AS (\
-             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
-             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded WHERE {SERIALIZABLE} \
-             ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token\
-         ), existing AS MATERIALIZED (\
-             SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
-             AND (NOT {SERIALIZABLE} OR NOT EXISTS (SELECT 1 FROM inserted))\
-         ), claimed AS (\
+        "{head}, claimed AS (\
              INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
              SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM bounded \
              WHERE {SERIALIZABLE} AND NOT EXISTS (SELECT 1 FROM existing e WHERE {live}) \
@@ -338,7 +314,35 @@ fn one_write_claim(t: &str) -> String {
                 NOT {SERIALIZABLE}, g.token \
          FROM restored LEFT JOIN claimed c ON true LEFT JOIN inserted i ON true LEFT JOIN existing e ON true \
          LEFT JOIN gone g ON true",
-        live = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)",
+        head = claim_ctes(t, "", "bounded"),
+        live = LIVE,
+    )
+}
+
+/// Whether the row `e` a claim saw holds the key at `$6`: unexpired, and
+/// completed, sent, or a lease still running (`status <> 0` covers every
+/// settled or sent row).
+const LIVE: &str = "e.expires_at_ms > $6 AND (e.status <> 0 OR e.lease_expires_at_ms > $6)";
+
+/// The CTEs both transactional claims open with ([`tx_claim`],
+/// [`one_write_claim`]): `saved` and `bounded` (the claim's own lock wait),
+/// then `lock_cte` (empty, or a lock taken from `bounded`), `inserted` (the
+/// insert-first try under SERIALIZABLE, selected from `source`, `bounded`
+/// or the lock) and `existing` (the key's row in the statement's snapshot).
+fn claim_ctes(t: &str, lock_cte: &str, source: &str) -> String {
+    format!(
+        "WITH saved AS MATERIALIZED (\
+             SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved\
+         ), bounded AS MATERIALIZED (\
+             SELECT set_config('lock_timeout', $9, true) AS bounded FROM saved\
+         ){lock_cte}, inserted AS (\
+             INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
+             SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM {source} WHERE {SERIALIZABLE} \
+             ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token\
+         ), existing AS MATERIALIZED (\
+             SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+             AND (NOT {SERIALIZABLE} OR NOT EXISTS (SELECT 1 FROM inserted))\
+         )"
     )
 }
 

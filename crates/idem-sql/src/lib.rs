@@ -35,10 +35,10 @@ mod multistep;
 pub mod outbox;
 mod rows;
 
-pub use migrate::{KeyMigration, migrate, pending};
+pub use migrate::{KeyMigration, migrate, migrate_in_transaction, pending};
 pub use multistep::{DEFAULT_MULTISTEP_TABLE, MultiStepSchema, SqlMultiSteps};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
-pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args};
+pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args, unclaimed_record};
 
 /// A statement and its arguments on engine `DB`.
 pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
@@ -262,8 +262,11 @@ pub trait Dialect: Send + Sync + 'static {
     /// How text columns are typed.
     const TEXT: TextColumns;
 
-    /// The `n`th placeholder of a statement (from 1).
-    fn placeholder(n: usize) -> String;
+    /// The `n`th placeholder of a statement (from 1). (By default `?`, the
+    /// positional placeholder.)
+    fn placeholder(_n: usize) -> String {
+        "?".into()
+    }
 
     /// `table` as a statement names it: quoted where the engine's reserved
     /// words could clash with it. (By default as it is: a [`TableName`] is

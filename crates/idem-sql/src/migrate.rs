@@ -3,7 +3,7 @@
 use idem_core::{PendingMigration, Result, TableName};
 use sqlx::{AssertSqlSafe, Database, Pool};
 
-use crate::{Arg, Dialect, SqlDb};
+use crate::{Arg, Dialect, Migrations, SqlDb, Statement};
 
 /// The names of `table`'s columns; none when it does not exist.
 pub(crate) async fn columns<D: Dialect>(
@@ -59,6 +59,25 @@ pub async fn migrate<D: Dialect>(
         }),
     )
     .await
+}
+
+/// Runs `work` in one transaction begun by [`Dialect::begin`] and commits
+/// it: the migration commits or rolls back whole. `lock`, when the
+/// transaction's `begin` does not already hold the engine's migration lock,
+/// is the statement that takes it for the transaction, run first; the lock
+/// goes with the transaction. An engine whose DDL is transactional gives
+/// this as its [`Dialect::under_migration_lock`].
+pub async fn migrate_in_transaction<D: Dialect>(
+    pool: &Pool<D::Db>,
+    lock: Option<Statement<'_, D::Db>>,
+    work: Migrations<'_, D::Db>,
+) -> Result<()> {
+    let mut tx = D::begin(pool).await?;
+    if let Some(lock) = lock {
+        D::Db::execute(lock, &mut tx).await.map_err(D::error)?;
+    }
+    work(&mut tx).await?;
+    tx.commit().await.map_err(D::error)
 }
 
 /// One schema version of an engine's keys table: the statements that bring

@@ -68,6 +68,7 @@ struct Sql {
     get: Arc<str>,
     find: Arc<str>,
     due: Arc<str>,
+    purge: Arc<str>,
 }
 
 impl Sql {
@@ -109,6 +110,29 @@ impl Sql {
                 p(1),
                 p(2),
                 p(3)
+            )
+            .into(),
+            // A bounded batch of final operations past their expiry, the
+            // earliest expired first: a range scan of the expiry index, in
+            // its order, that stops at the limit (the index is partial on
+            // PostgreSQL and SQLite, over the rows with an expiry, which
+            // `expires_at_ms <= ?` implies). The state condition keeps any
+            // other row, whatever its expiry; it is written through
+            // `COALESCE` (of a column that is never NULL: its value) so
+            // that it cannot be served by the due index: SQLite, without
+            // statistics, would otherwise read every final row through it
+            // and sort them all for each batch. A final row is never
+            // written again, so the rows a batch selects are still final
+            // and expired when it deletes them.
+            purge: D::delete_first(
+                t,
+                "id",
+                &format!(
+                    "COALESCE(state, '') IN ('completed', 'compensated') AND expires_at_ms <= {}",
+                    p(1)
+                ),
+                "expires_at_ms",
+                &p(2),
             )
             .into(),
         }
@@ -350,6 +374,20 @@ where
                 .await
                 .map_err(D::error)?;
             rows.iter().map(|r| D::Db::int(r, "id").map_err(D::error)).collect()
+        })
+    }
+
+    fn purge_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            // The engine's own transaction (READ COMMITTED, or SQLite's
+            // write lock from the start), as the dead letters' purge.
+            let mut tx = D::begin(&self.t.pool).await?;
+            let statement = [Arg::Int(now_ms), Arg::Int(i64::from(limit))]
+                .into_iter()
+                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
+            let done = D::Db::execute(statement, &mut *tx).await.map_err(D::error)?;
+            tx.commit().await.map_err(D::error)?;
+            Ok(D::rows_affected(&done))
         })
     }
 }

@@ -20,8 +20,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use idem_core::{
-    ClaimRequest, IdempotencyKey, Lease, Record, Resolution, Result, STATUS_IN_PROGRESS, STATUS_SENT, STATUS_UNKNOWN,
-    Scope, StoredRow, TableName,
+    ClaimRequest, Error, IdempotencyKey, Lease, Record, Resolution, Result, STATUS_IN_PROGRESS, STATUS_SENT,
+    STATUS_UNKNOWN, Scope, StoredRow, TableName,
 };
 use sqlx::{AssertSqlSafe, Database, Pool};
 
@@ -363,13 +363,10 @@ fn stored<D: Dialect>(row: &<D::Db as Database>::Row) -> Result<StoredRow> {
 #[macro_export]
 macro_rules! lease_writes {
     ($rows:ident) => {
-        fn mark_sent<'a>(
-            &'a self,
-            lease: &'a ::idem_core::Lease,
-            now_ms: i64,
-        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
-            ::std::boxed::Box::pin(self.$rows.mark_sent(lease, now_ms))
-        }
+        $crate::lease_writes!(@holder $rows, mark_sent(now_ms: i64));
+        $crate::lease_writes!(@holder $rows, complete(record: &'a ::idem_core::Record));
+        $crate::lease_writes!(@holder $rows, release());
+        $crate::lease_writes!(@holder $rows, extend(lease_expires_at_ms: i64));
 
         fn lookup<'a>(
             &'a self,
@@ -379,26 +376,6 @@ macro_rules! lease_writes {
             ::std::boxed::Box::pin(self.$rows.get(scope, key))
         }
 
-        fn complete<'a>(
-            &'a self,
-            lease: &'a ::idem_core::Lease,
-            record: &'a ::idem_core::Record,
-        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
-            ::std::boxed::Box::pin(self.$rows.complete(lease, record))
-        }
-
-        fn release<'a>(&'a self, lease: &'a ::idem_core::Lease) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
-            ::std::boxed::Box::pin(self.$rows.release(lease))
-        }
-
-        fn extend<'a>(
-            &'a self,
-            lease: &'a ::idem_core::Lease,
-            lease_expires_at_ms: i64,
-        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
-            ::std::boxed::Box::pin(self.$rows.extend(lease, lease_expires_at_ms))
-        }
-
         fn resolve_unknown<'a>(
             &'a self,
             req: &'a ::idem_core::Resolution<'a>,
@@ -406,4 +383,53 @@ macro_rules! lease_writes {
             ::std::boxed::Box::pin(self.$rows.resolve_unknown(req))
         }
     };
+    // One write of the lease holder: the lease, then the write's own
+    // arguments, passed on to the method of the same name of `$rows`.
+    (@holder $rows:ident, $write:ident($($arg:ident: $ty:ty),*)) => {
+        fn $write<'a>(
+            &'a self,
+            lease: &'a ::idem_core::Lease,
+            $($arg: $ty),*
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(self.$rows.$write(lease, $($arg),*))
+        }
+    };
+}
+
+/// The [`Sweep`](idem_core::Sweep) impl of the keys store `$store`: its
+/// field `$rows` of type [`SqlKeyRows`] deletes the expired rows, by the
+/// engine's own sweep statement.
+#[macro_export]
+macro_rules! key_sweep {
+    ($(#[$doc:meta])* $store:ty, $rows:ident) => {
+        $(#[$doc])*
+        impl ::idem_core::Sweep for $store {
+            fn sweep_expired(&self, now_ms: i64, limit: u32) -> ::idem_core::BoxFuture<'_, ::idem_core::Result<u64>> {
+                ::std::boxed::Box::pin(self.$rows.sweep_expired(now_ms, limit))
+            }
+        }
+    };
+}
+
+/// The `commit` and `rollback` of a [`TxBackend`](idem_core::TxBackend)
+/// impl whose transaction type ends itself (its own `commit` and
+/// `rollback`), written inside the `impl` block.
+#[macro_export]
+macro_rules! tx_ends {
+    () => {
+        fn commit(&self, tx: Self::Tx) -> ::idem_core::BoxFuture<'_, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(tx.commit())
+        }
+
+        fn rollback(&self, tx: Self::Tx) -> ::idem_core::BoxFuture<'_, ::idem_core::Result<()>> {
+            ::std::boxed::Box::pin(tx.rollback())
+        }
+    };
+}
+
+/// The error of a record on a transaction that holds no claim of the
+/// record's key (the engines' record statements update or insert exactly
+/// the claimed row, or answer this).
+pub fn unclaimed_record() -> Error {
+    Error::Config("record called on a transaction that holds no claim of this key".into())
 }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, ClaimRequest, Error, KeyRegistry, LeaseClaim, LeaseStore, Record, Result, StoreErrorKind, StoredRow,
-    Sweep, Token, TxBackend, TxClaim,
+    Token, TxBackend, TxClaim,
 };
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
@@ -116,9 +116,7 @@ impl TxBackend for SqliteStore {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let Some(held) = tx.held(req) else {
-                return Err(Error::Config(
-                    "record called on a transaction that holds no claim of this key".into(),
-                ));
+                return Err(idem_sql::unclaimed_record());
             };
             let (token, replaces) = (held.token, held.replaces);
             let done = idem_sql::bound::<SqliteDialect>(
@@ -142,13 +140,7 @@ impl TxBackend for SqliteStore {
         })
     }
 
-    fn commit(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.commit())
-    }
-
-    fn rollback(&self, tx: SqliteTx) -> BoxFuture<'_, Result<()>> {
-        Box::pin(tx.rollback())
-    }
+    idem_sql::tx_ends!();
 
     fn local_registry(&self) -> Option<&KeyRegistry> {
         Some(&self.registry)
@@ -182,9 +174,8 @@ impl LeaseStore for SqliteStore {
     idem_sql::lease_writes!(rows);
 }
 
-/// Sweeping: one short statement deletes at most `limit` expired rows.
-impl Sweep for SqliteStore {
-    fn sweep_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(self.rows.sweep_expired(now_ms, limit))
-    }
-}
+idem_sql::key_sweep!(
+    /// Sweeping: one short statement deletes at most `limit` expired rows.
+    SqliteStore,
+    rows
+);

@@ -28,10 +28,6 @@ impl Dialect for SqliteDialect {
     const COLUMNS_OF: &'static str = "SELECT name FROM pragma_table_info(?)";
     const TEXT: TextColumns = TextColumns::Text;
 
-    fn placeholder(_: usize) -> String {
-        "?".into()
-    }
-
     fn error(e: sqlx::Error) -> idem_core::Error {
         store_error(e)
     }
@@ -75,10 +71,6 @@ impl Dialect for SqliteDialect {
         _: &'a TableName,
         work: Migrations<'a, Sqlite>,
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let mut tx = Self::begin(pool).await?;
-            work(&mut tx).await?;
-            tx.commit().await.map_err(store_error)
-        })
+        Box::pin(idem_sql::migrate_in_transaction::<Self>(pool, None, work))
     }
 }

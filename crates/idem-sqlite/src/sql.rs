@@ -45,22 +45,8 @@ pub(crate) const MIGRATIONS: &[KeyMigration] = &[
 /// of the wrong type instead of silently storing them.
 fn v1_keys_table(t: &str) -> Vec<String> {
     vec![
-        format!(
-            r#"CREATE TABLE "{t}" (
-    tenant TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    idem_key TEXT NOT NULL,
-    fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
-    status INTEGER NOT NULL CHECK (status IN ({STATUS_IN_PROGRESS}, {STATUS_COMPLETED}, {STATUS_REJECTED})),
-    token INTEGER NOT NULL,
-    payload BLOB,
-    created_at_ms INTEGER NOT NULL,
-    expires_at_ms INTEGER NOT NULL,
-    lease_expires_at_ms INTEGER,
-    PRIMARY KEY (tenant, operation, idem_key)
-) STRICT"#
-        ),
-        format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#),
+        keys_table(t, &[STATUS_IN_PROGRESS, STATUS_COMPLETED, STATUS_REJECTED], Added::None),
+        expiry_index(t),
     ]
 }
 
@@ -68,32 +54,12 @@ fn v1_keys_table(t: &str) -> Vec<String> {
 /// change a check constraint in place: the table is rebuilt under the
 /// migration's write lock, rows and index included.
 fn v2_unknown_status(t: &str) -> Vec<String> {
-    vec![
-        format!(
-            r#"CREATE TABLE "{t}_v2" (
-    tenant TEXT NOT NULL,
-    operation TEXT NOT NULL,
-    idem_key TEXT NOT NULL,
-    fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
-    status INTEGER NOT NULL CHECK (status IN ({STATUS_IN_PROGRESS}, {STATUS_COMPLETED}, {STATUS_REJECTED}, {STATUS_UNKNOWN})),
-    token INTEGER NOT NULL,
-    payload BLOB,
-    created_at_ms INTEGER NOT NULL,
-    expires_at_ms INTEGER NOT NULL,
-    lease_expires_at_ms INTEGER,
-    PRIMARY KEY (tenant, operation, idem_key)
-) STRICT"#
-        ),
-        format!(
-            r#"INSERT INTO "{t}_v2" (tenant, operation, idem_key, fingerprint, status, token, payload,
-    created_at_ms, expires_at_ms, lease_expires_at_ms)
-SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
-    created_at_ms, expires_at_ms, lease_expires_at_ms FROM "{t}""#
-        ),
-        format!(r#"DROP TABLE "{t}""#),
-        format!(r#"ALTER TABLE "{t}_v2" RENAME TO "{t}""#),
-        format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#),
-    ]
+    rebuilt(
+        t,
+        "v2",
+        &[STATUS_IN_PROGRESS, STATUS_COMPLETED, STATUS_REJECTED, STATUS_UNKNOWN],
+        Added::None,
+    )
 }
 
 /// Version 3: status 4 (a lease-mode claim marked sent) is allowed, and
@@ -102,32 +68,80 @@ SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
 /// migration's write lock, rows and index included; the rows copied have
 /// never been marked, so their `sent_at_ms` is NULL.
 fn v3_sent_status(t: &str) -> Vec<String> {
-    vec![
-        format!(
-            r#"CREATE TABLE "{t}_v3" (
+    rebuilt(
+        t,
+        "v3",
+        &[
+            STATUS_IN_PROGRESS,
+            STATUS_COMPLETED,
+            STATUS_REJECTED,
+            STATUS_UNKNOWN,
+            STATUS_SENT,
+        ],
+        Added::SentAtMs,
+    )
+}
+
+/// The columns a version adds to the keys table after `lease_expires_at_ms`.
+#[derive(Clone, Copy)]
+enum Added {
+    /// None: the columns of version 1.
+    None,
+    /// `sent_at_ms` (version 3), NULL in the rows copied from before.
+    SentAtMs,
+}
+
+/// The `CREATE TABLE` of a keys table named `name` whose status is one of
+/// `statuses`, with the columns `added`.
+fn keys_table(name: &str, statuses: &[i16], added: Added) -> String {
+    let statuses = statuses.iter().map(i16::to_string).collect::<Vec<_>>().join(", ");
+    let added = match added {
+        Added::None => "",
+        Added::SentAtMs => "\n    sent_at_ms INTEGER,",
+    };
+    format!(
+        r#"CREATE TABLE "{name}" (
     tenant TEXT NOT NULL,
     operation TEXT NOT NULL,
     idem_key TEXT NOT NULL,
     fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
-    status INTEGER NOT NULL CHECK (status IN ({STATUS_IN_PROGRESS}, {STATUS_COMPLETED}, {STATUS_REJECTED}, {STATUS_UNKNOWN}, {STATUS_SENT})),
+    status INTEGER NOT NULL CHECK (status IN ({statuses})),
     token INTEGER NOT NULL,
     payload BLOB,
     created_at_ms INTEGER NOT NULL,
     expires_at_ms INTEGER NOT NULL,
-    lease_expires_at_ms INTEGER,
-    sent_at_ms INTEGER,
+    lease_expires_at_ms INTEGER,{added}
     PRIMARY KEY (tenant, operation, idem_key)
 ) STRICT"#
-        ),
+    )
+}
+
+/// The index the sweeper scans, on the keys table `t`.
+fn expiry_index(t: &str) -> String {
+    format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#)
+}
+
+/// The keys table `t` rebuilt at `version`, as SQLite changes a check
+/// constraint: a new table `{t}_{version}` whose status is one of
+/// `statuses`, with the columns `added`, gets every row (the columns added
+/// NULL), the old table is dropped, the new one takes its name, and its
+/// index is made again.
+fn rebuilt(t: &str, version: &str, statuses: &[i16], added: Added) -> Vec<String> {
+    let (columns, values) = match added {
+        Added::None => ("", ""),
+        Added::SentAtMs => (", sent_at_ms", ", NULL"),
+    };
+    vec![
+        keys_table(&format!("{t}_{version}"), statuses, added),
         format!(
-            r#"INSERT INTO "{t}_v3" (tenant, operation, idem_key, fingerprint, status, token, payload,
-    created_at_ms, expires_at_ms, lease_expires_at_ms, sent_at_ms)
+            r#"INSERT INTO "{t}_{version}" (tenant, operation, idem_key, fingerprint, status, token, payload,
+    created_at_ms, expires_at_ms, lease_expires_at_ms{columns})
 SELECT tenant, operation, idem_key, fingerprint, status, token, payload,
-    created_at_ms, expires_at_ms, lease_expires_at_ms, NULL FROM "{t}""#
+    created_at_ms, expires_at_ms, lease_expires_at_ms{values} FROM "{t}""#
         ),
         format!(r#"DROP TABLE "{t}""#),
-        format!(r#"ALTER TABLE "{t}_v3" RENAME TO "{t}""#),
-        format!(r#"CREATE INDEX "{t}_expires_at_ms_idx" ON "{t}" (expires_at_ms)"#),
+        format!(r#"ALTER TABLE "{t}_{version}" RENAME TO "{t}""#),
+        expiry_index(t),
     ]
 }
 

@@ -3,18 +3,17 @@
 //! payout lease write and dead-letter write of the API and of the payout
 //! worker is refused, timed out, or applied and reported as failed, each at
 //! `rate` per call ([`idem_faults::FaultPlan::each_at`], seeded by
-//! `LEDGER_FAULT_SEED` mixed with the process id). Each injected fault is
-//! printed on stderr as `IDEM_STORE_FAULT call=<call> fault=<fault>` as it
-//! happens, so the reliability harness counts them even in a process it
-//! kills. Multi-step operations are written as they are, without faults.
+//! `LEDGER_FAULT_SEED` mixed with the process id); so are the reads and
+//! writes of the withdrawals' multi-step operations and their steps'
+//! commits. Each injected fault is printed on stderr as
+//! `IDEM_STORE_FAULT call=<call> fault=<fault>` as it happens, so the
+//! reliability harness counts them even in a process it kills.
 
 use std::io::Write;
 use std::sync::OnceLock;
 
 use idem_core::{BoxFuture, NewDeadLetter, OutboxEvent, TableName};
 use idem_faults::{FaultPlan, Faulty};
-
-use idem_core::multistep::{MultiStep, MultiStepStore};
 
 use crate::db::{Account, Audit, DbError, LedgerDb, Payout, PayoutState, PayoutTask, Statement, Withdrawal};
 
@@ -129,48 +128,10 @@ where
     fn withdrawal<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Withdrawal>, DbError>> {
         self.inner().withdrawal(tenant, id)
     }
-    type MultiSteps = Beside<S::MultiSteps>;
+    /// The operations' store beside the wrapped one, under the one plan:
+    /// it joins the transactions of the wrapped store.
+    type MultiSteps = Faulty<S::MultiSteps>;
     fn multi_steps(&self) -> Self::MultiSteps {
-        Beside(self.inner().multi_steps())
-    }
-}
-
-/// The multi-step operations of the store a [`Faulty`] wraps, joining its
-/// transactions (which are the wrapped store's).
-#[derive(Debug, Clone)]
-pub struct Beside<M>(M);
-
-impl<S, M> MultiStepStore<Faulty<S>> for Beside<M>
-where
-    S: LedgerDb,
-    M: MultiStepStore<S>,
-{
-    fn insert_in<'a>(&'a self, tx: &'a mut S::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<Option<i64>>> {
-        self.0.insert_in(tx, row)
-    }
-    fn write_in<'a>(&'a self, tx: &'a mut S::Tx, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>> {
-        self.0.write_in(tx, row)
-    }
-    fn write<'a>(&'a self, row: &'a MultiStep) -> BoxFuture<'a, idem_core::Result<()>> {
-        self.0.write(row)
-    }
-    fn find<'a>(
-        &'a self,
-        scope: &'a idem_core::Scope,
-        key: &'a idem_core::IdempotencyKey,
-    ) -> BoxFuture<'a, idem_core::Result<Option<MultiStep>>> {
-        self.0.find(scope, key)
-    }
-    fn get(&self, id: i64) -> BoxFuture<'_, idem_core::Result<Option<MultiStep>>> {
-        self.0.get(id)
-    }
-    fn due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, idem_core::Result<Vec<i64>>> {
-        self.0.due(now_ms, limit)
-    }
-    fn list<'a>(
-        &'a self,
-        filter: &'a idem_core::multistep::MultiStepFilter,
-    ) -> BoxFuture<'a, idem_core::Result<Vec<MultiStep>>> {
-        self.0.list(filter)
+        self.beside(self.inner().multi_steps())
     }
 }

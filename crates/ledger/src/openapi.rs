@@ -159,20 +159,27 @@ fn item(method: HttpMethod, operation: Operation) -> PathItem {
     PathItem::new(method, operation)
 }
 
-/// The document.
-pub fn document() -> OpenApi {
-    let account_link = |op: &str, param: &str| {
-        LinkBuilder::new()
-            .operation_id(op)
-            .parameter(param, "$response.body#/id")
-            .build()
-    };
-    let account_id = ParameterBuilder::new()
+/// The `{id}` of a resource's path.
+fn path_id() -> utoipa::openapi::path::Parameter {
+    ParameterBuilder::new()
         .name("id")
         .parameter_in(ParameterIn::Path)
         .required(Required::True)
         .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
-        .build();
+        .build()
+}
+
+/// A link from a created resource to `operation`, which reads it by its
+/// `id`.
+fn created_link(operation: &str) -> utoipa::openapi::link::Link {
+    LinkBuilder::new()
+        .operation_id(operation)
+        .parameter("id", "$response.body#/id")
+        .build()
+}
+
+/// The document.
+pub fn document() -> OpenApi {
     let paths = PathsBuilder::new()
         .path(
             "/v1/accounts",
@@ -184,7 +191,7 @@ pub fn document() -> OpenApi {
                     "NewAccount",
                     false,
                     ok("Created", "Account")
-                        .link("GetAccount", account_link("getAccount", "id"))
+                        .link("GetAccount", created_link("getAccount"))
                         .build(),
                 )
                 .build(),
@@ -195,7 +202,7 @@ pub fn document() -> OpenApi {
             item(
                 HttpMethod::Get,
                 read("getAccount", "An account and its balance", "Account")
-                    .parameter(account_id.clone())
+                    .parameter(path_id())
                     .response("404", problem("No such account for this tenant"))
                     .build(),
             ),
@@ -209,7 +216,7 @@ pub fn document() -> OpenApi {
                     "The account's statement, from the projection of the ledger's events",
                     "Statement",
                 )
-                .parameter(account_id)
+                .parameter(path_id())
                 .response("404", problem("No such account for this tenant"))
                 .build(),
             ),
@@ -310,13 +317,7 @@ pub fn document() -> OpenApi {
                     "NewPayout",
                     true,
                     ok("Created: debited, to be paid by the payout worker", "PayoutRequested")
-                        .link(
-                            "GetPayout",
-                            LinkBuilder::new()
-                                .operation_id("getPayout")
-                                .parameter("id", "$response.body#/id")
-                                .build(),
-                        )
+                        .link("GetPayout", created_link("getPayout"))
                         .build(),
                 )
                 .response("404", problem("No such account"))
@@ -328,14 +329,7 @@ pub fn document() -> OpenApi {
             item(
                 HttpMethod::Get,
                 read("getPayout", "A payout: requested, paid, or dead-lettered", "Payout")
-                    .parameter(
-                        ParameterBuilder::new()
-                            .name("id")
-                            .parameter_in(ParameterIn::Path)
-                            .required(Required::True)
-                            .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
-                            .build(),
-                    )
+                    .parameter(path_id())
                     .response("404", problem("No such payout for this tenant"))
                     .build(),
             ),
@@ -351,13 +345,7 @@ pub fn document() -> OpenApi {
                     "NewWithdrawal",
                     true,
                     ok("Created: debited, quoted and paid out", "Withdrawn")
-                        .link(
-                            "GetWithdrawal",
-                            LinkBuilder::new()
-                                .operation_id("getWithdrawal")
-                                .parameter("id", "$response.body#/id")
-                                .build(),
-                        )
+                        .link("GetWithdrawal", created_link("getWithdrawal"))
                         .build(),
                 )
                 .response("404", problem("No such account"))
@@ -396,14 +384,7 @@ pub fn document() -> OpenApi {
                     "A withdrawal: pending, paid, or declined with its amount credited back",
                     "Withdrawal",
                 )
-                .parameter(
-                    ParameterBuilder::new()
-                        .name("id")
-                        .parameter_in(ParameterIn::Path)
-                        .required(Required::True)
-                        .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
-                        .build(),
-                )
+                .parameter(path_id())
                 .response("404", problem("No such withdrawal for this tenant"))
                 .build(),
             ),

@@ -75,16 +75,8 @@ impl Process {
 
     /// [`start`](Self::start) with more environment variables.
     fn start_with(database: &str, vendor: &str, completers: u16, faults: Option<&str>, env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(fault_ledger());
+        let mut command = ledger_command(fault_ledger(), database);
         command
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--max-connections",
-                "8",
-                "--database-url",
-                database,
-            ])
             .args([
                 "--vendor-url",
                 vendor,
@@ -96,17 +88,14 @@ impl Process {
             .args(["--completers", &completers.to_string()])
             .args(["--snapshot-every-secs", "0", "--sweep-every-secs", "0"])
             .env("RUST_LOG", "info,sqlx=warn")
-            .env("NO_COLOR", "1")
             .env_remove("LEDGER_STEP_FAULTS")
             .env_remove("LEDGER_BREAK_RECOVERY_POINTS")
-            .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(faults) = faults {
             command.env("LEDGER_STEP_FAULTS", faults);
         }
         command.envs(env.iter().copied());
         let mut child = command.spawn().expect("the ledger starts");
-        let lines = stdout_lines(&mut child);
         let (tx, faults) = mpsc::channel();
         let stderr = child.stderr.take().expect("stderr");
         std::thread::spawn(move || {
@@ -117,30 +106,8 @@ impl Process {
                 }
             }
         });
-        let until = Instant::now() + Duration::from_secs(60);
-        loop {
-            assert!(Instant::now() < until, "the ledger did not start listening in 60 s");
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!("the ledger exited at start: {status}");
-            }
-            let Ok(line) = lines.recv_timeout(Duration::from_millis(200)) else {
-                continue;
-            };
-            if let Some(addr) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .filter(|_| line.contains("ledger listening"))
-            {
-                // The rest of its output is read (and dropped) so it never
-                // blocks on a full pipe.
-                std::thread::spawn(move || while lines.recv().is_ok() {});
-                return Self {
-                    child,
-                    base: format!("http://{addr}"),
-                    faults,
-                };
-            }
-        }
+        let base = listening(&mut child, database);
+        Self { child, base, faults }
     }
 
     /// The fault line it printed, once it stops at its fault point.
@@ -238,52 +205,101 @@ async fn state_of<D: LedgerDb>(db: &D, tenant: &str, key: &str) -> Option<MultiS
     row.map(|r| r.state)
 }
 
+/// A withdrawal about to be sent: the fake vendor (both vendors), the
+/// test's own database, the first fault-injecting ledger process on them,
+/// and an account of a fresh tenant topped up with 10 000 there.
+struct Funded {
+    vendor_url: String,
+    vendor: Arc<fake_vendor::Vendor>,
+    database: String,
+    first: Process,
+    client: Arc<Client>,
+    /// The withdrawal's key.
+    key: String,
+    /// The withdrawal's body: 2 000 GBP of the account, paid out in EUR.
+    body: String,
+}
+
+impl Funded {
+    /// Starts the first process on `engine` with the step faults `faults`
+    /// and the environment `env`, and funds an account there for a
+    /// withdrawal to `destination`.
+    async fn start(engine: Engine, faults: Option<&str>, env: &[(&str, &str)], destination: &str) -> Self {
+        let (vendor_url, vendor) = fake_vendor::start(fake_vendor::Options::default(), None).await.unwrap();
+        let database = own_database(engine, "ledger_wkills").await;
+        tokio::task::spawn_blocking(fault_ledger).await.unwrap();
+        let first = Process::start_with(&database, &vendor_url, 0, faults, env);
+        let client = Arc::new(Client::new());
+        let (status, _, account) = client
+            .post(&first.base, "/v1/accounts", &key(), r#"{"name":"a"}"#)
+            .await
+            .unwrap();
+        assert_eq!(status, 201);
+        let account = account["id"].as_str().unwrap().to_owned();
+        let top_up = format!(r#"{{"account_id":"{account}","amount":10000}}"#);
+        assert_eq!(
+            client
+                .post(&first.base, "/v1/top-ups", &key(), &top_up)
+                .await
+                .unwrap()
+                .0,
+            201
+        );
+        let body = format!(
+            r#"{{"account":"{account}","amount":2000,"currency":"GBP","payout_currency":"EUR","destination":"{destination}"}}"#
+        );
+        Self {
+            vendor_url,
+            vendor,
+            database,
+            first,
+            client,
+            key: key(),
+            body,
+        }
+    }
+
+    /// Sends the withdrawal to the first process, in a task of its own (its
+    /// answer, if the process gives one before it is killed).
+    fn send(&self) -> tokio::task::JoinHandle<reqwest::Result<(u16, bool, serde_json::Value)>> {
+        let (client, base, k, body) = (
+            self.client.clone(),
+            self.first.base.clone(),
+            self.key.clone(),
+            self.body.clone(),
+        );
+        tokio::spawn(async move { client.post(&base, "/v1/withdrawals", &k, &body).await })
+    }
+}
+
 /// Kills a withdrawal of 2 000 to `destination` at `kill`, resumes it by
 /// `resume` in a new process, and checks every vendor effect and the books.
 async fn killed(engine: Engine, kill: Kill, destination: &str, resume: Resume) {
     let declined = destination.starts_with("closed-");
-    let (vendor_url, vendor) = fake_vendor::start(fake_vendor::Options::default(), None).await.unwrap();
-    let database = own_database(engine, "ledger_wkills").await;
-    tokio::task::spawn_blocking(fault_ledger).await.unwrap();
     let faults = match kill {
         Kill::At(step, point) => Some(format!("{step}:{point}=1")),
         Kill::WhileBooking => None,
     };
-    let first = Process::start(&database, &vendor_url, 0, faults.as_deref());
-    let client = Arc::new(Client::new());
-    let (status, _, account) = client
-        .post(&first.base, "/v1/accounts", &key(), r#"{"name":"a"}"#)
-        .await
-        .unwrap();
-    assert_eq!(status, 201);
-    let account = account["id"].as_str().unwrap().to_owned();
-    let top_up = format!(r#"{{"account_id":"{account}","amount":10000}}"#);
-    assert_eq!(
-        client
-            .post(&first.base, "/v1/top-ups", &key(), &top_up)
-            .await
-            .unwrap()
-            .0,
-        201
-    );
-    let (k, body) = (
-        key(),
-        format!(
-            r#"{{"account":"{account}","amount":2000,"currency":"GBP","payout_currency":"EUR","destination":"{destination}"}}"#
-        ),
-    );
+    let funded = Funded::start(engine, faults.as_deref(), &[], destination).await;
     if let Kill::WhileBooking = kill {
-        vendor
+        funded
+            .vendor
             .set_faults(fake_vendor::Faults {
                 slow_ms: 1_500,
                 ..Default::default()
             })
             .await;
     }
-    let pending = {
-        let (client, base, k, body) = (client.clone(), first.base.clone(), k.clone(), body.clone());
-        tokio::spawn(async move { client.post(&base, "/v1/withdrawals", &k, &body).await })
-    };
+    let pending = funded.send();
+    let Funded {
+        vendor_url,
+        vendor,
+        database,
+        first,
+        client,
+        key: k,
+        body,
+    } = funded;
     match kill {
         Kill::At(step, point) => {
             let line = tokio::task::block_in_place(|| first.stopped_at());
@@ -418,41 +434,15 @@ kills! {
 
 /// The kills above would be caught: with recovery points switched off (`LEDGER_BREAK_RECOVERY_POINTS=1`), the retry after a kill at the payout's answer runs the withdrawal from its first step: debited and quoted a second time.
 async fn without_recovery_points_a_kill_doubles_the_debit_and_the_quote(engine: Engine) {
-    let (vendor_url, _vendor) = fake_vendor::start(fake_vendor::Options::default(), None).await.unwrap();
-    let database = own_database(engine, "ledger_wkills").await;
-    tokio::task::spawn_blocking(fault_ledger).await.unwrap();
     let broken = [("LEDGER_BREAK_RECOVERY_POINTS", "1")];
-    let first = Process::start_with(&database, &vendor_url, 0, Some("payout:after_answer=1"), &broken);
-    let client = Arc::new(Client::new());
-    let (_, _, account) = client
-        .post(&first.base, "/v1/accounts", &key(), r#"{"name":"a"}"#)
-        .await
-        .unwrap();
-    let account = account["id"].as_str().unwrap().to_owned();
-    let top_up = format!(r#"{{"account_id":"{account}","amount":10000}}"#);
-    assert_eq!(
-        client
-            .post(&first.base, "/v1/top-ups", &key(), &top_up)
-            .await
-            .unwrap()
-            .0,
-        201
-    );
-    let (k, body) = (
-        key(),
-        format!(
-            r#"{{"account":"{account}","amount":2000,"currency":"GBP","payout_currency":"EUR","destination":"acct-1"}}"#
-        ),
-    );
-    let pending = {
-        let (client, base, k, body) = (client.clone(), first.base.clone(), k.clone(), body.clone());
-        tokio::spawn(async move { client.post(&base, "/v1/withdrawals", &k, &body).await })
-    };
-    let line = tokio::task::block_in_place(|| first.stopped_at());
+    let funded = Funded::start(engine, Some("payout:after_answer=1"), &broken, "acct-1").await;
+    let pending = funded.send();
+    let line = tokio::task::block_in_place(|| funded.first.stopped_at());
     assert_eq!(line, "IDEM_FAULT point=after_answer step=payout");
-    drop(first);
+    drop(funded.first);
     assert!(pending.await.unwrap().is_err());
-    let second = Process::start_with(&database, &vendor_url, 0, None, &broken);
+    let (vendor_url, client, k, body) = (funded.vendor_url, funded.client, funded.key, funded.body);
+    let second = Process::start_with(&funded.database, &vendor_url, 0, None, &broken);
     // The retry runs it from its first step once the killed run's lease
     // has run out (in flight before): debited and quoted again, whatever
     // the payout's resend (its key, with another body) then gets.

@@ -1,8 +1,9 @@
 //! The attacks of a withdrawals run, until `calm`: the server and the
 //! completer process killed with `kill -9` at random (the named points are
-//! the processes' own: `LEDGER_STEP_FAULTS`), and the vendors losing
-//! answers after applying them, answering late, failing their lookups and
-//! forgetting keys.
+//! the processes' own: `LEDGER_STEP_FAULTS`, and so are their store faults:
+//! `LEDGER_STORE_FAULTS`), the service's database sessions killed, and the
+//! vendors losing answers after applying them, answering late, failing
+//! their lookups and forgetting keys.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +13,8 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use super::{VENDOR_KEY_HORIZON_SECS, WithdrawalFaults, WithdrawalsConfig};
+use crate::Engine;
+use crate::db::Database;
 use crate::rng::Rng;
 use crate::service::Service;
 
@@ -27,16 +30,32 @@ async fn nap(calm: &AtomicBool, ms: u64) -> bool {
     !calm.load(Ordering::SeqCst)
 }
 
+/// What the attacks hit.
+pub(crate) struct Targets {
+    /// The ledger server.
+    pub(crate) service: Arc<Service>,
+    /// The `ledger complete` process.
+    pub(crate) completer: Arc<Service>,
+    /// Their database.
+    pub(crate) database: Database,
+    /// Both vendors.
+    pub(crate) vendor: Arc<fake_vendor::Vendor>,
+}
+
 /// Starts every attack; each task ends once `calm`.
 pub(crate) fn start(
     config: &WithdrawalsConfig,
-    service: Arc<Service>,
-    completer: Arc<Service>,
-    vendor: Arc<fake_vendor::Vendor>,
+    targets: Targets,
     calm: Arc<AtomicBool>,
     mut rng: Rng,
     faults: Arc<Mutex<WithdrawalFaults>>,
 ) -> Vec<JoinHandle<()>> {
+    let Targets {
+        service,
+        completer,
+        database,
+        vendor,
+    } = targets;
     let mut tasks = Vec::new();
     let mean = config.kill_interval_ms;
     {
@@ -55,6 +74,19 @@ pub(crate) fn start(
             while nap(&calm, r.range(mean, mean * 3)).await {
                 if completer.kill() {
                     faults.lock().await.completer_kills += 1;
+                }
+            }
+        }));
+    }
+    if config.engine != Engine::Sqlite {
+        // The sessions of both processes (a statement cut mid-step, a
+        // commit whose answer never came back), at random.
+        let (calm, faults, database, mut r) = (calm.clone(), faults.clone(), database.clone(), rng.fork(4));
+        tasks.push(tokio::spawn(async move {
+            while nap(&calm, r.range(700, 2_500)).await {
+                match database.kill_sessions().await {
+                    Ok(n) => faults.lock().await.sessions_killed += n,
+                    Err(e) => eprintln!("chaos: could not kill database sessions: {e}"),
                 }
             }
         }));

@@ -7,7 +7,11 @@
 //! ledger while it is killed with `kill -9` at random and at every named
 //! point of a run (`IDEM_FAULT point=<point> step=<step>`: a local step
 //! written and not committed, an external step marked sent and not sent,
-//! answered and not recorded, recorded), while a `ledger complete` process
+//! answered and not recorded, recorded), while its store refuses, times
+//! out on, or applies and reports as failed the operations' reads and
+//! writes and their steps' commits (`LEDGER_STORE_FAULTS`), while its
+//! database sessions are killed (PostgreSQL, MariaDB), while a `ledger
+//! complete` process
 //! races the server's own completers and the clients' retries, and while
 //! the vendors lose answers after applying them, answer late, forget keys
 //! and fail their lookups. Once quiet, every operation held on an unknown
@@ -55,6 +59,12 @@ pub const VENDOR_KEY_HORIZON_SECS: u64 = 3;
 /// The odds of stopping at each named point of each step
 /// (`LEDGER_STEP_FAULTS`).
 const STEP_FAULT_RATE: f64 = 0.02;
+
+/// The odds of each store fault per store call, in the server and the
+/// completer (`LEDGER_STORE_FAULTS`): an operation's reads and writes, its
+/// steps' commits, the idempotency and dead-letter calls beside them,
+/// refused, timed out, or applied and reported as failed.
+pub const STORE_FAULT_RATE: f64 = 0.005;
 
 /// The local steps of a withdrawal (forward and compensating).
 const LOCAL_STEPS: [&str; 3] = ["debit", "settle", "credit-back"];
@@ -160,6 +170,12 @@ pub struct WithdrawalFaults {
     pub lookup_failure_windows: u64,
     /// Times the payout vendor's clock jumped past its key horizon.
     pub keys_forgotten: u64,
+    /// Store faults the server and the completer injected, by
+    /// `call/fault` (`step_write/applied_then_refused`: an operation's
+    /// recovery point, sent mark or answer written and reported as failed).
+    pub store_faults: BTreeMap<String, u64>,
+    /// The service's database sessions killed (PostgreSQL and MariaDB).
+    pub sessions_killed: u64,
 }
 
 /// How the operations ended, and the effects counted.
@@ -255,7 +271,11 @@ pub async fn run_withdrawals(config: WithdrawalsConfig) -> Result<WithdrawalsRep
         .into_iter()
         .map(|at| format!("{at}={STEP_FAULT_RATE}"))
         .collect();
-    let mut env = vec![("LEDGER_STEP_FAULTS".to_owned(), points.join(","))];
+    let mut env = vec![
+        ("LEDGER_STEP_FAULTS".to_owned(), points.join(",")),
+        ("LEDGER_STORE_FAULTS".to_owned(), STORE_FAULT_RATE.to_string()),
+        ("LEDGER_FAULT_SEED".to_owned(), config.seed.to_string()),
+    ];
     if config.break_recovery_points {
         env.push(("LEDGER_BREAK_RECOVERY_POINTS".to_owned(), "1".to_owned()));
     }
@@ -276,9 +296,12 @@ pub async fn run_withdrawals(config: WithdrawalsConfig) -> Result<WithdrawalsRep
     let faults = Arc::new(tokio::sync::Mutex::new(WithdrawalFaults::default()));
     let attacks = attacks::start(
         &config,
-        service.clone(),
-        completer.clone(),
-        vendor.clone(),
+        attacks::Targets {
+            service: service.clone(),
+            completer: completer.clone(),
+            database: database.clone(),
+            vendor: vendor.clone(),
+        },
         calm.clone(),
         rng.fork(1),
         faults.clone(),
@@ -327,6 +350,11 @@ pub async fn run_withdrawals(config: WithdrawalsConfig) -> Result<WithdrawalsRep
     }
     for (point, n) in completer.counts.fault_point_kills.lock().await.iter() {
         *f.point_kills.entry(point.clone()).or_default() += n;
+    }
+    for process in [&service, &completer] {
+        for (fault, n) in process.counts.store_faults.lock().await.iter() {
+            *f.store_faults.entry(fault.clone()).or_default() += n;
+        }
     }
     database.drop_database().await;
     if config.ledger_bin.is_none() && std::env::var("CHAOS_LEDGER_BIN").is_err() {

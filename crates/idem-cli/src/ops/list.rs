@@ -82,7 +82,7 @@ impl ListArgs {
 }
 
 /// A duration of `N` and a unit (`ms`, `s`, `m`, `h`, `d`), in ms.
-fn parse_age(s: &str) -> Result<i64, String> {
+pub(super) fn parse_age(s: &str) -> Result<i64, String> {
     let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(digits);
     let n: i64 = n

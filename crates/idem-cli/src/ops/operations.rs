@@ -2,7 +2,7 @@
 //! store a URL names.
 
 use idem_core::multistep::{MultiStep, MultiStepFilter, MultiStepStore};
-use idem_core::{Error, PendingMigration, Result, TableName};
+use idem_core::{Error, PendingMigration, Result, TableName, TimeSource};
 use idem_gateway::AnyLease;
 
 /// The multi-step operations of one of the SQL stores, chosen by URL.
@@ -90,5 +90,17 @@ impl AnyOperations {
     /// The operations `filter` selects.
     pub(crate) async fn list(&self, filter: &MultiStepFilter) -> Result<Vec<MultiStep>> {
         each!(self, s, B => MultiStepStore::<B>::list(s, filter).await)
+    }
+
+    /// Deletes at most `limit` final operations expired by `now_ms`: how
+    /// many it deleted.
+    pub(crate) async fn purge_expired(&self, now_ms: i64, limit: u32) -> Result<u64> {
+        each!(self, s, B => MultiStepStore::<B>::purge_expired(s, now_ms, limit).await)
+    }
+
+    /// The database's clock, in ms: the time the service's anchored clock
+    /// reads, and so the one its operations' expiry was set by.
+    pub(crate) async fn database_now_ms(&self) -> Result<i64> {
+        each!(self, s, B => TimeSource::source_now_ms(&B::new(s.pool().clone())).await)
     }
 }

@@ -46,4 +46,21 @@ pub trait MultiStepStore<B: TxBackend>: Clone + Send + Sync + 'static {
     /// [`Error::InvalidRequest`](crate::Error::InvalidRequest), and nothing
     /// is read.
     fn list<'a>(&'a self, filter: &'a MultiStepFilter) -> BoxFuture<'a, Result<Vec<MultiStep>>>;
+
+    /// Deletes at most `limit` final operations (completed or compensated)
+    /// whose `expires_at_ms` is at or before `now_ms`, the earliest expired
+    /// first, and answers how many it deleted. An operation that is
+    /// running, held or compensating is never deleted, whatever its times:
+    /// only a final outcome expires (its row is never written again, so
+    /// what was selected is what is deleted).
+    ///
+    /// What a purge means for a retry of the key: until its row is purged,
+    /// an expired final operation is still there, and a retry still
+    /// replays its recorded outcome (expiry alone changes nothing). Once
+    /// purged, the key is unused: a call with it starts a new operation
+    /// that runs every step again, as an idempotency key does after its
+    /// TTL. Purge only what callers no longer retry: the engine's TTL
+    /// (`idem_steps::StepsEngine::with_ttl_ms`, 24 h by default) is that
+    /// promise.
+    fn purge_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>>;
 }

@@ -132,11 +132,8 @@ macro_rules! account_methods {
     ($store:ty) => {
         fn account<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Account>, DbError>> {
             Box::pin(async move {
-                let row: Option<(String, String, i64)> = sqlx::query_as(queries().accounts.select_account.clone())
-                    .bind(tenant)
-                    .bind(id)
-                    .fetch_optional(self.pool())
-                    .await?;
+                let row: Option<(String, String, i64)> =
+                    row_by_id(self.pool(), &queries().accounts.select_account, tenant, id).await?;
                 Ok(row.map(|(id, name, balance)| Account { id, name, balance }))
             })
         }
@@ -221,14 +218,8 @@ macro_rules! account_tx_methods {
         ) -> BoxFuture<'c, Result<i64, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let movement = crate::db::accounts::Movement {
-                    journal_id,
-                    kind,
-                    amount,
-                    from: None,
-                    to: Some(account_id),
-                };
-                move_money(&mut **self, q, tenant, &movement, now_ms).await?;
+                let credit = crate::db::accounts::Movement::credit(journal_id, kind, account_id, amount);
+                move_money(&mut **self, q, tenant, &credit, now_ms).await?;
                 balance(&mut **self, q, tenant, account_id).await
             })
         }
@@ -268,10 +259,106 @@ pub(super) struct Movement<'a> {
     pub(super) to: Option<&'a str>,
 }
 
-/// The functions on a connection of `$db` that move money and read a
-/// balance, shared by the account and payout methods.
+impl<'a> Movement<'a> {
+    /// `amount` leaving the ledger: from `account_id` to `@world`.
+    pub(super) fn debit(journal_id: &'a str, kind: &'a str, account_id: &'a str, amount: i64) -> Self {
+        Self {
+            journal_id,
+            kind,
+            amount,
+            from: Some(account_id),
+            to: None,
+        }
+    }
+
+    /// `amount` entering the ledger: from `@world` to `account_id`.
+    pub(super) fn credit(journal_id: &'a str, kind: &'a str, account_id: &'a str, amount: i64) -> Self {
+        Self {
+            journal_id,
+            kind,
+            amount,
+            from: None,
+            to: Some(account_id),
+        }
+    }
+}
+
+/// How a debited row (a payout, a withdrawal) is reversed: see
+/// `credit_back` in [`money_rows`].
+pub(super) struct Reversal<'a> {
+    /// Reads the row's account, amount and state by tenant and id, locked
+    /// until the transaction ends.
+    pub(super) select: &'a sqlx::SqlStr,
+    /// The states it may be reversed from.
+    pub(super) from: &'a [&'a str],
+    /// The journal kind of its credit-back.
+    pub(super) kind: &'a str,
+}
+
+/// The functions on a connection of `$db` that move money, read rows and
+/// run guarded updates, shared by the methods of every kind of row.
 macro_rules! money_rows {
     ($db:ty) => {
+        /// A statement bound to its values, not yet run.
+        type Bound = sqlx::query::Query<'static, $db, <$db as sqlx::Database>::Arguments>;
+
+        /// The row `select` reads by tenant and id, if any, through
+        /// `executor` (the pool, or the open transaction's connection).
+        async fn row_by_id<'e, R, E>(
+            executor: E,
+            select: &sqlx::SqlStr,
+            tenant: &str,
+            id: &str,
+        ) -> Result<Option<R>, DbError>
+        where
+            R: for<'r> sqlx::FromRow<'r, <$db as sqlx::Database>::Row> + Send + Unpin,
+            E: 'e + sqlx::Executor<'e, Database = $db>,
+        {
+            Ok(sqlx::query_as(select.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_optional(executor)
+                .await?)
+        }
+
+        /// Runs `update`, whose `WHERE` guards the row's state: whether it
+        /// changed the one row (false: the guard did not hold, nothing
+        /// written).
+        async fn changed_one(conn: &mut <$db as sqlx::Database>::Connection, update: Bound) -> Result<bool, DbError> {
+            Ok(update.execute(&mut *conn).await?.rows_affected() == 1)
+        }
+
+        /// Reverses a debited row: reads it under a lock
+        /// (`reversal.select`), and unless it is in one of the states
+        /// `reversal.from` names, writes nothing; otherwise moves it out
+        /// with `update` (guarded by the same states) and credits its debit
+        /// back from `@world` to its account (`reversal.kind`), in the open
+        /// transaction. The account and amount credited, or `None` when
+        /// nothing was written.
+        async fn credit_back(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            q: &Queries,
+            tenant: &str,
+            id: &str,
+            reversal: &crate::db::accounts::Reversal<'_>,
+            update: Bound,
+            now_ms: i64,
+        ) -> Result<Option<(String, i64)>, DbError> {
+            let row: Option<(String, i64, String)> = row_by_id(&mut *conn, reversal.select, tenant, id).await?;
+            let Some((account_id, amount, state)) = row else {
+                return Ok(None);
+            };
+            if !reversal.from.contains(&state.as_str()) || !changed_one(conn, update).await? {
+                return Ok(None);
+            }
+            // The money comes back from `@world`, under a journal id of its
+            // own.
+            let journal_id = format!("{id}:reversal");
+            let credit = crate::db::accounts::Movement::credit(&journal_id, reversal.kind, &account_id, amount);
+            move_money(conn, q, tenant, &credit, now_ms).await?;
+            Ok(Some((account_id, amount)))
+        }
+
         /// Applies `m`: the guarded balance updates, then its journal row and
         /// its two entries, whose deltas sum to zero.
         async fn move_money(
@@ -337,21 +424,15 @@ macro_rules! money_rows {
                 Change::Credit => (q.accounts.credit.clone(), MAX_BALANCE - amount),
                 Change::Debit => (q.accounts.debit.clone(), amount),
             };
-            let done = sqlx::query(statement)
+            let update = sqlx::query(statement)
                 .bind(amount)
                 .bind(tenant)
                 .bind(id)
-                .bind(guard)
-                .execute(&mut *conn)
-                .await?;
-            if done.rows_affected() == 1 {
+                .bind(guard);
+            if changed_one(conn, update).await? {
                 return Ok(());
             }
-            let exists: Option<(i64,)> = sqlx::query_as(q.accounts.balance.clone())
-                .bind(tenant)
-                .bind(id)
-                .fetch_optional(&mut *conn)
-                .await?;
+            let exists: Option<(i64,)> = row_by_id(&mut *conn, &q.accounts.balance, tenant, id).await?;
             Err(match (exists, change) {
                 (None, _) => DbError::AccountNotFound(id.to_owned()),
                 (Some(_), Change::Credit) => DbError::BalanceLimit,

@@ -239,11 +239,7 @@ macro_rules! payout_methods {
         fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
             Box::pin(async move {
                 let row: Option<crate::db::payouts::PayoutRow> =
-                    sqlx::query_as(queries().payouts.select_payout.clone())
-                        .bind(tenant)
-                        .bind(id)
-                        .fetch_optional(self.pool())
-                        .await?;
+                    row_by_id(self.pool(), &queries().payouts.select_payout, tenant, id).await?;
                 row.map(Payout::from_row).transpose()
             })
         }
@@ -313,14 +309,8 @@ macro_rules! payout_tx_methods {
         ) -> BoxFuture<'c, Result<i64, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let movement = crate::db::accounts::Movement {
-                    journal_id: id,
-                    kind: "payout",
-                    amount,
-                    from: Some(account_id),
-                    to: None,
-                };
-                move_money(&mut **self, q, tenant, &movement, now_ms).await?;
+                let debit = crate::db::accounts::Movement::debit(id, "payout", account_id, amount);
+                move_money(&mut **self, q, tenant, &debit, now_ms).await?;
                 sqlx::query(q.payouts.insert_payout.clone())
                     .bind(tenant)
                     .bind(id)
@@ -343,18 +333,14 @@ macro_rules! payout_tx_methods {
             last_error: &'c str,
             now_ms: i64,
         ) -> BoxFuture<'c, Result<bool, DbError>> {
-            Box::pin(async move {
-                let done = sqlx::query(queries().payouts.defer_payout.clone())
-                    .bind(not_before_ms)
-                    .bind(attempts)
-                    .bind(last_error)
-                    .bind(now_ms)
-                    .bind(tenant)
-                    .bind(id)
-                    .execute(&mut **self)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            })
+            let update = sqlx::query(queries().payouts.defer_payout.clone())
+                .bind(not_before_ms)
+                .bind(attempts)
+                .bind(last_error)
+                .bind(now_ms)
+                .bind(tenant)
+                .bind(id);
+            Box::pin(changed_one(&mut **self, update))
         }
 
         fn change_payout<'c>(
@@ -363,20 +349,16 @@ macro_rules! payout_tx_methods {
             id: &'c str,
             change: &'c PayoutChange<'c>,
         ) -> BoxFuture<'c, Result<bool, DbError>> {
-            Box::pin(async move {
-                let done = sqlx::query(queries().payouts.change_payout.clone())
-                    .bind(change.to.as_str())
-                    .bind(change.vendor_payout_id)
-                    .bind(change.attempts)
-                    .bind(change.last_error)
-                    .bind(change.now_ms)
-                    .bind(tenant)
-                    .bind(id)
-                    .bind(change.from.as_str())
-                    .execute(&mut **self)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            })
+            let update = sqlx::query(queries().payouts.change_payout.clone())
+                .bind(change.to.as_str())
+                .bind(change.vendor_payout_id)
+                .bind(change.attempts)
+                .bind(change.last_error)
+                .bind(change.now_ms)
+                .bind(tenant)
+                .bind(id)
+                .bind(change.from.as_str());
+            Box::pin(changed_one(&mut **self, update))
         }
 
         fn cancel_payout<'c>(
@@ -387,38 +369,17 @@ macro_rules! payout_tx_methods {
         ) -> BoxFuture<'c, Result<bool, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let row: Option<(String, i64, String)> = sqlx::query_as(q.payouts.select_payout_for_cancel.clone())
-                    .bind(tenant)
-                    .bind(id)
-                    .fetch_optional(&mut **self)
-                    .await?;
-                let Some((account_id, amount, state)) = row else {
-                    return Ok(false);
+                let reversal = crate::db::accounts::Reversal {
+                    select: &q.payouts.select_payout_for_cancel,
+                    from: &["dead_lettered", "unknown"],
+                    kind: "payout_reversal",
                 };
-                if !(state == "dead_lettered" || state == "unknown") {
-                    return Ok(false);
-                }
-                let moved = sqlx::query(q.payouts.cancel_payout.clone())
+                let update = sqlx::query(q.payouts.cancel_payout.clone())
                     .bind(now_ms)
                     .bind(tenant)
-                    .bind(id)
-                    .execute(&mut **self)
-                    .await?;
-                if moved.rows_affected() != 1 {
-                    return Ok(false);
-                }
-                // The reversal: the money comes back from `@world`, under
-                // a journal id of its own.
-                let journal_id = format!("{id}:reversal");
-                let reversal = crate::db::accounts::Movement {
-                    journal_id: &journal_id,
-                    kind: "payout_reversal",
-                    amount,
-                    from: None,
-                    to: Some(&account_id),
-                };
-                move_money(&mut **self, q, tenant, &reversal, now_ms).await?;
-                Ok(true)
+                    .bind(id);
+                let credited = credit_back(&mut **self, q, tenant, id, &reversal, update, now_ms).await?;
+                Ok(credited.is_some())
             })
         }
     };

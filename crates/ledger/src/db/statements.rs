@@ -69,11 +69,13 @@ macro_rules! statement_methods {
             account_id: &'a str,
         ) -> BoxFuture<'a, Result<Option<Statement>, DbError>> {
             Box::pin(async move {
-                let row: Option<(i64, i64, i64)> = sqlx::query_as(queries().statements.select_statement.clone())
-                    .bind(tenant)
-                    .bind(account_id)
-                    .fetch_optional(self.pool())
-                    .await?;
+                let row: Option<(i64, i64, i64)> = row_by_id(
+                    self.pool(),
+                    &queries().statements.select_statement,
+                    tenant,
+                    account_id,
+                )
+                .await?;
                 Ok(row.map(|(credits, debits, events)| Statement {
                     account_id: account_id.to_owned(),
                     credits,

@@ -206,11 +206,7 @@ macro_rules! withdrawal_methods {
         ) -> BoxFuture<'a, Result<Option<Withdrawal>, DbError>> {
             Box::pin(async move {
                 let row: Option<crate::db::withdrawals::WithdrawalRow> =
-                    sqlx::query_as(queries().withdrawals.select_withdrawal.clone())
-                        .bind(tenant)
-                        .bind(id)
-                        .fetch_optional(self.pool())
-                        .await?;
+                    row_by_id(self.pool(), &queries().withdrawals.select_withdrawal, tenant, id).await?;
                 row.map(Withdrawal::from_row).transpose()
             })
         }
@@ -230,14 +226,8 @@ macro_rules! withdrawal_tx_methods {
         ) -> BoxFuture<'c, Result<i64, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let movement = crate::db::accounts::Movement {
-                    journal_id: w.id,
-                    kind: "withdrawal",
-                    amount: w.amount,
-                    from: Some(w.account_id),
-                    to: None,
-                };
-                move_money(&mut **self, q, w.tenant, &movement, now_ms).await?;
+                let debit = crate::db::accounts::Movement::debit(w.id, "withdrawal", w.account_id, w.amount);
+                move_money(&mut **self, q, w.tenant, &debit, now_ms).await?;
                 sqlx::query(q.withdrawals.insert_withdrawal.clone())
                     .bind(w.tenant)
                     .bind(w.id)
@@ -261,19 +251,15 @@ macro_rules! withdrawal_tx_methods {
             paid: &'c WithdrawalPaid<'c>,
             now_ms: i64,
         ) -> BoxFuture<'c, Result<bool, DbError>> {
-            Box::pin(async move {
-                let done = sqlx::query(queries().withdrawals.settle_withdrawal.clone())
-                    .bind(paid.quote_id)
-                    .bind(paid.rate)
-                    .bind(paid.amount_out)
-                    .bind(paid.vendor_payout_id)
-                    .bind(now_ms)
-                    .bind(tenant)
-                    .bind(id)
-                    .execute(&mut **self)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            })
+            let update = sqlx::query(queries().withdrawals.settle_withdrawal.clone())
+                .bind(paid.quote_id)
+                .bind(paid.rate)
+                .bind(paid.amount_out)
+                .bind(paid.vendor_payout_id)
+                .bind(now_ms)
+                .bind(tenant)
+                .bind(id);
+            Box::pin(changed_one(&mut **self, update))
         }
 
         fn decline_withdrawal<'c>(
@@ -285,41 +271,18 @@ macro_rules! withdrawal_tx_methods {
         ) -> BoxFuture<'c, Result<Option<(String, i64)>, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let row: Option<(String, i64, String)> =
-                    sqlx::query_as(q.withdrawals.select_withdrawal_for_decline.clone())
-                        .bind(tenant)
-                        .bind(id)
-                        .fetch_optional(&mut **self)
-                        .await?;
-                let Some((account_id, amount, state)) = row else {
-                    return Ok(None);
+                let reversal = crate::db::accounts::Reversal {
+                    select: &q.withdrawals.select_withdrawal_for_decline,
+                    from: &["pending"],
+                    kind: "withdrawal_reversal",
                 };
-                if state != "pending" {
-                    return Ok(None);
-                }
                 let reason = idem_core::cut_at_char_boundary(reason, crate::db::withdrawals::MAX_DECLINE_REASON);
-                let moved = sqlx::query(q.withdrawals.decline_withdrawal.clone())
+                let update = sqlx::query(q.withdrawals.decline_withdrawal.clone())
                     .bind(reason)
                     .bind(now_ms)
                     .bind(tenant)
-                    .bind(id)
-                    .execute(&mut **self)
-                    .await?;
-                if moved.rows_affected() != 1 {
-                    return Ok(None);
-                }
-                // The credit-back: the money comes back from `@world`, under
-                // a journal id of its own.
-                let journal_id = format!("{id}:reversal");
-                let reversal = crate::db::accounts::Movement {
-                    journal_id: &journal_id,
-                    kind: "withdrawal_reversal",
-                    amount,
-                    from: None,
-                    to: Some(&account_id),
-                };
-                move_money(&mut **self, q, tenant, &reversal, now_ms).await?;
-                Ok(Some((account_id, amount)))
+                    .bind(id);
+                credit_back(&mut **self, q, tenant, id, &reversal, update, now_ms).await
             })
         }
     };

@@ -53,10 +53,12 @@
 //!   journal entry) and cancels the dead letter in one transaction, once.
 //!
 //! The vendor's side (the request, its contract, the lookup by reference)
-//! is in `vendor`; payouts held as unknown and those settled from their
+//! is in `vendor`, over the lookup by reference both vendors of the ledger
+//! share (`lookup`); payouts held as unknown and those settled from their
 //! dead letters are in `dead_letters`.
 
 mod dead_letters;
+mod lookup;
 mod vendor;
 
 use std::sync::Arc;
@@ -72,8 +74,10 @@ use tokio::sync::watch;
 use crate::db::{DbError, LedgerDb, LedgerTx, PayoutChange, PayoutState, PayoutTask};
 use crate::events::Namespace;
 
-pub use vendor::{MAX_LOOKUP_BYTES, VendorLookup, answer_check, check_answer, vendor_request};
-pub(crate) use vendor::{check_promise, read_bounded};
+pub use lookup::MAX_LOOKUP_BYTES;
+pub(crate) use lookup::{ByReference, Vendor, by_reference_hook};
+pub(crate) use vendor::check_promise;
+pub use vendor::{VendorLookup, answer_check, check_answer, vendor_request};
 
 /// The operation of payout leases and dead letters.
 pub const PAYOUT_OPERATION: &str = "payout";
@@ -155,9 +159,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         let client = if config.reconcile {
             // The lookup carries the vendor's credentials too, and goes
             // through the calls' HTTP client (its TLS roots).
-            let lookup = VendorLookup::new(&config.vendor_url)?
-                .with_http_client(client.http_client().clone())
-                .with_headers(client.config().secret_headers.clone());
+            let lookup = VendorLookup::new(&config.vendor_url)?.through(&client);
             client.with_reconcile(Arc::new(lookup))
         } else {
             client

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Error as IdemError, IdempotencyKey, OutboundRequest};
-use idem_outbound::{Reconcile, Reconciled};
+use idem_core::{Error as IdemError, OutboundRequest};
+use idem_outbound::Reconciled;
 
+use super::lookup::{ByReference, Vendor};
 use crate::db::{DbError, PayoutTask};
 
 /// The vendor call of a payout: `POST {vendor}/v1/payouts` with the amount
@@ -77,147 +78,47 @@ pub(super) fn vendor_payout_id(body: &[u8]) -> Option<String> {
     (!id.is_empty() && id.len() <= 200 && !id.chars().any(char::is_control)).then(|| id.to_owned())
 }
 
-/// The ledger's reconcile hook: asks the vendor for its record of a payout,
-/// by the payout id it was sent as `reference` —
-/// `GET {vendor}/v1/payouts?reference={payout id}`, answering `{"data":
-/// [{"id", "amount", "reference", "status"}, …]}`.
-///
-/// - one record `paid`, for the payout's amount → applied (its record is
-///   the answer; nothing is sent);
-/// - none → not applied (the vendor keeps every payout it made, forever);
-/// - a request still `processing` → in flight (asked again later);
-/// - several paid, or a record that does not match → unknown.
-#[derive(Debug, Clone)]
-pub struct VendorLookup {
-    http: reqwest::Client,
-    url: reqwest::Url,
-    headers: reqwest::header::HeaderMap,
+crate::payouts::by_reference_hook! {
+    /// The ledger's reconcile hook: asks the vendor for its record of a payout,
+    /// by the payout id it was sent as `reference` —
+    /// `GET {vendor}/v1/payouts?reference={payout id}`, answering `{"data":
+    /// [{"id", "amount", "reference", "status"}, …]}`.
+    ///
+    /// - one record `paid`, for the payout's amount → applied (its record is
+    ///   the answer; nothing is sent);
+    /// - none → not applied (the vendor keeps every payout it made, forever);
+    /// - a request still `processing` → in flight (asked again later);
+    /// - several paid, or a record that does not match → unknown.
+    VendorLookup: Vendor::Payouts;
+    /// The lookup of the vendor at `vendor_url`.
+    new(vendor_url) -> DbError = |why| DbError::Idem(IdemError::Config(why));
 }
 
 impl VendorLookup {
-    /// The lookup of the vendor at `vendor_url`.
-    pub fn new(vendor_url: &str) -> Result<Self, DbError> {
-        let bad = |why: String| DbError::Idem(IdemError::Config(why));
-        let url = reqwest::Url::parse(&format!("{}/v1/payouts", vendor_url.trim_end_matches('/')))
-            .map_err(|e| bad(format!("vendor URL {vendor_url:?}: {e}")))?;
-        let http = crate::http_builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| bad(format!("the vendor lookup's HTTP client: {e}")))?;
-        Ok(Self {
-            http,
-            url,
-            headers: reqwest::header::HeaderMap::new(),
-        })
-    }
-
-    /// Asks through `http` (its TLS roots and pool; redirects must be
-    /// off), in place of a client of its own.
-    pub fn with_http_client(mut self, http: reqwest::Client) -> Self {
-        self.http = http;
-        self
-    }
-
-    /// Sends `headers` with every lookup (the vendor's credentials, kept
-    /// sensitive).
-    pub fn with_headers(mut self, headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>) -> Self {
-        for (name, mut value) in headers {
-            value.set_sensitive(true);
-            self.headers.insert(name, value);
-        }
-        self
-    }
-
     async fn ask(&self, request: &OutboundRequest, timeout: Duration) -> Result<Reconciled, String> {
-        let sent: serde_json::Value =
-            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
+        let sent = ByReference::sent(request)?;
         let (Some(reference), Some(amount)) = (sent["reference"].as_str(), sent["amount"].as_i64()) else {
             return Ok(Reconciled::Unknown(
                 "the request has no reference or amount to look up".into(),
             ));
         };
-        let mut url = self.url.clone();
-        url.query_pairs_mut().append_pair("reference", reference);
-        let response = self
-            .http
-            .get(url)
-            .headers(self.headers.clone())
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| format!("lookup failed: {e}"))?;
-        let status = response.status();
-        if !status.is_success() {
-            return Err(format!("lookup answered HTTP {status}"));
-        }
-        let body = read_bounded(response, MAX_LOOKUP_BYTES).await?;
-        let found: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| format!("lookup answer is not JSON: {e}"))?;
-        // A list object, as the vendor's list endpoints answer: an empty
-        // body, `{}` or a bare `[]` (a wrong URL, a proxy's page) says
-        // nothing, and is never taken for "not applied".
-        let (true, Some(listed)) = (found["object"] == "list", found["data"].as_array()) else {
-            return Err("lookup answer is not a list (object \"list\" with a data array)".into());
+        let decide = |data: &[&serde_json::Value]| {
+            let paid: Vec<&serde_json::Value> = data.iter().copied().filter(|p| p["status"] == "paid").collect();
+            Ok(match paid.as_slice() {
+                [one] if one["amount"].as_i64() == Some(amount) => Reconciled::Applied {
+                    status: 201,
+                    body: serde_json::to_vec(one).map_err(|e| e.to_string())?,
+                },
+                [one] => Reconciled::Unknown(format!(
+                    "the vendor paid reference {reference} for {}, not {amount}",
+                    one["amount"]
+                )),
+                [] if data.iter().any(|p| p["status"] == "processing") => Reconciled::InFlight,
+                [] if data.is_empty() => Reconciled::NotApplied,
+                [] => Reconciled::Unknown(format!("the vendor's records of {reference} are in no known state")),
+                many => Reconciled::Unknown(format!("the vendor paid reference {reference} {} times", many.len())),
+            })
         };
-        // A record without a reference cannot be told apart: it may be
-        // this payout under another field's name.
-        if listed.iter().any(|p| !p["reference"].is_string()) {
-            return Ok(Reconciled::Unknown(format!(
-                "the vendor's answer for reference {reference} lists a record without a reference"
-            )));
-        }
-        // Only records of this very reference count: a vendor that ignored
-        // the filter lists other payouts, which say nothing of this one.
-        let data: Vec<&serde_json::Value> = listed.iter().filter(|p| p["reference"] == reference).collect();
-        if data.is_empty() && found["has_more"] == true {
-            // A first page without it proves nothing.
-            return Ok(Reconciled::Unknown(format!(
-                "the vendor's answer for reference {reference} has more pages and none of this one"
-            )));
-        }
-        let paid: Vec<&serde_json::Value> = data.iter().copied().filter(|p| p["status"] == "paid").collect();
-        Ok(match paid.as_slice() {
-            [one] if one["amount"].as_i64() == Some(amount) => Reconciled::Applied {
-                status: 201,
-                body: serde_json::to_vec(one).map_err(|e| e.to_string())?,
-            },
-            [one] => Reconciled::Unknown(format!(
-                "the vendor paid reference {reference} for {}, not {amount}",
-                one["amount"]
-            )),
-            [] if data.iter().any(|p| p["status"] == "processing") => Reconciled::InFlight,
-            [] if data.is_empty() => Reconciled::NotApplied,
-            [] => Reconciled::Unknown(format!("the vendor's records of {reference} are in no known state")),
-            many => Reconciled::Unknown(format!("the vendor paid reference {reference} {} times", many.len())),
-        })
-    }
-}
-
-/// The most bytes of a lookup's answer read; a longer one is an error.
-pub const MAX_LOOKUP_BYTES: usize = 1024 * 1024;
-
-/// `response`'s body, refused past `max` bytes (never buffered whole).
-pub(crate) async fn read_bounded(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
-    if response.content_length().is_some_and(|n| n > max as u64) {
-        return Err(format!("lookup answer over {max} bytes"));
-    }
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| format!("lookup failed: {e}"))? {
-        if body.len() + chunk.len() > max {
-            return Err(format!("lookup answer over {max} bytes"));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
-
-impl Reconcile for VendorLookup {
-    fn reconcile<'a>(
-        &'a self,
-        _key: &'a IdempotencyKey,
-        request: &'a OutboundRequest,
-        timeout: Duration,
-    ) -> idem_core::BoxFuture<'a, Result<Reconciled, String>> {
-        Box::pin(self.ask(request, timeout))
+        self.lookup.ask(reference, timeout, decide).await
     }
 }

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
-use idem_core::{Error as IdemError, IdempotencyKey, OutboundRequest};
-use idem_outbound::{Reconcile, Reconciled};
+use idem_core::{Error as IdemError, OutboundRequest};
+use idem_outbound::Reconciled;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::payouts::{MAX_LOOKUP_BYTES, read_bounded};
+use crate::payouts::{ByReference, Vendor};
 
 /// A booked quote: the `fx-quote` step's output.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,64 +112,30 @@ pub(crate) fn refusal_type(body: &[u8]) -> String {
         .unwrap_or_else(|| "refused".to_owned())
 }
 
-/// The FX vendor's reconcile hook: asks it for the quotes it booked under a
-/// reference (the withdrawal id), `GET {fx}/v1/quotes?reference={id}`,
-/// answering `{"object": "list", "data": [{"id", "reference", "from", "to",
-/// "amount", "rate", "amount_out", "status"}, …]}`.
-///
-/// - one quote `booked` for this request → applied (its record is the
-///   answer; nothing is booked again);
-/// - none → not applied (the vendor keeps every quote it booked);
-/// - a booking still `processing` → in flight (asked again later);
-/// - several, a record that does not match, or a lookup the vendor answers
-///   with an error → unknown: the withdrawal is held for an operator, as the
-///   vendor has no keys and a guess could book twice.
-///
-/// A lookup that gets no answer (a refused connection, a timeout) is asked
-/// again later.
-#[derive(Debug, Clone)]
-pub struct QuoteLookup {
-    http: reqwest::Client,
-    url: reqwest::Url,
-    headers: reqwest::header::HeaderMap,
+crate::payouts::by_reference_hook! {
+    /// The FX vendor's reconcile hook: asks it for the quotes it booked under a
+    /// reference (the withdrawal id), `GET {fx}/v1/quotes?reference={id}`,
+    /// answering `{"object": "list", "data": [{"id", "reference", "from", "to",
+    /// "amount", "rate", "amount_out", "status"}, …]}`.
+    ///
+    /// - one quote `booked` for this request → applied (its record is the
+    ///   answer; nothing is booked again);
+    /// - none → not applied (the vendor keeps every quote it booked);
+    /// - a booking still `processing` → in flight (asked again later);
+    /// - several, a record that does not match, or a lookup the vendor answers
+    ///   with an error → unknown: the withdrawal is held for an operator, as the
+    ///   vendor has no keys and a guess could book twice.
+    ///
+    /// A lookup that gets no answer (a refused connection, a timeout) is asked
+    /// again later.
+    QuoteLookup: Vendor::Quotes;
+    /// The lookup of the FX vendor at `fx_url`.
+    new(fx_url) -> crate::StartError = crate::StartError::Config;
 }
 
 impl QuoteLookup {
-    /// The lookup of the FX vendor at `fx_url`.
-    pub fn new(fx_url: &str) -> Result<Self, crate::StartError> {
-        let bad = |why: String| crate::StartError::Config(why);
-        let url = reqwest::Url::parse(&format!("{}/v1/quotes", fx_url.trim_end_matches('/')))
-            .map_err(|e| bad(format!("--fx-url {fx_url:?}: {e}")))?;
-        let http = crate::http_builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| bad(format!("the FX lookup's HTTP client: {e}")))?;
-        Ok(Self {
-            http,
-            url,
-            headers: reqwest::header::HeaderMap::new(),
-        })
-    }
-
-    /// Asks through `http` (its TLS roots and pool; redirects must be off).
-    pub fn with_http_client(mut self, http: reqwest::Client) -> Self {
-        self.http = http;
-        self
-    }
-
-    /// Sends `headers` with every lookup (the vendor's credentials, kept
-    /// sensitive).
-    pub fn with_headers(mut self, headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>) -> Self {
-        for (name, mut value) in headers {
-            value.set_sensitive(true);
-            self.headers.insert(name, value);
-        }
-        self
-    }
-
     async fn ask(&self, request: &OutboundRequest, timeout: Duration) -> Result<Reconciled, String> {
-        let sent: serde_json::Value =
-            serde_json::from_slice(request.body()).map_err(|e| format!("the request is not JSON: {e}"))?;
+        let sent = ByReference::sent(request)?;
         let (Some(reference), Some(from), Some(to), Some(amount)) = (
             sent["reference"].as_str(),
             sent["from"].as_str(),
@@ -180,76 +146,35 @@ impl QuoteLookup {
                 "the request has no reference, pair or amount to look up".into(),
             ));
         };
-        let mut url = self.url.clone();
-        url.query_pairs_mut().append_pair("reference", reference);
-        let response = self
-            .http
-            .get(url)
-            .headers(self.headers.clone())
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| format!("lookup failed: {e}"))?;
-        let status = response.status();
-        if !status.is_success() {
-            return Ok(Reconciled::Unknown(format!(
-                "the FX vendor answered its lookup of {reference} with HTTP {status}"
-            )));
-        }
-        let body = read_bounded(response, MAX_LOOKUP_BYTES).await?;
-        let found: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| format!("lookup answer is not JSON: {e}"))?;
-        let (true, Some(listed)) = (found["object"] == "list", found["data"].as_array()) else {
-            return Err("lookup answer is not a list (object \"list\" with a data array)".into());
-        };
-        if listed.iter().any(|q| !q["reference"].is_string()) {
-            return Ok(Reconciled::Unknown(format!(
-                "the FX vendor's answer for reference {reference} lists a record without a reference"
-            )));
-        }
-        let data: Vec<&serde_json::Value> = listed.iter().filter(|q| q["reference"] == reference).collect();
-        if data.is_empty() && found["has_more"] == true {
-            return Ok(Reconciled::Unknown(format!(
-                "the FX vendor's answer for reference {reference} has more pages and none of this one"
-            )));
-        }
-        if data.iter().any(|q| q["status"] == "processing") {
-            return Ok(Reconciled::InFlight);
-        }
-        Ok(match data.as_slice() {
-            [] => Reconciled::NotApplied,
-            [one] if one["status"] == "booked" => {
-                let record = serde_json::to_vec(one).map_err(|e| e.to_string())?;
-                match check_quote(reference, from, to, amount, &record) {
-                    Ok(_) => Reconciled::Applied {
-                        status: 201,
-                        body: record,
-                    },
-                    Err(why) => Reconciled::Unknown(format!(
-                        "the FX vendor's quote under reference {reference} does not match the request: {why}"
-                    )),
-                }
+        let decide = |data: &[&serde_json::Value]| {
+            if data.iter().any(|q| q["status"] == "processing") {
+                return Ok(Reconciled::InFlight);
             }
-            [one] => Reconciled::Unknown(format!(
-                "the FX vendor's quote under reference {reference} is {}",
-                one["status"]
-            )),
-            many => Reconciled::Unknown(format!(
-                "the FX vendor booked {} quotes under reference {reference}",
-                many.len()
-            )),
-        })
-    }
-}
-
-impl Reconcile for QuoteLookup {
-    fn reconcile<'a>(
-        &'a self,
-        _key: &'a IdempotencyKey,
-        request: &'a OutboundRequest,
-        timeout: Duration,
-    ) -> idem_core::BoxFuture<'a, Result<Reconciled, String>> {
-        Box::pin(self.ask(request, timeout))
+            Ok(match data {
+                [] => Reconciled::NotApplied,
+                [one] if one["status"] == "booked" => {
+                    let record = serde_json::to_vec(one).map_err(|e| e.to_string())?;
+                    match check_quote(reference, from, to, amount, &record) {
+                        Ok(_) => Reconciled::Applied {
+                            status: 201,
+                            body: record,
+                        },
+                        Err(why) => Reconciled::Unknown(format!(
+                            "the FX vendor's quote under reference {reference} does not match the request: {why}"
+                        )),
+                    }
+                }
+                [one] => Reconciled::Unknown(format!(
+                    "the FX vendor's quote under reference {reference} is {}",
+                    one["status"]
+                )),
+                many => Reconciled::Unknown(format!(
+                    "the FX vendor booked {} quotes under reference {reference}",
+                    many.len()
+                )),
+            })
+        };
+        self.lookup.ask(reference, timeout, decide).await
     }
 }
 

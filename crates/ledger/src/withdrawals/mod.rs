@@ -164,9 +164,7 @@ impl Vendors {
             ..config.fx.clone()
         };
         let fx = OutboundClient::new(fx_config.clone()).map_err(|e| bad("the FX vendor's client", e))?;
-        let lookup = QuoteLookup::new(&config.fx_url)?
-            .with_http_client(fx.http_client().clone())
-            .with_headers(fx.config().secret_headers.clone());
+        let lookup = QuoteLookup::new(&config.fx_url)?.through(&fx);
         let fx = fx.with_clock(clock.clone()).with_reconcile(Arc::new(lookup));
         let release = OutboundClient::new(OutboundConfig {
             name: "fx-release".into(),
@@ -178,8 +176,7 @@ impl Vendors {
         let payout = OutboundClient::new(config.payout.clone()).map_err(|e| bad("the payout vendor's client", e))?;
         let lookup = VendorLookup::new(&config.payout_url)
             .map_err(|e| crate::StartError::Config(format!("--vendor-url: {e}")))?
-            .with_http_client(payout.http_client().clone())
-            .with_headers(payout.config().secret_headers.clone());
+            .through(&payout);
         let payout = payout.with_clock(clock.clone()).with_reconcile(Arc::new(lookup));
         fx.check_target(&format!("{}/v1/quotes", config.fx_url))
             .map_err(|e| crate::StartError::Config(format!("--fx-url: {e}")))?;

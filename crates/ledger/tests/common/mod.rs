@@ -294,48 +294,62 @@ impl Instance {
 
     /// Starts the ledger binary with extra arguments.
     pub fn start_with(database_url: &str, args: &[&str]) -> Self {
-        use std::process::{Command, Stdio};
-        use std::time::Instant;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ledger"))
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--max-connections",
-                "8",
-                "--database-url",
-                database_url,
-            ])
+        let mut child = ledger_command(env!("CARGO_BIN_EXE_ledger"), database_url)
             .args(args)
             .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(std::process::Stdio::inherit())
             .spawn()
             .expect("the ledger starts");
-        let rx = stdout_lines(&mut child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("the ledger on {database_url} exited at start: {status}");
-                }
-                continue;
-            };
-            if let Some(addr) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .filter(|_| line.contains("ledger listening"))
-            {
-                return Self {
-                    child,
-                    base: format!("http://{addr}"),
-                };
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("the ledger on {database_url} did not start listening within 60 s");
+        let base = listening(&mut child, database_url);
+        Self { child, base }
     }
+}
+
+/// The ledger binary `bin` serving on a free loopback port with at most 8
+/// connections to `database_url`, without colours, its stdout piped for
+/// [`listening`].
+pub fn ledger_command(bin: impl AsRef<std::ffi::OsStr>, database_url: &str) -> std::process::Command {
+    let mut command = std::process::Command::new(bin);
+    command
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--max-connections",
+            "8",
+            "--database-url",
+            database_url,
+        ])
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped());
+    command
+}
+
+/// The base URL the ledger `child` (on `database_url`, started from
+/// [`ledger_command`]) listens at, once its stdout says so. The test fails,
+/// and `child` is killed, if it exits first or does not listen within
+/// 60 s. The rest of its stdout is read and dropped.
+pub fn listening(child: &mut std::process::Child, database_url: &str) -> String {
+    use std::time::Instant;
+    let rx = stdout_lines(child);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) else {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("the ledger on {database_url} exited at start: {status}");
+            }
+            continue;
+        };
+        if let Some(addr) = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("addr="))
+            .filter(|_| line.contains("ledger listening"))
+        {
+            return format!("http://{addr}");
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("the ledger on {database_url} did not start listening within 60 s");
 }
 
 /// The lines `child` writes to its piped stdout, taken from it, as they
