@@ -98,6 +98,16 @@ pub(crate) struct Stored {
 /// Runs the function's own macro `$read!(pool, text)` on a fresh pool of
 /// the run's engine, with the engine's `text` (`$pg`, `$my` or `$lite`:
 /// a placeholder, a column's cast).
+/// Every row `$p` reads on `$pool`, which is closed after.
+macro_rules! all_rows {
+    ($pool:expr, $p:literal) => {{
+        let pool = $pool;
+        let rows = sqlx::query_as($p).fetch_all(&pool).await?;
+        pool.close().await;
+        rows
+    }};
+}
+
 macro_rules! on_pool {
     ($db:expr, $read:ident, $pg:literal, $my:literal, $lite:literal) => {
         match &$db.admin {
@@ -264,17 +274,9 @@ impl Database {
 
     /// The multi-step operations: per key, the state.
     pub(crate) async fn operations(&self) -> Result<Vec<(String, String)>, Error> {
-        macro_rules! read {
-            ($pool:expr, $p:literal) => {{
-                let pool = $pool;
-                let rows = sqlx::query_as($p).fetch_all(&pool).await?;
-                pool.close().await;
-                rows
-            }};
-        }
         Ok(on_pool!(
             self,
-            read,
+            all_rows,
             "SELECT idem_key, state FROM idem_operations",
             "SELECT CAST(idem_key AS CHAR), CAST(state AS CHAR) FROM idem_operations",
             "SELECT idem_key, state FROM idem_operations"
@@ -283,17 +285,9 @@ impl Database {
 
     /// The held multi-step operations: id and key.
     pub(crate) async fn held_operations(&self) -> Result<Vec<(i64, String)>, Error> {
-        macro_rules! read {
-            ($pool:expr, $p:literal) => {{
-                let pool = $pool;
-                let rows = sqlx::query_as($p).fetch_all(&pool).await?;
-                pool.close().await;
-                rows
-            }};
-        }
         Ok(on_pool!(
             self,
-            read,
+            all_rows,
             "SELECT id, idem_key FROM idem_operations WHERE state = 'held' ORDER BY id",
             "SELECT id, CAST(idem_key AS CHAR) FROM idem_operations WHERE state = 'held' ORDER BY id",
             "SELECT id, idem_key FROM idem_operations WHERE state = 'held' ORDER BY id"

@@ -383,16 +383,31 @@ pub async fn steps_declared_failure_is_compensated_once<S: MultiStepSubject>(s: 
     assert_eq!((vendor.sends.load(Ordering::SeqCst), vendor.applied()), (1, 0));
 }
 
-/// An unknown outcome holds the operation: later calls answer held and send nothing.
-pub async fn steps_unknown_outcome_is_held<S: MultiStepSubject>(s: S) {
-    let clock = ManualClock::starting_now();
-    let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::Unknown]), effect_id());
+/// An operation whose payment's outcome is unknown, run once: held.
+async fn held_on_unknown<S: MultiStepSubject>(
+    s: &S,
+    clock: &ManualClock,
+) -> (
+    StepsEngine<S::Backend, S::Steps>,
+    Arc<Vendor>,
+    Withdrawal<S>,
+    Call,
+    String,
+) {
+    let (engine, vendor, eid) = (engine(s, clock), Vendor::scripted(&[Next::Unknown]), effect_id());
     let op = Withdrawal::<S>::new(vendor.clone());
     let call = new_call(&eid);
     assert_eq!(
         engine.execute(&op, &call, &eid).await.unwrap(),
         Finished::Held(HoldKind::Unknown)
     );
+    (engine, vendor, op, call, eid)
+}
+
+/// An unknown outcome holds the operation: later calls answer held and send nothing.
+pub async fn steps_unknown_outcome_is_held<S: MultiStepSubject>(s: S) {
+    let clock = ManualClock::starting_now();
+    let (engine, vendor, op, call, eid) = held_on_unknown(&s, &clock).await;
     clock.advance(std::time::Duration::from_millis(10 * LEASE_MS as u64));
     assert_eq!(
         engine.execute(&op, &call, &eid).await.unwrap(),
@@ -686,13 +701,7 @@ pub async fn steps_run_killed_at_each_boundary_resumes_once<S: MultiStepSubject>
 pub async fn steps_unknown_outcome_is_resolved_by_a_verdict<S: MultiStepSubject>(s: S) {
     for verdict in [Verdict::Applied, Verdict::NotApplied] {
         let clock = ManualClock::starting_now();
-        let (engine, vendor, eid) = (engine(&s, &clock), Vendor::scripted(&[Next::Unknown]), effect_id());
-        let op = Withdrawal::<S>::new(vendor.clone());
-        let call = new_call(&eid);
-        assert_eq!(
-            engine.execute(&op, &call, &eid).await.unwrap(),
-            Finished::Held(HoldKind::Unknown)
-        );
+        let (engine, vendor, op, call, eid) = held_on_unknown(&s, &clock).await;
         clock.advance(std::time::Duration::from_millis(2 * LEASE_MS as u64));
         let mut row = engine.store().find(call.scope(), call.key()).await.unwrap().unwrap();
         let settlement = Settlement {
