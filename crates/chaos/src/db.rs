@@ -55,7 +55,7 @@ pub(crate) struct Database {
 }
 
 /// Drops a run's database, even with sessions still connected (PostgreSQL).
-/// `name` is always `chaos_<digits>_<digits>`, made by `Database::create`.
+/// `name` is always `chaos_<digits>_<digits>_<digits>`, made by `Database::create`.
 fn drop_statement(engine: Engine, name: &str) -> String {
     match engine {
         Engine::Postgres => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
@@ -123,7 +123,11 @@ macro_rules! on_pool {
 
 impl Database {
     pub(crate) async fn create(config: &Config) -> Result<Self, Error> {
-        let name = format!("chaos_{}_{}", config.seed % 1_000_000_007, std::process::id());
+        // The run's number in this process too: runs of one test binary
+        // with one seed (`CHAOS_SEED`) on one engine never share a database.
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("chaos_{}_{}_{run}", config.seed % 1_000_000_007, std::process::id());
         Ok(match config.engine {
             Engine::Postgres => Database {
                 url: with_database(&config.postgres_url, &name),

@@ -1,8 +1,11 @@
-//! The gateway mode: two `idem gateway` processes on one shared store
-//! (PostgreSQL or Redis) in front of a counting upstream that is not
+//! The gateway mode: `idem gateway` processes (three by default) on one
+//! shared store (PostgreSQL or Redis) behind a local round-robin balancer
+//! ([`crate::balancer`]), in front of a counting upstream that is not
 //! idempotent at all, killed with `kill -9` and restarted, and stopped with
 //! SIGTERM, while clients of several tenants retry each logical request
-//! through either gateway, with the same keys across tenants.
+//! through the balancer, with the same keys across tenants. A connection an
+//! instance refuses (it is down) goes to the next one; a request in flight
+//! on a killed instance is lost with its connection, and retried.
 //!
 //! The upstream numbers every call it applies (an effect) and answers with
 //! that number and the tenant it saw; some calls are slow, and a few apply
@@ -37,11 +40,13 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::Error;
+use crate::balancer::{Balancer, BalancerCounts};
 use crate::gwprocs::{Gateways, Instance, start_upstream};
 pub use crate::gwprocs::{idem_binary, idem_fault_binary};
+use crate::proxy::{Proxy, ProxyOdds};
 use crate::rng::Rng;
 
-/// The store both gateways share.
+/// The store the gateways share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GatewayStore {
     /// PostgreSQL (the default keys table of the test database).
@@ -87,6 +92,8 @@ pub struct GatewayConfig {
     pub tenants: usize,
     /// Mean milliseconds between faults (a kill or a SIGTERM).
     pub fault_interval_ms: u64,
+    /// Gateway processes behind the balancer.
+    pub instances: usize,
     /// The `idem` binary; built with cargo if absent.
     pub idem_bin: Option<PathBuf>,
     /// PostgreSQL URL.
@@ -107,7 +114,8 @@ pub struct GatewayConfig {
 }
 
 impl GatewayConfig {
-    /// Defaults: 8 clients, 4 tenants, 2,000 operations, a fault every 1.5 s.
+    /// Defaults: three gateways, 8 clients, 4 tenants, 2,000 operations, a
+    /// fault every 1.5 s.
     pub fn new(store: GatewayStore, seed: u64) -> Self {
         Self {
             store,
@@ -116,6 +124,7 @@ impl GatewayConfig {
             clients: 8,
             tenants: 4,
             fault_interval_ms: 1_500,
+            instances: 3,
             idem_bin: std::env::var("CHAOS_IDEM_BIN").ok().map(PathBuf::from),
             postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
@@ -134,6 +143,8 @@ pub struct GatewayReport {
     pub seed: u64,
     /// The store.
     pub store: String,
+    /// Gateway processes behind the balancer.
+    pub instances: usize,
     /// Logical operations.
     pub ops: u64,
     /// Operations answered 201 (first or replayed).
@@ -163,7 +174,15 @@ pub struct GatewayReport {
     pub held_unapplied: u64,
     /// `kill -9` of a gateway.
     pub kills: u64,
-    /// Times both gateways were killed while the upstream worked on a
+    /// `kill -9` of each gateway, by instance.
+    pub kills_per_instance: Vec<u64>,
+    /// SIGTERM of each gateway, by instance.
+    pub sigterms_per_instance: Vec<u64>,
+    /// Requests the balancer forwarded to each gateway, the connections
+    /// each refused while down (passed on to the next), and those no
+    /// gateway accepted.
+    pub balancer: BalancerCounts,
+    /// Times every gateway was killed while the upstream worked on a
     /// request (the first fault of every run).
     pub mid_request_kills: u64,
     /// SIGTERM of a gateway.
@@ -263,7 +282,7 @@ async fn attempt(client: &reqwest::Client, base: &str, op: &Op, patience: Option
     }
 }
 
-/// Sends `op` until it is answered or held, through either gateway, for
+/// Sends `op` until it is answered or held, through any of `bases`, for
 /// at most `deadline`; answers read go to `seen`. Cross-tenant answers are
 /// violations.
 #[allow(clippy::too_many_arguments)]
@@ -373,21 +392,31 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         instances: Vec::new(),
         skip_sent_mark: config.break_sent_mark,
     };
-    for _ in 0..2 {
+    let n = config.instances.max(1);
+    while gateways.instances.len() < n {
         let port = crate::free_port().await?;
-        gateways.instances.push(Instance { port, child: None });
+        if gateways.instances.iter().all(|g| g.port != port) {
+            gateways.instances.push(Instance { port, child: None });
+        }
     }
-    for i in 0..2 {
+    for i in 0..n {
         gateways.start(i).await?;
     }
-    let bases: Vec<String> = gateways
-        .instances
-        .iter()
-        .map(|g| format!("http://127.0.0.1:{}", g.port))
-        .collect();
+    // Every client goes through the balancer: a plain pass-through (no
+    // faults of its own) to the next gateway that is up.
+    let balancer = Balancer::new(
+        gateways
+            .instances
+            .iter()
+            .map(|g| ([127, 0, 0, 1], g.port).into())
+            .collect(),
+    );
+    let front = Proxy::start(balancer.clone(), ProxyOdds::NONE, Rng::new(config.seed)).await?;
+    let bases = vec![format!("http://{}", front.addr)];
     let mut report = GatewayReport {
         seed: config.seed,
         store: config.store.name().to_owned(),
+        instances: n,
         ..GatewayReport::default()
     };
 
@@ -423,7 +452,8 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         .pool_max_idle_per_host(0)
         .build()?;
 
-    // Faults: kill -9 (mostly) or SIGTERM one gateway, restart it.
+    // Faults: kill -9 (mostly) or SIGTERM one gateway drawn at random,
+    // restart it.
     let stop = Arc::new(AtomicBool::new(false));
     let faults = {
         let stop = stop.clone();
@@ -431,8 +461,8 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         let interval = config.fault_interval_ms;
         let slow_in_flight = upstream.slow_in_flight.clone();
         tokio::spawn(async move {
-            let (mut kills, mut sigterms, mut restarts) = (0u64, 0u64, 0u64);
-            // First, by construction: both gateways killed while the upstream
+            let (mut kills, mut sigterms, mut restarts) = (vec![0u64; n], vec![0u64; n], 0u64);
+            // First, by construction: every gateway killed while the upstream
             // works on a request, so a request that may have been applied is
             // cut off from its answer in every run.
             let mut mid_request_kills = 0u64;
@@ -443,15 +473,15 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             if slow_in_flight.load(Ordering::SeqCst) > 0 {
-                for i in 0..2 {
+                for (i, k) in kills.iter_mut().enumerate() {
                     gateways.signal(i, "-KILL");
-                    kills += 1;
+                    *k += 1;
                 }
-                for i in 0..2 {
+                for i in 0..n {
                     gateways.wait_exit(i, Duration::from_secs(5)).await;
                 }
                 mid_request_kills += 1;
-                for i in 0..2 {
+                for i in 0..n {
                     if gateways.start(i).await.is_ok() {
                         restarts += 1;
                     }
@@ -462,14 +492,14 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
                 if stop.load(Ordering::SeqCst) {
                     break;
                 }
-                let i = rng.range(0, 2) as usize;
+                let i = rng.range(0, n as u64) as usize;
                 if rng.chance(0.25) {
                     gateways.signal(i, "-TERM");
-                    sigterms += 1;
+                    sigterms[i] += 1;
                     gateways.wait_exit(i, Duration::from_secs(15)).await;
                 } else {
                     gateways.signal(i, "-KILL");
-                    kills += 1;
+                    kills[i] += 1;
                     gateways.wait_exit(i, Duration::from_secs(5)).await;
                 }
                 tokio::time::sleep(Duration::from_millis(rng.range(50, 500))).await;
@@ -548,11 +578,13 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
         let _ = attack.await;
     }
     report.store_faults = store_counts.report();
-    report.kills = kills;
+    report.kills = kills.iter().sum();
+    report.kills_per_instance = kills;
+    report.sigterms = sigterms.iter().sum();
+    report.sigterms_per_instance = sigterms;
     report.mid_request_kills = mid_request_kills;
-    report.sigterms = sigterms;
     report.restarts = restarts;
-    for i in 0..2 {
+    for i in 0..n {
         if gateways.instances[i].child.is_none() {
             gateways.start(i).await?;
         }
@@ -583,10 +615,12 @@ pub async fn run_gateway(config: GatewayConfig) -> Result<GatewayReport, Error> 
             .await;
         }
     }
-    for i in 0..2 {
+    for i in 0..n {
         gateways.signal(i, "-TERM");
         gateways.wait_exit(i, Duration::from_secs(15)).await;
     }
+    report.balancer = balancer.counts();
+    drop(front);
     let _ = std::fs::remove_file(&config_path);
     if config.idem_bin.is_none() || config.break_sent_mark {
         // The run's own copy of the binary.

@@ -1,5 +1,5 @@
 //! The gateway mode's processes: the `idem` binary (built, or built with
-//! fault injection), the counting upstream, and the two gateway processes
+//! fault injection), the counting upstream, and the gateway processes
 //! that are killed, stopped and restarted.
 
 use std::collections::HashMap;

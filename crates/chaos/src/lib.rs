@@ -19,8 +19,14 @@
 //! paused past their lease; at the end every dead letter is redriven and each
 //! committed payout must be paid exactly once at the vendor.
 //!
+//! With `--instances N` the ledger runs as N server processes on the one
+//! database, behind a local round-robin balancer ([`balancer`]) in the fault
+//! proxy; every kill and pause strikes one instance drawn at random, and
+//! the report counts kills and requests per instance.
+//!
 //! Run: `cargo run --release -p chaos -- --engine postgres --ops 20000`.
 
+pub mod balancer;
 mod check;
 mod db;
 pub mod dlqkill;
@@ -44,9 +50,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::balancer::{Balancer, BalancerCounts};
 use crate::proxy::{Proxy, ProxyOdds};
 use crate::rng::Rng;
-use crate::service::Service;
+use crate::service::Instances;
 
 pub use db::Engine;
 
@@ -146,6 +153,8 @@ pub struct Config {
     /// processes at a fake vendor under faults, kill and pause the workers,
     /// and check the payouts.
     pub payouts: bool,
+    /// Ledger server processes on the database, behind the balancer.
+    pub instances: usize,
 }
 
 impl Config {
@@ -168,6 +177,7 @@ impl Config {
             events: true,
             nats_server: std::env::var("CHAOS_NATS_SERVER").unwrap_or_else(|_| "nats-server".into()),
             payouts: true,
+            instances: 1,
         }
     }
 }
@@ -223,6 +233,34 @@ pub struct FaultCounts {
     pub store_faults: BTreeMap<String, u64>,
 }
 
+/// What happened to one ledger instance.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct InstanceCounts {
+    /// The port it listened on.
+    pub port: u16,
+    /// Requests the balancer forwarded to it.
+    pub served: u64,
+    /// Connections it refused (it was down) that went to the next instance.
+    pub refused: u64,
+    /// `kill -9` at random moments.
+    pub random_kills: u64,
+    /// `kill -9` at fixed fractions of the workload.
+    pub scheduled_kills: u64,
+    /// `kill -9` at named fault points (all points).
+    pub fault_point_kills: u64,
+    /// Pauses.
+    pub pauses: u64,
+    /// Restarts.
+    pub restarts: u64,
+}
+
+impl InstanceCounts {
+    /// Every kill of this instance.
+    pub fn kills(&self) -> u64 {
+        self.random_kills + self.scheduled_kills + self.fault_point_kills
+    }
+}
+
 impl FaultCounts {
     /// Every kill of the service.
     pub fn kills(&self) -> u64 {
@@ -239,6 +277,12 @@ pub struct Report {
     pub engine: String,
     /// Clients.
     pub clients: usize,
+    /// Ledger server processes behind the balancer.
+    pub instances: usize,
+    /// Per instance: requests served, kills, pauses, restarts.
+    pub per_instance: Vec<InstanceCounts>,
+    /// Connections no instance accepted (all of them down at once).
+    pub balancer_none_up: u64,
     /// Faults switched on.
     pub faults_enabled: Faults,
     /// Whether the claim was switched off.
@@ -323,7 +367,15 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let started = Instant::now();
     let bin = ledger_binary(config.ledger_bin.as_ref())?;
     let database = db::Database::create(&config).await?;
-    let port = free_port().await?;
+    let instances_n = config.instances.max(1);
+    let mut ports = Vec::with_capacity(instances_n);
+    while ports.len() < instances_n {
+        let port = free_port().await?;
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    let port = ports[0];
     let mut env = Vec::new();
     if config.faults.fault_points {
         env.push((
@@ -342,10 +394,26 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         }
     };
     env.extend(store_env(STORE_FAULT_RATE));
-    let log = std::env::temp_dir().join(format!("chaos-ledger-{}-{}.log", config.seed, std::process::id()));
-    let service = Service::start(&bin, port, &database.url, env, log).await?;
+    let log = |i: usize| {
+        let tag = if instances_n == 1 {
+            String::new()
+        } else {
+            // The port too: two runs of one process with one seed write
+            // logs of their own.
+            format!("i{i}-{}.", ports[i])
+        };
+        std::env::temp_dir().join(format!("chaos-ledger-{}-{}.{tag}log", config.seed, std::process::id()))
+    };
+    // One instance keeps the pool it always had; several get 8 connections
+    // each, so that three of them and the workers fit a server's default
+    // limit (PostgreSQL's 100).
+    let max_connections = if instances_n == 1 { 16 } else { 8 };
+    let instances = Arc::new(Instances::start(&bin, &ports, &database.url, env, max_connections, log).await?);
+    // The first instance is the harness's direct line (the workload's health
+    // check, the audit, the payouts' settling), used once it is healthy.
+    let service = instances.first().clone();
     let mut rng = Rng::new(config.seed);
-    let upstream: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let balancer = Balancer::new(ports.iter().map(|p| ([127, 0, 0, 1], *p).into()).collect());
     let odds = if config.faults.proxy {
         ProxyOdds {
             drop_response: 0.06,
@@ -353,13 +421,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
             delay: 0.05,
         }
     } else {
-        ProxyOdds {
-            drop_response: 0.0,
-            cut_request: 0.0,
-            delay: 0.0,
-        }
+        ProxyOdds::NONE
     };
-    let proxy = Proxy::start(upstream, odds, rng.fork(1)).await?;
+    let proxy = Proxy::start(balancer.clone(), odds, rng.fork(1)).await?;
 
     let calm = Arc::new(AtomicBool::new(false));
     let progress = Arc::new(progress::Progress::new(config.ops));
@@ -370,9 +434,12 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     let event_faults = Arc::new(tokio::sync::Mutex::new(events::EventFaults::default()));
     let mut event_side = None;
     if config.events {
-        let dir = std::env::temp_dir().join(format!("chaos-nats-{}-{}", config.seed, std::process::id()));
+        // Named by its port too: runs of one test binary with one seed
+        // (`CHAOS_SEED`) each have a store of their own.
+        let nats_port = free_port().await?;
+        let dir = std::env::temp_dir().join(format!("chaos-nats-{}-{}-{nats_port}", config.seed, std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let nats = events::Nats::start(&config.nats_server, free_port().await?, &dir).await?;
+        let nats = events::Nats::start(&config.nats_server, nats_port, &dir).await?;
         let log = std::env::temp_dir().join(format!("chaos-events-{}-{}", config.seed, std::process::id()));
         let workers = Arc::new(events::Workers::start(&bin, &database.url, &nats.url(), &log).await?);
         let (w, n, c, r, f) = (
@@ -423,12 +490,16 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         payout_side = Some((vendor, workers));
     }
     if config.faults.kills {
-        let (service, calm, mut r, mean) = (service.clone(), calm.clone(), rng.fork(2), config.kill_interval_ms);
+        let (instances, calm, mut r, mean) = (instances.clone(), calm.clone(), rng.fork(2), config.kill_interval_ms);
+        let config_seed = config.seed;
         background.push(tokio::spawn(async move {
+            let mut pick = victims(config_seed, 2);
             while !calm.load(Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_millis(r.range(mean / 2, mean * 3 / 2 + 1))).await;
-                if !calm.load(Ordering::SeqCst) && service.kill() {
-                    service.counts.random_kills.fetch_add(1, Ordering::SeqCst);
+                if !calm.load(Ordering::SeqCst)
+                    && let Some(i) = instances.kill_any(&mut pick)
+                {
+                    instances.services[i].counts.random_kills.fetch_add(1, Ordering::SeqCst);
                 }
             }
         }));
@@ -436,7 +507,12 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if config.faults.kills {
         // Besides the random kills, one at each quarter of the workload:
         // the kills a run promises do not depend on how long it lasts.
-        let (service, calm, progress) = (service.clone(), calm.clone(), progress.clone());
+        let (instances, calm, progress, mut pick) = (
+            instances.clone(),
+            calm.clone(),
+            progress.clone(),
+            victims(config.seed, 9),
+        );
         background.push(tokio::spawn(async move {
             for fraction in [0.25, 0.5, 0.75] {
                 if !progress.wait_for(fraction, &calm).await {
@@ -444,23 +520,33 @@ pub async fn run(config: Config) -> Result<Report, Error> {
                 }
                 // Between a kill and the restart there is no process to
                 // kill: try again until one is.
-                while !service.kill() {
-                    if service.broken() {
+                loop {
+                    if let Some(i) = instances.kill_any(&mut pick) {
+                        instances.services[i]
+                            .counts
+                            .scheduled_kills
+                            .fetch_add(1, Ordering::SeqCst);
+                        break;
+                    }
+                    if instances.broken() {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                service.counts.scheduled_kills.fetch_add(1, Ordering::SeqCst);
             }
         }));
     }
     if config.faults.pauses {
-        let (service, calm, mut r) = (service.clone(), calm.clone(), rng.fork(3));
+        let (instances, calm, mut r, mut pick) =
+            (instances.clone(), calm.clone(), rng.fork(3), victims(config.seed, 3));
         background.push(tokio::spawn(async move {
             while !calm.load(Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_millis(r.range(2_000, 5_000))).await;
-                if !calm.load(Ordering::SeqCst) && service.pause(Duration::from_millis(r.range(200, 1_500))).await {
-                    service.counts.pauses.fetch_add(1, Ordering::SeqCst);
+                let d = Duration::from_millis(r.range(200, 1_500));
+                if !calm.load(Ordering::SeqCst)
+                    && let Some(i) = instances.pause_any(&mut pick, d).await
+                {
+                    instances.services[i].counts.pauses.fetch_add(1, Ordering::SeqCst);
                 }
             }
         }));
@@ -505,7 +591,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     for task in background {
         let _ = task.await;
     }
-    service.wait_healthy(Duration::from_secs(120)).await?;
+    instances.wait_healthy(Duration::from_secs(120)).await?;
     phase("quiesce");
     let outcome = outcome?;
     let mut violations = outcome.violations.clone();
@@ -550,23 +636,48 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         vendor.stop();
     }
     phase("events_and_stop");
-    service.stop().await;
-    for (fault, n) in service.counts.store_faults.lock().await.iter() {
-        *store_faults.entry(fault.clone()).or_default() += n;
-    }
+    instances.stop().await;
+    drop(service);
     let pc = &proxy.counts;
-    let faults = FaultCounts {
+    let mut faults = FaultCounts {
         responses_dropped: pc.responses_dropped.load(Ordering::SeqCst),
         connections_cut: pc.connections_cut.load(Ordering::SeqCst),
         delays: pc.delays.load(Ordering::SeqCst),
-        random_kills: service.counts.random_kills.load(Ordering::SeqCst),
-        scheduled_kills: service.counts.scheduled_kills.load(Ordering::SeqCst),
-        fault_point_kills: service.counts.fault_point_kills.lock().await.clone(),
         sessions_killed: sessions_killed.load(Ordering::SeqCst),
-        pauses: service.counts.pauses.load(Ordering::SeqCst),
-        restarts: service.counts.restarts.load(Ordering::SeqCst),
-        store_faults,
+        ..FaultCounts::default()
     };
+    let BalancerCounts {
+        served,
+        refused,
+        none_up: balancer_none_up,
+    } = balancer.counts();
+    let mut per_instance = Vec::with_capacity(instances_n);
+    for (i, s) in instances.services.iter().enumerate() {
+        let c = &s.counts;
+        for (fault, n) in c.store_faults.lock().await.iter() {
+            *store_faults.entry(fault.clone()).or_default() += n;
+        }
+        let points = c.fault_point_kills.lock().await.clone();
+        for (point, n) in &points {
+            *faults.fault_point_kills.entry(point.clone()).or_default() += n;
+        }
+        let counts = InstanceCounts {
+            port: s.port,
+            served: served[i],
+            refused: refused[i],
+            random_kills: c.random_kills.load(Ordering::SeqCst),
+            scheduled_kills: c.scheduled_kills.load(Ordering::SeqCst),
+            fault_point_kills: points.values().sum(),
+            pauses: c.pauses.load(Ordering::SeqCst),
+            restarts: c.restarts.load(Ordering::SeqCst),
+        };
+        faults.random_kills += counts.random_kills;
+        faults.scheduled_kills += counts.scheduled_kills;
+        faults.pauses += counts.pauses;
+        faults.restarts += counts.restarts;
+        per_instance.push(counts);
+    }
+    faults.store_faults = store_faults;
     if !config.keep_db {
         database.drop_database().await;
     }
@@ -593,6 +704,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         seed: config.seed,
         engine: config.engine.name().to_owned(),
         clients: config.clients,
+        instances: instances_n,
+        per_instance,
+        balancer_none_up,
         faults_enabled: config.faults,
         break_idempotency: config.break_idempotency,
         counts: outcome.counts,
@@ -628,6 +742,13 @@ fn process_logs(seed: u64) -> Vec<PathBuf> {
         .collect();
     logs.sort();
     logs
+}
+
+/// The stream that draws which instance a kind of fault strikes: apart from
+/// the run's other streams, so that adding instances changes no other
+/// decision of a seed's schedule.
+fn victims(seed: u64, kind: u64) -> Rng {
+    Rng::new(seed ^ 0x1A57_A4CE_0000_0000 ^ kind)
 }
 
 async fn free_port() -> Result<u16, Error> {

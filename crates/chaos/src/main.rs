@@ -65,10 +65,17 @@ struct Args {
     /// No payouts (payout workers, the fake vendor and its faults).
     #[arg(long)]
     no_payouts: bool,
-    /// The gateway mode instead of the ledger: two `idem gateway`
-    /// processes on one shared store (postgres or redis), killed and
-    /// SIGTERMed, in front of a counting upstream (`--ops`, `--clients`,
-    /// `--seed`, `--kill-interval-ms` apply).
+    /// Server processes behind a local round-robin balancer, each killed
+    /// and paused on its own: ledger servers on the one database (default
+    /// 1), or `idem gateway` processes on the one store (default 3). The
+    /// withdrawals mode runs one.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16))]
+    instances: Option<u64>,
+    /// The gateway mode instead of the ledger: `idem gateway` processes
+    /// (`--instances`, 3) on one shared store (postgres or redis) behind a
+    /// round-robin balancer, killed and SIGTERMed, in front of a counting
+    /// upstream (`--ops`, `--clients`, `--seed`, `--kill-interval-ms`
+    /// apply).
     #[arg(long)]
     gateway: Option<chaos::gateway::GatewayStore>,
     /// Tenants of the gateway mode (keys repeat across them).
@@ -141,6 +148,9 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     config.clients = args.clients as usize;
     config.tenants = args.tenants as usize;
     config.fault_interval_ms = args.kill_interval_ms;
+    if let Some(n) = args.instances {
+        config.instances = n as usize;
+    }
     if args.idem_bin.is_some() {
         config.idem_bin.clone_from(&args.idem_bin);
     }
@@ -152,7 +162,7 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
     println!(
         "chaos: gateway on {}: seed {seed}: {} ops ({} answered, {} held, {} unanswered), {} effects, {} kills, \
          {} SIGTERMs, store: {} refusal windows ({} ms), {} sessions killed; {} keys applied twice, {} held keys \
-         never applied: {} violation(s)",
+         never applied; per instance: kills {:?}, requests {:?}: {} violation(s)",
         report.store,
         report.ops,
         report.ok,
@@ -166,6 +176,8 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
         report.store_faults.sessions_killed,
         report.reapplied,
         report.held_unapplied,
+        report.kills_per_instance,
+        report.balancer.served,
         report.violations.len()
     );
     if report.violations.is_empty() {
@@ -200,6 +212,9 @@ async fn main() -> std::process::ExitCode {
         return gateway(store, seed, &args).await;
     }
     if args.withdrawals {
+        if args.instances.is_some_and(|n| n > 1) {
+            return failed("the withdrawals mode runs one ledger instance (--instances 1)");
+        }
         return withdrawals(seed, &args).await;
     }
     println!("chaos: engine {} seed {seed}", args.engine.name());
@@ -212,6 +227,7 @@ async fn main() -> std::process::ExitCode {
     config.kill_interval_ms = args.kill_interval_ms;
     config.events = !args.no_events;
     config.payouts = !args.no_payouts;
+    config.instances = args.instances.unwrap_or(1) as usize;
     config.faults = Faults {
         proxy: !args.no_proxy,
         kills: !args.no_kills,
@@ -229,7 +245,8 @@ async fn main() -> std::process::ExitCode {
     println!(
         "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed, \
          {} store faults, {} payouts committed ({} paid, {} cancelled, {} dead-lettered then redriven), \
-         {} payout worker kills, {} dlq redrives killed mid-send ({} refunds refused): {} violation(s)",
+         {} payout worker kills, {} dlq redrives killed mid-send ({} refunds refused); per instance: kills {:?}, \
+         requests {:?}: {} violation(s)",
         report.counts.ops,
         report.counts.ok,
         report.counts.rejected,
@@ -245,6 +262,8 @@ async fn main() -> std::process::ExitCode {
         report.payout_faults.worker_kills,
         report.payouts.redrive_kills.killed,
         report.payouts.redrive_kills.cancels_refused,
+        report.per_instance.iter().map(|i| i.kills()).collect::<Vec<_>>(),
+        report.per_instance.iter().map(|i| i.served).collect::<Vec<_>>(),
         report.violations.len()
     );
     if report.violations.is_empty() {

@@ -1,7 +1,9 @@
 //! A TCP fault proxy between the clients and the ledger. Each client request
 //! uses its own connection, so each connection's fate is one request's fate:
 //! passed through, delayed, cut mid-request, or answered by the service and
-//! then dropped before the client hears the response.
+//! then dropped before the client hears the response. Behind it a
+//! [`Balancer`] picks the instance each connection goes to (with one
+//! instance, always that one).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 
+use crate::balancer::Balancer;
 use crate::rng::Rng;
 
 /// How often each fault strikes a connection.
@@ -22,6 +25,15 @@ pub struct ProxyOdds {
     pub cut_request: f64,
     /// The request is delayed before it is forwarded.
     pub delay: f64,
+}
+
+impl ProxyOdds {
+    /// No fault: every connection passes through.
+    pub const NONE: ProxyOdds = ProxyOdds {
+        drop_response: 0.0,
+        cut_request: 0.0,
+        delay: 0.0,
+    };
 }
 
 /// What the proxy did.
@@ -55,8 +67,8 @@ enum Fate {
 }
 
 impl Proxy {
-    /// Starts a proxy to `upstream`.
-    pub async fn start(upstream: std::net::SocketAddr, odds: ProxyOdds, rng: Rng) -> std::io::Result<Self> {
+    /// Starts a proxy to the instances of `upstream`.
+    pub async fn start(upstream: Arc<Balancer>, odds: ProxyOdds, rng: Rng) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let counts = Arc::new(ProxyCounts::default());
@@ -81,7 +93,7 @@ impl Proxy {
                     } else {
                         Fate::Pass
                     };
-                    tokio::spawn(serve(client, upstream, fate, counts.clone()));
+                    tokio::spawn(serve(client, upstream.clone(), fate, counts.clone()));
                 }
             })
         };
@@ -105,9 +117,9 @@ impl Drop for Proxy {
     }
 }
 
-async fn serve(mut client: TcpStream, upstream: std::net::SocketAddr, fate: Fate, counts: Arc<ProxyCounts>) {
-    let Ok(mut server) = TcpStream::connect(upstream).await else {
-        // The service is down (killed, restarting): the client sees the
+async fn serve(mut client: TcpStream, upstream: Arc<Balancer>, fate: Fate, counts: Arc<ProxyCounts>) {
+    let Some((_, mut server)) = upstream.connect().await else {
+        // Every instance is down (killed, restarting): the client sees the
         // connection close and retries.
         return;
     };

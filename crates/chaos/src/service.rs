@@ -46,6 +46,10 @@ fn store_fault(line: &str) -> Option<String> {
     Some(format!("{}/{}", call?, fault?))
 }
 
+/// The fault seeds one instance's lives draw from (its `n`-th life runs
+/// with `index * FAULT_SEEDS_PER_INSTANCE + n`): instances never share one.
+const FAULT_SEEDS_PER_INSTANCE: u64 = 1 << 32;
+
 /// A supervised ledger process.
 pub struct Service {
     bin: PathBuf,
@@ -57,6 +61,11 @@ pub struct Service {
     worker: Option<Vec<String>>,
     /// Arguments after the database's (the vendors of withdrawals).
     extra: Vec<String>,
+    /// Its index among instances on one database (0 when alone): its fault
+    /// points draw a sequence of their own.
+    index: u64,
+    /// Its database pool's size.
+    max_connections: u32,
     pid: AtomicU32,
     stopping: AtomicBool,
     ready: Notify,
@@ -99,13 +108,28 @@ impl Service {
         extra: Vec<String>,
         log: PathBuf,
     ) -> Arc<Self> {
-        let service = Arc::new(Service {
+        Self::new(bin, port, database_url, env, worker, extra, log).supervise_from_now()
+    }
+
+    /// A service not started yet: instance 0, a pool of 16 connections.
+    fn new(
+        bin: &Path,
+        port: u16,
+        database_url: &str,
+        env: Vec<(String, String)>,
+        worker: Option<Vec<String>>,
+        extra: Vec<String>,
+        log: PathBuf,
+    ) -> Self {
+        Service {
             bin: bin.to_owned(),
             port,
             database_url: database_url.to_owned(),
             env,
             worker,
             extra,
+            index: 0,
+            max_connections: 16,
             pid: AtomicU32::new(0),
             stopping: AtomicBool::new(false),
             ready: Notify::new(),
@@ -113,7 +137,12 @@ impl Service {
             spawn_failures: AtomicU64::new(0),
             counts: ServiceCounts::default(),
             log,
-        });
+        }
+    }
+
+    /// Starts its supervisor.
+    fn supervise_from_now(self) -> Arc<Self> {
+        let service = Arc::new(self);
         tokio::spawn(service.clone().supervise());
         service
     }
@@ -128,6 +157,29 @@ impl Service {
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
         let service = Self::supervised(bin, port, database_url, env, None, log);
+        service.wait_healthy(Duration::from_secs(120)).await?;
+        Ok(service)
+    }
+
+    /// [`start`](Self::start) for the instance `index` of several servers on
+    /// one database: its fault points draw a sequence of their own, and its
+    /// pool holds `max_connections` (so that all of them fit the server's
+    /// connection limit).
+    pub async fn start_instance(
+        bin: &Path,
+        port: u16,
+        database_url: &str,
+        env: Vec<(String, String)>,
+        log: PathBuf,
+        index: u64,
+        max_connections: u32,
+    ) -> Result<Arc<Self>, Error> {
+        let service = Service {
+            index,
+            max_connections,
+            ..Self::new(bin, port, database_url, env, None, Vec::new(), log)
+        }
+        .supervise_from_now();
         service.wait_healthy(Duration::from_secs(120)).await?;
         Ok(service)
     }
@@ -179,11 +231,14 @@ impl Service {
                 Some(args) => cmd.args(args),
             };
             cmd.args(["--database-url", &self.database_url])
-                .args(["--max-connections", "16"])
+                .args(["--max-connections", &self.max_connections.to_string()])
                 .args(&self.extra)
                 .env("RUST_LOG", "warn")
                 .envs(self.env.iter().cloned())
-                .env("LEDGER_FAULT_SEED", generation.to_string())
+                .env(
+                    "LEDGER_FAULT_SEED",
+                    (generation + self.index * FAULT_SEEDS_PER_INSTANCE).to_string(),
+                )
                 .stdin(Stdio::null())
                 .stdout(match log.as_ref().ok().and_then(|f| f.try_clone().ok()) {
                     Some(f) => Stdio::from(f),
@@ -306,6 +361,92 @@ impl Service {
         let pid = self.pid.load(Ordering::SeqCst);
         if pid != 0 {
             signal(pid, "-9");
+        }
+    }
+}
+
+/// Several ledger servers on one database, each supervised on its own
+/// (killed and restarted apart from the others), behind one
+/// [`Balancer`](crate::balancer::Balancer).
+pub struct Instances {
+    /// The instances, by index.
+    pub services: Vec<Arc<Service>>,
+}
+
+impl Instances {
+    /// Starts one server per port on `database_url`, one after the other
+    /// (the first one migrates the database), each healthy before the next
+    /// starts; `log(i)` is the log file of instance `i`; each pool holds
+    /// `max_connections`.
+    pub async fn start(
+        bin: &Path,
+        ports: &[u16],
+        database_url: &str,
+        env: Vec<(String, String)>,
+        max_connections: u32,
+        log: impl Fn(usize) -> PathBuf,
+    ) -> Result<Self, Error> {
+        let mut services = Vec::with_capacity(ports.len());
+        for (i, port) in ports.iter().enumerate() {
+            services.push(
+                Service::start_instance(bin, *port, database_url, env.clone(), log(i), i as u64, max_connections)
+                    .await?,
+            );
+        }
+        Ok(Self { services })
+    }
+
+    /// The first instance (the harness's direct line: audit, payouts).
+    pub fn first(&self) -> &Arc<Service> {
+        &self.services[0]
+    }
+
+    /// The indexes of the instances running now.
+    fn running(&self) -> Vec<usize> {
+        (0..self.services.len())
+            .filter(|i| self.services[*i].pid.load(Ordering::SeqCst) != 0)
+            .collect()
+    }
+
+    /// Kills (SIGKILL) one running instance drawn at random; answers its
+    /// index, or `None` if none was running.
+    pub fn kill_any(&self, rng: &mut crate::rng::Rng) -> Option<usize> {
+        let running = self.running();
+        if running.is_empty() {
+            return None;
+        }
+        let i = running[rng.range(0, running.len() as u64) as usize];
+        self.services[i].kill().then_some(i)
+    }
+
+    /// Pauses one running instance drawn at random for `d`; answers its
+    /// index, or `None` if none was running.
+    pub async fn pause_any(&self, rng: &mut crate::rng::Rng, d: Duration) -> Option<usize> {
+        let running = self.running();
+        if running.is_empty() {
+            return None;
+        }
+        let i = running[rng.range(0, running.len() as u64) as usize];
+        self.services[i].pause(d).await.then_some(i)
+    }
+
+    /// Waits until every instance answers `/healthz`.
+    pub async fn wait_healthy(&self, within: Duration) -> Result<(), Error> {
+        for s in &self.services {
+            s.wait_healthy(within).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether some instance can no longer be started.
+    pub fn broken(&self) -> bool {
+        self.services.iter().any(|s| s.broken())
+    }
+
+    /// Stops every instance for good.
+    pub async fn stop(&self) {
+        for s in &self.services {
+            s.stop().await;
         }
     }
 }

@@ -1,6 +1,7 @@
-//! A short gateway chaos run on PostgreSQL and on Redis: two `idem gateway`
-//! processes on one store, killed with `kill -9` and SIGTERMed while
-//! clients of several tenants retry through both. No recorded key is
+//! A short gateway chaos run on PostgreSQL and on Redis: three `idem gateway`
+//! processes on one store behind a round-robin balancer, killed with
+//! `kill -9` and SIGTERMed while clients of several tenants retry through
+//! the balancer. No recorded key is
 //! applied twice, no caller reads another tenant's answer, and every
 //! operation is answered once the faults stop — while the store refuses
 //! writes for moments and has its connections killed. Seeds come from
@@ -26,7 +27,31 @@ async fn short_run(store: GatewayStore) -> GatewayReport {
         .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert!(report.violations.is_empty(), "seed {seed}: {:#?}", report.violations);
-    assert!(report.kills >= 2, "seed {seed}: only {} kills", report.kills);
+    assert!(report.kills >= 3, "seed {seed}: only {} kills", report.kills);
+    assert_eq!(report.instances, 3, "seed {seed}");
+    // Every gateway killed (all three at once mid-request, by construction),
+    // and at least one more kill of a gateway drawn at random.
+    assert!(
+        report.kills_per_instance.len() == 3 && report.kills_per_instance.iter().all(|k| *k >= 1),
+        "seed {seed}: kills per instance {:?}",
+        report.kills_per_instance
+    );
+    assert!(
+        report.kills + report.sigterms > 3,
+        "seed {seed}: no gateway killed or stopped at random: {:?} {:?}",
+        report.kills_per_instance,
+        report.sigterms_per_instance
+    );
+    assert!(
+        report.balancer.served.len() == 3 && report.balancer.served.iter().all(|n| *n > 0),
+        "seed {seed}: a gateway served no request: {:?}",
+        report.balancer
+    );
+    assert!(
+        report.balancer.refused.iter().sum::<u64>() > 0,
+        "seed {seed}: no connection met a dead gateway and went on to the next: {:?}",
+        report.balancer
+    );
     assert_eq!(
         report.mid_request_kills, 1,
         "seed {seed}: the gateways were not killed mid-request"

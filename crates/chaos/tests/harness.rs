@@ -6,7 +6,10 @@
 //! committed event published and applied exactly once. So do payouts: two
 //! payout workers killed and paused past their lease, a vendor dropping
 //! answers after paying, failing and refusing connections, every dead letter
-//! redriven at the end, each committed payout paid exactly once.
+//! redriven at the end, each committed payout paid exactly once. Three
+//! ledger instances on one database behind the balancer, killed one at a
+//! time at random, hold the same properties, and the checker still catches
+//! the claim switched off on all three.
 
 use chaos::{Config, Engine, Report};
 
@@ -159,5 +162,131 @@ async fn checker_catches_broken_idempotency() {
         doubles > 0,
         "seed {seed}: no double application reported: {:#?}",
         report.violations
+    );
+}
+
+/// A short run of `instances` ledger servers on one database behind the
+/// balancer: the main workload (top-ups, transfers, bursts, probes) under
+/// every service fault, the events and payouts off.
+async fn instances_run(engine: Engine, instances: usize, ops: usize, break_idempotency: bool) -> Report {
+    let seed = seed();
+    println!("chaos {} with {instances} instances: seed {seed}", engine.name());
+    let mut config = Config::new(engine, seed);
+    config.ops = ops;
+    config.instances = instances;
+    config.kill_interval_ms = 700;
+    config.events = false;
+    config.payouts = false;
+    config.break_idempotency = break_idempotency;
+    let started = std::time::Instant::now();
+    let report = chaos::run(config)
+        .await
+        .unwrap_or_else(|e| panic!("chaos run failed (seed {seed}): {e}"));
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    println!(
+        "| instance | port | requests | refused (passed on) | kills: random + scheduled + fault points | pauses | restarts |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (i, c) in report.per_instance.iter().enumerate() {
+        println!(
+            "| {i} | {} | {} | {} | {} + {} + {} | {} | {} |",
+            c.port, c.served, c.refused, c.random_kills, c.scheduled_kills, c.fault_point_kills, c.pauses, c.restarts
+        );
+    }
+    println!(
+        "{} ops ({} ok, {} rejected, {} unknown), {} violation(s), {:.1} s",
+        report.counts.ops,
+        report.counts.ok,
+        report.counts.rejected,
+        report.counts.unknown,
+        report.violations.len(),
+        started.elapsed().as_secs_f64()
+    );
+    report
+}
+
+/// Asserts the instances were really attacked and really used: kills on at
+/// least two instances, requests served by every one.
+fn assert_instances_attacked(report: &Report, instances: usize) {
+    let seed = report.seed;
+    assert_eq!(report.per_instance.len(), instances, "seed {seed}");
+    let killed = report.per_instance.iter().filter(|c| c.kills() > 0).count();
+    assert!(
+        killed >= 2,
+        "seed {seed}: kills hit {killed} instance(s): {:#?}",
+        report.per_instance
+    );
+    assert!(
+        report.per_instance.iter().all(|c| c.served > 0),
+        "seed {seed}: an instance served no request: {:#?}",
+        report.per_instance
+    );
+    assert!(
+        report.per_instance.iter().map(|c| c.refused).sum::<u64>() > 0,
+        "seed {seed}: no connection met a dead instance and went on to the next: {:#?}",
+        report.per_instance
+    );
+}
+
+/// Three ledger instances on one database behind the balancer, each
+/// killed and paused at random: no violation, kills on several instances,
+/// requests on every one.
+async fn three_instances_have_no_violation(engine: Engine) {
+    let report = instances_run(engine, 3, 1_000, false).await;
+    let seed = report.seed;
+    assert!(
+        report.violations.is_empty(),
+        "seed {seed}: violations: {:#?}",
+        report.violations
+    );
+    assert!(report.counts.ops >= 1_000, "seed {seed}: ran {} ops", report.counts.ops);
+    assert!(
+        report.faults.kills() >= 3,
+        "seed {seed}: only {} kills",
+        report.faults.kills()
+    );
+    assert!(report.faults.responses_dropped > 0, "seed {seed}: no dropped response");
+    assert!(report.counts.replays_seen > 0, "seed {seed}: no replay seen");
+    assert!(
+        report.faults.sessions_killed > 0,
+        "seed {seed}: no database session killed"
+    );
+    assert_eq!(report.audit["conserved"], true);
+    assert_instances_attacked(&report, 3);
+}
+
+/// PostgreSQL, three ledger instances: no violation, every instance used and several killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_three_instances_have_no_violation() {
+    three_instances_have_no_violation(Engine::Postgres).await;
+}
+
+/// MariaDB, three ledger instances: no violation, every instance used and several killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_three_instances_have_no_violation() {
+    three_instances_have_no_violation(Engine::Mysql).await;
+}
+
+/// With the claim switched off on all three instances, the checker must
+/// still find keys applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn checker_catches_broken_idempotency_across_three_instances() {
+    let report = instances_run(Engine::Postgres, 3, 300, true).await;
+    let doubles = report
+        .violations
+        .iter()
+        .filter(|v| v.contains("applied") && !v.contains("applied 1 time"))
+        .count();
+    assert!(
+        doubles > 0,
+        "seed {}: no double application reported: {:#?}",
+        report.seed,
+        report.violations
+    );
+    assert!(
+        report.per_instance.iter().all(|c| c.served > 0),
+        "seed {}: an instance served no request: {:#?}",
+        report.seed,
+        report.per_instance
     );
 }

@@ -266,30 +266,7 @@ macro_rules! tx_conformance {
         mod $engine {
             #[allow(unused_imports)]
             use super::*;
-            $crate::__suite_test!(tx_tests, $make;
-                replay_is_verbatim,
-                raw_record_bytes_replay_exactly,
-                mismatch_is_an_error_and_runs_nothing,
-                rejection_leaves_key_unused,
-                error_leaves_key_unused,
-                panic_leaves_key_unused,
-                dropped_future_leaves_key_unused,
-                final_rejection_is_recorded_when_policy_says,
-                transient_rejection_is_never_recorded,
-                twin_waits_then_replays,
-                twin_claims_after_first_rolls_back,
-                twin_reported_in_flight,
-                tenant_isolation,
-                operation_isolation,
-                expired_key_executes_anew,
-                sweep_deletes_expired_in_batches,
-                concurrent_64_tasks_one_key_one_effect,
-                concurrent_64_tasks_distinct_keys,
-                oversized_record_rolls_back,
-                work_contention_runs_again,
-                contention_retries_are_bounded,
-                tx_commit_refused_or_lost_applies_once
-            );
+            $crate::tx_behaviours!([$crate::__suite_test] tx_tests, $make);
         }
     };
 }
@@ -303,12 +280,7 @@ macro_rules! lease_conformance {
             #[allow(unused_imports)]
             use super::*;
             $crate::lease_behaviours!([$crate::__suite_test] lease_tests, $make);
-            $crate::__suite_test!(lease_tests, $make;
-                lease_unknown_outcome_is_held,
-                lease_unknown_outcome_resolved_applied,
-                lease_unknown_outcome_resolved_not_applied,
-                lease_unknown_outcome_resolved_once_under_concurrency
-            );
+            $crate::unknown_outcome_behaviours!([$crate::__suite_test] lease_tests, $make);
             $crate::sent_behaviours!([$crate::__suite_test] sent_tests, $make);
         }
     };
@@ -398,6 +370,56 @@ macro_rules! deadletter_conformance {
                 missing_letters_and_bad_holds
             );
         }
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the transactional
+/// behaviours of [`tx_tests`] that [`tx_conformance!`] runs, so a harness of
+/// its own (a cluster's, running them on nodes of its choice) runs the same
+/// list.
+#[macro_export]
+macro_rules! tx_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            replay_is_verbatim,
+            raw_record_bytes_replay_exactly,
+            mismatch_is_an_error_and_runs_nothing,
+            rejection_leaves_key_unused,
+            error_leaves_key_unused,
+            panic_leaves_key_unused,
+            dropped_future_leaves_key_unused,
+            final_rejection_is_recorded_when_policy_says,
+            transient_rejection_is_never_recorded,
+            twin_waits_then_replays,
+            twin_claims_after_first_rolls_back,
+            twin_reported_in_flight,
+            tenant_isolation,
+            operation_isolation,
+            expired_key_executes_anew,
+            sweep_deletes_expired_in_batches,
+            concurrent_64_tasks_one_key_one_effect,
+            concurrent_64_tasks_distinct_keys,
+            oversized_record_rolls_back,
+            work_contention_runs_again,
+            contention_retries_are_bounded,
+            tx_commit_refused_or_lost_applies_once
+        );
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the lease-mode
+/// behaviours of unknown outcomes in [`lease_tests`] (held, resolved either
+/// way, resolved once under concurrency), which [`lease_conformance!`] runs
+/// beside [`lease_behaviours!`].
+#[macro_export]
+macro_rules! unknown_outcome_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            lease_unknown_outcome_is_held,
+            lease_unknown_outcome_resolved_applied,
+            lease_unknown_outcome_resolved_not_applied,
+            lease_unknown_outcome_resolved_once_under_concurrency
+        );
     };
 }
 

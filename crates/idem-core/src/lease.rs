@@ -375,6 +375,11 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// with this outcome) records it, and retries replay it; `None` (it did
     /// not) frees the key, and the next retry runs the work. Answers whether
     /// the key held an unknown outcome; nothing else is ever changed.
+    ///
+    /// A resolution the store refused for contention (a twin's resolution
+    /// on another node of a cluster, certified first) changed nothing, and
+    /// runs again within the engines' contention budget: it then answers
+    /// `false` if the twin took.
     pub async fn resolve_unknown(
         &self,
         scope: &Scope,
@@ -391,7 +396,15 @@ impl<S: LeaseStore> LeaseEngine<S> {
             now_ms,
             record: resolution,
         };
-        let resolved = self.store.resolve_unknown(&req).await?;
+        let mut retries = crate::contention::ContentionRetries::new();
+        let resolved = loop {
+            match self.store.resolve_unknown(&req).await {
+                Err(e)
+                    if engine::is_contention(&e)
+                        && retries.again(scope.operation().as_str(), metrics::Stage::Commit).await => {}
+                answered => break answered?,
+            }
+        };
         if resolved {
             let label = if resolution.is_some() { "applied" } else { "not_applied" };
             metrics::unknown_resolved(scope.operation(), label);

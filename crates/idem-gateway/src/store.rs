@@ -47,6 +47,13 @@ pub struct RedisSettings {
     /// seconds (default 60; 0: only at start): a policy switched to
     /// eviction later marks `/_idem/healthz` unhealthy and is logged.
     pub deployment_check_secs: u64,
+    /// Replicas that must acknowledge each write of a key's row before it
+    /// counts (0, the default: none; see
+    /// [`idem_redis::RedisStore::with_replica_acks`]).
+    pub replica_acks: u32,
+    /// How long a write waits for those replicas, milliseconds (default
+    /// 500; 1 to 4000).
+    pub replica_ack_timeout_ms: u64,
 }
 
 impl Default for RedisSettings {
@@ -55,6 +62,8 @@ impl Default for RedisSettings {
             prefix: idem_redis::DEFAULT_PREFIX.to_owned(),
             skip_deployment_checks: false,
             deployment_check_secs: 60,
+            replica_acks: 0,
+            replica_ack_timeout_ms: 500,
         }
     }
 }
@@ -327,11 +336,15 @@ impl AnyLease {
                     .map_err(idem_mysql::store_error)?;
                 AnyLease::MySql(idem_mysql::MySqlStore::new(pool))
             }
-            Target::Redis => AnyLease::Redis(
-                idem_redis::RedisStore::connect_any(url)
+            Target::Redis => {
+                let store = idem_redis::RedisStore::connect_any(url)
                     .await?
-                    .with_prefix(&redis.prefix)?,
-            ),
+                    .with_prefix(&redis.prefix)?;
+                AnyLease::Redis(match redis.replica_acks {
+                    0 => store,
+                    n => store.with_replica_acks(n, Duration::from_millis(redis.replica_ack_timeout_ms))?,
+                })
+            }
             Target::Sqlite(path) => {
                 let options = idem_sqlite::SqliteOptions::new().create_if_missing(create_sqlite);
                 AnyLease::Sqlite(idem_sqlite::SqliteStore::open_with(path, options).await?)

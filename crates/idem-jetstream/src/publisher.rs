@@ -1,9 +1,10 @@
 //! The outbox relay's JetStream publisher.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::context::Context;
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage as Publish;
 use idem_core::{BoxFuture, OutboxMessage};
 use idem_outbox::{PublishError, Publisher};
@@ -39,6 +40,23 @@ impl JetStreamPublisher {
     }
 }
 
+impl JetStreamPublisher {
+    /// Whether a stream captures `subject`, asked after a publish answered
+    /// "no stream": a stream electing its leader (or whose only server is
+    /// down) answers a publish so too, and that is the broker unavailable,
+    /// not the row refused. Only a definite "no stream captures it" is
+    /// `false`; a lookup that fails (the metadata leader electing too) is
+    /// taken for `true`, so the relay waits rather than refuse rows. The
+    /// lookup is bounded by the batch's `deadline`; one that does not answer
+    /// by then is taken for `true` too.
+    async fn stream_captures(&self, subject: &str, deadline: tokio::time::Instant) -> bool {
+        match tokio::time::timeout_at(deadline, self.js.stream_by_subject(subject)).await {
+            Ok(Ok(_)) | Err(_) => true,
+            Ok(Err(e)) => e.kind() != GetStreamByNameErrorKind::NotFound,
+        }
+    }
+}
+
 impl Publisher for JetStreamPublisher {
     fn publish<'a>(&'a self, messages: &'a [OutboxMessage]) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
         Box::pin(async move {
@@ -51,15 +69,31 @@ impl Publisher for JetStreamPublisher {
             }
             let deadline = tokio::time::Instant::now() + self.ack_timeout;
             let mut results = Vec::with_capacity(messages.len());
-            for sent in pending {
+            let mut captured: HashMap<&str, bool> = HashMap::new();
+            for (m, sent) in messages.iter().zip(pending) {
                 results.push(match sent {
                     Err(e) => Err(PublishError::unavailable(format!("publish: {e}"))),
                     Ok(ack) => match tokio::time::timeout_at(deadline, ack.into_future()).await {
                         Ok(Ok(_)) => Ok(()),
-                        // No stream captures the subject: this row's problem,
-                        // not the broker's.
                         Ok(Err(e)) if e.kind() == PublishErrorKind::StreamNotFound => {
-                            Err(PublishError::refused(format!("acknowledgement: {e}")))
+                            let subject = m.subject.as_str();
+                            let captured = match captured.get(subject) {
+                                Some(known) => *known,
+                                None => {
+                                    let known = self.stream_captures(subject, deadline).await;
+                                    captured.insert(subject, known);
+                                    known
+                                }
+                            };
+                            if captured {
+                                Err(PublishError::unavailable(format!(
+                                    "acknowledgement: {e} (a stream captures {subject:?}: it has no leader now)"
+                                )))
+                            } else {
+                                // No stream captures the subject: this row's
+                                // problem, not the broker's.
+                                Err(PublishError::refused(format!("acknowledgement: {e}")))
+                            }
                         }
                         Ok(Err(e)) => Err(PublishError::unavailable(format!("acknowledgement: {e}"))),
                         Err(_) => Err(PublishError::unavailable("no acknowledgement within the timeout")),

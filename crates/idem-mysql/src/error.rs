@@ -28,6 +28,7 @@ pub(crate) const ER_CHECKREAD: u16 = 1020;
 /// away: the call may succeed later on another connection.
 const UNAVAILABLE: &[u16] = &[
     1040, // ER_CON_COUNT_ERROR: too many connections
+    1047, // ER_UNKNOWN_COM_ERROR: a Galera node not synced or cut off ("WSREP has not yet prepared node…")
     1053, // ER_SERVER_SHUTDOWN: the server is shutting down
     1152, // ER_ABORTING_CONNECTION
     1158, // ER_NET_READ_ERROR

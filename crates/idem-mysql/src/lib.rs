@@ -200,7 +200,10 @@ pub enum ClaimStrategy {
     /// update. Under SERIALIZABLE, where InnoDB turns every plain read of a
     /// transaction into a locking one (with gap locks on an absent key), the
     /// claim takes no named lock and runs the placeholder claim. Lease-mode
-    /// claims never take the lock, and Galera clusters do not support it.
+    /// claims never take the lock. On a Galera cluster a named lock holds on
+    /// its node only: twins on different nodes both run their work and
+    /// certification refuses the second commit (safe, but the lock then
+    /// saves nothing); use [`Placeholder`](Self::Placeholder) there.
     ///
     /// It trades a row write for a round trip: a fresh call sends
     /// `RELEASE_LOCK` after `COMMIT` (a replay costs two round trips instead

@@ -77,9 +77,13 @@
 //! the `idem` gateway and the `idem` commands that write run it at start. A
 //! failover to a replica that had not received the latest writes loses them
 //! the same way (Redis replication is asynchronous): after a failover, a key
-//! claimed or completed in the last moments before it may run again. Use
-//! `WAIT` semantics or a database store where that is not acceptable.
+//! claimed or completed in the last moments before it may run again, unless
+//! the store waits for replicas: with
+//! [`RedisStore::with_replica_acks`], each write of a key's row counts only
+//! once that many replicas acknowledged it (`WAIT`), and one they did not is
+//! an error. `docs/deployments.md` measures both.
 
+mod acks;
 mod admin;
 mod connection;
 mod deployment;
@@ -99,6 +103,8 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
 use sha2::{Digest, Sha256};
+
+use crate::acks::ScriptCall;
 
 pub use crate::connection::RedisConnection;
 
@@ -140,6 +146,8 @@ pub struct RedisStore<C = ConnectionManager> {
     /// How to reach the deployment's other nodes (its replicas) with the
     /// same credentials and TLS, for the deployment check.
     dialer: Option<Arc<deployment::Dialer>>,
+    /// Replicas that must acknowledge each write of a key's row.
+    acks: Option<acks::ReplicaAcks>,
 }
 
 impl<C> fmt::Debug for RedisStore<C> {
@@ -274,7 +282,30 @@ impl<C> RedisStore<C> {
             }),
             index: Arc::default(),
             dialer: None,
+            acks: None,
         }
+    }
+
+    /// Counts a write of a key's row (a claim, a sent mark, an outcome, a
+    /// release, an extension, a resolution) only once `replicas` replicas
+    /// acknowledged it within `timeout` (1 ms to 4 s): each such write is
+    /// followed by `WAIT replicas timeout` on its connection, and a write
+    /// fewer replicas acknowledged in time fails with a store error
+    /// ([`StoreErrorKind::Unavailable`]) although the master holds it. A
+    /// claim so refused is answered in flight to a retry until its lease
+    /// ends; an outcome so refused leaves the key in progress, then an
+    /// unknown outcome, as any completion the store refused.
+    ///
+    /// With it, a failover to a replica that acknowledged the write keeps
+    /// every claim, sent mark and outcome the store answered for. Sentinel
+    /// and Redis Cluster promote the replica furthest along, so `replicas`
+    /// may be fewer than the master's replicas; with as many as it has, any
+    /// replica promoted holds them. The cost is a `WAIT` per write (one
+    /// round trip to the replicas), and the writes of one connection queue
+    /// behind it; `docs/deployments.md` has the figures.
+    pub fn with_replica_acks(mut self, replicas: u32, timeout: std::time::Duration) -> Result<Self> {
+        self.acks = Some(acks::ReplicaAcks::new(replicas, timeout)?);
+        Ok(self)
     }
 
     /// Keeps how the deployment's other nodes are reached.
@@ -412,14 +443,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> RedisStore<C> {
     /// code (1 or more: done), or [`Error::Fenced`] (0).
     async fn fenced(&self, script: &Script, lease: &Lease, extra: &[&[u8]]) -> Result<i64> {
         let tag = Self::tag(&lease.scope, &lease.key);
-        let mut invocation = script.key(self.row_key(&tag));
-        invocation.key(self.counter_key(&tag));
-        invocation.arg(lease.token.0.to_string());
+        let mut call = ScriptCall::new(script)
+            .key(self.row_key(&tag))
+            .key(self.counter_key(&tag))
+            .arg(lease.token.0.to_string());
         for a in extra {
-            invocation.arg(*a);
+            call = call.arg(*a);
         }
         let mut conn = self.conn.clone();
-        let done: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
+        let done: i64 = call.run(&mut conn, self.acks, |done: &i64| *done >= 1).await?;
         if done >= 1 { Ok(done) } else { Err(Error::Fenced) }
     }
 }
@@ -431,9 +463,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
             let lease = req.lease_expires_at_ms.unwrap_or(req.expires_at_ms);
             let ttl_ms = (req.expires_at_ms - req.now_ms).max(1);
             let mut conn = self.conn.clone();
-            let mut reply: Vec<Value> = self
-                .scripts
-                .claim
+            let mut reply: Vec<Value> = ScriptCall::new(&self.scripts.claim)
                 .key(self.row_key(&tag))
                 .key(self.counter_key(&tag))
                 .arg(&req.fingerprint.as_bytes()[..])
@@ -445,9 +475,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
                 .arg(req.scope.tenant().as_str())
                 .arg(req.scope.operation().as_str())
                 .arg(req.key.as_str())
-                .invoke_async(&mut conn)
-                .await
-                .map_err(store_error)?;
+                .run(&mut conn, self.acks, |reply: &Vec<Value>| {
+                    reply.first().and_then(str_of) == Some("acquired")
+                })
+                .await?;
             match reply.first().and_then(str_of) {
                 Some("acquired") => {
                     let token = reply
@@ -539,20 +570,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> LeaseStore for RedisStor
         Box::pin(async move {
             let tag = Self::tag(req.scope, req.key);
             let mut conn = self.conn.clone();
-            let mut invocation = self.scripts.resolve.key(self.row_key(&tag));
-            invocation.arg(req.now_ms);
-            match req.record {
-                Some(record) => {
-                    invocation
-                        .arg("r")
-                        .arg(record.status.code().to_string())
-                        .arg(&record.payload[..]);
-                }
-                None => {
-                    invocation.arg("d");
-                }
-            }
-            let done: i64 = invocation.invoke_async(&mut conn).await.map_err(store_error)?;
+            let call = ScriptCall::new(&self.scripts.resolve)
+                .key(self.row_key(&tag))
+                .arg(req.now_ms);
+            let call = match req.record {
+                Some(record) => call
+                    .arg("r")
+                    .arg(record.status.code().to_string())
+                    .arg(&record.payload[..]),
+                None => call.arg("d"),
+            };
+            let done: i64 = call.run(&mut conn, self.acks, |done: &i64| *done == 1).await?;
             Ok(done == 1)
         })
     }

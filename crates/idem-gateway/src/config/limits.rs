@@ -23,6 +23,18 @@ impl Config {
                 self.redis.deployment_check_secs
             )));
         }
+        if self.redis.replica_acks > 16 {
+            return Err(ConfigError(format!(
+                "[redis] replica_acks must be at most 16 (0: none), not {}",
+                self.redis.replica_acks
+            )));
+        }
+        if self.redis.replica_acks > 0 && !(1..=4000).contains(&self.redis.replica_ack_timeout_ms) {
+            return Err(ConfigError(format!(
+                "[redis] replica_ack_timeout_ms must be between 1 and 4000, not {}",
+                self.redis.replica_ack_timeout_ms
+            )));
+        }
         if self.max_connections == 0 || self.max_connections > 1_000_000 {
             return Err(ConfigError(format!(
                 "max_connections must be between 1 and 1000000, not {}",

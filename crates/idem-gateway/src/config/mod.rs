@@ -139,7 +139,8 @@ pub struct Config {
     /// Routes.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
-    /// How a Redis store is used (`[redis]`: `prefix`, `skip_deployment_checks`).
+    /// How a Redis store is used (`[redis]`: `prefix`, `skip_deployment_checks`,
+    /// `deployment_check_secs`, `replica_acks`, `replica_ack_timeout_ms`).
     #[serde(default)]
     pub redis: crate::store::RedisSettings,
     /// The background sweeper (`[sweeper]`: `interval_secs`, `batch`,
@@ -367,6 +368,11 @@ mod tests {
             (
                 "[redis]\ndeployment_check_secs = 18446744073709551615",
                 "deployment_check_secs",
+            ),
+            ("[redis]\nreplica_acks = 17", "replica_acks"),
+            (
+                "[redis]\nreplica_acks = 1\nreplica_ack_timeout_ms = 5000",
+                "replica_ack_timeout_ms",
             ),
         ] {
             let e = valid(&format!("{extra}\n{TENANT}")).unwrap_err().to_string();

@@ -1,0 +1,440 @@
+//! Redis with a replica: the lease conformance suite on a store whose
+//! writes count only once the replica acknowledged them; such a write
+//! refused while the replica is away; and a failover under load, the master
+//! killed (SIGKILL) while its replica is paused and the replica promoted,
+//! with and without acknowledgements, counting the effects that ran twice.
+//!
+//! The long run: `DEPLOY_REDIS_SECONDS=10 cargo test -p deployments --test
+//! redis_replicas -- --nocapture failover`.
+
+#[path = "../../idem-redis/tests/support/subject.rs"]
+mod subject;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use deployments::redis_cluster::RedisClusterReplicas;
+use deployments::redis_replica::RedisReplicas;
+use idem_conformance::lease_conformance;
+use idem_core::{
+    Acquire, BoxFuture, Call, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine, Policy, Record, Scope,
+    StoreErrorKind,
+};
+use idem_redis::RedisStore;
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use subject::{Reach, RedisSubject};
+use tokio::sync::OnceCell;
+
+/// How long a write waits for its replica.
+const ACK_WAIT: Duration = Duration::from_millis(300);
+
+/// The deployment the conformance suite runs on, started once per process.
+static SUITE_DEPLOYMENT: OnceCell<RedisReplicas> = OnceCell::const_new();
+static SUITE_URL: OnceLock<String> = OnceLock::new();
+
+async fn suite_url() -> String {
+    let deployment = SUITE_DEPLOYMENT
+        .get_or_init(|| async { RedisReplicas::start(1).await.expect("Redis master and replica") })
+        .await;
+    SUITE_URL.get_or_init(|| deployment.master_url()).clone()
+}
+
+/// The suite's store: the master, every write acknowledged by the replica.
+type Replicated = RedisSubject<ConnectionManager>;
+
+impl Reach for ConnectionManager {
+    fn open() -> BoxFuture<'static, RedisStore<Self>> {
+        Box::pin(async {
+            let url = suite_url().await;
+            RedisStore::connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("Redis master at {url}: {e}"))
+                .with_replica_acks(1, Duration::from_secs(2))
+                .expect("a valid setting")
+        })
+    }
+}
+
+lease_conformance!(acknowledged_lease, Replicated::connect(None));
+
+fn call(scope: &Scope, key: &IdempotencyKey, lease_ms: u64) -> Call {
+    let fingerprint = Fingerprint::of_json(scope.operation(), br#"{"amount":1}"#).expect("valid JSON");
+    Call::new(scope.clone(), key.clone(), fingerprint).with_policy(
+        Policy::default()
+            .with_lease_ms(lease_ms)
+            .with_in_flight(InFlight::Reject),
+    )
+}
+
+fn unique_scope() -> Scope {
+    Scope::parse(&format!("tenant-{}", uuid::Uuid::now_v7().simple()), "payout").expect("a valid scope")
+}
+
+async fn store(url: &str, acks: bool) -> RedisStore<ConnectionManager> {
+    let store = RedisStore::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("Redis at {url}: {e}"))
+        .with_prefix(&format!("deploy:{}", uuid::Uuid::now_v7().simple()))
+        .expect("a valid prefix");
+    if acks {
+        store.with_replica_acks(1, ACK_WAIT).expect("a valid setting")
+    } else {
+        store
+    }
+}
+
+/// While the replica is paused, a claim is applied on the master but
+/// refused to its caller (no replica acknowledged it), a replay of a key
+/// completed earlier still answers, and once the replica is back claims
+/// count again.
+#[tokio::test]
+async fn a_write_no_replica_acknowledged_is_refused() {
+    let deployment = RedisReplicas::start(1).await.expect("Redis master and replica");
+    let engine = LeaseEngine::new(store(&deployment.master_url(), true).await);
+    let scope = unique_scope();
+    let done = IdempotencyKey::generate();
+    let Acquire::Claimed(lease) = engine.acquire(&call(&scope, &done, 5_000)).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    engine
+        .complete(&lease, Record::completed(b"paid".to_vec()))
+        .await
+        .expect("complete");
+
+    deployment.pause_replica(0);
+    let fresh = IdempotencyKey::generate();
+    let started = Instant::now();
+    let refused = engine.acquire(&call(&scope, &fresh, 5_000)).await;
+    let waited = started.elapsed();
+    let replay = engine.acquire(&call(&scope, &done, 5_000)).await;
+    deployment.resume_replica(0);
+
+    let err = refused.expect_err("a claim no replica acknowledged is refused");
+    assert_eq!(err.store_kind(), Some(StoreErrorKind::Unavailable), "{err}");
+    assert!(err.to_string().contains("0 of the 1 replicas"), "{err}");
+    assert!(waited >= ACK_WAIT, "the claim waited {waited:?} for its replica");
+    let held = engine.lookup(&scope, &fresh).await.expect("lookup");
+    assert!(held.is_some(), "the master holds the refused claim");
+    assert!(
+        matches!(replay, Ok(Acquire::Replay(ref r)) if r.payload == b"paid"),
+        "a replay writes nothing and answers while the replica is away: {replay:?}"
+    );
+    match engine.acquire(&call(&scope, &fresh, 5_000)).await {
+        Err(Error::InFlight { .. }) => {}
+        other => panic!("the refused claim is in flight until its lease ends: {other:?}"),
+    }
+    let another = IdempotencyKey::generate();
+    assert!(
+        matches!(
+            engine.acquire(&call(&scope, &another, 5_000)).await,
+            Ok(Acquire::Claimed(_))
+        ),
+        "with the replica back, claims count again"
+    );
+}
+
+/// What one failover run saw.
+#[derive(Debug, Default)]
+struct Run {
+    ops: u64,
+    acknowledged: u64,
+    ops_per_sec: f64,
+    lag_bytes_at_kill: i64,
+    lost: u64,
+    replayed: u64,
+    ran_again: u64,
+    held: u64,
+    doubled: u64,
+}
+
+/// A deployment a failover run attacks.
+trait Deployment {
+    /// The connection of the store the workload runs on.
+    type Conn: redis::aio::ConnectionLike + Clone + Send + Sync + 'static;
+    /// A store on the deployment, with or without acknowledgements.
+    async fn store(&self, acks: bool) -> RedisStore<Self::Conn>;
+    /// Pauses a replica, kills its master, lets the replica take over;
+    /// answers how far behind the replica was when its master died.
+    async fn fail_over(&mut self) -> i64;
+    /// A store on what is left (no acknowledgements: the promoted master has
+    /// no replica), on `prefix`.
+    async fn after(&self, prefix: &str) -> RedisStore<Self::Conn>;
+}
+
+impl Deployment for RedisReplicas {
+    type Conn = ConnectionManager;
+
+    async fn store(&self, acks: bool) -> RedisStore<ConnectionManager> {
+        store(&self.master_url(), acks).await
+    }
+
+    async fn fail_over(&mut self) -> i64 {
+        self.pause_replica(0);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let lag = self.lag_bytes().await.unwrap_or(-1);
+        self.kill_master();
+        self.resume_replica(0);
+        self.promote(0).await.expect("promotion");
+        lag
+    }
+
+    async fn after(&self, prefix: &str) -> RedisStore<ConnectionManager> {
+        RedisStore::connect(&self.replica_url(0))
+            .await
+            .expect("the promoted replica")
+            .with_prefix(prefix)
+            .expect("prefix")
+    }
+}
+
+/// A cluster and the master it fails over (with its replica).
+struct ClusterFailover {
+    cluster: RedisClusterReplicas,
+    master: usize,
+    replica: usize,
+}
+
+impl Deployment for ClusterFailover {
+    type Conn = ClusterConnection;
+
+    async fn store(&self, acks: bool) -> RedisStore<ClusterConnection> {
+        let urls = self.cluster.urls();
+        let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let store = RedisStore::connect_cluster(&seeds)
+            .await
+            .expect("the cluster")
+            .with_prefix(&format!("deploy:{}", uuid::Uuid::now_v7().simple()))
+            .expect("a valid prefix");
+        if acks {
+            store.with_replica_acks(1, ACK_WAIT).expect("a valid setting")
+        } else {
+            store
+        }
+    }
+
+    async fn fail_over(&mut self) -> i64 {
+        self.cluster.pause(self.replica);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let lag = self.cluster.lag_bytes(self.master).unwrap_or(-1);
+        self.cluster.kill(self.master);
+        self.cluster.resume(self.replica);
+        self.cluster
+            .wait_master(self.replica, Duration::from_secs(30))
+            .await
+            .expect("the cluster promotes the replica");
+        lag
+    }
+
+    async fn after(&self, prefix: &str) -> RedisStore<ClusterConnection> {
+        let urls: Vec<String> = self
+            .cluster
+            .urls()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != self.master)
+            .map(|(_, url)| url)
+            .collect();
+        let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
+        RedisStore::connect_cluster(&seeds)
+            .await
+            .expect("the cluster after its failover")
+            .with_prefix(prefix)
+            .expect("prefix")
+    }
+}
+
+/// The failover: workers claim, mark sent, run the effect (counted per
+/// key) and complete keys, 32 KiB outcomes each; then the deployment fails
+/// over with its replica behind. Every acknowledged outcome is looked up on
+/// what is left, and every key is tried again once the leases of the
+/// claims in progress have run out.
+async fn failover<D: Deployment>(deployment: &mut D, acks: bool, seconds: f64) -> Run {
+    const LEASE_MS: u64 = 1_500;
+    let first = deployment.store(acks).await;
+    let prefix = first.prefix().to_owned();
+    let engine = Arc::new(LeaseEngine::new(first));
+    let scope = unique_scope();
+    let effects: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let acknowledged: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let attempted: Arc<Mutex<Vec<IdempotencyKey>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let payload = vec![b'x'; 32 * 1024];
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..8 {
+        let (engine, scope, effects, acknowledged, attempted, stop, payload) = (
+            engine.clone(),
+            scope.clone(),
+            effects.clone(),
+            acknowledged.clone(),
+            attempted.clone(),
+            stop.clone(),
+            payload.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let key = IdempotencyKey::generate();
+                attempted.lock().unwrap().push(key.clone());
+                let one = async {
+                    let Ok(Acquire::Claimed(lease)) = engine.acquire(&call(&scope, &key, LEASE_MS)).await else {
+                        return;
+                    };
+                    if engine.mark_sent(&lease).await.is_err() {
+                        return;
+                    }
+                    *effects.lock().unwrap().entry(key.as_str().to_owned()).or_default() += 1;
+                    if engine
+                        .complete(&lease, Record::completed(payload.clone()))
+                        .await
+                        .is_ok()
+                    {
+                        acknowledged.lock().unwrap().insert(key.as_str().to_owned());
+                    }
+                };
+                if tokio::time::timeout(Duration::from_secs(8), one).await.is_err() {
+                    return; // the master is gone and the driver still waits
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+    let before = acknowledged.lock().unwrap().len() as f64 / started.elapsed().as_secs_f64();
+    let lag_bytes_at_kill = deployment.fail_over().await;
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        tokio::time::timeout(Duration::from_secs(30), worker)
+            .await
+            .expect("in-flight calls end once the master is gone")
+            .expect("worker");
+    }
+
+    let promoted = LeaseEngine::new(deployment.after(&prefix).await);
+    let mut run = Run {
+        ops: attempted.lock().unwrap().len() as u64,
+        acknowledged: acknowledged.lock().unwrap().len() as u64,
+        ops_per_sec: before,
+        lag_bytes_at_kill,
+        ..Run::default()
+    };
+    let acknowledged: Vec<String> = acknowledged.lock().unwrap().iter().cloned().collect();
+    for key in acknowledged {
+        let key = IdempotencyKey::new(key).expect("key");
+        let row = promoted.lookup(&scope, &key).await.expect("lookup");
+        if !row.is_some_and(|row| matches!(row.state, idem_core::RowState::Done(_))) {
+            run.lost += 1;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 200)).await;
+    let keys: Vec<IdempotencyKey> = attempted.lock().unwrap().clone();
+    for key in keys {
+        match promoted.acquire(&call(&scope, &key, LEASE_MS)).await {
+            Ok(Acquire::Replay(_)) => run.replayed += 1,
+            Ok(Acquire::Claimed(lease)) => {
+                let again = {
+                    let mut effects = effects.lock().unwrap();
+                    let count = effects.entry(key.as_str().to_owned()).or_default();
+                    *count += 1;
+                    *count > 1
+                };
+                if again {
+                    run.ran_again += 1;
+                }
+                promoted
+                    .complete(&lease, Record::completed(b"again".to_vec()))
+                    .await
+                    .expect("complete after the failover");
+            }
+            // An unknown outcome (a sent mark whose lease ran out): held for
+            // reconcile, never run blindly.
+            Err(_) => run.held += 1,
+        }
+    }
+    run.doubled = effects.lock().unwrap().values().filter(|n| **n > 1).count() as u64;
+    run
+}
+
+fn print_runs(runs: &[(&str, &Run)]) {
+    println!(
+        "| replica acks | ops | acknowledged | ops/s before the failover | replica behind at the kill (bytes) | acknowledged lost | replayed | ran again | held (unknown) | effects doubled |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (name, run) in runs {
+        println!(
+            "| {name} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            run.ops,
+            run.acknowledged,
+            run.ops_per_sec,
+            run.lag_bytes_at_kill,
+            run.lost,
+            run.replayed,
+            run.ran_again,
+            run.held,
+            run.doubled
+        );
+    }
+}
+
+/// The verdicts every failover pair must meet.
+fn judge(unsafe_run: &Run, safe_run: &Run) {
+    for run in [unsafe_run, safe_run] {
+        assert!(run.acknowledged > 0, "the workload ran: {run:?}");
+        assert!(
+            run.lag_bytes_at_kill > 0,
+            "the replica was behind when the master died: {run:?}"
+        );
+    }
+    assert!(
+        unsafe_run.lost > 0 && unsafe_run.doubled > 0,
+        "without acknowledgements the failover loses acknowledged outcomes and runs keys again: {unsafe_run:?}"
+    );
+    assert_eq!(safe_run.lost, 0, "{safe_run:?}");
+    assert_eq!(safe_run.doubled, 0, "{safe_run:?}");
+}
+
+fn seconds() -> f64 {
+    std::env::var("DEPLOY_REDIS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1.5)
+}
+
+/// Without acknowledgements, a failover to a replica that was behind loses
+/// outcomes and sent marks the master had acknowledged, and their keys run
+/// again; with them, nothing acknowledged is lost and nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_with_and_without_replica_acks() {
+    let seconds = seconds();
+    let mut plain = RedisReplicas::start(1).await.expect("Redis master and replica");
+    let unsafe_run = failover(&mut plain, false, seconds).await;
+    let mut acknowledged = RedisReplicas::start(1).await.expect("Redis master and replica");
+    let safe_run = failover(&mut acknowledged, true, seconds).await;
+    println!("A master and its replica, the replica promoted by REPLICAOF NO ONE:");
+    print_runs(&[("none", &unsafe_run), ("1, 300 ms", &safe_run)]);
+    judge(&unsafe_run, &safe_run);
+}
+
+/// The same on a Redis Cluster (three masters with a replica each) that
+/// fails over by itself: the cluster client follows the promotion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_with_and_without_replica_acks() {
+    let seconds = seconds();
+    let mut runs = Vec::new();
+    for acks in [false, true] {
+        let cluster = RedisClusterReplicas::start()
+            .await
+            .expect("a Redis Cluster with replicas");
+        let (master, replica) = cluster.a_master_and_its_replica().expect("roles");
+        let mut deployment = ClusterFailover {
+            cluster,
+            master,
+            replica,
+        };
+        runs.push(failover(&mut deployment, acks, seconds).await);
+    }
+    println!("A Redis Cluster, one master of three killed, its replica promoted by the cluster:");
+    print_runs(&[("none", &runs[0]), ("1, 300 ms", &runs[1])]);
+    judge(&runs[0], &runs[1]);
+}
