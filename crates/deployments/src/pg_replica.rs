@@ -230,6 +230,16 @@ pub struct PgPair {
     scratch: Scratch,
 }
 
+impl Drop for PgPair {
+    /// A stalled WAL sender is stopped: it would never see its postmaster
+    /// die, and it leads a session of its own.
+    fn drop(&mut self) {
+        if let Some(pid) = self.stalled.take() {
+            let _ = signal("KILL", pid);
+        }
+    }
+}
+
 impl PgPair {
     /// Starts a primary in `mode` and a replica streaming from it, and waits
     /// until the replica streams (and, in a synchronous mode, is the
@@ -411,7 +421,11 @@ impl PgPair {
     /// started, at once. Nothing is shut down cleanly or flushed.
     pub fn kill_primary(&mut self) {
         self.primary.kill();
-        self.stalled = None;
+        // A backend leads a session of its own, so the group's kill misses
+        // it, and a stopped WAL sender never sees its postmaster die.
+        if let Some(pid) = self.stalled.take() {
+            let _ = signal("KILL", pid);
+        }
     }
 
     /// Promotes the replica (`pg_ctl promote`) and waits until it accepts

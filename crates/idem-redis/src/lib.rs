@@ -301,8 +301,10 @@ impl<C> RedisStore<C> {
     /// and Redis Cluster promote the replica furthest along, so `replicas`
     /// may be fewer than the master's replicas; with as many as it has, any
     /// replica promoted holds them. The cost is a `WAIT` per write (one
-    /// round trip to the replicas), and the writes of one connection queue
-    /// behind it; `docs/deployments.md` has the figures.
+    /// round trip to the replicas), and the commands of one connection queue
+    /// behind it; `docs/deployments.md` has the figures. While no replica
+    /// acknowledges, every write fails after its wait, and a claim that finds
+    /// a recorded outcome (a replay) answers once the wait has run out.
     pub fn with_replica_acks(mut self, replicas: u32, timeout: std::time::Duration) -> Result<Self> {
         self.acks = Some(acks::ReplicaAcks::new(replicas, timeout)?);
         Ok(self)
