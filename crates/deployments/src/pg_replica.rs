@@ -20,7 +20,8 @@
 //! that user. Each postmaster leads a process group of its own, so it and its
 //! children are killed together. If the process that started a pair dies
 //! without dropping it (a pair kept in a `static`, or a test process killed),
-//! a watcher started with the pair kills both servers and removes the
+//! the scratch directory's watcher kills both servers (and their backends,
+//! whose working directory is their data directory) and removes the
 //! directory once that process is gone.
 
 use std::fmt;
@@ -165,7 +166,6 @@ pub fn parse_lsn(text: &str) -> Result<u64, String> {
 struct Server {
     postmaster: Guarded,
     pgid: u32,
-    data: PathBuf,
 }
 
 impl Server {
@@ -177,8 +177,6 @@ impl Server {
         if self.postmaster.id().is_some() {
             signal_group("KILL", self.pgid);
             self.postmaster.kill();
-            // The watcher must not find a pid that is no longer the server's.
-            let _ = std::fs::remove_file(self.data.join("postmaster.pid"));
         }
     }
 }
@@ -215,8 +213,6 @@ fn signal_group(signal: &str, pgid: u32) {
 #[derive(Debug)]
 pub struct PgPair {
     mode: Mode,
-    // Dropped first, so a pair dropped normally is not cleaned up twice.
-    _watcher: Guarded,
     primary: Server,
     // Held for its drop, which kills the replica.
     _replica: Server,
@@ -254,7 +250,6 @@ impl PgPair {
             std::os::unix::fs::chown(&dir, Some(uid), Some(gid))
                 .map_err(|e| format!("chown {} to postgres: {e}", dir.display()))?;
         }
-        let watcher = watch(&dir)?;
         let p = dir.join("p");
         let r = dir.join("r");
         let started = Instant::now();
@@ -304,7 +299,6 @@ impl PgPair {
         wait_ready(&mut replica, replica_port, &dir.join("r.log"), "the replica").await?;
         let pair = Self {
             mode,
-            _watcher: watcher,
             primary,
             _replica: replica,
             primary_port,
@@ -577,7 +571,6 @@ impl Runner<'_> {
         Ok(Server {
             postmaster: Guarded::new(child),
             pgid,
-            data: data.to_owned(),
         })
     }
 }
@@ -607,41 +600,6 @@ async fn wait_ready(server: &mut Server, port: u16, log: &Path, what: &str) -> R
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
-}
-
-/// Starts a watcher that, once this process is gone, kills the servers whose
-/// data directories are in `dir` (their `postmaster.pid` names each process
-/// group's leader) and removes `dir`. It leads a process group of its own, so
-/// a terminal's interrupt that stops this process leaves it to clean up.
-/// (`env kill`: the shell's own `kill`, dash's, takes no `--` and so no
-/// process group.)
-fn watch(dir: &Path) -> Result<Guarded, String> {
-    const SCRIPT: &str = r#"
-while kill -0 "$1" 2>/dev/null; do sleep 0.5; done
-for f in "$2"/*/postmaster.pid; do
-  [ -f "$f" ] || continue
-  pid=$(head -n 1 "$f")
-  # Only a process that is still this directory's server.
-  grep -qaF "$2" "/proc/$pid/cmdline" 2>/dev/null && env kill -KILL -- "-$pid" 2>/dev/null
-done
-# A tool still writing there (pg_basebackup ends once its primary is gone)
-# can refill a directory being removed: remove until it stays removed.
-for i in 1 2 3 4 5 6 7 8 9 10; do
-  rm -rf "$2" 2>/dev/null
-  sleep 0.5
-  [ -e "$2" ] || break
-done
-"#;
-    let child = Command::new("sh")
-        .args(["-c", SCRIPT, "pg-replica-watcher", &std::process::id().to_string()])
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .map_err(|e| format!("cannot start the watcher (sh): {e}"))?;
-    Ok(Guarded::new(child))
 }
 
 #[cfg(test)]
