@@ -10,6 +10,8 @@
 //! - [`jetstream`]: a three-node NATS JetStream cluster;
 //! - [`redis_replica`]: a Redis master with a replica, and its failover by
 //!   promotion;
+//! - [`redis_sentinel`]: a Redis master with a replica watched by three
+//!   sentinels, failing over by itself;
 //! - [`redis_cluster`]: a Redis Cluster of three masters with a replica
 //!   each, failing over by itself.
 //!
@@ -24,3 +26,4 @@ pub mod pg_replica;
 pub mod process;
 pub mod redis_cluster;
 pub mod redis_replica;
+pub mod redis_sentinel;

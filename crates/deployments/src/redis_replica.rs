@@ -13,11 +13,46 @@ use std::time::Duration;
 
 use crate::process::{Guarded, Scratch, free_port, wait_until};
 
-/// One redis-server of the deployment.
+/// One redis-server of a deployment.
 #[derive(Debug)]
-struct Node {
-    process: Guarded,
-    port: u16,
+pub(crate) struct Node {
+    pub(crate) process: Guarded,
+    pub(crate) port: u16,
+}
+
+/// Starts a master and `replicas` replicas of it in `dir`, and waits until
+/// each replica's link to the master is up; the master comes first.
+pub(crate) async fn start_servers(dir: &std::path::Path, replicas: usize) -> Result<Vec<Node>, String> {
+    let port = free_port();
+    let mut nodes = vec![Node {
+        process: spawn(port, dir, None)?,
+        port,
+    }];
+    wait_until(Duration::from_secs(20), "the Redis master answering", || async move {
+        replication(port).await.is_some()
+    })
+    .await?;
+    for _ in 0..replicas {
+        let replica = free_port();
+        nodes.push(Node {
+            process: spawn(replica, dir, Some(port))?,
+            port: replica,
+        });
+    }
+    for node in &nodes[1..] {
+        let port = node.port;
+        wait_until(
+            Duration::from_secs(30),
+            "a Redis replica's link to its master",
+            || async move {
+                replication(port)
+                    .await
+                    .is_some_and(|info| field(&info, "master_link_status") == Some("up"))
+            },
+        )
+        .await?;
+    }
+    Ok(nodes)
 }
 
 /// A master and its replicas.
@@ -28,7 +63,9 @@ pub struct RedisReplicas {
     _dir: Scratch,
 }
 
-fn spawn(port: u16, dir: &std::path::Path, replica_of: Option<u16>) -> Result<Guarded, String> {
+/// Starts a redis-server on `port` in `dir`, a replica of the server on
+/// `replica_of` if given.
+pub(crate) fn spawn(port: u16, dir: &std::path::Path, replica_of: Option<u16>) -> Result<Guarded, String> {
     let mut cmd = Command::new("redis-server");
     cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
@@ -52,14 +89,14 @@ fn spawn(port: u16, dir: &std::path::Path, replica_of: Option<u16>) -> Result<Gu
 }
 
 /// A connection to the server on `port`.
-async fn connect(port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+pub(crate) async fn connect(port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
     redis::Client::open(format!("redis://127.0.0.1:{port}"))?
         .get_multiplexed_async_connection()
         .await
 }
 
 /// `INFO replication` of the server on `port`, as `field:value` lines.
-async fn replication(port: u16) -> Option<String> {
+pub(crate) async fn replication(port: u16) -> Option<String> {
     let mut conn = connect(port).await.ok()?;
     redis::cmd("INFO")
         .arg("replication")
@@ -68,12 +105,14 @@ async fn replication(port: u16) -> Option<String> {
         .ok()
 }
 
-fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+/// The value of `name` in `INFO` text.
+pub(crate) fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
 }
 
-fn signal(process: &Guarded, sig: &str) {
+/// Sends `sig` (`-STOP`, `-CONT`) to `process`.
+pub(crate) fn signal(process: &Guarded, sig: &str) {
     if let Some(pid) = process.id() {
         let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
     }
@@ -84,36 +123,8 @@ impl RedisReplicas {
     /// replica's link to the master is up.
     pub async fn start(replicas: usize) -> Result<Self, String> {
         let dir = Scratch::new("redis-replicas").map_err(|e| format!("scratch directory: {e}"))?;
-        let port = free_port();
-        let master = Node {
-            process: spawn(port, dir.path(), None)?,
-            port,
-        };
-        wait_until(Duration::from_secs(20), "the Redis master answering", || async move {
-            replication(port).await.is_some()
-        })
-        .await?;
-        let mut nodes = Vec::with_capacity(replicas);
-        for _ in 0..replicas {
-            let port = free_port();
-            nodes.push(Node {
-                process: spawn(port, dir.path(), Some(master.port))?,
-                port,
-            });
-        }
-        for node in &nodes {
-            let port = node.port;
-            wait_until(
-                Duration::from_secs(30),
-                "a Redis replica's link to its master",
-                || async move {
-                    replication(port)
-                        .await
-                        .is_some_and(|info| field(&info, "master_link_status") == Some("up"))
-                },
-            )
-            .await?;
-        }
+        let mut nodes = start_servers(dir.path(), replicas).await?;
+        let master = nodes.remove(0);
         Ok(Self {
             master,
             replicas: nodes,

@@ -3,6 +3,10 @@
 //! refused while the replica is away; and a failover under load, the master
 //! killed (SIGKILL) while its replica is paused and the replica promoted,
 //! with and without acknowledgements, counting the effects that ran twice.
+//! The same behind Sentinel: the suite through a `redis+sentinel://` URL,
+//! the failover done by the sentinels themselves and followed by the store
+//! that ran the workload, a forced failover under traffic, and URLs that
+//! name no master refused at once.
 //!
 //! The long run: `DEPLOY_REDIS_SECONDS=10 cargo test -p deployments --test
 //! redis_replicas -- --nocapture failover`.
@@ -17,12 +21,13 @@ use std::time::{Duration, Instant};
 
 use deployments::redis_cluster::RedisClusterReplicas;
 use deployments::redis_replica::RedisReplicas;
+use deployments::redis_sentinel::RedisSentinels;
 use idem_conformance::lease_conformance;
 use idem_core::{
     Acquire, BoxFuture, Call, Error, Fingerprint, IdempotencyKey, InFlight, LeaseEngine, Policy, Record, Scope,
     StoreErrorKind,
 };
-use idem_redis::RedisStore;
+use idem_redis::{RedisConnection, RedisStore};
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use subject::{Reach, RedisSubject};
@@ -59,6 +64,35 @@ impl Reach for ConnectionManager {
 }
 
 lease_conformance!(acknowledged_lease, Replicated::connect(None));
+
+/// The Sentinel deployment the conformance suite runs on.
+static SENTINEL_SUITE: OnceCell<RedisSentinels> = OnceCell::const_new();
+
+async fn sentinel_suite_url() -> String {
+    SENTINEL_SUITE
+        .get_or_init(|| async { RedisSentinels::start(1).await.expect("Redis with sentinels") })
+        .await
+        .url()
+}
+
+/// The suite's store behind Sentinel: every write acknowledged by the
+/// replica, the master found through the sentinels.
+type BehindSentinel = RedisSubject<RedisConnection>;
+
+impl Reach for RedisConnection {
+    fn open() -> BoxFuture<'static, RedisStore<Self>> {
+        Box::pin(async {
+            let url = sentinel_suite_url().await;
+            RedisStore::connect_any(&url)
+                .await
+                .unwrap_or_else(|e| panic!("Redis behind the sentinels at {url}: {e}"))
+                .with_replica_acks(1, Duration::from_secs(2))
+                .expect("a valid setting")
+        })
+    }
+}
+
+lease_conformance!(sentinel_lease, BehindSentinel::connect(None));
 
 fn call(scope: &Scope, key: &IdempotencyKey, lease_ms: u64) -> Call {
     let fingerprint = Fingerprint::of_json(scope.operation(), br#"{"amount":1}"#).expect("valid JSON");
@@ -246,6 +280,88 @@ impl Deployment for ClusterFailover {
     }
 }
 
+/// Redis behind three sentinels. The store the workload ran on is the one
+/// read after the failover: it must have followed the sentinels to the
+/// promoted replica.
+struct SentinelFailover {
+    deployment: RedisSentinels,
+    first: OnceLock<RedisStore<RedisConnection>>,
+    old_master: u16,
+    new_master: u16,
+}
+
+impl SentinelFailover {
+    async fn start() -> Self {
+        Self {
+            deployment: RedisSentinels::start(1).await.expect("Redis with sentinels"),
+            first: OnceLock::new(),
+            old_master: 0,
+            new_master: 0,
+        }
+    }
+}
+
+impl Deployment for SentinelFailover {
+    type Conn = RedisConnection;
+
+    async fn store(&self, acks: bool) -> RedisStore<RedisConnection> {
+        let url = self.deployment.url();
+        let store = RedisStore::connect_any(&url)
+            .await
+            .unwrap_or_else(|e| panic!("Redis behind the sentinels at {url}: {e}"))
+            .with_prefix(&format!("deploy:{}", uuid::Uuid::now_v7().simple()))
+            .expect("a valid prefix");
+        let store = if acks {
+            store.with_replica_acks(1, ACK_WAIT).expect("a valid setting")
+        } else {
+            store
+        };
+        let _ = self.first.set(store.clone());
+        store
+    }
+
+    async fn fail_over(&mut self) -> i64 {
+        let master = self
+            .deployment
+            .master_port()
+            .await
+            .expect("the sentinels name a master");
+        let replica = *self
+            .deployment
+            .server_ports()
+            .iter()
+            .find(|p| **p != master)
+            .expect("a replica");
+        self.deployment.pause(replica);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let lag = self.deployment.lag_bytes(master).await.unwrap_or(-1);
+        self.deployment.kill(master);
+        let killed = Instant::now();
+        self.deployment.resume(replica);
+        self.old_master = master;
+        self.new_master = self
+            .deployment
+            .wait_new_master(master, Duration::from_secs(60))
+            .await
+            .expect("the sentinels promote the replica");
+        println!(
+            "the sentinels named 127.0.0.1:{} {:?} after the kill of 127.0.0.1:{master}",
+            self.new_master,
+            killed.elapsed()
+        );
+        lag
+    }
+
+    async fn after(&self, prefix: &str) -> RedisStore<RedisConnection> {
+        // The workload's own connection, without acknowledgements (the
+        // promoted master has no replica left).
+        let first = self.first.get().expect("the workload's store");
+        RedisStore::new(first.connection().clone())
+            .with_prefix(prefix)
+            .expect("prefix")
+    }
+}
+
 /// The failover: workers claim, mark sent, run the effect (counted per
 /// key) and complete keys, 32 KiB outcomes each; then the deployment fails
 /// over with its replica behind. Every acknowledged outcome is looked up on
@@ -279,8 +395,12 @@ async fn failover<D: Deployment>(deployment: &mut D, acks: bool, seconds: f64) -
                 let key = IdempotencyKey::generate();
                 attempted.lock().unwrap().push(key.clone());
                 let one = async {
-                    let Ok(Acquire::Claimed(lease)) = engine.acquire(&call(&scope, &key, LEASE_MS)).await else {
-                        return;
+                    let lease = match engine.acquire(&call(&scope, &key, LEASE_MS)).await {
+                        Ok(Acquire::Claimed(lease)) => lease,
+                        Ok(_) => return,
+                        // No master yet (a store following Sentinel fails at
+                        // once meanwhile): a client backs off.
+                        Err(_) => return tokio::time::sleep(Duration::from_millis(50)).await,
                     };
                     if engine.mark_sent(&lease).await.is_err() {
                         return;
@@ -437,4 +557,213 @@ async fn cluster_failover_with_and_without_replica_acks() {
     println!("A Redis Cluster, one master of three killed, its replica promoted by the cluster:");
     print_runs(&[("none", &runs[0]), ("1, 300 ms", &runs[1])]);
     judge(&runs[0], &runs[1]);
+}
+
+/// Behind Sentinel, the failover is the sentinels' own: the master killed
+/// while its replica is paused, the replica promoted once they agree. The
+/// store the workload ran on follows them to the promoted replica; without
+/// acknowledgements it has lost outcomes and keys run again, with them
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_with_and_without_replica_acks() {
+    let seconds = seconds();
+    let mut runs = Vec::new();
+    for acks in [false, true] {
+        let mut deployment = SentinelFailover::start().await;
+        runs.push(failover(&mut deployment, acks, seconds).await);
+        let conn = deployment
+            .first
+            .get()
+            .expect("the workload's store")
+            .connection()
+            .clone();
+        let RedisConnection::Sentinel(sentinel) = conn else {
+            panic!("a redis+sentinel:// URL gives a Sentinel connection");
+        };
+        assert_eq!(
+            sentinel.master().as_deref(),
+            Some(format!("127.0.0.1:{}", deployment.new_master).as_str()),
+            "the store follows the sentinels from 127.0.0.1:{} to the promoted replica",
+            deployment.old_master
+        );
+        assert!(sentinel.discoveries() >= 2, "{} discoveries", sentinel.discoveries());
+    }
+    println!("A master and its replica behind three sentinels, the master killed, the replica promoted by them:");
+    print_runs(&[("none", &runs[0]), ("1, 300 ms", &runs[1])]);
+    judge(&runs[0], &runs[1]);
+}
+
+/// A failover the sentinels are told to make (`SENTINEL FAILOVER`) while
+/// calls run, every write acknowledged by the replica. The old master still
+/// runs: it takes no acknowledged write once its replica is promoted, and
+/// the store leaves it as soon as the sentinels name the new master (their
+/// watch), not when they demote it seconds later. Calls fail as unavailable
+/// meanwhile; once the old master serves as the new one's replica, keys
+/// are claimed and completed again, and no effect runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_follows_a_forced_failover() {
+    let deployment = RedisSentinels::start(1).await.expect("Redis with sentinels");
+    let old = deployment.master_port().await.expect("a master");
+    let store = RedisStore::connect_any(&deployment.url())
+        .await
+        .expect("the store")
+        .with_prefix(&format!("deploy:{}", uuid::Uuid::now_v7().simple()))
+        .expect("prefix");
+    let engine = Arc::new(LeaseEngine::new(
+        store.clone().with_replica_acks(1, ACK_WAIT).expect("a valid setting"),
+    ));
+    let scope = unique_scope();
+    let effects: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let failures: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..4 {
+        let (engine, scope, effects, failures, stop) = (
+            engine.clone(),
+            scope.clone(),
+            effects.clone(),
+            failures.clone(),
+            stop.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let key = IdempotencyKey::generate();
+                // Each key until it is done, as a client retrying would.
+                for _ in 0..200 {
+                    match engine.acquire(&call(&scope, &key, 60_000)).await {
+                        Ok(Acquire::Claimed(lease)) => {
+                            *effects.lock().unwrap().entry(key.as_str().to_owned()).or_default() += 1;
+                            match engine.complete(&lease, Record::completed(b"ok".to_vec())).await {
+                                Ok(_) => break,
+                                Err(e) => failures.lock().unwrap().push(format!("complete: {e}")),
+                            }
+                        }
+                        Ok(Acquire::Replay(_)) => break,
+                        Err(e) if e.store_kind() == Some(StoreErrorKind::Unavailable) => {
+                            failures.lock().unwrap().push(format!("acquire: {e}"));
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        // A claim whose answer was lost is in flight until
+                        // its lease ends: this key is given up, counted.
+                        Err(e) => {
+                            failures.lock().unwrap().push(format!("given up: {e}"));
+                            break;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    deployment.force_failover().await.expect("SENTINEL FAILOVER");
+    let new = deployment
+        .wait_new_master(old, Duration::from_secs(60))
+        .await
+        .expect("the sentinels promote the replica");
+    let switched = Instant::now();
+    let done_before = effects.lock().unwrap().len();
+    let RedisConnection::Sentinel(sentinel) = store.connection().clone() else {
+        panic!("a Sentinel connection");
+    };
+    let followed = tokio::time::timeout(Duration::from_secs(10), async {
+        while sentinel.master() != Some(format!("127.0.0.1:{new}")) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        switched.elapsed()
+    })
+    .await;
+    // Calls go on until keys complete on the promoted master (its replica,
+    // the old master, is back within about ten seconds).
+    let _ = tokio::time::timeout(Duration::from_secs(40), async {
+        while effects.lock().unwrap().len() < done_before + 50 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let resumed = switched.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        tokio::time::timeout(Duration::from_secs(60), worker)
+            .await
+            .expect("workers end")
+            .expect("worker");
+    }
+    let effects = effects.lock().unwrap();
+    let doubled = effects.values().filter(|n| **n > 1).count();
+    let failures = failures.lock().unwrap();
+    println!(
+        "forced failover 127.0.0.1:{old} -> 127.0.0.1:{new}: {} keys run, {} before the new master was named; \
+         the store followed after {followed:?}, keys completed again after {resumed:?}; {} failed calls \
+         ({:?}), {} effects doubled, {} discoveries",
+        effects.len(),
+        done_before,
+        failures.len(),
+        failures.iter().take(3).collect::<Vec<_>>(),
+        doubled,
+        sentinel.discoveries()
+    );
+    assert!(
+        followed.is_ok(),
+        "the store follows the sentinels to 127.0.0.1:{new}: it is on {:?}",
+        sentinel.master()
+    );
+    assert_eq!(doubled, 0, "no effect runs twice");
+    assert!(
+        effects.len() >= done_before + 50,
+        "keys are claimed and completed on the promoted master: {} before, {} after",
+        done_before,
+        effects.len()
+    );
+}
+
+/// The deployment check reads the master the sentinels name (and its
+/// replica), as the gateway does at start.
+#[tokio::test]
+async fn the_deployment_check_reads_the_master_the_sentinels_name() {
+    let url = sentinel_suite_url().await;
+    let master = SENTINEL_SUITE.get().expect("started").master_port().await.expect("a master");
+    let store = RedisStore::connect_any(&url).await.expect("the store");
+    let warnings = store.check_deployment().await.expect("no eviction policy");
+    // The servers keep nothing on disk: the check says so, of the master
+    // the sentinels name, and reads the replica's policy without a warning.
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains(&format!("master 127.0.0.1:{master}")) && warnings[0].contains("appendonly"),
+        "{warnings:?}"
+    );
+}
+
+/// A Sentinel URL that names no master is refused at once, saying why: a
+/// service the sentinels do not watch, sentinels that do not answer.
+#[tokio::test]
+async fn sentinel_urls_that_name_no_master_are_refused() {
+    let url = sentinel_suite_url().await;
+    let unknown = url.replace("/idem", "/payments");
+    let e = RedisStore::connect_any(&unknown).await.expect_err("no such service");
+    assert_eq!(e.store_kind(), Some(StoreErrorKind::Unavailable), "{e}");
+    assert!(e.to_string().contains("knows no service \"payments\""), "{e}");
+
+    let dead = format!(
+        "redis+sentinel://:s3cret@127.0.0.1:{},127.0.0.1:{}/idem",
+        deployments::process::free_port(),
+        deployments::process::free_port()
+    );
+    let started = Instant::now();
+    let e = RedisStore::connect_any(&dead).await.expect_err("no sentinel answers");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "refused in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(e.store_kind(), Some(StoreErrorKind::Unavailable), "{e}");
+    assert!(e.to_string().contains("no master for service \"idem\""), "{e}");
+    assert!(!e.to_string().contains("s3cret"), "{e}");
+
+    let e = RedisStore::connect_any("redis+sentinel://127.0.0.1:1")
+        .await
+        .expect_err("no service");
+    assert!(
+        matches!(e, Error::Config(_)) && e.to_string().contains("no service name"),
+        "{e}"
+    );
 }

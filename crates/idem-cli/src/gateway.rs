@@ -20,7 +20,8 @@ pub(crate) struct GatewayArgs {
     #[arg(long, default_value = "127.0.0.1:8000")]
     listen: String,
     /// The store: a SQLite path (default ./idem-gateway.db), postgres://,
-    /// mysql:// or redis:// (shared by several gateway instances).
+    /// mysql://, redis:// or redis+sentinel://HOST:PORT,…/SERVICE (shared
+    /// by several gateway instances).
     #[arg(long, env = "IDEM_STORE")]
     store: Option<String>,
     /// A TOML file with routes and policies (see the README).

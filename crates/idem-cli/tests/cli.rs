@@ -198,4 +198,12 @@ fn a_bad_url_is_2_and_an_unreachable_store_is_3() {
     assert_eq!(code, 3, "{out}");
     let (code, _, out) = idem(&["outbox", "status", "--store", "/tmp/x.db", "--table", "bad name"]);
     assert_eq!(code, 2, "{out}");
+    // Redis behind Sentinel: a URL without its service is refused, one
+    // whose sentinels do not answer is unreachable.
+    let (code, _, out) = idem(&["stats", "--store", "redis+sentinel://127.0.0.1:1"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("no service name"), "{out}");
+    let (code, _, out) = idem(&["stats", "--store", "redis+sentinel://:pw@127.0.0.1:1/main"]);
+    assert_eq!(code, 3, "{out}");
+    assert!(out.contains("no master for service") && !out.contains("pw@"), "{out}");
 }

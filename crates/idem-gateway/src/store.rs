@@ -8,6 +8,7 @@
 //! | `mysql://…`, `mariadb://…` | MySQL or MariaDB |
 //! | `redis://…` | one Redis server, or a Redis Cluster (a node that says `cluster_enabled:1` is taken for a seed) |
 //! | `redis://a:7000,redis://b:7001,…` | a Redis Cluster through its seed nodes |
+//! | `redis+sentinel://s1:26379,s2:26379/SERVICE` | the master Redis Sentinel names for `SERVICE`, followed through failovers (`rediss+sentinel://` for TLS) |
 //!
 //! Opening never creates a schema: [`AnyLease::open`] connects to what is
 //! there (a SQLite path where no file is fails, "no such database file"),
@@ -188,7 +189,10 @@ fn target(url: &str) -> Result<Target<'_>> {
     if url.starts_with("mysql://") || url.starts_with("mariadb://") {
         return Ok(Target::MySql);
     }
-    if url.starts_with("redis://") || url.starts_with("rediss://") {
+    if ["redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://"]
+        .iter()
+        .any(|scheme| url.starts_with(scheme))
+    {
         return Ok(Target::Redis);
     }
     let path = url
@@ -197,7 +201,7 @@ fn target(url: &str) -> Result<Target<'_>> {
         .or_else(|| (!url.contains("://")).then_some(url));
     let Some(path) = path else {
         return Err(Error::Config(format!(
-            "--store (store): unsupported store URL {:?}: use a SQLite path, postgres://, mysql:// or redis://",
+            "--store (store): unsupported store URL {:?}: use a SQLite path, postgres://, mysql://, redis:// or redis+sentinel://",
             shown()
         )));
     };
@@ -550,6 +554,8 @@ mod tests {
             "sqlite:x.db",
             "postgres://h/db",
             "redis://h",
+            "redis+sentinel://s1:26379,s2:26379/main",
+            "rediss+sentinel://s1/main/2",
         ] {
             assert!(target(url).is_ok(), "{url:?}");
         }

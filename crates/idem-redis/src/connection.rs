@@ -7,6 +7,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
+use crate::sentinel::SentinelConnection;
 use crate::{RedisStore, store_error};
 
 /// A connection to one Redis server or to a Redis Cluster
@@ -17,6 +18,9 @@ pub enum RedisConnection {
     Single(ConnectionManager),
     /// A cluster: commands go to the node that serves their slot.
     Cluster(ClusterConnection),
+    /// The master Redis Sentinel names for a service, found again after a
+    /// failover.
+    Sentinel(SentinelConnection),
 }
 
 impl ConnectionLike for RedisConnection {
@@ -24,6 +28,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -36,6 +41,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_commands(cmd, offset, count),
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -43,6 +49,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -55,6 +62,14 @@ impl RedisConnection {
             Self::Single(c) => {
                 let mut c = c.clone();
                 vec![("the server".to_owned(), cmd.query_async::<Value>(&mut c).await)]
+            }
+            Self::Sentinel(c) => {
+                let mut c = c.clone();
+                let reply = cmd.query_async::<Value>(&mut c).await;
+                let node = c
+                    .master()
+                    .map_or_else(|| "the master".to_owned(), |m| format!("master {m}"));
+                vec![(node, reply)]
             }
             Self::Cluster(c) => {
                 let mut c = c.clone();
@@ -85,8 +100,8 @@ impl RedisConnection {
     /// `CLUSTER NODES`.
     pub(crate) async fn replicas(&self) -> redis::RedisResult<Vec<String>> {
         match self {
-            Self::Single(c) => {
-                let mut c = c.clone();
+            Self::Single(_) | Self::Sentinel(_) => {
+                let mut c = self.clone();
                 let info: Value = redis::cmd("INFO").arg("replication").query_async(&mut c).await?;
                 Ok(crate::deployment::replicas_of_info(
                     &crate::text(&info).unwrap_or_default(),
@@ -122,9 +137,13 @@ impl RedisConnection {
 impl RedisStore<RedisConnection> {
     /// Connects to what `urls` names: one `redis://` URL (a server, or a
     /// node of a cluster: a node with `cluster_enabled:1` in `INFO` makes
-    /// this a cluster connection seeded by it), or several separated by
-    /// commas (the seed nodes of a cluster).
+    /// this a cluster connection seeded by it), several separated by
+    /// commas (the seed nodes of a cluster), or a `redis+sentinel://` URL
+    /// (the master Redis Sentinel names: [`RedisStore::connect_sentinel`]).
     pub async fn connect_any(urls: &str) -> Result<Self> {
+        if crate::sentinel::is_sentinel_url(urls.trim()) {
+            return Self::connect_sentinel(urls.trim()).await;
+        }
         let seeds: Vec<&str> = urls.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
         match seeds.as_slice() {
             [] => Err(Error::Config("no Redis URL given".into())),
@@ -146,6 +165,16 @@ impl RedisStore<RedisConnection> {
                     .with_dialer(cluster.dialer))
             }
         }
+    }
+
+    /// Connects to the master that the sentinels a `redis+sentinel://` URL
+    /// names (`redis+sentinel://[user:password@]host:port,…/SERVICE[/DB]`,
+    /// `rediss+sentinel://` for TLS) serve for its service, and to the next
+    /// master after a failover; see [`SentinelConnection`]. Fails at once
+    /// if no sentinel names a master that answers as one.
+    pub async fn connect_sentinel(url: &str) -> Result<Self> {
+        let (conn, dialer) = SentinelConnection::connect(url, crate::RESPONSE_TIMEOUT).await?;
+        Ok(RedisStore::new(RedisConnection::Sentinel(conn)).with_dialer(Some(std::sync::Arc::new(dialer))))
     }
 
     /// Whether this is a cluster connection.

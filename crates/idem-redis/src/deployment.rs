@@ -69,25 +69,30 @@ impl Dialer {
             .rsplit_once(':')
             .and_then(|(h, p)| Some((h.trim_start_matches('[').trim_end_matches(']'), p.parse::<u16>().ok()?)))
             .ok_or_else(|| format!("{addr:?} is no host:port"))?;
-        let to = match self.info.addr() {
-            redis::ConnectionAddr::TcpTls {
-                insecure, tls_params, ..
-            } => redis::ConnectionAddr::TcpTls {
-                host: host.to_owned(),
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
-        };
-        let client = crate::tls::client(self.info.clone().set_addr(to), self.ca.as_deref(), &self.url)
-            .map_err(|e| e.to_string())?;
+        let client =
+            crate::tls::client(at(&self.info, host, port), self.ca.as_deref(), &self.url).map_err(|e| e.to_string())?;
         match tokio::time::timeout(REPLICA_TIMEOUT, client.get_multiplexed_async_connection()).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(e)) => Err(crate::store_error(e).to_string()),
             Err(_) => Err(format!("no connection within {} s", REPLICA_TIMEOUT.as_secs())),
         }
     }
+}
+
+/// `info`'s settings (credentials, database, TLS) at `host:port`.
+pub(crate) fn at(info: &redis::ConnectionInfo, host: &str, port: u16) -> redis::ConnectionInfo {
+    let to = match info.addr() {
+        redis::ConnectionAddr::TcpTls {
+            insecure, tls_params, ..
+        } => redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    info.clone().set_addr(to)
 }
 
 /// The replicas a server's `INFO replication` lists

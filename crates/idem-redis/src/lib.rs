@@ -89,6 +89,7 @@ mod connection;
 mod deployment;
 mod index;
 mod scripts;
+mod sentinel;
 mod tls;
 
 use std::fmt;
@@ -107,6 +108,7 @@ use sha2::{Digest, Sha256};
 use crate::acks::ScriptCall;
 
 pub use crate::connection::RedisConnection;
+pub use crate::sentinel::{LOOKUP_TIMEOUT, REDISCOVERY_PAUSE, SentinelConnection, WATCH_INTERVAL};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem";
@@ -160,7 +162,25 @@ impl<C> fmt::Debug for RedisStore<C> {
 
 /// Maps a Redis error to a portable store error.
 pub fn store_error(e: redis::RedisError) -> Error {
-    let kind = if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_connection_refusal() {
+    // A server that refuses a write as a replica (demoted by a failover),
+    // one cut off from its master or still loading its data wrote nothing:
+    // the call may be made again.
+    let refused_for_now = matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            redis::ServerErrorKind::ReadOnly
+                | redis::ServerErrorKind::MasterDown
+                | redis::ServerErrorKind::BusyLoading
+                | redis::ServerErrorKind::TryAgain
+                | redis::ServerErrorKind::ClusterDown
+        )
+    );
+    let kind = if refused_for_now
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || e.is_connection_refusal()
+    {
         StoreErrorKind::Unavailable
     } else {
         StoreErrorKind::Other
@@ -339,6 +359,12 @@ impl<C> RedisStore<C> {
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The connection the store sends its commands on (a
+    /// [`RedisConnection`] says which master Sentinel named, for one).
+    pub fn connection(&self) -> &C {
+        &self.conn
     }
 
     fn tag(scope: &idem_core::Scope, key: &idem_core::IdempotencyKey) -> String {

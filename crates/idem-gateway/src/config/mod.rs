@@ -74,7 +74,8 @@ pub struct Config {
     /// endpoint) must be signed by, in place of the platform's roots.
     pub upstream_ca_file: Option<std::path::PathBuf>,
     /// The store: a SQLite path (default `./idem-gateway.db`),
-    /// `postgres://…`, `mysql://…` or `redis://…`.
+    /// `postgres://…`, `mysql://…`, `redis://…` or
+    /// `redis+sentinel://host:port,…/SERVICE`.
     pub store: Option<String>,
     /// Who the caller is: keys are scoped by it. Required (see
     /// [`TenantConfig`]); `idem gateway --tenant` sets it from the command line.
