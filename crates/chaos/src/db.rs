@@ -1,5 +1,15 @@
 //! The run's fresh database: creating, reading back, killing sessions, dropping.
+//!
+//! On MariaDB the database may live on several nodes of one Galera cluster
+//! (`Config::mysql_nodes`): it is created on the first node, and the run
+//! goes on once every node has it. Each node keeps an administrator's pool
+//! of its own (the process list and `KILL` are local to a node), and every
+//! read of the checks runs with `wsrep_sync_wait = 1`, so it first waits
+//! until its node has applied every write set the cluster had committed.
 
+use std::time::Duration;
+
+use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::{Config, Error};
@@ -41,17 +51,42 @@ impl std::str::FromStr for Engine {
 #[derive(Clone)]
 enum Admin {
     Postgres(sqlx::PgPool),
-    Mysql(sqlx::MySqlPool),
+    /// One pool per server: the one server, or each node of a cluster.
+    Mysql(Vec<sqlx::MySqlPool>),
     Sqlite(std::path::PathBuf),
 }
 
 /// A database made for one run.
 #[derive(Clone)]
 pub(crate) struct Database {
-    /// The URL the ledger uses.
+    /// The URL the ledger uses (on the first node of a cluster).
     pub(crate) url: String,
+    /// The database's URL on each node: `url` alone, unless it lives on
+    /// several nodes of a MariaDB Galera cluster.
+    pub(crate) urls: Vec<String>,
     name: String,
     admin: Admin,
+}
+
+/// How long the nodes of a cluster may take to show a database created on
+/// the first one.
+const REPLICATED_WITHIN: Duration = Duration::from_secs(30);
+
+/// A pool on one node of a Galera cluster whose connections run
+/// `wsrep_sync_wait = 1`: a read first waits until the node has applied
+/// every write set the cluster had committed when the read began, so it
+/// sees every write acknowledged on any node. Connections are given up on
+/// after a few seconds, so a dead node fails fast.
+fn causal(max_connections: u32) -> MySqlPoolOptions {
+    MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .after_connect(|conn, _meta| {
+            Box::pin(async move {
+                sqlx::Executor::execute(&mut *conn, "SET SESSION wsrep_sync_wait = 1").await?;
+                Ok(())
+            })
+        })
 }
 
 /// Drops a run's database, even with sessions still connected (PostgreSQL).
@@ -112,7 +147,7 @@ macro_rules! on_pool {
     ($db:expr, $read:ident, $pg:literal, $my:literal, $lite:literal) => {
         match &$db.admin {
             Admin::Postgres(_) => $read!(sqlx::PgPool::connect(&$db.url).await?, $pg),
-            Admin::Mysql(_) => $read!(sqlx::MySqlPool::connect(&$db.url).await?, $my),
+            Admin::Mysql(_) => $read!($db.mysql_reader().await?, $my),
             Admin::Sqlite(path) => $read!(
                 sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await?,
                 $lite
@@ -129,23 +164,53 @@ impl Database {
         let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!("chaos_{}_{}_{run}", config.seed % 1_000_000_007, std::process::id());
         Ok(match config.engine {
-            Engine::Postgres => Database {
-                url: with_database(&config.postgres_url, &name),
-                admin: Admin::Postgres(fresh(Engine::Postgres, &config.postgres_url, &name).await?),
-                name,
-            },
-            Engine::Mysql => Database {
-                url: with_database(&config.mysql_url, &name),
-                admin: Admin::Mysql(fresh(Engine::Mysql, &config.mysql_url, &name).await?),
-                name,
-            },
+            Engine::Postgres => {
+                let url = with_database(&config.postgres_url, &name);
+                Database {
+                    urls: vec![url.clone()],
+                    url,
+                    admin: Admin::Postgres(fresh(Engine::Postgres, &config.postgres_url, &name).await?),
+                    name,
+                }
+            }
+            Engine::Mysql if config.mysql_nodes.len() > 1 => {
+                let nodes = &config.mysql_nodes;
+                let mut admins = Vec::with_capacity(nodes.len());
+                for node in nodes {
+                    admins.push(causal(2).connect(node).await?);
+                }
+                for statement in [drop_statement(Engine::Mysql, &name), format!("CREATE DATABASE {name}")] {
+                    sqlx::query(AssertSqlSafe(statement)).execute(&admins[0]).await?;
+                }
+                let urls: Vec<String> = nodes.iter().map(|n| with_database(n, &name)).collect();
+                let database = Database {
+                    url: urls[0].clone(),
+                    urls,
+                    admin: Admin::Mysql(admins),
+                    name,
+                };
+                database.wait_replicated().await?;
+                database
+            }
+            Engine::Mysql => {
+                let server = config.mysql_nodes.first().unwrap_or(&config.mysql_url);
+                let url = with_database(server, &name);
+                Database {
+                    urls: vec![url.clone()],
+                    url,
+                    admin: Admin::Mysql(vec![fresh(Engine::Mysql, server, &name).await?]),
+                    name,
+                }
+            }
             Engine::Sqlite => {
                 let path = std::env::temp_dir().join(format!("{name}.db"));
                 for suffix in ["", "-wal", "-shm", "-idem.lock"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
+                let url = path.display().to_string();
                 Database {
-                    url: path.display().to_string(),
+                    urls: vec![url.clone()],
+                    url,
                     name,
                     admin: Admin::Sqlite(path),
                 }
@@ -153,8 +218,79 @@ impl Database {
         })
     }
 
+    /// How many nodes the database lives on (1 unless a cluster's).
+    pub(crate) fn nodes(&self) -> usize {
+        self.urls.len()
+    }
+
+    /// Waits until every node of the cluster shows the run's database.
+    async fn wait_replicated(&self) -> Result<(), Error> {
+        let Admin::Mysql(admins) = &self.admin else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + REPLICATED_WITHIN;
+        for (node, admin) in admins.iter().enumerate().skip(1) {
+            loop {
+                let (n,): (i64,) =
+                    sqlx::query_as("SELECT COUNT(*) FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?")
+                        .bind(&self.name)
+                        .fetch_one(admin)
+                        .await?;
+                if n == 1 {
+                    break;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::Service(format!(
+                        "the database {} did not reach node {node} within {REPLICATED_WITHIN:?}",
+                        self.name
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until node `node` has applied every write set the cluster had
+    /// committed (nothing to wait for on a single server): a process started
+    /// on it next sees what the processes before it wrote, on any node.
+    pub(crate) async fn caught_up(&self, node: usize) -> Result<(), Error> {
+        if let Admin::Mysql(admins) = &self.admin
+            && admins.len() > 1
+        {
+            sqlx::query("SELECT COUNT(*) FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?")
+                .bind(&self.name)
+                .execute(&admins[node % admins.len()])
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A pool for the checks' reads on MariaDB: on the one server, or on the
+    /// first node of a cluster that answers, every connection running
+    /// `wsrep_sync_wait = 1` (see [`causal`]).
+    async fn mysql_reader(&self) -> Result<sqlx::MySqlPool, Error> {
+        if self.urls.len() == 1 {
+            return Ok(sqlx::MySqlPool::connect(&self.url).await?);
+        }
+        let mut failure = None;
+        for url in &self.urls {
+            match causal(4).connect(url).await {
+                Ok(pool) => return Ok(pool),
+                Err(e) => failure = Some(e),
+            }
+        }
+        Err(failure.map_or_else(|| Error::Service("no node to read from".into()), Error::from))
+    }
+
     /// Kills up to two of the service's database sessions; answers how many.
     pub(crate) async fn kill_sessions(&self) -> Result<u64, Error> {
+        self.kill_sessions_on(0).await
+    }
+
+    /// Kills up to two of the database's sessions on node `node` (modulo the
+    /// nodes; the one server unless a cluster's); answers how many.
+    pub(crate) async fn kill_sessions_on(&self, node: usize) -> Result<u64, Error> {
         match &self.admin {
             Admin::Postgres(admin) => {
                 let row = sqlx::query(
@@ -167,7 +303,8 @@ impl Database {
                 .await?;
                 Ok(row.get::<i64, _>(0) as u64)
             }
-            Admin::Mysql(admin) => {
+            Admin::Mysql(admins) => {
+                let admin = &admins[node % admins.len()];
                 let ids: Vec<(i64,)> = sqlx::query_as(
                     "SELECT ID FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID() \
                      ORDER BY RAND() LIMIT 2",
@@ -384,9 +521,9 @@ impl Database {
                     .execute(admin)
                     .await;
             }
-            Admin::Mysql(admin) => {
+            Admin::Mysql(admins) => {
                 let _ = sqlx::query(AssertSqlSafe(drop_statement(Engine::Mysql, &self.name)))
-                    .execute(admin)
+                    .execute(&admins[0])
                     .await;
             }
             Admin::Sqlite(path) => {

@@ -134,14 +134,23 @@ pub(crate) struct Workers {
 }
 
 impl Workers {
-    pub(crate) async fn start(bin: &Path, database_url: &str, nats: &str, log: &Path) -> Result<Self, Error> {
+    /// Starts two relays and two projectors, relay `i` on the database at
+    /// `relay_urls[i]`, projector `i` on `projector_urls[i]` (one database
+    /// seen through the nodes of a cluster, or the same URL).
+    pub(crate) async fn start(
+        bin: &Path,
+        relay_urls: [&str; 2],
+        projector_urls: [&str; 2],
+        nats: &str,
+        log: &Path,
+    ) -> Result<Self, Error> {
         let mut relays = Vec::new();
         let mut projectors = Vec::new();
         for i in 0..2 {
             relays.push(
                 Service::start_worker(
                     bin,
-                    database_url,
+                    relay_urls[i],
                     vec!["relay".into(), "--nats-url".into(), nats.into()],
                     Vec::new(),
                     log.with_extension(format!("relay{i}.log")),
@@ -151,7 +160,7 @@ impl Workers {
             projectors.push(
                 Service::start_worker(
                     bin,
-                    database_url,
+                    projector_urls[i],
                     vec![
                         "project".into(),
                         "--nats-url".into(),

@@ -36,6 +36,7 @@ mod gwprocs;
 pub mod payouts;
 mod progress;
 pub mod proxy;
+mod report;
 pub mod rng;
 pub mod service;
 pub mod storefaults;
@@ -56,6 +57,7 @@ use crate::rng::Rng;
 use crate::service::Instances;
 
 pub use db::Engine;
+pub use report::{Counts, DatabaseNode, FaultCounts, InstanceCounts, Report};
 
 /// Harness failures (not violations: those go in the report).
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +141,15 @@ pub struct Config {
     pub postgres_url: String,
     /// MySQL/MariaDB server (a fresh database is created on it).
     pub mysql_url: String,
+    /// The client URLs of a MariaDB Galera cluster's nodes, in place of
+    /// `mysql_url` (empty, the default: `mysql_url` alone). With two or more
+    /// the run's database is created on the first node, and the run goes on
+    /// once every node has it; ledger instance `i` connects to node
+    /// `i % nodes`, and the relay, projection and payout workers spread over
+    /// the nodes too; database sessions are killed on a node drawn at
+    /// random; the checks read with `wsrep_sync_wait = 1`; the report says
+    /// which node each process used.
+    pub mysql_nodes: Vec<String>,
     /// Keep the database afterwards.
     pub keep_db: bool,
     /// Mean milliseconds between random kills.
@@ -172,6 +183,7 @@ impl Config {
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
             mysql_url: std::env::var("IDEM_TEST_MYSQL_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+            mysql_nodes: Vec::new(),
             keep_db: false,
             kill_interval_ms: 1_500,
             events: true,
@@ -180,138 +192,6 @@ impl Config {
             instances: 1,
         }
     }
-}
-
-/// Counts of one run.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Counts {
-    /// Logical operations issued (excluding setup).
-    pub ops: u64,
-    /// Acknowledged as applied.
-    pub ok: u64,
-    /// Acknowledged as rejected (insufficient funds).
-    pub rejected: u64,
-    /// Never got a definite answer.
-    pub unknown: u64,
-    /// Requests sent again after a failed attempt.
-    pub retries: u64,
-    /// Responses marked `Idempotent-Replayed: true`.
-    pub replays_seen: u64,
-    /// 409 in-flight answers.
-    pub in_flight_seen: u64,
-    /// Bursts of identical concurrent requests.
-    pub bursts: u64,
-    /// Keys reused with another body (each must be refused).
-    pub mismatch_probes: u64,
-}
-
-/// Faults that really happened.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct FaultCounts {
-    /// Responses sent by the service that the client never got.
-    pub responses_dropped: u64,
-    /// Requests cut mid-way.
-    pub connections_cut: u64,
-    /// Delayed requests.
-    pub delays: u64,
-    /// `kill -9` at random moments.
-    pub random_kills: u64,
-    /// `kill -9` at a quarter, half and three quarters of the workload
-    /// (so every run has kills however fast it goes).
-    pub scheduled_kills: u64,
-    /// `kill -9` at named fault points, by point.
-    pub fault_point_kills: BTreeMap<String, u64>,
-    /// Database sessions killed.
-    pub sessions_killed: u64,
-    /// Pauses of the service.
-    pub pauses: u64,
-    /// Service restarts.
-    pub restarts: u64,
-    /// Store faults injected into the service and the payout workers, by
-    /// `call/fault` (`claim`, `commit`, `mark_sent`, … / `refused`,
-    /// `timed_out`, `applied_then_refused`).
-    pub store_faults: BTreeMap<String, u64>,
-}
-
-/// What happened to one ledger instance.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct InstanceCounts {
-    /// The port it listened on.
-    pub port: u16,
-    /// Requests the balancer forwarded to it.
-    pub served: u64,
-    /// Connections it refused (it was down) that went to the next instance.
-    pub refused: u64,
-    /// `kill -9` at random moments.
-    pub random_kills: u64,
-    /// `kill -9` at fixed fractions of the workload.
-    pub scheduled_kills: u64,
-    /// `kill -9` at named fault points (all points).
-    pub fault_point_kills: u64,
-    /// Pauses.
-    pub pauses: u64,
-    /// Restarts.
-    pub restarts: u64,
-}
-
-impl InstanceCounts {
-    /// Every kill of this instance.
-    pub fn kills(&self) -> u64 {
-        self.random_kills + self.scheduled_kills + self.fault_point_kills
-    }
-}
-
-impl FaultCounts {
-    /// Every kill of the service.
-    pub fn kills(&self) -> u64 {
-        self.random_kills + self.scheduled_kills + self.fault_point_kills.values().sum::<u64>()
-    }
-}
-
-/// The result of a run.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    /// The seed (`--seed` replays the same schedule).
-    pub seed: u64,
-    /// The engine.
-    pub engine: String,
-    /// Clients.
-    pub clients: usize,
-    /// Ledger server processes behind the balancer.
-    pub instances: usize,
-    /// Per instance: requests served, kills, pauses, restarts.
-    pub per_instance: Vec<InstanceCounts>,
-    /// Connections no instance accepted (all of them down at once).
-    pub balancer_none_up: u64,
-    /// Faults switched on.
-    pub faults_enabled: Faults,
-    /// Whether the claim was switched off.
-    pub break_idempotency: bool,
-    /// Workload counts.
-    pub counts: Counts,
-    /// Faults that happened.
-    pub faults: FaultCounts,
-    /// The final audit of the service.
-    pub audit: serde_json::Value,
-    /// Seconds the run took.
-    pub duration_secs: f64,
-    /// Seconds of each phase: setup (the ledger built if need be, the
-    /// database and the processes started), workload, quiesce (faults stopped, the
-    /// service healthy), payouts (settled, redriven, checked), history,
-    /// events_and_stop (event checks, workers stopped), teardown.
-    pub phase_secs: BTreeMap<String, f64>,
-    /// Event faults that happened (with events on).
-    pub event_faults: events::EventFaults,
-    /// What the event checks saw (with events on).
-    pub events: events::EventCounts,
-    /// Whether payouts ran.
-    pub payouts_enabled: bool,
-    /// Payout faults that happened (with payouts on).
-    pub payout_faults: payouts::PayoutFaults,
-    /// What the payout checks saw (with payouts on).
-    pub payouts: payouts::PayoutCounts,
-    /// Every property that failed; empty when all held.
-    pub violations: Vec<String>,
 }
 
 /// Finds or builds the ledger binary with the `fault-injection` feature.
@@ -376,6 +256,15 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         }
     }
     let port = ports[0];
+    let nodes = database.nodes();
+    // Which node each process connects to: instance `i` on node `i`, relay
+    // `i` on node `i`, projector `i` on node `i + 1`, payout worker `i` on
+    // node `i + 2` (modulo the nodes).
+    let on = |node: usize| database.urls[node % nodes].as_str();
+    let mut used_by: Vec<Vec<String>> = vec![Vec::new(); nodes];
+    for i in 0..instances_n {
+        used_by[i % nodes].push(format!("instance {i}"));
+    }
     let mut env = Vec::new();
     if config.faults.fault_points {
         env.push((
@@ -408,7 +297,14 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     // each, so that three of them and the workers fit a server's default
     // limit (PostgreSQL's 100).
     let max_connections = if instances_n == 1 { 16 } else { 8 };
-    let instances = Arc::new(Instances::start(&bin, &ports, &database.url, env, max_connections, log).await?);
+    // Each instance starts once its node has applied what the ones before
+    // it wrote (the first one's migrations).
+    let instances = Arc::new(
+        Instances::start(&bin, &ports, &database.urls, env, max_connections, log, async |i| {
+            database.caught_up(i).await
+        })
+        .await?,
+    );
     // The first instance is the harness's direct line (the workload's health
     // check, the audit, the payouts' settling), used once it is healthy.
     let service = instances.first().clone();
@@ -441,7 +337,11 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         let _ = std::fs::remove_dir_all(&dir);
         let nats = events::Nats::start(&config.nats_server, nats_port, &dir).await?;
         let log = std::env::temp_dir().join(format!("chaos-events-{}-{}", config.seed, std::process::id()));
-        let workers = Arc::new(events::Workers::start(&bin, &database.url, &nats.url(), &log).await?);
+        for i in 0..2 {
+            used_by[i % nodes].push(format!("relay {i}"));
+            used_by[(i + 1) % nodes].push(format!("projector {i}"));
+        }
+        let workers = Arc::new(events::Workers::start(&bin, [on(0), on(1)], [on(1), on(2)], &nats.url(), &log).await?);
         let (w, n, c, r, f) = (
             workers.clone(),
             nats.clone(),
@@ -464,9 +364,12 @@ pub async fn run(config: Config) -> Result<Report, Error> {
     if config.payouts {
         let vendor = payouts::Vendor::start(free_port().await?).await?;
         let log = std::env::temp_dir().join(format!("chaos-payouts-{}-{}", config.seed, std::process::id()));
+        for i in 0..2 {
+            used_by[(i + 2) % nodes].push(format!("payouts {i}"));
+        }
         let workers = payouts::start_workers(
             &bin,
-            &database.url,
+            [on(2), on(3)],
             &vendor.url,
             &log,
             &store_env(WORKER_STORE_FAULT_RATE),
@@ -551,8 +454,13 @@ pub async fn run(config: Config) -> Result<Report, Error> {
             }
         }));
     }
+    let killed_per_node: Arc<Vec<AtomicU64>> = Arc::new((0..nodes).map(|_| AtomicU64::new(0)).collect());
     if config.faults.db_sessions && config.engine != Engine::Sqlite {
         let (database, calm, mut r, killed) = (database.clone(), calm.clone(), rng.fork(4), sessions_killed.clone());
+        let per_node = killed_per_node.clone();
+        // On a cluster, the node whose sessions are killed: drawn from a
+        // stream of its own, so a single server's schedule is unchanged.
+        let mut pick = victims(config.seed, 10);
         background.push(tokio::spawn(async move {
             // Until `calm`, and past it until one session has been killed
             // (a bounded number of tries).
@@ -562,15 +470,30 @@ pub async fn run(config: Config) -> Result<Report, Error> {
                 tokio::time::sleep(Duration::from_millis(r.range(700, 2_000))).await;
                 tries_past_calm += u32::from(calm.load(Ordering::SeqCst));
                 if go_on(tries_past_calm) {
-                    match database.kill_sessions().await {
+                    let node = if nodes > 1 {
+                        pick.range(0, nodes as u64) as usize
+                    } else {
+                        0
+                    };
+                    match database.kill_sessions_on(node).await {
                         Ok(n) => {
                             killed.fetch_add(n, Ordering::SeqCst);
+                            per_node[node].fetch_add(n, Ordering::SeqCst);
                         }
                         Err(e) => eprintln!("chaos: could not kill database sessions: {e}"),
                     }
                 }
             }
         }));
+    }
+
+    if nodes > 1 {
+        // Each instance watched: its answers while its node is away, and
+        // its recovery.
+        for s in &instances.services {
+            let (s, calm) = (s.clone(), calm.clone());
+            background.push(tokio::spawn(async move { s.watch_health(&calm).await }));
+        }
     }
 
     let base = format!("http://{}", proxy.addr);
@@ -670,6 +593,9 @@ pub async fn run(config: Config) -> Result<Report, Error> {
             fault_point_kills: points.values().sum(),
             pauses: c.pauses.load(Ordering::SeqCst),
             restarts: c.restarts.load(Ordering::SeqCst),
+            database_node: i % nodes,
+            database_unavailable: c.database_unavailable.load(Ordering::SeqCst),
+            recoveries: c.recoveries.load(Ordering::SeqCst),
         };
         faults.random_kills += counts.random_kills;
         faults.scheduled_kills += counts.scheduled_kills;
@@ -678,6 +604,15 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         per_instance.push(counts);
     }
     faults.store_faults = store_faults;
+    let database_nodes = used_by
+        .into_iter()
+        .enumerate()
+        .map(|(node, used_by)| DatabaseNode {
+            url: database.urls[node].clone(),
+            used_by,
+            sessions_killed: killed_per_node[node].load(Ordering::SeqCst),
+        })
+        .collect();
     if !config.keep_db {
         database.drop_database().await;
     }
@@ -707,6 +642,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         instances: instances_n,
         per_instance,
         balancer_none_up,
+        database_nodes,
         faults_enabled: config.faults,
         break_idempotency: config.break_idempotency,
         counts: outcome.counts,

@@ -13,6 +13,21 @@ struct Args {
     /// sqlite, postgres or mysql.
     #[arg(long, default_value = "sqlite")]
     engine: Engine,
+    /// The MariaDB (or MySQL) server of `--engine mysql`; a fresh database
+    /// is created on it. Several URLs, comma-separated, name the nodes of
+    /// one MariaDB Galera cluster: the database is created on the first
+    /// node, ledger instance i connects to node i % nodes (`--instances 3`
+    /// on three nodes writes on all of them), the relay, projection and
+    /// payout workers spread over the nodes, sessions are killed on a node
+    /// drawn at random, the checks read with `wsrep_sync_wait = 1`, and the
+    /// report's `database_nodes` says which process used which node.
+    #[arg(
+        long,
+        env = "IDEM_TEST_MYSQL_URL",
+        value_delimiter = ',',
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: Vec<String>,
     /// Concurrent clients.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
     clients: u64,
@@ -106,6 +121,9 @@ async fn withdrawals(seed: u64, args: &Args) -> std::process::ExitCode {
     config.break_recovery_points = args.break_recovery_points;
     config.ledger_bin.clone_from(&args.ledger_bin);
     config.idem_bin.clone_from(&args.idem_bin);
+    if let Some(url) = args.mysql_url.first() {
+        config.mysql_url.clone_from(url);
+    }
     let report = match chaos::withdrawals::run_withdrawals(config).await {
         Ok(r) => r,
         Err(e) => return failed(e),
@@ -215,6 +233,9 @@ async fn main() -> std::process::ExitCode {
         if args.instances.is_some_and(|n| n > 1) {
             return failed("the withdrawals mode runs one ledger instance (--instances 1)");
         }
+        if args.mysql_url.len() > 1 {
+            return failed("the withdrawals mode runs on one database server (one --mysql-url)");
+        }
         return withdrawals(seed, &args).await;
     }
     println!("chaos: engine {} seed {seed}", args.engine.name());
@@ -228,6 +249,12 @@ async fn main() -> std::process::ExitCode {
     config.events = !args.no_events;
     config.payouts = !args.no_payouts;
     config.instances = args.instances.unwrap_or(1) as usize;
+    if let Some(url) = args.mysql_url.first() {
+        config.mysql_url.clone_from(url);
+    }
+    if args.mysql_url.len() > 1 {
+        config.mysql_nodes.clone_from(&args.mysql_url);
+    }
     config.faults = Faults {
         proxy: !args.no_proxy,
         kills: !args.no_kills,
@@ -246,7 +273,7 @@ async fn main() -> std::process::ExitCode {
         "chaos: seed {seed}: {} ops ({} ok, {} rejected, {} unknown), {} kills, {} dropped responses, {} sessions killed, \
          {} store faults, {} payouts committed ({} paid, {} cancelled, {} dead-lettered then redriven), \
          {} payout worker kills, {} dlq redrives killed mid-send ({} refunds refused); per instance: kills {:?}, \
-         requests {:?}: {} violation(s)",
+         requests {:?}, database node {:?}: {} violation(s)",
         report.counts.ops,
         report.counts.ok,
         report.counts.rejected,
@@ -264,6 +291,7 @@ async fn main() -> std::process::ExitCode {
         report.payouts.redrive_kills.cancels_refused,
         report.per_instance.iter().map(|i| i.kills()).collect::<Vec<_>>(),
         report.per_instance.iter().map(|i| i.served).collect::<Vec<_>>(),
+        report.per_instance.iter().map(|i| i.database_node).collect::<Vec<_>>(),
         report.violations.len()
     );
     if report.violations.is_empty() {

@@ -29,6 +29,11 @@ pub struct ServiceCounts {
     /// Store faults the process injected (`IDEM_STORE_FAULT` lines), by
     /// `call/fault`.
     pub store_faults: Mutex<BTreeMap<String, u64>>,
+    /// `/healthz` answers of "database unavailable" seen by
+    /// [`Service::watch_health`].
+    pub database_unavailable: AtomicU64,
+    /// Times `/healthz` answered 200 again after such answers.
+    pub recoveries: AtomicU64,
 }
 
 /// The `call/fault` of an `IDEM_STORE_FAULT call=<call> fault=<fault>` line.
@@ -327,6 +332,30 @@ impl Service {
         }
     }
 
+    /// Asks `/healthz` every quarter of a second until `calm`, counting
+    /// the answers of 503 (the process is up, its database is not) and the
+    /// 200s that follow them. A refused connection (the process is down) or
+    /// an answer that takes longer than 15 s (paused) counts as neither.
+    pub async fn watch_health(&self, calm: &AtomicBool) {
+        let Ok(client) = ledger::http_builder().timeout(Duration::from_secs(15)).build() else {
+            return;
+        };
+        let url = format!("http://127.0.0.1:{}/healthz", self.port);
+        let mut unavailable = false;
+        while !calm.load(Ordering::SeqCst) {
+            if let Ok(r) = client.get(&url).send().await {
+                if r.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+                    self.counts.database_unavailable.fetch_add(1, Ordering::SeqCst);
+                    unavailable = true;
+                } else if r.status().is_success() && unavailable {
+                    self.counts.recoveries.fetch_add(1, Ordering::SeqCst);
+                    unavailable = false;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// Whether the service can no longer be started.
     pub fn broken(&self) -> bool {
         self.spawn_failures.load(Ordering::SeqCst) >= 5
@@ -374,24 +403,27 @@ pub struct Instances {
 }
 
 impl Instances {
-    /// Starts one server per port on `database_url`, one after the other
-    /// (the first one migrates the database), each healthy before the next
-    /// starts; `log(i)` is the log file of instance `i`; each pool holds
-    /// `max_connections`.
+    /// Starts one server per port, instance `i` on the database at
+    /// `database_urls[i % database_urls.len()]` (one database, or one seen
+    /// through the nodes of a cluster), one after the other (the first one
+    /// migrates the database), each healthy before the next starts, and
+    /// each only once `before(i)` has answered; `log(i)` is the log file of
+    /// instance `i`; each pool holds `max_connections`.
     pub async fn start(
         bin: &Path,
         ports: &[u16],
-        database_url: &str,
+        database_urls: &[String],
         env: Vec<(String, String)>,
         max_connections: u32,
         log: impl Fn(usize) -> PathBuf,
+        before: impl AsyncFn(usize) -> Result<(), Error>,
     ) -> Result<Self, Error> {
         let mut services = Vec::with_capacity(ports.len());
         for (i, port) in ports.iter().enumerate() {
-            services.push(
-                Service::start_instance(bin, *port, database_url, env.clone(), log(i), i as u64, max_connections)
-                    .await?,
-            );
+            before(i).await?;
+            let url = &database_urls[i % database_urls.len()];
+            services
+                .push(Service::start_instance(bin, *port, url, env.clone(), log(i), i as u64, max_connections).await?);
         }
         Ok(Self { services })
     }

@@ -721,7 +721,12 @@ async fn a_store_follows_a_forced_failover() {
 #[tokio::test]
 async fn the_deployment_check_reads_the_master_the_sentinels_name() {
     let url = sentinel_suite_url().await;
-    let master = SENTINEL_SUITE.get().expect("started").master_port().await.expect("a master");
+    let master = SENTINEL_SUITE
+        .get()
+        .expect("started")
+        .master_port()
+        .await
+        .expect("a master");
     let store = RedisStore::connect_any(&url).await.expect("the store");
     let warnings = store.check_deployment().await.expect("no eviction policy");
     // The servers keep nothing on disk: the check says so, of the master

@@ -14,16 +14,18 @@ use crate::Error;
 use crate::rng::Rng;
 use crate::service::Service;
 
-/// Starts two `ledger payouts` processes against `vendor_url`.
+/// Starts two `ledger payouts` processes against `vendor_url`, worker `i`
+/// on the database at `database_urls[i]` (one database seen through the
+/// nodes of a cluster, or the same URL).
 pub(crate) async fn start_workers(
     bin: &Path,
-    database_url: &str,
+    database_urls: [&str; 2],
     vendor_url: &str,
     log: &Path,
     env: &[(String, String)],
 ) -> Result<Vec<Arc<Service>>, Error> {
     let mut workers = Vec::new();
-    for i in 0..2 {
+    for (i, database_url) in database_urls.into_iter().enumerate() {
         workers.push(
             Service::start_worker(
                 bin,
