@@ -165,8 +165,10 @@ impl RedisSentinels {
 
     /// Asks a sentinel for a failover without waiting for the master to be
     /// down (`SENTINEL FAILOVER`): the master is demoted, a replica promoted.
+    /// The last sentinel is asked: the others learn of it from it, so a
+    /// client that believes the first sentinel alone is shown wrong.
     pub async fn force_failover(&self) -> Result<(), String> {
-        let port = self.sentinels[0].port;
+        let port = self.sentinels[self.sentinels.len() - 1].port;
         let mut conn = connect(port).await.map_err(|e| format!("sentinel on {port}: {e}"))?;
         redis::cmd("SENTINEL")
             .arg("FAILOVER")

@@ -665,7 +665,9 @@ async fn a_store_follows_a_forced_failover() {
     let RedisConnection::Sentinel(sentinel) = store.connection().clone() else {
         panic!("a Sentinel connection");
     };
-    let followed = tokio::time::timeout(Duration::from_secs(10), async {
+    // Within a few of the watch's rounds: the sentinels demote the old
+    // master (which cuts its clients off) only 8 s or more later.
+    let followed = tokio::time::timeout(idem_redis::WATCH_INTERVAL * 4, async {
         while sentinel.master() != Some(format!("127.0.0.1:{new}")) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -763,6 +765,37 @@ async fn sentinel_urls_that_name_no_master_are_refused() {
     assert_eq!(e.store_kind(), Some(StoreErrorKind::Unavailable), "{e}");
     assert!(e.to_string().contains("no master for service \"idem\""), "{e}");
     assert!(!e.to_string().contains("s3cret"), "{e}");
+
+    // A sentinel that takes connections and never answers delays a search
+    // by the lookup bound at most (the sentinels are asked at once), and
+    // alone fails within it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+    let silent_at = silent.local_addr().expect("its address");
+    let with_silent = url.replace("redis+sentinel://", &format!("redis+sentinel://{silent_at},"));
+    let started = Instant::now();
+    RedisStore::connect_any(&with_silent)
+        .await
+        .expect("the answering sentinels suffice");
+    assert!(
+        started.elapsed() < idem_redis::LOOKUP_TIMEOUT * 2,
+        "connected in {:?}",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    let e = RedisStore::connect_any(&format!("redis+sentinel://{silent_at}/idem"))
+        .await
+        .expect_err("a silent sentinel names nothing");
+    assert!(
+        started.elapsed() < idem_redis::LOOKUP_TIMEOUT * 2,
+        "refused in {:?}",
+        started.elapsed()
+    );
+    let said = e.to_string();
+    assert!(
+        said.contains(&format!("sentinel {silent_at}")) && (said.contains("timed out") || said.contains("no answer")),
+        "{said}"
+    );
+    drop(silent);
 
     let e = RedisStore::connect_any("redis+sentinel://127.0.0.1:1")
         .await

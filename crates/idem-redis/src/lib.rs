@@ -168,13 +168,12 @@ pub fn store_error(e: redis::RedisError) -> Error {
     let refused_for_now = matches!(
         e.kind(),
         redis::ErrorKind::Server(
-            redis::ServerErrorKind::ReadOnly
-                | redis::ServerErrorKind::MasterDown
+            redis::ServerErrorKind::MasterDown
                 | redis::ServerErrorKind::BusyLoading
                 | redis::ServerErrorKind::TryAgain
                 | redis::ServerErrorKind::ClusterDown
         )
-    );
+    ) || refused_by_replica(&e);
     let kind = if refused_for_now
         || e.is_io_error()
         || e.is_connection_dropped()
@@ -186,6 +185,18 @@ pub fn store_error(e: redis::RedisError) -> Error {
         StoreErrorKind::Other
     };
     Error::store(kind, e)
+}
+
+/// Whether a server refused a write as a replica: `READONLY`, or (Redis 6)
+/// a script error that carries it.
+pub(crate) fn refused_by_replica(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
+        || e.detail().is_some_and(names_a_readonly_refusal)
+}
+
+/// Whether an error's text is a replica's refusal of a write.
+pub(crate) fn names_a_readonly_refusal(detail: &str) -> bool {
+    detail.contains("-READONLY ") || detail.starts_with("READONLY ")
 }
 
 /// How long a command's answer may take. Claims of many callers share one

@@ -13,12 +13,13 @@
 //!   for their own take `sentinel_username=` and `sentinel_password=`
 //!   options (percent-encoded). `ca_file=PATH` is the CA of every TLS
 //!   connection. A sentinel without a port is on 26379.
-//! - **Discovery.** Each sentinel in the order given is asked
-//!   `SENTINEL get-master-addr-by-name SERVICE`; the server it names must
-//!   answer `ROLE` as a master (a sentinel that has not yet seen a failover
-//!   names the old master, which a restart turned into a replica), or the
-//!   next sentinel is asked. Each step is bounded by
-//!   [`LOOKUP_TIMEOUT`].
+//! - **Discovery.** Every sentinel is asked at once
+//!   `SENTINEL get-master-addr-by-name SERVICE`, each within
+//!   [`LOOKUP_TIMEOUT`] (a sentinel that accepts connections and never
+//!   answers delays a search by that much at most). The server most of them
+//!   name is tried first, then the others: it must say it is a master
+//!   (`HELLO`, which any user may run; `ROLE` before Redis 6), since a
+//!   sentinel that has not yet seen a failover names the old master.
 //! - **Following a failover.** A command that fails on the connection (an
 //!   I/O error, a timeout, a dropped connection) or that the server refuses
 //!   with `READONLY` (it was demoted) makes the store forget the connection;
@@ -32,8 +33,12 @@
 //!   operator's `SENTINEL FAILOVER`, a partition that healed) keeps taking
 //!   writes until the sentinels turn it into a replica, seconds later;
 //!   what it took meanwhile is lost. So every [`WATCH_INTERVAL`] a task asks
-//!   the sentinels which master they name, and a connection to another
-//!   server is forgotten. The task ends with the store's last handle.
+//!   the sentinels which master they name (on connections it keeps), and
+//!   once more than half of those that answer name another server, the
+//!   connection is forgotten. The task ends with the store's last handle.
+//! - A caller waits for another's search at most the response timeout.
+//!   Clients, and the CA a `ca_file` names, are made once, when connecting:
+//!   a setting that can never work is a configuration error.
 //! - While no master can be found, commands fail at once for
 //!   [`REDISCOVERY_PAUSE`] after each failed discovery, so a failover does
 //!   not turn every waiting call into a round of the sentinels.
@@ -44,7 +49,7 @@
 //! a write counts only once replicas hold it; `docs/deployments.md`
 //! measures both.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,7 +70,7 @@ pub const REDISCOVERY_PAUSE: Duration = Duration::from_millis(100);
 const SENTINEL_PORT: u16 = 26379;
 
 /// What a `redis+sentinel://` URL says.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub(crate) struct SentinelUrl {
     /// `redis://` or `rediss://` URLs of each sentinel, with the sentinels'
     /// credentials.
@@ -83,6 +88,16 @@ pub(crate) struct SentinelUrl {
 /// Whether `url` names Redis behind Sentinel.
 pub(crate) fn is_sentinel_url(url: &str) -> bool {
     url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://")
+}
+
+impl std::fmt::Debug for SentinelUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The URLs hold passwords.
+        f.debug_struct("SentinelUrl")
+            .field("service", &self.service)
+            .field("sentinels", &self.sentinels.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SentinelUrl {
@@ -126,8 +141,9 @@ impl SentinelUrl {
                 _ => node_options.push(pair),
             }
         }
+        let path = path.trim_end_matches('/');
         let (service, db) = match path.split_once('/') {
-            Some((service, db)) => (service, Some(db.trim_end_matches('/'))),
+            Some((service, db)) => (service, Some(db)),
             None => (path, None),
         };
         if service.is_empty() {
@@ -194,8 +210,8 @@ pub struct SentinelConnection {
 }
 
 struct Shared {
-    /// One client settings per sentinel.
-    sentinels: Vec<redis::ConnectionInfo>,
+    /// Each sentinel (`host:port`) and its client, made once.
+    sentinels: Vec<(String, redis::Client)>,
     service: String,
     /// The master's settings; its address is replaced by the master's.
     node: redis::ConnectionInfo,
@@ -219,6 +235,10 @@ struct State {
     failed: Option<(Instant, String)>,
 }
 
+/// What one sentinel said: the master it names (`host:port`), none (it
+/// does not watch the service), or why it did not answer.
+type Answer = std::result::Result<Option<String>, String>;
+
 impl SentinelConnection {
     /// Connects through the sentinels `url` names; fails at once if none
     /// of them names a master that answers as one.
@@ -229,18 +249,21 @@ impl SentinelConnection {
                 "Redis Sentinel URL {url:?}: {e}"
             )))
         };
+        // Every client (and its CA) is made here, once: a setting that can
+        // never work is a configuration error, not an outage.
         let mut sentinels = Vec::with_capacity(parsed.sentinels.len());
         for s in &parsed.sentinels {
-            let (s, _) = crate::tls::split_ca_file(s)?;
-            sentinels.push(
-                redis::IntoConnectionInfo::into_connection_info(s.as_str())
-                    .map_err(bad)?
-                    .set_tcp_settings(crate::tcp_settings()),
-            );
+            let (plain, _) = crate::tls::split_ca_file(s)?;
+            let info = redis::IntoConnectionInfo::into_connection_info(plain.as_str())
+                .map_err(bad)?
+                .set_tcp_settings(crate::tcp_settings());
+            let at = address(info.addr());
+            sentinels.push((at, crate::tls::client(info, parsed.ca.as_deref(), url)?));
         }
         let node = redis::IntoConnectionInfo::into_connection_info(parsed.node.as_str())
             .map_err(bad)?
             .set_tcp_settings(crate::tcp_settings());
+        crate::tls::client(node.clone(), parsed.ca.as_deref(), url)?;
         let dialer = crate::deployment::Dialer::new(node.clone(), parsed.ca.clone(), &parsed.node);
         let conn = Self {
             shared: Arc::new(Shared {
@@ -269,8 +292,8 @@ impl SentinelConnection {
         self.state().master.clone()
     }
 
-    /// How many masters the store connected to since it started (1 without
-    /// a failover).
+    /// How many connections to a master the store made since it started
+    /// (1 without a failover or a lost connection).
     pub fn discoveries(&self) -> u64 {
         self.state().generation
     }
@@ -282,12 +305,18 @@ impl SentinelConnection {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The current master's connection, found first if there is none.
+    /// The current master's connection, found first if there is none. A
+    /// caller waits for another's search at most the response timeout.
     async fn connection(&self) -> redis::RedisResult<(u64, MultiplexedConnection)> {
         if let Some(current) = self.state().current.clone() {
             return Ok(current);
         }
-        let _one = self.shared.discovering.lock().await;
+        let Ok(_one) = tokio::time::timeout(self.shared.response_timeout, self.shared.discovering.lock()).await else {
+            return Err(unavailable(format!(
+                "no master for service {:?} yet: the search is still under way",
+                self.shared.service
+            )));
+        };
         {
             let state = self.state();
             if let Some(current) = state.current.clone() {
@@ -338,44 +367,67 @@ impl SentinelConnection {
         }
     }
 
-    /// Asks the sentinels which master they name, and forgets a connection
-    /// to another server.
-    async fn check_master(&self) {
-        let (generation, master) = {
-            let state = self.state();
-            match (&state.current, &state.master) {
-                (Some((generation, _)), Some(master)) => (*generation, master.clone()),
-                _ => return,
-            }
-        };
-        for sentinel in &self.shared.sentinels {
-            if let Ok(Ok(Some((host, port)))) = tokio::time::timeout(LOOKUP_TIMEOUT, self.ask(sentinel)).await {
-                let named = format!("{host}:{port}");
-                if named != master {
-                    self.forget(
-                        generation,
-                        &format!("sentinel {} names {named} as the master now", address(sentinel.addr())),
-                    );
+    /// Asks every sentinel at once which master it names; `cache` keeps
+    /// connections to them from one call to the next (the watch's).
+    async fn poll(&self, cache: &mut [Option<MultiplexedConnection>]) -> Vec<Answer> {
+        let service = &self.shared.service;
+        let asks = self
+            .shared
+            .sentinels
+            .iter()
+            .zip(cache.iter_mut())
+            .map(|((_, client), cached)| async move {
+                let ask = async {
+                    let mut conn = match cached.take() {
+                        Some(conn) => conn,
+                        None => {
+                            let config = redis::AsyncConnectionConfig::new()
+                                .set_connection_timeout(Some(LOOKUP_TIMEOUT))
+                                .set_response_timeout(Some(LOOKUP_TIMEOUT));
+                            client.get_multiplexed_async_connection_with_config(&config).await?
+                        }
+                    };
+                    let named: Option<(String, u16)> = redis::cmd("SENTINEL")
+                        .arg("get-master-addr-by-name")
+                        .arg(service)
+                        .query_async(&mut conn)
+                        .await?;
+                    *cached = Some(conn);
+                    Ok::<_, RedisError>(named.map(|(host, port)| format!("{host}:{port}")))
+                };
+                match tokio::time::timeout(LOOKUP_TIMEOUT, ask).await {
+                    Ok(Ok(named)) => Ok(named),
+                    Ok(Err(e)) => Err(crate::store_error(e).to_string()),
+                    Err(_) => Err(format!("no answer within {LOOKUP_TIMEOUT:?}")),
                 }
-                return;
-            }
-        }
+            });
+        futures_util::future::join_all(asks).await
     }
 
-    /// Asks each sentinel in turn; answers the first master that says it is
-    /// one, or every sentinel's reason.
+    /// Asks every sentinel, then tries the masters they name, the one most
+    /// of them name first; answers the first that says it is a master, or
+    /// every sentinel's reason.
     async fn discover(&self) -> std::result::Result<(MultiplexedConnection, String), String> {
+        let answers = self.poll(&mut vec![None; self.shared.sentinels.len()]).await;
         let mut reasons = Vec::new();
-        for sentinel in &self.shared.sentinels {
-            let at = address(sentinel.addr());
-            match tokio::time::timeout(LOOKUP_TIMEOUT, self.ask(sentinel)).await {
-                Ok(Ok(Some((host, port)))) => match self.master_at(&host, port).await {
-                    Ok(conn) => return Ok((conn, format!("{host}:{port}"))),
-                    Err(why) => reasons.push(format!("sentinel {at} names {host}:{port}, which {why}")),
-                },
-                Ok(Ok(None)) => reasons.push(format!("sentinel {at} knows no service {:?}", self.shared.service)),
-                Ok(Err(e)) => reasons.push(format!("sentinel {at}: {}", crate::store_error(e))),
-                Err(_) => reasons.push(format!("sentinel {at}: no answer within {LOOKUP_TIMEOUT:?}")),
+        for ((at, _), answer) in self.shared.sentinels.iter().zip(&answers) {
+            match answer {
+                Ok(Some(_)) => {}
+                Ok(None) => reasons.push(format!("sentinel {at} knows no service {:?}", self.shared.service)),
+                Err(why) => reasons.push(format!("sentinel {at}: {why}")),
+            }
+        }
+        for (master, votes) in by_votes(&answers) {
+            let Some((host, port)) = master
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            else {
+                reasons.push(format!("{votes} sentinel(s) name {master:?}, no host:port"));
+                continue;
+            };
+            match self.master_at(host, port).await {
+                Ok(conn) => return Ok((conn, master)),
+                Err(why) => reasons.push(format!("{votes} sentinel(s) name {master}, which {why}")),
             }
         }
         Err(format!(
@@ -385,25 +437,36 @@ impl SentinelConnection {
         ))
     }
 
-    /// The master a sentinel names for the service, if it knows the service.
-    async fn ask(&self, sentinel: &redis::ConnectionInfo) -> redis::RedisResult<Option<(String, u16)>> {
-        let client = client(sentinel.clone(), self.shared.ca.as_deref(), &self.shared.url)?;
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(LOOKUP_TIMEOUT))
-            .set_response_timeout(Some(LOOKUP_TIMEOUT));
-        let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
-        redis::cmd("SENTINEL")
-            .arg("get-master-addr-by-name")
-            .arg(&self.shared.service)
-            .query_async(&mut conn)
-            .await
+    /// Asks the sentinels which master they name, and forgets a connection
+    /// to another server once more than half of those that answer name
+    /// another one.
+    async fn check_master(&self, cache: &mut [Option<MultiplexedConnection>]) {
+        let (generation, master) = {
+            let state = self.state();
+            match (&state.current, &state.master) {
+                (Some((generation, _)), Some(master)) => (*generation, master.clone()),
+                _ => return,
+            }
+        };
+        let answers = self.poll(cache).await;
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        if let Some((named, votes)) = by_votes(&answers).into_iter().next()
+            && named != master
+            && votes * 2 > answered
+        {
+            self.forget(
+                generation,
+                &format!("{votes} of {answered} sentinels name {named} as the master now"),
+            );
+        }
     }
 
-    /// A connection to `host:port` if the server there answers `ROLE` as a
+    /// A connection to `host:port` if the server there says it is a
     /// master.
     async fn master_at(&self, host: &str, port: u16) -> std::result::Result<MultiplexedConnection, String> {
         let info = crate::deployment::at(&self.shared.node, host, port);
-        let client = client(info, self.shared.ca.as_deref(), &self.shared.url).map_err(|e| e.to_string())?;
+        let client =
+            crate::tls::client(info, self.shared.ca.as_deref(), &self.shared.url).map_err(|e| e.to_string())?;
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(LOOKUP_TIMEOUT))
             .set_response_timeout(Some(self.shared.response_timeout));
@@ -412,14 +475,9 @@ impl SentinelConnection {
                 .get_multiplexed_async_connection_with_config(&config)
                 .await
                 .map_err(|e| format!("cannot be reached: {}", crate::store_error(e)))?;
-            let role: Value = redis::cmd("ROLE")
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| format!("refuses ROLE: {}", crate::store_error(e)))?;
-            match role_of(&role).as_deref() {
-                Some("master") => Ok(conn),
-                Some(other) => Err(format!("answers ROLE as a {other} (a failover not yet seen)")),
-                None => Err("answers ROLE with no role".to_owned()),
+            match role(&mut conn).await?.as_str() {
+                "master" => Ok(conn),
+                other => Err(format!("says it is a {other} (a failover not yet seen)")),
             }
         };
         tokio::time::timeout(LOOKUP_TIMEOUT, connect_and_check)
@@ -428,22 +486,69 @@ impl SentinelConnection {
     }
 }
 
+/// The role a server gives itself: `HELLO` (any user may run it), or
+/// `ROLE` where `HELLO` is unknown (before Redis 6).
+async fn role(conn: &mut MultiplexedConnection) -> std::result::Result<String, String> {
+    let hello: redis::RedisResult<Value> = redis::cmd("HELLO").query_async(conn).await;
+    let e = match hello {
+        Ok(reply) => return field_of(&reply, "role").ok_or_else(|| "answers HELLO without its role".to_owned()),
+        Err(e) => e,
+    };
+    match redis::cmd("ROLE").query_async::<Value>(conn).await {
+        Ok(reply) => role_of(&reply).ok_or_else(|| "answers ROLE with no role".to_owned()),
+        Err(role) => Err(format!(
+            "refuses HELLO ({}) and ROLE ({})",
+            crate::store_error(e),
+            crate::store_error(role)
+        )),
+    }
+}
+
+/// The value of `name` in a `HELLO` reply (a map in RESP3, pairs in an
+/// array in RESP2).
+fn field_of(reply: &Value, name: &str) -> Option<String> {
+    match reply {
+        Value::Map(pairs) => pairs
+            .iter()
+            .find(|(k, _)| crate::text(k).as_deref() == Some(name))
+            .and_then(|(_, v)| crate::text(v)),
+        Value::Array(items) => items
+            .chunks(2)
+            .find(|pair| crate::text(&pair[0]).as_deref() == Some(name))
+            .and_then(|pair| pair.get(1).and_then(crate::text)),
+        _ => None,
+    }
+}
+
+/// The masters the answers name, the most named first (ties in the order
+/// the sentinels are given), with how many name each.
+fn by_votes(answers: &[Answer]) -> Vec<(String, usize)> {
+    let mut votes: Vec<(String, usize)> = Vec::new();
+    for named in answers.iter().filter_map(|a| a.as_ref().ok().and_then(Option::as_ref)) {
+        match votes.iter_mut().find(|(m, _)| m == named) {
+            Some((_, n)) => *n += 1,
+            None => votes.push((named.clone(), 1)),
+        }
+    }
+    votes.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    votes
+}
+
 /// Checks every [`WATCH_INTERVAL`] that the sentinels name the master the
-/// store is connected to, while the store lives.
+/// store is connected to, while the store lives; keeps its connections to
+/// the sentinels from one check to the next.
 async fn watch(shared: std::sync::Weak<Shared>) {
+    let mut cache = match shared.upgrade() {
+        Some(shared) => vec![None; shared.sentinels.len()],
+        None => return,
+    };
     loop {
         tokio::time::sleep(WATCH_INTERVAL).await;
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        SentinelConnection { shared }.check_master().await;
+        SentinelConnection { shared }.check_master(&mut cache).await;
     }
-}
-
-/// A client for `info`, its TLS trusting `ca` when given.
-fn client(info: redis::ConnectionInfo, ca: Option<&Path>, url: &str) -> redis::RedisResult<redis::Client> {
-    crate::tls::client(info, ca, url)
-        .map_err(|e| RedisError::from((ErrorKind::InvalidClientConfig, "TLS", e.to_string())))
 }
 
 /// `host:port` of a connection address.
@@ -475,16 +580,17 @@ fn lost_master(e: &RedisError) -> bool {
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_timeout()
-        || matches!(
-            e.kind(),
-            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
-        )
+        || matches!(e.kind(), ErrorKind::Server(ServerErrorKind::MasterDown))
+        || crate::refused_by_replica(e)
 }
 
 /// Whether a reply holds a refusal of a demoted master.
 fn refused_as_replica(value: &Value) -> bool {
     match value {
-        Value::ServerError(e) => matches!(e.kind(), Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)),
+        Value::ServerError(e) => {
+            matches!(e.kind(), Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown))
+                || e.details().is_some_and(crate::names_a_readonly_refusal)
+        }
         Value::Array(items) => items.iter().any(refused_as_replica),
         _ => false,
     }
@@ -551,6 +657,8 @@ mod tests {
         assert_eq!(u.service, "orders");
         assert_eq!(u.node, "redis://:pw@10.0.0.1:26379/2");
         assert_eq!(u.ca, None);
+        assert!(!format!("{u:?}").contains("pw"), "{u:?}");
+        assert_eq!(SentinelUrl::parse("redis+sentinel://s1/main/").unwrap().service, "main");
 
         let u = SentinelUrl::parse(
             "rediss+sentinel://app:p%40ss@s1:1,s2:2/main?sentinel_password=sp&ca_file=/etc/ca.pem&protocol=resp3",
@@ -564,7 +672,7 @@ mod tests {
             ]
         );
         assert_eq!(u.node, "rediss://app:p%40ss@s1:1/0?protocol=resp3");
-        assert_eq!(u.ca.as_deref(), Some(Path::new("/etc/ca.pem")));
+        assert_eq!(u.ca.as_deref(), Some(std::path::Path::new("/etc/ca.pem")));
     }
 
     #[test]
@@ -575,6 +683,7 @@ mod tests {
             ("redis+sentinel://s1,,s2/main", "empty sentinel"),
             ("redis+sentinel://s1/ma in", "service name"),
             ("redis+sentinel://s1/main/x", "database"),
+            ("redis+sentinel://s1//", "no service"),
             ("redis://s1/main", "not a redis+sentinel"),
             ("redis+sentinel://s1/main?ca_file=/x", "ca_file is for TLS"),
         ] {
@@ -592,6 +701,12 @@ mod tests {
         let readonly = redis::parse_redis_value(b"-READONLY You can't write against a read only replica.\r\n").unwrap();
         assert!(refused_as_replica(&readonly));
         assert!(refused_as_replica(&Value::Array(vec![Value::Okay, readonly])));
+        // Redis 6 reports a write refused inside a script as a script error.
+        let in_script = redis::parse_redis_value(
+            b"-ERR Error running script (call to f_0a1b): @user_script:1: @user_script: 1: -READONLY You can't write against a read only replica.\r\n",
+        )
+        .unwrap();
+        assert!(refused_as_replica(&in_script));
         assert!(!refused_as_replica(&Value::Okay));
         assert_eq!(
             role_of(&Value::Array(vec![
@@ -601,5 +716,44 @@ mod tests {
             .as_deref(),
             Some("master")
         );
+    }
+
+    #[test]
+    fn the_master_most_sentinels_name_comes_first() {
+        let answers: Vec<Answer> = vec![
+            Ok(Some("10.0.0.1:6379".into())),
+            Err("no answer".into()),
+            Ok(Some("10.0.0.2:6379".into())),
+            Ok(Some("10.0.0.2:6379".into())),
+            Ok(None),
+        ];
+        assert_eq!(
+            by_votes(&answers),
+            [("10.0.0.2:6379".to_owned(), 2), ("10.0.0.1:6379".to_owned(), 1)]
+        );
+        assert!(by_votes(&[Err("down".into()), Ok(None)]).is_empty());
+    }
+
+    #[test]
+    fn hello_replies_name_the_role() {
+        let resp3 = Value::Map(vec![
+            (
+                Value::BulkString(b"server".to_vec()),
+                Value::BulkString(b"redis".to_vec()),
+            ),
+            (
+                Value::BulkString(b"role".to_vec()),
+                Value::BulkString(b"replica".to_vec()),
+            ),
+        ]);
+        assert_eq!(field_of(&resp3, "role").as_deref(), Some("replica"));
+        let resp2 = Value::Array(vec![
+            Value::BulkString(b"proto".to_vec()),
+            Value::Int(2),
+            Value::BulkString(b"role".to_vec()),
+            Value::BulkString(b"master".to_vec()),
+        ]);
+        assert_eq!(field_of(&resp2, "role").as_deref(), Some("master"));
+        assert_eq!(field_of(&Value::Okay, "role"), None);
     }
 }
