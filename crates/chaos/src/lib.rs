@@ -608,7 +608,7 @@ pub async fn run(config: Config) -> Result<Report, Error> {
         .into_iter()
         .enumerate()
         .map(|(node, used_by)| DatabaseNode {
-            url: database.urls[node].clone(),
+            url: idem_core::redact_credentials(&database.urls[node]),
             used_by,
             sessions_killed: killed_per_node[node].load(Ordering::SeqCst),
         })

@@ -24,6 +24,7 @@ struct Args {
     #[arg(
         long,
         env = "IDEM_TEST_MYSQL_URL",
+        hide_env_values = true,
         value_delimiter = ',',
         default_value = "mysql://root@127.0.0.1:3306/test"
     )]
@@ -228,6 +229,9 @@ async fn main() -> std::process::ExitCode {
     let seed = args.seed.unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64);
     if let Some(store) = args.gateway {
         return gateway(store, seed, &args).await;
+    }
+    if args.mysql_url.len() > 1 && (args.engine != chaos::Engine::Mysql || args.gateway.is_some()) {
+        return failed("several --mysql-url are the nodes of a MariaDB cluster: give them with --engine mysql");
     }
     if args.withdrawals {
         if args.instances.is_some_and(|n| n > 1) {

@@ -92,7 +92,8 @@ pub struct InstanceCounts {
 /// One server the run's database lived on.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct DatabaseNode {
-    /// The database's URL on it (a file's path for SQLite).
+    /// The database's URL on it, its password masked (a file's path for
+    /// SQLite).
     pub url: String,
     /// The processes that connected to it: `instance <i>`, `relay <i>`,
     /// `projector <i>`, `payouts <i>`.

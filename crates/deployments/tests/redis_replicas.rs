@@ -615,14 +615,16 @@ async fn a_store_follows_a_forced_failover() {
     let scope = unique_scope();
     let effects: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
     let failures: Arc<Mutex<Vec<String>>> = Arc::default();
+    let acknowledged: Arc<Mutex<Vec<IdempotencyKey>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     for _ in 0..4 {
-        let (engine, scope, effects, failures, stop) = (
+        let (engine, scope, effects, failures, acknowledged, stop) = (
             engine.clone(),
             scope.clone(),
             effects.clone(),
             failures.clone(),
+            acknowledged.clone(),
             stop.clone(),
         );
         workers.push(tokio::spawn(async move {
@@ -634,7 +636,10 @@ async fn a_store_follows_a_forced_failover() {
                         Ok(Acquire::Claimed(lease)) => {
                             *effects.lock().unwrap().entry(key.as_str().to_owned()).or_default() += 1;
                             match engine.complete(&lease, Record::completed(b"ok".to_vec())).await {
-                                Ok(_) => break,
+                                Ok(_) => {
+                                    acknowledged.lock().unwrap().push(key.clone());
+                                    break;
+                                }
                                 Err(e) => failures.lock().unwrap().push(format!("complete: {e}")),
                             }
                         }
@@ -690,20 +695,32 @@ async fn a_store_follows_a_forced_failover() {
             .expect("workers end")
             .expect("worker");
     }
+    // Every outcome the store acknowledged, before and after the failover,
+    // is on the promoted master.
+    let acknowledged: Vec<IdempotencyKey> = acknowledged.lock().unwrap().clone();
+    let mut lost = 0;
+    for key in &acknowledged {
+        let row = engine.lookup(&scope, key).await.expect("lookup on the promoted master");
+        if !row.is_some_and(|row| matches!(row.state, idem_core::RowState::Done(_))) {
+            lost += 1;
+        }
+    }
     let effects = effects.lock().unwrap();
     let doubled = effects.values().filter(|n| **n > 1).count();
     let failures = failures.lock().unwrap();
     println!(
         "forced failover 127.0.0.1:{old} -> 127.0.0.1:{new}: {} keys run, {} before the new master was named; \
          the store followed after {followed:?}, keys completed again after {resumed:?}; {} failed calls \
-         ({:?}), {} effects doubled, {} discoveries",
+         ({:?}), {} effects doubled, {} discoveries; {lost} of {} acknowledged outcomes lost",
         effects.len(),
         done_before,
         failures.len(),
         failures.iter().take(3).collect::<Vec<_>>(),
         doubled,
-        sentinel.discoveries()
+        sentinel.discoveries(),
+        acknowledged.len()
     );
+    assert_eq!(lost, 0, "every acknowledged outcome is on the promoted master");
     assert!(
         followed.is_ok(),
         "the store follows the sentinels to 127.0.0.1:{new}: it is on {:?}",

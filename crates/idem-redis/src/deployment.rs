@@ -16,6 +16,9 @@
 //!   (`--skip-redis-checks`, or `skip_deployment_checks` in the gateway's
 //!   `[redis]` settings).
 //!
+//! A server that says it is a replica (`role:slave`) is refused: a store
+//! pointed at it would have every write refused.
+//!
 //! On a cluster every master is read. Replicas are read too (a server's
 //! from its `INFO replication`, a cluster's from `CLUSTER NODES`), for
 //! their eviction policy: a replica promoted by a failover brings its own
@@ -175,6 +178,24 @@ impl RedisStore<RedisConnection> {
     /// answers the warnings (also logged): no persistence, or settings it
     /// could not read. See the module docs of the check.
     pub async fn check_deployment(&self) -> Result<Vec<String>> {
+        // A store pointed at a replica writes nothing: every write is
+        // refused (`READONLY`), which looks like an outage that never ends.
+        for (node, reply) in self
+            .conn
+            .on_every_master(redis::cmd("INFO").arg("replication").clone())
+            .await
+        {
+            let role = reply
+                .ok()
+                .and_then(|v| crate::text(&v))
+                .and_then(|t| info_fields(&t).find(|(n, _)| *n == "role").map(|(_, v)| v.to_owned()));
+            if role.as_deref() == Some("slave") {
+                return Err(Error::Config(format!(
+                    "Redis ({node}) is a replica (role:slave): it refuses every write; point the store at the \
+                     master, or name the sentinels that follow it (redis+sentinel://host:port,…/SERVICE)"
+                )));
+            }
+        }
         let mut nodes: Vec<(String, Settings)> = Vec::new();
         for (node, reply) in self
             .conn

@@ -59,6 +59,28 @@ async fn a_replica_that_evicts_is_refused_on_one_server() {
     assert_eq!(store.check_deployment().await.unwrap(), Vec::<String>::new());
 }
 
+/// A store pointed at a replica is refused by the check, naming the way
+/// out: every write would be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_a_replica_is_refused() {
+    let master = RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
+    let replica = RedisServer::start(&[
+        "--replicaof",
+        "127.0.0.1",
+        &master.port.to_string(),
+        "--maxmemory-policy",
+        "noeviction",
+    ]);
+    wait_for_replicas(master.port, 1);
+    let store = RedisStore::connect_any(&replica.url()).await.unwrap();
+    let e = store.check_deployment().await.unwrap_err();
+    assert!(matches!(e, idem_core::Error::Config(_)), "{e}");
+    let e = e.to_string();
+    assert!(e.contains("role:slave") && e.contains("redis+sentinel://"), "{e}");
+    let on_master = RedisStore::connect_any(&master.url()).await.unwrap();
+    assert_eq!(on_master.check_deployment().await.unwrap(), Vec::<String>::new());
+}
+
 /// A replica the check cannot reach at its advertised address is a warning, not a pass in silence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_out_of_reach_is_a_warning() {
