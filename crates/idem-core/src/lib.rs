@@ -90,4 +90,4 @@ pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};
 pub use sweep::{KeyFilter, KeyInfo, KeyState, KeyStats, PendingMigration, SweepOptions, SweepReport, sweep_expired};
 pub use table::TableName;
-pub use tx::{Begin, Claimed, Ticket, TxEngine};
+pub use tx::{Begin, Claimed, REJECT_CLAIM_WAIT, Ticket, TxEngine};

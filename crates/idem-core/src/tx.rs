@@ -18,6 +18,10 @@ use crate::record::{Call, ClaimRequest, Outcome, Record, RecordStatus, Token};
 use crate::registry::RegistryGuard;
 use crate::store::{BoxFuture, TxBackend, TxClaim};
 
+/// How long recording a final rejection waits to claim the key again
+/// (see [`TxEngine::reject_final`]).
+pub const REJECT_CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Runs idempotent calls in transactional mode on a [`TxBackend`].
 ///
 /// The database's unique key is the lock: a concurrent twin blocks on the
@@ -260,8 +264,9 @@ impl<B: TxBackend> TxEngine<B> {
     }
 
     /// Rolls the caller's writes back and records a final rejection under the
-    /// key in a new transaction. Answers whether it was recorded: `false`
-    /// if a twin claimed the key in between (the key then belongs to it).
+    /// key in a new transaction, waiting up to [`REJECT_CLAIM_WAIT`] for the
+    /// key. Answers whether it was recorded: `false` if a twin claimed the
+    /// key in between (the key then belongs to it).
     pub async fn reject_final(&self, claimed: Claimed<B::Tx>, record: Record) -> Result<bool> {
         let Claimed { tx, ticket } = claimed;
         self.rollback_quietly(tx).await;
@@ -275,12 +280,31 @@ impl<B: TxBackend> TxEngine<B> {
             });
         }
         let req = ticket.request();
-        match self.backend.begin_claim(&req, std::time::Duration::ZERO).await? {
-            (tx, TxClaim::Claimed) => self.backend.record_commit(tx, &req, &record).await?,
-            (tx, _) => {
-                self.rollback_quietly(tx).await;
-                metrics::count(metrics::RELEASES, op);
-                return Ok(false);
+        // The key is claimed again with a short wait, not none: under
+        // concurrent writes an insert can meet another transaction's gap or
+        // next-key lock for a moment (and a Galera node, a write set being
+        // applied), and a claim that gave up at once would leave the
+        // rejection unrecorded, so that a retry ran the call again.
+        // Contention is tried again, within the same budget.
+        let deadline = StdInstant::now() + REJECT_CLAIM_WAIT;
+        loop {
+            let wait = deadline.saturating_duration_since(StdInstant::now());
+            match self.backend.begin_claim(&req, wait).await {
+                Ok((tx, TxClaim::Claimed)) => {
+                    self.backend.record_commit(tx, &req, &record).await?;
+                    break;
+                }
+                Err(e) if engine::is_contention(&e) && !wait.is_zero() => {
+                    metrics::tx_retry(op.as_str(), Stage::Claim);
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                Err(e) => return Err(e),
+                Ok((tx, _)) => {
+                    // A twin claimed or completed the key in between.
+                    self.rollback_quietly(tx).await;
+                    metrics::count(metrics::RELEASES, op);
+                    return Ok(false);
+                }
             }
         }
         metrics::record(op, status_label(record.status));
