@@ -42,26 +42,9 @@ fn own_copy(built: &std::path::Path, name: &str) -> Result<PathBuf, Error> {
 }
 
 fn build_idem(extra: &[&str]) -> Result<PathBuf, Error> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.current_dir(&root)
-        .args(["build", "-p", "idem-cli", "--bin", "idem", "--message-format=json"])
-        .args(extra);
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
-    if !out.status.success() {
-        return Err(Error::Service("building idem failed".into()));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "idem")
-        .rev()
-        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| Error::Service("cargo reported no idem executable".into()))
+    let mut args = vec!["-p", "idem-cli", "--bin", "idem"];
+    args.extend_from_slice(extra);
+    crate::cargo::build_binary(&args, "idem").map_err(|e| Error::Service(format!("building idem: {e}")))
 }
 
 /// Every effect per (tenant, key), in order.

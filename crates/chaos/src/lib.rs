@@ -27,6 +27,7 @@
 //! Run: `cargo run --release -p chaos -- --engine postgres --ops 20000`.
 
 pub mod balancer;
+pub mod cargo;
 mod check;
 mod db;
 pub mod dlqkill;
@@ -202,35 +203,8 @@ pub fn ledger_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
     if let Ok(p) = std::env::var("CHAOS_LEDGER_BIN") {
         return Ok(PathBuf::from(p));
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.current_dir(&root).args([
-        "build",
-        "-p",
-        "ledger",
-        "--features",
-        "fault-injection",
-        "--message-format=json",
-    ]);
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
-    if !out.status.success() {
-        return Err(Error::Service("building the ledger with fault-injection failed".into()));
-    }
-    let mut built = None;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line)
-            && v["reason"] == "compiler-artifact"
-            && v["target"]["name"] == "ledger"
-            && let Some(exe) = v["executable"].as_str()
-        {
-            built = Some(PathBuf::from(exe));
-        }
-    }
-    let built = built.ok_or_else(|| Error::Service("cargo reported no ledger executable".into()))?;
+    let built = cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
+        .map_err(|e| Error::Service(format!("building the ledger with fault-injection: {e}")))?;
     // Keep a private copy: a plain `cargo build -p ledger` rewrites the
     // shared path with the build that has no fault points.
     let copy = built.with_file_name(format!(

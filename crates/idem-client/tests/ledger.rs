@@ -15,6 +15,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+#[path = "../../chaos/src/cargo.rs"]
+#[allow(unreachable_pub)]
+mod cargo;
+
 use idem_client::{Client, Error, Key, Operation, PendingStore, SqlitePending};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -26,31 +30,11 @@ fn ledger_binary() -> &'static Path {
         if let Ok(p) = std::env::var("IDEM_CLIENT_LEDGER_BIN") {
             return PathBuf::from(p);
         }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let out = Command::new(cargo)
-            .current_dir(&root)
-            // The chaos harness's build (`--features fault-injection`, off
-            // unless its environment turns faults on): one ledger build for
-            // both suites.
-            .args([
-                "build",
-                "-p",
-                "ledger",
-                "--features",
-                "fault-injection",
-                "--message-format=json",
-            ])
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("cargo runs");
-        assert!(out.status.success(), "cargo build -p ledger failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "ledger")
-            .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported the ledger executable")
+        // The chaos harness's build (`--features fault-injection`, off
+        // unless its environment turns faults on): one ledger build for
+        // both suites.
+        cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
+            .unwrap_or_else(|e| panic!("the ledger binary: {e}"))
     })
 }
 

@@ -14,13 +14,17 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use common::*;
 use idem_core::multistep::{MultiStepState, MultiStepStore};
 use idem_core::{IdempotencyKey, Scope};
+#[path = "../../chaos/src/cargo.rs"]
+#[allow(unreachable_pub)]
+mod cargo;
+
 use ledger::withdrawals::WITHDRAWAL_OPERATION;
 use ledger::{LedgerDb, Store};
 
@@ -29,28 +33,8 @@ use ledger::{LedgerDb, Store};
 fn fault_ledger() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let out = Command::new(cargo)
-            .current_dir(&root)
-            .args([
-                "build",
-                "-p",
-                "ledger",
-                "--features",
-                "fault-injection",
-                "--message-format=json",
-            ])
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("cargo runs");
-        assert!(out.status.success(), "building the ledger with fault-injection failed");
-        let built = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "ledger")
-            .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reports the ledger executable");
+        let built = cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
+            .unwrap_or_else(|e| panic!("building the ledger with fault-injection: {e}"));
         let copy = built.with_file_name(format!("ledger-withdrawal-kills-{}", std::process::id()));
         std::fs::copy(&built, &copy).expect("the binary is copied");
         copy
