@@ -29,9 +29,10 @@ use crate::tx::status_label;
 /// takes the key over once the lease has expired, with a larger token; the
 /// old holder can then neither complete nor release.
 ///
-/// The engine spawns the tasks that must outlive a dropped caller (a claim
-/// whose answer nobody took is released, an outcome is recorded) through its
-/// [`Detached`], which its clones share: a server waits for
+/// The work that must outlive a dropped caller (a claim nobody will use is
+/// released, an outcome is recorded) runs through its [`Detached`], which
+/// its clones share: in the caller's task while the caller stays, in a task
+/// of its own once it goes away ([`Detached::finish`]); a server waits for
 /// [`detached().idle()`](Detached::idle) before it stops, so that no
 /// outcome is lost to a shutdown.
 pub struct LeaseEngine<S> {
@@ -144,58 +145,46 @@ impl<S: LeaseStore> LeaseEngine<S> {
         }
     }
 
-    /// One claim attempt, in a task of its own. The store commits the claim
-    /// before it answers; if the caller goes away in between (a dropped
-    /// request), nobody would hold the claim and its key would wait for the
-    /// lease to run out. Whichever side sees the caller gone releases it: the
-    /// task, when its answer can no longer be delivered, or the caller's
-    /// [`Answer`] guard, when the answer arrived but was never taken.
+    /// One claim attempt. The store commits the claim before it answers; if
+    /// the caller goes away in between (a dropped request), nobody would
+    /// hold the claim and its key would wait for the lease to run out. So
+    /// the attempt runs in the caller's task through [`Detached::finish`]:
+    /// a caller that stays costs no hand-off, and one that goes away leaves
+    /// the attempt to end in a task of its own, which releases what it
+    /// claimed.
     async fn try_claim_detached(&self, call: &Call, now_ms: i64, lease_expires_at_ms: i64) -> Result<LeaseClaim> {
-        let (answer, answered) = tokio::sync::oneshot::channel();
         let store = self.store.clone();
-        let detached = call.clone();
-        self.detached.spawn(
-            async move {
-                let call = detached;
-                let req = ClaimRequest {
-                    scope: call.scope(),
-                    key: call.key(),
-                    fingerprint: call.fingerprint(),
-                    now_ms,
-                    expires_at_ms: now_ms.saturating_add(call.policy().ttl_ms()),
-                    fresh_token: Token::fresh(now_ms),
-                    lease_expires_at_ms: Some(lease_expires_at_ms),
-                };
-                let claimed = store.try_claim(&req).await;
-                if let Err(Ok(LeaseClaim::Acquired(token))) = answer.send(claimed) {
-                    release_abandoned(
-                        &*store,
-                        Lease {
-                            scope: call.scope().clone(),
-                            key: call.key().clone(),
+        let owned = call.clone();
+        let claim = async move {
+            let req = ClaimRequest {
+                scope: owned.scope(),
+                key: owned.key(),
+                fingerprint: owned.fingerprint(),
+                now_ms,
+                expires_at_ms: now_ms.saturating_add(owned.policy().ttl_ms()),
+                fresh_token: Token::fresh(now_ms),
+                lease_expires_at_ms: Some(lease_expires_at_ms),
+            };
+            store.try_claim(&req).await
+        };
+        let store = self.store.clone();
+        let scope = call.scope().clone();
+        let key = call.key().clone();
+        self.detached
+            .finish_then(claim.in_current_span(), move |claimed| {
+                Box::pin(async move {
+                    if let Ok(LeaseClaim::Acquired(token)) = claimed {
+                        let lease = Lease {
+                            scope,
+                            key,
                             token,
                             lease_expires_at_ms,
-                        },
-                    )
-                    .await;
-                }
-            }
-            .in_current_span(),
-        );
-        let mut guard = Answer {
-            answered: Some(answered),
-            detached: self.detached.clone(),
-            store: self.store.clone(),
-            call: call.clone(),
-            lease_expires_at_ms,
-        };
-        let received = std::future::poll_fn(|cx| {
-            let answered = guard.answered.as_mut().expect("polled only until it answers");
-            std::pin::Pin::new(answered).poll(cx)
-        })
-        .await;
-        guard.answered = None;
-        received.map_err(|e| Error::store(crate::StoreErrorKind::Other, e))?
+                        };
+                        release_abandoned(&*store, lease).await;
+                    }
+                })
+            })
+            .await
     }
 
     /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
@@ -548,13 +537,14 @@ impl<S: LeaseStore> LeaseEngine<S> {
         result.map(Outcome::Executed)
     }
 
-    /// Completes or releases `lease` in a task of its own, keeping `beat`
-    /// alive until it is done (a refused write is tried again, see
-    /// [`settle_retrying`](Self::settle_retrying)), and waits for it.
-    /// Dropping the returned future does not stop the task.
+    /// Completes or releases `lease`, keeping `beat` alive until it is done
+    /// (a refused write is tried again, see
+    /// [`settle_retrying`](Self::settle_retrying)), and waits for it. It runs
+    /// in the caller's task; dropping the returned future moves the rest of
+    /// it into a task of its own ([`Detached::finish`]), so it still ends.
     pub(crate) async fn settle_detached(&self, lease: Lease, settle: Settle, beat: Heartbeat) -> Result<()> {
         let engine = self.clone();
-        let task = self.detached.spawn(tracing::Instrument::in_current_span(async move {
+        let settling = async move {
             let record = match settle {
                 Settle::Complete(record) => Some(record),
                 Settle::Release => None,
@@ -562,12 +552,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
             let settled = engine.settle_retrying(&lease, record, SETTLE_RETRY_WINDOW).await;
             beat.stop();
             settled
-        }));
-        match task.await {
-            Ok(settled) => settled,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(e) => Err(Error::store(crate::StoreErrorKind::Other, e)),
-        }
+        };
+        self.detached.finish(settling.in_current_span()).await
     }
 }
 
@@ -631,42 +617,6 @@ impl<S: LeaseStore> Drop for HoldOnPanic<S> {
                     ),
                 }
             });
-        }
-    }
-}
-
-/// The caller's end of a detached claim. Dropped before it was read, it
-/// closes the channel and releases a claim that had already been delivered.
-struct Answer<S: LeaseStore> {
-    answered: Option<tokio::sync::oneshot::Receiver<Result<LeaseClaim>>>,
-    detached: Detached,
-    store: Arc<S>,
-    call: Call,
-    lease_expires_at_ms: i64,
-}
-
-impl<S: LeaseStore> Drop for Answer<S> {
-    fn drop(&mut self) {
-        let Some(mut answered) = self.answered.take() else {
-            return;
-        };
-        answered.close();
-        let Ok(Ok(LeaseClaim::Acquired(token))) = answered.try_recv() else {
-            return;
-        };
-        let lease = Lease {
-            scope: self.call.scope().clone(),
-            key: self.call.key().clone(),
-            token,
-            lease_expires_at_ms: self.lease_expires_at_ms,
-        };
-        let store = self.store.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                self.detached
-                    .spawn_on(&runtime, async move { release_abandoned(&*store, lease).await });
-            }
-            Err(_) => tracing::warn!("a claim abandoned outside a runtime cannot be released; it will expire"),
         }
     }
 }

@@ -68,7 +68,7 @@ pub use deadletter::{
     Reconciliation, RedriveHold, RedriveOutcome, RowAt, SentUnder, Settlement, Verdict, VerdictSource, clip_body,
     clip_response, clip_text, encode_headers, is_credential, redrive_hold_ms,
 };
-pub use detached::Detached;
+pub use detached::{Detached, Finish};
 pub use error::{BoxError, Error, Result, StoreErrorKind};
 pub use fingerprint::canonical;
 pub use fingerprint::canonical::{CanonicalError, canonical_json};

@@ -255,7 +255,7 @@ impl Gateway {
         // before the process ends, or the caller's retry would act again.
         let running = self.detached.running();
         if running > 0 {
-            tracing::info!(running, "waiting for the recordings of callers that went away");
+            tracing::info!(running, "waiting for requests still being recorded");
         }
         if tokio::time::timeout_at(deadline, self.detached.idle()).await.is_err() {
             tracing::warn!(

@@ -307,10 +307,10 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
     }
 
     /// The work this layer runs apart from its callers: once a handler may
-    /// have acted, its outcome is recorded in a task of its own, so that a
-    /// caller who goes away does not leave the key in progress. A server
-    /// that stops when its last connection closes would drop such a task
-    /// half-way, and the caller's retry would run the handler again: after
+    /// have acted, its outcome is recorded even if the caller goes away (the
+    /// rest of the work then moves into a task of its own), so that the key
+    /// is not left in progress. A server that stops when its last connection
+    /// closes would drop such a task half-way, and the caller's retry would run the handler again: after
     /// the graceful shutdown, wait for [`Detached::idle`](idem_core::Detached::idle)
     /// (bounded) before the runtime stops.
     ///

@@ -1,7 +1,8 @@
 //! Lease mode, for handlers whose effects are outside the database: the
 //! claim is a lease kept alive by a heartbeat; the key is marked sent before
 //! the handler runs; the outcome is recorded (tried again if the store
-//! refuses it) in a task of its own; and a key held as an unknown outcome is
+//! refuses it) by work that outlives a caller who goes away (run in the
+//! caller's task while it stays); and a key held as an unknown outcome is
 //! handed to the [`Reconcile`](crate::Reconcile) hook under a reconcile lock.
 
 use std::sync::Arc;
@@ -257,7 +258,7 @@ impl<L: LeaseStore> Drop for ReleaseLock<L> {
     }
 }
 
-/// What the lease-mode task needs of the layer's configuration.
+/// What the lease-mode work needs of the layer's configuration.
 #[derive(Clone)]
 pub(crate) struct Recording {
     pub(crate) max_response_bytes: usize,
@@ -284,11 +285,12 @@ impl<L: LeaseStore> Mode for Leased<L> {
         };
         hit(Point::AfterClaim);
         // From here on the handler may take effect, so everything up to the
-        // recorded outcome runs in a task of its own: a request future
-        // dropped now (the client went away, an outer timeout) neither
-        // releases the key nor stops the recording. The heartbeat keeps the
-        // lease alive until the outcome is settled; it beats in that same
-        // task, polled beside the work, rather than in a task of its own.
+        // recorded outcome must end even if this request future is dropped
+        // (the client went away, an outer timeout): it runs here, in the
+        // caller's task, through `Detached::finish`, which moves the rest of
+        // it into a task of its own only if the caller goes away first. The
+        // heartbeat keeps the lease alive until the outcome is settled; it
+        // beats beside the work, in the same future.
         let (held, beats) = self
             .engine
             .heartbeat_in_place(&lease, call.policy().effective_lease_ms());
@@ -306,12 +308,12 @@ impl<L: LeaseStore> Mode for Leased<L> {
         // close-delimited, where a cut-off looks like the end: it gets the
         // whole response instead.
         let streaming = self.streaming.filter(|_| version >= http::Version::HTTP_11);
-        // The task hands the response over as soon as it can be sent (after
+        // The work hands the response over as soon as it can be sent (after
         // the record, or at once when it streams) and goes on to its end.
-        let (answer, answered) = tokio::sync::oneshot::channel();
+        let (answer, mut answered) = tokio::sync::oneshot::channel();
         // Counted in the engine's detached work: a graceful shutdown waits
         // for it, so a caller gone before the answer still gets it recorded.
-        let task = self.engine.detached().spawn(tracing::Instrument::in_current_span(async move {
+        let work = async move {
             // The work and its settlement, while the heartbeat beats.
             let work = async move {
                 // A holder stopped past its whole lease between its claim and
@@ -344,9 +346,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 if let Err(e) = marked {
                     let unsent = match e {
                         Error::Fenced => Problem::new(StatusCode::CONFLICT, slugs::KEY_IN_FLIGHT, "Request in flight")
-                            .with_detail(
-                                "another request with this Idempotency-Key holds it now; retry later",
-                            )
+                            .with_detail("another request with this Idempotency-Key holds it now; retry later")
                             .with_retry_after_secs(1),
                         e => {
                             tracing::warn!(error = %e, "could not mark the request sent; nothing was sent");
@@ -354,7 +354,11 @@ impl<L: LeaseStore> Mode for Leased<L> {
                         }
                     };
                     let settled = engine.release_unsent(&lease).await;
-                    return (settled, Some((answer, Ok(unsent.into_response(&recording.problem_base)))), None);
+                    return (
+                        settled,
+                        Some((answer, Ok(unsent.into_response(&recording.problem_base)))),
+                        None,
+                    );
                 }
                 let mut guard = HoldOnPanic {
                     engine: Some(engine.clone()),
@@ -431,23 +435,34 @@ impl<L: LeaseStore> Mode for Leased<L> {
             if let (Some(end), Some(streaming)) = (stream_end, streaming) {
                 end.finish(streaming.stall, Chunk::End).await;
             }
-        }));
-        match answered.await {
+        };
+        let mut work = self
+            .engine
+            .detached()
+            .finish(tracing::Instrument::in_current_span(work));
+        // The answer is taken as soon as it is sent; work still to do then
+        // (a streamed body being recorded) moves into a task of its own when
+        // `work` is dropped here.
+        let answer = tokio::select! {
+            biased;
+            answer = &mut answered => answer,
+            () = &mut work => answered.await,
+        };
+        match answer {
             Ok(response) => response,
-            Err(_) => match task.await {
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                _ => {
-                    tracing::error!("the lease-mode task was cancelled");
-                    Ok(Problem::new(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        slugs::STORE_UNAVAILABLE,
-                        "Request interrupted",
-                    )
-                    .with_detail("the service is shutting down; retry with the same Idempotency-Key")
-                    .with_retry_after_secs(1)
-                    .into_response(&cfg.problem_base))
-                }
-            },
+            // The work ended without an answer: only a runtime shutting down
+            // drops it so (a panic would have gone on unwinding here).
+            Err(_) => {
+                tracing::error!("the lease-mode work ended without an answer");
+                Ok(Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    slugs::STORE_UNAVAILABLE,
+                    "Request interrupted",
+                )
+                .with_detail("the service is shutting down; retry with the same Idempotency-Key")
+                .with_retry_after_secs(1)
+                .into_response(&cfg.problem_base))
+            }
         }
     }
 

@@ -140,6 +140,148 @@ async fn a_request_dropped_after_the_handler_still_records() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run again");
 }
 
+/// The request is dropped while the handler still runs (the client went
+/// away, an outer timeout): the handler is not cut off, it runs to its end
+/// in a task of its own, its outcome is recorded, and the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_dropped_while_the_handler_runs_still_records() {
+    let runs = counter();
+    let finished = counter();
+    let done = finished.clone();
+    let app = pay_app(
+        &runs,
+        Policy::default().with_in_flight(InFlight::Wait { max_ms: 5_000 }),
+        move |_run| {
+            let done = done.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                done.fetch_add(1, Ordering::SeqCst);
+                (StatusCode::CREATED, "paid once")
+            }
+        },
+    );
+    let dropped = tokio::time::timeout(Duration::from_millis(100), send(&app, post_with_key("cut"))).await;
+    assert!(dropped.is_err(), "the request was dropped while the handler ran");
+    assert_eq!(finished.load(Ordering::SeqCst), 0, "the handler had not finished yet");
+    let retry = send(&app, post_with_key("cut")).await;
+    assert_eq!(retry, (StatusCode::CREATED, true, Bytes::from_static(b"paid once")));
+    assert_eq!(finished.load(Ordering::SeqCst), 1, "the dropped handler ran to its end");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run again");
+}
+
+/// A memory store that notes, for each claim, sent mark and completion,
+/// whether it ran inside a spawned task (`tokio::task::try_id`).
+#[derive(Clone, Default)]
+struct TaskNoting {
+    inner: MemoryStore,
+    in_task: Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>,
+}
+
+impl TaskNoting {
+    fn note(&self, what: &'static str) {
+        let spawned = tokio::task::try_id().is_some();
+        self.in_task.lock().unwrap().push((what, spawned));
+    }
+}
+
+impl idem_core::LeaseStore for TaskNoting {
+    fn try_claim<'a>(
+        &'a self,
+        req: &'a idem_core::ClaimRequest<'a>,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<idem_core::LeaseClaim>> {
+        self.note("claim");
+        self.inner.try_claim(req)
+    }
+    fn mark_sent<'a>(
+        &'a self,
+        lease: &'a idem_core::Lease,
+        now_ms: i64,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<()>> {
+        self.note("mark_sent");
+        self.inner.mark_sent(lease, now_ms)
+    }
+    fn lookup<'a>(
+        &'a self,
+        scope: &'a idem_core::Scope,
+        key: &'a idem_core::IdempotencyKey,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<Option<idem_core::StoredRow>>> {
+        self.inner.lookup(scope, key)
+    }
+    fn complete<'a>(
+        &'a self,
+        lease: &'a idem_core::Lease,
+        record: &'a idem_core::Record,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<()>> {
+        self.note("complete");
+        self.inner.complete(lease, record)
+    }
+    fn release<'a>(&'a self, lease: &'a idem_core::Lease) -> idem_core::BoxFuture<'a, idem_core::Result<()>> {
+        self.inner.release(lease)
+    }
+    fn extend<'a>(
+        &'a self,
+        lease: &'a idem_core::Lease,
+        until: i64,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<()>> {
+        self.inner.extend(lease, until)
+    }
+    fn resolve_unknown<'a>(
+        &'a self,
+        req: &'a idem_core::Resolution<'a>,
+    ) -> idem_core::BoxFuture<'a, idem_core::Result<bool>> {
+        self.inner.resolve_unknown(req)
+    }
+}
+
+/// A fresh request whose caller stays runs its claim, its sent mark, its
+/// handler and its recording in the caller's own task: none of them in a
+/// spawned task, and no task alive while the handler runs (on a
+/// current-thread runtime, where the test itself is no spawned task).
+#[tokio::test(flavor = "current_thread")]
+async fn a_fresh_request_spawns_no_task() {
+    let runs = counter();
+    let store = TaskNoting::default();
+    let alive = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = alive.clone();
+    let app = counted_pay(&runs, move |_run| {
+        let seen = seen.clone();
+        async move {
+            let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+            seen.lock().unwrap().push((tasks, tokio::task::try_id().is_some()));
+            (StatusCode::CREATED, "paid")
+        }
+    })
+    .route_layer(
+        IdempotencyLayer::lease(LeaseEngine::new(store.clone()), tenant)
+            .default_route(RoutePolicy::required().with_policy(Policy::default())),
+    );
+    for key in ["alone-1", "alone-2", "alone-3"] {
+        let (status, replayed, _) = send(&app, post_with_key(key)).await;
+        assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    }
+    assert_eq!(
+        *alive.lock().unwrap(),
+        vec![(0, false); 3],
+        "tasks alive while each handler ran, and whether it ran in one"
+    );
+    let calls = store.in_task.lock().unwrap().clone();
+    assert_eq!(
+        calls.len(),
+        9,
+        "a claim, a mark and a completion per request: {calls:?}"
+    );
+    assert!(
+        calls.iter().all(|(_, spawned)| !spawned),
+        "store calls made in a spawned task: {calls:?}"
+    );
+    assert_eq!(
+        tokio::runtime::Handle::current().metrics().num_alive_tasks(),
+        0,
+        "no task left behind"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
 /// A 5xx is never recorded, even when its body is larger than the record
 /// limit: the key stays usable and the retry runs the handler again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
