@@ -10,11 +10,13 @@ use std::process::{Command, Stdio};
 
 /// The variables cargo sets for a test process: a build started with them
 /// would see the test's package. Some build scripts track them (ring's
-/// tracks `CARGO_MANIFEST_DIR`), so a build started from one package's
-/// tests ran that script again and rebuilt everything above it (ring,
-/// rustls, sqlx, the workspace's crates), for every package a test builds
-/// from, and once more for the workspace's next build.
+/// tracks `CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME` and `OUT_DIR`), so a build
+/// started from one package's tests ran that script again and rebuilt
+/// everything above it (ring, rustls, sqlx, the workspace's crates), for
+/// every package a test builds from, and once more for the workspace's next
+/// build.
 const TEST_PROCESS_PREFIXES: &[&str] = &[
+    "OUT_DIR",
     "CARGO_MANIFEST_",
     "CARGO_PKG_",
     "CARGO_CRATE_",
