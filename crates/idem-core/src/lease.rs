@@ -171,7 +171,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
         let scope = call.scope().clone();
         let key = call.key().clone();
         self.detached
-            .finish_then(claim.in_current_span(), move |claimed| {
+            .finish_then(claim, move |claimed| {
                 Box::pin(async move {
                     if let Ok(LeaseClaim::Acquired(token)) = claimed {
                         let lease = Lease {
@@ -553,7 +553,7 @@ impl<S: LeaseStore> LeaseEngine<S> {
             beat.stop();
             settled
         };
-        self.detached.finish(settling.in_current_span()).await
+        self.detached.finish(settling).await
     }
 }
 

@@ -436,10 +436,7 @@ impl<L: LeaseStore> Mode for Leased<L> {
                 end.finish(streaming.stall, Chunk::End).await;
             }
         };
-        let mut work = self
-            .engine
-            .detached()
-            .finish(tracing::Instrument::in_current_span(work));
+        let mut work = self.engine.detached().finish(work);
         // The answer is taken as soon as it is sent; work still to do then
         // (a streamed body being recorded) moves into a task of its own when
         // `work` is dropped here.
