@@ -159,8 +159,8 @@ async fn store_sql_holds_the_statements_the_store_sends() {
     };
     let key = ":client_id || '-' || :a || '-' || :b";
     let fingerprint = "'\\xabababababababababababababababababababababababababababababababab'::bytea";
-    let claim = bind(
-        &statement("idem_claim_"),
+    let first = bind(
+        &statement("idem_first_"),
         &[
             "'t'",
             "'POST /bench'",
@@ -173,6 +173,7 @@ async fn store_sql_holds_the_statements_the_store_sends() {
             "'5000'",
         ],
     );
+    let look = bind(&statement("idem_look_"), &["'t'", "'POST /bench'", key, "1::bigint"]);
     let record = bind(
         &statement("idem_record_"),
         &[
@@ -185,14 +186,12 @@ async fn store_sql_holds_the_statements_the_store_sends() {
     );
     let script = std::fs::read_to_string(dir().join("store.sql")).unwrap();
     let lines: Vec<&str> = script.lines().collect();
-    assert!(
-        lines.contains(&format!("{claim};").as_str()),
-        "store.sql's claim is not the store's; the store's, as the script writes it:\n{claim};"
-    );
-    assert!(
-        lines.contains(&format!("{record};").as_str()),
-        "store.sql's record is not the store's; the store's, as the script writes it:\n{record};"
-    );
+    for (what, statement) in [("first insert", &first), ("look", &look), ("record", &record)] {
+        assert!(
+            lines.contains(&format!("{statement};").as_str()),
+            "store.sql's {what} is not the store's; the store's, as the script writes it:\n{statement};"
+        );
+    }
 }
 
 /// A script of `folder`'s statements: its lines from the first `\set` on
@@ -220,41 +219,53 @@ fn every_variant_differs_from_its_base_in_its_one_part() {
     let body = |script: &str| body(&folder, script);
     let store = body("store.sql");
     let paired = body("paired.sql");
-    let claim = line_starting(&store, "WITH saved").to_owned();
+    let first = line_starting(&store, "INSERT INTO pgb_keys").to_owned();
+    let look = line_starting(&store, "SELECT NULL::bigint").to_owned();
     let record = line_starting(&store, "WITH done").to_owned();
-    let with = |from: &str, to: &str| -> Vec<String> {
+    // `store` with each line of `changes` replaced by its new text, or left
+    // out where that is empty.
+    let with = |changes: &[(&str, &str)]| -> Vec<String> {
         store
             .iter()
-            .map(|l| if l == from { to.to_owned() } else { l.clone() })
+            .filter_map(|l| match changes.iter().find(|(from, _)| l == from) {
+                Some((_, "")) => None,
+                Some((_, to)) => Some((*to).to_owned()),
+                None => Some(l.clone()),
+            })
             .collect()
     };
 
     let plain_update = line_starting(&paired, "UPDATE pgb_keys");
-    assert_eq!(body("store-plainrecord.sql"), with(&record, plain_update));
+    assert_eq!(body("store-plainrecord.sql"), with(&[(&record, plain_update)]));
     let plain_upsert = line_starting(&paired, "INSERT INTO pgb_keys");
-    assert_eq!(body("store-plainclaim.sql"), with(&claim, plain_upsert));
+    assert_eq!(
+        body("store-plainclaim.sql"),
+        with(&[(&first, plain_upsert), (&look, "")])
+    );
 
-    // Without the wait bound: the CTEs that save, set and restore
-    // lock_timeout become constants, and nothing else changes.
-    let save_and_set = "WITH saved AS MATERIALIZED (SELECT set_config('idem.saved_lock_timeout', \
-        current_setting('lock_timeout'), true) AS saved), bounded AS MATERIALIZED (SELECT \
-        set_config('lock_timeout', '5000', true) AS bounded FROM saved), ";
-    let restore = "restored AS MATERIALIZED (SELECT set_config('lock_timeout', saved.saved, true) AS restored \
-        FROM saved, (SELECT count(*) FROM claimed) AS done, (SELECT count(*) FROM inserted) AS first)";
-    assert!(claim.contains(save_and_set) && claim.contains(restore), "{claim}");
-    let unbounded = claim
-        .replace(save_and_set, "WITH bounded AS MATERIALIZED (SELECT 1 AS bounded), ")
-        .replace(
-            restore,
-            "restored AS MATERIALIZED (SELECT 1 FROM (SELECT count(*) FROM claimed) AS done, \
-             (SELECT count(*) FROM inserted) AS first)",
-        );
-    assert_eq!(body("store-nolt.sql"), with(&claim, &unbounded));
+    // Without the wait bound: the subqueries that save and set lock_timeout
+    // go, the one that restores it becomes a constant, and nothing else
+    // changes.
+    let save_and_set = " FROM (SELECT set_config('lock_timeout', '5000', true) AS bounded FROM (SELECT \
+        set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true) AS saved OFFSET 0) AS saved \
+        OFFSET 0) AS bounded";
+    let restore = "(SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS restored)";
+    assert!(
+        first.contains(save_and_set) && look.contains(restore),
+        "{first}\n{look}"
+    );
+    let unbounded_first = first.replace(save_and_set, "");
+    let unbounded_look = look.replace(restore, "(SELECT '' AS restored)");
+    assert_eq!(
+        body("store-nolt.sql"),
+        with(&[(&first, &unbounded_first), (&look, &unbounded_look)])
+    );
 
-    // The lean claim is written by hand; everything around it is the store's.
-    let lean = body("store-lean.sql");
-    let lean_claim = line_starting(&lean, "WITH existing").to_owned();
-    assert_eq!(lean, with(&claim, &lean_claim));
+    // The general claim is written by hand; everything around it is the
+    // store's.
+    let general = body("store-general.sql");
+    let general_claim = line_starting(&general, "WITH saved").to_owned();
+    assert_eq!(general, with(&[(&first, &general_claim), (&look, "")]));
 
     // The same script on another keys table of setup.sql.
     let on = |base: &str, table: &str| -> Vec<String> {

@@ -34,12 +34,20 @@
 //!
 //! | step | statements | round trips |
 //! | --- | --- | --- |
-//! | open and claim | `BEGIN; EXECUTE idem_claim_…(…)` | 1 |
+//! | open and claim | `BEGIN; EXECUTE idem_first_…(…); EXECUTE idem_look_…(…)` | 1 |
 //! | the caller's work | the caller's | the caller's |
 //! | record and commit | `EXECUTE idem_record_…(…); COMMIT` | 1 |
-//! | replay | `BEGIN; EXECUTE idem_claim_…(…)`, then `ROLLBACK` | 2 |
+//! | replay | the same first text; `ROLLBACK` is sent, not waited for | 1 |
 //!
-//! Under [`ClaimStrategy::OneWrite`] the first text is
+//! Under the default [`ClaimStrategy::InsertOnConflict`] the claim is two
+//! plain statements: `idem_first` inserts the key with `ON CONFLICT DO
+//! NOTHING` (a fresh key is claimed by that one insert), and `idem_look`
+//! reads the key's row after it (a replay is answered by it). Only a stale
+//! row to take over (an expired key used again, a lease whose holder died)
+//! costs one round trip more, for the general claim `idem_claim`, which reads
+//! the row first, takes a stale row over and serves every isolation level
+//! in one statement. Under [`ClaimStrategy::AdvisoryLock`] the first text is
+//! `BEGIN; EXECUTE idem_claim_…(…)`. Under [`ClaimStrategy::OneWrite`] it is
 //! `BEGIN; EXECUTE idem_lock_…(…); EXECUTE idem_claim_…(…)` (the lock statement
 //! on its own, so at READ COMMITTED the claim reads in a snapshot taken after the
 //! lock was granted) and the second `EXECUTE idem_insert_…(…); COMMIT`: still one
@@ -51,15 +59,23 @@
 //!   take no bound parameters: values are written as literals whose meaning
 //!   no server setting changes (escape strings `E'…'`, `decode('…', 'hex')`
 //!   for bytes, decimal integers).
-//! - The claim reads the key's row first: a live row (a recorded outcome, or
-//!   a lease still running) is answered without inserting, so a replay writes
-//!   nothing and locks no row, at every isolation level (and takes no
-//!   advisory lock but under SERIALIZABLE): under SERIALIZABLE the claim inserts first with `ON CONFLICT DO
-//!   NOTHING` and reads the row only if the key is held, so fresh claims take
-//!   no predicate lock on the key's index page and a replay no row lock.
+//! - A replay writes nothing and locks no row, at every isolation level: the
+//!   first insert's `ON CONFLICT DO NOTHING` locks no row, and the general
+//!   claim reads the key's row first and answers a live row (a recorded
+//!   outcome, or a lease still running) without inserting (taking no
+//!   advisory lock but under SERIALIZABLE). Under SERIALIZABLE the row is
+//!   read only if the key is held (the general claim inserts first there
+//!   too), so fresh claims take no predicate lock on the key's index page.
+//! - Each claim bounds its own wait for a twin's uncommitted row through
+//!   `lock_timeout`, and puts the caller's `lock_timeout` back before the
+//!   caller's own writes run.
 //! - The record fails unless it updated exactly the claimed row, and then the
 //!   `COMMIT` sent with it does not run: the caller's writes never commit
 //!   without their outcome.
+//! - A replay's `ROLLBACK` (a transaction that only read) is written to the
+//!   connection and its answer left to the ping with which the pool takes the
+//!   connection back, before anyone can acquire it: the caller has its answer
+//!   after one round trip, and the `ROLLBACK` travels with the pool's own ping.
 //! - Dropping an open [`PgTx`] rolls it back before its connection returns to
 //!   the pool.
 //!

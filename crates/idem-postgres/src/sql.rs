@@ -25,8 +25,15 @@ const SAVED_LOCK_TIMEOUT: &str = "idem.saved_lock_timeout";
 #[derive(Debug)]
 pub(crate) struct Statements {
     /// The transactional claim (with the advisory lock under that strategy),
-    /// which also answers the key's visible row.
+    /// which also answers the key's visible row. Under
+    /// [`ClaimStrategy::InsertOnConflict`] a transaction that begins with a
+    /// claim sends [`first`](Self::first) instead and this one only where
+    /// that cannot answer.
     pub(crate) claim_tx: Prepared,
+    /// Under [`ClaimStrategy::InsertOnConflict`], the claim a transaction
+    /// begins with: two plain statements sent together; `None` under the
+    /// other strategies.
+    pub(crate) first: Option<FirstStatements>,
     /// Records the outcome on the row claimed in the same transaction and
     /// divides by the number of rows it updated, so it fails unless that is
     /// exactly one. Parameters: `$1` status, `$2` payload, `$3` tenant, `$4`
@@ -54,6 +61,78 @@ pub(crate) struct OneWriteStatements {
     /// tenant, `$2` operation, `$3` key, `$4` fingerprint, `$5` status, `$6`
     /// token, `$7` payload, `$8` claim time, `$9` expiry.
     pub(crate) insert: Prepared,
+}
+
+/// The claim a transaction begins with under
+/// [`ClaimStrategy::InsertOnConflict`], sent as `EXECUTE insert(…); EXECUTE
+/// look(…)` right after `BEGIN`, all in one round trip.
+///
+/// - `insert` ([`first_insert`]) inserts the key's placeholder with `ON
+///   CONFLICT DO NOTHING`, under the claim's own lock-wait bound: a fresh
+///   key is claimed by this one plain insert.
+/// - `look` ([`first_look`]) puts the caller's `lock_timeout` back and reads
+///   the key's row in a snapshot taken after the insert, answering
+///   [`CLAIM_COLUMNS`] (the token always NULL, then whether the row is live
+///   and the row). A replay is answered by it: a held key is neither
+///   written nor locked (`DO NOTHING` locks no row), and a twin's row
+///   committed while the insert waited for it is seen, at READ COMMITTED.
+///
+/// `look` reads only if the insert wrote nothing (the transaction has no
+/// transaction id yet), so a fresh claim reads nothing: under SERIALIZABLE a
+/// read of the key's index page would take a predicate lock there and make
+/// unrelated fresh claims fail each other's commits. A held key is read, as
+/// the general claim reads it. Where neither answers (a stale row to take
+/// over, a row released or swept between the two, an insert that met a
+/// twin's row only when it wrote its index entry), the general [`tx_claim`]
+/// runs in the same transaction.
+#[derive(Debug)]
+pub(crate) struct FirstStatements {
+    /// The insert: [`tx_claim`]'s nine parameters.
+    pub(crate) insert: Prepared,
+    /// The read: `$1` tenant, `$2` operation, `$3` key, `$4` now.
+    pub(crate) look: Prepared,
+}
+
+impl FirstStatements {
+    fn new(t: &str) -> Self {
+        Self {
+            insert: Prepared::new("idem_first", CLAIM_PARAM_TYPES, first_insert(t)),
+            look: Prepared::new("idem_look", "text, text, text, bigint", first_look(t)),
+        }
+    }
+}
+
+/// [`FirstStatements::insert`]. `saved` keeps the caller's `lock_timeout` in
+/// a transaction-local setting before `bounded` sets the claim's (each a
+/// subquery of its own, kept apart by `OFFSET 0`, so `saved` is evaluated
+/// first); the insert's wait for an uncommitted twin is bounded by it.
+fn first_insert(t: &str) -> String {
+    format!(
+        "INSERT INTO {t} AS k ({INSERT_COLUMNS}) \
+         SELECT $1, $2, $3, $4, 0, $5, $6, $7, $8 FROM (\
+             SELECT set_config('lock_timeout', $9, true) AS bounded FROM (\
+                 SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true) AS saved OFFSET 0\
+             ) AS saved OFFSET 0\
+         ) AS bounded \
+         ON CONFLICT (tenant, operation, idem_key) DO NOTHING RETURNING k.token"
+    )
+}
+
+/// [`FirstStatements::look`]: the caller's `lock_timeout` restored (`restored`
+/// is a subquery with a volatile function, so it is evaluated although
+/// nothing above reads it but the last column), then [`CLAIM_COLUMNS`]. The
+/// read's gate is a constant of the statement (a stable function), so the
+/// scan does not run when it is false.
+fn first_look(t: &str) -> String {
+    format!(
+        "SELECT NULL::bigint, COALESCE({live}, false), \
+                e.fingerprint, e.status, e.token, e.payload, e.lease_expires_at_ms, e.expires_at_ms, \
+                r.restored \
+         FROM (SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true) AS restored) AS r \
+         LEFT JOIN (SELECT {ROW_COLUMNS} FROM {t} WHERE tenant = $1 AND operation = $2 AND idem_key = $3 \
+                    AND txid_current_if_assigned() IS NULL) AS e ON true",
+        live = LIVE.replace("$6", "$4"),
+    )
 }
 
 /// A statement a connection prepares (with `PREPARE`) before it is sent by
@@ -113,6 +192,7 @@ impl Statements {
         );
         Self {
             claim_tx: Prepared::new("idem_claim", &types, tx_claim(t, strategy)),
+            first: (strategy == ClaimStrategy::InsertOnConflict).then(|| FirstStatements::new(t)),
             record_tx: Prepared::new("idem_record", "smallint, bytea, text, text, text", record_tx),
             claim_lease: lease_claim(t).into(),
             select_row: format!("SELECT {ROW_COLUMNS} FROM {t} WHERE {key}").into(),

@@ -15,7 +15,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use futures_util::TryStreamExt;
+use futures_util::{FutureExt, TryStreamExt};
 use idem_core::{ClaimRequest, Error, Record, Result};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgRow};
@@ -55,6 +55,12 @@ pub struct PgTx {
     /// The keys claimed in this transaction on the one-write path (nothing
     /// written yet), with the token the record inserts.
     one_write: Vec<OneWriteClaim>,
+    /// Whether the connection's last exchange was this transaction's own
+    /// claim text and ran to its end, so the connection awaits no answer:
+    /// then [`rollback`](Self::rollback) need not wait for its own. Any
+    /// mutable use of the connection (the caller's queries, a query dropped
+    /// half-way or failed) clears it.
+    settled: bool,
 }
 
 /// A key claimed without a row: the record inserts it.
@@ -88,6 +94,7 @@ impl Deref for PgTx {
 
 impl DerefMut for PgTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
+        self.settled = false;
         self.conn.as_mut().expect("a PgTx holds its connection until it ends")
     }
 }
@@ -123,6 +130,7 @@ impl PgTx {
             open: true,
             prepared: false,
             one_write: Vec::new(),
+            settled: false,
         };
         if let Err(e) = tx.execute("BEGIN").await {
             tx.close();
@@ -141,7 +149,31 @@ impl PgTx {
     }
 
     /// Rolls the transaction back.
+    ///
+    /// Right after a claim text that ran to its end (a replay, a key found
+    /// in progress), it does not wait for the server's answer: `ROLLBACK` is
+    /// written to the connection and its answer left for the connection's
+    /// next exchange. sqlx counts that answer as pending and reads it before
+    /// the connection does anything else, and the next thing is the ping
+    /// with which the pool takes every connection back, before anyone else
+    /// can acquire it. So a call that only read answers after its claim's
+    /// round trip, and `ROLLBACK` travels with the pool's own ping; one that
+    /// cannot be sent fails that ping, and the pool closes the connection,
+    /// which ends the transaction on the server. After anything else on the
+    /// connection (an answer may still be pending, and the first poll would
+    /// wait for it before writing anything) it waits for the answer.
     pub(crate) async fn rollback(mut self) -> Result<()> {
+        if self.settled {
+            // Nothing pending: the first poll writes and flushes `ROLLBACK`,
+            // then waits for the answer, which is left to the next exchange.
+            let sent = self.execute("ROLLBACK").now_or_never();
+            let Some(done) = sent else {
+                self.open = false;
+                return Ok(());
+            };
+            self.end(done.is_ok());
+            return done.map(drop).map_err(store_error);
+        }
         let done = self.execute("ROLLBACK").await;
         self.end(done.is_ok());
         done.map(drop).map_err(store_error)
@@ -206,11 +238,26 @@ impl PgTx {
     }
 }
 
-/// The rows a claim's text query answered: the claim's row, or under the
-/// one-write strategy the lock statement's row and then the claim's.
+/// The rows a claim's text query answered: the claim's row; under the
+/// one-write strategy the lock statement's row and then the claim's; or, for
+/// the claim a transaction begins with under the insert-on-conflict
+/// strategy, the insert's token (if it inserted) and the look's row.
 pub(crate) enum ClaimRows {
     Claim(PgRow),
     LockThenClaim(PgRow, PgRow),
+    FirstThenLook(Option<PgRow>, PgRow),
+}
+
+/// Which statements a claim's text query runs after `BEGIN`, and so how its
+/// rows are read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimShape {
+    /// One claim statement: one row.
+    Claim,
+    /// The one-write lock, then its claim: a row each.
+    LockThenClaim,
+    /// The insert (a row if it inserted), then the look (one row).
+    FirstThenLook,
 }
 
 /// Opens a transaction on `conn` and runs the prepared claim in it, in one
@@ -224,12 +271,14 @@ pub(crate) async fn begin_claim(
     conn: PoolConnection<Postgres>,
     prepared: &[(&str, &str)],
     execute: String,
+    shape: ClaimShape,
 ) -> std::result::Result<(PgTx, ClaimRows), (PgTx, sqlx::Error)> {
     let mut tx = PgTx {
         conn: Some(conn),
         open: true,
         prepared: false,
         one_write: Vec::new(),
+        settled: false,
     };
     let (mut rows, _, mut error) = tx.script(format!("BEGIN; {execute}")).await;
     if error
@@ -250,11 +299,15 @@ pub(crate) async fn begin_claim(
         return Err((tx, e));
     }
     tx.prepared = true;
-    let claim = rows.pop();
-    let lock = rows.pop();
-    match (lock, claim) {
-        (Some(lock), Some(claim)) => Ok((tx, ClaimRows::LockThenClaim(lock, claim))),
-        (None, Some(claim)) => Ok((tx, ClaimRows::Claim(claim))),
+    tx.settled = true;
+    let last = rows.pop();
+    let before = rows.pop();
+    match (shape, before, last) {
+        (ClaimShape::Claim, None, Some(claim)) => Ok((tx, ClaimRows::Claim(claim))),
+        (ClaimShape::LockThenClaim, Some(lock), Some(claim)) => Ok((tx, ClaimRows::LockThenClaim(lock, claim))),
+        (ClaimShape::FirstThenLook, inserted, Some(look)) if rows.is_empty() => {
+            Ok((tx, ClaimRows::FirstThenLook(inserted, look)))
+        }
         _ => Err((tx, sqlx::Error::RowNotFound)),
     }
 }
@@ -420,6 +473,15 @@ pub(crate) fn execute_claim(name: &str, req: &ClaimRequest<'_>, lock_timeout: &s
         sql.push_str(", ");
         literal::int(&mut sql, Some(key));
     }
+    sql.push(')');
+    sql
+}
+
+/// `EXECUTE <name>(…)` of the look that follows the first insert, with
+/// `req`'s values.
+pub(crate) fn execute_look(name: &str, req: &ClaimRequest<'_>) -> String {
+    let mut sql = execute_keyed(name, req);
+    literal::int(&mut sql, Some(req.now_ms));
     sql.push(')');
     sql
 }

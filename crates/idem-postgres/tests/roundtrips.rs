@@ -185,12 +185,21 @@ async fn fresh_calls_and_replays_leave_the_only_connection_clean() {
         assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
         assert!(connection_is_clean(store.pool()).await, "after a replay");
         assert_eq!(effects(&store, call.key().as_str()).await, 1);
-        let prepared: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_claim\\_%'")
-                .fetch_one(store.pool())
-                .await
-                .unwrap();
-        assert_eq!(prepared, 1, "the claim is prepared once on the connection");
+        // Under insert-on-conflict a transaction begins with the first
+        // insert and its look; the general claim is not prepared by name.
+        let claim = match strategy {
+            ClaimStrategy::InsertOnConflict => "first",
+            _ => "claim",
+        };
+        let prepared: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE $1")
+            .bind(format!("idem\\_{claim}\\_%"))
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(
+            prepared, 1,
+            "the claim is prepared once on the connection ({strategy:?})"
+        );
     }
 }
 
@@ -314,7 +323,10 @@ async fn values_mean_the_same_under_every_string_setting() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_lost_its_prepared_claim_prepares_it_again() {
-    lost_prepared_statement_is_prepared_again(ClaimStrategy::InsertOnConflict, "claim").await;
+    for lost in ["first", "look"] {
+        lost_prepared_statement_is_prepared_again(ClaimStrategy::InsertOnConflict, lost).await;
+    }
+    lost_prepared_statement_is_prepared_again(ClaimStrategy::AdvisoryLock, "claim").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -485,4 +497,156 @@ async fn a_fresh_serializable_claim_takes_no_predicate_lock() {
     .unwrap();
     assert_eq!(locks, 0, "a fresh claim took predicate locks on {table}");
     store.rollback(tx).await.unwrap();
+}
+
+/// Statements sqlx prepared on the pool's connections that hold the general
+/// claim (`WITH saved …`): the claim sent where the first insert and its look
+/// cannot answer.
+async fn general_claims_prepared(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH saved %'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Under insert-on-conflict a fresh call and a replay are each answered by
+/// the text that begins the transaction (the first insert and its look): the
+/// general claim is never sent, at READ COMMITTED or on a SERIALIZABLE
+/// database. A stale row is taken over by the general claim, which the check
+/// then sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_answered_by_the_text_that_begins_its_transaction() {
+    let serializable = {
+        let url = common::serializable_database_url().await;
+        let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+        PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("a pool on the serializable database")
+    };
+    for (level, pool) in [
+        ("read committed", pool_with(1, &[]).await),
+        ("serializable", serializable),
+    ] {
+        let store = store_on(pool, ClaimStrategy::InsertOnConflict).await;
+        let engine = TxEngine::new(store.clone());
+        let call = fresh_call();
+        assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)), "{level}");
+        assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)), "{level}");
+        assert_eq!(general_claims_prepared(store.pool()).await, 0, "{level}");
+        // Expire the row (and take its effect away, which the call writes
+        // under a unique id): the next call takes the key over with the
+        // general claim.
+        let t = store.table().as_str();
+        for sql in [
+            format!("UPDATE {t} SET expires_at_ms = 0 WHERE idem_key = $1"),
+            format!("DELETE FROM {t}_effects WHERE id = $1"),
+        ] {
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(call.key().as_str())
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+        assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)), "{level}");
+        assert_eq!(general_claims_prepared(store.pool()).await, 1, "{level}");
+        assert_eq!(effects(&store, call.key().as_str()).await, 1, "{level}");
+    }
+}
+
+/// A proxy to the server that, while `armed`, holds back every answer to
+/// `ROLLBACK` (its `CommandComplete` tag) until `release` is notified;
+/// everything else passes at once. Answers the address clients connect to.
+async fn proxy_holding_rollbacks(
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut client_read, &mut server_write).await });
+            let (armed, release) = (armed.clone(), release.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let Ok(n) = server_read.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    if armed.load(std::sync::atomic::Ordering::SeqCst)
+                        && buf[..n].windows(9).any(|w| w == b"ROLLBACK\0")
+                    {
+                        release.notified().await;
+                    }
+                    if client_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A replay is answered after its claim's round trip: the `ROLLBACK` of its
+/// read-only transaction is sent, and its answer is read by the pool's ping
+/// when the connection comes back, not waited for by the caller. Through a
+/// proxy that holds that answer back, the replay still answers; the
+/// connection is handed out again only once the answer has arrived, clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_does_not_wait_for_its_rollback() {
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let addr = proxy_holding_rollbacks(armed.clone(), release.clone()).await;
+    let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.host(&addr.ip().to_string()).port(addr.port()))
+        .await
+        .expect("a pool through the proxy");
+    let store = store_on(pool, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let replay = tokio::time::timeout(Duration::from_secs(20), run(&engine, &call))
+        .await
+        .expect("the replay answered while its ROLLBACK's answer was held back");
+    assert!(matches!(replay, Outcome::Replayed(_)));
+    // The only connection is back once the held answer arrives.
+    let next = tokio::spawn({
+        let store = store.clone();
+        async move { store.pool().acquire().await.map(drop) }
+    });
+    release.notify_one();
+    next.await.unwrap().expect("the connection came back");
+    let level: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(level, "read committed");
+    // In a transaction of its own (a simple query outside any block), a
+    // statement starts when its transaction does; inside the replay's
+    // transaction, it would start later.
+    let row = sqlx::raw_sql("SELECT now() <> statement_timestamp()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    let in_transaction: bool = row.get(0);
+    assert!(
+        !in_transaction,
+        "the connection came back inside the replay's transaction"
+    );
+    armed.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
 }
