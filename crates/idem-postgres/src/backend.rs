@@ -104,7 +104,9 @@ impl TxBackend for PgStore {
                 Ok(Some(answer)) => Ok(answer),
                 // The look read its row after the insert, so there is nothing
                 // newer to read: a stale row, one gone since, or nothing read
-                // under SERIALIZABLE. The general claim decides.
+                // because the insert got a transaction id without inserting
+                // (it met a twin's row only at its index entry). The general
+                // claim decides.
                 Ok(None) if first => self.claim(&mut tx, req, wait).await,
                 Ok(None) => match self.reread(&mut tx, req).await {
                     Ok(Some(answer)) => Ok(answer),

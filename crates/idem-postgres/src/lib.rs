@@ -42,11 +42,12 @@
 //! Under the default [`ClaimStrategy::InsertOnConflict`] the claim is two
 //! plain statements: `idem_first` inserts the key with `ON CONFLICT DO
 //! NOTHING` (a fresh key is claimed by that one insert), and `idem_look`
-//! reads the key's row after it (a replay is answered by it). Only a stale
-//! row to take over (an expired key used again, a lease whose holder died)
-//! costs one round trip more, for the general claim `idem_claim`, which reads
-//! the row first, takes a stale row over and serves every isolation level
-//! in one statement. Under [`ClaimStrategy::AdvisoryLock`] the first text is
+//! reads the key's row after it, if the insert wrote nothing (a replay is
+//! answered by it). A stale row to take over (an expired key used again, a
+//! lease whose holder died) costs one round trip more (or two, if a twin's
+//! row is committed meanwhile), for the general claim, sent with bound
+//! parameters, which reads the row first, takes a stale row over and serves
+//! every isolation level in one statement. Under [`ClaimStrategy::AdvisoryLock`] the first text is
 //! `BEGIN; EXECUTE idem_claim_…(…)`. Under [`ClaimStrategy::OneWrite`] it is
 //! `BEGIN; EXECUTE idem_lock_…(…); EXECUTE idem_claim_…(…)` (the lock statement
 //! on its own, so at READ COMMITTED the claim reads in a snapshot taken after the
@@ -72,10 +73,12 @@
 //! - The record fails unless it updated exactly the claimed row, and then the
 //!   `COMMIT` sent with it does not run: the caller's writes never commit
 //!   without their outcome.
-//! - A replay's `ROLLBACK` (a transaction that only read) is written to the
-//!   connection and its answer left to the ping with which the pool takes the
-//!   connection back, before anyone can acquire it: the caller has its answer
-//!   after one round trip, and the `ROLLBACK` travels with the pool's own ping.
+//! - A `ROLLBACK` right after the claim (a replay, a key in progress, a claim
+//!   abandoned before the caller's first query) is written to the connection
+//!   and its answer left to the ping with which the pool takes the connection
+//!   back, before anyone can acquire it: a replay has its answer after one
+//!   round trip. After the caller's queries the rollback waits for its
+//!   answer, since one of them may still owe its own.
 //! - Dropping an open [`PgTx`] rolls it back before its connection returns to
 //!   the pool.
 //!

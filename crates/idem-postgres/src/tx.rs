@@ -43,8 +43,10 @@ const NO_CLAIM: &str = "22012";
 /// Dropping an open transaction rolls it back: on a tokio runtime a task
 /// sends `ROLLBACK` and then returns the connection to the pool (or closes it
 /// if that fails); without a runtime the connection is closed, which makes
-/// the server roll back. A connection is never returned to the pool inside a
-/// transaction.
+/// the server roll back. A connection is never handed out of the pool again
+/// inside a transaction: one rolled back right after its claim reaches the
+/// pool with its `ROLLBACK` sent and unanswered, and the pool's release ping
+/// reads that answer before the connection can be acquired.
 pub struct PgTx {
     conn: Option<PoolConnection<Postgres>>,
     /// Whether the server may be inside a transaction on this connection.
@@ -150,14 +152,15 @@ impl PgTx {
 
     /// Rolls the transaction back.
     ///
-    /// Right after a claim text that ran to its end (a replay, a key found
-    /// in progress), it does not wait for the server's answer: `ROLLBACK` is
+    /// Right after a claim text that ran to its end, with nothing sent on the
+    /// connection since (a replay, a key found in progress, a claim abandoned
+    /// before the caller's first query, under every claim strategy), it does
+    /// not wait for the server's answer: `ROLLBACK` is
     /// written to the connection and its answer left for the connection's
     /// next exchange. sqlx counts that answer as pending and reads it before
     /// the connection does anything else, and the next thing is the ping
     /// with which the pool takes every connection back, before anyone else
-    /// can acquire it. So a call that only read answers after its claim's
-    /// round trip, and `ROLLBACK` travels with the pool's own ping; one that
+    /// can acquire it. So a replay answers after its claim's round trip, and `ROLLBACK` travels with the pool's own ping; one that
     /// cannot be sent fails that ping, and the pool closes the connection,
     /// which ends the transaction on the server. After anything else on the
     /// connection (an answer may still be pending, and the first poll would

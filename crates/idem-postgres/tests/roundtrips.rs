@@ -382,6 +382,22 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
         .await
         .unwrap();
     assert_eq!(after, "7s");
+    // A key taken over from a stale row (the general claim, after the first
+    // insert and its look) keeps it for the caller's writes too.
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {} SET expires_at_ms = 0",
+        store.table().as_str()
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let mut claimed = fresh_claim(&engine, &call).await;
+    let inside: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *claimed.tx)
+        .await
+        .unwrap();
+    assert_eq!(inside, "7s", "after a takeover too");
+    engine.abandon(claimed).await;
 }
 
 idem_conformance::cases!(lost_record_rolls_back_and_recovers, 2 => {
@@ -649,4 +665,26 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     );
     armed.store(false, std::sync::atomic::Ordering::SeqCst);
     assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
+}
+
+/// A claim abandoned after the caller's query was cut off half-way (its
+/// answer still owed on the connection) rolls back before the connection is
+/// handed out again: the rollback waits for its answer there, since the
+/// first thing the connection reads is the owed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_abandoned_after_a_query_cut_off_rolls_back() {
+    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
+    let engine = TxEngine::new(store.clone());
+    let call = fresh_call();
+    let mut claimed = fresh_claim(&engine, &call).await;
+    let cut = tokio::time::timeout(
+        Duration::from_millis(20),
+        sqlx::query("SELECT pg_sleep(0.3)").execute(&mut *claimed.tx),
+    )
+    .await;
+    assert!(cut.is_err(), "the query was cut off before its answer");
+    engine.abandon(claimed).await;
+    assert!(connection_is_clean(store.pool()).await);
+    assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    assert_eq!(effects(&store, call.key().as_str()).await, 1);
 }
