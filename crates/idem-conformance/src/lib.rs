@@ -31,6 +31,7 @@ pub mod sent_tests;
 pub mod sql_deadletters;
 pub mod steps_tests;
 pub mod tx_tests;
+pub mod wire;
 
 pub use ports::{free_port, free_port_beside};
 

@@ -37,8 +37,8 @@
 //! | request | statements, one round trip each |
 //! | --- | --- |
 //! | fresh key | `BEGIN`; the placeholder `INSERT`; the caller's own; the record `UPDATE`; `COMMIT` |
-//! | recorded key (replay, or 422) | `BEGIN`; the placeholder `INSERT` (duplicate key); the row read `LOCK IN SHARE MODE`; `ROLLBACK` |
-//! | key held by a twin (busy) | `BEGIN`; the placeholder `INSERT` (waits, then 1205); `ROLLBACK` |
+//! | recorded key (replay, or 422) | `BEGIN`; the placeholder `INSERT` (duplicate key); the row read `LOCK IN SHARE MODE`; `ROLLBACK`, queued (below) |
+//! | key held by a twin (busy) | `BEGIN`; the placeholder `INSERT` (waits, then 1205); `ROLLBACK`, queued |
 //! | stale key (expired, or a lease run out) | as a recorded key, then the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT` |
 //!
 //! Under [`ClaimStrategy::NamedLock`]:
@@ -49,6 +49,12 @@
 //! | recorded key (replay, or 422) | the lock and the read (one text); `DO RELEASE_LOCK(…)` |
 //! | key held by a twin (busy) | the lock and the read (`GET_LOCK` waits, then answers 0) |
 //! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT`, `DO RELEASE_LOCK(…)` |
+//!
+//! A `ROLLBACK` outside the named-lock strategy is queued on the connection,
+//! as sqlx queues the `ROLLBACK` of a dropped transaction: the caller has its
+//! answer without waiting for it, and the ping with which the pool takes the
+//! connection back sends it and reads its answer before anyone can acquire
+//! the connection. It is still a round trip in the counts below.
 //!
 //! So a fresh call writes one row of its own instead of two, and a replay
 //! writes and locks nothing. Counted by the cost meter on MariaDB 10.11

@@ -159,10 +159,23 @@ impl MySqlTx {
     }
 
     /// Rolls the transaction back, then releases the named locks its claims
-    /// took.
+    /// took. Without named locks it does not wait for the `ROLLBACK`'s
+    /// answer: the connection reads it before it is used again.
     pub async fn rollback(mut self) -> Result<()> {
         if !self.open {
             self.release_locks().await;
+            return Ok(());
+        }
+        if self.locks.is_empty() {
+            // As when a `sqlx::Transaction` is dropped: `ROLLBACK` is queued
+            // on the connection and sent and answered before the connection
+            // does anything else, which is the ping with which the pool takes
+            // every connection back, before anyone can acquire it. A replay
+            // answers without waiting for it; a `ROLLBACK` that cannot be sent
+            // fails that ping, and the pool closes the connection, which ends
+            // the transaction on the server.
+            MySqlTransactionManager::start_rollback(&mut self);
+            self.open = false;
             return Ok(());
         }
         let done = MySqlTransactionManager::rollback(&mut self).await;

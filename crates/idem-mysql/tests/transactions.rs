@@ -43,10 +43,8 @@ async fn session_state(pool: &MySqlPool) -> (i64, i64) {
         .expect("read the session's transaction state")
 }
 
-/// A claim answered Found, and one answered Busy, leave the single pooled connection out of any transaction.
-#[tokio::test]
-async fn found_and_busy_leave_no_open_transaction() {
-    let pool = pool(1, "DO 0").await;
+/// A store on `pool`, its engine, and a call it has executed once (answering 7).
+async fn executed_once(pool: &MySqlPool) -> (MySqlStore, TxEngine<MySqlStore>, idem_core::Call) {
     let store = shared_store(pool.clone()).await;
     let engine = TxEngine::new(store.clone());
     let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
@@ -55,6 +53,14 @@ async fn found_and_busy_leave_no_open_transaction() {
         .await
         .unwrap();
     assert!(!first.is_replayed());
+    (store, engine, call)
+}
+
+/// A claim answered Found, and one answered Busy, leave the single pooled connection out of any transaction.
+#[tokio::test]
+async fn found_and_busy_leave_no_open_transaction() {
+    let pool = pool(1, "DO 0").await;
+    let (store, engine, call) = executed_once(&pool).await;
 
     let replay = engine
         .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(8u32) }))
@@ -235,4 +241,40 @@ async fn payloads_of_every_byte_round_trip() {
         let row = store.get(call.scope(), call.key()).await.unwrap().expect("recorded");
         assert_eq!(row.state, RowState::Done(record), "{len} bytes");
     }
+}
+
+/// A replay answers without waiting for its `ROLLBACK`: the `ROLLBACK` is
+/// queued on the connection, and the ping with which the pool takes the
+/// connection back sends it and reads its answer before anyone can acquire
+/// the connection. Through a proxy that holds that answer back, the replay
+/// still answers; the only connection is handed out again only once the
+/// answer has arrived, outside any transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_does_not_wait_for_its_rollback() {
+    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"ROLLBACK").await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.host(&proxy.addr().ip().to_string()).port(proxy.addr().port()))
+        .await
+        .expect("a pool through the proxy");
+    let (_, engine, call) = executed_once(&pool).await;
+    proxy.arm(true);
+    let replay = tokio::time::timeout(
+        Duration::from_secs(20),
+        engine.execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(8u32) })),
+    )
+    .await
+    .expect("the replay answered while its ROLLBACK's answer was held back")
+    .unwrap();
+    assert!(replay.is_replayed());
+    let next = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.acquire().await.map(drop) }
+    });
+    proxy.release();
+    next.await.unwrap().expect("the connection came back");
+    proxy.arm(false);
+    assert_eq!(session_state(&pool).await, (0, 1), "no transaction left open");
 }

@@ -571,49 +571,6 @@ async fn a_replay_is_answered_by_the_text_that_begins_its_transaction() {
     }
 }
 
-/// A proxy to the server that, while `armed`, holds back every answer to
-/// `ROLLBACK` (its `CommandComplete` tag) until `release` is notified;
-/// everything else passes at once. Answers the address clients connect to.
-async fn proxy_holding_rollbacks(
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    release: std::sync::Arc<tokio::sync::Notify>,
-) -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move { tokio::io::copy(&mut client_read, &mut server_write).await });
-            let (armed, release) = (armed.clone(), release.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let Ok(n) = server_read.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    if armed.load(std::sync::atomic::Ordering::SeqCst)
-                        && buf[..n].windows(9).any(|w| w == b"ROLLBACK\0")
-                    {
-                        release.notified().await;
-                    }
-                    if client_write.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 /// A replay is answered after its claim's round trip: the `ROLLBACK` of its
 /// read-only transaction is sent, and its answer is read by the pool's ping
 /// when the connection comes back, not waited for by the caller. Through a
@@ -621,20 +578,19 @@ async fn proxy_holding_rollbacks(
 /// connection is handed out again only once the answer has arrived, clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_does_not_wait_for_its_rollback() {
-    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let release = std::sync::Arc::new(tokio::sync::Notify::new());
-    let addr = proxy_holding_rollbacks(armed.clone(), release.clone()).await;
     let options: PgConnectOptions = database_url().parse().expect("a PostgreSQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"ROLLBACK").await;
     let pool = PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(options.host(&addr.ip().to_string()).port(addr.port()))
+        .connect_with(options.host(&proxy.addr().ip().to_string()).port(proxy.addr().port()))
         .await
         .expect("a pool through the proxy");
     let store = store_on(pool, ClaimStrategy::InsertOnConflict).await;
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
     assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
-    armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    proxy.arm(true);
     let replay = tokio::time::timeout(Duration::from_secs(20), run(&engine, &call))
         .await
         .expect("the replay answered while its ROLLBACK's answer was held back");
@@ -644,7 +600,7 @@ async fn a_replay_does_not_wait_for_its_rollback() {
         let store = store.clone();
         async move { store.pool().acquire().await.map(drop) }
     });
-    release.notify_one();
+    proxy.release();
     next.await.unwrap().expect("the connection came back");
     let level: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
         .fetch_one(store.pool())
@@ -663,7 +619,7 @@ async fn a_replay_does_not_wait_for_its_rollback() {
         !in_transaction,
         "the connection came back inside the replay's transaction"
     );
-    armed.store(false, std::sync::atomic::Ordering::SeqCst);
+    proxy.arm(false);
     assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
 }
 
