@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
@@ -19,6 +19,7 @@ pub struct HoldingProxy {
     addr: SocketAddr,
     armed: Arc<AtomicBool>,
     release: Arc<Notify>,
+    held: Arc<AtomicUsize>,
 }
 
 impl HoldingProxy {
@@ -31,8 +32,9 @@ impl HoldingProxy {
             addr: listener.local_addr().expect("the proxy's address"),
             armed: Arc::new(AtomicBool::new(false)),
             release: Arc::new(Notify::new()),
+            held: Arc::new(AtomicUsize::new(0)),
         };
-        let (armed, release) = (proxy.armed.clone(), proxy.release.clone());
+        let (armed, release, held) = (proxy.armed.clone(), proxy.release.clone(), proxy.held.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -49,9 +51,12 @@ impl HoldingProxy {
                     }
                     None
                 }));
-                let release = release.clone();
+                let (release, held) = (release.clone(), held.clone());
                 tokio::spawn(forward(server_read, client_write, move |_| {
-                    hold.swap(false, Ordering::SeqCst).then(|| release.clone())
+                    hold.swap(false, Ordering::SeqCst).then(|| {
+                        held.fetch_add(1, Ordering::SeqCst);
+                        release.clone()
+                    })
                 }));
             }
         });
@@ -71,6 +76,11 @@ impl HoldingProxy {
     /// Lets the answer held back (or the next one to be held) through.
     pub fn release(&self) {
         self.release.notify_one();
+    }
+
+    /// How many answers it has held back so far.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 }
 

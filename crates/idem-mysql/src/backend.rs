@@ -49,6 +49,10 @@ impl TxBackend for MySqlStore {
                     }
                 }
             };
+            let mut tx = tx;
+            if matches!(claim, Claim::Found(_)) {
+                tx.note_found();
+            }
             Ok((tx, claim.into()))
         })
     }

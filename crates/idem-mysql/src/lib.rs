@@ -50,11 +50,13 @@
 //! | key held by a twin (busy) | the lock and the read (`GET_LOCK` waits, then answers 0) |
 //! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT`, `DO RELEASE_LOCK(…)` |
 //!
-//! A `ROLLBACK` outside the named-lock strategy is queued on the connection,
-//! as sqlx queues the `ROLLBACK` of a dropped transaction: the caller has its
-//! answer without waiting for it, and the ping with which the pool takes the
+//! The `ROLLBACK` after a claim that found the key held (a replay, a key in
+//! progress) and holds no named lock is queued on the connection, as sqlx
+//! queues the `ROLLBACK` of a dropped transaction: the caller has its answer
+//! without waiting for it, and the ping with which the pool takes the
 //! connection back sends it and reads its answer before anyone can acquire
-//! the connection. It is still a round trip in the counts below.
+//! the connection. It is still a round trip in the counts below. Every other
+//! rollback waits for its answer.
 //!
 //! So a fresh call writes one row of its own instead of two, and a replay
 //! writes and locks nothing. Counted by the cost meter on MariaDB 10.11

@@ -44,6 +44,11 @@ pub struct MySqlTx {
     locks: Vec<String>,
     /// The keys claimed without a row: the record inserts the completed row.
     unwritten: Vec<Unwritten>,
+    /// Whether the transaction's claim found the key held (a replay, a key
+    /// in progress) and nothing has used the connection since: it locked
+    /// nothing a later claim of the key would wait for, so
+    /// [`rollback`](Self::rollback) need not wait for its `ROLLBACK`.
+    found: bool,
 }
 
 /// A key claimed under a named lock with no row written yet.
@@ -82,6 +87,7 @@ impl Deref for MySqlTx {
 
 impl DerefMut for MySqlTx {
     fn deref_mut(&mut self) -> &mut MySqlConnection {
+        self.found = false;
         self.conn
             .as_mut()
             .expect("a MySqlTx holds its connection until it ends")
@@ -118,6 +124,7 @@ impl MySqlTx {
             open: true,
             locks: Vec::new(),
             unwritten: Vec::new(),
+            found: false,
         })
     }
 
@@ -133,6 +140,7 @@ impl MySqlTx {
             open: false,
             locks: vec![lock],
             unwritten: Vec::new(),
+            found: false,
         }
     }
 
@@ -159,19 +167,26 @@ impl MySqlTx {
     }
 
     /// Rolls the transaction back, then releases the named locks its claims
-    /// took. Without named locks it does not wait for the `ROLLBACK`'s
-    /// answer: the connection reads it before it is used again.
+    /// took.
+    ///
+    /// Right after a claim that found the key held (a replay, a key in
+    /// progress) and holds no named lock, it does not wait: `ROLLBACK` is
+    /// queued, and the server releases what the transaction read after
+    /// this returns. Any other transaction may hold locks a claim that
+    /// follows at once would wait for (its placeholder row, the caller's
+    /// writes), so there it waits for the answer.
     pub async fn rollback(mut self) -> Result<()> {
         if !self.open {
             self.release_locks().await;
             return Ok(());
         }
-        if self.locks.is_empty() {
+        if self.found && self.locks.is_empty() {
             // As when a `sqlx::Transaction` is dropped: `ROLLBACK` is queued
             // on the connection and sent and answered before the connection
             // does anything else, which is the ping with which the pool takes
             // every connection back, before anyone can acquire it. A replay
-            // answers without waiting for it; a `ROLLBACK` that cannot be sent
+            // answers without waiting for it (what it read is shared-locked
+            // a moment longer); a `ROLLBACK` that cannot be sent
             // fails that ping, and the pool closes the connection, which ends
             // the transaction on the server.
             MySqlTransactionManager::start_rollback(&mut self);
@@ -223,6 +238,12 @@ impl MySqlTx {
 
     /// Notes a claim of `req`'s key that wrote no row: the record inserts
     /// the completed row with `token`.
+    /// Notes that the transaction's claim found the key held, with nothing
+    /// sent on the connection since (see [`rollback`](Self::rollback)).
+    pub(crate) fn note_found(&mut self) {
+        self.found = true;
+    }
+
     pub(crate) fn note_unwritten(&mut self, req: &ClaimRequest<'_>, token: i64) {
         self.unwritten.retain(|held| !held.is(req));
         self.unwritten.push(Unwritten {

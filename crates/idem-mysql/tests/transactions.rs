@@ -273,8 +273,32 @@ async fn a_replay_does_not_wait_for_its_rollback() {
         let pool = pool.clone();
         async move { pool.acquire().await.map(drop) }
     });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !next.is_finished(),
+        "the connection was handed out before its ROLLBACK was answered"
+    );
     proxy.release();
     next.await.unwrap().expect("the connection came back");
-    proxy.arm(false);
+    assert_eq!(proxy.held(), 1);
     assert_eq!(session_state(&pool).await, (0, 1), "no transaction left open");
+    // A claim that claimed holds the key's placeholder row, which a claim
+    // that follows at once must find free: its rollback waits for the answer.
+    let fresh = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let idem_core::Begin::Claimed(claimed) = engine.begin(&fresh).await.unwrap() else {
+        panic!("a fresh key is claimed")
+    };
+    let abandon = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.abandon(claimed).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !abandon.is_finished(),
+        "the rollback of a claim did not wait for its answer"
+    );
+    proxy.release();
+    abandon.await.unwrap();
+    assert_eq!(proxy.held(), 2);
+    proxy.arm(false);
 }

@@ -119,6 +119,8 @@ impl TxBackend for PgStore {
                 Ok(answer) => {
                     if answer == TxClaim::Claimed {
                         tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
+                        // It holds the key's row (or lock): a rollback waits.
+                        tx.unsettle();
                     }
                     Ok((tx, answer))
                 }

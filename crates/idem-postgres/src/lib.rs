@@ -73,12 +73,13 @@
 //! - The record fails unless it updated exactly the claimed row, and then the
 //!   `COMMIT` sent with it does not run: the caller's writes never commit
 //!   without their outcome.
-//! - A `ROLLBACK` right after the claim (a replay, a key in progress, a claim
-//!   abandoned before the caller's first query) is written to the connection
-//!   and its answer left to the ping with which the pool takes the connection
-//!   back, before anyone can acquire it: a replay has its answer after one
-//!   round trip. After the caller's queries the rollback waits for its
-//!   answer, since one of them may still owe its own.
+//! - A `ROLLBACK` right after a claim that found the key held (a replay, a
+//!   key in progress) is written to the connection and its answer left to
+//!   the ping with which the pool takes the connection back, before anyone
+//!   can acquire it: a replay has its answer after one round trip. Every
+//!   other rollback waits for its answer: after a claim that claimed, a
+//!   claim that follows at once must find the key free, and after the
+//!   caller's queries one of them may still owe its own answer.
 //! - Dropping an open [`PgTx`] rolls it back before its connection returns to
 //!   the pool.
 //!

@@ -58,10 +58,12 @@ pub struct PgTx {
     /// written yet), with the token the record inserts.
     one_write: Vec<OneWriteClaim>,
     /// Whether the connection's last exchange was this transaction's own
-    /// claim text and ran to its end, so the connection awaits no answer:
-    /// then [`rollback`](Self::rollback) need not wait for its own. Any
-    /// mutable use of the connection (the caller's queries, a query dropped
-    /// half-way or failed) clears it.
+    /// claim text, ran to its end and found the key held (a replay, a key in
+    /// progress), so the connection awaits no answer and the transaction
+    /// holds nothing a claim that follows at once would wait for: then
+    /// [`rollback`](Self::rollback) need not wait for its own. A claim that
+    /// claimed, and any mutable use of the connection (the caller's queries,
+    /// a query dropped half-way or failed), clears it.
     settled: bool,
 }
 
@@ -152,19 +154,22 @@ impl PgTx {
 
     /// Rolls the transaction back.
     ///
-    /// Right after a claim text that ran to its end, with nothing sent on the
-    /// connection since (a replay, a key found in progress, a claim abandoned
-    /// before the caller's first query, under every claim strategy), it does
-    /// not wait for the server's answer: `ROLLBACK` is
-    /// written to the connection and its answer left for the connection's
-    /// next exchange. sqlx counts that answer as pending and reads it before
-    /// the connection does anything else, and the next thing is the ping
-    /// with which the pool takes every connection back, before anyone else
-    /// can acquire it. So a replay answers after its claim's round trip, and `ROLLBACK` travels with the pool's own ping; one that
-    /// cannot be sent fails that ping, and the pool closes the connection,
-    /// which ends the transaction on the server. After anything else on the
-    /// connection (an answer may still be pending, and the first poll would
-    /// wait for it before writing anything) it waits for the answer.
+    /// Right after a claim text that ran to its end and found the key held
+    /// (a replay, a key in progress, under every claim strategy), with
+    /// nothing sent on the connection since, it does not wait for the
+    /// server's answer: `ROLLBACK` is written to the connection and its
+    /// answer left for the connection's next exchange. sqlx counts that
+    /// answer as pending and reads it before the connection does anything
+    /// else, and the next thing is the ping with which the pool takes every
+    /// connection back, before anyone else can acquire it. So a replay
+    /// answers after its claim's round trip; a `ROLLBACK` that cannot be sent
+    /// fails that ping, and the pool closes the connection, which ends the
+    /// transaction on the server.
+    ///
+    /// Otherwise it waits for the answer: a transaction that claimed holds
+    /// the key's row (or lock), which a claim that follows at once must find
+    /// free, and after the caller's queries an answer may still be pending,
+    /// which the first poll would wait for before writing anything.
     pub(crate) async fn rollback(mut self) -> Result<()> {
         if self.settled {
             // Nothing pending: the first poll writes and flushes `ROLLBACK`,
@@ -180,6 +185,12 @@ impl PgTx {
         let done = self.execute("ROLLBACK").await;
         self.end(done.is_ok());
         done.map(drop).map_err(store_error)
+    }
+
+    /// Notes that this transaction holds what a claim that follows at once
+    /// would wait for (see [`rollback`](Self::rollback)).
+    pub(crate) fn unsettle(&mut self) {
+        self.settled = false;
     }
 
     /// Whether the record-and-commit round trip can run on this transaction

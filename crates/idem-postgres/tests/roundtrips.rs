@@ -600,8 +600,14 @@ async fn a_replay_does_not_wait_for_its_rollback() {
         let store = store.clone();
         async move { store.pool().acquire().await.map(drop) }
     });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !next.is_finished(),
+        "the connection was handed out before its ROLLBACK was answered"
+    );
     proxy.release();
     next.await.unwrap().expect("the connection came back");
+    assert_eq!(proxy.held(), 1);
     let level: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
         .fetch_one(store.pool())
         .await
@@ -621,6 +627,24 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     );
     proxy.arm(false);
     assert!(matches!(run(&engine, &call).await, Outcome::Replayed(_)));
+    // A claim that claimed holds the key's row, which a claim that follows
+    // at once must find free: its rollback waits for the answer. (The
+    // replay's ROLLBACK has passed the proxy once its connection is back.)
+    drop(store.pool().acquire().await.unwrap());
+    proxy.arm(true);
+    let claimed = fresh_claim(&engine, &fresh_call()).await;
+    let abandon = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.abandon(claimed).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !abandon.is_finished(),
+        "the rollback of a claim did not wait for its answer"
+    );
+    proxy.release();
+    abandon.await.unwrap();
+    assert_eq!(proxy.held(), 2);
 }
 
 /// A claim abandoned after the caller's query was cut off half-way (its
