@@ -13,7 +13,9 @@ use tokio::sync::Notify;
 /// [`release`](Self::release); everything else passes at once.
 ///
 /// The flight's mark is set before the flight is forwarded, so the server
-/// cannot answer before it is held. It serves until the process ends.
+/// cannot answer before it is held. Clients must connect in clear text (a
+/// TLS session hides the statement), and a test should check
+/// [`held`](Self::held). It serves until the process ends.
 #[derive(Debug, Clone)]
 pub struct HoldingProxy {
     addr: SocketAddr,

@@ -256,7 +256,13 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"ROLLBACK").await;
     let pool = MySqlPoolOptions::new()
         .max_connections(1)
-        .connect_with(options.host(&proxy.addr().ip().to_string()).port(proxy.addr().port()))
+        .connect_with(
+            options
+                .host(&proxy.addr().ip().to_string())
+                .port(proxy.addr().port())
+                // In clear text, so the proxy sees each statement.
+                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
+        )
         .await
         .expect("a pool through the proxy");
     let (_, engine, call) = executed_once(&pool).await;

@@ -583,7 +583,13 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"ROLLBACK").await;
     let pool = PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(options.host(&proxy.addr().ip().to_string()).port(proxy.addr().port()))
+        .connect_with(
+            options
+                .host(&proxy.addr().ip().to_string())
+                .port(proxy.addr().port())
+                // In clear text, so the proxy sees each statement.
+                .ssl_mode(sqlx::postgres::PgSslMode::Disable),
+        )
         .await
         .expect("a pool through the proxy");
     let store = store_on(pool, ClaimStrategy::InsertOnConflict).await;
