@@ -84,6 +84,22 @@ impl HoldingProxy {
     pub fn held(&self) -> usize {
         self.held.load(Ordering::SeqCst)
     }
+
+    /// Runs `work` in a task of its own and checks that it waits for the
+    /// answer held back: still pending 200 ms on, then, once
+    /// [`release`](Self::release)d, done. Panics with `waiting` when it did
+    /// not wait.
+    pub async fn waits_for_release<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+        waiting: &str,
+    ) -> T {
+        let task = tokio::spawn(work);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!task.is_finished(), "{waiting}");
+        self.release();
+        task.await.expect("the task waiting for the held answer ran to its end")
+    }
 }
 
 /// Copies `from` to `to`; before each read is passed on, `inspect` may

@@ -64,6 +64,7 @@ impl TxBackend for MySqlStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            tx.check_intact()?;
             if let Some(token) = tx.take_unwritten(req) {
                 return self.insert_completed(tx, req, record, token).await;
             }

@@ -14,7 +14,7 @@
 use idem_core::TableName;
 use idem_sql::{DeadLetterSchema, SqlDeadLetters};
 
-use crate::dialect::MySqlDialect;
+use crate::dialect::{MySqlDialect, SCOPED_ROW};
 
 pub use idem_sql::DEFAULT_DEAD_LETTER_TABLE;
 
@@ -59,17 +59,11 @@ struct Schema<'a> {
 impl Schema<'_> {
     fn create(&self) -> String {
         let t = self.table.as_str();
-        // Binary columns compare byte for byte (keys that differ only in
-        // case or trailing spaces stay apart, whatever the server's
-        // collation), and the unique key of three 255-byte columns stays
-        // within InnoDB's 3072-byte index limit. A vendor's answer is kept
-        // up to 64 KiB, one byte more than a BLOB holds: MEDIUMBLOB.
+        // A vendor's answer is kept up to 64 KiB, one byte more than a BLOB
+        // holds: MEDIUMBLOB.
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (
-                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
-                tenant VARBINARY(255) NOT NULL,
-                operation VARBINARY(255) NOT NULL,
-                idem_key VARBINARY(255) NOT NULL,
+                {SCOPED_ROW}
                 method VARBINARY(32) NOT NULL,
                 url VARBINARY(2048) NOT NULL,
                 headers MEDIUMBLOB NOT NULL,

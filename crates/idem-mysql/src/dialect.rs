@@ -12,6 +12,17 @@ use crate::store_error;
 #[derive(Debug, Clone, Copy)]
 pub struct MySqlDialect;
 
+/// The leading columns of a table with one row per scoped key (dead
+/// letters, multi-step operations): an auto-increment `id`, then the
+/// tenant, operation and key as binary strings, as the keys table keeps
+/// them: they compare byte for byte whatever the server's collation, and a
+/// unique key over the three 255-byte columns stays within InnoDB's
+/// 3072-byte index limit.
+pub(crate) const SCOPED_ROW: &str = "id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    tenant VARBINARY(255) NOT NULL,
+    operation VARBINARY(255) NOT NULL,
+    idem_key VARBINARY(255) NOT NULL,";
+
 impl Dialect for MySqlDialect {
     type Db = MySql;
     const NAME: &'static str = "MySQL";

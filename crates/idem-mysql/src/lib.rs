@@ -58,6 +58,15 @@
 //! the connection. It is still a round trip in the counts below. Every other
 //! rollback waits for its answer.
 //!
+//! sqlx counts the claim's transaction as begun on its connection, so a
+//! `begin()` in the caller's code on `&mut **tx` is a savepoint. One begun
+//! and never ended (its `sqlx::Transaction` leaked), or one whose failed or
+//! cancelled `begin` made sqlx roll the claim's transaction back, fails the
+//! record and the commit, and nothing of the claim commits: the connection
+//! is closed, which rolls the whole transaction back; a rollback or a drop
+//! closes it too, so a connection never goes back to the pool inside a
+//! transaction.
+//!
 //! So a fresh call writes one row of its own instead of two, and a replay
 //! writes and locks nothing. Counted by the cost meter on MariaDB 10.11
 //! (`claims --engine mysql`, 300 calls per path, one business insert; redo

@@ -7,7 +7,7 @@
 use idem_core::TableName;
 use idem_sql::{MultiStepSchema, SqlMultiSteps};
 
-use crate::dialect::MySqlDialect;
+use crate::dialect::{MySqlDialect, SCOPED_ROW};
 
 pub use idem_sql::DEFAULT_MULTISTEP_TABLE;
 
@@ -20,10 +20,7 @@ impl MultiStepSchema for MySqlDialect {
         // A document holds up to 256 steps' outputs: LONGBLOB.
         vec![format!(
             "CREATE TABLE IF NOT EXISTS {t} (
-                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
-                tenant VARBINARY(255) NOT NULL,
-                operation VARBINARY(255) NOT NULL,
-                idem_key VARBINARY(255) NOT NULL,
+                {SCOPED_ROW}
                 state VARBINARY(16) NOT NULL,
                 version BIGINT NOT NULL,
                 token BIGINT NOT NULL,

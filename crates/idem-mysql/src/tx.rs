@@ -12,7 +12,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use idem_core::{ClaimRequest, Result};
+use idem_core::{ClaimRequest, Error, Result};
 use sqlx::mysql::{MySqlConnection, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool};
@@ -96,18 +96,15 @@ impl DerefMut for MySqlTx {
 
 impl Drop for MySqlTx {
     fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else { return };
-        if !self.locks.is_empty() {
-            // The locks outlive any ROLLBACK: only the end of the session
-            // frees them (and rolls back whatever is open).
-            match tokio::runtime::Handle::try_current() {
-                Ok(_) => conn.close_on_drop(),
-                Err(_) => drop(conn.detach()),
-            }
+        if !self.locks.is_empty() || self.check_intact().is_err() {
+            // The locks outlive any ROLLBACK, and a ROLLBACK inside a nested
+            // level ends only that level: only the end of the session frees
+            // them and rolls back whatever is open.
+            self.close();
             return;
         }
-        if self.open {
-            MySqlTransactionManager::start_rollback(&mut conn);
+        if let (true, Some(conn)) = (self.open, self.conn.as_mut()) {
+            MySqlTransactionManager::start_rollback(conn);
         }
     }
 }
@@ -153,10 +150,19 @@ impl MySqlTx {
 
     /// Commits the transaction, then releases the named locks its claims
     /// took.
+    ///
+    /// A nested transaction (a savepoint) begun on the connection and never
+    /// ended fails the commit: `COMMIT` there would end only the nested
+    /// level. Nothing is committed: the connection is closed, which rolls
+    /// the whole transaction back on the server.
     pub async fn commit(mut self) -> Result<()> {
         if !self.open {
             self.release_locks().await;
             return Ok(());
+        }
+        if let Err(e) = self.check_intact() {
+            self.close();
+            return Err(e);
         }
         let done = MySqlTransactionManager::commit(&mut self).await;
         if done.is_ok() {
@@ -178,6 +184,12 @@ impl MySqlTx {
     pub async fn rollback(mut self) -> Result<()> {
         if !self.open {
             self.release_locks().await;
+            return Ok(());
+        }
+        if self.check_intact().is_err() {
+            // A `ROLLBACK` would end only the nested level, or nothing at
+            // all; closing the session rolls back everything.
+            self.close();
             return Ok(());
         }
         if self.found && self.locks.is_empty() {
@@ -221,6 +233,42 @@ impl MySqlTx {
         }
     }
 
+    /// Fails unless an open transaction is still the one its claim began,
+    /// with nothing nested left open on it: a nested transaction (a
+    /// savepoint) never ended would take the commit for itself, and a count
+    /// of zero means sqlx has rolled the transaction back (as it does when a
+    /// nested `begin` fails or is cancelled), so a write sent now would
+    /// commit on its own.
+    pub(crate) fn check_intact(&self) -> Result<()> {
+        let depth = self
+            .conn
+            .as_ref()
+            .map_or(0, |conn| MySqlTransactionManager::get_transaction_depth(conn));
+        match (self.open, depth) {
+            (true, 0) => Err(Error::Config(
+                "the claim's transaction was rolled back under it (sqlx rolls back the enclosing \
+                 transaction when a nested begin fails or is cancelled); nothing of the claim was committed"
+                    .into(),
+            )),
+            (true, 2..) => Err(Error::Config(
+                "a nested transaction begun on the claim's connection was never ended; nothing was committed".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Closes the connection instead of returning it to the pool: the end of
+    /// the session rolls back whatever is open and frees its named locks.
+    fn close(&mut self) {
+        self.open = false;
+        self.locks.clear();
+        let Some(mut conn) = self.conn.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(_) => conn.close_on_drop(),
+            Err(_) => drop(conn.detach()),
+        }
+    }
+
     /// Whether this transaction holds the named lock `name`.
     pub(crate) fn holds_lock(&self, name: &str) -> bool {
         self.locks.iter().any(|held| held == name)
@@ -236,14 +284,14 @@ impl MySqlTx {
         self.locks.push(name);
     }
 
-    /// Notes a claim of `req`'s key that wrote no row: the record inserts
-    /// the completed row with `token`.
     /// Notes that the transaction's claim found the key held, with nothing
     /// sent on the connection since (see [`rollback`](Self::rollback)).
     pub(crate) fn note_found(&mut self) {
         self.found = true;
     }
 
+    /// Notes a claim of `req`'s key that wrote no row: the record inserts
+    /// the completed row with `token`.
     pub(crate) fn note_unwritten(&mut self, req: &ClaimRequest<'_>, token: i64) {
         self.unwritten.retain(|held| !held.is(req));
         self.unwritten.push(Unwritten {

@@ -35,6 +35,15 @@ async fn pool(max: u32, setup: &'static str) -> MySqlPool {
         .unwrap_or_else(|e| panic!("cannot reach the MySQL/MariaDB test server at {url} ({e}); set {URL_VAR}"))
 }
 
+/// A claimed transaction of `req`'s fresh key, with the caller's write
+/// `effect` sent in it.
+async fn claimed_with_a_write(store: &MySqlStore, req: &ClaimRequest<'_>, effect: &str) -> idem_mysql::MySqlTx {
+    let (mut tx, claim) = store.begin_claim(req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    write_effect(&mut tx, effect).await;
+    tx
+}
+
 /// Whether the pool's next connection is inside a transaction, and its autocommit setting.
 async fn session_state(pool: &MySqlPool) -> (i64, i64) {
     sqlx::query_as("SELECT CAST(@@in_transaction AS SIGNED), CAST(@@autocommit AS SIGNED)")
@@ -97,10 +106,7 @@ async fn dropped_claimed_transaction_rolls_back() {
     let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
     let req = request(&call);
     let effect = uuid::Uuid::new_v4().to_string();
-    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
-    assert_eq!(claim, TxClaim::Claimed);
-    write_effect(&mut tx, &effect).await;
-    drop(tx);
+    drop(claimed_with_a_write(&store, &req, &effect).await);
 
     // The single connection comes back only after its rollback.
     assert_eq!(session_state(&pool).await, (0, 1));
@@ -150,9 +156,7 @@ async fn record_without_claim_commits_nothing() {
     record_is_refused(&store, &pool, tx, &req, &effect).await;
 
     // A claim deleted by the caller's own work is no claim either.
-    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
-    assert_eq!(claim, TxClaim::Claimed);
-    write_effect(&mut tx, &effect).await;
+    let mut tx = claimed_with_a_write(&store, &req, &effect).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DELETE FROM `{}` WHERE idem_key = ?",
         store.table()
@@ -162,6 +166,137 @@ async fn record_without_claim_commits_nothing() {
     .await
     .unwrap();
     record_is_refused(&store, &pool, tx, &req, &effect).await;
+}
+
+/// A transaction begun in the caller's code on a claimed transaction's
+/// connection (`sqlx::Connection::begin`) is a savepoint of the claim's:
+/// rolling it back undoes only its own write, committing it commits nothing
+/// yet, and the claim, the caller's other writes and the record commit
+/// together, once; the pool's only connection comes back outside any
+/// transaction.
+#[tokio::test]
+async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
+    let pool = pool(1, "DO 0").await;
+    let store = shared_store(pool.clone()).await;
+    for inner_commits in [false, true] {
+        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let req = request(&call);
+        let [a, b, c] = [(); 3].map(|()| uuid::Uuid::new_v4().to_string());
+        let mut tx = claimed_with_a_write(&store, &req, &a).await;
+        let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (effect_id) VALUES (?)",
+            common::EFFECTS_TABLE
+        )))
+        .bind(&b)
+        .execute(&mut *inner)
+        .await
+        .unwrap();
+        if inner_commits {
+            inner.commit().await.unwrap();
+        } else {
+            inner.rollback().await.unwrap();
+        }
+        write_effect(&mut tx, &c).await;
+        let record = Record::completed(b"r".to_vec());
+        store.record_commit(tx, &req, &record).await.unwrap();
+        assert_eq!(session_state(&pool).await, (0, 1));
+        assert_eq!(effects(&pool, &a).await, 1);
+        assert_eq!(effects(&pool, &b).await, i64::from(inner_commits));
+        assert_eq!(effects(&pool, &c).await, 1);
+        let row = store.get(req.scope, req.key).await.unwrap().expect("recorded");
+        assert_eq!(row.state, RowState::Done(record));
+    }
+}
+
+/// A nested `begin` cancelled half-way (here by a timeout) makes sqlx roll
+/// back the enclosing transaction, the claim's: the record then fails and
+/// nothing of the claim commits (neither its row nor the caller's write
+/// before it), where a named-lock record, an insert, would otherwise commit
+/// on its own and `COMMIT` would answer Ok without being sent. The pool's
+/// only connection comes back outside any transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
+    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    // The proxy holds the answer to the nested begin's `SAVEPOINT`, so the
+    // timeout always cuts the begin off half-way.
+    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"SAVEPOINT").await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            options
+                .host(&proxy.addr().ip().to_string())
+                .port(proxy.addr().port())
+                // In clear text, so the proxy sees each statement.
+                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
+        )
+        .await
+        .expect("a pool through the proxy");
+    for strategy in [ClaimStrategy::NamedLock, ClaimStrategy::Placeholder] {
+        let store = shared_store(pool.clone()).await.with_claim_strategy(strategy);
+        for end in ["record", "rollback"] {
+            let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+            let req = request(&call);
+            let effect = uuid::Uuid::new_v4().to_string();
+            let mut tx = claimed_with_a_write(&store, &req, &effect).await;
+            proxy.arm(true);
+            let cut_off = tokio::time::timeout(Duration::from_millis(100), sqlx::Connection::begin(&mut *tx))
+                .await
+                .is_err();
+            assert!(cut_off, "the nested begin was cut off");
+            proxy.arm(false);
+            proxy.release();
+            if end == "record" {
+                let err = store
+                    .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
+            } else {
+                store.rollback(tx).await.unwrap();
+            }
+            assert_eq!(session_state(&pool).await, (0, 1), "{strategy:?} {end}");
+            assert_eq!(effects(&pool, &effect).await, 0, "{strategy:?} {end}");
+            assert!(
+                store.get(req.scope, req.key).await.unwrap().is_none(),
+                "{strategy:?} {end}"
+            );
+        }
+    }
+    assert_eq!(proxy.held(), 4);
+}
+
+/// A nested transaction (a savepoint) begun on the claim's connection and
+/// never ended: committing fails and commits nothing (neither the claim nor
+/// the caller's write), and rolling back or dropping rolls everything back;
+/// each way, the only pooled connection comes back outside any transaction,
+/// not inside the claim's.
+#[tokio::test]
+async fn a_nested_transaction_left_open_commits_nothing() {
+    let pool = pool(1, "DO 0").await;
+    let store = shared_store(pool.clone()).await;
+    for end in ["commit", "rollback", "drop"] {
+        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let req = request(&call);
+        let effect = uuid::Uuid::new_v4().to_string();
+        let mut tx = claimed_with_a_write(&store, &req, &effect).await;
+        std::mem::forget(sqlx::Connection::begin(&mut *tx).await.unwrap());
+        match end {
+            "commit" => {
+                let err = store
+                    .record_commit(tx, &req, &Record::completed(b"r".to_vec()))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, Error::Config(_)), "{err:?}");
+            }
+            "rollback" => store.rollback(tx).await.unwrap(),
+            _ => drop(tx),
+        }
+        assert_eq!(session_state(&pool).await, (0, 1), "{end}");
+        assert_eq!(effects(&pool, &effect).await, 0, "{end}");
+        assert!(store.get(req.scope, req.key).await.unwrap().is_none(), "{end}");
+    }
 }
 
 /// Tenants, operations and keys with quotes, backslashes and non-ASCII text are stored and matched exactly, whether or not backslashes escape, under each claim strategy.
@@ -275,17 +410,14 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     .expect("the replay answered while its ROLLBACK's answer was held back")
     .unwrap();
     assert!(replay.is_replayed());
-    let next = tokio::spawn({
-        let pool = pool.clone();
-        async move { pool.acquire().await.map(drop) }
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        !next.is_finished(),
-        "the connection was handed out before its ROLLBACK was answered"
-    );
-    proxy.release();
-    next.await.unwrap().expect("the connection came back");
+    let next = pool.clone();
+    proxy
+        .waits_for_release(
+            async move { next.acquire().await.map(drop) },
+            "the connection was handed out before its ROLLBACK was answered",
+        )
+        .await
+        .expect("the connection came back");
     assert_eq!(proxy.held(), 1);
     assert_eq!(session_state(&pool).await, (0, 1), "no transaction left open");
     // A claim that claimed holds the key's placeholder row, which a claim
@@ -294,17 +426,12 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     let idem_core::Begin::Claimed(claimed) = engine.begin(&fresh).await.unwrap() else {
         panic!("a fresh key is claimed")
     };
-    let abandon = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.abandon(claimed).await }
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        !abandon.is_finished(),
-        "the rollback of a claim did not wait for its answer"
-    );
-    proxy.release();
-    abandon.await.unwrap();
+    proxy
+        .waits_for_release(
+            async move { engine.abandon(claimed).await },
+            "the rollback of a claim did not wait for its answer",
+        )
+        .await;
     assert_eq!(proxy.held(), 2);
     proxy.arm(false);
 }

@@ -121,6 +121,13 @@ impl TxBackend for PgStore {
                         tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
                         // It holds the key's row (or lock): a rollback waits.
                         tx.unsettle();
+                        // The caller's work runs next.
+                        if let Err(e) = tx.count_in_sqlx().await {
+                            if let Err(rollback) = tx.rollback().await {
+                                tracing::debug!(error = %rollback, "rollback after a failed claim failed");
+                            }
+                            return Err(e);
+                        }
                     }
                     Ok((tx, answer))
                 }
@@ -141,6 +148,7 @@ impl TxBackend for PgStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            tx.check_intact()?;
             if let (Some(one_write), Some(token)) = (&self.sql.one_write, tx.one_write_token(req)) {
                 idem_sql::bound::<PgDialect>(
                     AssertSqlSafe(one_write.insert.text.clone()),

@@ -13,7 +13,7 @@
 use idem_core::TableName;
 use idem_sql::{DeadLetterSchema, SqlDeadLetters};
 
-use crate::dialect::PgDialect;
+use crate::dialect::{PgDialect, SCOPED_ROW};
 use crate::sql::derived_name;
 
 pub use idem_sql::DEFAULT_DEAD_LETTER_TABLE;
@@ -62,16 +62,11 @@ impl Schema<'_> {
         let t = self.table.as_str();
         let unique = derived_name(self.table, "scope_key");
         let check = derived_name(self.table, "state_check");
-        // The scope and key use the "C" collation, as the keys table does:
-        // plain byte comparisons, so keys that differ only in case or
-        // trailing spaces stay apart. Errors and notes are kept as bytes
-        // (UTF-8): they may hold a NUL, which `text` refuses.
+        // Errors and notes are kept as bytes (UTF-8): they may hold a NUL,
+        // which `text` refuses.
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (
-                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                tenant TEXT COLLATE \"C\" NOT NULL,
-                operation TEXT COLLATE \"C\" NOT NULL,
-                idem_key TEXT COLLATE \"C\" NOT NULL,
+                {SCOPED_ROW}
                 method TEXT NOT NULL,
                 url TEXT NOT NULL,
                 headers TEXT NOT NULL,

@@ -13,6 +13,16 @@ use crate::store_error;
 #[derive(Debug, Clone, Copy)]
 pub struct PgDialect;
 
+/// The leading columns of a table with one row per scoped key (dead
+/// letters, multi-step operations): an identity `id`, then the tenant,
+/// operation and key in the "C" collation, as the keys table keeps them:
+/// plain byte comparisons, so keys that differ only in case or trailing
+/// spaces stay apart, whatever the operating system's locale data says.
+pub(crate) const SCOPED_ROW: &str = "id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant TEXT COLLATE \"C\" NOT NULL,
+    operation TEXT COLLATE \"C\" NOT NULL,
+    idem_key TEXT COLLATE \"C\" NOT NULL,";
+
 impl Dialect for PgDialect {
     type Db = Postgres;
     const NAME: &'static str = "PostgreSQL";

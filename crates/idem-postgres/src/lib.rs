@@ -28,16 +28,25 @@
 //! ## Round trips
 //!
 //! A fresh transactional call costs what the caller's own transaction costs
-//! and no round trip more: `BEGIN` travels with the claim, and the record with
-//! `COMMIT`, each pair as one text query on the store's own transaction type
-//! [`PgTx`] (sqlx's `Transaction` would spend a round trip on `BEGIN` alone).
+//! and one round trip more: `BEGIN` travels with the claim, and the record
+//! with `COMMIT`, each pair as one text query on the store's own transaction
+//! type [`PgTx`]; then, before the caller's work runs, an empty query has
+//! sqlx count the transaction as begun, so that a `begin()` in the caller's
+//! code on `&mut **tx` is a savepoint of the claim's transaction, not a
+//! second `BEGIN` whose `COMMIT` or `ROLLBACK` would end it half-way.
 //!
 //! | step | statements | round trips |
 //! | --- | --- | --- |
 //! | open and claim | `BEGIN; EXECUTE idem_first_…(…); EXECUTE idem_look_…(…)` | 1 |
+//! | hand over (a claim that claimed) | an empty query | 1 |
 //! | the caller's work | the caller's | the caller's |
-//! | record and commit | `EXECUTE idem_record_…(…); COMMIT` | 1 |
+//! | record and commit | `EXECUTE idem_record_…(…); COMMIT; BEGIN` | 1 |
 //! | replay | the same first text; `ROLLBACK` is sent, not waited for | 1 |
+//!
+//! The `BEGIN` after `COMMIT` opens an empty transaction that sqlx's own
+//! `ROLLBACK` ends: it is queued, and the ping with which the pool takes the
+//! connection back sends it, so sqlx counts no transaction on a pooled
+//! connection and the server sees no `ROLLBACK` outside one.
 //!
 //! Under the default [`ClaimStrategy::InsertOnConflict`] the claim is two
 //! plain statements: `idem_first` inserts the key with `ON CONFLICT DO
@@ -73,6 +82,13 @@
 //! - The record fails unless it updated exactly the claimed row, and then the
 //!   `COMMIT` sent with it does not run: the caller's writes never commit
 //!   without their outcome.
+//! - A nested transaction begun on the claim's connection and never ended
+//!   (a savepoint whose `sqlx::Transaction` was leaked), or one whose failed
+//!   or cancelled `begin` made sqlx roll the claim's transaction back, fails
+//!   the record and the commit, and nothing of the claim commits: the
+//!   connection is closed, which rolls the whole transaction back. A
+//!   rollback or a drop closes it too, so a connection never goes back to
+//!   the pool inside a transaction.
 //! - A `ROLLBACK` right after a claim that found the key held (a replay, a
 //!   key in progress) is written to the connection and its answer left to
 //!   the ping with which the pool takes the connection back, before anyone

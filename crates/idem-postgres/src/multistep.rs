@@ -6,7 +6,7 @@
 use idem_core::TableName;
 use idem_sql::{MultiStepSchema, SqlMultiSteps};
 
-use crate::dialect::PgDialect;
+use crate::dialect::{PgDialect, SCOPED_ROW};
 use crate::sql::derived_name;
 
 pub use idem_sql::DEFAULT_MULTISTEP_TABLE;
@@ -24,10 +24,7 @@ impl MultiStepSchema for PgDialect {
         vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
-                    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                    tenant TEXT COLLATE \"C\" NOT NULL,
-                    operation TEXT COLLATE \"C\" NOT NULL,
-                    idem_key TEXT COLLATE \"C\" NOT NULL,
+                    {SCOPED_ROW}
                     state TEXT COLLATE \"C\" NOT NULL,
                     version BIGINT NOT NULL,
                     token BIGINT NOT NULL,

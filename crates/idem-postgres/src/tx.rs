@@ -12,14 +12,26 @@
 //! the same under every server setting (see [`Literals`]), and the claim is a
 //! statement prepared once per connection with SQL `PREPARE`, so it is
 //! planned once and not on every request.
+//!
+//! sqlx counts the transactions it began on a connection, and a `begin()` on
+//! a connection it counts as inside one is a `SAVEPOINT`. Before the caller's
+//! work runs on a claimed transaction, the store has sqlx count it (an
+//! empty query, one round trip), so that a `begin()` in the caller's code
+//! (`sqlx::Connection::begin(&mut *tx)`, common in functions that take a
+//! `&mut PgConnection`) nests inside the claim's transaction. Uncounted, it
+//! would send a second `BEGIN`, and its `COMMIT` or `ROLLBACK` would end the
+//! claim's transaction half-way, leaving the rest of the caller's writes to
+//! commit one by one without the key. The count is back at zero whenever the
+//! connection returns to the pool.
 
 use std::ops::{Deref, DerefMut};
 
 use futures_util::{FutureExt, TryStreamExt};
 use idem_core::{ClaimRequest, Error, Record, Result};
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgRow};
-use sqlx::{AssertSqlSafe, Either, Executor, Postgres};
+use sqlx::postgres::{PgConnection, PgRow, PgTransactionManager};
+use sqlx::{AssertSqlSafe, Either, Executor, Postgres, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::error::{sqlstate, store_error};
 
@@ -65,6 +77,11 @@ pub struct PgTx {
     /// claimed, and any mutable use of the connection (the caller's queries,
     /// a query dropped half-way or failed), clears it.
     settled: bool,
+    /// Whether sqlx counts this transaction as begun on the connection
+    /// (see the module's docs): from then on a count of zero means sqlx has
+    /// rolled it back (as it does when a nested `begin` fails or is
+    /// cancelled), and nothing of it may be committed.
+    counted: bool,
 }
 
 /// A key claimed without a row: the record inserts it.
@@ -105,11 +122,21 @@ impl DerefMut for PgTx {
 
 impl Drop for PgTx {
     fn drop(&mut self) {
+        let nested = self.check_intact().is_err();
         let Some(mut conn) = self.conn.take() else { return };
         if !self.open {
             return;
         }
         match tokio::runtime::Handle::try_current() {
+            // A nested level left open (one `ROLLBACK` would end only that
+            // level), or a transaction sqlx has already rolled back: closing
+            // the session ends everything.
+            Ok(_) if nested => conn.close_on_drop(),
+            // As a dropped `sqlx::Transaction`: the `ROLLBACK` is queued, and
+            // the pool's release ping sends it and reads its answer.
+            Ok(_) if PgTransactionManager::get_transaction_depth(&conn) == 1 => {
+                PgTransactionManager::start_rollback(&mut conn);
+            }
             Ok(runtime) => {
                 runtime.spawn(async move {
                     if let Err(e) = conn.execute("ROLLBACK").await {
@@ -135,17 +162,75 @@ impl PgTx {
             prepared: false,
             one_write: Vec::new(),
             settled: false,
+            counted: false,
         };
-        if let Err(e) = tx.execute("BEGIN").await {
+        if let Err(e) = PgTransactionManager::begin(&mut tx, None).await {
             tx.close();
             return Err(store_error(e));
         }
+        tx.counted = true;
         Ok(tx)
     }
 
+    /// Has sqlx count this transaction as begun on its connection (see the
+    /// module's docs), if it does not already: an empty query, one round
+    /// trip. Run once a claim has claimed, before the caller's work.
+    pub(crate) async fn count_in_sqlx(&mut self) -> Result<()> {
+        if !self.counted {
+            PgTransactionManager::begin(self, Some(AssertSqlSafe("").into_sql_str()))
+                .await
+                .map_err(store_error)?;
+            self.counted = true;
+        }
+        Ok(())
+    }
+
+    /// Fails unless the transaction is still the one its claim began, with
+    /// nothing nested left open on it: a write sent otherwise would commit
+    /// on its own, or inside a level that never ends.
+    pub(crate) fn check_intact(&self) -> Result<()> {
+        if self.nested() {
+            return Err(nested_left_open());
+        }
+        if self.counted && self.depth() == 0 {
+            return Err(Error::Config(
+                "the claim's transaction was rolled back under it (sqlx rolls back the enclosing \
+                 transaction when a nested begin fails or is cancelled); nothing of the claim was committed"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// How many transactions sqlx counts as begun on the connection.
+    fn depth(&self) -> usize {
+        self.conn
+            .as_ref()
+            .map_or(0, |conn| PgTransactionManager::get_transaction_depth(conn))
+    }
+
+    /// Whether a nested transaction (a savepoint) begun on the connection is
+    /// still open, so that ending this transaction would take more than one
+    /// `COMMIT` or `ROLLBACK`.
+    fn nested(&self) -> bool {
+        self.depth() > 1
+    }
+
     /// Commits the transaction.
+    ///
+    /// A nested transaction begun on the connection and never ended fails
+    /// the commit, and nothing is committed: the connection is closed, which
+    /// rolls the whole transaction back on the server.
     pub(crate) async fn commit(mut self) -> Result<()> {
-        let done = self.execute("COMMIT").await;
+        if let Err(e) = self.check_intact() {
+            self.close();
+            return Err(e);
+        }
+        let done = if self.counted {
+            PgTransactionManager::commit(&mut self).await
+        } else {
+            self.execute("COMMIT").await.map(drop)
+        };
         // A failed COMMIT ends the transaction too; only a broken connection
         // leaves it unknown, and that one is closed below.
         self.end(done.is_ok());
@@ -171,18 +256,25 @@ impl PgTx {
     /// free, and after the caller's queries an answer may still be pending,
     /// which the first poll would wait for before writing anything.
     pub(crate) async fn rollback(mut self) -> Result<()> {
-        if self.settled {
+        if self.check_intact().is_err() {
+            // A `ROLLBACK` would end only the nested level, or draw a warning
+            // outside any transaction; closing the session ends everything.
+            self.close();
+            return Ok(());
+        }
+        let done = if self.settled {
             // Nothing pending: the first poll writes and flushes `ROLLBACK`,
             // then waits for the answer, which is left to the next exchange.
-            let sent = self.execute("ROLLBACK").now_or_never();
-            let Some(done) = sent else {
-                self.open = false;
-                return Ok(());
-            };
-            self.end(done.is_ok());
-            return done.map(drop).map_err(store_error);
-        }
-        let done = self.execute("ROLLBACK").await;
+            match self.execute("ROLLBACK").now_or_never() {
+                Some(done) => done.map(drop),
+                None => {
+                    self.open = false;
+                    return Ok(());
+                }
+            }
+        } else {
+            self.roll_back().await
+        };
         self.end(done.is_ok());
         done.map(drop).map_err(store_error)
     }
@@ -224,6 +316,15 @@ impl PgTx {
         self.open = false;
         if !clean {
             self.close();
+        }
+    }
+
+    /// Sends `ROLLBACK` and waits for its answer, keeping sqlx's count.
+    async fn roll_back(&mut self) -> std::result::Result<(), sqlx::Error> {
+        if self.counted {
+            PgTransactionManager::rollback(self).await
+        } else {
+            self.execute("ROLLBACK").await.map(drop)
         }
     }
 
@@ -293,6 +394,7 @@ pub(crate) async fn begin_claim(
         prepared: false,
         one_write: Vec::new(),
         settled: false,
+        counted: false,
     };
     let (mut rows, _, mut error) = tx.script(format!("BEGIN; {execute}")).await;
     if error
@@ -345,16 +447,53 @@ async fn prepare_missing(tx: &mut PgTx, prepared: &[(&str, &str)]) -> std::resul
 /// Records the outcome and commits, in one round trip: `execute` is the
 /// prepared record, which fails unless it updated the claimed row, and a
 /// failure skips the `COMMIT`.
+///
+/// On a transaction sqlx counts, a `BEGIN` follows the `COMMIT` in the same
+/// text, and sqlx's own `ROLLBACK` of it is queued for the pool's release
+/// ping, which takes sqlx's count back to zero without a round trip of its
+/// own (a `ROLLBACK` outside any transaction would draw a warning in the
+/// server's log).
 pub(crate) async fn record_commit(mut tx: PgTx, prepare: &str, execute: String) -> Result<()> {
-    let (_, completed, error) = tx.script(format!("{execute}; COMMIT")).await;
+    if let Err(e) = tx.check_intact() {
+        tx.close();
+        return Err(e);
+    }
+    let counted = tx.counted;
+    let then = if counted { "; BEGIN" } else { "" };
+    let (_, completed, error) = tx.script(format!("{execute}; COMMIT{then}")).await;
     let Some(e) = error else {
+        if counted {
+            PgTransactionManager::start_rollback(&mut tx);
+        }
         tx.end(true);
         return Ok(());
     };
-    if completed >= 1 {
+    if completed >= 2 {
+        // Committed; only the `BEGIN` after it failed, so sqlx's count is
+        // wrong for the session: it is closed.
+        tx.close();
+        return Ok(());
+    }
+    if completed == 1 {
         // The record statement went through and the COMMIT failed, which ends
         // the transaction (a serialisation failure, a deferred constraint).
-        tx.end(true);
+        // sqlx still counts it: an empty one is begun for its queued
+        // `ROLLBACK` to end, as after a commit (a round trip on this path
+        // only); a session that cannot is closed.
+        if counted {
+            match tx.execute("BEGIN").await {
+                Ok(_) => {
+                    PgTransactionManager::start_rollback(&mut tx);
+                    tx.end(true);
+                }
+                Err(begin) => {
+                    tracing::debug!(error = %begin, "beginning after a failed commit failed; closing the connection");
+                    tx.close();
+                }
+            }
+        } else {
+            tx.end(true);
+        }
         return Err(store_error(e));
     }
     let code = sqlstate(&e);
@@ -395,10 +534,16 @@ pub(crate) fn record_error(e: sqlx::Error) -> Error {
     store_error(e)
 }
 
+/// The error of a commit on a transaction whose connection holds a nested
+/// transaction never ended.
+fn nested_left_open() -> Error {
+    Error::Config("a nested transaction begun on the claim's connection was never ended; nothing was committed".into())
+}
+
 /// Rolls back and keeps the connection (for a statement after the rollback).
 async fn rollback_in_place(tx: &mut PgTx) -> std::result::Result<(), ()> {
-    match tx.execute("ROLLBACK").await {
-        Ok(_) => {
+    match tx.roll_back().await {
+        Ok(()) => {
             tx.open = false;
             Ok(())
         }

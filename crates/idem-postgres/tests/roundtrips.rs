@@ -596,23 +596,23 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
     assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
+    // The first call's connection is back in the pool (the release ping
+    // has ended what the call queued) before anything is held.
+    drop(store.pool().acquire().await.unwrap());
     proxy.arm(true);
     let replay = tokio::time::timeout(Duration::from_secs(20), run(&engine, &call))
         .await
         .expect("the replay answered while its ROLLBACK's answer was held back");
     assert!(matches!(replay, Outcome::Replayed(_)));
     // The only connection is back once the held answer arrives.
-    let next = tokio::spawn({
-        let store = store.clone();
-        async move { store.pool().acquire().await.map(drop) }
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        !next.is_finished(),
-        "the connection was handed out before its ROLLBACK was answered"
-    );
-    proxy.release();
-    next.await.unwrap().expect("the connection came back");
+    let pool = store.pool().clone();
+    proxy
+        .waits_for_release(
+            async move { pool.acquire().await.map(drop) },
+            "the connection was handed out before its ROLLBACK was answered",
+        )
+        .await
+        .expect("the connection came back");
     assert_eq!(proxy.held(), 1);
     let level: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
         .fetch_one(store.pool())
@@ -639,17 +639,12 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     drop(store.pool().acquire().await.unwrap());
     proxy.arm(true);
     let claimed = fresh_claim(&engine, &fresh_call()).await;
-    let abandon = tokio::spawn({
-        let engine = engine.clone();
-        async move { engine.abandon(claimed).await }
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        !abandon.is_finished(),
-        "the rollback of a claim did not wait for its answer"
-    );
-    proxy.release();
-    abandon.await.unwrap();
+    proxy
+        .waits_for_release(
+            async move { engine.abandon(claimed).await },
+            "the rollback of a claim did not wait for its answer",
+        )
+        .await;
     assert_eq!(proxy.held(), 2);
 }
 

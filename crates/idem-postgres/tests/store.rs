@@ -968,3 +968,229 @@ async fn assert_upgraded_to_version_3(store: &PgStore) {
     assert_eq!(row.state, RowState::Done(Record::completed(b"done".to_vec())));
     assert_eq!(row.sent_at_ms, Some(now), "completing keeps the mark's time");
 }
+
+/// A store on a pool of one connection, so every check after a call reads
+/// the connection that call used; and a table of business rows.
+async fn one_connection_store(strategy: ClaimStrategy) -> PgStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&database_url())
+        .await
+        .expect("a pool of one connection");
+    let table = isolated_table(&pool).await;
+    let store = PgStore::new(pool).with_table(table).with_claim_strategy(strategy);
+    store.migrate().await.expect("migrate");
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {} (id TEXT NOT NULL)",
+        effects_table(&store)
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    store
+}
+
+/// The business rows' table of a store from [`one_connection_store`].
+fn effects_table(store: &PgStore) -> String {
+    format!("{}_effects", store.table().as_str())
+}
+
+async fn insert_effect(store: &PgStore, conn: &mut sqlx::PgConnection, id: String) {
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {} (id) VALUES ($1)",
+        effects_table(store)
+    )))
+    .bind(id)
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+/// The committed business rows whose id starts with `tag`, sorted.
+async fn nested_effects(store: &PgStore, tag: &str) -> Vec<String> {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT id FROM {} WHERE id LIKE $1 ORDER BY id",
+        effects_table(store)
+    )))
+    .bind(format!("{tag}%"))
+    .fetch_all(store.pool())
+    .await
+    .unwrap()
+}
+
+/// A claimed transaction of `req`'s fresh key, with the caller's first
+/// write, `{tag}-a`, sent in it.
+async fn claimed_with_a_write(store: &PgStore, req: &ClaimRequest<'_>, tag: &str) -> idem_postgres::PgTx {
+    let (mut tx, claim) = store.begin_claim(req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    insert_effect(store, &mut tx, format!("{tag}-a")).await;
+    tx
+}
+
+/// That the pool's connection is outside any transaction and sqlx counts
+/// none on it: `pool.begin()` sends `BEGIN`, not a `SAVEPOINT`.
+async fn pool_is_clean(store: &PgStore) {
+    let tx = store.pool().begin().await.expect("a transaction of the pool's own");
+    tx.commit().await.unwrap();
+    let row = sqlx::raw_sql("SELECT now() <> statement_timestamp()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    let in_transaction: bool = row.get(0);
+    assert!(!in_transaction, "the connection came back inside a transaction");
+}
+
+/// A transaction begun in the caller's code on a claimed transaction's
+/// connection (`sqlx::Connection::begin`, as a function taking a
+/// `&mut PgConnection` does) is a savepoint of the claim's transaction:
+/// rolling it back undoes only its own writes, committing it commits
+/// nothing yet, and the claim, the caller's other writes and the record
+/// commit together, once. Under every claim strategy; afterwards the pool's
+/// connection is clean.
+#[tokio::test]
+async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
+    for strategy in [
+        ClaimStrategy::InsertOnConflict,
+        ClaimStrategy::AdvisoryLock,
+        ClaimStrategy::OneWrite,
+    ] {
+        let store = one_connection_store(strategy).await;
+        for inner_commits in [false, true] {
+            let key = Key::new();
+            let req = key.at(now_ms());
+            let tag = uuid::Uuid::new_v4().to_string();
+            let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+            let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
+            insert_effect(&store, &mut inner, format!("{tag}-b")).await;
+            if inner_commits {
+                inner.commit().await.unwrap();
+            } else {
+                inner.rollback().await.unwrap();
+            }
+            insert_effect(&store, &mut tx, format!("{tag}-c")).await;
+            store
+                .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+                .await
+                .unwrap();
+            let expected: Vec<String> = if inner_commits {
+                vec![format!("{tag}-a"), format!("{tag}-b"), format!("{tag}-c")]
+            } else {
+                vec![format!("{tag}-a"), format!("{tag}-c")]
+            };
+            assert_eq!(nested_effects(&store, &tag).await, expected, "{strategy:?}");
+            let row = store.get(&key.scope, &key.key).await.unwrap().expect("recorded");
+            assert_eq!(
+                row.state,
+                RowState::Done(Record::completed(b"done".to_vec())),
+                "{strategy:?}"
+            );
+            pool_is_clean(&store).await;
+        }
+    }
+}
+
+/// A nested transaction begun on a claimed transaction's connection and
+/// never ended: the record's commit fails and nothing commits (neither the
+/// claim nor the caller's writes); a rollback or a drop rolls everything
+/// back. Each way, the pool's connection comes back clean.
+#[tokio::test]
+async fn a_nested_transaction_left_open_commits_nothing() {
+    let store = one_connection_store(ClaimStrategy::InsertOnConflict).await;
+    for end in ["record", "commit", "rollback", "drop"] {
+        let key = Key::new();
+        let req = key.at(now_ms());
+        let tag = uuid::Uuid::new_v4().to_string();
+        let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+        let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
+        insert_effect(&store, &mut inner, format!("{tag}-b")).await;
+        std::mem::forget(inner);
+        match end {
+            "record" => {
+                let err = store
+                    .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, Error::Config(_)), "{err:?}");
+            }
+            "commit" => {
+                let err = store
+                    .record(&mut tx, &req, &Record::completed(b"done".to_vec()))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(err, Error::Config(_)), "{err:?}");
+                let err = store.commit(tx).await.unwrap_err();
+                assert!(matches!(err, Error::Config(_)), "{err:?}");
+            }
+            "rollback" => store.rollback(tx).await.unwrap(),
+            _ => drop(tx),
+        }
+        pool_is_clean(&store).await;
+        assert!(nested_effects(&store, &tag).await.is_empty(), "{end}");
+        assert!(store.get(&key.scope, &key.key).await.unwrap().is_none(), "{end}");
+    }
+}
+
+/// A claimed transaction dropped unfinished rolls back, and the pool's
+/// connection comes back clean (sqlx counts no transaction on it).
+#[tokio::test]
+async fn a_dropped_claimed_transaction_leaves_the_connection_clean() {
+    for strategy in [ClaimStrategy::InsertOnConflict, ClaimStrategy::OneWrite] {
+        let store = one_connection_store(strategy).await;
+        let key = Key::new();
+        let req = key.at(now_ms());
+        let tag = uuid::Uuid::new_v4().to_string();
+        drop(claimed_with_a_write(&store, &req, &tag).await);
+        pool_is_clean(&store).await;
+        assert!(nested_effects(&store, &tag).await.is_empty(), "{strategy:?}");
+        assert!(store.get(&key.scope, &key.key).await.unwrap().is_none(), "{strategy:?}");
+        // And the key is free: claimed again, and recorded.
+        let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+        assert_eq!(claim, TxClaim::Claimed);
+        store
+            .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+            .await
+            .unwrap();
+        pool_is_clean(&store).await;
+    }
+}
+
+/// A nested `begin` that fails (here: after a statement that failed, in
+/// the aborted transaction) makes sqlx roll back the enclosing
+/// transaction, the claim's: the record then fails, and nothing of the
+/// claim commits (neither its row nor the caller's write before it), where
+/// a one-write record, an insert, would otherwise commit on its own. The
+/// pool's connection comes back clean.
+#[tokio::test]
+async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
+    for strategy in [ClaimStrategy::OneWrite, ClaimStrategy::InsertOnConflict] {
+        let store = one_connection_store(strategy).await;
+        for end in ["record", "commit", "rollback"] {
+            let key = Key::new();
+            let req = key.at(now_ms());
+            let tag = uuid::Uuid::new_v4().to_string();
+            let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+            sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.unwrap_err();
+            sqlx::Connection::begin(&mut *tx).await.unwrap_err();
+            let record = Record::completed(b"done".to_vec());
+            match end {
+                "record" => {
+                    let err = store.record_commit(tx, &req, &record).await.unwrap_err();
+                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
+                }
+                "commit" => {
+                    let err = store.record(&mut tx, &req, &record).await.unwrap_err();
+                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
+                    let err = store.commit(tx).await.unwrap_err();
+                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
+                }
+                _ => store.rollback(tx).await.unwrap(),
+            }
+            pool_is_clean(&store).await;
+            assert!(nested_effects(&store, &tag).await.is_empty(), "{strategy:?} {end}");
+            assert!(
+                store.get(&key.scope, &key.key).await.unwrap().is_none(),
+                "{strategy:?} {end}"
+            );
+        }
+    }
+}
