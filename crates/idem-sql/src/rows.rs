@@ -60,6 +60,9 @@ impl Statements {
         // A row its holder still holds: in progress, or sent (lease run out
         // or not: only the token says who holds it).
         let held = format!("status IN ({STATUS_IN_PROGRESS}, {STATUS_SENT})");
+        // The key's row (bound from `at`) that the holder of the token bound
+        // right after it still holds.
+        let held_by = |at: usize| format!("{} AND token = {} AND {held}", key(at), p(at + 3));
         // An unexpired row holding an unknown outcome at the time bound at
         // `at` and `at + 1`: recorded as unknown, or sent by a holder whose
         // lease has run out. A sent row whose lease still runs is in flight.
@@ -79,34 +82,28 @@ impl Statements {
             // MySQL's assignments see the columns assigned before them.
             mark_sent: format!(
                 "UPDATE {t} SET sent_at_ms = CASE WHEN status = {STATUS_IN_PROGRESS} THEN {} \
-                 ELSE {least}(COALESCE(sent_at_ms, {}), {}) END, status = {STATUS_SENT} \
-                 WHERE {} AND token = {} AND {held}",
+                 ELSE {least}(COALESCE(sent_at_ms, {}), {}) END, status = {STATUS_SENT} WHERE {}",
                 p(1),
                 p(2),
                 p(3),
-                key(4),
-                p(7)
+                held_by(4)
             )
             .into(),
             // The outcome keeps `sent_at_ms`: it still says when the request
             // may first have reached the other side.
             complete: format!(
-                "UPDATE {t} SET status = {}, payload = {}, lease_expires_at_ms = NULL \
-                 WHERE {} AND token = {} AND {held}",
+                "UPDATE {t} SET status = {}, payload = {}, lease_expires_at_ms = NULL WHERE {}",
                 p(1),
                 p(2),
-                key(3),
-                p(6)
+                held_by(3)
             )
             .into(),
-            release: format!("DELETE FROM {t} WHERE {} AND token = {} AND {held}", key(1), p(4)).into(),
+            release: format!("DELETE FROM {t} WHERE {}", held_by(1)).into(),
             extend: format!(
-                "UPDATE {t} SET lease_expires_at_ms = {}, expires_at_ms = {greatest}(expires_at_ms, {}) \
-                 WHERE {} AND token = {} AND {held}",
+                "UPDATE {t} SET lease_expires_at_ms = {}, expires_at_ms = {greatest}(expires_at_ms, {}) WHERE {}",
                 p(1),
                 p(2),
-                key(3),
-                p(6)
+                held_by(3)
             )
             .into(),
             // An operator's or a reconciliation's answer: the expiry and the

@@ -11,7 +11,7 @@
 use idem_core::TableName;
 use idem_sql::{DeadLetterSchema, SqlDeadLetters};
 
-use crate::dialect::SqliteDialect;
+use crate::dialect::{SCOPED_ROW, SqliteDialect};
 
 pub use idem_sql::DEFAULT_DEAD_LETTER_TABLE;
 
@@ -67,14 +67,9 @@ struct Schema<'a> {
 
 impl Schema<'_> {
     fn create(&self, t: &str) -> String {
-        // Text compares byte for byte (SQLite's BINARY collation), so keys
-        // that differ only in case or trailing spaces stay apart.
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (
-                id INTEGER PRIMARY KEY AUTOINCREMENT,
-                tenant TEXT NOT NULL,
-                operation TEXT NOT NULL,
-                idem_key TEXT NOT NULL,
+                {SCOPED_ROW}
                 method TEXT NOT NULL,
                 url TEXT NOT NULL,
                 headers TEXT NOT NULL,

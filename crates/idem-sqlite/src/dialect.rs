@@ -14,6 +14,16 @@ const SQLITE_CONSTRAINT_UNIQUE: &str = "2067";
 #[derive(Debug, Clone, Copy)]
 pub struct SqliteDialect;
 
+/// The leading columns of a table with one row per scoped key (dead
+/// letters, multi-step operations): an auto-increment `id`, then the
+/// tenant, operation and key as text, which compares byte for byte
+/// (SQLite's BINARY collation), so keys that differ only in case or
+/// trailing spaces stay apart.
+pub(crate) const SCOPED_ROW: &str = "id INTEGER PRIMARY KEY AUTOINCREMENT,
+    tenant TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    idem_key TEXT NOT NULL,";
+
 impl Dialect for SqliteDialect {
     type Db = Sqlite;
     const NAME: &'static str = "SQLite";

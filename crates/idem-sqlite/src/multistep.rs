@@ -6,7 +6,7 @@
 use idem_core::TableName;
 use idem_sql::{MultiStepSchema, SqlMultiSteps};
 
-use crate::dialect::SqliteDialect;
+use crate::dialect::{SCOPED_ROW, SqliteDialect};
 
 pub use idem_sql::DEFAULT_MULTISTEP_TABLE;
 
@@ -16,14 +16,10 @@ pub type SqliteMultiSteps = SqlMultiSteps<SqliteDialect>;
 impl MultiStepSchema for SqliteDialect {
     fn create_multisteps(table: &TableName) -> Vec<String> {
         let t = table.as_str();
-        // Text compares byte for byte (SQLite's BINARY collation).
         vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
-                    id INTEGER PRIMARY KEY AUTOINCREMENT,
-                    tenant TEXT NOT NULL,
-                    operation TEXT NOT NULL,
-                    idem_key TEXT NOT NULL,
+                    {SCOPED_ROW}
                     state TEXT NOT NULL
                         CHECK (state IN ('running', 'held', 'compensating', 'completed', 'compensated')),
                     version INTEGER NOT NULL,
