@@ -13,7 +13,7 @@ use std::time::Duration;
 use clap::Subcommand;
 use idem_jetstream::{ConsumerError, DeadLetterFilter, RedriveOptions, StoredDeadLetter};
 
-use crate::output::{Failure, print, say};
+use crate::output::{Failure, print, refuse_empty_filters, say};
 
 /// The NATS server, the dead-letter stream and which letters to select.
 #[derive(Debug, clap::Args)]
@@ -61,14 +61,7 @@ pub(crate) enum EventsCommand {
 
 impl Selection {
     fn filter(&self, limit: u32) -> Result<DeadLetterFilter, Failure> {
-        for (flag, value) in [("--handler", &self.handler), ("--event-id", &self.event_id)] {
-            if value.as_deref().is_some_and(str::is_empty) {
-                return Err(Failure(
-                    2,
-                    format!("{flag} is empty: give a value, or leave the filter out"),
-                ));
-            }
-        }
+        refuse_empty_filters(&[("--handler", &self.handler), ("--event-id", &self.event_id)])?;
         Ok(DeadLetterFilter {
             handler: self.handler.clone(),
             event_id: self.event_id.clone(),

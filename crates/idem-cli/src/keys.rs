@@ -3,7 +3,7 @@
 
 use idem_core::{KeyAdmin, LeaseStore, TimeSource};
 
-use crate::output::{Failure, print, print_document, say};
+use crate::output::{Failure, print, print_document, refuse_empty_filters, say};
 use crate::store::KeysTable;
 
 /// Which keys a command selects.
@@ -35,18 +35,11 @@ impl Selection {
     /// The filter the flags give; an empty value is refused: it would
     /// select nothing meaningful (an empty prefix matches every key).
     fn filter(&self) -> Result<idem_core::KeyFilter, Failure> {
-        for (flag, value) in [
+        refuse_empty_filters(&[
             ("--tenant", &self.tenant),
             ("--operation", &self.operation),
             ("--key-prefix", &self.key_prefix),
-        ] {
-            if value.as_deref().is_some_and(str::is_empty) {
-                return Err(Failure(
-                    2,
-                    format!("{flag} is empty: give a value, or leave the filter out"),
-                ));
-            }
-        }
+        ])?;
         Ok(idem_core::KeyFilter {
             tenant: self.tenant.clone(),
             operation: self.operation.clone(),

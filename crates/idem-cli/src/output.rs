@@ -37,6 +37,20 @@ impl From<idem_gateway::GatewayError> for Failure {
     }
 }
 
+/// Refuses a filter flag given an empty value (exit 2): it would select
+/// nothing meaningful. `filters` are the flags with their values.
+pub(crate) fn refuse_empty_filters(filters: &[(&str, &Option<String>)]) -> Result<(), Failure> {
+    for (flag, value) in filters {
+        if value.as_deref().is_some_and(str::is_empty) {
+            return Err(Failure(
+                2,
+                format!("{flag} is empty: give a value, or leave the filter out"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A store that could not be opened, with the store's URL (credentials
 /// masked) in the message.
 pub(crate) fn store_failure(url: &str, e: idem_core::Error) -> Failure {

@@ -9,7 +9,7 @@ mod support;
 
 use idem_core::OutboxEvent;
 use idem_gateway::AnyLease;
-use support::{idem_out as idem, keys_command, tag};
+use support::{Sql, idem_out as idem, keys_command, tag};
 
 /// Five keys that expired an hour ago and two live ones, all completed.
 async fn seed(url: &str) {
@@ -171,16 +171,16 @@ async fn on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
-    let url = support::postgres_db("idem_cli").await;
-    operator_commands(&url, true).await;
-    support::drop_postgres_db(&url).await;
+    Sql::Postgres
+        .with_db("idem_cli", async |url| operator_commands(url, true).await)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql() {
-    let url = support::mysql_db("idem_cli").await;
-    operator_commands(&url, true).await;
-    support::drop_mysql_db(&url).await;
+    Sql::MariaDb
+        .with_db("idem_cli", async |url| operator_commands(url, true).await)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
-use support::{dlq, idem_out as idem, resolve_not_applied, tag};
+use support::{Sql, dlq, idem_out as idem, resolve_not_applied, tag};
 
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
@@ -434,16 +434,12 @@ async fn on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
-    let url = support::postgres_db("idem_cli_dlq").await;
-    dead_letter_commands(&url).await;
-    support::drop_postgres_db(&url).await;
+    Sql::Postgres.with_db("idem_cli_dlq", dead_letter_commands).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql() {
-    let url = support::mysql_db("idem_cli_dlq").await;
-    dead_letter_commands(&url).await;
-    support::drop_mysql_db(&url).await;
+    Sql::MariaDb.with_db("idem_cli_dlq", dead_letter_commands).await;
 }
 
 #[test]

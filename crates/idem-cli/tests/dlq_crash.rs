@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{dlq, drop_mysql_db, drop_postgres_db, resolve_not_applied};
+use support::{Sql, dlq, resolve_not_applied};
 
 use idem_core::{DeadLetterState, DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope};
 
@@ -227,16 +227,20 @@ macro_rules! on_each_engine {
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $postgres() {
-            let url = support::postgres_db("idem_dlq_crash").await;
-            $scenario(postgres_store(&url).await, &url).await;
-            drop_postgres_db(&url).await;
+            Sql::Postgres
+                .with_db("idem_dlq_crash", async |url| {
+                    $scenario(postgres_store(url).await, url).await
+                })
+                .await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $mariadb() {
-            let url = support::mysql_db("idem_dlq_crash").await;
-            $scenario(mysql_store(&url).await, &url).await;
-            drop_mysql_db(&url).await;
+            Sql::MariaDb
+                .with_db("idem_dlq_crash", async |url| {
+                    $scenario(mysql_store(url).await, url).await
+                })
+                .await;
         }
     };
 }

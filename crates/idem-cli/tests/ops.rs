@@ -17,7 +17,7 @@ use idem_core::multistep::{
 };
 use idem_core::{Clock, Fingerprint, IdempotencyKey, Scope, SentUnder, SystemClock, TxBackend, Verdict};
 use idem_gateway::AnyLease;
-use support::{idem_out as idem, tag};
+use support::{Sql, idem_out as idem, tag};
 
 const TENANT: &str = "ops-test";
 const ROUTE: &str = "POST /v1/withdrawals";
@@ -719,13 +719,19 @@ async fn purging(url: &str) {
     assert!(store.find(recent).await.is_some());
 }
 
+/// The operator commands, racing operators and purging, on the store at
+/// `url`.
+async fn every_scenario(url: &str) {
+    operator_commands(url).await;
+    racing_operators(url).await;
+    purging(url).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite() {
     let path = std::env::temp_dir().join(format!("idem-cli-ops-{}.db", tag()));
     let url = path.display().to_string();
-    operator_commands(&url).await;
-    racing_operators(&url).await;
-    purging(&url).await;
+    every_scenario(&url).await;
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{url}{suffix}"));
     }
@@ -733,20 +739,12 @@ async fn on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres() {
-    let url = support::postgres_db("idem_cli_ops").await;
-    operator_commands(&url).await;
-    racing_operators(&url).await;
-    purging(&url).await;
-    support::drop_postgres_db(&url).await;
+    Sql::Postgres.with_db("idem_cli_ops", every_scenario).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql() {
-    let url = support::mysql_db("idem_cli_ops").await;
-    operator_commands(&url).await;
-    racing_operators(&url).await;
-    purging(&url).await;
-    support::drop_mysql_db(&url).await;
+    Sql::MariaDb.with_db("idem_cli_ops", every_scenario).await;
 }
 
 #[test]

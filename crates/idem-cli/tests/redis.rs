@@ -43,6 +43,11 @@ async fn rows(conn: &mut redis::aio::MultiplexedConnection) -> usize {
     keys.len()
 }
 
+/// The entries of the expiry index.
+async fn index_entries(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    redis::cmd("ZCARD").arg("idem:expiry").query_async(conn).await.unwrap()
+}
+
 /// Rows Redis expired by their TTL leave index entries behind: `stats`
 /// does not count them as keys, and `sweep` removes every one of them,
 /// batch after batch, although no batch deletes a row.
@@ -59,11 +64,7 @@ async fn sweep_removes_every_ghost_entry_and_stats_ignores_them() {
         assert!(Instant::now() < deadline, "Redis did not expire the short-lived rows");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let entries: u64 = redis::cmd("ZCARD")
-        .arg("idem:expiry")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let entries = index_entries(&mut conn).await;
     assert_eq!(entries, 28, "every claim was indexed");
 
     let run = idem(&["stats", "--store", &url, "--json"]);
@@ -87,13 +88,15 @@ async fn sweep_removes_every_ghost_entry_and_stats_ignores_them() {
         (Some(0), Some(25), Some(3)),
         "{v}"
     );
-    let entries: u64 = redis::cmd("ZCARD")
-        .arg("idem:expiry")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let entries = index_entries(&mut conn).await;
     assert_eq!(entries, 3, "the index holds the live rows only");
     assert_eq!(rows(&mut conn).await, 3);
+}
+
+/// `idem sweep` on a Redis server of its own, started with `args`.
+fn sweep_on(args: &[&str]) -> Run {
+    let server = RedisServer::start(args);
+    idem(&["sweep", "--store", &server.url()])
 }
 
 /// Before writing, the gateway and the writing commands read the server's
@@ -133,7 +136,7 @@ fn the_redis_deployment_is_checked_before_writing() {
     assert!(err.contains("maxmemory-policy"), "{err}");
 
     // CONFIG disabled (managed Redis): INFO still tells the policy.
-    let volatile = RedisServer::start(&[
+    let run = sweep_on(&[
         "--maxmemory-policy",
         "volatile-ttl",
         "--appendonly",
@@ -142,12 +145,11 @@ fn the_redis_deployment_is_checked_before_writing() {
         "CONFIG",
         "",
     ]);
-    let run = idem(&["sweep", "--store", &volatile.url()]);
     assert_eq!(run.code, 2, "{}", run.all());
     assert!(run.stderr.contains("volatile-ttl"), "{}", run.all());
 
     // Nothing readable: a warning, and the command runs.
-    let hidden = RedisServer::start(&[
+    let run = sweep_on(&[
         "--maxmemory-policy",
         "allkeys-lru",
         "--rename-command",
@@ -157,7 +159,6 @@ fn the_redis_deployment_is_checked_before_writing() {
         "INFO",
         "",
     ]);
-    let run = idem(&["sweep", "--store", &hidden.url()]);
     assert_eq!(run.code, 0, "{}", run.all());
     assert!(
         run.stderr.contains("maxmemory-policy"),
@@ -166,16 +167,14 @@ fn the_redis_deployment_is_checked_before_writing() {
     );
 
     // No persistence: a warning naming appendonly and save, and the command runs.
-    let forgetful = RedisServer::start(&["--maxmemory-policy", "noeviction", "--appendonly", "no", "--save", ""]);
-    let run = idem(&["sweep", "--store", &forgetful.url()]);
+    let run = sweep_on(&["--maxmemory-policy", "noeviction", "--appendonly", "no", "--save", ""]);
     assert_eq!(run.code, 0, "{}", run.all());
     assert!(
         run.stderr.contains("appendonly") && run.stderr.contains("save"),
         "the warning names the settings: {}",
         run.all()
     );
-    let durable = RedisServer::start(&["--maxmemory-policy", "noeviction", "--appendonly", "yes"]);
-    let run = idem(&["sweep", "--store", &durable.url()]);
+    let run = sweep_on(&["--maxmemory-policy", "noeviction", "--appendonly", "yes"]);
     assert_eq!(run.code, 0, "{}", run.all());
     assert!(
         !run.stderr.contains("WARN"),

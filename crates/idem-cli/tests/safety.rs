@@ -10,7 +10,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use idem_core::TableName;
-use support::{Run, keys_command, mysql_url, postgres_url, tag};
+use support::{Run, Sql, keys_command, mysql_url, postgres_url, tag};
 
 fn idem(args: &[&str]) -> Run {
     support::idem_run(args, &["IDEM_STORE"])
@@ -74,12 +74,8 @@ fn read_only_commands_never_create_a_sqlite_file() {
 /// create no table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_commands_never_create_a_table() {
-    for postgres in [true, false] {
-        let url = if postgres {
-            support::postgres_db("idem_cli_ro").await
-        } else {
-            support::mysql_db("idem_cli_ro").await
-        };
+    for sql in [Sql::Postgres, Sql::MariaDb] {
+        let url = sql.create_db("idem_cli_ro").await;
         let db = support::database_of(&url).to_owned();
         for args in [
             vec!["stats", "--store", url.as_str()],
@@ -99,7 +95,7 @@ async fn read_only_commands_never_create_a_table() {
         let run = idem(&["outbox", "status", "--store", &url]);
         assert_eq!(run.code, 3, "{}", run.all());
         assert!(run.stderr.contains("table idem_outbox does not exist"), "{}", run.all());
-        let tables: i64 = if postgres {
+        let tables: i64 = if sql == Sql::Postgres {
             let pool = sqlx::PgPool::connect(&url).await.unwrap();
             let n = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema NOT IN ('pg_catalog', 'information_schema')",
@@ -120,11 +116,7 @@ async fn read_only_commands_never_create_a_table() {
             n
         };
         assert_eq!(tables, 0, "a read-only command created a table in {url}");
-        if postgres {
-            support::drop_postgres_db(&url).await;
-        } else {
-            support::drop_mysql_db(&url).await;
-        }
+        sql.drop_db(&url).await;
     }
 }
 
@@ -387,6 +379,15 @@ async fn seed_sqlite(path: &str, table: Option<&str>, live: usize, expired: usiz
     store.pool().close().await;
 }
 
+/// The completed and expired keys `idem stats --json` counts in the store
+/// at `p`, with the flags `table` (a `--table`, or none).
+fn completed_and_expired(p: &str, table: &[&str]) -> (Option<u64>, Option<u64>) {
+    let run = idem(&[&["stats", "--store", p, "--json"], table].concat());
+    assert_eq!(run.code, 0, "{}", run.all());
+    let v = run.json();
+    (v["completed"].as_u64(), v["expired"].as_u64())
+}
+
 /// `stats` and `sweep` take `--table`: an inbox's table shares the keys
 /// table's schema and is counted and swept like it, and the keys table is
 /// left alone.
@@ -395,14 +396,8 @@ async fn stats_and_sweep_work_on_an_inbox_table() {
     let (path, p) = migrated_db();
     seed_sqlite(&p, None, 1, 2).await;
     seed_sqlite(&p, Some("payments_inbox"), 2, 5).await;
-    let run = idem(&["stats", "--store", &p, "--table", "payments_inbox", "--json"]);
-    assert_eq!(run.code, 0, "{}", run.all());
-    let v = run.json();
-    assert_eq!(
-        (v["completed"].as_u64(), v["expired"].as_u64()),
-        (Some(2), Some(5)),
-        "{v}"
-    );
+    let inbox = ["--table", "payments_inbox"];
+    assert_eq!(completed_and_expired(&p, &inbox), (Some(2), Some(5)));
     let run = idem(&[
         "sweep",
         "--store",
@@ -422,17 +417,11 @@ async fn stats_and_sweep_work_on_an_inbox_table() {
         (Some(5), Some(3)),
         "{v}"
     );
-    let v = idem(&["stats", "--store", &p, "--table", "payments_inbox", "--json"]).json();
+    assert_eq!(completed_and_expired(&p, &inbox), (Some(2), Some(0)));
     assert_eq!(
-        (v["completed"].as_u64(), v["expired"].as_u64()),
-        (Some(2), Some(0)),
-        "{v}"
-    );
-    let v = idem(&["stats", "--store", &p, "--json"]).json();
-    assert_eq!(
-        (v["completed"].as_u64(), v["expired"].as_u64()),
+        completed_and_expired(&p, &[]),
         (Some(1), Some(2)),
-        "the keys table is untouched: {v}"
+        "the keys table is untouched"
     );
     let run = idem(&["stats", "--store", &p, "--table", "no_such_inbox"]);
     assert_eq!(run.code, 3, "{}", run.all());

@@ -159,9 +159,18 @@ mod tests {
         http_body_util::StreamBody::new(Box::pin(stream))
     }
 
-    async fn read(
-        body: impl Body<Data = Bytes, Error = Box<dyn std::error::Error + Send + Sync>>,
-    ) -> Result<usize, String> {
+    /// An idle bound of `idle_secs` and a total bound of `total_secs`.
+    fn bounds(idle_secs: u64, total_secs: u64) -> BodyTimeouts {
+        BodyTimeouts {
+            idle: Duration::from_secs(idle_secs),
+            total: Duration::from_secs(total_secs),
+        }
+    }
+
+    /// Reads a [`trickle`] with gaps of `gap_secs` through a [`TimedBody`]
+    /// within `bounds`: the bytes read, or the timeout's message.
+    async fn read_trickle(gap_secs: u64, bounds: BodyTimeouts) -> Result<usize, String> {
+        let body = TimedBody::new(trickle(Duration::from_secs(gap_secs)), bounds);
         body.collect().await.map(|c| c.to_bytes().len()).map_err(|e| {
             assert!(is_slow_body(&*e), "{e}");
             e.to_string()
@@ -171,50 +180,27 @@ mod tests {
     /// A body whose bytes keep coming within both bounds is read whole.
     #[tokio::test(start_paused = true)]
     async fn a_steady_body_is_read() {
-        let bounds = BodyTimeouts {
-            idle: Duration::from_secs(10),
-            total: Duration::from_secs(60),
-        };
-        assert_eq!(
-            read(TimedBody::new(trickle(Duration::from_secs(9)), bounds)).await,
-            Ok(6)
-        );
+        assert_eq!(read_trickle(9, bounds(10, 60)).await, Ok(6));
     }
 
     /// One wait past the idle bound ends the body with a timeout.
     #[tokio::test(start_paused = true)]
     async fn a_stalled_body_times_out() {
-        let bounds = BodyTimeouts {
-            idle: Duration::from_secs(10),
-            total: Duration::from_secs(60),
-        };
-        let e = read(TimedBody::new(trickle(Duration::from_secs(11)), bounds))
-            .await
-            .unwrap_err();
+        let e = read_trickle(11, bounds(10, 60)).await.unwrap_err();
         assert!(e.contains("for 10 s"), "{e}");
     }
 
     /// Waits under the idle bound that add up past the total bound end the body too.
     #[tokio::test(start_paused = true)]
     async fn a_trickled_body_times_out() {
-        let bounds = BodyTimeouts {
-            idle: Duration::from_secs(10),
-            total: Duration::from_secs(20),
-        };
-        let e = read(TimedBody::new(trickle(Duration::from_secs(9)), bounds))
-            .await
-            .unwrap_err();
+        let e = read_trickle(9, bounds(10, 20)).await.unwrap_err();
         assert!(e.contains("over 20 s"), "{e}");
     }
 
     /// Time nobody spends reading the body does not count.
     #[tokio::test(start_paused = true)]
     async fn unread_time_does_not_count() {
-        let bounds = BodyTimeouts {
-            idle: Duration::from_secs(10),
-            total: Duration::from_secs(10),
-        };
-        let mut body = TimedBody::new(http_body_util::Full::new(Bytes::from_static(b"abc")), bounds);
+        let mut body = TimedBody::new(http_body_util::Full::new(Bytes::from_static(b"abc")), bounds(10, 10));
         tokio::time::sleep(Duration::from_secs(3600)).await;
         let frame = body.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "abc");

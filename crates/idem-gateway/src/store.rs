@@ -242,6 +242,23 @@ fn unparsable(url: &str, e: sqlx::Error) -> Error {
     Error::Config(idem_core::redact_credentials(&format!("--store (store) {url:?}: {e}")))
 }
 
+/// A pool of connections to the SQL server at `url`, whose driver errors
+/// `store_error` maps. One plain connection comes first, so that a server
+/// that cannot be reached fails at once instead of after the pool's acquire
+/// timeout (the pool retries refused connections until then).
+async fn sql_pool<DB: sqlx::Database>(url: &str, store_error: fn(sqlx::Error) -> Error) -> Result<sqlx::Pool<DB>> {
+    let options: <DB::Connection as sqlx::Connection>::Options = url.parse().map_err(|e| unparsable(url, e))?;
+    sqlx::ConnectOptions::connect(&options)
+        .await
+        .map_err(|e| unreachable(store_error(e)))?;
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(32)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(store_error)
+}
+
 impl AnyLease {
     /// Connects to `url` (`postgres://`, `mysql://` or `mariadb://`,
     /// `redis://`, `sqlite://PATH` or a plain path, creating a missing
@@ -310,34 +327,13 @@ impl AnyLease {
 
     async fn connect_to(url: &str, redis: &RedisSettings, create_sqlite: bool) -> Result<Self> {
         Ok(match target(url)? {
-            // One plain connection first, so that a server that cannot be
-            // reached fails at once instead of after the pool's acquire
-            // timeout (the pool retries refused connections until then).
             Target::Postgres => {
-                let options: sqlx::postgres::PgConnectOptions = url.parse().map_err(|e| unparsable(url, e))?;
-                sqlx::ConnectOptions::connect(&options)
-                    .await
-                    .map_err(|e| unreachable(idem_postgres::store_error(e)))?;
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(32)
-                    .acquire_timeout(Duration::from_secs(10))
-                    .connect_with(options)
-                    .await
-                    .map_err(idem_postgres::store_error)?;
+                let pool = sql_pool(url, idem_postgres::store_error).await?;
                 AnyLease::Postgres(idem_postgres::PgStore::new(pool))
             }
             Target::MySql => {
                 let url = url.replacen("mariadb://", "mysql://", 1);
-                let options: sqlx::mysql::MySqlConnectOptions = url.parse().map_err(|e| unparsable(&url, e))?;
-                sqlx::ConnectOptions::connect(&options)
-                    .await
-                    .map_err(|e| unreachable(idem_mysql::store_error(e)))?;
-                let pool = sqlx::mysql::MySqlPoolOptions::new()
-                    .max_connections(32)
-                    .acquire_timeout(Duration::from_secs(10))
-                    .connect_with(options)
-                    .await
-                    .map_err(idem_mysql::store_error)?;
+                let pool = sql_pool(&url, idem_mysql::store_error).await?;
                 AnyLease::MySql(idem_mysql::MySqlStore::new(pool))
             }
             Target::Redis => {

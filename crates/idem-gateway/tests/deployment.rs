@@ -33,6 +33,20 @@ async fn health(base: &str) -> (u16, String) {
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
+/// Asks for the health every 50 ms until it answers `status`, at most 300
+/// times: the last answer.
+async fn health_until(base: &str, status: u16) -> (u16, String) {
+    let mut seen = health(base).await;
+    for _ in 1..300 {
+        if seen.0 == status {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        seen = health(base).await;
+    }
+    seen
+}
+
 /// Within a few periods of a switch to `allkeys-lru` the health check
 /// answers 503 naming `maxmemory-policy`; back on `noeviction` it is 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,23 +61,10 @@ async fn an_eviction_policy_switched_on_later_marks_the_gateway_unhealthy() {
     .await;
     assert_eq!(health(&g.base).await.0, 200);
     set_policy(redis.port, "allkeys-lru").await;
-    let mut seen = (0, String::new());
-    for _ in 0..300 {
-        seen = health(&g.base).await;
-        if seen.0 == 503 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let seen = health_until(&g.base, 503).await;
     assert_eq!(seen.0, 503, "{seen:?}");
     assert!(seen.1.contains("maxmemory-policy"), "{seen:?}");
     set_policy(redis.port, "noeviction").await;
-    for _ in 0..300 {
-        seen = health(&g.base).await;
-        if seen.0 == 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let seen = health_until(&g.base, 200).await;
     assert_eq!(seen.0, 200, "{seen:?}");
 }

@@ -180,6 +180,15 @@ async fn pay_out(base: &str, id: &str, token: &str, key: &str) -> support::Answe
     .await
 }
 
+/// Sends a new payout (a fresh id and key) as the caller `token`, its first
+/// calls meeting `faults`: its id, its key and the answer.
+async fn first_send(base: &str, s: &Payouts, token: &str, faults: &[Fault]) -> (String, String, support::Answer) {
+    s.faults.lock().unwrap().extend_from_slice(faults);
+    let (id, key) = (fresh(), fresh());
+    let answer = pay_out(base, &id, token, &key).await;
+    (id, key, answer)
+}
+
 async fn answers(store: &str) {
     let (up, s) = upstream().await;
     let g = start_gateway(&up, store, &format!("{BEARER}{ROUTES}")).await;
@@ -187,9 +196,7 @@ async fn answers(store: &str) {
 
     // Paid, then 500: the retry asks, records the lookup's answer as 201 and
     // replays it; the payout is not sent again.
-    s.faults.lock().unwrap().push(Fault::PayThen500);
-    let (id, key) = (fresh(), fresh());
-    let (status, _, body) = pay_out(&g.base, &id, &token, &key).await;
+    let (id, key, (status, _, body)) = first_send(&g.base, &s, &token, &[Fault::PayThen500]).await;
     assert_eq!(status, 500, "{body}");
     let (status, headers, body) = pay_out(&g.base, &id, &token, &key).await;
     assert_eq!(status, 201, "{body}");
@@ -212,9 +219,7 @@ async fn answers(store: &str) {
     assert_eq!((s.posts(), s.lookups()), (1, 1));
 
     // Paid, then the connection dropped: the same.
-    s.faults.lock().unwrap().push(Fault::PayThenDrop);
-    let (id, key) = (fresh(), fresh());
-    let (status, _, body) = pay_out(&g.base, &id, &token, &key).await;
+    let (id, key, (status, _, body)) = first_send(&g.base, &s, &token, &[Fault::PayThenDrop]).await;
     assert_eq!(status, 502, "{body}");
     let (status, headers, body) = pay_out(&g.base, &id, &token, &key).await;
     assert_eq!(status, 201, "{body}");
@@ -223,9 +228,7 @@ async fn answers(store: &str) {
 
     // Not paid (the lookup answers 404): the key is released and the retry
     // is sent once; its answer is recorded as a first answer's.
-    s.faults.lock().unwrap().push(Fault::Refuse500);
-    let (id, key) = (fresh(), fresh());
-    let (status, _, _) = pay_out(&g.base, &id, &token, &key).await;
+    let (id, key, (status, ..)) = first_send(&g.base, &s, &token, &[Fault::Refuse500]).await;
     assert_eq!(status, 500);
     let (status, headers, first) = pay_out(&g.base, &id, &token, &key).await;
     assert_eq!(status, 201, "{first}");
@@ -239,9 +242,7 @@ async fn answers(store: &str) {
 
     // A lookup that fails (503, a dropped connection) keeps the key held:
     // 409 as without a lookup, and the payout is not sent.
-    s.faults.lock().unwrap().push(Fault::PayThen500);
-    let (id, key) = (fresh(), fresh());
-    let (status, _, _) = pay_out(&g.base, &id, &token, &key).await;
+    let (id, key, (status, ..)) = first_send(&g.base, &s, &token, &[Fault::PayThen500]).await;
     assert_eq!(status, 500);
     for mode in [LOOKUP_503, LOOKUP_DROP] {
         s.lookup_mode.store(mode, Ordering::SeqCst);
@@ -301,9 +302,8 @@ async fn concurrent_retries(store: &str) {
         }
     };
 
-    s.faults.lock().unwrap().push(Fault::PayThen500);
-    let (id, key) = (fresh(), fresh());
-    assert_eq!(pay_out(&g.base, &id, &token, &key).await.0, 500);
+    let (id, key, first) = first_send(&g.base, &s, &token, &[Fault::PayThen500]).await;
+    assert_eq!(first.0, 500);
     let all = retry_all(id.clone(), key.clone()).await;
     for (status, headers, body) in &all {
         assert_eq!(*status, 201, "{body}");
@@ -318,9 +318,8 @@ async fn concurrent_retries(store: &str) {
     );
 
     // The first send and the first send again are refused; the next pays.
-    s.faults.lock().unwrap().extend([Fault::Refuse500, Fault::Refuse500]);
-    let (id, key) = (fresh(), fresh());
-    assert_eq!(pay_out(&g.base, &id, &token, &key).await.0, 500);
+    let (id, key, first) = first_send(&g.base, &s, &token, &[Fault::Refuse500, Fault::Refuse500]).await;
+    assert_eq!(first.0, 500);
     let all = retry_all(id.clone(), key.clone()).await;
     let statuses: Vec<u16> = all.iter().map(|a| a.0).collect();
     let odd: Vec<&str> = all.iter().filter(|a| a.0 == 409).map(|a| a.2.as_str()).collect();
@@ -364,9 +363,9 @@ async fn a_route_without_a_reconcile_request_is_not_asked_about() {
         &format!("{BEARER}[[routes]]\nmethod = \"POST\"\npath = \"/v1/payouts/{{id}}\"\n"),
     )
     .await;
-    s.faults.lock().unwrap().push(Fault::PayThen500);
-    let (id, key, token) = (fresh(), fresh(), fresh());
-    assert_eq!(pay_out(&g.base, &id, &token, &key).await.0, 500);
+    let token = fresh();
+    let (id, key, first) = first_send(&g.base, &s, &token, &[Fault::PayThen500]).await;
+    assert_eq!(first.0, 500);
     let (status, _, body) = pay_out(&g.base, &id, &token, &key).await;
     assert_eq!(status, 409, "{body}");
     assert_eq!((s.posts(), s.lookups()), (1, 0));
@@ -382,9 +381,8 @@ async fn the_lookup_carries_the_retrying_callers_credentials() {
     let identity = "[tenant]\nsource = \"identity\"\ncredentials = [\"authorization\"]\n\
                     [tenant.identity]\npath = \"/whoami\"\nheader = \"x-user-id\"\n";
     let g = start_gateway(&up, &sqlite_store(), &format!("{identity}{ROUTES}")).await;
-    s.faults.lock().unwrap().push(Fault::PayThen500);
-    let (id, key, user) = (fresh(), fresh(), fresh());
-    let (status, _, body) = pay_out(&g.base, &id, &format!("{user}.first"), &key).await;
+    let user = fresh();
+    let (id, key, (status, _, body)) = first_send(&g.base, &s, &format!("{user}.first"), &[Fault::PayThen500]).await;
     assert_eq!(status, 500, "{body}");
     let (status, headers, body) = pay_out(&g.base, &id, &format!("{user}.refreshed"), &key).await;
     assert_eq!(status, 201, "{body}");

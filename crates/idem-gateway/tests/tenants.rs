@@ -203,25 +203,13 @@ async fn a_tenant_header_counts_only_from_trusted_proxies() {
     )
     .await;
     let key = fresh();
-    let acme = send_with(
-        &trusted.base,
-        "POST",
-        "/v1/payments",
-        &[("x-tenant-id", "acme")],
-        Some(&key),
-        "{}",
-    )
-    .await;
+    let pay_as = async |tenant: &str| {
+        let from_tenant = [("x-tenant-id", tenant)];
+        send_with(&trusted.base, "POST", "/v1/payments", &from_tenant, Some(&key), "{}").await
+    };
+    let acme = pay_as("acme").await;
     assert_eq!(acme.0, 201, "{}", acme.2);
-    let globex = send_with(
-        &trusted.base,
-        "POST",
-        "/v1/payments",
-        &[("x-tenant-id", "globex")],
-        Some(&key),
-        "{}",
-    )
-    .await;
+    let globex = pay_as("globex").await;
     assert!(!replayed(&globex), "another tenant's key space");
     let missing = send_with(&trusted.base, "POST", "/v1/payments", &[], Some(&key), "{}").await;
     assert_eq!(missing.0, 400, "{}", missing.2);

@@ -257,18 +257,25 @@ impl<M> fmt::Debug for IdempotencyLayer<M> {
     }
 }
 
-fn config(tenant: TenantFn) -> Config {
-    Config {
-        default_route: RoutePolicy::required(),
-        routes: HashMap::new(),
-        tenant,
-        operation: default_operation(),
-        max_request_bytes: 1 << 20,
-        max_response_bytes: 1 << 20,
-        problem_base: Arc::from(DEFAULT_PROBLEM_BASE),
-        drain: Drain::default(),
-        accept_previous_fingerprints: true,
-        private_headers: Arc::from([]),
+impl<M> IdempotencyLayer<M> {
+    /// A layer in `mode` with the default configuration; `tenant` names
+    /// each request's tenant.
+    fn with_mode(mode: M, tenant: TenantFn) -> Self {
+        let config = Config {
+            default_route: RoutePolicy::required(),
+            routes: HashMap::new(),
+            tenant,
+            operation: default_operation(),
+            max_request_bytes: 1 << 20,
+            max_response_bytes: 1 << 20,
+            problem_base: Arc::from(DEFAULT_PROBLEM_BASE),
+            drain: Drain::default(),
+            accept_previous_fingerprints: true,
+            private_headers: Arc::from([]),
+        };
+        Self {
+            shared: Arc::new(Shared { mode, config }),
+        }
     }
 }
 
@@ -279,12 +286,7 @@ impl<B: TxBackend + Clone> IdempotencyLayer<Transactional<B>> {
         engine: TxEngine<B>,
         tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            shared: Arc::new(Shared {
-                mode: Transactional { engine },
-                config: config(Arc::new(tenant)),
-            }),
-        }
+        Self::with_mode(Transactional { engine }, Arc::new(tenant))
     }
 }
 
@@ -294,16 +296,12 @@ impl<L: LeaseStore> IdempotencyLayer<Leased<L>> {
         engine: LeaseEngine<L>,
         tenant: impl Fn(&Parts) -> Result<Tenant, Problem> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            shared: Arc::new(Shared {
-                mode: Leased {
-                    engine,
-                    streaming: None,
-                    reconcile: None,
-                },
-                config: config(Arc::new(tenant)),
-            }),
-        }
+        let mode = Leased {
+            engine,
+            streaming: None,
+            reconcile: None,
+        };
+        Self::with_mode(mode, Arc::new(tenant))
     }
 
     /// The work this layer runs apart from its callers: once a handler may

@@ -212,21 +212,13 @@ where
             KeyHeader::Missing if route.requirement() == KeyRequirement::Required => {
                 outcome(&op, "key_missing", started);
                 cfg.drain.discard(body, 0).await;
-                return Ok(
-                    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
-                        .with_detail(format!("{op} requires an Idempotency-Key header"))
-                        .into_response(&cfg.problem_base),
-                );
+                return Ok(key_missing(&op).into_response(&cfg.problem_base));
             }
             KeyHeader::Missing => None,
             KeyHeader::Invalid(why) => {
                 outcome(&op, "key_invalid", started);
                 cfg.drain.discard(body, 0).await;
-                return Ok(
-                    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
-                        .with_detail(why)
-                        .into_response(&cfg.problem_base),
-                );
+                return Ok(key_invalid(why).into_response(&cfg.problem_base));
             }
         }
     };
@@ -238,13 +230,7 @@ where
         Ok(bytes) => bytes,
         Err(problem) => {
             outcome(&op, "body_rejected", started);
-            let mut response = problem.into_response(&cfg.problem_base);
-            // The rest of the body may not have been read, so this connection
-            // cannot carry another request: tell the client not to reuse it.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return Ok(response);
+            return Ok(body_refused(problem, &cfg.problem_base));
         }
     };
     let key = if bypassed() { None } else { key };
@@ -364,6 +350,30 @@ pub(crate) fn error_response(cfg: &Config, call: &Call, e: Error) -> Response<Bo
         e => store_failed("idempotency", &e, store_unavailable()),
     };
     problem.into_response(&cfg.problem_base)
+}
+
+/// The problem for a request to `operation`, which requires a key, that
+/// has none.
+pub(crate) fn key_missing(operation: &Operation) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
+        .with_detail(format!("{operation} requires an Idempotency-Key header"))
+}
+
+/// The problem for a key header that is not a valid key, saying `why`.
+pub(crate) fn key_invalid(why: String) -> Problem {
+    Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid").with_detail(why)
+}
+
+/// The answer to a request whose body was refused (`problem`, rendered
+/// with `base`). The rest of the body may not have been read, so this
+/// connection cannot carry another request: the client is told not to
+/// reuse it.
+pub(crate) fn body_refused(problem: Problem, base: &str) -> Response<Body> {
+    let mut response = problem.into_response(base);
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// The problem for a key already used for a different request to the

@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use axum_core::body::Body;
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode, header, request::Parts};
+use http::{HeaderValue, Request, Response, StatusCode, request::Parts};
 use idem_core::multistep::{HoldKind, MultiStep, MultiStepStore};
 use idem_core::{BoxFuture, Call, Detached, Error, FingerprintVersion, Scope, Tenant, TxBackend};
 use idem_steps::{Finished, Operation, StepsEngine};
@@ -65,7 +65,9 @@ use crate::drain::Drain;
 use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{TenantFn, matched_route_operation};
 use crate::problem::{DEFAULT_PROBLEM_BASE, Problem, slugs};
-use crate::service::{ByteBody, fingerprint, key_reused, outcome, store_failed, unavailable};
+use crate::service::{
+    ByteBody, body_refused, fingerprint, key_invalid, key_missing, key_reused, outcome, store_failed, unavailable,
+};
 
 /// A multi-step operation served over HTTP: how a request becomes its
 /// input, and how its outcome becomes a response.
@@ -246,16 +248,12 @@ where
         KeyHeader::Missing => {
             outcome(&operation, "key_missing", started);
             shared.drain.discard(body, 0).await;
-            return Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_MISSING, "Idempotency-Key missing")
-                .with_detail(format!("{operation} requires an Idempotency-Key header"))
-                .into_response(base);
+            return key_missing(&operation).into_response(base);
         }
         KeyHeader::Invalid(why) => {
             outcome(&operation, "key_invalid", started);
             shared.drain.discard(body, 0).await;
-            return Problem::new(StatusCode::BAD_REQUEST, slugs::KEY_INVALID, "Idempotency-Key invalid")
-                .with_detail(why)
-                .into_response(base);
+            return key_invalid(why).into_response(base);
         }
     };
     let bytes = match shared
@@ -266,11 +264,7 @@ where
         Ok(bytes) => bytes,
         Err(problem) => {
             outcome(&operation, "body_rejected", started);
-            let mut response = problem.into_response(base);
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return response;
+            return body_refused(problem, base);
         }
     };
     let tenant = match (shared.tenant)(&parts) {

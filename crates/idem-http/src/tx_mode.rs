@@ -174,39 +174,37 @@ impl<B: TxBackend + Clone> Transactional<B> {
                 );
             }
         };
-        let (body, trailers) = match collected {
-            Collected::Full(body, trailers) => (body, trailers),
-            Collected::TooLarge(_) => {
-                self.engine.abandon(claimed).await;
-                return done(
-                    Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        slugs::RESPONSE_TOO_LARGE,
-                        "Response too large to record",
-                    )
-                    .with_detail(format!(
-                        "the {} response exceeded the record limit of {} bytes; nothing was applied",
-                        rparts.status.as_u16(),
-                        cfg.max_response_bytes
-                    ))
-                    .into_response(&cfg.problem_base),
-                );
-            }
+        let recordable = match collected {
+            Collected::Full(body, trailers) => Ok((body, trailers)),
+            Collected::TooLarge(_) => Err(Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                slugs::RESPONSE_TOO_LARGE,
+                "Response too large to record",
+            )
+            .with_detail(format!(
+                "the {} response exceeded the record limit of {} bytes; nothing was applied",
+                rparts.status.as_u16(),
+                cfg.max_response_bytes
+            ))),
             Collected::Failed(why) => {
                 tracing::warn!(%why, "the response body failed before it could be recorded");
+                Err(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    slugs::RESPONSE_FAILED,
+                    "Response failed",
+                )
+                .with_detail(format!(
+                    "the {} response's body failed while it was read: {why}; nothing was applied",
+                    rparts.status.as_u16()
+                )))
+            }
+        };
+        // A response that cannot be recorded is not applied either.
+        let (body, trailers) = match recordable {
+            Ok(whole) => whole,
+            Err(problem) => {
                 self.engine.abandon(claimed).await;
-                return done(
-                    Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        slugs::RESPONSE_FAILED,
-                        "Response failed",
-                    )
-                    .with_detail(format!(
-                        "the {} response's body failed while it was read: {why}; nothing was applied",
-                        rparts.status.as_u16()
-                    ))
-                    .into_response(&cfg.problem_base),
-                );
+                return done(problem.into_response(&cfg.problem_base));
             }
         };
         let record = whole_record(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -282,45 +282,52 @@ async fn a_fresh_request_spawns_no_task() {
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
 
+/// An app whose first run answers `first()` and every later run pays (201
+/// `paid`).
+fn fails_once_then_pays(runs: &Arc<AtomicUsize>, first: fn() -> Response) -> Router {
+    pay_app(runs, Policy::default(), move |run| async move {
+        if run == 0 {
+            first()
+        } else {
+            (StatusCode::CREATED, "paid").into_response()
+        }
+    })
+}
+
+/// The retry of the first request with `key` to a
+/// [`fails_once_then_pays`] app runs the handler again and pays: the
+/// failure was not recorded.
+async fn the_retry_pays(app: &Router, key: &str, runs: &AtomicUsize) {
+    let retry = send(app, post_with_key(key)).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// A 5xx is never recorded, even when its body is larger than the record
 /// limit: the key stays usable and the retry runs the handler again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_large_5xx_is_not_recorded() {
     let runs = counter();
-    let app = pay_app(&runs, Policy::default(), |run| async move {
-        let n = run;
-        if n == 0 {
-            (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(10_000)).into_response()
-        } else {
-            (StatusCode::CREATED, "paid").into_response()
-        }
+    let app = fails_once_then_pays(&runs, || {
+        (StatusCode::SERVICE_UNAVAILABLE, "x".repeat(10_000)).into_response()
     });
     let (status, replayed, body) = send(&app, post_with_key("503")).await;
     assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
     assert_eq!(body.len(), 10_000, "the 503 reaches the client whole");
-    let retry = send(&app, post_with_key("503")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    the_retry_pays(&app, "503", &runs).await;
 }
 
 /// A 5xx whose body stream fails is not recorded either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_5xx_with_a_failing_body_is_not_recorded() {
     let runs = counter();
-    let app = pay_app(&runs, Policy::default(), |run| async move {
-        let n = run;
-        if n == 0 {
-            (StatusCode::BAD_GATEWAY, failing_body(b"partial", "upstream reset")).into_response()
-        } else {
-            (StatusCode::CREATED, "paid").into_response()
-        }
+    let app = fails_once_then_pays(&runs, || {
+        (StatusCode::BAD_GATEWAY, failing_body(b"partial", "upstream reset")).into_response()
     });
     let response = app.clone().oneshot(post_with_key("502")).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
     assert!(response.into_body().collect().await.is_err(), "the body fails");
-    let retry = send(&app, post_with_key("502")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, Bytes::from_static(b"paid")));
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    the_retry_pays(&app, "502", &runs).await;
 }
 
 /// A 2xx whose body stream fails has taken effect: the retry replays a

@@ -97,13 +97,21 @@ const STATUSES: [u16; 16] = [
     200, 201, 204, 301, 302, 303, 307, 308, 400, 404, 408, 422, 425, 429, 500, 503,
 ];
 
-fn expected(status: u16, record_rejections: bool) -> bool {
-    match status {
+/// Asserts that a key used once with `status` is [`consumed`] as it should
+/// be: after every 2xx and 3xx, after a final 4xx only when rejections are
+/// recorded, never after 408, 425, 429 or a 5xx.
+async fn assert_consumed_as_expected(app: &Router, runs: &AtomicUsize, status: u16, record_rejections: bool) {
+    let expected = match status {
         200..=399 => true,
         408 | 425 | 429 => false,
         400..=499 => record_rejections,
         _ => false,
-    }
+    };
+    assert_eq!(
+        consumed(app, runs, status).await,
+        expected,
+        "status {status}, record_rejections {record_rejections}"
+    );
 }
 
 /// Lease mode: 2xx and 3xx consume the key; final 4xx only when rejections are recorded.
@@ -113,11 +121,7 @@ async fn lease_mode_consumes_keys_on_2xx_and_3xx() {
         let c = Counters::default();
         let app = leased(&c, record_rejections);
         for status in STATUSES {
-            assert_eq!(
-                consumed(&app, &c.runs, status).await,
-                expected(status, record_rejections),
-                "status {status}, record_rejections {record_rejections}"
-            );
+            assert_consumed_as_expected(&app, &c.runs, status, record_rejections).await;
         }
     }
 }
@@ -130,12 +134,7 @@ async fn transactional_mode_commits_2xx_and_3xx() {
         let app = transactional(&c, record_rejections);
         for status in STATUSES {
             let committed = c.committed.load(Ordering::SeqCst);
-            let is_consumed = consumed(&app, &c.runs, status).await;
-            assert_eq!(
-                is_consumed,
-                expected(status, record_rejections),
-                "status {status}, record_rejections {record_rejections}"
-            );
+            assert_consumed_as_expected(&app, &c.runs, status, record_rejections).await;
             // Only an answer that consumes the key as a success commits the
             // handler's writes; a recorded rejection keeps the key, not the writes.
             let writes = c.committed.load(Ordering::SeqCst) - committed;

@@ -196,17 +196,29 @@ async fn row(app: &App, key: &str) -> Option<idem_core::multistep::MultiStep> {
     app.steps.engine().store().find(&scope(), &key).await.expect("find")
 }
 
+impl App {
+    /// Sends `POST /v1/moves` with `key` and `body`.
+    async fn send(&self, key: &str, body: &str) -> (StatusCode, bool, Bytes) {
+        send(&self.router, request(Some(key), body)).await
+    }
+}
+
 fn problem(body: &Bytes) -> Value {
     serde_json::from_slice(body).expect("a JSON problem")
+}
+
+/// Whether `body` is a problem whose type ends with `slug`.
+fn is_problem(body: &Bytes, slug: &str) -> bool {
+    problem(body)["type"].as_str().unwrap_or("").ends_with(slug)
 }
 
 #[tokio::test]
 async fn completed_once_then_replayed_byte_for_byte() {
     let app = app(Vendor::Pays, |s| s);
-    let (status, replayed, first) = send(&app.router, request(Some("k1"), r#"{"amount": 5}"#)).await;
+    let (status, replayed, first) = app.send("k1", r#"{"amount": 5}"#).await;
     assert_eq!(status, StatusCode::CREATED);
     assert!(!replayed, "the first caller's answer is never marked replayed");
-    let (status, replayed, again) = send(&app.router, request(Some("k1"), r#"{ "amount":5 }"#)).await;
+    let (status, replayed, again) = app.send("k1", r#"{ "amount":5 }"#).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
     assert_eq!(first, again, "a replay answers the same bytes");
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
@@ -242,7 +254,7 @@ async fn bad_requests_are_refused_before_anything_is_written() {
     for (req, want, slug) in cases {
         let (status, _, body) = send(&app.router, req).await;
         assert_eq!(status, want, "{}", String::from_utf8_lossy(&body));
-        assert!(problem(&body)["type"].as_str().unwrap_or("").ends_with(slug), "{slug}");
+        assert!(is_problem(&body, slug), "{slug}");
     }
     for key in ["k2", "k3"] {
         assert!(row(&app, key).await.is_none(), "{key}: nothing written");
@@ -253,43 +265,32 @@ async fn bad_requests_are_refused_before_anything_is_written() {
 #[tokio::test]
 async fn a_key_reused_with_another_body_is_refused() {
     let app = app(Vendor::Pays, |s| s);
-    assert_eq!(
-        send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await.0,
-        StatusCode::CREATED
-    );
-    let (status, _, body) = send(&app.router, request(Some("k"), r#"{"amount": 6}"#)).await;
+    assert_eq!(app.send("k", r#"{"amount": 5}"#).await.0, StatusCode::CREATED);
+    let (status, _, body) = app.send("k", r#"{"amount": 6}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert!(
-        problem(&body)["type"]
-            .as_str()
-            .unwrap_or("")
-            .ends_with("idempotency-key-reused")
-    );
+    assert!(is_problem(&body, "idempotency-key-reused"));
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
 async fn a_first_step_refusal_leaves_the_key_unused() {
     let app = app(Vendor::Pays, |s| s);
-    let (status, replayed, body) = send(&app.router, request(Some("k"), r#"{"amount": 5000}"#)).await;
+    let (status, replayed, body) = app.send("k", r#"{"amount": 5000}"#).await;
     assert_eq!((status, replayed), (StatusCode::UNPROCESSABLE_ENTITY, false));
     assert_eq!(problem(&body)["failure"]["insufficient_funds"], 5000);
     assert!(row(&app, "k").await.is_none(), "nothing recorded");
     // The key is unused: the same key with a corrected body runs.
-    assert_eq!(
-        send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await.0,
-        StatusCode::CREATED
-    );
+    assert_eq!(app.send("k", r#"{"amount": 5}"#).await.0, StatusCode::CREATED);
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
 async fn a_declared_failure_is_compensated_once_and_replayed() {
     let app = app(Vendor::Refuses, |s| s);
-    let (status, replayed, first) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    let (status, replayed, first) = app.send("k", r#"{"amount": 5}"#).await;
     assert_eq!((status, replayed), (StatusCode::UNPROCESSABLE_ENTITY, false));
     assert_eq!(problem(&first)["failure"]["payout_refused"], "closed");
-    let (status, replayed, again) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    let (status, replayed, again) = app.send("k", r#"{"amount": 5}"#).await;
     assert_eq!((status, replayed), (StatusCode::UNPROCESSABLE_ENTITY, true));
     assert_eq!(first, again);
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
@@ -301,7 +302,7 @@ async fn a_declared_failure_is_compensated_once_and_replayed() {
 async fn an_unknown_outcome_is_held_and_says_where() {
     let app = app(Vendor::CannotTell, |s| s);
     for _ in 0..3 {
-        let (status, _, body) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+        let (status, _, body) = app.send("k", r#"{"amount": 5}"#).await;
         assert_eq!(status, StatusCode::CONFLICT);
         let p = problem(&body);
         assert!(
@@ -325,23 +326,15 @@ async fn an_unknown_outcome_is_held_and_says_where() {
 #[tokio::test]
 async fn a_slow_operation_answers_in_flight_and_finishes_anyway() {
     let app = app(Vendor::Slow, |s| s.respond_within(Duration::from_millis(50)));
-    let (status, _, body) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    let (status, _, body) = app.send("k", r#"{"amount": 5}"#).await;
     assert_eq!(status, StatusCode::CONFLICT);
-    assert!(
-        problem(&body)["type"]
-            .as_str()
-            .unwrap_or("")
-            .ends_with("idempotency-key-in-flight")
-    );
+    assert!(is_problem(&body, "idempotency-key-in-flight"));
     // A retry while it runs is in flight too, and starts nothing.
-    assert_eq!(
-        send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await.0,
-        StatusCode::CONFLICT
-    );
+    assert_eq!(app.send("k", r#"{"amount": 5}"#).await.0, StatusCode::CONFLICT);
     tokio::time::timeout(Duration::from_secs(10), app.steps.detached().idle())
         .await
         .expect("the run ends");
-    let (status, replayed, _) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    let (status, replayed, _) = app.send("k", r#"{"amount": 5}"#).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
     assert_eq!(app.op.sends.load(Ordering::SeqCst), 1);
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
@@ -361,7 +354,7 @@ async fn a_client_that_goes_away_does_not_cut_a_step_in_half() {
         .await
         .expect("the run ends");
     assert_eq!(row(&app, "k").await.expect("row").state, MultiStepState::Completed);
-    let (status, replayed, _) = send(&app.router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    let (status, replayed, _) = app.send("k", r#"{"amount": 5}"#).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
     assert_eq!(app.op.sends.load(Ordering::SeqCst), 1);
 }

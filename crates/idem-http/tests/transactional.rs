@@ -32,15 +32,24 @@ fn tenant(parts: &http::request::Parts) -> Result<Tenant, Problem> {
     .unwrap())
 }
 
-/// A transactional app whose one route writes (counted at commit) and then
-/// answers what `respond` makes of the run number.
-fn app(c: Counters, respond: fn(usize) -> Response) -> Router {
+/// A transactional app whose one route writes (counted at commit in its
+/// counters) and then answers what `respond` makes of the run number.
+fn app(respond: fn(usize) -> Response) -> (Counters, Router) {
+    let c = Counters::default();
     let layer = IdempotencyLayer::transactional(TxEngine::new(MemoryStore::new()), tenant).max_response_bytes(LIMIT);
-    let handler = move |mut tx: Tx<MemoryStore>| {
+    let handler = {
         let c = c.clone();
-        async move { respond(c.run_in(&mut tx)) }
+        move |mut tx: Tx<MemoryStore>| {
+            let c = c.clone();
+            async move { respond(c.run_in(&mut tx)) }
+        }
     };
-    Router::new().route("/things", post(handler)).layer(layer)
+    (c, Router::new().route("/things", post(handler)).layer(layer))
+}
+
+/// A `status` response with a body three times the record limit.
+fn over_the_limit(status: StatusCode) -> Response {
+    (status, "n".repeat(3 * LIMIT)).into_response()
 }
 
 fn request(key: &str) -> Request<Body> {
@@ -66,8 +75,7 @@ fn problem_type(body: &Bytes) -> String {
 /// A handler whose statement lost a race asks for a re-run with `RetryTransaction`: it runs again in a new transaction, and only the second run's effect commits.
 #[tokio::test]
 async fn handler_asking_to_retry_runs_again_with_one_effect() {
-    let c = Counters::default();
-    let app = app(c.clone(), |run| {
+    let (c, app) = app(|run| {
         if run == 1 {
             RetryTransaction.into_response()
         } else {
@@ -89,8 +97,7 @@ async fn handler_asking_to_retry_runs_again_with_one_effect() {
 /// A handler that asks for a re-run every time runs a bounded number of times; the client gets a retryable 503, and nothing is applied or recorded.
 #[tokio::test]
 async fn retry_requests_are_bounded() {
-    let c = Counters::default();
-    let app = app(c.clone(), |_| {
+    let (c, app) = app(|_| {
         // The marker as a response part, on a response that would otherwise succeed.
         (StatusCode::CREATED, RetryTransaction, "lost a race").into_response()
     });
@@ -112,10 +119,7 @@ async fn retry_requests_are_bounded() {
 /// A 404 larger than the record limit is never recorded, so the limit does not apply: it passes through whole, not as a 500.
 #[tokio::test]
 async fn unrecorded_response_over_the_limit_passes_through() {
-    let c = Counters::default();
-    let app = app(c.clone(), |_| {
-        (StatusCode::NOT_FOUND, "n".repeat(3 * LIMIT)).into_response()
-    });
+    let (c, app) = app(|_| over_the_limit(StatusCode::NOT_FOUND));
     let (status, headers, body) = send(&app, "k3").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body.unwrap().len(), 3 * LIMIT, "the whole body");
@@ -129,10 +133,7 @@ async fn unrecorded_response_over_the_limit_passes_through() {
 /// A response to be recorded over the limit is refused as too large, and nothing is applied.
 #[tokio::test]
 async fn recorded_response_over_the_limit_is_too_large() {
-    let c = Counters::default();
-    let app = app(c.clone(), |_| {
-        (StatusCode::CREATED, "n".repeat(3 * LIMIT)).into_response()
-    });
+    let (c, app) = app(|_| over_the_limit(StatusCode::CREATED));
     let (status, _, body) = send(&app, "k4").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(problem_type(&body.unwrap()).ends_with(slugs::RESPONSE_TOO_LARGE));
@@ -142,8 +143,7 @@ async fn recorded_response_over_the_limit_is_too_large() {
 /// A success whose body stream fails is reported as a failed response, not as too large, and nothing is applied.
 #[tokio::test]
 async fn failing_body_is_reported_as_failed() {
-    let c = Counters::default();
-    let app = app(c.clone(), |_| {
+    let (c, app) = app(|_| {
         (
             StatusCode::CREATED,
             failing_body(b"{\"partial\":", "the upstream stream broke"),

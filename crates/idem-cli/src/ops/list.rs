@@ -5,7 +5,7 @@ use idem_core::multistep::{MAX_MULTISTEP_PAGE, MultiStepCursor, MultiStepFilter,
 use idem_core::{Clock, SystemClock};
 
 use super::{OpsTable, view};
-use crate::output::{Failure, say};
+use crate::output::{Failure, refuse_empty_filters, say};
 
 /// Which operations `idem ops list` selects.
 #[derive(Debug, clap::Args)]
@@ -44,18 +44,11 @@ pub(crate) struct ListArgs {
 impl ListArgs {
     /// The filter the flags give at `now_ms`; an empty value is refused.
     fn filter(&self, now_ms: i64) -> Result<MultiStepFilter, Failure> {
-        for (flag, value) in [
+        refuse_empty_filters(&[
             ("--tenant", &self.tenant),
             ("--operation", &self.operation),
             ("--step", &self.step),
-        ] {
-            if value.as_deref().is_some_and(str::is_empty) {
-                return Err(Failure(
-                    2,
-                    format!("{flag} is empty: give a value, or leave the filter out"),
-                ));
-            }
-        }
+        ])?;
         if let Some(step) = &self.step {
             idem_core::multistep::check_step_name(step).map_err(|e| Failure(2, format!("--step: {e}")))?;
         }

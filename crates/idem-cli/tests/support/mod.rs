@@ -127,43 +127,60 @@ pub(crate) fn database_of(url: &str) -> &str {
     url.rsplit_once('/').unwrap().1
 }
 
-/// A PostgreSQL database of the test's own, named `{prefix}_{tag}`: its URL.
-pub(crate) async fn postgres_db(prefix: &str) -> String {
-    let db = format!("{prefix}_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&postgres_admin().await)
-        .await
-        .unwrap();
-    with_database(&postgres_url(), &db)
+/// A SQL server the tests make databases of their own on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sql {
+    /// PostgreSQL, at [`postgres_url`].
+    Postgres,
+    /// MariaDB, at [`mysql_url`].
+    MariaDb,
 }
 
-/// Drops the database of [`postgres_db`], even while connections are open.
-pub(crate) async fn drop_postgres_db(url: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE {} WITH (FORCE)",
-        database_of(url)
-    )))
-    .execute(&postgres_admin().await)
-    .await
-    .unwrap();
-}
+impl Sql {
+    /// The URL of the server's administrator.
+    pub(crate) fn admin_url(self) -> String {
+        match self {
+            Sql::Postgres => postgres_url(),
+            Sql::MariaDb => mysql_url(),
+        }
+    }
 
-/// A MariaDB database of the test's own, named `{prefix}_{tag}`: its URL.
-pub(crate) async fn mysql_db(prefix: &str) -> String {
-    let db = format!("{prefix}_{}", tag());
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .execute(&mysql_admin().await)
-        .await
+    /// Runs `statement` as the server's administrator.
+    async fn execute_as_admin(self, statement: String) {
+        let statement = sqlx::AssertSqlSafe(statement);
+        match self {
+            Sql::Postgres => sqlx::query(statement).execute(&postgres_admin().await).await.map(drop),
+            Sql::MariaDb => sqlx::query(statement).execute(&mysql_admin().await).await.map(drop),
+        }
         .unwrap();
-    with_database(&mysql_url(), &db)
-}
+    }
 
-/// Drops the database of [`mysql_db`].
-pub(crate) async fn drop_mysql_db(url: &str) {
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {}", database_of(url))))
-        .execute(&mysql_admin().await)
-        .await
-        .unwrap();
+    /// A database of the test's own on this server, named `{prefix}_{tag}`:
+    /// its URL.
+    pub(crate) async fn create_db(self, prefix: &str) -> String {
+        let db = format!("{prefix}_{}", tag());
+        self.execute_as_admin(format!("CREATE DATABASE {db}")).await;
+        with_database(&self.admin_url(), &db)
+    }
+
+    /// Drops the database of [`create_db`](Self::create_db) at `url`; on
+    /// PostgreSQL even while connections are open.
+    pub(crate) async fn drop_db(self, url: &str) {
+        let force = match self {
+            Sql::Postgres => " WITH (FORCE)",
+            Sql::MariaDb => "",
+        };
+        self.execute_as_admin(format!("DROP DATABASE {}{force}", database_of(url)))
+            .await;
+    }
+
+    /// Runs `test` on the URL of a database of its own on this server
+    /// (named `{prefix}_{tag}`), then drops the database.
+    pub(crate) async fn with_db(self, prefix: &str, test: impl AsyncFnOnce(&str)) {
+        let url = self.create_db(prefix).await;
+        test(&url).await;
+        self.drop_db(&url).await;
+    }
 }
 
 /// Serves `vendor` (the fake vendor) on its own runtime and thread, so the
