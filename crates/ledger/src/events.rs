@@ -406,19 +406,54 @@ fn brought_in_line(current: &stream::Config, wanted: &stream::Config) -> Option<
     (updated != *current).then_some(updated)
 }
 
-/// Enqueues a version-1 event of `kind` in the open transaction: it is
-/// published if and only if the transaction commits.
-pub async fn enqueue<D: LedgerDb>(
-    outbox: &D::Outbox,
-    tx: &mut D::Tx,
-    namespace: &Namespace,
-    kind: &str,
-    tenant: &str,
-    now_ms: i64,
-    data: serde_json::Value,
-) -> Result<(), crate::db::DbError> {
-    let event = Envelope::new(kind, tenant, now_ms, data).to_outbox_in(namespace)?;
-    D::enqueue(outbox, tx, &event).await
+/// Where a mutation's event goes: the ledger's outbox on one store, and the
+/// namespace the event is published under.
+pub struct EventOutbox<D: LedgerDb> {
+    outbox: D::Outbox,
+    namespace: Namespace,
+}
+
+impl<D: LedgerDb> Clone for EventOutbox<D> {
+    fn clone(&self) -> Self {
+        Self {
+            outbox: self.outbox.clone(),
+            namespace: self.namespace.clone(),
+        }
+    }
+}
+
+impl<D: LedgerDb> std::fmt::Debug for EventOutbox<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventOutbox")
+            .field("outbox", &self.outbox)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+impl<D: LedgerDb> EventOutbox<D> {
+    /// The outbox of `db` ([`OUTBOX_TABLE`](crate::db::OUTBOX_TABLE)), its
+    /// events named in `namespace`.
+    pub fn new(db: &D, namespace: Namespace) -> Self {
+        Self {
+            outbox: db.outbox(),
+            namespace,
+        }
+    }
+
+    /// Enqueues a version-1 event of `kind` in the open transaction: it is
+    /// published if and only if the transaction commits.
+    pub async fn enqueue(
+        &self,
+        tx: &mut D::Tx,
+        kind: &str,
+        tenant: &str,
+        now_ms: i64,
+        data: serde_json::Value,
+    ) -> Result<(), crate::db::DbError> {
+        let event = Envelope::new(kind, tenant, now_ms, data).to_outbox_in(&self.namespace)?;
+        D::enqueue(&self.outbox, tx, &event).await
+    }
 }
 
 /// A relay of the ledger's outbox.

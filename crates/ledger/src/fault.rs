@@ -46,6 +46,56 @@ impl SplitMix {
         z ^= z >> 31;
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// The next roll of `rng`: 1.0 (never below any odds) if a holder of
+    /// the lock panicked.
+    fn roll(rng: &Mutex<SplitMix>) -> f64 {
+        rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0)
+    }
+}
+
+/// `LEDGER_FAULT_SEED`, 0 when unset or unreadable.
+fn fault_seed() -> u64 {
+    std::env::var("LEDGER_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// One `<at>=<p>` entry of a list of fault odds.
+struct Entry<'a> {
+    /// The entry as written.
+    part: &'a str,
+    /// Where: the text before `=`.
+    at: &'a str,
+    /// The probability, in [0, 1].
+    p: f64,
+}
+
+/// The entries of the comma-separated `spec` of the variable `var`, each
+/// read when its turn comes.
+fn entries<'a>(var: &'a str, spec: &'a str) -> impl Iterator<Item = Result<Entry<'a>, String>> {
+    spec.split(',').filter(|p| !p.trim().is_empty()).map(move |part| {
+        let (at, p) = part
+            .split_once('=')
+            .ok_or_else(|| format!("bad {var} entry {part:?}"))?;
+        let p: f64 = p.trim().parse().map_err(|_| format!("bad probability in {part:?}"))?;
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("probability out of range in {part:?}"));
+        }
+        Ok(Entry { part, at, p })
+    })
+}
+
+/// Prints `IDEM_FAULT <at>` on stderr and freezes here until the harness
+/// kills the process with SIGKILL (it aborts by itself after 30 s).
+fn stop_here(at: std::fmt::Arguments<'_>) -> ! {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "IDEM_FAULT {at}");
+    let _ = err.flush();
+    drop(err);
+    std::thread::sleep(Duration::from_secs(30));
+    std::process::abort();
 }
 
 /// The local steps of a withdrawal (forward and compensating).
@@ -72,14 +122,8 @@ type StepOdds = Vec<((String, StepPoint), f64)>;
 /// Parses `LEDGER_STEP_FAULTS` (see the module).
 fn step_odds(spec: &str) -> Result<StepOdds, String> {
     let mut odds = Vec::new();
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (at, p) = part
-            .split_once('=')
-            .ok_or_else(|| format!("bad LEDGER_STEP_FAULTS entry {part:?}"))?;
-        let p: f64 = p.trim().parse().map_err(|_| format!("bad probability in {part:?}"))?;
-        if !(0.0..=1.0).contains(&p) {
-            return Err(format!("probability out of range in {part:?}"));
-        }
+    for entry in entries("LEDGER_STEP_FAULTS", spec) {
+        let Entry { part, at, p } = entry?;
         let (step, point) = at
             .trim()
             .split_once(':')
@@ -105,14 +149,8 @@ fn arm_steps(odds: StepOdds, seed: u64) {
         else {
             return;
         };
-        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
-        if roll < p {
-            let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "IDEM_FAULT point={} step={step}", point.name());
-            let _ = err.flush();
-            drop(err);
-            std::thread::sleep(Duration::from_secs(30));
-            std::process::abort();
+        if SplitMix::roll(&rng) < p {
+            stop_here(format_args!("point={} step={step}", point.name()));
         }
     });
 }
@@ -125,10 +163,7 @@ pub fn install_from_env() -> Result<(), String> {
     }
     if let Ok(spec) = std::env::var("LEDGER_STEP_FAULTS") {
         let odds = step_odds(&spec)?;
-        let seed = std::env::var("LEDGER_FAULT_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0u64);
+        let seed = fault_seed();
         arm_steps(odds, seed);
         tracing::warn!(faults = %spec, seed, "step fault points armed");
     }
@@ -140,36 +175,20 @@ pub fn install_from_env() -> Result<(), String> {
         return Ok(());
     };
     let mut odds = [0.0f64; 3];
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (name, p) = part
-            .split_once('=')
-            .ok_or_else(|| format!("bad LEDGER_FAULTS entry {part:?}"))?;
-        let p: f64 = p.trim().parse().map_err(|_| format!("bad probability in {part:?}"))?;
-        if !(0.0..=1.0).contains(&p) {
-            return Err(format!("probability out of range in {part:?}"));
-        }
+    for entry in entries("LEDGER_FAULTS", &spec) {
+        let Entry { at: name, p, .. } = entry?;
         let i = Point::ALL
             .iter()
             .position(|pt| pt.name() == name.trim())
             .ok_or_else(|| format!("unknown fault point {name:?}"))?;
         odds[i] = p;
     }
-    let seed = std::env::var("LEDGER_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let seed = fault_seed();
     let rng = Mutex::new(SplitMix(seed));
     fault::set_hook(move |point| {
         let i = Point::ALL.iter().position(|p| *p == point).unwrap_or(0);
-        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
-        if roll < odds[i] {
-            let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "IDEM_FAULT point={}", point.name());
-            let _ = err.flush();
-            drop(err);
-            // Freeze here; the harness kills the process with SIGKILL.
-            std::thread::sleep(Duration::from_secs(30));
-            std::process::abort();
+        if SplitMix::roll(&rng) < odds[i] {
+            stop_here(format_args!("point={}", point.name()));
         }
     });
     tracing::warn!(faults = %spec, seed, "fault points armed");
@@ -181,10 +200,7 @@ fn projection_odds() -> &'static Option<(f64, Mutex<SplitMix>)> {
     static ODDS: std::sync::OnceLock<Option<(f64, Mutex<SplitMix>)>> = std::sync::OnceLock::new();
     ODDS.get_or_init(|| {
         let p: f64 = std::env::var("LEDGER_PROJECTION_PANIC").ok()?.trim().parse().ok()?;
-        let seed = std::env::var("LEDGER_FAULT_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0u64);
+        let seed = fault_seed();
         // Every process draws its own rolls: projectors are killed and
         // restarted often, and processes that all replayed the seed's first
         // rolls would see the same few panics (or none) in every life.
@@ -208,11 +224,10 @@ pub fn projection_options(options: &mut idem_jetstream::ConsumerOptions) {
 
 /// Panics, with the configured odds, in the projection's handler.
 pub fn projection_panic() {
-    if let Some((p, rng)) = projection_odds() {
-        let roll = rng.lock().map(|mut r| r.next_f64()).unwrap_or(1.0);
-        if roll < *p {
-            panic!("injected projection panic");
-        }
+    if let Some((p, rng)) = projection_odds()
+        && SplitMix::roll(rng) < *p
+    {
+        panic!("injected projection panic");
     }
 }
 

@@ -220,8 +220,7 @@ fn routed_on<D: LedgerDb>(db: D, clock: SharedClock, options: Options) -> (axum:
     let detached = withdrawals.as_ref().map(|w| w.steps.detached().clone());
     let router = app(
         AppState {
-            outbox: db.outbox(),
-            namespace: options.events_namespace.clone(),
+            events: events::EventOutbox::new(&db, options.events_namespace.clone()),
             events_health: options.events_health.clone(),
             db,
             clock,
@@ -455,16 +454,10 @@ pub async fn run_payouts(
     let clock = anchored_clock(&store).await?;
     let client =
         idem_outbound::OutboundClient::new(outbound).map_err(|e| StartError::Config(format!("payouts: {e}")))?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let task = {
-        let store = store.clone();
-        tokio::spawn(async move { payouts::run(&store, clock, client, config, stopped).await })
-    };
-    shutdown_signal().await;
-    let _ = stop.send(true);
-    task.await
-        .map_err(|e| StartError::Config(format!("payout worker: {e}")))?;
-    Ok(())
+    until_shutdown("payout worker", move |stopped| async move {
+        payouts::run(&store, clock, client, config, stopped).await
+    })
+    .await
 }
 
 /// `ledger complete`: completers of withdrawals without the HTTP server
@@ -479,19 +472,28 @@ pub async fn run_withdrawal_completers(
     fault::install_from_env().map_err(StartError::Config)?;
     let store = Store::connect(database_url, max_connections).await?;
     let clock = anchored_clock(&store).await?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
     let completers = config.completers.max(1);
-    let task = {
-        let store = store.clone();
-        tokio::spawn(async move {
-            with_db!(store, db => withdrawals::run_completers(db, clock, config, namespace, completers, stopped).await)
-        })
-    };
+    until_shutdown("withdrawal completers", move |stopped| async move {
+        with_db!(store, db => withdrawals::run_completers(db, clock, config, namespace, completers, stopped).await)
+    })
+    .await
+}
+
+/// Runs `work` in a task of its own, handed a receiver that turns true at
+/// SIGTERM or Ctrl-C, and waits for it to stop after that; `what` names it
+/// if the task fails.
+async fn until_shutdown<F>(
+    what: &str,
+    work: impl FnOnce(tokio::sync::watch::Receiver<bool>) -> F,
+) -> Result<(), StartError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(work(stopped));
     shutdown_signal().await;
     let _ = stop.send(true);
-    task.await
-        .map_err(|e| StartError::Config(format!("withdrawal completers: {e}")))?;
-    Ok(())
+    task.await.map_err(|e| StartError::Config(format!("{what}: {e}")))
 }
 
 /// `ledger relay` / `ledger project`: the events without the HTTP server,

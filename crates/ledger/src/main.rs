@@ -183,32 +183,20 @@ async fn main() -> std::process::ExitCode {
     });
     let result = match args.command {
         None => serve(&args, events, namespace).await,
-        Some(Command::Relay) => match events {
-            Some(e) => {
-                ledger::run_events(
-                    &args.database_url,
-                    args.max_connections,
-                    ledger::events::EventsConfig { projectors: 0, ..e },
-                )
-                .await
-            }
-            None => Err(ledger::StartError::Config(
-                "relay needs --nats-url (or NATS_URL)".into(),
-            )),
-        },
-        Some(Command::Project) => match events {
-            Some(e) => {
-                ledger::run_events(
-                    &args.database_url,
-                    args.max_connections,
-                    ledger::events::EventsConfig { relays: 0, ..e },
-                )
-                .await
-            }
-            None => Err(ledger::StartError::Config(
-                "project needs --nats-url (or NATS_URL)".into(),
-            )),
-        },
+        Some(Command::Relay) => {
+            events_only(&args, "relay", events, |e| ledger::events::EventsConfig {
+                projectors: 0,
+                ..e
+            })
+            .await
+        }
+        Some(Command::Project) => {
+            events_only(&args, "project", events, |e| ledger::events::EventsConfig {
+                relays: 0,
+                ..e
+            })
+            .await
+        }
         Some(Command::Payouts) => match payouts(&args, &namespace) {
             Ok(Some((config, outbound))) => {
                 ledger::run_payouts(&args.database_url, args.max_connections, config, outbound).await
@@ -245,6 +233,23 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// `ledger relay` / `ledger project` (`command`): the part of `events`
+/// that `part` keeps, without the HTTP server; an error without
+/// `--nats-url`.
+async fn events_only(
+    args: &Args,
+    command: &str,
+    events: Option<ledger::events::EventsConfig>,
+    part: impl FnOnce(ledger::events::EventsConfig) -> ledger::events::EventsConfig,
+) -> Result<(), ledger::StartError> {
+    let Some(events) = events else {
+        return Err(ledger::StartError::Config(format!(
+            "{command} needs --nats-url (or NATS_URL)"
+        )));
+    };
+    ledger::run_events(&args.database_url, args.max_connections, part(events)).await
 }
 
 async fn serve(
@@ -308,20 +313,26 @@ async fn serve(
     .await
 }
 
+/// The vendor URL given by `flag`, if any (an empty one is none); one with
+/// white space in it is refused.
+fn vendor_url<'a>(flag: &str, url: Option<&'a str>) -> Result<Option<&'a str>, ledger::StartError> {
+    match url.filter(|u| !u.is_empty()) {
+        Some(url) if url.contains(char::is_whitespace) => Err(ledger::StartError::Config(format!(
+            "{flag} {url:?} must be an absolute http or https URL"
+        ))),
+        url => Ok(url),
+    }
+}
+
 /// The payout worker's settings, if a vendor is configured.
 fn payouts(
     args: &Args,
     namespace: &ledger::events::Namespace,
 ) -> Result<Option<(ledger::payouts::PayoutConfig, idem_outbound::OutboundConfig)>, ledger::StartError> {
-    let Some(url) = args.vendor_url.as_deref().filter(|u| !u.is_empty()) else {
+    let Some(url) = vendor_url("--vendor-url", args.vendor_url.as_deref())? else {
         return Ok(None);
     };
     let bad = |why: String| ledger::StartError::Config(why);
-    if url.contains(char::is_whitespace) {
-        return Err(bad(format!(
-            "--vendor-url {url:?} must be an absolute http or https URL"
-        )));
-    }
     if args.payout_retry_delays_ms.len() > 20 || args.payout_retry_delays_ms.iter().any(|&ms| ms > 3_600_000) {
         return Err(bad(
             "--payout-retry-delays-ms: at most 20 delays of at most an hour each".into(),
@@ -377,15 +388,10 @@ fn withdrawals(
     args: &Args,
     payouts: Option<&(ledger::payouts::PayoutConfig, idem_outbound::OutboundConfig)>,
 ) -> Result<Option<ledger::withdrawals::WithdrawalsConfig>, ledger::StartError> {
-    let Some(fx_url) = args.fx_url.as_deref().filter(|u| !u.is_empty()) else {
+    let Some(fx_url) = vendor_url("--fx-url", args.fx_url.as_deref())? else {
         return Ok(None);
     };
     let bad = |why: String| ledger::StartError::Config(why);
-    if fx_url.contains(char::is_whitespace) {
-        return Err(bad(format!(
-            "--fx-url {fx_url:?} must be an absolute http or https URL"
-        )));
-    }
     let Some((payout, outbound)) = payouts else {
         return Err(bad(
             "--fx-url needs --vendor-url: withdrawals pay out at the payout vendor".into(),

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Engine, Instance, database_url, key, token};
+use common::{Engine, Instance, database_url, key, remove_sqlite_files, token};
 
 struct Answer {
     status: u16,
@@ -29,6 +29,20 @@ async fn post(client: &reqwest::Client, base: &str, token: &str, key: &str, path
         replayed,
         body: r.text().await.expect("a body"),
     }
+}
+
+/// What `GET url` answers the tenant of `token`, as JSON; `what` names it
+/// if the ledger does not answer.
+async fn get_json(client: &reqwest::Client, url: String, token: &str, what: &str) -> serde_json::Value {
+    client
+        .get(url)
+        .header("authorization", format!("Bearer {token}"))
+        .send()
+        .await
+        .expect(what)
+        .json()
+        .await
+        .expect("json")
 }
 
 /// Sends `n` identical requests, alternating between the instances, all at
@@ -95,30 +109,14 @@ async fn two_instances_one_effect(engine: Engine) {
     )
     .await;
     for (i, instance) in instances.iter().enumerate() {
-        let audit: serde_json::Value = client
-            .get(format!("{}/v1/audit", instance.base))
-            .header("authorization", format!("Bearer {t}"))
-            .send()
-            .await
-            .expect("audit")
-            .json()
-            .await
-            .expect("json");
+        let audit = get_json(&client, format!("{}/v1/audit", instance.base), &t, "audit").await;
         assert_eq!(audit["top_ups_total"], 100, "instance {i}: one top-up applied");
         assert_eq!(audit["balances_total"], 100, "instance {i}");
         assert_eq!(audit["conserved"], true, "instance {i}");
         let balance = |id: &str| {
             let (client, base, t, id) = (client.clone(), instance.base.clone(), t.clone(), id.to_owned());
             async move {
-                let v: serde_json::Value = client
-                    .get(format!("{base}/v1/accounts/{id}"))
-                    .header("authorization", format!("Bearer {t}"))
-                    .send()
-                    .await
-                    .expect("account")
-                    .json()
-                    .await
-                    .expect("json");
+                let v = get_json(&client, format!("{base}/v1/accounts/{id}"), &t, "account").await;
                 v["balance"].as_i64().expect("balance")
             }
         };
@@ -130,9 +128,7 @@ async fn two_instances_one_effect(engine: Engine) {
     }
     drop(instances);
     if engine == Engine::Sqlite {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let _ = std::fs::remove_file(format!("{url}{suffix}"));
-        }
+        remove_sqlite_files(&url);
     }
 }
 

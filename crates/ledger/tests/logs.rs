@@ -35,9 +35,7 @@ fn piped_logs_are_plain_text() {
     }
     let _ = child.kill();
     let _ = child.wait();
-    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
-    }
+    common::remove_sqlite_files(&db.display().to_string());
     assert!(
         seen.iter().any(|l| l.contains("ledger listening")),
         "the ledger logged its start: {seen:?}"

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Engine, Instance, database_url};
+use common::{Engine, Instance, database_url, remove_sqlite_files};
 
 #[tokio::test]
 async fn the_document_lists_every_route() {
@@ -60,9 +60,7 @@ async fn the_document_lists_every_route() {
         assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
     }
     drop(ledger);
-    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-        let _ = std::fs::remove_file(format!("{url}{suffix}"));
-    }
+    remove_sqlite_files(&url);
 }
 
 /// The schemathesis release the fuzz test runs.
@@ -152,9 +150,7 @@ fn schemathesis_finds_nothing() {
         .output()
         .unwrap_or_else(|e| panic!("schemathesis did not start ({e}): python3 -m pip install {SCHEMATHESIS}"));
     drop(ledger);
-    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-        let _ = std::fs::remove_file(format!("{url}{suffix}"));
-    }
+    remove_sqlite_files(&url);
     let report = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),

@@ -5,23 +5,16 @@
 //! original key settles it without a second payment.
 
 mod common;
+mod vendor;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use fake_vendor::{Faults, Vendor};
+use fake_vendor::Faults;
 use idem_core::{DeadLetterFilter, DeadLetterState, DeadLetterStore};
 use ledger::payouts::{PassReport, PayoutConfig};
-
-fn payout_body(account: &str, amount: i64) -> String {
-    format!(r#"{{"account_id":"{account}","amount":{amount}}}"#)
-}
-
-async fn payout(l: &Ledger, t: &str, account: &str, amount: i64) -> Resp {
-    l.post("/v1/payouts", t, Some(&key()), &payout_body(account, amount))
-        .await
-}
+use vendor::FakeVendor;
 
 /// Moves `amount` (as written in the JSON) from `from` to `to`, with a new
 /// key.
@@ -32,7 +25,7 @@ async fn transfer(l: &Ledger, t: &str, from: &str, to: &str, amount: &str) -> Re
 
 /// Requests a payout of `amount` from `account`: its id.
 async fn payout_id(l: &Ledger, t: &str, account: &str, amount: i64) -> String {
-    payout(l, t, account, amount).await.json()["id"]
+    l.payout(t, account, amount).await.json()["id"]
         .as_str()
         .unwrap()
         .to_owned()
@@ -175,93 +168,6 @@ async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
 }
 
 matrix!(a_payout_debits_at_once, refused_payouts_write_nothing);
-
-/// A fake vendor on a loopback port.
-struct FakeVendor {
-    url: String,
-    vendor: Arc<Vendor>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl FakeVendor {
-    async fn start() -> Self {
-        Self::start_with(fake_vendor::Options::default()).await
-    }
-
-    async fn start_with(options: fake_vendor::Options) -> Self {
-        let vendor = Arc::new(Vendor::new(options));
-        let keep = vendor.clone();
-        let probe = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = probe.local_addr().unwrap();
-        drop(probe);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            fake_vendor::serve(addr, vendor, async move {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("the fake vendor serves");
-        });
-        let url = format!("http://{addr}");
-        let client = idem_tls::test_pki::http_client();
-        for _ in 0..100 {
-            if client.get(format!("{url}/_stats")).send().await.is_ok() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Self {
-            url,
-            vendor: keep,
-            stop: Some(stop),
-        }
-    }
-
-    async fn faults(&self, faults: &Faults) {
-        let r = idem_tls::test_pki::http_client()
-            .put(format!("{}/_faults", self.url))
-            .json(faults)
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "the vendor takes the faults");
-    }
-
-    /// The default faults as `set` changes them.
-    async fn fault(&self, set: impl FnOnce(&mut Faults)) {
-        let mut faults = Faults::default();
-        set(&mut faults);
-        self.faults(&faults).await;
-    }
-
-    /// What the vendor answers to `GET path`, as JSON.
-    async fn get_json(&self, path: &str) -> serde_json::Value {
-        idem_tls::test_pki::get(format!("{}{path}", self.url))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    }
-
-    /// The payments the vendor made.
-    async fn ledger(&self) -> serde_json::Value {
-        self.get_json("/v1/ledger").await
-    }
-
-    /// What the vendor counted: answers dropped, replays, lookups, refusals.
-    async fn stats(&self) -> serde_json::Value {
-        self.get_json("/_stats").await
-    }
-}
-
-impl Drop for FakeVendor {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
 
 /// Quick retries for tests: 20, 40, 80 ms, then a dead letter.
 fn fast_config() -> idem_outbound::OutboundConfig {
@@ -437,7 +343,7 @@ async fn the_worker_pays_once_through_faults(engine: Engine) {
     let settled = status(&l, &t, &p).await;
     assert_eq!(settled["status"], "paid");
     assert!(settled["vendor_payout_id"].as_str().unwrap().starts_with("po_"));
-    let paid = vendor.ledger().await;
+    let paid = vendor.payouts().await;
     assert_eq!(paid["payouts"], 2, "{paid}");
     assert_eq!(paid["total"], 350);
     assert_eq!(pass(&l, &vendor).await, PassReport::default());
@@ -485,7 +391,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
+    assert_eq!(vendor.payouts().await["payouts"], 1, "the vendor did pay");
     // The vendor is back: the redrive replays its answer.
     let letters = l.store.dead_letters();
     // The letter keeps the terms the worker sent under, for a redrive run
@@ -508,7 +414,7 @@ async fn a_payout_applied_then_dead_lettered_is_redriven_without_paying_twice(en
     assert_eq!(report.resolved, 1, "{report:?}");
     assert_eq!(pass(&l, &vendor).await.reconciled, 1);
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
-    let paid = vendor.ledger().await;
+    let paid = vendor.payouts().await;
     assert_eq!(paid["payouts"], 1, "paid once: {paid}");
     assert_eq!(vendor.stats().await["replayed"], 1);
     stop_conserved(l, &t).await;
@@ -526,7 +432,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
     let (t, a) = funded(&l, 1_000_000).await;
     let mut ids = Vec::new();
     for i in 0..40 {
-        let r = payout(&l, &t, &a, 100 + i).await;
+        let r = l.payout(&t, &a, 100 + i).await;
         assert_eq!(r.status, 201);
         ids.push(r.json()["id"].as_str().unwrap().to_owned());
     }
@@ -564,7 +470,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
             other => panic!("payout {id} still {other}"),
         }
     }
-    let at_vendor = vendor.ledger().await;
+    let at_vendor = vendor.payouts().await;
     let keys: std::collections::HashSet<String> = serde_json::from_value(at_vendor["keys"].clone()).unwrap();
     assert_eq!(
         at_vendor["payouts"].as_u64().unwrap() as usize,
@@ -591,7 +497,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     let l = start(engine).await;
     let (t, a) = funded(&l, 1_000_000).await;
     for _ in 0..100 {
-        assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
+        assert_eq!(l.payout(&t, &a, 10).await.status, 201);
     }
     // Requested strictly later than the hundred before it.
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -627,7 +533,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     let report = pass(&l, &vendor).await;
     assert_eq!(report.reconciled, 1, "{report:?}");
     assert_eq!(status(&l, &t, &last).await["status"], "paid");
-    assert_eq!(vendor.ledger().await["payouts"], 1);
+    assert_eq!(vendor.payouts().await["payouts"], 1);
     stop_conserved(l, &t).await;
 }
 
@@ -739,12 +645,7 @@ async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     arrived.notified().await;
     let mut later = Vec::new();
     for amount in [1, 2, 3] {
-        later.push(
-            payout(&l, &t, &a, amount).await.json()["id"]
-                .as_str()
-                .unwrap()
-                .to_owned(),
-        );
+        later.push(l.payout(&t, &a, amount).await.json()["id"].as_str().unwrap().to_owned());
     }
     let by = tokio::time::Instant::now() + Duration::from_secs(30);
     for id in &later {
@@ -843,7 +744,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     let p = payout_id(&l, &t, &a, 400).await;
     let report = pass_with(&l, hour_client(&[]), config(&vendor)).await;
     assert_eq!(report.dead_lettered, 1, "{report:?}");
-    assert_eq!(vendor.ledger().await["payouts"], 1, "the vendor did pay");
+    assert_eq!(vendor.payouts().await["payouts"], 1, "the vendor did pay");
     vendor.faults(&Faults::default()).await;
     advance(&clock, &vendor, 2 * HOUR);
     let letters = l.store.dead_letters();
@@ -852,7 +753,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     let blind = idem_outbound::Redriver::new(hour_client(&[]).with_clock(l.clock.clone()), letters.clone());
     let result = blind.redrive_one(id).await.unwrap();
     assert_eq!(
-        vendor.ledger().await["payouts"],
+        vendor.payouts().await["payouts"],
         1,
         "paid twice past the horizon: {result:?}"
     );
@@ -875,7 +776,7 @@ async fn a_redrive_past_the_vendors_horizon_pays_once(engine: Engine) {
     let paid = status(&l, &t, &p).await;
     assert_eq!(paid["status"], "paid");
     assert!(paid["vendor_payout_id"].as_str().unwrap().starts_with("po_"));
-    assert_eq!(vendor.ledger().await["payouts"], 1, "paid once");
+    assert_eq!(vendor.payouts().await["payouts"], 1, "paid once");
     stop_conserved(l, &t).await;
 }
 
@@ -937,7 +838,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     }
     worker.abort();
     let _ = worker.await;
-    while vendor.ledger().await["payouts"] != 2 {
+    while vendor.payouts().await["payouts"] != 2 {
         assert!(
             tokio::time::Instant::now() < by,
             "the vendor pays both calls it received"
@@ -957,7 +858,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     // Without a way to ask: not sent, held for an operator.
     let report = pass_with(&l, client(), blind).await;
     assert_eq!(report.unknown, 2, "{report:?}");
-    assert_eq!(vendor.ledger().await["payouts"], 2, "nothing sent on a guess");
+    assert_eq!(vendor.payouts().await["payouts"], 2, "nothing sent on a guess");
     let got = status(&l, &t, &held).await;
     assert_eq!(got["status"], "unknown", "{got}");
     let letter = dead_letter(&l.store.dead_letters(), &t, &held).await;
@@ -987,7 +888,7 @@ async fn takeover(engine: Engine, options: fake_vendor::Options) {
     for id in [&held, &asked] {
         assert_eq!(status(&l, &t, id).await["status"], "paid", "{id}");
     }
-    let paid = vendor.ledger().await;
+    let paid = vendor.payouts().await;
     assert_eq!(paid["payouts"], 2, "each paid once: {paid}");
     assert_eq!(paid["references"].as_array().unwrap().len(), 2);
     stop_conserved(l, &t).await;
@@ -1027,7 +928,7 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
         assert!(tokio::time::Instant::now() < by, "the vendor never listened again");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(vendor.ledger().await["payouts"], 0, "nothing paid yet");
+    assert_eq!(vendor.payouts().await["payouts"], 0, "nothing paid yet");
     // Past its lease and past the vendor's horizon, another worker takes
     // the payout over, asks the vendor (not paid) and pays it.
     advance(&clock, &vendor, 2 * HOUR);
@@ -1038,7 +939,7 @@ async fn a_worker_paused_past_its_lease_sends_nothing_when_it_wakes(engine: Engi
     advance(&clock, &vendor, 2 * HOUR);
     let woke = sleeper.await.unwrap().unwrap();
     assert_eq!(woke.skipped, 1, "the woken worker left the payout alone: {woke:?}");
-    let paid = vendor.ledger().await;
+    let paid = vendor.payouts().await;
     assert_eq!(paid["payouts"], 1, "paid once: {paid}");
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
     stop_conserved(l, &t).await;
@@ -1057,7 +958,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
         })
         .await;
     for _ in 0..12 {
-        assert_eq!(payout(&l, &t, &a, 10).await.status, 201);
+        assert_eq!(l.payout(&t, &a, 10).await.status, 201);
     }
     let report = pass_with(&l, fast_client(), config(&vendor)).await;
     assert_eq!((report.deferred, report.dead_lettered), (12, 0), "{report:?}");
@@ -1070,7 +971,7 @@ async fn rate_limits_and_an_open_breaker_defer_never_dead_letter(engine: Engine)
     assert_eq!(l2.top_up(&t, &a2, 100_000).await.status, 201);
     vendor.fault(|f| f.error_500 = 1.0).await;
     for _ in 0..4 {
-        assert_eq!(payout(&l2, &t, &a2, 10).await.status, 201);
+        assert_eq!(l2.payout(&t, &a2, 10).await.status, 201);
     }
     let before = vendor.stats().await["errors_500"].as_u64().unwrap();
     // One payout at a time, so the failures come in order.
@@ -1112,7 +1013,7 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
     advance(&clock, &vendor, HOUR);
     assert_eq!(pass_with(&l, hour_client(&[20]), config(&vendor)).await.paid, 1);
     assert_eq!(status(&l, &t, &p).await["status"], "paid");
-    assert_eq!(vendor.ledger().await["payouts"], 1);
+    assert_eq!(vendor.payouts().await["payouts"], 1);
     l.stop().await;
 }
 
@@ -1244,7 +1145,7 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
     l.post(&format!("/v1/payouts/{fixed}/cancel"), &t, Some(&key()), "")
         .await
         .assert_problem(409, "payout-not-cancellable");
-    assert_eq!(vendor.ledger().await["payouts"], 1);
+    assert_eq!(vendor.payouts().await["payouts"], 1);
     l.stop().await;
 }
 

@@ -198,9 +198,7 @@ async fn the_server_sweeps_every_keyed_table(engine: Engine) {
     }
     drop(ledger);
     if engine == Engine::Sqlite {
-        for suffix in ["", "-wal", "-shm", "-idem.lock"] {
-            let _ = std::fs::remove_file(format!("{url}{suffix}"));
-        }
+        remove_sqlite_files(&url);
     }
 }
 

@@ -58,14 +58,7 @@ async fn a_payout_is_paid_at_an_https_vendor() {
     assert_eq!(l.top_up(&t, &a, 100).await.status, 201);
     let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
 
-    let untrusted = l
-        .post(
-            "/v1/payouts",
-            &t,
-            Some(&key()),
-            &format!(r#"{{"account_id":"{a}","amount":10}}"#),
-        )
-        .await;
+    let untrusted = l.payout(&t, &a, 10).await;
     assert_eq!(untrusted.status, 201);
     let report = ledger::payouts::pass(&l.store, l.clock.clone(), outbound(None), config.clone())
         .await
@@ -73,14 +66,7 @@ async fn a_payout_is_paid_at_an_https_vendor() {
     assert_eq!((report.paid, report.dead_lettered), (0, 1), "{report:?}");
     assert_eq!(vendor.paid(), 0);
 
-    let r = l
-        .post(
-            "/v1/payouts",
-            &t,
-            Some(&key()),
-            &format!(r#"{{"account_id":"{a}","amount":30}}"#),
-        )
-        .await;
+    let r = l.payout(&t, &a, 30).await;
     assert_eq!(r.status, 201);
     let id = r.json()["id"].as_str().unwrap().to_owned();
     let report = ledger::payouts::pass(&l.store, l.clock.clone(), outbound(Some(&pki)), config)

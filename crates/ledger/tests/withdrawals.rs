@@ -7,6 +7,7 @@
 //! `withdrawal_kills.rs`.
 
 mod common;
+mod vendor;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,55 +17,12 @@ use idem_core::multistep::{HoldKind, MultiStepState, MultiStepStore};
 use idem_core::{Clock, IdempotencyKey, Scope, Settlement, Verdict, VerdictSource};
 use ledger::withdrawals::{WITHDRAWAL_OPERATION, WithdrawalsConfig};
 use ledger::{LedgerDb, Store};
-
-/// The fake vendor, serving both the FX quotes and the payouts.
-struct Vendor {
-    url: String,
-    vendor: Arc<fake_vendor::Vendor>,
-}
-
-impl Vendor {
-    async fn start() -> Self {
-        let (url, vendor) = fake_vendor::start(fake_vendor::Options::default(), None)
-            .await
-            .expect("the fake vendor starts");
-        Self { url, vendor }
-    }
-
-    async fn faults(&self, set: impl FnOnce(&mut fake_vendor::Faults)) {
-        let mut faults = fake_vendor::Faults::default();
-        set(&mut faults);
-        self.vendor.set_faults(faults).await;
-    }
-
-    async fn get(&self, path: &str) -> serde_json::Value {
-        idem_tls::test_pki::get(format!("{}{path}", self.url))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    }
-
-    /// The quotes it booked: `{"quotes", "cancelled", "references"}`.
-    async fn quotes(&self) -> serde_json::Value {
-        self.get("/v1/quotes/ledger").await
-    }
-
-    /// The payouts it made: `{"payouts", "total", "keys", "references"}`.
-    async fn payouts(&self) -> serde_json::Value {
-        self.get("/v1/ledger").await
-    }
-
-    async fn stats(&self) -> serde_json::Value {
-        self.get("/_stats").await
-    }
-}
+use vendor::FakeVendor;
 
 /// Withdrawals through `vendor`, one attempt per vendor call (a lost answer
 /// ends the step's call, and the run waits a second before it is resumed),
 /// runs leased for 2 s.
-fn config(vendor: &Vendor) -> WithdrawalsConfig {
+fn config(vendor: &FakeVendor) -> WithdrawalsConfig {
     let mut config = WithdrawalsConfig::new(&vendor.url, &vendor.url);
     for calls in [&mut config.fx, &mut config.payout] {
         calls.retry_delays = Vec::new();
@@ -76,7 +34,7 @@ fn config(vendor: &Vendor) -> WithdrawalsConfig {
 
 /// A ledger with withdrawals through `vendor`, on a database of its own
 /// (a completer takes every due withdrawal of its database).
-async fn start(engine: Engine, transport: Transport, vendor: &Vendor) -> Ledger {
+async fn start(engine: Engine, transport: Transport, vendor: &FakeVendor) -> Ledger {
     let options = ledger::Options {
         withdrawals: Some(config(vendor)),
         ..ledger::Options::default()
@@ -129,7 +87,7 @@ async fn until_done(l: &Ledger, t: &str, k: &str, body: &str) -> Resp {
 }
 
 /// One completer pass on the ledger's store.
-async fn complete(l: &Ledger, vendor: &Vendor) -> idem_steps::Pass {
+async fn complete(l: &Ledger, vendor: &FakeVendor) -> idem_steps::Pass {
     l.store
         .complete_withdrawals(
             l.clock.clone(),
@@ -157,7 +115,7 @@ async fn assert_books(l: &Ledger, t: &str, withdrawn: i64, journal_rows: i64) {
 
 /// A withdrawal pays once at each vendor, answers 201, and its retry replays the same bytes.
 async fn a_withdrawal_crosses_two_vendors_once(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::Socket, &vendor).await;
     let (t, a) = funded(&l, 10_000).await;
     let k = key();
@@ -214,7 +172,7 @@ async fn a_withdrawal_crosses_two_vendors_once(engine: Engine) {
 
 /// Bad input is refused before anything is written; short funds are 422 and leave the key unused.
 async fn refused_withdrawals_write_nothing(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::InProcess, &vendor).await;
     let (t, a) = funded(&l, 100).await;
     let ok = |amount: &str, currency: &str, to: &str, destination: &str| {
@@ -285,12 +243,12 @@ async fn refused_withdrawals_write_nothing(engine: Engine) {
 
 /// Answers lost at both vendors are recovered by the client's retries: the quote by asking the FX vendor, the payout by its key; each paid once.
 async fn a_retry_resumes_after_lost_answers(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::InProcess, &vendor).await;
     let (t, a) = funded(&l, 10_000).await;
     // Every answer to a new quote or payment is lost after the vendor
     // applied it.
-    vendor.faults(|f| f.apply_then_drop = 1.0).await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let (k, b) = (key(), body(&a, 2_000, "acct-2"));
     let first = withdraw(&l, &t, &k, &b).await;
     first.assert_problem(409, "idempotency-key-in-flight");
@@ -328,15 +286,15 @@ async fn a_retry_resumes_after_lost_answers(engine: Engine) {
 
 /// A withdrawal whose client went away is finished by a completer; the client's retry then gets its answer, replayed.
 async fn a_completer_finishes_what_the_client_left(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::InProcess, &vendor).await;
     let (t, a) = funded(&l, 10_000).await;
-    vendor.faults(|f| f.apply_then_drop = 1.0).await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let (k, b) = (key(), body(&a, 3_000, "acct-3"));
     withdraw(&l, &t, &k, &b)
         .await
         .assert_problem(409, "idempotency-key-in-flight");
-    vendor.faults(|_| {}).await;
+    vendor.fault(|_| {}).await;
     // The client is gone; completers pass until one finishes it.
     let until = Instant::now() + Duration::from_secs(30);
     let mut completed = 0;
@@ -359,10 +317,10 @@ async fn a_completer_finishes_what_the_client_left(engine: Engine) {
 /// Two completers and the clients' own retries race over stopped withdrawals: each is quoted once, paid once, debited once.
 async fn completers_and_retries_race_each_withdrawal_once(engine: Engine) {
     const N: usize = 5;
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = Arc::new(start(engine, Transport::InProcess, &vendor).await);
     let (t, a) = funded(&l, 100_000).await;
-    vendor.faults(|f| f.apply_then_drop = 1.0).await;
+    vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let mut keys = Vec::new();
     for i in 0..N {
         let (k, b) = (key(), body(&a, 1_000 + i as i64, &format!("acct-{i}")));
@@ -371,7 +329,7 @@ async fn completers_and_retries_race_each_withdrawal_once(engine: Engine) {
             .assert_problem(409, "idempotency-key-in-flight");
         keys.push((k, b));
     }
-    vendor.faults(|_| {}).await;
+    vendor.fault(|_| {}).await;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     let vendor = Arc::new(vendor);
     let mut racers = tokio::task::JoinSet::new();
@@ -430,11 +388,11 @@ async fn completers_and_retries_race_each_withdrawal_once(engine: Engine) {
 /// Twins of a first request, all at once with one key: one debit, one quote, one payout, and every answer the first one or 409 in flight.
 async fn twins_of_a_first_request_withdraw_once(engine: Engine) {
     const TWINS: usize = 8;
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = Arc::new(start(engine, Transport::InProcess, &vendor).await);
     let (t, a) = funded(&l, 100_000).await;
     // A slow vendor keeps the first run busy while its twins arrive.
-    vendor.faults(|f| f.slow_ms = 300).await;
+    vendor.fault(|f| f.slow_ms = 300).await;
     let (k, b) = (key(), body(&a, 2_500, "acct-5"));
     let answers = futures_util::future::join_all((0..TWINS).map(|_| {
         let (l, t, k, b) = (l.clone(), t.clone(), k.clone(), b.clone());
@@ -463,7 +421,7 @@ async fn twins_of_a_first_request_withdraw_once(engine: Engine) {
 
 /// A payout the vendor declines is compensated once: the quote released, the debit credited back, 422 replayed as it was.
 async fn a_declined_withdrawal_is_compensated_once(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::InProcess, &vendor).await;
     let (t, a) = funded(&l, 10_000).await;
     let (k, b) = (key(), body(&a, 4_000, "closed-acct-9"));
@@ -533,11 +491,11 @@ async fn operator_says_applied<D: LedgerDb>(db: &D, t: &str, key: &str, step: &s
 
 /// A lost quote answer the FX vendor cannot be asked about is held, never booked again; an operator's verdict lets it finish once.
 async fn an_unknown_outcome_is_held_until_an_operator_says(engine: Engine) {
-    let vendor = Vendor::start().await;
+    let vendor = FakeVendor::start().await;
     let l = start(engine, Transport::InProcess, &vendor).await;
     let (t, a) = funded(&l, 10_000).await;
     vendor
-        .faults(|f| {
+        .fault(|f| {
             f.apply_then_drop = 1.0;
             f.lookup_error_500 = 1.0;
         })
@@ -562,9 +520,9 @@ async fn an_unknown_outcome_is_held_until_an_operator_says(engine: Engine) {
     );
     assert_eq!(vendor.payouts().await["payouts"], 0);
     // The operator reads the vendor's record and says it was booked.
-    vendor.faults(|_| {}).await;
+    vendor.fault(|_| {}).await;
     let id = vendor.quotes().await["references"][0].as_str().unwrap().to_owned();
-    let record = vendor.get(&format!("/v1/quotes?reference={id}")).await["data"][0].clone();
+    let record = vendor.get_json(&format!("/v1/quotes?reference={id}")).await["data"][0].clone();
     assert_eq!(record["status"], "booked");
     let record = serde_json::to_vec(&record).unwrap();
     match &l.store {

@@ -40,7 +40,9 @@ pub(super) async fn create_account<D: LedgerDb>(
     let tenant = who.tenant.as_str();
     tx.insert_account(tenant, &id, name, now_ms).await?;
     let data = serde_json::json!({ "account_id": id, "name": name });
-    st.enqueue(&mut tx, "account.created", tenant, now_ms, data).await?;
+    st.events
+        .enqueue(&mut tx, "account.created", tenant, now_ms, data)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(Account {

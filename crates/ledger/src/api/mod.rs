@@ -28,8 +28,8 @@ use idem_core::{Policy, SharedClock, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, RoutePolicy};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::db::{DbError, LedgerDb};
-use crate::events::Namespace;
+use crate::db::LedgerDb;
+use crate::events::{EventOutbox, Namespace};
 use idem_webhooks::Verifier;
 
 pub use auth::{bearer_token, tenant_for_token};
@@ -48,10 +48,8 @@ pub(crate) use withdrawals::NewWithdrawal;
 pub struct AppState<D: LedgerDb> {
     /// The store: idempotency keys and the ledger's tables.
     pub db: D,
-    /// The outbox every mutation enqueues its event in.
-    pub outbox: D::Outbox,
-    /// Where the events are published.
-    pub namespace: Namespace,
+    /// Where every mutation enqueues its event.
+    pub events: EventOutbox<D>,
     /// The clock of key expiry and timestamps.
     pub clock: SharedClock,
     /// The Prometheus recorder, for `GET /metrics`.
@@ -148,21 +146,6 @@ pub const PAYOUT_KEY_TTL_SECS: u64 = 7 * 24 * 3600;
 
 /// The largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
-
-impl<D: LedgerDb> AppState<D> {
-    /// Enqueues a mutation's event of `kind` in its transaction (see
-    /// [`crate::events::enqueue`]).
-    async fn enqueue(
-        &self,
-        tx: &mut D::Tx,
-        kind: &str,
-        tenant: &str,
-        now_ms: i64,
-        data: serde_json::Value,
-    ) -> Result<(), DbError> {
-        crate::events::enqueue::<D>(&self.outbox, tx, &self.namespace, kind, tenant, now_ms, data).await
-    }
-}
 
 /// Builds the ledger's router.
 pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {

@@ -50,9 +50,17 @@ pub(super) async fn request_payout<D: LedgerDb>(
     let id = uuid::Uuid::now_v7().to_string();
     let now_ms = st.clock.now_ms();
     let tenant = who.tenant.as_str();
-    let balance = tx.request_payout(tenant, &id, &req.account_id, amount, now_ms).await?;
+    let payout = crate::db::NewPayout {
+        tenant,
+        id: &id,
+        account_id: &req.account_id,
+        amount,
+    };
+    let balance = tx.request_payout(&payout, now_ms).await?;
     let data = serde_json::json!({ "payout_id": id, "account_id": req.account_id, "amount": amount });
-    st.enqueue(&mut tx, "payout.requested", tenant, now_ms, data).await?;
+    st.events
+        .enqueue(&mut tx, "payout.requested", tenant, now_ms, data)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(PayoutRequested {
@@ -164,7 +172,8 @@ pub(super) async fn cancel_payout<D: LedgerDb>(
         return Err(not_cancellable("no longer dead-lettered or unknown"));
     }
     let data = serde_json::json!({ "payout_id": id, "account_id": payout.account_id, "amount": payout.amount });
-    st.enqueue(&mut tx, "payout.cancelled", tenant, now_ms, data)
+    st.events
+        .enqueue(&mut tx, "payout.cancelled", tenant, now_ms, data)
         .await
         .map_err(db_error)?;
     Ok((

@@ -69,7 +69,9 @@ pub(super) async fn top_up<D: LedgerDb>(
         .top_up(tenant, &id, "top_up", &req.account_id, amount, now_ms)
         .await?;
     let data = serde_json::json!({ "journal_id": id, "account_id": req.account_id, "amount": amount });
-    st.enqueue(&mut tx, "top_up.created", tenant, now_ms, data).await?;
+    st.events
+        .enqueue(&mut tx, "top_up.created", tenant, now_ms, data)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(TopUpDone {
@@ -99,7 +101,9 @@ pub(super) async fn transfer<D: LedgerDb>(
     let tenant = who.tenant.as_str();
     tx.transfer(tenant, &id, &req.from, &req.to, amount, now_ms).await?;
     let data = serde_json::json!({ "journal_id": id, "from": req.from, "to": req.to, "amount": amount });
-    st.enqueue(&mut tx, "transfer.created", tenant, now_ms, data).await?;
+    st.events
+        .enqueue(&mut tx, "transfer.created", tenant, now_ms, data)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(TransferDone {

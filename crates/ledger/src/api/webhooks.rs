@@ -164,31 +164,25 @@ async fn payment_webhook<D: LedgerDb>(
         Err(never) => match never {},
     };
     let event_id = verified.event_id().to_owned();
-    let (outbox, clock, ns) = (st.outbox.clone(), st.clock.clone(), st.namespace.clone());
+    let (events, clock) = (st.events.clone(), st.clock.clone());
     let applied = webhooks
         .apply(&verified, |tx| {
-            let (tenant, event_id, account, outbox, clock, ns) = (
+            let (tenant, event_id, account, events, clock) = (
                 tenant.clone(),
                 event_id.clone(),
                 account.clone(),
-                outbox.clone(),
+                events.clone(),
                 clock.clone(),
-                ns.clone(),
             );
             Box::pin(async move {
                 let id = uuid::Uuid::now_v7().to_string();
                 let now_ms = clock.now_ms();
                 let balance = tx.top_up(tenant.as_str(), &id, "webhook_top_up", &account, amount, now_ms).await?;
-                crate::events::enqueue::<D>(
-                    &outbox,
-                    tx,
-                    &ns,
-                    "webhook_top_up.created",
-                    tenant.as_str(),
-                    now_ms,
-                    serde_json::json!({ "journal_id": id, "event_id": event_id, "account_id": account, "amount": amount }),
-                )
-                .await?;
+                let data =
+                    serde_json::json!({ "journal_id": id, "event_id": event_id, "account_id": account, "amount": amount });
+                events
+                    .enqueue(tx, "webhook_top_up.created", tenant.as_str(), now_ms, data)
+                    .await?;
                 Ok::<_, DbError>(WebhookDone {
                     event_id,
                     id,

@@ -145,6 +145,18 @@ fn problem_bytes(
     json_response(status, "application/problem+json", &body)
 }
 
+/// The refusals of the ledger's rules a withdrawal's debit declares, by
+/// code: the code is the problem's slug, with its status and title.
+const REFUSALS: [(&str, StatusCode, &str); 3] = [
+    (
+        "insufficient-funds",
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Insufficient funds",
+    ),
+    ("account-not-found", StatusCode::NOT_FOUND, "Account not found"),
+    ("balance-limit", StatusCode::UNPROCESSABLE_ENTITY, "Balance limit"),
+];
+
 impl<D: LedgerDb> HttpOperation<D> for Withdraw<D> {
     fn input(&self, parts: &Parts, body: &Bytes) -> Result<WithdrawalInput, Problem> {
         parse(parts, body)
@@ -155,44 +167,23 @@ impl<D: LedgerDb> HttpOperation<D> for Withdraw<D> {
     }
 
     fn failed(&self, failure: &serde_json::Value) -> axum::http::Response<Bytes> {
-        let detail = failure["detail"].as_str().unwrap_or_default().to_owned();
-        match failure["code"].as_str() {
-            Some("insufficient-funds") => problem_bytes(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "insufficient-funds",
-                "Insufficient funds",
-                detail,
-                serde_json::Value::Null,
-            ),
-            Some("account-not-found") => problem_bytes(
-                StatusCode::NOT_FOUND,
-                "account-not-found",
-                "Account not found",
-                detail,
-                serde_json::Value::Null,
-            ),
-            Some("balance-limit") => problem_bytes(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "balance-limit",
-                "Balance limit",
-                detail,
-                serde_json::Value::Null,
-            ),
-            _ => {
-                let reason = crate::withdrawals::reason_of(failure);
-                let members = serde_json::json!({
-                    "step": failure["step"].as_str().unwrap_or("cancelled"),
-                    "reason": failure["reason"].as_str().unwrap_or(&reason),
-                });
-                problem_bytes(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "withdrawal-declined",
-                    "Withdrawal declined",
-                    format!("{reason}; any quote was released and the amount credited back to the account"),
-                    members,
-                )
-            }
+        let code = failure["code"].as_str();
+        if let Some(&(slug, status, title)) = REFUSALS.iter().find(|(slug, ..)| code == Some(*slug)) {
+            let detail = failure["detail"].as_str().unwrap_or_default().to_owned();
+            return problem_bytes(status, slug, title, detail, serde_json::Value::Null);
         }
+        let reason = crate::withdrawals::reason_of(failure);
+        let members = serde_json::json!({
+            "step": failure["step"].as_str().unwrap_or("cancelled"),
+            "reason": failure["reason"].as_str().unwrap_or(&reason),
+        });
+        problem_bytes(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "withdrawal-declined",
+            "Withdrawal declined",
+            format!("{reason}; any quote was released and the amount credited back to the account"),
+            members,
+        )
     }
 }
 

@@ -33,7 +33,7 @@ use idem_core::{BoxFuture, DeadLetterStore, NewDeadLetter, OutboxEvent, OutboxSt
 
 pub use accounts::{Account, Audit};
 pub use dialect::{Dialect, Queries};
-pub use payouts::{Payout, PayoutChange, PayoutState, PayoutTask};
+pub use payouts::{NewPayout, Payout, PayoutChange, PayoutDeferral, PayoutState, PayoutTask};
 pub use statements::{Statement, StatementChange};
 pub use withdrawals::{MAX_DECLINE_REASON, NewWithdrawal, Withdrawal, WithdrawalPaid, WithdrawalState};
 
@@ -227,25 +227,17 @@ pub trait LedgerTx: Send {
         occurred_at_ms: i64,
         now_ms: i64,
     ) -> BoxFuture<'c, Result<(), DbError>>;
-    /// Debits `amount` from an account to `@world` (kind `payout`) and
-    /// records the payout as requested; answers the new balance.
-    fn request_payout<'c>(
-        &'c mut self,
-        tenant: &'c str,
-        id: &'c str,
-        account_id: &'c str,
-        amount: i64,
-        now_ms: i64,
-    ) -> BoxFuture<'c, Result<i64, DbError>>;
-    /// Leaves a requested payout alone until `not_before_ms` (the vendor
-    /// asked to wait); false when it is no longer requested.
+    /// Debits a payout's amount from its account to `@world` (kind
+    /// `payout`, journal id the payout's) and records it as requested;
+    /// answers the new balance.
+    fn request_payout<'c>(&'c mut self, p: &'c NewPayout<'c>, now_ms: i64) -> BoxFuture<'c, Result<i64, DbError>>;
+    /// Leaves a requested payout alone until `deferral.not_before_ms` (the
+    /// vendor asked to wait); false when it is no longer requested.
     fn defer_payout<'c>(
         &'c mut self,
         tenant: &'c str,
         id: &'c str,
-        not_before_ms: i64,
-        attempts: i64,
-        last_error: &'c str,
+        deferral: &'c PayoutDeferral<'c>,
         now_ms: i64,
     ) -> BoxFuture<'c, Result<bool, DbError>>;
     /// Cancels a dead-lettered or unknown payout: its state moves to

@@ -158,6 +158,30 @@ impl PayoutTask {
     }
 }
 
+/// A payout to debit and record as requested.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewPayout<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// Its id: also the journal id of the debit.
+    pub id: &'a str,
+    /// The account debited.
+    pub account_id: &'a str,
+    /// Minor units.
+    pub amount: i64,
+}
+
+/// Why and until when a requested payout is left alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutDeferral<'a> {
+    /// Not sent again before this time (ms since the epoch).
+    pub not_before_ms: i64,
+    /// Vendor calls to add.
+    pub attempts: i64,
+    /// The vendor's answer (replaces the stored error).
+    pub last_error: &'a str,
+}
+
 /// A payout's move from one state to another.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayoutChange<'a> {
@@ -299,28 +323,21 @@ pub(super) use payout_methods;
 /// of the engine whose `queries` and money functions are in scope.
 macro_rules! payout_tx_methods {
     () => {
-        fn request_payout<'c>(
-            &'c mut self,
-            tenant: &'c str,
-            id: &'c str,
-            account_id: &'c str,
-            amount: i64,
-            now_ms: i64,
-        ) -> BoxFuture<'c, Result<i64, DbError>> {
+        fn request_payout<'c>(&'c mut self, p: &'c NewPayout<'c>, now_ms: i64) -> BoxFuture<'c, Result<i64, DbError>> {
             Box::pin(async move {
                 let q = queries();
-                let debit = crate::db::accounts::Movement::debit(id, "payout", account_id, amount);
-                move_money(&mut **self, q, tenant, &debit, now_ms).await?;
+                let debit = crate::db::accounts::Movement::debit(p.id, "payout", p.account_id, p.amount);
+                move_money(&mut **self, q, p.tenant, &debit, now_ms).await?;
                 sqlx::query(q.payouts.insert_payout.clone())
-                    .bind(tenant)
-                    .bind(id)
-                    .bind(account_id)
-                    .bind(amount)
+                    .bind(p.tenant)
+                    .bind(p.id)
+                    .bind(p.account_id)
+                    .bind(p.amount)
                     .bind(now_ms)
                     .bind(now_ms)
                     .execute(&mut **self)
                     .await?;
-                balance(&mut **self, q, tenant, account_id).await
+                balance(&mut **self, q, p.tenant, p.account_id).await
             })
         }
 
@@ -328,15 +345,13 @@ macro_rules! payout_tx_methods {
             &'c mut self,
             tenant: &'c str,
             id: &'c str,
-            not_before_ms: i64,
-            attempts: i64,
-            last_error: &'c str,
+            deferral: &'c PayoutDeferral<'c>,
             now_ms: i64,
         ) -> BoxFuture<'c, Result<bool, DbError>> {
             let update = sqlx::query(queries().payouts.defer_payout.clone())
-                .bind(not_before_ms)
-                .bind(attempts)
-                .bind(last_error)
+                .bind(deferral.not_before_ms)
+                .bind(deferral.attempts)
+                .bind(deferral.last_error)
                 .bind(now_ms)
                 .bind(tenant)
                 .bind(id);

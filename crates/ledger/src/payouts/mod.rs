@@ -71,8 +71,8 @@ use idem_core::{
 use idem_outbound::{Earlier, OutboundClient, OutboundError};
 use tokio::sync::watch;
 
-use crate::db::{DbError, LedgerDb, LedgerTx, PayoutChange, PayoutState, PayoutTask};
-use crate::events::Namespace;
+use crate::db::{DbError, LedgerDb, LedgerTx, PayoutChange, PayoutDeferral, PayoutState, PayoutTask};
+use crate::events::{EventOutbox, Namespace};
 
 pub use lookup::MAX_LOOKUP_BYTES;
 pub(crate) use lookup::{ByReference, Vendor, by_reference_hook};
@@ -144,6 +144,7 @@ pub struct PayoutWorker<D: LedgerDb + LeaseStore> {
     leases: LeaseEngine<D>,
     client: OutboundClient,
     clock: SharedClock,
+    events: EventOutbox<D>,
     config: PayoutConfig,
 }
 
@@ -165,6 +166,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
             client
         };
         Ok(Self {
+            events: EventOutbox::new(&db, config.namespace.clone()),
             db,
             leases,
             client,
@@ -394,17 +396,12 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
                 last_error,
                 ..
             }) => {
-                let not_before = now_ms.saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX));
-                let deferred = tx
-                    .defer_payout(
-                        &task.tenant,
-                        &task.id,
-                        not_before,
-                        i64::from(attempts),
-                        idem_core::clip_text(&last_error),
-                        now_ms,
-                    )
-                    .await?;
+                let deferral = PayoutDeferral {
+                    not_before_ms: now_ms.saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX)),
+                    attempts: i64::from(attempts),
+                    last_error: idem_core::clip_text(&last_error),
+                };
+                let deferred = tx.defer_payout(&task.tenant, &task.id, &deferral, now_ms).await?;
                 tracing::info!(payout = %task.id, retry_in_s = after.as_secs(), "the vendor asked to wait; payout deferred");
                 deferred.then_some(Settled::Deferred)
             }
@@ -487,16 +484,7 @@ impl<D: LedgerDb + LeaseStore> PayoutWorker<D> {
         if let (Some(data), serde_json::Value::Object(extra)) = (data.as_object_mut(), extra) {
             data.extend(extra);
         }
-        crate::events::enqueue::<D>(
-            &self.db.outbox(),
-            tx,
-            &self.config.namespace,
-            kind,
-            &task.tenant,
-            now_ms,
-            data,
-        )
-        .await
+        self.events.enqueue(tx, kind, &task.tenant, now_ms, data).await
     }
 }
 

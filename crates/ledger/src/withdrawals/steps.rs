@@ -10,7 +10,7 @@ use serde_json::json;
 use super::fx::{self, Quote};
 use super::{Vendors, WithdrawalInput, WithdrawalsConfig, Withdrawn};
 use crate::db::{DbError, LedgerDb, LedgerTx, NewWithdrawal, WithdrawalPaid, WithdrawalState};
-use crate::events::Namespace;
+use crate::events::{EventOutbox, Namespace};
 
 /// The `debit` step's output: the withdrawal, made inside the step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -53,8 +53,7 @@ impl<D: LedgerDb> std::fmt::Debug for Withdraw<D> {
 
 pub(super) struct Inner<D: LedgerDb> {
     pub(super) vendors: Vendors,
-    outbox: D::Outbox,
-    namespace: Namespace,
+    events: EventOutbox<D>,
     clock: SharedClock,
 }
 
@@ -70,8 +69,7 @@ impl<D: LedgerDb> Withdraw<D> {
         Ok(Self {
             inner: Arc::new(Inner {
                 vendors: Vendors::new(config, &clock)?,
-                outbox: db.outbox(),
-                namespace,
+                events: EventOutbox::new(db, namespace),
                 clock,
             }),
         })
@@ -130,19 +128,6 @@ pub(super) fn payout_request(
 }
 
 impl<D: LedgerDb> Inner<D> {
-    async fn enqueue(
-        &self,
-        tx: &mut D::Tx,
-        kind: &str,
-        tenant: &str,
-        now_ms: i64,
-        data: serde_json::Value,
-    ) -> Result<(), StepError> {
-        crate::events::enqueue::<D>(&self.outbox, tx, &self.namespace, kind, tenant, now_ms, data)
-            .await
-            .map_err(db_failure)
-    }
-
     /// The `debit` step: the account debited, the withdrawal pending, its
     /// event enqueued.
     pub(super) async fn debit(&self, tx: &mut D::Tx, input: &WithdrawalInput) -> Result<Debited, StepError> {
@@ -159,8 +144,10 @@ impl<D: LedgerDb> Inner<D> {
         };
         let balance = tx.request_withdrawal(&new, now_ms).await.map_err(db_failure)?;
         let data = json!({ "withdrawal_id": id, "account_id": input.account, "amount": input.amount });
-        self.enqueue(tx, "withdrawal.requested", &input.tenant, now_ms, data)
-            .await?;
+        self.events
+            .enqueue(tx, "withdrawal.requested", &input.tenant, now_ms, data)
+            .await
+            .map_err(db_failure)?;
         Ok(Debited { id, balance })
     }
 
@@ -193,7 +180,10 @@ impl<D: LedgerDb> Inner<D> {
             "amount": input.amount,
             "vendor_payout_id": paid.vendor_payout_id,
         });
-        self.enqueue(tx, "withdrawal.paid", &input.tenant, now_ms, data).await?;
+        self.events
+            .enqueue(tx, "withdrawal.paid", &input.tenant, now_ms, data)
+            .await
+            .map_err(db_failure)?;
         Ok(true)
     }
 
@@ -216,8 +206,10 @@ impl<D: LedgerDb> Inner<D> {
             return Ok(false);
         };
         let data = json!({ "withdrawal_id": id, "account_id": account_id, "amount": amount, "reason": reason });
-        self.enqueue(tx, "withdrawal.declined", &input.tenant, now_ms, data)
-            .await?;
+        self.events
+            .enqueue(tx, "withdrawal.declined", &input.tenant, now_ms, data)
+            .await
+            .map_err(db_failure)?;
         Ok(true)
     }
 }

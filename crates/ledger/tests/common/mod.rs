@@ -244,6 +244,12 @@ impl Ledger {
         .await
     }
 
+    /// Requests a payout of `amount` from `account`, with a new key.
+    pub async fn payout(&self, token: &str, account: &str, amount: i64) -> Resp {
+        self.post("/v1/payouts", token, Some(&key()), &payout_body(account, amount))
+            .await
+    }
+
     pub async fn balance(&self, token: &str, account: &str) -> i64 {
         let r = self.get(&format!("/v1/accounts/{account}"), token).await;
         assert_eq!(r.status, 200);
@@ -255,6 +261,11 @@ impl Ledger {
         assert_eq!(r.status, 200);
         r.json()
     }
+}
+
+/// The body of a payout of `amount` from `account`.
+pub fn payout_body(account: &str, amount: i64) -> String {
+    format!(r#"{{"account_id":"{account}","amount":{amount}}}"#)
 }
 
 /// A fresh bearer token: a fresh tenant.
@@ -442,6 +453,14 @@ fn stale(name: &str, prefix: &str) -> bool {
         .unwrap()
         .as_millis() as u64;
     now.saturating_sub(ms) > 3_600_000
+}
+
+/// Removes the SQLite database file `path` and the files beside it: its
+/// write-ahead log, its shared memory and idem's lock.
+pub fn remove_sqlite_files(path: &str) {
+    for suffix in ["", "-wal", "-shm", "-idem.lock"] {
+        let _ = std::fs::remove_file(format!("{path}{suffix}"));
+    }
 }
 
 /// `url` with its database replaced by `name`.
