@@ -153,11 +153,7 @@ async fn withdrawals(seed: u64, args: &Args) -> std::process::ExitCode {
         report.counts.operator_verdicts,
         report.violations.len()
     );
-    if report.violations.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    verdict(&report.violations)
 }
 
 async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) -> std::process::ExitCode {
@@ -199,7 +195,12 @@ async fn gateway(store: chaos::gateway::GatewayStore, seed: u64, args: &Args) ->
         report.balancer.served,
         report.violations.len()
     );
-    if report.violations.is_empty() {
+    verdict(&report.violations)
+}
+
+/// A run's verdict: success with no violation, failure with any.
+fn verdict(violations: &[String]) -> std::process::ExitCode {
+    if violations.is_empty() {
         std::process::ExitCode::SUCCESS
     } else {
         std::process::ExitCode::FAILURE
@@ -226,7 +227,7 @@ fn publish(report: &impl serde::Serialize, path: Option<&std::path::Path>) {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let seed = args.seed.unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64);
+    let seed = args.seed.unwrap_or_else(chaos::rng::random_seed);
     if let Some(store) = args.gateway {
         return gateway(store, seed, &args).await;
     }
@@ -298,9 +299,5 @@ async fn main() -> std::process::ExitCode {
         report.per_instance.iter().map(|i| i.database_node).collect::<Vec<_>>(),
         report.violations.len()
     );
-    if report.violations.is_empty() {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    }
+    verdict(&report.violations)
 }

@@ -1,6 +1,19 @@
 //! A small seeded generator (SplitMix64): the same seed gives the same
 //! schedule of operations and fault decisions.
 
+/// A seed for a run given none, from the clock.
+pub fn random_seed() -> u64 {
+    uuid::Uuid::now_v7().as_u128() as u64
+}
+
+/// The seed of a test's run: `CHAOS_SEED`, or else a random one.
+pub fn seed_from_env() -> u64 {
+    std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(random_seed)
+}
+
 /// SplitMix64.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

@@ -91,32 +91,8 @@ fn signal(pid: u32, sig: &str) -> bool {
 }
 
 impl Service {
-    /// A service of `bin` (the server on `port`, or the worker `worker`),
-    /// with its supervisor started.
-    fn supervised(
-        bin: &Path,
-        port: u16,
-        database_url: &str,
-        env: Vec<(String, String)>,
-        worker: Option<Vec<String>>,
-        log: PathBuf,
-    ) -> Arc<Self> {
-        Self::supervised_with(bin, port, database_url, env, worker, Vec::new(), log)
-    }
-
-    fn supervised_with(
-        bin: &Path,
-        port: u16,
-        database_url: &str,
-        env: Vec<(String, String)>,
-        worker: Option<Vec<String>>,
-        extra: Vec<String>,
-        log: PathBuf,
-    ) -> Arc<Self> {
-        Self::new(bin, port, database_url, env, worker, extra, log).supervise_from_now()
-    }
-
-    /// A service not started yet: instance 0, a pool of 16 connections.
+    /// A service of `bin` (the server on `port`, or the worker `worker`)
+    /// not started yet: instance 0, a pool of 16 connections.
     fn new(
         bin: &Path,
         port: u16,
@@ -152,6 +128,13 @@ impl Service {
         service
     }
 
+    /// Starts its supervisor and answers once the server is healthy.
+    async fn supervise_until_healthy(self) -> Result<Arc<Self>, Error> {
+        let service = self.supervise_from_now();
+        service.wait_healthy(Duration::from_secs(120)).await?;
+        Ok(service)
+    }
+
     /// Starts the ledger and keeps it running (restarting it whenever it
     /// dies) until [`Service::stop`].
     pub async fn start(
@@ -161,9 +144,7 @@ impl Service {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
-        let service = Self::supervised(bin, port, database_url, env, None, log);
-        service.wait_healthy(Duration::from_secs(120)).await?;
-        Ok(service)
+        Self::start_with_args(bin, port, database_url, Vec::new(), env, log).await
     }
 
     /// [`start`](Self::start) for the instance `index` of several servers on
@@ -179,14 +160,13 @@ impl Service {
         index: u64,
         max_connections: u32,
     ) -> Result<Arc<Self>, Error> {
-        let service = Service {
+        Service {
             index,
             max_connections,
             ..Self::new(bin, port, database_url, env, None, Vec::new(), log)
         }
-        .supervise_from_now();
-        service.wait_healthy(Duration::from_secs(120)).await?;
-        Ok(service)
+        .supervise_until_healthy()
+        .await
     }
 
     /// [`start`](Self::start), with `args` after the standard ones.
@@ -198,9 +178,9 @@ impl Service {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
-        let service = Self::supervised_with(bin, port, database_url, env, None, args, log);
-        service.wait_healthy(Duration::from_secs(120)).await?;
-        Ok(service)
+        Self::new(bin, port, database_url, env, None, args, log)
+            .supervise_until_healthy()
+            .await
     }
 
     /// Starts a ledger worker (`ledger <args>`: a relay or a projection)
@@ -212,7 +192,7 @@ impl Service {
         env: Vec<(String, String)>,
         log: PathBuf,
     ) -> Result<Arc<Self>, Error> {
-        let service = Self::supervised(bin, 0, database_url, env, Some(args), log);
+        let service = Self::new(bin, 0, database_url, env, Some(args), Vec::new(), log).supervise_from_now();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while service.pid.load(Ordering::SeqCst) == 0 {
             if service.broken() || tokio::time::Instant::now() > deadline {

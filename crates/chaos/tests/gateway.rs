@@ -8,23 +8,15 @@
 //! `CHAOS_SEED` or are random, and are printed.
 
 use chaos::gateway::{GatewayConfig, GatewayReport, GatewayStore, run_gateway};
-
-fn seed() -> u64 {
-    std::env::var("CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64)
-}
+use chaos::rng::seed_from_env;
 
 async fn short_run(store: GatewayStore) -> GatewayReport {
-    let seed = seed();
+    let seed = seed_from_env();
     println!("chaos gateway on {}: seed {seed}", store.name());
     let mut config = GatewayConfig::new(store, seed);
     config.ops = 600;
     config.fault_interval_ms = 700;
-    let report = run_gateway(config)
-        .await
-        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
+    let report = run(config).await;
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert!(report.violations.is_empty(), "seed {seed}: {:#?}", report.violations);
     assert!(report.kills >= 3, "seed {seed}: only {} kills", report.kills);
@@ -85,21 +77,33 @@ idem_conformance::cases!(short_run, 4 => {
     gateway_chaos_on_redis(GatewayStore::Redis);
 });
 
+/// A run as `config` says.
+async fn run(config: GatewayConfig) -> GatewayReport {
+    let seed = config.seed;
+    run_gateway(config)
+        .await
+        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"))
+}
+
+/// A checker's run: 200 operations on PostgreSQL, with what `broken`
+/// switches off.
+async fn broken_run(broken: impl FnOnce(&mut GatewayConfig)) -> GatewayReport {
+    let mut config = GatewayConfig::new(GatewayStore::Postgres, seed_from_env());
+    config.ops = 200;
+    broken(&mut config);
+    run(config).await
+}
+
 /// The checker can fail: gateways that scope nobody's keys (an anonymous
 /// tenant for every caller) replay one tenant's answer to another, and the
 /// run must say so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gateway_checker_can_fail() {
-    let seed = seed();
-    let mut config = GatewayConfig::new(GatewayStore::Postgres, seed);
-    config.ops = 200;
-    config.break_tenancy = true;
-    let report = run_gateway(config)
-        .await
-        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
+    let report = broken_run(|config| config.break_tenancy = true).await;
     assert!(
         report.violations.iter().any(|v| v.contains("made for tenant")),
-        "seed {seed}: no cross-tenant answer reported: {:#?}",
+        "seed {}: no cross-tenant answer reported: {:#?}",
+        report.seed,
         report.violations
     );
 }
@@ -110,14 +114,12 @@ async fn the_gateway_checker_can_fail() {
 /// applied twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gateway_checker_catches_a_missing_sent_mark() {
-    let seed = seed();
-    let mut config = GatewayConfig::new(GatewayStore::Postgres, seed);
-    config.ops = 200;
-    config.break_sent_mark = true;
-    config.store_faults = false;
-    let report = run_gateway(config)
-        .await
-        .unwrap_or_else(|e| panic!("gateway chaos run failed (seed {seed}): {e}"));
+    let report = broken_run(|config| {
+        config.break_sent_mark = true;
+        config.store_faults = false;
+    })
+    .await;
+    let seed = report.seed;
     assert_eq!(report.mid_request_kills, 1, "seed {seed}");
     assert!(
         report.reapplied > 0 && report.violations.iter().any(|v| v.contains("the upstream applied it")),

@@ -11,17 +11,11 @@
 //! time at random, hold the same properties, and the checker still catches
 //! the claim switched off on all three.
 
+use chaos::rng::seed_from_env;
 use chaos::{Config, Engine, Report};
 
-fn seed() -> u64 {
-    std::env::var("CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64)
-}
-
 async fn short_run(engine: Engine) -> Report {
-    let seed = seed();
+    let seed = seed_from_env();
     println!("chaos {}: seed {seed}", engine.name());
     let mut config = Config::new(engine, seed);
     config.ops = 2_000;
@@ -32,29 +26,24 @@ async fn short_run(engine: Engine) -> Report {
     report
 }
 
-fn assert_clean_and_attacked(report: &Report, sessions: bool) {
+/// Asserts what every run under the service's faults must show: no
+/// violation after at least `ops` operations, three kills or more, dropped
+/// responses and replays, database sessions killed if `sessions`, and the
+/// ledger's money conserved.
+fn assert_clean(report: &Report, ops: u64, sessions: bool) {
     let seed = report.seed;
     assert!(
         report.violations.is_empty(),
         "seed {seed}: violations: {:#?}",
         report.violations
     );
-    assert!(report.counts.ops >= 2_000, "seed {seed}: ran {} ops", report.counts.ops);
+    assert!(report.counts.ops >= ops, "seed {seed}: ran {} ops", report.counts.ops);
     assert!(
         report.faults.kills() >= 3,
         "seed {seed}: only {} kills",
         report.faults.kills()
     );
-    assert!(
-        report.faults.fault_point_kills.values().sum::<u64>() > 0,
-        "seed {seed}: no fault-point kill"
-    );
     assert!(report.faults.responses_dropped > 0, "seed {seed}: no dropped response");
-    assert!(report.faults.connections_cut > 0, "seed {seed}: no cut request");
-    assert!(
-        report.counts.bursts > 0 && report.counts.mismatch_probes > 0,
-        "seed {seed}: no burst or probe"
-    );
     assert!(report.counts.replays_seen > 0, "seed {seed}: no replay seen");
     if sessions {
         assert!(
@@ -63,6 +52,35 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
         );
     }
     assert_eq!(report.audit["conserved"], true);
+}
+
+/// Asserts that the checker caught keys applied twice.
+fn assert_doubles_caught(report: &Report) {
+    let doubles = report
+        .violations
+        .iter()
+        .filter(|v| v.contains("applied") && !v.contains("applied 1 time"))
+        .count();
+    assert!(
+        doubles > 0,
+        "seed {}: no double application reported: {:#?}",
+        report.seed,
+        report.violations
+    );
+}
+
+fn assert_clean_and_attacked(report: &Report, sessions: bool) {
+    let seed = report.seed;
+    assert_clean(report, 2_000, sessions);
+    assert!(
+        report.faults.fault_point_kills.values().sum::<u64>() > 0,
+        "seed {seed}: no fault-point kill"
+    );
+    assert!(report.faults.connections_cut > 0, "seed {seed}: no cut request");
+    assert!(
+        report.counts.bursts > 0 && report.counts.mismatch_probes > 0,
+        "seed {seed}: no burst or probe"
+    );
     let (ef, ev) = (&report.event_faults, &report.events);
     assert!(ef.broker_restarts > 0, "seed {seed}: the broker was never restarted");
     assert!(
@@ -121,31 +139,26 @@ fn assert_clean_and_attacked(report: &Report, sessions: bool) {
     );
 }
 
-/// SQLite: 2,000 operations under every fault, no violation.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sqlite_run_has_no_violation() {
-    let report = short_run(Engine::Sqlite).await;
-    assert_clean_and_attacked(&report, false);
+/// 2,000 operations on `engine` under every fault, no violation (its
+/// database sessions killed too, if `sessions`).
+async fn run_has_no_violation(engine: Engine, sessions: bool) {
+    let report = short_run(engine).await;
+    assert_clean_and_attacked(&report, sessions);
 }
 
-/// PostgreSQL: 2,000 operations under every fault, no violation.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_run_has_no_violation() {
-    let report = short_run(Engine::Postgres).await;
-    assert_clean_and_attacked(&report, true);
-}
-
-/// MariaDB: 2,000 operations under every fault, no violation.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mysql_run_has_no_violation() {
-    let report = short_run(Engine::Mysql).await;
-    assert_clean_and_attacked(&report, true);
-}
+idem_conformance::cases!(run_has_no_violation, 4 => {
+    /// SQLite: 2,000 operations under every fault, no violation.
+    sqlite_run_has_no_violation(Engine::Sqlite, false);
+    /// PostgreSQL: 2,000 operations under every fault, no violation.
+    postgres_run_has_no_violation(Engine::Postgres, true);
+    /// MariaDB: 2,000 operations under every fault, no violation.
+    mysql_run_has_no_violation(Engine::Mysql, true);
+});
 
 /// With the idempotency claim switched off, the same workload must be caught applying keys twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn checker_catches_broken_idempotency() {
-    let seed = seed();
+    let seed = seed_from_env();
     println!("chaos break-idempotency: seed {seed}");
     let mut config = Config::new(Engine::Sqlite, seed);
     config.ops = 400;
@@ -153,23 +166,14 @@ async fn checker_catches_broken_idempotency() {
     config.events = false;
     config.payouts = false;
     let report = chaos::run(config).await.unwrap();
-    let doubles = report
-        .violations
-        .iter()
-        .filter(|v| v.contains("applied") && !v.contains("applied 1 time"))
-        .count();
-    assert!(
-        doubles > 0,
-        "seed {seed}: no double application reported: {:#?}",
-        report.violations
-    );
+    assert_doubles_caught(&report);
 }
 
 /// A short run of `instances` ledger servers on one database behind the
 /// balancer: the main workload (top-ups, transfers, bursts, probes) under
 /// every service fault, the events and payouts off.
 async fn instances_run(engine: Engine, instances: usize, ops: usize, break_idempotency: bool) -> Report {
-    let seed = seed();
+    let seed = seed_from_env();
     println!("chaos {} with {instances} instances: seed {seed}", engine.name());
     let mut config = Config::new(engine, seed);
     config.ops = ops;
@@ -233,56 +237,23 @@ fn assert_instances_attacked(report: &Report, instances: usize) {
 /// requests on every one.
 async fn three_instances_have_no_violation(engine: Engine) {
     let report = instances_run(engine, 3, 1_000, false).await;
-    let seed = report.seed;
-    assert!(
-        report.violations.is_empty(),
-        "seed {seed}: violations: {:#?}",
-        report.violations
-    );
-    assert!(report.counts.ops >= 1_000, "seed {seed}: ran {} ops", report.counts.ops);
-    assert!(
-        report.faults.kills() >= 3,
-        "seed {seed}: only {} kills",
-        report.faults.kills()
-    );
-    assert!(report.faults.responses_dropped > 0, "seed {seed}: no dropped response");
-    assert!(report.counts.replays_seen > 0, "seed {seed}: no replay seen");
-    assert!(
-        report.faults.sessions_killed > 0,
-        "seed {seed}: no database session killed"
-    );
-    assert_eq!(report.audit["conserved"], true);
+    assert_clean(&report, 1_000, true);
     assert_instances_attacked(&report, 3);
 }
 
-/// PostgreSQL, three ledger instances: no violation, every instance used and several killed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn postgres_three_instances_have_no_violation() {
-    three_instances_have_no_violation(Engine::Postgres).await;
-}
-
-/// MariaDB, three ledger instances: no violation, every instance used and several killed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mysql_three_instances_have_no_violation() {
-    three_instances_have_no_violation(Engine::Mysql).await;
-}
+idem_conformance::cases!(three_instances_have_no_violation, 4 => {
+    /// PostgreSQL, three ledger instances: no violation, every instance used and several killed.
+    postgres_three_instances_have_no_violation(Engine::Postgres);
+    /// MariaDB, three ledger instances: no violation, every instance used and several killed.
+    mysql_three_instances_have_no_violation(Engine::Mysql);
+});
 
 /// With the claim switched off on all three instances, the checker must
 /// still find keys applied twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn checker_catches_broken_idempotency_across_three_instances() {
     let report = instances_run(Engine::Postgres, 3, 300, true).await;
-    let doubles = report
-        .violations
-        .iter()
-        .filter(|v| v.contains("applied") && !v.contains("applied 1 time"))
-        .count();
-    assert!(
-        doubles > 0,
-        "seed {}: no double application reported: {:#?}",
-        report.seed,
-        report.violations
-    );
+    assert_doubles_caught(&report);
     assert!(
         report.per_instance.iter().all(|c| c.served > 0),
         "seed {}: an instance served no request: {:#?}",

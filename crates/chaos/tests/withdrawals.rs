@@ -8,20 +8,14 @@
 //! Seeds come from `CHAOS_SEED` or are random, and are printed.
 
 use chaos::Engine;
+use chaos::rng::seed_from_env;
 use chaos::withdrawals::{WithdrawalsConfig, WithdrawalsReport, run_withdrawals};
 
 /// Withdrawals of each short run (`chaos --withdrawals --ops N` runs longer ones).
 const WITHDRAWALS: usize = 60;
 
-fn seed() -> u64 {
-    std::env::var("CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| uuid::Uuid::now_v7().as_u128() as u64)
-}
-
 async fn short_run(engine: Engine, broken: bool) -> WithdrawalsReport {
-    let seed = seed();
+    let seed = seed_from_env();
     println!("chaos withdrawals {}: seed {seed} (broken: {broken})", engine.name());
     let mut config = WithdrawalsConfig::new(engine, seed);
     config.withdrawals = WITHDRAWALS;

@@ -3,17 +3,11 @@
 //! that stops answering for `cluster-node-timeout` (1 s here) is replaced
 //! by its replica.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use crate::process::{Guarded, Scratch, wait_until};
-
-/// One node: its process and port.
-#[derive(Debug)]
-struct Node {
-    process: Guarded,
-    port: u16,
-}
+use crate::process::{Scratch, wait_until};
+use crate::redis_replica::{Node, run_in, signal};
 
 /// Three masters and their replicas.
 #[derive(Debug)]
@@ -51,23 +45,19 @@ impl RedisClusterReplicas {
             let node_dir = dir.path().join(format!("n{i}"));
             std::fs::create_dir_all(&node_dir).map_err(|e| format!("{}: {e}", node_dir.display()))?;
             let port = idem_conformance::free_port_beside(10_000);
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "1000"])
-                .args(["--save", "", "--appendonly", "no"])
-                .args(["--client-output-buffer-limit", "replica 1gb 1gb 60"])
-                .args(["--repl-backlog-size", "64mb"])
-                .args(["--logfile", "redis.log"])
-                .current_dir(&node_dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| format!("cannot start redis-server (install redis-server): {e}"))?;
-            nodes.push(Node {
-                process: Guarded::new(child),
-                port,
-            });
+            let process = run_in(
+                Command::new("redis-server")
+                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+                    .args(["--cluster-node-timeout", "1000"])
+                    .args(["--save", "", "--appendonly", "no"])
+                    .args(["--client-output-buffer-limit", "replica 1gb 1gb 60"])
+                    .args(["--repl-backlog-size", "64mb"])
+                    .args(["--logfile", "redis.log"]),
+                &node_dir,
+                "redis-server",
+            )?;
+            nodes.push(Node { process, port });
         }
         for node in &nodes {
             let port = node.port;
@@ -216,11 +206,5 @@ impl RedisClusterReplicas {
             .parse()
             .ok()?;
         Some(head - acked)
-    }
-}
-
-fn signal(process: &Guarded, sig: &str) {
-    if let Some(pid) = process.id() {
-        let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
     }
 }

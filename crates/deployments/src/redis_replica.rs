@@ -79,12 +79,18 @@ pub(crate) fn spawn(port: u16, dir: &std::path::Path, replica_of: Option<u16>) -
     if let Some(master) = replica_of {
         cmd.args(["--replicaof", "127.0.0.1", &master.to_string()]);
     }
-    let child = cmd
+    run_in(&mut cmd, dir, "redis-server")
+}
+
+/// Runs `command` (`what`, as a failure names it) in `dir`, its output
+/// discarded (each server logs to a file of its own).
+pub(crate) fn run_in(command: &mut Command, dir: &std::path::Path, what: &str) -> Result<Guarded, String> {
+    let child = command
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("cannot start redis-server (install redis-server): {e}"))?;
+        .map_err(|e| format!("cannot start {what} (install redis-server): {e}"))?;
     Ok(Guarded::new(child))
 }
 

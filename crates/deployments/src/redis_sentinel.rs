@@ -9,11 +9,11 @@
 //! the master is what its replica received.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use crate::process::{Guarded, Scratch, free_port, wait_until};
-use crate::redis_replica::{Node, connect, field, replication, signal, start_servers};
+use crate::redis_replica::{Node, connect, field, replication, run_in, signal, start_servers};
 
 /// The service (master name) the sentinels watch.
 pub const SERVICE: &str = "idem";
@@ -45,15 +45,11 @@ fn spawn_sentinel(port: u16, dir: &Path, master: u16) -> Result<Guarded, String>
         ),
     )
     .map_err(|e| format!("sentinel configuration {}: {e}", conf.display()))?;
-    let child = Command::new("redis-server")
-        .arg(&conf)
-        .arg("--sentinel")
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start redis-server --sentinel (install redis-server): {e}"))?;
-    Ok(Guarded::new(child))
+    run_in(
+        Command::new("redis-server").arg(&conf).arg("--sentinel"),
+        dir,
+        "redis-server --sentinel",
+    )
 }
 
 /// What the sentinel on `port` answers to `SENTINEL <args…>`.

@@ -376,15 +376,10 @@ async fn certification_failure_kind(pools: &[MySqlPool]) -> String {
         .commit()
         .await
         .expect_err("the second commit of the same row must fail certification");
-    let number = error_number(&lost);
-    let kind = idem_mysql::store_error(lost);
-    assert_eq!(number, 1213, "{kind}");
-    assert_eq!(kind.store_kind(), Some(StoreErrorKind::Deadlock), "{kind}");
-    assert!(kind.is_contention(), "a certification failure must be contention");
-    format!(
-        "{number} -> {:?} (contention: {})",
-        kind.store_kind(),
-        kind.is_contention()
+    classified(
+        lost,
+        (1213, StoreErrorKind::Deadlock),
+        ("contention", idem_core::Error::is_contention),
     )
 }
 
@@ -410,16 +405,27 @@ async fn isolated_node_kind(galera: &Galera) -> String {
             Ok(_) => panic!("node 3, isolated, still answered after 20 s"),
         }
     };
-    let number = error_number(&refused);
-    let kind = idem_mysql::store_error(refused);
-    assert_eq!(number, 1047, "{kind}");
-    assert_eq!(kind.store_kind(), Some(StoreErrorKind::Unavailable), "{kind}");
-    assert!(kind.is_retryable(), "a node that is not ready is a retryable failure");
-    format!(
-        "{number} -> {:?} (retryable: {})",
-        kind.store_kind(),
-        kind.is_retryable()
+    classified(
+        refused,
+        (1047, StoreErrorKind::Unavailable),
+        ("retryable", idem_core::Error::is_retryable),
     )
+}
+
+/// Asserts that `error` is the MySQL error `number` that idem maps to
+/// `kind`, and `what` ("contention", "retryable") as `is` tells; answers
+/// the report's row: `1213 -> Some(Deadlock) (contention: true)`.
+fn classified(
+    error: sqlx::Error,
+    (number, kind): (u16, StoreErrorKind),
+    (what, is): (&str, fn(&idem_core::Error) -> bool),
+) -> String {
+    let got = error_number(&error);
+    let mapped = idem_mysql::store_error(error);
+    assert_eq!(got, number, "{mapped}");
+    assert_eq!(mapped.store_kind(), Some(kind), "{mapped}");
+    assert!(is(&mapped), "error {number} must be {what}: {mapped}");
+    format!("{got} -> {:?} ({what}: {})", mapped.store_kind(), is(&mapped))
 }
 
 /// The MySQL error number of a driver error (0 if it has none).

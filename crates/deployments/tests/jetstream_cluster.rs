@@ -168,6 +168,20 @@ fn counted(name: &str, labels: &[(&str, &str)]) -> u64 {
         .map_or(0, |c| c.load(Ordering::SeqCst))
 }
 
+/// A stream named `name` that captures the subjects under its name in
+/// lower case (`EVENTS`: `events.>`), with `replicas` replicas in
+/// `storage` and a two-minute duplicate window.
+fn stream_config(name: &str, storage: StorageType, replicas: usize) -> stream::Config {
+    stream::Config {
+        name: name.into(),
+        subjects: vec![format!("{}.>", name.to_lowercase())],
+        storage,
+        num_replicas: replicas,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    }
+}
+
 /// A task running until stopped.
 struct Background {
     stop: tokio::sync::oneshot::Sender<()>,
@@ -219,20 +233,27 @@ async fn client_from(cluster: &NatsCluster, first: usize, disconnects: Arc<Atomi
 }
 
 /// A cluster, its streams, and an SQLite file with the outbox, the inbox
-/// and a business table.
+/// and a business table; the only one of the test binary while it lives.
 struct Deployment {
     cluster: NatsCluster,
     admin: jetstream::Context,
     store: SqliteStore,
     outbox: SqliteOutbox,
     pool: sqlx::SqlitePool,
+    /// When its turn came: the test's time counts from here.
+    started: Instant,
     _db: Scratch,
+    /// Dropped last, once the cluster has stopped.
+    _one: tokio::sync::MutexGuard<'static, ()>,
 }
 
 impl Deployment {
-    /// Starts a cluster with the events stream at `replicas` replicas in
-    /// `storage`, and the dead-letter stream at the same replicas.
+    /// Waits for its turn, then starts a cluster with the events stream at
+    /// `replicas` replicas in `storage`, and the dead-letter stream at the
+    /// same replicas.
     async fn start(replicas: usize, storage: StorageType) -> Self {
+        let one = ONE_CLUSTER_AT_A_TIME.lock().await;
+        let started = Instant::now();
         let cluster = NatsCluster::start().await.unwrap_or_else(|e| panic!("{e}"));
         let admin = async_nats::connect(cluster.urls().as_slice())
             .await
@@ -241,26 +262,15 @@ impl Deployment {
         let largest = admin.client().server_info().max_payload - idem_jetstream::DEAD_LETTER_HEADROOM;
         admin
             .create_stream(stream::Config {
-                name: EVENTS.into(),
-                subjects: vec!["events.>".into()],
-                storage,
-                num_replicas: replicas,
                 // Within the inbox's TTL: only max_age bounds a redelivery.
                 max_age: Duration::from_secs(3_600),
                 max_message_size: i32::try_from(largest).expect("fits an i32"),
-                duplicate_window: Duration::from_secs(120),
-                ..Default::default()
+                ..stream_config(EVENTS, storage, replicas)
             })
             .await
             .expect("create the events stream");
         admin
-            .create_stream(stream::Config {
-                name: DEAD.into(),
-                subjects: vec!["dead.>".into()],
-                storage,
-                num_replicas: replicas,
-                ..Default::default()
-            })
+            .create_stream(stream_config(DEAD, storage, replicas))
             .await
             .expect("create the dead-letter stream");
 
@@ -285,7 +295,9 @@ impl Deployment {
             store,
             outbox,
             pool,
+            started,
             _db: db,
+            _one: one,
         }
     }
 
@@ -437,6 +449,50 @@ impl Deployment {
         relay.stop().await;
     }
 
+    /// Kills `node` once a quarter of the work is done (the events of
+    /// `total` that `done` counts as `work`: "published", "applied"), with
+    /// some still to do, and waits until it has gone on by another quarter
+    /// through the other nodes, or finished. Progress counts past
+    /// `in_hand`, the work under way at the kill that ends without the
+    /// cluster.
+    async fn kill_mid_work<F>(&mut self, node: usize, work: &'static str, total: u64, in_hand: u64, done: F) -> Outage
+    where
+        F: for<'a> Fn(&'a Self) -> BoxFuture<'a, u64>,
+    {
+        let within = patience(usize::try_from(total).expect("a count that fits"));
+        let quarter = total / 4;
+        wait_for(&format!("a quarter is {work}"), within, || async {
+            done(self).await >= quarter
+        })
+        .await;
+        self.cluster.kill(node);
+        let killed_at = Instant::now();
+        let at_kill = done(self).await;
+        assert!(at_kill < total, "the node died with events still to be {work}");
+        let first_progress = OnceLock::new();
+        let through_the_others = format!("events are {work} through the other nodes");
+        wait_for(&through_the_others, within, || {
+            let (first_progress, now) = (&first_progress, done(self));
+            async move {
+                let now = now.await;
+                if now > at_kill + in_hand {
+                    let _ = first_progress.set(killed_at.elapsed());
+                }
+                now >= total || now >= at_kill + quarter
+            }
+        })
+        .await;
+        Outage {
+            node,
+            work,
+            killed_at,
+            at_kill,
+            first_progress: first_progress.get().copied(),
+            while_down: done(self).await - at_kill,
+            down_for: Duration::ZERO,
+        }
+    }
+
     /// Rows of the business table per event id.
     async fn applied(&self) -> BTreeMap<String, i64> {
         sqlx::query_as::<_, (String, i64)>("SELECT event_id, COUNT(*) FROM applied GROUP BY event_id")
@@ -446,6 +502,56 @@ impl Deployment {
             .into_iter()
             .collect()
     }
+}
+
+/// A node killed while work went on through the others.
+struct Outage {
+    node: usize,
+    /// What the work does to an event ("published", "applied").
+    work: &'static str,
+    killed_at: Instant,
+    /// Work done when the node died.
+    at_kill: u64,
+    /// How long after the kill the work first went on past what was in
+    /// hand.
+    first_progress: Option<Duration>,
+    /// Work done from the kill until it had gone on by a quarter.
+    while_down: u64,
+    /// From the kill until the node was started again.
+    down_for: Duration,
+}
+
+impl Outage {
+    /// Starts the node again, which ends the outage.
+    async fn end(&mut self, cluster: &mut NatsCluster) {
+        cluster.restart(self.node).await.unwrap_or_else(|e| panic!("{e}"));
+        self.down_for = self.killed_at.elapsed();
+    }
+
+    /// The outage's rows of a test's report.
+    fn print(&self) {
+        let first = self.first_progress.map_or(0, |t| t.as_millis());
+        println!(
+            "  {:<38}{first} ms",
+            format!("first event {} after the kill", self.work)
+        );
+        println!(
+            "  {:<38}{}",
+            format!("{} while the node was down", self.work),
+            self.while_down
+        );
+        println!("  {:<38}{} ms", "node down for", self.down_for.as_millis());
+    }
+}
+
+/// The durable consumer `handler` of the events stream, through `js`.
+async fn events_consumer(js: &jetstream::Context, handler: &str) -> PullConsumer {
+    js.get_stream(EVENTS)
+        .await
+        .expect("the stream")
+        .get_consumer(handler)
+        .await
+        .expect("the consumer")
 }
 
 /// Waits for `check`, failing with `what` after `within`.
@@ -469,8 +575,6 @@ where
 /// stream then holds each committed event exactly once, on every replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_publish() {
-    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
-    let started = Instant::now();
     let n = events();
     let mut d = Deployment::start(3, StorageType::File).await;
     let (committed, rolled_back) = d.enqueue("events.created", n).await;
@@ -482,35 +586,16 @@ async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_pu
     let client = client_from(&d.cluster, leader, disconnects.clone()).await;
     let (relay, counts) = d.relay(client.clone(), "r3-publish");
 
-    let quarter = (n / 4) as u64;
-    wait_for("a quarter is published", patience(n), || async {
-        d.unsent().await <= n as u64 - quarter
-    })
-    .await;
-    d.cluster.kill(leader);
-    let killed_at = Instant::now();
-    let unsent_at_kill = d.unsent().await;
-    assert!(unsent_at_kill > 0, "the node died with events still to publish");
-
-    // While the node is down the relay goes on through the other two.
-    let first_progress = OnceLock::new();
-    wait_for("the relay publishes through the other nodes", patience(n), || {
-        let (d, first_progress) = (&d, &first_progress);
-        async move {
-            let unsent = d.unsent().await;
-            // A batch acknowledged just before the kill is marked sent
-            // just after it: progress is more than one batch.
-            if unsent + (RELAY_BATCH as u64) < unsent_at_kill {
-                let _ = first_progress.set(killed_at.elapsed());
-            }
-            unsent == 0 || unsent + quarter <= unsent_at_kill
-        }
-    })
-    .await;
+    // While the node is down the relay goes on through the other two. A
+    // batch acknowledged just before the kill is marked sent just after it:
+    // progress is more than one batch.
+    let mut outage = d
+        .kill_mid_work(leader, "published", n as u64, RELAY_BATCH as u64, |d| {
+            Box::pin(async move { n as u64 - d.unsent().await })
+        })
+        .await;
     let failed_while_down = counts.failed();
-    let published_while_down = unsent_at_kill - d.unsent().await;
-    d.cluster.restart(leader).await.unwrap_or_else(|e| panic!("{e}"));
-    let down_for = killed_at.elapsed();
+    outage.end(&mut d.cluster).await;
 
     wait_for("every event is published", patience(n), || async {
         d.unsent().await == 0
@@ -531,13 +616,8 @@ async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_pu
     );
     println!("  events committed                      {}", committed.len());
     println!("  events rolled back                    {}", rolled_back.len());
-    println!("  unsent when the node died             {unsent_at_kill}");
-    println!(
-        "  first publish after the kill          {} ms",
-        first_progress.get().map_or(0, |t| t.as_millis())
-    );
-    println!("  published while the node was down    {published_while_down}");
-    println!("  node down for                         {} ms", down_for.as_millis());
+    println!("  unsent when the node died             {}", n as u64 - outage.at_kill);
+    outage.print();
     println!(
         "  publish attempts not confirmed        {} (while down: {failed_while_down})",
         counts.failed()
@@ -564,7 +644,7 @@ async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_pu
     println!("  committed events missing              {missing}");
     println!(
         "  time                                  {} ms",
-        started.elapsed().as_millis()
+        d.started.elapsed().as_millis()
     );
 
     assert!(
@@ -580,7 +660,7 @@ async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_pu
         d.cluster.name(leader),
         "the relay failed over"
     );
-    assert!(published_while_down > 0, "the relay published while the node was down");
+    assert!(outage.while_down > 0, "the relay published while the node was down");
     assert_eq!(
         counts.refused.load(Ordering::SeqCst),
         0,
@@ -596,8 +676,6 @@ async fn r3_stream_holds_every_committed_event_once_after_its_leader_dies_mid_pu
 /// redelivered messages find their recorded outcome and run nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume() {
-    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
-    let started = Instant::now();
     let n = events();
     let mut d = Deployment::start(3, StorageType::File).await;
     let (committed, _) = d.enqueue("events.created", n).await;
@@ -634,13 +712,7 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
     let disconnects = Arc::new(AtomicU64::new(0));
     let client = client_from(&d.cluster, leader, disconnects.clone()).await;
     let js = jetstream::new(client.clone());
-    let consumer: PullConsumer = js
-        .get_stream(EVENTS)
-        .await
-        .expect("the stream")
-        .get_consumer(handler)
-        .await
-        .expect("the consumer");
+    let consumer = events_consumer(&js, handler).await;
     let runs = Arc::new(AtomicU64::new(0));
     let redelivered_runs = Arc::new(AtomicU64::new(0));
     let work = {
@@ -673,33 +745,15 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
         .expect("start the consumer");
     let running = Background::spawn(move |stop| async move { consumer.run(stop).await });
 
-    let quarter = (n / 4) as u64;
-    wait_for("a quarter is applied", patience(n), || async {
-        runs.load(Ordering::SeqCst) >= quarter
-    })
-    .await;
-    d.cluster.kill(leader);
-    let killed_at = Instant::now();
-    let runs_at_kill = runs.load(Ordering::SeqCst);
-    assert!(runs_at_kill < n as u64, "the node died with events still to apply");
-
-    let first_progress = OnceLock::new();
-    wait_for("the consumer applies through the other nodes", patience(n), || {
-        let (runs, first_progress) = (&runs, &first_progress);
-        async move {
+    // Messages in hand or in the client's buffer at the kill run without
+    // the cluster: progress is more than those.
+    let mut outage = d
+        .kill_mid_work(leader, "applied", n as u64, 2 * CONCURRENCY as u64, |_| {
             let now = runs.load(Ordering::SeqCst);
-            // Messages in hand or in the client's buffer at the kill run
-            // without the cluster: progress is more than those.
-            if now > runs_at_kill + 2 * CONCURRENCY as u64 {
-                let _ = first_progress.set(killed_at.elapsed());
-            }
-            now >= n as u64 || now >= runs_at_kill + quarter
-        }
-    })
-    .await;
-    let applied_while_down = runs.load(Ordering::SeqCst) - runs_at_kill;
-    d.cluster.restart(leader).await.unwrap_or_else(|e| panic!("{e}"));
-    let down_for = killed_at.elapsed();
+            Box::pin(async move { now })
+        })
+        .await;
+    outage.end(&mut d.cluster).await;
 
     wait_for(
         "every event is applied and acknowledged",
@@ -708,14 +762,7 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
             if d.applied().await.len() < committed.len() {
                 return false;
             }
-            let mut c: PullConsumer = d
-                .admin
-                .get_stream(EVENTS)
-                .await
-                .expect("the stream")
-                .get_consumer(handler)
-                .await
-                .expect("the consumer");
+            let mut c = events_consumer(&d.admin, handler).await;
             c.info()
                 .await
                 .is_ok_and(|i| i.num_pending == 0 && i.num_ack_pending == 0)
@@ -732,25 +779,13 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
     let retried = outcome("retried");
     let ack_failures = counted("idem_consumer_ack_failures_total", &[("handler", handler)]);
     let redelivered = redelivered_runs.load(Ordering::SeqCst);
-    let mut c: PullConsumer = d
-        .admin
-        .get_stream(EVENTS)
-        .await
-        .expect("the stream")
-        .get_consumer(handler)
-        .await
-        .expect("the consumer");
+    let mut c = events_consumer(&d.admin, handler).await;
     let deliveries = c.info().await.expect("consumer info").delivered.consumer_sequence;
     println!();
     println!("JetStream R3, file storage: consumer leader and its connection ({leader_name}) killed mid-consume");
     println!("  events committed and published        {}", committed.len());
-    println!("  applied when the node died            {runs_at_kill}");
-    println!(
-        "  first application after the kill      {} ms",
-        first_progress.get().map_or(0, |t| t.as_millis())
-    );
-    println!("  applied while the node was down      {applied_while_down}");
-    println!("  node down for                         {} ms", down_for.as_millis());
+    println!("  applied when the node died            {}", outage.at_kill);
+    outage.print();
     println!(
         "  client disconnections                 {}",
         disconnects.load(Ordering::SeqCst)
@@ -768,7 +803,7 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
     println!("  applied twice                         {twice}");
     println!(
         "  time                                  {} ms",
-        started.elapsed().as_millis()
+        d.started.elapsed().as_millis()
     );
 
     assert!(
@@ -776,7 +811,7 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
         "the consumer's connection was lost"
     );
     assert!(
-        applied_while_down > 0,
+        outage.while_down > 0,
         "the consumer applied events while the node was down"
     );
     assert!(
@@ -795,14 +830,7 @@ async fn publish_cost(d: &Deployment, replicas: usize, storage: StorageType, n: 
     let name = format!("COST_R{replicas}_{storage:?}").to_uppercase();
     let subject = name.to_lowercase();
     d.admin
-        .create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![format!("{subject}.>")],
-            storage,
-            num_replicas: replicas,
-            duplicate_window: Duration::from_secs(120),
-            ..Default::default()
-        })
+        .create_stream(stream_config(&name, storage, replicas))
         .await
         .expect("create a stream to measure");
     let publisher = JetStreamPublisher::new(d.admin.clone()).with_ack_timeout(Duration::from_secs(10));
@@ -846,8 +874,6 @@ async fn publish_cost(d: &Deployment, replicas: usize, storage: StorageType, n: 
 /// while a memory stream with three replicas keeps everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r1_streams_stop_while_their_node_is_down_and_lose_what_they_held_in_memory() {
-    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
-    let started = Instant::now();
     let n = events();
     let down = Duration::from_millis(
         std::env::var("DEPLOY_JS_R1_DOWN_MS")
@@ -906,14 +932,7 @@ async fn r1_streams_stop_while_their_node_is_down_and_lose_what_they_held_in_mem
     // marked sent, then the one replica's node killed and restarted.
     for (name, replicas) in [("MEM1", 1), ("MEM3", 3)] {
         d.admin
-            .create_stream(stream::Config {
-                name: name.into(),
-                subjects: vec![format!("{}.>", name.to_lowercase())],
-                storage: StorageType::Memory,
-                num_replicas: replicas,
-                duplicate_window: Duration::from_secs(120),
-                ..Default::default()
-            })
+            .create_stream(stream_config(name, StorageType::Memory, replicas))
             .await
             .expect("create a memory stream");
         d.enqueue(&format!("{}.created", name.to_lowercase()), n).await;
@@ -973,7 +992,7 @@ async fn r1_streams_stop_while_their_node_is_down_and_lose_what_they_held_in_mem
     println!("  outbox rows unsent (to publish again) {unsent_after}");
     println!(
         "  time                                  {} ms",
-        started.elapsed().as_millis()
+        d.started.elapsed().as_millis()
     );
 
     assert_eq!(

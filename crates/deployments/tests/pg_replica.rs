@@ -449,12 +449,7 @@ async fn failover(mode: Mode, target_acks: usize, workers: usize, stall_acks: us
 
     // The promoted server, before any retry: key rows and business rows
     // committed together, or neither did.
-    let promoted = PgPoolOptions::new()
-        .max_connections(workers as u32 + 2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&pair.replica_url())
-        .await
-        .expect("a pool on the promoted server");
+    let promoted = open_pool(&pair.replica_url(), workers as u32 + 2).await;
     let key_rows: HashSet<String> = sqlx::query("SELECT idem_key FROM idem_keys WHERE tenant = $1 AND status = 1")
         .bind(scope.tenant().as_str())
         .fetch_all(&promoted)

@@ -26,6 +26,12 @@ async fn post(base: &str, path: &str, body: Value) -> reqwest::Result<reqwest::R
         .await
 }
 
+/// Books the quote `body`: the vendor's answer.
+async fn book(base: &str, body: Value) -> Value {
+    let r = post(base, "/v1/quotes", body).await.unwrap();
+    r.json().await.unwrap()
+}
+
 async fn get(base: &str, path: &str) -> reqwest::Response {
     client().get(format!("{base}{path}")).send().await.unwrap()
 }
@@ -50,12 +56,7 @@ fn quote(reference: &str, from: &str, to: &str, amount: i64) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_books_a_new_quote() {
     let (base, vendor) = start().await;
-    let a: Value = post(&base, "/v1/quotes", quote("w-1", "EUR", "USD", 100))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let a = book(&base, quote("w-1", "EUR", "USD", 100)).await;
     let b = post(&base, "/v1/quotes", quote("w-1", "EUR", "USD", 100))
         .await
         .unwrap();
@@ -167,12 +168,7 @@ async fn bad_input_books_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_is_idempotent() {
     let (base, _) = start().await;
-    let q: Value = post(&base, "/v1/quotes", quote("w-c", "EUR", "GBP", 700))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let q = book(&base, quote("w-c", "EUR", "GBP", 700)).await;
     let path = format!("/v1/quotes/{}/cancel", q["id"].as_str().unwrap());
     for _ in 0..2 {
         let r = post(&base, &path, json!({})).await.unwrap();

@@ -175,13 +175,19 @@ pub fn operations_table() -> TableName {
     TableName::new(OPERATIONS_TABLE).expect("a valid table name")
 }
 
-/// Connects to PostgreSQL with a pool of `connections`.
-pub async fn postgres(url: &str, connections: u32) -> Result<idem_postgres::PgStore, BoxError> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
+/// A pool of `connections` on the server at `url` (`engine`, as a failure
+/// names it).
+pub async fn pool<DB: sqlx::Database>(url: &str, connections: u32, engine: &str) -> Result<sqlx::Pool<DB>, BoxError> {
+    sqlx::pool::PoolOptions::new()
         .max_connections(connections)
         .connect(url)
         .await
-        .map_err(|e| format!("postgres at {url}: {e}"))?;
+        .map_err(|e| format!("{engine} at {url}: {e}").into())
+}
+
+/// Connects to PostgreSQL with a pool of `connections`.
+pub async fn postgres(url: &str, connections: u32) -> Result<idem_postgres::PgStore, BoxError> {
+    let pool = pool(url, connections, "postgres").await?;
     Ok(idem_postgres::PgStore::new(pool).with_table(keys_table()))
 }
 
@@ -207,11 +213,7 @@ pub fn expiry_index(name: &str) -> Result<idem_postgres::ExpiryIndex, BoxError> 
 
 /// Connects to MySQL/MariaDB with a pool of `connections`.
 pub async fn mysql(url: &str, connections: u32) -> Result<idem_mysql::MySqlStore, BoxError> {
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(connections)
-        .connect(url)
-        .await
-        .map_err(|e| format!("mysql at {url}: {e}"))?;
+    let pool = pool(url, connections, "mysql").await?;
     Ok(idem_mysql::MySqlStore::new(pool).with_table(keys_table()))
 }
 

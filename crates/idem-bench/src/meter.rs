@@ -193,10 +193,7 @@ pub async fn postgres_with(
     let db = engines::postgres(&via(url, wire.addr())?, 1)
         .await?
         .with_claim_strategy(strategy);
-    let observer = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(url)
-        .await?;
+    let observer = engines::pool(url, 1, "postgres").await?;
     let measured = db.pool().clone();
     let (backend,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()").fetch_one(&measured).await?;
     let probe = PgProbe {
@@ -219,10 +216,7 @@ pub async fn mysql(
     let db = engines::mysql(&via(url, wire.addr())?, 1)
         .await?
         .with_claim_strategy(strategy);
-    let observer = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect(url)
-        .await?;
+    let observer = engines::pool(url, 1, "mysql").await?;
     let probe = MySqlProbe {
         measured: db.pool().clone(),
         observer,

@@ -114,9 +114,8 @@ fn comparisons_table(results: &Results) -> String {
         for r in &c.ratios {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} ({}) | {} ({}) | {:.2} ({:.2}–{:.2}) | {} | {} |",
-                engine_name(results, &c.engine),
-                c.workload,
+                "| {} | {} | {} | {} ({}) | {} ({}) | {:.2} ({:.2}–{:.2}) | {} | {} |",
+                row_name(results, &c.engine, &c.workload),
                 c.workers,
                 r.name,
                 thousands(rate(&r.denominator)),
@@ -152,9 +151,8 @@ fn costs_table(results: &Results) -> String {
     for c in costs {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            engine_name(results, &c.engine),
-            c.workload,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            row_name(results, &c.engine, &c.workload),
             c.path,
             show(c.round_trips),
             show(c.rows_written),
@@ -165,6 +163,12 @@ fn costs_table(results: &Results) -> String {
         );
     }
     out
+}
+
+/// The cells that name a row of the comparison and cost tables: its
+/// engine and workload.
+fn row_name(results: &Results, engine: &str, workload: &str) -> String {
+    format!("{} | {workload}", engine_name(results, engine))
 }
 
 /// Whether a target was met: `yes`, `**no**`, or `—` when it was not
@@ -206,9 +210,8 @@ fn cost_targets_table(results: &Results) -> String {
     for t in &targets {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {} |",
-            engine_name(results, &t.engine),
-            t.workload,
+            "| {} | {} | {:.2} | {:.2} | {} | {} | {} |",
+            row_name(results, &t.engine, &t.workload),
             t.figure,
             t.bare,
             t.fresh,

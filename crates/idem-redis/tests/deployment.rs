@@ -6,49 +6,42 @@
 #[path = "support/servers.rs"]
 mod servers;
 
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idem_redis::RedisStore;
 use servers::{RedisCluster, RedisServer};
 
 /// Waits until the server on `port` counts `replicas` connected replicas.
 fn wait_for_replicas(port: u16, replicas: usize) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let out = Command::new("redis-cli")
-            .args(["-p", &port.to_string(), "info", "replication"])
-            .output()
-            .expect("redis-cli runs");
-        let text = String::from_utf8_lossy(&out.stdout);
-        if text.contains(&format!("connected_slaves:{replicas}")) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no replica connected to {port}: {text}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut text = String::new();
+    let connected = servers::polled(Duration::from_millis(50), || {
+        text = servers::ask(port, &["info", "replication"]);
+        text.contains(&format!("connected_slaves:{replicas}"))
+    });
+    assert!(connected, "no replica connected to {port}: {text}");
 }
 
 fn set_policy(port: u16, policy: &str) {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "config", "set", "maxmemory-policy", policy])
-        .output()
-        .expect("redis-cli runs");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("OK"), "{out:?}");
+    let said = servers::ask(port, &["config", "set", "maxmemory-policy", policy]);
+    assert!(said.contains("OK"), "{said}");
+}
+
+/// A master that keeps its data and evicts nothing, and a replica of it
+/// started with `args`, once the master counts it connected.
+fn master_and_replica(args: &[&str]) -> (RedisServer, RedisServer) {
+    let master = RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
+    let port = master.port.to_string();
+    let mut all = vec!["--replicaof", "127.0.0.1", &port];
+    all.extend_from_slice(args);
+    let replica = RedisServer::start(&all);
+    wait_for_replicas(master.port, 1);
+    (master, replica)
 }
 
 /// A server whose replica evicts keys is refused, naming the replica and its policy; once the replica is set to noeviction the check passes without a warning.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_evicts_is_refused_on_one_server() {
-    let master = RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
-    let replica = RedisServer::start(&[
-        "--replicaof",
-        "127.0.0.1",
-        &master.port.to_string(),
-        "--maxmemory-policy",
-        "allkeys-lru",
-    ]);
-    wait_for_replicas(master.port, 1);
+    let (master, replica) = master_and_replica(&["--maxmemory-policy", "allkeys-lru"]);
     let store = RedisStore::connect_any(&master.url()).await.unwrap();
     let e = store.check_deployment().await.unwrap_err().to_string();
     assert!(
@@ -63,15 +56,7 @@ async fn a_replica_that_evicts_is_refused_on_one_server() {
 /// out: every write would be refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_on_a_replica_is_refused() {
-    let master = RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
-    let replica = RedisServer::start(&[
-        "--replicaof",
-        "127.0.0.1",
-        &master.port.to_string(),
-        "--maxmemory-policy",
-        "noeviction",
-    ]);
-    wait_for_replicas(master.port, 1);
+    let (master, replica) = master_and_replica(&["--maxmemory-policy", "noeviction"]);
     let store = RedisStore::connect_any(&replica.url()).await.unwrap();
     let e = store.check_deployment().await.unwrap_err();
     assert!(matches!(e, idem_core::Error::Config(_)), "{e}");
@@ -84,17 +69,9 @@ async fn a_store_on_a_replica_is_refused() {
 /// A replica the check cannot reach at its advertised address is a warning, not a pass in silence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_out_of_reach_is_a_warning() {
-    let master = RedisServer::start(&["--appendonly", "yes", "--maxmemory-policy", "noeviction"]);
-    // It announces a port nothing listens on.
+    // The replica announces a port nothing listens on.
     let nowhere = servers::free_port();
-    let _replica = RedisServer::start(&[
-        "--replicaof",
-        "127.0.0.1",
-        &master.port.to_string(),
-        "--replica-announce-port",
-        &nowhere.to_string(),
-    ]);
-    wait_for_replicas(master.port, 1);
+    let (master, _replica) = master_and_replica(&["--replica-announce-port", &nowhere.to_string()]);
     let store = RedisStore::connect_any(&master.url()).await.unwrap();
     let warnings = store.check_deployment().await.unwrap();
     assert!(

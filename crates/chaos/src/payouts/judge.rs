@@ -50,36 +50,22 @@ pub(crate) fn judge(
         }
     }
     for (state, ids) in &by_state {
-        violations.push(format!(
-            "payouts: {} committed payout(s) lost: left {state} after the redrive, e.g. {:?}",
-            ids.len(),
-            &ids[..ids.len().min(5)]
-        ));
+        violations.extend(some(ids, |n| {
+            format!("{n} committed payout(s) lost: left {state} after the redrive")
+        }));
     }
     let unpaid: Vec<_> = paid.difference(&keys).collect();
-    if !unpaid.is_empty() {
-        violations.push(format!(
-            "payouts: {} payout(s) marked paid that the vendor never paid, e.g. {:?}",
-            unpaid.len(),
-            &unpaid[..unpaid.len().min(5)]
-        ));
-    }
+    violations.extend(some(&unpaid, |n| {
+        format!("{n} payout(s) marked paid that the vendor never paid")
+    }));
     let phantom: Vec<_> = keys.difference(&committed).collect();
-    if !phantom.is_empty() {
-        violations.push(format!(
-            "payouts: the vendor paid {} key(s) of no committed payout, e.g. {:?}",
-            phantom.len(),
-            &phantom[..phantom.len().min(5)]
-        ));
-    }
+    violations.extend(some(&phantom, |n| {
+        format!("the vendor paid {n} key(s) of no committed payout")
+    }));
     let not_marked: Vec<_> = keys.intersection(&committed).filter(|k| !paid.contains(*k)).collect();
-    if !not_marked.is_empty() {
-        violations.push(format!(
-            "payouts: the vendor paid {} payout(s) the ledger does not record as paid, e.g. {:?}",
-            not_marked.len(),
-            &not_marked[..not_marked.len().min(5)]
-        ));
-    }
+    violations.extend(some(&not_marked, |n| {
+        format!("the vendor paid {n} payout(s) the ledger does not record as paid")
+    }));
     if vendor.payouts != vendor.keys.len() as u64 {
         violations.push(format!(
             "payouts: the vendor paid {} time(s) for {} distinct key(s): a payout paid twice",
@@ -132,6 +118,18 @@ pub(crate) fn judge(
     }
 }
 
+/// The violation that `found` is, unless it is empty: `what` says it of
+/// their number, and the first five are named.
+fn some<T: std::fmt::Debug>(found: &[T], what: impl FnOnce(usize) -> String) -> Option<String> {
+    (!found.is_empty()).then(|| {
+        format!(
+            "payouts: {}, e.g. {:?}",
+            what(found.len()),
+            &found[..found.len().min(5)]
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +172,10 @@ mod tests {
             let mut r = rows();
             r.payouts.get_mut(id).unwrap().1 = state.to_owned();
             r
+        };
+        let with_dead_letter = |key: &str, state: DeadLetterState| PayoutRows {
+            dead_letters: vec![(key.to_owned(), state)],
+            ..rows()
         };
         // A payout the vendor never paid may be cancelled (refunded).
         let mut v = Vec::new();
@@ -245,19 +247,13 @@ mod tests {
             ),
             (
                 "is left dead",
-                PayoutRows {
-                    dead_letters: vec![("b".to_owned(), DeadLetterState::Dead)],
-                    ..rows()
-                },
+                with_dead_letter("b", DeadLetterState::Dead),
                 vendor(2, 30, &["a", "b"]),
                 acked(),
             ),
             (
                 "a dead letter of no committed payout",
-                PayoutRows {
-                    dead_letters: vec![("q".to_owned(), DeadLetterState::Resolved)],
-                    ..rows()
-                },
+                with_dead_letter("q", DeadLetterState::Resolved),
                 vendor(2, 30, &["a", "b"]),
                 acked(),
             ),

@@ -101,6 +101,25 @@ pub(crate) async fn send(
     }
 }
 
+/// Sends `body` to `path` under a key of its own until it is created (201):
+/// answers what was created; anything else fails `what`.
+async fn create(
+    client: &idem_client::Client,
+    base: &str,
+    path: &str,
+    body: &str,
+    what: &str,
+) -> Result<Vec<u8>, Error> {
+    let key = uuid::Uuid::now_v7().to_string();
+    let (status, created, _) = send(client, base, path, &key, body)
+        .await
+        .map_err(|e| Error::Service(format!("{what}: {e:?}")))?;
+    if status != 201 {
+        return Err(Error::Service(format!("{what}: {status}")));
+    }
+    Ok(created)
+}
+
 /// Creates the accounts, tops them up, then runs the withdrawals.
 pub(crate) async fn run(
     config: &WithdrawalsConfig,
@@ -113,24 +132,12 @@ pub(crate) async fn run(
     let setup = client(token, rng.next_u64())?;
     let mut accounts = Vec::new();
     for a in 0..ACCOUNTS {
-        let key = uuid::Uuid::now_v7().to_string();
         let body = format!("{{\"name\":\"w-{a}\"}}");
-        let (status, created, _) = send(&setup, base, "/v1/accounts", &key, &body)
-            .await
-            .map_err(|e| Error::Service(format!("create an account: {e:?}")))?;
-        if status != 201 {
-            return Err(Error::Service(format!("create an account: {status}")));
-        }
+        let created = create(&setup, base, "/v1/accounts", &body, "create an account").await?;
         let v: serde_json::Value = serde_json::from_slice(&created).map_err(|e| Error::Service(e.to_string()))?;
         let id = v["id"].as_str().unwrap_or_default().to_owned();
-        let key = uuid::Uuid::now_v7().to_string();
         let body = format!("{{\"account_id\":\"{id}\",\"amount\":{TOP_UP}}}");
-        let (status, _, _) = send(&setup, base, "/v1/top-ups", &key, &body)
-            .await
-            .map_err(|e| Error::Service(format!("top up: {e:?}")))?;
-        if status != 201 {
-            return Err(Error::Service(format!("top up: {status}")));
-        }
+        create(&setup, base, "/v1/top-ups", &body, "top up").await?;
         accounts.push(id);
     }
 

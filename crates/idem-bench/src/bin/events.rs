@@ -51,6 +51,36 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// Ends once `stopped` turns true: the shutdown of a relay or a consumer.
+async fn until_stopped(mut stopped: tokio::sync::watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|s| *s).await;
+}
+
+/// Starts `n` relays of `outbox` publishing to `js`, each waiting
+/// `idle_wait` after a pass that found nothing, until `stopped` turns true.
+fn start_relays<S: OutboxStore>(
+    n: usize,
+    outbox: &S,
+    js: &jetstream::Context,
+    idle_wait: Duration,
+    stopped: &tokio::sync::watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let relay = Relay::new(
+                outbox.clone(),
+                JetStreamPublisher::new(js.clone()),
+                RelayOptions {
+                    idle_wait,
+                    ..Default::default()
+                },
+            );
+            let stopped = stopped.clone();
+            tokio::spawn(async move { relay.run(until_stopped(stopped)).await })
+        })
+        .collect()
+}
+
 macro_rules! engine_bench {
     ($name:ident, $store:ty, $outbox:ty, $pool:ty, $insert:literal, $create:literal) => {
         async fn $name(
@@ -118,26 +148,8 @@ macro_rules! engine_bench {
             for relays in [1usize, 4] {
                 fill(args.events).await;
                 let started = Instant::now();
-                let mut tasks = Vec::new();
                 let (stop, stopped) = tokio::sync::watch::channel(false);
-                for _ in 0..relays {
-                    let relay = Relay::new(
-                        outbox.clone(),
-                        JetStreamPublisher::new(js.clone()),
-                        RelayOptions {
-                            idle_wait: Duration::from_millis(5),
-                            ..Default::default()
-                        },
-                    );
-                    let mut stopped = stopped.clone();
-                    tasks.push(tokio::spawn(async move {
-                        relay
-                            .run(async move {
-                                let _ = stopped.wait_for(|s| *s).await;
-                            })
-                            .await
-                    }));
-                }
+                let tasks = start_relays(relays, &outbox, js, Duration::from_millis(5), &stopped);
                 while outbox.lag().await.unwrap().unsent > 0 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
@@ -210,18 +222,8 @@ macro_rules! engine_bench {
                     n as usize
                 }
             };
-            let (stop, mut stopped) = tokio::sync::watch::channel(false);
-            let consumer = Arc::new(consumer);
-            let running = {
-                let consumer = consumer.clone();
-                tokio::spawn(async move {
-                    consumer
-                        .run(async move {
-                            let _ = stopped.wait_for(|s| *s).await;
-                        })
-                        .await
-                })
-            };
+            let (stop, stopped) = tokio::sync::watch::channel(false);
+            let running = tokio::spawn(async move { consumer.run(until_stopped(stopped)).await });
             let started = Instant::now();
             while count().await < total {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -231,25 +233,7 @@ macro_rules! engine_bench {
 
             // End-to-end lag at a steady rate, two relays and the consumer running.
             let (rstop, rstopped) = tokio::sync::watch::channel(false);
-            let mut relays = Vec::new();
-            for _ in 0..2 {
-                let relay = Relay::new(
-                    outbox.clone(),
-                    JetStreamPublisher::new(js.clone()),
-                    RelayOptions {
-                        idle_wait: Duration::from_millis(20),
-                        ..Default::default()
-                    },
-                );
-                let mut s = rstopped.clone();
-                relays.push(tokio::spawn(async move {
-                    relay
-                        .run(async move {
-                            let _ = s.wait_for(|v| *v).await;
-                        })
-                        .await
-                }));
-            }
+            let relays = start_relays(2, &outbox, js, Duration::from_millis(20), &rstopped);
             let n = (args.lag_seconds * args.lag_rate) as usize;
             let interval = Duration::from_secs_f64(1.0 / args.lag_rate as f64);
             let mut ticker = tokio::time::interval(interval);
@@ -331,9 +315,7 @@ async fn main() {
         println!("{engine}:");
         let figures = match engine.as_str() {
             "postgres" => {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(24)
-                    .connect(&args.urls.postgres_url)
+                let pool = idem_bench::engines::pool(&args.urls.postgres_url, 24, "postgres")
                     .await
                     .unwrap();
                 let store = idem_postgres::PgStore::new(pool.clone()).with_table(table("bench_inbox"));
@@ -341,9 +323,7 @@ async fn main() {
                 bench_postgres(&args, store, outbox, pool, &js, tag).await
             }
             "mysql" => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new()
-                    .max_connections(24)
-                    .connect(&args.urls.mysql_url)
+                let pool = idem_bench::engines::pool(&args.urls.mysql_url, 24, "mysql")
                     .await
                     .unwrap();
                 let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(table("bench_inbox"));

@@ -177,34 +177,17 @@ impl RedisCluster {
             cluster.nodes.push(child);
             cluster.ports.push(port);
         }
-        let addrs: Vec<String> = cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let ok = cluster.ports.iter().all(|p| {
-                Command::new("redis-cli")
-                    .args(["-p", &p.to_string(), "cluster", "info"])
-                    .output()
-                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
-            });
-            if ok {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mut create = vec!["create".to_owned()];
+        create.extend(cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")));
+        create.extend(["--cluster-replicas", "0", "--cluster-yes"].map(str::to_owned));
+        cluster_cli(&create);
+        let ok = polled(Duration::from_millis(100), || {
+            cluster
+                .ports
+                .iter()
+                .all(|p| ask(*p, &["cluster", "info"]).contains("cluster_state:ok"))
+        });
+        assert!(ok, "the cluster did not reach cluster_state:ok");
         cluster
     }
 
@@ -226,42 +209,23 @@ impl RedisCluster {
         all.extend_from_slice(args);
         let (child, port) = spawn_ready(&node_dir, &all);
         self.nodes.push(child);
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "add-node"])
-            .arg(format!("127.0.0.1:{port}"))
-            .arg(format!("127.0.0.1:{}", self.ports[0]))
-            .arg("--cluster-slave")
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"));
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster add-node failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            // Every master knows it as a replica (gossip reaches them one
-            // after the other).
-            let listed = self.ports.iter().all(|master| {
-                Command::new("redis-cli")
-                    .args(["-p", &master.to_string(), "cluster", "nodes"])
-                    .output()
-                    .is_ok_and(|o| {
-                        String::from_utf8_lossy(&o.stdout)
-                            .lines()
-                            .any(|l| l.contains(&format!(":{port}@")) && l.contains("slave"))
-                    })
-            });
-            if listed {
-                return port;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the replica on {port} did not join the cluster"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        cluster_cli(&[
+            "add-node".to_owned(),
+            format!("127.0.0.1:{port}"),
+            format!("127.0.0.1:{}", self.ports[0]),
+            "--cluster-slave".to_owned(),
+        ]);
+        // Every master knows it as a replica (gossip reaches them one after
+        // the other).
+        let listed = polled(Duration::from_millis(100), || {
+            self.ports.iter().all(|master| {
+                ask(*master, &["cluster", "nodes"])
+                    .lines()
+                    .any(|l| l.contains(&format!(":{port}@")) && l.contains("slave"))
+            })
+        });
+        assert!(listed, "the replica on {port} did not join the cluster");
+        port
     }
 
     /// The masters' URLs.
@@ -273,14 +237,51 @@ impl RedisCluster {
     pub(crate) fn keys_per_master(&self) -> Vec<usize> {
         self.ports
             .iter()
-            .map(|p| {
-                let out = Command::new("redis-cli")
-                    .args(["-p", &p.to_string(), "dbsize"])
-                    .output()
-                    .unwrap();
-                String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
-            })
+            .map(|p| ask(*p, &["dbsize"]).trim().parse().unwrap_or(0))
             .collect()
+    }
+}
+
+/// Runs `redis-cli` with `args`.
+fn redis_cli<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> std::process::Output {
+    Command::new("redis-cli")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}"))
+}
+
+/// What `redis-cli -p <port> <args…>` prints.
+pub(crate) fn ask(port: u16, args: &[&str]) -> String {
+    let mut all = vec!["-p".to_owned(), port.to_string()];
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    String::from_utf8_lossy(&redis_cli(&all).stdout).into_owned()
+}
+
+/// Runs `redis-cli --cluster <args…>`, asserting that it succeeded.
+fn cluster_cli(args: &[String]) {
+    let mut all = vec!["--cluster".to_owned()];
+    all.extend_from_slice(args);
+    let out = redis_cli(&all);
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster {} failed: {}{}",
+        args[0],
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Asks `done` every `every` for up to 30 s: whether it came to hold.
+pub(crate) fn polled(every: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(every);
     }
 }
 

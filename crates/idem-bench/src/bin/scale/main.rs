@@ -193,10 +193,7 @@ async fn main() -> Result<(), BoxError> {
     for engine in &args.engines {
         let result = match engine.as_str() {
             "postgres" => {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(pool_size)
-                    .connect(&args.urls.postgres_url)
-                    .await?;
+                let pool = idem_bench::engines::pool(&args.urls.postgres_url, pool_size, "postgres").await?;
                 let store = idem_postgres::PgStore::new(pool)
                     .with_table(table.clone())
                     .with_claim_strategy(idem_bench::engines::claim_strategy(&args.pg_claim_strategy)?)
@@ -204,10 +201,7 @@ async fn main() -> Result<(), BoxError> {
                 scale_engine(store, &args).await?
             }
             "mysql" => {
-                let pool = sqlx::mysql::MySqlPoolOptions::new()
-                    .max_connections(pool_size)
-                    .connect(&args.urls.mysql_url)
-                    .await?;
+                let pool = idem_bench::engines::pool(&args.urls.mysql_url, pool_size, "mysql").await?;
                 scale_engine(idem_mysql::MySqlStore::new(pool).with_table(table.clone()), &args).await?
             }
             "sqlite" => {
