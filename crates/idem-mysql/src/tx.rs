@@ -12,7 +12,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use idem_core::{ClaimRequest, Error, Result};
+use idem_core::{ClaimRequest, Result};
 use sqlx::mysql::{MySqlConnection, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool};
@@ -244,17 +244,10 @@ impl MySqlTx {
             .conn
             .as_ref()
             .map_or(0, |conn| MySqlTransactionManager::get_transaction_depth(conn));
-        match (self.open, depth) {
-            (true, 0) => Err(Error::Config(
-                "the claim's transaction was rolled back under it (sqlx rolls back the enclosing \
-                 transaction when a nested begin fails or is cancelled); nothing of the claim was committed"
-                    .into(),
-            )),
-            (true, 2..) => Err(Error::Config(
-                "a nested transaction begun on the claim's connection was never ended; nothing was committed".into(),
-            )),
-            _ => Ok(()),
+        if self.open {
+            idem_sql::check_claim_depth(depth)?;
         }
+        Ok(())
     }
 
     /// Closes the connection instead of returning it to the pool: the end of

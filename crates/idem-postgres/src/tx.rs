@@ -189,15 +189,9 @@ impl PgTx {
     /// nothing nested left open on it: a write sent otherwise would commit
     /// on its own, or inside a level that never ends.
     pub(crate) fn check_intact(&self) -> Result<()> {
-        if self.nested() {
-            return Err(nested_left_open());
-        }
-        if self.counted && self.depth() == 0 {
-            return Err(Error::Config(
-                "the claim's transaction was rolled back under it (sqlx rolls back the enclosing \
-                 transaction when a nested begin fails or is cancelled); nothing of the claim was committed"
-                    .into(),
-            ));
+        let depth = self.depth();
+        if self.counted || depth > 1 {
+            idem_sql::check_claim_depth(depth)?;
         }
         Ok(())
     }
@@ -207,13 +201,6 @@ impl PgTx {
         self.conn
             .as_ref()
             .map_or(0, |conn| PgTransactionManager::get_transaction_depth(conn))
-    }
-
-    /// Whether a nested transaction (a savepoint) begun on the connection is
-    /// still open, so that ending this transaction would take more than one
-    /// `COMMIT` or `ROLLBACK`.
-    fn nested(&self) -> bool {
-        self.depth() > 1
     }
 
     /// Commits the transaction.
@@ -532,12 +519,6 @@ pub(crate) fn record_error(e: sqlx::Error) -> Error {
         );
     }
     store_error(e)
-}
-
-/// The error of a commit on a transaction whose connection holds a nested
-/// transaction never ended.
-fn nested_left_open() -> Error {
-    Error::Config("a nested transaction begun on the claim's connection was never ended; nothing was committed".into())
 }
 
 /// Rolls back and keeps the connection (for a statement after the rollback).

@@ -38,7 +38,10 @@ mod rows;
 pub use migrate::{KeyMigration, migrate, migrate_in_transaction, pending};
 pub use multistep::{DEFAULT_MULTISTEP_TABLE, MultiStepSchema, SqlMultiSteps};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
-pub use rows::{ROW_COLUMNS, SqlKeyRows, bound, claim_args, completed_args, decode_row, key_args, unclaimed_record};
+pub use rows::{
+    ROW_COLUMNS, SqlKeyRows, bound, check_claim_depth, claim_args, completed_args, decode_row, key_args,
+    unclaimed_record,
+};
 
 /// A statement and its arguments on engine `DB`.
 pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;

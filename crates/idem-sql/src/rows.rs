@@ -424,6 +424,31 @@ macro_rules! tx_ends {
     };
 }
 
+/// Checks the count of transactions sqlx keeps on a claimed transaction's
+/// connection (`depth`, from `TransactionManager::get_transaction_depth`)
+/// before a record or a commit: it must be 1, the claim's own.
+///
+/// - More: a nested transaction (a savepoint) begun in the caller's code
+///   was never ended, and a `COMMIT` would end only that level.
+/// - None: sqlx has rolled the claim's transaction back under it, as it
+///   does when a nested `begin` fails or is cancelled; a write sent now
+///   would commit on its own, without the claim.
+///
+/// Either way nothing of the claim may be committed.
+pub fn check_claim_depth(depth: usize) -> Result<()> {
+    match depth {
+        1 => Ok(()),
+        0 => Err(Error::Config(
+            "the claim's transaction was rolled back under it (sqlx rolls back the enclosing transaction \
+             when a nested begin fails or is cancelled); nothing of the claim was committed"
+                .into(),
+        )),
+        _ => Err(Error::Config(
+            "a nested transaction begun on the claim's connection was never ended; nothing was committed".into(),
+        )),
+    }
+}
+
 /// The error of a record on a transaction that holds no claim of the
 /// record's key (the engines' record statements update or insert exactly
 /// the claimed row, or answer this).

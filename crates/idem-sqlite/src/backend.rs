@@ -115,6 +115,7 @@ impl TxBackend for SqliteStore {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            tx.check_settled().await?;
             let Some(held) = tx.held(req) else {
                 return Err(idem_sql::unclaimed_record());
             };

@@ -5,7 +5,9 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 use idem_core::{ClaimRequest, Result};
+use sqlx::sqlite::SqliteTransactionManager;
 use sqlx::{Sqlite, SqliteConnection, Transaction};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::error::store_error;
 
@@ -19,8 +21,16 @@ use crate::error::store_error;
 /// record writes the completed row (see the crate docs, "One row per fresh
 /// call"). Dropping an open transaction rolls it back, as sqlx's
 /// `Transaction` does: before its connection is used again.
+///
+/// A `begin()` in the caller's code on `&mut **tx` is a savepoint of it. A
+/// nested transaction left open (its `sqlx::Transaction` leaked), or one
+/// whose failed or cancelled `begin` made sqlx roll this transaction back,
+/// fails the record and the commit: nothing of the claim commits, and every
+/// level still open is rolled back, so the connection never goes back to
+/// the pool inside a transaction (holding the database's write lock).
 pub struct SqliteTx {
-    inner: Transaction<'static, Sqlite>,
+    /// `None` once ended.
+    inner: Option<Transaction<'static, Sqlite>>,
     /// The keys claimed in this transaction, with what their record writes.
     claims: Vec<HeldClaim>,
 }
@@ -57,32 +67,98 @@ impl fmt::Debug for SqliteTx {
 impl Deref for SqliteTx {
     type Target = SqliteConnection;
     fn deref(&self) -> &SqliteConnection {
-        &self.inner
+        self.inner
+            .as_ref()
+            .expect("a SqliteTx holds its transaction until it ends")
     }
 }
 
 impl DerefMut for SqliteTx {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.inner
+        self.inner
+            .as_mut()
+            .expect("a SqliteTx holds its transaction until it ends")
+    }
+}
+
+impl Drop for SqliteTx {
+    fn drop(&mut self) {
+        let Some(mut inner) = self.inner.take() else { return };
+        // The transaction's own drop rolls back one level, the innermost:
+        // the levels a nested transaction left open above it first, each
+        // queued on the connection's worker in order.
+        for _ in 1..SqliteTransactionManager::get_transaction_depth(&inner) {
+            SqliteTransactionManager::start_rollback(&mut inner);
+        }
     }
 }
 
 impl SqliteTx {
     pub(crate) fn new(inner: Transaction<'static, Sqlite>) -> Self {
         Self {
-            inner,
+            inner: Some(inner),
             claims: Vec::new(),
         }
     }
 
-    /// Commits the transaction.
-    pub(crate) async fn commit(self) -> Result<()> {
-        self.inner.commit().await.map_err(store_error)
+    /// Fails unless the transaction is still the one its claim began, with
+    /// nothing nested left open on it (see [`idem_sql::check_claim_depth`]).
+    pub(crate) fn check_intact(&self) -> Result<()> {
+        idem_sql::check_claim_depth(SqliteTransactionManager::get_transaction_depth(self))
     }
 
-    /// Rolls the transaction back.
-    pub(crate) async fn rollback(self) -> Result<()> {
-        self.inner.rollback().await.map_err(store_error)
+    /// [`check_intact`](Self::check_intact) once the connection's worker
+    /// has run every command sent to it: the count it keeps moves only as
+    /// the worker runs them, and a nested `begin` cut off half-way leaves
+    /// its `SAVEPOINT` and sqlx's `ROLLBACK` of the claim's transaction
+    /// queued. A ping, which the worker answers after them, costs no
+    /// statement.
+    pub(crate) async fn check_settled(&mut self) -> Result<()> {
+        sqlx::Connection::ping(&mut **self).await.map_err(store_error)?;
+        self.check_intact()
+    }
+
+    /// Commits the transaction; one not intact (see the type's docs) is
+    /// rolled back instead, and the commit fails.
+    pub(crate) async fn commit(mut self) -> Result<()> {
+        if let Err(e) = self.check_intact() {
+            self.unwind().await;
+            return Err(e);
+        }
+        let inner = self
+            .inner
+            .take()
+            .expect("a SqliteTx holds its transaction until it ends");
+        inner.commit().await.map_err(store_error)
+    }
+
+    /// Rolls the transaction back, with any nested level left open on it.
+    pub(crate) async fn rollback(mut self) -> Result<()> {
+        if self.check_intact().is_err() {
+            self.unwind().await;
+            return Ok(());
+        }
+        let inner = self
+            .inner
+            .take()
+            .expect("a SqliteTx holds its transaction until it ends");
+        inner.rollback().await.map_err(store_error)
+    }
+
+    /// Rolls back every level still open on the connection, the innermost
+    /// first; a level that cannot be rolled back is left to Drop, which
+    /// queues the rest.
+    async fn unwind(&mut self) {
+        while SqliteTransactionManager::get_transaction_depth(self) > 0 {
+            if let Err(e) = SqliteTransactionManager::rollback(self).await {
+                tracing::debug!(error = %e, "rolling back a transaction that was not intact failed");
+                return;
+            }
+        }
+        // Nothing open is left: the transaction's own drop has nothing to do.
+        if let Some(inner) = self.inner.take() {
+            drop(inner);
+        }
     }
 
     /// Notes a claim of `req`'s key: its record writes the row with `token`,

@@ -426,3 +426,128 @@ async fn transactional_and_lease_twins_run_the_effect_once() {
         "all 32 saw the same outcome"
     );
 }
+
+/// A claimed transaction of a fresh key on `store`'s only connection, with
+/// the caller's write `effect` in it.
+async fn claimed_with_a_write<'a>(store: &SqliteStore, req: &ClaimRequest<'a>, effect: &str) -> idem_sqlite::SqliteTx {
+    let (mut tx, claim) = store.begin_claim(req, Duration::ZERO).await.expect("claim");
+    assert_eq!(claim, TxClaim::Claimed);
+    write_effect(&mut tx, effect).await.expect("the caller's write");
+    tx
+}
+
+/// That the store's only connection is outside any transaction and free
+/// for the next writer: a transaction of the pool's own begins with
+/// `BEGIN` (not a savepoint of a level left open), writes and commits.
+async fn connection_is_clean(store: &SqliteStore) {
+    let mut tx = store.pool().begin().await.expect("a transaction of the pool's own");
+    let probe = uuid::Uuid::new_v4().to_string();
+    write_to(&mut tx, &probe).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(count_effects(store, &probe).await, 1, "the pool's own write committed");
+}
+
+async fn write_to(conn: &mut sqlx::SqliteConnection, effect: &str) {
+    sqlx::query("INSERT INTO effects (effect_id) VALUES (?1)")
+        .bind(effect)
+        .execute(conn)
+        .await
+        .expect("a write");
+}
+
+/// A transaction begun in the caller's code on a claimed transaction's
+/// connection (`sqlx::Connection::begin`) is a savepoint of the claim's:
+/// rolling it back undoes only its own write, and the claim, the caller's
+/// other writes and the record commit together, once.
+#[tokio::test]
+async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
+    let db = TempDb::new("rows");
+    let store = one_connection(&db).await;
+    for inner_commits in [false, true] {
+        let (scope, key) = (scope(), IdempotencyKey::generate());
+        let fp = fingerprint(&scope);
+        let req = request(&scope, &key, &fp, 1_000, 3, None);
+        let [a, b, c] = [(); 3].map(|()| uuid::Uuid::new_v4().to_string());
+        let mut tx = claimed_with_a_write(&store, &req, &a).await;
+        let mut inner = sqlx::Connection::begin(&mut *tx).await.expect("a nested transaction");
+        write_to(&mut inner, &b).await;
+        if inner_commits {
+            inner.commit().await.expect("commit the savepoint");
+        } else {
+            inner.rollback().await.expect("roll the savepoint back");
+        }
+        write_effect(&mut tx, &c).await.expect("the caller's last write");
+        let record = Record::completed(b"done".to_vec());
+        store.record_commit(tx, &req, &record).await.expect("record");
+        assert_eq!(count_effects(&store, &a).await, 1);
+        assert_eq!(count_effects(&store, &b).await, i64::from(inner_commits));
+        assert_eq!(count_effects(&store, &c).await, 1);
+        let row = store.get(&scope, &key).await.expect("get").expect("recorded");
+        assert_eq!(row.state, RowState::Done(record));
+        connection_is_clean(&store).await;
+    }
+}
+
+/// A nested transaction left open on a claimed transaction's connection
+/// (its `sqlx::Transaction` leaked), or one whose cancelled `begin` made
+/// sqlx roll the claim's transaction back: the record fails and nothing of
+/// the claim commits (neither its row nor the caller's write), where the
+/// record's insert would otherwise commit on its own or inside a level that
+/// never ends; a rollback or a drop ends every level. Each way, the store's
+/// only connection comes back outside any transaction, the write lock free.
+#[tokio::test]
+async fn a_nested_level_left_open_or_rolled_back_under_the_claim_commits_nothing() {
+    let db = TempDb::new("rows");
+    let store = one_connection(&db).await;
+    for how in ["left open", "cut off"] {
+        for end in ["record", "rollback", "drop"] {
+            let (scope, key) = (scope(), IdempotencyKey::generate());
+            let fp = fingerprint(&scope);
+            let req = request(&scope, &key, &fp, 1_000, 3, None);
+            let effect = uuid::Uuid::new_v4().to_string();
+            let mut tx = claimed_with_a_write(&store, &req, &effect).await;
+            if how == "left open" {
+                let mut inner = sqlx::Connection::begin(&mut *tx).await.expect("a nested transaction");
+                write_to(&mut inner, &effect).await;
+                std::mem::forget(inner);
+            } else {
+                cut_off_a_nested_begin(&mut tx).await;
+            }
+            match end {
+                "record" => {
+                    let err = store
+                        .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
+                        .await
+                        .unwrap_err();
+                    assert!(matches!(err, Error::Config(_)), "{how}: {err:?}");
+                }
+                "rollback" => store.rollback(tx).await.expect("rollback"),
+                _ => drop(tx),
+            }
+            connection_is_clean(&store).await;
+            assert_eq!(count_effects(&store, &effect).await, 0, "{how}, {end}");
+            assert!(store.get(&scope, &key).await.expect("get").is_none(), "{how}, {end}");
+        }
+    }
+}
+
+/// Cuts a nested `begin` on `tx` off half-way, as a timeout around the
+/// caller's code would: its future is polled once (which sends it to the
+/// connection's worker) and dropped, trying again in the rare case the
+/// worker answered within that poll.
+async fn cut_off_a_nested_begin(tx: &mut idem_sqlite::SqliteTx) {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    for _ in 0..1_000 {
+        let mut begin = std::pin::pin!(sqlx::Connection::begin(&mut **tx));
+        match begin.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Pending => return,
+            Poll::Ready(nested) => nested
+                .expect("a nested transaction")
+                .rollback()
+                .await
+                .expect("rollback"),
+        }
+    }
+    panic!("a nested begin was never cut off");
+}
