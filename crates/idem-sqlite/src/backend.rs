@@ -137,6 +137,9 @@ impl TxBackend for SqliteStore {
                 ));
             }
             tx.release(req);
+            // The worker has run everything sent before the record: the
+            // commit that follows need not ping it again.
+            tx.note_settled();
             Ok(())
         })
     }

@@ -33,6 +33,10 @@ pub struct SqliteTx {
     inner: Option<Transaction<'static, Sqlite>>,
     /// The keys claimed in this transaction, with what their record writes.
     claims: Vec<HeldClaim>,
+    /// Whether the connection's worker has answered a command of this
+    /// transaction's own since the connection was last lent out, so the
+    /// depth it counts covers everything sent before.
+    settled: bool,
 }
 
 /// A key claimed in a transaction: no row written yet.
@@ -75,6 +79,7 @@ impl Deref for SqliteTx {
 
 impl DerefMut for SqliteTx {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
+        self.settled = false;
         self.inner
             .as_mut()
             .expect("a SqliteTx holds its transaction until it ends")
@@ -86,8 +91,11 @@ impl Drop for SqliteTx {
         let Some(mut inner) = self.inner.take() else { return };
         // The transaction's own drop rolls back one level, the innermost:
         // the levels a nested transaction left open above it first, each
-        // queued on the connection's worker in order.
-        for _ in 1..SqliteTransactionManager::get_transaction_depth(&inner) {
+        // queued on the connection's worker in order. One more than the
+        // count is queued: the count may be one short (a rollback the worker
+        // ran but whose answer was lost, after which the worker skips the
+        // next queued one), and a rollback at depth 0 does nothing.
+        for _ in 0..SqliteTransactionManager::get_transaction_depth(&inner) {
             SqliteTransactionManager::start_rollback(&mut inner);
         }
     }
@@ -98,6 +106,7 @@ impl SqliteTx {
         Self {
             inner: Some(inner),
             claims: Vec::new(),
+            settled: false,
         }
     }
 
@@ -114,14 +123,23 @@ impl SqliteTx {
     /// queued. A ping, which the worker answers after them, costs no
     /// statement.
     pub(crate) async fn check_settled(&mut self) -> Result<()> {
-        sqlx::Connection::ping(&mut **self).await.map_err(store_error)?;
+        if !self.settled {
+            sqlx::Connection::ping(&mut **self).await.map_err(store_error)?;
+            self.settled = true;
+        }
         self.check_intact()
+    }
+
+    /// Notes that the worker has just answered a command of this
+    /// transaction's own (see [`check_settled`](Self::check_settled)).
+    pub(crate) fn note_settled(&mut self) {
+        self.settled = true;
     }
 
     /// Commits the transaction; one not intact (see the type's docs) is
     /// rolled back instead, and the commit fails.
     pub(crate) async fn commit(mut self) -> Result<()> {
-        if let Err(e) = self.check_intact() {
+        if let Err(e) = self.check_settled().await {
             self.unwind().await;
             return Err(e);
         }

@@ -436,15 +436,46 @@ async fn claimed_with_a_write<'a>(store: &SqliteStore, req: &ClaimRequest<'a>, e
     tx
 }
 
-/// That the store's only connection is outside any transaction and free
-/// for the next writer: a transaction of the pool's own begins with
-/// `BEGIN` (not a savepoint of a level left open), writes and commits.
-async fn connection_is_clean(store: &SqliteStore) {
-    let mut tx = store.pool().begin().await.expect("a transaction of the pool's own");
-    let probe = uuid::Uuid::new_v4().to_string();
-    write_to(&mut tx, &probe).await;
-    tx.commit().await.expect("commit");
-    assert_eq!(count_effects(store, &probe).await, 1, "the pool's own write committed");
+/// That the store's only connection is outside any transaction, and every
+/// write it holds committed: sqlx counts no transaction on it once its
+/// worker has answered, and a second pool on the file, which sees only
+/// committed rows, takes the database's write lock at once.
+async fn connection_is_clean(store: &SqliteStore, db: &TempDb) {
+    use sqlx_core::transaction::TransactionManager;
+    let mut conn = store.pool().acquire().await.expect("the store's connection");
+    sqlx::Connection::ping(&mut *conn).await.expect("ping");
+    let depth = sqlx::sqlite::SqliteTransactionManager::get_transaction_depth(&conn);
+    assert_eq!(depth, 0, "the connection came back inside a transaction");
+    drop(conn);
+    let other = sqlx::SqlitePool::connect_with(
+        sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&db.path)
+            .busy_timeout(Duration::ZERO),
+    )
+    .await
+    .expect("a second pool on the file");
+    let lock = other
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("the write lock is free");
+    lock.rollback().await.expect("rollback");
+    other.close().await;
+}
+
+/// How many committed business rows are named `effect`, read through a
+/// pool of its own (which cannot see a transaction left open on the
+/// store's connection).
+async fn committed_effects(db: &TempDb, effect: &str) -> i64 {
+    let other = sqlx::SqlitePool::connect_with(sqlx::sqlite::SqliteConnectOptions::new().filename(&db.path))
+        .await
+        .expect("a second pool on the file");
+    let count = sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE effect_id = ?1")
+        .bind(effect)
+        .fetch_one(&other)
+        .await
+        .expect("count");
+    other.close().await;
+    count
 }
 
 async fn write_to(conn: &mut sqlx::SqliteConnection, effect: &str) {
@@ -479,12 +510,12 @@ async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
         write_effect(&mut tx, &c).await.expect("the caller's last write");
         let record = Record::completed(b"done".to_vec());
         store.record_commit(tx, &req, &record).await.expect("record");
-        assert_eq!(count_effects(&store, &a).await, 1);
-        assert_eq!(count_effects(&store, &b).await, i64::from(inner_commits));
-        assert_eq!(count_effects(&store, &c).await, 1);
+        assert_eq!(committed_effects(&db, &a).await, 1);
+        assert_eq!(committed_effects(&db, &b).await, i64::from(inner_commits));
+        assert_eq!(committed_effects(&db, &c).await, 1);
         let row = store.get(&scope, &key).await.expect("get").expect("recorded");
         assert_eq!(row.state, RowState::Done(record));
-        connection_is_clean(&store).await;
+        connection_is_clean(&store, &db).await;
     }
 }
 
@@ -524,8 +555,8 @@ async fn a_nested_level_left_open_or_rolled_back_under_the_claim_commits_nothing
                 "rollback" => store.rollback(tx).await.expect("rollback"),
                 _ => drop(tx),
             }
-            connection_is_clean(&store).await;
-            assert_eq!(count_effects(&store, &effect).await, 0, "{how}, {end}");
+            connection_is_clean(&store, &db).await;
+            assert_eq!(committed_effects(&db, &effect).await, 0, "{how}, {end}");
             assert!(store.get(&scope, &key).await.expect("get").is_none(), "{how}, {end}");
         }
     }
@@ -550,4 +581,38 @@ async fn cut_off_a_nested_begin(tx: &mut idem_sqlite::SqliteTx) {
         }
     }
     panic!("a nested begin was never cut off");
+}
+
+/// A transaction that commits without a record (a request without a key)
+/// right after the caller's code dropped a nested transaction (which sqlx
+/// rolls back on the connection's worker, queued): the commit sees that
+/// level ended and commits the caller's other write. After a nested
+/// `begin` cut off half-way instead, which made sqlx roll this transaction
+/// back, the commit fails rather than answer Ok for nothing committed.
+#[tokio::test]
+async fn a_commit_without_a_record_sees_what_the_callers_nested_transactions_left() {
+    let db = TempDb::new("rows");
+    let store = one_connection(&db).await;
+    for cut_off in [false, true] {
+        let (kept, dropped) = (uuid::Uuid::new_v4().to_string(), uuid::Uuid::new_v4().to_string());
+        let mut tx = store.begin().await.expect("begin");
+        write_effect(&mut tx, &kept).await.expect("the caller's write");
+        if cut_off {
+            cut_off_a_nested_begin(&mut tx).await;
+        } else {
+            let mut inner = sqlx::Connection::begin(&mut *tx).await.expect("a nested transaction");
+            write_to(&mut inner, &dropped).await;
+            drop(inner);
+        }
+        let committed = store.commit(tx).await;
+        if cut_off {
+            assert!(matches!(committed, Err(Error::Config(_))), "{committed:?}");
+            assert_eq!(committed_effects(&db, &kept).await, 0);
+        } else {
+            committed.expect("the commit");
+            assert_eq!(committed_effects(&db, &kept).await, 1);
+            assert_eq!(committed_effects(&db, &dropped).await, 0);
+        }
+        connection_is_clean(&store, &db).await;
+    }
 }
