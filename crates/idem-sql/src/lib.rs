@@ -24,6 +24,7 @@
 
 use idem_core::{BoxFuture, Result, TableName};
 use sqlx::{Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type};
+use sqlx_core::transaction::TransactionManager;
 
 mod deadletter;
 
@@ -324,6 +325,16 @@ pub trait Dialect: Send + Sync + 'static {
         table: &'a TableName,
         work: Migrations<'a, Self::Db>,
     ) -> BoxFuture<'a, Result<()>>;
+
+    /// Checks, before the store writes its own rows in a transaction the
+    /// caller's code has used (a multi-step operation's local step), that
+    /// sqlx counts exactly that transaction's level on `conn` (see
+    /// [`check_claim_depth`]). An engine whose count moves off the caller's
+    /// task (SQLite's connection worker) has it settle first.
+    fn check_claim_level(conn: &mut <Self::Db as Database>::Connection) -> BoxFuture<'_, Result<()>> {
+        let depth = <<Self::Db as Database>::TransactionManager as TransactionManager>::get_transaction_depth(conn);
+        Box::pin(std::future::ready(check_claim_depth(depth)))
+    }
 
     /// A statement deleting the first `limit` rows of `table` by `order`
     /// that match `filter`; `key` is the table's primary key.

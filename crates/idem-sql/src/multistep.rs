@@ -297,12 +297,23 @@ where
     B: TxBackend,
     B::Tx: DerefMut<Target = <D::Db as Database>::Connection>,
 {
+    /// Refused (nothing written) unless `tx` is still at its own level: a
+    /// step's work that swallowed a nested `begin` which failed or was cut
+    /// off has had its transaction rolled back by sqlx, and the write would
+    /// commit on its own, recording the step done without its work.
     fn insert_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, Result<Option<i64>>> {
-        Box::pin(self.insert(&mut **tx, row))
+        Box::pin(async move {
+            D::check_claim_level(&mut **tx).await?;
+            self.insert(&mut **tx, row).await
+        })
     }
 
+    /// Refused as [`insert_in`](MultiStepStore::insert_in) is.
     fn write_in<'a>(&'a self, tx: &'a mut B::Tx, row: &'a MultiStep) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.update(&mut **tx, row))
+        Box::pin(async move {
+            D::check_claim_level(&mut **tx).await?;
+            self.update(&mut **tx, row).await
+        })
     }
 
     fn write<'a>(&'a self, row: &'a MultiStep) -> BoxFuture<'a, Result<()>> {

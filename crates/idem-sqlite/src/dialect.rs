@@ -2,8 +2,9 @@
 
 use idem_core::{BoxFuture, Result, TableName};
 use idem_sql::{Dialect, Migrations, TextColumns};
-use sqlx::sqlite::SqliteQueryResult;
+use sqlx::sqlite::{SqliteQueryResult, SqliteTransactionManager};
 use sqlx::{Sqlite, SqlitePool, Transaction};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::store_error;
 
@@ -71,6 +72,15 @@ impl Dialect for SqliteDialect {
 
     fn rows_affected(done: &SqliteQueryResult) -> u64 {
         done.rows_affected()
+    }
+
+    /// Once the connection's worker has answered a ping: the count it keeps
+    /// moves only as it runs the commands sent to it.
+    fn check_claim_level(conn: &mut sqlx::SqliteConnection) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            sqlx::Connection::ping(&mut *conn).await.map_err(store_error)?;
+            idem_sql::check_claim_depth(SqliteTransactionManager::get_transaction_depth(conn))
+        })
     }
 
     /// The database's write lock, in one `BEGIN IMMEDIATE` transaction: the

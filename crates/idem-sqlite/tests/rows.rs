@@ -616,3 +616,37 @@ async fn a_commit_without_a_record_sees_what_the_callers_nested_transactions_lef
         connection_is_clean(&store, &db).await;
     }
 }
+
+/// A multi-step operation's local step whose work swallowed a nested
+/// `begin` cut off half-way (which made sqlx roll the step's transaction
+/// back): the step's row is not written, where it would otherwise commit
+/// on its own and record the step done without its work.
+#[tokio::test]
+async fn a_local_step_is_not_recorded_once_its_transaction_was_rolled_back_under_it() {
+    use idem_core::multistep::{MultiStep, MultiStepStore, NewMultiStep};
+    let db = TempDb::new("rows");
+    let store = one_connection(&db).await;
+    let steps = idem_sqlite::SqliteMultiSteps::new(store.pool().clone());
+    steps.migrate().await.expect("migrate the operations table");
+    let scope = scope();
+    let new = NewMultiStep {
+        fingerprint: fingerprint(&scope),
+        scope,
+        key: IdempotencyKey::generate(),
+        definition: "transfer@1".into(),
+        input: b"{}".to_vec(),
+        ttl_ms: 60_000,
+    };
+    let row = MultiStep::created(&new, 7, 1_000, 30_000).expect("a new operation");
+    let mut tx = store.begin().await.expect("begin");
+    let effect = uuid::Uuid::new_v4().to_string();
+    write_effect(&mut tx, &effect).await.expect("the step's work");
+    cut_off_a_nested_begin(&mut tx).await;
+    let written = MultiStepStore::<SqliteStore>::insert_in(&steps, &mut tx, &row).await;
+    assert!(matches!(written, Err(Error::Config(_))), "{written:?}");
+    store.rollback(tx).await.expect("rollback");
+    let found = MultiStepStore::<SqliteStore>::find(&steps, &new.scope, &new.key).await;
+    assert!(found.expect("find").is_none(), "the step's row was not written");
+    assert_eq!(committed_effects(&db, &effect).await, 0);
+    connection_is_clean(&store, &db).await;
+}
