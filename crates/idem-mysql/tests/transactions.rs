@@ -44,6 +44,36 @@ async fn claimed_with_a_write(store: &MySqlStore, req: &ClaimRequest<'_>, effect
     tx
 }
 
+/// A store on a keys table of its own (with the shared effects table in
+/// place): a test whose sessions end with a transaction open, or close
+/// mid-way, leaves no lock that another test's claim on the shared table
+/// would meet.
+async fn store_of_its_own(pool: &MySqlPool) -> MySqlStore {
+    shared_store(pool.clone()).await;
+    isolated_store(pool.clone()).await
+}
+
+/// A pool of one connection to the test server through a
+/// [`HoldingProxy`](idem_conformance::wire::HoldingProxy) that holds the
+/// answer to a flight containing `needle` while armed.
+async fn one_connection_through_proxy(needle: &'static [u8]) -> (idem_conformance::wire::HoldingProxy, MySqlPool) {
+    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, needle).await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            options
+                .host(&proxy.addr().ip().to_string())
+                .port(proxy.addr().port())
+                // In clear text, so the proxy sees each statement.
+                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
+        )
+        .await
+        .expect("a pool through the proxy");
+    (proxy, pool)
+}
+
 /// Whether the pool's next connection is inside a transaction, and its autocommit setting.
 async fn session_state(pool: &MySqlPool) -> (i64, i64) {
     sqlx::query_as("SELECT CAST(@@in_transaction AS SIGNED), CAST(@@autocommit AS SIGNED)")
@@ -177,7 +207,7 @@ async fn record_without_claim_commits_nothing() {
 #[tokio::test]
 async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
     let pool = pool(1, "DO 0").await;
-    let store = shared_store(pool.clone()).await;
+    let store = store_of_its_own(&pool).await;
     for inner_commits in [false, true] {
         let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
         let req = request(&call);
@@ -217,24 +247,11 @@ async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
 /// only connection comes back outside any transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
-    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
     // The proxy holds the answer to the nested begin's `SAVEPOINT`, so the
     // timeout always cuts the begin off half-way.
-    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"SAVEPOINT").await;
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect_with(
-            options
-                .host(&proxy.addr().ip().to_string())
-                .port(proxy.addr().port())
-                // In clear text, so the proxy sees each statement.
-                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
-        )
-        .await
-        .expect("a pool through the proxy");
+    let (proxy, pool) = one_connection_through_proxy(b"SAVEPOINT").await;
     for strategy in [ClaimStrategy::NamedLock, ClaimStrategy::Placeholder] {
-        let store = shared_store(pool.clone()).await.with_claim_strategy(strategy);
+        let store = store_of_its_own(&pool).await.with_claim_strategy(strategy);
         for end in ["record", "rollback"] {
             let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
             let req = request(&call);
@@ -275,7 +292,7 @@ async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
 #[tokio::test]
 async fn a_nested_transaction_left_open_commits_nothing() {
     let pool = pool(1, "DO 0").await;
-    let store = shared_store(pool.clone()).await;
+    let store = store_of_its_own(&pool).await;
     for end in ["commit", "rollback", "drop"] {
         let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
         let req = request(&call);
@@ -386,20 +403,7 @@ async fn payloads_of_every_byte_round_trip() {
 /// answer has arrived, outside any transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_does_not_wait_for_its_rollback() {
-    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, b"ROLLBACK").await;
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect_with(
-            options
-                .host(&proxy.addr().ip().to_string())
-                .port(proxy.addr().port())
-                // In clear text, so the proxy sees each statement.
-                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
-        )
-        .await
-        .expect("a pool through the proxy");
+    let (proxy, pool) = one_connection_through_proxy(b"ROLLBACK").await;
     let (_, engine, call) = executed_once(&pool).await;
     proxy.arm(true);
     let replay = tokio::time::timeout(
