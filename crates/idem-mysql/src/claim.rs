@@ -244,6 +244,7 @@ impl MySqlStore {
     /// The server-wide name of the key's named lock: a hash of the table,
     /// tenant, operation and key (names are limited to 64 characters).
     pub(crate) fn lock_name(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+        use std::fmt::Write as _;
         let mut hash = Sha256::new();
         for part in [
             self.table.as_str(),
@@ -258,7 +259,7 @@ impl MySqlStore {
         let mut name = String::with_capacity(5 + 48);
         name.push_str("idem:");
         for b in &digest[..24] {
-            name.push_str(&format!("{b:02x}"));
+            let _ = write!(name, "{b:02x}");
         }
         name
     }
@@ -366,42 +367,19 @@ impl MySqlStore {
     /// granted, and it locks nothing at any isolation level. Values are
     /// written as literals whose meaning no setting changes: the lock name in
     /// hexadecimal digits, the wait in decimal, the key's columns (binary)
-    /// as `X'…'`.
+    /// as `X'…'`, the engine's clock as an integer.
     ///
-    /// `BEGIN` follows only when the claim writes (a fresh key, a takeover,
-    /// the placeholder claim under SERIALIZABLE). A found row or a busy key
-    /// answers a transaction that never began: rolling it back only releases
-    /// the lock, so a replay costs two round trips.
+    /// A live row (one the claim only answers: a replay, a conflict, a key
+    /// in progress under a lease) releases the lock in the read itself,
+    /// once it has been read, so a replay costs this one round trip. `BEGIN`
+    /// follows only when the claim writes (a fresh key, a takeover, the
+    /// placeholder claim under SERIALIZABLE); a busy key answers a
+    /// transaction that never began and holds nothing.
     pub(crate) async fn begin_named(&self, req: &ClaimRequest<'_>, wait: Duration) -> Result<(MySqlTx, Claim)> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let flavor = self.flavor(&mut conn).await?;
-        let isolation = match flavor {
-            Flavor::MariaDb => "@@tx_isolation",
-            Flavor::MySql => "@@transaction_isolation",
-        };
         let name = self.lock_name(req.scope, req.key);
-        let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
-        let mut text = format!(
-            "SET @{LOCK_VARIABLE} = IF({isolation} = 'SERIALIZABLE', {NAMED_LOCK_SERIALIZABLE}, \
-             GET_LOCK('{name}', {secs:.3})); \
-             SELECT CAST(@{LOCK_VARIABLE} AS SIGNED), k.fingerprint, k.status, k.token, k.payload, \
-             k.lease_expires_at_ms, k.expires_at_ms FROM (SELECT 1) AS one LEFT JOIN `{}` AS k ON ",
-            self.table.as_str()
-        );
-        for (column, value) in [
-            ("tenant", req.scope.tenant().as_str()),
-            ("operation", req.scope.operation().as_str()),
-            ("idem_key", req.key.as_str()),
-        ] {
-            if column != "tenant" {
-                text.push_str(" AND ");
-            }
-            text.push_str(&format!("k.{column} = X'"));
-            for b in value.as_bytes() {
-                text.push_str(&format!("{b:02X}"));
-            }
-            text.push('\'');
-        }
+        let text = named_claim_text(flavor, self.table.as_str(), &name, wait, req);
         // Until its answer is read, the lock counts as held: ending the
         // transaction releases it, or closes the connection if the text
         // failed or the caller went away while the server waits (releasing
@@ -424,8 +402,26 @@ impl MySqlStore {
                 }
                 return self.not_locked(&mut tx, req, wait, answer).await;
             }
-            match RawRow::decode_joined(row)? {
-                Some(found) if !found.is_stale(req.now_ms) => Ok(Claim::Found(found.into_stored()?)),
+            let released: Option<i64> = row.try_get(7).map_err(store_error)?;
+            let found = RawRow::decode_joined(row)?;
+            let live = found.as_ref().is_some_and(|found| !found.is_stale(req.now_ms));
+            if released == Some(1) {
+                tx.forget_lock(&name);
+                return match found {
+                    Some(found) if live => Ok(Claim::Found(found.into_stored()?)),
+                    // The text and this decoding apply the same staleness
+                    // rule to the same values; a row released but not live
+                    // would be claimed without the lock.
+                    _ => Err(Error::store(
+                        StoreErrorKind::Serialization,
+                        "the named-lock read released the lock of a key it must claim",
+                    )),
+                };
+            }
+            match found {
+                // Still locked (the release did not answer 1): rolling the
+                // idle transaction back releases it.
+                Some(found) if live => Ok(Claim::Found(found.into_stored()?)),
                 found => {
                     tx.start().await?;
                     self.decide_named(&mut tx, req, wait, flavor, found).await
@@ -484,6 +480,63 @@ pub(crate) fn busy_or_error(e: sqlx::Error) -> Result<Claim> {
             tracing::debug!("claim chosen as a deadlock victim; the engine retries it");
         }
         Err(e)
+    }
+}
+
+/// The text of [`MySqlStore::begin_named`]: the lock, then the read of the
+/// key's row with the lock's answer (column 0), the row's columns (1–6,
+/// `NULL` for an absent key) and the answer of the lock's release
+/// (column 7: `1` when the row read is live and the lock was released,
+/// otherwise `NULL`). The staleness test is [`idem_core::is_stale`]'s, on
+/// the engine's clock.
+pub(crate) fn named_claim_text(
+    flavor: Flavor,
+    table: &str,
+    name: &str,
+    wait: Duration,
+    req: &ClaimRequest<'_>,
+) -> String {
+    use std::fmt::Write as _;
+    let isolation = match flavor {
+        Flavor::MariaDb => "@@tx_isolation",
+        Flavor::MySql => "@@transaction_isolation",
+    };
+    let secs = wait.min(Duration::from_secs(MAX_LOCK_WAIT_SECS)).as_secs_f64();
+    let now = req.now_ms;
+    let mut text = String::with_capacity(640);
+    let _ = write!(
+        text,
+        "SET @{LOCK_VARIABLE} = IF({isolation} = 'SERIALIZABLE', {NAMED_LOCK_SERIALIZABLE}, \
+         GET_LOCK('{name}', {secs:.3})); \
+         SELECT CAST(@{LOCK_VARIABLE} AS SIGNED), k.fingerprint, k.status, k.token, k.payload, \
+         k.lease_expires_at_ms, k.expires_at_ms, \
+         IF(@{LOCK_VARIABLE} = 1 AND k.fingerprint IS NOT NULL AND k.expires_at_ms > {now} \
+         AND NOT (k.status = {STATUS_IN_PROGRESS} AND IFNULL(k.lease_expires_at_ms <= {now}, FALSE)), \
+         RELEASE_LOCK('{name}'), NULL) \
+         FROM (SELECT 1) AS one LEFT JOIN `{table}` AS k ON "
+    );
+    for (column, value) in [
+        ("tenant", req.scope.tenant().as_str()),
+        ("operation", req.scope.operation().as_str()),
+        ("idem_key", req.key.as_str()),
+    ] {
+        if column != "tenant" {
+            text.push_str(" AND ");
+        }
+        let _ = write!(text, "k.{column} = X'");
+        push_hex(&mut text, value.as_bytes());
+        text.push('\'');
+    }
+    text
+}
+
+/// Appends `bytes` to `text` in upper-case hexadecimal digits.
+pub(crate) fn push_hex(text: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    text.reserve(bytes.len() * 2);
+    for b in bytes {
+        text.push(DIGITS[usize::from(b >> 4)] as char);
+        text.push(DIGITS[usize::from(b & 0xf)] as char);
     }
 }
 

@@ -45,10 +45,10 @@
 //!
 //! | request | statements, one round trip per line |
 //! | --- | --- |
-//! | fresh key | `SET @… = GET_LOCK(…); SELECT` the key's row (one text); `BEGIN`; the caller's own; the `INSERT` of the completed row; `COMMIT`; `DO RELEASE_LOCK(…)` |
-//! | recorded key (replay, or 422) | the lock and the read (one text); `DO RELEASE_LOCK(…)` |
+//! | fresh key | `SET @… = GET_LOCK(…); SELECT` the key's row (one text); `BEGIN`; the caller's own; the `INSERT` of the completed row; `COMMIT; DO RELEASE_LOCK(…)` (one text); `ROLLBACK`, queued |
+//! | recorded key (replay, or 422) | the lock and the read, which releases the lock once it has read a live row (one text) |
 //! | key held by a twin (busy) | the lock and the read (`GET_LOCK` waits, then answers 0) |
-//! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT`, `DO RELEASE_LOCK(…)` |
+//! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT; DO RELEASE_LOCK(…)`; `ROLLBACK`, queued |
 //!
 //! The `ROLLBACK` after a claim that found the key held (a replay, a key in
 //! progress) and holds no named lock is queued on the connection, as sqlx
@@ -56,7 +56,11 @@
 //! without waiting for it, and the ping with which the pool takes the
 //! connection back sends it and reads its answer before anyone can acquire
 //! the connection. It is still a round trip in the counts below. Every other
-//! rollback waits for its answer.
+//! rollback waits for its answer. Under the named lock, `COMMIT` and the
+//! lock's release travel as one text (the server runs the release only once
+//! the commit succeeded), and sqlx, which did not send that `COMMIT`, has
+//! its count of transactions set back by a `ROLLBACK` queued the same way;
+//! it arrives after the commit, outside any transaction, and does nothing.
 //!
 //! sqlx counts the claim's transaction as begun on its connection, so a
 //! `begin()` in the caller's code on `&mut **tx` is a savepoint. One begun
@@ -68,25 +72,26 @@
 //! transaction.
 //!
 //! So a fresh call writes one row of its own instead of two, and a replay
-//! writes and locks nothing. Counted by the cost meter on MariaDB 10.11
-//! (`claims --engine mysql`, 300 calls per path, one business insert; redo
-//! bytes are the server's, shared with whatever else runs on it):
+//! writes and locks nothing and is answered in one round trip. Counted by
+//! the cost meter on MariaDB 10.11 (`claims --engine mysql`, 300 calls per
+//! path, one business insert; the counts include the pool's ping on acquire
+//! and on release; redo bytes are the server's, shared with whatever else
+//! runs on it):
 //!
 //! | path | round trips | rows written | redo bytes |
 //! | --- | --- | --- | --- |
-//! | bare `BEGIN; INSERT; COMMIT` | 5 | 1 | 318–360 |
-//! | fresh, placeholder | 7 | 3 | 971–1 030 |
-//! | fresh, named lock | 8 | 2 | 583–706 |
+//! | bare `BEGIN; INSERT; COMMIT` | 5 | 1 | 203–343 |
+//! | fresh, placeholder | 7 | 3 | 875–903 |
+//! | fresh, named lock | 8 (6 before the caller has its answer) | 2 | 487–489 |
 //! | replay, placeholder | 6 | 1 (the refused insert) | 0 |
-//! | replay, named lock | 4 | 0 | 0–53 |
+//! | replay, named lock | 3 | 0 | 0 |
 //!
-//! (`docs/benchmarks.md`, "MariaDB claim strategies", has the transfer
-//! workload and the CPU figures.)
+//! (`docs/benchmarks.md`, "MariaDB claim strategies" and "MariaDB's named
+//! lock", has the transfer workload, the CPU figures and the timings.)
 //!
-//! The pool's own connection check on acquire (sqlx pings by default) comes
-//! on top, as for any transaction. The claim and record statements are
-//! prepared once per connection and take their values as parameters. They
-//! are not batched with `BEGIN` and `COMMIT` as multi-statement text: on
+//! The claim and record statements are prepared once per connection and
+//! take their values as parameters. They are not batched with `BEGIN` and
+//! `COMMIT` as multi-statement text: on
 //! MariaDB such a batch needs its values spelled out and parsed on every
 //! request, which costs the server more CPU than the round trips it saves
 //! when the server is local and CPU-bound; the `TxBackend::begin_claim` and
@@ -222,11 +227,14 @@ pub enum ClaimStrategy {
     /// certification refuses the second commit (safe, but the lock then
     /// saves nothing); use [`Placeholder`](Self::Placeholder) there.
     ///
-    /// It trades a row write for a round trip: a fresh call sends
-    /// `RELEASE_LOCK` after `COMMIT` (a replay costs two round trips instead
-    /// of four). On a local, CPU-bound MariaDB its fresh calls ran slower
-    /// than the placeholder's (`docs/benchmarks.md`); it pays where the redo
-    /// volume is what runs out.
+    /// It trades a row write for statements: a fresh call sends three the
+    /// placeholder's does not, the lock, its release (in one text with
+    /// `COMMIT`) and the `ROLLBACK` queued after it that sets sqlx's count
+    /// of transactions back (sent after the caller has its answer); a
+    /// replay is one round trip instead of four. On a local, CPU-bound
+    /// MariaDB, whose cost goes by statements, its fresh calls ran at 0.7×
+    /// the placeholder's (`docs/benchmarks.md`); it pays where the redo
+    /// volume is what runs out, or where replays dominate.
     NamedLock,
 }
 

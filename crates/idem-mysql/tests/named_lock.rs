@@ -200,6 +200,116 @@ async fn lock_is_released_after_commit() {
     }
 }
 
+/// A replay gives the lock back in the read that found the row: another
+/// session's claim that does not wait finds the row while the replay's
+/// transaction (never begun) has not been rolled back. A commit and its
+/// release travel as one flight, on a session that goes back to the pool
+/// clean: the same session (not a new one) then autocommits a write of its
+/// own, which the `ROLLBACK` queued after the commit does not undo, and
+/// begins the next claim at its own level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_give_the_lock_back_in_their_read_and_commits_leave_the_session_clean() {
+    let (proxy, pool) = common::one_connection_through_proxy(b"COMMIT; DO RELEASE_LOCK(").await;
+    let store = shared_store(pool.clone())
+        .await
+        .with_claim_strategy(ClaimStrategy::NamedLock);
+    let other = other_process(&store).await;
+    let session = || async {
+        sqlx::query_scalar::<_, u64>("SELECT CONNECTION_ID()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let first_session = session().await;
+    let call = new_call("POST /named/one-text");
+    let effect = format!("one-text-{}", call.key().as_str());
+    let record = Record::completed(b"once".to_vec());
+    // The commit's answer is held back at the proxy: it was one flight
+    // holding both statements.
+    proxy.arm(true);
+    {
+        let (store, call, effect, record) = (store.clone(), call.clone(), effect.clone(), record.clone());
+        proxy
+            .waits_for_release(
+                async move {
+                    let req = request_at(&call, now_ms());
+                    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+                    assert_eq!(claim, TxClaim::Claimed);
+                    write_effect(&mut tx, &effect).await;
+                    store.record_commit(tx, &req, &record).await.unwrap();
+                },
+                "the commit was not sent as `COMMIT; DO RELEASE_LOCK(…)`",
+            )
+            .await;
+    }
+    proxy.arm(false);
+    assert_eq!(proxy.held(), 1);
+    assert_eq!(
+        session().await,
+        first_session,
+        "the committed session went back to the pool"
+    );
+
+    let after = format!("after-{}", call.key().as_str());
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO `{}` (effect_id) VALUES (?)",
+        common::EFFECTS_TABLE
+    )))
+    .bind(&after)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(effects(other.pool(), &effect).await, 1, "the claim's write committed");
+    assert_eq!(
+        effects(other.pool(), &after).await,
+        1,
+        "the next user's write autocommitted"
+    );
+
+    let req = request_at(&call, now_ms());
+    let (replay, answer) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        answer,
+        TxClaim::Found(other.get(call.scope(), call.key()).await.unwrap().unwrap())
+    );
+    // The replay's transaction has not ended; its lock is not held.
+    let (theirs, answer) = other.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert!(
+        matches!(answer, TxClaim::Found(_)),
+        "the replay still held the key's lock: {answer:?}"
+    );
+    other.rollback(theirs).await.unwrap();
+    store.rollback(replay).await.unwrap();
+    assert_eq!(
+        session().await,
+        first_session,
+        "the replay's session went back to the pool"
+    );
+
+    // The next claim on the same session runs at its own level: a nested
+    // begin in its work is a savepoint, and its commit commits.
+    let call = new_call("POST /named/one-text");
+    let req = request_at(&call, now_ms());
+    let effect = format!("nested-{}", call.key().as_str());
+    let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
+    assert_eq!(claim, TxClaim::Claimed);
+    {
+        let mut nested = sqlx::Connection::begin(&mut *tx).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO `{}` (effect_id) VALUES (?)",
+            common::EFFECTS_TABLE
+        )))
+        .bind(&effect)
+        .execute(&mut *nested)
+        .await
+        .unwrap();
+        nested.commit().await.unwrap();
+    }
+    store.record_commit(tx, &req, &record).await.unwrap();
+    assert_eq!(effects(other.pool(), &effect).await, 1);
+    assert_eq!(session().await, first_session);
+}
+
 /// After ROLLBACK the named lock is released: another session's claim that does not wait claims the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_is_released_after_rollback() {

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{URL_VAR, effects, isolated_store, shared_store, url, write_effect};
+use common::{URL_VAR, effects, isolated_store, one_connection_through_proxy, shared_store, url, write_effect};
 use idem_conformance::{call_for, rejecting, unique_scope};
 use idem_core::{ClaimRequest, Error, IdempotencyKey, Record, RowState, Scope, TxBackend, TxClaim, TxEngine};
 use idem_mysql::{ClaimStrategy, MySqlStore};
@@ -51,27 +51,6 @@ async fn claimed_with_a_write(store: &MySqlStore, req: &ClaimRequest<'_>, effect
 async fn store_of_its_own(pool: &MySqlPool) -> MySqlStore {
     shared_store(pool.clone()).await;
     isolated_store(pool.clone()).await
-}
-
-/// A pool of one connection to the test server through a
-/// [`HoldingProxy`](idem_conformance::wire::HoldingProxy) that holds the
-/// answer to a flight containing `needle` while armed.
-async fn one_connection_through_proxy(needle: &'static [u8]) -> (idem_conformance::wire::HoldingProxy, MySqlPool) {
-    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, needle).await;
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect_with(
-            options
-                .host(&proxy.addr().ip().to_string())
-                .port(proxy.addr().port())
-                // In clear text, so the proxy sees each statement.
-                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
-        )
-        .await
-        .expect("a pool through the proxy");
-    (proxy, pool)
 }
 
 /// Whether the pool's next connection is inside a transaction, and its autocommit setting.

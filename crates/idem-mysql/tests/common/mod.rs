@@ -180,3 +180,24 @@ pub async fn try_effects(pool: &MySqlPool, id: &str) -> Result<i64, sqlx::Error>
     .fetch_one(pool)
     .await
 }
+
+/// A pool of one connection to the test server through a
+/// [`HoldingProxy`](idem_conformance::wire::HoldingProxy) that holds the
+/// answer to a flight containing `needle` while armed.
+pub async fn one_connection_through_proxy(needle: &'static [u8]) -> (idem_conformance::wire::HoldingProxy, MySqlPool) {
+    let options: sqlx::mysql::MySqlConnectOptions = url().parse().expect("a MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = idem_conformance::wire::HoldingProxy::start(upstream, needle).await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            options
+                .host(&proxy.addr().ip().to_string())
+                .port(proxy.addr().port())
+                // In clear text, so the proxy sees each statement.
+                .ssl_mode(sqlx::mysql::MySqlSslMode::Disabled),
+        )
+        .await
+        .expect("a pool through the proxy");
+    (proxy, pool)
+}
