@@ -296,7 +296,9 @@ fn scale_section(results: &Results) -> String {
         let _ = writeln!(
             out,
             "| {name} | live p99, sweeping {} expired rows | {} | {} | {} | ≤ {} | {} |",
-            num(&sweep, &["rows"]).map_or("?".into(), thousands),
+            num(&sweep, &["expired"])
+                .or_else(|| num(&sweep, &["rows"]))
+                .map_or("?".into(), thousands),
             ms(num(&sweep, &["live_without", "p99_ms"])),
             ms(num(&sweep, &["live_during", "p99_ms"])),
             show(num(&sweep, &["p99_ratio"])),

@@ -1,9 +1,14 @@
 //! `idem sweep`: deletes expired keys in bounded batches, paced for live
 //! traffic, with a progress bar on a terminal.
+//!
+//! The pacing is [`SweepOptions::rest_after`]'s: after each batch the sweep
+//! rests in proportion to the time the batch took, so that it spends at
+//! most `--busy-percent` of its time inside the store, however slow the
+//! store is today; `--pause-ms` is only the least rest.
 
 use std::time::Duration;
 
-use idem_core::{KeyAdmin, Sweep, TimeSource};
+use idem_core::{DEFAULT_SWEEP_BUSY_PERCENT, KeyAdmin, Sweep, SweepOptions, TimeSource};
 use idem_gateway::AnyLease;
 
 use crate::output::{Failure, print};
@@ -17,9 +22,14 @@ pub(crate) struct SweepArgs {
     /// Keys deleted per batch.
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
-    /// Pause between batches, in ms (room for live traffic).
+    /// The least rest between batches, in ms.
     #[arg(long, default_value_t = 10)]
     pause_ms: u64,
+    /// The most of its time the sweep spends in its batches, in percent:
+    /// each batch is followed by a rest in proportion to its own time,
+    /// leaving the rest to live traffic.
+    #[arg(long, default_value_t = DEFAULT_SWEEP_BUSY_PERCENT, value_parser = clap::value_parser!(u8).range(1..=100))]
+    busy_percent: u8,
     /// Stop after this many batches.
     #[arg(long)]
     max_batches: Option<u64>,
@@ -31,8 +41,15 @@ pub(crate) async fn run(args: SweepArgs, redis: &idem_gateway::RedisSettings, js
         at,
         batch,
         pause_ms,
+        busy_percent,
         max_batches,
     } = args;
+    let pacing = SweepOptions {
+        batch_size: batch,
+        pause: Duration::from_millis(pause_ms),
+        busy_percent,
+        max_batches,
+    };
     let s = at.open_to_write(redis).await?;
     let now = s.source_now_ms().await?;
     let bar = if !json && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -51,7 +68,9 @@ pub(crate) async fn run(args: SweepArgs, redis: &idem_gateway::RedisSettings, js
         if max_batches.is_some_and(|m| report.batches >= m) {
             break;
         }
+        let started = tokio::time::Instant::now();
         let done = s.sweep_batch(now, batch).await?;
+        let took = started.elapsed();
         report.batches += 1;
         report.deleted += done.deleted;
         report.ghosts += done.ghosts;
@@ -63,7 +82,10 @@ pub(crate) async fn run(args: SweepArgs, redis: &idem_gateway::RedisSettings, js
         if done.examined < u64::from(batch) {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        let rest = pacing.rest_after(took);
+        if !rest.is_zero() {
+            tokio::time::sleep(rest).await;
+        }
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();

@@ -54,7 +54,28 @@ async fn operator_commands(url: &str, outbox: bool) {
         (Some(5), Some(2)),
         "{json}"
     );
-    let (code, json, out) = idem(&["sweep", "--store", url, "--batch", "2", "--pause-ms", "0", "--json"]);
+    for busy in ["0", "101"] {
+        let (code, _, out) = idem(&["sweep", "--store", url, "--busy-percent", busy, "--json"]);
+        assert_eq!(code, 2, "--busy-percent {busy} is bad input: {out}");
+    }
+    let (_, json, _) = idem(&["stats", "--store", url, "--json"]);
+    assert_eq!(
+        json["expired"].as_u64(),
+        Some(5),
+        "a refused sweep deleted nothing: {json}"
+    );
+    let (code, json, out) = idem(&[
+        "sweep",
+        "--store",
+        url,
+        "--batch",
+        "2",
+        "--pause-ms",
+        "0",
+        "--busy-percent",
+        "50",
+        "--json",
+    ]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(
         (json["deleted"].as_u64(), json["batches"].as_u64()),

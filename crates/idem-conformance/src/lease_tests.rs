@@ -339,6 +339,7 @@ pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
     let options = SweepOptions {
         batch_size: 2,
         pause: Duration::ZERO,
+        busy_percent: 100,
         max_batches: None,
     };
     let report = idem_core::sweep_expired(&s.sweeper(), &*shared, options).await.unwrap();

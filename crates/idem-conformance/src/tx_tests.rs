@@ -487,6 +487,7 @@ pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
     let options = SweepOptions {
         batch_size: 3,
         pause: Duration::ZERO,
+        busy_percent: 100,
         max_batches: None,
     };
     let report = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options)

@@ -7,9 +7,15 @@
 //! [sweeper]
 //! interval_secs = 60   # between runs; 0 turns the sweeper off
 //! batch = 1000         # rows (or index entries) per batch
-//! pause_ms = 10        # between batches, room for live traffic
+//! busy_percent = 20    # most of a run's time spent in its batches
+//! pause_ms = 10        # least rest between batches
 //! max_batches = 100    # per run; what is left waits for the next run
 //! ```
+//!
+//! After each batch the sweeper rests in proportion to the time the batch
+//! took, so that a run spends at most `busy_percent` of its time inside the
+//! store and leaves the rest to live traffic, however slow the store is
+//! today; `pause_ms` is only the least rest.
 //!
 //! Several gateways on one store may all sweep: each batch is atomic per
 //! row (`SKIP LOCKED` on PostgreSQL and MySQL, one script per row on Redis,
@@ -22,7 +28,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem_core::{SharedClock, SweepOptions};
+use idem_core::{DEFAULT_SWEEP_BUSY_PERCENT, SharedClock, SweepOptions};
 use serde::Deserialize;
 use tokio::task::JoinHandle;
 
@@ -44,8 +50,12 @@ pub struct SweeperConfig {
     pub interval_secs: u64,
     /// Rows (or Redis index entries) per batch, 1 to 100 000.
     pub batch: u32,
-    /// Pause between batches, ms.
+    /// The least rest between batches, ms.
     pub pause_ms: u64,
+    /// The most of a run's time spent in its batches, in percent (1 to
+    /// 100): each batch is followed by a rest in proportion to its own time
+    /// (see [`SweepOptions::busy_percent`]).
+    pub busy_percent: u8,
     /// Batches per run at most (at least 1): a run never takes long, and
     /// what is left waits for the next run.
     pub max_batches: u64,
@@ -57,6 +67,7 @@ impl Default for SweeperConfig {
             interval_secs: 60,
             batch: 1_000,
             pause_ms: 10,
+            busy_percent: DEFAULT_SWEEP_BUSY_PERCENT,
             max_batches: 100,
         }
     }
@@ -78,6 +89,12 @@ impl SweeperConfig {
             return Err(ConfigError(format!(
                 "[sweeper] pause_ms = {} must be at most 60000",
                 self.pause_ms
+            )));
+        }
+        if !(1..=100).contains(&self.busy_percent) {
+            return Err(ConfigError(format!(
+                "[sweeper] busy_percent = {} must be 1 to 100",
+                self.busy_percent
             )));
         }
         Ok(())
@@ -113,6 +130,7 @@ impl Sweeper {
         let options = SweepOptions {
             batch_size: config.batch,
             pause: Duration::from_millis(config.pause_ms),
+            busy_percent: config.busy_percent,
             max_batches: Some(config.max_batches),
         };
         let task = tokio::spawn(async move {

@@ -181,6 +181,7 @@ async fn ghost_entries_are_swept_and_never_counted() {
     let options = SweepOptions {
         batch_size: 7,
         pause: std::time::Duration::ZERO,
+        busy_percent: 100,
         max_batches: None,
     };
     let report = idem_core::sweep_expired(&store, &SystemClock, options).await.unwrap();

@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use idem_core::multistep::MultiStepStore;
-use idem_core::{SharedClock, Sweep, SweepOptions, TableName};
+use idem_core::{DEFAULT_SWEEP_BUSY_PERCENT, SharedClock, Sweep, SweepOptions, TableName};
 
 use crate::db::{
     JOB_RUNS_TABLE, LedgerDb, OPERATIONS_TABLE, PAYOUT_LEASES_TABLE, PROJECTION_INBOX_TABLE, WEBHOOK_INBOX_TABLE,
@@ -43,12 +43,15 @@ pub fn tables() -> Vec<TableName> {
         .collect()
 }
 
-/// How one sweep runs: batches of 1 000 rows 10 ms apart, at most 100 per
+/// How one sweep runs: batches of 1 000 rows, each followed by a rest in
+/// proportion to its own time so that the sweep spends at most 20% of its
+/// time in the database (and at least 10 ms apart), at most 100 batches per
 /// table (what is left waits for the next run).
 pub fn options() -> SweepOptions {
     SweepOptions {
         batch_size: 1_000,
         pause: Duration::from_millis(10),
+        busy_percent: DEFAULT_SWEEP_BUSY_PERCENT,
         max_batches: Some(100),
     }
 }
@@ -66,11 +69,13 @@ const OPERATIONS_BATCH: u32 = 500;
 /// 7 days, that of the payout keys) is how long callers may retry.
 pub async fn purge_operations<D: LedgerDb>(db: &D, clock: &SharedClock) -> idem_core::Result<u64> {
     let steps = db.multi_steps();
-    let SweepOptions { pause, max_batches, .. } = options();
+    let options = options();
     let now = clock.now_ms();
     let (mut deleted, mut batches) = (0u64, 0u64);
-    while max_batches.is_none_or(|m| batches < m) {
+    while options.max_batches.is_none_or(|m| batches < m) {
+        let started = tokio::time::Instant::now();
         let n = MultiStepStore::<D>::purge_expired(&steps, now, OPERATIONS_BATCH).await?;
+        let took = started.elapsed();
         deleted += n;
         batches += 1;
         // Less than a full batch: nothing was left when it ran (or another
@@ -78,7 +83,7 @@ pub async fn purge_operations<D: LedgerDb>(db: &D, clock: &SharedClock) -> idem_
         if n < u64::from(OPERATIONS_BATCH) {
             break;
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(options.rest_after(took)).await;
     }
     Ok(deleted)
 }

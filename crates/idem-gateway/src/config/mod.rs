@@ -145,7 +145,7 @@ pub struct Config {
     #[serde(default)]
     pub redis: crate::store::RedisSettings,
     /// The background sweeper (`[sweeper]`: `interval_secs`, `batch`,
-    /// `pause_ms`, `max_batches`).
+    /// `busy_percent`, `pause_ms`, `max_batches`).
     #[serde(default)]
     pub sweeper: crate::sweeper::SweeperConfig,
 }
@@ -379,5 +379,26 @@ mod tests {
             let e = valid(&format!("{extra}\n{TENANT}")).unwrap_err().to_string();
             assert!(e.contains(named), "{extra}: {e}");
         }
+    }
+
+    /// The sweeper's busy share is a percentage of at least 1: 0 and 101
+    /// are refused naming the setting, 100 (rest only `pause_ms`) is taken.
+    #[test]
+    fn the_sweepers_busy_percent_is_1_to_100() {
+        for bad in [0, 101] {
+            let e = valid(&format!("{TENANT}[sweeper]\nbusy_percent = {bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                e,
+                format!("configuration: [sweeper] busy_percent = {bad} must be 1 to 100")
+            );
+        }
+        let c = valid(&format!("{TENANT}[sweeper]\nbusy_percent = 100\n")).unwrap();
+        assert_eq!(c.sweeper.busy_percent, 100);
+        assert_eq!(
+            valid(TENANT).unwrap().sweeper.busy_percent,
+            idem_core::DEFAULT_SWEEP_BUSY_PERCENT
+        );
     }
 }

@@ -1,8 +1,7 @@
 //! The live claims: fresh transactional claims from many workers, with a
-//! warm-up, over a timed window or until a sweep ends, and their figures.
+//! warm-up, over a timed window, and their figures.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::{BoxError, Call, Fingerprint, IdempotencyKey, InFlight, Policy, Scope, TxEngine};
@@ -70,34 +69,69 @@ pub(crate) async fn claim<D: ScaleDb>(
     Ok(())
 }
 
-/// When a measurement stops counting.
-#[derive(Clone)]
-pub(crate) enum Window {
-    /// `--seconds` after the warm-up.
-    Timed,
-    /// When the flag is set (by the end of a sweep started after the warm-up).
-    Until(Arc<AtomicBool>),
+/// Latencies of live claims over a window, and the window's length.
+#[derive(Debug, Default)]
+pub(crate) struct Sample {
+    pub(crate) latencies: Vec<Duration>,
+    pub(crate) counted: Duration,
 }
 
-/// Fresh claims from `--workers` workers: a warm-up, then the window.
-pub(crate) async fn measure<D: ScaleDb>(db: &D, args: &Args, window: Window) -> Result<Figures, BoxError> {
+impl Sample {
+    /// Adds another window's latencies and time.
+    pub(crate) fn extend(&mut self, other: Sample) {
+        self.latencies.extend(other.latencies);
+        self.counted += other.counted;
+    }
+
+    /// Throughput and percentiles of a copy.
+    pub(crate) fn figures_of(&self) -> Figures {
+        Sample {
+            latencies: self.latencies.clone(),
+            counted: self.counted,
+        }
+        .figures()
+    }
+
+    /// Throughput and percentiles.
+    pub(crate) fn figures(mut self) -> Figures {
+        self.latencies.sort();
+        let latencies = &self.latencies;
+        let pct = |p: f64| {
+            if latencies.is_empty() {
+                return 0.0;
+            }
+            let idx = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
+            latencies[idx].as_secs_f64() * 1000.0
+        };
+        Figures {
+            ops: latencies.len(),
+            ops_per_sec: latencies.len() as f64 / self.counted.as_secs_f64().max(1e-9),
+            p50_ms: pct(0.50),
+            p99_ms: pct(0.99),
+        }
+    }
+}
+
+/// Fresh claims from `--workers` workers: a warm-up, then `--seconds`.
+pub(crate) async fn measure<D: ScaleDb>(db: &D, args: &Args) -> Result<Figures, BoxError> {
+    Ok(sample(db, args).await?.figures())
+}
+
+/// The latencies of [`measure`], unsorted.
+pub(crate) async fn sample<D: ScaleDb>(db: &D, args: &Args) -> Result<Sample, BoxError> {
     let engine = Arc::new(TxEngine::new(db.clone()));
     let run = Duration::from_secs(args.seconds);
     let random = args.live_keys == "random";
     let start = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..args.workers {
-        let (engine, window) = (engine.clone(), window.clone());
+        let engine = engine.clone();
         let scope = scope_of(w % SEEDS)?;
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             loop {
                 let t0 = Instant::now();
-                let over = match &window {
-                    Window::Timed => t0.duration_since(start) >= WARMUP + run,
-                    Window::Until(done) => done.load(Ordering::SeqCst),
-                };
-                if over {
+                if t0.duration_since(start) >= WARMUP + run {
                     break;
                 }
                 let key = if random {
@@ -117,23 +151,9 @@ pub(crate) async fn measure<D: ScaleDb>(db: &D, args: &Args, window: Window) -> 
     for t in tasks {
         latencies.extend(t.await??);
     }
-    let counted = match window {
-        Window::Timed => run,
-        Window::Until(_) => start.elapsed().saturating_sub(WARMUP),
-    };
-    latencies.sort();
-    let pct = |p: f64| {
-        if latencies.is_empty() {
-            return 0.0;
-        }
-        let idx = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
-        latencies[idx].as_secs_f64() * 1000.0
-    };
-    Ok(Figures {
-        ops: latencies.len(),
-        ops_per_sec: latencies.len() as f64 / counted.as_secs_f64().max(1e-9),
-        p50_ms: pct(0.50),
-        p99_ms: pct(0.99),
+    Ok(Sample {
+        latencies,
+        counted: run,
     })
 }
 

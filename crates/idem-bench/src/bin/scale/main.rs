@@ -13,11 +13,17 @@
 //!    by the row count (PostgreSQL after `VACUUM ANALYZE`, MariaDB after
 //!    `ANALYZE TABLE`, SQLite from the `dbstat` table);
 //! 3. **sweeping under live traffic**: with `--sweep-rows` expired rows
-//!    added, live claims without a sweep, then while `sweep_expired` runs
-//!    (its default options unless `--sweep-batch` or `--sweep-pause-ms` say
-//!    otherwise) until every expired row is gone; it reports the
-//!    live p99 during the sweep over the one without (target 1.2), and the
-//!    sweep's duration and rows/s.
+//!    added, `--sweep-rounds` rounds of two windows of live claims, each as
+//!    long as the others: one with the sweep held, then one with it
+//!    running (batches paced by `SweepOptions::rest_after`, the rule of
+//!    `sweep_expired`, with its default options unless `--sweep-batch`,
+//!    `--sweep-pause-ms` or `--sweep-busy-percent` say otherwise; a batch
+//!    in flight ends before a window without the sweep starts). It reports
+//!    the live p99 of the windows with the sweep over that of the windows
+//!    without (target 1.2), both pooled over the rounds, and the rows the
+//!    sweep deleted, its time sweeping and rows/s. Windows of equal length,
+//!    alternated, keep a checkpoint or a slow minute of the machine from
+//!    landing on one side only.
 //!
 //! Stored keys look like the keys the store writes: eight rows are first
 //! claimed and recorded through the store (four tenants, two operations,
@@ -36,9 +42,6 @@
 //! that no measurement pays for a load's writes. Live claims use UUIDv7 keys
 //! (`--live-keys v7`) or keys spread over the key space (`--live-keys
 //! random`), which make each claim touch a random primary-key page.
-//!
-//! During the sweep, live claims are counted from the sweep's start (after
-//! the live traffic's warm-up) to its end.
 //!
 //! The tables (`idem_scale_keys`, its version table, `idem_scale_seeds`,
 //! `idem_scale_effects`) are dropped at the end; the SQLite database is a
@@ -67,10 +70,13 @@
 //!       "p99_target": 1.1,
 //!       "p99_met": true,                // p99_ratio <= p99_target
 //!       "sweep": {
-//!         "rows": 1000000,              // expired rows the sweep deleted
-//!         "seconds": 42.0,              // how long the sweep ran
-//!         "rows_per_sec": 23800.0,
-//!         "batches": 1001,
+//!         "expired": 1000000,           // expired rows in the table before the sweep
+//!         "rows": 54000,                // expired rows the sweep deleted in its windows
+//!         "seconds": 9.0,               // time sweeping (batches and rests), held time left out
+//!         "rows_per_sec": 6000.0,
+//!         "batches": 54,
+//!         "rounds": 3,                  // windows without and with the sweep, alternated
+//!         "busy_percent": 20,           // SweepOptions::busy_percent
 //!         "live_without": {"ops": ..., "ops_per_sec": ..., "p50_ms": ..., "p99_ms": ...},
 //!         "live_during": {"ops": ..., "ops_per_sec": ..., "p50_ms": ..., "p99_ms": ...},
 //!         "p99_ratio": 1.1,             // live_during.p99_ms / live_without.p99_ms
@@ -155,9 +161,17 @@ struct Args {
     /// Rows the sweep deletes per batch (`SweepOptions::batch_size`).
     #[arg(long, default_value_t = SweepOptions::default().batch_size)]
     sweep_batch: u32,
-    /// Milliseconds the sweep pauses between batches (`SweepOptions::pause`).
+    /// Milliseconds the sweep pauses between batches at least (`SweepOptions::pause`).
     #[arg(long, default_value_t = SweepOptions::default().pause.as_millis() as u64)]
     sweep_pause_ms: u64,
+    /// The most of its time the sweep spends in its batches, in percent
+    /// (`SweepOptions::busy_percent`).
+    #[arg(long, default_value_t = SweepOptions::default().busy_percent, value_parser = clap::value_parser!(u8).range(1..=100))]
+    sweep_busy_percent: u8,
+    /// Rounds of the sweep measurement: each a window of live claims with
+    /// the sweep held, then one with it running.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    sweep_rounds: u32,
     /// Where to write the figures.
     #[arg(long, default_value = "target/bench/scale.json")]
     out: String,

@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::{BoxError, IdempotencyKey, SweepOptions, SystemClock, TxEngine, sweep_expired};
+use idem_core::{BoxError, IdempotencyKey, SweepOptions, TxEngine};
 use serde_json::{Value, json};
 
-use crate::claims::{Window, claim, measure, print_figures, ratio, scope_of};
+use crate::claims::{Sample, claim, measure, print_figures, ratio, sample, scope_of};
 use crate::db::{Engine, ScaleDb, drop_all, fresh_effects, settle};
 use crate::load::load;
 use crate::size::{bytes, server};
-use crate::{Args, KEYS_TABLE, SEEDS, WARMUP};
+use crate::{Args, KEYS_TABLE, SEEDS};
 
 /// Measures one engine, and drops its tables whatever happened.
 pub(crate) async fn scale_engine<D: ScaleDb>(db: D, args: &Args) -> Result<Value, BoxError> {
@@ -58,7 +58,7 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
     load(&db, &columns, small_keys, "small", None).await?;
     settle(&db).await?;
     fresh_effects(&db).await?;
-    let small = measure(&db, args, Window::Timed).await?;
+    let small = measure(&db, args).await?;
     print_figures(engine, &format!("claims at {} keys", args.small_keys), &small);
 
     // ... and with the large number: the table is emptied and loaded again,
@@ -82,7 +82,7 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
     }
     settle(&db).await?;
     fresh_effects(&db).await?;
-    let large = measure(&db, args, Window::Timed).await?;
+    let large = measure(&db, args).await?;
     print_figures(engine, &format!("claims at {} keys", args.keys), &large);
     let p99_ratio = ratio(large.p99_ms, small.p99_ms);
     println!(
@@ -109,40 +109,35 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
     println!("  {name:<8} {expired} expired rows in the table");
     settle(&db).await?;
     fresh_effects(&db).await?;
-    let live_without = measure(&db, args, Window::Timed).await?;
-    print_figures(engine, "live claims, no sweep", &live_without);
-
-    fresh_effects(&db).await?;
-    // The sweep starts when the live traffic's warm-up ends, and the live
-    // claims are counted until it is done.
-    let done = Arc::new(AtomicBool::new(false));
     let options = SweepOptions {
         batch_size: args.sweep_batch,
         pause: Duration::from_millis(args.sweep_pause_ms),
+        busy_percent: args.sweep_busy_percent,
         ..SweepOptions::default()
     };
-    let sweeper = {
-        let (db, done) = (db.clone(), done.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(WARMUP).await;
-            let start = Instant::now();
-            let report = sweep_expired(&db, &SystemClock, options).await;
-            done.store(true, Ordering::SeqCst);
-            report.map(|r| (r, start.elapsed()))
-        })
-    };
-    let live_during = measure(&db, args, Window::Until(done.clone())).await;
-    done.store(true, Ordering::SeqCst);
-    let live_during = live_during?;
-    let (report, swept_in) = sweeper.await??;
-    let sweep_secs = swept_in.as_secs_f64();
+    let sweep = PausedSweep::start(db.clone(), options);
+    let (mut without, mut during) = (Sample::default(), Sample::default());
+    for round in 1..=args.sweep_rounds {
+        sweep.pause().await;
+        let live = sample(&db, args).await?;
+        print_figures(engine, &format!("live claims, no sweep ({round})"), &live.figures_of());
+        without.extend(live);
+        sweep.resume();
+        let live = sample(&db, args).await?;
+        print_figures(engine, &format!("live claims, sweeping ({round})"), &live.figures_of());
+        during.extend(live);
+    }
+    let swept = sweep.stop().await?;
+    let (live_without, live_during) = (without.figures(), during.figures());
+    print_figures(engine, "live claims, no sweep", &live_without);
     print_figures(engine, "live claims during the sweep", &live_during);
     let sweep_ratio = ratio(live_during.p99_ms, live_without.p99_ms);
-    let rows_per_sec = report.deleted as f64 / sweep_secs.max(1e-9);
+    let sweep_secs = swept.sweeping.as_secs_f64();
+    let rows_per_sec = swept.deleted as f64 / sweep_secs.max(1e-9);
     println!(
-        "  {name:<8} sweep: {} rows in {} batches, {sweep_secs:.1} s, {rows_per_sec:.0} rows/s; \
-         live p99 during / without = {sweep_ratio:.3} (target <= 1.2)",
-        report.deleted, report.batches
+        "  {name:<8} sweep: {} of {expired} rows in {} batches, {sweep_secs:.1} s sweeping, {rows_per_sec:.0} rows/s \
+         ({}% busy at most); live p99 during / without = {sweep_ratio:.3} (target <= 1.2)",
+        swept.deleted, swept.batches, args.sweep_busy_percent
     );
 
     Ok(json!({
@@ -155,10 +150,13 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
         "p99_target": 1.1,
         "p99_met": p99_ratio <= 1.1,
         "sweep": {
-            "rows": report.deleted,
+            "expired": expired,
+            "rows": swept.deleted,
             "seconds": sweep_secs,
             "rows_per_sec": rows_per_sec,
-            "batches": report.batches,
+            "batches": swept.batches,
+            "rounds": args.sweep_rounds,
+            "busy_percent": args.sweep_busy_percent,
             "live_without": live_without.json(),
             "live_during": live_during.json(),
             "p99_ratio": sweep_ratio,
@@ -170,4 +168,99 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
         "expired_load_seconds": expired_load_seconds,
         "server": server,
     }))
+}
+
+/// What the sweep did over the rounds.
+struct Swept {
+    deleted: u64,
+    batches: u64,
+    /// Time spent sweeping (batches and their rests), pauses left out.
+    sweeping: Duration,
+}
+
+/// The sweep of the run: batches paced as [`SweepOptions::rest_after`]
+/// says (the rule of `idem_core::sweep_expired`), held between batches
+/// while the live claims without a sweep are measured.
+struct PausedSweep {
+    running: Arc<AtomicBool>,
+    idle: Arc<tokio::sync::Notify>,
+    in_batch: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Result<Swept, BoxError>>,
+}
+
+impl PausedSweep {
+    /// Starts held.
+    fn start<D: ScaleDb>(db: D, options: SweepOptions) -> Self {
+        let running = Arc::new(AtomicBool::new(false));
+        let in_batch = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let idle = Arc::new(tokio::sync::Notify::new());
+        let task = {
+            let (running, in_batch, stop, idle) = (running.clone(), in_batch.clone(), stop.clone(), idle.clone());
+            tokio::spawn(async move {
+                let mut swept = Swept {
+                    deleted: 0,
+                    batches: 0,
+                    sweeping: Duration::ZERO,
+                };
+                let mut done = false;
+                while !stop.load(Ordering::SeqCst) {
+                    if done || !running.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    let started = Instant::now();
+                    in_batch.store(true, Ordering::SeqCst);
+                    let now_ms = i64::try_from(
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)?
+                            .as_millis(),
+                    )?;
+                    let batch = db.sweep_batch(now_ms, options.batch_size).await;
+                    in_batch.store(false, Ordering::SeqCst);
+                    idle.notify_waiters();
+                    let batch = batch?;
+                    let took = started.elapsed();
+                    swept.deleted += batch.deleted;
+                    swept.batches += 1;
+                    done = batch.examined < u64::from(options.batch_size);
+                    if !done {
+                        tokio::time::sleep(options.rest_after(took)).await;
+                    }
+                    swept.sweeping += started.elapsed();
+                }
+                Ok(swept)
+            })
+        };
+        Self {
+            running,
+            idle,
+            in_batch,
+            stop,
+            task,
+        }
+    }
+
+    /// Holds the sweep and waits for a batch in flight to end.
+    async fn pause(&self) {
+        self.running.store(false, Ordering::SeqCst);
+        while self.in_batch.load(Ordering::SeqCst) {
+            let idle = self.idle.notified();
+            if !self.in_batch.load(Ordering::SeqCst) {
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), idle).await;
+        }
+    }
+
+    fn resume(&self) {
+        self.running.store(true, Ordering::SeqCst);
+    }
+
+    async fn stop(self) -> Result<Swept, BoxError> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.running.store(false, Ordering::SeqCst);
+        self.task.await?
+    }
 }
