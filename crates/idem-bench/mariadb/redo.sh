@@ -15,16 +15,8 @@
 #                INSERT, one INSERT of the completed row, COMMIT, RELEASE_LOCK
 set -euo pipefail
 n=${1:-2000}
-db=${IDEM_BENCH_MYSQL_DB:-test}
-mysql_() { mysql -uroot -h127.0.0.1 -P3306 "$db" "$@"; }
-mysql_ -e "
-DROP TABLE IF EXISTS redo_bench_keys, redo_bench_effects;
-CREATE TABLE redo_bench_keys (
-    tenant VARBINARY(255) NOT NULL, operation VARBINARY(255) NOT NULL, idem_key VARBINARY(255) NOT NULL,
-    fingerprint BINARY(32) NOT NULL, status SMALLINT NOT NULL, token BIGINT NOT NULL, payload LONGBLOB NULL,
-    created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, lease_expires_at_ms BIGINT NULL,
-    PRIMARY KEY (tenant, operation, idem_key), KEY expires_at_ms_idx (expires_at_ms)) ENGINE=InnoDB;
-CREATE TABLE redo_bench_effects (id VARBINARY(64) PRIMARY KEY, payload VARBINARY(64)) ENGINE=InnoDB;"
+. "$(dirname "$0")/tables.sh"
+fresh_tables redo_bench_keys redo_bench_effects
 fp="REPEAT(X'ab', 32)"
 tx() { # option, i
     local k="'$1-$2'"

@@ -16,16 +16,8 @@
 set -euo pipefail
 sequences=${1:-9000}
 runs=${2:-2}
-db=${IDEM_BENCH_MYSQL_DB:-test}
-mysql_() { mariadb -uroot -h127.0.0.1 -P3306 "$db" "$@"; }
-mysql_ -e "
-DROP TABLE IF EXISTS statements_bench_keys, statements_bench_effects;
-CREATE TABLE statements_bench_keys (
-    tenant VARBINARY(255) NOT NULL, operation VARBINARY(255) NOT NULL, idem_key VARBINARY(255) NOT NULL,
-    fingerprint BINARY(32) NOT NULL, status SMALLINT NOT NULL, token BIGINT NOT NULL, payload LONGBLOB NULL,
-    created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, lease_expires_at_ms BIGINT NULL,
-    PRIMARY KEY (tenant, operation, idem_key), KEY expires_at_ms_idx (expires_at_ms)) ENGINE=InnoDB;
-CREATE TABLE statements_bench_effects (id VARCHAR(64) PRIMARY KEY, payload VARCHAR(64)) ENGINE=InnoDB;"
+. "$(dirname "$0")/tables.sh"
+fresh_tables statements_bench_keys statements_bench_effects
 fp="REPEAT(X'ab', 32)"
 keys=statements_bench_keys
 where="tenant = 't' AND operation = 'op' AND idem_key = @k"

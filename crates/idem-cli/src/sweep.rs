@@ -79,7 +79,7 @@ pub(crate) async fn run(args: SweepArgs, redis: &idem_gateway::RedisSettings, js
         }
         // Entries whose rows were already gone are work done too:
         // only a batch that found less than it could take is the last.
-        if done.examined < u64::from(batch) {
+        if done.examined < u64::from(batch) || !pacing.allows_another(report.batches) {
             break;
         }
         let rest = pacing.rest_after(took);

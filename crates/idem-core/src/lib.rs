@@ -89,8 +89,8 @@ pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
 pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};
 pub use sweep::{
-    DEFAULT_SWEEP_BUSY_PERCENT, KeyFilter, KeyInfo, KeyState, KeyStats, PendingMigration, SweepOptions, SweepReport,
-    sweep_expired,
+    DEFAULT_SWEEP_BUSY_PERCENT, KeyFilter, KeyInfo, KeyState, KeyStats, MAX_SWEEP_REST, PendingMigration, SweepOptions,
+    SweepReport, sweep_expired,
 };
 pub use table::TableName;
 pub use tx::{Begin, Claimed, REJECT_CLAIM_WAIT, Ticket, TxEngine};

@@ -24,10 +24,11 @@ pub struct SweepReport {
 /// took `t`, it rests at least `t × (100 − busy_percent) / busy_percent`
 /// (and at least `pause`), so it spends at most `busy_percent` of its
 /// running time inside the database, however slow the server is today.
-/// A fixed pause cannot do that: a batch of 1 000 rows took 33 ms on
-/// PostgreSQL and 210 ms on MariaDB on the same machine, so the old 10 ms
-/// pause left the sweep in the database 77% and 95% of the time
-/// (`docs/benchmarks.md`, "The sweep under live traffic").
+/// A fixed pause cannot do that: a batch of 1 000 rows took about 20 ms on
+/// PostgreSQL and 85 ms on MariaDB on the same machine under live load, so
+/// the old 10 ms pause left the sweep in the database about two thirds and
+/// nine tenths of the time (`docs/benchmarks.md`, "The sweep under live traffic"). No rest
+/// is longer than [`MAX_SWEEP_REST`] unless the pause is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SweepOptions {
     /// Rows deleted per batch: small batches keep each transaction short, so
@@ -60,14 +61,24 @@ impl Default for SweepOptions {
 /// The default [`SweepOptions::busy_percent`].
 pub const DEFAULT_SWEEP_BUSY_PERCENT: u8 = 20;
 
+/// The longest rest [`SweepOptions::rest_after`] scales to (a longer
+/// [`pause`](SweepOptions::pause) still counts): a batch held up for a
+/// minute by a lock does not hold the sweep back for four more.
+pub const MAX_SWEEP_REST: Duration = Duration::from_secs(10);
+
 impl SweepOptions {
     /// The rest after a batch that took `batch`: `batch` scaled by
-    /// [`busy_percent`](Self::busy_percent), at least
-    /// [`pause`](Self::pause).
+    /// [`busy_percent`](Self::busy_percent), at most [`MAX_SWEEP_REST`],
+    /// at least [`pause`](Self::pause).
     pub fn rest_after(&self, batch: Duration) -> Duration {
         let busy = u32::from(self.busy_percent.clamp(1, 100));
         let scaled = batch.checked_mul(100 - busy).map_or(Duration::MAX, |d| d / busy);
-        scaled.max(self.pause)
+        scaled.min(MAX_SWEEP_REST).max(self.pause)
+    }
+
+    /// Whether a sweep that has run `batches` batches may run another.
+    pub fn allows_another(&self, batches: u64) -> bool {
+        self.max_batches.is_none_or(|max| batches < max)
     }
 }
 
@@ -92,10 +103,7 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
 ) -> Result<SweepReport> {
     let batch_size = options.batch_size.max(1);
     let mut report = SweepReport::default();
-    loop {
-        if options.max_batches.is_some_and(|max| report.batches >= max) {
-            break;
-        }
+    while options.allows_another(report.batches) {
         let started = tokio::time::Instant::now();
         let batch = store.sweep_batch(clock.now_ms(), batch_size).await?;
         let took = started.elapsed();
@@ -104,7 +112,7 @@ pub async fn sweep_expired<S: Sweep + ?Sized>(
         report.ghosts += batch.ghosts;
         metrics::counter!(crate::metrics::SWEPT).increment(batch.deleted);
         metrics::counter!(crate::metrics::SWEPT_GHOSTS).increment(batch.ghosts);
-        if batch.examined < u64::from(batch_size) {
+        if batch.examined < u64::from(batch_size) || !options.allows_another(report.batches) {
             break;
         }
         let rest = options.rest_after(took);
@@ -388,6 +396,26 @@ mod tests {
         }
     }
 
+    /// A sweep that reaches `max_batches` ends after its last batch, with
+    /// no rest after it.
+    #[tokio::test(start_paused = true)]
+    async fn the_last_allowed_batch_is_not_followed_by_a_rest() {
+        let store = Slow {
+            left: Mutex::new(10),
+            batch: Duration::from_millis(100),
+        };
+        let options = SweepOptions {
+            batch_size: 1,
+            pause: Duration::ZERO,
+            busy_percent: 20,
+            max_batches: Some(2),
+        };
+        let started = tokio::time::Instant::now();
+        let report = sweep_expired(&store, &crate::SystemClock, options).await.unwrap();
+        assert_eq!((report.deleted, report.batches), (2, 2));
+        assert_eq!(started.elapsed(), Duration::from_millis(2 * 100 + 400));
+    }
+
     #[test]
     fn rests_are_bounded_and_never_panic() {
         let options = SweepOptions {
@@ -399,7 +427,16 @@ mod tests {
             busy_percent: 1,
             ..SweepOptions::default()
         };
-        assert_eq!(options.rest_after(Duration::MAX), Duration::MAX);
+        assert_eq!(options.rest_after(Duration::MAX), MAX_SWEEP_REST);
+        let long_pause = SweepOptions {
+            pause: Duration::from_secs(30),
+            ..options
+        };
+        assert_eq!(
+            long_pause.rest_after(Duration::MAX),
+            Duration::from_secs(30),
+            "a longer pause counts"
+        );
         assert_eq!(
             options.rest_after(Duration::from_millis(10)),
             Duration::from_millis(990)

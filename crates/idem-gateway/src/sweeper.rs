@@ -56,8 +56,9 @@ pub struct SweeperConfig {
     /// 100): each batch is followed by a rest in proportion to its own time
     /// (see [`SweepOptions::busy_percent`]).
     pub busy_percent: u8,
-    /// Batches per run at most (at least 1): a run never takes long, and
-    /// what is left waits for the next run.
+    /// Batches per run at most (at least 1): a run is bounded (each batch
+    /// and its rest, which is at most 10 s), and what is left waits for the
+    /// next run, an interval after this one ends.
     pub max_batches: u64,
 }
 

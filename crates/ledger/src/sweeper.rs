@@ -80,7 +80,7 @@ pub async fn purge_operations<D: LedgerDb>(db: &D, clock: &SharedClock) -> idem_
         batches += 1;
         // Less than a full batch: nothing was left when it ran (or another
         // instance took part of it); the next run looks again.
-        if n < u64::from(OPERATIONS_BATCH) {
+        if n < u64::from(OPERATIONS_BATCH) || !options.allows_another(batches) {
             break;
         }
         tokio::time::sleep(options.rest_after(took)).await;

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use idem_core::{DEFAULT_SWEEP_BUSY_PERCENT, SweepOptions};
+
 use super::{OpsTable, list};
 use crate::output::{Failure, print};
 
@@ -13,8 +15,14 @@ use crate::output::{Failure, print};
 /// lock) are held only that long.
 const BATCH: u32 = 500;
 
-/// The pause between batches: room for the service's own writes.
-const PAUSE: Duration = Duration::from_millis(10);
+/// The rest between batches, room for the service's own writes: a sweep's
+/// (`SweepOptions::rest_after`), in proportion to the batch's own time.
+const PACING: SweepOptions = SweepOptions {
+    batch_size: BATCH,
+    pause: Duration::from_millis(10),
+    busy_percent: DEFAULT_SWEEP_BUSY_PERCENT,
+    max_batches: None,
+};
 
 /// Which operations `idem ops purge` deletes.
 #[derive(Debug, clap::Args)]
@@ -54,13 +62,15 @@ pub(super) async fn run(args: &PurgeArgs, json: bool) -> Result<(), Failure> {
     // deleted, and running it again goes on.
     while deleted < cap {
         let batch = u32::try_from((cap - deleted).min(u64::from(BATCH))).unwrap_or(BATCH);
+        let started = tokio::time::Instant::now();
         let n = ops.purge_expired(expired_by, batch).await?;
+        let took = started.elapsed();
         batches += 1;
         deleted += n;
-        if n == 0 {
+        if n == 0 || deleted >= cap {
             break;
         }
-        tokio::time::sleep(PAUSE).await;
+        tokio::time::sleep(PACING.rest_after(took)).await;
     }
     let table = ops.table().as_str();
     print(

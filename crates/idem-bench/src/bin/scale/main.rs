@@ -72,11 +72,12 @@
 //!       "sweep": {
 //!         "expired": 1000000,           // expired rows in the table before the sweep
 //!         "rows": 54000,                // expired rows the sweep deleted in its windows
-//!         "seconds": 9.0,               // time sweeping (batches and rests), held time left out
+//!         "seconds": 9.0,               // time sweeping (batches, and rests while it ran)
 //!         "rows_per_sec": 6000.0,
 //!         "batches": 54,
 //!         "rounds": 3,                  // windows without and with the sweep, alternated
 //!         "busy_percent": 20,           // SweepOptions::busy_percent
+//!         "finished": false,            // nothing left to delete before the rounds ended
 //!         "live_without": {"ops": ..., "ops_per_sec": ..., "p50_ms": ..., "p99_ms": ...},
 //!         "live_during": {"ops": ..., "ops_per_sec": ..., "p50_ms": ..., "p99_ms": ...},
 //!         "p99_ratio": 1.1,             // live_during.p99_ms / live_without.p99_ms

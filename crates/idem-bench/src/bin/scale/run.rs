@@ -122,10 +122,13 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
         let live = sample(&db, args).await?;
         print_figures(engine, &format!("live claims, no sweep ({round})"), &live.figures_of());
         without.extend(live);
-        sweep.resume();
+        sweep.resume().await;
         let live = sample(&db, args).await?;
         print_figures(engine, &format!("live claims, sweeping ({round})"), &live.figures_of());
         during.extend(live);
+        if sweep.ended() {
+            break;
+        }
     }
     let swept = sweep.stop().await?;
     let (live_without, live_during) = (without.figures(), during.figures());
@@ -136,8 +139,15 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
     let rows_per_sec = swept.deleted as f64 / sweep_secs.max(1e-9);
     println!(
         "  {name:<8} sweep: {} of {expired} rows in {} batches, {sweep_secs:.1} s sweeping, {rows_per_sec:.0} rows/s \
-         ({}% busy at most); live p99 during / without = {sweep_ratio:.3} (target <= 1.2)",
-        swept.deleted, swept.batches, args.sweep_busy_percent
+         ({}% busy at most{}); live p99 during / without = {sweep_ratio:.3} (target <= 1.2)",
+        swept.deleted,
+        swept.batches,
+        args.sweep_busy_percent,
+        if swept.finished {
+            "; it finished before the rounds did"
+        } else {
+            ""
+        }
     );
 
     Ok(json!({
@@ -157,6 +167,7 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
             "batches": swept.batches,
             "rounds": args.sweep_rounds,
             "busy_percent": args.sweep_busy_percent,
+            "finished": swept.finished,
             "live_without": live_without.json(),
             "live_during": live_during.json(),
             "p99_ratio": sweep_ratio,
@@ -174,17 +185,20 @@ async fn measure_engine<D: ScaleDb>(db: &D, args: &Args) -> Result<Value, BoxErr
 struct Swept {
     deleted: u64,
     batches: u64,
-    /// Time spent sweeping (batches and their rests), pauses left out.
+    /// Time spent sweeping (batches, and the rests taken while it ran).
     sweeping: Duration,
+    /// Whether it found nothing more to delete before the rounds ended (the
+    /// later windows "with" the sweep then had none).
+    finished: bool,
 }
 
 /// The sweep of the run: batches paced as [`SweepOptions::rest_after`]
 /// says (the rule of `idem_core::sweep_expired`), held between batches
-/// while the live claims without a sweep are measured.
+/// while the live claims without a sweep are measured. A batch runs only
+/// under the lock of the `running` flag, so once [`pause`](Self::pause)
+/// has set it no batch is in flight and none starts.
 struct PausedSweep {
-    running: Arc<AtomicBool>,
-    idle: Arc<tokio::sync::Notify>,
-    in_batch: Arc<AtomicBool>,
+    running: Arc<tokio::sync::Mutex<bool>>,
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<Result<Swept, BoxError>>,
 }
@@ -192,75 +206,70 @@ struct PausedSweep {
 impl PausedSweep {
     /// Starts held.
     fn start<D: ScaleDb>(db: D, options: SweepOptions) -> Self {
-        let running = Arc::new(AtomicBool::new(false));
-        let in_batch = Arc::new(AtomicBool::new(false));
+        let running = Arc::new(tokio::sync::Mutex::new(false));
         let stop = Arc::new(AtomicBool::new(false));
-        let idle = Arc::new(tokio::sync::Notify::new());
         let task = {
-            let (running, in_batch, stop, idle) = (running.clone(), in_batch.clone(), stop.clone(), idle.clone());
+            let (running, stop) = (running.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut swept = Swept {
                     deleted: 0,
                     batches: 0,
                     sweeping: Duration::ZERO,
+                    finished: false,
                 };
-                let mut done = false;
-                while !stop.load(Ordering::SeqCst) {
-                    if done || !running.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                        continue;
-                    }
-                    let started = Instant::now();
-                    in_batch.store(true, Ordering::SeqCst);
+                while !stop.load(Ordering::SeqCst) && !swept.finished {
                     let now_ms = i64::try_from(
                         std::time::SystemTime::now()
                             .duration_since(std::time::UNIX_EPOCH)?
                             .as_millis(),
                     )?;
-                    let batch = db.sweep_batch(now_ms, options.batch_size).await;
-                    in_batch.store(false, Ordering::SeqCst);
-                    idle.notify_waiters();
-                    let batch = batch?;
+                    let started = Instant::now();
+                    let batch = {
+                        let running = running.lock().await;
+                        if !*running {
+                            drop(running);
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                            continue;
+                        }
+                        db.sweep_batch(now_ms, options.batch_size).await?
+                    };
                     let took = started.elapsed();
+                    swept.sweeping += took;
                     swept.deleted += batch.deleted;
                     swept.batches += 1;
-                    done = batch.examined < u64::from(options.batch_size);
-                    if !done {
-                        tokio::time::sleep(options.rest_after(took)).await;
+                    swept.finished = batch.examined < u64::from(options.batch_size);
+                    // The rest, counted while the sweep runs; a pause cuts
+                    // it short (the held window leaves the room anyway).
+                    let rest = options.rest_after(took);
+                    let resting = Instant::now();
+                    while !swept.finished && resting.elapsed() < rest && *running.lock().await {
+                        tokio::time::sleep(rest.saturating_sub(resting.elapsed()).min(Duration::from_millis(5))).await;
                     }
-                    swept.sweeping += started.elapsed();
+                    swept.sweeping += resting.elapsed();
                 }
                 Ok(swept)
             })
         };
-        Self {
-            running,
-            idle,
-            in_batch,
-            stop,
-            task,
-        }
+        Self { running, stop, task }
     }
 
-    /// Holds the sweep and waits for a batch in flight to end.
+    /// Holds the sweep: returns once no batch is in flight.
     async fn pause(&self) {
-        self.running.store(false, Ordering::SeqCst);
-        while self.in_batch.load(Ordering::SeqCst) {
-            let idle = self.idle.notified();
-            if !self.in_batch.load(Ordering::SeqCst) {
-                break;
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(50), idle).await;
-        }
+        *self.running.lock().await = false;
     }
 
-    fn resume(&self) {
-        self.running.store(true, Ordering::SeqCst);
+    async fn resume(&self) {
+        *self.running.lock().await = true;
+    }
+
+    /// Whether the sweep has ended on its own (nothing left, or an error).
+    fn ended(&self) -> bool {
+        self.task.is_finished()
     }
 
     async fn stop(self) -> Result<Swept, BoxError> {
         self.stop.store(true, Ordering::SeqCst);
-        self.running.store(false, Ordering::SeqCst);
+        *self.running.lock().await = false;
         self.task.await?
     }
 }
