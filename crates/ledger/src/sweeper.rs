@@ -120,7 +120,10 @@ fn counted(table: TableName, result: Result<u64, String>) -> (TableName, Result<
     (table, result)
 }
 
-/// Sweeps every `every` until `stopped` turns true.
+/// Sweeps every `every` until `stopped` turns true. A run in progress is
+/// dropped when it does (its batch in flight with it: each batch is one
+/// statement or transaction, so nothing is left half done), so a stopping
+/// server does not wait for a paced sweep of a large backlog.
 pub async fn run<D: LedgerDb + Sweep>(
     db: D,
     clock: SharedClock,
@@ -128,7 +131,10 @@ pub async fn run<D: LedgerDb + Sweep>(
     mut stopped: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
-        sweep_once(&db, &clock).await;
+        tokio::select! {
+            _ = stopped.wait_for(|s| *s) => return,
+            _ = sweep_once(&db, &clock) => {}
+        }
         tokio::select! {
             _ = stopped.wait_for(|s| *s) => return,
             _ = tokio::time::sleep(every) => {}
