@@ -12,7 +12,7 @@
 #                record UPDATE; COMMIT                    (6 statements)
 #   named-lock   the lock's SET; the read of the key; BEGIN; the caller's
 #                INSERT; the INSERT of the completed row; COMMIT;
-#                DO RELEASE_LOCK; ROLLBACK (sqlx's count)  (9 statements)
+#                DO RELEASE_LOCK                           (8 statements)
 set -euo pipefail
 sequences=${1:-9000}
 runs=${2:-2}
@@ -22,7 +22,7 @@ fp="REPEAT(X'ab', 32)"
 keys=statements_bench_keys
 where="tenant = 't' AND operation = 'op' AND idem_key = @k"
 placeholder="SET @k = UUID();BEGIN;INSERT INTO $keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms) VALUES ('t', 'op', @k, $fp, 0, 1, 1, 9000000000000000);INSERT INTO statements_bench_effects VALUES (@k, 'x');UPDATE $keys SET status = 1, payload = 'done', lease_expires_at_ms = NULL WHERE $where AND status = 0;COMMIT"
-named_lock="SET @k = UUID();SET @l = IF(@@tx_isolation = 'SERIALIZABLE', -1, GET_LOCK(CONCAT('idem:', @k), 1.000));SELECT CAST(@l AS SIGNED), k.status, IF(@l = 1 AND k.status IS NOT NULL, RELEASE_LOCK(CONCAT('idem:', @k)), NULL) FROM (SELECT 1) AS one LEFT JOIN $keys AS k ON k.tenant = 't' AND k.operation = 'op' AND k.idem_key = @k;BEGIN;INSERT INTO statements_bench_effects VALUES (@k, 'x');INSERT INTO $keys (tenant, operation, idem_key, fingerprint, status, token, payload, created_at_ms, expires_at_ms) VALUES ('t', 'op', @k, $fp, 1, 1, 'done', 1, 9000000000000000);COMMIT;DO RELEASE_LOCK(CONCAT('idem:', @k));ROLLBACK"
+named_lock="SET @k = UUID();SET @l = IF(@@tx_isolation = 'SERIALIZABLE', -1, GET_LOCK(CONCAT('idem:', @k), 1.000));SELECT CAST(@l AS SIGNED), k.status, IF(@l = 1 AND k.status IS NOT NULL, RELEASE_LOCK(CONCAT('idem:', @k)), NULL) FROM (SELECT 1) AS one LEFT JOIN $keys AS k ON k.tenant = 't' AND k.operation = 'op' AND k.idem_key = @k;BEGIN;INSERT INTO statements_bench_effects VALUES (@k, 'x');INSERT INTO $keys (tenant, operation, idem_key, fingerprint, status, token, payload, created_at_ms, expires_at_ms) VALUES ('t', 'op', @k, $fp, 1, 1, 'done', 1, 9000000000000000);COMMIT;DO RELEASE_LOCK(CONCAT('idem:', @k))"
 printf '%-12s %4s %12s %14s\n' option run statements sequences/s
 for run in $(seq 1 "$runs"); do
     for option in placeholder named_lock; do

@@ -45,10 +45,10 @@
 //!
 //! | request | statements, one round trip per line |
 //! | --- | --- |
-//! | fresh key | `SET @… = GET_LOCK(…); SELECT` the key's row (one text); `BEGIN`; the caller's own; the `INSERT` of the completed row; `COMMIT; DO RELEASE_LOCK(…)` (one text); `ROLLBACK`, queued |
+//! | fresh key | `SET @… = GET_LOCK(…); SELECT` the key's row (one text); `BEGIN`; the caller's own; the `INSERT` of the completed row; `COMMIT`; `DO RELEASE_LOCK(…)` |
 //! | recorded key (replay, or 422) | the lock and the read, which releases the lock once it has read a live row (one text) |
 //! | key held by a twin (busy) | the lock and the read (`GET_LOCK` waits, then answers 0) |
-//! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT; DO RELEASE_LOCK(…)`; `ROLLBACK`, queued |
+//! | stale key (expired, or a lease run out) | the lock and the read; `BEGIN`; the takeover `UPDATE`, the caller's own, the record `UPDATE`, `COMMIT`, `DO RELEASE_LOCK(…)` |
 //!
 //! The `ROLLBACK` after a claim that found the key held (a replay, a key in
 //! progress) and holds no named lock is queued on the connection, as sqlx
@@ -56,11 +56,7 @@
 //! without waiting for it, and the ping with which the pool takes the
 //! connection back sends it and reads its answer before anyone can acquire
 //! the connection. It is still a round trip in the counts below. Every other
-//! rollback waits for its answer. Under the named lock, `COMMIT` and the
-//! lock's release travel as one text (the server runs the release only once
-//! the commit succeeded), and sqlx, which did not send that `COMMIT`, has
-//! its count of transactions set back by a `ROLLBACK` queued the same way;
-//! it arrives after the commit, outside any transaction, and does nothing.
+//! rollback waits for its answer.
 //!
 //! sqlx counts the claim's transaction as begun on its connection, so a
 //! `begin()` in the caller's code on `&mut **tx` is a savepoint. One begun
@@ -82,7 +78,7 @@
 //! | --- | --- | --- | --- |
 //! | bare `BEGIN; INSERT; COMMIT` | 5 | 1 | 203–343 |
 //! | fresh, placeholder | 7 | 3 | 875–903 |
-//! | fresh, named lock | 8 (6 before the caller has its answer) | 2 | 487–489 |
+//! | fresh, named lock | 8 | 2 | 487–489 |
 //! | replay, placeholder | 6 | 1 (the refused insert) | 0 |
 //! | replay, named lock | 3 | 0 | 0 |
 //!
@@ -227,10 +223,8 @@ pub enum ClaimStrategy {
     /// certification refuses the second commit (safe, but the lock then
     /// saves nothing); use [`Placeholder`](Self::Placeholder) there.
     ///
-    /// It trades a row write for statements: a fresh call sends three the
-    /// placeholder's does not, the lock, its release (in one text with
-    /// `COMMIT`) and the `ROLLBACK` queued after it that sets sqlx's count
-    /// of transactions back (sent after the caller has its answer); a
+    /// It trades a row write for statements: a fresh call sends two the
+    /// placeholder's does not, the lock and its release after `COMMIT`; a
     /// replay is one round trip instead of four. On a local, CPU-bound
     /// MariaDB, whose cost goes by statements, its fresh calls ran at 0.7×
     /// the placeholder's (`docs/benchmarks.md`); it pays where the redo

@@ -12,7 +12,6 @@
 
 use std::ops::{Deref, DerefMut};
 
-use futures_util::TryStreamExt;
 use idem_core::{ClaimRequest, Result};
 use sqlx::mysql::{MySqlConnection, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
@@ -150,8 +149,7 @@ impl MySqlTx {
     }
 
     /// Commits the transaction, then releases the named locks its claims
-    /// took: `COMMIT; DO RELEASE_LOCK(…)` in one round trip when it holds
-    /// any.
+    /// took.
     ///
     /// A nested transaction (a savepoint) begun on the connection and never
     /// ended fails the commit: `COMMIT` there would end only the nested
@@ -166,72 +164,12 @@ impl MySqlTx {
             self.close();
             return Err(e);
         }
-        if !self.locks.is_empty() {
-            return self.commit_and_release().await;
-        }
         let done = MySqlTransactionManager::commit(&mut self).await;
         if done.is_ok() {
             self.open = false;
         }
         self.release_locks().await;
         done.map_err(store_error)
-    }
-
-    /// `COMMIT` and the release of the named locks as one text of two
-    /// statements (lock names are hexadecimal digits, so they are written as
-    /// literals). The server runs the release only if the commit succeeded,
-    /// and answers each statement in turn: the first answer is the commit's.
-    ///
-    /// sqlx sent no `COMMIT` of its own, so its count of transactions on the
-    /// connection is set back with `start_rollback`, whose `ROLLBACK` is
-    /// queued and goes out with the pool's release ping, after the commit: a
-    /// `ROLLBACK` outside a transaction does nothing. A connection whose
-    /// commit failed, or whose locks may still be held, is closed: the end
-    /// of the session rolls back whatever is open and frees them.
-    async fn commit_and_release(mut self) -> Result<()> {
-        let mut text = String::from("COMMIT; DO ");
-        for (i, name) in self.locks.iter().enumerate() {
-            if i > 0 {
-                text.push_str(", ");
-            }
-            text.push_str("RELEASE_LOCK('");
-            text.push_str(name);
-            text.push_str("')");
-        }
-        let mut answers = Vec::with_capacity(2);
-        let mut failed = None;
-        {
-            let mut stream = sqlx::raw_sql(AssertSqlSafe(text)).execute_many(&mut *self);
-            loop {
-                match stream.try_next().await {
-                    Ok(Some(done)) => answers.push(done),
-                    Ok(None) => break,
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
-                }
-            }
-        }
-        if answers.is_empty() {
-            // The commit failed, or its answer never came: whether it took
-            // effect is the caller's unknown, as with any failed `COMMIT`.
-            self.close();
-            return Err(store_error(
-                failed.unwrap_or_else(|| sqlx::Error::Protocol("COMMIT answered nothing".into())),
-            ));
-        }
-        self.open = false;
-        MySqlTransactionManager::start_rollback(&mut self);
-        if answers.len() == 2 && failed.is_none() {
-            self.locks.clear();
-        } else {
-            if let Some(e) = failed {
-                tracing::debug!(error = %e, "releasing named locks failed; closing the connection");
-            }
-            self.close();
-        }
-        Ok(())
     }
 
     /// Rolls the transaction back, then releases the named locks its claims
