@@ -383,58 +383,22 @@ mod tests {
     /// as it, one request's worth more does not.
     #[test]
     fn checks_the_counted_targets() {
-        let costs = [
-            cost(
-                "postgres",
-                "micro",
-                "bare",
-                [Some(5.0), Some(1.0), Some(3.01), Some(270.0), Some(240.0)],
-            ),
-            cost(
-                "postgres",
-                "micro",
-                "fresh",
-                [Some(5.0), Some(2.0), Some(5.02), Some(500.0), Some(230.0)],
-            ),
-            cost(
-                "postgres",
-                "micro",
-                "replay",
-                [Some(4.0), Some(0.0), Some(0.0), Some(150.0), Some(130.0)],
-            ),
-            cost(
-                "postgres",
-                "transfer",
-                "bare",
-                [Some(9.0), Some(5.0), Some(11.0), Some(600.0), Some(400.0)],
-            ),
-            cost(
-                "postgres",
-                "transfer",
-                "fresh",
-                [Some(10.0), Some(7.0), Some(16.0), Some(900.0), Some(420.0)],
-            ),
-            cost(
-                "mysql",
-                "micro",
-                "bare",
-                [Some(5.0), Some(1.0), None, None, Some(200.0)],
-            ),
-            cost(
-                "mysql",
-                "micro",
-                "fresh",
-                [Some(7.0), Some(3.0), None, None, Some(250.0)],
-            ),
-            cost("sqlite", "micro", "bare", [None, Some(1.0), None, None, Some(90.0)]),
-            cost("sqlite", "micro", "fresh", [None, Some(2.0), None, None, Some(120.0)]),
-            cost(
-                "sqlite",
-                "transfer",
-                "fresh",
-                [None, Some(6.0), None, None, Some(120.0)],
-            ),
+        // engine, workload, path: round trips, rows written, log records,
+        // server CPU µs, client CPU µs.
+        #[rustfmt::skip]
+        let figures = [
+            ("postgres", "micro", "bare", [Some(5.0), Some(1.0), Some(3.01), Some(270.0), Some(240.0)]),
+            ("postgres", "micro", "fresh", [Some(5.0), Some(2.0), Some(5.02), Some(500.0), Some(230.0)]),
+            ("postgres", "micro", "replay", [Some(4.0), Some(0.0), Some(0.0), Some(150.0), Some(130.0)]),
+            ("postgres", "transfer", "bare", [Some(9.0), Some(5.0), Some(11.0), Some(600.0), Some(400.0)]),
+            ("postgres", "transfer", "fresh", [Some(10.0), Some(7.0), Some(16.0), Some(900.0), Some(420.0)]),
+            ("mysql", "micro", "bare", [Some(5.0), Some(1.0), None, None, Some(200.0)]),
+            ("mysql", "micro", "fresh", [Some(7.0), Some(3.0), None, None, Some(250.0)]),
+            ("sqlite", "micro", "bare", [None, Some(1.0), None, None, Some(90.0)]),
+            ("sqlite", "micro", "fresh", [None, Some(2.0), None, None, Some(120.0)]),
+            ("sqlite", "transfer", "fresh", [None, Some(6.0), None, None, Some(120.0)]),
         ];
+        let costs = figures.map(|(engine, workload, path, figures)| cost(engine, workload, path, figures));
         let targets = cost_targets(&costs);
         let find = |engine: &str, workload: &str, figure: &str| {
             targets

@@ -191,23 +191,50 @@ pub async fn postgres(url: &str, connections: u32) -> Result<idem_postgres::PgSt
     Ok(idem_postgres::PgStore::new(pool).with_table(keys_table()))
 }
 
+/// The PostgreSQL claim strategies, by the names the benchmarks take.
+pub const CLAIM_STRATEGIES: [(&str, idem_postgres::ClaimStrategy); 3] = [
+    ("insert-on-conflict", idem_postgres::ClaimStrategy::InsertOnConflict),
+    ("advisory-lock", idem_postgres::ClaimStrategy::AdvisoryLock),
+    ("one-write", idem_postgres::ClaimStrategy::OneWrite),
+];
+
+/// The PostgreSQL expiry indexes, by the names the benchmarks take.
+pub const EXPIRY_INDEXES: [(&str, idem_postgres::ExpiryIndex); 3] = [
+    ("btree", idem_postgres::ExpiryIndex::BTree),
+    ("brin", idem_postgres::ExpiryIndex::Brin),
+    ("none", idem_postgres::ExpiryIndex::None),
+];
+
+/// The MySQL/MariaDB claim strategies, by the names the benchmarks take.
+pub const MYSQL_CLAIM_STRATEGIES: [(&str, idem_mysql::ClaimStrategy); 2] = [
+    ("placeholder", idem_mysql::ClaimStrategy::Placeholder),
+    ("named-lock", idem_mysql::ClaimStrategy::NamedLock),
+];
+
 /// The PostgreSQL claim strategy named `name`.
 pub fn claim_strategy(name: &str) -> Result<idem_postgres::ClaimStrategy, BoxError> {
-    match name {
-        "insert-on-conflict" => Ok(idem_postgres::ClaimStrategy::InsertOnConflict),
-        "advisory-lock" => Ok(idem_postgres::ClaimStrategy::AdvisoryLock),
-        "one-write" => Ok(idem_postgres::ClaimStrategy::OneWrite),
-        other => Err(format!("unknown claim strategy {other:?} (insert-on-conflict, advisory-lock, one-write)").into()),
-    }
+    named("claim strategy", name, &CLAIM_STRATEGIES)
 }
 
 /// The PostgreSQL expiry index named `name`.
 pub fn expiry_index(name: &str) -> Result<idem_postgres::ExpiryIndex, BoxError> {
-    match name {
-        "btree" => Ok(idem_postgres::ExpiryIndex::BTree),
-        "brin" => Ok(idem_postgres::ExpiryIndex::Brin),
-        "none" => Ok(idem_postgres::ExpiryIndex::None),
-        other => Err(format!("unknown expiry index {other:?} (btree, brin, none)").into()),
+    named("expiry index", name, &EXPIRY_INDEXES)
+}
+
+/// The MySQL/MariaDB claim strategy named `name`.
+pub fn mysql_claim_strategy(name: &str) -> Result<idem_mysql::ClaimStrategy, BoxError> {
+    named("MySQL claim strategy", name, &MYSQL_CLAIM_STRATEGIES)
+}
+
+/// The choice named `name` among `choices`; an unknown name is refused
+/// with the names there are (`what` says what is chosen).
+fn named<T: Copy>(what: &str, name: &str, choices: &[(&str, T)]) -> Result<T, BoxError> {
+    match choices.iter().find(|(n, _)| *n == name) {
+        Some(&(_, choice)) => Ok(choice),
+        None => {
+            let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+            Err(format!("unknown {what} {name:?} ({})", names.join(", ")).into())
+        }
     }
 }
 
@@ -215,15 +242,6 @@ pub fn expiry_index(name: &str) -> Result<idem_postgres::ExpiryIndex, BoxError> 
 pub async fn mysql(url: &str, connections: u32) -> Result<idem_mysql::MySqlStore, BoxError> {
     let pool = pool(url, connections, "mysql").await?;
     Ok(idem_mysql::MySqlStore::new(pool).with_table(keys_table()))
-}
-
-/// The MySQL/MariaDB claim strategy named `name`.
-pub fn mysql_claim_strategy(name: &str) -> Result<idem_mysql::ClaimStrategy, BoxError> {
-    match name {
-        "placeholder" => Ok(idem_mysql::ClaimStrategy::Placeholder),
-        "named-lock" => Ok(idem_mysql::ClaimStrategy::NamedLock),
-        other => Err(format!("unknown MySQL claim strategy {other:?} (placeholder, named-lock)").into()),
-    }
 }
 
 /// A SQLite file that is deleted (with its WAL and lock files) on drop.

@@ -9,7 +9,7 @@ mod support;
 
 use idem_core::OutboxEvent;
 use idem_gateway::AnyLease;
-use support::{Sql, idem_out as idem, keys_command, tag};
+use support::{idem_out as idem, keys_command, refused};
 
 /// Five keys that expired an hour ago and two live ones, all completed.
 async fn seed(url: &str) {
@@ -184,25 +184,7 @@ async fn operator_commands(url: &str, outbox: bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sqlite() {
-    let path = std::env::temp_dir().join(format!("idem-cli-{}.db", tag()));
-    operator_commands(&path.display().to_string(), true).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres() {
-    Sql::Postgres
-        .with_db("idem_cli", async |url| operator_commands(url, true).await)
-        .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_mysql() {
-    Sql::MariaDb
-        .with_db("idem_cli", async |url| operator_commands(url, true).await)
-        .await;
-}
+support::on_each_sql_store!("idem_cli", async |url| operator_commands(url, true).await);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_redis() {
@@ -212,18 +194,14 @@ async fn on_redis() {
 
 #[test]
 fn a_bad_url_is_2_and_an_unreachable_store_is_3() {
-    let (code, _, out) = idem(&["stats", "--store", "ftp://example.com/x"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("unsupported store URL"), "{out}");
+    refused(&["stats", "--store", "ftp://example.com/x"], "unsupported store URL");
     let (code, _, out) = idem(&["stats", "--store", "postgres://postgres@127.0.0.1:1/x"]);
     assert_eq!(code, 3, "{out}");
     let (code, _, out) = idem(&["outbox", "status", "--store", "/tmp/x.db", "--table", "bad name"]);
     assert_eq!(code, 2, "{out}");
     // Redis behind Sentinel: a URL without its service is refused, one
     // whose sentinels do not answer is unreachable.
-    let (code, _, out) = idem(&["stats", "--store", "redis+sentinel://127.0.0.1:1"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("no service name"), "{out}");
+    refused(&["stats", "--store", "redis+sentinel://127.0.0.1:1"], "no service name");
     let (code, _, out) = idem(&["stats", "--store", "redis+sentinel://:pw@127.0.0.1:1/main"]);
     assert_eq!(code, 3, "{out}");
     assert!(out.contains("no master for service") && !out.contains("pw@"), "{out}");

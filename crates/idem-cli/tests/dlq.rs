@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use idem_core::{DeadLetterStore, IdempotencyKey, NewDeadLetter, OutboundRequest, Scope, SentUnder};
 use idem_gateway::AnyLease;
-use support::{Sql, dlq, idem_out as idem, resolve_not_applied, tag};
+use support::{dlq, idem_out as idem, refused, resolve_not_applied, tag};
 
 /// The fake vendor on its own runtime and thread, so the test's runtime
 /// can block on the `idem` process meanwhile.
@@ -426,32 +426,20 @@ impl Migrate for idem_mysql::MySqlDeadLetters {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sqlite() {
-    let path = std::env::temp_dir().join(format!("idem-cli-dlq-{}.db", tag()));
-    dead_letter_commands(&path.display().to_string()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres() {
-    Sql::Postgres.with_db("idem_cli_dlq", dead_letter_commands).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_mysql() {
-    Sql::MariaDb.with_db("idem_cli_dlq", dead_letter_commands).await;
-}
+support::on_each_sql_store!("idem_cli_dlq", dead_letter_commands);
 
 #[test]
 fn redis_keeps_no_dead_letters() {
-    let (code, _, out) = idem(&["dlq", "list", "--store", "redis://127.0.0.1:6379/15"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("Redis keeps no dead letters"), "{out}");
+    refused(
+        &["dlq", "list", "--store", "redis://127.0.0.1:6379/15"],
+        "Redis keeps no dead letters",
+    );
     let (code, _, out) = idem(&["dlq", "list", "--store", "/tmp/x.db", "--table", "bad name"]);
     assert_eq!(code, 2, "{out}");
-    let (code, _, out) = idem(&["migrate", "--store", "redis://127.0.0.1:6379/15", "--dead-letters"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("Redis keeps no dead letters"), "{out}");
+    refused(
+        &["migrate", "--store", "redis://127.0.0.1:6379/15", "--dead-letters"],
+        "Redis keeps no dead letters",
+    );
 }
 
 /// A redrive answered `200 {"error": …}` (a default backend, a wrong

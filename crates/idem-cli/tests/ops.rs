@@ -17,7 +17,7 @@ use idem_core::multistep::{
 };
 use idem_core::{Clock, Fingerprint, IdempotencyKey, Scope, SentUnder, SystemClock, TxBackend, Verdict};
 use idem_gateway::AnyLease;
-use support::{Sql, idem_out as idem, tag};
+use support::{idem_out as idem, refused, tag};
 
 const TENANT: &str = "ops-test";
 const ROUTE: &str = "POST /v1/withdrawals";
@@ -727,34 +727,16 @@ async fn every_scenario(url: &str) {
     purging(url).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sqlite() {
-    let path = std::env::temp_dir().join(format!("idem-cli-ops-{}.db", tag()));
-    let url = path.display().to_string();
-    every_scenario(&url).await;
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{url}{suffix}"));
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres() {
-    Sql::Postgres.with_db("idem_cli_ops", every_scenario).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_mysql() {
-    Sql::MariaDb.with_db("idem_cli_ops", every_scenario).await;
-}
+support::on_each_sql_store!("idem_cli_ops", every_scenario);
 
 #[test]
 fn redis_keeps_no_operations() {
-    let (code, _, out) = idem(&["ops", "list", "--store", "redis://127.0.0.1:6379/15"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("Redis keeps no multi-step operations"), "{out}");
-    let (code, _, out) = idem(&["migrate", "--store", "redis://127.0.0.1:6379/15", "--operations"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("Redis keeps no multi-step operations"), "{out}");
+    let no_operations = "Redis keeps no multi-step operations";
+    refused(&["ops", "list", "--store", "redis://127.0.0.1:6379/15"], no_operations);
+    refused(
+        &["migrate", "--store", "redis://127.0.0.1:6379/15", "--operations"],
+        no_operations,
+    );
     let (code, _, out) = idem(&["ops", "list", "--store", "/tmp/x.db", "--table", "bad name"]);
     assert_eq!(code, 2, "{out}");
 }

@@ -41,7 +41,7 @@ impl Key {
         }
         if key.len() > MAX_KEY_LEN {
             return Err(Error::InvalidKey(format!(
-                "the key is {} characters long; at most {MAX_KEY_LEN} are allowed",
+                "the key is {} bytes long; at most {MAX_KEY_LEN} are allowed",
                 key.len()
             )));
         }
@@ -117,6 +117,16 @@ mod tests {
         assert!(matches!(Key::new("é"), Err(Error::InvalidKey(_))));
         assert!(matches!(Key::new("a\nb"), Err(Error::InvalidKey(_))));
         assert!(Key::new(" ~").is_ok());
+    }
+
+    /// An over-long key's error counts bytes, the unit of the limit: 128
+    /// two-byte characters are 256 bytes.
+    #[test]
+    fn an_overlong_key_is_measured_in_bytes() {
+        let Err(Error::InvalidKey(why)) = Key::new("é".repeat(128)) else {
+            panic!("a 256-byte key was accepted");
+        };
+        assert!(why.contains("256 bytes long"), "{why}");
     }
 
     /// The header is an sf-string even for keys with quotes and backslashes.

@@ -276,6 +276,18 @@ async fn account(client: &Client, base: &str) -> String {
         .to_owned()
 }
 
+/// A ledger started in a directory of its own (the directory, the ledger),
+/// a caller's token, a client with it that goes to the ledger directly, and
+/// the id of an account it opened.
+async fn opened() -> (PathBuf, Ledger, String, Client, String) {
+    let dir = temp_dir();
+    let ledger = Ledger::start(&dir);
+    let token = token();
+    let direct = client(&token);
+    let account = account(&direct, &ledger.base).await;
+    (dir, ledger, token, direct, account)
+}
+
 /// GET through the client (a GET needs no key; one is sent and ignored).
 async fn get(client: &Client, url: &str) -> serde_json::Value {
     let op = Operation::builder(idem_client::Method::GET, url).build().unwrap();
@@ -292,12 +304,8 @@ fn top_up(base: &str, account: &str, amount: i64) -> Operation {
 /// The ledger's answers as the client surfaces them: a replay with the recorded body, problems for rejections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_and_rejections_from_the_ledger() {
-    let dir = temp_dir();
-    let ledger = Ledger::start(&dir);
+    let (dir, ledger, _, client, id) = opened().await;
     let base = ledger.base.clone();
-    let tok = token();
-    let client = client(&tok);
-    let id = account(&client, &base).await;
 
     let op = top_up(&base, &id, 250);
     let first = client.send(&op).await.unwrap();
@@ -346,11 +354,7 @@ async fn replays_and_rejections_from_the_ledger() {
 /// A lost response: the proxy drops the ledger's first answer; the client retries with the same key and gets the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_response_is_retried_with_the_same_key() {
-    let dir = temp_dir();
-    let ledger = Ledger::start(&dir);
-    let tok = token();
-    let direct = client(&tok);
-    let id = account(&direct, &ledger.base).await;
+    let (dir, ledger, tok, direct, id) = opened().await;
     let mut proxy = Proxy::start(ledger.addr(), DROP).await;
     let client = client(&tok);
     let op = top_up(&proxy.base, &id, 300);
@@ -387,11 +391,7 @@ fn run_demo(args: &[&str]) -> (std::process::ExitStatus, String) {
 async fn killed_client_resumes_with_the_same_key() {
     use std::os::unix::process::ExitStatusExt;
 
-    let dir = temp_dir();
-    let ledger = Ledger::start(&dir);
-    let tok = token();
-    let direct = client(&tok);
-    let id = account(&direct, &ledger.base).await;
+    let (dir, ledger, tok, direct, id) = opened().await;
     let account_url = format!("{}/v1/accounts/{id}", ledger.base);
     let mut proxy = Proxy::start(ledger.addr(), HOLD).await;
     let pending = dir.join("pending.db");

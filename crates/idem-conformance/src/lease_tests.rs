@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Acquire, Call, Error, IdempotencyKey, Lease, LeaseEngine, Outcome, Policy, Record, SweepOptions};
+use idem_core::{Acquire, Call, Error, IdempotencyKey, Lease, LeaseEngine, Outcome, Policy, Record};
 
 use crate::*;
 
@@ -13,13 +13,7 @@ async fn run_receipt<S: Subject>(
     call: &Call,
     runs: &Runs,
 ) -> Result<Outcome<Receipt>, TestError> {
-    let runs = runs.clone();
-    engine
-        .run(call, move |_lease| async move {
-            runs.hit();
-            Ok::<_, TestError>(Receipt::new(1))
-        })
-        .await
+    run_counted(engine, call, runs, 1).await
 }
 
 /// `n` tasks released together run `call`, on `engines` in turn; the work
@@ -31,22 +25,18 @@ async fn run_together<S: Subject>(
     n: usize,
     runs: &Runs,
 ) -> Vec<Outcome<Receipt>> {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let (engine, call, runs, barrier) = (engines[i % 2].clone(), call.clone(), runs.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                engine
-                    .run(&call, move |_lease| async move {
-                        runs.hit();
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        Ok::<_, TestError>(Receipt::new(1))
-                    })
-                    .await
-            })
-        })
-        .collect();
+    let tasks = spawn_together(n, |i| {
+        let (engine, call, runs) = (engines[i % 2].clone(), call.clone(), runs.clone());
+        async move {
+            engine
+                .run(&call, move |_lease| async move {
+                    runs.hit();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok::<_, TestError>(Receipt::new(1))
+                })
+                .await
+        }
+    });
     let mut outcomes = Vec::new();
     for t in tasks {
         outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
@@ -58,7 +48,7 @@ async fn run_together<S: Subject>(
 /// under `policy`, and the lease of its first claim.
 async fn claimed<S: Subject>(s: &S, policy: Policy) -> (LeaseEngine<S::Lease>, Call, Lease) {
     let engine = lease_engine(s);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
+    let call = fresh_call("op", "{}", policy);
     let lease = held(engine.acquire(&call).await.unwrap());
     (engine, call, lease)
 }
@@ -120,7 +110,7 @@ pub async fn lease_mismatch<S: Subject>(s: S) {
 /// A released claim leaves the key unused.
 pub async fn lease_release_leaves_key_unused<S: Subject>(s: S) {
     let engine = lease_engine(&s);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let call = fresh_call("op", "{}", rejecting());
     let lease = held(engine.acquire(&call).await.unwrap());
     engine.release(&lease).await.unwrap();
     let again = held(engine.acquire(&call).await.unwrap());
@@ -137,7 +127,7 @@ pub async fn lease_release_leaves_key_unused<S: Subject>(s: S) {
 /// so nothing runs again until it is resolved.
 pub async fn lease_error_releases_and_panic_holds_the_key<S: Subject>(s: S) {
     let engine = lease_engine(&s);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(20_000));
+    let call = fresh_call("op", "{}", waiting(20_000));
     let err = engine
         .run(&call, |_lease| async {
             Err::<Receipt, _>(TestError::Work("vendor down".into()))
@@ -257,7 +247,7 @@ pub async fn lease_final_rejection_recorded_when_policy_says<S: Subject>(s: S) {
     let engine = lease_engine(&s);
     let decline = Decline::InsufficientFunds { short_by: 1 };
     for (policy, recorded) in [(recording_rejections(), true), (Policy::default(), false)] {
-        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
+        let call = fresh_call("op", "{}", policy);
         let runs = Runs::default();
         for _ in 0..2 {
             let (runs, d) = (runs.clone(), decline.clone());
@@ -336,13 +326,9 @@ pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
     let live = kept_for(3600);
     run_receipt::<S>(&engine, &live, &runs).await.unwrap();
     clock.advance(Duration::from_secs(11));
-    let options = SweepOptions {
-        batch_size: 2,
-        pause: Duration::ZERO,
-        busy_percent: 100,
-        max_batches: None,
-    };
-    let report = idem_core::sweep_expired(&s.sweeper(), &*shared, options).await.unwrap();
+    let report = idem_core::sweep_expired(&s.sweeper(), &*shared, unpaced_sweep(2))
+        .await
+        .unwrap();
     assert_eq!(report.deleted, 5);
     assert!(run_receipt::<S>(&engine, &live, &runs).await.unwrap().is_replayed());
 }
@@ -351,7 +337,7 @@ pub async fn lease_sweep_deletes_expired<S: Subject>(s: S) {
 pub async fn lease_concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     let other = s.another().await;
     let engines = [Arc::new(lease_engine(&s)), Arc::new(lease_engine(&other))];
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(120_000));
+    let call = fresh_call("op", "{}", waiting(120_000));
     let runs = Runs::default();
     let outcomes = run_together::<S>(&engines, &call, 64, &runs).await;
     assert_eq!(runs.get(), 1, "the effect ran once");
@@ -431,7 +417,7 @@ pub async fn lease_lost_heartbeat_is_reported<S: Subject>(s: S) {
 /// future is dropped while recording.
 pub async fn lease_outcome_recorded_after_a_drop<S: Subject>(s: S) {
     let engine = lease_engine(&s);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", waiting(5_000));
+    let call = fresh_call("op", "{}", waiting(5_000));
     let runs = Runs::default();
     // Poll the run just far enough for the work to finish, then drop it.
     let finished = Arc::new(tokio::sync::Notify::new());
@@ -610,11 +596,8 @@ pub(crate) fn assert_unknown<T: std::fmt::Debug>(r: Result<T, Error>) {
 /// can no longer complete, release or extend it; a different request is
 /// still a mismatch; only the key's expiry frees it.
 pub async fn lease_unknown_outcome_is_held<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000).with_ttl_secs(60));
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000).with_ttl_secs(60));
+    let (scope, key) = (call.scope().clone(), call.key().clone());
     let lease = held(engine.acquire(&call).await.unwrap());
     engine
         .mark_unknown(&lease, b"upstream answered 500".to_vec())
@@ -669,11 +652,8 @@ pub async fn lease_unknown_outcome_resolved_applied<S: Subject>(s: S) {
 /// runs. Resolving leaves every other state alone: no row, a live claim, an
 /// expired unknown outcome.
 pub async fn lease_unknown_outcome_resolved_not_applied<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_ttl_secs(60));
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_ttl_secs(60));
+    let (scope, key) = (call.scope().clone(), call.key().clone());
     assert!(!engine.resolve_unknown(&scope, &key, None).await.unwrap(), "no row");
     let lease = held(engine.acquire(&call).await.unwrap());
     assert!(

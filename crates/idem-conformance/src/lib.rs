@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idem_core::{
     BoxError, BoxFuture, Call, Classify, Consume, Contention, DeadLetterStore, Error, Fingerprint, IdempotencyKey,
-    InFlight, LeaseEngine, LeaseStore, ManualClock, PendingMigration, Policy, Retryable, Scope, SharedClock, Sweep,
-    TxBackend, TxEngine,
+    InFlight, LeaseEngine, LeaseStore, ManualClock, Outcome, PendingMigration, Policy, Retryable, Scope, SharedClock,
+    Sweep, SweepOptions, TxBackend, TxEngine,
 };
 use serde::{Deserialize, Serialize};
 
@@ -173,6 +173,12 @@ pub fn call_for(scope: &Scope, key: &IdempotencyKey, body: &str, policy: Policy)
     Call::new(scope.clone(), key.clone(), fp).with_policy(policy)
 }
 
+/// A call of a fresh key in a scope of its own for `operation`, with
+/// `body` fingerprinted as JSON.
+pub fn fresh_call(operation: &str, body: &str, policy: Policy) -> Call {
+    call_for(&unique_scope(operation), &IdempotencyKey::generate(), body, policy)
+}
+
 /// A unique effect id.
 pub fn effect_id() -> String {
     format!("effect-{}", uuid::Uuid::new_v4())
@@ -223,13 +229,59 @@ pub(crate) fn lease_engine<S: Subject>(s: &S) -> LeaseEngine<S::Lease> {
     LeaseEngine::new(s.lease_store())
 }
 
+/// Runs `call` on `engine` with work that notes its run in `runs` and
+/// answers a receipt of `amount`.
+pub(crate) async fn run_counted<L: LeaseStore>(
+    engine: &LeaseEngine<L>,
+    call: &Call,
+    runs: &Runs,
+    amount: i64,
+) -> Result<Outcome<Receipt>, TestError> {
+    let runs = runs.clone();
+    engine
+        .run(call, move |_lease| async move {
+            runs.hit();
+            Ok::<_, TestError>(Receipt::new(amount))
+        })
+        .await
+}
+
+/// Starts `n` tasks, task `i` running `task(i)` once all `n` have started,
+/// so they contend as closely as they can.
+pub(crate) fn spawn_together<T, F>(n: usize, task: impl Fn(usize) -> F) -> Vec<tokio::task::JoinHandle<T>>
+where
+    F: std::future::Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    (0..n)
+        .map(|i| {
+            let (barrier, work) = (barrier.clone(), task(i));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                work.await
+            })
+        })
+        .collect()
+}
+
+/// A sweep in batches of `batch_size` with no rest between them, until
+/// nothing expired is left.
+pub(crate) fn unpaced_sweep(batch_size: u32) -> SweepOptions {
+    SweepOptions {
+        batch_size,
+        pause: std::time::Duration::ZERO,
+        busy_percent: 100,
+        max_batches: None,
+    }
+}
+
 /// The start of most lease tests: a lease engine of `s` on a manual clock,
 /// and a call of a fresh key in a scope of its own under `policy`.
 pub(crate) fn clocked_lease<S: Subject>(s: &S, policy: Policy) -> (ManualClock, LeaseEngine<S::Lease>, Call) {
     let (clock, shared) = manual_clock();
     let engine = lease_engine(s).with_clock(shared);
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", policy);
-    (clock, engine, call)
+    (clock, engine, fresh_call("op", "{}", policy))
 }
 
 /// One test per case of a scenario: each case is a

@@ -51,11 +51,7 @@ pub async fn sent_claim_is_never_taken_over<S: Subject>(s: S) {
 /// The mark keeps the earliest time; a stale holder can mark nothing; an
 /// unknown outcome recorded after the mark keeps the mark's time.
 pub async fn sent_mark_keeps_the_earliest_time<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(10_000));
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(10_000));
     let lease = held(engine.acquire(&call).await.unwrap());
     let first = idem_core::Clock::now_ms(&clock);
     engine.mark_sent(&lease).await.unwrap();
@@ -76,7 +72,7 @@ pub async fn sent_mark_keeps_the_earliest_time<S: Subject>(s: S) {
     );
     assert!(matches!(engine.mark_sent(&lease).await, Err(Error::Fenced)));
     // A claim that was released cannot be marked by its old holder.
-    let other = call_for(&scope, &IdempotencyKey::generate(), "{}", rejecting());
+    let other = call_for(call.scope(), &IdempotencyKey::generate(), "{}", rejecting());
     let a = held(engine.acquire(&other).await.unwrap());
     engine.release(&a).await.unwrap();
     let b = held(engine.acquire(&other).await.unwrap());
@@ -168,11 +164,8 @@ pub async fn sent_claim_holder_extends_and_releases<S: Subject>(s: S) {
 /// leaves an unknown outcome once its lease runs out, never a key a twin
 /// takes over and runs again.
 pub async fn sent_dropped_run_is_held_not_taken_over<S: Subject>(s: S) {
-    let (clock, shared) = manual_clock();
-    let engine = lease_engine(&s).with_clock(shared);
-    let scope = unique_scope("op");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", rejecting().with_lease_ms(1_000));
+    let (clock, engine, call) = clocked_lease(&s, rejecting().with_lease_ms(1_000));
+    let (scope, key) = (call.scope().clone(), call.key().clone());
     // The run is dropped once its work has started, however long the claim
     // and the mark took to get there.
     let (started, mut working) = tokio::sync::mpsc::channel::<()>(1);
@@ -188,15 +181,7 @@ pub async fn sent_dropped_run_is_held_not_taken_over<S: Subject>(s: S) {
     clock.advance(Duration::from_millis(1_001));
     assert_unknown(engine.acquire(&call).await);
     let runs = Runs::default();
-    let again = {
-        let runs = runs.clone();
-        engine
-            .run(&call, move |_| async move {
-                runs.hit();
-                Ok::<_, TestError>(Receipt::new(2))
-            })
-            .await
-    };
+    let again = run_counted(&engine, &call, &runs, 2).await;
     assert!(
         matches!(again, Err(TestError::Idem(Error::OutcomeUnknown))),
         "{again:?}"
@@ -225,23 +210,14 @@ pub async fn sent_refused_completion_is_retried<S: Subject>(s: S) {
             store.faults().fail_next(Op::Complete, *fault);
         }
         let before = store.faults().calls(Op::Complete);
-        let first = {
-            let runs = runs.clone();
-            engine
-                .run(&call, move |_| async move {
-                    runs.hit();
-                    Ok::<_, TestError>(Receipt::new(9))
-                })
-                .await
-                .unwrap()
-        };
+        let first = run_counted(&engine, &call, &runs, 9).await.unwrap();
         assert!(!first.is_replayed());
         assert_eq!(
             store.faults().calls(Op::Complete) - before,
             faults.len() as u64 + 1,
             "{faults:?}: one try per fault, and one that was answered"
         );
-        let again = run_again::<S>(&engine, &call, &runs).await;
+        let again = run_counted(&engine, &call, &runs, 0).await.unwrap();
         assert_eq!(again, Outcome::Replayed(first.into_inner()), "{faults:?}");
     }
     assert_eq!(runs.get(), 3, "each work ran once");
@@ -272,39 +248,16 @@ pub async fn sent_refused_release_is_retried<S: Subject>(s: S) {
 pub async fn sent_refused_mark_runs_nothing<S: Subject>(s: S) {
     let store = Faulty::new(s.lease_store(), FaultPlan::none());
     let engine = LeaseEngine::new(store.clone());
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let call = fresh_call("op", "{}", rejecting());
     store.faults().fail_next(Op::MarkSent, Fault::Refused);
     let runs = Runs::default();
-    let out = {
-        let runs = runs.clone();
-        engine
-            .run(&call, move |_| async move {
-                runs.hit();
-                Ok::<_, TestError>(Receipt::new(1))
-            })
-            .await
-    };
+    let out = run_counted(&engine, &call, &runs, 1).await;
     assert!(
         matches!(out, Err(TestError::Idem(ref e)) if e.is_retryable()),
         "{out:?}"
     );
     assert_eq!(runs.get(), 0, "nothing ran without the mark");
-    let again = run_again::<S>(&engine, &call, &runs).await;
+    let again = run_counted(&engine, &call, &runs, 0).await.unwrap();
     assert!(!again.is_replayed());
     assert_eq!(runs.get(), 1);
-}
-
-async fn run_again<S: Subject>(
-    engine: &LeaseEngine<Faulty<S::Lease>>,
-    call: &idem_core::Call,
-    runs: &Runs,
-) -> Outcome<Receipt> {
-    let runs = runs.clone();
-    engine
-        .run(call, move |_| async move {
-            runs.hit();
-            Ok::<_, TestError>(Receipt::new(0))
-        })
-        .await
-        .unwrap()
 }

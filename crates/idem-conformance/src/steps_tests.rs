@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use idem_core::multistep::{HoldKind, MultiStepState, MultiStepStore};
-use idem_core::{BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy, Settlement, Verdict, VerdictSource};
+use idem_core::{
+    BoxFuture, Call, Error, IdempotencyKey, ManualClock, Policy, Settlement, TxBackend, Verdict, VerdictSource,
+};
 use idem_steps::{Finished, Halt, Operation, Pass, Registry, Run, StepError, StepsEngine};
 use serde_json::{Value, json};
 
@@ -252,6 +254,47 @@ async fn effects<S: Subject>(s: &S, eid: &str, step: &str) -> u64 {
     s.count_effects(format!("{eid}-{step}")).await.unwrap()
 }
 
+/// Asserts that `done` is a completion: afresh, or the recorded one
+/// when `replayed`.
+fn assert_completed(done: &Finished<Value>, replayed: bool) {
+    assert!(
+        matches!(done, Finished::Completed { replayed: r, .. } if *r == replayed),
+        "got {done:?}"
+    );
+}
+
+/// Runs `op` on `call` twice: the first run ends compensated after
+/// `failure` (not replayed), and the second answers that ending again,
+/// replayed.
+async fn compensates_then_replays<B: TxBackend, M: MultiStepStore<B>, O: Operation<B, Output = Value>>(
+    engine: &StepsEngine<B, M>,
+    op: &O,
+    call: &Call,
+    input: &O::Input,
+    failure: Value,
+) {
+    let ending = Finished::Compensated {
+        failure,
+        replayed: false,
+    };
+    let done = engine.execute(op, call, input).await.unwrap();
+    assert_eq!(done, ending);
+    let again = engine.execute(op, call, input).await.unwrap();
+    assert_eq!(again, replayed(ending));
+}
+
+/// `done` as a retry answers it.
+fn replayed(done: Finished<Value>) -> Finished<Value> {
+    match done {
+        Finished::Completed { output, .. } => Finished::Completed { output, replayed: true },
+        Finished::Compensated { failure, .. } => Finished::Compensated {
+            failure,
+            replayed: true,
+        },
+        other => other,
+    }
+}
+
 /// An operation runs each step once; a retry answers the recorded output and runs nothing; another request under its key is refused.
 pub async fn steps_complete_once_and_replay<S: MultiStepSubject>(s: S) {
     let clock = ManualClock::starting_now();
@@ -299,11 +342,7 @@ pub async fn steps_lost_answer_resends_the_same_key<S: MultiStepSubject>(s: S) {
     let op = Withdrawal::<S>::new(vendor.clone());
     let call = new_call(&eid);
     assert_eq!(engine.execute(&op, &call, &eid).await.unwrap(), Finished::InFlight);
-    let done = engine.execute(&op, &call, &eid).await.unwrap();
-    assert!(
-        matches!(done, Finished::Completed { replayed: false, .. }),
-        "got {done:?}"
-    );
+    assert_completed(&engine.execute(&op, &call, &eid).await.unwrap(), false);
     let seen = vendor.seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[0].0, seen[1].0, "one key for every send of the step");
@@ -332,11 +371,7 @@ pub async fn steps_dead_run_is_resumed_after_its_lease<S: MultiStepSubject>(s: S
             "its lease is still live"
         );
         clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
-        let done = engine.execute(&op, &call, &eid).await.unwrap();
-        assert!(
-            matches!(done, Finished::Completed { replayed: false, .. }),
-            "got {done:?}"
-        );
+        assert_completed(&engine.execute(&op, &call, &eid).await.unwrap(), false);
         assert_eq!(
             (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
             (1, 1)
@@ -360,23 +395,8 @@ pub async fn steps_declared_failure_is_compensated_once<S: MultiStepSubject>(s: 
         "the run died in its compensation"
     );
     clock.advance(std::time::Duration::from_millis(LEASE_MS as u64));
-    let done = engine.execute(&op, &call, &eid).await.unwrap();
     let failure = json!({ "declined": "account closed" });
-    assert_eq!(
-        done,
-        Finished::Compensated {
-            failure: failure.clone(),
-            replayed: false
-        }
-    );
-    let again = engine.execute(&op, &call, &eid).await.unwrap();
-    assert_eq!(
-        again,
-        Finished::Compensated {
-            failure,
-            replayed: true
-        }
-    );
+    compensates_then_replays(&engine, &op, &call, &eid, failure).await;
     assert_eq!(effects(&s, &eid, "debit").await, 1);
     assert_eq!(effects(&s, &eid, "credit").await, 1, "credited back once");
     assert_eq!(effects(&s, &eid, "settle").await, 0);
@@ -460,11 +480,7 @@ pub async fn steps_twins_run_each_step_once<S: MultiStepSubject>(s: S) {
     );
     assert_eq!(vendor.applied(), 1);
     let op = Withdrawal::<S>::new(vendor.clone());
-    let last = engine(&s, &clock).execute(&op, &call, &eid).await.unwrap();
-    assert!(
-        matches!(last, Finished::Completed { replayed: true, .. }),
-        "got {last:?}"
-    );
+    assert_completed(&engine(&s, &clock).execute(&op, &call, &eid).await.unwrap(), true);
 }
 
 /// A first step that declares a failure records nothing: the key stays unused.
@@ -519,11 +535,7 @@ pub async fn steps_completer_finishes_what_the_caller_left<S: MultiStepSubject>(
     assert_eq!((skipped.taken, skipped.unknown_definitions), (0, 1));
     let pass = engine.complete_due(&registry, 10).await.unwrap();
     assert_eq!((pass.taken, pass.completed), (1, 1), "{pass:?}");
-    let retry = engine.execute(&op, &call, &eid).await.unwrap();
-    assert!(
-        matches!(retry, Finished::Completed { replayed: true, .. }),
-        "got {retry:?}"
-    );
+    assert_completed(&engine.execute(&op, &call, &eid).await.unwrap(), true);
     assert_eq!(
         (effects(&s, &eid, "debit").await, effects(&s, &eid, "settle").await),
         (1, 1)
@@ -602,22 +614,7 @@ pub async fn steps_failure_returned_by_the_operation_is_compensated<S: MultiStep
     let (engine, eid) = (engine(&s, &clock), effect_id());
     let (op, call) = (OverLimit::<S>(std::marker::PhantomData), new_call(&eid));
     let failure = json!("over the daily limit");
-    let first = engine.execute(&op, &call, &eid).await.unwrap();
-    assert_eq!(
-        first,
-        Finished::Compensated {
-            failure: failure.clone(),
-            replayed: false
-        }
-    );
-    let again = engine.execute(&op, &call, &eid).await.unwrap();
-    assert_eq!(
-        again,
-        Finished::Compensated {
-            failure,
-            replayed: true
-        }
-    );
+    compensates_then_replays(&engine, &op, &call, &eid, failure).await;
     assert_eq!(
         (effects(&s, &eid, "debit").await, effects(&s, &eid, "credit").await),
         (1, 1)

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Begin, Call, Error, IdempotencyKey, Outcome, Policy, Record, RecordStatus, SweepOptions, TxEngine};
+use idem_core::{Begin, Call, Error, IdempotencyKey, Outcome, Policy, Record, RecordStatus, TxEngine};
 
 use crate::*;
 
@@ -14,18 +14,24 @@ async fn run_receipt<S: Subject>(
     runs: &Runs,
     amount: i64,
 ) -> Result<Outcome<Receipt>, TestError> {
-    let eid = eid.to_owned();
-    let runs = runs.clone();
-    engine
-        .execute(call, move |tx| {
-            let (eid, runs) = (eid.clone(), runs.clone());
-            Box::pin(async move {
-                runs.hit();
-                S::write_effect(tx, eid).await?;
-                Ok(Receipt::new(amount))
-            })
-        })
-        .await
+    run_answering::<S, _, _>(engine, call, eid, runs, move |_| Ok(Receipt::new(amount))).await
+}
+
+/// Runs `call` on `engine` (on the subject's transactions) with the work of
+/// [`writing`].
+async fn run_answering<S, B, T>(
+    engine: &TxEngine<B>,
+    call: &Call,
+    eid: &str,
+    runs: &Runs,
+    answer: impl Fn(usize) -> Result<T, TestError> + Clone + Send + 'static,
+) -> Result<Outcome<T>, TestError>
+where
+    S: Subject,
+    B: TxBackend<Tx = <S::Backend as TxBackend>::Tx>,
+    T: Serialize + serde::de::DeserializeOwned + Send + 'static,
+{
+    engine.execute(call, writing::<S, T>(eid, runs, answer)).await
 }
 
 async fn run_decline<S: Subject>(
@@ -35,21 +41,33 @@ async fn run_decline<S: Subject>(
     runs: &Runs,
     decline: Option<Decline>,
 ) -> Result<Outcome<Result<Receipt, Decline>>, TestError> {
-    let eid = eid.to_owned();
-    let runs = runs.clone();
-    engine
-        .execute_with_rejections(call, move |tx| {
-            let (eid, runs, decline) = (eid.clone(), runs.clone(), decline.clone());
-            Box::pin(async move {
-                runs.hit();
-                S::write_effect(tx, eid).await?;
-                Ok(match decline {
-                    Some(d) => Err(d),
-                    None => Ok(Receipt::new(1)),
-                })
-            })
+    let answer = move |_| {
+        Ok(match decline.clone() {
+            Some(d) => Err(d),
+            None => Ok(Receipt::new(1)),
         })
+    };
+    engine
+        .execute_with_rejections(call, writing::<S, _>(eid, runs, answer))
         .await
+}
+
+/// Work on the subject's transactions that notes its run in `runs`, writes
+/// the effect `eid`, then answers what `answer` makes of the runs so far.
+fn writing<S: Subject, T: Send + 'static>(
+    eid: &str,
+    runs: &Runs,
+    answer: impl Fn(usize) -> Result<T, TestError> + Clone + Send + 'static,
+) -> impl for<'c> FnMut(&'c mut <S::Backend as TxBackend>::Tx) -> BoxFuture<'c, Result<T, TestError>> {
+    let (eid, runs) = (eid.to_owned(), runs.clone());
+    move |tx| {
+        let (eid, runs, answer) = (eid.clone(), runs.clone(), answer.clone());
+        Box::pin(async move {
+            runs.hit();
+            S::write_effect(tx, eid).await?;
+            answer(runs.get())
+        })
+    }
 }
 
 async fn effects<S: Subject>(s: &S, eid: &str) -> u64 {
@@ -136,9 +154,7 @@ pub async fn mismatch_is_an_error_and_runs_nothing<S: Subject>(s: S) {
 /// A rejection rolls the work's writes back and leaves the key usable.
 pub async fn rejection_leaves_key_unused<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, r#"{"amount":5}"#, Policy::default());
+    let call = fresh_call("POST /v1/transfers", r#"{"amount":5}"#, Policy::default());
     let (eid, runs) = (effect_id(), Runs::default());
     let declined = run_decline::<S>(
         &engine,
@@ -168,24 +184,15 @@ pub async fn rejection_leaves_key_unused<S: Subject>(s: S) {
 /// An error from the work rolls everything back and leaves the key usable.
 pub async fn error_leaves_key_unused<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", Policy::default());
-    let eid = effect_id();
-    let eid2 = eid.clone();
-    let err = engine
-        .execute(&call, move |tx| {
-            let eid2 = eid2.clone();
-            Box::pin(async move {
-                S::write_effect(tx, eid2).await?;
-                Err::<Receipt, _>(TestError::Work("fault after the write".into()))
-            })
-        })
-        .await
-        .unwrap_err();
+    let call = fresh_call("POST /v1/transfers", "{}", Policy::default());
+    let (eid, runs) = (effect_id(), Runs::default());
+    let err = run_answering::<S, _, _>(&engine, &call, &eid, &runs, |_| {
+        Err::<Receipt, _>(TestError::Work("fault after the write".into()))
+    })
+    .await
+    .unwrap_err();
     assert!(matches!(err, TestError::Work(_)));
     assert_eq!(effects(&s, &eid).await, 0, "the fault's writes roll back");
-    let runs = Runs::default();
     let ok = run_receipt::<S>(&engine, &call, &eid, &runs, 1).await.unwrap();
     assert!(!ok.is_replayed(), "the key was left unused");
     assert_eq!(effects(&s, &eid).await, 1);
@@ -194,9 +201,7 @@ pub async fn error_leaves_key_unused<S: Subject>(s: S) {
 /// A panic in the work rolls everything back and leaves the key usable.
 pub async fn panic_leaves_key_unused<S: Subject>(s: S) {
     let engine = Arc::new(tx_engine(&s));
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", waiting(20_000));
+    let call = fresh_call("POST /v1/transfers", "{}", waiting(20_000));
     let eid = effect_id();
     let task = {
         let (engine, call, eid) = (engine.clone(), call.clone(), eid.clone());
@@ -233,9 +238,7 @@ fn panics() -> bool {
 /// Dropping the call's future mid-work rolls everything back and leaves the key usable.
 pub async fn dropped_future_leaves_key_unused<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", waiting(20_000));
+    let call = fresh_call("POST /v1/transfers", "{}", waiting(20_000));
     let eid = effect_id();
     let eid2 = eid.clone();
     let (wrote_tx, wrote_rx) = tokio::sync::oneshot::channel::<()>();
@@ -266,9 +269,7 @@ pub async fn dropped_future_leaves_key_unused<S: Subject>(s: S) {
 /// With a policy that records final rejections, a final rejection is replayed and its writes stay rolled back.
 pub async fn final_rejection_is_recorded_when_policy_says<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/payouts");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", recording_rejections());
+    let call = fresh_call("POST /v1/payouts", "{}", recording_rejections());
     let (eid, runs) = (effect_id(), Runs::default());
     let decline = Decline::InsufficientFunds { short_by: 7 };
     let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(decline.clone()))
@@ -284,9 +285,7 @@ pub async fn final_rejection_is_recorded_when_policy_says<S: Subject>(s: S) {
 /// A transient rejection is never recorded, whatever the policy.
 pub async fn transient_rejection_is_never_recorded<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/payouts");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", recording_rejections());
+    let call = fresh_call("POST /v1/payouts", "{}", recording_rejections());
     let (eid, runs) = (effect_id(), Runs::default());
     let first = run_decline::<S>(&engine, &call, &eid, &runs, Some(Decline::VendorBusy))
         .await
@@ -300,20 +299,35 @@ pub async fn transient_rejection_is_never_recorded<S: Subject>(s: S) {
     assert_eq!(effects(&s, &eid).await, 1);
 }
 
+/// A first caller's claim of `call` with its write of `eid` made, and a
+/// twin started beside it on a task of its own (its work writes
+/// `twin_eid`), with the twin's runs.
+async fn first_and_twin<S: Subject>(
+    engine: &Arc<TxEngine<S::Backend>>,
+    call: &Call,
+    eid: &str,
+    twin_eid: &str,
+) -> (
+    idem_core::Claimed<<S::Backend as TxBackend>::Tx>,
+    tokio::task::JoinHandle<Result<Outcome<Receipt>, TestError>>,
+    Runs,
+) {
+    let mut first = claimed(engine.begin(call).await.unwrap());
+    S::write_effect(&mut first.tx, eid.to_owned()).await.unwrap();
+    let twin_runs = Runs::default();
+    let twin = {
+        let (engine, call, eid, runs) = (engine.clone(), call.clone(), twin_eid.to_owned(), twin_runs.clone());
+        tokio::spawn(async move { run_receipt::<S>(&engine, &call, &eid, &runs, 9).await })
+    };
+    (first, twin, twin_runs)
+}
+
 /// A twin that arrives while the first holds the key waits, then replays the first's outcome.
 pub async fn twin_waits_then_replays<S: Subject>(s: S) {
     let engine = Arc::new(tx_engine(&s));
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", waiting(30_000));
+    let call = fresh_call("POST /v1/transfers", "{}", waiting(30_000));
     let eid = effect_id();
-    let mut first = claimed(engine.begin(&call).await.unwrap());
-    S::write_effect(&mut first.tx, eid.clone()).await.unwrap();
-    let twin_runs = Runs::default();
-    let twin = {
-        let (engine, call, eid, runs) = (engine.clone(), call.clone(), eid.clone(), twin_runs.clone());
-        tokio::spawn(async move { run_receipt::<S>(&engine, &call, &eid, &runs, 9).await })
-    };
+    let (first, twin, twin_runs) = first_and_twin::<S>(&engine, &call, &eid, &eid).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!twin.is_finished(), "the twin waits while the first holds the key");
     let receipt = Receipt::new(5);
@@ -330,17 +344,9 @@ pub async fn twin_waits_then_replays<S: Subject>(s: S) {
 /// A twin waiting on a claim that rolls back then claims the key and runs itself.
 pub async fn twin_claims_after_first_rolls_back<S: Subject>(s: S) {
     let engine = Arc::new(tx_engine(&s));
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, "{}", waiting(30_000));
+    let call = fresh_call("POST /v1/transfers", "{}", waiting(30_000));
     let (eid_first, eid_twin) = (effect_id(), effect_id());
-    let mut first = claimed(engine.begin(&call).await.unwrap());
-    S::write_effect(&mut first.tx, eid_first.clone()).await.unwrap();
-    let twin_runs = Runs::default();
-    let twin = {
-        let (engine, call, eid, runs) = (engine.clone(), call.clone(), eid_twin.clone(), twin_runs.clone());
-        tokio::spawn(async move { run_receipt::<S>(&engine, &call, &eid, &runs, 9).await })
-    };
+    let (first, twin, twin_runs) = first_and_twin::<S>(&engine, &call, &eid_first, &eid_twin).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     engine.abandon(first).await;
     let out = twin.await.unwrap().unwrap();
@@ -383,6 +389,35 @@ pub async fn twin_reported_in_flight<S: Subject>(s: S) {
     assert!(out.is_replayed(), "after the first commits, the twin replays");
 }
 
+/// Runs `call` under `key` in `scope` with `eid`'s work answering `amount`.
+async fn run_in<S: Subject>(
+    engine: &TxEngine<S::Backend>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    eid: &str,
+    runs: &Runs,
+    amount: i64,
+) -> Outcome<Receipt> {
+    let call = call_for(scope, key, "{}", Policy::default());
+    run_receipt::<S>(engine, &call, eid, runs, amount).await.unwrap()
+}
+
+/// Runs `key` in `a` with the work of `eid_a`, then in `b` with that of
+/// `eid_b`: each executes its own, and their outcomes differ.
+async fn each_scope_executes<S: Subject>(
+    engine: &TxEngine<S::Backend>,
+    (a, b): (&Scope, &Scope),
+    key: &IdempotencyKey,
+    (eid_a, eid_b): (&str, &str),
+    runs: &Runs,
+) -> (Outcome<Receipt>, Outcome<Receipt>) {
+    let ra = run_in::<S>(engine, a, key, eid_a, runs, 1).await;
+    let rb = run_in::<S>(engine, b, key, eid_b, runs, 2).await;
+    assert!(!ra.is_replayed() && !rb.is_replayed(), "each scope executes its own");
+    assert_ne!(ra.value(), rb.value());
+    (ra, rb)
+}
+
 /// The same key and request from two tenants are two independent keys; neither sees the other's outcome.
 pub async fn tenant_isolation<S: Subject>(s: S) {
     let engine = tx_engine(&s);
@@ -390,20 +425,9 @@ pub async fn tenant_isolation<S: Subject>(s: S) {
     let b = unique_scope("POST /v1/transfers");
     let key = IdempotencyKey::generate();
     let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
-    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1)
-        .await
-        .unwrap();
-    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 2)
-        .await
-        .unwrap();
-    assert!(!ra.is_replayed() && !rb.is_replayed(), "each tenant executes its own");
-    assert_ne!(ra.value(), rb.value());
-    let ra2 = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 3)
-        .await
-        .unwrap();
-    let rb2 = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 4)
-        .await
-        .unwrap();
+    let (ra, rb) = each_scope_executes::<S>(&engine, (&a, &b), &key, (&eid_a, &eid_b), &runs).await;
+    let ra2 = run_in::<S>(&engine, &a, &key, &eid_a, &runs, 3).await;
+    let rb2 = run_in::<S>(&engine, &b, &key, &eid_b, &runs, 4).await;
     assert_eq!(ra2.value(), ra.value(), "tenant A replays its own outcome");
     assert_eq!(rb2.value(), rb.value(), "tenant B replays its own outcome, never A's");
     assert_eq!(effects(&s, &eid_a).await, 1);
@@ -414,20 +438,13 @@ pub async fn tenant_isolation<S: Subject>(s: S) {
 pub async fn operation_isolation<S: Subject>(s: S) {
     let engine = tx_engine(&s);
     let a = unique_scope("POST /v1/transfers");
-    let b = idem_core::Scope::new(
+    let b = Scope::new(
         a.tenant().clone(),
         idem_core::Operation::new("POST /v1/top-ups").unwrap(),
     );
     let key = IdempotencyKey::generate();
     let (eid_a, eid_b, runs) = (effect_id(), effect_id(), Runs::default());
-    let ra = run_receipt::<S>(&engine, &call_for(&a, &key, "{}", Policy::default()), &eid_a, &runs, 1)
-        .await
-        .unwrap();
-    let rb = run_receipt::<S>(&engine, &call_for(&b, &key, "{}", Policy::default()), &eid_b, &runs, 1)
-        .await
-        .unwrap();
-    assert!(!ra.is_replayed() && !rb.is_replayed());
-    assert_ne!(ra.value(), rb.value());
+    each_scope_executes::<S>(&engine, (&a, &b), &key, (&eid_a, &eid_b), &runs).await;
     assert_eq!(runs.get(), 2);
 }
 
@@ -484,12 +501,7 @@ pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
         }
     }
     clock.advance(Duration::from_secs(11));
-    let options = SweepOptions {
-        batch_size: 3,
-        pause: Duration::ZERO,
-        busy_percent: 100,
-        max_batches: None,
-    };
+    let options = unpaced_sweep(3);
     let report = idem_core::sweep_expired(&s.sweeper(), &*engine.clock().clone(), options)
         .await
         .unwrap();
@@ -514,26 +526,12 @@ pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
 pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     let other = s.another().await;
     let engines = [Arc::new(tx_engine(&s)), Arc::new(tx_engine(&other))];
-    let scope = unique_scope("POST /v1/transfers");
-    let key = IdempotencyKey::generate();
-    let call = call_for(&scope, &key, r#"{"amount":100}"#, waiting(120_000));
+    let call = fresh_call("POST /v1/transfers", r#"{"amount":100}"#, waiting(120_000));
     let (eid, runs) = (effect_id(), Runs::default());
-    let barrier = Arc::new(tokio::sync::Barrier::new(64));
-    let tasks: Vec<_> = (0..64)
-        .map(|i| {
-            let (engine, call, eid, runs, barrier) = (
-                engines[i % 2].clone(),
-                call.clone(),
-                eid.clone(),
-                runs.clone(),
-                barrier.clone(),
-            );
-            tokio::spawn(async move {
-                barrier.wait().await;
-                run_receipt::<S>(&engine, &call, &eid, &runs, 100).await
-            })
-        })
-        .collect();
+    let tasks = spawn_together(64, |i| {
+        let (engine, call, eid, runs) = (engines[i % 2].clone(), call.clone(), eid.clone(), runs.clone());
+        async move { run_receipt::<S>(&engine, &call, &eid, &runs, 100).await }
+    });
     let mut outcomes = Vec::new();
     for t in tasks {
         outcomes.push(t.await.unwrap().expect("every task gets an outcome"));
@@ -556,23 +554,13 @@ pub async fn concurrent_64_tasks_distinct_keys<S: Subject>(s: S) {
     let scope = unique_scope("POST /v1/transfers");
     let runs = Runs::default();
     let eids: Vec<String> = (0..64).map(|_| effect_id()).collect();
-    let barrier = Arc::new(tokio::sync::Barrier::new(64));
-    let tasks: Vec<_> = (0..64)
-        .map(|i| {
-            let (engine, scope, eid, runs, barrier) = (
-                engines[i % 2].clone(),
-                scope.clone(),
-                eids[i].clone(),
-                runs.clone(),
-                barrier.clone(),
-            );
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let call = call_for(&scope, &IdempotencyKey::generate(), "{}", waiting(120_000));
-                run_receipt::<S>(&engine, &call, &eid, &runs, 1).await
-            })
-        })
-        .collect();
+    let tasks = spawn_together(64, |i| {
+        let (engine, scope, eid, runs) = (engines[i % 2].clone(), scope.clone(), eids[i].clone(), runs.clone());
+        async move {
+            let call = call_for(&scope, &IdempotencyKey::generate(), "{}", waiting(120_000));
+            run_receipt::<S>(&engine, &call, &eid, &runs, 1).await
+        }
+    });
     for t in tasks {
         let outcome = t.await.unwrap();
         assert!(
@@ -616,27 +604,19 @@ pub async fn oversized_record_rolls_back<S: Subject>(s: S) {
 /// Work whose statement lost a race (a deadlock or serialisation failure) is rolled back and run again; the effect exists once.
 pub async fn work_contention_runs_again<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/transfers");
-    let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default());
+    let call = fresh_call("POST /v1/transfers", "{}", Policy::default());
     let (eid, runs) = (effect_id(), Runs::default());
-    let (eid2, runs2) = (eid.clone(), runs.clone());
-    let out = engine
-        .execute(&call, move |tx| {
-            let (eid, runs) = (eid2.clone(), runs2.clone());
-            Box::pin(async move {
-                runs.hit();
-                S::write_effect(tx, eid).await?;
-                if runs.get() == 1 {
-                    return Err(TestError::Idem(Error::store(
-                        idem_core::StoreErrorKind::Deadlock,
-                        "chosen as the deadlock victim",
-                    )));
-                }
-                Ok(Receipt::new(1))
-            })
-        })
-        .await
-        .expect("contention in the work is retried");
+    let out = run_answering::<S, _, _>(&engine, &call, &eid, &runs, |runs| {
+        if runs == 1 {
+            return Err(TestError::Idem(Error::store(
+                idem_core::StoreErrorKind::Deadlock,
+                "chosen as the deadlock victim",
+            )));
+        }
+        Ok(Receipt::new(1))
+    })
+    .await
+    .expect("contention in the work is retried");
     assert!(!out.is_replayed());
     assert_eq!(runs.get(), 2, "the work ran again after contention");
     assert_eq!(effects(&s, &eid).await, 1, "only the second run's effect committed");
@@ -647,24 +627,16 @@ pub async fn work_contention_runs_again<S: Subject>(s: S) {
 /// Contention that never stops is retried a bounded number of times, then surfaces as a retryable error with nothing applied.
 pub async fn contention_retries_are_bounded<S: Subject>(s: S) {
     let engine = tx_engine(&s);
-    let scope = unique_scope("POST /v1/transfers");
-    let call = call_for(&scope, &IdempotencyKey::generate(), "{}", Policy::default());
+    let call = fresh_call("POST /v1/transfers", "{}", Policy::default());
     let (eid, runs) = (effect_id(), Runs::default());
-    let (eid2, runs2) = (eid.clone(), runs.clone());
-    let err = engine
-        .execute(&call, move |tx| {
-            let (eid, runs) = (eid2.clone(), runs2.clone());
-            Box::pin(async move {
-                runs.hit();
-                S::write_effect(tx, eid).await?;
-                Err::<Receipt, _>(TestError::Idem(Error::store(
-                    idem_core::StoreErrorKind::Serialization,
-                    "could not serialize access",
-                )))
-            })
-        })
-        .await
-        .unwrap_err();
+    let err = run_answering::<S, _, _>(&engine, &call, &eid, &runs, |_| {
+        Err::<Receipt, _>(TestError::Idem(Error::store(
+            idem_core::StoreErrorKind::Serialization,
+            "could not serialize access",
+        )))
+    })
+    .await
+    .unwrap_err();
     assert!(
         matches!(&err, TestError::Idem(e) if e.is_retryable() && e.is_contention()),
         "got {err:?}"
@@ -684,25 +656,10 @@ pub async fn tx_commit_refused_or_lost_applies_once<S: Subject>(s: S) {
     let store = Faulty::new(s.backend(), FaultPlan::none());
     let engine = TxEngine::new(store.clone());
     for fault in [Fault::Refused, Fault::TimedOut, Fault::AppliedThenRefused] {
-        let call = call_for(
-            &unique_scope("POST /v1/transfers"),
-            &IdempotencyKey::generate(),
-            r#"{"amount":5}"#,
-            Policy::default(),
-        );
+        let call = fresh_call("POST /v1/transfers", r#"{"amount":5}"#, Policy::default());
         let (eid, runs) = (effect_id(), Runs::default());
         store.faults().fail_next(Op::Commit, fault);
-        let run = || {
-            let (eid, runs) = (eid.clone(), runs.clone());
-            engine.execute(&call, move |tx| {
-                let (eid, runs) = (eid.clone(), runs.clone());
-                Box::pin(async move {
-                    runs.hit();
-                    S::write_effect(tx, eid).await?;
-                    Ok::<_, TestError>(Receipt::new(5))
-                })
-            })
-        };
+        let run = || run_answering::<S, _, _>(&engine, &call, &eid, &runs, |_| Ok(Receipt::new(5)));
         let first = run().await;
         assert!(first.is_err(), "{fault:?}: the caller hears the commit fail: {first:?}");
         let again = run().await.unwrap();

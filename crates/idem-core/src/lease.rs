@@ -17,7 +17,7 @@ use crate::heartbeat::{Heartbeat, HeldLease};
 use crate::key::IdempotencyKey;
 use crate::metrics;
 use crate::record::{Call, ClaimRequest, Lease, Outcome, Record, Resolution, Token};
-use crate::scope::Scope;
+use crate::scope::{Operation, Scope};
 use crate::store::{LeaseClaim, LeaseStore};
 use crate::tx::status_label;
 
@@ -190,18 +190,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// Records the outcome of a held lease. Fails with [`Error::Fenced`] if
     /// the lease was taken over; the newer outcome is never overwritten.
     pub async fn complete(&self, lease: &Lease, record: Record) -> Result<()> {
-        let op = lease.scope.operation();
-        match self.store.complete(lease, &record).await {
-            Ok(()) => {
-                metrics::record(op, status_label(record.status));
-                Ok(())
-            }
-            Err(Error::Fenced) => {
-                metrics::count(metrics::FENCED, op);
-                Err(Error::Fenced)
-            }
-            Err(e) => Err(e),
-        }
+        let written = self.store.complete(lease, &record).await;
+        counted(lease, written, |op| metrics::record(op, status_label(record.status)))
     }
 
     /// Marks a held lease as sent, durably, before anything leaves this
@@ -213,18 +203,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// it fails nothing may be sent. Fails with [`Error::Fenced`] if the
     /// lease was taken over.
     pub async fn mark_sent(&self, lease: &Lease) -> Result<()> {
-        let op = lease.scope.operation();
-        match self.store.mark_sent(lease, self.clock.now_ms()).await {
-            Ok(()) => {
-                metrics::count(metrics::SENT, op);
-                Ok(())
-            }
-            Err(Error::Fenced) => {
-                metrics::count(metrics::FENCED, op);
-                Err(Error::Fenced)
-            }
-            Err(e) => Err(e),
-        }
+        let written = self.store.mark_sent(lease, self.clock.now_ms()).await;
+        counted(lease, written, |op| metrics::count(metrics::SENT, op))
     }
 
     /// The key's row as the store holds it, with the time it was first
@@ -324,18 +304,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// Gives the key back unused. Fails with [`Error::Fenced`] if the lease
     /// was taken over.
     pub async fn release(&self, lease: &Lease) -> Result<()> {
-        let op = lease.scope.operation();
-        match self.store.release(lease).await {
-            Ok(()) => {
-                metrics::count(metrics::RELEASES, op);
-                Ok(())
-            }
-            Err(Error::Fenced) => {
-                metrics::count(metrics::FENCED, op);
-                Err(Error::Fenced)
-            }
-            Err(e) => Err(e),
-        }
+        let written = self.store.release(lease).await;
+        counted(lease, written, |op| metrics::count(metrics::RELEASES, op))
     }
 
     /// Records that the outcome of a held lease is unknown: the work may have
@@ -346,18 +316,8 @@ impl<S: LeaseStore> LeaseEngine<S> {
     /// (what was seen) is kept for the operator. Fails with
     /// [`Error::Fenced`] if the lease was taken over.
     pub async fn mark_unknown(&self, lease: &Lease, note: impl Into<Vec<u8>>) -> Result<()> {
-        let op = lease.scope.operation();
-        match self.store.complete(lease, &Record::unknown(note)).await {
-            Ok(()) => {
-                metrics::count(metrics::UNKNOWN, op);
-                Ok(())
-            }
-            Err(Error::Fenced) => {
-                metrics::count(metrics::FENCED, op);
-                Err(Error::Fenced)
-            }
-            Err(e) => Err(e),
-        }
+        let written = self.store.complete(lease, &Record::unknown(note)).await;
+        counted(lease, written, |op| metrics::count(metrics::UNKNOWN, op))
     }
 
     /// Resolves an unknown outcome: `Some(record)` (the work took effect,
@@ -625,5 +585,22 @@ async fn release_abandoned<S: LeaseStore>(store: &S, lease: Lease) {
     match store.release(&lease).await {
         Ok(()) => metrics::count(metrics::RELEASES, lease.scope.operation()),
         Err(e) => tracing::warn!(error = %e, "could not release an abandoned claim; it will expire"),
+    }
+}
+
+/// A holder's write of `lease`, counted: `done` on success, a fencing when
+/// the lease was taken over.
+fn counted(lease: &Lease, written: Result<()>, done: impl FnOnce(&Operation)) -> Result<()> {
+    let op = lease.scope.operation();
+    match written {
+        Ok(()) => {
+            done(op);
+            Ok(())
+        }
+        Err(Error::Fenced) => {
+            metrics::count(metrics::FENCED, op);
+            Err(Error::Fenced)
+        }
+        Err(e) => Err(e),
     }
 }

@@ -366,13 +366,7 @@ impl<B: TxBackend> TxEngine<B> {
                     return Err(e);
                 }
             };
-            let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.abandon(claimed).await;
-                    return Err(e.into());
-                }
-            };
+            let (claimed, payload) = self.encode_or_abandon(claimed, call, &value).await?;
             match self.commit(claimed, Record::completed(payload)).await {
                 Ok(()) => return Ok(Outcome::Executed(value)),
                 Err(e) if e.is_contention() && retries.again(op, Stage::Commit).await => continue,
@@ -408,26 +402,14 @@ impl<B: TxBackend> TxEngine<B> {
             };
             let settled = match work(&mut claimed.tx).await {
                 Ok(Ok(value)) => {
-                    let payload = match engine::encode(&value, call.policy().max_record_bytes()) {
-                        Ok(p) => p,
-                        Err(e) => {
-                            self.abandon(claimed).await;
-                            return Err(e.into());
-                        }
-                    };
+                    let (claimed, payload) = self.encode_or_abandon(claimed, call, &value).await?;
                     self.commit(claimed, Record::completed(payload))
                         .await
                         .map(|()| Ok(value))
                 }
                 Ok(Err(rejection)) => {
                     if engine::records_rejection(call, &rejection) {
-                        let payload = match engine::encode(&rejection, call.policy().max_record_bytes()) {
-                            Ok(p) => p,
-                            Err(e) => {
-                                self.abandon(claimed).await;
-                                return Err(e.into());
-                            }
-                        };
+                        let (claimed, payload) = self.encode_or_abandon(claimed, call, &rejection).await?;
                         self.reject_final(claimed, Record::rejected(payload))
                             .await
                             .map(|_| Err(rejection))
@@ -448,6 +430,24 @@ impl<B: TxBackend> TxEngine<B> {
                 Ok(result) => return Ok(Outcome::Executed(result)),
                 Err(e) if e.is_contention() && retries.again(op, Stage::Commit).await => continue,
                 Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// `value` encoded for its record, within the call's limit, with the
+    /// claim that will record it; a value that cannot be recorded gives the
+    /// claim up first.
+    async fn encode_or_abandon<V: Serialize>(
+        &self,
+        claimed: Claimed<B::Tx>,
+        call: &Call,
+        value: &V,
+    ) -> Result<(Claimed<B::Tx>, Vec<u8>)> {
+        match engine::encode(value, call.policy().max_record_bytes()) {
+            Ok(payload) => Ok((claimed, payload)),
+            Err(e) => {
+                self.abandon(claimed).await;
+                Err(e)
             }
         }
     }

@@ -403,32 +403,38 @@ mod tests {
         assert!(matches!(b[3].marker, Marker::Invalid(_)));
     }
 
+    /// The commands of the block whose text is `text`.
+    fn commands_of(text: &str) -> Vec<Command> {
+        let body: Vec<String> = text.lines().map(String::from).collect();
+        commands(&body)
+    }
+
+    /// The command on lines `first..end` whose text is `text`, expecting
+    /// `expected`.
+    fn command(first: usize, end: usize, text: &str, expected: &[&str]) -> Command {
+        Command {
+            first,
+            end,
+            text: text.into(),
+            expected: expected.iter().map(|e| (*e).to_owned()).collect(),
+        }
+    }
+
     #[test]
     fn commands_and_patterns() {
-        let body: Vec<String> =
-            "# a comment\nA=1\ncurl -s x \\\n   -d y\n#   {\"a\":…}\n#   b\n# not a pattern\n#    nor this\n\necho z"
-                .lines()
-                .map(String::from)
-                .collect();
-        let c = commands(&body);
+        let c = commands_of(
+            "# a comment\nA=1\ncurl -s x \\\n   -d y\n#   {\"a\":…}\n#   b\n# not a pattern\n#    nor this\n\necho z",
+        );
         assert_eq!(c.len(), 3);
-        assert_eq!(c[1].text, "curl -s x -d y");
-        assert_eq!((c[1].first, c[1].end), (2, 4));
-        assert_eq!(c[1].expected, vec!["{\"a\":…}".to_string(), "b".into()]);
+        assert_eq!(c[1], command(2, 4, "curl -s x -d y", &["{\"a\":…}", "b"]));
         assert!(c[2].expected.is_empty());
     }
 
     #[test]
     fn a_loop_is_one_command() {
-        let body: Vec<String> = "for i in 1 2; do\n  echo $i\ndone\n#   1\n#   2\necho end"
-            .lines()
-            .map(String::from)
-            .collect();
-        let c = commands(&body);
+        let c = commands_of("for i in 1 2; do\n  echo $i\ndone\n#   1\n#   2\necho end");
         assert_eq!(c.len(), 2);
-        assert_eq!(c[0].text, "for i in 1 2; do echo $i done");
-        assert_eq!((c[0].first, c[0].end), (0, 3));
-        assert_eq!(c[0].expected, vec!["1".to_string(), "2".into()]);
+        assert_eq!(c[0], command(0, 3, "for i in 1 2; do echo $i done", &["1", "2"]));
         let one: Vec<String> = vec!["for i in 1 2; do echo $i; done".into(), "echo end".into()];
         assert_eq!(commands(&one).len(), 2);
     }

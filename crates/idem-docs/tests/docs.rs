@@ -254,6 +254,24 @@ fn run_help(exe: &str, args: &[String]) -> Result<(), String> {
     }
 }
 
+/// Checks that the package of `-p` in the cargo command `w` exists
+/// (`without_p` is the complaint when there is none), and so does its
+/// target of `--{kind}`, if named, in its folder `folder`.
+fn package_target(w: &[String], without_p: &str, kind: &str, folder: &str) -> Result<(), String> {
+    let pkg = w.iter().skip_while(|a| *a != "-p").nth(1).ok_or(without_p)?;
+    let dir = root().join("crates").join(pkg);
+    if !dir.join("Cargo.toml").exists() {
+        return Err(format!("no package `{pkg}`"));
+    }
+    let flag = format!("--{kind}");
+    if let Some(t) = w.iter().skip_while(|a| **a != flag).nth(1)
+        && !dir.join(folder).join(format!("{t}.rs")).exists()
+    {
+        return Err(format!("package `{pkg}` has no {kind} `{t}`"));
+    }
+    Ok(())
+}
+
 /// The drift check of one command of a `norun` block.
 fn check_norun(text: &str) -> Result<&'static str, String> {
     let w = words(text);
@@ -269,37 +287,11 @@ fn check_norun(text: &str) -> Result<&'static str, String> {
                 Target::Example => Ok("example exists, features exist"),
             },
             Some("test") if w.iter().any(|a| a == "-p") => {
-                let pkg = w
-                    .iter()
-                    .skip_while(|a| *a != "-p")
-                    .nth(1)
-                    .ok_or("`-p` without a package")?;
-                let dir = root().join("crates").join(pkg);
-                if !dir.join("Cargo.toml").exists() {
-                    return Err(format!("no package `{pkg}`"));
-                }
-                if let Some(t) = w.iter().skip_while(|a| *a != "--test").nth(1)
-                    && !dir.join("tests").join(format!("{t}.rs")).exists()
-                {
-                    return Err(format!("package `{pkg}` has no test `{t}`"));
-                }
+                package_target(&w, "`-p` without a package", "test", "tests")?;
                 Ok("the package and its test exist")
             }
             Some("bench") => {
-                let pkg = w
-                    .iter()
-                    .skip_while(|a| *a != "-p")
-                    .nth(1)
-                    .ok_or("`cargo bench` without `-p`")?;
-                let dir = root().join("crates").join(pkg);
-                if !dir.join("Cargo.toml").exists() {
-                    return Err(format!("no package `{pkg}`"));
-                }
-                if let Some(b) = w.iter().skip_while(|a| *a != "--bench").nth(1)
-                    && !dir.join("benches").join(format!("{b}.rs")).exists()
-                {
-                    return Err(format!("package `{pkg}` has no bench `{b}`"));
-                }
+                package_target(&w, "`cargo bench` without `-p`", "bench", "benches")?;
                 Ok("the package and its bench exist")
             }
             Some("test") => {

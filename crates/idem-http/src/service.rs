@@ -17,6 +17,7 @@ use idem_core::{
 use tower_service::Service;
 
 use crate::IDEMPOTENT_REPLAYED;
+use crate::drain::Drain;
 use crate::future::ResponseFuture;
 use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{Config, KeyRequirement, Shared};
@@ -184,6 +185,43 @@ pub(crate) fn outcome(operation: &Operation, result: &'static str, started: Inst
         .record(started.elapsed().as_secs_f64());
 }
 
+/// A routed request on its way in, before its body is read: what an early
+/// answer to it needs (its operation and arrival for the metrics, the body
+/// drain, the base of problem types).
+pub(crate) struct Arrival<'a> {
+    pub(crate) operation: &'a Operation,
+    pub(crate) started: Instant,
+    pub(crate) drain: &'a Drain,
+    pub(crate) problem_base: &'a str,
+}
+
+impl Arrival<'_> {
+    /// Refuses the request with `problem` before reading its body, which is
+    /// drained; `result` is the metric's.
+    pub(crate) async fn refuse<B: ByteBody>(&self, result: &'static str, body: B, problem: Problem) -> Response<Body> {
+        outcome(self.operation, result, self.started);
+        self.drain.discard(body, 0).await;
+        problem.into_response(self.problem_base)
+    }
+
+    /// The request's body, read up to `limit` bytes; a body refused (too
+    /// large, or broken off) is answered.
+    pub(crate) async fn read_body<B: ByteBody>(
+        &self,
+        body: B,
+        parts: &Parts,
+        limit: usize,
+    ) -> Result<Bytes, Response<Body>> {
+        self.drain
+            .read_request(body, &parts.headers, limit)
+            .await
+            .map_err(|problem| {
+                outcome(self.operation, "body_rejected", self.started);
+                body_refused(problem, self.problem_base)
+            })
+    }
+}
+
 async fn handle<S, M, ReqBody, ResBody>(
     shared: Arc<Shared<M>>,
     inner: S,
@@ -204,34 +242,27 @@ where
     };
     let op = operation.clone();
     let route = cfg.route(&operation);
+    let arrival = Arrival {
+        operation: &op,
+        started,
+        drain: &cfg.drain,
+        problem_base: &cfg.problem_base,
+    };
     let key = if is_safe(&parts.method) {
         None
     } else {
         match parse_key_header(&parts.headers) {
             KeyHeader::Present(key) => Some(key),
             KeyHeader::Missing if route.requirement() == KeyRequirement::Required => {
-                outcome(&op, "key_missing", started);
-                cfg.drain.discard(body, 0).await;
-                return Ok(key_missing(&op).into_response(&cfg.problem_base));
+                return Ok(arrival.refuse("key_missing", body, key_missing(&op)).await);
             }
             KeyHeader::Missing => None,
-            KeyHeader::Invalid(why) => {
-                outcome(&op, "key_invalid", started);
-                cfg.drain.discard(body, 0).await;
-                return Ok(key_invalid(why).into_response(&cfg.problem_base));
-            }
+            KeyHeader::Invalid(why) => return Ok(arrival.refuse("key_invalid", body, key_invalid(why)).await),
         }
     };
-    let bytes = match cfg
-        .drain
-        .read_request(body, &parts.headers, cfg.max_request_bytes)
-        .await
-    {
+    let bytes = match arrival.read_body(body, &parts, cfg.max_request_bytes).await {
         Ok(bytes) => bytes,
-        Err(problem) => {
-            outcome(&op, "body_rejected", started);
-            return Ok(body_refused(problem, &cfg.problem_base));
-        }
+        Err(refused) => return Ok(refused),
     };
     let key = if bypassed() { None } else { key };
     let Some(key) = key else {

@@ -66,7 +66,7 @@ use crate::key::{KeyHeader, parse_key_header};
 use crate::layer::{TenantFn, matched_route_operation};
 use crate::problem::{DEFAULT_PROBLEM_BASE, Problem, slugs};
 use crate::service::{
-    ByteBody, body_refused, fingerprint, key_invalid, key_missing, key_reused, outcome, store_failed, unavailable,
+    Arrival, ByteBody, fingerprint, key_invalid, key_missing, key_reused, outcome, store_failed, unavailable,
 };
 
 /// A multi-step operation served over HTTP: how a request becomes its
@@ -243,29 +243,20 @@ where
     let Some(operation) = matched_route_operation(&parts) else {
         return Problem::new(StatusCode::NOT_FOUND, "not-found", "Not found").into_response(base);
     };
+    let arrival = Arrival {
+        operation: &operation,
+        started,
+        drain: &shared.drain,
+        problem_base: base,
+    };
     let key = match parse_key_header(&parts.headers) {
         KeyHeader::Present(key) => key,
-        KeyHeader::Missing => {
-            outcome(&operation, "key_missing", started);
-            shared.drain.discard(body, 0).await;
-            return key_missing(&operation).into_response(base);
-        }
-        KeyHeader::Invalid(why) => {
-            outcome(&operation, "key_invalid", started);
-            shared.drain.discard(body, 0).await;
-            return key_invalid(why).into_response(base);
-        }
+        KeyHeader::Missing => return arrival.refuse("key_missing", body, key_missing(&operation)).await,
+        KeyHeader::Invalid(why) => return arrival.refuse("key_invalid", body, key_invalid(why)).await,
     };
-    let bytes = match shared
-        .drain
-        .read_request(body, &parts.headers, shared.max_request_bytes)
-        .await
-    {
+    let bytes = match arrival.read_body(body, &parts, shared.max_request_bytes).await {
         Ok(bytes) => bytes,
-        Err(problem) => {
-            outcome(&operation, "body_rejected", started);
-            return body_refused(problem, base);
-        }
+        Err(refused) => return refused,
     };
     let tenant = match (shared.tenant)(&parts) {
         Ok(tenant) => tenant,

@@ -51,7 +51,7 @@ fn tx_app(store: MemoryStore, c: Counters, gate: Arc<tokio::sync::Notify>) -> Ro
             let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             let status = v.get("status").and_then(|s| s.as_u64()).unwrap_or(201) as u16;
             let size = v.get("size").and_then(|s| s.as_u64()).unwrap_or(0) as usize;
-            let run = c.runs.load(Ordering::SeqCst);
+            let run = c.run_count();
             let mut headers = HeaderMap::new();
             headers.insert("x-run", run.into());
             headers.insert("connection", "keep-alive".parse().unwrap());
@@ -136,7 +136,7 @@ async fn missing_key_is_400_and_runs_nothing() {
     let r = send(&app, req("POST", "/things", "t1", None, "{}")).await;
     assert_eq!(r.status, 400);
     assert!(r.problem_type().ends_with("/idempotency-key-missing"));
-    assert_eq!(c.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(c.run_count(), 0);
 }
 
 /// Malformed keys are 400 problems: empty, too long, two headers, broken sf-strings, spaces.
@@ -168,7 +168,7 @@ async fn malformed_keys_are_400() {
         .body(Body::from("{}"))
         .unwrap();
     assert_eq!(send(&app, two).await.status, 400);
-    assert_eq!(c.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(c.run_count(), 0);
 }
 
 /// First call executes unmarked; a retry replays status, end-to-end headers and the byte-identical body, marked.
@@ -193,8 +193,8 @@ async fn replay_is_byte_identical_and_marked() {
             "hop-by-hop headers are not replayed"
         );
     }
-    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
-    assert_eq!(c.committed.load(Ordering::SeqCst), 1);
+    assert_eq!(c.run_count(), 1);
+    assert_eq!(c.commit_count(), 1);
 }
 
 /// The same key with a different body, or another resource under the same route, is a 422 problem.
@@ -207,7 +207,7 @@ async fn reuse_with_different_request_is_422() {
     assert!(r.problem_type().ends_with("/idempotency-key-reused"));
     let r = send(&app, req("POST", "/things/2", "t", Some("k"), r#"{"a":1}"#)).await;
     assert_eq!(r.status, 422, "same template, other resource: a different request");
-    assert_eq!(c.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(c.run_count(), 1);
 }
 
 /// GET needs no key; an optional route without a key runs every time.
@@ -220,12 +220,8 @@ async fn safe_methods_and_optional_routes() {
         assert_eq!(r.status, 201);
         assert!(!r.replayed());
     }
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        c.committed.load(Ordering::SeqCst),
-        2,
-        "unkeyed writes commit on success"
-    );
+    assert_eq!(c.run_count(), 2);
+    assert_eq!(c.commit_count(), 2, "unkeyed writes commit on success");
 }
 
 /// A twin of a running request gets 409 with Retry-After under a rejecting policy, and replays after a wait otherwise.
@@ -273,7 +269,7 @@ async fn oversized_body_is_413_and_claims_nothing() {
         r.headers["connection"], "close",
         "the unread body makes the connection unusable"
     );
-    assert_eq!(c.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(c.run_count(), 0);
     let r = send(&app, req("POST", "/things", "t", Some("k"), "{}")).await;
     assert_eq!(r.status, 201, "the key was never claimed");
 }
@@ -288,7 +284,7 @@ async fn tenants_are_isolated() {
     assert_ne!(a.body, b.body);
     let b2 = send(&app, req("POST", "/things", "bob", Some("shared"), "{}")).await;
     assert_eq!(b2.body, b.body);
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(c.run_count(), 2);
 }
 
 /// 4xx and 5xx do not consume a key by default; a final 4xx does under a recording policy; 5xx never.
@@ -304,22 +300,14 @@ async fn which_statuses_consume_a_key() {
     ] {
         let key = format!("\"{uri}-{status}\"");
         let body = format!("{{\"status\":{status}}}");
-        let before = c.runs.load(Ordering::SeqCst);
+        let before = c.run_count();
         let first = send(&app, req("POST", uri, "t", Some(&key), &body)).await;
         assert_eq!(first.status, status);
         let again = send(&app, req("POST", uri, "t", Some(&key), &body)).await;
         assert_eq!(again.replayed(), consumed, "{uri} {status}");
-        assert_eq!(
-            c.runs.load(Ordering::SeqCst) - before,
-            if consumed { 1 } else { 2 },
-            "{uri} {status}"
-        );
+        assert_eq!(c.run_count() - before, if consumed { 1 } else { 2 }, "{uri} {status}");
     }
-    assert_eq!(
-        c.committed.load(Ordering::SeqCst),
-        0,
-        "no 4xx or 5xx response commits its writes"
-    );
+    assert_eq!(c.commit_count(), 0, "no 4xx or 5xx response commits its writes");
 }
 
 /// A response over the record limit rolls the work back (transactional) and leaves the key usable.
@@ -329,7 +317,7 @@ async fn oversized_response_rolls_back_in_transactional_mode() {
     let r = send(&app, req("POST", "/things", "t", Some("big"), r#"{"size":10000}"#)).await;
     assert_eq!(r.status, 500);
     assert!(r.problem_type().ends_with("/idempotency-response-too-large"));
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "the effect was rolled back");
+    assert_eq!(c.commit_count(), 0, "the effect was rolled back");
     let r = send(&app, req("POST", "/things", "t", Some("big"), r#"{"size":10000}"#)).await;
     assert!(!r.replayed(), "the key was left unused");
 }
@@ -391,5 +379,5 @@ async fn tenant_refusal_is_the_response() {
         .unwrap();
     let r = send(&app, r).await;
     assert_eq!(r.status, 401);
-    assert_eq!(c.runs.load(Ordering::SeqCst), 0);
+    assert_eq!(c.run_count(), 0);
 }

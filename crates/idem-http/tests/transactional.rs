@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::sync::atomic::Ordering;
-
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -86,12 +84,12 @@ async fn handler_asking_to_retry_runs_again_with_one_effect() {
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(body.unwrap(), "run 2");
     assert!(!headers.contains_key("idempotent-replayed"));
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the handler ran again");
-    assert_eq!(c.committed.load(Ordering::SeqCst), 1, "one effect committed");
+    assert_eq!(c.run_count(), 2, "the handler ran again");
+    assert_eq!(c.commit_count(), 1, "one effect committed");
     let (status, headers, body) = send(&app, "k1").await;
     assert_eq!((status, body.unwrap()), (StatusCode::CREATED, Bytes::from("run 2")));
     assert_eq!(headers["idempotent-replayed"], "true");
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(c.run_count(), 2);
 }
 
 /// A handler that asks for a re-run every time runs a bounded number of times; the client gets a retryable 503, and nothing is applied or recorded.
@@ -105,15 +103,15 @@ async fn retry_requests_are_bounded() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(headers["retry-after"], "1");
     assert!(problem_type(&body.unwrap()).ends_with(slugs::TRANSACTION_CONFLICT));
-    assert_eq!(c.runs.load(Ordering::SeqCst), ContentionRetries::MAX_RUNS as usize);
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "nothing committed");
+    assert_eq!(c.run_count(), ContentionRetries::MAX_RUNS as usize);
+    assert_eq!(c.commit_count(), 0, "nothing committed");
     let (status, ..) = send(&app, "k2").await;
     assert_eq!(
         status,
         StatusCode::SERVICE_UNAVAILABLE,
         "the key was left unused: it runs again"
     );
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2 * ContentionRetries::MAX_RUNS as usize);
+    assert_eq!(c.run_count(), 2 * ContentionRetries::MAX_RUNS as usize);
 }
 
 /// A 404 larger than the record limit is never recorded, so the limit does not apply: it passes through whole, not as a 500.
@@ -124,10 +122,10 @@ async fn unrecorded_response_over_the_limit_passes_through() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body.unwrap().len(), 3 * LIMIT, "the whole body");
     assert!(!headers.contains_key("idempotent-replayed"));
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "a 404 rolls back");
+    assert_eq!(c.commit_count(), 0, "a 404 rolls back");
     let (status, ..) = send(&app, "k3").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the key stayed unused");
+    assert_eq!(c.run_count(), 2, "the key stayed unused");
 }
 
 /// A response to be recorded over the limit is refused as too large, and nothing is applied.
@@ -137,7 +135,7 @@ async fn recorded_response_over_the_limit_is_too_large() {
     let (status, _, body) = send(&app, "k4").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(problem_type(&body.unwrap()).ends_with(slugs::RESPONSE_TOO_LARGE));
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0);
+    assert_eq!(c.commit_count(), 0);
 }
 
 /// A success whose body stream fails is reported as a failed response, not as too large, and nothing is applied.
@@ -159,8 +157,8 @@ async fn failing_body_is_reported_as_failed() {
         String::from_utf8_lossy(&body)
     );
     assert!(String::from_utf8_lossy(&body).contains("the upstream stream broke"));
-    assert_eq!(c.committed.load(Ordering::SeqCst), 0, "nothing was applied");
+    assert_eq!(c.commit_count(), 0, "nothing was applied");
     let (status, ..) = send(&app, "k5").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(c.runs.load(Ordering::SeqCst), 2, "the key stayed unused");
+    assert_eq!(c.run_count(), 2, "the key stayed unused");
 }

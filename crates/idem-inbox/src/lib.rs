@@ -130,26 +130,6 @@ impl<B: TxBackend> Inbox<B> {
         .with_policy(self.policy))
     }
 
-    /// [`process`](Self::process) with the key scoped to `tenant`: the
-    /// same event id from two tenants is two events, and neither ever sees
-    /// the other's recorded outcome.
-    pub async fn process_in<T, E, F>(
-        &self,
-        tenant: &Tenant,
-        handler: &str,
-        event_id: &str,
-        payload: &[u8],
-        work: F,
-    ) -> Result<Delivery<T>, E>
-    where
-        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: From<Error> + Contention,
-    {
-        let call = self.call_in(tenant, handler, event_id, payload)?;
-        self.deliver(&call, work).await
-    }
-
     /// Applies `payload` with `work` once per (handler, event id).
     ///
     /// `work` gets the open transaction; its writes, the claim and the
@@ -169,32 +149,15 @@ impl<B: TxBackend> Inbox<B> {
         T: Serialize + DeserializeOwned,
         E: From<Error> + Contention,
     {
-        self.process_with_policy(self.policy, handler, event_id, payload, work)
-            .await
+        self.process_call(&self.call(handler, event_id, payload)?, work).await
     }
 
-    /// [`process`](Self::process) under another policy (a TTL of its own,
-    /// for example).
-    pub async fn process_with_policy<T, E, F>(
-        &self,
-        policy: Policy,
-        handler: &str,
-        event_id: &str,
-        payload: &[u8],
-        work: F,
-    ) -> Result<Delivery<T>, E>
-    where
-        F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: From<Error> + Contention,
-    {
-        let call = self.call(handler, event_id, payload)?.with_policy(policy);
-        self.deliver(&call, work).await
-    }
-
-    /// Runs `work` once for `call`: applied now, or the duplicate of a
-    /// delivery applied before.
-    async fn deliver<T, E, F>(&self, call: &Call, work: F) -> Result<Delivery<T>, E>
+    /// [`process`](Self::process) for a call built by [`call`](Self::call)
+    /// or [`call_in`](Self::call_in): under another tenant (the same event
+    /// id from two tenants is two events, and neither ever sees the other's
+    /// recorded outcome), or with another policy (`call(..)?.with_policy`,
+    /// a TTL of its own, for example).
+    pub async fn process_call<T, E, F>(&self, call: &Call, work: F) -> Result<Delivery<T>, E>
     where
         F: for<'c> FnMut(&'c mut B::Tx) -> BoxFuture<'c, Result<T, E>>,
         T: Serialize + DeserializeOwned,

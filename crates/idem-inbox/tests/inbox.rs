@@ -150,19 +150,21 @@ impl Pool for idem_sqlite::SqliteStore {
     type Pool = sqlx::SqlitePool;
 }
 
-async fn open_postgres(table: TableName) -> (idem_postgres::PgStore, sqlx::PgPool) {
-    let url = postgres_url();
-    let pool = sqlx::PgPool::connect(&url)
+/// A pool on `url`, or a failure saying how to point the tests at
+/// `server` (with `var`).
+async fn connect<DB: sqlx::Database>(url: &str, server: &str, var: &str) -> sqlx::Pool<DB> {
+    sqlx::Pool::connect(url)
         .await
-        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url} (set IDEM_TEST_POSTGRES_URL): {e}"));
+        .unwrap_or_else(|e| panic!("cannot reach {server} at {url} (set {var}): {e}"))
+}
+
+async fn open_postgres(table: TableName) -> (idem_postgres::PgStore, sqlx::PgPool) {
+    let pool = connect(&postgres_url(), "PostgreSQL", "IDEM_TEST_POSTGRES_URL").await;
     (idem_postgres::PgStore::new(pool.clone()).with_table(table), pool)
 }
 
 async fn open_mysql(table: TableName) -> (idem_mysql::MySqlStore, sqlx::MySqlPool) {
-    let url = mysql_url();
-    let pool = sqlx::MySqlPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach MariaDB at {url} (set IDEM_TEST_MYSQL_URL): {e}"));
+    let pool = connect(&mysql_url(), "MariaDB", "IDEM_TEST_MYSQL_URL").await;
     (idem_mysql::MySqlStore::new(pool.clone()).with_table(table), pool)
 }
 

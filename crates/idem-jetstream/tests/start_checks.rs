@@ -103,6 +103,9 @@ impl Cases {
 
 fn none(_: &mut stream::Config) {}
 
+/// An edit of a stream's configuration, one case's.
+type Edit = fn(&mut stream::Config);
+
 /// A count or size limit that evicts the oldest messages (discard policy
 /// Old, or a per-subject limit without `discard_new_per_subject`) could
 /// remove a message waiting for its retry, never applied nor dead-lettered:
@@ -111,51 +114,37 @@ fn none(_: &mut stream::Config) {}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_refuses_a_stream_whose_limits_evict_a_message_waiting_for_its_retry() {
     let c = Cases::new().await;
-    c.refused(
-        "persubject",
-        "max_messages_per_subject (1)",
-        |s| s.max_messages_per_subject = 1,
-        none,
-    )
-    .await;
-    c.refused("count", "max_messages (1000)", |s| s.max_messages = 1_000, none)
-        .await;
-    c.refused("bytes", "max_bytes (67108864)", |s| s.max_bytes = 64 << 20, none)
-        .await;
-    c.refused(
-        "persubjectnew",
-        "max_messages_per_subject (5)",
-        |s| {
+    let refused: [(&str, &str, Edit); 4] = [
+        ("persubject", "max_messages_per_subject (1)", |s| {
+            s.max_messages_per_subject = 1
+        }),
+        ("count", "max_messages (1000)", |s| s.max_messages = 1_000),
+        ("bytes", "max_bytes (67108864)", |s| s.max_bytes = 64 << 20),
+        ("persubjectnew", "max_messages_per_subject (5)", |s| {
             s.max_messages_per_subject = 5;
             s.discard = DiscardPolicy::New;
-        },
-        none,
-    )
-    .await;
-    c.accepted(
-        "new",
-        |s| {
+        }),
+    ];
+    for (case, setting, events) in refused {
+        c.refused(case, setting, events, none).await;
+    }
+    let accepted: [(&str, Edit); 4] = [
+        ("new", |s| {
             s.max_messages = 1_000;
             s.max_bytes = 64 << 20;
             s.discard = DiscardPolicy::New;
-        },
-        none,
-    )
-    .await;
-    c.accepted(
-        "newpersubject",
-        |s| {
+        }),
+        ("newpersubject", |s| {
             s.max_messages_per_subject = 1;
             s.discard = DiscardPolicy::New;
             s.discard_new_per_subject = true;
-        },
-        none,
-    )
-    .await;
-    c.accepted("workqueue", |s| s.retention = RetentionPolicy::WorkQueue, none)
-        .await;
-    c.accepted("interest", |s| s.retention = RetentionPolicy::Interest, none)
-        .await;
+        }),
+        ("workqueue", |s| s.retention = RetentionPolicy::WorkQueue),
+        ("interest", |s| s.retention = RetentionPolicy::Interest),
+    ];
+    for (case, events) in accepted {
+        c.accepted(case, events, none).await;
+    }
     c.cleanup().await;
 }
 

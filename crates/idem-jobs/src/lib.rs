@@ -220,9 +220,8 @@ impl<B: TxBackend> Scheduler<B> {
         E: From<Error> + Contention,
     {
         let policy = Policy::default().with_ttl_secs(Self::ttl_secs(job));
-        self.inbox
-            .process_with_policy(policy, job.name(), run_id, b"", work)
-            .await
+        let call = self.inbox.call(job.name(), run_id, b"")?.with_policy(policy);
+        self.inbox.process_call(&call, work).await
     }
 
     /// Runs the slot due now, then each following slot when it starts, until

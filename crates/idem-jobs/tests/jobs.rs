@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::tag;
-use idem_core::{Error, StoreErrorKind, TableName, TxEngine};
+use idem_core::{Error, TableName, TxEngine};
 use idem_jobs::{Job, Scheduler};
 
 macro_rules! jobs_suite {
@@ -56,15 +56,7 @@ macro_rules! jobs_suite {
                         .run(job, run_id, move |tx| {
                             let (effects, run) = (effects.clone(), run.clone());
                             Box::pin(async move {
-                                sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
-                                    .bind(&run)
-                                    .execute(&mut **tx)
-                                    .await
-                                    .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
-                                if fail {
-                                    return Err(Error::store(StoreErrorKind::Unavailable, "the run failed midway"));
-                                }
-                                Ok::<_, Error>(())
+                                common::insert_run(&mut **tx, format!($insert, effects), &run, fail).await
                             })
                         })
                         .await

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use common::tag;
-use idem_core::{BoxFuture, Error, StoreErrorKind, TableName, TxBackend, TxEngine};
+use idem_core::{BoxFuture, Error, TableName, TxBackend, TxEngine};
 use idem_jobs::{Job, MissedSlots, SLOTS_SKIPPED, Scheduler, Slot};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
@@ -131,14 +131,7 @@ macro_rules! schedule_suite {
                             };
                             let (sleep, fail) = behaviour(slot, attempt);
                             tokio::time::sleep(sleep).await;
-                            sqlx::query(sqlx::AssertSqlSafe(format!($insert, effects)))
-                                .bind(&run_id)
-                                .execute(&mut **tx)
-                                .await
-                                .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
-                            if fail {
-                                return Err(Error::store(StoreErrorKind::Unavailable, "the run failed midway"));
-                            }
+                            common::insert_run(&mut **tx, format!($insert, effects), &run_id, fail).await?;
                             applied.lock().unwrap().push(slot);
                             Ok(())
                         })

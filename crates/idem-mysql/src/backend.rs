@@ -41,9 +41,7 @@ impl TxBackend for MySqlStore {
                     match self.claim_on(&mut tx, req, lock_wait_secs(wait)).await {
                         Ok(claim) => (tx, claim),
                         Err(e) => {
-                            if let Err(rollback) = tx.rollback().await {
-                                tracing::debug!(error = %rollback, "rollback after a failed claim failed");
-                            }
+                            tx.roll_back_after("claim").await;
                             return Err(e);
                         }
                     }
@@ -68,19 +66,11 @@ impl TxBackend for MySqlStore {
             if let Some(token) = tx.take_unwritten(req) {
                 return self.insert_completed(tx, req, record, token).await;
             }
-            let done = sqlx::query(self.sql.record.clone())
-                .bind(record.status.code())
-                .bind(&record.payload[..])
-                .bind(req.scope.tenant().as_str().as_bytes())
-                .bind(req.scope.operation().as_str().as_bytes())
-                .bind(req.key.as_str().as_bytes())
-                .execute(&mut **tx)
-                .await
-                .map_err(store_error)?;
-            if done.rows_affected() != 1 {
-                return Err(idem_sql::unclaimed_record());
-            }
-            Ok(())
+            let args = [Arg::Int16(record.status.code()), Arg::Bytes(&record.payload)]
+                .into_iter()
+                .chain(idem_sql::key_args::<MySqlDialect>(req.scope, req.key));
+            let statement = idem_sql::bound::<MySqlDialect>(self.sql.record.clone(), args);
+            idem_sql::record_claimed::<MySqlDialect>(statement, &mut **tx).await
         })
     }
 

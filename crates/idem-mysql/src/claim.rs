@@ -107,24 +107,13 @@ impl MySqlStore {
         req: &ClaimRequest<'_>,
         lock_wait_secs: u64,
     ) -> Result<Claim> {
-        match self.flavor(conn).await? {
-            Flavor::MariaDb => {
-                let prefix = format!("SET STATEMENT innodb_lock_wait_timeout = {lock_wait_secs} FOR ");
-                self.claim_steps(conn, req, &prefix).await
-            }
-            Flavor::MySql => self.claim_with_session_wait(conn, req, lock_wait_secs).await,
+        if let Flavor::MariaDb = self.flavor(conn).await? {
+            return self.claim_steps(conn, req, &statement_lock_wait(lock_wait_secs)).await;
         }
-    }
-
-    /// MySQL has no per-statement form of the lock wait, so the session's
-    /// value is saved, set for the claim's statements and restored, whether
-    /// the claim succeeded or not. MySQL's smallest lock wait is one second.
-    pub(crate) async fn claim_with_session_wait(
-        &self,
-        conn: &mut MySqlConnection,
-        req: &ClaimRequest<'_>,
-        lock_wait_secs: u64,
-    ) -> Result<Claim> {
+        // MySQL has no per-statement form of the lock wait, so the session's
+        // value is saved, set for the claim's statements and restored,
+        // whether the claim succeeded or not. MySQL's smallest lock wait is
+        // one second.
         let secs = lock_wait_secs.max(1);
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET @idem_saved_lock_wait = @@SESSION.innodb_lock_wait_timeout, SESSION innodb_lock_wait_timeout = {secs}"
@@ -297,13 +286,13 @@ impl MySqlStore {
         // The lock was taken before this transaction read anything, so at
         // REPEATABLE READ the snapshot begins here, after the twin that held
         // the lock committed and released it.
-        let row = sqlx::query(self.sql.select.clone())
-            .bind(req.scope.tenant().as_str().as_bytes())
-            .bind(req.scope.operation().as_str().as_bytes())
-            .bind(req.key.as_str().as_bytes())
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(store_error)?;
+        let row = idem_sql::bound::<MySqlDialect>(
+            self.sql.select.clone(),
+            idem_sql::key_args::<MySqlDialect>(req.scope, req.key),
+        )
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(store_error)?;
         let row = row.map(|row| RawRow::decode(&row)).transpose()?;
         self.decide_named(tx, req, wait, flavor, row).await
     }
@@ -353,7 +342,7 @@ impl MySqlStore {
         // normally free; on MariaDB its wait is bounded as the placeholder
         // claim's, on MySQL it is the session's own.
         let prefix = match flavor {
-            Flavor::MariaDb => format!("SET STATEMENT innodb_lock_wait_timeout = {} FOR ", lock_wait_secs(wait)),
+            Flavor::MariaDb => statement_lock_wait(lock_wait_secs(wait)),
             Flavor::MySql => String::new(),
         };
         self.take_over(tx, req, &row, &prefix).await
@@ -432,9 +421,7 @@ impl MySqlStore {
         match claim {
             Ok(claim) => Ok((tx, claim)),
             Err(e) => {
-                if let Err(rollback) = tx.rollback().await {
-                    tracing::debug!(error = %rollback, "rollback after a failed claim failed");
-                }
+                tx.roll_back_after("claim").await;
                 Err(e)
             }
         }
@@ -538,6 +525,12 @@ pub(crate) fn push_hex(text: &mut String, bytes: &[u8]) {
         text.push(DIGITS[usize::from(b >> 4)] as char);
         text.push(DIGITS[usize::from(b & 0xf)] as char);
     }
+}
+
+/// What MariaDB puts before a statement to bound its lock wait to `secs`
+/// (the session's own wait is left untouched).
+fn statement_lock_wait(secs: u64) -> String {
+    format!("SET STATEMENT innodb_lock_wait_timeout = {secs} FOR ")
 }
 
 /// The whole seconds of `wait` an attempt may block, capped.

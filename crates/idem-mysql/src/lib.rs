@@ -179,7 +179,7 @@ pub use crate::multistep::MySqlMultiSteps;
 pub use crate::outbox::MySqlOutbox;
 use crate::statements::*;
 pub use crate::tx::MySqlTx;
-use idem_sql::SqlKeyRows;
+use idem_sql::{Arg, SqlKeyRows};
 
 /// How a transactional claim excludes a concurrent twin.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]

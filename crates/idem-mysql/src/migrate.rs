@@ -9,8 +9,6 @@
 //! dies half-way through simply runs the unfinished migration again next
 //! time.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use idem_core::{Error, Result, StoreErrorKind, TableName};
 use idem_sql::KeyMigration;
 use sqlx::pool::PoolConnection;
@@ -165,18 +163,12 @@ async fn apply(conn: &mut PoolConnection<MySql>, table: &TableName, schema: &str
                 Err(e) => return Err(store_error(e)),
             }
         }
-        // The time a migration ran is bookkeeping for operators, not a claim
-        // decision, so it comes from the system clock.
-        let applied_at_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-            .unwrap_or(0);
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO `{schema}` (version, description, applied_at_ms) VALUES (?, ?, ?)"
         )))
         .bind(migration.version)
         .bind(migration.description)
-        .bind(applied_at_ms)
+        .bind(idem_sql::applied_at_ms())
         .execute(&mut **conn)
         .await
         .map_err(store_error)?;

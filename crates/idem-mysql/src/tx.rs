@@ -13,6 +13,7 @@
 use std::ops::{Deref, DerefMut};
 
 use idem_core::{ClaimRequest, Result};
+use idem_sql::UnwrittenClaims;
 use sqlx::mysql::{MySqlConnection, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, MySqlPool};
@@ -42,29 +43,14 @@ pub struct MySqlTx {
     open: bool,
     /// The named locks this transaction's claims took, released when it ends.
     locks: Vec<String>,
-    /// The keys claimed without a row: the record inserts the completed row.
-    unwritten: Vec<Unwritten>,
+    /// The keys claimed without a row, with the token the record inserts
+    /// the completed row with.
+    unwritten: UnwrittenClaims<i64>,
     /// Whether the transaction's claim found the key held (a replay, a key
     /// in progress) and nothing has used the connection since: it locked
     /// nothing a later claim of the key would wait for, so
     /// [`rollback`](Self::rollback) need not wait for its `ROLLBACK`.
     found: bool,
-}
-
-/// A key claimed under a named lock with no row written yet.
-struct Unwritten {
-    tenant: String,
-    operation: String,
-    key: String,
-    token: i64,
-}
-
-impl Unwritten {
-    fn is(&self, req: &ClaimRequest<'_>) -> bool {
-        self.key == req.key.as_str()
-            && self.operation == req.scope.operation().as_str()
-            && self.tenant == req.scope.tenant().as_str()
-    }
 }
 
 impl std::fmt::Debug for MySqlTx {
@@ -120,7 +106,7 @@ impl MySqlTx {
             conn: Some(conn),
             open: true,
             locks: Vec::new(),
-            unwritten: Vec::new(),
+            unwritten: UnwrittenClaims::default(),
             found: false,
         })
     }
@@ -136,7 +122,7 @@ impl MySqlTx {
             conn: Some(conn),
             open: false,
             locks: vec![lock],
-            unwritten: Vec::new(),
+            unwritten: UnwrittenClaims::default(),
             found: false,
         }
     }
@@ -213,6 +199,15 @@ impl MySqlTx {
         done.map_err(store_error)
     }
 
+    /// [`rollback`](Self::rollback) after a failed `step` (a claim), whose
+    /// own error the caller answers: a rollback that fails too is only
+    /// logged.
+    pub(crate) async fn roll_back_after(self, step: &str) {
+        if let Err(rollback) = self.rollback().await {
+            tracing::debug!(error = %rollback, "rollback after a failed {step} failed");
+        }
+    }
+
     /// Releases the named locks, once the transaction has ended. A
     /// connection whose transaction did not end cleanly, or whose locks
     /// could not be released, is closed: closing frees them.
@@ -286,19 +281,12 @@ impl MySqlTx {
     /// Notes a claim of `req`'s key that wrote no row: the record inserts
     /// the completed row with `token`.
     pub(crate) fn note_unwritten(&mut self, req: &ClaimRequest<'_>, token: i64) {
-        self.unwritten.retain(|held| !held.is(req));
-        self.unwritten.push(Unwritten {
-            tenant: req.scope.tenant().as_str().to_owned(),
-            operation: req.scope.operation().as_str().to_owned(),
-            key: req.key.as_str().to_owned(),
-            token,
-        });
+        self.unwritten.hold(req, token);
     }
 
     /// Takes back the claim of `req`'s key that wrote no row, if this
     /// transaction holds one: the token the record inserts.
     pub(crate) fn take_unwritten(&mut self, req: &ClaimRequest<'_>) -> Option<i64> {
-        let at = self.unwritten.iter().position(|held| held.is(req))?;
-        Some(self.unwritten.swap_remove(at).token)
+        self.unwritten.take(req)
     }
 }

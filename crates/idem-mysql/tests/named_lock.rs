@@ -15,7 +15,7 @@ use common::{connect, effects, now_ms, request_at, shared_store, write_effect};
 use idem_conformance::{Runs, call_for, unique_scope, waiting};
 use idem_core::{
     Call, ClaimRequest, Error, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Policy, Record, RowState, StoreErrorKind,
-    TxBackend, TxClaim, TxEngine,
+    StoredRow, TxBackend, TxClaim, TxEngine,
 };
 use idem_mysql::{ClaimStrategy, MySqlStore, MySqlTx};
 
@@ -75,6 +75,29 @@ async fn claimed(store: &MySqlStore, req: &ClaimRequest<'_>, opening: Opening) -
     let (tx, claim) = open_claim(store, req, Duration::ZERO, opening).await;
     assert_eq!(claim, TxClaim::Claimed, "{opening:?}");
     tx
+}
+
+/// Opens a claim of `req`'s key on `store` by `opening` without waiting,
+/// which must find `what`, the key's row; rolls it back and answers the
+/// row.
+async fn found(store: &MySqlStore, req: &ClaimRequest<'_>, opening: Opening, what: &str) -> StoredRow {
+    let (tx, claim) = open_claim(store, req, Duration::ZERO, opening).await;
+    let TxClaim::Found(row) = claim else {
+        panic!("{opening:?}: expected {what}, got {claim:?}");
+    };
+    store.rollback(tx).await.unwrap();
+    row
+}
+
+/// Claims `req`'s key on `store` by `opening` (it must be claimed), records
+/// `payload` and commits: the key's row, which holds the record.
+async fn claim_and_record(store: &MySqlStore, req: &ClaimRequest<'_>, opening: Opening, payload: &[u8]) -> StoredRow {
+    let tx = claimed(store, req, opening).await;
+    let record = Record::completed(payload.to_vec());
+    store.record_commit(tx, req, &record).await.unwrap();
+    let row = store.get(req.scope, req.key).await.unwrap().expect("the row");
+    assert_eq!(row.state, RowState::Done(record), "{opening:?}");
+    row
 }
 
 /// The first answer but busy of up to four claims of `req` on `store`,
@@ -190,12 +213,8 @@ async fn lock_is_released_after_commit() {
 
         // A replay takes the lock too, and releases it after its rollback.
         for _ in 0..2 {
-            let (theirs, answer) = open_claim(&other, &req, Duration::ZERO, opening).await;
-            match answer {
-                TxClaim::Found(row) => assert_eq!(row.state, RowState::Done(record.clone())),
-                answer => panic!("{opening:?}: expected the recorded row at once, got {answer:?}"),
-            }
-            other.rollback(theirs).await.unwrap();
+            let row = found(&other, &req, opening, "the recorded row at once").await;
+            assert_eq!(row.state, RowState::Done(record.clone()), "{opening:?}");
         }
     }
 }
@@ -285,14 +304,7 @@ async fn replays_give_the_lock_back_in_their_read_and_leave_the_session_clean() 
     assert_eq!(claim, TxClaim::Claimed);
     {
         let mut nested = sqlx::Connection::begin(&mut *tx).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO `{}` (effect_id) VALUES (?)",
-            common::EFFECTS_TABLE
-        )))
-        .bind(&effect)
-        .execute(&mut *nested)
-        .await
-        .unwrap();
+        write_effect(&mut nested, &effect).await;
         nested.commit().await.unwrap();
     }
     store.record_commit(tx, &req, &record).await.unwrap();
@@ -461,27 +473,20 @@ async fn lease_rows_are_found_and_taken_over() {
     let now = now_ms();
     let lease_token = leased(&store, &call, now).await;
 
-    let live = request_at(&call, now + 500);
-    let mut tx = store.begin().await.unwrap();
-    match store.claim(&mut tx, &live, Duration::ZERO).await.unwrap() {
-        TxClaim::Found(row) => assert!(
-            matches!(row.state, RowState::InProgress { token, .. } if token == lease_token),
-            "{row:?}"
-        ),
-        answer => panic!("expected the live lease, got {answer:?}"),
-    }
-    store.rollback(tx).await.unwrap();
+    let live = found(
+        &store,
+        &request_at(&call, now + 500),
+        Opening::BeginThenClaim,
+        "the live lease",
+    )
+    .await;
+    assert!(
+        matches!(live.state, RowState::InProgress { token, .. } if token == lease_token),
+        "{live:?}"
+    );
 
     let later = request_at(&call, now + 2_000);
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &later, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
-    let record = Record::completed(b"after the lease".to_vec());
-    store.record_commit(tx, &later, &record).await.unwrap();
-    let row = store.get(call.scope(), call.key()).await.unwrap().expect("the row");
-    assert_eq!(row.state, RowState::Done(record));
+    claim_and_record(&store, &later, Opening::BeginThenClaim, b"after the lease").await;
     assert!(
         token_of(&store, &call).await > lease_token.0,
         "the takeover's token is larger"
@@ -505,27 +510,19 @@ async fn sent_lease_rows_are_held_until_the_key_expires() {
 
     for at in [now + 500, now + 2_000, now + 59_999] {
         for opening in OPENINGS {
-            let (tx, claim) = open_claim(&store, &request_at(&call, at), Duration::ZERO, opening).await;
-            match claim {
-                TxClaim::Found(row) => assert!(
-                    matches!(row.state, RowState::Sent { token, .. } if token == lease_token),
-                    "{opening:?} at +{}: {row:?}",
-                    at - now
-                ),
-                answer => panic!("{opening:?} at +{}: expected the sent row, got {answer:?}", at - now),
-            }
-            store.rollback(tx).await.unwrap();
+            let what = format!("the sent row at +{}", at - now);
+            let row = found(&store, &request_at(&call, at), opening, &what).await;
+            assert!(
+                matches!(row.state, RowState::Sent { token, .. } if token == lease_token),
+                "{opening:?}: {what}: {row:?}"
+            );
         }
     }
     assert_eq!(token_of(&store, &call).await, lease_token.0, "nothing took it over");
 
+    // An expired key is taken over.
     let expired = request_at(&call, now + 60_000);
-    let (tx, claim) = open_claim(&store, &expired, Duration::ZERO, Opening::BeginClaim).await;
-    assert_eq!(claim, TxClaim::Claimed, "an expired key is taken over");
-    let record = Record::completed(b"after expiry".to_vec());
-    store.record_commit(tx, &expired, &record).await.unwrap();
-    let row = store.get(call.scope(), call.key()).await.unwrap().expect("the row");
-    assert_eq!(row.state, RowState::Done(record));
+    let row = claim_and_record(&store, &expired, Opening::BeginClaim, b"after expiry").await;
     assert_eq!(row.sent_at_ms, None, "the expired claim's mark went with it");
     assert!(
         matches!(

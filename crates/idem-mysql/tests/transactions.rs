@@ -15,6 +15,11 @@ use idem_mysql::{ClaimStrategy, MySqlStore};
 use sqlx::MySqlPool;
 use sqlx::mysql::MySqlPoolOptions;
 
+/// A call of a fresh key.
+fn fresh_call() -> idem_core::Call {
+    call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting())
+}
+
 fn request(call: &idem_core::Call) -> ClaimRequest<'_> {
     common::request_at(call, common::now_ms())
 }
@@ -65,7 +70,7 @@ async fn session_state(pool: &MySqlPool) -> (i64, i64) {
 async fn executed_once(pool: &MySqlPool) -> (MySqlStore, TxEngine<MySqlStore>, idem_core::Call) {
     let store = shared_store(pool.clone()).await;
     let engine = TxEngine::new(store.clone());
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let call = fresh_call();
     let first = engine
         .execute(&call, |_tx| Box::pin(async { Ok::<_, Error>(7u32) }))
         .await
@@ -90,7 +95,7 @@ async fn found_and_busy_leave_no_open_transaction() {
 
     // A twin on another pool holds a fresh key; this pool's claim is Busy.
     let holder_store = MySqlStore::new(common::connect().await).with_table(store.table().clone());
-    let busy_call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let busy_call = fresh_call();
     let busy_req = request(&busy_call);
     let (held, claim) = holder_store.begin_claim(&busy_req, Duration::ZERO).await.unwrap();
     assert_eq!(claim, TxClaim::Claimed);
@@ -112,7 +117,7 @@ async fn found_and_busy_leave_no_open_transaction() {
 async fn dropped_claimed_transaction_rolls_back() {
     let pool = pool(1, "DO 0").await;
     let store = shared_store(pool.clone()).await;
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let call = fresh_call();
     let req = request(&call);
     let effect = uuid::Uuid::new_v4().to_string();
     drop(claimed_with_a_write(&store, &req, &effect).await);
@@ -146,9 +151,16 @@ async fn record_is_refused(
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err:?}");
-    assert_eq!(session_state(pool).await, (0, 1));
-    assert_eq!(effects(pool, effect).await, 0);
-    assert!(store.get(req.scope, req.key).await.unwrap().is_none());
+    nothing_committed(store, pool, req, effect, "a record without its claim").await;
+}
+
+/// That the pool's only connection is back outside any transaction, and
+/// neither the caller's write `effect` nor `req`'s key committed (`what` is
+/// said with any failure).
+async fn nothing_committed(store: &MySqlStore, pool: &MySqlPool, req: &ClaimRequest<'_>, effect: &str, what: &str) {
+    assert_eq!(session_state(pool).await, (0, 1), "{what}");
+    assert_eq!(effects(pool, effect).await, 0, "{what}");
+    assert!(store.get(req.scope, req.key).await.unwrap().is_none(), "{what}");
 }
 
 /// A record in a transaction that holds no claim of its key fails, and the caller's write in it never commits.
@@ -156,7 +168,7 @@ async fn record_is_refused(
 async fn record_without_claim_commits_nothing() {
     let pool = pool(1, "DO 0").await;
     let store = shared_store(pool.clone()).await;
-    let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let call = fresh_call();
     let req = request(&call);
     let effect = uuid::Uuid::new_v4().to_string();
 
@@ -188,19 +200,12 @@ async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
     let pool = pool(1, "DO 0").await;
     let store = store_of_its_own(&pool).await;
     for inner_commits in [false, true] {
-        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let call = fresh_call();
         let req = request(&call);
         let [a, b, c] = [(); 3].map(|()| uuid::Uuid::new_v4().to_string());
         let mut tx = claimed_with_a_write(&store, &req, &a).await;
         let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {} (effect_id) VALUES (?)",
-            common::EFFECTS_TABLE
-        )))
-        .bind(&b)
-        .execute(&mut *inner)
-        .await
-        .unwrap();
+        write_effect(&mut inner, &b).await;
         if inner_commits {
             inner.commit().await.unwrap();
         } else {
@@ -232,7 +237,7 @@ async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
     for strategy in [ClaimStrategy::NamedLock, ClaimStrategy::Placeholder] {
         let store = store_of_its_own(&pool).await.with_claim_strategy(strategy);
         for end in ["record", "rollback"] {
-            let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+            let call = fresh_call();
             let req = request(&call);
             let effect = uuid::Uuid::new_v4().to_string();
             let mut tx = claimed_with_a_write(&store, &req, &effect).await;
@@ -252,12 +257,7 @@ async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
             } else {
                 store.rollback(tx).await.unwrap();
             }
-            assert_eq!(session_state(&pool).await, (0, 1), "{strategy:?} {end}");
-            assert_eq!(effects(&pool, &effect).await, 0, "{strategy:?} {end}");
-            assert!(
-                store.get(req.scope, req.key).await.unwrap().is_none(),
-                "{strategy:?} {end}"
-            );
+            nothing_committed(&store, &pool, &req, &effect, &format!("{strategy:?} {end}")).await;
         }
     }
     assert_eq!(proxy.held(), 4);
@@ -273,7 +273,7 @@ async fn a_nested_transaction_left_open_commits_nothing() {
     let pool = pool(1, "DO 0").await;
     let store = store_of_its_own(&pool).await;
     for end in ["commit", "rollback", "drop"] {
-        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let call = fresh_call();
         let req = request(&call);
         let effect = uuid::Uuid::new_v4().to_string();
         let mut tx = claimed_with_a_write(&store, &req, &effect).await;
@@ -289,9 +289,7 @@ async fn a_nested_transaction_left_open_commits_nothing() {
             "rollback" => store.rollback(tx).await.unwrap(),
             _ => drop(tx),
         }
-        assert_eq!(session_state(&pool).await, (0, 1), "{end}");
-        assert_eq!(effects(&pool, &effect).await, 0, "{end}");
-        assert!(store.get(req.scope, req.key).await.unwrap().is_none(), "{end}");
+        nothing_committed(&store, &pool, &req, &effect, end).await;
     }
 }
 
@@ -363,7 +361,7 @@ async fn payloads_of_every_byte_round_trip() {
     let every: Vec<u8> = (0..=255u8).collect();
     for len in [0, 256, 100 * 1024] {
         let payload: Vec<u8> = every.iter().copied().cycle().take(len).collect();
-        let call = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+        let call = fresh_call();
         let req = request(&call);
         let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
         assert_eq!(claim, TxClaim::Claimed);
@@ -405,7 +403,7 @@ async fn a_replay_does_not_wait_for_its_rollback() {
     assert_eq!(session_state(&pool).await, (0, 1), "no transaction left open");
     // A claim that claimed holds the key's placeholder row, which a claim
     // that follows at once must find free: its rollback waits for the answer.
-    let fresh = call_for(&unique_scope("op"), &IdempotencyKey::generate(), "{}", rejecting());
+    let fresh = fresh_call();
     let idem_core::Begin::Claimed(claimed) = engine.begin(&fresh).await.unwrap() else {
         panic!("a fresh key is claimed")
     };

@@ -301,12 +301,16 @@ mod tests {
     type Seen = Arc<Mutex<Vec<(String, BreakerState)>>>;
 
     fn breakers(threshold: u32, open_ms: u64) -> (Breakers, Seen) {
+        breakers_open_for(threshold, Duration::from_millis(open_ms))
+    }
+
+    fn breakers_open_for(threshold: u32, open_for: Duration) -> (Breakers, Seen) {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
         let b = Breakers::new(
             BreakerConfig {
                 failure_threshold: threshold,
-                open_for: Duration::from_millis(open_ms),
+                open_for,
                 max_hosts: 3,
             },
             Box::new(move |h, s| log.lock().unwrap().push((h.to_owned(), s))),
@@ -352,16 +356,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_open_period_beyond_any_instant_stays_open() {
-        let seen: Seen = Arc::new(Mutex::new(Vec::new()));
-        let log = seen.clone();
-        let b = Breakers::new(
-            BreakerConfig {
-                failure_threshold: 1,
-                open_for: Duration::MAX,
-                max_hosts: 3,
-            },
-            Box::new(move |h, s| log.lock().unwrap().push((h.to_owned(), s))),
-        );
+        let (b, seen) = breakers_open_for(1, Duration::MAX);
         let h: Arc<str> = "http://a:80".into();
         allowed(b.admit(&h)).finish(false);
         assert_eq!(b.state(&h), BreakerState::Open);

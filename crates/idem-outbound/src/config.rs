@@ -306,6 +306,14 @@ fn canonical_host(target: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// The default configuration with one host's key horizon.
+    fn with_host_horizon(target: &str, horizon: KeyHorizon) -> OutboundConfig {
+        OutboundConfig {
+            host_key_horizons: vec![(target.to_owned(), horizon)],
+            ..OutboundConfig::default()
+        }
+    }
+
     /// Every way of writing a target names it; anything else is refused.
     #[test]
     fn host_key_horizons_match_however_written() {
@@ -316,10 +324,7 @@ mod tests {
             "https://Vendor.Example:443",
             "HTTPS://vendor.example:443/",
         ] {
-            let c = OutboundConfig {
-                host_key_horizons: vec![(written.to_owned(), keyless)],
-                ..OutboundConfig::default()
-            };
+            let c = with_host_horizon(written, keyless);
             c.validate().unwrap_or_else(|e| panic!("{written}: {e}"));
             assert_eq!(c.horizon_of("https://vendor.example:443"), keyless, "{written}");
             assert_eq!(
@@ -337,10 +342,7 @@ mod tests {
             "ftp://vendor.example",
             "",
         ] {
-            let c = OutboundConfig {
-                host_key_horizons: vec![(bad.to_owned(), keyless)],
-                ..OutboundConfig::default()
-            };
+            let c = with_host_horizon(bad, keyless);
             let e = c.validate().expect_err(bad).to_string();
             assert!(e.contains("host_key_horizons"), "{bad}: {e}");
         }

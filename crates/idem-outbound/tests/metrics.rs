@@ -70,61 +70,26 @@ fn outcomes_and_transitions_are_counted_with_bounded_hosts() {
     let snapshot: Snapshot = snapshotter.snapshot().into_vec();
     let v = |name, labels: &[(&str, &str)]| value(&snapshot, name, labels);
     let client = ("client", "vendor");
-    assert_eq!(
-        v(
-            "idem_outbound_attempts_total",
-            &[client, ("host", host_a), ("outcome", "http_5xx")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        v(
-            "idem_outbound_attempts_total",
-            &[client, ("host", host_a), ("outcome", "success")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(v("idem_outbound_retries_total", &[client, ("host", host_a)]), Some(1.0));
-    assert_eq!(
-        v(
-            "idem_outbound_calls_total",
-            &[client, ("host", host_a), ("result", "success")]
-        ),
-        Some(1.0)
-    );
-    // The second host is past the label cap.
-    assert_eq!(
-        v(
-            "idem_outbound_attempts_total",
-            &[client, ("host", "other"), ("outcome", "http_5xx")]
-        ),
-        Some(2.0)
-    );
-    assert_eq!(
-        v(
-            "idem_outbound_attempts_total",
-            &[client, ("host", "other"), ("outcome", "circuit_open")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        v(
-            "idem_outbound_calls_total",
-            &[client, ("host", "other"), ("result", "retry_later")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        v(
-            "idem_outbound_breaker_transitions_total",
-            &[client, ("host", "other"), ("to", "open")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        v("idem_outbound_breaker_state", &[client, ("host", "other")]),
-        Some(2.0)
-    );
+    // (metric, host, its other label as `name=value`, value); the second
+    // host is past the label cap.
+    let expected = [
+        ("idem_outbound_attempts_total", host_a, "outcome=http_5xx", 1.0),
+        ("idem_outbound_attempts_total", host_a, "outcome=success", 1.0),
+        ("idem_outbound_retries_total", host_a, "", 1.0),
+        ("idem_outbound_calls_total", host_a, "result=success", 1.0),
+        ("idem_outbound_attempts_total", "other", "outcome=http_5xx", 2.0),
+        ("idem_outbound_attempts_total", "other", "outcome=circuit_open", 1.0),
+        ("idem_outbound_calls_total", "other", "result=retry_later", 1.0),
+        ("idem_outbound_breaker_transitions_total", "other", "to=open", 1.0),
+        ("idem_outbound_breaker_state", "other", "", 2.0),
+    ];
+    for (name, host, label, want) in expected {
+        let labels: Vec<_> = [client, ("host", host)]
+            .into_iter()
+            .chain(label.split_once('='))
+            .collect();
+        assert_eq!(v(name, &labels), Some(want), "{name} {labels:?}");
+    }
     let hosts: HashSet<String> = snapshot
         .iter()
         .flat_map(|(k, ..)| {

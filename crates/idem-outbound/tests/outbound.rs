@@ -376,17 +376,24 @@ fn breaker_config(delays_ms: &[u64]) -> OutboundConfig {
     }
 }
 
-/// Opens after N consecutive failures; refuses without sending while open;
-/// half-open lets exactly one of 8 concurrent callers through; its success
-/// closes the breaker.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_breaker_opens_probes_once_and_closes() {
-    let server = Scripted::start(vec![Answer::status(500)]).await;
+/// A server that answers `status`, and a client whose breaker to it three
+/// calls answered so have opened; the breaker's URL.
+async fn opened_breaker(status: u16) -> (Scripted, OutboundClient, String) {
+    let server = Scripted::start(vec![Answer::status(status)]).await;
     let c = client(breaker_config(&[]));
     let url = format!("{}/", server.base);
     for i in 0..3 {
         exhausted(c.send(&key(&format!("f{i}")), &server.request("/")).await);
     }
+    (server, c, url)
+}
+
+/// Opens after N consecutive failures; refuses without sending while open;
+/// half-open lets exactly one of 8 concurrent callers through; its success
+/// closes the breaker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_opens_probes_once_and_closes() {
+    let (server, c, url) = opened_breaker(500).await;
     assert_eq!(c.breaker_state(&url).unwrap(), BreakerState::Open);
     // Open: refused, not sent; the call is for later (it sent nothing),
     // never a dead letter.
@@ -443,12 +450,7 @@ async fn the_breaker_opens_probes_once_and_closes() {
 /// A failed probe opens the breaker again for a full period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_probe_reopens_the_breaker() {
-    let server = Scripted::start(vec![Answer::status(503)]).await;
-    let c = client(breaker_config(&[]));
-    let url = format!("{}/", server.base);
-    for i in 0..3 {
-        exhausted(c.send(&key(&format!("f{i}")), &server.request("/")).await);
-    }
+    let (server, c, url) = opened_breaker(503).await;
     tokio::time::sleep(Duration::from_millis(350)).await;
     let (_, error) = exhausted(c.send(&key("probe"), &server.request("/")).await);
     assert!(error.starts_with("HTTP 503"), "{error}");

@@ -22,17 +22,8 @@ impl TxBackend for PgStore {
             }
             let advisory = self.strategy == ClaimStrategy::AdvisoryLock;
             for _ in 0..VANISHED_ROW_ATTEMPTS {
-                let answered = self
-                    .claim_query(&self.sql.claim_tx.text, req, wait, advisory)
-                    .fetch_one(&mut **tx)
-                    .await;
-                let row = match answered {
-                    Ok(row) => row,
-                    // The twin that holds the key did not finish within `wait`.
-                    // The failed statement aborted this transaction; the engine
-                    // rolls it back and decides whether to try again.
-                    Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
-                    Err(e) => return Err(store_error(e)),
+                let Some(row) = self.claim_row(tx, req, wait, advisory).await? else {
+                    return Ok(self.busy(wait));
                 };
                 if let Some(answer) = decide_claim(&row)? {
                     return Ok(answer);
@@ -87,9 +78,7 @@ impl TxBackend for PgStore {
                     return Ok((tx, self.busy(wait)));
                 }
                 Err((tx, e)) => {
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
-                    }
+                    tx.roll_back_after("claim").await;
                     return Err(store_error(e));
                 }
             };
@@ -123,18 +112,14 @@ impl TxBackend for PgStore {
                         tx.unsettle();
                         // The caller's work runs next.
                         if let Err(e) = tx.count_in_sqlx().await {
-                            if let Err(rollback) = tx.rollback().await {
-                                tracing::debug!(error = %rollback, "rollback after a failed claim failed");
-                            }
+                            tx.roll_back_after("claim").await;
                             return Err(e);
                         }
                     }
                     Ok((tx, answer))
                 }
                 Err(e) => {
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback, "rollback after a failed claim failed");
-                    }
+                    tx.roll_back_after("claim").await;
                     Err(e)
                 }
             }
@@ -159,19 +144,11 @@ impl TxBackend for PgStore {
                 .map_err(tx::record_error)?;
                 return Ok(());
             }
-            let done = sqlx::query(AssertSqlSafe(self.sql.record.clone()))
-                .bind(req.scope.tenant().as_str())
-                .bind(req.scope.operation().as_str())
-                .bind(req.key.as_str())
-                .bind(record.status.code())
-                .bind(&record.payload[..])
-                .execute(&mut **tx)
-                .await
-                .map_err(store_error)?;
-            if done.rows_affected() != 1 {
-                return Err(idem_sql::unclaimed_record());
-            }
-            Ok(())
+            let args = idem_sql::key_args::<PgDialect>(req.scope, req.key)
+                .into_iter()
+                .chain([Arg::Int16(record.status.code()), Arg::Bytes(&record.payload)]);
+            let statement = idem_sql::bound::<PgDialect>(AssertSqlSafe(self.sql.record.clone()), args);
+            idem_sql::record_claimed::<PgDialect>(statement, &mut **tx).await
         })
     }
 
@@ -188,9 +165,7 @@ impl TxBackend for PgStore {
                 // its connection may not have the prepared record.
                 let mut tx = tx;
                 if let Err(e) = self.record(&mut tx, req, record).await {
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback, "rollback after a failed record failed");
-                    }
+                    tx.roll_back_after("record").await;
                     return Err(e);
                 }
                 return tx.commit().await;

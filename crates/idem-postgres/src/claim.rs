@@ -52,6 +52,18 @@ pub(crate) const LOCK_TAKEN: i32 = 0;
 /// The lock statement's state when it took the lock after a twin released it.
 pub(crate) const LOCK_AFTER_WAIT: i32 = 1;
 
+/// A claim statement's row, or `None` when the twin that holds the key did
+/// not finish within the claim's wait (`lock_timeout`). The failed
+/// statement aborted the transaction; the engine rolls it back and decides
+/// whether to try again.
+pub(crate) fn within_wait(answered: std::result::Result<PgRow, sqlx::Error>) -> Result<Option<PgRow>> {
+    match answered {
+        Ok(row) => Ok(Some(row)),
+        Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
+        Err(e) => Err(store_error(e)),
+    }
+}
+
 pub(crate) fn vanished() -> Error {
     Error::store(
         StoreErrorKind::Serialization,
@@ -157,24 +169,33 @@ impl PgStore {
             .bind(self.advisory_key(req.scope, req.key))
             .fetch_one(&mut **tx)
             .await;
-        let lock = match lock {
-            Ok(lock) => lock,
-            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
-            Err(e) => return Err(store_error(e)),
+        let Some(lock) = within_wait(lock)? else {
+            return Ok(self.busy(wait));
         };
-        let row = match self
-            .claim_query(&self.sql.claim_tx.text, req, wait, false)
-            .fetch_one(&mut **tx)
-            .await
-        {
-            Ok(row) => row,
-            Err(e) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => return Ok(self.busy(wait)),
-            Err(e) => return Err(store_error(e)),
+        let Some(row) = self.claim_row(tx, req, wait, false).await? else {
+            return Ok(self.busy(wait));
         };
         if let Some(answer) = self.decide_one_write(tx, req, &lock, &row)? {
             return Ok(answer);
         }
         self.reread(tx, req).await?.ok_or_else(vanished)
+    }
+
+    /// Runs the transactional claim (with the key's advisory lock, if
+    /// `advisory`) in `tx`: its row, or `None` when the twin that holds the
+    /// key did not finish within `wait` (see [`within_wait`]).
+    pub(crate) async fn claim_row(
+        &self,
+        tx: &mut PgTx,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+        advisory: bool,
+    ) -> Result<Option<PgRow>> {
+        let answered = self
+            .claim_query(&self.sql.claim_tx.text, req, wait, advisory)
+            .fetch_one(&mut **tx)
+            .await;
+        within_wait(answered)
     }
 
     pub(crate) fn busy(&self, wait: Duration) -> TxClaim {

@@ -2,16 +2,13 @@
 
 use idem_core::{BoxFuture, Result, TimeSource};
 
-use crate::{PgStore, store_error};
+use crate::{PgDialect, PgStore};
 
 impl TimeSource for PgStore {
-    /// `clock_timestamp()`: the server's current time, not the transaction's start.
+    /// [`PgDialect`]'s [`NOW_MS`](idem_sql::Dialect::NOW_MS):
+    /// `clock_timestamp()`, the server's current time, not the transaction's
+    /// start.
     fn source_now_ms(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move {
-            sqlx::query_scalar::<_, i64>("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint")
-                .fetch_one(self.pool())
-                .await
-                .map_err(store_error)
-        })
+        idem_sql::database_now_ms::<PgDialect>(self.pool())
     }
 }

@@ -205,7 +205,7 @@ pub use outbox::PgOutbox;
 pub use tx::PgTx;
 
 use error::{LOCK_NOT_AVAILABLE, sqlstate};
-use idem_sql::SqlKeyRows;
+use idem_sql::{Arg, SqlKeyRows};
 use sql::Statements;
 
 /// How many times a claim is attempted when the conflicting row disappears

@@ -1,7 +1,5 @@
 //! Embedded, versioned schema migrations.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use idem_core::{Result, TableName};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
@@ -161,7 +159,7 @@ pub(crate) async fn run(pool: &PgPool, table: &TableName, expiry: ExpiryIndex) -
         )))
         .bind(migration.version)
         .bind(migration.description)
-        .bind(unix_ms())
+        .bind(idem_sql::applied_at_ms())
         .execute(&mut *tx)
         .await
         .map_err(store_error)?;
@@ -222,12 +220,6 @@ async fn apply_expiry_index(
         tracing::info!(table = t, index = name, created = wanted, "changed the expiry index");
     }
     Ok(())
-}
-
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// The migrations `table` has not had yet, without applying them.

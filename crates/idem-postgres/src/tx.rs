@@ -28,6 +28,7 @@ use std::ops::{Deref, DerefMut};
 
 use futures_util::{FutureExt, TryStreamExt};
 use idem_core::{ClaimRequest, Error, Record, Result};
+use idem_sql::UnwrittenClaims;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Either, Executor, Postgres, SqlSafeStr};
@@ -68,7 +69,7 @@ pub struct PgTx {
     prepared: bool,
     /// The keys claimed in this transaction on the one-write path (nothing
     /// written yet), with the token the record inserts.
-    one_write: Vec<OneWriteClaim>,
+    one_write: UnwrittenClaims<i64>,
     /// Whether the connection's last exchange was this transaction's own
     /// claim text, ran to its end and found the key held (a replay, a key in
     /// progress), so the connection awaits no answer and the transaction
@@ -82,22 +83,6 @@ pub struct PgTx {
     /// rolled it back (as it does when a nested `begin` fails or is
     /// cancelled), and nothing of it may be committed.
     counted: bool,
-}
-
-/// A key claimed without a row: the record inserts it.
-struct OneWriteClaim {
-    tenant: String,
-    operation: String,
-    key: String,
-    token: i64,
-}
-
-impl OneWriteClaim {
-    fn is(&self, req: &ClaimRequest<'_>) -> bool {
-        self.key == req.key.as_str()
-            && self.operation == req.scope.operation().as_str()
-            && self.tenant == req.scope.tenant().as_str()
-    }
 }
 
 impl std::fmt::Debug for PgTx {
@@ -156,20 +141,26 @@ impl PgTx {
     /// Opens a transaction on a connection of `pool`.
     pub(crate) async fn begin(pool: &sqlx::PgPool) -> Result<Self> {
         let conn = pool.acquire().await.map_err(store_error)?;
-        let mut tx = Self {
-            conn: Some(conn),
-            open: true,
-            prepared: false,
-            one_write: Vec::new(),
-            settled: false,
-            counted: false,
-        };
+        let mut tx = Self::on(conn);
         if let Err(e) = PgTransactionManager::begin(&mut tx, None).await {
             tx.close();
             return Err(store_error(e));
         }
         tx.counted = true;
         Ok(tx)
+    }
+
+    /// The transaction about to begin on `conn`: open, as the server will
+    /// be once its `BEGIN` is sent.
+    fn on(conn: PoolConnection<Postgres>) -> Self {
+        Self {
+            conn: Some(conn),
+            open: true,
+            prepared: false,
+            one_write: UnwrittenClaims::default(),
+            settled: false,
+            counted: false,
+        }
     }
 
     /// Has sqlx count this transaction as begun on its connection (see the
@@ -266,6 +257,15 @@ impl PgTx {
         done.map(drop).map_err(store_error)
     }
 
+    /// [`rollback`](Self::rollback) after a failed `step` (a claim, a
+    /// record), whose own error the caller answers: a rollback that fails
+    /// too is only logged.
+    pub(crate) async fn roll_back_after(self, step: &str) {
+        if let Err(rollback) = self.rollback().await {
+            tracing::debug!(error = %rollback, "rollback after a failed {step} failed");
+        }
+    }
+
     /// Notes that this transaction holds what a claim that follows at once
     /// would wait for (see [`rollback`](Self::rollback)).
     pub(crate) fn unsettle(&mut self) {
@@ -281,19 +281,13 @@ impl PgTx {
     /// Notes a one-write claim of `req`'s key: the record inserts its row
     /// with `token`.
     pub(crate) fn hold_one_write(&mut self, req: &ClaimRequest<'_>, token: i64) {
-        self.one_write.retain(|held| !held.is(req));
-        self.one_write.push(OneWriteClaim {
-            tenant: req.scope.tenant().as_str().to_owned(),
-            operation: req.scope.operation().as_str().to_owned(),
-            key: req.key.as_str().to_owned(),
-            token,
-        });
+        self.one_write.hold(req, token);
     }
 
     /// The token to insert if this transaction holds a one-write claim of
     /// `req`'s key.
     pub(crate) fn one_write_token(&self, req: &ClaimRequest<'_>) -> Option<i64> {
-        self.one_write.iter().find(|held| held.is(req)).map(|held| held.token)
+        self.one_write.get(req).copied()
     }
 
     /// Marks the transaction ended; the connection goes back to the pool if
@@ -375,14 +369,7 @@ pub(crate) async fn begin_claim(
     execute: String,
     shape: ClaimShape,
 ) -> std::result::Result<(PgTx, ClaimRows), (PgTx, sqlx::Error)> {
-    let mut tx = PgTx {
-        conn: Some(conn),
-        open: true,
-        prepared: false,
-        one_write: Vec::new(),
-        settled: false,
-        counted: false,
-    };
+    let mut tx = PgTx::on(conn);
     let (mut rows, _, mut error) = tx.script(format!("BEGIN; {execute}")).await;
     if error
         .as_ref()

@@ -11,7 +11,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{database_url, isolated_table};
+use common::{STRATEGIES, database_url, isolated_table, show_lock_timeout};
 use idem_core::{
     Begin, Call, ClaimRequest, Error, Fingerprint, IdempotencyKey, Outcome, Record, Scope, Token, TxBackend, TxClaim,
     TxEngine,
@@ -48,6 +48,13 @@ async fn store_on(pool: PgPool, strategy: ClaimStrategy) -> PgStore {
     .await
     .expect("effects table");
     store
+}
+
+/// A store on a pool of one connection, and its engine.
+async fn on_one_connection(strategy: ClaimStrategy) -> (PgStore, TxEngine<PgStore>) {
+    let store = store_on(pool_with(1, &[]).await, strategy).await;
+    let engine = TxEngine::new(store.clone());
+    (store, engine)
 }
 
 fn call(tenant: &str, operation: &str, key: &str) -> Call {
@@ -172,13 +179,8 @@ async fn connection_is_clean(pool: &PgPool) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_calls_and_replays_leave_the_only_connection_clean() {
-    for strategy in [
-        ClaimStrategy::InsertOnConflict,
-        ClaimStrategy::AdvisoryLock,
-        ClaimStrategy::OneWrite,
-    ] {
-        let store = store_on(pool_with(1, &[]).await, strategy).await;
-        let engine = TxEngine::new(store.clone());
+    for strategy in STRATEGIES {
+        let (store, engine) = on_one_connection(strategy).await;
         let call = fresh_call();
         assert!(matches!(run(&engine, &call).await, Outcome::Executed(_)));
         assert!(connection_is_clean(store.pool()).await, "after a fresh call");
@@ -222,8 +224,7 @@ async fn a_busy_claim_leaves_its_connection_clean() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_claim_rolls_back_and_returns_a_clean_connection() {
-    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
-    let engine = TxEngine::new(store.clone());
+    let (store, engine) = on_one_connection(ClaimStrategy::InsertOnConflict).await;
     let call = fresh_call();
     let mut claimed = fresh_claim(&engine, &call).await;
     write_effect(&store, &mut claimed.tx, call.key().as_str()).await;
@@ -245,8 +246,7 @@ async fn a_dropped_claim_rolls_back_and_returns_a_clean_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_that_finds_no_claim_commits_nothing() {
-    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
-    let engine = TxEngine::new(store.clone());
+    let (store, engine) = on_one_connection(ClaimStrategy::InsertOnConflict).await;
     // The connection has the prepared statements once a call ran on it.
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let call = fresh_call();
@@ -339,8 +339,7 @@ async fn a_connection_that_lost_its_prepared_one_write_statements_prepares_them_
 /// Deallocates the prepared statement `idem_<lost>_…` (and only it: sqlx keeps statements of its own);
 /// the next call prepares it again.
 async fn lost_prepared_statement_is_prepared_again(strategy: ClaimStrategy, lost: &str) {
-    let store = store_on(pool_with(1, &[]).await, strategy).await;
-    let engine = TxEngine::new(store.clone());
+    let (store, engine) = on_one_connection(strategy).await;
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let mut conn = store.pool().acquire().await.unwrap();
     let name: String = sqlx::query_scalar("SELECT name FROM pg_prepared_statements WHERE name LIKE $1")
@@ -370,17 +369,11 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
     let engine = TxEngine::new(store.clone());
     let call = fresh_call();
     let mut claimed = fresh_claim(&engine, &call).await;
-    let inside: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *claimed.tx)
-        .await
-        .unwrap();
+    let inside = show_lock_timeout(&mut *claimed.tx).await;
     assert_eq!(inside, "7s", "the caller's writes keep the session's lock_timeout");
     engine.commit(claimed, Record::completed(b"{}".to_vec())).await.unwrap();
     assert!(matches!(engine.begin(&call).await.unwrap(), Begin::Replay(_)));
-    let after: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let after = show_lock_timeout(store.pool()).await;
     assert_eq!(after, "7s");
     // A key taken over from a stale row (the general claim, after the first
     // insert and its look) keeps it for the caller's writes too.
@@ -392,10 +385,7 @@ async fn the_sessions_lock_timeout_is_kept_through_a_claim() {
     .await
     .unwrap();
     let mut claimed = fresh_claim(&engine, &call).await;
-    let inside: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *claimed.tx)
-        .await
-        .unwrap();
+    let inside = show_lock_timeout(&mut *claimed.tx).await;
     assert_eq!(inside, "7s", "after a takeover too");
     engine.abandon(claimed).await;
 }
@@ -408,8 +398,7 @@ idem_conformance::cases!(lost_record_rolls_back_and_recovers, 2 => {
 /// Deallocates the record statement `idem_<lost>_…` inside a claimed transaction: the commit fails,
 /// retryably, with nothing committed, and the connection prepares it again.
 async fn lost_record_rolls_back_and_recovers(strategy: ClaimStrategy, lost: &str) {
-    let store = store_on(pool_with(1, &[]).await, strategy).await;
-    let engine = TxEngine::new(store.clone());
+    let (store, engine) = on_one_connection(strategy).await;
     assert!(matches!(run(&engine, &fresh_call()).await, Outcome::Executed(_)));
     let call = fresh_call();
     let mut claimed = fresh_claim(&engine, &call).await;
@@ -654,8 +643,7 @@ async fn a_replay_does_not_wait_for_its_rollback() {
 /// first thing the connection reads is the owed one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_abandoned_after_a_query_cut_off_rolls_back() {
-    let store = store_on(pool_with(1, &[]).await, ClaimStrategy::InsertOnConflict).await;
-    let engine = TxEngine::new(store.clone());
+    let (store, engine) = on_one_connection(ClaimStrategy::InsertOnConflict).await;
     let call = fresh_call();
     let mut claimed = fresh_claim(&engine, &call).await;
     let cut = tokio::time::timeout(

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at};
+use common::{Isolation, STRATEGIES, database_url, isolated_table, open_pool, open_pool_at, show_lock_timeout};
 use idem_core::{
     ClaimRequest, Error, Fingerprint, IdempotencyKey, Lease, LeaseClaim, LeaseStore, Record, RowState, Scope,
     StoreErrorKind, Sweep, Token, TxBackend, TxClaim,
@@ -64,21 +64,17 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-async fn show_lock_timeout(tx: &mut idem_postgres::PgTx) -> String {
-    sqlx::query("SHOW lock_timeout")
-        .fetch_one(&mut **tx)
-        .await
-        .unwrap()
-        .get(0)
+/// A transaction opened with `begin` in which `claim` claimed `req`'s key,
+/// waiting up to `wait`.
+async fn begun_and_claimed(store: &PgStore, req: &ClaimRequest<'_>, wait: Duration) -> idem_postgres::PgTx {
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(store.claim(&mut tx, req, wait).await.unwrap(), TxClaim::Claimed);
+    tx
 }
 
 /// Claims `key` in a new transaction and commits a completed record under it.
 async fn commit_record(store: &PgStore, req: &ClaimRequest<'_>) {
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let mut tx = begun_and_claimed(store, req, Duration::ZERO).await;
     store
         .record(&mut tx, req, &Record::completed(b"done".to_vec()))
         .await
@@ -91,11 +87,7 @@ async fn twin_wait_is_bounded(strategy: ClaimStrategy, expected_wait_event: &str
     let store = store(strategy).await;
     let key = std::sync::Arc::new(Key::new());
     let now = now_ms();
-    let mut first = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut first, &key.at(now), Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let first = begun_and_claimed(&store, &key.at(now), Duration::ZERO).await;
 
     let mut twin = store.begin().await.unwrap();
     let pid: i32 = sqlx::query("SELECT pg_backend_pid()")
@@ -174,11 +166,7 @@ idem_conformance::cases!(twin_wait_is_bounded, 2 => {
 /// After a claim, the caller's own `lock_timeout` is back in force for the rest of its transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_restores_the_callers_lock_timeout() {
-    for strategy in [
-        ClaimStrategy::InsertOnConflict,
-        ClaimStrategy::AdvisoryLock,
-        ClaimStrategy::OneWrite,
-    ] {
+    for strategy in STRATEGIES {
         let store = store(strategy).await;
         let key = Key::new();
         let req = key.at(now_ms());
@@ -191,7 +179,7 @@ async fn claim_restores_the_callers_lock_timeout() {
             store.claim(&mut tx, &req, Duration::from_millis(300)).await.unwrap(),
             TxClaim::Claimed
         );
-        assert_eq!(show_lock_timeout(&mut tx).await, "7s", "restored after a claim");
+        assert_eq!(show_lock_timeout(&mut *tx).await, "7s", "restored after a claim");
         store
             .record(&mut tx, &req, &Record::completed(b"{}".to_vec()))
             .await
@@ -208,7 +196,7 @@ async fn claim_restores_the_callers_lock_timeout() {
             TxClaim::Found(_)
         ));
         assert_eq!(
-            show_lock_timeout(&mut tx).await,
+            show_lock_timeout(&mut *tx).await,
             "7s",
             "restored after finding a committed key"
         );
@@ -452,11 +440,7 @@ async fn record_is_a_heap_only_update() {
     let store = store(ClaimStrategy::InsertOnConflict).await;
     let key = Key::new();
     let req = key.at(now_ms());
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &req, Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let mut tx = begun_and_claimed(&store, &req, Duration::ZERO).await;
     store
         .record(&mut tx, &req, &Record::completed(vec![7; 512]))
         .await
@@ -522,11 +506,7 @@ async fn lease_claim_never_hangs_on_an_open_transaction() {
     let store = store(ClaimStrategy::InsertOnConflict).await;
     let key = Key::new();
     let now = now_ms();
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &key.at(now), Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let tx = begun_and_claimed(&store, &key.at(now), Duration::ZERO).await;
     let lease_req = ClaimRequest {
         lease_expires_at_ms: Some(now + 30_000),
         ..key.at(now)
@@ -564,11 +544,7 @@ async fn sweep_skips_rows_a_claim_holds() {
     commit_record(&store, &held.at(1_000)).await;
     commit_record(&store, &free.at(1_000)).await;
     let later = 1_000 + 120_000;
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store.claim(&mut tx, &held.at(later), Duration::ZERO).await.unwrap(),
-        TxClaim::Claimed
-    );
+    let tx = begun_and_claimed(&store, &held.at(later), Duration::ZERO).await;
     let started = Instant::now();
     assert_eq!(
         store.sweep_expired(later, 10).await.unwrap(),
@@ -719,28 +695,14 @@ async fn purge_never_deletes_a_row_claimed_under_it() {
     let k = Key::new();
     let t0 = now_ms();
     // A completed key that expired a minute ago.
-    let mut tx = store.begin().await.unwrap();
-    assert_eq!(
-        store
-            .claim(&mut tx, &k.at(t0 - 120_000), Duration::from_secs(1))
-            .await
-            .unwrap(),
-        TxClaim::Claimed
-    );
+    let mut tx = begun_and_claimed(&store, &k.at(t0 - 120_000), Duration::from_secs(1)).await;
     store
         .record(&mut tx, &k.at(t0 - 120_000), &Record::completed(b"old".to_vec()))
         .await
         .unwrap();
     store.commit(tx).await.unwrap();
     // A transactional claim takes the expired row over and holds it.
-    let mut claim = store.begin().await.unwrap();
-    assert_eq!(
-        store
-            .claim(&mut claim, &k.at(t0), Duration::from_secs(1))
-            .await
-            .unwrap(),
-        TxClaim::Claimed
-    );
+    let mut claim = begun_and_claimed(&store, &k.at(t0), Duration::from_secs(1)).await;
     let filter = KeyFilter {
         tenant: Some(k.scope.tenant().as_str().to_owned()),
         state: Some(KeyState::Expired),
@@ -1019,12 +981,45 @@ async fn nested_effects(store: &PgStore, tag: &str) -> Vec<String> {
 }
 
 /// A claimed transaction of `req`'s fresh key, with the caller's first
-/// write, `{tag}-a`, sent in it.
-async fn claimed_with_a_write(store: &PgStore, req: &ClaimRequest<'_>, tag: &str) -> idem_postgres::PgTx {
+/// write, `{tag}-a`, sent in it: the transaction, and the new `tag` its
+/// writes are named by.
+async fn claimed_with_a_write(store: &PgStore, req: &ClaimRequest<'_>) -> (idem_postgres::PgTx, String) {
+    let tag = uuid::Uuid::new_v4().to_string();
     let (mut tx, claim) = store.begin_claim(req, Duration::ZERO).await.unwrap();
     assert_eq!(claim, TxClaim::Claimed);
     insert_effect(store, &mut tx, format!("{tag}-a")).await;
-    tx
+    (tx, tag)
+}
+
+/// Ends `tx`, a claimed transaction that must commit nothing, as `end`
+/// names (`what` is said with any failure): `record` (the record and the
+/// commit in one) or `commit` (the record, then the commit), each refused;
+/// `rollback`; or `drop`.
+async fn end_refused(store: &PgStore, mut tx: idem_postgres::PgTx, req: &ClaimRequest<'_>, end: &str, what: &str) {
+    let record = Record::completed(b"done".to_vec());
+    match end {
+        "record" => {
+            let err = store.record_commit(tx, req, &record).await.unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{what}: {err:?}");
+        }
+        "commit" => {
+            let err = store.record(&mut tx, req, &record).await.unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{what}: {err:?}");
+            let err = store.commit(tx).await.unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{what}: {err:?}");
+        }
+        "rollback" => store.rollback(tx).await.unwrap(),
+        _ => drop(tx),
+    }
+}
+
+/// That nothing of `key`'s claim committed, nor the caller's writes tagged
+/// `tag` (`what` is said with any failure), and the pool's connection came
+/// back clean.
+async fn nothing_committed(store: &PgStore, key: &Key, tag: &str, what: &str) {
+    pool_is_clean(store).await;
+    assert!(nested_effects(store, tag).await.is_empty(), "{what}");
+    assert!(store.get(&key.scope, &key.key).await.unwrap().is_none(), "{what}");
 }
 
 /// That the pool's connection is outside any transaction and sqlx counts
@@ -1049,17 +1044,12 @@ async fn pool_is_clean(store: &PgStore) {
 /// connection is clean.
 #[tokio::test]
 async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
-    for strategy in [
-        ClaimStrategy::InsertOnConflict,
-        ClaimStrategy::AdvisoryLock,
-        ClaimStrategy::OneWrite,
-    ] {
+    for strategy in STRATEGIES {
         let store = one_connection_store(strategy).await;
         for inner_commits in [false, true] {
             let key = Key::new();
             let req = key.at(now_ms());
-            let tag = uuid::Uuid::new_v4().to_string();
-            let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+            let (mut tx, tag) = claimed_with_a_write(&store, &req).await;
             let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
             insert_effect(&store, &mut inner, format!("{tag}-b")).await;
             if inner_commits {
@@ -1099,34 +1089,12 @@ async fn a_nested_transaction_left_open_commits_nothing() {
     for end in ["record", "commit", "rollback", "drop"] {
         let key = Key::new();
         let req = key.at(now_ms());
-        let tag = uuid::Uuid::new_v4().to_string();
-        let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+        let (mut tx, tag) = claimed_with_a_write(&store, &req).await;
         let mut inner = sqlx::Connection::begin(&mut *tx).await.unwrap();
         insert_effect(&store, &mut inner, format!("{tag}-b")).await;
         std::mem::forget(inner);
-        match end {
-            "record" => {
-                let err = store
-                    .record_commit(tx, &req, &Record::completed(b"done".to_vec()))
-                    .await
-                    .unwrap_err();
-                assert!(matches!(err, Error::Config(_)), "{err:?}");
-            }
-            "commit" => {
-                let err = store
-                    .record(&mut tx, &req, &Record::completed(b"done".to_vec()))
-                    .await
-                    .unwrap_err();
-                assert!(matches!(err, Error::Config(_)), "{err:?}");
-                let err = store.commit(tx).await.unwrap_err();
-                assert!(matches!(err, Error::Config(_)), "{err:?}");
-            }
-            "rollback" => store.rollback(tx).await.unwrap(),
-            _ => drop(tx),
-        }
-        pool_is_clean(&store).await;
-        assert!(nested_effects(&store, &tag).await.is_empty(), "{end}");
-        assert!(store.get(&key.scope, &key.key).await.unwrap().is_none(), "{end}");
+        end_refused(&store, tx, &req, end, end).await;
+        nothing_committed(&store, &key, &tag, end).await;
     }
 }
 
@@ -1138,11 +1106,9 @@ async fn a_dropped_claimed_transaction_leaves_the_connection_clean() {
         let store = one_connection_store(strategy).await;
         let key = Key::new();
         let req = key.at(now_ms());
-        let tag = uuid::Uuid::new_v4().to_string();
-        drop(claimed_with_a_write(&store, &req, &tag).await);
-        pool_is_clean(&store).await;
-        assert!(nested_effects(&store, &tag).await.is_empty(), "{strategy:?}");
-        assert!(store.get(&key.scope, &key.key).await.unwrap().is_none(), "{strategy:?}");
+        let (tx, tag) = claimed_with_a_write(&store, &req).await;
+        drop(tx);
+        nothing_committed(&store, &key, &tag, &format!("{strategy:?}")).await;
         // And the key is free: claimed again, and recorded.
         let (tx, claim) = store.begin_claim(&req, Duration::ZERO).await.unwrap();
         assert_eq!(claim, TxClaim::Claimed);
@@ -1167,30 +1133,12 @@ async fn a_claim_rolled_back_under_it_by_a_nested_begin_commits_nothing() {
         for end in ["record", "commit", "rollback"] {
             let key = Key::new();
             let req = key.at(now_ms());
-            let tag = uuid::Uuid::new_v4().to_string();
-            let mut tx = claimed_with_a_write(&store, &req, &tag).await;
+            let (mut tx, tag) = claimed_with_a_write(&store, &req).await;
             sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.unwrap_err();
             sqlx::Connection::begin(&mut *tx).await.unwrap_err();
-            let record = Record::completed(b"done".to_vec());
-            match end {
-                "record" => {
-                    let err = store.record_commit(tx, &req, &record).await.unwrap_err();
-                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
-                }
-                "commit" => {
-                    let err = store.record(&mut tx, &req, &record).await.unwrap_err();
-                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
-                    let err = store.commit(tx).await.unwrap_err();
-                    assert!(matches!(err, Error::Config(_)), "{strategy:?}: {err:?}");
-                }
-                _ => store.rollback(tx).await.unwrap(),
-            }
-            pool_is_clean(&store).await;
-            assert!(nested_effects(&store, &tag).await.is_empty(), "{strategy:?} {end}");
-            assert!(
-                store.get(&key.scope, &key.key).await.unwrap().is_none(),
-                "{strategy:?} {end}"
-            );
+            let what = format!("{strategy:?} {end}");
+            end_refused(&store, tx, &req, end, &what).await;
+            nothing_committed(&store, &key, &tag, &what).await;
         }
     }
 }

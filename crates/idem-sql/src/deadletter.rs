@@ -19,7 +19,9 @@ use idem_core::{
 };
 use sqlx::{AssertSqlSafe, Database, Transaction};
 
-use crate::{Arg, Dialect, SqlDb, Statement, TextColumns, assignments, placeholders, table_store};
+use crate::{
+    Arg, Dialect, ScopedInsert, SqlDb, Statement, TextColumns, assignments, bound, scoped_args, scoped_key, table_store,
+};
 
 /// The default dead-letter table.
 pub const DEFAULT_DEAD_LETTER_TABLE: &str = "idem_dead_letters";
@@ -135,10 +137,8 @@ fn plan<D: DeadLetterSchema>(table: &TableName, columns: &[String]) -> Vec<Pendi
 
 /// The statements, built once per table.
 struct Sql {
-    /// Whether the insert returns the new id and ignores a twin's row.
-    returns_id: bool,
     now: Arc<str>,
-    insert: Arc<str>,
+    insert: ScopedInsert,
     get: Arc<str>,
     get_locked: Arc<str>,
     find: Arc<str>,
@@ -154,23 +154,12 @@ impl Sql {
         let lock = D::FOR_UPDATE;
         let by_id = format!("SELECT {COLUMNS}, {now} AS now_ms FROM {t} WHERE id = {}", p(1));
         let by_call = format!(
-            "SELECT {COLUMNS}, {now} AS now_ms FROM {t} WHERE tenant = {} AND operation = {} AND idem_key = {}",
-            p(1),
-            p(2),
-            p(3)
+            "SELECT {COLUMNS}, {now} AS now_ms FROM {t} WHERE {}",
+            scoped_key::<D>(1)
         );
-        let twin = D::ignore_twin("tenant, operation, idem_key");
-        let columns = FIXED.iter().chain(&UPDATED).copied().collect::<Vec<_>>();
         Sql {
-            returns_id: twin.is_some(),
             now: format!("SELECT {now} AS now_ms").into(),
-            insert: format!(
-                "INSERT INTO {t} ({}) VALUES ({}){}",
-                columns.join(", "),
-                placeholders::<D>(1, columns.len()),
-                twin.map_or(String::new(), |clause| format!(" {clause}"))
-            )
-            .into(),
+            insert: ScopedInsert::new::<D>(t, &[&FIXED[..], &UPDATED[..]].concat()),
             get_locked: format!("{by_id}{lock}").into(),
             find_locked: format!("{by_call}{lock}").into(),
             get: by_id.into(),
@@ -225,14 +214,8 @@ impl<D: DeadLetterSchema> SqlDeadLetters<D> {
     /// The statement reading the row `at` names: `by_id` or `by_call`.
     fn at<'q>(at: RowAt<'q>, by_id: &Arc<str>, by_call: &Arc<str>) -> Statement<'q, D::Db> {
         match at {
-            RowAt::Id(id) => D::Db::bind(sqlx::query(AssertSqlSafe(by_id.clone())), Arg::Int(id)),
-            RowAt::Call(scope, key) => [
-                Arg::Text(scope.tenant().as_str()),
-                Arg::Text(scope.operation().as_str()),
-                Arg::Text(key.as_str()),
-            ]
-            .into_iter()
-            .fold(sqlx::query(AssertSqlSafe(by_call.clone())), D::Db::bind),
+            RowAt::Id(id) => bound::<D>(AssertSqlSafe(by_id.clone()), [Arg::Int(id)]),
+            RowAt::Call(scope, key) => bound::<D>(AssertSqlSafe(by_call.clone()), scoped_args(scope, key)),
         }
     }
 }
@@ -404,10 +387,9 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
 
     fn insert<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<Option<i64>>> {
         Box::pin(async move {
-            let statement = inserted::<D>(row).fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
             // `None`: another writer of the same call made the row first, and
             // this record updates it.
-            crate::insert_unless_twin::<D>(statement, self.t.sql.returns_id, conn).await
+            self.t.sql.insert.run::<D>(inserted::<D>(row), conn).await
         })
     }
 
@@ -425,9 +407,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
 
     fn update<'a>(&'a self, conn: &'a mut Self::Conn, row: &'a DeadLetterRow) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let statement = updated::<D>(row)
-                .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.t.sql.update.clone())), D::Db::bind);
+            let statement = bound::<D>(AssertSqlSafe(self.t.sql.update.clone()), updated::<D>(row));
             D::Db::execute(statement, conn).await.map_err(D::error)?;
             Ok(())
         })
@@ -464,7 +444,7 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
             }
             args.push(Arg::Int(i64::from(filter.limit)));
             sql.push_str(&format!(" ORDER BY id LIMIT {}", D::placeholder(args.len())));
-            let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+            let statement = bound::<D>(AssertSqlSafe(sql), args);
             let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
                 .await
                 .map_err(D::error)?;
@@ -473,14 +453,6 @@ impl<D: DeadLetterSchema> DeadLetterTable for SqlDeadLetters<D> {
     }
 
     fn purge_final(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            let mut tx = D::begin(&self.t.pool).await?;
-            let statement = [Arg::Int(older_than_ms.max(0)), Arg::Int(i64::from(limit))]
-                .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
-            let done = D::Db::execute(statement, &mut *tx).await.map_err(D::error)?;
-            tx.commit().await.map_err(D::error)?;
-            Ok(D::rows_affected(&done))
-        })
+        Box::pin(self.t.purge_batch(&self.t.sql.purge, older_than_ms.max(0), limit))
     }
 }

@@ -5,7 +5,7 @@
 use idem_core::{IdempotencyKey, KeyFilter, KeyInfo, KeyState, KeyStats, Result, Scope, TableName};
 use sqlx::{AssertSqlSafe, Database, Pool};
 
-use crate::{Arg, Dialect, SqlDb};
+use crate::{Arg, Dialect, SqlDb, bound};
 
 /// The columns an operator sees.
 const KEY_COLUMNS: &str = "tenant, operation, idem_key, status, created_at_ms, expires_at_ms, payload";
@@ -80,9 +80,7 @@ pub async fn stats<D: Dialect>(pool: &Pool<D::Db>, table: &TableName, now_ms: i6
         .collect::<Vec<_>>()
         .join(", ");
     let sql = format!("SELECT {counts} FROM {}", D::quoted(table));
-    let statement = states
-        .iter()
-        .fold(sqlx::query(AssertSqlSafe(sql)), |q, _| D::Db::bind(q, Arg::Int(now_ms)));
+    let statement = bound::<D>(AssertSqlSafe(sql), states.iter().map(|_| Arg::Int(now_ms)));
     let row = D::Db::fetch_optional_pooled(statement, pool)
         .await
         .map_err(D::error)?
@@ -112,7 +110,7 @@ pub async fn list_keys<D: Dialect>(
         "SELECT {KEY_COLUMNS} FROM {} WHERE {conds} ORDER BY created_at_ms LIMIT {limit}",
         D::quoted(table)
     );
-    let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+    let statement = bound::<D>(AssertSqlSafe(sql), args);
     let rows = D::Db::fetch_all_pooled(statement, pool).await.map_err(D::error)?;
     rows.iter().map(|row| key_info::<D>(row, now_ms)).collect()
 }
@@ -127,19 +125,11 @@ pub async fn find_key<D: Dialect>(
     now_ms: i64,
 ) -> Result<Option<KeyInfo>> {
     let sql = format!(
-        "SELECT {KEY_COLUMNS} FROM {} WHERE tenant = {} AND operation = {} AND idem_key = {}",
+        "SELECT {KEY_COLUMNS} FROM {} WHERE {}",
         D::quoted(table),
-        D::placeholder(1),
-        D::placeholder(2),
-        D::placeholder(3)
+        crate::scoped_key::<D>(1)
     );
-    let statement = [
-        Arg::Text(scope.tenant().as_str()),
-        Arg::Text(scope.operation().as_str()),
-        Arg::Text(key.as_str()),
-    ]
-    .into_iter()
-    .fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+    let statement = bound::<D>(AssertSqlSafe(sql), crate::scoped_args(scope, key));
     let row = D::Db::fetch_optional_pooled(statement, pool).await.map_err(D::error)?;
     row.map(|row| key_info::<D>(&row, now_ms)).transpose()
 }

@@ -22,8 +22,10 @@
 //! | keys (a row outside its claim) | [`SqlKeyRows`]: the lookup, the lease holder's writes, resolving an unknown outcome, the sweep's bookkeeping | the claim, and the sweep's statement |
 //! | outbox | [`SqlOutbox`]: enqueue, a relay's take and finish (held or leased), lag, purging | [`Dialect`], [`OutboxSchema`] (its `CREATE TABLE`, how relays hold rows, how it names a set of rows) |
 
-use idem_core::{BoxFuture, Result, TableName};
-use sqlx::{Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type};
+use std::sync::Arc;
+
+use idem_core::{BoxFuture, IdempotencyKey, Result, Scope, TableName};
+use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type};
 use sqlx_core::transaction::TransactionManager;
 
 mod deadletter;
@@ -35,14 +37,16 @@ mod migrate;
 mod multistep;
 pub mod outbox;
 mod rows;
+mod unwritten;
 
-pub use migrate::{KeyMigration, migrate, migrate_in_transaction, pending};
+pub use migrate::{KeyMigration, applied_at_ms, migrate, migrate_in_transaction, pending};
 pub use multistep::{DEFAULT_MULTISTEP_TABLE, MultiStepSchema, SqlMultiSteps};
 pub use outbox::{DEFAULT_OUTBOX_TABLE, OutboxSchema, Relay, SqlOutbox, SqlOutboxBatch};
 pub use rows::{
     ROW_COLUMNS, SqlKeyRows, bound, check_claim_depth, claim_args, completed_args, decode_row, key_args,
-    unclaimed_record,
+    record_claimed, unclaimed_record,
 };
+pub use unwritten::UnwrittenClaims;
 
 /// A statement and its arguments on engine `DB`.
 pub type Statement<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments>;
@@ -80,6 +84,9 @@ pub trait SqlDb: Database {
     fn bind<'q>(statement: Statement<'q, Self>, arg: Arg<'_>) -> Statement<'q, Self>;
     /// A `BIGINT` column.
     fn int(row: &Self::Row, column: &str) -> sqlx::Result<i64>;
+    /// A `BIGINT` column by its position (from 0), for a column the
+    /// statement does not name.
+    fn int_at(row: &Self::Row, index: usize) -> sqlx::Result<i64>;
     /// A `BIGINT` column that may be NULL.
     fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>>;
     /// A `SMALLINT` column.
@@ -140,6 +147,7 @@ where
     for<'r> Option<&'r str>: Encode<'r, DB>,
     for<'r> Option<&'r [u8]>: Encode<'r, DB>,
     for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
+    usize: sqlx::ColumnIndex<DB::Row>,
 {
     fn bind<'q>(statement: Statement<'q, Self>, arg: Arg<'_>) -> Statement<'q, Self> {
         match arg {
@@ -156,6 +164,10 @@ where
 
     fn int(row: &Self::Row, column: &str) -> sqlx::Result<i64> {
         row.try_get(column)
+    }
+
+    fn int_at(row: &Self::Row, index: usize) -> sqlx::Result<i64> {
+        row.try_get(index)
     }
 
     fn opt_int(row: &Self::Row, column: &str) -> sqlx::Result<Option<i64>> {
@@ -351,7 +363,7 @@ pub trait Dialect: Send + Sync + 'static {
 pub(crate) struct SqlTable<D: Dialect, S> {
     pub(crate) pool: Pool<D::Db>,
     pub(crate) name: TableName,
-    pub(crate) sql: std::sync::Arc<S>,
+    pub(crate) sql: Arc<S>,
     dialect: std::marker::PhantomData<fn() -> D>,
 }
 
@@ -369,13 +381,30 @@ impl<D: Dialect, S> Clone for SqlTable<D, S> {
 impl<D: Dialect, S> SqlTable<D, S> {
     /// The table `name` on `pool`, its statements built by `sql`.
     pub(crate) fn new(pool: Pool<D::Db>, name: TableName, sql: impl FnOnce(&str) -> S) -> Self {
-        let sql = std::sync::Arc::new(sql(name.as_str()));
+        let sql = Arc::new(sql(name.as_str()));
         Self {
             pool,
             name,
             sql,
             dialect: std::marker::PhantomData,
         }
+    }
+
+    /// Deletes one bounded batch: `purge` (a [`Dialect::delete_first`]
+    /// statement) bound with `before` and `limit`, in a transaction of the
+    /// engine's kind ([`Dialect::begin`]). At MySQL's default REPEATABLE READ
+    /// the delete would lock the gap where new rows are inserted, and their
+    /// writers would wait; at READ COMMITTED, or under SQLite's write lock
+    /// from the start, they do not. Answers how many rows it deleted.
+    pub(crate) async fn purge_batch(&self, purge: &Arc<str>, before: i64, limit: u32) -> Result<u64> {
+        let mut tx = D::begin(&self.pool).await?;
+        let statement = bound::<D>(
+            AssertSqlSafe(purge.clone()),
+            [Arg::Int(before), Arg::Int(i64::from(limit))],
+        );
+        let done = D::Db::execute(statement, &mut tx).await.map_err(D::error)?;
+        tx.commit().await.map_err(D::error)?;
+        Ok(D::rows_affected(&done))
     }
 }
 
@@ -464,6 +493,81 @@ pub(crate) async fn insert_unless_twin<D: Dialect>(
         Err(e) if D::is_duplicate(&e) => Ok(None),
         Err(e) => Err(D::error(e)),
     }
+}
+
+/// The insert of a row per scoped key into a table, built once: run by
+/// [`insert_unless_twin`], it makes one row of a tenant, operation and key
+/// however many writers insert it.
+pub(crate) struct ScopedInsert {
+    sql: Arc<str>,
+    /// Whether the insert ignores a twin's row and returns the new id.
+    returns_id: bool,
+}
+
+impl ScopedInsert {
+    /// The insert into `table` of `columns`, each bound in order, then the
+    /// engine's clause that ignores a twin's row of the same tenant,
+    /// operation and key where it has one ([`Dialect::ignore_twin`]).
+    pub(crate) fn new<D: Dialect>(table: &str, columns: &[&str]) -> Self {
+        let twin = D::ignore_twin("tenant, operation, idem_key");
+        let returns_id = twin.is_some();
+        let sql = format!(
+            "INSERT INTO {table} ({}) VALUES ({}){}",
+            columns.join(", "),
+            placeholders::<D>(1, columns.len()),
+            twin.map_or(String::new(), |clause| format!(" {clause}"))
+        );
+        Self {
+            sql: sql.into(),
+            returns_id,
+        }
+    }
+
+    /// Inserts the row `args` binds on `conn`: the new row's id, or `None`
+    /// when a twin was made first.
+    pub(crate) async fn run<'a, D: Dialect>(
+        &self,
+        args: impl IntoIterator<Item = Arg<'a>>,
+        conn: &mut <D::Db as Database>::Connection,
+    ) -> Result<Option<i64>> {
+        let statement = bound::<D>(AssertSqlSafe(self.sql.clone()), args);
+        insert_unless_twin::<D>(statement, self.returns_id, conn).await
+    }
+}
+
+/// `tenant = … AND operation = … AND idem_key = …`: the condition on a
+/// scoped key, its placeholders numbered from `from`.
+pub(crate) fn scoped_key<D: Dialect>(from: usize) -> String {
+    format!(
+        "tenant = {} AND operation = {} AND idem_key = {}",
+        D::placeholder(from),
+        D::placeholder(from + 1),
+        D::placeholder(from + 2)
+    )
+}
+
+/// What [`scoped_key`] binds, as text, in its order.
+pub(crate) fn scoped_args<'a>(scope: &'a Scope, key: &'a IdempotencyKey) -> [Arg<'a>; 3] {
+    [
+        Arg::Text(scope.tenant().as_str()),
+        Arg::Text(scope.operation().as_str()),
+        Arg::Text(key.as_str()),
+    ]
+}
+
+/// The database's clock in milliseconds ([`Dialect::NOW_MS`]), read on a
+/// connection of `pool`: what an engine's store answers as its
+/// [`TimeSource`](idem_core::TimeSource), so that every instance on one
+/// database decides on the clock its statements use.
+pub fn database_now_ms<D: Dialect>(pool: &Pool<D::Db>) -> BoxFuture<'_, Result<i64>> {
+    Box::pin(async move {
+        let statement = sqlx::query(AssertSqlSafe(format!("SELECT {}", D::NOW_MS)));
+        let row = D::Db::fetch_optional_pooled(statement, pool)
+            .await
+            .and_then(|row| row.ok_or(sqlx::Error::RowNotFound))
+            .map_err(D::error)?;
+        D::Db::int_at(&row, 0).map_err(D::error)
+    })
 }
 
 /// The table named `name`, one of this crate's valid default names.

@@ -1,5 +1,7 @@
 //! Running an engine's migrations of a kind of table, once for every kind.
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use idem_core::{PendingMigration, Result, TableName};
 use sqlx::{AssertSqlSafe, Database, Pool};
 
@@ -78,6 +80,15 @@ pub async fn migrate_in_transaction<D: Dialect>(
     }
     work(&mut tx).await?;
     tx.commit().await.map_err(D::error)
+}
+
+/// The wall-clock time in milliseconds, for the `applied_at_ms` an engine
+/// records with a schema version: bookkeeping for operators, never a claim
+/// decision (those take the time from the engine's clock).
+pub fn applied_at_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// One schema version of an engine's keys table: the statements that bring

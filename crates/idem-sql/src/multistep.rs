@@ -16,7 +16,10 @@ use idem_core::multistep::{MultiStep, MultiStepCursor, MultiStepFilter, MultiSte
 use idem_core::{BoxFuture, Error, IdempotencyKey, PendingMigration, Result, Scope, TableName, TxBackend};
 use sqlx::{AssertSqlSafe, Database};
 
-use crate::{Arg, Dialect, SqlDb, Statement, assignments, placeholders, shown_text, table_store};
+use crate::{
+    Arg, Dialect, ScopedInsert, SqlDb, Statement, assignments, bound, placeholders, scoped_args, scoped_key,
+    shown_text, table_store,
+};
 
 /// The default table of multi-step operations.
 pub const DEFAULT_MULTISTEP_TABLE: &str = "idem_operations";
@@ -62,8 +65,7 @@ fn plan<D: MultiStepSchema>(table: &TableName, columns: &[String]) -> Vec<Pendin
 }
 
 struct Sql {
-    returns_id: bool,
-    insert: Arc<str>,
+    insert: ScopedInsert,
     update: Arc<str>,
     get: Arc<str>,
     find: Arc<str>,
@@ -74,17 +76,8 @@ struct Sql {
 impl Sql {
     fn new<D: Dialect>(t: &str) -> Self {
         let p = D::placeholder;
-        let twin = D::ignore_twin("tenant, operation, idem_key");
-        let columns = FIXED.iter().chain(&UPDATED).copied().collect::<Vec<_>>();
         Self {
-            returns_id: twin.is_some(),
-            insert: format!(
-                "INSERT INTO {t} ({}) VALUES ({}){}",
-                columns.join(", "),
-                placeholders::<D>(1, columns.len()),
-                twin.map_or(String::new(), |clause| format!(" {clause}"))
-            )
-            .into(),
+            insert: ScopedInsert::new::<D>(t, &[&FIXED[..], &UPDATED[..]].concat()),
             update: format!(
                 "UPDATE {t} SET {} WHERE id = {} AND version = {}",
                 assignments::<D>(&UPDATED, 1),
@@ -93,13 +86,7 @@ impl Sql {
             )
             .into(),
             get: format!("SELECT {COLUMNS} FROM {t} WHERE id = {}", p(1)).into(),
-            find: format!(
-                "SELECT {COLUMNS} FROM {t} WHERE tenant = {} AND operation = {} AND idem_key = {}",
-                p(1),
-                p(2),
-                p(3)
-            )
-            .into(),
+            find: format!("SELECT {COLUMNS} FROM {t} WHERE {}", scoped_key::<D>(1)).into(),
             // A plain read: a runner takes what it found by a conditional
             // write, so the scan locks nothing.
             due: format!(
@@ -160,8 +147,7 @@ impl<D: MultiStepSchema> SqlMultiSteps<D> {
         ]
         .into_iter()
         .chain(changed(&row));
-        let statement = args.fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
-        crate::insert_unless_twin::<D>(statement, self.t.sql.returns_id, conn).await
+        self.t.sql.insert.run::<D>(args, conn).await
     }
 
     async fn update(&self, conn: &mut <D::Db as Database>::Connection, op: &MultiStep) -> Result<()> {
@@ -169,9 +155,10 @@ impl<D: MultiStepSchema> SqlMultiSteps<D> {
             version: op.version + 1,
             ..op.clone()
         });
-        let statement = changed(&row)
-            .chain([Arg::Int(row.id), Arg::Int(op.version)])
-            .fold(sqlx::query(AssertSqlSafe(self.t.sql.update.clone())), D::Db::bind);
+        let statement = bound::<D>(
+            AssertSqlSafe(self.t.sql.update.clone()),
+            changed(&row).chain([Arg::Int(row.id), Arg::Int(op.version)]),
+        );
         let done = D::Db::execute(statement, conn).await.map_err(D::error)?;
         match D::rows_affected(&done) {
             1 => Ok(()),
@@ -239,7 +226,7 @@ impl<D: MultiStepSchema> SqlMultiSteps<D> {
             },
             p(args.len())
         );
-        let statement = args.into_iter().fold(sqlx::query(AssertSqlSafe(sql)), D::Db::bind);
+        let statement = bound::<D>(AssertSqlSafe(sql), args);
         let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
             .await
             .map_err(D::error)?;
@@ -325,20 +312,14 @@ where
 
     fn find<'a>(&'a self, scope: &'a Scope, key: &'a IdempotencyKey) -> BoxFuture<'a, Result<Option<MultiStep>>> {
         Box::pin(async move {
-            let statement = [
-                Arg::Text(scope.tenant().as_str()),
-                Arg::Text(scope.operation().as_str()),
-                Arg::Text(key.as_str()),
-            ]
-            .into_iter()
-            .fold(sqlx::query(AssertSqlSafe(self.t.sql.find.clone())), D::Db::bind);
+            let statement = bound::<D>(AssertSqlSafe(self.t.sql.find.clone()), scoped_args(scope, key));
             self.read(statement).await
         })
     }
 
     fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<MultiStep>>> {
         Box::pin(async move {
-            let statement = D::Db::bind(sqlx::query(AssertSqlSafe(self.t.sql.get.clone())), Arg::Int(id));
+            let statement = bound::<D>(AssertSqlSafe(self.t.sql.get.clone()), [Arg::Int(id)]);
             self.read(statement).await
         })
     }
@@ -378,9 +359,10 @@ where
     fn due(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<Vec<i64>>> {
         Box::pin(async move {
             // The time twice: an engine's placeholders may be positional.
-            let statement = [Arg::Int(now_ms), Arg::Int(now_ms), Arg::Int(i64::from(limit))]
-                .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.t.sql.due.clone())), D::Db::bind);
+            let statement = bound::<D>(
+                AssertSqlSafe(self.t.sql.due.clone()),
+                [Arg::Int(now_ms), Arg::Int(now_ms), Arg::Int(i64::from(limit))],
+            );
             let rows = D::Db::fetch_all_pooled(statement, &self.t.pool)
                 .await
                 .map_err(D::error)?;
@@ -389,16 +371,6 @@ where
     }
 
     fn purge_expired(&self, now_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            // The engine's own transaction (READ COMMITTED, or SQLite's
-            // write lock from the start), as the dead letters' purge.
-            let mut tx = D::begin(&self.t.pool).await?;
-            let statement = [Arg::Int(now_ms), Arg::Int(i64::from(limit))]
-                .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
-            let done = D::Db::execute(statement, &mut *tx).await.map_err(D::error)?;
-            tx.commit().await.map_err(D::error)?;
-            Ok(D::rows_affected(&done))
-        })
+        Box::pin(self.t.purge_batch(&self.t.sql.purge, now_ms, limit))
     }
 }

@@ -31,7 +31,7 @@ use idem_core::{
 };
 use sqlx::{AssertSqlSafe, Database, Pool, Transaction};
 
-use crate::{Arg, Dialect, SqlDb, SqlTable, default_table};
+use crate::{Arg, Dialect, SqlDb, SqlTable, bound, default_table};
 
 /// The default outbox table.
 pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
@@ -249,13 +249,14 @@ impl<D: OutboxSchema> SqlOutbox<D> {
     /// Enqueues `event` in the caller's open transaction: it is published if
     /// and only if that transaction commits.
     pub async fn enqueue(&self, conn: &mut <D::Db as Database>::Connection, event: &OutboxEvent) -> Result<()> {
-        let statement = [
-            Arg::Text(event.id()),
-            Arg::Text(event.subject()),
-            Arg::Bytes(event.payload()),
-        ]
-        .into_iter()
-        .fold(sqlx::query(AssertSqlSafe(self.t.sql.insert.clone())), D::Db::bind);
+        let statement = bound::<D>(
+            AssertSqlSafe(self.t.sql.insert.clone()),
+            [
+                Arg::Text(event.id()),
+                Arg::Text(event.subject()),
+                Arg::Bytes(event.payload()),
+            ],
+        );
         D::Db::execute(statement, conn).await.map_err(D::error)?;
         Ok(())
     }
@@ -339,9 +340,10 @@ impl<D: OutboxSchema> OutboxBatch for SqlOutboxBatch<D> {
                     }
                     let mut tx = D::begin(pool).await?;
                     D::for_rows(&mut tx, &self.sql.mark_sent, &[Arg::Int(*token)], &sent).await?;
-                    let statement = [max, min, Arg::Int(*token)]
-                        .into_iter()
-                        .fold(sqlx::query(AssertSqlSafe(self.sql.mark_failed.clone())), D::Db::bind);
+                    let statement = bound::<D>(
+                        AssertSqlSafe(self.sql.mark_failed.clone()),
+                        [max, min, Arg::Int(*token)],
+                    );
                     D::Db::execute(statement, &mut tx).await.map_err(D::error)?;
                     tx.commit().await.map_err(D::error)
                 }
@@ -426,17 +428,6 @@ impl<D: OutboxSchema> OutboxStore for SqlOutbox<D> {
     }
 
     fn purge_sent(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            // In a transaction of the engine's kind: at MySQL's REPEATABLE
-            // READ the delete would lock the gap where new rows are
-            // inserted, and enqueuers would wait.
-            let mut tx = D::begin(&self.t.pool).await?;
-            let statement = [Arg::Int(older_than_ms.max(0)), Arg::Int(i64::from(limit))]
-                .into_iter()
-                .fold(sqlx::query(AssertSqlSafe(self.t.sql.purge.clone())), D::Db::bind);
-            let done = D::Db::execute(statement, &mut tx).await.map_err(D::error)?;
-            tx.commit().await.map_err(D::error)?;
-            Ok(D::rows_affected(&done))
-        })
+        Box::pin(self.t.purge_batch(&self.t.sql.purge, older_than_ms.max(0), limit))
     }
 }

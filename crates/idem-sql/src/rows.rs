@@ -49,14 +49,7 @@ impl Statements {
         let t = D::quoted(table);
         let p = D::placeholder;
         // The key, at placeholders `from`, `from + 1` and `from + 2`.
-        let key = |from: usize| {
-            format!(
-                "tenant = {} AND operation = {} AND idem_key = {}",
-                p(from),
-                p(from + 1),
-                p(from + 2)
-            )
-        };
+        let key = crate::scoped_key::<D>;
         // A row its holder still holds: in progress, or sent (lease run out
         // or not: only the token says who holds it).
         let held = format!("status IN ({STATUS_IN_PROGRESS}, {STATUS_SENT})");
@@ -222,8 +215,7 @@ impl<D: Dialect> SqlKeyRows<D> {
     }
 
     fn statement<'q>(sql: &Arc<str>, args: impl IntoIterator<Item = Arg<'q>>) -> Statement<'q, D::Db> {
-        args.into_iter()
-            .fold(sqlx::query(AssertSqlSafe(Arc::clone(sql))), D::Db::bind)
+        bound::<D>(AssertSqlSafe(Arc::clone(sql)), args)
     }
 
     fn lookup_statement<'q>(&self, scope: &'q Scope, key: &'q IdempotencyKey) -> Statement<'q, D::Db> {
@@ -454,4 +446,18 @@ pub fn check_claim_depth(depth: usize) -> Result<()> {
 /// the claimed row, or answer this).
 pub fn unclaimed_record() -> Error {
     Error::Config("record called on a transaction that holds no claim of this key".into())
+}
+
+/// Runs `record`, the statement that writes the outcome on the row the
+/// claim of the transaction on `conn` wrote: it changes exactly that row,
+/// or the transaction holds no claim of the key ([`unclaimed_record`]).
+pub async fn record_claimed<D: Dialect>(
+    record: Statement<'_, D::Db>,
+    conn: &mut <D::Db as Database>::Connection,
+) -> Result<()> {
+    let done = D::Db::execute(record, conn).await.map_err(D::error)?;
+    if D::rows_affected(&done) != 1 {
+        return Err(unclaimed_record());
+    }
+    Ok(())
 }

@@ -3,15 +3,11 @@
 
 use idem_core::{BoxFuture, Result, TimeSource};
 
-use crate::{SqliteStore, store_error};
+use crate::{SqliteDialect, SqliteStore};
 
 impl TimeSource for SqliteStore {
+    /// [`SqliteDialect`]'s [`NOW_MS`](idem_sql::Dialect::NOW_MS).
     fn source_now_ms(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move {
-            sqlx::query_scalar::<_, i64>("SELECT CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)")
-                .fetch_one(self.pool())
-                .await
-                .map_err(store_error)
-        })
+        idem_sql::database_now_ms::<SqliteDialect>(self.pool())
     }
 }

@@ -176,7 +176,7 @@ mod tx;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use idem_core::{IdempotencyKey, KeyRegistry, Result, Scope, StoreErrorKind, StoredRow, TableName};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -439,7 +439,7 @@ impl SqliteStore {
             sqlx::query(AssertSqlSafe(self.sql.insert_schema_version.clone()))
                 .bind(migration.version)
                 .bind(migration.description)
-                .bind(wall_clock_ms())
+                .bind(idem_sql::applied_at_ms())
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;
@@ -454,14 +454,6 @@ impl SqliteStore {
     pub async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<StoredRow>> {
         self.rows.get(scope, key).await
     }
-}
-
-/// The wall-clock time, only for the informational `applied_at_ms` of a
-/// schema version; key times always come from the engine's clock.
-fn wall_clock_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 idem_sql::key_admin!(SqliteStore, SqliteDialect);

@@ -5,6 +5,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 use idem_core::{ClaimRequest, Result};
+use idem_sql::UnwrittenClaims;
 use sqlx::sqlite::SqliteTransactionManager;
 use sqlx::{Sqlite, SqliteConnection, Transaction};
 use sqlx_core::transaction::TransactionManager;
@@ -32,32 +33,22 @@ pub struct SqliteTx {
     /// `None` once ended.
     inner: Option<Transaction<'static, Sqlite>>,
     /// The keys claimed in this transaction, with what their record writes.
-    claims: Vec<HeldClaim>,
+    claims: UnwrittenClaims<HeldClaim>,
     /// Whether the connection's worker has answered a command of this
     /// transaction's own since the connection was last lent out, so the
     /// depth it counts covers everything sent before.
     settled: bool,
 }
 
-/// A key claimed in a transaction: no row written yet.
-#[derive(Debug)]
+/// What the record of a key claimed in a transaction writes: no row
+/// written yet.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct HeldClaim {
-    tenant: String,
-    operation: String,
-    key: String,
     /// The token the record writes.
     pub(crate) token: i64,
     /// The token of the stale row the record replaces, or `None` if the key
     /// had no row: the record then inserts one.
     pub(crate) replaces: Option<i64>,
-}
-
-impl HeldClaim {
-    fn is(&self, req: &ClaimRequest<'_>) -> bool {
-        self.key == req.key.as_str()
-            && self.operation == req.scope.operation().as_str()
-            && self.tenant == req.scope.tenant().as_str()
-    }
 }
 
 impl fmt::Debug for SqliteTx {
@@ -105,7 +96,7 @@ impl SqliteTx {
     pub(crate) fn new(inner: Transaction<'static, Sqlite>) -> Self {
         Self {
             inner: Some(inner),
-            claims: Vec::new(),
+            claims: UnwrittenClaims::default(),
             settled: false,
         }
     }
@@ -182,23 +173,16 @@ impl SqliteTx {
     /// Notes a claim of `req`'s key: its record writes the row with `token`,
     /// in place of the stale row whose token is `replaces` (if any).
     pub(crate) fn hold(&mut self, req: &ClaimRequest<'_>, token: i64, replaces: Option<i64>) {
-        self.claims.retain(|held| !held.is(req));
-        self.claims.push(HeldClaim {
-            tenant: req.scope.tenant().as_str().to_owned(),
-            operation: req.scope.operation().as_str().to_owned(),
-            key: req.key.as_str().to_owned(),
-            token,
-            replaces,
-        });
+        self.claims.hold(req, HeldClaim { token, replaces });
     }
 
     /// The claim of `req`'s key this transaction holds, if any.
     pub(crate) fn held(&self, req: &ClaimRequest<'_>) -> Option<&HeldClaim> {
-        self.claims.iter().find(|held| held.is(req))
+        self.claims.get(req)
     }
 
     /// Forgets the claim of `req`'s key (its record is written).
     pub(crate) fn release(&mut self, req: &ClaimRequest<'_>) {
-        self.claims.retain(|held| !held.is(req));
+        self.claims.forget(req);
     }
 }

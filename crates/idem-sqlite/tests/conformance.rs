@@ -24,7 +24,7 @@ struct Sqlite {
 impl Sqlite {
     async fn new() -> Self {
         let db = Arc::new(TempDb::new("conformance"));
-        let store = SqliteStore::open(&db.path).await.expect("open the test database");
+        let store = db.open().await;
         store.migrate().await.expect("migrate the keys table");
         sqlx::query(EFFECTS_TABLE)
             .execute(store.pool())
@@ -59,10 +59,7 @@ impl Subject for Sqlite {
         Box::pin(async move {
             // A second pool on the same file; it joins the file's
             // process-wide key registry.
-            let store = SqliteStore::open(&self.db.path)
-                .await
-                .expect("open a second pool")
-                .with_table(self.store.table().clone());
+            let store = self.db.open().await.with_table(self.store.table().clone());
             Self {
                 store,
                 db: self.db.clone(),

@@ -22,10 +22,16 @@ struct SqliteLetters {
 impl SqliteLetters {
     async fn new() -> Self {
         let db = Arc::new(TempDb::new("deadletters"));
-        let store = SqliteStore::open(&db.path).await.expect("open the test database");
-        let letters = SqliteDeadLetters::new(store.pool().clone());
+        let letters = SqliteDeadLetters::new(db.open().await.pool().clone());
         letters.migrate().await.expect("migrate the dead-letter table");
         Self { letters, db }
+    }
+
+    /// The engine's part of the SQL dead-letter tests, on this database.
+    fn engine(&self) -> Sqlite {
+        Sqlite {
+            pool: self.letters.pool().clone(),
+        }
     }
 }
 
@@ -38,9 +44,7 @@ impl DeadLetterSubject for SqliteLetters {
 
     fn another(&self) -> BoxFuture<'_, SqliteDeadLetters> {
         Box::pin(async move {
-            let store = SqliteStore::open(&self.db.path)
-                .await
-                .expect("open the test database again");
+            let store = self.db.open().await;
             SqliteDeadLetters::with_table(store.pool().clone(), self.letters.table().clone())
         })
     }
@@ -71,9 +75,7 @@ fn letter(key: &str) -> NewDeadLetter {
 #[tokio::test]
 async fn record_in_commits_and_rolls_back_with_the_transaction() {
     let s = SqliteLetters::new().await;
-    let engine = Sqlite {
-        pool: s.letters.pool().clone(),
-    };
+    let engine = s.engine();
     sql_deadletters::record_in_follows_the_transaction(
         &engine,
         &s.letters,
@@ -160,9 +162,7 @@ async fn a_version_1_table_is_upgraded_with_its_rows() {
 #[tokio::test]
 async fn a_version_2_table_is_upgraded_with_its_rows() {
     let s = SqliteLetters::new().await;
-    let engine = Sqlite {
-        pool: s.letters.pool().clone(),
-    };
+    let engine = s.engine();
     sql_deadletters::version_2_table_is_upgraded(
         &engine,
         "idem_dead_letters_v2",

@@ -129,6 +129,14 @@ fn assert_in_flight<T: std::fmt::Debug>(result: Result<T, Error>) {
     );
 }
 
+/// A `Reject` twin of `key`, held by the other process, answered in flight
+/// in time (`expect`: why it must be). Answers the twin's call.
+async fn rejected_in_flight(engine: &TxEngine<SqliteStore>, tenant: &str, key: &str, expect: &str) -> Call {
+    let twin = call(tenant, key, InFlight::Reject);
+    assert_in_flight(execute_in_time(engine, &twin, key, expect).await);
+    twin
+}
+
 /// The other process, driven line by line.
 struct Peer {
     child: Child,
@@ -209,15 +217,13 @@ async fn reject_twin_in_other_process_is_busy_then_replays(db: PathBuf) {
     let (store, tenant, peer) = with_peer(&db, "hold-tx", "k-reject", "held").await;
     let engine = TxEngine::new(store.clone());
 
-    let twin = call(&tenant, "k-reject", InFlight::Reject);
-    let answer = execute_in_time(
+    let twin = rejected_in_flight(
         &engine,
-        &twin,
+        &tenant,
         "k-reject",
         "a Reject twin must answer at once, not wait on the database's write lock",
     )
     .await;
-    assert_in_flight(answer);
 
     peer.commit().await;
     let again = execute_in_time(&engine, &twin, "k-reject", "answer")
@@ -253,9 +259,7 @@ async fn wait_twin_in_other_process_keeps_to_its_bound(db: PathBuf) {
 async fn killed_holder_releases_the_key(db: PathBuf) {
     let (store, tenant, mut peer) = with_peer(&db, "hold-tx", "k-kill", "held").await;
     let engine = TxEngine::new(store.clone());
-    let twin = call(&tenant, "k-kill", InFlight::Reject);
-    let answer = execute_in_time(&engine, &twin, "k-kill", "a Reject twin must answer at once").await;
-    assert_in_flight(answer);
+    rejected_in_flight(&engine, &tenant, "k-kill", "a Reject twin must answer at once").await;
 
     peer.child.kill().expect("SIGKILL the holder");
     peer.child.wait().expect("reap the holder");

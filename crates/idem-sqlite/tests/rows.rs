@@ -47,6 +47,13 @@ fn fingerprint(scope: &Scope) -> Fingerprint {
     Fingerprint::of_bytes(scope.operation(), b"body")
 }
 
+/// A fresh key of a scope of its own, and the fingerprint of its request.
+fn fresh_key() -> (Scope, IdempotencyKey, Fingerprint) {
+    let scope = scope();
+    let fp = fingerprint(&scope);
+    (scope, IdempotencyKey::generate(), fp)
+}
+
 fn request<'a>(
     scope: &'a Scope,
     key: &'a IdempotencyKey,
@@ -139,9 +146,7 @@ async fn stale_row_is_replaced_with_one_write() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     for stale in ["lease ran out", "outcome expired"] {
-        let scope = scope();
-        let key = IdempotencyKey::generate();
-        let fp = fingerprint(&scope);
+        let (scope, key, fp) = fresh_key();
         let lease = lease_from_1s_to_2s(&store, &scope, &key, &fp).await;
         // An expired outcome: completed, then past its TTL (100 s after 1 s).
         let now_ms = if stale == "outcome expired" {
@@ -181,9 +186,7 @@ async fn sent_row_is_taken_over_only_once_expired() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     for taker in ["transactional", "lease"] {
-        let scope = scope();
-        let key = IdempotencyKey::generate();
-        let fp = fingerprint(&scope);
+        let (scope, key, fp) = fresh_key();
         let lease = lease_from_1s_to_2s(&store, &scope, &key, &fp).await;
         let before = changes(&store).await;
         store.mark_sent(&lease, 1_500).await.expect("mark sent");
@@ -249,9 +252,7 @@ async fn sent_row_is_taken_over_only_once_expired() {
 async fn live_lease_row_is_in_flight() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
-    let scope = scope();
-    let key = IdempotencyKey::generate();
-    let fp = fingerprint(&scope);
+    let (scope, key, fp) = fresh_key();
     let now_ms = idem_core::SystemClock.now_ms();
     let lease_req = request(&scope, &key, &fp, now_ms, 7, Some(now_ms + 600_000));
     assert!(matches!(
@@ -281,9 +282,7 @@ async fn live_lease_row_is_in_flight() {
 async fn record_without_claim_touches_no_row() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
-    let scope = scope();
-    let key = IdempotencyKey::generate();
-    let fp = fingerprint(&scope);
+    let (scope, key, fp) = fresh_key();
     let lease_req = request(&scope, &key, &fp, 1_000, 7, Some(2_000_000));
     assert_eq!(
         store.try_claim(&lease_req).await.expect("lease claim"),
@@ -326,9 +325,7 @@ async fn record_without_claim_touches_no_row() {
 async fn row_written_by_the_work_fails_the_record() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
-    let scope = scope();
-    let key = IdempotencyKey::generate();
-    let fp = fingerprint(&scope);
+    let (scope, key, fp) = fresh_key();
     let req = request(&scope, &key, &fp, 1_000, 9, None);
     let (mut tx, claim) = store.begin_claim(&req, Duration::ZERO).await.expect("claim");
     assert_eq!(claim, TxClaim::Claimed);
@@ -495,8 +492,7 @@ async fn a_transaction_begun_in_the_callers_work_nests_in_the_claim() {
     let db = TempDb::new("rows");
     let store = one_connection(&db).await;
     for inner_commits in [false, true] {
-        let (scope, key) = (scope(), IdempotencyKey::generate());
-        let fp = fingerprint(&scope);
+        let (scope, key, fp) = fresh_key();
         let req = request(&scope, &key, &fp, 1_000, 3, None);
         let [a, b, c] = [(); 3].map(|()| uuid::Uuid::new_v4().to_string());
         let mut tx = claimed_with_a_write(&store, &req, &a).await;
@@ -532,8 +528,7 @@ async fn a_nested_level_left_open_or_rolled_back_under_the_claim_commits_nothing
     let store = one_connection(&db).await;
     for how in ["left open", "cut off"] {
         for end in ["record", "rollback", "drop"] {
-            let (scope, key) = (scope(), IdempotencyKey::generate());
-            let fp = fingerprint(&scope);
+            let (scope, key, fp) = fresh_key();
             let req = request(&scope, &key, &fp, 1_000, 3, None);
             let effect = uuid::Uuid::new_v4().to_string();
             let mut tx = claimed_with_a_write(&store, &req, &effect).await;

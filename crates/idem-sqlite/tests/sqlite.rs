@@ -272,28 +272,27 @@ async fn unopenable_file_is_unavailable() {
     assert_kind(SqliteStore::open(&path).await, StoreErrorKind::Unavailable);
 }
 
+/// The value of the pragma `name` on a connection of `pool`.
+async fn pragma<T>(pool: &sqlx::SqlitePool, name: &str) -> T
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite> + Send + Unpin,
+{
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("PRAGMA {name}")))
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("PRAGMA {name}: {e}"))
+}
+
 /// `open` configures WAL, `synchronous = FULL`, a 5 s busy timeout and foreign keys, and the busy timeout is configurable.
 #[tokio::test]
 async fn open_configures_the_connections() {
     let db = TempDb::new("test");
     let store = SqliteStore::open(&db.path).await.expect("open");
     let pool = store.pool();
-    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
-        .fetch_one(pool)
-        .await
-        .expect("journal");
-    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
-        .fetch_one(pool)
-        .await
-        .expect("synchronous");
-    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(pool)
-        .await
-        .expect("busy timeout");
-    let fks: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
-        .fetch_one(pool)
-        .await
-        .expect("foreign keys");
+    let journal: String = pragma(pool, "journal_mode").await;
+    let synchronous: i64 = pragma(pool, "synchronous").await;
+    let busy: i64 = pragma(pool, "busy_timeout").await;
+    let fks: i64 = pragma(pool, "foreign_keys").await;
     assert_eq!(journal, "wal");
     assert_eq!(synchronous, 2, "synchronous = FULL");
     assert_eq!(busy, 5_000);
@@ -307,14 +306,8 @@ async fn open_configures_the_connections() {
     )
     .await
     .expect("open with options");
-    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(tuned.pool())
-        .await
-        .expect("busy timeout");
-    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
-        .fetch_one(tuned.pool())
-        .await
-        .expect("synchronous");
+    let busy: i64 = pragma(tuned.pool(), "busy_timeout").await;
+    let synchronous: i64 = pragma(tuned.pool(), "synchronous").await;
     assert_eq!((busy, synchronous), (250, 1));
 }
 
@@ -366,20 +359,19 @@ async fn migrate_is_versioned_and_safe_concurrently() {
 async fn schema_refuses_malformed_rows() {
     let db = TempDb::new("test");
     let store = migrated(&db.path).await;
-    let insert =
-        "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
-        VALUES ('t', 'o', 'k', ?1, ?2, 1, 0, 10)";
-    let short = sqlx::query(insert)
-        .bind(vec![0u8; 31])
-        .bind(1i64)
+    // A row with a fingerprint of `fingerprint_len` bytes and `status`.
+    let insert = |fingerprint_len: usize, status: i64| {
+        sqlx::query(
+            "INSERT INTO idem_keys (tenant, operation, idem_key, fingerprint, status, token, created_at_ms, expires_at_ms)
+            VALUES ('t', 'o', 'k', ?1, ?2, 1, 0, 10)",
+        )
+        .bind(vec![0u8; fingerprint_len])
+        .bind(status)
         .execute(store.pool())
-        .await;
+    };
+    let short = insert(31, 1).await;
     assert!(short.is_err(), "a 31-byte fingerprint is refused");
-    let unknown = sqlx::query(insert)
-        .bind(vec![0u8; 32])
-        .bind(5i64)
-        .execute(store.pool())
-        .await;
+    let unknown = insert(32, 5).await;
     assert!(unknown.is_err(), "status 5 is refused");
     let mapped = store_error(unknown.unwrap_err());
     assert_eq!(mapped.store_kind(), Some(StoreErrorKind::Other));
@@ -576,9 +568,6 @@ async fn busy_timeout_beyond_sqlites_limit_is_refused() {
     )
     .await
     .expect("the longest busy timeout SQLite takes");
-    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(store.pool())
-        .await
-        .expect("busy timeout");
+    let busy: i64 = pragma(store.pool(), "busy_timeout").await;
     assert_eq!(busy, i64::from(i32::MAX));
 }

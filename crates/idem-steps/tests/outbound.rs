@@ -58,8 +58,28 @@ fn call(key: &str) -> Call {
     Call::new(scope, IdempotencyKey::new(key).unwrap(), fingerprint)
 }
 
-async fn vendor(options: fake_vendor::Options) -> (String, Arc<fake_vendor::Vendor>) {
-    fake_vendor::start(options, None).await.unwrap()
+/// An engine in memory, a fake vendor started with `options`, and a payout
+/// to it through a client whose keys live for `horizon`.
+async fn setup(
+    options: fake_vendor::Options,
+    horizon: KeyHorizon,
+) -> (
+    StepsEngine<MemoryStore, MemoryMultiSteps>,
+    Payout,
+    Arc<fake_vendor::Vendor>,
+) {
+    let (base, vendor) = fake_vendor::start(options, None).await.unwrap();
+    let engine = StepsEngine::new(MemoryStore::new(), MemoryMultiSteps::new());
+    let op = Payout {
+        client: client(horizon),
+        base,
+    };
+    (engine, op, vendor)
+}
+
+/// A vendor that remembers keys for an hour, trusted for 59 minutes.
+fn an_hour() -> KeyHorizon {
+    KeyHorizon::new(Duration::from_secs(3600), Duration::from_secs(60))
 }
 
 fn dropping() -> fake_vendor::Faults {
@@ -72,12 +92,7 @@ fn dropping() -> fake_vendor::Faults {
 /// A dropped answer is sent again by the next run with the step's key; the vendor answers its record, and pays once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_answer_pays_once() {
-    let (base, vendor) = vendor(fake_vendor::Options::default()).await;
-    let engine = StepsEngine::new(MemoryStore::new(), MemoryMultiSteps::new());
-    let op = Payout {
-        client: client(KeyHorizon::new(Duration::from_secs(3600), Duration::from_secs(60))),
-        base,
-    };
+    let (engine, op, vendor) = setup(fake_vendor::Options::default(), an_hour()).await;
     vendor.set_faults(dropping()).await;
     let first = engine.execute(&op, &call("w-1"), &500).await.unwrap();
     assert_eq!(first, Finished::InFlight, "every answer was lost: the step waits");
@@ -102,12 +117,7 @@ async fn a_lost_answer_pays_once() {
 /// A final refusal is the step's declared failure: the operation is compensated, and replays so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_is_declared() {
-    let (base, vendor) = vendor(fake_vendor::Options::default()).await;
-    let engine = StepsEngine::new(MemoryStore::new(), MemoryMultiSteps::new());
-    let op = Payout {
-        client: client(KeyHorizon::new(Duration::from_secs(3600), Duration::from_secs(60))),
-        base,
-    };
+    let (engine, op, vendor) = setup(fake_vendor::Options::default(), an_hour()).await;
     // A negative amount: the vendor refuses it with a 400.
     let done = engine.execute(&op, &call("w-2"), &-5).await.unwrap();
     assert_eq!(
@@ -125,16 +135,11 @@ async fn a_refusal_is_declared() {
 /// A vendor without keys: after a lost answer the step is never sent again blindly; with no way to ask, it is held, and the vendor paid once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vendor_without_keys_is_never_paid_twice() {
-    let (base, vendor) = vendor(fake_vendor::Options {
+    let without_keys = fake_vendor::Options {
         idempotency: false,
         ..fake_vendor::Options::default()
-    })
-    .await;
-    let engine = StepsEngine::new(MemoryStore::new(), MemoryMultiSteps::new());
-    let op = Payout {
-        client: client(KeyHorizon::NONE),
-        base,
     };
+    let (engine, op, vendor) = setup(without_keys, KeyHorizon::NONE).await;
     vendor.set_faults(dropping()).await;
     let first = engine.execute(&op, &call("w-3"), &700).await.unwrap();
     vendor.set_faults(fake_vendor::Faults::default()).await;

@@ -135,9 +135,10 @@ impl<B: TxBackend> WebhookInbox<B> {
         T: Serialize + DeserializeOwned,
         E: From<idem_core::Error> + Contention,
     {
-        self.inbox
-            .process_in(&verified.tenant, &self.handler, &verified.event_id, verified.body, work)
-            .await
+        let call = self
+            .inbox
+            .call_in(&verified.tenant, &self.handler, &verified.event_id, verified.body)?;
+        self.inbox.process_call(&call, work).await
     }
 
     /// Verifies for `tenant`, then applies once per (tenant, `webhook-id`).

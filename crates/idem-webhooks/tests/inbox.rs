@@ -2,7 +2,7 @@
 //! runs the same piece on PostgreSQL, MariaDB and SQLite).
 
 use http::{HeaderMap, HeaderValue};
-use idem_core::{Error, StoreErrorKind, TableName, Tenant, TxEngine};
+use idem_core::{BoxFuture, Error, StoreErrorKind, TableName, Tenant, TxEngine};
 use idem_inbox::Inbox;
 use idem_webhooks::{ReceiveError, Verifier, WebhookError, WebhookInbox, sign};
 
@@ -57,17 +57,22 @@ async fn receive_for(
     h: &HeaderMap,
     body: &[u8],
 ) -> Result<bool, ReceiveError<Error>> {
-    w.receive(tenant, h, body, NOW, |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (id) VALUES ('x')")
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
-            Ok::<_, Error>(())
-        })
+    w.receive(tenant, h, body, NOW, |tx| insert_effect(tx, "x"))
+        .await
+        .map(|d| d.is_applied())
+}
+
+/// The webhook's effect: one row `id` in `effects`, in the delivery's
+/// transaction.
+fn insert_effect<'c>(tx: &'c mut idem_sqlite::SqliteTx, id: &'static str) -> BoxFuture<'c, Result<(), Error>> {
+    Box::pin(async move {
+        sqlx::query("INSERT INTO effects (id) VALUES (?1)")
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
+        Ok(())
     })
-    .await
-    .map(|d| d.is_applied())
 }
 
 async fn effects(pool: &sqlx::SqlitePool) -> i64 {
@@ -161,15 +166,7 @@ async fn the_verified_body_and_event_id_are_what_is_applied() {
             assert_eq!(verified.webhook_id(), id);
             let event = verified.event_id().to_owned();
             let r = w
-                .apply(&verified, |tx| {
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (id) VALUES ('y')")
-                            .execute(&mut **tx)
-                            .await
-                            .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
-                        Ok::<_, Error>(())
-                    })
-                })
+                .apply(&verified, |tx| insert_effect(tx, "y"))
                 .await
                 .map(|d| d.is_applied());
             (event, r)

@@ -6,7 +6,7 @@
 
 use utoipa::ToSchema;
 use utoipa::openapi::link::LinkBuilder;
-use utoipa::openapi::path::{HttpMethod, Operation, OperationBuilder, ParameterBuilder, ParameterIn, PathItem};
+use utoipa::openapi::path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathItem};
 use utoipa::openapi::request_body::RequestBodyBuilder;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::{
@@ -68,18 +68,26 @@ fn idempotency_key(required: bool) -> utoipa::openapi::path::Parameter {
         .build()
 }
 
-/// A mutating operation behind the idempotency layer.
-fn mutation(id: &str, summary: &str, body: &str, key_required: bool, created: Response) -> OperationBuilder {
+/// An operation that reads a required JSON body of `schema`: 413 when the
+/// body is too large, 415 when it is not sent as JSON.
+fn json_post(id: &str, summary: &str, schema: &str) -> OperationBuilder {
     OperationBuilder::new()
         .operation_id(Some(id))
         .summary(Some(summary))
-        .parameter(idempotency_key(key_required))
         .request_body(Some(
             RequestBodyBuilder::new()
-                .content("application/json", json(body))
+                .content("application/json", json(schema))
                 .required(Some(Required::True))
                 .build(),
         ))
+        .response("413", problem("Body over 64 KiB"))
+        .response("415", problem("The body is not sent as application/json"))
+}
+
+/// A mutating operation behind the idempotency layer.
+fn mutation(id: &str, summary: &str, body: &str, key_required: bool, created: Response) -> OperationBuilder {
+    json_post(id, summary, body)
+        .parameter(idempotency_key(key_required))
         .response("201", created)
         .response(
             "400",
@@ -90,8 +98,6 @@ fn mutation(id: &str, summary: &str, body: &str, key_required: bool, created: Re
             "409",
             problem("A request with this Idempotency-Key is still in flight; retry after Retry-After"),
         )
-        .response("413", problem("Body over 64 KiB"))
-        .response("415", problem("The body is not sent as application/json"))
         .response(
             "422",
             problem("The Idempotency-Key was used for a different request, or the request is refused"),
@@ -102,6 +108,12 @@ fn mutation(id: &str, summary: &str, body: &str, key_required: bool, created: Re
         )
 }
 
+/// A keyed mutation of money on the caller's accounts: 404 when one of
+/// them does not exist.
+fn money_mutation(id: &str, summary: &str, body: &str, created: Response) -> OperationBuilder {
+    mutation(id, summary, body, true, created).response("404", problem("No such account"))
+}
+
 fn read(id: &str, summary: &str, body: &str) -> OperationBuilder {
     OperationBuilder::new()
         .operation_id(Some(id))
@@ -109,6 +121,14 @@ fn read(id: &str, summary: &str, body: &str) -> OperationBuilder {
         .response("200", ok("Found", body).build())
         .response("401", problem("No valid bearer token"))
         .response("503", problem("The database is unavailable"))
+}
+
+/// A read of one of the caller's resources by its path's `{id}`: 404
+/// (`missing`) when the caller has none.
+fn read_by_id(id: &str, summary: &str, body: &str, missing: &str) -> OperationBuilder {
+    read(id, summary, body)
+        .parameter(path_id())
+        .response("404", problem(missing))
 }
 
 /// A Standard Webhooks header, or its Svix name: either family is
@@ -155,8 +175,14 @@ pub const WEBHOOK_HEADERS: [(&str, &str, &str, &str, usize); 3] = [
     ),
 ];
 
-fn item(method: HttpMethod, operation: Operation) -> PathItem {
-    PathItem::new(method, operation)
+/// A path served by `POST` alone.
+fn post(operation: OperationBuilder) -> PathItem {
+    PathItem::new(HttpMethod::Post, operation.build())
+}
+
+/// A path served by `GET` alone.
+fn get(operation: OperationBuilder) -> PathItem {
+    PathItem::new(HttpMethod::Get, operation.build())
 }
 
 /// The `{id}` of a resource's path.
@@ -183,172 +209,130 @@ pub fn document() -> OpenApi {
     let paths = PathsBuilder::new()
         .path(
             "/v1/accounts",
-            item(
-                HttpMethod::Post,
-                mutation(
-                    "createAccount",
-                    "Opens an account (the key is optional)",
-                    "NewAccount",
-                    false,
-                    ok("Created", "Account")
-                        .link("GetAccount", created_link("getAccount"))
-                        .build(),
-                )
-                .build(),
-            ),
+            post(mutation(
+                "createAccount",
+                "Opens an account (the key is optional)",
+                "NewAccount",
+                false,
+                ok("Created", "Account")
+                    .link("GetAccount", created_link("getAccount"))
+                    .build(),
+            )),
         )
         .path(
             "/v1/accounts/{id}",
-            item(
-                HttpMethod::Get,
-                read("getAccount", "An account and its balance", "Account")
-                    .parameter(path_id())
-                    .response("404", problem("No such account for this tenant"))
-                    .build(),
-            ),
+            get(read_by_id(
+                "getAccount",
+                "An account and its balance",
+                "Account",
+                "No such account for this tenant",
+            )),
         )
         .path(
             "/v1/accounts/{id}/statement",
-            item(
-                HttpMethod::Get,
-                read(
-                    "getStatement",
-                    "The account's statement, from the projection of the ledger's events",
-                    "Statement",
-                )
-                .parameter(path_id())
-                .response("404", problem("No such account for this tenant"))
-                .build(),
-            ),
+            get(read_by_id(
+                "getStatement",
+                "The account's statement, from the projection of the ledger's events",
+                "Statement",
+                "No such account for this tenant",
+            )),
         )
         .path(
             "/v1/webhooks/payments",
-            item(
-                HttpMethod::Post,
-                OperationBuilder::new()
-                    .operation_id(Some("receivePaymentWebhook"))
-                    .parameters(Some(WEBHOOK_HEADERS.iter().flat_map(
-                        |(name, svix, what, pattern, max)| {
-                            [
-                                webhook_header(
-                                    name,
-                                    &format!("{what}; required unless `{svix}` is sent"),
-                                    pattern,
-                                    *max,
-                                ),
-                                webhook_header(svix, &format!("Svix's name for `{name}`"), pattern, *max),
-                            ]
-                        },
-                    )))
-                    .summary(Some(
-                        "A provider-initiated top-up, signed per Standard Webhooks and applied once per event_id",
-                    ))
-                    .request_body(Some(
-                        RequestBodyBuilder::new()
-                            .content("application/json", json("PaymentWebhook"))
-                            .required(Some(Required::True))
-                            .build(),
-                    ))
-                    .response(
-                        "200",
-                        ok(
-                            "Applied now, or before (then with Idempotent-Replayed: true)",
-                            "WebhookDone",
-                        )
-                        .build(),
-                    )
-                    .response(
-                        "400",
-                        problem("Malformed headers or body, or a timestamp out of tolerance"),
-                    )
-                    .response("401", problem("No valid bearer token, or no signature matches"))
-                    .response("404", problem("No such account"))
-                    .response("409", problem("A delivery of this event is being applied"))
-                    .response("413", problem("Body over 64 KiB"))
-                    .response("415", problem("The body is not sent as application/json"))
-                    .response(
-                        "422",
-                        problem("The event id was applied with another body, or the balance limit"),
-                    )
-                    .response(
-                        "503",
-                        problem("Webhooks are not configured, or the database is unavailable"),
+            post(
+                json_post(
+                    "receivePaymentWebhook",
+                    "A provider-initiated top-up, signed per Standard Webhooks and applied once per event_id",
+                    "PaymentWebhook",
+                )
+                .parameters(Some(WEBHOOK_HEADERS.iter().flat_map(
+                    |(name, svix, what, pattern, max)| {
+                        [
+                            webhook_header(
+                                name,
+                                &format!("{what}; required unless `{svix}` is sent"),
+                                pattern,
+                                *max,
+                            ),
+                            webhook_header(svix, &format!("Svix's name for `{name}`"), pattern, *max),
+                        ]
+                    },
+                )))
+                .response(
+                    "200",
+                    ok(
+                        "Applied now, or before (then with Idempotent-Replayed: true)",
+                        "WebhookDone",
                     )
                     .build(),
+                )
+                .response(
+                    "400",
+                    problem("Malformed headers or body, or a timestamp out of tolerance"),
+                )
+                .response("401", problem("No valid bearer token, or no signature matches"))
+                .response("404", problem("No such account"))
+                .response("409", problem("A delivery of this event is being applied"))
+                .response(
+                    "422",
+                    problem("The event id was applied with another body, or the balance limit"),
+                )
+                .response(
+                    "503",
+                    problem("Webhooks are not configured, or the database is unavailable"),
+                ),
             ),
         )
         .path(
             "/v1/top-ups",
-            item(
-                HttpMethod::Post,
-                mutation(
-                    "createTopUp",
-                    "Credits an account",
-                    "NewTopUp",
-                    true,
-                    ok("Created", "TopUpDone").build(),
-                )
-                .response("404", problem("No such account"))
-                .build(),
-            ),
+            post(money_mutation(
+                "createTopUp",
+                "Credits an account",
+                "NewTopUp",
+                ok("Created", "TopUpDone").build(),
+            )),
         )
         .path(
             "/v1/transfers",
-            item(
-                HttpMethod::Post,
-                mutation(
-                    "createTransfer",
-                    "Moves an amount between two accounts",
-                    "NewTransfer",
-                    true,
-                    ok("Created", "TransferDone").build(),
-                )
-                .response("404", problem("No such account"))
-                .build(),
-            ),
+            post(money_mutation(
+                "createTransfer",
+                "Moves an amount between two accounts",
+                "NewTransfer",
+                ok("Created", "TransferDone").build(),
+            )),
         )
         .path(
             "/v1/payouts",
-            item(
-                HttpMethod::Post,
-                mutation(
-                    "createPayout",
-                    "Debits an account now and pays the amount out at the vendor (the key is required)",
-                    "NewPayout",
-                    true,
-                    ok("Created: debited, to be paid by the payout worker", "PayoutRequested")
-                        .link("GetPayout", created_link("getPayout"))
-                        .build(),
-                )
-                .response("404", problem("No such account"))
-                .build(),
-            ),
+            post(money_mutation(
+                "createPayout",
+                "Debits an account now and pays the amount out at the vendor (the key is required)",
+                "NewPayout",
+                ok("Created: debited, to be paid by the payout worker", "PayoutRequested")
+                    .link("GetPayout", created_link("getPayout"))
+                    .build(),
+            )),
         )
         .path(
             "/v1/payouts/{id}",
-            item(
-                HttpMethod::Get,
-                read("getPayout", "A payout: requested, paid, or dead-lettered", "Payout")
-                    .parameter(path_id())
-                    .response("404", problem("No such payout for this tenant"))
-                    .build(),
-            ),
+            get(read_by_id(
+                "getPayout",
+                "A payout: requested, paid, or dead-lettered",
+                "Payout",
+                "No such payout for this tenant",
+            )),
         )
         .path(
             "/v1/withdrawals",
-            item(
-                HttpMethod::Post,
-                mutation(
+            post(
+                money_mutation(
                     "createWithdrawal",
                     "Debits an account, quotes the amount at the FX vendor and pays it out at the payout vendor, \
                      each once (the key is required)",
                     "NewWithdrawal",
-                    true,
                     ok("Created: debited, quoted and paid out", "Withdrawn")
                         .link("GetWithdrawal", created_link("getWithdrawal"))
                         .build(),
                 )
-                .response("404", problem("No such account"))
                 .response(
                     "409",
                     problem(
@@ -371,35 +355,25 @@ pub fn document() -> OpenApi {
                 .response(
                     "503",
                     problem("No vendors are configured, or the store is unavailable; retry with the same key"),
-                )
-                .build(),
+                ),
             ),
         )
         .path(
             "/v1/withdrawals/{id}",
-            item(
-                HttpMethod::Get,
-                read(
-                    "getWithdrawal",
-                    "A withdrawal: pending, paid, or declined with its amount credited back",
-                    "Withdrawal",
-                )
-                .parameter(path_id())
-                .response("404", problem("No such withdrawal for this tenant"))
-                .build(),
-            ),
+            get(read_by_id(
+                "getWithdrawal",
+                "A withdrawal: pending, paid, or declined with its amount credited back",
+                "Withdrawal",
+                "No such withdrawal for this tenant",
+            )),
         )
         .path(
             "/v1/audit",
-            item(
-                HttpMethod::Get,
-                read(
-                    "getAudit",
-                    "Conservation figures computed from the stored rows",
-                    "Audit",
-                )
-                .build(),
-            ),
+            get(read(
+                "getAudit",
+                "Conservation figures computed from the stored rows",
+                "Audit",
+            )),
         )
         .build();
     let components = ComponentsBuilder::new()

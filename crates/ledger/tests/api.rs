@@ -49,12 +49,8 @@ async fn accounts(engine: Engine, transport: Transport) {
     let got = l.get(&format!("/v1/accounts/{id}"), &alice).await;
     assert_eq!(got.status, 200);
     assert_eq!(got.json(), body);
-    l.get(&format!("/v1/accounts/{id}"), &mallory)
-        .await
-        .assert_problem(404, "account-not-found");
-    l.get("/v1/accounts/not-an-id", &alice)
-        .await
-        .assert_problem(404, "account-not-found");
+    l.assert_not_found("/v1/accounts", id, &alice, &mallory, "account-not-found")
+        .await;
     l.send("GET", &format!("/v1/accounts/{id}"), None, None, None)
         .await
         .assert_problem(401, "unauthorized");

@@ -249,7 +249,8 @@ async fn the_snapshot_job_runs_once_per_run_id(engine: Engine) {
 }
 
 /// The namespace's streams, created as the ledger creates them, with the
-/// projection's durable consumer made beforehand with `consumer`.
+/// projection's durable consumer (acknowledged explicitly, as the
+/// projection's is) made beforehand with the rest of `consumer`.
 async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Config) -> async_nats::jetstream::Context {
     use async_nats::jetstream::stream;
     let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
@@ -266,6 +267,7 @@ async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Conf
     events
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
             durable_name: Some(format!("{ns}-statements")),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
             ..consumer
         })
         .await
@@ -288,7 +290,6 @@ async fn a_refused_projection_setting_does_not_stop_the_relays() {
     let js = prepare(
         &ns,
         async_nats::jetstream::consumer::pull::Config {
-            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
             max_deliver: 3,
             ..Default::default()
         },
@@ -337,7 +338,6 @@ async fn the_projection_ack_wait_is_updated_on_an_existing_consumer() {
     let js = prepare(
         &ns,
         async_nats::jetstream::consumer::pull::Config {
-            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
             ack_wait: Duration::from_secs(30),
             max_deliver: -1,
             ..Default::default()

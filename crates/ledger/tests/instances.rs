@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Engine, Instance, database_url, key, remove_sqlite_files, token};
+use common::{Engine, Instance, database_url, key, remove_database_files, token};
 
 struct Answer {
     status: u16,
@@ -127,9 +127,7 @@ async fn two_instances_one_effect(engine: Engine) {
         );
     }
     drop(instances);
-    if engine == Engine::Sqlite {
-        remove_sqlite_files(&url);
-    }
+    remove_database_files(engine, &url);
 }
 
 idem_conformance::cases!(two_instances_one_effect, 4 => {

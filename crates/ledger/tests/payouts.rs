@@ -31,21 +31,12 @@ async fn payout_id(l: &Ledger, t: &str, account: &str, amount: i64) -> String {
         .to_owned()
 }
 
-/// A new tenant's account "a", topped up with `amount`: the tenant's token
-/// and the account.
-async fn funded(l: &Ledger, amount: i64) -> (String, String) {
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, amount).await.status, 201);
-    (t, a)
-}
-
 /// The fake vendor, a ledger on `engine` (see [`start`]) and a new
 /// tenant's account "a" topped up with `amount`.
 async fn vendor_and_funded(engine: Engine, amount: i64) -> (FakeVendor, Ledger, String, String) {
     let vendor = FakeVendor::start().await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, amount).await;
+    let (t, a) = l.funded(amount).await;
     (vendor, l, t, a)
 }
 
@@ -70,7 +61,7 @@ fn payout_scope(t: &str) -> idem_core::Scope {
 
 async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
     let l = Ledger::start(engine, transport).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     let k = key();
     let first = l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 300)).await;
     assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
@@ -89,12 +80,8 @@ async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
     assert_eq!(got.json()["amount"], 300);
     assert_eq!(got.json()["account_id"], a.as_str());
     // Another tenant sees nothing.
-    l.get(&format!("/v1/payouts/{id}"), &token())
-        .await
-        .assert_problem(404, "payout-not-found");
-    l.get("/v1/payouts/not-an-id", &t)
-        .await
-        .assert_problem(404, "payout-not-found");
+    l.assert_not_found("/v1/payouts", &id, &t, &token(), "payout-not-found")
+        .await;
     let audit = l.audit(&t).await;
     assert_eq!(audit["payouts_total"], 300);
     assert_eq!(audit["balances_total"], 700);
@@ -104,7 +91,7 @@ async fn a_payout_debits_at_once(engine: Engine, transport: Transport) {
 
 async fn refused_payouts_write_nothing(engine: Engine, transport: Transport) {
     let l = Ledger::start(engine, transport).await;
-    let (t, a) = funded(&l, 100).await;
+    let (t, a) = l.funded(100).await;
     let k = key();
     l.post("/v1/payouts", &t, Some(&k), &payout_body(&a, 101))
         .await
@@ -429,7 +416,7 @@ async fn many_workers_pay_each_payout_once(engine: Engine) {
         })
         .await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000_000).await;
+    let (t, a) = l.funded(1_000_000).await;
     let mut ids = Vec::new();
     for i in 0..40 {
         let r = l.payout(&t, &a, 100 + i).await;
@@ -495,7 +482,7 @@ async fn a_redriven_payout_behind_a_hundred_dead_ones_is_reconciled(engine: Engi
     let vendor = FakeVendor::start().await;
     vendor.fault(|f| f.error_500 = 1.0).await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000_000).await;
+    let (t, a) = l.funded(1_000_000).await;
     for _ in 0..100 {
         assert_eq!(l.payout(&t, &a, 10).await.status, 201);
     }
@@ -580,7 +567,7 @@ fn promised(request: &serde_json::Value, id: &str) -> String {
 async fn a_vendor_id_with_a_nul_does_not_keep_a_payout_requested(engine: Engine) {
     let url = vendor_answering(|r, _| (201, promised(r, "po_\u{0}x"))).await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     let p = payout_id(&l, &t, &a, 10).await;
     let config = config_at(&url);
     let report = pass_with(&l, fast_client(), config).await;
@@ -625,7 +612,7 @@ async fn vendor_holding_999() -> (String, Arc<tokio::sync::Notify>, Arc<tokio::s
 async fn a_slow_vendor_call_holds_only_its_own_slot(engine: Engine) {
     let (url, arrived, release) = vendor_holding_999().await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 100_000).await;
+    let (t, a) = l.funded(100_000).await;
     let slow = payout_id(&l, &t, &a, 999).await;
     let mut config = config_at(&url);
     config.concurrency = 2;
@@ -707,7 +694,7 @@ async fn vendor_and_funded_on_clock(
     let vendor = FakeVendor::start_with(options).await;
     let clock = idem_core::ManualClock::starting_now();
     let l = start_on(engine, &clock).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     (vendor, clock, l, t, a)
 }
 
@@ -1021,7 +1008,7 @@ async fn a_long_retry_after_defers_the_payout(engine: Engine) {
 async fn an_answer_without_what_the_vendor_promises_is_not_paid(engine: Engine) {
     let url = vendor_answering(|_, _| (200, "ok".to_owned())).await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     let p = payout_id(&l, &t, &a, 10).await;
     let report = pass_with(&l, fast_client(), config_at(&url)).await;
     assert_eq!((report.paid, report.unknown), (0, 1), "{report:?}");
@@ -1157,7 +1144,7 @@ async fn a_dead_lettered_payout_has_a_way_out(engine: Engine) {
 async fn a_redrive_answered_by_a_2xx_that_is_not_the_payout_keeps_a_way_out(engine: Engine) {
     let wrong = vendor_answering(|_, _| (200, r#"{"error":"no such route"}"#.to_owned())).await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     let p = payout_id(&l, &t, &a, 300).await;
     let nowhere = nowhere_url();
     let report = pass_with(&l, unguarded_client(), config_at(&nowhere)).await;
@@ -1203,7 +1190,7 @@ async fn a_large_vendor_answer_keeps_its_id(engine: Engine) {
     })
     .await;
     let l = start(engine).await;
-    let (t, a) = funded(&l, 1_000).await;
+    let (t, a) = l.funded(1_000).await;
     let p = payout_id(&l, &t, &a, 10).await;
     let once = idem_outbound::OutboundClient::new(idem_outbound::OutboundConfig {
         retry_delays: vec![],

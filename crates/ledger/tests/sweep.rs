@@ -197,9 +197,7 @@ async fn the_server_sweeps_every_keyed_table(engine: Engine) {
         ledger::Store::Sqlite(db) => wait_swept(db, &tag).await,
     }
     drop(ledger);
-    if engine == Engine::Sqlite {
-        remove_sqlite_files(&url);
-    }
+    remove_database_files(engine, &url);
 }
 
 idem_conformance::cases!(the_server_sweeps_every_keyed_table, 4 => {

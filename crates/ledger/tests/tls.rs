@@ -53,9 +53,7 @@ async fn a_payout_is_paid_at_an_https_vendor() {
     let pki = TestPki::new("ledger-vendor");
     let (url, vendor) = https_vendor(&pki).await;
     let l = Ledger::start(Engine::Sqlite, Transport::InProcess).await;
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, 100).await.status, 201);
+    let (t, a) = l.funded(100).await;
     let config = PayoutConfig::new(&url, ledger::events::Namespace::default());
 
     let untrusted = l.payout(&t, &a, 10).await;

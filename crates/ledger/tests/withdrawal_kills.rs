@@ -159,6 +159,13 @@ impl Client {
     }
 }
 
+/// What the fake vendor at `vendor_url` answers at `path` (its own record
+/// of the quotes it booked and the payouts it paid).
+async fn vendor_json(vendor_url: &str, path: &str) -> serde_json::Value {
+    let r = idem_tls::test_pki::get(format!("{vendor_url}{path}")).await.unwrap();
+    r.json().await.unwrap()
+}
+
 /// Where the process is killed.
 #[derive(Debug, Clone, Copy)]
 enum Kill {
@@ -341,18 +348,8 @@ async fn killed(engine: Engine, kill: Kill, destination: &str, resume: Resume) {
     if resume == Resume::Completer {
         assert!(replayed, "the completer finished it; the client reads its outcome");
     }
-    let quotes: serde_json::Value = idem_tls::test_pki::get(format!("{vendor_url}/v1/quotes/ledger"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let paid: serde_json::Value = idem_tls::test_pki::get(format!("{vendor_url}/v1/ledger"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let quotes = vendor_json(&vendor_url, "/v1/quotes/ledger").await;
+    let paid = vendor_json(&vendor_url, "/v1/ledger").await;
     assert_eq!(quotes["quotes"], 1, "one quote booked: {quotes}");
     let id = quotes["references"][0].as_str().unwrap().to_owned();
     let audit = client.get(&second.base, "/v1/audit").await;
@@ -438,14 +435,8 @@ async fn without_recovery_points_a_kill_doubles_the_debit_and_the_quote(engine: 
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let count = |path: &'static str, field: &'static str| {
-        let url = format!("{vendor_url}{path}");
-        async move {
-            let v: serde_json::Value = idem_tls::test_pki::get(url).await.unwrap().json().await.unwrap();
-            v[field].as_u64()
-        }
-    };
-    assert_eq!(count("/v1/quotes/ledger", "quotes").await, Some(2), "quoted twice");
+    let quotes = vendor_json(&vendor_url, "/v1/quotes/ledger").await;
+    assert_eq!(quotes["quotes"].as_u64(), Some(2), "quoted twice");
     let audit = client.get(&second.base, "/v1/audit").await;
     // The top-up and two debits (and a credit-back of the second).
     assert!(audit["journal_rows"].as_i64() >= Some(3), "debited twice: {audit}");

@@ -43,12 +43,14 @@ async fn start(engine: Engine, transport: Transport, vendor: &FakeVendor) -> Led
     Ledger::start_with(&url, transport, Arc::new(idem_core::SystemClock), options).await
 }
 
-/// A new tenant's account, topped up with `amount`: the token and account.
-async fn funded(l: &Ledger, amount: i64) -> (String, String) {
-    let t = token();
-    let a = l.account(&t, "a").await;
-    assert_eq!(l.top_up(&t, &a, amount).await.status, 201);
-    (t, a)
+/// A fake vendor, a ledger withdrawing through it (see [`start`]), and a
+/// new tenant's account there topped up with `amount`: the vendor, the
+/// ledger, the token and the account.
+async fn funded(engine: Engine, transport: Transport, amount: i64) -> (FakeVendor, Ledger, String, String) {
+    let vendor = FakeVendor::start().await;
+    let l = start(engine, transport, &vendor).await;
+    let (t, a) = l.funded(amount).await;
+    (vendor, l, t, a)
 }
 
 fn body(account: &str, amount: i64, destination: &str) -> String {
@@ -115,9 +117,7 @@ async fn assert_books(l: &Ledger, t: &str, withdrawn: i64, journal_rows: i64) {
 
 /// A withdrawal pays once at each vendor, answers 201, and its retry replays the same bytes.
 async fn a_withdrawal_crosses_two_vendors_once(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::Socket, &vendor).await;
-    let (t, a) = funded(&l, 10_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::Socket, 10_000).await;
     let k = key();
     let first = withdraw(&l, &t, &k, &body(&a, 1_000, "acct-1")).await;
     assert_eq!(first.status, 201, "{}", String::from_utf8_lossy(&first.body));
@@ -160,21 +160,15 @@ async fn a_withdrawal_crosses_two_vendors_once(engine: Engine) {
         (got["amount"].as_i64(), got["amount_out"].as_i64()),
         (Some(1_000), Some(1_084))
     );
-    l.get(&format!("/v1/withdrawals/{id}"), &token())
-        .await
-        .assert_problem(404, "withdrawal-not-found");
-    l.get("/v1/withdrawals/not-an-id", &t)
-        .await
-        .assert_problem(404, "withdrawal-not-found");
+    l.assert_not_found("/v1/withdrawals", &id, &t, &token(), "withdrawal-not-found")
+        .await;
     assert_books(&l, &t, 1_000, 2).await;
     l.stop().await;
 }
 
 /// Bad input is refused before anything is written; short funds are 422 and leave the key unused.
 async fn refused_withdrawals_write_nothing(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::InProcess, &vendor).await;
-    let (t, a) = funded(&l, 100).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 100).await;
     let ok = |amount: &str, currency: &str, to: &str, destination: &str| {
         format!(
             r#"{{"account":"{a}","amount":{amount},"currency":"{currency}","payout_currency":"{to}","destination":"{destination}"}}"#
@@ -243,9 +237,7 @@ async fn refused_withdrawals_write_nothing(engine: Engine) {
 
 /// Answers lost at both vendors are recovered by the client's retries: the quote by asking the FX vendor, the payout by its key; each paid once.
 async fn a_retry_resumes_after_lost_answers(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::InProcess, &vendor).await;
-    let (t, a) = funded(&l, 10_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 10_000).await;
     // Every answer to a new quote or payment is lost after the vendor
     // applied it.
     vendor.fault(|f| f.apply_then_drop = 1.0).await;
@@ -286,9 +278,7 @@ async fn a_retry_resumes_after_lost_answers(engine: Engine) {
 
 /// A withdrawal whose client went away is finished by a completer; the client's retry then gets its answer, replayed.
 async fn a_completer_finishes_what_the_client_left(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::InProcess, &vendor).await;
-    let (t, a) = funded(&l, 10_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 10_000).await;
     vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let (k, b) = (key(), body(&a, 3_000, "acct-3"));
     withdraw(&l, &t, &k, &b)
@@ -317,9 +307,8 @@ async fn a_completer_finishes_what_the_client_left(engine: Engine) {
 /// Two completers and the clients' own retries race over stopped withdrawals: each is quoted once, paid once, debited once.
 async fn completers_and_retries_race_each_withdrawal_once(engine: Engine) {
     const N: usize = 5;
-    let vendor = FakeVendor::start().await;
-    let l = Arc::new(start(engine, Transport::InProcess, &vendor).await);
-    let (t, a) = funded(&l, 100_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 100_000).await;
+    let l = Arc::new(l);
     vendor.fault(|f| f.apply_then_drop = 1.0).await;
     let mut keys = Vec::new();
     for i in 0..N {
@@ -388,9 +377,8 @@ async fn completers_and_retries_race_each_withdrawal_once(engine: Engine) {
 /// Twins of a first request, all at once with one key: one debit, one quote, one payout, and every answer the first one or 409 in flight.
 async fn twins_of_a_first_request_withdraw_once(engine: Engine) {
     const TWINS: usize = 8;
-    let vendor = FakeVendor::start().await;
-    let l = Arc::new(start(engine, Transport::InProcess, &vendor).await);
-    let (t, a) = funded(&l, 100_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 100_000).await;
+    let l = Arc::new(l);
     // A slow vendor keeps the first run busy while its twins arrive.
     vendor.fault(|f| f.slow_ms = 300).await;
     let (k, b) = (key(), body(&a, 2_500, "acct-5"));
@@ -421,9 +409,7 @@ async fn twins_of_a_first_request_withdraw_once(engine: Engine) {
 
 /// A payout the vendor declines is compensated once: the quote released, the debit credited back, 422 replayed as it was.
 async fn a_declined_withdrawal_is_compensated_once(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::InProcess, &vendor).await;
-    let (t, a) = funded(&l, 10_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 10_000).await;
     let (k, b) = (key(), body(&a, 4_000, "closed-acct-9"));
     let first = withdraw(&l, &t, &k, &b).await;
     first.assert_problem(422, "withdrawal-declined");
@@ -491,9 +477,7 @@ async fn operator_says_applied<D: LedgerDb>(db: &D, t: &str, key: &str, step: &s
 
 /// A lost quote answer the FX vendor cannot be asked about is held, never booked again; an operator's verdict lets it finish once.
 async fn an_unknown_outcome_is_held_until_an_operator_says(engine: Engine) {
-    let vendor = FakeVendor::start().await;
-    let l = start(engine, Transport::InProcess, &vendor).await;
-    let (t, a) = funded(&l, 10_000).await;
+    let (vendor, l, t, a) = funded(engine, Transport::InProcess, 10_000).await;
     vendor
         .fault(|f| {
             f.apply_then_drop = 1.0;

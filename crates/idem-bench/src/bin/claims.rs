@@ -47,11 +47,12 @@ struct Args {
 async fn main() -> Result<(), BoxError> {
     let mut args = Args::parse();
     if args.strategies.is_empty() {
-        let all: &[&str] = match args.engine.as_str() {
-            "mysql" => &["placeholder", "named-lock"],
-            _ => &["insert-on-conflict", "advisory-lock", "one-write"],
+        args.strategies = match args.engine.as_str() {
+            "mysql" => engines::MYSQL_CLAIM_STRATEGIES
+                .map(|(name, _)| name.to_owned())
+                .to_vec(),
+            _ => engines::CLAIM_STRATEGIES.map(|(name, _)| name.to_owned()).to_vec(),
         };
-        args.strategies = all.iter().map(|s| (*s).to_owned()).collect();
     }
     let workloads = [args.workload.clone()];
     let mut rows: Vec<(String, Cost)> = Vec::new();

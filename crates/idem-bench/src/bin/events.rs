@@ -83,14 +83,18 @@ fn start_relays<S: OutboxStore>(
 
 macro_rules! engine_bench {
     ($name:ident, $store:ty, $outbox:ty, $pool:ty, $insert:literal, $create:literal) => {
+        /// Measures `store` (its inbox table and the outbox's on `pool`
+        /// named after `tag`) against `js`.
         async fn $name(
             args: &Args,
             store: $store,
-            outbox: $outbox,
             pool: $pool,
             js: &jetstream::Context,
             tag: &str,
         ) -> serde_json::Value {
+            let table = |prefix: &str| TableName::new(format!("{prefix}_{tag}")).unwrap();
+            let store = store.with_table(table("bench_inbox"));
+            let outbox = <$outbox>::with_table(pool.clone(), table("bench_outbox"));
             store.migrate().await.unwrap();
             outbox.migrate().await.unwrap();
             let effects = format!("bench_effects_{tag}");
@@ -300,6 +304,12 @@ engine_bench!(
     "CREATE TABLE {} (event_id TEXT NOT NULL)"
 );
 
+/// A pool of 24 connections on the server at `url` (`engine`, as a failure
+/// names it).
+async fn server_pool<DB: sqlx::Database>(url: &str, engine: &str) -> sqlx::Pool<DB> {
+    idem_bench::engines::pool(url, 24, engine).await.unwrap()
+}
+
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -311,34 +321,21 @@ async fn main() {
     for engine in &args.engines {
         let t = uuid::Uuid::now_v7().simple().to_string();
         let tag = &t[t.len() - 10..];
-        let table = |p: &str| TableName::new(format!("{p}_{tag}")).unwrap();
         println!("{engine}:");
         let figures = match engine.as_str() {
             "postgres" => {
-                let pool = idem_bench::engines::pool(&args.urls.postgres_url, 24, "postgres")
-                    .await
-                    .unwrap();
-                let store = idem_postgres::PgStore::new(pool.clone()).with_table(table("bench_inbox"));
-                let outbox = idem_postgres::PgOutbox::with_table(pool.clone(), table("bench_outbox"));
-                bench_postgres(&args, store, outbox, pool, &js, tag).await
+                let pool = server_pool(&args.urls.postgres_url, "postgres").await;
+                bench_postgres(&args, idem_postgres::PgStore::new(pool.clone()), pool, &js, tag).await
             }
             "mysql" => {
-                let pool = idem_bench::engines::pool(&args.urls.mysql_url, 24, "mysql")
-                    .await
-                    .unwrap();
-                let store = idem_mysql::MySqlStore::new(pool.clone()).with_table(table("bench_inbox"));
-                let outbox = idem_mysql::MySqlOutbox::with_table(pool.clone(), table("bench_outbox"));
-                bench_mysql(&args, store, outbox, pool, &js, tag).await
+                let pool = server_pool(&args.urls.mysql_url, "mysql").await;
+                bench_mysql(&args, idem_mysql::MySqlStore::new(pool.clone()), pool, &js, tag).await
             }
             "sqlite" => {
                 let path = std::env::temp_dir().join(format!("idem-bench-events-{tag}.db"));
-                let store = idem_sqlite::SqliteStore::open(&path)
-                    .await
-                    .unwrap()
-                    .with_table(table("bench_inbox"));
+                let store = idem_sqlite::SqliteStore::open(&path).await.unwrap();
                 let pool = store.pool().clone();
-                let outbox = idem_sqlite::SqliteOutbox::with_table(pool.clone(), table("bench_outbox"));
-                bench_sqlite(&args, store, outbox, pool, &js, tag).await
+                bench_sqlite(&args, store, pool, &js, tag).await
             }
             other => panic!("unknown engine {other}"),
         };

@@ -183,6 +183,61 @@ impl Sql {
     }
 }
 
+/// A store of a test's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OwnStore {
+    /// A SQLite file in the temporary directory.
+    Sqlite,
+    /// A database on a SQL server.
+    On(Sql),
+}
+
+impl OwnStore {
+    /// Runs `test` on the URL of a store of its own (a file or a database
+    /// named `{prefix}_{tag}`), then deletes the store.
+    pub(crate) async fn with_store(self, prefix: &str, test: impl AsyncFnOnce(&str)) {
+        match self {
+            OwnStore::Sqlite => {
+                let path = std::env::temp_dir().join(format!("{prefix}_{}.db", tag()));
+                let url = path.display().to_string();
+                test(&url).await;
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{url}{suffix}"));
+                }
+            }
+            OwnStore::On(sql) => sql.with_db(prefix, test).await,
+        }
+    }
+}
+
+/// Three tests, `on_sqlite`, `on_postgres` and `on_mysql`, each running
+/// the scenario `$scenario` (an async function of a store's URL) on a
+/// store of its own named after `$prefix` (see [`OwnStore::with_store`]).
+#[allow(unused_macros)]
+macro_rules! on_each_sql_store {
+    ($prefix:literal, $scenario:expr) => {
+        async fn on(store: crate::support::OwnStore) {
+            store.with_store($prefix, $scenario).await;
+        }
+
+        idem_conformance::cases!(on, 2 => {
+            on_sqlite(crate::support::OwnStore::Sqlite);
+            on_postgres(crate::support::OwnStore::On(crate::support::Sql::Postgres));
+            on_mysql(crate::support::OwnStore::On(crate::support::Sql::MariaDb));
+        });
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_each_sql_store;
+
+/// Runs `idem <args>`, which must refuse them as bad input (exit code 2),
+/// saying `says`.
+pub(crate) fn refused(args: &[&str], says: &str) {
+    let (code, _, out) = idem_out(args);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains(says), "{out}");
+}
+
 /// Serves `vendor` (the fake vendor) on its own runtime and thread, so the
 /// test's runtime can block on an `idem` process meanwhile; its base URL.
 pub(crate) fn serve_vendor(vendor: Arc<fake_vendor::Vendor>) -> String {

@@ -11,9 +11,9 @@ use std::time::Duration;
 use idem_core::ManualClock;
 use idem_faults::{Fault, FaultPlan, Faulty, Op};
 use idem_steps::{Finished, StepsEngine};
-use serde_json::{Value, json};
+use serde_json::json;
 
-use super::{LEASE_MS, Next, Vendor, Withdrawal, effects, new_call};
+use super::{LEASE_MS, Next, Vendor, Withdrawal, effects, new_call, replayed};
 use crate::effect_id;
 use crate::multistep_tests::MultiStepSubject;
 
@@ -112,16 +112,4 @@ pub async fn steps_store_faults_leave_each_effect_once<S: MultiStepSubject>(s: S
     }
     assert!(aimed >= 30, "every call of a run was aimed at ({aimed})");
     assert_eq!(heard, aimed, "every fault reached the caller");
-}
-
-/// `done` as a retry answers it.
-fn replayed(done: Finished<Value>) -> Finished<Value> {
-    match done {
-        Finished::Completed { output, .. } => Finished::Completed { output, replayed: true },
-        Finished::Compensated { failure, .. } => Finished::Compensated {
-            failure,
-            replayed: true,
-        },
-        other => other,
-    }
 }

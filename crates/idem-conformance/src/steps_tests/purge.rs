@@ -17,14 +17,13 @@ pub async fn steps_purge_deletes_only_expired_final_operations<S: MultiStepSubje
     let (completed_vendor, completed_eid) = start(&[]);
     let completed_call = new_call(&completed_eid);
     let completed_op = Withdrawal::<S>::new(completed_vendor.clone());
-    let done = engine
-        .execute(&completed_op, &completed_call, &completed_eid)
-        .await
-        .unwrap();
-    assert!(
-        matches!(done, Finished::Completed { replayed: false, .. }),
-        "got {done:?}"
-    );
+    let run_completed = async || {
+        engine
+            .execute(&completed_op, &completed_call, &completed_eid)
+            .await
+            .unwrap()
+    };
+    assert_completed(&run_completed().await, false);
     let (compensated_vendor, compensated_eid) = start(&[Next::Decline]);
     let compensated_call = new_call(&compensated_eid);
     let done = engine
@@ -89,10 +88,7 @@ pub async fn steps_purge_deletes_only_expired_final_operations<S: MultiStepSubje
         .execute(&Withdrawal::<S>::new(later_vendor), &later_call, &later_eid)
         .await
         .unwrap();
-    assert!(
-        matches!(done, Finished::Completed { replayed: false, .. }),
-        "got {done:?}"
-    );
+    assert_completed(&done, false);
 
     assert_eq!(
         steps.purge_expired(expires - 1, 100).await.unwrap(),
@@ -100,14 +96,7 @@ pub async fn steps_purge_deletes_only_expired_final_operations<S: MultiStepSubje
         "nothing has expired yet"
     );
     // Expired, not yet purged: still replayed.
-    let replay = engine
-        .execute(&completed_op, &completed_call, &completed_eid)
-        .await
-        .unwrap();
-    assert!(
-        matches!(replay, Finished::Completed { replayed: true, .. }),
-        "got {replay:?}"
-    );
+    assert_completed(&run_completed().await, true);
     assert_eq!(
         steps.purge_expired(now(), 1).await.unwrap(),
         1,
@@ -146,14 +135,7 @@ pub async fn steps_purge_deletes_only_expired_final_operations<S: MultiStepSubje
 
     // A retry of a purged key starts afresh: every step runs again (the
     // vendor sees the step's same key and applies it once).
-    let fresh = engine
-        .execute(&completed_op, &completed_call, &completed_eid)
-        .await
-        .unwrap();
-    assert!(
-        matches!(fresh, Finished::Completed { replayed: false, .. }),
-        "got {fresh:?}"
-    );
+    assert_completed(&run_completed().await, false);
     assert_eq!(
         (
             effects(&s, &completed_eid, "debit").await,

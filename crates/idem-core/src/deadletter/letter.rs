@@ -347,19 +347,14 @@ impl DeadLetter {
     /// The row a first record of `new` creates (its `id` is the store's to
     /// set).
     pub fn created(new: &NewDeadLetter, now_ms: i64) -> Self {
-        let state = if new.unknown {
-            DeadLetterState::Unknown
-        } else {
-            DeadLetterState::Dead
-        };
-        Self {
+        let mut letter = Self {
             id: 0,
             scope: new.scope.clone(),
             key: new.key.clone(),
             request: new.request.clone(),
             attempts: new.attempts,
             last_error: clip_text(&new.last_error).to_owned(),
-            state,
+            state: DeadLetterState::Dead,
             redrives: 0,
             created_at_ms: now_ms,
             updated_at_ms: now_ms,
@@ -367,14 +362,13 @@ impl DeadLetter {
             response_status: None,
             response_body: None,
             first_reached_at_ms: new.first_reached_at_ms,
-            reconciliation: new.unknown.then(|| Reconciliation {
-                verdict: Verdict::Unknown,
-                by: VerdictSource::Sender,
-                at_ms: now_ms,
-                note: clip_text(&new.last_error).to_owned(),
-            }),
+            reconciliation: None,
             sent_under: new.sent_under,
+        };
+        if new.unknown {
+            letter.hold_unknown(now_ms);
         }
+        letter
     }
 
     /// Recording the same call again: attempts added, the error replaced,
@@ -397,13 +391,7 @@ impl DeadLetter {
             (a, b) => a.or(b),
         };
         if new.unknown && self.state == DeadLetterState::Dead {
-            self.state = DeadLetterState::Unknown;
-            self.reconciliation = Some(Reconciliation {
-                verdict: Verdict::Unknown,
-                by: VerdictSource::Sender,
-                at_ms: now_ms,
-                note: self.last_error.clone(),
-            });
+            self.hold_unknown(now_ms);
         }
         self.updated_at_ms = now_ms;
         true
@@ -470,9 +458,7 @@ impl DeadLetter {
                 body,
                 reconciled,
             } => {
-                self.state = DeadLetterState::Resolved;
-                self.response_status = Some(*status);
-                self.response_body = Some(clip_response(body).to_vec());
+                self.resolve(*status, body);
                 if *reconciled {
                     self.reconciliation = Some(Reconciliation {
                         verdict: Verdict::Applied,
@@ -513,16 +499,10 @@ impl DeadLetter {
                 reason,
                 first_reached_at_ms,
             } => {
-                self.state = DeadLetterState::Unknown;
                 self.attempts = self.attempts.saturating_add(*attempts);
                 self.last_error = clip_text(reason).to_owned();
                 self.first_reached_at_ms = earliest(self.first_reached_at_ms, *first_reached_at_ms);
-                self.reconciliation = Some(Reconciliation {
-                    verdict: Verdict::Unknown,
-                    by: VerdictSource::Sender,
-                    at_ms: now_ms,
-                    note: self.last_error.clone(),
-                });
+                self.hold_unknown(now_ms);
             }
         }
         self.redrive_until_ms = None;
@@ -541,11 +521,7 @@ impl DeadLetter {
             return false;
         }
         match settlement.verdict {
-            Verdict::Applied => {
-                self.state = DeadLetterState::Resolved;
-                self.response_status = Some(settlement.status.unwrap_or(200));
-                self.response_body = Some(clip_response(&settlement.body).to_vec());
-            }
+            Verdict::Applied => self.resolve(settlement.status.unwrap_or(200), &settlement.body),
             Verdict::NotApplied => {
                 self.state = DeadLetterState::Dead;
                 self.first_reached_at_ms = None;
@@ -560,6 +536,26 @@ impl DeadLetter {
         });
         self.updated_at_ms = now_ms;
         true
+    }
+
+    /// Resolved with the vendor's success answer (the body clipped to
+    /// [`MAX_DEAD_LETTER_RESPONSE`]).
+    fn resolve(&mut self, status: u16, body: &[u8]) {
+        self.state = DeadLetterState::Resolved;
+        self.response_status = Some(status);
+        self.response_body = Some(clip_response(body).to_vec());
+    }
+
+    /// Held as unknown on the sender's own word: whether the vendor applied
+    /// the call cannot be established, for the reason in `last_error`.
+    fn hold_unknown(&mut self, now_ms: i64) {
+        self.state = DeadLetterState::Unknown;
+        self.reconciliation = Some(Reconciliation {
+            verdict: Verdict::Unknown,
+            by: VerdictSource::Sender,
+            at_ms: now_ms,
+            note: self.last_error.clone(),
+        });
     }
 
     /// Whether the vendor is known not to have applied the call: its last

@@ -136,6 +136,22 @@ impl<'a> Parser<'a> {
         }
     }
 
+    /// Steps over the opening bracket of an array or object nested in
+    /// `depth` others, and answers whether it is empty: `close` follows at
+    /// once (and is stepped over too).
+    fn enter(&mut self, depth: usize, close: u8) -> Result<bool, CanonicalError> {
+        self.pos += 1;
+        if depth >= MAX_DEPTH {
+            return Err(CanonicalError::TooDeep);
+        }
+        self.skip_ws();
+        let empty = self.peek() == Some(close);
+        if empty {
+            self.pos += 1;
+        }
+        Ok(empty)
+    }
+
     fn document(mut self) -> Result<Vec<u8>, CanonicalError> {
         // Each value is written once where it ends up, except an object's
         // members, which are copied once more when the object is sorted.
@@ -155,13 +171,7 @@ impl<'a> Parser<'a> {
             };
             match self.peek() {
                 Some(b'[') => {
-                    self.pos += 1;
-                    if open.len() >= MAX_DEPTH {
-                        return Err(CanonicalError::TooDeep);
-                    }
-                    self.skip_ws();
-                    if self.peek() == Some(b']') {
-                        self.pos += 1;
+                    if self.enter(open.len(), b']')? {
                         sink.extend_from_slice(b"[]");
                     } else {
                         sink.push(b'[');
@@ -170,13 +180,7 @@ impl<'a> Parser<'a> {
                     }
                 }
                 Some(b'{') => {
-                    self.pos += 1;
-                    if open.len() >= MAX_DEPTH {
-                        return Err(CanonicalError::TooDeep);
-                    }
-                    self.skip_ws();
-                    if self.peek() == Some(b'}') {
-                        self.pos += 1;
+                    if self.enter(open.len(), b'}')? {
                         sink.extend_from_slice(b"{}");
                     } else {
                         let name = self.name()?;

@@ -113,4 +113,14 @@ impl Counters {
         });
         run
     }
+
+    /// The handler's runs so far.
+    pub(crate) fn run_count(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// The effects committed so far.
+    pub(crate) fn commit_count(&self) -> usize {
+        self.committed.load(Ordering::SeqCst)
+    }
 }

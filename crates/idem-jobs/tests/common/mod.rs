@@ -3,7 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use idem_core::TableName;
+use idem_core::{Error, StoreErrorKind, TableName};
 
 pub fn postgres_url() -> String {
     std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
@@ -47,6 +47,27 @@ pub async fn open_sqlite(tag: &str, table: TableName) -> (idem_sqlite::SqliteSto
         .with_table(table);
     let pool = store.pool().clone();
     (store, pool)
+}
+
+/// One run's writes in its transaction: `run_id` added to the effects
+/// table by `insert` (the engine's statement, its table named), then, when
+/// `fail`, a failure midway that rolls them back with the claim.
+pub async fn insert_run<C>(conn: &mut C, insert: String, run_id: &str, fail: bool) -> Result<(), Error>
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
+    for<'q> &'q str: sqlx::Encode<'q, C::Database> + sqlx::Type<C::Database>,
+{
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(run_id)
+        .execute(conn)
+        .await
+        .map_err(|e| Error::store(StoreErrorKind::Other, e))?;
+    if fail {
+        return Err(Error::store(StoreErrorKind::Unavailable, "the run failed midway"));
+    }
+    Ok(())
 }
 
 /// Runs `$suite!` on PostgreSQL, MariaDB and SQLite, each with its store,

@@ -149,18 +149,19 @@ pub fn request_at(call: &idem_core::Call, now: i64) -> idem_core::ClaimRequest<'
     }
 }
 
-/// Writes the business row `id` inside `tx`.
-pub async fn write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) {
-    try_write_effect(tx, id).await.unwrap();
+/// Writes the business row `id` on `conn` (a claimed transaction's, or a
+/// transaction nested in it).
+pub async fn write_effect(conn: &mut sqlx::MySqlConnection, id: &str) {
+    try_write_effect(conn, id).await.unwrap();
 }
 
-/// Writes the business row `id` inside `tx`, or says why not.
-pub async fn try_write_effect(tx: &mut idem_mysql::MySqlTx, id: &str) -> Result<(), sqlx::Error> {
+/// Writes the business row `id` on `conn`, or says why not.
+pub async fn try_write_effect(conn: &mut sqlx::MySqlConnection, id: &str) -> Result<(), sqlx::Error> {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {EFFECTS_TABLE} (effect_id) VALUES (?)"
     )))
     .bind(id)
-    .execute(&mut **tx)
+    .execute(conn)
     .await
     .map(drop)
 }

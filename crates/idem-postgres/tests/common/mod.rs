@@ -3,6 +3,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use idem_core::TableName;
+use idem_postgres::ClaimStrategy;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Row};
 
@@ -160,3 +161,20 @@ pub(crate) async fn isolated_table(pool: &PgPool) -> TableName {
     let name = format!("{ISOLATED_PREFIX}{}_{}", unix_ms(), uuid::Uuid::new_v4().simple());
     TableName::new(name).expect("a valid table name")
 }
+
+/// The session's `lock_timeout` on `conn`, as `SHOW` gives it.
+#[allow(dead_code)]
+pub(crate) async fn show_lock_timeout<'c>(conn: impl sqlx::PgExecutor<'c>) -> String {
+    sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(conn)
+        .await
+        .expect("SHOW lock_timeout")
+}
+
+/// Every claim strategy, for the tests that hold under each.
+#[allow(dead_code)]
+pub(crate) const STRATEGIES: [ClaimStrategy; 3] = [
+    ClaimStrategy::InsertOnConflict,
+    ClaimStrategy::AdvisoryLock,
+    ClaimStrategy::OneWrite,
+];

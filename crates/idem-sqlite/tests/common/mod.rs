@@ -21,6 +21,12 @@ impl TempDb {
             path: std::env::temp_dir().join(name),
         }
     }
+
+    /// A store on this file, on a pool of its own.
+    #[allow(dead_code)]
+    pub(crate) async fn open(&self) -> SqliteStore {
+        SqliteStore::open(&self.path).await.expect("open the test database")
+    }
 }
 
 impl Drop for TempDb {

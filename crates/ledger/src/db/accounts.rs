@@ -6,7 +6,7 @@
 
 use super::dialect::sql_statements;
 
-use super::{Dialect, WORLD};
+use super::{DbError, Dialect, WORLD};
 
 /// An account as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
@@ -145,25 +145,20 @@ macro_rules! account_methods {
                 let one = |sql: &sqlx::SqlStr| sqlx::query_as::<_, (i64,)>(sql.clone()).bind(tenant);
                 let (balances_total,) = one(&q.audit_balances).fetch_one(&mut *tx).await?;
                 let (world_total,) = one(&q.audit_world).fetch_one(&mut *tx).await?;
-                let mut top_ups_total = 0i64;
-                for kind in ["top_up", "webhook_top_up"] {
-                    let (t,): (i64,) = one(&q.audit_kind).bind(kind).fetch_one(&mut *tx).await?;
-                    top_ups_total = top_ups_total.saturating_add(t);
-                }
-                let (paid_out,) = one(&q.audit_kind).bind("payout").fetch_one(&mut *tx).await?;
+                let mut kind_total = async |kind: &str| -> Result<i64, DbError> {
+                    Ok(one(&q.audit_kind).bind(kind).fetch_one(&mut *tx).await?.0)
+                };
+                let top_ups_total = kind_total("top_up")
+                    .await?
+                    .saturating_add(kind_total("webhook_top_up").await?);
                 // A cancelled payout's reversal gives its amount back.
-                let (reversed,) = one(&q.audit_kind)
-                    .bind("payout_reversal")
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let payouts_total = paid_out.saturating_sub(reversed);
+                let payouts_total = kind_total("payout")
+                    .await?
+                    .saturating_sub(kind_total("payout_reversal").await?);
                 // A declined withdrawal's credit-back gives its amount back.
-                let (withdrawn,) = one(&q.audit_kind).bind("withdrawal").fetch_one(&mut *tx).await?;
-                let (credited_back,) = one(&q.audit_kind)
-                    .bind("withdrawal_reversal")
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let withdrawals_total = withdrawn.saturating_sub(credited_back);
+                let withdrawals_total = kind_total("withdrawal")
+                    .await?
+                    .saturating_sub(kind_total("withdrawal_reversal").await?);
                 let (negative_balances,) = one(&q.audit_negative).fetch_one(&mut *tx).await?;
                 let (balance_mismatches,) = one(&q.audit_mismatch).fetch_one(&mut *tx).await?;
                 let (journal_rows,) = one(&q.audit_journal).fetch_one(&mut *tx).await?;
@@ -295,6 +290,44 @@ pub(super) struct Reversal<'a> {
     pub(super) kind: &'a str,
 }
 
+/// A row of one of the ledger's engines, its columns read by name as the
+/// plain types the ledger stores (a column of another type is a database
+/// error).
+pub(super) trait Columns {
+    /// Text column `name`.
+    fn text(&self, name: &str) -> Result<String, DbError>;
+    /// Nullable text column `name`.
+    fn text_or_null(&self, name: &str) -> Result<Option<String>, DbError>;
+    /// Integer column `name`.
+    fn int(&self, name: &str) -> Result<i64, DbError>;
+    /// Nullable integer column `name`.
+    fn int_or_null(&self, name: &str) -> Result<Option<i64>, DbError>;
+}
+
+impl<R> Columns for R
+where
+    R: sqlx::Row,
+    for<'n> &'n str: sqlx::ColumnIndex<R>,
+    String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    fn text(&self, name: &str) -> Result<String, DbError> {
+        Ok(self.try_get(name)?)
+    }
+
+    fn text_or_null(&self, name: &str) -> Result<Option<String>, DbError> {
+        Ok(self.try_get(name)?)
+    }
+
+    fn int(&self, name: &str) -> Result<i64, DbError> {
+        Ok(self.try_get(name)?)
+    }
+
+    fn int_or_null(&self, name: &str) -> Result<Option<i64>, DbError> {
+        Ok(self.try_get(name)?)
+    }
+}
+
 /// The functions on a connection of `$db` that move money, read rows and
 /// run guarded updates, shared by the methods of every kind of row.
 macro_rules! money_rows {
@@ -303,7 +336,28 @@ macro_rules! money_rows {
         type Bound = sqlx::query::Query<'static, $db, <$db as sqlx::Database>::Arguments>;
 
         /// The row `select` reads by tenant and id, if any, through
-        /// `executor` (the pool, or the open transaction's connection).
+        /// `executor` (the pool, or the open transaction's connection), as
+        /// `decode` reads it.
+        async fn decoded_by_id<'e, T, E>(
+            executor: E,
+            select: &sqlx::SqlStr,
+            tenant: &str,
+            id: &str,
+            decode: impl FnOnce(&<$db as sqlx::Database>::Row) -> Result<T, DbError>,
+        ) -> Result<Option<T>, DbError>
+        where
+            E: 'e + sqlx::Executor<'e, Database = $db>,
+        {
+            let row = sqlx::query(select.clone())
+                .bind(tenant)
+                .bind(id)
+                .fetch_optional(executor)
+                .await?;
+            row.as_ref().map(decode).transpose()
+        }
+
+        /// The row `select` reads by tenant and id, if any, as a tuple of
+        /// its columns in order.
         async fn row_by_id<'e, R, E>(
             executor: E,
             select: &sqlx::SqlStr,
@@ -311,14 +365,10 @@ macro_rules! money_rows {
             id: &str,
         ) -> Result<Option<R>, DbError>
         where
-            R: for<'r> sqlx::FromRow<'r, <$db as sqlx::Database>::Row> + Send + Unpin,
+            R: for<'r> sqlx::FromRow<'r, <$db as sqlx::Database>::Row>,
             E: 'e + sqlx::Executor<'e, Database = $db>,
         {
-            Ok(sqlx::query_as(select.clone())
-                .bind(tenant)
-                .bind(id)
-                .fetch_optional(executor)
-                .await?)
+            decoded_by_id(executor, select, tenant, id, |row| Ok(R::from_row(row)?)).await
         }
 
         /// Runs `update`, whose `WHERE` guards the row's state: whether it

@@ -4,6 +4,7 @@
 
 use super::dialect::sql_statements;
 
+use super::accounts::Columns;
 use super::{DEAD_LETTERS_TABLE, DbError, Dialect};
 
 /// Where a payout stands.
@@ -79,50 +80,21 @@ pub struct Payout {
     pub not_before_ms: Option<i64>,
 }
 
-/// A payout row as `Sql::select_payout` reads it, in its column order.
-pub(super) type PayoutRow = (
-    String,
-    String,
-    i64,
-    String,
-    Option<String>,
-    i64,
-    Option<String>,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-);
-
 impl Payout {
     /// Decodes a row of `Sql::select_payout`.
-    pub(super) fn from_row(
-        (
-            id,
-            account_id,
-            amount,
-            state,
-            vendor_payout_id,
-            attempts,
-            last_error,
-            created_at_ms,
-            updated_at_ms,
-            first_sent_at_ms,
-            not_before_ms,
-        ): PayoutRow,
-    ) -> Result<Self, DbError> {
+    pub(super) fn from_row(row: &impl Columns) -> Result<Self, DbError> {
         Ok(Self {
-            id,
-            account_id,
-            amount,
-            status: PayoutState::parse(&state)?,
-            vendor_payout_id,
-            attempts,
-            last_error,
-            created_at_ms,
-            updated_at_ms,
-            first_sent_at_ms,
-            not_before_ms,
+            id: row.text("id")?,
+            account_id: row.text("account_id")?,
+            amount: row.int("amount")?,
+            status: PayoutState::parse(&row.text("state")?)?,
+            vendor_payout_id: row.text_or_null("vendor_payout_id")?,
+            attempts: row.int("attempts")?,
+            last_error: row.text_or_null("last_error")?,
+            created_at_ms: row.int("created_at_ms")?,
+            updated_at_ms: row.int("updated_at_ms")?,
+            first_sent_at_ms: row.int_or_null("first_sent_at_ms")?,
+            not_before_ms: row.int_or_null("not_before_ms")?,
         })
     }
 }
@@ -261,11 +233,8 @@ sql_statements! {
 macro_rules! payout_methods {
     ($store:ty) => {
         fn payout<'a>(&'a self, tenant: &'a str, id: &'a str) -> BoxFuture<'a, Result<Option<Payout>, DbError>> {
-            Box::pin(async move {
-                let row: Option<crate::db::payouts::PayoutRow> =
-                    row_by_id(self.pool(), &queries().payouts.select_payout, tenant, id).await?;
-                row.map(Payout::from_row).transpose()
-            })
+            let select = &queries().payouts.select_payout;
+            Box::pin(decoded_by_id(self.pool(), select, tenant, id, Payout::from_row))
         }
 
         fn payouts_in(&self, state: PayoutState, limit: u32) -> BoxFuture<'_, Result<Vec<PayoutTask>, DbError>> {

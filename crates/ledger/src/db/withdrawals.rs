@@ -5,6 +5,7 @@
 
 use super::dialect::sql_statements;
 
+use super::accounts::Columns;
 use super::{DbError, Dialect};
 
 /// Where a withdrawal stands.
@@ -74,60 +75,24 @@ pub struct Withdrawal {
     pub updated_at_ms: i64,
 }
 
-/// A withdrawal row as `Sql::select_withdrawal` reads it, in its column
-/// order.
-pub(super) type WithdrawalRow = (
-    String,
-    String,
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    Option<String>,
-    i64,
-    i64,
-);
-
 impl Withdrawal {
     /// Decodes a row of `Sql::select_withdrawal`.
-    pub(super) fn from_row(
-        (
-            id,
-            account_id,
-            amount,
-            currency,
-            payout_currency,
-            destination,
-            state,
-            quote_id,
-            rate,
-            amount_out,
-            vendor_payout_id,
-            reason,
-            created_at_ms,
-            updated_at_ms,
-        ): WithdrawalRow,
-    ) -> Result<Self, DbError> {
+    pub(super) fn from_row(row: &impl Columns) -> Result<Self, DbError> {
         Ok(Self {
-            id,
-            account_id,
-            amount,
-            currency,
-            payout_currency,
-            destination,
-            status: WithdrawalState::parse(&state)?,
-            quote_id,
-            rate,
-            amount_out,
-            vendor_payout_id,
-            reason,
-            created_at_ms,
-            updated_at_ms,
+            id: row.text("id")?,
+            account_id: row.text("account_id")?,
+            amount: row.int("amount")?,
+            currency: row.text("currency")?,
+            payout_currency: row.text("payout_currency")?,
+            destination: row.text("destination")?,
+            status: WithdrawalState::parse(&row.text("state")?)?,
+            quote_id: row.text_or_null("quote_id")?,
+            rate: row.text_or_null("rate")?,
+            amount_out: row.int_or_null("amount_out")?,
+            vendor_payout_id: row.text_or_null("vendor_payout_id")?,
+            reason: row.text_or_null("reason")?,
+            created_at_ms: row.int("created_at_ms")?,
+            updated_at_ms: row.int("updated_at_ms")?,
         })
     }
 }
@@ -204,11 +169,14 @@ macro_rules! withdrawal_methods {
             tenant: &'a str,
             id: &'a str,
         ) -> BoxFuture<'a, Result<Option<Withdrawal>, DbError>> {
-            Box::pin(async move {
-                let row: Option<crate::db::withdrawals::WithdrawalRow> =
-                    row_by_id(self.pool(), &queries().withdrawals.select_withdrawal, tenant, id).await?;
-                row.map(Withdrawal::from_row).transpose()
-            })
+            let select = &queries().withdrawals.select_withdrawal;
+            Box::pin(decoded_by_id(
+                self.pool(),
+                select,
+                tenant,
+                id,
+                Withdrawal::from_row,
+            ))
         }
     };
 }

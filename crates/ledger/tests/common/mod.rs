@@ -234,6 +234,15 @@ impl Ledger {
         r.json()["id"].as_str().unwrap().to_owned()
     }
 
+    /// A new tenant's account "a", topped up with `amount`: the tenant's
+    /// token and the account.
+    pub async fn funded(&self, amount: i64) -> (String, String) {
+        let t = token();
+        let a = self.account(&t, "a").await;
+        assert_eq!(self.top_up(&t, &a, amount).await.status, 201);
+        (t, a)
+    }
+
     pub async fn top_up(&self, token: &str, account: &str, amount: i64) -> Resp {
         self.post(
             "/v1/top-ups",
@@ -248,6 +257,17 @@ impl Ledger {
     pub async fn payout(&self, token: &str, account: &str, amount: i64) -> Resp {
         self.post("/v1/payouts", token, Some(&key()), &payout_body(account, amount))
             .await
+    }
+
+    /// Asserts that `{collection}/{id}` is not found (404 `slug`) by the
+    /// tenant `other`, nor `{collection}/not-an-id` by `owner`.
+    pub async fn assert_not_found(&self, collection: &str, id: &str, owner: &str, other: &str, slug: &str) {
+        self.get(&format!("{collection}/{id}"), other)
+            .await
+            .assert_problem(404, slug);
+        self.get(&format!("{collection}/not-an-id"), owner)
+            .await
+            .assert_problem(404, slug);
     }
 
     pub async fn balance(&self, token: &str, account: &str) -> i64 {
@@ -460,6 +480,14 @@ fn stale(name: &str, prefix: &str) -> bool {
 pub fn remove_sqlite_files(path: &str) {
     for suffix in ["", "-wal", "-shm", "-idem.lock"] {
         let _ = std::fs::remove_file(format!("{path}{suffix}"));
+    }
+}
+
+/// Removes the files of the test's database `url` on `engine` when they are
+/// SQLite's (a server's database stays).
+pub fn remove_database_files(engine: Engine, url: &str) {
+    if engine == Engine::Sqlite {
+        remove_sqlite_files(url);
     }
 }
 

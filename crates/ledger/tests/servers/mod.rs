@@ -172,6 +172,22 @@ pub struct Server {
     pub port: u16,
 }
 
+impl Server {
+    /// Runs `command` (its output dropped), a server of `dir` that listens
+    /// on `port`, and waits until it does.
+    fn spawn(mut command: Command, dir: PathBuf, port: u16) -> Self {
+        let what = command.get_program().to_string_lossy().into_owned();
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{what} runs: {e}"));
+        let server = Server { child, dir, port };
+        wait_for_port(port, &what);
+        server
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -184,20 +200,15 @@ impl Drop for Server {
 pub fn tls_nats(pki: &TestPki) -> Server {
     let dir = scratch("nats-tls");
     let port = free_port();
-    let child = Command::new("nats-server")
+    let mut command = Command::new("nats-server");
+    command
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--tls", "--tlscert"])
         .arg(pki.cert_file())
         .arg("--tlskey")
         .arg(pki.key_file())
         .args(["-js", "-sd"])
-        .arg(dir.join("js"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nats-server runs");
-    let server = Server { child, dir, port };
-    wait_for_port(port, "nats-server");
-    server
+        .arg(dir.join("js"));
+    Server::spawn(command, dir, port)
 }
 
 /// A MariaDB instance of its own that requires TLS.
@@ -236,12 +247,5 @@ pub fn tls_mariadb(pki: &TestPki) -> Server {
     if !user.is_empty() {
         command.arg(format!("--user={user}"));
     }
-    let child = command
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("mariadbd runs");
-    let server = Server { child, dir, port };
-    wait_for_port(port, "mariadbd");
-    server
+    Server::spawn(command, dir, port)
 }
