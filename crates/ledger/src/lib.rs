@@ -243,64 +243,11 @@ pub enum DeadLetters {
     Sqlite(idem_sqlite::SqliteDeadLetters),
 }
 
-macro_rules! each_letters {
-    ($self:expr, $s:ident => $body:expr) => {
-        match $self {
-            DeadLetters::Postgres($s) => $body,
-            DeadLetters::MySql($s) => $body,
-            DeadLetters::Sqlite($s) => $body,
-        }
-    };
-}
-
-impl idem_core::DeadLetterStore for DeadLetters {
-    fn record(&self, letter: &idem_core::NewDeadLetter) -> idem_core::BoxFuture<'_, idem_core::Result<i64>> {
-        each_letters!(self, s => s.record(letter))
-    }
-    fn list(
-        &self,
-        filter: &idem_core::DeadLetterFilter,
-    ) -> idem_core::BoxFuture<'_, idem_core::Result<Vec<idem_core::DeadLetter>>> {
-        each_letters!(self, s => s.list(filter))
-    }
-    fn get(&self, id: i64) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::DeadLetter>>> {
-        each_letters!(self, s => s.get(id))
-    }
-    fn find(
-        &self,
-        scope: &idem_core::Scope,
-        key: &idem_core::IdempotencyKey,
-    ) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::DeadLetter>>> {
-        each_letters!(self, s => s.find(scope, key))
-    }
-    fn begin_redrive(
-        &self,
-        id: i64,
-        hold_ms: i64,
-    ) -> idem_core::BoxFuture<'_, idem_core::Result<Option<idem_core::RedriveHold>>> {
-        each_letters!(self, s => s.begin_redrive(id, hold_ms))
-    }
-    fn finish_redrive(
-        &self,
-        id: i64,
-        token: u32,
-        outcome: &idem_core::RedriveOutcome,
-    ) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
-        each_letters!(self, s => s.finish_redrive(id, token, outcome))
-    }
-    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> idem_core::BoxFuture<'_, idem_core::Result<u64>> {
-        each_letters!(self, s => s.purge_resolved(older_than_ms, limit))
-    }
-    fn retarget(&self, id: i64, token: u32, url: &str) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
-        each_letters!(self, s => s.retarget(id, token, url))
-    }
-    fn settle(&self, id: i64, settlement: &idem_core::Settlement) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
-        each_letters!(self, s => s.settle(id, settlement))
-    }
-    fn cancel(&self, id: i64) -> idem_core::BoxFuture<'_, idem_core::Result<bool>> {
-        each_letters!(self, s => s.cancel(id))
-    }
-}
+idem_core::dead_letters_of_each!(DeadLetters {
+    Postgres,
+    MySql,
+    Sqlite
+});
 
 impl idem_core::TimeSource for Store {
     fn source_now_ms(&self) -> idem_core::BoxFuture<'_, idem_core::Result<i64>> {

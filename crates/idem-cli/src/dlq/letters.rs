@@ -1,10 +1,7 @@
 //! [`AnyDeadLetters`]: the dead-letter table of whichever SQL store a URL
 //! names.
 
-use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterFilter, DeadLetterStore, Error, IdempotencyKey, NewDeadLetter, RedriveHold,
-    RedriveOutcome, Result, Scope, Settlement, TableName,
-};
+use idem_core::{Error, Result, TableName};
 use idem_gateway::AnyLease;
 
 /// The dead letters of one of the SQL stores, chosen by URL.
@@ -64,44 +61,8 @@ impl AnyDeadLetters {
     }
 }
 
-impl DeadLetterStore for AnyDeadLetters {
-    fn record(&self, letter: &NewDeadLetter) -> BoxFuture<'_, Result<i64>> {
-        each!(self, s => s.record(letter))
-    }
-
-    fn list(&self, filter: &DeadLetterFilter) -> BoxFuture<'_, Result<Vec<DeadLetter>>> {
-        each!(self, s => s.list(filter))
-    }
-
-    fn get(&self, id: i64) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        each!(self, s => s.get(id))
-    }
-
-    fn find(&self, scope: &Scope, key: &IdempotencyKey) -> BoxFuture<'_, Result<Option<DeadLetter>>> {
-        each!(self, s => s.find(scope, key))
-    }
-
-    fn begin_redrive(&self, id: i64, hold_ms: i64) -> BoxFuture<'_, Result<Option<RedriveHold>>> {
-        each!(self, s => s.begin_redrive(id, hold_ms))
-    }
-
-    fn finish_redrive(&self, id: i64, token: u32, outcome: &RedriveOutcome) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.finish_redrive(id, token, outcome))
-    }
-
-    fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>> {
-        each!(self, s => s.purge_resolved(older_than_ms, limit))
-    }
-
-    fn retarget(&self, id: i64, token: u32, url: &str) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.retarget(id, token, url))
-    }
-
-    fn settle(&self, id: i64, settlement: &Settlement) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.settle(id, settlement))
-    }
-
-    fn cancel(&self, id: i64) -> BoxFuture<'_, Result<bool>> {
-        each!(self, s => s.cancel(id))
-    }
-}
+idem_core::dead_letters_of_each!(AnyDeadLetters {
+    Sqlite,
+    Postgres,
+    MySql
+});

@@ -162,3 +162,64 @@ pub trait DeadLetterStore: Clone + Send + Sync + 'static {
     /// settled more than `older_than_ms` ago; answers how many.
     fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> BoxFuture<'_, Result<u64>>;
 }
+
+/// Implements [`DeadLetterStore`] for an enum whose every variant holds one
+/// store, each method answered by the store of the variant at hand: the shape
+/// of a program that picks its engine at run time.
+///
+/// `dead_letters_of_each!(Letters { Postgres, Sqlite })` implements it for
+/// `enum Letters { Postgres(PgDeadLetters), Sqlite(SqliteDeadLetters) }` (the
+/// enum must be `Clone + Send + Sync + 'static`, as every store is).
+#[macro_export]
+macro_rules! dead_letters_of_each {
+    ($enum:ident { $($variant:ident),+ $(,)? }) => {
+        impl $crate::DeadLetterStore for $enum {
+            fn record(&self, letter: &$crate::NewDeadLetter) -> $crate::BoxFuture<'_, $crate::Result<i64>> {
+                match self { $(Self::$variant(s) => s.record(letter),)+ }
+            }
+            fn list(
+                &self,
+                filter: &$crate::DeadLetterFilter,
+            ) -> $crate::BoxFuture<'_, $crate::Result<Vec<$crate::DeadLetter>>> {
+                match self { $(Self::$variant(s) => s.list(filter),)+ }
+            }
+            fn get(&self, id: i64) -> $crate::BoxFuture<'_, $crate::Result<Option<$crate::DeadLetter>>> {
+                match self { $(Self::$variant(s) => s.get(id),)+ }
+            }
+            fn find(
+                &self,
+                scope: &$crate::Scope,
+                key: &$crate::IdempotencyKey,
+            ) -> $crate::BoxFuture<'_, $crate::Result<Option<$crate::DeadLetter>>> {
+                match self { $(Self::$variant(s) => s.find(scope, key),)+ }
+            }
+            fn begin_redrive(
+                &self,
+                id: i64,
+                hold_ms: i64,
+            ) -> $crate::BoxFuture<'_, $crate::Result<Option<$crate::RedriveHold>>> {
+                match self { $(Self::$variant(s) => s.begin_redrive(id, hold_ms),)+ }
+            }
+            fn retarget(&self, id: i64, token: u32, url: &str) -> $crate::BoxFuture<'_, $crate::Result<bool>> {
+                match self { $(Self::$variant(s) => s.retarget(id, token, url),)+ }
+            }
+            fn finish_redrive(
+                &self,
+                id: i64,
+                token: u32,
+                outcome: &$crate::RedriveOutcome,
+            ) -> $crate::BoxFuture<'_, $crate::Result<bool>> {
+                match self { $(Self::$variant(s) => s.finish_redrive(id, token, outcome),)+ }
+            }
+            fn settle(&self, id: i64, settlement: &$crate::Settlement) -> $crate::BoxFuture<'_, $crate::Result<bool>> {
+                match self { $(Self::$variant(s) => s.settle(id, settlement),)+ }
+            }
+            fn cancel(&self, id: i64) -> $crate::BoxFuture<'_, $crate::Result<bool>> {
+                match self { $(Self::$variant(s) => s.cancel(id),)+ }
+            }
+            fn purge_resolved(&self, older_than_ms: i64, limit: u32) -> $crate::BoxFuture<'_, $crate::Result<u64>> {
+                match self { $(Self::$variant(s) => s.purge_resolved(older_than_ms, limit),)+ }
+            }
+        }
+    };
+}
