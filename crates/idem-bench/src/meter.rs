@@ -13,9 +13,9 @@ use crate::transfer::{TENANT, Transfer, fund_accounts};
 use crate::txpaths::TxPaths;
 use crate::wire::{Wire, server_of, via};
 
-/// The paths the meter counts, in this order (a replay replays the fresh
-/// path's keys).
-pub const PATHS: [&str; 4] = ["bare", "fresh", "replay", "three-commit"];
+/// The paths the meter counts, in this order (a replay replays the keys of
+/// the fresh path before it).
+pub const PATHS: [&str; 6] = ["bare", "fresh", "replay", "fresh+read", "replay+read", "three-commit"];
 
 /// Accounts the metered transfers move money among.
 const ACCOUNTS: usize = 100;

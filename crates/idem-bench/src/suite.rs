@@ -102,7 +102,7 @@ const THREE_COMMIT_TARGET: Option<f64> = Some(2.0);
 /// The paths of `workload`, in the order each repetition runs them.
 fn paths_of(workload: &str) -> &'static [&'static str] {
     match workload {
-        "micro" => &["bare", "fresh", "replay", "three-commit"],
+        "micro" => &["bare", "fresh", "replay", "fresh+read", "replay+read", "three-commit"],
         "transfer" => &["bare", "fresh", "three-commit"],
         "steps" => &crate::steps::PATHS,
         _ => &["without", "with", "replay"],
@@ -137,6 +137,17 @@ fn ratios_of(engine: &str, workload: &str, workers: usize) -> Vec<RatioSpec> {
     )];
     if paths.contains(&"replay") {
         ratios.push(ratio("replay/fresh", "replay", "fresh", REPLAY_TARGET));
+    }
+    if paths.contains(&"replay+read") {
+        // The engine that reads before it claims: its replays against its
+        // own fresh calls, and what the read costs a fresh call.
+        ratios.push(ratio(
+            "read first: replay/fresh",
+            "replay+read",
+            "fresh+read",
+            REPLAY_TARGET,
+        ));
+        ratios.push(ratio("read first: fresh/fresh", "fresh+read", "fresh", None));
     }
     ratios.push(ratio(
         "transactional/three-commit",

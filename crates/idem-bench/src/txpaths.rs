@@ -4,6 +4,8 @@
 //! - `fresh`: `TxEngine::execute` with a new key (claim, work and record
 //!   commit together);
 //! - `replay`: `TxEngine::execute` with a key already used (the work never runs);
+//! - `fresh+read`, `replay+read`: the same on an engine that reads the key's
+//!   row before it claims (`TxEngine::with_read_first`);
 //! - `three-commit`: the pattern of AWS Powertools and Rocket Rides, which is
 //!   idem's lease mode: `LeaseEngine::acquire` commits the claim, the work
 //!   commits in its own transaction, `LeaseEngine::complete` commits the
@@ -32,6 +34,7 @@ pub trait Work<D: TxBackend>: Clone + Send + Sync + 'static {
 pub struct TxPaths<D: BenchDb, W> {
     db: D,
     engine: TxEngine<D>,
+    read_first: TxEngine<D>,
     lease: LeaseEngine<D>,
     scope: Scope,
     work: W,
@@ -43,6 +46,7 @@ impl<D: BenchDb, W: Work<D>> TxPaths<D, W> {
         Ok(Self {
             db: db.clone(),
             engine: TxEngine::new(db.clone()),
+            read_first: TxEngine::new(db.clone()).with_read_first(true),
             lease: LeaseEngine::new(db.clone()),
             scope: Scope::parse("idem-bench", operation)?,
             work,
@@ -75,6 +79,42 @@ async fn plain<D: BenchDb, W: Work<D>>(db: &D, work: &W, worker: usize, n: u64) 
     }
 }
 
+impl<D: BenchDb, W: Work<D>> TxPaths<D, W> {
+    /// A call with a new key on `engine`: its key.
+    async fn fresh(&self, engine: &TxEngine<D>, worker: usize, n: u64) -> Result<IdempotencyKey, BoxError> {
+        let key = IdempotencyKey::generate();
+        let out = engine
+            .execute(&call(&self.scope, key.clone()), |tx| self.work.run(tx, worker, n))
+            .await?;
+        match out {
+            Outcome::Executed(()) => Ok(key),
+            Outcome::Replayed(()) => Err("a fresh key replayed".into()),
+        }
+    }
+
+    /// A call with one of the `used` keys on `engine`, which must replay.
+    async fn replay(
+        &self,
+        engine: &TxEngine<D>,
+        worker: usize,
+        n: u64,
+        used: &[IdempotencyKey],
+    ) -> Result<(), BoxError> {
+        let key = used
+            .get((worker * 7919 + n as usize) % used.len().max(1))
+            .ok_or("no keys to replay")?;
+        let out = engine
+            .execute(&call(&self.scope, key.clone()), |_tx| {
+                Box::pin(async { Err::<(), _>(DbError::Corrupt("a used key executed".into())) })
+            })
+            .await?;
+        match out {
+            Outcome::Replayed(()) => Ok(()),
+            Outcome::Executed(()) => Err("a used key executed".into()),
+        }
+    }
+}
+
 impl<D: BenchDb, W: Work<D>> Paths for TxPaths<D, W> {
     type Key = IdempotencyKey;
 
@@ -87,32 +127,10 @@ impl<D: BenchDb, W: Work<D>> Paths for TxPaths<D, W> {
     ) -> Result<Option<IdempotencyKey>, BoxError> {
         match path {
             "bare" => plain(&self.db, &self.work, worker, n).await.map(|()| None),
-            "fresh" => {
-                let key = IdempotencyKey::generate();
-                let out = self
-                    .engine
-                    .execute(&call(&self.scope, key.clone()), |tx| self.work.run(tx, worker, n))
-                    .await?;
-                match out {
-                    Outcome::Executed(()) => Ok(Some(key)),
-                    Outcome::Replayed(()) => Err("a fresh key replayed".into()),
-                }
-            }
-            "replay" => {
-                let key = used
-                    .get((worker * 7919 + n as usize) % used.len().max(1))
-                    .ok_or("no keys to replay")?;
-                let out = self
-                    .engine
-                    .execute(&call(&self.scope, key.clone()), |_tx| {
-                        Box::pin(async { Err::<(), _>(DbError::Corrupt("a used key executed".into())) })
-                    })
-                    .await?;
-                match out {
-                    Outcome::Replayed(()) => Ok(None),
-                    Outcome::Executed(()) => Err("a used key executed".into()),
-                }
-            }
+            "fresh" => self.fresh(&self.engine, worker, n).await.map(Some),
+            "fresh+read" => self.fresh(&self.read_first, worker, n).await.map(Some),
+            "replay" => self.replay(&self.engine, worker, n, used).await.map(|()| None),
+            "replay+read" => self.replay(&self.read_first, worker, n, used).await.map(|()| None),
             "three-commit" => {
                 let call = call(&self.scope, IdempotencyKey::generate());
                 let Acquire::Claimed(lease) = self.lease.acquire(&call).await? else {

@@ -27,6 +27,7 @@ pub mod deadletter_tests;
 pub mod lease_tests;
 pub mod multistep_tests;
 mod ports;
+pub mod read_first_tests;
 pub mod sent_tests;
 pub mod sql_deadletters;
 pub mod steps_tests;
@@ -34,6 +35,7 @@ pub mod tx_tests;
 pub mod wire;
 
 pub use ports::{free_port, free_port_beside};
+pub use read_first_tests::CountingClaims;
 
 /// A store under test.
 pub trait Subject: Clone + Send + Sync + 'static {
@@ -320,6 +322,7 @@ macro_rules! tx_conformance {
             #[allow(unused_imports)]
             use super::*;
             $crate::tx_behaviours!([$crate::__suite_test] tx_tests, $make);
+            $crate::read_first_behaviours!([$crate::__suite_test] read_first_tests, $make);
         }
     };
 }
@@ -456,6 +459,23 @@ macro_rules! tx_behaviours {
             work_contention_runs_again,
             contention_retries_are_bounded,
             tx_commit_refused_or_lost_applies_once
+        );
+    };
+}
+
+/// Expands to `callback!(args; names)`, `names` being the behaviours of
+/// [`read_first_tests`] (an engine that reads before it claims), which
+/// [`tx_conformance!`] runs beside [`tx_behaviours!`].
+#[macro_export]
+macro_rules! read_first_behaviours {
+    ([$($callback:tt)*] $($args:tt)*) => {
+        $($callback)*!($($args)*;
+            read_first_replays_without_a_transaction,
+            read_first_claims_an_expired_key,
+            read_first_twin_waits_then_replays,
+            read_first_concurrent_64_tasks_one_key_one_effect,
+            read_first_leaves_a_lease_to_the_claim,
+            read_first_failed_read_runs_nothing
         );
     };
 }

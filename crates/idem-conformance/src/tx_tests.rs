@@ -7,7 +7,7 @@ use idem_core::{Begin, Call, Error, IdempotencyKey, Outcome, Policy, Record, Rec
 
 use crate::*;
 
-async fn run_receipt<S: Subject>(
+pub(crate) async fn run_receipt<S: Subject>(
     engine: &TxEngine<S::Backend>,
     call: &Call,
     eid: &str,
@@ -19,7 +19,7 @@ async fn run_receipt<S: Subject>(
 
 /// Runs `call` on `engine` (on the subject's transactions) with the work of
 /// [`writing`].
-async fn run_answering<S, B, T>(
+pub(crate) async fn run_answering<S, B, T>(
     engine: &TxEngine<B>,
     call: &Call,
     eid: &str,
@@ -70,7 +70,7 @@ fn writing<S: Subject, T: Send + 'static>(
     }
 }
 
-async fn effects<S: Subject>(s: &S, eid: &str) -> u64 {
+pub(crate) async fn effects<S: Subject>(s: &S, eid: &str) -> u64 {
     s.count_effects(eid.to_owned()).await.expect("count effects")
 }
 
@@ -81,6 +81,32 @@ fn claimed<Tx>(begin: Begin<Tx>) -> idem_core::Claimed<Tx> {
     }
 }
 
+/// Runs `call` on `engine` with the work of `eid`: it executes, then three
+/// retries replay its outcome without running. Answers the first outcome.
+pub(crate) async fn executes_then_replays<S, B>(
+    engine: &TxEngine<B>,
+    call: &Call,
+    eid: &str,
+    runs: &Runs,
+) -> Outcome<Receipt>
+where
+    S: Subject,
+    B: TxBackend<Tx = <S::Backend as TxBackend>::Tx>,
+{
+    let first = run_answering::<S, _, _>(engine, call, eid, runs, |_| Ok(Receipt::new(5)))
+        .await
+        .unwrap();
+    assert!(!first.is_replayed(), "the first call executes");
+    for _ in 0..3 {
+        let again = run_answering::<S, _, _>(engine, call, eid, runs, |_| Ok(Receipt::new(999)))
+            .await
+            .unwrap();
+        assert!(again.is_replayed(), "a retry is a replay");
+        assert_eq!(again.value(), first.value(), "the replay is the first outcome");
+    }
+    first
+}
+
 /// A retry replays the recorded value exactly and never runs the work again.
 pub async fn replay_is_verbatim<S: Subject>(s: S) {
     let engine = tx_engine(&s);
@@ -88,13 +114,7 @@ pub async fn replay_is_verbatim<S: Subject>(s: S) {
     let key = IdempotencyKey::generate();
     let call = call_for(&scope, &key, r#"{"amount":5}"#, Policy::default());
     let (eid, runs) = (effect_id(), Runs::default());
-    let first = run_receipt::<S>(&engine, &call, &eid, &runs, 5).await.unwrap();
-    assert!(!first.is_replayed(), "the first call executes");
-    for _ in 0..3 {
-        let again = run_receipt::<S>(&engine, &call, &eid, &runs, 999).await.unwrap();
-        assert!(again.is_replayed(), "a retry is a replay");
-        assert_eq!(again.value(), first.value(), "the replay is the first outcome");
-    }
+    executes_then_replays::<S, _>(&engine, &call, &eid, &runs).await;
     // The same JSON with other key order and spacing is the same request.
     let reordered = call_for(&scope, &key, "{ \"amount\" : 5 }", Policy::default());
     assert!(
@@ -324,7 +344,11 @@ async fn first_and_twin<S: Subject>(
 
 /// A twin that arrives while the first holds the key waits, then replays the first's outcome.
 pub async fn twin_waits_then_replays<S: Subject>(s: S) {
-    let engine = Arc::new(tx_engine(&s));
+    twin_waits_then_replays_on(&s, Arc::new(tx_engine(&s))).await;
+}
+
+/// [`twin_waits_then_replays`] on `engine`, an engine on `s`.
+pub(crate) async fn twin_waits_then_replays_on<S: Subject>(s: &S, engine: Arc<TxEngine<S::Backend>>) {
     let call = fresh_call("POST /v1/transfers", "{}", waiting(30_000));
     let eid = effect_id();
     let (first, twin, twin_runs) = first_and_twin::<S>(&engine, &call, &eid, &eid).await;
@@ -338,7 +362,7 @@ pub async fn twin_waits_then_replays<S: Subject>(s: S) {
     let out = twin.await.unwrap().unwrap();
     assert_eq!(out, Outcome::Replayed(receipt), "the twin replays the first outcome");
     assert_eq!(twin_runs.get(), 0, "the twin's work never ran");
-    assert_eq!(effects(&s, &eid).await, 1);
+    assert_eq!(effects(s, &eid).await, 1);
 }
 
 /// A twin waiting on a claim that rolls back then claims the key and runs itself.
@@ -525,7 +549,12 @@ pub async fn sweep_deletes_expired_in_batches<S: Subject>(s: S) {
 /// 64 concurrent tasks on one key, across two connection pools: the effect exists exactly once and all saw the same outcome.
 pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     let other = s.another().await;
-    let engines = [Arc::new(tx_engine(&s)), Arc::new(tx_engine(&other))];
+    concurrent_64_tasks_one_key_on(&s, [Arc::new(tx_engine(&s)), Arc::new(tx_engine(&other))]).await;
+}
+
+/// [`concurrent_64_tasks_one_key_one_effect`] on `engines`, engines on `s`
+/// through pools of their own.
+pub(crate) async fn concurrent_64_tasks_one_key_on<S: Subject>(s: &S, engines: [Arc<TxEngine<S::Backend>>; 2]) {
     let call = fresh_call("POST /v1/transfers", r#"{"amount":100}"#, waiting(120_000));
     let (eid, runs) = (effect_id(), Runs::default());
     let tasks = spawn_together(64, |i| {
@@ -544,7 +573,7 @@ pub async fn concurrent_64_tasks_one_key_one_effect<S: Subject>(s: S) {
     );
     // A run that lost a race at commit (SERIALIZABLE) runs again; only one run commits.
     assert!(runs.get() >= 1, "the work ran");
-    assert_eq!(effects(&s, &eid).await, 1, "the effect exists exactly once");
+    assert_eq!(effects(s, &eid).await, 1, "the effect exists exactly once");
 }
 
 /// 64 concurrent tasks on 64 distinct keys: 64 effects.

@@ -87,7 +87,7 @@ pub use record::{
 pub use redact::{cut_at_char_boundary, redact_credentials, redact_known, url_passwords};
 pub use registry::{KeyRegistry, RegistryGuard, SharedKeyGuard, SharedKeyLock};
 pub use scope::{MAX_NAME_LEN, Operation, Scope, Tenant};
-pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, Sweep, SweepBatch, TxBackend, TxClaim};
+pub use store::{BoxFuture, KeyAdmin, LeaseClaim, LeaseStore, ReadFirst, Sweep, SweepBatch, TxBackend, TxClaim};
 pub use sweep::{
     DEFAULT_SWEEP_BUSY_PERCENT, KeyFilter, KeyInfo, KeyState, KeyStats, MAX_SWEEP_REST, PendingMigration, SweepOptions,
     SweepReport, sweep_expired,

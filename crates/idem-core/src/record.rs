@@ -161,6 +161,14 @@ impl StoredRow {
         self
     }
 
+    /// Whether this row holds a recorded outcome (an unknown one included)
+    /// that has not expired at `now_ms`: what a read before the claim may
+    /// answer by itself (see
+    /// [`TxEngine::with_read_first`](crate::TxEngine::with_read_first)).
+    pub fn is_recorded_at(&self, now_ms: i64) -> bool {
+        matches!(self.state, RowState::Done(_)) && self.expires_at_ms > now_ms
+    }
+
     /// Whether this row holds an unknown outcome at `now_ms`: one recorded
     /// as unknown, or a sent claim whose lease has run out.
     pub fn is_unknown_at(&self, now_ms: i64) -> bool {
@@ -531,5 +539,22 @@ mod tests {
             "a sent claim is an unknown outcome, never stale"
         );
         assert!(!is_stale(STATUS_COMPLETED, Some(5), 100, 10));
+    }
+
+    /// Only an outcome recorded and not expired is answered by a read before
+    /// the claim; a lease in progress or sent, or an expired outcome, is the
+    /// claim's.
+    #[test]
+    fn recorded_at_is_a_live_outcome() {
+        let fingerprint = Fingerprint::of_bytes(&crate::Operation::new("op").unwrap(), b"{}");
+        let row = |status: i16, lease: Option<i64>| {
+            StoredRow::from_columns(fingerprint.as_bytes(), status, 7, Some(b"x".to_vec()), lease, 100).unwrap()
+        };
+        for status in [STATUS_COMPLETED, STATUS_REJECTED, STATUS_UNKNOWN] {
+            assert!(row(status, None).is_recorded_at(99), "{status} live");
+            assert!(!row(status, None).is_recorded_at(100), "{status} expired");
+        }
+        assert!(!row(STATUS_IN_PROGRESS, Some(1_000)).is_recorded_at(10));
+        assert!(!row(STATUS_SENT, Some(1_000)).is_recorded_at(10));
     }
 }

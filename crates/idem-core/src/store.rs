@@ -28,6 +28,18 @@ pub enum TxClaim {
     Busy,
 }
 
+/// The answer of a claim that read the key's committed row first
+/// ([`TxBackend::read_then_claim`]).
+#[derive(Debug)]
+pub enum ReadFirst<Tx> {
+    /// The row read holds a recorded outcome that has not expired
+    /// ([`StoredRow::is_recorded_at`]): nothing was opened or claimed.
+    Recorded(StoredRow),
+    /// Anything else: the transaction opened and the claim's answer, as
+    /// [`begin_claim`](TxBackend::begin_claim) answers them.
+    Claim(Tx, TxClaim),
+}
+
 /// A store that can claim a key inside a database transaction, so the claim,
 /// the caller's writes and the recorded outcome commit together.
 ///
@@ -115,6 +127,53 @@ pub trait TxBackend: Send + Sync + 'static {
                 return Err(e);
             }
             self.commit(tx).await
+        })
+    }
+
+    /// Reads the key's committed row as it is (expired or not), with one
+    /// statement outside any transaction, for an engine that reads before it
+    /// claims ([`TxEngine::with_read_first`](crate::TxEngine::with_read_first)).
+    /// It sees only what has committed, takes no lock and writes nothing.
+    ///
+    /// `None` where the store has no such read: the default. A store that
+    /// has one and overrides [`read_then_claim`](Self::read_then_claim)
+    /// still implements it.
+    fn read_committed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> Option<BoxFuture<'a, Result<Option<StoredRow>>>> {
+        let _ = (scope, key);
+        None
+    }
+
+    /// Reads the key's committed row outside any transaction and answers it
+    /// if it holds a recorded outcome that has not expired at the request's
+    /// time; otherwise opens a transaction and claims the key, as
+    /// [`begin_claim`](Self::begin_claim) does.
+    ///
+    /// The default runs [`read_committed`](Self::read_committed) (failing
+    /// with [`Error::Config`](crate::Error::Config) where there is none),
+    /// then `begin_claim`; the PostgreSQL and MySQL stores override it to
+    /// read and claim on one connection of their pool. An engine whose store
+    /// has a [`local_registry`](Self::local_registry) does not call it: it
+    /// reads with `read_committed` before taking the key's place there.
+    fn read_then_claim<'a>(
+        &'a self,
+        req: &'a ClaimRequest<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<ReadFirst<Self::Tx>>> {
+        Box::pin(async move {
+            let Some(read) = self.read_committed(req.scope, req.key) else {
+                return Err(crate::Error::Config(crate::tx::NO_READ.into()));
+            };
+            if let Some(row) = read.await?
+                && row.is_recorded_at(req.now_ms)
+            {
+                return Ok(ReadFirst::Recorded(row));
+            }
+            let (tx, claim) = self.begin_claim(req, wait).await?;
+            Ok(ReadFirst::Claim(tx, claim))
         })
     }
 

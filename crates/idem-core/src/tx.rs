@@ -16,7 +16,11 @@ use crate::error::{Error, Result};
 use crate::metrics::{self, Stage};
 use crate::record::{Call, ClaimRequest, Outcome, Record, RecordStatus, Token};
 use crate::registry::RegistryGuard;
-use crate::store::{BoxFuture, TxBackend, TxClaim};
+use crate::store::{BoxFuture, ReadFirst, TxBackend, TxClaim};
+
+/// The error of a read-first engine on a store without a read outside a
+/// transaction.
+pub(crate) const NO_READ: &str = "the engine reads before it claims, but its store has no read outside a transaction";
 
 /// How long recording a final rejection waits to claim the key again
 /// (see [`TxEngine::reject_final`]).
@@ -32,12 +36,14 @@ pub const REJECT_CLAIM_WAIT: std::time::Duration = std::time::Duration::from_sec
 pub struct TxEngine<B> {
     backend: B,
     clock: SharedClock,
+    read_first: bool,
 }
 
 impl<B: fmt::Debug> fmt::Debug for TxEngine<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TxEngine")
             .field("backend", &self.backend)
+            .field("read_first", &self.read_first)
             .finish_non_exhaustive()
     }
 }
@@ -133,6 +139,7 @@ impl<B: TxBackend> TxEngine<B> {
         Self {
             backend,
             clock: system_clock(),
+            read_first: false,
         }
     }
 
@@ -140,6 +147,38 @@ impl<B: TxBackend> TxEngine<B> {
     pub fn with_clock(mut self, clock: SharedClock) -> Self {
         self.clock = clock;
         self
+    }
+
+    /// Reads the key's committed row before claiming it (off by default).
+    ///
+    /// With it on, [`begin`](Self::begin) first reads the key's row, one
+    /// statement outside any transaction ([`TxBackend::read_then_claim`]:
+    /// the PostgreSQL and MySQL stores read on the connection the claim then
+    /// uses; on a store that serialises claims in a
+    /// [`local_registry`](TxBackend::local_registry), SQLite's, the read
+    /// ([`TxBackend::read_committed`]) comes before the key's place in it is
+    /// taken).
+    /// A recorded outcome that has not expired is answered from that read
+    /// (a replay, a [`Mismatch`](Error::Mismatch), an
+    /// [`OutcomeUnknown`](Error::OutcomeUnknown), as the claim would
+    /// answer), without opening a transaction, taking a lock or writing
+    /// anything. Anything else (no row, an expired one, a lease in progress,
+    /// a twin's claim not yet committed, which the read cannot see) goes on
+    /// to the claim as without it.
+    ///
+    /// It trades one statement on every fresh call for a replay that costs
+    /// one: turn it on where clients retry often. On a store with neither
+    /// `read_then_claim` nor `read_committed` every call fails with
+    /// [`Error::Config`].
+    pub fn with_read_first(mut self, read_first: bool) -> Self {
+        self.read_first = read_first;
+        self
+    }
+
+    /// Whether the engine reads before it claims (see
+    /// [`with_read_first`](Self::with_read_first)).
+    pub fn reads_first(&self) -> bool {
+        self.read_first
     }
 
     /// The backend.
@@ -169,7 +208,21 @@ impl<B: TxBackend> TxEngine<B> {
         call.policy().validate()?;
         let op = call.scope().operation();
         let mut attempts = Attempts::new(call);
-        let guard = match self.backend.local_registry() {
+        let registry = self.backend.local_registry();
+        // A store that serialises claims in a registry is read before the
+        // key's place in it is taken, so that a replay waits for nobody; the
+        // claim that follows reads nothing more. Other stores read and claim
+        // together, on every attempt.
+        let read_then_claim = self.read_first && registry.is_none();
+        if self.read_first
+            && registry.is_some()
+            && let Some(record) = self.read_recorded(call).await?
+        {
+            metrics::count(metrics::REPLAYS, op);
+            metrics::claim_latency(op, attempts.started.elapsed());
+            return Ok(Begin::Replay(record));
+        }
+        let guard = match registry {
             Some(registry) => match registry.acquire(call.scope(), call.key(), attempts.deadline).await? {
                 Some(guard) => Some(guard),
                 None => {
@@ -195,8 +248,14 @@ impl<B: TxBackend> TxEngine<B> {
                 fresh_token: ticket_parts.2,
                 lease_expires_at_ms: None,
             };
-            let retry = match self.backend.begin_claim(&req, attempts.remaining()).await {
-                Ok((tx, TxClaim::Claimed)) => {
+            let begun = if read_then_claim {
+                self.backend.read_then_claim(&req, attempts.remaining()).await
+            } else {
+                (self.backend.begin_claim(&req, attempts.remaining()).await)
+                    .map(|(tx, claim)| ReadFirst::Claim(tx, claim))
+            };
+            let found = match begun {
+                Ok(ReadFirst::Claim(tx, TxClaim::Claimed)) => {
                     metrics::claim(op, "transactional");
                     metrics::claim_latency(op, attempts.started.elapsed());
                     let ticket = Ticket {
@@ -209,28 +268,32 @@ impl<B: TxBackend> TxEngine<B> {
                     };
                     return Ok(Begin::Claimed(Claimed { tx, ticket }));
                 }
-                Ok((tx, TxClaim::Found(row))) => {
+                // Read before any transaction: nothing to roll back.
+                Ok(ReadFirst::Recorded(row)) => row,
+                Ok(ReadFirst::Claim(tx, TxClaim::Found(row))) => {
                     self.rollback_quietly(tx).await;
-                    match engine::decide(call, row, now_ms)? {
-                        Found::Replay(record) => {
-                            metrics::count(metrics::REPLAYS, op);
-                            metrics::claim_latency(op, attempts.started.elapsed());
-                            return Ok(Begin::Replay(record));
-                        }
-                        Found::Wait => Retry::Busy,
-                    }
+                    row
                 }
-                Ok((tx, TxClaim::Busy)) => {
+                Ok(ReadFirst::Claim(tx, TxClaim::Busy)) => {
                     self.rollback_quietly(tx).await;
-                    Retry::Busy
+                    attempts.next(Retry::Busy).await?;
+                    continue;
                 }
                 Err(e) if engine::is_contention(&e) => {
                     metrics::tx_retry(op.as_str(), Stage::Claim);
-                    Retry::Contention(e)
+                    attempts.next(Retry::Contention(e)).await?;
+                    continue;
                 }
                 Err(e) => return Err(e),
             };
-            attempts.next(retry).await?;
+            match engine::decide(call, found, now_ms)? {
+                Found::Replay(record) => {
+                    metrics::count(metrics::REPLAYS, op);
+                    metrics::claim_latency(op, attempts.started.elapsed());
+                    return Ok(Begin::Replay(record));
+                }
+                Found::Wait => attempts.next(Retry::Busy).await?,
+            }
         }
     }
 
@@ -316,6 +379,24 @@ impl<B: TxBackend> TxEngine<B> {
         let op = claimed.ticket.call.scope().operation().clone();
         self.rollback_quietly(claimed.tx).await;
         metrics::count(metrics::RELEASES, &op);
+    }
+
+    /// The read of a read-first engine on its own
+    /// ([`TxBackend::read_committed`]): the call's answer if the key's
+    /// committed row holds a recorded outcome that has not expired, `None`
+    /// to claim.
+    async fn read_recorded(&self, call: &Call) -> Result<Option<Record>> {
+        let Some(read) = self.backend.read_committed(call.scope(), call.key()) else {
+            return Err(Error::Config(NO_READ.into()));
+        };
+        let now_ms = self.clock.now_ms();
+        match read.await? {
+            Some(row) if row.is_recorded_at(now_ms) => match engine::decide(call, row, now_ms)? {
+                Found::Replay(record) => Ok(Some(record)),
+                Found::Wait => Ok(None),
+            },
+            _ => Ok(None),
+        }
     }
 
     async fn rollback_quietly(&self, tx: B::Tx) {

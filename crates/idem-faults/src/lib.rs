@@ -82,7 +82,8 @@ pub enum Op {
     Extend,
     /// [`LeaseStore::resolve_unknown`].
     Resolve,
-    /// [`LeaseStore::lookup`].
+    /// [`LeaseStore::lookup`], and a transactional engine's read before its
+    /// claim ([`TxBackend::read_committed`](idem_core::TxBackend::read_committed)).
     Lookup,
     /// A transaction's commit ([`TxBackend::commit`](idem_core::TxBackend::commit),
     /// `record_commit`): the claim, the caller's writes and the outcome.

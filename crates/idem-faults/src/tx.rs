@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use idem_core::{BoxFuture, ClaimRequest, KeyRegistry, Record, Result, TxBackend, TxClaim};
+use idem_core::{
+    BoxFuture, ClaimRequest, IdempotencyKey, KeyRegistry, Record, Result, Scope, StoredRow, TxBackend, TxClaim,
+};
 
 use crate::{Faulty, Op};
 
@@ -57,6 +59,20 @@ impl<S: TxBackend> TxBackend for Faulty<S> {
         record: &'a Record,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(self.faulty_commit(self.inner.record_commit(tx, req, record)))
+    }
+
+    /// The wrapped store's read under the [`Op::Lookup`] fault. A
+    /// read-first engine on a faulty store reads with it and then claims
+    /// with `begin_claim` (the trait's default `read_then_claim`), so the
+    /// read and the claim fail each under its own fault; the wrapped
+    /// store's own `read_then_claim` is not used.
+    fn read_committed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> Option<BoxFuture<'a, Result<Option<StoredRow>>>> {
+        let read = self.inner.read_committed(scope, key)?;
+        Some(Box::pin(self.faulty(Op::Lookup, read)))
     }
 
     fn local_registry(&self) -> Option<&KeyRegistry> {

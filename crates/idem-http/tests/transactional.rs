@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
+use idem_conformance::CountingClaims;
 use idem_core::{ContentionRetries, Tenant, TxEngine};
 use idem_http::{IdempotencyLayer, Problem, RetryTransaction, Tx, slugs};
 use idem_memory::MemoryStore;
@@ -161,4 +162,54 @@ async fn failing_body_is_reported_as_failed() {
     let (status, ..) = send(&app, "k5").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(c.run_count(), 2, "the key stayed unused");
+}
+
+/// On an engine that reads before it claims, a retry is answered from the
+/// read: the layer replays the recorded response without opening a
+/// transaction, refuses a different request under the key without one, and
+/// serves the same key of another tenant as its own.
+#[tokio::test]
+async fn read_first_replays_without_a_transaction() {
+    let backend = CountingClaims::new(MemoryStore::new());
+    let engine = TxEngine::new(backend.clone()).with_read_first(true);
+    let c = Counters::default();
+    let handler = {
+        let c = c.clone();
+        move |mut tx: Tx<CountingClaims<MemoryStore>>| {
+            let c = c.clone();
+            async move { (StatusCode::CREATED, format!("run {}", c.run_in(&mut tx))) }
+        }
+    };
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(IdempotencyLayer::transactional(engine, tenant));
+    let (status, headers, body) = send(&app, "rf").await;
+    assert_eq!((status, body.unwrap()), (StatusCode::CREATED, Bytes::from("run 1")));
+    assert!(!headers.contains_key("idempotent-replayed"));
+    assert_eq!(backend.opened(), 1, "a new key is claimed in a transaction");
+    for _ in 0..2 {
+        let (status, headers, body) = send(&app, "rf").await;
+        assert_eq!((status, body.unwrap()), (StatusCode::CREATED, Bytes::from("run 1")));
+        assert_eq!(headers["idempotent-replayed"], "true");
+    }
+    let other_body = Request::post("/things")
+        .header("idempotency-key", "\"rf\"")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"other":1}"#))
+        .unwrap();
+    let response = app.clone().oneshot(other_body).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(backend.opened(), 1, "replays and mismatches open no transaction");
+    let theirs = Request::post("/things")
+        .header("idempotency-key", "\"rf\"")
+        .header("x-tenant", "u")
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = app.clone().oneshot(theirs).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(!response.headers().contains_key("idempotent-replayed"));
+    assert_eq!(backend.opened(), 2, "another tenant's key is its own");
+    assert_eq!(c.run_count(), 2);
+    assert_eq!(c.commit_count(), 2);
 }

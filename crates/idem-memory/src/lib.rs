@@ -247,6 +247,14 @@ impl TxBackend for MemoryStore {
     fn local_registry(&self) -> Option<&KeyRegistry> {
         Some(&self.registry)
     }
+
+    fn read_committed<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> Option<BoxFuture<'a, Result<Option<StoredRow>>>> {
+        Some(Box::pin(async move { self.get(scope, key) }))
+    }
 }
 
 impl LeaseStore for MemoryStore {

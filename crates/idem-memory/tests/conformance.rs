@@ -88,3 +88,9 @@ impl DeadLetterSubject for MemoryLetters {
 }
 
 deadletter_conformance!(memory_deadletters, async { MemoryLetters::new() });
+
+/// A read-first replay on a store whose claims queue in a local registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn read_first_replay_takes_no_registry_place() {
+    idem_conformance::read_first_tests::read_first_replay_takes_no_registry_place(Memory::default()).await;
+}

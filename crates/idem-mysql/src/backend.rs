@@ -34,26 +34,12 @@ impl TxBackend for MySqlStore {
         wait: Duration,
     ) -> BoxFuture<'a, Result<(MySqlTx, TxClaim)>> {
         Box::pin(async move {
-            let (tx, claim) = match self.strategy {
-                ClaimStrategy::NamedLock => self.begin_named(req, wait).await?,
-                ClaimStrategy::Placeholder => {
-                    let mut tx = self.begin().await?;
-                    match self.claim_on(&mut tx, req, lock_wait_secs(wait)).await {
-                        Ok(claim) => (tx, claim),
-                        Err(e) => {
-                            tx.roll_back_after("claim").await;
-                            return Err(e);
-                        }
-                    }
-                }
-            };
-            let mut tx = tx;
-            if matches!(claim, Claim::Found(_)) {
-                tx.note_found();
-            }
-            Ok((tx, claim.into()))
+            let conn = self.pool.acquire().await.map_err(store_error)?;
+            self.begin_claim_on(conn, req, wait).await
         })
     }
+
+    idem_sql::read_then_claim_on_one_connection!(store_error);
 
     fn record<'a>(
         &'a self,

@@ -1,6 +1,9 @@
 //! How a claim is made: the placeholder row, the named lock, a takeover
 //! of a stale lease.
 
+use sqlx::MySql;
+use sqlx::pool::PoolConnection;
+
 use super::*;
 
 /// What one claim attempt found.
@@ -348,6 +351,33 @@ impl MySqlStore {
         self.take_over(tx, req, &row, &prefix).await
     }
 
+    /// [`begin_claim`](TxBackend::begin_claim) on `conn`, a connection of
+    /// the store's pool.
+    pub(crate) async fn begin_claim_on(
+        &self,
+        conn: PoolConnection<MySql>,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+    ) -> Result<(MySqlTx, TxClaim)> {
+        let (mut tx, claim) = match self.strategy {
+            ClaimStrategy::NamedLock => self.begin_named(conn, req, wait).await?,
+            ClaimStrategy::Placeholder => {
+                let mut tx = MySqlTx::begin_on(conn).await?;
+                match self.claim_on(&mut tx, req, lock_wait_secs(wait)).await {
+                    Ok(claim) => (tx, claim),
+                    Err(e) => {
+                        tx.roll_back_after("claim").await;
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        if matches!(claim, Claim::Found(_)) {
+            tx.note_found();
+        }
+        Ok((tx, claim.into()))
+    }
+
     /// The named-lock claim as the engine opens it, in one round trip
     /// before `BEGIN`: a text of two statements takes the lock
     /// (`SET @idem_named_lock = GET_LOCK(…)`) and then reads the key's row
@@ -364,8 +394,12 @@ impl MySqlStore {
     /// follows only when the claim writes (a fresh key, a takeover, the
     /// placeholder claim under SERIALIZABLE); a busy key answers a
     /// transaction that never began and holds nothing.
-    pub(crate) async fn begin_named(&self, req: &ClaimRequest<'_>, wait: Duration) -> Result<(MySqlTx, Claim)> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+    pub(crate) async fn begin_named(
+        &self,
+        mut conn: PoolConnection<MySql>,
+        req: &ClaimRequest<'_>,
+        wait: Duration,
+    ) -> Result<(MySqlTx, Claim)> {
         let flavor = self.flavor(&mut conn).await?;
         let name = self.lock_name(req.scope, req.key);
         let text = named_claim_text(flavor, self.table.as_str(), &name, wait, req);

@@ -98,7 +98,11 @@ impl Drop for MySqlTx {
 impl MySqlTx {
     /// Opens a transaction on a connection of `pool`.
     pub(crate) async fn begin(pool: &MySqlPool) -> Result<Self> {
-        let mut conn = pool.acquire().await.map_err(store_error)?;
+        Self::begin_on(pool.acquire().await.map_err(store_error)?).await
+    }
+
+    /// Opens a transaction on `conn`, a connection of the store's pool.
+    pub(crate) async fn begin_on(mut conn: PoolConnection<MySql>) -> Result<Self> {
         MySqlTransactionManager::begin(&mut conn, None)
             .await
             .map_err(store_error)?;

@@ -44,87 +44,11 @@ impl TxBackend for PgStore {
     fn begin_claim<'a>(&'a self, req: &'a ClaimRequest<'a>, wait: Duration) -> BoxFuture<'a, Result<(PgTx, TxClaim)>> {
         Box::pin(async move {
             let conn = self.pool.acquire().await.map_err(store_error)?;
-            let advisory =
-                (self.strategy == ClaimStrategy::AdvisoryLock).then(|| self.advisory_key(req.scope, req.key));
-            let lock_timeout = lock_timeout_setting(wait);
-            let mut execute = tx::execute_claim(&self.sql.claim_tx.name, req, &lock_timeout, advisory);
-            let mut prepared = vec![(&*self.sql.record_tx.name, &*self.sql.record_tx.prepare)];
-            let mut shape = tx::ClaimShape::Claim;
-            if let Some(first) = &self.sql.first {
-                let insert = tx::execute_claim(&first.insert.name, req, &lock_timeout, None);
-                let look = tx::execute_look(&first.look.name, req);
-                execute = format!("{insert}; {look}");
-                prepared.push((&first.insert.name, &first.insert.prepare));
-                prepared.push((&first.look.name, &first.look.prepare));
-                shape = tx::ClaimShape::FirstThenLook;
-            } else {
-                prepared.push((&self.sql.claim_tx.name, &self.sql.claim_tx.prepare));
-            }
-            if let Some(one_write) = &self.sql.one_write {
-                let lock = tx::execute_lock(
-                    &one_write.lock.name,
-                    req,
-                    &lock_timeout,
-                    self.advisory_key(req.scope, req.key),
-                );
-                execute = format!("{lock}; {execute}");
-                prepared.push((&one_write.lock.name, &one_write.lock.prepare));
-                prepared.push((&one_write.insert.name, &one_write.insert.prepare));
-                shape = tx::ClaimShape::LockThenClaim;
-            }
-            let (mut tx, row) = match tx::begin_claim(conn, &prepared, execute, shape).await {
-                Ok(claimed) => claimed,
-                Err((tx, e)) if sqlstate(&e).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                    return Ok((tx, self.busy(wait)));
-                }
-                Err((tx, e)) => {
-                    tx.roll_back_after("claim").await;
-                    return Err(store_error(e));
-                }
-            };
-            let decided = match &row {
-                tx::ClaimRows::Claim(row) => decide_claim(row),
-                tx::ClaimRows::LockThenClaim(lock, row) => self.decide_one_write(&mut tx, req, lock, row),
-                tx::ClaimRows::FirstThenLook(Some(_), _) => Ok(Some(TxClaim::Claimed)),
-                tx::ClaimRows::FirstThenLook(None, look) => decide_claim(look),
-            };
-            let first = matches!(row, tx::ClaimRows::FirstThenLook(..));
-            let answer = match decided {
-                Ok(Some(answer)) => Ok(answer),
-                // The look read its row after the insert, so there is nothing
-                // newer to read: a stale row, one gone since, or nothing read
-                // because the insert got a transaction id without inserting
-                // (it met a twin's row only at its index entry). The general
-                // claim decides.
-                Ok(None) if first => self.claim(&mut tx, req, wait).await,
-                Ok(None) => match self.reread(&mut tx, req).await {
-                    Ok(Some(answer)) => Ok(answer),
-                    Ok(None) => self.claim(&mut tx, req, wait).await,
-                    Err(e) => Err(e),
-                },
-                Err(e) => Err(e),
-            };
-            match answer {
-                Ok(answer) => {
-                    if answer == TxClaim::Claimed {
-                        tracing::debug!(table = self.table.as_str(), "claimed key in transaction");
-                        // It holds the key's row (or lock): a rollback waits.
-                        tx.unsettle();
-                        // The caller's work runs next.
-                        if let Err(e) = tx.count_in_sqlx().await {
-                            tx.roll_back_after("claim").await;
-                            return Err(e);
-                        }
-                    }
-                    Ok((tx, answer))
-                }
-                Err(e) => {
-                    tx.roll_back_after("claim").await;
-                    Err(e)
-                }
-            }
+            self.begin_claim_on(conn, req, wait).await
         })
     }
+
+    idem_sql::read_then_claim_on_one_connection!(store_error);
 
     fn record<'a>(
         &'a self,

@@ -402,7 +402,8 @@ macro_rules! key_sweep {
 
 /// The `commit` and `rollback` of a [`TxBackend`](idem_core::TxBackend)
 /// impl whose transaction type ends itself (its own `commit` and
-/// `rollback`), written inside the `impl` block.
+/// `rollback`), and its `read_committed` (the store's own `get`, one
+/// statement on the pool), written inside the `impl` block.
 #[macro_export]
 macro_rules! tx_ends {
     () => {
@@ -412,6 +413,44 @@ macro_rules! tx_ends {
 
         fn rollback(&self, tx: Self::Tx) -> ::idem_core::BoxFuture<'_, ::idem_core::Result<()>> {
             ::std::boxed::Box::pin(tx.rollback())
+        }
+
+        fn read_committed<'a>(
+            &'a self,
+            scope: &'a ::idem_core::Scope,
+            key: &'a ::idem_core::IdempotencyKey,
+        ) -> ::std::option::Option<
+            ::idem_core::BoxFuture<'a, ::idem_core::Result<::std::option::Option<::idem_core::StoredRow>>>,
+        > {
+            ::std::option::Option::Some(::std::boxed::Box::pin(self.get(scope, key)))
+        }
+    };
+}
+
+/// The `read_then_claim` of a [`TxBackend`](idem_core::TxBackend) impl
+/// whose store has a pool (`self.pool`), its key rows (`self.rows`, an
+/// [`SqlKeyRows`](crate::SqlKeyRows)) and a `begin_claim_on(conn, req,
+/// wait)` that claims on a connection of that pool: the read and the claim
+/// on one connection, so a fresh call pays the read's statement and no
+/// other checkout of the pool. `$error` maps the pool's error.
+#[macro_export]
+macro_rules! read_then_claim_on_one_connection {
+    ($error:path) => {
+        fn read_then_claim<'a>(
+            &'a self,
+            req: &'a ::idem_core::ClaimRequest<'a>,
+            wait: ::std::time::Duration,
+        ) -> ::idem_core::BoxFuture<'a, ::idem_core::Result<::idem_core::ReadFirst<Self::Tx>>> {
+            ::std::boxed::Box::pin(async move {
+                let mut conn = self.pool.acquire().await.map_err($error)?;
+                if let ::std::option::Option::Some(row) = self.rows.get_in(&mut conn, req.scope, req.key).await?
+                    && row.is_recorded_at(req.now_ms)
+                {
+                    return ::std::result::Result::Ok(::idem_core::ReadFirst::Recorded(row));
+                }
+                let (tx, claim) = self.begin_claim_on(conn, req, wait).await?;
+                ::std::result::Result::Ok(::idem_core::ReadFirst::Claim(tx, claim))
+            })
         }
     };
 }

@@ -109,3 +109,9 @@ multistep_conformance!(sqlite_multistep, Sqlite::with_steps());
 tx_conformance!(sqlite_tx, Sqlite::new());
 lease_conformance!(sqlite_lease, Sqlite::new());
 admin_conformance!(sqlite_admin, Sqlite::new());
+
+/// A read-first replay on a store whose claims queue in a local registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn read_first_replay_takes_no_registry_place() {
+    idem_conformance::read_first_tests::read_first_replay_takes_no_registry_place(Sqlite::new().await).await;
+}

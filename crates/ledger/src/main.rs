@@ -18,6 +18,11 @@ struct Args {
     /// How long idempotency keys are kept, in seconds.
     #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=315_360_000))]
     key_ttl_secs: u64,
+    /// Read an idempotency key's committed row before claiming it: a retry
+    /// of a recorded request is answered by that one statement, without a
+    /// transaction; every new key pays one statement more.
+    #[arg(long, env = "LEDGER_READ_FIRST")]
+    read_first: bool,
     /// The bearer tokens accepted (repeat the flag, or a comma-separated
     /// LEDGER_TOKENS). None: demo mode, every token is its own tenant.
     #[arg(long = "token", env = "LEDGER_TOKENS", value_delimiter = ',')]
@@ -277,6 +282,7 @@ async fn serve(
         webhooks,
         events_namespace,
         require_keys: true,
+        read_first: args.read_first,
         events_health: ledger::events::EventsHealth::default(),
         withdrawals: None,
     };

@@ -345,19 +345,9 @@ async fn fifty_concurrent_identical_transfers(engine: Engine, transport: Transpo
     assert_eq!(l.top_up(&t, &a, 1_000).await.status, 201);
     let k = key();
     let body = transfer_body(&a, &b, 7);
-    let barrier = Arc::new(tokio::sync::Barrier::new(50));
-    let tasks: Vec<_> = (0..50)
-        .map(|_| {
-            let (l, t, k, body, barrier) = (l.clone(), t.clone(), k.clone(), body.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                l.post("/v1/transfers", &t, Some(&k), &body).await
-            })
-        })
-        .collect();
     let mut created = Vec::new();
     let mut in_flight = 0;
-    for task in tasks {
+    for task in transfers_together(&l, &t, &k, &body, 50) {
         let r = task.await.unwrap();
         match r.status {
             201 => created.push(r),
@@ -386,6 +376,20 @@ async fn fifty_concurrent_identical_transfers(engine: Engine, transport: Transpo
     );
     assert_eq!(l.audit(&t).await["journal_rows"], 2);
     Arc::into_inner(l).unwrap().stop().await;
+}
+
+/// `n` tasks that post the transfer `body` under key `k` at the same moment.
+fn transfers_together(l: &Arc<Ledger>, t: &str, k: &str, body: &str, n: usize) -> Vec<tokio::task::JoinHandle<Resp>> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    (0..n)
+        .map(|_| {
+            let (l, t, k, body, barrier) = (l.clone(), t.to_owned(), k.to_owned(), body.to_owned(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                l.post("/v1/transfers", &t, Some(&k), &body).await
+            })
+        })
+        .collect()
 }
 
 /// A key used by tenant A and sent by tenant B never returns A's response.
@@ -479,6 +483,58 @@ async fn expired_key_executes_anew(engine: Engine, transport: Transport) {
     l.stop().await;
 }
 
+/// With `read_first` on, the ledger's answers are those without it: the
+/// same byte-identical replay, the same 422 for another body, one transfer
+/// out of twenty identical ones sent together. (That retries then open no
+/// transaction is counted by idem-http's and the conformance suite's
+/// read-first tests.)
+async fn read_first_replays_and_applies_once(engine: Engine, transport: Transport) {
+    let options = Options {
+        read_first: true,
+        ..Options::default()
+    };
+    let l = Arc::new(
+        Ledger::start_with(
+            &database_url(engine),
+            transport,
+            Arc::new(idem_core::SystemClock),
+            options,
+        )
+        .await,
+    );
+    let t = token();
+    let (a, b) = (l.account(&t, "a").await, l.account(&t, "b").await);
+    let k = key();
+    let first = l.post("/v1/top-ups", &t, Some(&k), &top_up_body(&a, 40)).await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    let again = l.post("/v1/top-ups", &t, Some(&k), &top_up_body(&a, 40)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body, "byte-identical replay");
+    l.post("/v1/top-ups", &t, Some(&k), &top_up_body(&a, 41))
+        .await
+        .assert_problem(422, "idempotency-key-reused");
+    let (k, body) = (key(), transfer_body(&a, &b, 7));
+    let mut executed = 0;
+    for task in transfers_together(&l, &t, &k, &body, 20) {
+        let r = task.await.unwrap();
+        match r.status {
+            201 if !r.replayed() => executed += 1,
+            201 => {}
+            409 => r.assert_problem(409, "idempotency-key-in-flight"),
+            other => panic!("unexpected {other}: {}", String::from_utf8_lossy(&r.body)),
+        }
+    }
+    assert!(executed <= 1, "at most one of the twins executed");
+    let last = l.post("/v1/transfers", &t, Some(&k), &body).await;
+    assert_eq!(last.status, 201);
+    assert_eq!(
+        (l.balance(&t, &a).await, l.balance(&t, &b).await),
+        (33, 7),
+        "the top-up and the transfer applied once each"
+    );
+    Arc::into_inner(l).unwrap().stop().await;
+}
+
 matrix!(
     accounts,
     money_moves_and_is_conserved,
@@ -493,5 +549,6 @@ matrix!(
     fifty_concurrent_identical_transfers,
     tenants_never_share_responses,
     replay_survives_restart,
-    expired_key_executes_anew
+    expired_key_executes_anew,
+    read_first_replays_and_applies_once
 );

@@ -14,9 +14,9 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use idem_core::Tenant;
+use idem_core::{Tenant, TxBackend};
 use idem_http::{Problem, Tx};
-use idem_memory::MemoryStore;
+use idem_memory::MemoryTx;
 use tower::ServiceExt;
 
 /// Every request is tenant `t`.
@@ -105,7 +105,7 @@ pub(crate) struct Counters {
 impl Counters {
     /// Counts a run, and the effect of `tx` once it commits: the run's
     /// number, from 1.
-    pub(crate) fn run_in(&self, tx: &mut Tx<MemoryStore>) -> usize {
+    pub(crate) fn run_in<B: TxBackend<Tx = MemoryTx> + Clone>(&self, tx: &mut Tx<B>) -> usize {
         let run = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         let committed = self.committed.clone();
         tx.on_commit(move || {

@@ -107,6 +107,11 @@ pub struct Options {
     /// commits on success, with no claim and no record: the same routes
     /// without idempotency, for measuring what the layer costs.
     pub require_keys: bool,
+    /// Whether the idempotency layer reads a key's committed row before it
+    /// claims (`TxEngine::with_read_first`): a retry of a recorded request
+    /// is answered by that one statement, without a transaction, and every
+    /// new key pays the statement. Off by default.
+    pub read_first: bool,
     /// Where the events report settings refused at start (shown by
     /// `/healthz` as 503 `events-configuration-refused`).
     pub events_health: crate::events::EventsHealth,
@@ -128,6 +133,7 @@ impl Default for Options {
             webhooks: Some(Verifier::new([DEMO_WEBHOOK_SECRET]).expect("the demo secret is valid")),
             events_namespace: Namespace::default(),
             require_keys: true,
+            read_first: false,
             events_health: crate::events::EventsHealth::default(),
             withdrawals: None,
         }
@@ -150,7 +156,9 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Builds the ledger's router.
 pub fn app<D: LedgerDb>(state: AppState<D>, options: Options) -> Router {
     let policy = Policy::default().with_ttl_secs(options.key_ttl_secs);
-    let engine = TxEngine::new(state.db.clone()).with_clock(state.clock.clone());
+    let engine = TxEngine::new(state.db.clone())
+        .with_clock(state.clock.clone())
+        .with_read_first(options.read_first);
     let required = if options.require_keys {
         RoutePolicy::required()
     } else {
