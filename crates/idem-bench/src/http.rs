@@ -36,12 +36,14 @@ pub struct HttpPaths {
 
 impl HttpPaths {
     /// Serves the ledger on `store` at 127.0.0.1 (any port); transfers move
-    /// money among `accounts` of [`TOKEN`]'s tenant.
-    pub async fn start(store: ledger::Store, accounts: Arc<Vec<String>>) -> Result<Self, BoxError> {
+    /// money among `accounts` of [`TOKEN`]'s tenant. With `read_first` the
+    /// ledger reads a key's committed row before it claims it.
+    pub async fn start(store: ledger::Store, accounts: Arc<Vec<String>>, read_first: bool) -> Result<Self, BoxError> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}/v1/transfers", listener.local_addr()?);
         let options = ledger::Options {
             require_keys: false,
+            read_first,
             events_namespace: ledger::events::Namespace::new(crate::engines::EVENTS_NAMESPACE)?,
             ..ledger::Options::default()
         };

@@ -62,6 +62,11 @@ pub struct Args {
     /// default) or `named-lock`.
     #[arg(long, default_value = "placeholder", value_parser = ["placeholder", "named-lock"])]
     pub mysql_claim_strategy: String,
+    /// The HTTP workload's ledger reads a key's committed row before it
+    /// claims it (the ledger's `--read-first`): its `with` path pays the
+    /// read, its `replay` path is answered by it.
+    #[arg(long)]
+    pub http_read_first: bool,
     /// Also run the scale benchmark (`scale`, next to this binary).
     #[arg(long)]
     pub scale: bool,
@@ -209,7 +214,7 @@ async fn run_engine<D: BenchDb>(engine: &str, db: D, args: &Args, out: &mut Vec<
 async fn run_http<D: BenchDb>(engine: &str, db: D, args: &Args, out: &mut Vec<Comparison>) -> Result<(), BoxError> {
     let tenant = ledger::tenant_for_token(crate::http::TOKEN);
     let accounts = fund_accounts(&db, tenant.as_str(), args.accounts).await?;
-    let bench = Arc::new(HttpPaths::start(db.ledger_store(), accounts).await?);
+    let bench = Arc::new(HttpPaths::start(db.ledger_store(), accounts, args.http_read_first).await?);
     at_each(&bench, args, engine, "http", out).await
 }
 
