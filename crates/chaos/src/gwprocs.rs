@@ -18,18 +18,28 @@ use crate::Error;
 
 /// Finds or builds the `idem` binary, and runs a copy of its own, so that
 /// a build made meanwhile (another run's) never changes what a restarted
-/// gateway runs.
+/// gateway runs. The running `cargo test`'s build is taken first (its
+/// fault points are off unless the environment sets them).
 pub fn idem_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
     if let Some(p) = explicit {
         return Ok(p.clone());
     }
-    own_copy(&build_idem(&[])?, "idem-chaos")
+    let built = match crate::cargo::from_running_test_build("idem") {
+        Some(built) => built,
+        None => build_idem(&[])?,
+    };
+    own_copy(&built, "idem-chaos")
 }
 
-/// Builds `idem` with fault injection (`IDEM_FAULT_SKIP_SENT_MARK`) and
-/// keeps a copy under a name of its own, then builds the ordinary binary
-/// again so that `target/…/idem` stays the one everything else runs.
+/// Finds or builds `idem` with fault injection (`IDEM_FAULT_SKIP_SENT_MARK`)
+/// and keeps a copy under a name of its own. The running `cargo test`'s
+/// build has it (`idem-cli`'s tests turn it on); a build of its own is
+/// followed by the ordinary build again, so that `target/…/idem` stays the
+/// one everything else runs.
 pub fn idem_fault_binary() -> Result<PathBuf, Error> {
+    if let Some(built) = crate::cargo::from_running_test_build("idem") {
+        return own_copy(&built, "idem-fault-injection");
+    }
     let copy = own_copy(&build_idem(&["--features", "fault-injection"])?, "idem-fault-injection")?;
     build_idem(&[])?;
     Ok(copy)

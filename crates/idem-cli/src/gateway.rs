@@ -45,11 +45,6 @@ pub(crate) async fn run(
     redis_prefix: Option<String>,
     skip_redis_checks: bool,
 ) -> Result<(), Failure> {
-    #[cfg(feature = "fault-injection")]
-    if std::env::var_os("IDEM_FAULT_SKIP_SENT_MARK").is_some() {
-        tracing::warn!("fault injection: the sent mark is off; keys of killed requests are sent again");
-        idem_http::fault::set_skip_sent_mark(true);
-    }
     let mut cfg = match &args.config {
         Some(path) => idem_gateway::Config::from_file(path).map_err(|e| Failure(2, e.to_string()))?,
         None => idem_gateway::Config::default(),

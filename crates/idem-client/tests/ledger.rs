@@ -4,7 +4,8 @@
 //! with SIGKILL mid-call that resumes from its pending file with the same
 //! key, so the top-up is applied exactly once.
 //!
-//! The ledger is built with `cargo build -p ledger --features fault-injection` (or taken from
+//! The ledger is the fault-injection build the running `cargo test` made, or
+//! `cargo build -p ledger --features fault-injection` (or taken from
 //! `IDEM_CLIENT_LEDGER_BIN`). Between client and ledger, a proxy in the test
 //! records each request's `Idempotency-Key` and can hold or drop answers.
 
@@ -30,10 +31,12 @@ fn ledger_binary() -> &'static Path {
         if let Ok(p) = std::env::var("IDEM_CLIENT_LEDGER_BIN") {
             return PathBuf::from(p);
         }
-        // The chaos harness's build (`--features fault-injection`, off
-        // unless its environment turns faults on): one ledger build for
-        // both suites.
-        cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
+        // The chaos harness's binary (`fault-injection`, off unless its
+        // environment turns faults on): the running `cargo test`'s, or one
+        // build for both suites.
+        cargo::from_running_test_build("ledger")
+            .map(Ok)
+            .unwrap_or_else(|| cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger"))
             .unwrap_or_else(|e| panic!("the ledger binary: {e}"))
     })
 }

@@ -52,6 +52,12 @@ pub fn set_bypass(on: bool) {
     BYPASS.store(on, Ordering::SeqCst);
 }
 
+/// The environment variable that switches the sent mark off for the
+/// process (any value), as [`set_skip_sent_mark`] does: `idem gateway`
+/// built with fault injection, under a harness that must see the double
+/// sends the mark prevents.
+pub const SKIP_SENT_MARK_ENV: &str = "IDEM_FAULT_SKIP_SENT_MARK";
+
 /// Switches the lease-mode sent mark off (`true`): a lease then reaches the
 /// handler unmarked, and a holder that dies mid-request leaves a key the
 /// next claimer takes over and sends again. Only for proving that a checker
@@ -61,7 +67,15 @@ pub fn set_skip_sent_mark(on: bool) {
 }
 
 pub(crate) fn skips_sent_mark() -> bool {
-    SKIP_SENT_MARK.load(Ordering::SeqCst)
+    static FROM_ENV: OnceLock<bool> = OnceLock::new();
+    let from_env = *FROM_ENV.get_or_init(|| {
+        let set = std::env::var_os(SKIP_SENT_MARK_ENV).is_some();
+        if set {
+            tracing::warn!("fault injection: the sent mark is off; keys of killed requests are sent again");
+        }
+        set
+    });
+    from_env || SKIP_SENT_MARK.load(Ordering::SeqCst)
 }
 
 pub(crate) fn hit(point: Point) {

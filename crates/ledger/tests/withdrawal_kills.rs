@@ -21,20 +21,16 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem_core::multistep::{MultiStepState, MultiStepStore};
 use idem_core::{IdempotencyKey, Scope};
-#[path = "../../chaos/src/cargo.rs"]
-#[allow(unreachable_pub)]
-mod cargo;
-
 use ledger::withdrawals::WITHDRAWAL_OPERATION;
 use ledger::{LedgerDb, Store};
 
-/// The ledger binary built with `fault-injection` (built once per run, and
-/// copied: a plain build of the ledger writes the same path).
+/// This test build's ledger binary, which has `fault-injection` (the
+/// ledger's dev-dependency on itself turns it on), copied once per run: a
+/// plain build of the ledger writes the same path.
 fn fault_ledger() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let built = cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
-            .unwrap_or_else(|e| panic!("building the ledger with fault-injection: {e}"));
+        let built = PathBuf::from(env!("CARGO_BIN_EXE_ledger"));
         let copy = built.with_file_name(format!("ledger-withdrawal-kills-{}", std::process::id()));
         std::fs::copy(&built, &copy).expect("the binary is copied");
         copy
