@@ -12,7 +12,7 @@ n=${1:-4000}
 rounds=${2:-2}
 shift 2 2>/dev/null || shift $#
 options=("$@")
-[ ${#options[@]} -gt 0 ] || options=(bare paired store store-nolt store-plainrecord store-plainclaim store-lean onewrite-brin)
+[ ${#options[@]} -gt 0 ] || options=(bare paired store store-general store-nolt store-plainrecord store-plainclaim onewrite-brin)
 source ./prepare.sh
 pm=$(head -1 "$(psql -Atq "$url" -c 'SHOW data_directory')/postmaster.pid")
 tck=$(getconf CLK_TCK)

@@ -7,6 +7,9 @@
 #
 #   bash crates/idem-bench/pgbench/run.sh [seconds=15] [clients=16] [rounds=2]
 #
+# OPTIONS (space-separated script names, e.g. "paired store store-general")
+# runs those options instead of the default list.
+#
 # The database comes from IDEM_TEST_POSTGRES_URL (default
 # postgres://postgres@127.0.0.1:5432/test).
 set -euo pipefail
@@ -15,10 +18,13 @@ seconds=${1:-15}
 clients=${2:-16}
 rounds=${3:-2}
 source ./prepare.sh
-options=(separate paired store store-lean paired-noexp onewrite onewrite-noexp onewrite-brin threecommit)
+read -r -a options <<<"${OPTIONS:-separate paired store store-general store-plainrecord store-nolt paired-noexp onewrite onewrite-noexp onewrite-brin threecommit}"
 tps() {
-    pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$scripts/$1.sql" "$url" 2>/dev/null |
-        awk '/^tps/ {print int($3)}'
+    [ -f "$scripts/$1.sql" ] || { echo "run.sh: no script $1 (scripts.sh writes: $(cd "$scripts" && ls | sed 's/\.sql$//' | tr '\n' ' '))" >&2; exit 1; }
+    local out
+    out=$(pgbench -n -M prepared -c "$clients" -j 2 -T "$seconds" -f "$scripts/$1.sql" "$url" 2>&1) ||
+        { echo "run.sh: pgbench failed on $1:" >&2; echo "$out" | tail -5 >&2; exit 1; }
+    echo "$out" | awk '/^tps/ {print int($3)}'
 }
 printf '%-14s %8s %8s %7s\n' option tps bare ratio
 for round in $(seq "$rounds"); do
