@@ -284,3 +284,33 @@ fn every_variant_differs_from_its_base_in_its_one_part() {
     );
     std::fs::remove_dir_all(folder).unwrap();
 }
+
+/// The option lists `run.sh` and `cpu.sh` run by default name only scripts
+/// `scripts.sh` writes (a name left behind when a variant goes would make
+/// `run.sh` stop at it).
+#[test]
+fn the_default_option_lists_name_scripts_that_exist() {
+    let folder = scripts("lists");
+    let read = |file: &str| std::fs::read_to_string(dir().join(file)).unwrap();
+    let run_sh = read("run.sh");
+    let (_, after) = run_sh
+        .split_once("${OPTIONS:-")
+        .expect("run.sh reads its option list from OPTIONS, with a default");
+    let run_list = after.split_once('}').expect("the default ends with }").0;
+    let cpu_sh = read("cpu.sh");
+    let (_, after) = cpu_sh
+        .split_once("|| options=(")
+        .expect("cpu.sh has a default option list");
+    let cpu_list = after.split_once(')').expect("the list ends with )").0;
+    for (file, list) in [("run.sh", run_list), ("cpu.sh", cpu_list)] {
+        let names: Vec<&str> = list.split_whitespace().collect();
+        assert!(names.len() >= 4, "{file}: {names:?}");
+        for name in names {
+            assert!(
+                folder.join(format!("{name}.sql")).is_file(),
+                "{file} runs {name}, which scripts.sh does not write"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&folder).unwrap();
+}
