@@ -57,13 +57,29 @@ pub fn build_binary(args: &[&str], name: &str) -> Result<PathBuf, String> {
     binary_in(&out.stdout, name).ok_or_else(|| format!("cargo reported no {name} executable"))
 }
 
+/// The ledger with `fault-injection`: the running `cargo test`'s, or a
+/// build of its own.
+pub fn fault_injection_ledger() -> Result<PathBuf, String> {
+    match from_running_test_build("ledger") {
+        Some(built) => Ok(built),
+        None => build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger"),
+    }
+}
+
 /// The binary `name` as built by the `cargo test` that started this
 /// process, if its build has one: that command again (read from the parent
-/// process, in the parent's directory, up to any `--`) with `--no-run`.
-/// Every unit of it is fresh, so cargo compiles nothing and reports the
-/// executables. `None` where the parent is not `cargo … test`, the command
-/// fails, or its build has no binary `name`.
+/// process, in the parent's directory, up to any `--`) with `--no-run`,
+/// once per process. Every unit of it is fresh, so cargo compiles nothing
+/// and reports the executables. `None` where the parent is not `cargo …
+/// test`, the command fails, or its build has no binary `name`.
 pub fn from_running_test_build(name: &str) -> Option<PathBuf> {
+    static MESSAGES: std::sync::OnceLock<Option<Vec<u8>>> = std::sync::OnceLock::new();
+    binary_in(MESSAGES.get_or_init(running_test_build_messages).as_deref()?, name)
+}
+
+/// Cargo's JSON messages for the running `cargo test`'s build, run again
+/// with `--no-run`.
+fn running_test_build_messages() -> Option<Vec<u8>> {
     let parent = std::os::unix::process::parent_id();
     let cmdline = std::fs::read(format!("/proc/{parent}/cmdline")).ok()?;
     let cwd = std::fs::read_link(format!("/proc/{parent}/cwd")).ok()?;
@@ -79,10 +95,7 @@ pub fn from_running_test_build(name: &str) -> Option<PathBuf> {
         .stderr(Stdio::null())
         .output()
         .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    binary_in(&out.stdout, name)
+    out.status.success().then_some(out.stdout)
 }
 
 /// The arguments of a `cargo test` command line (program first) to run it

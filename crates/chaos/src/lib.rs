@@ -205,11 +205,8 @@ pub fn ledger_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
     if let Ok(p) = std::env::var("CHAOS_LEDGER_BIN") {
         return Ok(PathBuf::from(p));
     }
-    let built = match cargo::from_running_test_build("ledger") {
-        Some(built) => built,
-        None => cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger")
-            .map_err(|e| Error::Service(format!("building the ledger with fault-injection: {e}")))?,
-    };
+    let built = cargo::fault_injection_ledger()
+        .map_err(|e| Error::Service(format!("building the ledger with fault-injection: {e}")))?;
     // Keep a private copy: a plain `cargo build -p ledger` rewrites the
     // shared path with the build that has no fault points.
     let copy = built.with_file_name(format!(

@@ -34,10 +34,7 @@ fn ledger_binary() -> &'static Path {
         // The chaos harness's binary (`fault-injection`, off unless its
         // environment turns faults on): the running `cargo test`'s, or one
         // build for both suites.
-        cargo::from_running_test_build("ledger")
-            .map(Ok)
-            .unwrap_or_else(|| cargo::build_binary(&["-p", "ledger", "--features", "fault-injection"], "ledger"))
-            .unwrap_or_else(|e| panic!("the ledger binary: {e}"))
+        cargo::fault_injection_ledger().unwrap_or_else(|e| panic!("the ledger binary: {e}"))
     })
 }
 
