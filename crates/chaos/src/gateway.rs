@@ -126,9 +126,8 @@ impl GatewayConfig {
             fault_interval_ms: 1_500,
             instances: 3,
             idem_bin: std::env::var("CHAOS_IDEM_BIN").ok().map(PathBuf::from),
-            postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
-            redis_url: std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+            postgres_url: idem_conformance::env::postgres_url(),
+            redis_url: idem_conformance::env::redis_url(),
             break_tenancy: false,
             store_faults: true,
             break_sent_mark: false,

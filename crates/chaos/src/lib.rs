@@ -180,10 +180,8 @@ impl Config {
             faults: Faults::default(),
             break_idempotency: false,
             ledger_bin: None,
-            postgres_url: std::env::var("IDEM_TEST_POSTGRES_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
-            mysql_url: std::env::var("IDEM_TEST_MYSQL_URL")
-                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+            postgres_url: idem_conformance::env::postgres_url(),
+            mysql_url: idem_conformance::env::mysql_url(),
             mysql_nodes: Vec::new(),
             keep_db: false,
             kill_interval_ms: 1_500,

@@ -629,6 +629,33 @@ pub async fn serve_with_tls(
     serve_listener(tokio::net::TcpListener::bind(addr).await?, vendor, tls, shutdown).await
 }
 
+/// The `apply_then_drop` fault ends its connection's task with a panic on
+/// purpose (the only way an axum handler drops its connection unanswered):
+/// the process's panic hook leaves those out, once installed, and reports
+/// every other panic as the hook before it did. Every server this crate
+/// starts installs it, so a test's own failure is not buried under the
+/// vendor's backtraces.
+pub fn quiet_dropped_answers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("");
+            if !message.starts_with(DROPPED_ON_PURPOSE) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// How the panics [`quiet_dropped_answers`] leaves out begin.
+const DROPPED_ON_PURPOSE: &str = "fake vendor:";
+
 /// [`serve_with_tls`] on a bound `listener`; a refusal fault closes it and
 /// binds its address again when the fault ends.
 async fn serve_listener(
@@ -637,6 +664,7 @@ async fn serve_listener(
     tls: Option<Arc<idem_tls::rustls::ServerConfig>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    quiet_dropped_answers();
     let addr = listener.local_addr()?;
     tokio::pin!(shutdown);
     loop {

@@ -35,14 +35,6 @@ async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     // One rustls provider for the process: ring.
     idem_tls::install_default_provider();
-    // The `apply_then_drop` fault ends its connection's task on purpose:
-    // say so once, quietly.
-    std::panic::set_hook(Box::new(|info| {
-        let message = info.payload().downcast_ref::<&str>().copied().unwrap_or("");
-        if !message.starts_with("fake vendor:") {
-            eprintln!("fake-vendor: {info}");
-        }
-    }));
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => match idem_tls::server_config(cert, key) {
             Ok(config) => Some(config),

@@ -14,7 +14,7 @@ use idem_core::{Call, Fingerprint, IdempotencyKey, Scope, TableName, TxEngine};
 use idem_postgres::PgStore;
 
 fn url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    idem_conformance::env::postgres_url()
 }
 
 fn dir() -> PathBuf {

@@ -15,20 +15,13 @@ use idem_bench::cost::Cost;
 use idem_bench::engines::{self, BenchDb, KEYS_TABLE, OPERATIONS_TABLE};
 use idem_bench::measure::Paths;
 use idem_bench::steps::{PATHS, StepsPaths, Vendor};
+use idem_conformance::env::{mysql_url, postgres_url};
 
 /// Concurrent workers, and the withdrawals each makes per path.
 const WORKERS: usize = 16;
 const EACH: u64 = 8;
 /// Operations the cost meter counts per path.
 const METERED: u64 = 20;
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
 
 /// Runs `EACH` withdrawals on `path` in each of `WORKERS` tasks at once.
 async fn withdraw<D: BenchDb>(bench: &Arc<StepsPaths<D>>, path: &'static str) {

@@ -6,6 +6,7 @@ mod support;
 
 use std::time::Duration;
 
+use idem_conformance::env::nats_url;
 use idem_jetstream::async_nats::{self, jetstream, jetstream::stream};
 use support::idem_out as idem;
 
@@ -18,10 +19,6 @@ fn idem_events(url: &str, stream: &str, sub_and_rest: &[&str]) -> (i32, serde_js
         .chain(rest.iter().copied())
         .collect();
     idem(&args)
-}
-
-fn nats_url() -> String {
-    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
 /// Lists dead letters by handler, redrives them capped at `--max` (the copy

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod admin_tests;
 pub mod deadletter_tests;
+pub mod env;
 pub mod lease_tests;
 pub mod multistep_tests;
 mod ports;

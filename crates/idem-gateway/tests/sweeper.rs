@@ -188,8 +188,7 @@ async fn the_sqlite_keys_table_is_swept() {
 /// deletes the expired rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_postgres_keys_table_is_swept() {
-    let admin_url =
-        std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let admin_url = support::postgres_url();
     let admin = sqlx::PgPool::connect(&admin_url)
         .await
         .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {admin_url}: {e}"));

@@ -2,16 +2,9 @@
 //! no-op, two handlers of one event each apply it once, concurrent
 //! redeliveries apply once, and an id reused with another payload is refused.
 
+use idem_conformance::env::{mysql_url, postgres_url};
 use idem_core::{Error, TableName, TxEngine};
 use idem_inbox::{Delivery, Inbox};
-
-fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
 
 /// Unique table names for one test.
 fn tables() -> (TableName, String) {

@@ -384,7 +384,7 @@ mod tests {
     /// The MySQL path (session lock wait set and restored) claims, answers busy and finds rows, always restoring the session's own lock wait. It runs against whatever server the tests use, with the flavour forced.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_session_lock_wait_is_restored() {
-        let url = std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let url = idem_conformance::env::mysql_url();
         let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(4).connect(&url).await.unwrap_or_else(|e| {
             panic!("cannot reach the MySQL/MariaDB test server at {url} ({e}); start it, or point IDEM_TEST_MYSQL_URL at one")
         });

@@ -6,15 +6,12 @@
 #[path = "support/subject.rs"]
 mod subject;
 
+use idem_conformance::env::redis_url;
 use idem_conformance::{admin_conformance, lease_conformance};
 use idem_core::BoxFuture;
 use idem_redis::RedisStore;
 use redis::aio::ConnectionManager;
 use subject::{Reach, RedisSubject};
-
-fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 /// The local Redis, through a connection manager.
 type Redis = RedisSubject<ConnectionManager>;

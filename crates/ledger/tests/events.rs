@@ -10,10 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-
-fn nats_url() -> String {
-    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
+use idem_conformance::env::nats_url;
 
 /// A namespace of the test's own.
 fn namespace() -> String {
@@ -34,6 +31,34 @@ fn start_with_nats(url: &str, ns: &str, args: &[&str]) -> Instance {
 /// The name of namespace `ns`'s stream `kind` (`EVENTS`, `DEAD`).
 fn stream_name(ns: &str, kind: &str) -> String {
     format!("{}_{kind}", ns.to_ascii_uppercase())
+}
+
+/// Creates the file-stored stream `config` as an earlier ledger would have.
+///
+/// nats-server removes an account's storage folder when its last file
+/// stream is deleted; a stream created by a parallel test in that moment is
+/// refused with "error creating store for stream" (10049) or "stream store
+/// failed" (10077). Those two are tried again, a few times; anything else
+/// fails the test at once.
+async fn create_file_stream(
+    js: &async_nats::jetstream::Context,
+    config: async_nats::jetstream::stream::Config,
+) -> async_nats::jetstream::stream::Stream {
+    use async_nats::jetstream::ErrorCode;
+    use async_nats::jetstream::context::CreateStreamErrorKind;
+    let mut attempt = 0;
+    loop {
+        match js.create_stream(config.clone()).await {
+            Ok(stream) => return stream,
+            Err(e) => {
+                let raced = matches!(e.kind(), CreateStreamErrorKind::JetStream(j)
+                    if [ErrorCode::STREAM_CREATE, ErrorCode::STREAM_STORE_FAILED].contains(&j.error_code()));
+                attempt += 1;
+                assert!(raced && attempt < 10, "create the stream {}: {e}", config.name);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
 }
 
 /// Deletes namespace `ns`'s streams.
@@ -254,16 +279,17 @@ async fn the_snapshot_job_runs_once_per_run_id(engine: Engine) {
 async fn prepare(ns: &str, consumer: async_nats::jetstream::consumer::pull::Config) -> async_nats::jetstream::Context {
     use async_nats::jetstream::stream;
     let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.expect("NATS"));
-    let events = js
-        .create_stream(stream::Config {
+    let events = create_file_stream(
+        &js,
+        stream::Config {
             name: stream_name(ns, "EVENTS"),
             subjects: vec![format!("{ns}.events.>")],
             duplicate_window: Duration::from_secs(120),
             max_age: Duration::from_secs(6 * 86_400),
             ..Default::default()
-        })
-        .await
-        .expect("the events stream");
+        },
+    )
+    .await;
     events
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
             durable_name: Some(format!("{ns}-statements")),
@@ -403,15 +429,17 @@ async fn the_dead_letter_stream_keeps_dead_letters_until_they_are_handled() {
         (stream_name(&earlier, "EVENTS"), format!("{earlier}.events.>")),
         (stream_name(&earlier, "DEAD"), format!("{earlier}.dead.statements")),
     ] {
-        js.create_stream(stream::Config {
-            name,
-            subjects: vec![subjects],
-            duplicate_window: Duration::from_secs(120),
-            max_age: Duration::from_secs(6 * 86_400),
-            ..Default::default()
-        })
-        .await
-        .expect("a stream as an earlier ledger created it");
+        create_file_stream(
+            &js,
+            stream::Config {
+                name,
+                subjects: vec![subjects],
+                duplicate_window: Duration::from_secs(120),
+                max_age: Duration::from_secs(6 * 86_400),
+                ..Default::default()
+            },
+        )
+        .await;
     }
     let url = database_url(Engine::Sqlite);
     for ns in [&fresh, &earlier] {

@@ -79,6 +79,29 @@ pub(crate) fn client(token: &str, seed: u64) -> Result<idem_client::Client, Erro
         .map_err(|e| Error::Service(format!("the withdrawals' client: {e}")))
 }
 
+/// Whether two answers to one key agree. A recorded outcome is answered
+/// byte for byte the same to every client. A refusal of the ledger's rules
+/// by the first step (insufficient funds, say) records nothing: each call
+/// is refused afresh, and its detail says the balance as that call read it,
+/// which other withdrawals may have changed in between; such refusals agree
+/// when their problem types do.
+fn same_answer(a: &[u8], b: &[u8]) -> bool {
+    if a == b {
+        return true;
+    }
+    let refusal = |body: &[u8]| {
+        serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v["type"].as_str().map(str::to_owned))
+            .filter(|t| {
+                ledger::api::REFUSAL_SLUGS
+                    .iter()
+                    .any(|slug| t.ends_with(&format!("/{slug}")))
+            })
+    };
+    matches!((refusal(a), refusal(b)), (Some(x), Some(y)) if x == y)
+}
+
 /// Sends `body` to `path` under `key` until a definite answer.
 pub(crate) async fn send(
     client: &idem_client::Client,
@@ -174,9 +197,15 @@ pub(crate) async fn run(
     let queue = Arc::new(Mutex::new(plan.into_iter().enumerate().collect::<Vec<_>>()));
     let done = Arc::new(Mutex::new(Vec::new()));
     let violations = Arc::new(Mutex::new(Vec::new()));
+    let refusals_read_afresh = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = Vec::new();
     for c in 0..config.clients {
-        let (queue, done, violations) = (queue.clone(), done.clone(), violations.clone());
+        let (queue, done, violations, refusals_read_afresh) = (
+            queue.clone(),
+            done.clone(),
+            violations.clone(),
+            refusals_read_afresh.clone(),
+        );
         let client = Arc::new(client(token, rng.next_u64() ^ c as u64)?);
         let base = base.to_owned();
         tasks.push(tokio::spawn(async move {
@@ -211,17 +240,24 @@ pub(crate) async fn run(
                         Err(Some(_)) => Seen::Unanswered,
                     };
                     match (&seen, &this) {
-                        (Seen::Paid(a), Seen::Paid(b)) | (Seen::Declined(a), Seen::Declined(b)) if a != b => {
-                            violations
-                                .lock()
-                                .await
-                                .push(format!("withdrawal {}: twins got different answers", asked.key));
+                        (Seen::Paid(a), Seen::Paid(b)) | (Seen::Declined(a), Seen::Declined(b))
+                            if !same_answer(a, b) =>
+                        {
+                            violations.lock().await.push(format!(
+                                "withdrawal {}: twins got different answers: {} against {}",
+                                asked.key,
+                                String::from_utf8_lossy(a),
+                                String::from_utf8_lossy(b)
+                            ));
                         }
                         (Seen::Paid(_), Seen::Declined(_)) | (Seen::Declined(_), Seen::Paid(_)) => {
                             violations
                                 .lock()
                                 .await
                                 .push(format!("withdrawal {}: one twin was paid, another declined", asked.key));
+                        }
+                        (Seen::Declined(a), Seen::Declined(b)) if a != b => {
+                            refusals_read_afresh.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
                         _ => {}
                     }
@@ -240,7 +276,10 @@ pub(crate) async fn run(
     }
     let mut done = std::mem::take(&mut *done.lock().await);
     done.sort_by_key(|(i, _, _)| *i);
-    let mut counts = ClientCounts::default();
+    let mut counts = ClientCounts {
+        refusals_read_afresh: refusals_read_afresh.load(std::sync::atomic::Ordering::Relaxed),
+        ..ClientCounts::default()
+    };
     for (_, asked, burst) in &done {
         counts.requested += 1;
         counts.bursts += u64::from(*burst);
@@ -257,4 +296,36 @@ pub(crate) async fn run(
         asked: done.into_iter().map(|(_, a, _)| a).collect(),
         violations,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_answer;
+
+    #[test]
+    fn refusals_agree_by_type_and_recorded_outcomes_byte_for_byte() {
+        let refused = |balance: u64| {
+            format!(
+                r#"{{"type":"https://idem.dev/problems/insufficient-funds","status":422,"detail":"insufficient funds: balance {balance}, requested 10000000000"}}"#
+            )
+        };
+        assert!(same_answer(refused(10).as_bytes(), refused(10).as_bytes()));
+        assert!(same_answer(refused(10).as_bytes(), refused(7).as_bytes()));
+        let declined = |reason: &str| {
+            format!(r#"{{"type":"https://idem.dev/problems/withdrawal-declined","status":422,"reason":"{reason}"}}"#)
+        };
+        assert!(same_answer(
+            declined("closed").as_bytes(),
+            declined("closed").as_bytes()
+        ));
+        assert!(!same_answer(
+            declined("closed").as_bytes(),
+            declined("limit").as_bytes()
+        ));
+        assert!(!same_answer(refused(10).as_bytes(), declined("closed").as_bytes()));
+        assert!(!same_answer(
+            br#"{"id":"w1","quote_id":"q1"}"#,
+            br#"{"id":"w1","quote_id":"q2"}"#
+        ));
+    }
 }

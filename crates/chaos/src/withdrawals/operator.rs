@@ -80,6 +80,30 @@ async fn vendor_truth(vendor_url: &str, step: &str, reference: &str) -> Result<O
     Ok(data.into_iter().next())
 }
 
+/// The longest the operator waits for an open send to settle.
+const MAX_SETTLE_WAIT: Duration = Duration::from_secs(120);
+
+/// Waits until the open send of the operation `shown` (`idem ops show`)
+/// has settled: its latest send's time plus the settle time it was sent
+/// under, as `mark --not-applied` checks it; at most [`MAX_SETTLE_WAIT`].
+/// Whether it waited.
+async fn wait_until_settled(shown: &serde_json::Value) -> bool {
+    let open = &shown["open"];
+    let last_sent_at_ms = open["last_sent_at_ms"].as_i64().unwrap_or(0);
+    let settle_ms = (open["sent_under"]["settle_secs"].as_f64().unwrap_or(0.0) * 1_000.0).ceil() as i64;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let wait_ms = last_sent_at_ms.saturating_add(settle_ms).saturating_sub(now_ms);
+    if wait_ms > 0 {
+        // A little past it: the CLI reads its own clock.
+        let wait = Duration::from_millis(wait_ms.unsigned_abs() + 50).min(MAX_SETTLE_WAIT);
+        tokio::time::sleep(wait).await;
+        return true;
+    }
+    false
+}
+
 /// Settles every held operation; the verdicts given, by kind.
 pub(crate) async fn pass(
     database: &Database,
@@ -115,10 +139,15 @@ pub(crate) async fn pass(
                 continue;
             };
             // A "not applied" is trusted once the last send has settled:
-            // retried for a while.
+            // a vendor that has no record of it is asked again after that (a
+            // send still on its way may yet arrive), then for a while more.
             let mut outcome = Err(String::new());
             for _ in 0..40 {
-                outcome = match vendor_truth(vendor_url, &step, &reference).await {
+                let mut truth = vendor_truth(vendor_url, &step, &reference).await;
+                if matches!(truth, Ok(None)) && wait_until_settled(&shown).await {
+                    truth = vendor_truth(vendor_url, &step, &reference).await;
+                }
+                outcome = match truth {
                     Ok(Some(record)) => {
                         let file = std::env::temp_dir().join(format!("chaos-verdict-{id}-{}.json", std::process::id()));
                         std::fs::write(&file, record.to_string())?;

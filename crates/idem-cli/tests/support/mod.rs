@@ -3,8 +3,9 @@
 //! of a test's own, the fake vendor and other upstreams, gateway
 //! configurations, keyed requests and `idem` runs.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
+pub(crate) use idem_conformance::env::{mysql_url, postgres_url, redis_url};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,18 +89,6 @@ pub(crate) fn temp(prefix: &str, name: &str) -> String {
 pub(crate) fn tag() -> String {
     let t = uuid::Uuid::now_v7().simple().to_string();
     t[t.len() - 12..].to_owned()
-}
-
-pub(crate) fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-pub(crate) fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-pub(crate) fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
 async fn postgres_admin() -> sqlx::PgPool {

@@ -1,7 +1,7 @@
 //! What the gateway's tests share: a counting upstream that is not
 //! idempotent at all, a gateway on a real socket, and a client.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,18 +13,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-
-pub fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-pub fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-pub fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+pub use idem_conformance::env::{mysql_url, postgres_url, redis_url};
 
 /// The tenant source of most tests: a digest of `Authorization`.
 pub const BEARER: &str = "[tenant]\nsource = \"credentials\"\ncredentials = [\"authorization\"]\n";

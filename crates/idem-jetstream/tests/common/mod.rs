@@ -3,23 +3,16 @@
 //! (`IDEM_TEST_POSTGRES_URL`), streams named after each test's own tag,
 //! and consumers running in the background.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{Config, Stream};
 use async_nats::jetstream::{self, Context, consumer::pull, stream};
+pub use idem_conformance::env::{nats_url, postgres_url};
 use idem_core::{BoxFuture, TableName, TxBackend};
 use idem_jetstream::{Event, HandlerError, InboxConsumer};
-
-pub fn nats_url() -> String {
-    std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-pub fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 /// A name no other test (or run) uses.
 pub fn tag() -> String {

@@ -1,17 +1,10 @@
 //! What the jobs tests share: the servers, the stores they open, and the
 //! three engines a suite runs on.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
+pub use idem_conformance::env::{mysql_url, postgres_url};
 use idem_core::{Error, StoreErrorKind, TableName};
-
-pub fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-pub fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
 
 /// A short unique tag for the tables and files of one test.
 pub fn tag() -> String {

@@ -9,8 +9,6 @@ use sqlx::mysql::MySqlPoolOptions;
 
 /// The variable that names the test server.
 pub const URL_VAR: &str = "IDEM_TEST_MYSQL_URL";
-/// The server used when the variable is unset.
-pub const DEFAULT_URL: &str = "mysql://root@127.0.0.1:3306/test";
 /// The keys table every conformance test shares; tests use unique scopes,
 /// so they never see each other's keys.
 pub const SHARED_TABLE: &str = "idem_conformance_keys";
@@ -22,7 +20,7 @@ pub const ISOLATED_PREFIX: &str = "idem_iso_";
 
 /// The test server's URL.
 pub fn url() -> String {
-    std::env::var(URL_VAR).unwrap_or_else(|_| DEFAULT_URL.to_owned())
+    idem_conformance::env::mysql_url()
 }
 
 /// A small pool of its own: sqlx pools belong to the runtime that created

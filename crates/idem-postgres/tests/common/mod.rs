@@ -10,12 +10,9 @@ use sqlx::{AssertSqlSafe, ConnectOptions, Row};
 /// The variable naming the test database.
 pub(crate) const URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
 
-/// The local default.
-pub(crate) const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
 /// The test database's URL.
 pub(crate) fn database_url() -> String {
-    std::env::var(URL_VAR).unwrap_or_else(|_| DEFAULT_URL.to_owned())
+    idem_conformance::env::postgres_url()
 }
 
 /// Opens a small pool of its own; sqlx pools cannot be shared across the runtimes of `#[tokio::test]`s.

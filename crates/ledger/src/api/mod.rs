@@ -40,8 +40,8 @@ pub(crate) use accounts::NewAccount;
 pub(crate) use payouts::{NewPayout, PayoutRequested};
 pub(crate) use transfers::{NewTopUp, NewTransfer, TopUpDone, TransferDone};
 pub(crate) use webhooks::{PaymentWebhook, WebhookDone};
-pub use withdrawals::MAX_DESTINATION;
 pub(crate) use withdrawals::NewWithdrawal;
+pub use withdrawals::{MAX_DESTINATION, REFUSAL_SLUGS};
 
 /// What every handler shares.
 #[derive(Clone)]

@@ -145,6 +145,12 @@ fn problem_bytes(
     json_response(status, "application/problem+json", &body)
 }
 
+/// The problem slugs of the refusals of the ledger's rules a withdrawal's
+/// debit declares. The debit is the first step, so such a refusal records
+/// nothing: a call under the same key runs afresh and reads the balance
+/// anew (the refusal's detail may differ; its type does not).
+pub const REFUSAL_SLUGS: [&str; 3] = [REFUSALS[0].0, REFUSALS[1].0, REFUSALS[2].0];
+
 /// The refusals of the ledger's rules a withdrawal's debit declares, by
 /// code: the code is the problem's slug, with its status and title.
 const REFUSALS: [(&str, StatusCode, &str); 3] = [

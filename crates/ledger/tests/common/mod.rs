@@ -1,12 +1,13 @@
 //! Shared test harness: engines, transports and a small client.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use http_body_util::BodyExt;
+pub use idem_conformance::env::{mysql_url, postgres_url};
 use idem_core::SharedClock;
 use ledger::{Options, Store};
 use tower::ServiceExt;
@@ -26,14 +27,6 @@ pub enum Transport {
     InProcess,
     /// A real TCP socket on 127.0.0.1.
     Socket,
-}
-
-pub fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-pub fn mysql_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
 /// A database location for one test: a fresh SQLite file, or the shared
