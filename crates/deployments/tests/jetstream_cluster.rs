@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use deployments::jetstream::NatsCluster;
 use deployments::process::Scratch;
+use idem_conformance::Running;
 use idem_core::{BoxFuture, OutboxEvent, OutboxMessage, OutboxStore, TableName, TxEngine};
 use idem_inbox::Inbox;
 use idem_jetstream::async_nats::{self, jetstream};
@@ -179,31 +180,6 @@ fn stream_config(name: &str, storage: StorageType, replicas: usize) -> stream::C
         num_replicas: replicas,
         duplicate_window: Duration::from_secs(120),
         ..Default::default()
-    }
-}
-
-/// A task running until stopped.
-struct Background {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Background {
-    fn spawn<F, Fut>(task: F) -> Self
-    where
-        F: FnOnce(BoxFuture<'static, ()>) -> Fut,
-        Fut: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(task(Box::pin(async move {
-            let _ = rx.await;
-        })));
-        Self { stop, task }
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("background task");
     }
 }
 
@@ -410,7 +386,7 @@ impl Deployment {
     }
 
     /// Starts a relay of the outbox through `client`.
-    fn relay(&self, client: async_nats::Client, name: &str) -> (Background, Arc<PublishCounts>) {
+    fn relay(&self, client: async_nats::Client, name: &str) -> (Running, Arc<PublishCounts>) {
         let counts = Arc::new(PublishCounts::default());
         let publisher = CountingPublisher {
             inner: JetStreamPublisher::new(jetstream::new(client)).with_ack_timeout(ACK_TIMEOUT),
@@ -429,10 +405,7 @@ impl Deployment {
                 ..Default::default()
             },
         );
-        (
-            Background::spawn(move |stop| async move { relay.run(stop).await }),
-            counts,
-        )
+        (Running::spawn(move |stop| async move { relay.run(stop).await }), counts)
     }
 
     /// Publishes everything unsent with a relay on a client of all nodes.
@@ -743,7 +716,7 @@ async fn r3_consumer_applies_every_event_once_after_its_leader_dies_mid_consume(
     let consumer = InboxConsumer::start(js, consumer, inbox, options, work)
         .await
         .expect("start the consumer");
-    let running = Background::spawn(move |stop| async move { consumer.run(stop).await });
+    let running = Running::spawn(move |stop| async move { consumer.run(stop).await });
 
     // Messages in hand or in the client's buffer at the kill run without
     // the cluster: progress is more than those.

@@ -29,6 +29,7 @@ pub mod lease_tests;
 pub mod multistep_tests;
 mod ports;
 pub mod read_first_tests;
+mod running;
 pub mod sent_tests;
 pub mod sql_deadletters;
 pub mod steps_tests;
@@ -37,6 +38,7 @@ pub mod wire;
 
 pub use ports::{free_port, free_port_beside};
 pub use read_first_tests::CountingClaims;
+pub use running::Running;
 
 /// A store under test.
 pub trait Subject: Clone + Send + Sync + 'static {

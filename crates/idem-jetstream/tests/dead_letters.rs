@@ -63,7 +63,7 @@ impl Streams {
         let consumer = InboxConsumer::start(self.js.clone(), consumer, inbox, options, work)
             .await
             .expect("start");
-        Running::start(consumer)
+        run_consumer(consumer)
     }
 
     async fn delete(&self) {

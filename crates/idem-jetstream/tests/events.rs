@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
-use common::{Running, dead_stream, durable, events_stream, eventually, handler, headers, js, publish, tag};
+use common::{
+    Running, dead_stream, durable, events_stream, eventually, handler, headers, js, publish, run_consumer, tag,
+};
 use idem_core::{BoxFuture, IdempotencyKey, OutboxBatch, OutboxEvent, OutboxStore, TableName, TxBackend, TxEngine};
 use idem_inbox::Delivery;
 use idem_inbox::Inbox;
@@ -267,7 +269,7 @@ macro_rules! events_suite {
                     let consumer = InboxConsumer::start(self.broker.js.clone(), consumer, self.inbox(), options, work)
                         .await
                         .expect("start the consumer");
-                    Running::start(consumer)
+                    run_consumer(consumer)
                 }
 
                 fn options(&self, handler: &str) -> ConsumerOptions {
@@ -1125,7 +1127,7 @@ async fn a_copy_that_finds_its_event_in_flight_never_makes_a_dead_letter() {
             Ok(())
         })
     });
-    let running = Running::start(
+    let running = run_consumer(
         InboxConsumer::start(broker.js.clone(), consumer, inbox, options, work)
             .await
             .expect("start"),

@@ -181,33 +181,9 @@ where
     f
 }
 
-/// A consumer (or relay) running in the background until stopped.
-pub struct Running {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
+pub use idem_conformance::Running;
 
-impl Running {
-    pub fn start<B: TxBackend + Clone>(consumer: InboxConsumer<B>) -> Self {
-        Self::spawn(move |stop| async move { consumer.run(stop).await })
-    }
-
-    /// Runs `task` in the background; it is handed the future that
-    /// completes when [`Running::stop`] is called.
-    pub fn spawn<F, Fut>(task: F) -> Self
-    where
-        F: FnOnce(BoxFuture<'static, ()>) -> Fut,
-        Fut: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(task(Box::pin(async move {
-            let _ = rx.await;
-        })));
-        Self { stop, task }
-    }
-
-    pub async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("background task");
-    }
+/// `consumer` running in the background until stopped.
+pub fn run_consumer<B: TxBackend + Clone>(consumer: InboxConsumer<B>) -> Running {
+    Running::spawn(move |stop| async move { consumer.run(stop).await })
 }
