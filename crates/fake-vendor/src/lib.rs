@@ -470,7 +470,7 @@ async fn process(v: Arc<Vendor>, headers: HeaderMap, body: axum::body::Bytes) ->
     if chance(seq * 3 + 2) < faults.apply_then_drop {
         v.dropped.fetch_add(1, Ordering::SeqCst);
         // Paid and recorded; the connection goes away without an answer.
-        panic!("fake vendor: the response is dropped on purpose");
+        panic!("{DROPPED_ON_PURPOSE}");
     }
     (StatusCode::CREATED, Json(body)).into_response()
 }
@@ -646,15 +646,16 @@ pub fn quiet_dropped_answers() {
                 .copied()
                 .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
                 .unwrap_or("");
-            if !message.starts_with(DROPPED_ON_PURPOSE) {
+            if message != DROPPED_ON_PURPOSE {
                 previous(info);
             }
         }));
     });
 }
 
-/// How the panics [`quiet_dropped_answers`] leaves out begin.
-const DROPPED_ON_PURPOSE: &str = "fake vendor:";
+/// The message of the panics [`quiet_dropped_answers`] leaves out, and of
+/// no other.
+pub const DROPPED_ON_PURPOSE: &str = "fake vendor: the response is dropped on purpose";
 
 /// [`serve_with_tls`] on a bound `listener`; a refusal fault closes it and
 /// binds its address again when the fault ends.

@@ -207,7 +207,7 @@ async fn book_quote(v: Arc<Vendor>, body: axum::body::Bytes) -> Response {
     if chance(seq * 3 + 2) < faults.apply_then_drop {
         v.dropped.fetch_add(1, Ordering::SeqCst);
         // Booked; the connection goes away without an answer.
-        panic!("fake vendor: the response is dropped on purpose");
+        panic!("{}", crate::DROPPED_ON_PURPOSE);
     }
     (StatusCode::CREATED, Json(quote)).into_response()
 }

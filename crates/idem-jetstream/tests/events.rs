@@ -834,9 +834,8 @@ macro_rules! events_suite {
     };
 }
 
-/// A pool of 20 on the server `var` names (`default` when unset).
-async fn connect<DB: sqlx::Database>(var: &str, default: &str) -> sqlx::Pool<DB> {
-    let url = std::env::var(var).unwrap_or_else(|_| default.into());
+/// A pool of 20 on `url` (read from `var`).
+async fn connect<DB: sqlx::Database>(url: String, var: &str) -> sqlx::Pool<DB> {
     sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(20)
         .connect(&url)
@@ -850,10 +849,10 @@ fn table(prefix: &str, tag: &str) -> TableName {
 }
 
 /// An inbox and an outbox with tables of their own (`inbox_{tag}`,
-/// `outbox_{tag}`) on a pool of the server `$var` names.
+/// `outbox_{tag}`) on a pool of the server at `$url` (read from `$var`).
 macro_rules! open_server {
-    ($store:ty, $outbox:ty, $var:literal, $default:literal, $tag:expr) => {{
-        let pool = connect($var, $default).await;
+    ($store:ty, $outbox:ty, $url:expr, $var:literal, $tag:expr) => {{
+        let pool = connect($url, $var).await;
         let store = <$store>::new(pool.clone()).with_table(table("inbox", $tag));
         (store, <$outbox>::with_table(pool.clone(), table("outbox", $tag)), pool)
     }};
@@ -863,8 +862,8 @@ async fn open_postgres(tag: &str) -> (idem_postgres::PgStore, idem_postgres::PgO
     open_server!(
         idem_postgres::PgStore,
         idem_postgres::PgOutbox,
+        common::postgres_url(),
         "IDEM_TEST_POSTGRES_URL",
-        "postgres://postgres@127.0.0.1:5432/test",
         tag
     )
 }
@@ -873,8 +872,8 @@ async fn open_mysql(tag: &str) -> (idem_mysql::MySqlStore, idem_mysql::MySqlOutb
     open_server!(
         idem_mysql::MySqlStore,
         idem_mysql::MySqlOutbox,
+        idem_conformance::env::mysql_url(),
         "IDEM_TEST_MYSQL_URL",
-        "mysql://root@127.0.0.1:3306/test",
         tag
     )
 }

@@ -33,7 +33,8 @@ fn stream_name(ns: &str, kind: &str) -> String {
     format!("{}_{kind}", ns.to_ascii_uppercase())
 }
 
-/// Creates the file-stored stream `config` as an earlier ledger would have.
+/// Creates the file-stored stream `config` (as an earlier ledger would
+/// have, or as a test prepares it).
 ///
 /// nats-server removes an account's storage folder when its last file
 /// stream is deleted; a stream created by a parallel test in that moment is

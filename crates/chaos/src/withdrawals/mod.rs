@@ -148,9 +148,10 @@ pub struct ClientCounts {
     pub unanswered: u64,
     /// Bursts of twins (one key sent by several clients at once).
     pub bursts: u64,
-    /// Twins refused by the first step whose refusals told different
-    /// balances: nothing is recorded for such a refusal, so each twin's
-    /// call read the account afresh (their problem types agreed).
+    /// Later twins refused by the first step whose refusal told another
+    /// balance than the first twin's (each counted against the first):
+    /// nothing is recorded for such a refusal, so each twin's call read the
+    /// account afresh (their problem types agreed).
     pub refusals_read_afresh: u64,
 }
 

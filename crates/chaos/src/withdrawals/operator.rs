@@ -83,25 +83,30 @@ async fn vendor_truth(vendor_url: &str, step: &str, reference: &str) -> Result<O
 /// The longest the operator waits for an open send to settle.
 const MAX_SETTLE_WAIT: Duration = Duration::from_secs(120);
 
-/// Waits until the open send of the operation `shown` (`idem ops show`)
-/// has settled: its latest send's time plus the settle time it was sent
-/// under, as `mark --not-applied` checks it; at most [`MAX_SETTLE_WAIT`].
-/// Whether it waited.
-async fn wait_until_settled(shown: &serde_json::Value) -> bool {
+/// When the open send of the operation `shown` (`idem ops show`) has
+/// settled, in ms since the epoch: its latest send's time plus the settle
+/// time it was sent under, as `mark --not-applied` checks it.
+fn settled_at_ms(shown: &serde_json::Value) -> i64 {
     let open = &shown["open"];
     let last_sent_at_ms = open["last_sent_at_ms"].as_i64().unwrap_or(0);
     let settle_ms = (open["sent_under"]["settle_secs"].as_f64().unwrap_or(0.0) * 1_000.0).ceil() as i64;
-    let now_ms = std::time::SystemTime::now()
+    last_sent_at_ms.saturating_add(settle_ms)
+}
+
+/// The wall clock, in ms since the epoch (the service's and the CLI's).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let wait_ms = last_sent_at_ms.saturating_add(settle_ms).saturating_sub(now_ms);
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// Waits until a little past `at_ms` (the CLI reads its own clock), at most
+/// [`MAX_SETTLE_WAIT`].
+async fn wait_until(at_ms: i64) {
+    let wait_ms = at_ms.saturating_sub(now_ms());
     if wait_ms > 0 {
-        // A little past it: the CLI reads its own clock.
-        let wait = Duration::from_millis(wait_ms.unsigned_abs() + 50).min(MAX_SETTLE_WAIT);
-        tokio::time::sleep(wait).await;
-        return true;
+        tokio::time::sleep(Duration::from_millis(wait_ms.unsigned_abs() + 50).min(MAX_SETTLE_WAIT)).await;
     }
-    false
 }
 
 /// Settles every held operation; the verdicts given, by kind.
@@ -138,13 +143,17 @@ pub(crate) async fn pass(
                 violations.push(format!("operator: operation {id} is held at {step} with no withdrawal"));
                 continue;
             };
-            // A "not applied" is trusted once the last send has settled:
-            // a vendor that has no record of it is asked again after that (a
-            // send still on its way may yet arrive), then for a while more.
+            // A "not applied" is trusted once the last send has settled: a
+            // vendor's "no record" counts only when it was asked after that
+            // moment (a send still on its way may yet arrive); one asked
+            // before waits for it and asks again.
+            let settled_at_ms = settled_at_ms(&shown);
             let mut outcome = Err(String::new());
             for _ in 0..40 {
+                let asked_at_ms = now_ms();
                 let mut truth = vendor_truth(vendor_url, &step, &reference).await;
-                if matches!(truth, Ok(None)) && wait_until_settled(&shown).await {
+                if matches!(truth, Ok(None)) && asked_at_ms < settled_at_ms {
+                    wait_until(settled_at_ms).await;
                     truth = vendor_truth(vendor_url, &step, &reference).await;
                 }
                 outcome = match truth {

@@ -3,8 +3,10 @@
 //! of a test's own, the fake vendor and other upstreams, gateway
 //! configurations, keyed requests and `idem` runs.
 
-#![allow(dead_code, unused_imports)]
+#![allow(dead_code)]
 
+// Not every test binary that includes this module uses each one.
+#[allow(unused_imports)]
 pub(crate) use idem_conformance::env::{mysql_url, postgres_url, redis_url};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;

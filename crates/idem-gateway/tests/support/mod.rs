@@ -1,7 +1,7 @@
 //! What the gateway's tests share: a counting upstream that is not
 //! idempotent at all, a gateway on a real socket, and a client.
 
-#![allow(dead_code, unreachable_pub, unused_imports)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,6 +13,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
+// Not every test binary that includes this module uses each one.
+#[allow(unused_imports)]
 pub use idem_conformance::env::{mysql_url, postgres_url, redis_url};
 
 /// The tenant source of most tests: a digest of `Authorization`.

@@ -3,13 +3,15 @@
 //! (`IDEM_TEST_POSTGRES_URL`), streams named after each test's own tag,
 //! and consumers running in the background.
 
-#![allow(dead_code, unreachable_pub, unused_imports)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{Config, Stream};
 use async_nats::jetstream::{self, Context, consumer::pull, stream};
+// Not every test binary that includes this module uses each one.
+#[allow(unused_imports)]
 pub use idem_conformance::env::{nats_url, postgres_url};
 use idem_core::{BoxFuture, TableName, TxBackend};
 use idem_jetstream::{Event, HandlerError, InboxConsumer};

@@ -1,8 +1,10 @@
 //! What the jobs tests share: the servers, the stores they open, and the
 //! three engines a suite runs on.
 
-#![allow(dead_code, unreachable_pub, unused_imports)]
+#![allow(dead_code, unreachable_pub)]
 
+// Not every test binary that includes this module uses each one.
+#[allow(unused_imports)]
 pub use idem_conformance::env::{mysql_url, postgres_url};
 use idem_core::{Error, StoreErrorKind, TableName};
 

@@ -1,12 +1,14 @@
 //! Shared test harness: engines, transports and a small client.
 
-#![allow(dead_code, unreachable_pub, unused_imports)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use http_body_util::BodyExt;
+// Not every test binary that includes this module uses each one.
+#[allow(unused_imports)]
 pub use idem_conformance::env::{mysql_url, postgres_url};
 use idem_core::SharedClock;
 use ledger::{Options, Store};
