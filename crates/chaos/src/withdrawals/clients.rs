@@ -85,7 +85,7 @@ pub(crate) fn client(token: &str, seed: u64) -> Result<idem_client::Client, Erro
 /// is refused afresh, and its detail says the balance as that call read it,
 /// which other withdrawals may have changed in between; such refusals agree
 /// when their problem types do.
-fn same_answer(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same_answer(a: &[u8], b: &[u8]) -> bool {
     if a == b {
         return true;
     }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::WithdrawalCounts;
-use super::clients::{Seen, Workload, client, send};
+use super::clients::{Seen, Workload, client, same_answer, send};
 use crate::Error;
 use crate::db::Database;
 
@@ -180,8 +180,9 @@ pub(crate) async fn check(
         match send(&replayer, direct, "/v1/withdrawals", &asked.key, &asked.body).await {
             Ok((_, body, true)) if &body == first => counts.replays_checked += 1,
             // Refused by its first step: the key stays unused, so a retry
-            // runs again and is refused again (with the balance of now).
-            Ok((422, _, false)) if withdrawal.is_none() => counts.replays_checked += 1,
+            // runs again and is refused again, for the same reason (with the
+            // balance of now).
+            Ok((422, body, false)) if withdrawal.is_none() && same_answer(&body, first) => counts.replays_checked += 1,
             Ok((status, body, replayed)) => violations.push(format!(
                 "withdrawal {}: replayed {status} (marked {replayed}) differs from the first answer: {}",
                 asked.key,
