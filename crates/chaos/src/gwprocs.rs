@@ -47,7 +47,7 @@ pub fn idem_fault_binary() -> Result<PathBuf, Error> {
 
 fn own_copy(built: &std::path::Path, name: &str) -> Result<PathBuf, Error> {
     let copy = built.with_file_name(format!("{name}-{}", uuid::Uuid::now_v7().simple()));
-    crate::runnable_copy(built, &copy)?;
+    crate::copy::runnable_copy(built, &copy)?;
     Ok(copy)
 }
 

@@ -29,6 +29,7 @@
 pub mod balancer;
 pub mod cargo;
 mod check;
+mod copy;
 mod db;
 pub mod dlqkill;
 pub mod events;
@@ -212,40 +213,8 @@ pub fn ledger_binary(explicit: Option<&PathBuf>) -> Result<PathBuf, Error> {
         std::process::id(),
         uuid::Uuid::now_v7().simple()
     ));
-    runnable_copy(&built, &copy)?;
+    copy::runnable_copy(&built, &copy)?;
     Ok(copy)
-}
-
-/// Copies the binary `built` to `copy` and answers once the copy can be
-/// run.
-///
-/// While the copy is written, a process that another test's thread forks
-/// holds the copy's open write descriptor until that process execs; running
-/// the copy then fails with "Text file busy" (ETXTBSY). So the copy is run
-/// once with `--help` (every binary here is a clap program), again after a
-/// short pause while it is busy; once it runs, nothing holds it open for
-/// writing any more, and every later start of it is safe.
-pub(crate) fn runnable_copy(built: &std::path::Path, copy: &std::path::Path) -> std::io::Result<()> {
-    /// Linux's ETXTBSY.
-    const TEXT_FILE_BUSY: i32 = 26;
-    std::fs::copy(built, copy)?;
-    for _ in 0..200 {
-        match std::process::Command::new(copy)
-            .arg("--help")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-        {
-            Err(e) if e.raw_os_error() == Some(TEXT_FILE_BUSY) => std::thread::sleep(Duration::from_millis(10)),
-            Err(e) => return Err(e),
-            Ok(_) => return Ok(()),
-        }
-    }
-    Err(std::io::Error::other(format!(
-        "{} stayed busy (ETXTBSY) for 2 s after it was copied",
-        copy.display()
-    )))
 }
 
 /// Runs the harness once.

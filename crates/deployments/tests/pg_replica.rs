@@ -14,6 +14,9 @@
 //! Run `cargo test -p deployments --test pg_replica failover -- --nocapture`
 //! for the figures alone.
 
+#[path = "../../idem-postgres/tests/effects/mod.rs"]
+mod effects;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -77,7 +80,7 @@ struct Primary {
 impl Primary {
     async fn connect() -> Self {
         let url = shared_pair().primary_url();
-        create_effects_table(&open_pool(&url, 2).await).await;
+        effects::create_table(&open_pool(&url, 2).await).await;
         let store = PgStore::new(open_pool(&url, 8).await).with_table(TableName::new(SHARED_TABLE).unwrap());
         store.migrate().await.expect("migrate the shared keys table");
         Self { store, url }
@@ -95,46 +98,15 @@ async fn open_pool(url: &str, max: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("cannot open a pool on {url}: {e}"))
 }
 
-/// Creates the business table once; concurrent tests take turns on an
-/// advisory lock.
-async fn create_effects_table(pool: &PgPool) {
-    let mut tx = pool.begin().await.expect("begin");
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idem_conformance_effects', 0))")
-        .execute(&mut *tx)
-        .await
-        .expect("lock");
-    // No unique constraint, so a double write would be counted, not refused.
-    for sql in [
-        "CREATE TABLE IF NOT EXISTS idem_conformance_effects (effect_id TEXT NOT NULL)",
-        "CREATE INDEX IF NOT EXISTS idem_conformance_effects_id_idx ON idem_conformance_effects (effect_id)",
-    ] {
-        sqlx::query(sql).execute(&mut *tx).await.expect(sql);
-    }
-    tx.commit().await.expect("commit");
-}
-
 impl Subject for Primary {
     idem_conformance::one_store_subject!(PgStore);
 
     fn write_effect<'c>(tx: &'c mut PgTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES ($1)")
-                .bind(effect_id)
-                .execute(&mut **tx)
-                .await
-                .map_err(idem_postgres::store_error)?;
-            Ok(())
-        })
+        effects::write(tx, effect_id)
     }
 
     fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
-        Box::pin(async move {
-            let count: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_conformance_effects WHERE effect_id = $1")
-                .bind(effect_id)
-                .fetch_one(self.store.pool())
-                .await?;
-            Ok(u64::try_from(count)?)
-        })
+        effects::count(self.store.pool(), effect_id)
     }
 
     fn another(&self) -> BoxFuture<'_, Self> {

@@ -7,14 +7,13 @@
 //! it is unreachable.
 
 mod common;
+mod effects;
 
 use common::{Isolation, database_url, isolated_table, open_pool, open_pool_at, serializable_database_url};
 use idem_conformance::multistep_tests::MultiStepSubject;
 use idem_conformance::{Subject, admin_conformance, lease_conformance, multistep_conformance, tx_conformance};
 use idem_core::{BoxError, BoxFuture, TableName};
 use idem_postgres::{ClaimStrategy, ExpiryIndex, PgMultiSteps, PgStore, PgTx};
-use sqlx::Row;
-use sqlx::postgres::PgPool;
 
 /// The keys table shared by every test; tests use unique tenants, so they never see each other's keys.
 const SHARED_TABLE: &str = "idem_conformance_keys";
@@ -50,7 +49,7 @@ impl Postgres {
         isolation: Isolation,
         table: &str,
     ) -> Self {
-        create_effects_table(&open_pool(&url).await).await;
+        effects::create_table(&open_pool(&url).await).await;
         let pool = open_pool_at(&url, isolation).await;
         let store = PgStore::new(pool)
             .with_table(TableName::new(table).unwrap())
@@ -63,48 +62,15 @@ impl Postgres {
     }
 }
 
-/// Creates the business table once; concurrent test processes take turns on an advisory lock.
-async fn create_effects_table(pool: &PgPool) {
-    let mut tx = pool.begin().await.expect("begin");
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('idem_conformance_effects', 0))")
-        .execute(&mut *tx)
-        .await
-        .expect("lock");
-    // No unique constraint, so a double write would be counted, not refused.
-    sqlx::query("CREATE TABLE IF NOT EXISTS idem_conformance_effects (effect_id TEXT NOT NULL)")
-        .execute(&mut *tx)
-        .await
-        .expect("create the effects table");
-    sqlx::query("CREATE INDEX IF NOT EXISTS idem_conformance_effects_id_idx ON idem_conformance_effects (effect_id)")
-        .execute(&mut *tx)
-        .await
-        .expect("index the effects table");
-    tx.commit().await.expect("commit");
-}
-
 impl Subject for Postgres {
     idem_conformance::one_store_subject!(PgStore);
 
     fn write_effect<'c>(tx: &'c mut PgTx, effect_id: String) -> BoxFuture<'c, Result<(), BoxError>> {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO idem_conformance_effects (effect_id) VALUES ($1)")
-                .bind(effect_id)
-                .execute(&mut **tx)
-                .await
-                .map_err(idem_postgres::store_error)?;
-            Ok(())
-        })
+        effects::write(tx, effect_id)
     }
 
     fn count_effects(&self, effect_id: String) -> BoxFuture<'_, Result<u64, BoxError>> {
-        Box::pin(async move {
-            let count: i64 = sqlx::query("SELECT count(*) FROM idem_conformance_effects WHERE effect_id = $1")
-                .bind(effect_id)
-                .fetch_one(self.store.pool())
-                .await?
-                .try_get(0)?;
-            Ok(u64::try_from(count)?)
-        })
+        effects::count(self.store.pool(), effect_id)
     }
 
     fn another(&self) -> BoxFuture<'_, Self> {

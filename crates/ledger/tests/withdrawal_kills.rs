@@ -11,6 +11,8 @@
 //! quote: these checks can fail.
 
 mod common;
+#[path = "../../chaos/src/copy.rs"]
+mod copy;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -26,13 +28,15 @@ use ledger::{LedgerDb, Store};
 
 /// This test build's ledger binary, which has `fault-injection` (the
 /// ledger's dev-dependency on itself turns it on), copied once per run: a
-/// plain build of the ledger writes the same path.
+/// plain build of the ledger writes the same path. The copy is started once
+/// before use ([`copy::runnable_copy`]), so a process another test forks
+/// while it is written cannot make a later start fail with "Text file busy".
 fn fault_ledger() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let built = PathBuf::from(env!("CARGO_BIN_EXE_ledger"));
         let copy = built.with_file_name(format!("ledger-withdrawal-kills-{}", std::process::id()));
-        std::fs::copy(&built, &copy).expect("the binary is copied");
+        copy::runnable_copy(&built, &copy).expect("the binary is copied and runs");
         copy
     })
     .clone()
