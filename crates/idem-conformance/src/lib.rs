@@ -373,6 +373,8 @@ macro_rules! multistep_conformance {
                 steps_unknown_outcome_is_held,
                 steps_twins_run_each_step_once,
                 steps_first_step_rejection_leaves_the_key_unused,
+                steps_first_step_rejection_is_recorded_when_consumed,
+                steps_store_faults_on_a_recorded_refusal,
                 steps_completer_finishes_what_the_caller_left,
                 steps_completers_race_each_operation_once,
                 steps_failure_returned_by_the_operation_is_compensated,

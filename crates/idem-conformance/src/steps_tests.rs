@@ -19,8 +19,10 @@ use crate::{Subject, call_for, effect_id, unique_scope};
 
 mod faults;
 mod purge;
+mod refusals;
 pub use faults::steps_store_faults_leave_each_effect_once;
 pub use purge::steps_purge_deletes_only_expired_final_operations;
+pub use refusals::{steps_first_step_rejection_is_recorded_when_consumed, steps_store_faults_on_a_recorded_refusal};
 
 /// What the vendor does with the next send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use idem_core::{BoxFuture, IdempotencyKey, Operation as OpName, Scope, Tenant};
 use idem_http::Problem;
 use idem_http::steps::{HttpOperation, Steps};
 use idem_memory::{MemoryMultiSteps, MemoryStore};
-use idem_steps::{Halt, Operation, Run, StepError, StepsEngine};
+use idem_steps::{Consume, Halt, Operation, Run, StepError, StepsEngine};
 use serde_json::{Value, json};
 use support::send;
 
@@ -156,6 +156,45 @@ impl HttpOperation<MemoryStore> for Move {
     }
 }
 
+/// [`Move`] for a service that records final refusals: its first step's
+/// refusal consumes the key ([`Operation::CONSUME`]).
+#[derive(Clone)]
+struct StrictMove(Move);
+
+impl Operation<MemoryStore> for StrictMove {
+    type Input = i64;
+    type Output = Value;
+    const NAME: &'static str = "strict-move@1";
+    const CONSUME: Consume = Consume::SuccessOrFinalRejection;
+
+    fn run<'r>(&'r self, run: &'r mut Run<'_, MemoryStore>, amount: &'r i64) -> BoxFuture<'r, Result<Value, Halt>> {
+        self.0.run(run, amount)
+    }
+
+    fn compensate<'r>(
+        &'r self,
+        run: &'r mut Run<'_, MemoryStore>,
+        amount: &'r i64,
+        failure: &'r Value,
+    ) -> BoxFuture<'r, Result<(), Halt>> {
+        self.0.compensate(run, amount, failure)
+    }
+}
+
+impl HttpOperation<MemoryStore> for StrictMove {
+    fn input(&self, parts: &Parts, body: &Bytes) -> Result<i64, Problem> {
+        self.0.input(parts, body)
+    }
+
+    fn completed(&self, output: &Value) -> http::Response<Bytes> {
+        self.0.completed(output)
+    }
+
+    fn failed(&self, failure: &Value) -> http::Response<Bytes> {
+        self.0.failed(failure)
+    }
+}
+
 struct App {
     router: Router,
     steps: Steps<MemoryStore, MemoryMultiSteps>,
@@ -282,6 +321,30 @@ async fn a_first_step_refusal_leaves_the_key_unused() {
     // The key is unused: the same key with a corrected body runs.
     assert_eq!(app.send("k", r#"{"amount": 5}"#).await.0, StatusCode::CREATED);
     assert_eq!(app.op.debits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_first_step_refusal_is_replayed_when_the_operation_consumes_it() {
+    let engine = Arc::new(StepsEngine::new(MemoryStore::new(), MemoryMultiSteps::new()).with_lease_ms(60_000));
+    let steps = Steps::new(engine, support::tenant);
+    let op = StrictMove(Move::new(Vendor::Pays));
+    let router = Router::new().route("/v1/moves", post_service(steps.service(op.clone())));
+    let refused = r#"{"amount": 5000}"#;
+    let (status, replayed, first) = send(&router, request(Some("k"), refused)).await;
+    assert_eq!((status, replayed), (StatusCode::UNPROCESSABLE_ENTITY, false));
+    assert_eq!(problem(&first)["failure"]["insufficient_funds"], 5000);
+    let (status, replayed, again) = send(&router, request(Some("k"), refused)).await;
+    assert_eq!((status, replayed), (StatusCode::UNPROCESSABLE_ENTITY, true));
+    assert_eq!(first, again, "the refusal is replayed byte for byte");
+    // The key is used: another body under it is refused, and runs nothing.
+    let (status, _, body) = send(&router, request(Some("k"), r#"{"amount": 5}"#)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(is_problem(&body, "idempotency-key-reused"));
+    let key = IdempotencyKey::new("k").expect("key");
+    let row = steps.engine().store().find(&scope(), &key).await.expect("find");
+    assert_eq!(row.expect("the refusal is recorded").state, MultiStepState::Compensated);
+    let counts = [&op.0.debits, &op.0.sends, &op.0.credits].map(|c| c.load(Ordering::SeqCst));
+    assert_eq!(counts, [0, 0, 0], "nothing debited, sent or credited");
 }
 
 #[tokio::test]

@@ -17,7 +17,11 @@
 //! operation's compensation ([`Operation::compensate`]), whose steps are
 //! recorded the same way and run once. An external step whose outcome
 //! cannot be established ([`StepError::Unknown`]) holds the operation for
-//! an operator's verdict; nothing is sent again on a guess.
+//! an operator's verdict; nothing is sent again on a guess. A failure
+//! declared before anything was committed (by the first step, a local one)
+//! records nothing by default, so the key stays unused; an operation whose
+//! [`Operation::CONSUME`] is [`Consume::SuccessOrFinalRejection`] records it
+//! and replays it to every later call of the key.
 //!
 //! The operations live in a [`MultiStepStore`] beside the caller's own
 //! tables: `MemoryMultiSteps`, `PgMultiSteps`, `MySqlMultiSteps` or
@@ -78,6 +82,7 @@ mod run;
 
 pub use completer::{Pass, Registry};
 pub use halt::{Halt, Sending, StepError};
+pub use idem_core::Consume;
 #[cfg(feature = "outbound")]
 pub use outbound::Answer;
 pub use run::Run;
@@ -126,6 +131,17 @@ pub trait Operation<B: TxBackend>: Send + Sync {
     /// (`withdrawal@1`).
     const NAME: &'static str;
 
+    /// Which refusals consume its key. [`Consume::Success`] (the default): a
+    /// refusal declared before anything of the operation was committed (by
+    /// its first local step, or by `run` before any step) records nothing,
+    /// and the key stays unused ([`Finished::Rejected`]), so the same key
+    /// may be tried again later. [`Consume::SuccessOrFinalRejection`]: such
+    /// a refusal is recorded as the operation's outcome, in one transaction,
+    /// and every later call of the key replays it ([`Finished::Compensated`],
+    /// with nothing to compensate). Faults, deferrals and unknown outcomes
+    /// are never recorded this way.
+    const CONSUME: Consume = Consume::Success;
+
     /// Runs its steps (see [`Run`]).
     fn run<'r>(
         &'r self,
@@ -157,7 +173,10 @@ pub enum Finished<T> {
         /// Whether this call only read it.
         replayed: bool,
     },
-    /// A step declared `failure` and the compensation completed.
+    /// A step declared `failure` and the compensation completed; for an
+    /// operation whose [`CONSUME`](Operation::CONSUME) is
+    /// [`Consume::SuccessOrFinalRejection`], also a refusal declared before
+    /// anything was committed, recorded with nothing to compensate.
     Compensated {
         /// The declared failure.
         failure: serde_json::Value,
@@ -165,7 +184,8 @@ pub enum Finished<T> {
         replayed: bool,
     },
     /// Its first step declared `failure` before anything was recorded: the
-    /// key stays unused.
+    /// key stays unused (an operation that does not consume final
+    /// rejections, the default).
     Rejected(serde_json::Value),
     /// It is held (see the operation's row) until an operator acts.
     Held(HoldKind),
@@ -385,7 +405,15 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
                     replayed: false,
                 })
             }
-            Err(Halt::Failed(failure)) if run.row.id == 0 => return Ok(Finished::Rejected(failure)),
+            Err(Halt::Failed(failure)) if run.row.id == 0 => match O::CONSUME {
+                Consume::Success => return Ok(Finished::Rejected(failure)),
+                Consume::SuccessOrFinalRejection => {
+                    run.record_refusal(&failure).await.map(|()| Finished::Compensated {
+                        failure,
+                        replayed: false,
+                    })
+                }
+            },
             Err(Halt::Failed(failure)) => {
                 run.cursor = 0;
                 match op.compensate(&mut run, &input, &failure).await {

@@ -136,6 +136,22 @@ impl<B: TxBackend> Run<'_, B> {
         }
     }
 
+    /// Records `failure` as the outcome of an operation nothing of which was
+    /// committed (its first local step, or the operation itself, refused the
+    /// call), for an operation that consumes final rejections: the row is
+    /// inserted already ended, compensated with nothing to undo, in one
+    /// transaction, so a retry of the key replays the refusal and no crash
+    /// can leave a compensation to run for steps that never ran. A row the
+    /// store refuses to write records nothing.
+    pub(crate) async fn record_refusal(&mut self, failure: &serde_json::Value) -> Result<(), Halt> {
+        let response = serde_json::to_vec(failure).map_err(|e| Halt::Store(Error::Encode(e.to_string())))?;
+        let mut next = self.row.clone();
+        let now = self.clock.now_ms();
+        next.fail(self.token, failure.clone(), now)
+            .and_then(|()| next.finish(self.token, response, now))?;
+        self.commit_alone(next).await
+    }
+
     /// Applies `change` to a copy of the row and writes it in a transaction
     /// of its own (see [`commit_alone`](Self::commit_alone)); a refused
     /// change is [`refused`](Self::refused).

@@ -17,6 +17,23 @@ use super::{LEASE_MS, Next, Vendor, Withdrawal, effects, new_call, replayed};
 use crate::effect_id;
 use crate::multistep_tests::MultiStepSubject;
 
+/// A faulty engine: the subject's backend and, beside it, its operations'
+/// store, failing with one plan (no fault unless one is aimed; a timeout
+/// hangs 2 ms), on `clock`. The store's faults are the backend's.
+pub(super) fn faulty_engine<S: MultiStepSubject>(
+    s: &S,
+    clock: &ManualClock,
+) -> StepsEngine<Faulty<S::Backend>, Faulty<S::Steps>> {
+    let plan = FaultPlan {
+        timeout: Duration::from_millis(2),
+        ..FaultPlan::none()
+    };
+    let backend = Faulty::new(s.backend(), plan);
+    StepsEngine::new(backend.clone(), backend.beside(s.steps()))
+        .with_clock(Arc::new(clock.clone()))
+        .with_lease_ms(LEASE_MS)
+}
+
 /// The calls a fault is aimed at, one at a time.
 const AIMED: [Op; 4] = [Op::StepRead, Op::StepInsert, Op::StepWrite, Op::Commit];
 
@@ -27,16 +44,9 @@ const AIMED: [Op; 4] = [Op::StepRead, Op::StepInsert, Op::StepWrite, Op::Commit]
 /// committed once, the vendor applies one payment under one key, and the
 /// ending is replayed as it was first answered.
 pub async fn steps_store_faults_leave_each_effect_once<S: MultiStepSubject>(s: S) {
-    let plan = FaultPlan {
-        timeout: Duration::from_millis(2),
-        ..FaultPlan::none()
-    };
-    let backend = Faulty::new(s.backend(), plan);
     let clock = ManualClock::starting_now();
-    let engine = StepsEngine::new(backend.clone(), backend.beside(s.steps()))
-        .with_clock(Arc::new(clock.clone()))
-        .with_lease_ms(LEASE_MS);
-    let faults = backend.faults();
+    let engine = faulty_engine(&s, &clock);
+    let faults = engine.store().faults();
     let (mut aimed, mut heard) = (0, 0);
     for declined in [false, true] {
         let script: &[Next] = if declined { &[Next::Decline] } else { &[] };
