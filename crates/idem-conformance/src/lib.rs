@@ -375,6 +375,8 @@ macro_rules! multistep_conformance {
                 steps_first_step_rejection_leaves_the_key_unused,
                 steps_first_step_rejection_is_recorded_when_consumed,
                 steps_store_faults_on_a_recorded_refusal,
+                steps_refusal_too_large_to_record_is_answered_unrecorded,
+                steps_recorded_refusal_answers_as_a_twin_that_started_first,
                 steps_completer_finishes_what_the_caller_left,
                 steps_completers_race_each_operation_once,
                 steps_failure_returned_by_the_operation_is_compensated,

@@ -22,7 +22,10 @@ mod purge;
 mod refusals;
 pub use faults::steps_store_faults_leave_each_effect_once;
 pub use purge::steps_purge_deletes_only_expired_final_operations;
-pub use refusals::{steps_first_step_rejection_is_recorded_when_consumed, steps_store_faults_on_a_recorded_refusal};
+pub use refusals::{
+    steps_first_step_rejection_is_recorded_when_consumed, steps_recorded_refusal_answers_as_a_twin_that_started_first,
+    steps_refusal_too_large_to_record_is_answered_unrecorded, steps_store_faults_on_a_recorded_refusal,
+};
 
 /// What the vendor does with the next send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

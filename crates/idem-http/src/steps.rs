@@ -39,6 +39,7 @@
 //! | completed | [`HttpOperation::completed`] of its recorded output; `Idempotent-Replayed: true` on replays |
 //! | compensated after a declared failure | [`HttpOperation::failed`] of the failure; marked on replays too |
 //! | its first step refused (nothing recorded, the key unused) | [`HttpOperation::failed`] |
+//! | its first step refused, for an operation whose [`CONSUME`](idem_steps::Operation::CONSUME) records it | [`HttpOperation::failed`]; marked on replays too |
 //! | held on an unknown outcome | 409 `idempotency-outcome-unknown`, with `step` |
 //! | held otherwise | 409 `idempotency-operation-held`, with `step` and `hold` |
 //! | another run holds it, or it waits to run again | 409 `idempotency-key-in-flight`, `Retry-After` |
@@ -84,7 +85,9 @@ pub trait HttpOperation<B: TxBackend>: Operation<B> + 'static {
     fn completed(&self, output: &Self::Output) -> Response<Bytes>;
 
     /// The response of a declared failure: the operation was compensated,
-    /// or its first step refused it before anything was recorded.
+    /// or its first step refused it before anything was recorded (and that
+    /// refusal was recorded when the operation's
+    /// [`CONSUME`](idem_steps::Operation::CONSUME) says so).
     fn failed(&self, failure: &serde_json::Value) -> Response<Bytes>;
 }
 

@@ -132,14 +132,19 @@ pub trait Operation<B: TxBackend>: Send + Sync {
     const NAME: &'static str;
 
     /// Which refusals consume its key. [`Consume::Success`] (the default): a
-    /// refusal declared before anything of the operation was committed (by
-    /// its first local step, or by `run` before any step) records nothing,
-    /// and the key stays unused ([`Finished::Rejected`]), so the same key
-    /// may be tried again later. [`Consume::SuccessOrFinalRejection`]: such
-    /// a refusal is recorded as the operation's outcome, in one transaction,
-    /// and every later call of the key replays it ([`Finished::Compensated`],
-    /// with nothing to compensate). Faults, deferrals and unknown outcomes
-    /// are never recorded this way.
+    /// refusal `run` returns before anything of the operation was committed
+    /// (its first local step's declared failure, or its own
+    /// [`Halt::Failed`] before any step) records nothing, and the key stays
+    /// unused ([`Finished::Rejected`]), so the same key may be tried again
+    /// later. [`Consume::SuccessOrFinalRejection`]: such a refusal is
+    /// recorded as the operation's outcome, in one transaction, and every
+    /// later call of the key replays it ([`Finished::Compensated`], with
+    /// nothing to compensate); a call whose refusal finds that a twin
+    /// started the operation first answers as the twin's retry, and a
+    /// failure too large to record (over 1 MiB encoded) is answered
+    /// unrecorded. A refusal that `run` catches and goes on from is not a
+    /// refusal of the operation. Faults, deferrals and unknown outcomes are
+    /// never recorded this way.
     const CONSUME: Consume = Consume::Success;
 
     /// Runs its steps (see [`Run`]).
@@ -269,9 +274,15 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
         let (done, fresh) = self.execute_once(op, call, input).await?;
         // A first step that refused a call nothing was recorded for may have
         // raced a twin that started the operation (and whose debit left too
-        // little for this one): the twin's operation answers this call.
-        if fresh && matches!(done, Finished::Rejected(_)) && self.store.find(call.scope(), call.key()).await?.is_some()
-        {
+        // little for this one): the twin's operation answers this call. So
+        // does it for an operation that records such a refusal, whose insert
+        // found the twin's row (and so answered in flight).
+        let raced = match done {
+            Finished::Rejected(_) => true,
+            Finished::InFlight => O::CONSUME == Consume::SuccessOrFinalRejection,
+            _ => false,
+        };
+        if fresh && raced && self.store.find(call.scope(), call.key()).await?.is_some() {
             return Ok(self.execute_once(op, call, input).await?.0);
         }
         Ok(done)
@@ -407,12 +418,14 @@ impl<B: TxBackend, S: MultiStepStore<B>> StepsEngine<B, S> {
             }
             Err(Halt::Failed(failure)) if run.row.id == 0 => match O::CONSUME {
                 Consume::Success => return Ok(Finished::Rejected(failure)),
-                Consume::SuccessOrFinalRejection => {
-                    run.record_refusal(&failure).await.map(|()| Finished::Compensated {
+                Consume::SuccessOrFinalRejection => match run.record_refusal(&failure).await {
+                    Ok(true) => Ok(Finished::Compensated {
                         failure,
                         replayed: false,
-                    })
-                }
+                    }),
+                    Ok(false) => return Ok(Finished::Rejected(failure)),
+                    Err(h) => Err(h),
+                },
             },
             Err(Halt::Failed(failure)) => {
                 run.cursor = 0;

@@ -137,19 +137,29 @@ impl<B: TxBackend> Run<'_, B> {
     }
 
     /// Records `failure` as the outcome of an operation nothing of which was
-    /// committed (its first local step, or the operation itself, refused the
-    /// call), for an operation that consumes final rejections: the row is
-    /// inserted already ended, compensated with nothing to undo, in one
-    /// transaction, so a retry of the key replays the refusal and no crash
-    /// can leave a compensation to run for steps that never ran. A row the
-    /// store refuses to write records nothing.
-    pub(crate) async fn record_refusal(&mut self, failure: &serde_json::Value) -> Result<(), Halt> {
+    /// committed (`run` returned a refusal of its first local step, or its
+    /// own, before any step committed), for an operation that consumes final
+    /// rejections: the row is inserted already ended, compensated with
+    /// nothing to undo, in one transaction, so a retry of the key replays
+    /// the refusal and no crash can leave a compensation to run for steps
+    /// that never ran. Answers whether it was recorded: a row the core
+    /// refuses (a failure over [`MAX_RESPONSE_BYTES`]) records nothing and
+    /// is answered unrecorded, as under the default. A write the store
+    /// refuses records nothing and fails the call.
+    ///
+    /// [`MAX_RESPONSE_BYTES`]: idem_core::multistep::MAX_RESPONSE_BYTES
+    pub(crate) async fn record_refusal(&mut self, failure: &serde_json::Value) -> Result<bool, Halt> {
         let response = serde_json::to_vec(failure).map_err(|e| Halt::Store(Error::Encode(e.to_string())))?;
         let mut next = self.row.clone();
         let now = self.clock.now_ms();
-        next.fail(self.token, failure.clone(), now)
-            .and_then(|()| next.finish(self.token, response, now))?;
-        self.commit_alone(next).await
+        let ended = next
+            .fail(self.token, failure.clone(), now)
+            .and_then(|()| next.finish(self.token, response, now));
+        if let Err(e) = ended {
+            tracing::warn!(error = %e, "a refusal of an operation that consumes final rejections is answered unrecorded");
+            return Ok(false);
+        }
+        self.commit_alone(next).await.map(|()| true)
     }
 
     /// Applies `change` to a copy of the row and writes it in a transaction
