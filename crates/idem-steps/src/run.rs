@@ -142,10 +142,10 @@ impl<B: TxBackend> Run<'_, B> {
     /// rejections: the row is inserted already ended, compensated with
     /// nothing to undo, in one transaction, so a retry of the key replays
     /// the refusal and no crash can leave a compensation to run for steps
-    /// that never ran. Answers whether it was recorded: a row the core
-    /// refuses (a failure over [`MAX_RESPONSE_BYTES`]) records nothing and
-    /// is answered unrecorded, as under the default. A write the store
-    /// refuses records nothing and fails the call.
+    /// that never ran. Answers whether it was recorded: a failure over
+    /// [`MAX_RESPONSE_BYTES`] records nothing and is answered unrecorded, as
+    /// under the default. A write the store refuses records nothing and
+    /// fails the call.
     ///
     /// [`MAX_RESPONSE_BYTES`]: idem_core::multistep::MAX_RESPONSE_BYTES
     pub(crate) async fn record_refusal(&mut self, failure: &serde_json::Value) -> Result<bool, Halt> {
@@ -155,11 +155,18 @@ impl<B: TxBackend> Run<'_, B> {
         let ended = next
             .fail(self.token, failure.clone(), now)
             .and_then(|()| next.finish(self.token, response, now));
-        if let Err(e) = ended {
-            tracing::warn!(error = %e, "a refusal of an operation that consumes final rejections is answered unrecorded");
-            return Ok(false);
+        match ended {
+            Ok(()) => self.commit_alone(next).await.map(|()| true),
+            Err(e @ Error::RecordTooLarge { .. }) => {
+                tracing::warn!(
+                    definition = %self.row.definition,
+                    error = %e,
+                    "a refusal of an operation that consumes final rejections is answered unrecorded"
+                );
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
         }
-        self.commit_alone(next).await.map(|()| true)
     }
 
     /// Applies `change` to a copy of the row and writes it in a transaction
